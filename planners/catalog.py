@@ -1,0 +1,79 @@
+"""The price catalog: offers (containers, functions, VMs) and their per-second prices.
+
+Data lives in `prices.json` beside this module, each entry with its source and date.
+An offer is billed either per resource (vCPU-s, GB-s, GPU-s: containers), per GB-s
+(functions) or per instance-hour (VMs); `price_per_s` turns any of them into dollars per
+second for a worker of a given size.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+_CATALOG = Path(__file__).with_name("prices.json")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Offer:
+    """One rentable kind of worker."""
+
+    name: str
+    provider: str
+    kind: str
+    """`container`, `function` or `vm`."""
+    vcpu: float
+    memory_gb: float
+    gpu: int = 0
+    gpu_type: str | None = None
+    unit_prices: dict = field(default_factory=dict)
+    network_bytes_per_s: float = 0.0
+    source: str = ""
+    date: str = ""
+
+    def price_per_s(self, vcpu: float | None = None, memory_gb: float | None = None,
+                    gpu: int | None = None) -> float:
+        """Dollars per second for one worker; containers and functions are billed for the
+        size asked (defaults: the offer's own size), VMs per whole instance."""
+        v = self.vcpu if vcpu is None else vcpu
+        m = self.memory_gb if memory_gb is None else memory_gb
+        g = self.gpu if gpu is None else gpu
+        p = self.unit_prices
+        if "instance_hour" in p:
+            return p["instance_hour"] / 3600.0
+        if "gb_second" in p:
+            return p["gb_second"] * m
+        return (v * p.get("vcpu_hour", 0.0) + m * p.get("gb_hour", 0.0)
+                + g * p.get("gpu_hour", 0.0)) / 3600.0
+
+    def price_per_hour(self, **size) -> float:
+        """Dollars per hour for one worker (see `price_per_s`)."""
+        return self.price_per_s(**size) * 3600.0
+
+
+@lru_cache(maxsize=1)
+def _load() -> dict:
+    return json.loads(_CATALOG.read_text())
+
+
+def offers() -> dict[str, Offer]:
+    """Every offer in the catalog by name."""
+    fields = Offer.__dataclass_fields__
+    return {o["name"]: Offer(**{k: v for k, v in o.items() if k in fields}) for o in _load()["offers"]}
+
+
+def get_offer(name: str) -> Offer:
+    """The offer called `name`; ValueError naming the valid ones otherwise."""
+    all_offers = offers()
+    if name not in all_offers:
+        raise ValueError(f"offer: unknown offer {name!r}; valid: {', '.join(sorted(all_offers))}")
+    return all_offers[name]
+
+
+def request_price(name: str) -> float:
+    """Dollars per request (e.g. `s3-put`, `s3-get`)."""
+    for r in _load()["requests"]:
+        if r["name"] == name:
+            return float(r["price_per_request"])
+    raise ValueError(f"request: unknown request price {name!r}")

@@ -1,0 +1,25 @@
+"""Errors the training engine raises; user-caused ones name the parameter."""
+
+
+class ZooidError(Exception):
+    """Base class of every error Zooid raises on purpose."""
+
+
+class ZooidValueError(ZooidError, ValueError):
+    """Bad input a user can fix; the message names the parameter and what is valid."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        super().__init__(f"{field}: {message}")
+
+
+class StoreError(ZooidError):
+    """A store operation failed (connection, permission, missing bucket)."""
+
+
+class StoreTimeout(StoreError, TimeoutError):
+    """A key did not appear in the store before the timeout."""
+
+
+class OutOfMemory(ZooidError):
+    """A worker or stage does not fit its memory; never retried, only re-planned."""
