@@ -1,0 +1,143 @@
+"""The job a user asks for (`TrainJob`) and what a run reports back (`RunSummary`).
+
+Both are pydantic models at the Prefect boundary: `TrainJob` becomes the form in the Prefect
+UI and is validated (types, ranges, NaN) before anything is provisioned; the deeper checks
+that need the model registry, the dataset or the store live in `tasks.validate`.
+"""
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+Strategy = Literal["auto", "local_sgd", "pipeline", "hybrid"]
+Optimizer = Literal["sgd", "momentum", "adam"]
+Scaling = Literal["static", "adabatch", "reactive", "deadline"]
+BUILTIN_TARGETS = ("inline", "local", "ecs", "aci", "k8s")
+
+
+class TrainJob(BaseModel):
+    """One training job: what to train, how to split it, where to run it, and its limits."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field("digits_mlp", title="Model",
+                       description="Registry name (digits_mlp, digits_cnn, resnet18, vgg11) or `package.module:factory` returning an nn.Module.")
+    dataset: str = Field("digits", title="Dataset",
+                         description="`digits` (scikit-learn), `synthetic:CxHxW:classes:samples`, or `package.module:factory`.")
+    epochs: int = Field(5, gt=0, title="Epochs", description="Epochs to train (fewer when a target is reached).")
+    batch_size: int = Field(16, gt=0, title="Batch size", description="Samples per optimizer step on each replica.")
+    lr: float = Field(0.1, gt=0, allow_inf_nan=False, title="Learning rate")
+    optimizer: Optimizer = Field("sgd", title="Optimizer", description="`sgd`, `momentum` (0.9) or `adam`.")
+    strategy: Strategy = Field("auto", title="Strategy",
+                               description="`auto` plans from the profile; `local_sgd`, `pipeline` or `hybrid` force one.")
+    workers: int = Field(4, gt=0, title="Workers", description="Data-parallel replicas in the first epoch.")
+    stages: Optional[int] = Field(None, gt=0, title="Pipeline stages", description="Stages per replica (pipeline/hybrid); null lets the planner choose.")
+    microbatches: Optional[int] = Field(None, gt=0, title="Micro-batches", description="Micro-batches per iteration (pipeline/hybrid).")
+    sync_period: Optional[int] = Field(None, gt=0, title="Local-SGD period k",
+                                       description="Steps between model averages; null averages once per epoch.")
+    scaling: Scaling = Field("static", title="Scaling policy", description="How the worker count changes between epochs.")
+    min_workers: int = Field(1, gt=0, title="Minimum workers")
+    max_workers: int = Field(8, gt=0, title="Maximum workers")
+    seed: int = Field(0, ge=0, title="Seed")
+    store: str = Field("", title="Store",
+                       description="Store block name or URL (file://..., redis://..., s3://bucket/prefix); empty: the local directory store.")
+    target: str = Field("inline", title="Compute target",
+                        description="`inline` (processes started by the coordinator), `local` (the process work pool), `ecs`, `aci`, `k8s`, or a ComputeTarget block name.")
+    offer: Optional[str] = Field(None, title="Billing offer",
+                                 description="Price-catalog offer the workers are billed as; null: the target's default (local targets: an ACI CPU container).")
+    budget_usd: Optional[float] = Field(None, gt=0, allow_inf_nan=False, title="Budget (USD)")
+    deadline_s: Optional[float] = Field(None, gt=0, allow_inf_nan=False, title="Deadline (s)")
+    target_accuracy: Optional[float] = Field(None, gt=0, le=1, allow_inf_nan=False, title="Target validation accuracy",
+                                             description="Stop early (status target_reached) once reached.")
+    target_loss: Optional[float] = Field(None, gt=0, allow_inf_nan=False, title="Target validation loss")
+    worker_timeout_s: float = Field(900.0, gt=0, allow_inf_nan=False, title="Worker timeout (s)",
+                                    description="A worker still running after this long is stopped and its epoch fails.")
+
+    @field_validator("model", "dataset")
+    @classmethod
+    def _not_blank(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must not be empty")
+        return v.strip()
+
+    @field_validator("target")
+    @classmethod
+    def _target_name(cls, v: str) -> str:
+        v = v.strip()
+        if not v:
+            raise ValueError(f"must be one of {', '.join(BUILTIN_TARGETS)} or a ComputeTarget block name")
+        return v
+
+    @model_validator(mode="after")
+    def _worker_bounds(self) -> "TrainJob":
+        if self.min_workers > self.max_workers:
+            raise ValueError(f"min_workers: {self.min_workers} must be <= max_workers ({self.max_workers})")
+        if not self.min_workers <= self.workers <= self.max_workers:
+            raise ValueError(f"workers: {self.workers} must lie within min_workers..max_workers "
+                             f"({self.min_workers}..{self.max_workers})")
+        return self
+
+
+class EpochSummary(BaseModel):
+    """One row of the per-epoch history."""
+
+    epoch: int
+    workers: int
+    stages: int = 1
+    train_loss: float
+    val_loss: Optional[float] = None
+    val_accuracy: Optional[float] = None
+    seconds: float
+    samples_per_s: float
+    cost_usd: float
+    predicted_iteration_s: Optional[float] = None
+    measured_iteration_s: Optional[float] = None
+    bytes_synced: int = 0
+    checkpoint_key: str = ""
+    lr: Optional[float] = None
+
+
+class RunSummary(BaseModel):
+    """What a run reports: status, final metrics, the plan, the history and the bill."""
+
+    run_id: str
+    status: str
+    """`completed`, `target_reached`, `budget_exhausted`, `deadline_reached` or `failed`."""
+    final_loss: Optional[float] = None
+    final_accuracy: Optional[float] = None
+    total_cost_usd: float = 0.0
+    plan: dict[str, Any] = Field(default_factory=dict)
+    epochs: list[EpochSummary] = Field(default_factory=list)
+    store_url: str = ""
+    checkpoint_key: str = ""
+    error: Optional[str] = None
+
+
+def format_validation_error(err: ValidationError) -> str:
+    """One line naming the first offending field, e.g. `workers: Input should be ...`."""
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first.get("loc", ())) or "job"
+    msg = first.get("msg", "invalid value")
+    if first.get("type") == "extra_forbidden":
+        msg = f"unknown parameter; valid: {', '.join(TrainJob.model_fields)}"
+    if not first.get("loc"):
+        # model-level validators name their field at the start of the message
+        return msg.removeprefix("Value error, ")
+    return f"{loc}: {msg.removeprefix('Value error, ')}"
+
+
+def parse_param_value(text: str) -> Any:
+    """`--param name=value` values: JSON where it parses (numbers, null, true), else the string."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        lowered = text.strip().lower()
+        if lowered in ("nan", "+nan", "-nan"):
+            return math.nan
+        if lowered in ("inf", "+inf", "infinity", "-inf", "-infinity"):
+            return -math.inf if lowered.startswith("-") else math.inf
+        return text
+    return value
