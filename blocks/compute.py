@@ -1,0 +1,63 @@
+"""The `Zooid Compute Target` block: where workers run and what they cost.
+
+Built-in names (`inline`, `local`, `ecs`, `aci`, `k8s`) resolve to defaults without a saved
+block; any other name loads a saved block of this type.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from prefect.blocks.core import Block
+from pydantic import Field
+
+Kind = Literal["inline", "process", "ecs", "aci", "k8s"]
+
+
+class ComputeTarget(Block):
+    """A work pool (or the coordinator's own processes), worker size, image and billing offer."""
+
+    _block_type_name = "Zooid Compute Target"
+    _block_type_slug = "zooid-compute-target"
+    _description = "Where Zooid's workers run, how big each is, and the offer they are billed as."
+
+    kind: Kind = Field("process", title="Kind", description="inline, process, ecs, aci or k8s.")
+    work_pool: Optional[str] = Field(None, title="Work pool", description="Pool the worker deployment runs on.")
+    worker_deployment: Optional[str] = Field(None, title="Worker deployment", description="e.g. worker/local.")
+    offer: str = Field("aci-cpu", title="Billing offer", description="Price-catalog offer each worker is billed as.")
+    worker_vcpu: float = Field(1.0, gt=0, title="vCPU per worker")
+    worker_memory_gb: float = Field(2.0, gt=0, title="Memory per worker (GB)")
+    worker_gpu: int = Field(0, ge=0, title="GPUs per worker")
+    image: Optional[str] = Field(None, title="Worker image")
+    region: Optional[str] = Field(None, title="Region")
+    max_paid_workers: int = Field(16, gt=0, title="Global cap on paid workers")
+    job_variables: dict[str, Any] = Field(default_factory=dict, title="Extra job variables")
+    startup_s: float = Field(0.0, ge=0, title="Expected worker start-up (s)")
+
+    @property
+    def remote(self) -> bool:
+        """Whether workers run outside the coordinator's process tree (through a work pool)."""
+        return self.kind != "inline"
+
+
+BUILTIN = {
+    "inline": dict(kind="inline", offer="aci-cpu", worker_vcpu=1.0, worker_memory_gb=2.0),
+    "local": dict(kind="process", work_pool="zooid-local", worker_deployment="worker/local",
+                  offer="aci-cpu", worker_vcpu=1.0, worker_memory_gb=2.0),
+    "ecs": dict(kind="ecs", work_pool="zooid-ecs", worker_deployment="worker/ecs",
+                offer="fargate-cpu", worker_vcpu=1.0, worker_memory_gb=2.0),
+    "aci": dict(kind="aci", work_pool="zooid-aci", worker_deployment="worker/aci",
+                offer="aci-cpu", worker_vcpu=1.0, worker_memory_gb=2.0),
+    "k8s": dict(kind="k8s", work_pool="zooid-k8s", worker_deployment="worker/k8s",
+                offer="aci-cpu", worker_vcpu=1.0, worker_memory_gb=2.0),
+}
+
+
+def resolve_target(name: str) -> ComputeTarget:
+    """The built-in target `name` or the saved block of that name; ValueError naming `target`."""
+    if name in BUILTIN:
+        return ComputeTarget(**BUILTIN[name])
+    try:
+        return ComputeTarget.load(name)
+    except (ValueError, Exception) as exc:  # Prefect raises ValueError or ObjectNotFound
+        raise ValueError(f"target: unknown compute target {name!r}; valid: "
+                         f"{', '.join(BUILTIN)} or a saved Zooid Compute Target block ({type(exc).__name__})") from None
