@@ -1,0 +1,91 @@
+"""A plan is data: the strategy, the degrees of parallelism, worker sizes and predictions.
+
+`plan_local_sgd` builds the Local-SGD plan from a handful of measured numbers (one step's
+compute time, the parameter bytes, the store's bandwidth and latency); the pipeline and
+hybrid planners (`partition`, `hybrid`, `co_optimize`) feed the same `Plan` type.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """What the coordinator provisions and runs for one epoch."""
+
+    strategy: str
+    """`local_sgd`, `pipeline` or `hybrid`."""
+    data_parallel: int
+    """D: replicas."""
+    stages: int = 1
+    """M: pipeline stages per replica."""
+    cuts: tuple[int, ...] = ()
+    microbatches: int = 1
+    sync_period: int | None = None
+    """Local-SGD period k in steps (None: once per epoch)."""
+    steps_per_epoch: int = 0
+    """Optimizer steps each replica takes per epoch."""
+    batch_size: int = 0
+    """Samples per step per replica."""
+    worker_vcpu: float = 1.0
+    worker_memory_gb: float = 2.0
+    worker_gpu: int = 0
+    offer: str = ""
+    price_per_worker_s: float = 0.0
+    predicted_iteration_s: float = 0.0
+    """Predicted seconds per optimizer step, synchronisation amortised."""
+    predicted_epoch_s: float = 0.0
+    predicted_cost_per_epoch_usd: float = 0.0
+    alternatives: tuple[dict, ...] = field(default_factory=tuple)
+    """Other plans considered, each with its predicted iteration time and cost."""
+
+    @property
+    def workers(self) -> int:
+        """Worker processes per epoch (D x M)."""
+        return self.data_parallel * self.stages
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["workers"] = self.workers
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Plan":
+        names = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: v for k, v in d.items() if k in names}
+        kw["cuts"] = tuple(kw.get("cuts", ()))
+        kw["alternatives"] = tuple(kw.get("alternatives", ()))
+        return cls(**kw)
+
+
+def store_allreduce_s(nbytes: float, workers: int, bandwidth: float, latency: float) -> float:
+    """Seconds for one decentralised average of `nbytes` through a store (scatter-reduce then
+    all-gather; FuncPipe Eq. 1 with its three phases)."""
+    if workers <= 1:
+        return 0.0
+    return 3 * nbytes / bandwidth - 2 * nbytes / (workers * bandwidth) + 4 * latency
+
+
+def plan_local_sgd(*, workers: int, train_samples: int, batch_size: int, sync_period: int | None,
+                   step_s: float, sync_bytes: float, bandwidth: float, latency: float,
+                   worker_vcpu: float, worker_memory_gb: float, worker_gpu: int,
+                   offer: str, price_per_worker_s: float) -> Plan:
+    """The Local-SGD plan for `workers` replicas and its predicted step time and epoch cost.
+
+    Each replica takes floor(samples / (workers * batch)) steps (at least 1), and averages
+    `sync_bytes` every `sync_period` steps (once per epoch when None)."""
+    if workers < 1:
+        raise ValueError(f"workers: must be >= 1, got {workers}")
+    steps = max(1, train_samples // (workers * batch_size))
+    syncs = 1 if sync_period is None else math.ceil(steps / sync_period)
+    sync_s = store_allreduce_s(sync_bytes, workers, bandwidth, latency) * syncs
+    epoch_s = steps * step_s + sync_s
+    return Plan(strategy="local_sgd", data_parallel=workers, sync_period=sync_period,
+                steps_per_epoch=steps, batch_size=batch_size, worker_vcpu=worker_vcpu,
+                worker_memory_gb=worker_memory_gb, worker_gpu=worker_gpu, offer=offer,
+                price_per_worker_s=price_per_worker_s,
+                predicted_iteration_s=epoch_s / steps, predicted_epoch_s=epoch_s,
+                predicted_cost_per_epoch_usd=epoch_s * workers * price_per_worker_s)
