@@ -1,0 +1,11 @@
+"""Root test configuration: an isolated Prefect home and Zooid home for the whole session."""
+import os
+import tempfile
+
+_home = tempfile.mkdtemp(prefix="zooid-test-")
+os.environ.setdefault("PREFECT_HOME", os.path.join(_home, "prefect"))
+os.environ.setdefault("ZOOID_HOME", os.path.join(_home, "zooid"))
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ["DO_NOT_TRACK"] = "1"
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("PREFECT_SERVER_LOGGING_LEVEL", "WARNING")

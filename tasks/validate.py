@@ -1,0 +1,101 @@
+"""Deep validation of a `TrainJob`, before anything is provisioned.
+
+Pydantic already refused wrong types, non-positive sizes and NaN; this step checks what needs
+the registries, the dataset and the network: the model factory, the dataset and its size
+against the batch, the strategy, the compute target, the billing offer and the store (pinged).
+Every failure is a `ZooidValueError` naming the field. Nothing is written anywhere.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from blocks.compute import ComputeTarget, resolve_target
+from blocks.store import BLOCK_PREFIX, ZooidStore, is_store_url
+from planners.catalog import Offer, get_offer
+from tasks.job import TrainJob
+from training.errors import StoreError, ZooidValueError
+
+SUPPORTED_STRATEGIES = ("auto", "local_sgd")
+
+
+@dataclass(frozen=True)
+class ResolvedJob:
+    """A validated job with its references resolved."""
+
+    job: TrainJob
+    store_ref: str
+    """A store URL, or `block:<name>` (workers load the block, so secrets stay in it)."""
+    target_name: str
+    target: ComputeTarget
+    offer: Offer
+    n_train: int
+    n_val: int
+    input_shape: tuple[int, ...]
+    classes: int
+
+
+def resolve_store_ref(store: str) -> str:
+    """The store reference workers receive: an absolute URL, or `block:<name>`."""
+    from training.store_dir import default_store_url, path_from_url
+
+    if not store:
+        return default_store_url()
+    if is_store_url(store):
+        if store.startswith("file://") or "://" not in store:
+            return "file://" + str(path_from_url(store).resolve())
+        return store
+    return BLOCK_PREFIX + store
+
+
+def open_checked_store(store_ref: str):
+    """Open the store and ping it; unreachable or unknown -> ZooidValueError("store")."""
+    from blocks.store import open_store_ref
+
+    try:
+        if store_ref.startswith(BLOCK_PREFIX):
+            try:
+                ZooidStore.load(store_ref[len(BLOCK_PREFIX):])
+            except Exception as exc:
+                raise ZooidValueError("store", f"no store block named {store_ref[len(BLOCK_PREFIX):]!r} "
+                                      f"and not a URL (file://, redis://, s3://): {type(exc).__name__}") from None
+        store = open_store_ref(store_ref)
+        store.ping()
+    except ZooidValueError:
+        raise
+    except (StoreError, OSError, ValueError) as exc:
+        raise ZooidValueError("store", f"cannot reach {store_ref.split('@')[-1]}: {exc}") from None
+    return store
+
+
+def validate_job(job: TrainJob, *, check_store: bool = True) -> ResolvedJob:
+    """Check everything about `job` that pydantic cannot; raise ZooidValueError naming the field."""
+    from training.datasets import load_dataset, validate_dataset
+    from training.models import resolve_model
+
+    resolve_model(job.model)
+    validate_dataset(job.dataset)
+    data = load_dataset(job.dataset)
+    n_train, n_val = len(data.train_y), len(data.val_y)
+    if job.batch_size > n_train:
+        raise ZooidValueError("batch_size", f"{job.batch_size} is larger than the training set ({n_train} samples)")
+    if job.workers * job.batch_size > n_train:
+        raise ZooidValueError("workers", f"{job.workers} workers x batch {job.batch_size} exceed the "
+                              f"training set ({n_train} samples)")
+    if job.strategy not in SUPPORTED_STRATEGIES:
+        raise ZooidValueError("strategy", f"{job.strategy!r} is not available yet; use one of "
+                              f"{', '.join(SUPPORTED_STRATEGIES)}")
+    try:
+        target = resolve_target(job.target)
+    except ValueError as exc:
+        raise ZooidValueError("target", str(exc).removeprefix("target: ")) from None
+    try:
+        offer = get_offer(job.offer or target.offer)
+    except ValueError as exc:
+        raise ZooidValueError("offer", str(exc).removeprefix("offer: ")) from None
+    store_ref = resolve_store_ref(job.store)
+    if check_store:
+        open_checked_store(store_ref).close()
+    classes = int(max(data.train_y.max(), data.val_y.max())) + 1
+    return ResolvedJob(job=job, store_ref=store_ref, target_name=job.target, target=target,
+                       offer=offer, n_train=n_train, n_val=n_val,
+                       input_shape=tuple(data.train_x.shape[1:]), classes=classes)
