@@ -1,0 +1,92 @@
+"""The cost ledger: one row per resource interval, priced from the catalog.
+
+Cost comes from measured intervals (a worker's launch to its exit, failed and cancelled
+attempts included, and the coordinator's whole run) times the offer's unit price.
+The ledger lives at `runs/<run_id>/cost.json` and is rewritten after every epoch, so a run
+that dies still leaves a bill up to its last epoch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Iterable
+
+from planners.catalog import Offer
+
+
+@dataclass(frozen=True, kw_only=True)
+class CostRecord:
+    """One billed interval."""
+
+    run_id: str
+    resource: str
+    """e.g. `worker e1 r0 a0`, `coordinator`."""
+    kind: str
+    """`worker`, `coordinator`, `failed_attempt` or `failed_placement`."""
+    offer: str
+    start: float
+    stop: float
+    unit_price_per_s: float
+    status: str = "completed"
+    epoch: int | None = None
+    rank: int | None = None
+    attempt: int | None = None
+
+    @property
+    def seconds(self) -> float:
+        return max(0.0, self.stop - self.start)
+
+    @property
+    def usd(self) -> float:
+        return self.seconds * self.unit_price_per_s
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["seconds"] = round(self.seconds, 6)
+        d["usd"] = self.usd
+        return d
+
+
+def worker_records(run_id: str, epoch: int, outcomes: Iterable[dict], offer: Offer,
+                   price_per_s: float) -> list[CostRecord]:
+    """Ledger rows for one epoch's worker attempts (dicts of `WorkerOutcome.to_dict()`)."""
+    rows = []
+    for o in outcomes:
+        stop = o.get("stopped_at") or o["started_at"]
+        kind = "worker" if o["status"] == "completed" else "failed_attempt"
+        rows.append(CostRecord(run_id=run_id, resource=f"worker e{epoch} r{o['rank']} a{o['attempt']}",
+                               kind=kind, offer=offer.name, start=o["started_at"], stop=stop,
+                               unit_price_per_s=price_per_s, status=o["status"], epoch=epoch,
+                               rank=o["rank"], attempt=o["attempt"]))
+    return rows
+
+
+def coordinator_record(run_id: str, start: float, stop: float, offer: Offer,
+                       price_per_s: float) -> CostRecord:
+    """The coordinator's own interval, billed like one worker."""
+    return CostRecord(run_id=run_id, resource="coordinator", kind="coordinator", offer=offer.name,
+                      start=start, stop=stop, unit_price_per_s=price_per_s)
+
+
+def total_usd(rows: Iterable[CostRecord]) -> float:
+    """Dollars of every row."""
+    return sum(r.usd for r in rows)
+
+
+def ledger_key(run_id: str) -> str:
+    return f"runs/{run_id}/cost.json"
+
+
+def write_ledger(store, run_id: str, rows: list[CostRecord]) -> str:
+    """Write the ledger (rows and total) atomically; return its key."""
+    doc = {"run_id": run_id, "currency": "USD", "total_usd": total_usd(rows),
+           "rows": [r.to_dict() for r in rows]}
+    key = ledger_key(run_id)
+    store.put(key, json.dumps(doc, indent=1).encode())
+    return key
+
+
+def read_ledger(store, run_id: str) -> dict:
+    """The ledger a run wrote."""
+    return json.loads(store.get(ledger_key(run_id)))
