@@ -75,11 +75,11 @@ def plan_local_sgd(*, workers: int, train_samples: int, batch_size: int, sync_pe
                    offer: str, price_per_worker_s: float) -> Plan:
     """The Local-SGD plan for `workers` replicas and its predicted step time and epoch cost.
 
-    Each replica takes floor(samples / (workers * batch)) steps (at least 1), and averages
+    Each replica takes ceil(samples / (workers * batch)) steps, and averages
     `sync_bytes` every `sync_period` steps (once per epoch when None)."""
     if workers < 1:
         raise ValueError(f"workers: must be >= 1, got {workers}")
-    steps = max(1, train_samples // (workers * batch_size))
+    steps = max(1, math.ceil(train_samples / (workers * batch_size)))
     syncs = 1 if sync_period is None else math.ceil(steps / sync_period)
     sync_s = store_allreduce_s(sync_bytes, workers, bandwidth, latency) * syncs
     epoch_s = steps * step_s + sync_s

@@ -1,0 +1,61 @@
+"""The coordinator's state for one run, shared by its tasks and its failure hooks.
+
+Tasks run in the coordinator's process, so they share one `RunContext`: the resolved job,
+the ledger so far, the launchers whose workers may still be running. The flow's hooks find
+the context of a crashed or cancelled run through `ACTIVE`, keyed by flow run id.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tasks.cost import CostRecord
+from tasks.job import TrainJob
+from tasks.validate import ResolvedJob
+
+ACTIVE: dict[str, "RunContext"] = {}
+"""Contexts of runs in progress in this process, by flow run id."""
+
+
+@dataclass
+class RunContext:
+    """Everything the steps of one run share."""
+
+    run_id: str
+    job: TrainJob
+    resolved: ResolvedJob
+    started_at: float = field(default_factory=time.time)
+    ledger: list[CostRecord] = field(default_factory=list)
+    launchers: list[Any] = field(default_factory=list)
+    dataset: dict = field(default_factory=dict)
+    """The published dataset's manifest."""
+    provisioned: bool = False
+    torn_down: bool = False
+    cost_recorded: bool = False
+    flow_run_id: str = ""
+
+    @property
+    def store_ref(self) -> str:
+        return self.resolved.store_ref
+
+    @property
+    def price_per_worker_s(self) -> float:
+        t = self.resolved.target
+        return self.resolved.offer.price_per_s(t.worker_vcpu, t.worker_memory_gb, t.worker_gpu)
+
+    def open_store(self):
+        """A fresh client of the run's store."""
+        from blocks.store import open_store_ref
+
+        return open_store_ref(self.store_ref)
+
+    def log_dir(self) -> Path:
+        from training.store_dir import zooid_home
+
+        return zooid_home() / "logs" / self.run_id
+
+    def prefix(self, *parts: str) -> str:
+        """A key under `runs/<run_id>/`."""
+        return "/".join(("runs", self.run_id) + parts)
