@@ -1,0 +1,172 @@
+"""Shared fixtures: a real redis-server, a real S3 API (moto in server mode), a directory store.
+
+Servers bind to 127.0.0.1 on free ports, run in their own process group and are stopped
+by pid, because several people run tests on the same machine at once.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip tests marked `gpu` when CUDA is not available."""
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    if not gpu_items:
+        return
+    import torch  # only here: most runs never need it at collection time
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (torch.cuda.is_available() is False)")
+    for item in gpu_items:
+        item.add_marker(skip)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, timeout: float = 10.0) -> None:
+    """Block until something accepts connections on 127.0.0.1:`port`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.02)
+    raise RuntimeError(f"nothing listening on 127.0.0.1:{port} after {timeout} s")
+
+
+def stop_process_group(proc: subprocess.Popen, timeout: float = 5.0) -> None:
+    """SIGTERM the process group `proc` leads (started with start_new_session), then SIGKILL."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=timeout)
+    except ProcessLookupError:
+        pass
+
+
+@dataclass
+class RedisServer:
+    """A redis-server on 127.0.0.1 without persistence; `restart()` keeps the port."""
+
+    workdir: Path
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        """`redis://127.0.0.1:<port>/0`."""
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        """Start the server and wait until it accepts connections."""
+        log = open(self.workdir / "redis.log", "ab")
+        self.proc = subprocess.Popen(
+            [shutil.which("redis-server") or "redis-server", "--bind", "127.0.0.1",
+             "--port", str(self.port), "--save", "", "--appendonly", "no",
+             "--dir", str(self.workdir), "--protected-mode", "no"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        wait_for_port(self.port)
+
+    def stop(self) -> None:
+        """Stop the server (its data is gone: no persistence)."""
+        if self.proc is not None:
+            stop_process_group(self.proc)
+            self.proc = None
+
+    def restart(self, down_s: float = 0.0) -> None:
+        """Stop, stay down `down_s` seconds, start again on the same port."""
+        self.stop()
+        time.sleep(down_s)
+        self.start()
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """A real redis-server for the whole session (skips only if it is not installed)."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@dataclass
+class S3Server:
+    """moto's S3 API on 127.0.0.1; `create_bucket(name)` returns the bucket name."""
+
+    endpoint: str
+
+    def client(self):
+        """A boto3 S3 client for this endpoint."""
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1")
+
+    def create_bucket(self, name: str) -> str:
+        """Create bucket `name` (idempotent) and return its name."""
+        client = self.client()
+        try:
+            client.create_bucket(Bucket=name)
+        except client.exceptions.BucketAlreadyOwnedByYou:
+            pass
+        return name
+
+
+S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+          "AWS_SESSION_TOKEN": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto in server mode (a thread in this process) with dummy credentials in the env."""
+    from moto.server import ThreadedMotoServer
+
+    saved = {k: os.environ.get(k) for k in S3_ENV}
+    os.environ.update(S3_ENV)
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    wait_for_port(port)
+    try:
+        yield S3Server(endpoint=f"http://127.0.0.1:{port}")
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture
+def dir_store(tmp_path):
+    """A fresh directory store under the test's tmp_path."""
+    from training.store_dir import DirectoryStore
+
+    store = DirectoryStore(tmp_path / "store")
+    yield store
+    store.close()

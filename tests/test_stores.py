@@ -1,0 +1,326 @@
+"""The three stores against real servers: one suite, parametrised over directory, Redis, S3."""
+from __future__ import annotations
+
+import hashlib
+import pickle
+import threading
+import time
+import uuid
+
+import pytest
+import torch
+
+from tests.conftest import free_port
+from training.bandwidth import TokenBucket
+from training.errors import StoreError, StoreTimeout
+from training.store import Store, open_store
+from training.store_dir import DirectoryStore, default_store_url
+from training.store_redis import RedisStore
+from training.store_s3 import S3Store
+from training.tensor_codec import decode_json, decode_tensors, encode_json, encode_tensors
+
+MB = 1_000_000
+# Small chunk and multipart sizes, so ~20 MB values take the chunked / multipart paths.
+REDIS_CHUNK = 4 * MB
+S3_MULTIPART = 8 * 1024 * 1024
+
+
+@pytest.fixture(params=["dir", "redis", "s3"])
+def store(request, tmp_path) -> Store:
+    """A fresh, empty store of each kind."""
+    if request.param == "dir":
+        s = DirectoryStore(tmp_path / "store")
+    elif request.param == "redis":
+        server = request.getfixturevalue("redis_server")
+        s = open_store(f"{server.url}?chunk_bytes={REDIS_CHUNK}")
+        s.client.flushdb()
+    else:
+        server = request.getfixturevalue("s3_server")
+        bucket = server.create_bucket(f"zooid-{uuid.uuid4().hex[:12]}")
+        s = S3Store(bucket, "tenant", endpoint=server.endpoint, multipart_threshold=S3_MULTIPART)
+    yield s
+    s.close()
+
+
+def pattern(n: int, seed: int) -> bytes:
+    """`n` bytes that differ from those of any other seed at every 4 KB block."""
+    block = hashlib.sha256(seed.to_bytes(8, "little")).digest() * 128
+    return (block * (n // len(block) + 1))[:n]
+
+
+# --- the interface, on every store ----------------------------------------------------
+
+@pytest.mark.parametrize("size", [0, 1000, 20 * MB])
+def test_put_get_round_trip(store, size):
+    data = pattern(size, size)
+    store.put("runs/r1/blob", data)
+    assert store.get("runs/r1/blob") == data
+    assert store.exists("runs/r1/blob")
+    assert store.stats.bytes_up == size and store.stats.bytes_down == size
+
+
+def test_overwrite_then_delete(store):
+    store.put("runs/r1/k", b"first value, longer than the second")
+    store.put("runs/r1/k", b"second")
+    assert store.get("runs/r1/k") == b"second"
+    store.delete("runs/r1/k")
+    store.delete("runs/r1/k")  # absent: no error
+    assert not store.exists("runs/r1/k")
+    with pytest.raises(KeyError):
+        store.get("runs/r1/k")
+
+
+def test_get_waits_for_a_later_put(store):
+    timer = threading.Timer(0.3, store.put, args=("runs/r1/late", b"arrived"))
+    start = time.monotonic()
+    timer.start()
+    try:
+        assert store.get("runs/r1/late", timeout=10) == b"arrived"
+    finally:
+        timer.join()
+    assert time.monotonic() - start >= 0.29
+    assert store.stats.seconds_waiting >= 0.2
+
+
+def test_get_times_out_when_nothing_comes(store):
+    start = time.monotonic()
+    with pytest.raises(StoreTimeout):
+        store.get("runs/r1/never", timeout=0.3)
+    assert 0.3 <= time.monotonic() - start < 1.5
+
+
+def test_list_and_delete_prefix_are_scoped(store):
+    keys = ["runs/a/x", "runs/a/sub/y", "runs/ab/z", "runs/b/x"]
+    for k in keys:
+        store.put(k, k.encode())
+    assert store.list("runs/a/") == ["runs/a/sub/y", "runs/a/x"]
+    assert store.list("runs/a") == ["runs/a/sub/y", "runs/a/x", "runs/ab/z"]
+    assert store.list("runs/") == sorted(keys)
+    assert store.list("runs/none/") == []
+    assert store.delete_prefix("runs/a/") == 2
+    assert store.list("") == ["runs/ab/z", "runs/b/x"]
+    assert store.get("runs/ab/z") == b"runs/ab/z"
+
+
+def test_two_runs_are_isolated(store):
+    for run in ("run1", "run2"):
+        for i in range(3):
+            store.put(f"runs/{run}/grad/{i}", f"{run}-{i}".encode())
+    assert store.delete_prefix("runs/run1/") == 3
+    assert store.list("runs/run1/") == []
+    assert [store.get(k) for k in store.list("runs/run2/")] == [b"run2-0", b"run2-1", b"run2-2"]
+
+
+@pytest.mark.parametrize("key", ["/etc/passwd", "runs/../x", "runs//x", "./x", "runs/x\x00y", "", "a\\b"])
+def test_bad_keys_are_refused(store, key):
+    with pytest.raises(ValueError, match="key"):
+        store.put(key, b"x")
+    with pytest.raises(ValueError, match="key"):
+        store.get(key)
+
+
+def test_delete_prefix_refuses_the_empty_prefix(store):
+    store.put("runs/r1/k", b"v")
+    with pytest.raises(ValueError, match="prefix"):
+        store.delete_prefix("")
+    assert store.exists("runs/r1/k")
+
+
+def test_reader_never_sees_a_partial_value(store):
+    """A reader polls while a writer overwrites with large values of distinct content."""
+    size = 9 * MB  # > Redis chunk size and > S3 multipart threshold: the hard paths
+    key = "runs/r1/hot"
+
+    def value(i: int) -> bytes:
+        body = pattern(size, i)
+        return hashlib.sha256(body).digest() + body
+
+    store.put(key, value(0))
+    done = threading.Event()
+    seen, bad = set(), []
+
+    def read():
+        while not done.is_set():
+            data = store.get(key, timeout=5)
+            digest, body = data[:32], data[32:]
+            if hashlib.sha256(body).digest() != digest:
+                bad.append(len(data))
+            seen.add(digest)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for i in range(1, 7):
+            store.put(key, value(i))
+    finally:
+        done.set()
+        reader.join()
+    assert bad == []
+    assert len(seen) >= 2  # the reader did overlap with the overwrites
+
+
+# --- store-specific behaviour -----------------------------------------------------------
+
+def test_redis_survives_a_server_restart(redis_server):
+    store = open_store(redis_server.url)
+    store.put("runs/r1/before", b"x")
+    restart = threading.Thread(target=redis_server.restart, kwargs={"down_s": 0.7})
+    restart.start()
+    try:
+        time.sleep(0.2)  # the server is down now: these calls must wait and retry
+        store.put("runs/r1/after", b"written across the restart")
+        assert store.get("runs/r1/after", timeout=5) == b"written across the restart"
+    finally:
+        restart.join()
+    store.ping()
+    store.close()
+
+
+def test_redis_chunks_large_values_and_cleans_them_up(redis_server):
+    store = open_store(f"{redis_server.url}?chunk_bytes=1000")
+    store.client.flushdb()
+    store.put("runs/r1/big", pattern(3500, 1))
+    assert store.client.dbsize() == 1 + 4  # manifest + 4 chunks
+    store.put("runs/r1/big", b"small")  # replacing a chunked value drops its chunks
+    assert store.client.dbsize() == 1
+    assert store.get("runs/r1/big") == b"small"
+    # A small value that looks like a manifest is stored chunked, so it reads back as itself.
+    from training.store_redis import MAGIC
+    store.put("runs/r1/tricky", MAGIC + b"{}")
+    assert store.get("runs/r1/tricky") == MAGIC + b"{}"
+    assert store.list("runs/") == ["runs/r1/big", "runs/r1/tricky"]
+    assert store.delete_prefix("runs/r1/") == 2
+    assert store.client.dbsize() == 0
+    store.close()
+
+
+def test_open_store_reads_urls(tmp_path, redis_server, s3_server, monkeypatch):
+    d = open_store(tmp_path.as_uri())
+    assert isinstance(d, DirectoryStore) and d.root == tmp_path
+    assert isinstance(open_store(str(tmp_path / "plain")), DirectoryStore)
+    r = open_store(redis_server.url)
+    assert isinstance(r, RedisStore)
+    r.ping()
+    bucket = s3_server.create_bucket("zooid-open")
+    s = open_store(f"s3://{bucket}/pre/fix?endpoint={s3_server.endpoint}")
+    assert isinstance(s, S3Store) and s.prefix == "pre/fix/"
+    s.ping()
+    s.put("runs/r/k", b"v")
+    assert s3_server.client().get_object(Bucket=bucket, Key="pre/fix/runs/r/k")["Body"].read() == b"v"
+    monkeypatch.setenv("ZOOID_S3_ENDPOINT", s3_server.endpoint)
+    assert open_store(f"s3://{bucket}/pre/fix").get("runs/r/k") == b"v"
+    with pytest.raises(ValueError, match="store"):
+        open_store("ftp://host/x")
+    monkeypatch.setenv("ZOOID_HOME", str(tmp_path / "home"))
+    assert default_store_url() == (tmp_path / "home" / "store").as_uri()
+
+
+def test_unreachable_stores_fail_ping_fast(tmp_path, s3_server):
+    closed = free_port()
+    candidates = [open_store("redis://127.0.0.1:1"),
+                  open_store(f"redis://127.0.0.1:{closed}/0"),
+                  open_store(f"s3://bucket?endpoint=http://127.0.0.1:{closed}"),
+                  open_store(f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}?endpoint={s3_server.endpoint}")]
+    for store in candidates:
+        start = time.monotonic()
+        with pytest.raises(StoreError):
+            store.ping()
+        assert time.monotonic() - start < 2.5, store
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(StoreError):
+        DirectoryStore(tmp_path / "file" / "store")
+
+
+# --- bandwidth emulation ----------------------------------------------------------------
+
+def test_emulated_bandwidth_paces_each_direction(tmp_path):
+    store = open_store(str(tmp_path), upload_bytes_per_s=20 * MB, download_bytes_per_s=20 * MB)
+    data = bytes(4 * MB)
+    start = time.monotonic()
+    store.put("runs/r/a", data)
+    up = time.monotonic() - start
+    start = time.monotonic()
+    store.get("runs/r/a")
+    down = time.monotonic() - start
+    assert 0.19 <= up < 0.45 and 0.19 <= down < 0.45, (up, down)
+    assert store.stats.bytes_up == store.stats.bytes_down == 4 * MB
+    assert store.stats.seconds_up >= 0.19 and store.stats.seconds_down >= 0.19
+
+    # Upload and download at once take as long as one: the directions are independent.
+    store.put("runs/r/b", data)
+    start = time.monotonic()
+    threads = [threading.Thread(target=store.put, args=("runs/r/c", data)),
+               threading.Thread(target=store.get, args=("runs/r/b",))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    both = time.monotonic() - start
+    assert 0.19 <= both < 0.36, both
+
+
+def test_token_bucket_is_shared_by_concurrent_transfers():
+    bucket = TokenBucket(10 * MB, burst=0)
+    start = time.monotonic()
+    threads = [threading.Thread(target=bucket.consume, args=(MB,)) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert 0.29 <= time.monotonic() - start < 0.45
+    with pytest.raises(ValueError, match="bytes_per_s"):
+        TokenBucket(0)
+
+
+def test_unlimited_store_is_not_paced(tmp_path):
+    store = open_store(str(tmp_path))
+    start = time.monotonic()
+    store.put("runs/r/a", bytes(4 * MB))
+    assert time.monotonic() - start < 0.15
+
+
+# --- tensor codec -------------------------------------------------------------------------
+
+def test_tensor_codec_round_trips_dtypes_exactly():
+    special = torch.tensor([0.1, -0.0, float("inf"), float("nan"), 5e-324, 1.7976931348623157e308],
+                           dtype=torch.float64)
+    tensors = {
+        "f64": special, "f32": torch.randn(3, 5), "t": torch.randn(4, 3).t(),
+        "bf16": torch.randn(7).to(torch.bfloat16), "i64": torch.arange(-3, 3),
+        "bool": torch.tensor([True, False]), "scalar": torch.tensor(2.5), "empty": torch.empty(0, 4),
+    }
+    tensors["tied"] = tensors["f32"]
+    data = encode_tensors(tensors, {"epoch": "3"})
+    out, meta = decode_tensors(data)
+    assert meta == {"epoch": "3"}
+    assert set(out) == set(tensors)
+    for name, t in tensors.items():
+        assert out[name].dtype == t.dtype and out[name].shape == t.shape, name
+        # Bit-exact: compare the raw bytes, so NaN payloads and -0.0 count too.
+        assert out[name].reshape(-1).view(torch.uint8).tolist() == \
+            t.reshape(-1).view(torch.uint8).tolist(), name
+
+
+def test_tensor_codec_through_a_store(dir_store):
+    weights = {"w": torch.randn(100, 10, dtype=torch.float64)}
+    dir_store.put("runs/r/model", encode_tensors(weights))
+    out, meta = decode_tensors(dir_store.get("runs/r/model"))
+    assert meta == {} and torch.equal(out["w"], weights["w"])
+
+
+@pytest.mark.parametrize("blob", [
+    b"", b"short", pickle.dumps(torch.ones(3)), pickle.dumps({"w": [1.0]}),
+    encode_json({"a": 1}), (1000).to_bytes(8, "little") + b"{}",
+    (2).to_bytes(8, "little") + b"[]",
+])
+def test_tensor_codec_refuses_other_bytes(blob):
+    with pytest.raises(ValueError, match="data"):
+        decode_tensors(blob)
+
+
+def test_json_codec_round_trip():
+    obj = {"b": [1, 2.5, None, "x"], "a": {"nested": True}}
+    assert decode_json(encode_json(obj)) == obj
+    assert encode_json({"b": 1, "a": 2}) == b'{"a":2,"b":1}'
+    with pytest.raises(ValueError, match="obj"):
+        encode_json({"t": torch.ones(1)})
