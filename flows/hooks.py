@@ -1,0 +1,87 @@
+"""Failure, crash and cancellation hooks of the `train` flow: nothing leaks, nothing goes unbilled.
+
+When the hook runs in the coordinator's process, the run's context is still in memory and the
+normal teardown and cost steps are reused. When it runs elsewhere (Prefect runs cancellation
+hooks of a deployment run in the runner process), the run is rebuilt from what is durable:
+the run id derives from the flow run id, the job from the flow run's parameters, and the
+ledger so far from the store.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+RUN_PREFIX = "z"
+
+
+def run_id_for(flow_run_id) -> str:
+    """The run id of a coordinator flow run: short, stable, and derivable by a hook."""
+    return RUN_PREFIX + str(flow_run_id).replace("-", "")[:12]
+
+
+def _job_from_parameters(parameters: dict):
+    from tasks.job import TrainJob
+
+    params = dict(parameters or {})
+    if "job" in params:
+        job = params["job"]
+        return job if isinstance(job, TrainJob) else TrainJob(**job)
+    return TrainJob(**params)
+
+
+def _rebuild_and_clean(flow_run, state) -> None:
+    from blocks.compute import resolve_target
+    from planners.catalog import get_offer
+    from tasks.cost import CostRecord, coordinator_record, ledger_key, write_ledger
+    from tasks.sweep import sweep_run
+    from tasks.teardown import cancel_flow_runs, delete_scratch
+    from tasks.validate import open_checked_store, resolve_store_ref
+
+    run_id = run_id_for(flow_run.id)
+    sweep_run(run_id)
+    try:
+        cancel_flow_runs(run_id)
+    except Exception:
+        pass
+    job = _job_from_parameters(flow_run.parameters)
+    target = resolve_target(job.target)
+    offer = get_offer(job.offer or target.offer)
+    price = offer.price_per_s(target.worker_vcpu, target.worker_memory_gb, target.worker_gpu)
+    store = open_checked_store(resolve_store_ref(job.store))
+    try:
+        delete_scratch(store, run_id)
+        rows = []
+        if store.exists(ledger_key(run_id)):
+            doc = json.loads(store.get(ledger_key(run_id)))
+            fields = CostRecord.__dataclass_fields__
+            rows = [CostRecord(**{k: v for k, v in r.items() if k in fields})
+                    for r in doc["rows"] if r["kind"] != "coordinator"]
+        start = flow_run.start_time.timestamp() if flow_run.start_time else time.time()
+        rows.append(coordinator_record(run_id, start, time.time(), offer, price))
+        write_ledger(store, run_id, rows)
+        summary_key = f"runs/{run_id}/summary.json"
+        if not store.exists(summary_key):
+            store.put(summary_key, json.dumps({"run_id": run_id, "status": state.type.value.lower(),
+                                               "error": state.message, "epochs": [],
+                                               "total_cost_usd": sum(r.usd for r in rows)}).encode())
+    finally:
+        store.close()
+
+
+def on_abnormal_end(flow, flow_run, state) -> None:
+    """Tear the run down and record its cost after a failure, crash or cancellation."""
+    from tasks.context import ACTIVE
+    from tasks.record_cost import record_cost_now
+    from tasks.teardown import teardown_run
+
+    ctx = ACTIVE.get(str(flow_run.id))
+    try:
+        if ctx is not None:
+            if not ctx.torn_down:
+                teardown_run(ctx)
+            if not ctx.cost_recorded:
+                record_cost_now(ctx)
+            return
+        _rebuild_and_clean(flow_run, state)
+    except Exception as exc:  # a hook must not hide the run's own error
+        print(f"zooid: cleanup after {state.type.value} of {flow_run.id} failed: {exc}")

@@ -1,0 +1,202 @@
+"""The `train` flow: profile -> plan -> provision -> [run_epoch -> checkpoint -> rescale] x epochs
+-> teardown -> record_cost.
+
+`train(job)` takes a `TrainJob`; `train_with_params(**fields)` is the same flow with one
+parameter per `TrainJob` field, which is what deployments run, so that
+`prefect deployment run train/local --param workers=3` works and the UI shows a flat form.
+From a shell: `python -m flows.train --param workers=2 --param epochs=3 [--summary-out PATH]`.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import sys
+import time
+import uuid
+
+from prefect import flow
+from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
+
+from tasks.checkpoint import checkpoint
+from tasks.context import ACTIVE, RunContext
+from tasks.job import EpochSummary, RunSummary, TrainJob
+from tasks.plan import plan
+from tasks.profile import profile
+from tasks.provision import init_key, provision
+from tasks.record_cost import record_cost
+from tasks.report import artifact_key, markdown_report, plot_curves
+from tasks.rescale import rescale
+from tasks.run_epoch import run_epoch
+from tasks.teardown import teardown
+from tasks.validate import validate_job
+from flows.hooks import on_abnormal_end, run_id_for
+
+
+def guardrail(job: TrainJob, ctx: RunContext, plan_, history: list[dict]) -> str | None:
+    """`budget_exhausted` / `deadline_reached` when the next epoch would pass the limit, judged
+    by the larger of the plan's prediction and the last measured epoch."""
+    last = history[-1] if history else None
+    next_s = max(plan_.predicted_epoch_s, last["seconds"] if last else 0.0)
+    next_usd = max(plan_.predicted_cost_per_epoch_usd, last["cost_usd"] if last else 0.0)
+    spent = sum(r.usd for r in ctx.ledger) + (time.time() - ctx.started_at) * ctx.price_per_worker_s
+    if job.budget_usd is not None and spent + next_usd > job.budget_usd:
+        return "budget_exhausted"
+    if job.deadline_s is not None and (time.time() - ctx.started_at) + next_s > job.deadline_s:
+        return "deadline_reached"
+    return None
+
+
+def target_reached(job: TrainJob, metrics: dict) -> bool:
+    acc, loss = metrics.get("val_accuracy"), metrics.get("val_loss")
+    return ((job.target_accuracy is not None and acc is not None and acc >= job.target_accuracy)
+            or (job.target_loss is not None and loss is not None and loss <= job.target_loss))
+
+
+def _epoch_progress(ctx: RunContext, progress_id, history: list[dict]) -> None:
+    from prefect.artifacts import create_table_artifact
+
+    from tasks.report import epoch_table
+
+    if progress_id is not None:
+        update_progress_artifact(progress_id, 100.0 * len(history) / ctx.job.epochs)
+    create_table_artifact(key=artifact_key(ctx.run_id, "epochs"), table=epoch_table(history),
+                          description=f"Per-epoch history of run {ctx.run_id}")
+
+
+def _finish(ctx: RunContext, status: str, history: list[dict], plan_dict: dict, ledger: dict,
+            error: str | None) -> RunSummary:
+    last = history[-1] if history else {}
+    summary = RunSummary(
+        run_id=ctx.run_id, status=status, final_loss=last.get("val_loss", last.get("train_loss")),
+        final_accuracy=last.get("val_accuracy"), total_cost_usd=ledger["total_usd"], plan=plan_dict,
+        epochs=[EpochSummary(**{k: v for k, v in e.items() if k in EpochSummary.model_fields}) for e in history],
+        store_url=ctx.store_ref, checkpoint_key=last.get("checkpoint_key", ""), error=error)
+    png = plot_curves([e.model_dump() for e in summary.epochs]) if summary.epochs else None
+    store = ctx.open_store()
+    try:
+        store.put(ctx.prefix("summary.json"), summary.model_dump_json(indent=1).encode())
+        if png:
+            store.put(ctx.prefix("report", "curves.png"), png)
+    finally:
+        store.close()
+    create_markdown_artifact(key=artifact_key(ctx.run_id, "report"),
+                             markdown=markdown_report(summary, ledger["rows"], png),
+                             description=f"Plan, epochs and bill of run {ctx.run_id}")
+    return summary
+
+
+def run_training(job: TrainJob) -> RunSummary:
+    """The recipe; each step is a retried Prefect task."""
+    from prefect.runtime import flow_run
+
+    resolved = validate_job(job)  # bad input stops here: nothing provisioned, nothing billed
+    fr_id = flow_run.id or uuid.uuid4().hex
+    ctx = RunContext(run_id=run_id_for(fr_id), job=job, resolved=resolved, flow_run_id=str(fr_id))
+    ACTIVE[ctx.flow_run_id] = ctx
+    progress_id = create_progress_artifact(0.0, description=f"Epochs of run {ctx.run_id}")
+    status, error, history, plan_dict = "failed", None, [], {}
+    try:
+        prof = profile(ctx)
+        current = plan(ctx, prof)
+        plan_dict = current.to_dict()
+        provision(ctx, current)
+        init, lr, status = init_key(ctx), job.lr, "completed"
+        for epoch in range(job.epochs):
+            if (stop := guardrail(job, ctx, current, history)) is not None:
+                status = stop
+                break
+            metrics = run_epoch(ctx, current, epoch, init, lr)
+            init = checkpoint(ctx, epoch, metrics["checkpoint_key"], metrics)
+            history.append(metrics)
+            _epoch_progress(ctx, progress_id, history)
+            if target_reached(job, metrics):
+                status = "target_reached"
+                break
+            if epoch + 1 < job.epochs:
+                decision = rescale(ctx, history, current.data_parallel, lr)
+                lr = decision["lr"]
+                if decision["workers"] != current.data_parallel:
+                    current = plan(ctx, prof, decision["workers"])
+    except BaseException as exc:
+        status, error = "failed", f"{type(exc).__name__}: {exc}"
+        raise
+    finally:
+        teardown(ctx)
+        ledger = record_cost(ctx)
+        summary = _finish(ctx, status, history, plan_dict, ledger, error)
+        ACTIVE.pop(ctx.flow_run_id, None)
+    return summary
+
+
+_HOOKS = dict(on_failure=[on_abnormal_end], on_crashed=[on_abnormal_end], on_cancellation=[on_abnormal_end])
+
+
+@flow(name="train", result_serializer="json", log_prints=True, **_HOOKS)
+def train(job: TrainJob = TrainJob()) -> RunSummary:
+    """Train `job` end to end and return its summary (also at runs/<run_id>/summary.json)."""
+    return run_training(job)
+
+
+def _train_with_params(**fields) -> RunSummary:
+    return run_training(TrainJob(**fields))
+
+
+# One keyword parameter per TrainJob field, with its default, type and description, so the
+# deployment's parameter schema (the UI form and `--param`) is the job's fields.
+_train_with_params.__signature__ = inspect.Signature([
+    inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.annotation)
+    for name, f in TrainJob.model_fields.items()], return_annotation=RunSummary)
+_train_with_params.__doc__ = "Train a model with Zooid (one parameter per TrainJob field).\n\nArgs:\n" + "\n".join(
+    f"    {name}: {f.description or f.title or name}" for name, f in TrainJob.model_fields.items())
+
+train_with_params = flow(name="train", result_serializer="json", log_prints=True,
+                         validate_parameters=False, **_HOOKS)(_train_with_params)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m flows.train --param name=value ... [--summary-out PATH]`."""
+    import argparse
+
+    from pydantic import ValidationError
+
+    from tasks.job import format_validation_error, parse_param_value
+    from tasks.report import text_report
+    from training.errors import ZooidValueError
+
+    parser = argparse.ArgumentParser(prog="python -m flows.train", description=__doc__.splitlines()[0])
+    parser.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
+                        help="a TrainJob field, e.g. workers=4 (repeat)")
+    parser.add_argument("--summary-out", metavar="PATH", help="also write the summary JSON here")
+    args = parser.parse_args(argv)
+    fields = {}
+    for item in args.param:
+        name, sep, value = item.partition("=")
+        if not sep:
+            print(f"error: --param {item!r}: expected NAME=VALUE", file=sys.stderr)
+            return 2
+        fields[name.strip()] = parse_param_value(value)
+    fields.setdefault("target", "inline")
+    try:
+        job = TrainJob(**fields)
+        validate_job(job)
+    except ValidationError as exc:
+        print(f"error: {format_validation_error(exc)}", file=sys.stderr)
+        return 2
+    except ZooidValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        summary = train(job)
+    except Exception as exc:
+        print(f"error: run failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+              file=sys.stderr)
+        return 1
+    print(text_report(summary))
+    if args.summary_out:
+        with open(args.summary_out, "w") as fh:
+            fh.write(summary.model_dump_json(indent=1))
+    return 0 if summary.status != "failed" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

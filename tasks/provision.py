@@ -1,0 +1,72 @@
+"""The `provision` step: stage the data, write the first reference checkpoint, check the pool.
+
+Local targets need nothing rented; pool targets need their worker deployment to exist (a
+clear error otherwise, before any worker is started). Every key written lives under
+`runs/<run_id>/`.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from planners.plan import Plan
+from tasks.context import RunContext
+from tasks.retry import task_options
+from training.errors import ZooidValueError
+
+SUBSET_SIZE = 64
+"""Samples per published data subset (KubeML's fixed-size subsets)."""
+
+
+def subset_size(n_train: int, max_workers: int) -> int:
+    """Subsets small enough that every replica up to `max_workers` gets at least one."""
+    return max(1, min(SUBSET_SIZE, n_train // max_workers))
+
+
+def init_key(ctx: RunContext) -> str:
+    return ctx.prefix("ckpt", "init.safetensors")
+
+
+def epoch_key(ctx: RunContext, epoch: int) -> str:
+    return ctx.prefix("ckpt", f"epoch-{epoch:04d}.safetensors")
+
+
+def check_deployment(name: str) -> None:
+    """Raise ZooidValueError("target") when the worker deployment is not registered."""
+    from prefect.client.orchestration import get_client
+
+    try:
+        with get_client(sync_client=True) as client:
+            client.read_deployment_by_name(name)
+    except Exception as exc:
+        raise ZooidValueError("target", f"worker deployment {name!r} not found on the Prefect API "
+                              f"({type(exc).__name__}); start the stack with `make up`") from None
+
+
+@task(name="provision", cache_policy=NO_CACHE, **task_options(retries=2, timeout_s=600))
+def provision(ctx: RunContext, plan: Plan) -> dict:
+    """Publish the dataset subsets and the initial checkpoint; return the run manifest."""
+    from training.checkpoint import initial_checkpoint
+    from training.datasets import publish_dataset
+
+    target = ctx.resolved.target
+    if target.remote:
+        check_deployment(target.worker_deployment)
+    store = ctx.open_store()
+    try:
+        manifest = publish_dataset(store, ctx.run_id, ctx.job.dataset,
+                                   subset_size(ctx.resolved.n_train, ctx.job.max_workers))
+        ctx.dataset = manifest.to_dict()
+        initial_checkpoint(store, init_key(ctx), ctx.job.model, ctx.job.optimizer, ctx.job.lr,
+                           seed=ctx.job.seed, meta={"run_id": ctx.run_id})
+        run_doc = {"run_id": ctx.run_id, "flow_run_id": ctx.flow_run_id, "job": ctx.job.model_dump(),
+                   "plan": plan.to_dict(), "target": ctx.job.target, "dataset": ctx.dataset,
+                   "started_at": ctx.started_at, "provisioned_at": time.time()}
+        store.put(ctx.prefix("run.json"), json.dumps(run_doc, indent=1).encode())
+    finally:
+        store.close()
+    ctx.provisioned = True
+    return ctx.dataset

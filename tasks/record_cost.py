@@ -1,0 +1,39 @@
+"""The `record_cost` step: close the coordinator's interval, write the ledger, show the bill."""
+from __future__ import annotations
+
+import time
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from tasks.context import RunContext
+from tasks.cost import coordinator_record, total_usd, write_ledger
+
+
+def record_cost_now(ctx: RunContext, final: bool = True) -> dict:
+    """Write the ledger with the coordinator's interval up to now; returns the ledger doc."""
+    rows = list(ctx.ledger)
+    rows.append(coordinator_record(ctx.run_id, ctx.started_at, time.time(), ctx.resolved.offer,
+                                   ctx.price_per_worker_s))
+    store = ctx.open_store()
+    try:
+        write_ledger(store, ctx.run_id, rows)
+    finally:
+        store.close()
+    if final:
+        ctx.cost_recorded = True
+    return {"run_id": ctx.run_id, "total_usd": total_usd(rows), "rows": [r.to_dict() for r in rows]}
+
+
+@task(name="record_cost", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2, timeout_seconds=120)
+def record_cost(ctx: RunContext) -> dict:
+    """Write the final ledger and a table artifact of it."""
+    from prefect.artifacts import create_table_artifact
+
+    from tasks.report import artifact_key
+
+    ledger = record_cost_now(ctx)
+    create_table_artifact(key=artifact_key(ctx.run_id, "ledger"), table=[
+        {k: r[k] for k in ("resource", "kind", "offer", "status", "seconds", "unit_price_per_s", "usd")}
+        for r in ledger["rows"]], description=f"Cost ledger of run {ctx.run_id}: ${ledger['total_usd']:.6f}")
+    return ledger

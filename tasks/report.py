@@ -1,0 +1,106 @@
+"""What a person reads: the text report, the Prefect artifacts, and the loss/accuracy/cost plot."""
+from __future__ import annotations
+
+import base64
+import io
+
+from tasks.job import RunSummary
+
+
+def plot_curves(epochs: list[dict]) -> bytes:
+    """PNG of training/validation loss, validation accuracy and cumulative cost per epoch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [e["epoch"] for e in epochs]
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.2))
+    axes[0].plot(xs, [e["train_loss"] for e in epochs], marker="o", label="train")
+    axes[0].plot(xs, [e.get("val_loss") for e in epochs], marker="o", label="validation")
+    axes[0].set(title="loss", xlabel="epoch")
+    axes[0].legend()
+    axes[1].plot(xs, [e.get("val_accuracy") for e in epochs], marker="o", color="tab:green")
+    axes[1].set(title="validation accuracy", xlabel="epoch")
+    cum, total = [], 0.0
+    for e in epochs:
+        total += e["cost_usd"]
+        cum.append(total)
+    axes[2].plot(xs, cum, marker="o", color="tab:red")
+    axes[2].set(title="cumulative cost (USD)", xlabel="epoch")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _fmt(v, spec: str = ".4f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def epoch_table(epochs: list[dict]) -> list[dict]:
+    """Rows for the per-epoch table (strings and numbers only)."""
+    return [{"epoch": e["epoch"], "workers": e["workers"], "stages": e.get("stages", 1),
+             "train_loss": round(e["train_loss"], 5), "val_loss": e.get("val_loss") and round(e["val_loss"], 5),
+             "val_accuracy": e.get("val_accuracy") and round(e["val_accuracy"], 4),
+             "seconds": round(e["seconds"], 2), "samples_per_s": round(e["samples_per_s"], 1),
+             "predicted_iter_s": e.get("predicted_iteration_s") and round(e["predicted_iteration_s"], 5),
+             "measured_iter_s": e.get("measured_iteration_s") and round(e["measured_iteration_s"], 5),
+             "cost_usd": round(e["cost_usd"], 6)} for e in epochs]
+
+
+def text_report(summary: RunSummary, ledger: dict | None = None) -> str:
+    """The report printed at the end of `make run` and `python -m flows.train`."""
+    p = summary.plan
+    lines = [f"Zooid run {summary.run_id}: {summary.status}",
+             f"plan: {p.get('strategy')} D={p.get('data_parallel')} M={p.get('stages')} "
+             f"k={p.get('sync_period') or 'epoch'} steps/epoch={p.get('steps_per_epoch')} "
+             f"batch={p.get('batch_size')} offer={p.get('offer')} "
+             f"predicted {_fmt(p.get('predicted_epoch_s'), '.2f')} s/epoch, "
+             f"${_fmt(p.get('predicted_cost_per_epoch_usd'), '.6f')}/epoch",
+             "", f"{'epoch':>5} {'workers':>7} {'train_loss':>10} {'val_loss':>9} {'val_acc':>8} "
+             f"{'seconds':>8} {'samples/s':>10} {'cost_usd':>10}"]
+    for e in summary.epochs:
+        lines.append(f"{e.epoch:>5} {e.workers:>7} {e.train_loss:>10.4f} {_fmt(e.val_loss):>9} "
+                     f"{_fmt(e.val_accuracy):>8} {e.seconds:>8.2f} {e.samples_per_s:>10.1f} {e.cost_usd:>10.6f}")
+    lines += ["", f"final loss {_fmt(summary.final_loss)}, final accuracy {_fmt(summary.final_accuracy)}",
+              f"total cost ${summary.total_cost_usd:.6f}"
+              + (f" ({len(ledger['rows'])} ledger rows)" if ledger else "")]
+    if summary.error:
+        lines.append(f"error: {summary.error}")
+    return "\n".join(lines)
+
+
+def markdown_report(summary: RunSummary, ledger_rows: list[dict], png: bytes | None) -> str:
+    """The markdown artifact: plan, alternatives, per-epoch table, bill and the plot."""
+    p = summary.plan
+    md = [f"# Zooid run `{summary.run_id}`: {summary.status}", "",
+          "## Plan", "", "| field | value |", "|---|---|"]
+    for k in ("strategy", "data_parallel", "stages", "sync_period", "steps_per_epoch", "batch_size",
+              "offer", "worker_vcpu", "worker_memory_gb", "worker_gpu", "predicted_iteration_s",
+              "predicted_epoch_s", "predicted_cost_per_epoch_usd"):
+        md.append(f"| {k} | {p.get(k)} |")
+    if p.get("alternatives"):
+        md += ["", "### Alternatives considered", "", "| strategy | workers | iteration s | epoch s | $/epoch | chosen |", "|---|---|---|---|---|---|"]
+        for a in p["alternatives"]:
+            md.append(f"| {a.get('strategy')} | {a.get('workers')} | {_fmt(a.get('predicted_iteration_s'), '.5f')} | "
+                      f"{_fmt(a.get('predicted_epoch_s'), '.3f')} | {_fmt(a.get('predicted_cost_per_epoch_usd'), '.6f')} | {a.get('chosen', '')} |")
+    md += ["", "## Epochs", "", "| epoch | workers | train loss | val loss | val acc | s | samples/s | predicted iter s | measured iter s | $ |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for e in summary.epochs:
+        md.append(f"| {e.epoch} | {e.workers} | {e.train_loss:.4f} | {_fmt(e.val_loss)} | {_fmt(e.val_accuracy)} | "
+                  f"{e.seconds:.2f} | {e.samples_per_s:.1f} | {_fmt(e.predicted_iteration_s, '.5f')} | "
+                  f"{_fmt(e.measured_iteration_s, '.5f')} | {e.cost_usd:.6f} |")
+    md += ["", "## Bill", "", "| resource | kind | offer | seconds | $/s | $ |", "|---|---|---|---|---|---|"]
+    for r in ledger_rows:
+        md.append(f"| {r['resource']} | {r['kind']} | {r['offer']} | {r['seconds']:.2f} | {r['unit_price_per_s']:.3e} | {r['usd']:.6f} |")
+    md += ["", f"**Total: ${summary.total_cost_usd:.6f}**"]
+    if png:
+        md += ["", f"![loss, accuracy and cost per epoch](data:image/png;base64,{base64.b64encode(png).decode()})"]
+    return "\n".join(md)
+
+
+def artifact_key(run_id: str, what: str) -> str:
+    """Prefect artifact keys allow lowercase letters, digits and dashes."""
+    return f"zooid-{what}-{run_id}".lower().replace("_", "-")

@@ -1,0 +1,98 @@
+"""The `run_epoch` step: fan out one worker per replica, wait, and aggregate their reports.
+
+Every attempt's interval goes to the ledger, including attempts that failed, so a retried
+epoch is billed for what it really used. Before an attempt, the epoch's sync keys of an
+earlier attempt are deleted, so no replica reads a dead attempt's slices.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from planners.plan import Plan
+from tasks.context import RunContext
+from tasks.cost import worker_records
+from tasks.launchers import InlineLauncher, PoolLauncher, WorkersFailed
+from tasks.provision import epoch_key
+from tasks.retry import task_options
+from training.specs import WorkerSpec
+
+
+def make_launcher(ctx: RunContext, plan: Plan):
+    """The launcher for the run's compute target."""
+    target = ctx.resolved.target
+    threads = max(1, (os.cpu_count() or 1) // max(1, plan.workers))
+    env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    if not target.remote:
+        return InlineLauncher(ctx.run_id, ctx.log_dir(), env=env)
+    job_variables = {**target.job_variables, "env": {**target.job_variables.get("env", {}), **env}}
+    return PoolLauncher(ctx.run_id, target.worker_deployment, job_variables=job_variables)
+
+
+def worker_specs(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, attempt: int) -> list[WorkerSpec]:
+    """One spec per replica: its data subsets, step count and the keys to read and write."""
+    from training.datasets import assign_subsets
+
+    job = ctx.job
+    shards = assign_subsets(ctx.dataset["n_subsets"], plan.data_parallel, epoch, job.seed)
+    timeout = 300.0 if ctx.resolved.target.remote else 120.0
+    return [WorkerSpec(run_id=ctx.run_id, epoch=epoch, rank=rank, world=plan.data_parallel,
+                       store_url=ctx.store_ref, model=job.model, dataset=job.dataset,
+                       subsets=tuple(shards[rank]), steps=plan.steps_per_epoch,
+                       batch_size=job.batch_size, lr=lr, optimizer=job.optimizer,
+                       sync_period=job.sync_period, seed=job.seed, init_key=init,
+                       out_key=epoch_key(ctx, epoch), sync_timeout_s=timeout, evaluate=True,
+                       attempt=attempt, extra={"strategy": plan.strategy})
+            for rank in range(plan.data_parallel)]
+
+
+def summarise(plan: Plan, outcomes: list[dict], wall_s: float) -> dict:
+    """Epoch metrics from the workers' reports."""
+    results = [o["result"] for o in outcomes]
+    samples = sum(r["samples"] for r in results)
+    loss = sum(r["train_loss"] * r["samples"] for r in results) / max(1, samples)
+    rank0 = next(r for r in results if r["rank"] == 0)
+    per_step = max((r["compute_s"] + r["sync_s"]) / max(1, plan.steps_per_epoch) for r in results)
+    return {"train_loss": loss, "val_loss": rank0.get("val_loss"), "val_accuracy": rank0.get("val_accuracy"),
+            "samples": samples, "seconds": wall_s, "samples_per_s": samples / max(wall_s, 1e-9),
+            "measured_iteration_s": per_step, "bytes_synced": sum(r.get("bytes_synced", 0) for r in results),
+            "checkpoint_key": rank0.get("checkpoint_key", ""),
+            "compute_s": max(r["compute_s"] for r in results), "sync_s": max(r["sync_s"] for r in results)}
+
+
+@task(name="run_epoch", cache_policy=NO_CACHE, **task_options(retries=2, timeout_s=3600))
+def run_epoch(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float) -> dict:
+    """Run one epoch on the target; retried as a whole on a transient worker failure."""
+    from prefect.runtime import task_run
+
+    from training.local_sgd import sync_group
+
+    attempt = max(0, (task_run.run_count or 1) - 1)
+    store = ctx.open_store()
+    try:
+        store.delete_prefix(sync_group(ctx.run_id, epoch) + "/")
+    finally:
+        store.close()
+    launcher = make_launcher(ctx, plan)
+    ctx.launchers.append(launcher)
+    started = time.time()
+    outcomes = []
+    try:
+        outcomes = [launcher.launch(spec) for spec in worker_specs(ctx, plan, epoch, init, lr, attempt)]
+        launcher.wait(ctx.job.worker_timeout_s)
+    except WorkersFailed:
+        raise
+    finally:
+        launcher.stop("epoch over")
+        ctx.launchers.remove(launcher)
+        ctx.ledger.extend(worker_records(ctx.run_id, epoch, [o.to_dict() for o in outcomes],
+                                         ctx.resolved.offer, ctx.price_per_worker_s))
+    wall = max(o.stopped_at or started for o in outcomes) - started
+    summary = summarise(plan, [o.to_dict() for o in outcomes], wall)
+    summary.update(epoch=epoch, workers=plan.workers, stages=plan.stages, lr=lr, attempt=attempt,
+                   cost_usd=sum(r.usd for r in ctx.ledger if r.epoch == epoch),
+                   predicted_iteration_s=plan.predicted_iteration_s)
+    return summary

@@ -1,0 +1,67 @@
+"""The `teardown` step: stop every worker of the run and remove its scratch keys.
+
+Runs in the flow's `finally` and in its failure, crash and cancellation hooks, so it is
+idempotent. Workers are found three ways: the launchers still held, the processes tagged
+with the run id (`/proc` sweep, which also finds workers whose coordinator died), and, for
+pool targets, the worker flow runs tagged `zooid-run:<run_id>`. Checkpoints, the summary
+and the ledger are kept; data subsets, sync slices and probes are deleted.
+"""
+from __future__ import annotations
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from tasks.context import RunContext
+from tasks.sweep import sweep_run
+
+SCRATCH = ("sync", "act", "data", "probe", "grad")
+
+
+def cancel_flow_runs(run_id: str) -> int:
+    """Cancel the run's worker flow runs that are not final; return how many."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+    from prefect.states import Cancelling
+
+    n = 0
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            tags=FlowRunFilterTags(all_=[f"zooid-run:{run_id}"])))
+        for fr in runs:
+            if fr.state is not None and not fr.state.is_final():
+                client.set_flow_run_state(fr.id, Cancelling(message="zooid teardown"), force=True)
+                n += 1
+    return n
+
+
+def delete_scratch(store, run_id: str) -> int:
+    """Delete the run's scratch keys; keep checkpoints, summary, ledger and report."""
+    return sum(store.delete_prefix(f"runs/{run_id}/{p}/") for p in SCRATCH)
+
+
+def teardown_run(ctx: RunContext) -> dict:
+    """Stop workers, cancel worker flow runs, delete scratch keys. Safe to call twice."""
+    report = {"stopped_pids": [], "cancelled_flow_runs": 0, "deleted_keys": 0}
+    for launcher in list(ctx.launchers):
+        launcher.stop("run torn down")
+    ctx.launchers.clear()
+    if ctx.resolved.target.remote:
+        try:
+            report["cancelled_flow_runs"] = cancel_flow_runs(ctx.run_id)
+        except Exception as exc:  # the API may be gone when the run crashed with it
+            report["cancel_error"] = str(exc)
+    report["stopped_pids"] = sweep_run(ctx.run_id)
+    if ctx.provisioned:
+        store = ctx.open_store()
+        try:
+            report["deleted_keys"] = delete_scratch(store, ctx.run_id)
+        finally:
+            store.close()
+    ctx.torn_down = True
+    return report
+
+
+@task(name="teardown", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2, timeout_seconds=300)
+def teardown(ctx: RunContext) -> dict:
+    """Prefect task around `teardown_run`."""
+    return teardown_run(ctx)

@@ -1,0 +1,20 @@
+"""Run one WorkerSpec with the engine its strategy needs (Local-SGD replica or pipeline stage)."""
+from __future__ import annotations
+
+from training.errors import ZooidValueError
+from training.specs import WorkerResult, WorkerSpec
+from training.store import Store
+
+
+def run_spec(spec: WorkerSpec, store: Store) -> WorkerResult:
+    """Dispatch on `spec.extra["strategy"]` (default `local_sgd`)."""
+    strategy = spec.extra.get("strategy", "local_sgd")
+    if strategy == "local_sgd":
+        from training.local_sgd import run_local_sgd_epoch
+
+        return run_local_sgd_epoch(spec, store)
+    if strategy in ("pipeline", "hybrid"):
+        from training.pipeline_executor import run_pipeline_worker
+
+        return run_pipeline_worker(spec, store)
+    raise ZooidValueError("strategy", f"unknown worker strategy {strategy!r}")
