@@ -58,4 +58,4 @@ def load_optimizer_state(
             raise ZooidValueError("checkpoint", f"optimizer state {name!r} names no model parameter")
         p = params[pname]
         # Step counters stay on the CPU (as torch keeps them); moments live beside the weights.
-        optimizer.state[p][key] = value.clone() if value.dim() == 0 else value.to(p.device, copy=True)
+        optimizer.state[p][key] = value.clone() if value.dim() == 0 else value.to(p.device, p.dtype, copy=True)

@@ -1,0 +1,142 @@
+"""Local-SGD replicas through a real directory store: exact averaging, checkpoints, digits."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from training import worker_main
+from training.checkpoint import initial_checkpoint, load_checkpoint, save_checkpoint
+from training.datasets import assign_subsets, publish_dataset, read_subsets
+from training.errors import ZooidValueError
+from training.local_sgd import batch_seed, batch_stream, run_local_sgd_epoch, steps_per_epoch
+from training.models import build_model
+from training.optimizers import build_optimizer, optimizer_state_tensors
+from training.specs import WorkerResult, WorkerSpec
+from training.store_dir import DirectoryStore
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_epoch(store, world, **fields):
+    """Run `world` replicas of one epoch as threads against one store; results by rank."""
+    base = {k: v for k, v in fields.items() if k != "subsets"}
+    specs = [WorkerSpec(rank=r, world=world, store_url=store.url, subsets=fields["subsets"][r], **base)
+             for r in range(world)]
+    with ThreadPoolExecutor(world) as pool:
+        return list(pool.map(lambda s: run_local_sgd_epoch(s, store), specs))
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "momentum"])
+def test_replicas_synced_every_step_equal_one_process_on_the_concatenated_batch(tmp_path, optimizer):
+    store = DirectoryStore(tmp_path)
+    publish_dataset(store, "eq", "digits", subset_size=64)
+    initial_checkpoint(store, "runs/eq/ckpt/init", "digits_mlp", optimizer, lr=0.2, seed=1)
+    steps, batch, subsets = 6, 8, [(0, 1), (2, 3)]
+    results = run_epoch(
+        store, 2, run_id="eq", epoch=0, model="digits_mlp", dataset="digits", subsets=subsets,
+        steps=steps, batch_size=batch, lr=0.2, optimizer=optimizer, sync_period=1, seed=1,
+        init_key="runs/eq/ckpt/init", out_key="runs/eq/ckpt/e0", evaluate=False,
+        extra={"dtype": "float64"},
+    )
+    # One process, same start, each step on the two replicas' batches concatenated.
+    model = build_model("digits_mlp", 1).double()
+    opt = build_optimizer(optimizer, model, 0.2)
+    load_checkpoint(store, "runs/eq/ckpt/init", model, opt)
+    data = [read_subsets(store, "eq", s) for s in subsets]
+    streams = [batch_stream(len(y), batch, steps, torch.Generator().manual_seed(batch_seed(1, 0, r)))
+               for r, (_, y) in enumerate(data)]
+    for idx in zip(*streams):
+        x = torch.cat([data[r][0][i].double() for r, i in enumerate(idx)])
+        y = torch.cat([data[r][1][i] for r, i in enumerate(idx)])
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    averaged = build_model("digits_mlp", 1).double()
+    averaged_opt = build_optimizer(optimizer, averaged, 0.2)
+    meta = load_checkpoint(store, "runs/eq/ckpt/e0", averaged, averaged_opt)
+    assert meta["epoch"] == 0 and meta["global_step"] == steps
+    for name, p in model.state_dict().items():
+        assert averaged.state_dict()[name].dtype == torch.float64
+        torch.testing.assert_close(averaged.state_dict()[name], p, rtol=1e-12, atol=1e-12)
+    assert not torch.equal(model.state_dict()["0.weight"], build_model("digits_mlp", 1).double().state_dict()["0.weight"])
+    mine, ref = optimizer_state_tensors(averaged, averaged_opt), optimizer_state_tensors(model, opt)
+    assert mine.keys() == ref.keys() and (optimizer == "sgd") == (not ref)
+    for name in ref:  # the averaged momentum is the one-process momentum
+        torch.testing.assert_close(mine[name], ref[name], rtol=1e-12, atol=1e-12)
+    # Measured traffic: `steps` syncs, each rank moving one half-model up and one down.
+    assert [r.bytes_synced > 0 for r in results] == [True, True]
+    assert store.list("runs/eq/sync/") == []
+
+
+def test_checkpoint_round_trip_with_adam(tmp_path):
+    store = DirectoryStore(tmp_path)
+    model = build_model("digits_cnn", 2)
+    opt = build_optimizer("adam", model, 0.01)
+    F.cross_entropy(model(torch.rand(4, 64)), torch.tensor([0, 1, 2, 3])).backward()
+    opt.step()
+    nbytes = save_checkpoint(store, "runs/c/ckpt", model, opt, {"epoch": 3, "note": "x"})
+    assert nbytes == len(store.get("runs/c/ckpt"))
+    other = build_model("digits_cnn", 9)
+    other_opt = build_optimizer("adam", other, 0.01)
+    assert load_checkpoint(store, "runs/c/ckpt", other, other_opt) == {"epoch": 3, "note": "x"}
+    for k, v in model.state_dict().items():
+        assert torch.equal(other.state_dict()[k], v)
+    a, b = optimizer_state_tensors(model, opt), optimizer_state_tensors(other, other_opt)
+    assert a.keys() == b.keys() and len(a) == 3 * len(list(model.parameters()))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ZooidValueError, match="checkpoint"):
+        load_checkpoint(store, "runs/c/ckpt", build_model("digits_mlp", 0))
+
+
+def test_four_workers_learn_digits(tmp_path):
+    store, world, batch = DirectoryStore(tmp_path), 4, 16
+    manifest = publish_dataset(store, "d4", "digits", subset_size=32)
+    initial_checkpoint(store, "runs/d4/ckpt/init", "digits_mlp", "momentum", lr=0.05, seed=0)
+    steps = steps_per_epoch(manifest.n_train, world, batch)
+    init, accuracies = "runs/d4/ckpt/init", []
+    for epoch in range(4):
+        results = run_epoch(
+            store, world, run_id="d4", epoch=epoch, model="digits_mlp", dataset="digits",
+            subsets=assign_subsets(manifest.n_subsets, world, epoch, seed=0), steps=steps,
+            batch_size=batch, lr=0.05, optimizer="momentum", sync_period=None,
+            init_key=init, out_key=f"runs/d4/ckpt/e{epoch}",
+        )
+        init = results[0].checkpoint_key
+        accuracies.append(results[0].val_accuracy)
+        assert all(r.val_accuracy is None for r in results[1:])
+        assert all(r.samples == steps * batch and r.compute_s > 0 for r in results)
+    assert accuracies[-1] >= 0.9, accuracies
+    assert store.list("runs/d4/sync/") == []
+
+
+def test_worker_main_prints_the_result_json(tmp_path):
+    store = DirectoryStore(tmp_path)
+    publish_dataset(store, "wm", "digits", subset_size=256)
+    initial_checkpoint(store, "runs/wm/ckpt/init", "digits_mlp", "sgd", lr=0.1)
+    spec = WorkerSpec(run_id="wm", epoch=0, rank=0, world=1, store_url=store.url, model="digits_mlp",
+                      dataset="digits", subsets=(0, 1), steps=3, batch_size=32, lr=0.1,
+                      init_key="runs/wm/ckpt/init", out_key="runs/wm/ckpt/e0")
+    out = subprocess.run([sys.executable, "-m", "training.worker_main", "--spec-json", json.dumps(spec.to_dict())],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    result = WorkerResult.from_dict(json.loads(out.stdout.strip().splitlines()[-1]))
+    assert (result.samples, result.bytes_synced, result.checkpoint_key) == (96, 0, "runs/wm/ckpt/e0")
+    assert 0 < result.val_accuracy <= 1 and result.stopped_at > result.started_at
+
+
+
+def test_worker_main_reports_bad_input_as_json(tmp_path, capsys):
+    bad = {"run_id": "x", "epoch": 0, "rank": 0, "world": 1, "store_url": tmp_path.as_uri(),
+           "model": "os:system", "dataset": "digits", "subsets": [0], "steps": 1, "batch_size": 1,
+           "lr": 0.1, "init_key": "runs/x/i", "out_key": "runs/x/o"}
+    assert worker_main.main(["--spec-json", json.dumps(bad)]) == 2
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["error"] == "ZooidValueError" and last["message"].startswith("model:")

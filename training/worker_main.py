@@ -1,0 +1,50 @@
+"""`python -m training.worker_main --spec-json '<json>'`: run one Local-SGD worker as a process.
+
+The `inline` target starts workers this way. The last line on stdout is JSON: the
+WorkerResult (`WorkerResult.from_dict` reads it back), or on failure
+`{"error": <class name>, "message": ...}` with a non-zero exit status: 2 for bad input
+(ZooidValueError), 3 for a store timeout, 4 for out-of-memory, 1 for anything else.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from training.errors import OutOfMemory, StoreTimeout, ZooidValueError
+from training.local_sgd import run_local_sgd_epoch
+from training.specs import WorkerSpec
+from training.store import open_store
+
+EXIT_CODES = ((ZooidValueError, 2), (StoreTimeout, 3), (OutOfMemory, 4))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the spec, run the worker, print the result JSON; return the exit status."""
+    parser = argparse.ArgumentParser(prog="python -m training.worker_main", description=__doc__)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--spec-json", help="the WorkerSpec as a JSON object")
+    source.add_argument("--spec-file", help="a file holding the WorkerSpec JSON")
+    args = parser.parse_args(argv)
+    try:
+        text = args.spec_json if args.spec_json is not None else open(args.spec_file).read()
+        try:
+            spec = WorkerSpec.from_dict(json.loads(text))
+        except (json.JSONDecodeError, TypeError) as exc:
+            raise ZooidValueError("spec", f"not a WorkerSpec JSON object: {exc}") from None
+        store = open_store(spec.store_url)
+        try:
+            result = run_local_sgd_epoch(spec, store)
+        finally:
+            store.close()
+    except Exception as exc:  # reported as data on the last line, for the coordinator
+        code = next((c for cls, c in EXIT_CODES if isinstance(exc, cls)), 1)
+        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        print(json.dumps({"error": type(exc).__name__, "message": str(exc)}), flush=True)
+        return code
+    print(json.dumps(result.to_dict()), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
