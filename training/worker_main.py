@@ -1,9 +1,10 @@
-"""`python -m training.worker_main --spec-json '<json>'`: run one Local-SGD worker as a process.
+"""`python -m training.worker_main --spec-json '<json>'`: run one worker as a process.
 
-The `inline` target starts workers this way. The last line on stdout is JSON: the
-WorkerResult (`WorkerResult.from_dict` reads it back), or on failure
-`{"error": <class name>, "message": ...}` with a non-zero exit status: 2 for bad input
-(ZooidValueError), 3 for a store timeout, 4 for out-of-memory, 1 for anything else.
+The spec's `extra["strategy"]` picks the engine (`training.run_spec`: a Local-SGD replica
+by default, or a pipeline stage). The `inline` target starts workers this way. The last
+line on stdout is JSON: the WorkerResult (`WorkerResult.from_dict` reads it back), or on
+failure `{"error": <class name>, "message": ...}` with a non-zero exit status: 2 for bad
+input (ZooidValueError), 3 for a store timeout, 4 for out-of-memory, 1 for anything else.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import json
 import sys
 
 from training.errors import OutOfMemory, StoreTimeout, ZooidValueError
-from training.local_sgd import run_local_sgd_epoch
+from training.run_spec import run_spec
 from training.specs import WorkerSpec
 from training.store import open_store
 
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ZooidValueError("spec", f"not a WorkerSpec JSON object: {exc}") from None
         store = open_store(spec.store_url)
         try:
-            result = run_local_sgd_epoch(spec, store)
+            result = run_spec(spec, store)
         finally:
             store.close()
     except Exception as exc:  # reported as data on the last line, for the coordinator
