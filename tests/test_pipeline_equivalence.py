@@ -1,0 +1,153 @@
+"""Pipeline and hybrid training equal single-process and Local-SGD training, in float64.
+
+Plain SGD, one seeded `digits_mlp`, Local-SGD's data order, equal-size batches, losses as
+means over the iteration's batch: a 2-stage x 4-micro-batch pipeline is single-process
+training, and hybrid 2 x 2 is Local-SGD with 2 replicas averaging every step. Stage workers
+run as threads, each with its own client of one directory store.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+import torch
+
+from training.checkpoint import initial_checkpoint
+from training.datasets import assign_subsets, publish_dataset
+from training.errors import StoreTimeout, ZooidValueError
+from training.local_sgd import run_local_sgd_epoch
+from training.pipeline_executor import (
+    PipelineSettings, activation_prefix, pipeline_worker_specs, run_pipeline_worker,
+)
+from training.specs import WorkerSpec
+from training.store import open_store
+from training.tensor_codec import decode_tensors
+
+RUN = "eq"
+STEPS, BATCH, LR = 12, 32, 0.2
+
+
+@pytest.fixture(scope="module")
+def staged(tmp_path_factory):
+    """A directory store with digits published and a seeded initial checkpoint."""
+    url = (tmp_path_factory.mktemp("pipe") / "store").as_uri()
+    store = open_store(url)
+    manifest = publish_dataset(store, RUN, "digits", subset_size=64)
+    initial_checkpoint(store, f"runs/{RUN}/init", "digits_mlp", "sgd", LR, seed=3)
+    return url, manifest
+
+
+def base_spec(url: str, world: int, subsets, out: str) -> WorkerSpec:
+    return WorkerSpec(run_id=RUN, epoch=0, rank=0, world=world, store_url=url,
+                      model="digits_mlp", dataset="digits", subsets=tuple(subsets),
+                      steps=STEPS, batch_size=BATCH, lr=LR, optimizer="sgd", sync_period=1,
+                      seed=3, init_key=f"runs/{RUN}/init", out_key=out, sync_timeout_s=30.0,
+                      extra={"dtype": "float64"})
+
+
+def run_threads(specs, runner):
+    """Run `runner(spec, own store client)` for every spec on its own thread."""
+    results, errors = [None] * len(specs), []
+
+    def body(i):
+        store = open_store(specs[i].store_url)
+        try:
+            results[i] = runner(specs[i], store)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+        finally:
+            store.close()
+
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(len(specs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def weights(url: str, key: str) -> dict[str, torch.Tensor]:
+    tensors, _ = decode_tensors(open_store(url).get(key))
+    return {k: v for k, v in tensors.items() if k.startswith("model/")}
+
+
+def assert_same_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys() and a
+    for k in a:
+        assert a[k].dtype == torch.float64
+        torch.testing.assert_close(a[k], b[k], rtol=1e-9, atol=1e-12)
+
+
+def test_two_stage_four_microbatch_pipeline_equals_single_process(staged):
+    url, manifest = staged
+    everything = range(manifest.n_subsets)
+    single = base_spec(url, 1, everything, f"runs/{RUN}/single")
+    [ref] = run_threads([single], run_local_sgd_epoch)
+
+    specs = pipeline_worker_specs(base_spec(url, 1, everything, f"runs/{RUN}/pipe"),
+                                  cuts=[2], microbatches=4, replica_subsets=[tuple(everything)])
+    results = run_threads(specs, run_pipeline_worker)
+
+    assert_same_weights(weights(url, f"runs/{RUN}/pipe"), weights(url, f"runs/{RUN}/single"))
+    last = results[-1]
+    assert last.checkpoint_key == f"runs/{RUN}/pipe"
+    # Local-SGD sums its losses in a float32 accumulator, hence the looser tolerance here.
+    assert last.train_loss == pytest.approx(ref.train_loss, rel=1e-6)
+    assert results[0].train_loss == last.train_loss  # shared from the last stage
+    assert last.val_loss == pytest.approx(ref.val_loss, rel=1e-9)
+    assert last.val_accuracy == ref.val_accuracy
+    store = open_store(url)
+    assert store.list(activation_prefix(RUN, 0)) == []
+
+
+def test_hybrid_two_by_two_equals_local_sgd_averaging_every_step(staged):
+    url, manifest = staged
+    shards = assign_subsets(manifest.n_subsets, 2, epoch=0, seed=3)
+    local = [dataclasses.replace(base_spec(url, 2, shards[r], f"runs/{RUN}/lsgd"), rank=r)
+             for r in range(2)]
+    refs = run_threads(local, run_local_sgd_epoch)
+
+    for sync in ("pipelined", "plain"):
+        out = f"runs/{RUN}/hybrid-{sync}"
+        specs = pipeline_worker_specs(base_spec(url, 2, (), out), cuts=[1], microbatches=2,
+                                      replica_subsets=shards, sync=sync)
+        assert [(s.extra["replica"], s.extra["stage"], s.rank, s.world) for s in specs] == [
+            (0, 0, 0, 4), (0, 1, 1, 4), (1, 0, 2, 4), (1, 1, 3, 4)]
+        results = run_threads(specs, run_pipeline_worker)
+        assert_same_weights(weights(url, out), weights(url, f"runs/{RUN}/lsgd"))
+        assert results[1].val_accuracy == refs[0].val_accuracy
+        for r in range(2):
+            assert results[2 * r + 1].train_loss == pytest.approx(refs[r].train_loss, rel=1e-6)
+    store = open_store(url)
+    assert store.list(activation_prefix(RUN, 0)) == []
+    assert store.list(f"runs/{RUN}/sync/") == []
+
+
+def test_a_missing_neighbour_times_out_naming_the_key(staged):
+    url, manifest = staged
+    [spec] = [s for s in pipeline_worker_specs(
+        dataclasses.replace(base_spec(url, 1, range(manifest.n_subsets), f"runs/{RUN}/lonely"),
+                            run_id=RUN, sync_timeout_s=0.5),
+        cuts=[2], microbatches=2, replica_subsets=[tuple(range(manifest.n_subsets))])
+        if s.extra["stage"] == 1]
+    with pytest.raises(StoreTimeout, match=r"act/e0/r0/it0/f0m0"):
+        run_threads([spec], run_pipeline_worker)
+
+
+@pytest.mark.parametrize("extra, field", [
+    ({"cuts": [2], "microbatches": 2}, "extra.stage"),
+    ({"stage": 2, "cuts": [2], "microbatches": 2}, "extra.stage"),
+    ({"stage": 0, "cuts": [2], "microbatches": 2, "sync": "ring"}, "extra.sync"),
+    ({"stage": 0, "cuts": [2], "microbatches": 2, "replica": 2, "replicas": 2}, "extra.replica"),
+    ({"stage": 0, "cuts": [2], "microbatches": 1, "schedule": ["0F0 0B0", "1B0 1F0"]}, "schedule"),
+    ({"stage": 0, "cuts": [2], "microbatches": 1, "replicas": 2,
+      "schedule": ["0F0 0SEND_F0 0RECV_B0 0B0", "1RECV_F0 1F0 1B0 1SEND_B0"]}, "schedule"),
+])
+def test_bad_settings_name_the_field(extra, field):
+    """Refused before any worker starts (the last: replicas that would never sync)."""
+    with pytest.raises(ZooidValueError) as info:
+        PipelineSettings.from_extra(extra).iteration_schedule()
+    assert info.value.field == field
