@@ -4,8 +4,8 @@ The tensors of a call are flattened (per dtype) into one vector and cut into `wo
 slices. Rank i uploads slice j of its vector for rank j (keeping its own slice j = i in
 memory); rank j downloads the other world - 1 contributions to its slice, reduces them,
 uploads the reduced slice; every rank then downloads the world - 1 reduced slices it does
-not own. A rank moves 2 (world - 1) / world model sizes each way and never holds more
-than one model's worth of contributions.
+not own. A rank uploads one model size and downloads 2 (world - 1) / world of one, and
+never holds more than one model's worth of contributions.
 
 Keys of one call live under `prefix` (e.g. `runs/<id>/sync/e3/r7`):
 `{prefix}/part/{j}/{i}` (rank i's piece of slice j) and `{prefix}/mean/{j}` (slice j reduced).
