@@ -29,8 +29,8 @@ class TrainJob(BaseModel):
                          description="`digits` (scikit-learn), `synthetic:CxHxW:classes:samples`, or `package.module:factory`.")
     epochs: int = Field(5, gt=0, title="Epochs", description="Epochs to train (fewer when a target is reached).")
     batch_size: int = Field(16, gt=0, title="Batch size", description="Samples per optimizer step on each replica.")
-    lr: float = Field(0.1, gt=0, allow_inf_nan=False, title="Learning rate")
-    optimizer: Optimizer = Field("sgd", title="Optimizer", description="`sgd`, `momentum` (0.9) or `adam`.")
+    lr: float = Field(0.05, gt=0, allow_inf_nan=False, title="Learning rate")
+    optimizer: Optimizer = Field("momentum", title="Optimizer", description="`sgd`, `momentum` (0.9) or `adam`.")
     strategy: Strategy = Field("auto", title="Strategy",
                                description="`auto` plans from the profile; `local_sgd`, `pipeline` or `hybrid` force one.")
     workers: int = Field(4, gt=0, title="Workers", description="Data-parallel replicas in the first epoch.")

@@ -1,0 +1,231 @@
+"""The local stack: a Prefect server on SQLite, the `zooid-local` process pool with one worker,
+and the `train/local` and `worker/local` deployments.
+
+    python -m deployments.stack up      # start, leave running; writes .zooid/env
+    python -m deployments.stack run [--param name=value ...]   # up if needed, run train/local, report, down
+    python -m deployments.stack down    # stop what `up` started (by pid)
+
+Everything binds to 127.0.0.1, runs in its own process group, and lives under `$ZOOID_HOME`
+(default `.zooid`): the Prefect home and database, results, logs, the store, and
+`stack.json` with the pids that `down` stops.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+POOL = "zooid-local"
+
+
+def zooid_home() -> Path:
+    return Path(os.environ.get("ZOOID_HOME", ROOT / ".zooid")).resolve()
+
+
+def free_port(preferred: int = 4200) -> int:
+    """`preferred` when it is free on 127.0.0.1, else any free port."""
+    for port in (preferred, 0):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return s.getsockname()[1]
+            except OSError:
+                continue
+    raise RuntimeError("no free port")
+
+
+def stack_env(home: Path, api_url: str) -> dict[str, str]:
+    """The variables every process of the stack (and a user's shell) needs."""
+    return {
+        "PREFECT_API_URL": api_url,
+        "PREFECT_HOME": str(home / "prefect"),
+        "PREFECT_LOCAL_STORAGE_PATH": str(home / "results"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "DO_NOT_TRACK": "1",
+        "PREFECT_WORKER_QUERY_SECONDS": "1",
+        "PREFECT_RUNNER_POLL_FREQUENCY": "1",
+        "ZOOID_HOME": str(home),
+        "ZOOID_ROOT": str(ROOT),
+    }
+
+
+def _bin(name: str) -> str:
+    return str(Path(sys.executable).with_name(name))
+
+
+def _spawn(args: list[str], env: dict, log: Path) -> int:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(args, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True, cwd=ROOT)
+    return proc.pid
+
+
+def _wait_healthy(api_url: str, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{api_url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"Prefect server at {api_url} did not become healthy in {timeout_s:.0f} s")
+
+
+def _run(args: list[str], env: dict) -> None:
+    subprocess.run(args, env={**os.environ, **env}, cwd=ROOT, check=True, stdin=subprocess.DEVNULL)
+
+
+def state_file(home: Path) -> Path:
+    return home / "stack.json"
+
+
+def read_state(home: Path) -> dict | None:
+    f = state_file(home)
+    return json.loads(f.read_text()) if f.exists() else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except OSError:
+        return False
+
+
+def up(home: Path | None = None, port: int | None = None) -> dict:
+    """Start the stack (no-op when it is already up); return its state."""
+    home = home or zooid_home()
+    state = read_state(home)
+    if state and all(_alive(p) for p in state["pids"].values()):
+        return state
+    if state:
+        down(home)
+    home.mkdir(parents=True, exist_ok=True)
+    port = port or free_port()
+    api_url = f"http://127.0.0.1:{port}/api"
+    env = stack_env(home, api_url)
+    pids = {"server": _spawn([_bin("prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                             {**env, "PREFECT_API_URL": ""}, home / "logs" / "server.log")}
+    state = {"api_url": api_url, "pids": pids, "env": env}
+    state_file(home).write_text(json.dumps(state, indent=1))
+    try:
+        _wait_healthy(api_url)
+        _run([sys.executable, "-m", "deployments.bootstrap", "--target", "local"], env)
+        _run([_bin("prefect"), "--no-prompt", "deploy", "--name", "train/local", "--name", "worker/local"], env)
+        pids["worker"] = _spawn([_bin("prefect"), "worker", "start", "--pool", POOL, "--type", "process"],
+                                env, home / "logs" / "worker.log")
+        state_file(home).write_text(json.dumps(state, indent=1))
+    except BaseException:
+        down(home)
+        raise
+    (home / "env").write_text("".join(f"{k}={v}\n" for k, v in env.items()))
+    return state
+
+
+def down(home: Path | None = None) -> list[int]:
+    """Stop what `up` started, by pid (process groups), and forget it."""
+    home = home or zooid_home()
+    state = read_state(home)
+    if not state:
+        return []
+    pids = list(state["pids"].values())
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.killpg(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_alive(p) for p in pids):
+            time.sleep(0.2)
+            for pid in pids:  # reap our own children if we started them
+                try:
+                    os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    pass
+        if not any(_alive(p) for p in pids):
+            break
+    state_file(home).unlink(missing_ok=True)
+    (home / "env").unlink(missing_ok=True)
+    return pids
+
+
+def run_deployed(params: dict, home: Path | None = None, timeout_s: float = 1800) -> dict:
+    """Run `train/local` with `params` on the stack and return the run's summary (from the store)."""
+    home = home or zooid_home()
+    state = read_state(home)
+    os.environ.update(state["env"])
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+
+    from flows.hooks import run_id_for
+    from tasks.validate import resolve_store_ref
+    from training.store import open_store
+
+    flow_run = run_deployment("train/local", parameters=params, timeout=0)
+    deadline = time.monotonic() + timeout_s
+    with get_client(sync_client=True) as client:
+        while True:
+            fr = client.read_flow_run(flow_run.id)
+            if fr.state and fr.state.is_final():
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"train/local run {flow_run.id} still running after {timeout_s:.0f} s")
+            time.sleep(1)
+    run_id = run_id_for(flow_run.id)
+    store = open_store(resolve_store_ref(params.get("store", "")))
+    try:
+        summary = json.loads(store.get(f"runs/{run_id}/summary.json", timeout=10))
+    finally:
+        store.close()
+    summary["flow_run_state"] = fr.state.type.value
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tasks.job import parse_param_value
+
+    parser = argparse.ArgumentParser(prog="python -m deployments.stack", description=__doc__.splitlines()[0])
+    parser.add_argument("command", choices=["up", "down", "run", "status"])
+    parser.add_argument("--param", action="append", default=[], metavar="NAME=VALUE")
+    parser.add_argument("--port", type=int)
+    args = parser.parse_args(argv)
+    if args.command == "up":
+        state = up(port=args.port)
+        print(f"Zooid stack up: Prefect UI at {state['api_url'].removesuffix('/api')}\n"
+              f"  point a shell at it:  set -a; . {zooid_home() / 'env'}; set +a")
+    elif args.command == "down":
+        print(f"stopped pids {down()}")
+    elif args.command == "status":
+        print(json.dumps(read_state(zooid_home()), indent=1))
+    else:
+        from tasks.job import RunSummary
+        from tasks.report import text_report
+
+        params = {k: parse_param_value(v) for k, _, v in (p.partition("=") for p in args.param)}
+        started_here = read_state(zooid_home()) is None
+        up(port=args.port)
+        try:
+            summary = run_deployed(params)
+        finally:
+            if started_here:
+                down()
+        state = summary.pop("flow_run_state")
+        print(text_report(RunSummary(**summary)))
+        return 0 if state == "COMPLETED" and summary["status"] != "failed" else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
