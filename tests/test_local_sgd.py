@@ -11,11 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.memory_store import MemoryStore
+from tests.test_collectives import run_ranks
 from training import worker_main
 from training.checkpoint import initial_checkpoint, load_checkpoint, save_checkpoint
 from training.datasets import assign_subsets, publish_dataset, read_subsets
 from training.errors import ZooidValueError
-from training.local_sgd import batch_seed, batch_stream, run_local_sgd_epoch, steps_per_epoch
+from training.local_sgd import LocalSGD, batch_seed, batch_stream, run_local_sgd_epoch, steps_per_epoch
 from training.models import build_model
 from training.optimizers import build_optimizer, optimizer_state_tensors
 from training.specs import WorkerResult, WorkerSpec
@@ -140,3 +142,27 @@ def test_worker_main_reports_bad_input_as_json(tmp_path, capsys):
     assert worker_main.main(["--spec-json", json.dumps(bad)]) == 2
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last["error"] == "ZooidValueError" and last["message"].startswith("model:")
+
+
+def test_local_sgd_leaves_replicas_and_adam_moments_equal():
+    store, world = MemoryStore(), 2
+
+    def replica(rank):
+        model = build_model("digits_mlp", 0)
+        opt = build_optimizer("adam", model, 0.01)
+        averaging = LocalSGD(model, opt, store, "runs/a/sync/e0", rank, world, period=3, timeout=10)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(5):  # one sync after step 3, one more at finish for steps 4-5
+            opt.zero_grad()
+            F.cross_entropy(model(torch.rand(8, 64, generator=g)), torch.randint(10, (8,), generator=g)).backward()
+            opt.step()
+            averaging.after_step()
+        averaging.finish()
+        return model, optimizer_state_tensors(model, opt), averaging.rounds
+
+    (m0, s0, r0), (m1, s1, r1) = run_ranks(world, replica)
+    assert (r0, r1) == (2, 2)
+    assert all(torch.equal(a, b) for a, b in zip(m0.state_dict().values(), m1.state_dict().values()))
+    assert s0.keys() == s1.keys() and all(torch.equal(s0[k], s1[k]) for k in s0)
+    assert {float(v) for k, v in s0.items() if k.endswith(".step")} == {5.0}
+    assert store.list("runs/") == []
