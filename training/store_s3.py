@@ -48,17 +48,15 @@ class S3Store(Store):
         self.endpoint = endpoint or os.environ.get("ZOOID_S3_ENDPOINT") or os.environ.get(
             "AWS_ENDPOINT_URL") or None
         self.region = region or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
-        self.url = url or f"s3://{bucket}/{prefix}"
+        # A URL that reopens this very store, endpoint included, for workers elsewhere.
+        self.url = url or f"s3://{bucket}/{prefix}" + (f"?endpoint={endpoint}" if endpoint else "")
         session = boto3.session.Session()
         self.client = session.client(
             "s3", endpoint_url=self.endpoint, region_name=self.region,
             config=Config(connect_timeout=2, read_timeout=60, max_pool_connections=32,
                           retries={"mode": "standard", "total_max_attempts": 4}))
-        # `ping` must answer within about two seconds: one attempt, short timeouts.
-        self._ping_client = session.client(
-            "s3", endpoint_url=self.endpoint, region_name=self.region,
-            config=Config(connect_timeout=1, read_timeout=1,
-                          retries={"mode": "standard", "total_max_attempts": 1}))
+        self._session = session
+        self._ping_client = None  # made on first ping: creating a client costs ~0.3 s
         self.transfer = TransferConfig(multipart_threshold=multipart_threshold,
                                        multipart_chunksize=MULTIPART_CHUNK, max_concurrency=4)
 
@@ -147,6 +145,12 @@ class S3Store(Store):
 
     def ping(self) -> None:
         """Raise StoreError within about two seconds unless the bucket is reachable."""
+        if self._ping_client is None:
+            # One attempt with short timeouts, so an unreachable store answers in ~2 s.
+            self._ping_client = self._session.client(
+                "s3", endpoint_url=self.endpoint, region_name=self.region,
+                config=Config(connect_timeout=1, read_timeout=1,
+                              retries={"mode": "standard", "total_max_attempts": 1}))
         try:
             self._ping_client.head_bucket(Bucket=self.bucket)
         except _ERRORS as e:
@@ -156,4 +160,5 @@ class S3Store(Store):
     def close(self) -> None:
         """Close the HTTP connection pools."""
         self.client.close()
-        self._ping_client.close()
+        if self._ping_client is not None:
+            self._ping_client.close()

@@ -1,0 +1,230 @@
+"""Store throughput: Zooid's stores next to the bare medium, measured in one run.
+
+For 1 MB and 100 MB float32 tensors, times put and get through each store (directory,
+Redis, S3 on moto) three ways, all in the same process and run:
+
+- raw: the medium with nothing of Zooid (shutil copying bytes to and from a file; a bare
+  redis-py SET/GET; a bare boto3 put_object/get_object),
+- store: `Store.put` / `Store.get` of the same bytes (key checks, atomic write, chunking,
+  multipart, accounting),
+- store+codec: `encode_tensors` + put, and get + `decode_tensors` (what a worker does).
+
+It starts its own redis-server and moto server on free 127.0.0.1 ports and stops them.
+Writes a markdown table and the command to `benchmarks/results/stores.md`.
+
+    .venv/bin/python -m benchmarks.bench_stores [--repeats-small 20] [--repeats-large 3]
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from training.store import Store
+from training.store_dir import DirectoryStore
+from training.store_redis import RedisStore
+from training.store_s3 import S3Store
+from training.tensor_codec import decode_tensors, encode_tensors
+
+MB = 1_000_000
+RESULTS = Path(__file__).resolve().parent / "results" / "stores.md"
+
+
+# --- servers (own process groups, free ports, stopped by pid) ---------------------------
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(argv: list[str], port: int, log: Path) -> subprocess.Popen:
+    """Start `argv` in its own session and wait until 127.0.0.1:`port` accepts connections."""
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return proc
+        except OSError:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{argv[0]} exited; see {log}")
+            time.sleep(0.05)
+    stop_server(proc)
+    raise RuntimeError(f"{argv[0]} did not listen on {port}; see {log}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM the server's process group, SIGKILL if it lingers."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+# --- measurements ------------------------------------------------------------------------
+
+def interleaved_medians(ops: dict[str, callable], repeats: int) -> dict[str, float]:
+    """Median wall time of each op over `repeats` rounds after a warm-up round.
+
+    Ops run round-robin (one of each per round) rather than one block each, so a burst
+    of load from other processes on the machine hits raw and store alike.
+    """
+    for fn in ops.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in ops}
+    for _ in range(repeats):
+        for name, fn in ops.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def raw_ops(medium: str, handle, data: bytes):
+    """(put, get) closures that use the medium directly, with nothing of Zooid."""
+    if medium == "directory":
+        path = Path(handle) / "raw.bin"
+
+        def put():
+            with open(path, "wb") as f:
+                shutil.copyfileobj(io.BytesIO(data), f, length=16 * 1024 * 1024)
+
+        def get():
+            out = io.BytesIO()
+            with open(path, "rb") as f:
+                shutil.copyfileobj(f, out, length=16 * 1024 * 1024)
+            return out.getvalue()
+    elif medium == "redis":
+        def put():
+            handle.set("raw", data)
+
+        def get():
+            return handle.get("raw")
+    else:
+        client, bucket = handle
+
+        def put():
+            client.put_object(Bucket=bucket, Key="raw", Body=data)
+
+        def get():
+            return client.get_object(Bucket=bucket, Key="raw")["Body"].read()
+    return put, get
+
+
+def measure(medium: str, store: Store, raw_handle, size: int, repeats: int) -> dict:
+    """Seconds per put and get: raw medium, store bytes, store with tensor codec."""
+    tensor = torch.randn(size // 4)
+    data = tensor.numpy().tobytes()
+    raw_put, raw_get = raw_ops(medium, raw_handle, data)
+    key = f"runs/bench/{size}"
+    row = interleaved_medians({
+        "raw_put": raw_put,
+        "raw_get": raw_get,
+        "store_put": lambda: store.put(key, data),
+        "store_get": lambda: store.get(key),
+        "codec_put": lambda: store.put(key, encode_tensors({"t": tensor})),
+        "codec_get": lambda: decode_tensors(store.get(key)),
+    }, repeats)
+    assert torch.equal(decode_tensors(store.get(key))[0]["t"], tensor)
+    store.delete_prefix("runs/bench/")
+    return row
+
+
+def table(rows: list[tuple[str, int, dict]]) -> str:
+    """Markdown table of throughputs (MB/s) and ratios to the raw medium."""
+    lines = ["| store | size | op | raw MB/s | store MB/s | store / raw | store+codec MB/s | store+codec / raw |",
+             "|---|---|---|---|---|---|---|---|"]
+    for medium, size, r in rows:
+        for op in ("put", "get"):
+            raw, st, co = (size / MB / r[f"{k}_{op}"] for k in ("raw", "store", "codec"))
+            lines.append(f"| {medium} | {size // MB} MB | {op} | {raw:,.0f} | {st:,.0f} | "
+                         f"{st / raw:.2f} | {co:,.0f} | {co / raw:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the benchmark and write benchmarks/results/stores.md."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats-small", type=int, default=20, help="repeats for 1 MB")
+    parser.add_argument("--repeats-large", type=int, default=3, help="repeats for 100 MB")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+
+    import boto3
+    import redis
+
+    work = Path(tempfile.mkdtemp(prefix="zooid-bench-stores-"))
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1"}
+    os.environ.update(env)
+    redis_port, moto_port = free_port(), free_port()
+    servers = []
+    try:
+        servers.append(start_server(
+            [shutil.which("redis-server") or "redis-server", "--bind", "127.0.0.1", "--port",
+             str(redis_port), "--save", "", "--appendonly", "no", "--dir", str(work)],
+            redis_port, work / "redis.log"))
+        moto = Path(sys.executable).with_name("moto_server")
+        servers.append(start_server([str(moto), "-H", "127.0.0.1", "-p", str(moto_port)],
+                                    moto_port, work / "moto.log"))
+        endpoint = f"http://127.0.0.1:{moto_port}"
+        s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+        s3.create_bucket(Bucket="bench")
+        media = [
+            ("directory", DirectoryStore(work / "store"), work),
+            ("redis", RedisStore(f"redis://127.0.0.1:{redis_port}/0"),
+             redis.Redis(port=redis_port, socket_timeout=120)),
+            ("s3 (moto)", S3Store("bench", "zooid", endpoint=endpoint), (s3, "bench")),
+        ]
+        rows = []
+        for size, repeats in ((1 * MB, args.repeats_small), (100 * MB, args.repeats_large)):
+            for medium, store, handle in media:
+                kind = medium.split()[0] if medium != "s3 (moto)" else "s3"
+                print(f"{medium} {size // MB} MB ...", file=sys.stderr, flush=True)
+                rows.append((medium, size, measure(kind, store, handle, size, repeats)))
+    finally:
+        for proc in servers:
+            stop_server(proc)
+        shutil.rmtree(work, ignore_errors=True)
+
+    command = ".venv/bin/python -m benchmarks.bench_stores" + "".join(
+        f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    text = "\n".join([
+        "# Store throughput: Zooid's stores next to the bare medium",
+        "",
+        f"Command: `{command}`  ",
+        f"Median of {args.repeats_small} (1 MB) / {args.repeats_large} (100 MB) interleaved "
+        f"rounds after a warm-up, float32 tensors, all servers on 127.0.0.1 ({os.cpu_count()} cores, shared). "
+        "raw = the medium alone (shutil file copy; bare redis-py SET/GET; bare boto3 "
+        "put_object/get_object); store = `Store.put`/`get` of the same bytes; store+codec "
+        "adds `encode_tensors`/`decode_tensors` (safetensors). The directory store fsyncs "
+        "every put (the raw copy does not); the raw directory get copies twice (into a BytesIO, "
+        "then out of it), the store reads once. S3 puts of 64 MB and more go multipart.",
+        "",
+        table(rows),
+        "",
+    ])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
