@@ -122,7 +122,7 @@ def up(home: Path | None = None, port: int | None = None) -> dict:
     try:
         _wait_healthy(api_url)
         _run([sys.executable, "-m", "deployments.bootstrap", "--target", "local"], env)
-        _run([_bin("prefect"), "--no-prompt", "deploy", "--name", "train/local", "--name", "worker/local"], env)
+        _run([_bin("prefect"), "--no-prompt", "deploy", "--name", "local"], env)
         pids["worker"] = _spawn([_bin("prefect"), "worker", "start", "--pool", POOL, "--type", "process"],
                                 env, home / "logs" / "worker.log")
         state_file(home).write_text(json.dumps(state, indent=1))
