@@ -1,0 +1,42 @@
+# Zooid: `make run` trains the default job on the local stack; `make test` runs the suite.
+SHELL := /bin/bash
+PY := .venv/bin/python
+PIP := .venv/bin/pip
+STAMP := .venv/.installed
+
+.PHONY: install run up down test bench clean redis
+
+$(STAMP): requirements.txt requirements.lock pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -r requirements.txt -c requirements.lock
+	$(PIP) install -q --no-deps -e .
+	touch $(STAMP)
+
+install: $(STAMP)
+
+## run: start the local stack, train the default job through train/local, print the report, stop everything
+run: install
+	$(PY) -m deployments.stack run $(foreach p,$(PARAMS),--param $(p))
+
+## up / down: leave the local stack running for the Prefect UI (writes .zooid/env)
+up: install
+	$(PY) -m deployments.stack up
+
+down:
+	@if [ -x $(PY) ]; then $(PY) -m deployments.stack down; fi
+
+redis:
+	@command -v redis-server >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq redis-server; \
+	  else sudo apt-get update -qq && sudo apt-get install -y -qq redis-server; fi; }
+
+## test: install (redis-server included) and run the whole suite
+test: install redis
+	$(PY) -m pytest -q -p no:cacheprovider --timeout=600 $(PYTEST_ARGS)
+
+bench: install redis
+	$(PY) -m benchmarks.run_all
+
+clean: down
+	rm -rf .zooid
