@@ -12,7 +12,7 @@ Redis, S3 on moto) three ways, all in the same process and run:
 It starts its own redis-server and moto server on free 127.0.0.1 ports and stops them.
 Writes a markdown table and the command to `benchmarks/results/stores.md`.
 
-    .venv/bin/python -m benchmarks.bench_stores [--repeats-small 20] [--repeats-large 3]
+    .venv/bin/python -m benchmarks.bench_stores [--repeats-small 50] [--repeats-large 3]
 """
 from __future__ import annotations
 
@@ -162,7 +162,7 @@ def table(rows: list[tuple[str, int, dict]]) -> str:
 def main(argv: list[str] | None = None) -> None:
     """Run the benchmark and write benchmarks/results/stores.md."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats-small", type=int, default=20, help="repeats for 1 MB")
+    parser.add_argument("--repeats-small", type=int, default=50, help="repeats for 1 MB")
     parser.add_argument("--repeats-large", type=int, default=3, help="repeats for 100 MB")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
