@@ -1,0 +1,88 @@
+"""The `train` flow end to end against a real Prefect API, inline target, directory store."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tasks.job import TrainJob
+
+pytestmark = pytest.mark.usefixtures("prefect_api")
+
+
+def _store_root() -> str:
+    from training.store_dir import default_store_url, path_from_url
+
+    return str(path_from_url(default_store_url()))
+
+
+def test_train_flow_trains_bills_and_cleans_up(tmp_path):
+    from flows.train import train
+    from tasks.cost import read_ledger
+    from tasks.sweep import tagged_pids
+    from training.store import open_store
+
+    store_url = f"file://{tmp_path}/store"
+    summary = train(TrainJob(workers=2, epochs=2, store=store_url, batch_size=16))
+    assert summary.status == "completed"
+    assert [e.epoch for e in summary.epochs] == [0, 1]
+    assert all(e.workers == 2 for e in summary.epochs)
+    assert summary.epochs[-1].val_accuracy > 0.5
+    assert summary.total_cost_usd > 0
+    store = open_store(store_url)
+    run = f"runs/{summary.run_id}"
+    # the summary, the ledger, the checkpoints and the plot are kept
+    saved = json.loads(store.get(f"{run}/summary.json"))
+    assert saved["status"] == "completed" and len(saved["epochs"]) == 2
+    ledger = read_ledger(store, summary.run_id)
+    kinds = [r["kind"] for r in ledger["rows"]]
+    assert kinds.count("worker") == 4 and kinds.count("coordinator") == 1
+    assert ledger["total_usd"] == pytest.approx(summary.total_cost_usd)
+    assert all(r["seconds"] > 0 and r["usd"] > 0 for r in ledger["rows"])
+    assert store.exists(f"{run}/ckpt/epoch-0001.safetensors")
+    assert store.get(f"{run}/report/curves.png")[:8] == b"\x89PNG\r\n\x1a\n"
+    # scratch is gone and no worker outlives the run
+    assert store.list(f"{run}/data/") == [] and store.list(f"{run}/sync/") == []
+    assert tagged_pids(summary.run_id) == []
+
+
+def test_target_accuracy_stops_early(tmp_path):
+    from flows.train import train
+
+    summary = train(TrainJob(workers=2, epochs=6, target_accuracy=0.05, store=f"file://{tmp_path}/s"))
+    assert summary.status == "target_reached"
+    assert len(summary.epochs) == 1
+
+
+def test_budget_stops_before_spending_it(tmp_path):
+    from flows.train import train
+
+    summary = train(TrainJob(workers=2, epochs=5, budget_usd=1e-9, store=f"file://{tmp_path}/s"))
+    assert summary.status == "budget_exhausted"
+    assert summary.epochs == []
+
+
+def test_injected_crash_fails_run_and_leaves_nothing(tmp_path, monkeypatch):
+    from flows.train import train
+    from tasks.cost import read_ledger
+    from tasks.sweep import tagged_pids
+    from training.store import open_store
+    from prefect.client.orchestration import get_client
+
+    monkeypatch.setenv("ZOOID_CHAOS", "crash_worker:epoch=0:rank=1")
+    store_url = f"file://{tmp_path}/store"
+    state = train(TrainJob(workers=2, epochs=1, store=store_url), return_state=True)
+    assert state.is_failed()
+    store = open_store(store_url)
+    runs = store.list("runs/")
+    run_id = runs[0].split("/")[1]
+    assert tagged_pids(run_id) == []
+    assert store.list(f"runs/{run_id}/sync/") == [] and store.list(f"runs/{run_id}/data/") == []
+    ledger = read_ledger(store, run_id)
+    failed = [r for r in ledger["rows"] if r["kind"] == "failed_attempt"]
+    # three attempts (two retries) of two workers, every one billed
+    assert {r["attempt"] for r in failed} == {0, 1, 2}
+    assert len(failed) == 6 and all(r["usd"] > 0 for r in failed)
+    summary = json.loads(store.get(f"runs/{run_id}/summary.json"))
+    assert summary["status"] == "failed" and "did not complete" in summary["error"]
