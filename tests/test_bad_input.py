@@ -1,0 +1,51 @@
+"""Bad input is refused before anything is provisioned: one line naming the field, exit 2,
+no run directory and no cost."""
+from __future__ import annotations
+
+import pytest
+
+from flows.train import main
+
+pytestmark = pytest.mark.usefixtures("prefect_api")
+
+CASES = [
+    (["workers=0"], "workers"),
+    (["workers=-3"], "workers"),
+    (["epochs=0"], "epochs"),
+    (["batch_size=0"], "batch_size"),
+    (["lr=0"], "lr"),
+    (["lr=-0.1"], "lr"),
+    (["lr=nan"], "lr"),
+    (["model=no_such_model"], "model"),
+    (["dataset=no_such_data"], "dataset"),
+    (["strategy=telepathy"], "strategy"),
+    (["target=mars"], "target"),
+    (["batch_size=100000"], "batch_size"),
+    (["store=redis://127.0.0.1:1"], "store"),
+    (["model=os:system"], "model"),
+    (["model=json:dumps"], "model"),
+    (["workers=two"], "workers"),
+    (["optimizer=lbfgs"], "optimizer"),
+    (["colour=blue"], "colour"),
+]
+
+
+@pytest.mark.parametrize("params,field", CASES, ids=[c[0][0] for c in CASES])
+def test_refused_with_field_named(params, field, tmp_path, capsys):
+    store = tmp_path / "store"
+    argv = [a for p in params for a in ("--param", p)]
+    if not any(p.startswith("store=") for p in params):
+        argv += ["--param", f"store=file://{store}"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith(f"error: {field}:"), err[0]
+    assert not (store / "runs").exists()
+
+
+def test_user_model_factory_by_import_path_is_accepted():
+    from tasks.job import TrainJob
+    from tasks.validate import validate_job
+
+    resolved = validate_job(TrainJob(model="tests.user_models:tiny_mlp"))
+    assert resolved.n_train == 1437
