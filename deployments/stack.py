@@ -166,6 +166,13 @@ def run_deployed(params: dict, home: Path | None = None, timeout_s: float = 1800
     home = home or zooid_home()
     state = read_state(home)
     os.environ.update(state["env"])
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: state["api_url"]}):
+        return _run_and_wait(params, timeout_s)
+
+
+def _run_and_wait(params: dict, timeout_s: float) -> dict:
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
 

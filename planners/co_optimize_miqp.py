@@ -88,6 +88,8 @@ def build_model(problem: CoOptProblem) -> tuple[_Model, dict]:
     p = problem
     L, J = p.num_layers, p.num_options
     degrees = list(p.valid_degrees())
+    if not degrees:
+        raise ValueError("dp_degrees: no degree divides microbatches, so there is no model")
     mus = [p.microbatches // d for d in degrees]
     beta, lat = p.contention, p.latency_s
     W = p.bandwidth_bytes_per_s

@@ -1,0 +1,52 @@
+"""The local stack for real: Prefect server, `zooid-local` process pool, one Prefect worker,
+and `train/local` fanning out `worker/local` flow runs through `run_deployment`."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_train_local_deployment_through_process_pool(tmp_path):
+    home = tmp_path / "zooid"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(ZOOID_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1")
+    proc = subprocess.run([sys.executable, "-m", "deployments.stack", "run", "--param", "workers=3",
+                           "--param", "epochs=2", "--param", "batch_size=32"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = proc.stdout
+    assert "completed" in report and "total cost $" in report
+
+    # the run honoured both parameters, and its summary and ledger are in the store
+    runs = list((home / "store" / "runs").iterdir())
+    assert len(runs) == 1
+    summary = json.loads((runs[0] / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    assert [e["workers"] for e in summary["epochs"]] == [3, 3]
+    ledger = json.loads((runs[0] / "cost.json").read_text())
+    assert sum(r["kind"] == "worker" for r in ledger["rows"]) == 6 and ledger["total_usd"] > 0
+
+    # worker results were persisted as JSON (never pickle) where the coordinator read them
+    results = [p for p in (home / "results").iterdir() if p.is_file()]
+    worker_results = []
+    for path in results:
+        doc = json.loads(path.read_text())  # every persisted result is JSON
+        assert "pickle" not in json.dumps(doc.get("metadata", {})).lower()
+        if isinstance(doc.get("result"), str) and '"train_loss"' in doc["result"]:
+            worker_results.append(json.loads(doc["result"]))
+    assert len(worker_results) == 6
+    assert {r["rank"] for r in worker_results} == {0, 1, 2}
+
+    # `run` stopped everything it started
+    assert not (home / "stack.json").exists()
+    from tasks.sweep import tagged_pids
+
+    assert tagged_pids(runs[0].name) == []
