@@ -34,8 +34,10 @@ import numpy as np
 from planners.co_optimize import MEMORY_SLACK, CoOptProblem, Plan
 
 _PRUNE_SLACK = 1e-9   # keep labels whose bound ties the incumbent up to rounding
-_HEURISTIC_BEAM = 4
+_HEURISTIC_BEAM = 8
 _CAP_CLASSES = 8      # classes of prefix plans by largest stage work, for bounds
+_NO_PLAN = 1e300      # hull padding
+_SMALL = 8            # up to this many layers, skip the beam pass and use fewer classes
 
 
 def solve_exact(problem: CoOptProblem) -> Plan | None:
@@ -44,8 +46,10 @@ def solve_exact(problem: CoOptProblem) -> Plan | None:
     incumbent: tuple[float, Plan] | None = None
     # A cheap beam pass over every degree gives a first bound, then each degree is solved
     # exactly, most promising first.
-    heuristic = {}
+    heuristic = {d: 0.0 for d in tables}
     for d, tab in tables.items():
+        if problem.num_layers <= _SMALL:
+            break       # small problems: the exact passes are cheaper than the beam pass
         found = _search(tab, upper=np.inf, beam=_HEURISTIC_BEAM)
         heuristic[d] = found[0] if found else np.inf
         if found and (incumbent is None or found[0] < incumbent[0]):
@@ -115,7 +119,7 @@ class _Tables:
         pre_f/pre_b: least compute; pre_xf/pre_mb: the largest single-layer least compute
         (some stage holds that layer); cut_*_lb: the prefix side of the cut before layer a at
         the fastest link; hull[a]: the lower-left convex hull of (time, rate) over all prefix
-        plans, time = compute + transfers that add up. The objective bound built from a hull
+        plans, time = compute + transfers that add up + the first stage's sync. The objective bound built from a hull
         is a product of two positive affine functions of (time, rate), which is
         quasi-concave, so its least value over all prefix plans is taken at a hull vertex.
         """
@@ -134,16 +138,19 @@ class _Tables:
         # lags add at least (mu - 1) * caps[g], and the plans of class g are among those whose
         # stages all have work <= caps[g+1], so hull g is built from those stages alone.
         values = np.unique(work[self.fit])
-        inner = np.quantile(values, np.linspace(0, 1, _CAP_CLASSES + 1)[1:-1]) if len(values) else []
+        classes = _CAP_CLASSES if L > _SMALL else 2
+        inner = np.quantile(values, np.linspace(0, 1, classes + 1)[1:-1]) if len(values) else []
         self.caps = np.concatenate([[0.0], np.unique(inner), [np.inf]])
         hulls = [self._hulls(work, rate, self.fit & (work <= cap)) for cap in self.caps[1:]]
         width = max(1, max(len(h) for hull in hulls for h in hull))
-        self.hull_t = np.full((L + 1, len(hulls), width), np.inf)   # [a, class, point]
+        # Padding is a huge finite time (not inf, so a zero rate cannot make NaN): a padded
+        # entry only ever gives a larger, still valid, bound.
+        self.hull_t = np.full((L + 1, len(hulls), width), _NO_PLAN)   # [a, class, point]
         self.hull_r = np.zeros((L + 1, len(hulls), width))
         for g, hull in enumerate(hulls):
             for a, h in enumerate(hull):
                 self.hull_t[a, g, :len(h)], self.hull_r[a, g, :len(h)] = h[:, 0], h[:, 1]
-        self.least_rate = np.where(np.isfinite(self.hull_t[:, -1]), self.hull_r[:, -1], np.inf).min(axis=1)
+        self.least_rate = np.where(self.hull_t[:, -1] < _NO_PLAN, self.hull_r[:, -1], np.inf).min(axis=1)
 
     def _hulls(self, work, rate, allowed):
         """hull[a] for a = 0..L over prefix plans made of `allowed` [a, b, j] stages."""
@@ -155,6 +162,8 @@ class _Tables:
         for b in range(1, L + 1):
             fit = allowed[pts_a, b - 1]                                   # [n, J]
             t = pts_t[:, None] + work[pts_a, b - 1] + enter[pts_a]
+            # The model's first stage syncs after its whole backward pass: t >= t_b(1) + Sy_1.
+            t = t + np.where(pts_a == 0, 1.0, 0.0)[:, None] * self.sync[0, b - 1][None, :]
             r = pts_r[:, None] + rate[None, :]
             cand = np.stack([t[fit], r[fit]], axis=1)
             new = _lower_hull(cand) if len(cand) else np.empty((0, 2))
@@ -213,14 +222,15 @@ def _search(tab: _Tables, upper: float, beam: int | None) -> tuple[float, Plan] 
                 labels[a].append((np.empty((0, 6)), np.empty((0, 3), dtype=int)))
                 continue
             vals, back = np.concatenate(cand_vals[j]), np.concatenate(cand_back[j])
-            bound = _lower_bound(tab, a, j, vals, lag, joint=beam is None)
-            keep = bound <= limit
-            vals, back, bound = vals[keep], back[keep], bound[keep]
             if beam is not None:
-                if len(vals) > beam:
-                    best = np.argpartition(bound, beam - 1)[:beam]
-                    vals, back = vals[best], back[best]
+                # Heuristic pass: shortlist by the cheap bound, keep the best by the full one.
+                vals, back = _shortlist(vals, back, _lower_bound(tab, a, j, vals, lag, joint=False), 4 * beam)
+                vals, back = _shortlist(vals, back, _lower_bound(tab, a, j, vals, lag), beam)
             else:
+                keep = _lower_bound(tab, a, j, vals, lag, joint=False) <= limit
+                vals, back = vals[keep], back[keep]
+                keep = _lower_bound(tab, a, j, vals, lag) <= limit
+                vals, back = vals[keep], back[keep]
                 keep = _pareto(vals)
                 vals, back = vals[keep], back[keep]
             labels[a].append((vals, back))
@@ -230,6 +240,14 @@ def _search(tab: _Tables, upper: float, beam: int | None) -> tuple[float, Plan] 
                 pool_j.append(np.full(len(vals), j))
                 pool_idx.append(np.arange(len(vals)))
     return _best_complete(tab, labels, lag)
+
+
+def _shortlist(vals, back, score, count):
+    """The `count` labels of least score (all of them when there are fewer)."""
+    if len(vals) <= count:
+        return vals, back
+    best = np.argpartition(score, count - 1)[:count]
+    return vals[best], back[best]
 
 
 def _extend(tab, a, lag, vals, src_a, src_j, src_idx, cand_vals, cand_back):
