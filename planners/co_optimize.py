@@ -384,7 +384,7 @@ def co_optimize(doc: dict) -> dict:
 def _solver_fields(solved: Solved) -> dict:
     fields = {"solver": solved.solver, "status": solved.status}
     if solved.status != "optimal":
-        fields["gap"] = solved.gap
+        fields["gap"] = solved.gap if math.isfinite(solved.gap) else None  # None: no bound
     if solved.fallback:
         fields["fallback"] = solved.fallback
     return fields
@@ -441,7 +441,6 @@ def recommend(cheapest: dict, sweep: list[dict]) -> dict:
         dlt = delta(cheapest, answer)
         if dlt >= DELTA_THRESHOLD and answer["t_iter_s"] < best["t_iter_s"]:
             best = dict(answer, delta=dlt)
-    best = {key: value for key, value in best.items() if key != "weights"}
     if math.isinf(best["delta"]):
         best["delta"] = None  # JSON has no infinity: null means "at most as costly as c_mc"
     return best

@@ -21,11 +21,18 @@ state cannot lead to a better plan: dropping it (Pareto dominance) keeps the sea
 Components that cannot matter are zeroed so dominance bites harder: the lags when mu = 1,
 R when alpha1 = 0.
 
-Pruning: a lower bound of the objective of any completion of a label (the placed part plus
-the least compute and rate the remaining layers can need) is compared with the best plan
-found so far; a heuristic pass (the same DP keeping few labels per state) supplies the
-first upper bound. Ties keep one optimum. Exactness is checked against brute force in
-tests/test_planners_co_optimize.py.
+Pruning: every label gets a lower bound on the objective of any completion, and labels
+whose bound exceeds the best plan found so far are dropped. The bound combines the placed
+suffix with, for the layers still to place, the lower-left convex hull of (time, rate) over
+all prefix plans (compute, transfers and the first stage's sync, which add up). The
+objective is a product of two positive affine functions of (time, rate), so it is
+quasi-concave and its least value over all prefix plans is taken at a hull vertex. The
+(mu - 1) lag terms are not additive, so prefix plans are split into classes by their
+largest stage work Z: class g holds plans with Z in [caps[g], caps[g+1]), its hull is built
+from stages of work <= caps[g+1] only, and it is credited a lag of at least
+(mu - 1) * caps[g]. A heuristic pass (the same DP keeping few labels per state) supplies the
+first upper bound, and a whole degree is skipped when its bound cannot beat it. Ties keep
+one optimum. Exactness is checked against brute force in tests/test_planners_co_optimize.py.
 """
 from __future__ import annotations
 
@@ -227,8 +234,9 @@ def _search(tab: _Tables, upper: float, beam: int | None) -> tuple[float, Plan] 
                 vals, back = _shortlist(vals, back, _lower_bound(tab, a, j, vals, lag, joint=False), 4 * beam)
                 vals, back = _shortlist(vals, back, _lower_bound(tab, a, j, vals, lag), beam)
             else:
-                keep = _lower_bound(tab, a, j, vals, lag, joint=False) <= limit
-                vals, back = vals[keep], back[keep]
+                if len(vals) > 64:     # many labels: drop the hopeless ones cheaply first
+                    keep = _lower_bound(tab, a, j, vals, lag, joint=False) <= limit
+                    vals, back = vals[keep], back[keep]
                 keep = _lower_bound(tab, a, j, vals, lag) <= limit
                 vals, back = vals[keep], back[keep]
                 keep = _pareto(vals)
