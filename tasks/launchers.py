@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tasks.sweep import TAG_VAR, stop_pids
+from tasks.sweep import COORDINATOR_VAR, TAG_VAR, stop_pids
 from training.specs import WorkerResult, WorkerSpec
 
 FINAL = ("completed", "failed", "crashed", "timeout", "cancelled")
@@ -93,7 +93,7 @@ class InlineLauncher:
     def launch(self, spec: WorkerSpec) -> WorkerOutcome:
         """Start one worker process for `spec`."""
         log = self.log_dir / f"e{spec.epoch}-r{spec.rank}-a{spec.attempt}.log"
-        env = {**os.environ, **self.env, TAG_VAR: self.run_id}
+        env = {**os.environ, **self.env, TAG_VAR: self.run_id, COORDINATOR_VAR: str(os.getpid())}
         with open(log, "wb") as out:
             proc = subprocess.Popen([sys.executable, "-m", "training.worker_main", "--spec-json",
                                      json.dumps(spec.to_dict())],

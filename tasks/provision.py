@@ -52,6 +52,9 @@ def provision(ctx: RunContext, plan: Plan) -> dict:
     from training.checkpoint import initial_checkpoint
     from training.datasets import publish_dataset
 
+    from tasks.sweep import sweep_orphans
+
+    sweep_orphans()  # workers of coordinators that died earlier must not train on
     target = ctx.resolved.target
     if target.remote:
         check_deployment(target.worker_deployment)

@@ -12,12 +12,12 @@ import time
 from pathlib import Path
 
 TAG_VAR = "ZOOID_RUN_ID"
+COORDINATOR_VAR = "ZOOID_COORDINATOR_PID"
 
 
-def tagged_pids(run_id: str) -> list[int]:
-    """Pids of live processes whose environment carries `ZOOID_RUN_ID=<run_id>`."""
-    needle = f"{TAG_VAR}={run_id}".encode()
-    pids = []
+def _tagged_processes() -> dict[int, dict[str, str]]:
+    """Live processes carrying a Zooid run tag: pid -> their Zooid variables."""
+    found = {}
     me = os.getpid()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == me:
@@ -27,9 +27,27 @@ def tagged_pids(run_id: str) -> list[int]:
             state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except (OSError, IndexError):
             continue
-        if state != "Z" and needle in env.split(b"\0"):
-            pids.append(int(entry.name))
-    return sorted(pids)
+        if state == "Z" or f"{TAG_VAR}=".encode() not in env:
+            continue
+        pairs = dict(item.split(b"=", 1) for item in env.split(b"\0") if b"=" in item)
+        found[int(entry.name)] = {k.decode(): pairs[k].decode(errors="replace")
+                                  for k in (TAG_VAR.encode(), COORDINATOR_VAR.encode()) if k in pairs}
+    return found
+
+
+def tagged_pids(run_id: str) -> list[int]:
+    """Pids of live processes whose environment carries `ZOOID_RUN_ID=<run_id>`."""
+    return sorted(pid for pid, tags in _tagged_processes().items() if tags.get(TAG_VAR) == run_id)
+
+
+def orphan_pids() -> list[int]:
+    """Tagged worker processes whose coordinator process is gone."""
+    orphans = []
+    for pid, tags in _tagged_processes().items():
+        coordinator = tags.get(COORDINATOR_VAR, "")
+        if coordinator.isdigit() and not _alive(int(coordinator)):
+            orphans.append(pid)
+    return sorted(orphans)
 
 
 def stop_pids(pids: list[int], grace_s: float = 3.0) -> list[int]:
@@ -66,3 +84,27 @@ def _alive(pid: int) -> bool:
 def sweep_run(run_id: str) -> list[int]:
     """Stop every process tagged with `run_id`; return the pids stopped."""
     return stop_pids(tagged_pids(run_id))
+
+
+def sweep_orphans() -> list[int]:
+    """Stop every worker whose coordinator died (run at the start of each run and by hand)."""
+    return stop_pids(orphan_pids())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m tasks.sweep RUN_ID` stops a run's workers; `--orphans` those whose coordinator died."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m tasks.sweep", description=main.__doc__)
+    parser.add_argument("run_id", nargs="?")
+    parser.add_argument("--orphans", action="store_true")
+    args = parser.parse_args(argv)
+    if not args.run_id and not args.orphans:
+        parser.error("give a run id or --orphans")
+    stopped = sweep_orphans() if args.orphans else sweep_run(args.run_id)
+    print(f"stopped {len(stopped)} process(es): {stopped}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
