@@ -1,0 +1,114 @@
+"""What the ECS, ACI and Kubernetes modules share: a worker's life on the cloud's clock, its
+ledger rows, and the worker pool's job configuration.
+
+Each cloud module turns its API's view of one worker's infrastructure (an ECS task, an ACI
+container group, a pod) into a `CloudInterval`: when the cloud started billing, when it
+stopped, and whether the worker was ever placed. `cloud_records` prices the intervals with
+the catalog into `CostRecord` rows, one per attempt (a retried epoch is billed for every
+attempt), with placements that never started listed separately as `failed_placement` at
+zero dollars. `replace_measured` swaps the coordinator's launch-to-exit estimates for the
+cloud's own numbers where the cloud reported them.
+"""
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from typing import Iterable
+
+from tasks.cost import CostRecord
+
+FLOW_RUN_ID_LABEL = "prefect.io/flow-run-id"
+_ATTEMPT_NAME = re.compile(r"-e(?P<epoch>\d+)-r(?P<rank>\d+)-a(?P<attempt>\d+)$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CloudInterval:
+    """One worker's infrastructure as its cloud reported it (epoch seconds, UTC)."""
+
+    resource: str
+    """Task ARN, container group name or pod name."""
+    flow_run_id: str | None
+    """The worker flow run it carried (from the `prefect.io/flow-run-id` tag, label or name)."""
+    billed_from: float | None
+    """When billing began: image pull start on Fargate and ACI, container start on Kubernetes."""
+    stopped: float | None
+    """When it stopped (None: still running)."""
+    status: str
+    """`completed`, `failed`, `running` or `failed_placement` (never started)."""
+    created: float | None = None
+    started: float | None = None
+    """When the worker's container started running (after the pull)."""
+    reason: str = ""
+
+    @property
+    def startup_s(self) -> float | None:
+        """Seconds from creation to a running container (the pre-start planner's input)."""
+        if self.created is None or self.started is None:
+            return None
+        return max(0.0, self.started - self.created)
+
+
+def attempt_of(flow_run_name: str | None) -> tuple[int, int, int] | None:
+    """(epoch, rank, attempt) from a worker flow run name `<run_id>-e<E>-r<R>-a<A>`."""
+    m = _ATTEMPT_NAME.search(flow_run_name or "")
+    return (int(m["epoch"]), int(m["rank"]), int(m["attempt"])) if m else None
+
+
+def cloud_records(run_id: str, intervals: Iterable[CloudInterval], attempts: dict[str, tuple[int, int, int]],
+                  offer, price_per_s: float, now: float | None = None) -> list[CostRecord]:
+    """Ledger rows from the cloud's clock.
+
+    `attempts` maps a worker flow run id to its (epoch, rank, attempt), as the launcher knows
+    it; intervals of unknown flow runs (a straggler found by the sweep) are billed too, with
+    no epoch. A worker still running is billed up to `now`.
+    """
+    now = time.time() if now is None else now
+    rows = []
+    for iv in intervals:
+        epoch, rank, attempt = attempts.get(iv.flow_run_id or "", (None, None, None))
+        label = f"e{epoch} r{rank} a{attempt}" if epoch is not None else iv.resource.rsplit("/", 1)[-1]
+        if iv.status == "failed_placement":
+            at = iv.created or iv.stopped or now
+            rows.append(CostRecord(run_id=run_id, resource=f"placement {label}", kind="failed_placement",
+                                   offer=offer.name, start=at, stop=iv.stopped or at, unit_price_per_s=0.0,
+                                   status="failed_placement", epoch=epoch, rank=rank, attempt=attempt))
+            continue
+        start = iv.billed_from if iv.billed_from is not None else (iv.started or iv.created or now)
+        kind = "failed_attempt" if iv.status == "failed" else "worker"  # running: billed up to now
+        rows.append(CostRecord(run_id=run_id, resource=f"worker {label}", kind=kind, offer=offer.name,
+                               start=start, stop=iv.stopped if iv.stopped is not None else now,
+                               unit_price_per_s=price_per_s, status=iv.status, epoch=epoch, rank=rank,
+                               attempt=attempt))
+    return rows
+
+
+def replace_measured(rows: list[CostRecord], cloud_rows: list[CostRecord]) -> list[CostRecord]:
+    """The ledger with each worker attempt the cloud reported billed on the cloud's clock.
+
+    Rows of the same (epoch, rank, attempt) measured by the coordinator are dropped in favour
+    of the cloud's; every other row (coordinator, attempts the cloud no longer lists) is kept.
+    """
+    reported = {(r.epoch, r.rank, r.attempt) for r in cloud_rows if r.epoch is not None}
+    kept = [r for r in rows if r.kind not in ("worker", "failed_attempt")
+            or (r.epoch, r.rank, r.attempt) not in reported]
+    return kept + list(cloud_rows)
+
+
+def pool_job_configuration(config_cls, work_pool: str, job_variables: dict | None = None, client=None):
+    """The job configuration a worker of `work_pool` would build for `job_variables`.
+
+    This is how the sweep and the cost collector reach the same account, cluster, resource
+    group or namespace as the workers, with the credentials block the pool names, and no
+    secret passed as a parameter.
+    """
+    from prefect.client.orchestration import get_client
+    from prefect.utilities.asyncutils import run_coro_as_sync
+
+    async def _build():
+        async with get_client() as api:
+            pool = await api.read_work_pool(work_pool)
+            return await config_cls.from_template_and_values(pool.base_job_template, job_variables or {},
+                                                             client=client or api)
+
+    return run_coro_as_sync(_build())
