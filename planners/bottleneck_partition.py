@@ -118,14 +118,18 @@ class _Chain:
 
 
 def solve_chain(*, cut_values: np.ndarray, comm_weight: float, terms: Sequence[MaxTerm],
-                max_stages: int, allowed: np.ndarray | None = None) -> dict[int, ChainSolution]:
+                max_stages: int, allowed: np.ndarray | None = None,
+                use_bounds: bool = True) -> dict[int, ChainSolution]:
     """The exact least-score partition for every stage count 1..min(max_stages, L).
 
     `cut_values[i]` is the value of a cut after layer i (length L - 1); `allowed[a, b]`
     (optional) says whether a stage may span layers a..b (e.g. it fits in memory). Stage
-    counts with no allowed partition are absent from the answer."""
+    counts with no allowed partition are absent from the answer. `use_bounds=False` runs
+    the dominance DP alone (slower; exact either way, and tests check both)."""
     chain = _Chain(cut_values, comm_weight, terms, max_stages, allowed)
     bounds = np.full(chain.top + 1, np.inf)
+    if not use_bounds:
+        return _run(chain, None, bounds)
     # Two cheap passes (one label per state, then a few) give upper bounds; the last pass
     # keeps every label that the bounds and dominance cannot exclude.
     for beam in (1, _BEAM, None):
