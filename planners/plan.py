@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from planners.sync_time import scatter_reduce
+
 
 @dataclass(frozen=True, kw_only=True)
 class Plan:
@@ -61,14 +63,6 @@ class Plan:
         return cls(**kw)
 
 
-def store_allreduce_s(nbytes: float, workers: int, bandwidth: float, latency: float) -> float:
-    """Seconds for one decentralised average of `nbytes` through a store (scatter-reduce then
-    all-gather; FuncPipe Eq. 1 with its three phases)."""
-    if workers <= 1:
-        return 0.0
-    return 3 * nbytes / bandwidth - 2 * nbytes / (workers * bandwidth) + 4 * latency
-
-
 def plan_local_sgd(*, workers: int, train_samples: int, batch_size: int, sync_period: int | None,
                    step_s: float, sync_bytes: float, bandwidth: float, latency: float,
                    worker_vcpu: float, worker_memory_gb: float, worker_gpu: int,
@@ -81,7 +75,8 @@ def plan_local_sgd(*, workers: int, train_samples: int, batch_size: int, sync_pe
         raise ValueError(f"workers: must be >= 1, got {workers}")
     steps = max(1, math.ceil(train_samples / (workers * batch_size)))
     syncs = 1 if sync_period is None else math.ceil(steps / sync_period)
-    sync_s = store_allreduce_s(sync_bytes, workers, bandwidth, latency) * syncs
+    # the decentralised average is a scatter-reduce then all-gather (FuncPipe Eq. 1)
+    sync_s = scatter_reduce(sync_bytes, workers, bandwidth, latency) * syncs
     epoch_s = steps * step_s + sync_s
     return Plan(strategy="local_sgd", data_parallel=workers, sync_period=sync_period,
                 steps_per_epoch=steps, batch_size=batch_size, worker_vcpu=worker_vcpu,

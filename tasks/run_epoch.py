@@ -39,6 +39,18 @@ def worker_specs(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, 
     job = ctx.job
     shards = assign_subsets(ctx.dataset["n_subsets"], plan.data_parallel, epoch, job.seed)
     timeout = 300.0 if ctx.resolved.target.remote else 120.0
+    if plan.strategy in ("pipeline", "hybrid"):
+        from training.pipeline_executor import pipeline_worker_specs
+
+        base = WorkerSpec(run_id=ctx.run_id, epoch=epoch, rank=0, world=plan.workers,
+                          store_url=ctx.store_ref, model=job.model, dataset=job.dataset,
+                          subsets=(), steps=plan.steps_per_epoch, batch_size=job.batch_size, lr=lr,
+                          optimizer=job.optimizer, seed=job.seed, init_key=init,
+                          out_key=epoch_key(ctx, epoch), sync_timeout_s=timeout, attempt=attempt,
+                          extra={"strategy": plan.strategy})
+        # a planner cut i splits after layer i; the executor's cut is where a stage begins
+        return pipeline_worker_specs(base, cuts=[c + 1 for c in plan.cuts], microbatches=plan.microbatches,
+                                     replica_subsets=shards)
     return [WorkerSpec(run_id=ctx.run_id, epoch=epoch, rank=rank, world=plan.data_parallel,
                        store_url=ctx.store_ref, model=job.model, dataset=job.dataset,
                        subsets=tuple(shards[rank]), steps=plan.steps_per_epoch,
@@ -50,11 +62,15 @@ def worker_specs(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, 
 
 
 def summarise(plan: Plan, outcomes: list[dict], wall_s: float) -> dict:
-    """Epoch metrics from the workers' reports."""
+    """Epoch metrics from the workers' reports. In a pipeline every stage reports its
+    replica's loss and samples, so only the first stages count; the worker that wrote the
+    checkpoint (replica 0's last stage) reports validation."""
     results = [o["result"] for o in outcomes]
-    samples = sum(r["samples"] for r in results)
-    loss = sum(r["train_loss"] * r["samples"] for r in results) / max(1, samples)
-    rank0 = next(r for r in results if r["rank"] == 0)
+    firsts = [r for r in results if r["rank"] % plan.stages == 0]
+    samples = sum(r["samples"] for r in firsts)
+    loss = sum(r["train_loss"] * r["samples"] for r in firsts) / max(1, samples)
+    rank0 = next(r for r in results if r.get("checkpoint_key")) if plan.stages > 1 else \
+        next(r for r in results if r["rank"] == 0)
     per_step = max((r["compute_s"] + r["sync_s"]) / max(1, plan.steps_per_epoch) for r in results)
     return {"train_loss": loss, "val_loss": rank0.get("val_loss"), "val_accuracy": rank0.get("val_accuracy"),
             "samples": samples, "seconds": wall_s, "samples_per_s": samples / max(wall_s, 1e-9),
@@ -71,9 +87,12 @@ def run_epoch(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float) -> 
     from training.local_sgd import sync_group
 
     attempt = max(0, (task_run.run_count or 1) - 1)
+    from training.pipeline_executor import activation_prefix
+
     store = ctx.open_store()
-    try:
+    try:  # no worker of this attempt may read a failed attempt's slices or activations
         store.delete_prefix(sync_group(ctx.run_id, epoch) + "/")
+        store.delete_prefix(activation_prefix(ctx.run_id, epoch) + "/")
     finally:
         store.close()
     launcher = make_launcher(ctx, plan)

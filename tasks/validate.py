@@ -15,7 +15,7 @@ from planners.catalog import Offer, get_offer
 from tasks.job import TrainJob
 from training.errors import StoreError, ZooidValueError
 
-SUPPORTED_STRATEGIES = ("auto", "local_sgd")
+SUPPORTED_STRATEGIES = ("auto", "local_sgd", "pipeline", "hybrid")
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,20 @@ def open_checked_store(store_ref: str):
     return store
 
 
+def check_pipeline_shape(job: TrainJob) -> None:
+    """A pipeline needs a model of at least `stages` top-level layers and a batch that splits
+    into whole micro-batches."""
+    from training.models import build_model
+    from training.stages import sequential_children
+
+    children = sequential_children(build_model(job.model, job.seed))  # names the model if unsplittable
+    if job.stages is not None and not 2 <= job.stages <= len(children):
+        raise ZooidValueError("stages", f"must be 2..{len(children)} for {job.model} "
+                              f"({len(children)} top-level layers), got {job.stages}")
+    if job.microbatches is not None and job.batch_size % job.microbatches:
+        raise ZooidValueError("microbatches", f"{job.microbatches} does not divide batch_size {job.batch_size}")
+
+
 def validate_job(job: TrainJob, *, check_store: bool = True) -> ResolvedJob:
     """Check everything about `job` that pydantic cannot; raise ZooidValueError naming the field."""
     from training.datasets import load_dataset, validate_dataset
@@ -84,6 +98,8 @@ def validate_job(job: TrainJob, *, check_store: bool = True) -> ResolvedJob:
     if job.strategy not in SUPPORTED_STRATEGIES:
         raise ZooidValueError("strategy", f"{job.strategy!r} is not available yet; use one of "
                               f"{', '.join(SUPPORTED_STRATEGIES)}")
+    if job.strategy in ("pipeline", "hybrid"):
+        check_pipeline_shape(job)
     try:
         target = resolve_target(job.target)
     except ValueError as exc:
