@@ -1,23 +1,49 @@
-"""Profile a model on the hardware it will train on, and the store it will sync through.
+"""Profile a model on the hardware it will train on, and the links it will sync through.
 
-Per top-level layer: forward and backward seconds per micro-batch (median of repeats after
-warm-up), output bytes, parameter bytes. Whole model: one optimizer step's seconds at the
-job's batch size, parameter bytes, peak resident memory. Store: timed puts and gets of
-several sizes fitted to `bytes / bandwidth + latency`.
+What the planners need, measured rather than guessed:
+
+- per top-level layer (children of an `nn.Sequential`, or of any model whose children run
+  in order; other models get one whole-model "layer"): forward and backward seconds per
+  micro-batch (median of repeats after warm-up), output bytes, activation bytes (what
+  autograd keeps for the backward pass, counted with saved-tensor hooks), parameter bytes;
+- whole model: one optimizer step's seconds at the job's batch size, forward and backward
+  seconds per micro-batch, peak memory of a training step (see `measure_peak_memory` for
+  what is counted on CPU and on CUDA), the base memory s0 of a fresh worker process;
+- how step time scales with vCPUs (Amdahl's law fitted to steps at 1 thread and at every
+  core; `vcpu_factor`), so per-offer timings can be scaled to an offer's vCPU count;
+- the links (not cached: a store's speed depends on where it runs): the store's bandwidth
+  and latency (`profile_store`), the contention factor beta (compute slowdown while
+  transfers run, FuncPipe Sec. 3.4.2; `measure_contention`), and the allreduce alpha/beta
+  fitted to timed collectives (`measure_allreduce`).
+
+`to_planner_layers` turns a profile into the `layers` list of the planners' JSON contract
+(PLANNER_SPEC.md). Profiling leaves the model's weights and buffers as it found them.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
+import json
+import os
 import platform
 import resource
 import statistics
+import subprocess
+import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 from torch import nn
+
+from training.errors import ZooidError, ZooidValueError
+
+# --- the data ------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,6 +55,10 @@ class LayerProfile:
     backward_s: float
     output_bytes: int
     param_bytes: int
+    activation_bytes: int = 0
+    """Bytes autograd keeps from this layer's forward until its backward (parameters not
+    counted). Each layer is measured on its own input, so a tensor two neighbours both keep
+    (a ReLU's output, the next Linear's input) counts in both: per-stage sums err safe."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,85 +72,460 @@ class ModelProfile:
     """Seconds for one forward + backward + optimizer step at `batch_size`."""
     param_bytes: int
     peak_rss_bytes: int
+    """Peak resident memory of the profiling process so far (ru_maxrss)."""
     layers: tuple[LayerProfile, ...] = ()
     store_bandwidth_bytes_per_s: float = 1e9
     store_latency_s: float = 1e-3
     hardware: str = ""
     extra: dict = field(default_factory=dict)
+    microbatch_size: int = 0
+    """Samples per micro-batch the layer figures are for (0: same as `batch_size`)."""
+    forward_s: float = 0.0
+    """Whole-model forward seconds per micro-batch (loss included)."""
+    backward_s: float = 0.0
+    """Whole-model backward seconds per micro-batch."""
+    activation_bytes: int = 0
+    """Bytes the whole model keeps for backward at `batch_size` (each tensor once)."""
+    optimizer: str = "sgd"
+    optimizer_state_bytes: int = 0
+    peak_memory_bytes: int = 0
+    """Peak memory of one training step at `batch_size`; `peak_memory_method` says how."""
+    peak_memory_method: str = ""
+    rss_growth_bytes: int = 0
+    """Growth of the process's peak RSS over a training step (CPU; 0 where unmeasured)."""
+    base_memory_bytes: int = 0
+    """s0: RSS of a fresh Python process after importing torch and the model's module."""
+    threads: int = 0
+    """torch threads the layer and step figures were measured with."""
+    step_s_by_threads: dict = field(default_factory=dict)
+    """Step seconds at `batch_size` by thread count (keys are strings, for JSON)."""
+    serial_fraction: float = 1.0
+    """Amdahl serial fraction of a step, fitted from `step_s_by_threads` (1.0: unmeasured)."""
+    contention: float = 1.0
+    """beta >= 1: compute slowdown while transfers run (1.0 until the links are profiled)."""
+    allreduce_alpha_s_per_byte: float = 0.0
+    allreduce_beta_s: float = 0.0
 
     def to_dict(self) -> dict:
+        """Plain JSON-able dict (Prefect persists it with the JSON serializer)."""
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelProfile":
-        d = dict(d)
+        """Inverse of `to_dict`; fields this version does not know are dropped."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        d = {k: v for k, v in d.items() if k in names}
         d["input_shape"] = tuple(d["input_shape"])
         d["layers"] = tuple(LayerProfile(**layer) for layer in d.get("layers", ()))
         return cls(**d)
 
+    def with_links(self, links: "LinkProfile") -> "ModelProfile":
+        """This profile with the store, contention and allreduce figures of `links`."""
+        return dataclasses.replace(
+            self, store_bandwidth_bytes_per_s=links.bandwidth_bytes_per_s,
+            store_latency_s=links.latency_s, contention=links.contention,
+            allreduce_alpha_s_per_byte=links.allreduce_alpha_s_per_byte,
+            allreduce_beta_s=links.allreduce_beta_s)
 
-def hardware_fingerprint() -> str:
-    """A short string naming the hardware a profile is valid for (part of the cache key)."""
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    return f"{platform.machine()}/{platform.processor() or 'cpu'}/{torch.get_num_threads()}t/{gpu}"
+    def scale_factor(self, vcpu: float) -> float:
+        """Seconds on `vcpu` vCPUs per second measured here (`vcpu_factor` ratio)."""
+        base = self.threads or 1
+        return vcpu_factor(vcpu, self.serial_fraction) / vcpu_factor(base, self.serial_fraction)
 
 
-def _median_time(fn, repeats: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
+@dataclass(frozen=True, kw_only=True)
+class LinkProfile:
+    """The transfer side of a profile, measured where the workers will run."""
+
+    bandwidth_bytes_per_s: float
+    latency_s: float
+    contention: float
+    allreduce_alpha_s_per_byte: float
+    allreduce_beta_s: float
+    allreduce_rmse_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class ContentionResult:
+    """Median compute seconds alone and under transfer load, and the bytes moved meanwhile."""
+
+    alone_s: float
+    loaded_s: float
+    bytes_moved: int
+
+    @property
+    def factor(self) -> float:
+        """beta = loaded / alone, never below 1 (transfers do not speed compute up)."""
+        return max(1.0, self.loaded_s / self.alone_s)
+
+
+# --- timing and memory primitives ----------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_time(fn: Callable[[], object], repeats: int, device: torch.device,
+                 warmup: int = 1, setup: Callable[[], object] | None = None) -> float:
+    """Median seconds of `fn(setup())` (or `fn()`), after `warmup` untimed calls."""
     samples = []
-    for _ in range(repeats):
+    for i in range(warmup + repeats):
+        arg = setup() if setup else None
+        _sync(device)
         t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
+        fn(arg) if setup else fn()
+        _sync(device)
+        if i >= warmup:
+            samples.append(time.perf_counter() - t0)
     return statistics.median(samples)
 
 
-def profile_model(model: nn.Module, name: str, input_shape: tuple[int, ...], num_classes: int,
-                  batch_size: int, repeats: int = 5) -> ModelProfile:
-    """Time one training step and each top-level layer on synthetic input of `input_shape`."""
-    model.train()
-    x = torch.randn(batch_size, *input_shape)
-    y = torch.randint(0, num_classes, (batch_size,))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _param_bytes(module: nn.Module) -> int:
+    return sum(_nbytes(p) for p in module.parameters())
+
+
+class _SavedTensors:
+    """Counts the distinct storages autograd saves for backward while active; parameters
+    (and anything else listed in `exclude`) are not activations and are left out."""
+
+    def __init__(self, exclude: Sequence[torch.Tensor] = ()):
+        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self._seen: dict[int, int] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in self._exclude and ptr not in self._seen:
+            self._seen[ptr] = storage.nbytes()
+        return t
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of the distinct storages saved so far."""
+        return sum(self._seen.values())
+
+    def __enter__(self) -> "_SavedTensors":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+
+def _children(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Top-level children when they run in order, else [("model", model)]."""
+    from training.stages import sequential_children
+
+    try:
+        return sequential_children(model)
+    except ZooidValueError:
+        return [("model", model)]
+
+
+def _rss_bytes() -> int:
+    """Current resident set size (Linux /proc; elsewhere the peak, the best there is)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark of this process (Linux clear_refs); False if not."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss_since_reset() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def cpu_count() -> int:
+    """Cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def hardware_fingerprint(threads: int | None = None) -> str:
+    """A stable string naming the hardware a profile is valid for (part of the cache key):
+    machine, CPU model, usable cores, torch threads (`threads`, default the current
+    setting), torch version and GPU model and count. Nothing in it changes between runs."""
+    cpu_model = platform.processor() or "cpu"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu_model = next(line.split(":", 1)[1].strip() for line in f
+                             if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    gpu = "nogpu"
+    if torch.cuda.is_available():
+        gpu = f"{torch.cuda.device_count()}x{torch.cuda.get_device_name(0)}"
+    threads = torch.get_num_threads() if threads is None else threads
+    return (f"{platform.machine()}/{cpu_model}/{cpu_count()}cpu/{threads}t/"
+            f"torch{torch.__version__}/{gpu}")
+
+
+# --- the model side ------------------------------------------------------------------------
+
+
+def profile_layers(model: nn.Module, x: torch.Tensor, repeats: int = 5) -> tuple[LayerProfile, ...]:
+    """Per top-level layer: forward and backward seconds on micro-batch `x`, output,
+    activation and parameter bytes. Each layer runs on a detached copy of its input
+    (requiring grad after the first layer, as a pipeline stage's input does); backward is
+    timed on its own, after an untimed forward, with a gradient of ones."""
+    device = x.device
+    params = list(model.parameters())
+    layers, h = [], x
+    for index, (name, layer) in enumerate(_children(model)):
+        inp = h.detach()
+        if index > 0 and inp.is_floating_point():
+            inp.requires_grad_(True)
+        with _SavedTensors(exclude=params) as saved:
+            out = layer(inp)
+        fwd = _median_time(lambda: layer(inp), repeats, device)
+        bwd = 0.0
+        if out.requires_grad:
+            grad = torch.ones_like(out)
+            bwd = _median_time(lambda o: torch.autograd.backward(o, grad), repeats, device,
+                               setup=lambda: layer(inp))
+        layers.append(LayerProfile(name=name, forward_s=fwd, backward_s=bwd,
+                                   output_bytes=_nbytes(out), param_bytes=_param_bytes(layer),
+                                   activation_bytes=saved.bytes))
+        h = out.detach()
+    return tuple(layers)
+
+
+def measure_activation_bytes(model: nn.Module, x: torch.Tensor) -> int:
+    """Bytes the whole model keeps for backward on batch `x` (each storage once)."""
+    with _SavedTensors(exclude=list(model.parameters())) as saved:
+        model(x)
+    return saved.bytes
+
+
+def _training_step(model: nn.Module, opt: torch.optim.Optimizer, x, y) -> Callable[[], None]:
     loss_fn = nn.CrossEntropyLoss()
 
-    def step():
+    def step() -> None:
         opt.zero_grad(set_to_none=True)
         loss_fn(model(x), y).backward()
         opt.step()
 
-    step_s = _median_time(step, repeats)
-    layers = []
-    children = list(model.named_children()) if isinstance(model, nn.Sequential) else []
-    h = x
-    for lname, layer in children:
-        inp = h.detach().requires_grad_(True)
-        out = layer(inp)
-        fwd = _median_time(lambda: layer(inp), repeats)
-        grad = torch.ones_like(out)
+    return step
 
-        def backward():
-            o = layer(inp)
-            o.backward(grad)
 
-        bwd = max(0.0, _median_time(backward, repeats) - fwd)
-        layers.append(LayerProfile(name=lname, forward_s=fwd, backward_s=bwd,
-                                   output_bytes=out.numel() * out.element_size(),
-                                   param_bytes=sum(p.numel() * p.element_size() for p in layer.parameters())))
-        h = out.detach()
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return ModelProfile(model=name, input_shape=tuple(input_shape), batch_size=batch_size,
-                        step_s=step_s, param_bytes=param_bytes, peak_rss_bytes=peak,
-                        layers=tuple(layers), hardware=hardware_fingerprint())
+def _build_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
+    from training.optimizers import build_optimizer
+
+    # A tiny rate: the weights barely move, and they are restored afterwards anyway.
+    return build_optimizer(name, model, 1e-9)
+
+
+def measure_peak_memory(model: nn.Module, opt: torch.optim.Optimizer, x, y) -> tuple[int, str, int, int]:
+    """(peak bytes, method, RSS growth bytes, optimizer state bytes) of one training step.
+
+    CUDA: `torch.cuda.max_memory_allocated` over the step (method `cuda_max_allocated`).
+    CPU (`cpu_accounted`): parameters + gradients + optimizer state + the activations
+    autograd keeps + the batch, counted tensor by tensor. The allocator's own slack is
+    not in it; the RSS growth over the step (peak RSS after resetting the kernel's mark,
+    minus RSS before) is reported beside it for comparison, 0 where it cannot be read."""
+    step = _training_step(model, opt, x, y)
+    step()  # the optimizer allocates its state on the first step
+    state_bytes = sum(_nbytes(v) for s in opt.state.values() for v in s.values()
+                      if isinstance(v, torch.Tensor))
+    if x.device.type == "cuda":
+        torch.cuda.synchronize(x.device)
+        torch.cuda.reset_peak_memory_stats(x.device)
+        step()
+        torch.cuda.synchronize(x.device)
+        return int(torch.cuda.max_memory_allocated(x.device)), "cuda_max_allocated", 0, state_bytes
+    before = _rss_bytes()
+    growth = 0
+    if _reset_peak_rss():
+        step()
+        growth = max(0, _peak_rss_since_reset() - before)
+    params = sum(_nbytes(p) for p in model.parameters())
+    grads = sum(_nbytes(p) for p in model.parameters() if p.requires_grad)
+    acts = measure_activation_bytes(model, x)
+    peak = params + grads + state_bytes + acts + _nbytes(x) + _nbytes(y)
+    return peak, "cpu_accounted", growth, state_bytes
+
+
+def vcpu_factor(vcpu: float, serial_fraction: float) -> float:
+    """Relative step time on `vcpu` vCPUs (1.0 at one vCPU).
+
+    At least one vCPU: Amdahl, s + (1 - s) / v. Below one (a fractional CPU quota) the
+    whole step is throttled: 1 / v. The two agree at v = 1."""
+    if not vcpu > 0:
+        raise ZooidValueError("vcpu", f"must be > 0, got {vcpu!r}")
+    if vcpu < 1:
+        return 1.0 / vcpu
+    return serial_fraction + (1.0 - serial_fraction) / vcpu
+
+
+def fit_serial_fraction(step_s_by_threads: dict[int, float]) -> float:
+    """Amdahl serial fraction s in [0, 1] by least squares on t(n) = t1 (s + (1 - s) / n)
+    over the measured thread counts (t1 is the one-thread time); 1.0 with only one count."""
+    if 1 not in step_s_by_threads or len(step_s_by_threads) < 2:
+        return 1.0
+    t1 = step_s_by_threads[1]
+    ns = np.array([n for n in step_s_by_threads if n != 1], dtype=float)
+    ratio = np.array([step_s_by_threads[int(n)] / t1 for n in ns])
+    # ratio - 1/n = s (1 - 1/n): a one-parameter least squares through the origin.
+    u = 1.0 - 1.0 / ns
+    s = float(u @ (ratio - 1.0 / ns) / (u @ u))
+    return min(1.0, max(0.0, s))
+
+
+def measure_thread_scaling(step: Callable[[], None], device: torch.device, repeats: int,
+                           counts: Sequence[int] | None = None) -> dict[int, float]:
+    """Median step seconds at each torch thread count (default 1 and every core); the
+    thread setting is restored afterwards. On CUDA the host threads hardly matter and
+    only the current setting is measured."""
+    current = torch.get_num_threads()
+    if device.type == "cuda":
+        return {current: _median_time(step, repeats, device)}
+    counts = sorted(set(counts or (1, cpu_count())))
+    out = {}
+    try:
+        for n in counts:
+            torch.set_num_threads(n)
+            out[n] = _median_time(step, repeats, device)
+    finally:
+        torch.set_num_threads(current)
+    return out
+
+
+_BASE_SCRIPT = """
+import importlib, os, sys
+import torch
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+# One tiny training op, so the allocator and thread pools a worker always has are counted.
+w = torch.ones(8, 8, requires_grad=True)
+(w @ w).sum().backward()
+with open("/proc/self/statm") as f:
+    print(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
+"""
+
+
+@functools.lru_cache(maxsize=16)
+def measure_base_memory(modules: tuple[str, ...] = ("training.models",)) -> int:
+    """s0: resident bytes of a fresh Python process after importing torch and `modules`
+    (and running one tiny backward), measured once per process in a subprocess and cached.
+    The model is not built: its parameters are counted separately by the memory model."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([os.getcwd()] + [p for p in sys.path if p])
+    try:
+        done = subprocess.run([sys.executable, "-c", _BASE_SCRIPT, *modules], env=env,
+                              capture_output=True, text=True, timeout=300, check=True)
+        return int(done.stdout.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, ValueError, IndexError, OSError) as exc:
+        detail = getattr(exc, "stderr", "") or str(exc)
+        raise ZooidError(f"measuring the base memory of a worker failed: {detail.strip()[-300:]}") from None
+
+
+def _model_modules(name: str) -> tuple[str, ...]:
+    """Modules a worker imports to build model `name` (a registry name or module:factory)."""
+    if ":" in name:
+        return ("training.models", name.partition(":")[0])
+    return ("training.models",)
+
+
+def profile_model(model: nn.Module, name: str, input_shape: tuple[int, ...], num_classes: int,
+                  batch_size: int, repeats: int = 5, *, microbatch_size: int | None = None,
+                  optimizer: str = "sgd", base_memory: bool = True,
+                  thread_counts: Sequence[int] | None = None) -> ModelProfile:
+    """Profile `model` on synthetic input of `input_shape` on the device its parameters live on.
+
+    Layer and whole-model forward/backward figures are per micro-batch of
+    `microbatch_size` samples (default `batch_size`); the step time and peak memory are
+    for a full step at `batch_size` with `optimizer`. `base_memory=False` skips the s0
+    subprocess; `thread_counts` (default 1 and every core) are where the step is timed to
+    fit the vCPU scaling. The model's weights and buffers are restored afterwards."""
+    for label, value in (("batch_size", batch_size), ("repeats", repeats),
+                         ("microbatch_size", microbatch_size or 1), ("num_classes", num_classes)):
+        if not isinstance(value, int) or value < 1:
+            raise ZooidValueError(label, f"must be a positive integer, got {value!r}")
+    micro = microbatch_size or batch_size
+    device = next(model.parameters(), torch.empty(0)).device
+    saved_state = copy.deepcopy(model.state_dict())
+    was_training = model.training
+    model.train()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(batch_size, *input_shape, generator=gen).to(device)
+    y = torch.randint(0, num_classes, (batch_size,), generator=gen).to(device)
+    xm, ym = x[:micro].contiguous(), y[:micro].contiguous()
+    if micro > batch_size:
+        xm = torch.randn(micro, *input_shape, generator=gen).to(device)
+        ym = torch.randint(0, num_classes, (micro,), generator=gen).to(device)
+    try:
+        opt = _build_optimizer(optimizer, model)
+        step = _training_step(model, opt, x, y)
+        threads = torch.get_num_threads()
+        step_s = _median_time(step, repeats, device)
+        layers = profile_layers(model, xm, repeats)
+        loss_fn = nn.CrossEntropyLoss()
+        fwd = _median_time(lambda: loss_fn(model(xm), ym), repeats, device)
+        bwd = _median_time(lambda loss: loss.backward(), repeats, device,
+                           setup=lambda: loss_fn(model(xm), ym))
+        peak, method, growth, state_bytes = measure_peak_memory(model, opt, x, y)
+        by_threads = measure_thread_scaling(step, device, max(1, repeats // 2 + 1), thread_counts)
+        by_threads.setdefault(threads, step_s)
+        activation = measure_activation_bytes(model, x)
+    finally:
+        model.load_state_dict(saved_state)
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
+    return ModelProfile(
+        model=name, input_shape=tuple(input_shape), batch_size=batch_size, step_s=step_s,
+        param_bytes=_param_bytes(model),
+        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        layers=layers, hardware=hardware_fingerprint(threads), microbatch_size=micro,
+        forward_s=fwd, backward_s=bwd, activation_bytes=activation, optimizer=optimizer,
+        optimizer_state_bytes=state_bytes, peak_memory_bytes=peak, peak_memory_method=method,
+        rss_growth_bytes=growth,
+        base_memory_bytes=measure_base_memory(_model_modules(name)) if base_memory else 0,
+        threads=threads, step_s_by_threads={str(n): s for n, s in sorted(by_threads.items())},
+        serial_fraction=fit_serial_fraction(by_threads))
+
+
+# --- the link side -------------------------------------------------------------------------
+
+
+def fit_store(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """(bandwidth bytes/s, latency s) from (bytes, seconds) transfers by least squares on
+    seconds = bytes / bandwidth + latency; latency is floored at 1 us (an emulated link's
+    burst allowance can make the intercept slightly negative)."""
+    a = np.array([(size, 1.0) for size, _ in samples], dtype=float)
+    coef, *_ = np.linalg.lstsq(a, np.array([s for _, s in samples], dtype=float), rcond=None)
+    per_byte, latency = float(coef[0]), float(coef[1])
+    bandwidth = 1.0 / per_byte if per_byte > 0 else 1e12
+    return bandwidth, max(latency, 1e-6)
 
 
 def profile_store(store, run_prefix: str, sizes: tuple[int, ...] = (64 << 10, 1 << 20, 4 << 20),
                   repeats: int = 3) -> tuple[float, float]:
-    """(bandwidth bytes/s, latency s) of `store`, fitted by least squares to timed put+get
-    round trips under `run_prefix` (deleted afterwards). One transfer = half a round trip."""
-    rows, times = [], []
+    """(bandwidth bytes/s, latency s) of `store`: every put and every get of `sizes` bytes
+    is one transfer sample for `fit_store`. Keys live under `run_prefix` and are deleted."""
+    samples = []
     key_base = f"{run_prefix}/probe-{uuid.uuid4().hex[:8]}"
     try:
         for size in sizes:
@@ -129,13 +534,196 @@ def profile_store(store, run_prefix: str, sizes: tuple[int, ...] = (64 << 10, 1 
                 key = f"{key_base}/{size}-{i}"
                 t0 = time.perf_counter()
                 store.put(key, payload)
+                t1 = time.perf_counter()
                 store.get(key)
-                times.append((time.perf_counter() - t0) / 2)
-                rows.append((size, 1.0))
+                samples += [(size, t1 - t0), (size, time.perf_counter() - t1)]
     finally:
         store.delete_prefix(key_base)
-    a = np.array(rows, dtype=float)
-    coef, *_ = np.linalg.lstsq(a, np.array(times), rcond=None)
-    per_byte, latency = float(coef[0]), float(coef[1])
-    bandwidth = 1.0 / per_byte if per_byte > 0 else 1e12
-    return bandwidth, max(latency, 1e-6)
+    return fit_store(samples)
+
+
+def measure_contention(model: nn.Module, input_shape: tuple[int, ...], num_classes: int,
+                       microbatch_size: int, store, run_prefix: str, *,
+                       payload_bytes: int = 4 << 20, repeats: int = 5) -> ContentionResult:
+    """Forward + backward of `model` on one micro-batch, timed alone and while a background
+    thread uploads and downloads `payload_bytes` to `store` without pause (FuncPipe's
+    beta: compute slows while a worker's transfers run). Alone samples are taken before
+    and after the loaded ones, so a drift in machine load does not pass for contention."""
+    device = next(model.parameters(), torch.empty(0)).device
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(microbatch_size, *input_shape, generator=gen).to(device)
+    y = torch.randint(0, num_classes, (microbatch_size,), generator=gen).to(device)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def compute() -> None:
+        model.zero_grad(set_to_none=True)
+        loss_fn(model(x), y).backward()
+
+    def timed() -> list[float]:
+        return [_median_time(compute, 1, device, warmup=0) for _ in range(repeats)]
+
+    key = f"{run_prefix}/contention-{uuid.uuid4().hex[:8]}"
+    payload = np.random.default_rng(0).bytes(payload_bytes)
+    stop, started, moved = threading.Event(), threading.Event(), [0]
+
+    def transfer() -> None:
+        while not stop.is_set():
+            store.put(key, payload)
+            store.get(key)
+            moved[0] += 2 * payload_bytes
+            started.set()
+
+    saved_state = copy.deepcopy(model.state_dict())
+    try:
+        _median_time(compute, 1, device)  # warm-up
+        alone = timed()
+        worker = threading.Thread(target=transfer, name="contention-load", daemon=True)
+        worker.start()
+        try:
+            started.wait(timeout=30)
+            loaded = timed()
+        finally:
+            stop.set()
+            worker.join()
+        alone += timed()
+    finally:
+        model.load_state_dict(saved_state)
+        model.zero_grad(set_to_none=True)
+        store.delete_prefix(key)
+    return ContentionResult(statistics.median(alone), statistics.median(loaded), moved[0])
+
+
+def measure_allreduce(connect: Callable[[], object], run_prefix: str, *,
+                      sizes: Sequence[int] = (256 << 10, 1 << 20, 4 << 20),
+                      worlds: Sequence[int] = (2, 3, 4), repeats: int = 2,
+                      timeout: float = 60.0) -> list[tuple[int, int, float]]:
+    """(bytes, workers, seconds) of `training.collectives.allreduce_mean` on a float32
+    tensor of each size among each number of thread-ranks, each rank with its own store
+    client from `connect()` (so an emulated link is per rank, as per worker). A call's
+    seconds run from a common barrier until its slowest rank holds the mean; the median
+    of `repeats` calls is kept."""
+    from training.collectives import allreduce_mean, release_group
+
+    samples = []
+    for world in worlds:
+        stores = [connect() for _ in range(world)]
+        try:
+            for size in sizes:
+                times = []
+                for r in range(repeats):
+                    group = f"{run_prefix}/allreduce-{uuid.uuid4().hex[:8]}"
+                    times.append(_timed_allreduce(stores, group, size, timeout,
+                                                  allreduce_mean, release_group))
+                samples.append((int(size), int(world), statistics.median(times)))
+        finally:
+            for s in stores:
+                s.close()
+    return samples
+
+
+def _timed_allreduce(stores, group: str, size: int, timeout: float, allreduce, release) -> float:
+    world = len(stores)
+    barrier = threading.Barrier(world)
+    elapsed = [0.0] * world
+    errors: list[BaseException] = []
+    tensor = torch.ones(max(1, size // 4), dtype=torch.float32)
+
+    def rank(i: int) -> None:
+        try:
+            barrier.wait(timeout)
+            t0 = time.perf_counter()
+            allreduce(stores[i], f"{group}/call", i, world, {"x": tensor * (i + 1)}, timeout)
+            elapsed[i] = time.perf_counter() - t0
+            release(stores[i], group, i, world, timeout)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=rank, args=(i,), name=f"allreduce-rank-{i}")
+               for i in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return max(elapsed)
+
+
+def fit_allreduce_samples(samples: Sequence[tuple[int, int, float]],
+                          bandwidth_bytes_per_s: float = float("inf")) -> tuple[float, float, float]:
+    """(alpha s/byte, beta s, rmse s) of the hybrid contract's ring form
+    T = 2 (A - 1) (P / (A bw) + alpha P / A + beta), by the planner's own least squares
+    (`planners.hybrid.fit_allreduce`), so the fit and the planner share one model. With
+    the store's bandwidth given, alpha is the per-byte cost beyond the link."""
+    from planners.hybrid import fit_allreduce  # pure numpy; one definition of the model
+
+    fit = fit_allreduce(samples, bandwidth_bytes_per_s)
+    return fit.alpha_s_per_byte, fit.beta_s, fit.rmse_s
+
+
+def profile_links(model: nn.Module, input_shape: tuple[int, ...], num_classes: int,
+                  microbatch_size: int, connect: Callable[[], object], run_prefix: str, *,
+                  worlds: Sequence[int] = (2, 3, 4),
+                  sizes: Sequence[int] = (256 << 10, 1 << 20, 4 << 20)) -> LinkProfile:
+    """Store bandwidth and latency, contention factor and allreduce alpha/beta, measured
+    through store clients from `connect()`; every key lives under `run_prefix`."""
+    store = connect()
+    try:
+        bandwidth, latency = profile_store(store, run_prefix)
+        contention = measure_contention(model, input_shape, num_classes, microbatch_size,
+                                        store, run_prefix).factor
+    finally:
+        store.close()
+    samples = measure_allreduce(connect, run_prefix, sizes=sizes, worlds=worlds)
+    alpha, beta, rmse = fit_allreduce_samples(samples, bandwidth)
+    return LinkProfile(bandwidth_bytes_per_s=bandwidth, latency_s=latency, contention=contention,
+                       allreduce_alpha_s_per_byte=alpha, allreduce_beta_s=beta,
+                       allreduce_rmse_s=rmse)
+
+
+# --- what the planners read ----------------------------------------------------------------
+
+
+PLANNER_KINDS = ("partition", "hybrid", "co-optimize")
+
+
+def to_planner_layers(profile: ModelProfile, kind: str = "partition", *,
+                      vcpu: float | None = None,
+                      vcpus: Sequence[float] | None = None) -> list[dict]:
+    """The `layers` list of a planner document (PLANNER_SPEC.md) from `profile`.
+
+    `partition` / `hybrid`: `{name, forward_s, backward_s, output_bytes, param_bytes}`,
+    times scaled to `vcpu` vCPUs when given. `co-optimize`: the same with `forward_s` and
+    `backward_s` as one entry per memory option, scaled to `vcpus[j]` (default: the
+    measured setting only), plus `activation_bytes`. Times are per micro-batch of
+    `profile.microbatch_size` samples."""
+    if kind not in PLANNER_KINDS:
+        raise ZooidValueError("kind", f"unknown planner {kind!r}; valid: {', '.join(PLANNER_KINDS)}")
+    if not profile.layers:
+        raise ZooidValueError("profile", f"{profile.model!r} has no layer figures to plan with")
+    out = []
+    if kind == "co-optimize":
+        factors = [profile.scale_factor(v) for v in vcpus] if vcpus else [1.0]
+        for layer in profile.layers:
+            out.append({"name": layer.name,
+                        "forward_s": [layer.forward_s * f for f in factors],
+                        "backward_s": [layer.backward_s * f for f in factors],
+                        "output_bytes": layer.output_bytes,
+                        "activation_bytes": layer.activation_bytes,
+                        "param_bytes": layer.param_bytes})
+        return out
+    factor = profile.scale_factor(vcpu) if vcpu is not None else 1.0
+    for layer in profile.layers:
+        out.append({"name": layer.name, "forward_s": layer.forward_s * factor,
+                    "backward_s": layer.backward_s * factor,
+                    "output_bytes": layer.output_bytes, "param_bytes": layer.param_bytes})
+    return out
+
+
+def profile_summary(profile: ModelProfile) -> str:
+    """One JSON line with the headline figures (for logs and reports)."""
+    keys = ("model", "batch_size", "microbatch_size", "step_s", "forward_s", "backward_s",
+            "param_bytes", "activation_bytes", "peak_memory_bytes", "peak_memory_method",
+            "base_memory_bytes", "serial_fraction", "contention")
+    return json.dumps({k: getattr(profile, k) for k in keys})
