@@ -8,7 +8,8 @@ right-sized containers) instead of the pool's default:
   for the interpreter, torch and the store client), rounded up to what the cloud accepts;
 - ECS CPU workers run on Fargate, rounded up to the smallest valid Fargate size; ECS GPU
   workers run on an EC2 capacity provider with a `resourceRequirements` GPU reservation;
-- ACI workers carry cpu, memory and, for GPUs, `{"count", "sku"}` in the ARM template;
+- ACI workers carry cpu, memory and, for GPUs, `{"count", "sku"}` in the ARM template, and
+  keep their container group after exit so its events can be billed (the sweep deletes it);
 - Kubernetes workers get requests = limits and an `nvidia.com/gpu` limit;
 - every worker carries the run id (`zooid_run_id`, and the `zooid-run` label/tag).
 """
@@ -119,8 +120,9 @@ def ecs_job_variables(res: WorkerResources, run_id: str, gpu_capacity_provider: 
 
 def aci_job_variables(res: WorkerResources, run_id: str) -> dict:
     """ACI: cpu and memory (0.1 GB steps) and, for GPU workers, `{"count", "sku"}`."""
+    # Keep the group after the container exits: its events are the bill (the sweep deletes it).
     out = {"cpu": math.ceil(res.vcpu * 10 - 1e-9) / 10, "memory": math.ceil(res.requested_memory_gb * 10 - 1e-9) / 10,
-           "zooid_run_id": run_id, "labels": _labels(run_id)}
+           "keep_container_group": True, "zooid_run_id": run_id, "labels": _labels(run_id)}
     if res.gpu:
         sku = (res.gpu_type or "").upper()
         if sku not in ACI_GPU_SKUS:
