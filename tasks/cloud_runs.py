@@ -95,7 +95,7 @@ def replace_measured(rows: list[CostRecord], cloud_rows: list[CostRecord]) -> li
     return kept + list(cloud_rows)
 
 
-def pool_job_configuration(config_cls, work_pool: str, job_variables: dict | None = None, client=None):
+async def read_pool_job_configuration(config_cls, work_pool: str, job_variables: dict | None = None):
     """The job configuration a worker of `work_pool` would build for `job_variables`.
 
     This is how the sweep and the cost collector reach the same account, cluster, resource
@@ -103,12 +103,14 @@ def pool_job_configuration(config_cls, work_pool: str, job_variables: dict | Non
     secret passed as a parameter.
     """
     from prefect.client.orchestration import get_client
+
+    async with get_client() as api:
+        pool = await api.read_work_pool(work_pool)
+        return await config_cls.from_template_and_values(pool.base_job_template, job_variables or {}, client=api)
+
+
+def pool_job_configuration(config_cls, work_pool: str, job_variables: dict | None = None):
+    """`read_pool_job_configuration` from synchronous code."""
     from prefect.utilities.asyncutils import run_coro_as_sync
 
-    async def _build():
-        async with get_client() as api:
-            pool = await api.read_work_pool(work_pool)
-            return await config_cls.from_template_and_values(pool.base_job_template, job_variables or {},
-                                                             client=client or api)
-
-    return run_coro_as_sync(_build())
+    return run_coro_as_sync(read_pool_job_configuration(config_cls, work_pool, job_variables))

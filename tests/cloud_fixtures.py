@@ -22,13 +22,15 @@ def render(config_cls, base_job_template: dict, values: dict):
     The templates reference no block or Prefect variable, so the client is never called;
     handing one in keeps Prefect from starting a temporary server just to construct it.
     """
+    return asyncio.run(render_async(config_cls, base_job_template, values))
+
+
+async def render_async(config_cls, base_job_template: dict, values: dict):
+    """`render` inside a running event loop."""
     from prefect.client.orchestration import PrefectClient
 
-    async def _render():
-        client = PrefectClient("http://127.0.0.1:9/api")  # never contacted
-        return await config_cls.from_template_and_values(base_job_template, values, client=client)
-
-    return asyncio.run(_render())
+    client = PrefectClient("http://127.0.0.1:9/api")  # never contacted
+    return await config_cls.from_template_and_values(base_job_template, values, client=client)
 
 
 def flow_run(name: str, infrastructure_pid: str | None = None):
