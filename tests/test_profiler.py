@@ -1,0 +1,233 @@
+"""The profiler measures what the planners need, and the memory check refuses with numbers.
+
+Byte figures are asserted exactly (they are arithmetic on shapes); times only for sign,
+consistency and what a generous factor allows, since the machine is shared.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from training.errors import ZooidValueError
+from training.memory import GB, check_plan_memory, stage_bounds, stage_memory
+from training.models import build_model
+from training.profiler import (ModelProfile, fit_serial_fraction, hardware_fingerprint,
+                               measure_allreduce, measure_base_memory, measure_contention,
+                               fit_allreduce_samples, profile_layers, profile_model,
+                               profile_store, to_planner_layers, vcpu_factor)
+from training.store import open_store
+
+F32 = 4
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Workers run one torch thread; so do these measurements (and the shared machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def cnn_profile() -> ModelProfile:
+    torch.set_num_threads(1)
+    return profile_model(build_model("digits_cnn", 0), "digits_cnn", (64,), 10, 64,
+                         repeats=5, microbatch_size=32, base_memory=False, thread_counts=(1,))
+
+
+def test_digits_mlp_bytes_are_exact():
+    b = 16
+    model = build_model("digits_mlp", 0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    p = profile_model(model, "digits_mlp", (64,), 10, b, repeats=3, base_memory=False,
+                      thread_counts=(1,))
+    assert [layer.output_bytes for layer in p.layers] == [b * 64 * F32, b * 64 * F32, b * 10 * F32]
+    assert [layer.param_bytes for layer in p.layers] == [(64 * 64 + 64) * F32, 0, (64 * 10 + 10) * F32]
+    assert p.param_bytes == sum(layer.param_bytes for layer in p.layers)
+    # Whole model keeps the input and the ReLU output (the second Linear's input is the same tensor).
+    assert p.activation_bytes == b * 64 * F32 + b * 64 * F32
+    # CPU peak: params + grads + (no SGD state) + activations + the batch (x float, y int64).
+    assert p.peak_memory_method == "cpu_accounted"
+    assert p.peak_memory_bytes == 2 * p.param_bytes + p.activation_bytes + b * 64 * F32 + b * 8
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_digits_cnn_bytes_and_times(cnn_profile):
+    p, b = cnn_profile, 32
+    c = 16
+    outputs = [b * 64, b * c * 64, b * c * 64, b * 2 * c * 64, b * 2 * c * 64, b * 2 * c * 16,
+               b * 2 * c * 16, b * 64, b * 64, b * 10]
+    assert [layer.output_bytes for layer in p.layers] == [n * F32 for n in outputs]
+    params = [0, 9 * c + c, 0, 9 * c * 2 * c + 2 * c, 0, 0, 0, 2 * c * 16 * 64 + 64, 0, 64 * 10 + 10]
+    assert [layer.param_bytes for layer in p.layers] == [n * F32 for n in params]
+    # The max-pool keeps its input and its int64 argmax indices.
+    assert p.layers[5].activation_bytes == b * 2 * c * 64 * F32 + b * 2 * c * 16 * 8
+    assert p.microbatch_size == 32 and p.batch_size == 64
+    assert all(layer.forward_s > 0 for layer in p.layers)
+    assert p.layers[0].backward_s == 0.0  # reshaping the data input: nothing to differentiate
+    assert all(layer.backward_s > 0 for layer in p.layers[1:])
+    fwd = sum(layer.forward_s for layer in p.layers)
+    bwd = sum(layer.backward_s for layer in p.layers)
+    assert p.forward_s / 4 < fwd < 4 * p.forward_s
+    assert p.backward_s / 4 < bwd < 4 * p.backward_s
+    assert p.step_s > 0 and p.step_s_by_threads == {"1": pytest.approx(p.step_s_by_threads["1"])}
+
+
+def test_activation_bytes_of_a_linear_relu_stack_are_exact():
+    b = 7
+    model = nn.Sequential(nn.Linear(20, 30), nn.ReLU(), nn.Linear(30, 5), nn.ReLU())
+    layers = profile_layers(model, torch.randn(b, 20), repeats=1)
+    # Linear keeps its input (the weight is a parameter, not an activation); ReLU its output.
+    assert [layer.activation_bytes for layer in layers] == [b * 20 * F32, b * 30 * F32,
+                                                            b * 30 * F32, b * 5 * F32]
+
+
+def test_a_model_that_cannot_be_split_is_profiled_whole():
+    class Residual(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.b(self.a(x) + x)
+
+    p = profile_model(Residual(), "residual", (8,), 3, 4, repeats=2, base_memory=False,
+                      thread_counts=(1,))
+    assert [layer.name for layer in p.layers] == ["model"]
+    assert p.layers[0].param_bytes == p.param_bytes == (8 * 8 + 8 + 8 * 3 + 3) * F32
+    assert p.layers[0].output_bytes == 4 * 3 * F32
+
+
+def test_profile_round_trips_through_json_and_reads_the_old_form(cnn_profile):
+    again = ModelProfile.from_dict(json.loads(json.dumps(cnn_profile.to_dict())))
+    assert again == cnn_profile
+    old = {k: cnn_profile.to_dict()[k] for k in ("model", "input_shape", "batch_size", "step_s",
+                                                 "param_bytes", "peak_rss_bytes", "hardware")}
+    old["layers"] = [{k: v for k, v in layer.items() if k != "activation_bytes"}
+                     for layer in cnn_profile.to_dict()["layers"]]
+    assert ModelProfile.from_dict({**old, "unknown_later_field": 1}).layers[3].activation_bytes == 0
+
+
+def test_hardware_fingerprint_is_stable_and_names_torch_and_threads():
+    assert hardware_fingerprint() == hardware_fingerprint()
+    assert hardware_fingerprint(3) != hardware_fingerprint(4)
+    assert "/3t/" in hardware_fingerprint(3) and torch.__version__ in hardware_fingerprint(3)
+
+
+def test_base_memory_is_measured_once_in_a_fresh_process():
+    s0 = measure_base_memory()
+    assert 50 << 20 < s0 < 4 << 30  # torch alone is tens of MB resident
+    t0 = time.perf_counter()
+    assert measure_base_memory() == s0
+    assert time.perf_counter() - t0 < 0.01  # cached, no second subprocess
+
+
+def test_vcpu_scaling_fit_is_amdahl():
+    # t(n) = s + (1 - s) / n with s = 0.25, t1 = 2 s.
+    times = {1: 2.0, 2: 2.0 * 0.625, 4: 2.0 * 0.4375}
+    assert fit_serial_fraction(times) == pytest.approx(0.25)
+    assert fit_serial_fraction({1: 1.0}) == 1.0  # one point: no speed-up assumed
+    assert vcpu_factor(4, 0.25) == pytest.approx(0.4375)
+    assert vcpu_factor(0.5, 0.25) == 2.0  # a half-CPU quota halves the speed
+    with pytest.raises(ZooidValueError, match="vcpu"):
+        vcpu_factor(0, 0.1)
+
+
+def test_store_fit_recovers_an_emulated_bandwidth(tmp_path):
+    rate = 40e6
+    store = open_store(str(tmp_path), upload_bytes_per_s=rate, download_bytes_per_s=rate)
+    bandwidth, latency = profile_store(store, "runs/p")
+    assert abs(bandwidth - rate) / rate < 0.25
+    assert 0 < latency < 0.05
+    assert store.list("runs/") == []
+
+
+def test_contention_factor_compares_compute_alone_and_under_transfers(tmp_path):
+    store = open_store(str(tmp_path))
+    model = build_model("digits_cnn", 0)
+    r = measure_contention(model, (64,), 10, 32, store, "runs/c", payload_bytes=1 << 20, repeats=3)
+    assert r.alone_s > 0 and r.loaded_s > 0 and r.bytes_moved >= 2 << 20
+    assert r.factor == max(1.0, r.loaded_s / r.alone_s) >= 1.0
+    assert store.list("runs/") == []
+
+
+def test_allreduce_fit_from_timed_thread_collectives(tmp_path):
+    rate = 50e6
+    samples = measure_allreduce(
+        lambda: open_store(str(tmp_path), upload_bytes_per_s=rate, download_bytes_per_s=rate),
+        "runs/a", sizes=(128 << 10, 1 << 20), worlds=(2, 3), repeats=1)
+    assert [(n, a) for n, a, _ in samples] == [(128 << 10, 2), (1 << 20, 2), (128 << 10, 3), (1 << 20, 3)]
+    # Each rank moves at least (A - 1) / A of the tensor up and down over a paced link.
+    assert all(t >= 2 * (a - 1) / a * n / rate for n, a, t in samples)
+    alpha, beta, _ = fit_allreduce_samples(samples)
+    assert alpha > 0 and beta >= 0  # time grows with bytes through a paced link
+    assert open_store(str(tmp_path)).list("runs/") == []
+
+
+def test_planner_layers_are_accepted_by_the_planners(cnn_profile):
+    from planners.co_optimize import parse_problem
+    from planners.partition import partition
+
+    layers = to_planner_layers(cnn_profile, "partition")
+    answer = partition({"layers": layers, "bandwidth_bytes_per_s": 1e8, "microbatches": 4,
+                        "max_stages": 3, "transport": "store", "latency_s": 1e-3})
+    assert set(answer["by_stages"]) == {"1", "2", "3"}
+    fast = ModelProfile.from_dict({**cnn_profile.to_dict(), "serial_fraction": 0.25})
+    co = to_planner_layers(fast, "co-optimize", vcpus=[1, 4])
+    assert co[3]["forward_s"] == pytest.approx([cnn_profile.layers[3].forward_s,
+                                                cnn_profile.layers[3].forward_s * 0.4375])
+    problem = parse_problem({"layers": co, "memory_options_bytes": [2 * GB, 4 * GB],
+                             "bandwidth_bytes_per_s": [7e7, 7e7], "latency_s": 1e-3,
+                             "contention": 1.2, "base_memory_bytes": 3e8, "dp_degrees": [1, 2],
+                             "microbatches": 4, "price_per_byte_s": 1e-12, "weights": [1, 1]})
+    assert len(problem.activation_bytes) == len(cnn_profile.layers)
+    with pytest.raises(ZooidValueError, match="kind"):
+        to_planner_layers(cnn_profile, "ring")
+
+
+def test_memory_report_is_the_co_optimisers_arithmetic():
+    acts, params = [100, 200, 300, 400], [10, 0, 20, 30]
+    report = stage_memory(activation_bytes=acts, param_bytes=params, cuts=[1, 3], microbatches=4,
+                          available_bytes=10_000, base_memory_bytes=1000,
+                          optimizer_state_factor=2, data_parallel=2)
+    assert [(s.first_layer, s.last_layer) for s in report] == [(0, 0), (1, 2), (3, 3)]
+    # mu * sum a + (4 - 0 + 2) * sum s + s0
+    assert [s.needed_bytes for s in report] == [400 + 60 + 1000, 2000 + 120 + 1000, 1600 + 180 + 1000]
+    single = stage_memory(activation_bytes=acts, param_bytes=params, cuts=[], microbatches=1,
+                          available_bytes=10_000)
+    assert single[0].needed_bytes == 1000 + 2 * 60  # D = 1: weights and gradients only
+    assert stage_bounds([2], 5) == [(0, 1), (2, 4)]
+    with pytest.raises(ZooidValueError, match="cuts"):
+        stage_bounds([0], 5)
+
+
+def test_memory_check_refuses_with_the_numbers_per_stage():
+    gb = int(GB)
+    kwargs = dict(activation_bytes=[gb, gb // 2, gb // 4], param_bytes=[0, gb // 8, 0], cuts=[1, 2],
+                  microbatches=3, base_memory_bytes=gb // 4, data_parallel=1)
+    with pytest.raises(ZooidValueError) as err:
+        check_plan_memory(available_bytes=2 * gb, **kwargs)
+    message = str(err.value)
+    assert err.value.field == "memory"
+    assert "stage 0 (layers 0-0) needs 3.25 GB" in message and "worker has 2.00 GB" in message
+    assert "stage 1 (layers 1-1) needs 2.00 GB" not in message  # 1.5 + 0.25 + 0.25 fits
+    assert "stage 2" not in message
+    report = check_plan_memory(available_bytes=[4 * gb, 2 * gb, gb], **kwargs)
+    assert [s.fits for s in report] == [True, True, True]
+    with pytest.raises(ZooidValueError, match="available_bytes"):
+        check_plan_memory(available_bytes=[gb], **kwargs)
+
+
+@pytest.mark.gpu
+def test_cuda_peak_memory_is_the_allocators_peak():
+    model = build_model("digits_cnn", 0).cuda()
+    p = profile_model(model, "digits_cnn", (64,), 10, 64, repeats=2, base_memory=False)
+    assert p.peak_memory_method == "cuda_max_allocated"
+    # The allocator holds at least the weights, their gradients and the kept activations.
+    assert p.peak_memory_bytes >= 2 * p.param_bytes + p.activation_bytes
+    assert list(p.step_s_by_threads) == [str(p.threads)]
