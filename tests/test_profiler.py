@@ -231,3 +231,28 @@ def test_cuda_peak_memory_is_the_allocators_peak():
     # The allocator holds at least the weights, their gradients and the kept activations.
     assert p.peak_memory_bytes >= 2 * p.param_bytes + p.activation_bytes
     assert list(p.step_s_by_threads) == [str(p.threads)]
+
+
+def test_per_offer_step_time_and_activations_scale(cnn_profile):
+    p = ModelProfile.from_dict({**cnn_profile.to_dict(), "serial_fraction": 0.5, "threads": 1})
+    assert p.step_s_at(2) == pytest.approx(p.step_s * 0.75)
+    assert p.step_s_at(0.25) == pytest.approx(p.step_s * 4)
+    assert p.layer_activation_bytes(64) == [2 * layer.activation_bytes for layer in p.layers]
+
+
+def test_links_profile_lands_in_the_model_profile(tmp_path, cnn_profile):
+    from training.profiler import profile_links
+
+    rate = 40e6
+    links = profile_links(build_model("digits_cnn", 0), (64,), 10, 32,
+                          lambda: open_store(str(tmp_path), upload_bytes_per_s=rate,
+                                             download_bytes_per_s=rate),
+                          "runs/l", worlds=(2,), sizes=(128 << 10, 1 << 20))
+    assert abs(links.bandwidth_bytes_per_s - rate) / rate < 0.25
+    assert links.contention >= 1.0
+    p = cnn_profile.with_links(links)
+    assert (p.store_bandwidth_bytes_per_s, p.store_latency_s, p.contention,
+            p.allreduce_alpha_s_per_byte, p.allreduce_beta_s) == (
+        links.bandwidth_bytes_per_s, links.latency_s, links.contention,
+        links.allreduce_alpha_s_per_byte, links.allreduce_beta_s)
+    assert open_store(str(tmp_path)).list("runs/") == []

@@ -132,6 +132,16 @@ class ModelProfile:
         base = self.threads or 1
         return vcpu_factor(vcpu, self.serial_fraction) / vcpu_factor(base, self.serial_fraction)
 
+    def step_s_at(self, vcpu: float) -> float:
+        """`step_s` scaled to a worker of `vcpu` vCPUs (per-offer step time)."""
+        return self.step_s * self.scale_factor(vcpu)
+
+    def layer_activation_bytes(self, microbatch_size: int) -> list[int]:
+        """Per-layer activation bytes at another micro-batch size: activations are linear
+        in the samples, so the measured figures scale by size / `microbatch_size`."""
+        measured = self.microbatch_size or self.batch_size
+        return [round(layer.activation_bytes * microbatch_size / measured) for layer in self.layers]
+
 
 @dataclass(frozen=True, kw_only=True)
 class LinkProfile:
