@@ -1,0 +1,56 @@
+"""Cloud store blocks: URLs and worker environments carry no secret; the stores open and work."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from blocks.cloud import ZooidRedisStore, ZooidS3Store, with_variable_defaults
+from tests.cloud_fixtures import template
+
+
+def test_s3_store_block_opens_the_bucket_and_leaks_no_key(s3_server):
+    from prefect_aws import AwsCredentials
+    from prefect_aws.s3 import S3Bucket
+
+    bucket = s3_server.create_bucket("zooid-blocks")
+    creds = AwsCredentials(aws_access_key_id="testing", aws_secret_access_key="s3cr3t-key", region_name="us-east-1",
+                           aws_client_parameters={"endpoint_url": s3_server.endpoint})
+    block = ZooidS3Store(bucket=S3Bucket(bucket_name=bucket, credentials=creds), prefix="runs-test")
+    assert block.url() == f"s3://{bucket}/runs-test?endpoint={s3_server.endpoint}"
+    assert "s3cr3t" not in block.url() + json.dumps(block.worker_environment())
+    assert "s3cr3t" not in repr(block)
+    store = block.open()
+    try:
+        store.put("runs/z1/probe/x", b"\x00\x01")
+        assert store.get("runs/z1/probe/x") == b"\x00\x01"
+    finally:
+        store.close()
+
+
+def test_redis_store_block_url_has_no_password(redis_server):
+    from prefect_redis.blocks import RedisDatabase
+
+    block = ZooidRedisStore(database=RedisDatabase(host="127.0.0.1", port=redis_server.port, db=0))
+    assert block.url() == f"redis://127.0.0.1:{redis_server.port}/0"
+    secret = ZooidRedisStore(database=RedisDatabase(host="h", port=1, password="p4ss"))
+    assert "p4ss" not in secret.url() + repr(secret)
+    store = block.open()
+    try:
+        store.put("runs/z2/probe/y", b"abc")
+        assert store.get("runs/z2/probe/y") == b"abc"
+    finally:
+        store.close()
+
+
+def test_pool_defaults_point_at_the_cloud_account():
+    base = template("ecs")
+    before = json.dumps(base, sort_keys=True)
+    out = with_variable_defaults(base, {"cluster": "zooid", "aws_credentials": {
+        "$ref": {"block_document_id": "0f0e"}}})
+    props = out["variables"]["properties"]
+    assert props["cluster"]["default"] == "zooid"
+    assert props["aws_credentials"]["default"] == {"$ref": {"block_document_id": "0f0e"}}
+    assert json.dumps(base, sort_keys=True) == before  # the input is not mutated
+    with pytest.raises(ValueError, match="defaults"):
+        with_variable_defaults(template("ecs"), {"resource_group_name": "rg"})
