@@ -3,6 +3,12 @@ metadata, written in one put (atomic) through `tensor_codec`; never pickled.
 
 Tensor names are `model/<state_dict key>` and `optim/<param name>.<state key>`. The metadata
 carries what the caller passes (epoch, step, run id...) and the model and optimizer names.
+
+Two kinds of checkpoint, both durable: the epoch checkpoint (`WorkerSpec.out_key`, written
+by rank 0 at the end of an epoch) and the sync checkpoint `sync_checkpoint_key(run, epoch)`,
+overwritten in place (one atomic put) by rank 0 at every Local-SGD sync of the epoch with
+the averaged state and the data position (step, sync round); a relaunched replica resumes
+from it (`training.local_sgd`).
 """
 from __future__ import annotations
 
@@ -16,7 +22,7 @@ from training.errors import ZooidValueError
 from training.models import build_model
 from training.optimizers import build_optimizer, load_optimizer_state, optimizer_state_tensors
 from training.store import Store
-from training.tensor_codec import decode_tensors, encode_tensors
+from training.tensor_codec import decode_tensors, encode_tensors, read_header
 
 FORMAT = "zooid-checkpoint-1"
 
@@ -82,3 +88,21 @@ def initial_checkpoint(
     opt = build_optimizer(optimizer, net, lr)
     base = {"model": model, "optimizer": optimizer, "seed": seed, "epoch": -1, "step": 0}
     return save_checkpoint(store, key, net, opt, {**base, **(meta or {})})
+
+
+def sync_checkpoint_key(run_id: str, epoch: int) -> str:
+    """Durable key of epoch `epoch`'s sync checkpoint (the latest sync point's state)."""
+    return f"runs/{run_id}/ckpt/sync-e{epoch}.safetensors"
+
+
+def read_checkpoint_meta(store: Store, key: str) -> dict[str, Any] | None:
+    """The metadata of the checkpoint under `key` without loading its tensors, or None when
+    there is no checkpoint there."""
+    try:
+        header = read_header(store.get(key))
+    except KeyError:
+        return None
+    metadata = header.get("__metadata__") or {}
+    if metadata.get("format") != FORMAT:
+        raise ZooidValueError("checkpoint", f"{key} is not a Zooid checkpoint")
+    return json.loads(metadata.get("meta", "{}"))

@@ -4,7 +4,8 @@ The spec's `extra["strategy"]` picks the engine (`training.run_spec`: a Local-SG
 by default, or a pipeline stage). The `inline` target starts workers this way. The last
 line on stdout is JSON: the WorkerResult (`WorkerResult.from_dict` reads it back), or on
 failure `{"error": <class name>, "message": ...}` with a non-zero exit status: 2 for bad
-input (ZooidValueError), 3 for a store timeout, 4 for out-of-memory, 1 for anything else.
+input (ZooidValueError), 3 for a store timeout, 4 for out-of-memory (OutOfMemory or a
+MemoryError), 1 for anything else. `training.failures.classify_failure` reads these back.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from training.run_spec import run_spec
 from training.specs import WorkerSpec
 from training.store import open_store
 
-EXIT_CODES = ((ZooidValueError, 2), (StoreTimeout, 3), (OutOfMemory, 4))
+EXIT_CODES = ((ZooidValueError, 2), (StoreTimeout, 3), (OutOfMemory, 4), (MemoryError, 4))
 
 
 def main(argv: list[str] | None = None) -> int:
