@@ -195,3 +195,31 @@ def bootstrap_cloud(target: str, *, cluster: str | None = None, resource_group: 
             base_job_template=with_variable_defaults(pool.base_job_template, defaults)))
     done["defaults"] = sorted(k for k, v in defaults.items() if v is not None)
     return done
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m blocks.cloud --target ecs|aci|k8s [...]`: `bootstrap_cloud` from a shell."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(prog="python -m blocks.cloud", description=bootstrap_cloud.__doc__.splitlines()[0])
+    parser.add_argument("--target", required=True, choices=["ecs", "aci", "k8s"])
+    parser.add_argument("--cluster", help="ECS cluster name or ARN")
+    parser.add_argument("--resource-group", help="Azure resource group (ACI)")
+    parser.add_argument("--subscription-id", help="Azure subscription id (ACI)")
+    parser.add_argument("--namespace", help="Kubernetes namespace")
+    parser.add_argument("--paid-worker-limit", type=int, default=16)
+    args = parser.parse_args(argv)
+    try:
+        done = bootstrap_cloud(args.target, cluster=args.cluster, resource_group=args.resource_group,
+                               subscription_id=args.subscription_id, namespace=args.namespace,
+                               paid_worker_limit=args.paid_worker_limit)
+    except ValueError as exc:
+        print(f"error: {exc}")
+        return 2
+    print(json.dumps(done))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -114,3 +114,77 @@ def pool_job_configuration(config_cls, work_pool: str, job_variables: dict | Non
     from prefect.utilities.asyncutils import run_coro_as_sync
 
     return run_coro_as_sync(read_pool_job_configuration(config_cls, work_pool, job_variables))
+
+
+def sweep_target(target, run_id: str) -> list[str]:
+    """Stop (ECS, ACI) or delete (Kubernetes) every resource of the run on a cloud `ComputeTarget`;
+    a no-op for local targets. For ACI read the cost first: the sweep deletes the groups."""
+    pool, jv = target.work_pool, target.job_variables
+    if target.kind == "ecs":
+        from tasks import cloud_ecs
+
+        ecs, cluster = cloud_ecs.ecs_session(pool, jv)
+        return cloud_ecs.sweep(ecs, cluster, run_id)
+    if target.kind == "aci":
+        from tasks import cloud_aci
+
+        aci, group = cloud_aci.aci_session(pool, jv)
+        return cloud_aci.sweep(aci, group, run_id)
+    if target.kind == "k8s":
+        from tasks import cloud_k8s
+
+        async def _sweep():
+            async with cloud_k8s.k8s_session(pool, jv) as (client, namespace):
+                done = await cloud_k8s.sweep(client, namespace, run_id)
+                return done["jobs"] + done["pods"]
+
+        return cloud_k8s.run_sync(_sweep())
+    return []
+
+
+def stop_flow_run_infrastructure(target, flow_runs: list) -> list[str]:
+    """Stop the infrastructure behind worker flow runs directly (their `infrastructure_pid`)."""
+    pool, jv = target.work_pool, target.job_variables
+    if target.kind == "ecs":
+        from tasks import cloud_ecs
+
+        ecs, _ = cloud_ecs.ecs_session(pool, jv)
+        return cloud_ecs.stop_flow_run_tasks(ecs, flow_runs)
+    if target.kind == "aci":
+        from tasks import cloud_aci
+
+        aci, group = cloud_aci.aci_session(pool, jv)
+        return cloud_aci.stop_flow_run_groups(aci, group, flow_runs)
+    if target.kind == "k8s":
+        from tasks import cloud_k8s
+
+        async def _stop():
+            async with cloud_k8s.k8s_session(pool, jv) as (client, _):
+                return await cloud_k8s.delete_flow_run_jobs(client, flow_runs)
+
+        return cloud_k8s.run_sync(_stop())
+    return []
+
+
+def target_intervals(target, run_id: str) -> list[CloudInterval]:
+    """Every worker interval of the run the target's cloud still reports ([] for local targets)."""
+    pool, jv = target.work_pool, target.job_variables
+    if target.kind == "ecs":
+        from tasks import cloud_ecs
+
+        ecs, cluster = cloud_ecs.ecs_session(pool, jv)
+        return cloud_ecs.run_intervals(ecs, cluster, run_id)
+    if target.kind == "aci":
+        from tasks import cloud_aci
+
+        aci, group = cloud_aci.aci_session(pool, jv)
+        return cloud_aci.run_intervals(aci, group, run_id)
+    if target.kind == "k8s":
+        from tasks import cloud_k8s
+
+        async def _read():
+            async with cloud_k8s.k8s_session(pool, jv) as (client, namespace):
+                return await cloud_k8s.run_intervals(client, namespace, run_id)
+
+        return cloud_k8s.run_sync(_read())
+    return []
