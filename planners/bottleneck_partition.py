@@ -23,8 +23,8 @@ when it provably cannot lead to a better answer:
        A dominates B  if  w_c (comm_A - comm_B) + sum_d w_d max(0, m_A,d - m_B,d) <= 0.
    This is stronger than componentwise dominance and transitive (max(0, .) is
    subadditive), so labels can be filtered in any order.
-2. Bounds. A first pass keeps only the few cheapest labels per state (a beam), which
-   yields a feasible partition and so an upper bound U_k for every stage count k. A label
+2. Bounds. Balanced cuts, then passes that keep only the few cheapest labels per state
+   (a beam), yield feasible partitions and so an upper bound U_k for every stage count k. A label
    at (s, j) that would finish with q = k - s more stages over layers j+1..L-1 scores at
    least w_c (comm + c[j] + (q - 1) min c) + sum_d w_d max(m_d, c[j] if d takes cuts,
    scale_d max(rest_d / q, max single x_d) + offset_d), because some stage holds at least
@@ -130,13 +130,53 @@ def solve_chain(*, cut_values: np.ndarray, comm_weight: float, terms: Sequence[M
     bounds = np.full(chain.top + 1, np.inf)
     if not use_bounds:
         return _run(chain, None, bounds)
-    # Two cheap passes (one label per state, then a few) give upper bounds; the last pass
-    # keeps every label that the bounds and dominance cannot exclude.
+    # Balanced cuts, then two cheap passes (one label per state, then a few) give upper
+    # bounds; the last pass keeps every label that the bounds and dominance cannot exclude.
+    for k in range(1, chain.top + 1):
+        cuts = _balanced_cuts(chain, k)
+        if cuts is not None:
+            bounds[k] = _score(chain, cuts)
     for beam in (1, _BEAM, None):
         found = _run(chain, beam, bounds)
         for k, sol in found.items():
             bounds[k] = min(bounds[k], sol.score)
     return found
+
+
+def _balanced_cuts(chain: _Chain, k: int) -> tuple[int, ...] | None:
+    """k stages of about equal weighted load (a feasible guess, for an upper bound), or
+    None when a stage would not be allowed."""
+    n = chain.n
+    load = sum(w * sc * np.diff(p) for w, sc, p in zip(chain.weights, chain.scale, chain.prefix))
+    if not isinstance(load, np.ndarray) or load.sum() <= 0:
+        load = np.ones(n)
+    prefix = np.cumsum(load)
+    cuts, prev = [], -1
+    for i in range(1, k):
+        raw = int(np.searchsorted(prefix, prefix[-1] * i / k)) - 1
+        cut = min(max(raw, prev + 1), n - 1 - (k - i))
+        cuts.append(cut)
+        prev = cut
+    if chain.allowed is not None:
+        starts, ends = [0] + [c + 1 for c in cuts], cuts + [n - 1]
+        if not all(chain.allowed[a, b] for a, b in zip(starts, ends)):
+            return None
+    return tuple(cuts)
+
+
+def _score(chain: _Chain, cuts: tuple[int, ...]) -> float:
+    """The score of one partition (the objective without constants)."""
+    n = chain.n
+    starts = np.array([0] + [c + 1 for c in cuts])
+    ends = np.array(list(cuts) + [n - 1])
+    cut_vals = chain.cut[list(cuts)] if cuts else np.zeros(0)
+    total = chain.w_c * float(cut_vals.sum())
+    for d in range(len(chain.weights)):
+        m = float(chain.stage_value(d, starts, ends).max())
+        if chain.cut_in[d] and len(cut_vals):
+            m = max(m, float(cut_vals.max()))
+        total += chain.weights[d] * m
+    return total
 
 
 def _run(chain: _Chain, beam: int | None, bounds: np.ndarray) -> dict[int, ChainSolution]:

@@ -159,8 +159,8 @@ def parse_partition(doc: Any, *, need_microbatches: bool = True,
     return PartitionProblem(
         layers=layers,
         bandwidth_bytes_per_s=v.number(doc, "bandwidth_bytes_per_s", positive=True),
-        microbatches=(v.integer(doc, "microbatches", minimum=1) if need_microbatches
-                      else v.integer(doc, "microbatches", minimum=1, default=1)),
+        # hybrid ignores `microbatches` (it derives M per strategy), so it is not read
+        microbatches=v.integer(doc, "microbatches", minimum=1) if need_microbatches else 1,
         max_stages=v.integer(doc, "max_stages", minimum=1),
         transport=v.choice(doc, "transport", TRANSPORTS, default="direct"),
         latency_s=v.number(doc, "latency_s", non_negative=True, default=0.0))

@@ -29,7 +29,7 @@ def random_doc(rng: random.Random) -> dict:
         "allreduce": {"alpha_s_per_byte": rng.choice([0.0, 1e-5]), "beta_s": rng.choice([0.0, 0.02])},
     }
     if rng.random() < 0.5:
-        doc["microbatches"] = 99  # ignored by hybrid
+        doc["microbatches"] = rng.choice([99, 0, "many"])  # ignored by hybrid
     if rng.random() < 0.7:
         doc["sync"] = rng.choice(["ring", "scatter_reduce", "pipelined_scatter_reduce"])
     if rng.random() < 0.5:

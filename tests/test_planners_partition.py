@@ -182,6 +182,7 @@ def _fits(profiles, size, count, memory, stages) -> bool:
 
 
 def test_128_layers_16_stages_well_under_a_second():
+    # CPU time, best of three: the machine running the tests may be shared
     rng = random.Random(3)
     doc = {"layers": [{"forward_s": rng.random(), "backward_s": 2 * rng.random(),
                        "output_bytes": rng.randint(0, 10 ** 6)} for _ in range(128)],
@@ -191,10 +192,10 @@ def test_128_layers_16_stages_well_under_a_second():
 
 
 def _timed(doc) -> float:
-    start = time.perf_counter()
+    start = time.process_time()
     answer = partition(doc)
     assert len(answer["by_stages"]) == 16
-    return time.perf_counter() - start
+    return time.process_time() - start
 
 
 def test_dominance_alone_is_exact():
