@@ -92,7 +92,8 @@ class ModelProfile:
     """Peak memory of one training step at `batch_size`; `peak_memory_method` says how."""
     peak_memory_method: str = ""
     rss_growth_bytes: int = 0
-    """Growth of the process's peak RSS over a training step (CPU; 0 where unmeasured)."""
+    """Growth of the process's peak RSS over one training step after earlier ones (CPU;
+    0 where unreadable, and often 0 anyway: a later step reuses memory already resident)."""
     base_memory_bytes: int = 0
     """s0: RSS of a fresh Python process after importing torch and the model's module."""
     threads: int = 0
