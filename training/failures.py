@@ -3,6 +3,8 @@
 Evidence, strongest first:
 
 1. an injected-fault marker (`training.chaos.read_fault_marker`): `injected`, retried;
+   except an injected `oom_worker`, which is classified as a real OOM (with
+   `injected=True`) so that the coordinator's no-retry path can be drilled;
 2. the coordinator's own timeout fired: `timeout`, retried;
 3. bad input: exit 2 or a `ZooidValueError` line: `bad_input`, never retried;
 4. out of memory: exit 4 (the worker's `OutOfMemory`), `MemoryError`, CUDA
@@ -56,6 +58,8 @@ class Failure:
 
     kind: FailureKind
     reason: str
+    injected: bool = False
+    """Whether a `ZOOID_CHAOS` fault caused it."""
 
     @property
     def retryable(self) -> bool:
@@ -64,7 +68,8 @@ class Failure:
 
     def to_dict(self) -> dict:
         """JSON-able form, for outcomes and the ledger."""
-        return {"kind": self.kind.value, "retryable": self.retryable, "reason": self.reason}
+        return {"kind": self.kind.value, "retryable": self.retryable, "reason": self.reason,
+                "injected": self.injected}
 
 
 @dataclass(frozen=True)
@@ -139,7 +144,9 @@ def classify_failure(
         raise ZooidValueError("exit_code", "0 is a success, not a failure to classify")
     tail = output[-4000:] if output else ""
     if injected:
-        return Failure(FailureKind.INJECTED, f"injected {injected.get('kind', 'fault')} at step {injected.get('step')}")
+        what = f"injected {injected.get('kind', 'fault')} at step {injected.get('step')}"
+        kind = FailureKind.OOM if injected.get("kind") == "oom_worker" else FailureKind.INJECTED
+        return Failure(kind, what, injected=True)
     if timed_out:
         return Failure(FailureKind.TIMEOUT, "the worker timeout fired")
     if exit_code == EXIT_BAD_INPUT or BAD_INPUT_TEXT.search(tail):

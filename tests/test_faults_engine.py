@@ -1,0 +1,333 @@
+"""Faults on the worker side: relaunch inside an epoch, chaos injection, failure classes,
+and a Redis restart in the middle of a sync round.
+
+The kill tests play the coordinator by hand: start the replicas as processes, wait for the
+injected death, read the fault marker, classify, relaunch that one replica with
+`attempt=1`, and compare the final weights with a fault-free run of the same seed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.memory_store import MemoryStore
+from training.chaos import ChaosError, Fault, fault_marker_key, parse_chaos, read_fault_marker
+from training.checkpoint import initial_checkpoint, load_checkpoint, read_checkpoint_meta, sync_checkpoint_key
+from training.collectives import allreduce_mean, release_group
+from training.datasets import assign_subsets, publish_dataset
+from training.errors import ZooidValueError
+from training.failures import FailureKind, MemoryEvents, classify_failure, read_memory_events
+from training.local_sgd import read_epoch_history, run_local_sgd_epoch
+from training.models import build_model
+from training.specs import WorkerSpec
+from training.store_dir import DirectoryStore
+from training.store_redis import RedisStore
+
+REPO = Path(__file__).resolve().parents[1]
+WORLD, STEPS, PERIOD, BATCH = 2, 9, 3, 16
+# One thread per worker process: the relaunch then computes the very same float64 sums.
+WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def stage(store, run_id: str) -> list[tuple[int, ...]]:
+    """Publish digits and an initial checkpoint for `run_id`; return the subsets per rank."""
+    manifest = publish_dataset(store, run_id, "digits", subset_size=64)
+    initial_checkpoint(store, f"runs/{run_id}/ckpt/init", "digits_mlp", "sgd", lr=0.1, seed=3)
+    return assign_subsets(manifest.n_subsets, WORLD, 0, seed=3)
+
+
+def specs(store_url: str, run_id: str, subsets, **extra) -> list[WorkerSpec]:
+    """Float64 plain-SGD replicas of epoch 0, every rank with an out_key."""
+    return [WorkerSpec(run_id=run_id, epoch=0, rank=r, world=WORLD, store_url=store_url,
+                       model="digits_mlp", dataset="digits", subsets=tuple(subsets[r]), steps=STEPS,
+                       batch_size=BATCH, lr=0.1, sync_period=PERIOD, seed=3,
+                       init_key=f"runs/{run_id}/ckpt/init", out_key=f"runs/{run_id}/ckpt/e0",
+                       sync_timeout_s=60, evaluate=False, extra={"dtype": "float64", **extra})
+            for r in range(WORLD)]
+
+
+def run_threads(store, worker_specs):
+    """Run the replicas as threads of this process against `store`."""
+    with ThreadPoolExecutor(len(worker_specs)) as pool:
+        return list(pool.map(lambda s: run_local_sgd_epoch(s, store), worker_specs))
+
+
+def final_weights(store, key: str) -> dict[str, torch.Tensor]:
+    model = build_model("digits_mlp", 0).double()
+    load_checkpoint(store, key, model)
+    return model.state_dict()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The fault-free epoch's final weights (threads; the same seed and data as the kill tests)."""
+    store = DirectoryStore(tmp_path_factory.mktemp("ref"))
+    run_threads(store, specs(store.url, "ref", stage(store, "ref")))
+    return final_weights(store, "runs/ref/ckpt/e0")
+
+
+class Coordinator:
+    """Launch workers as processes, as `tasks.launchers.InlineLauncher` does."""
+
+    def __init__(self, logs: Path, chaos: str):
+        self.logs, self.chaos = logs, chaos
+        self.procs: dict[tuple[int, int], subprocess.Popen] = {}
+
+    def launch(self, spec: WorkerSpec) -> None:
+        env = {**os.environ, **WORKER_ENV, "ZOOID_CHAOS": self.chaos}
+        with open(self.logs / f"r{spec.rank}-a{spec.attempt}.log", "wb") as out:
+            self.procs[spec.rank, spec.attempt] = subprocess.Popen(
+                [sys.executable, "-m", "training.worker_main", "--spec-json", json.dumps(spec.to_dict())],
+                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait(self, rank: int, attempt: int) -> int:
+        return self.procs[rank, attempt].wait(timeout=90)
+
+    def output(self, rank: int, attempt: int) -> str:
+        return (self.logs / f"r{rank}-a{attempt}.log").read_text()
+
+    def stop_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def wait_for_sync_checkpoint(store, run_id: str, step: int) -> None:
+    """Block until the epoch's sync checkpoint is at `step` (rank 0 writes it right after
+    the sync; waiting makes the relaunch's starting point deterministic)."""
+    deadline = time.monotonic() + 30
+    while step and (read_checkpoint_meta(store, sync_checkpoint_key(run_id, 0)) or {}).get("step") != step:
+        assert time.monotonic() < deadline, f"no sync checkpoint at step {step}"
+        time.sleep(0.02)
+
+
+def kill_and_relaunch(tmp_path, chaos: str, victim: int, resume_step: int):
+    """Run an epoch whose `victim` dies by `chaos`; relaunch it once from the sync
+    checkpoint at `resume_step`; return the store, the classified failure and the marker."""
+    store = DirectoryStore(tmp_path / "store")
+    worker_specs = specs(store.url, "k", stage(store, "k"))
+    coordinator = Coordinator(tmp_path, chaos)
+    try:
+        for spec in worker_specs:
+            coordinator.launch(spec)
+        code = coordinator.wait(victim, 0)
+        marker = read_fault_marker(store, "k", 0, victim, 0)
+        failure = classify_failure(code, coordinator.output(victim, 0), injected=marker)
+        assert failure.retryable
+        # The contract: same spec, attempt + 1, no key deleted; the survivor is still waiting.
+        assert coordinator.procs[1 - victim, 0].poll() is None
+        wait_for_sync_checkpoint(store, "k", resume_step)
+        coordinator.launch(WorkerSpec.from_dict({**worker_specs[victim].to_dict(), "attempt": 1}))
+        assert coordinator.wait(victim, 1) == 0, coordinator.output(victim, 1)
+        assert coordinator.wait(1 - victim, 0) == 0, coordinator.output(1 - victim, 0)
+    finally:
+        coordinator.stop_all()
+    return store, failure, marker
+
+
+def test_replica_killed_at_a_sync_point_ends_equal_to_the_fault_free_run(tmp_path, reference):
+    store, failure, marker = kill_and_relaunch(
+        tmp_path, "kill_worker:epoch=0:rank=1:step=3:at=sync", victim=1, resume_step=3)
+    assert failure.kind is FailureKind.INJECTED and failure.injected
+    assert (marker["kind"], marker["step"], marker["attempt"]) == ("kill_worker", 3, 0)
+    for name, expected in reference.items():
+        torch.testing.assert_close(final_weights(store, "runs/k/ckpt/e0")[name], expected, rtol=1e-12, atol=1e-12)
+    history = read_epoch_history(store, "k", 0)
+    relaunch = next(h for h in history if (h["rank"], h["attempt"]) == (1, 1))
+    # Died right after the sync at step 3, so the relaunch redid nothing.
+    assert (relaunch["start_step"], relaunch["steps_trained"], relaunch["start_round"]) == (3, 6, 1)
+    assert store.list("runs/k/sync/") == []
+
+
+def test_replica_killed_at_a_random_step_covers_every_batch_once(tmp_path, reference):
+    step = random.Random(11).choice([s for s in range(1, STEPS) if s % PERIOD])  # not a sync point
+    last_sync = step // PERIOD * PERIOD
+    store, failure, marker = kill_and_relaunch(tmp_path, f"kill_worker:epoch=0:rank=0:step={step}", victim=0,
+                                               resume_step=last_sync)
+    assert failure.kind is FailureKind.INJECTED and marker["step"] == step
+    weights = final_weights(store, "runs/k/ckpt/e0")
+    for name, expected in reference.items():
+        torch.testing.assert_close(weights[name], expected, rtol=1e-9, atol=1e-9)
+    # Per rank: what the dead attempt committed (up to its last sync point) and what the
+    # completed attempts trained tile the epoch's steps exactly once.
+    history = read_epoch_history(store, "k", 0)
+    covered = {0: [(0, last_sync)], 1: []}
+    for h in history:
+        covered[h["rank"]].append((h["start_step"], h["end_step"]))
+    assert covered == {0: [(0, last_sync), (last_sync, STEPS)], 1: [(0, STEPS)]}
+    assert step - last_sync < PERIOD  # lost work stays inside one sync interval
+    by_rank = {(h["rank"]): h["subsets"] for h in history}
+    assert sorted(by_rank[0] + by_rank[1]) == list(range(len(by_rank[0]) + len(by_rank[1])))
+    meta = read_checkpoint_meta(store, sync_checkpoint_key("k", 0))
+    assert (meta["step"], meta["round"], meta["epoch"]) == (STEPS, STEPS // PERIOD - 1, 0)
+
+
+def test_redis_restart_mid_round_loses_scratch_keys_and_the_round_completes(tmp_path, redis_server, reference,
+                                                                          monkeypatch):
+    durable = DirectoryStore(tmp_path / "durable")
+    scratch = RedisStore(redis_server.url)
+    subsets = stage(scratch, "rr")
+    initial_checkpoint(durable, "runs/rr/ckpt/init", "digits_mlp", "sgd", lr=0.1, seed=3)
+    # Rank 1 straggles after round 0, so rank 0 waits inside round 1 with its piece posted.
+    monkeypatch.setenv("ZOOID_CHAOS", f"slow_worker:epoch=0:rank=1:step={PERIOD}:seconds=2")
+    piece = "runs/rr/sync/e0/r1/part/1/0"
+
+    def restart_when_rank0_waits():
+        deadline = time.monotonic() + 30
+        while not scratch.exists(piece) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        redis_server.restart(down_s=0.2)
+
+    restarter = threading.Thread(target=restart_when_rank0_waits)
+    restarter.start()
+    try:
+        run_threads(scratch, specs(scratch.url, "rr", subsets, checkpoint_store=durable.url, sync_repost_s=0.3))
+    finally:
+        restarter.join()
+    assert not scratch.exists("runs/rr/data/manifest.json")  # the restart really lost the keys
+    for name, expected in reference.items():
+        torch.testing.assert_close(final_weights(durable, "runs/rr/ckpt/e0")[name], expected, rtol=1e-12, atol=1e-12)
+    history = read_epoch_history(durable, "rr", 0)
+    assert sum(h["reposts"] for h in history) >= 1
+    assert scratch.list("runs/rr/sync/") == []
+    scratch.close()
+
+
+class Died(Exception):
+    """Stands in for a SIGKILL of one rank's thread."""
+
+
+class DyingStore(MemoryStore):
+    """One rank's view of a shared MemoryStore that dies at the first operation `when` accepts."""
+
+    def __init__(self, shared: MemoryStore, when):
+        super().__init__()
+        self._data, self._lock, self.when = shared._data, shared._lock, when
+
+    def put(self, key, data):
+        if self.when("put", key):
+            raise Died(key)
+        super().put(key, data)
+
+    def delete(self, key):
+        if self.when("delete", key):
+            raise Died(key)
+        super().delete(key)
+
+
+@pytest.mark.parametrize("dies", ["before_its_mean", "after_its_mean"])
+def test_a_rank_relaunched_inside_a_round_completes_it_with_the_survivors(dies):
+    store, world = MemoryStore(), 3
+    inputs = [{"w": torch.randn(10, generator=torch.Generator().manual_seed(r), dtype=torch.float64)}
+              for r in range(world)]
+    if dies == "before_its_mean":  # it has read its pieces and posts its result
+        when = lambda op, key: op == "put" and key.endswith("/mean/1")  # noqa: E731
+    else:  # its result is posted, its pieces are being deleted
+        when = lambda op, key: op == "delete" and "/part/1/" in key  # noqa: E731
+
+    def rank(r):
+        if r != 1:
+            out = allreduce_mean(store, "runs/t/sync/e0/r0", r, world, inputs[r], 20)
+        else:
+            with pytest.raises(Died):
+                allreduce_mean(DyingStore(store, when), "runs/t/sync/e0/r0", 1, world, inputs[1], 20)
+            out = allreduce_mean(store, "runs/t/sync/e0/r0", 1, world, inputs[1], 20)  # the relaunch
+        release_group(store, "runs/t/sync/e0", r, world, 20, resumed=r == 1)
+        return out
+
+    with ThreadPoolExecutor(world) as pool:
+        outs = list(pool.map(rank, range(world)))
+    expected = torch.stack([t["w"] for t in inputs]).mean(0)
+    for out in outs:
+        torch.testing.assert_close(out["w"], expected, rtol=1e-15, atol=1e-15)
+        assert torch.equal(out["w"], outs[0]["w"])
+    assert store.list("runs/") == []
+
+
+def test_a_relaunched_rank_0_after_the_release_returns_at_once():
+    store = MemoryStore()
+    release_group(store, "runs/t/sync/e0", 0, 2, 0.5, resumed=True)  # no call keys left: released
+    assert store.list("runs/") == []
+
+
+def test_chaos_parsing():
+    assert parse_chaos("") == []
+    kill, crash, oom = parse_chaos("kill_worker:epoch=1:rank=0:step=5:at=sync, crash_worker:epoch=0:rank=1,"
+                                   "oom_worker:mode=kill:attempt=any")
+    assert kill == Fault(kind="kill_worker", epoch=1, rank=0, attempt=0, step=5, at="sync")
+    assert crash == Fault(kind="crash_worker", epoch=0, rank=1, attempt=None)  # the original: every attempt
+    assert (oom.mode, oom.attempt, oom.epoch) == ("kill", None, None)
+    spec = WorkerSpec(run_id="x", epoch=1, rank=0, world=2, store_url="", model="m", dataset="d",
+                      subsets=(0,), steps=1, batch_size=1, lr=0.1)
+    assert kill.matches(spec) and not kill.matches(WorkerSpec.from_dict({**spec.to_dict(), "attempt": 1}))
+    for bad, words in [("explode_worker", "unknown fault"), ("kill_worker:step=x", "not an integer"),
+                       ("kill_worker:rank", "not key=value"), ("hang_worker:mode=kill", "not a valid setting"),
+                       ("kill_worker:epoch=-1", ">= 0")]:
+        with pytest.raises(ChaosError, match=words) as info:
+            parse_chaos(bad)
+        assert isinstance(info.value, ValueError) and str(info.value).startswith("ZOOID_CHAOS:")
+    assert fault_marker_key("r", 1, 2, 3) == "runs/r/faults/e1-r2-a3.json"
+
+
+@pytest.mark.parametrize("code, output, extra, kind", [
+    (-9, "", {}, FailureKind.CRASH),  # SIGKILL without memory evidence
+    (137, "", {"events_before": MemoryEvents(0, 0), "events_after": MemoryEvents(1, 1)}, FailureKind.OOM),
+    (137, "", {"events_before": MemoryEvents(0, 2), "events_after": MemoryEvents(0, 2)}, FailureKind.CRASH),
+    (-9, "", {"peak_rss_bytes": 990, "memory_limit_bytes": 1000}, FailureKind.OOM),
+    (-9, "", {"peak_rss_bytes": 500, "memory_limit_bytes": 1000}, FailureKind.CRASH),
+    (4, '{"error": "OutOfMemory"}', {}, FailureKind.OOM),
+    (1, "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", {}, FailureKind.OOM),
+    (2, '{"error": "ZooidValueError", "message": "model: ..."}', {}, FailureKind.BAD_INPUT),
+    (3, "StoreTimeout: rank 1 waited 120s for runs/x/sync/e0/r3/mean/0", {}, FailureKind.STORE_TIMEOUT),
+    (1, "RuntimeError: boom", {}, FailureKind.CRASH),
+    (None, "", {"timed_out": True}, FailureKind.TIMEOUT),
+    (17, "", {"injected": {"kind": "crash_worker", "step": 0}}, FailureKind.INJECTED),
+    (-9, "", {"injected": {"kind": "oom_worker", "step": 0}}, FailureKind.OOM),
+])
+def test_classification(code, output, extra, kind):
+    failure = classify_failure(code, output, **extra)
+    assert failure.kind is kind
+    assert failure.retryable == (kind not in (FailureKind.OOM, FailureKind.BAD_INPUT))
+    assert failure.to_dict()["kind"] == kind.value
+
+
+def test_classification_refuses_a_success_and_reads_cgroup_counters(tmp_path):
+    with pytest.raises(ZooidValueError, match="exit_code"):
+        classify_failure(0)
+    (tmp_path / "memory.events").write_text("low 0\nhigh 0\nmax 4\noom 2\noom_kill 1\n")
+    assert read_memory_events(tmp_path) == MemoryEvents(oom=2, oom_kill=1)
+    assert read_memory_events(tmp_path / "absent") is None
+
+
+def test_a_real_memory_error_is_oom_and_not_retried():
+    code = ("import resource\n"
+            "resource.setrlimit(resource.RLIMIT_AS, (256 << 20, resource.RLIM_INFINITY))\n"
+            "hoard = [bytearray(16 << 20) for _ in range(64)]\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    failure = classify_failure(out.returncode, out.stdout + out.stderr)
+    assert out.returncode == 1 and "MemoryError" in out.stderr
+    assert failure.kind is FailureKind.OOM and not failure.retryable
+
+
+def test_injected_oom_worker_exits_with_the_oom_status_and_a_marker(tmp_path):
+    store = DirectoryStore(tmp_path / "store")
+    [spec, _] = specs(store.url, "o", [(0,), (1,)])
+    env = {**os.environ, **WORKER_ENV, "ZOOID_CHAOS": "oom_worker:epoch=0:rank=0"}
+    out = subprocess.run([sys.executable, "-m", "training.worker_main", "--spec-json", json.dumps(spec.to_dict())],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 4, out.stderr
+    assert "MemoryError" in json.loads(out.stdout.strip().splitlines()[-1])["message"]
+    marker = read_fault_marker(store, "o", 0, 0, 0)
+    failure = classify_failure(out.returncode, out.stdout, injected=marker)
+    assert (failure.kind, failure.injected, failure.retryable) == (FailureKind.OOM, True, False)
