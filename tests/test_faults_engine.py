@@ -242,7 +242,7 @@ def test_a_rank_relaunched_inside_a_round_completes_it_with_the_survivors(dies):
         else:
             with pytest.raises(Died):
                 allreduce_mean(DyingStore(store, when), "runs/t/sync/e0/r0", 1, world, inputs[1], 20)
-            out = allreduce_mean(store, "runs/t/sync/e0/r0", 1, world, inputs[1], 20)  # the relaunch
+            out = allreduce_mean(store, "runs/t/sync/e0/r0", 1, world, inputs[1], 20, replay=True)  # relaunch
         release_group(store, "runs/t/sync/e0", r, world, 20, resumed=r == 1)
         return out
 

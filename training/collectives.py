@@ -14,7 +14,8 @@ Every key of a call is idempotent: it is written by one rank, from state every a
 that rank computes alike, so a relaunched rank may post it again. Three rules make a call
 safe to rejoin by a rank that died in it and was relaunched from an earlier state:
 
-- `mean/j` is the round's result for slice j. When it is already there, rank j adopts it
+- `mean/j` is the round's result for slice j. When it is already there, a replaying rank j
+  (`replay=True`: a relaunch) adopts it
   instead of reducing again (its first life got that far), and no rank posts a piece of
   slice j any more (its reader no longer needs one);
 - a part key has one reader, rank j, which deletes its parts only *after* it posted
@@ -183,6 +184,7 @@ def _allreduce(
     previous_prefix: str | None,
     log: PostLog | None = None,
     repost_s: float | None = None,
+    replay: bool = False,
 ) -> dict[str, torch.Tensor]:
     if world == 1:
         return tensors
@@ -194,12 +196,14 @@ def _allreduce(
     flat = _flatten(tensors)
 
     # Scatter: my piece of every other rank's slice, unless that slice is already reduced
-    # (this rank is a relaunch replaying a round its peers got further in).
+    # (this rank is a relaunch replaying a round its peers got further in). Only a replay
+    # can find results of a round it has not contributed to, so only it pays the lookups.
+    reduced_already = (lambda key: store.exists(key)) if replay else (lambda key: False)
     for j in range(world):
-        if j != rank and not store.exists(f"{prefix}/mean/{j}"):
+        if j != rank and not reduced_already(f"{prefix}/mean/{j}"):
             io.put(f"{prefix}/part/{j}/{rank}", _slice(flat, j, world), unless=f"{prefix}/mean/{j}")
     mine_key = f"{prefix}/mean/{rank}"
-    if store.exists(mine_key):
+    if reduced_already(mine_key):
         mine = io.get(mine_key)  # reduced by this rank's previous life: adopt it
         if log is not None:
             log.add(mine_key, encode_tensors(mine))
@@ -241,18 +245,20 @@ def allreduce_mean(
     previous_prefix: str | None = None,
     log: PostLog | None = None,
     repost_s: float | None = None,
+    replay: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Elementwise mean of `tensors` over the `world` ranks (every rank passes the same names
     and shapes), reduced in each tensor's own dtype. world == 1 returns `tensors` untouched
     without store traffic. A peer that posts nothing within `timeout` raises StoreTimeout
     naming the key. `previous_prefix` is this group's previous call, whose results this call
     cleans up; `log` (kept across the group's calls) and `repost_s` re-post lost keys while
-    a wait stalls (see the module docstring)."""
+    a wait stalls; `replay` (a relaunched rank) adopts results already in the store (see
+    the module docstring)."""
     for name, t in tensors.items():
         if not t.is_floating_point():
             raise ZooidValueError("tensors", f"{name!r} is {t.dtype}; a mean needs floating tensors")
     return _allreduce(store, prefix, rank, world, tensors, timeout, lambda s: s.mean(0), stats,
-                      previous_prefix, log, repost_s)
+                      previous_prefix, log, repost_s, replay)
 
 
 def allreduce_sum(
@@ -267,10 +273,11 @@ def allreduce_sum(
     previous_prefix: str | None = None,
     log: PostLog | None = None,
     repost_s: float | None = None,
+    replay: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Elementwise sum of `tensors` over the ranks; otherwise as `allreduce_mean`."""
     return _allreduce(store, prefix, rank, world, tensors, timeout, lambda s: s.sum(0), stats,
-                      previous_prefix, log, repost_s)
+                      previous_prefix, log, repost_s, replay)
 
 
 def release_group(

@@ -42,6 +42,11 @@ Sync round r of epoch e uses scratch keys under `runs/<id>/sync/e<e>/r<r>/`.
 4. The release at the end is idempotent too (`release_group(resumed=True)`), and rank 0
    rewrites the epoch checkpoint from the final sync checkpoint when it is the relaunch.
 
+`extra["sync_checkpoint_every"]` = n writes the sync checkpoint every n rounds (default 1;
+the last round always) and keeps n rounds of results in the store; 0 turns sync
+checkpoints off, and with them single-replica relaunch (each round then deletes the one
+before, as without faults).
+
 Work lost to a kill is therefore at most the steps since the last sync point, redone from
 identical inputs; nothing is repeated or skipped beyond that interval. Every attempt
 records what it trained in `runs/<id>/history/e<e>/r<rank>-a<attempt>.json`
@@ -112,7 +117,8 @@ class LocalSGD:
     `replayable`: keep each round's results until `drop_rounds_before` (called by whoever
     checkpoints), so a relaunched replica can replay rounds; otherwise each round deletes
     the previous one's. `on_sync(round, step)` runs after every sync. `start_round` and
-    `start_step` place a resumed replica in the epoch."""
+    `start_step` place a resumed replica in the epoch; `replay` marks a relaunch, which
+    may find results of rounds its previous life took part in."""
 
     def __init__(
         self,
@@ -130,6 +136,7 @@ class LocalSGD:
         on_sync: Callable[[int, int], None] | None = None,
         start_round: int = 0,
         start_step: int = 0,
+        replay: bool = False,
     ):
         if period is not None and period < 1:
             raise ZooidValueError("sync_period", f"must be a positive step count or None, got {period}")
@@ -137,6 +144,7 @@ class LocalSGD:
         self.group, self.rank, self.world = group, rank, world
         self.period, self.timeout = period, timeout
         self.replayable, self.repost_s, self.on_sync = replayable, repost_s, on_sync
+        self.replay = replay
         self.stats = SyncStats()
         self.log = PostLog()
         self.rounds = self._dropped = start_round
@@ -160,7 +168,7 @@ class LocalSGD:
         mean = allreduce_mean(
             self.store, f"{self.group}/r{self.rounds}", self.rank, self.world, live,
             self.timeout, stats=self.stats, previous_prefix=previous, log=self.log,
-            repost_s=self.repost_s,
+            repost_s=self.repost_s, replay=self.replay,
         )
         with torch.no_grad():
             for name, t in live.items():
@@ -341,7 +349,8 @@ def _run(spec: WorkerSpec, store: Store, ckpt_store: Store, started: float) -> W
     averaging = LocalSGD(model, optimizer, store, group, spec.rank, spec.world, spec.sync_period,
                          spec.sync_timeout_s, replayable=bool(every),
                          repost_s=float(spec.extra.get("sync_repost_s", DEFAULT_REPOST_S)) or None,
-                         on_sync=on_sync, start_round=start.round, start_step=start.step)
+                         on_sync=on_sync, start_round=start.round, start_step=start.step,
+                         replay=wants_resume(spec))
     generator = torch.Generator().manual_seed(batch_seed(spec.seed, spec.epoch, spec.rank))
     stream = batch_stream(len(y), spec.batch_size, spec.steps, generator)
     for _ in range(start.step):
