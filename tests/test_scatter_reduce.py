@@ -170,3 +170,16 @@ def test_bad_arguments_name_the_parameter(dir_store):
     with pytest.raises(ZooidValueError, match="sync"):
         allreduce_for("ring")
     assert allreduce_for("pipelined", "sum") is pipelined_allreduce_sum
+
+
+def test_a_relaunched_rank_replays_a_finished_call_from_the_posted_results(tmp_path):
+    """Rank 1 died after the call completed for everyone; its relaunch (replay=True) adopts
+    the reduced slices instead of waiting for pieces nobody will post again."""
+    url, world = (tmp_path / "store").as_uri(), 3
+    data = contributions(world)
+    _, outs = reduce_all(url, world, pipelined_allreduce_mean, "runs/t/replay", data)
+    store = open_store(url)
+    began = time.monotonic()
+    again = pipelined_allreduce_mean(store, "runs/t/replay", 1, world, data[1], 5.0, replay=True)
+    assert time.monotonic() - began < 2.0
+    assert all(torch.equal(again[k], outs[1][k]) for k in again)

@@ -15,15 +15,17 @@ gradient sync of a hybrid D x M pipeline can use either:
   link are busy at once, so the two phases cost s/w + n latencies together and the whole
   sync 2 s/w + (n + 2) latencies (FuncPipe Eq. 2). Phase 3 is unchanged.
 
-Keys and cleanup are those of `training.collectives` (`{prefix}/part/{j}/{i}` is rank i's
-piece of slice j, deleted by its one reader; `{prefix}/mean/{j}` is slice j reduced,
-deleted by rank j in the next call of the group through `previous_prefix`, or by
-`release_group` after the last call), so a group may mix the two algorithms. The pieces of
-a slice are reduced in rank order with the same arithmetic as the plain version, so both
-give bitwise-equal results and every rank ends with the same bits.
+Keys, cleanup and fault handling are those of `training.collectives`: `{prefix}/part/{j}/{i}`
+is rank i's piece of slice j, deleted by its one reader once it has posted
+`{prefix}/mean/{j}`, slice j reduced, which rank j deletes in the group's next call
+(`previous_prefix`) or `release_group` after the last; a `PostLog` re-posts keys a scratch
+store lost, and `replay` lets a relaunched rank adopt results already posted. A group may
+therefore mix the two algorithms. The pieces of a slice are reduced in rank order with the
+plain version's arithmetic, so both give bitwise-equal results on every rank.
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from typing import Callable, Protocol
@@ -31,10 +33,14 @@ from typing import Callable, Protocol
 import torch
 
 from training import collectives
-from training.collectives import SyncStats
-from training.errors import StoreTimeout, ZooidValueError
+from training.collectives import PostLog, SyncStats
+# The plain version's store access (counting, timeouts naming the key, re-posting lost
+# keys) and its flat layout, reused so that both algorithms behave alike in every respect
+# but the overlap. Private to training.collectives: see the report asking to publish them.
+from training.collectives import _flatten, _Traffic, _unflatten
+from training.errors import ZooidValueError
 from training.store import Store
-from training.tensor_codec import decode_tensors, encode_tensors
+from training.tensor_codec import encode_tensors
 
 Flat = dict[str, torch.Tensor]
 """One flat vector per dtype name."""
@@ -45,34 +51,39 @@ class Allreduce(Protocol):
 
     def __call__(self, store: Store, prefix: str, rank: int, world: int,
                  tensors: dict[str, torch.Tensor], timeout: float, *,
-                 stats: SyncStats | None = None,
-                 previous_prefix: str | None = None) -> dict[str, torch.Tensor]: ...
+                 stats: SyncStats | None = None, previous_prefix: str | None = None,
+                 log: PostLog | None = None, repost_s: float | None = None,
+                 replay: bool = False) -> dict[str, torch.Tensor]: ...
 
 
 def pipelined_allreduce_mean(
     store: Store, prefix: str, rank: int, world: int, tensors: dict[str, torch.Tensor],
     timeout: float, *, stats: SyncStats | None = None, previous_prefix: str | None = None,
+    log: PostLog | None = None, repost_s: float | None = None, replay: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Elementwise mean of `tensors` over `world` ranks by the pipelined scatter-reduce.
 
     Every rank passes the same names, shapes and dtypes; world == 1 returns `tensors`
     untouched. A peer that posts nothing within `timeout` raises `StoreTimeout` naming the
-    missing key. `previous_prefix` is this group's previous call, cleaned up by this one.
+    missing key. `previous_prefix`, `log`, `repost_s` and `replay` mean what they mean for
+    `training.collectives.allreduce_mean` (cleanup of the previous call, re-posting keys a
+    scratch store lost, adopting results when a relaunched rank replays a call).
     """
     for name, t in tensors.items():
         if not t.is_floating_point():
             raise ZooidValueError("tensors", f"{name!r} is {t.dtype}; a mean needs floating tensors")
-    return _pipelined(store, prefix, rank, world, tensors, timeout,
-                      lambda s: s.mean(0), stats, previous_prefix)
+    return _pipelined(store, prefix, rank, world, tensors, timeout, lambda s: s.mean(0),
+                      stats, previous_prefix, log, repost_s, replay)
 
 
 def pipelined_allreduce_sum(
     store: Store, prefix: str, rank: int, world: int, tensors: dict[str, torch.Tensor],
     timeout: float, *, stats: SyncStats | None = None, previous_prefix: str | None = None,
+    log: PostLog | None = None, repost_s: float | None = None, replay: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Elementwise sum of `tensors` over `world` ranks; otherwise as the mean."""
-    return _pipelined(store, prefix, rank, world, tensors, timeout,
-                      lambda s: s.sum(0), stats, previous_prefix)
+    return _pipelined(store, prefix, rank, world, tensors, timeout, lambda s: s.sum(0),
+                      stats, previous_prefix, log, repost_s, replay)
 
 
 plain_allreduce_mean: Allreduce = collectives.allreduce_mean
@@ -98,8 +109,8 @@ def allreduce_for(algorithm: str, op: str = "mean") -> Allreduce:
 
 def _pipelined(
     store: Store, prefix: str, rank: int, world: int, tensors: dict[str, torch.Tensor],
-    timeout: float, reduce: Callable[[torch.Tensor], torch.Tensor],
-    stats: SyncStats | None, previous_prefix: str | None,
+    timeout: float, reduce: Callable[[torch.Tensor], torch.Tensor], stats: SyncStats | None,
+    previous_prefix: str | None, log: PostLog | None, repost_s: float | None, replay: bool,
 ) -> dict[str, torch.Tensor]:
     if not isinstance(world, int) or world < 1:
         raise ZooidValueError("world", f"must be a positive integer, got {world!r}")
@@ -109,118 +120,86 @@ def _pipelined(
         return tensors
     stats = stats if stats is not None else SyncStats()
     began = time.perf_counter()
+    if log is not None:
+        log.start_call()
+    # Two store users, one per thread, each with its own counters (merged at the end).
+    up_stats = SyncStats()
+    up = _Traffic(store, rank, timeout, up_stats, log, repost_s)
+    down = _Traffic(store, rank, timeout, stats, log, repost_s)
     flat = _flatten(tensors)
     slices = {dtype: torch.tensor_split(v, world) for dtype, v in flat.items()}
 
     def piece(j: int) -> Flat:
         return {dtype: parts[j].contiguous() for dtype, parts in slices.items()}
 
-    # Phases 1 and 2, pipelined: the uploader runs ahead of the downloader by one step.
-    up = _Link(store, rank, timeout)
-    uploader = threading.Thread(
-        target=up.run, name=f"scatter-up-{rank}",
-        args=([(f"{prefix}/part/{(rank + k) % world}/{rank}", piece((rank + k) % world))
-               for k in range(1, world)],), daemon=True)
+    # As in the plain version, a relaunched rank skips slices already reduced (see
+    # training.collectives); only a replay pays for the lookups.
+    reduced_already = (lambda key: store.exists(key)) if replay else (lambda key: False)
+    uploads = [j for j in ((rank + k) % world for k in range(1, world))
+               if not reduced_already(f"{prefix}/mean/{j}")]
+    uploader = _Uploader(up, [(f"{prefix}/part/{j}/{rank}", piece(j), f"{prefix}/mean/{j}")
+                              for j in uploads])
     uploader.start()
-    down = _Link(store, rank, timeout)
-    pieces: dict[int, Flat] = {rank: piece(rank)}
+    mine_key = f"{prefix}/mean/{rank}"
+    mine = None
     try:
-        for k in range(1, world):
-            source = (rank - k) % world
-            key = f"{prefix}/part/{rank}/{source}"
-            pieces[source] = down.get(key)
-            store.delete(key)
+        if reduced_already(mine_key):
+            mine = down.get(mine_key)  # reduced by this rank's previous life: adopt it
+            if log is not None:
+                log.add(mine_key, encode_tensors(mine))
+        else:
+            # Phases 1 and 2, pipelined: download step k waits for rank - k's upload step k.
+            pieces = {rank: piece(rank)}
+            for k in range(1, world):
+                source = (rank - k) % world
+                pieces[source] = down.get(f"{prefix}/part/{rank}/{source}")
     finally:
         uploader.join()
-    up.raise_error()
+    uploader.raise_error()
+    if mine is None:
+        # Reduce in rank order, with the plain version's arithmetic: the same bits.
+        mine = {dtype: reduce(torch.stack([pieces[i][dtype] for i in range(world)]))
+                for dtype in flat}
+        del pieces
+        down.put(mine_key, mine)
+    # Parts are deleted only once mean/rank is posted, so a relaunched rank finds them all.
+    for i in range(world):
+        if i != rank:
+            store.delete(f"{prefix}/part/{rank}/{i}")
     if previous_prefix is not None:
         # Every peer posted a part of this call, so all have read the previous call's results.
         store.delete(f"{previous_prefix}/mean/{rank}")
-    mine = {dtype: reduce(torch.stack([pieces[i][dtype] for i in range(world)]))
-            for dtype in flat}
-    del pieces
 
-    # Phase 3: publish the reduced slice, gather the others.
-    down.put(f"{prefix}/mean/{rank}", mine)
+    # Phase 3: gather the other reduced slices.
     gathered = {dtype: [] for dtype in flat}
     for j in range(world):
         part = mine if j == rank else down.get(f"{prefix}/mean/{j}")
         for dtype in flat:
             gathered[dtype].append(part[dtype])
     out = _unflatten({dtype: torch.cat(v) for dtype, v in gathered.items()}, tensors)
-    for link in (up, down):
-        stats.bytes_up += link.bytes_up
-        stats.bytes_down += link.bytes_down
-        stats.upload_s += link.upload_s
-        stats.download_s += link.download_s
+    for f in dataclasses.fields(SyncStats):
+        if f.name not in ("seconds", "calls"):
+            setattr(stats, f.name, getattr(stats, f.name) + getattr(up_stats, f.name))
     stats.seconds += time.perf_counter() - began
     stats.calls += 1
     return out
 
 
-class _Link:
-    """One thread's store traffic: counts bytes and seconds, names a missing key on timeout,
-    and keeps an uploader thread's error for the caller to raise."""
+class _Uploader(threading.Thread):
+    """Posts the pieces in order on its own thread; keeps an error for the caller."""
 
-    def __init__(self, store: Store, rank: int, timeout: float):
-        self.store, self.rank, self.timeout = store, rank, timeout
-        self.bytes_up = self.bytes_down = 0
-        self.upload_s = self.download_s = 0.0
+    def __init__(self, traffic: "_Traffic", uploads: list[tuple[str, Flat, str]]):
+        super().__init__(name=f"scatter-up-{traffic.rank}", daemon=True)
+        self.traffic, self.uploads = traffic, uploads
         self.error: BaseException | None = None
 
-    def put(self, key: str, tensors: Flat) -> None:
-        t0 = time.perf_counter()
-        blob = encode_tensors(tensors)
-        self.store.put(key, blob)
-        self.upload_s += time.perf_counter() - t0
-        self.bytes_up += len(blob)
-
-    def get(self, key: str) -> Flat:
-        t0 = time.perf_counter()
+    def run(self) -> None:
         try:
-            blob = self.store.get(key, timeout=self.timeout)
-        except (StoreTimeout, KeyError):
-            raise StoreTimeout(
-                f"rank {self.rank} waited {self.timeout:g}s for {key}; a peer is missing or slow"
-            ) from None
-        tensors, _ = decode_tensors(blob)
-        self.download_s += time.perf_counter() - t0
-        self.bytes_down += len(blob)
-        return tensors
-
-    def run(self, uploads: list[tuple[str, Flat]]) -> None:
-        try:
-            for key, tensors in uploads:
-                self.put(key, tensors)
+            for key, tensors, unless in self.uploads:
+                self.traffic.put(key, tensors, unless=unless)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the calling thread
             self.error = exc
 
     def raise_error(self) -> None:
         if self.error is not None:
             raise self.error
-
-
-def _flatten(tensors: dict[str, torch.Tensor]) -> Flat:
-    """One flat vector per dtype, the tensors concatenated in sorted-name order (the
-    layout `training.collectives` uses, so the two algorithms slice identically)."""
-    groups: dict[str, list[torch.Tensor]] = {}
-    for name in sorted(tensors):
-        t = tensors[name]
-        groups.setdefault(_dtype_name(t), []).append(t.detach().reshape(-1))
-    return {dtype: torch.cat(parts) for dtype, parts in groups.items()}
-
-
-def _unflatten(flat: Flat, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    offsets = {dtype: 0 for dtype in flat}
-    out = {}
-    for name in sorted(like):
-        t = like[name]
-        dtype = _dtype_name(t)
-        start = offsets[dtype]
-        out[name] = flat[dtype][start:start + t.numel()].reshape(t.shape).clone()
-        offsets[dtype] = start + t.numel()
-    return out
-
-
-def _dtype_name(t: torch.Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")
