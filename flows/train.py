@@ -113,7 +113,8 @@ def run_training(job: TrainJob) -> RunSummary:
                 status = "target_reached"
                 break
             if epoch + 1 < job.epochs:
-                decision = rescale(ctx, history, current.data_parallel, lr)
+                decision = rescale(ctx, prof, history, current.data_parallel, lr)
+                metrics["rescale"] = decision
                 lr = decision["lr"]
                 if decision["workers"] != current.data_parallel:
                     current = plan(ctx, prof, decision["workers"])

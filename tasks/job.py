@@ -39,6 +39,7 @@ class TrainJob(BaseModel):
     sync_period: Optional[int] = Field(None, gt=0, title="Local-SGD period k",
                                        description="Steps between model averages; null averages once per epoch.")
     scaling: Scaling = Field("static", title="Scaling policy", description="How the worker count changes between epochs.")
+    scale_every_epochs: int = Field(1, gt=0, title="Epochs between doublings (adabatch)")
     min_workers: int = Field(1, gt=0, title="Minimum workers")
     max_workers: int = Field(8, gt=0, title="Maximum workers")
     seed: int = Field(0, ge=0, title="Seed")
@@ -73,6 +74,8 @@ class TrainJob(BaseModel):
 
     @model_validator(mode="after")
     def _worker_bounds(self) -> "TrainJob":
+        if self.scaling == "deadline" and self.deadline_s is None:
+            raise ValueError("deadline_s: required by scaling=deadline")
         if self.min_workers > self.max_workers:
             raise ValueError(f"min_workers: {self.min_workers} must be <= max_workers ({self.max_workers})")
         if not self.min_workers <= self.workers <= self.max_workers:

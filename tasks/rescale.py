@@ -1,4 +1,19 @@
-"""The `rescale` step: the scaling policy picks the next epoch's worker count and learning rate."""
+"""The `rescale` step: the scaling policy picks the next epoch's worker count and learning rate.
+
+The policies are pure (`planners.scaling`); this step turns the run's history into their
+inputs. For the `deadline` policy it also builds Cynthia's provisioning problem from what
+Zooid measured, with this mapping (Zooid has no parameter-server process):
+
+- one "iteration" is one batch of `batch_size` samples; with n replicas, n of them run at
+  once, so BSP's t_comp = w_iter / (n c_wk) holds with w_iter = the profiled step seconds on
+  one vCPU (c_base = 1 vCPU) and c_wk = the offer's vCPU;
+- the store plays the parameter server: b_ps = its measured bandwidth; its CPU is not the
+  bottleneck (c_prof tiny), and g = the synchronised bytes divided by the Local-SGD period
+  k (averaging every k steps moves 1/k of the bytes per step);
+- the loss model (Cynthia Eq. 1) is fitted to this run's (iterations, validation loss)
+  history, so the policy needs two epochs before it can act;
+- the target loss is the job's `target_loss`, or half the first epoch's validation loss.
+"""
 from __future__ import annotations
 
 from prefect import task
@@ -8,19 +23,66 @@ from tasks.context import RunContext
 from tasks.retry import task_options
 
 
-@task(name="rescale", cache_policy=NO_CACHE, **task_options(retries=1, timeout_s=120))
-def rescale(ctx: RunContext, history: list[dict], workers: int, lr: float) -> dict:
-    """`{"workers", "lr", "reason"}` for the next epoch, within min_workers..max_workers."""
-    job = ctx.job
-    if job.scaling == "static":
-        decision = {"workers": workers, "lr": lr, "reason": "static"}
-    else:
-        from planners.scaling import decide_from_history
+def epoch_records(history: list[dict], batch_size: int):
+    """The policies' view of the history."""
+    from planners.scaling import EpochRecord
 
-        decision = decide_from_history(job.scaling, history, workers=workers, lr=lr,
-                                       min_workers=job.min_workers, max_workers=job.max_workers,
-                                       deadline_s=job.deadline_s, budget_usd=job.budget_usd)
-    # no replica may be left without data
-    max_by_data = max(1, ctx.dataset.get("n_subsets", workers))
-    decision["workers"] = max(job.min_workers, min(job.max_workers, max_by_data, decision["workers"]))
-    return decision
+    return [EpochRecord(epoch=e["epoch"], workers=e["workers"] // max(1, e.get("stages", 1)),
+                        seconds=e["seconds"], samples_per_s=e["samples_per_s"],
+                        val_loss=e.get("val_loss"), val_accuracy=e.get("val_accuracy"),
+                        cost_usd=e["cost_usd"], iterations=e["samples"] // batch_size)
+            for e in history]
+
+
+def provision_document(ctx: RunContext, profile: dict, history: list[dict]) -> dict | None:
+    """Cynthia's provisioning problem for the rest of this run (None until a loss model fits)."""
+    from planners.provision import fit_loss_curve
+
+    from tasks.plan import optimizer_copies
+
+    job, offer, target = ctx.job, ctx.resolved.offer, ctx.resolved.target
+    done, points = 0, []
+    for e in history:
+        done += e["samples"] // job.batch_size
+        if e.get("val_loss"):
+            points.append((done, e["val_loss"]))
+    if len(points) < 2:
+        return None
+    loss = fit_loss_curve(points)
+    steps = max(1, history[-1]["samples"] // (job.batch_size * max(1, history[-1]["workers"])))
+    k = job.sync_period or steps
+    sync_bytes = profile["param_bytes"] * (1 + optimizer_copies(job.optimizer)) / k
+    target_loss = job.target_loss or 0.5 * points[0][1]
+    return {"mode": "BSP", "w_iter_flops": profile["step_s"], "g_param_bytes": sync_bytes,
+            "c_prof_flops": 1e-9, "b_prof_bytes_per_s": sync_bytes / profile["step_s"],
+            "c_base_flops": 1.0, "loss_model": {"beta0": loss.beta0, "beta1": loss.beta1},
+            "target_loss": target_loss, "max_workers": job.max_workers,
+            "instance_types": [{"name": offer.name, "cpu_flops": target.worker_vcpu,
+                                "bandwidth_bytes_per_s": profile["store_bandwidth_bytes_per_s"],
+                                "price_per_hour": ctx.price_per_worker_s * 3600}]}
+
+
+def decide_next(ctx: RunContext, profile: dict, history: list[dict], workers: int, lr: float) -> dict:
+    """`{"workers", "lr", "reason"}` for the next epoch, within min_workers..max_workers."""
+    from planners.scaling import ScalingSettings, decide
+
+    job = ctx.job
+    provision = provision_document(ctx, profile, history) if job.scaling == "deadline" else None
+    if job.scaling == "deadline" and provision is None:
+        return {"workers": workers, "lr": lr, "reason": "deadline: waiting for two epochs to fit the loss curve"}
+    settings = ScalingSettings(min_workers=job.min_workers, max_workers=job.max_workers,
+                               initial_workers=job.workers, lr=job.lr,
+                               double_every_epochs=job.scale_every_epochs,
+                               deadline_s=job.deadline_s, budget_usd=job.budget_usd,
+                               provision=provision or {})
+    decision = decide(job.scaling, epoch_records(history, job.batch_size), settings)
+    # every replica needs at least one data subset
+    most = max(1, min(job.max_workers, ctx.dataset.get("n_subsets", workers)))
+    return {"workers": max(job.min_workers, min(most, decision.workers)), "lr": decision.lr,
+            "reason": decision.reason}
+
+
+@task(name="rescale", cache_policy=NO_CACHE, **task_options(retries=1, timeout_s=120))
+def rescale(ctx: RunContext, profile: dict, history: list[dict], workers: int, lr: float) -> dict:
+    """Prefect task around `decide_next`."""
+    return decide_next(ctx, profile, history, workers, lr)
