@@ -78,8 +78,8 @@ def model_times(size: float, bandwidth: float, ranks: int, latency: float) -> tu
     try:
         from planners import sync_time  # the planners' version, once it exists
 
-        return (sync_time.scatter_reduce(size, bandwidth, ranks, latency),
-                sync_time.pipelined_scatter_reduce(size, bandwidth, ranks, latency),
+        return (sync_time.scatter_reduce(size, ranks, bandwidth, latency),
+                sync_time.pipelined_scatter_reduce(size, ranks, bandwidth, latency),
                 "planners.sync_time")
     except (ImportError, AttributeError, TypeError):
         plain = 3 * size / bandwidth - 2 * size / (ranks * bandwidth) + 4 * latency
