@@ -35,7 +35,10 @@ default lowered GPipe), `val_chunk`, `dtype`, `device`, `model_kwargs`. `spec.ra
 
 Reporting: every stage reports its replica's mean training loss (the last stage sends it to
 the others) and `samples` = rows its replica trained on, so throughput sums stage-0 workers
-only. Replica 0's last stage reports validation and `checkpoint_key`.
+only. `compute_s` is time in F and B only (so 1 - compute_s / training time is the stage's
+measured bubble), `sync_s` time in SYNC, `upload_s` / `download_s` the transfer threads'
+busy time (a download's includes waiting for the neighbour to post). Replica 0's last stage
+reports validation and `checkpoint_key`.
 """
 from __future__ import annotations
 
@@ -198,7 +201,7 @@ class _StageWorker:
         self.uploads = ThreadPoolExecutor(1, thread_name_prefix=f"upload-s{settings.stage}")
         self.downloads = ThreadPoolExecutor(1, thread_name_prefix=f"download-s{settings.stage}")
         self.sync_stats = SyncStats()
-        self.upload_s = self.download_s = 0.0
+        self.upload_s = self.download_s = self.compute_s = 0.0
         self.pending: list[Future] = []
         self.prefix = f"{activation_prefix(spec.run_id, spec.epoch)}/r{settings.replica}"
 
@@ -214,14 +217,13 @@ class _StageWorker:
         x, y = self._read_data("train", spec.subsets)
         generator = torch.Generator().manual_seed(batch_seed(spec.seed, spec.epoch, cfg.replica))
         group = f"runs/{spec.run_id}/sync/e{spec.epoch}/s{cfg.stage}"
-        loss_sum, t0 = 0.0, time.perf_counter()
+        loss_sum = 0.0
         self.module.train()
         for step, idx in enumerate(self._batches(x, y, generator)):
             loss_sum += self._iteration(step, idx, x, y, group)
         if cfg.replicas > 1:
             release_group(self.store, group, cfg.replica, cfg.replicas, spec.sync_timeout_s,
                           stats=self.sync_stats)
-        loop_s = time.perf_counter() - t0
         train_loss = self._share_train_loss(loss_sum / max(1, spec.steps))
 
         val_loss = val_acc = None
@@ -235,7 +237,7 @@ class _StageWorker:
             run_id=spec.run_id, epoch=spec.epoch, rank=spec.rank,
             started_at=started, stopped_at=time.time(),
             train_loss=train_loss, samples=spec.steps * spec.batch_size,
-            compute_s=max(0.0, loop_s - stats.seconds), sync_s=stats.seconds,
+            compute_s=self.compute_s, sync_s=stats.seconds,
             upload_s=self.upload_s, download_s=self.download_s, bytes_synced=stats.bytes_total,
             val_loss=val_loss, val_accuracy=val_acc, checkpoint_key=checkpoint_key,
             pid=os.getpid(), host=socket.gethostname(),
@@ -260,20 +262,21 @@ class _StageWorker:
         loss_total = 0.0
         for a in self.actions:
             m = a.microbatch
-            if a.kind is Kind.F:
-                inp = (x[chunks[m]] if cfg.stage == 0 else received[a].result().requires_grad_(True))
-                out = self.module(inp)
-                if cfg.stage == self.last:
-                    # Scaled by the micro-batch's share: the sum is the full batch's mean loss.
-                    out = F.cross_entropy(out, y[chunks[m]]) * (len(chunks[m]) / len(idx))
-                    loss_total += out.item()
-                inputs[m], outputs[m] = inp, out
-            elif a.kind is Kind.B:
-                out = outputs.pop(m)
-                if cfg.stage == self.last:
-                    out.backward()
+            if a.kind in (Kind.F, Kind.B):
+                # Waiting for a neighbour's tensor is idle time, not compute.
+                arrived = received[a].result() if a in received else None
+                began = time.perf_counter()
+                if a.kind is Kind.F:
+                    inp = x[chunks[m]] if cfg.stage == 0 else arrived.requires_grad_(True)
+                    out = self.module(inp)
+                    if cfg.stage == self.last:
+                        # Scaled by the micro-batch's share: the sum is the batch's mean loss.
+                        out = F.cross_entropy(out, y[chunks[m]]) * (len(chunks[m]) / len(idx))
+                        loss_total += out.item()
+                    inputs[m], outputs[m] = inp, out
                 else:
-                    out.backward(received[a].result())
+                    outputs.pop(m).backward(arrived)  # None on the last stage: d loss = 1
+                self.compute_s += time.perf_counter() - began
             elif a.kind is Kind.SEND_F:
                 self._send(f"{base}/f{cfg.stage}m{m}", outputs[m].detach())
             elif a.kind is Kind.SEND_B:
