@@ -1,0 +1,600 @@
+"""Predicted vs measured iteration time under Local-SGD, pipeline and hybrid plans, in one run.
+
+For `digits_cnn` (digits), a `resnet18`-shaped model (width 16) and a `vgg11`-shaped model
+(hidden 128), both on synthetic 3x32x32 images, this does what `strategy=auto` does and then
+checks it:
+
+1. profile: `training.profiler.profile_model` at the job's batch with one torch thread (as
+   the `profile` task does), and `profile_store` on the store the workers use;
+2. plan (predict): the profile dict goes through the coordinator's own
+   `tasks.plan.strategy_inputs` into `planners.strategy.local_sgd` / `pipeline_plans`, which
+   give the predicted iteration time (and the cuts the run then uses);
+3. measure: a short epoch (`--steps` iterations) with every worker its own process
+   (`python -m benchmarks.bench_prediction --worker`, one torch thread each, as the
+   `inline` target starts them), against a directory store in a temporary folder (the
+   embedded default: fsync per put).
+
+Measured iteration time is the steady state: each worker timestamps the end of every
+iteration (a small wrapper around `LocalSGD.after_step` / the stage loop's iteration,
+installed only in the benchmark's worker processes); the first two iterations (warm-up)
+are dropped, the median of the rest is taken per worker and the slowest worker counts.
+Beside it stands the flow's own figure (`run_epoch.summarise`: (compute_s + sync_s) /
+steps of the slowest worker, warm-up included; a stage worker's compute_s counts its
+forward and backward passes only, so for pipelines that figure is busy time, not the period).
+
+Each error is split into terms so a miss can be named: compute (Local-SGD: the measured
+step without its sync vs the profiled step; pipelines: Hydrozoa's runtime formula fed by
+the stage workers' measured forward/backward times vs fed by the profile), sync (measured
+time in the gradient/parameter sync vs the scatter-reduce model) and transfer (the rest:
+activation uploads, downloads, waits for a key, optimizer step).
+
+Runs are grouped by whether worker processes outnumber the cores: with more processes than
+cores a worker's compute is time-shared, which no term of the model knows about.
+
+    .venv/bin/python -m benchmarks.bench_prediction [--steps 8] [--models digits_cnn resnet18 vgg11]
+
+Writes markdown with the command to `benchmarks/results/prediction.md`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from types import SimpleNamespace
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results" / "prediction.md"
+WARMUP_ITERATIONS = 2
+
+
+@dataclass(frozen=True)
+class ModelCase:
+    """One model of the sweep and the data it trains on."""
+
+    model: str
+    dataset: str
+    batch: int
+    model_kwargs: tuple = ()
+
+    @property
+    def kwargs(self) -> dict:
+        return dict(self.model_kwargs)
+
+
+MODELS = {
+    "digits_cnn": ModelCase("digits_cnn", "digits", 32),
+    "resnet18": ModelCase("resnet18", "synthetic:3x32x32:10:512:64", 32, (("width", 16),)),
+    "vgg11": ModelCase("vgg11", "synthetic:3x32x32:10:512:64", 16, (("hidden", 128),)),
+}
+# (strategy, D replicas, S stages): D x S worker processes each
+PLANS = (("local_sgd", 1, 1), ("local_sgd", 2, 1), ("pipeline", 1, 2),
+         ("local_sgd", 4, 1), ("pipeline", 1, 4), ("hybrid", 2, 2))
+MICROBATCHES, LR, SEED, OPTIMIZER = 4, 0.05, 0, "sgd"
+
+
+# --- the worker process: the engine, with timestamps -----------------------------------
+
+
+def _now() -> float:
+    # CLOCK_MONOTONIC on Linux: one clock for every process, so stages' stamps compare.
+    return time.perf_counter()
+
+
+def install_timers(t: dict) -> None:
+    """Wrap the engine's loop points to append (start, end) stamps to the lists in `t`:
+    `steps` (Local-SGD: compute end, sync end), `ckpt` (Local-SGD's sync checkpoint writes,
+    inside the sync), `iterations`, `F`, `B`, `sync`, `put`,
+    `read` (pipeline stage worker). Only the benchmark's worker processes call this."""
+    import torch
+
+    from training import local_sgd, pipeline_executor
+
+    for name in ("steps", "ckpt", "iterations", "F", "B", "sync", "put", "read"):
+        t.setdefault(name, [])
+    inside = [False]  # validation forwards and the checkpoint are not iterations
+
+    after_step = local_sgd.LocalSGD.after_step
+
+    def timed_after_step(self):
+        t0 = _now()
+        after_step(self)
+        t["steps"].append((t0, _now()))
+
+    local_sgd.LocalSGD.after_step = timed_after_step
+    save_checkpoint = local_sgd.save_checkpoint
+
+    def timed_save_checkpoint(*args, **kwargs):
+        t0 = _now()
+        written = save_checkpoint(*args, **kwargs)
+        t["ckpt"].append((t0, _now()))
+        return written
+
+    local_sgd.save_checkpoint = timed_save_checkpoint  # the sync checkpoint rank 0 writes
+
+    worker = pipeline_executor._StageWorker
+    init, iteration, sync, put = worker.__init__, worker._iteration, worker._sync_gradients, worker._put
+
+    def timed_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        began = [0.0]
+
+        def forward_began(*_):
+            began[0] = _now()
+
+        def forward_ended(*_):
+            if inside[0]:
+                t["F"].append((began[0], _now()))
+
+        self.module.register_forward_pre_hook(forward_began)
+        self.module.register_forward_hook(forward_ended)
+        store_type, read = type(self.store), type(self.store)._read
+
+        def timed_read(store, key):
+            t0 = _now()
+            data = read(store, key)
+            if data is not None and "/act/" in key:
+                t["read"].append((t0, _now(), len(data)))
+            return data
+
+        store_type._read = timed_read
+
+    def timed_iteration(self, *args, **kwargs):
+        inside[0], t0 = True, _now()
+        try:
+            return iteration(self, *args, **kwargs)
+        finally:
+            inside[0] = False
+            t["iterations"].append((t0, _now()))
+
+    def timed_sync(self, *args, **kwargs):
+        t0 = _now()
+        sync(self, *args, **kwargs)
+        t["sync"].append((t0, _now()))
+
+    def timed_put(self, key, tensor):
+        t0 = _now()
+        put(self, key, tensor)
+        t["put"].append((t0, _now(), tensor.numel() * tensor.element_size()))
+
+    worker.__init__, worker._iteration = timed_init, timed_iteration
+    worker._sync_gradients, worker._put = timed_sync, timed_put
+
+    backward = torch.Tensor.backward
+
+    def timed_backward(self, *args, **kwargs):
+        t0 = _now()
+        backward(self, *args, **kwargs)
+        if inside[0]:
+            t["B"].append((t0, _now()))
+
+    torch.Tensor.backward = timed_backward
+
+
+def worker_main(spec_path: str, out_path: str) -> None:
+    """Run one WorkerSpec (Local-SGD replica or pipeline stage) with timers; write JSON."""
+    import torch
+
+    from training.run_spec import run_spec
+    from training.specs import WorkerSpec
+    from training.store import open_store
+
+    torch.set_num_threads(1)
+    timings: dict = {}
+    install_timers(timings)
+    spec = WorkerSpec.from_dict(json.loads(Path(spec_path).read_text()))
+    store = open_store(spec.store_url)
+    try:
+        result = run_spec(spec, store)
+    finally:
+        store.close()
+    Path(out_path).write_text(json.dumps({"result": result.to_dict(), "timings": timings}))
+
+
+def run_workers(specs, scratch: Path, timeout_s: float = 300.0) -> list[dict]:
+    """Start one worker process per spec (own process group, one torch thread), wait for all;
+    return each one's {"result", "timings"} in spec order. A failure stops the others."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    procs, outs = [], []
+    for i, spec in enumerate(specs):
+        spec_file, out_file = scratch / f"spec-{i}.json", scratch / f"out-{i}.json"
+        spec_file.write_text(json.dumps(spec.to_dict()))
+        out_file.unlink(missing_ok=True)
+        log = open(scratch / f"worker-{i}.log", "w")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.bench_prediction", "--worker", str(spec_file),
+             "--out", str(out_file)], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True))
+        outs.append(out_file)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while any(p.poll() is None for p in procs):
+            if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+                p.wait(10)
+    bad = [i for i, p in enumerate(procs) if p.returncode != 0]
+    if bad:
+        tail = (scratch / f"worker-{bad[0]}.log").read_text()[-1500:]
+        raise RuntimeError(f"worker {bad[0]} exited {procs[bad[0]].returncode}:\n{tail}")
+    return [json.loads(o.read_text()) for o in outs]
+
+
+# --- profile and plan --------------------------------------------------------------------
+
+
+def profile(case: ModelCase, store, run_id: str, classes: int) -> dict:
+    """The profile dict the `profile` step would produce (one torch thread, layers at the
+    job's batch), plus the layers re-timed at the micro-batch size (a diagnostic only)."""
+    import torch
+
+    from training.models import build_model, input_shape
+    from training.profiler import profile_layers, profile_model, profile_store
+
+    torch.set_num_threads(1)
+    shape = input_shape(case.model, case.dataset)
+    net = build_model(case.model, SEED, **case.kwargs)
+    prof = profile_model(net, case.model, shape, classes, case.batch, base_memory=False,
+                         thread_counts=(1,)).to_dict()
+    bandwidth, latency = profile_store(store, f"runs/{run_id}/probe")
+    prof.update(store_bandwidth_bytes_per_s=bandwidth, store_latency_s=latency)
+    x = torch.randn(case.batch // MICROBATCHES, *shape, generator=torch.Generator().manual_seed(0))
+    prof["layers_at_microbatch"] = [vars(l) for l in profile_layers(net, x)]
+    return prof
+
+
+def strategy_inputs_for(case: ModelCase, prof: dict, n_train: int, workers: int, stages: int):
+    """`tasks.plan.strategy_inputs` itself, given the few job and target fields it reads."""
+    from tasks.plan import strategy_inputs
+
+    job = SimpleNamespace(optimizer=OPTIMIZER, batch_size=case.batch, stages=stages,
+                          microbatches=MICROBATCHES, sync_period=1)
+    target = SimpleNamespace(worker_vcpu=1.0, worker_memory_gb=2.0, worker_gpu=0)
+    ctx = SimpleNamespace(job=job, resolved=SimpleNamespace(
+        target=target, n_train=n_train, offer=SimpleNamespace(name="local")),
+        price_per_worker_s=0.0)
+    return strategy_inputs(ctx, prof, workers)
+
+
+def predict(x, strategy: str, replicas: int, stages: int):
+    """(plan, predicted terms {compute, transfer, sync}) for one configuration."""
+    from planners.strategy import local_sgd, pipeline_plans
+
+    if strategy == "local_sgd":
+        plan = local_sgd(x, replicas)
+        return plan, {"compute": x.step_s, "transfer": 0.0,
+                      "sync": plan.predicted_iteration_s - x.step_s}
+    [plan] = pipeline_plans(x, replicas, stages, MICROBATCHES)
+    compute, with_transfer = pipeline_terms(x.layers, x.profile_batch, x.batch_size, plan.cuts,
+                                            x.bandwidth, x.latency)
+    return plan, {"compute": compute, "transfer": with_transfer - compute,
+                  "sync": plan.predicted_iteration_s - with_transfer}
+
+
+def runnable_cuts(case: ModelCase, layers, x, replicas: int, stages: int) -> tuple[tuple[int, ...], float]:
+    """The planner's objective (pipeline runtime + slowest stage sync) minimised by brute force
+    over the cuts whose every stage holds parameters (the executor needs some to optimise)."""
+    from itertools import combinations
+
+    from planners.sync_time import pipelined_scatter_reduce
+
+    params = [l["param_bytes"] for l in layers]
+
+    def cost(cuts):
+        _, total = pipeline_terms(layers, x.profile_batch, x.batch_size, cuts, x.bandwidth, x.latency)
+        bounds = zip((0,) + tuple(c + 1 for c in cuts), tuple(cuts) + (len(layers) - 1,))
+        sizes = [sum(params[a:b + 1]) for a, b in bounds]
+        if min(sizes) == 0:
+            return float("inf")
+        return total + max(pipelined_scatter_reduce(p, replicas, x.bandwidth, x.latency) for p in sizes)
+
+    best = min(combinations(range(len(layers) - 1), stages - 1), key=cost)
+    if cost(best) == float("inf"):
+        raise ValueError(f"stages: {case.model} has no {stages}-stage split with parameters in every stage")
+    return best, cost(best)
+
+
+def pipeline_terms(layers, profile_batch: int, batch: int, cuts, bandwidth: float,
+                   latency: float) -> tuple[float, float]:
+    """Hydrozoa's pipeline runtime for `cuts` without transfers and with store transfers, from
+    per-layer figures measured at `profile_batch` rows, scaled to the micro-batch."""
+    from planners.partition import PartitionProblem, PipelineLayer, pipeline_runtime
+
+    scale = batch / MICROBATCHES / profile_batch
+    problem = PartitionProblem(
+        layers=tuple(PipelineLayer(forward_s=l["forward_s"] * scale, backward_s=l["backward_s"] * scale,
+                                   output_bytes=l["output_bytes"] * scale) for l in layers),
+        bandwidth_bytes_per_s=bandwidth, microbatches=MICROBATCHES, max_stages=len(layers),
+        transport="store", latency_s=latency)
+    free = replace(problem, bandwidth_bytes_per_s=float("inf"), latency_s=0.0)
+    return pipeline_runtime(free, cuts), pipeline_runtime(problem, cuts)
+
+
+# --- measure -----------------------------------------------------------------------------
+
+
+def steady(stamps: list, warmup: int = WARMUP_ITERATIONS) -> list[float]:
+    """Iteration periods end-to-end after the first `warmup` iterations."""
+    ends = [s[-1] if isinstance(s, (list, tuple)) else s for s in stamps]
+    return [b - a for a, b in zip(ends[warmup - 1:], ends[warmup:])]
+
+
+def measured_terms(strategy: str, outs: list[dict], stages: int) -> dict:
+    """Measured iteration time (steady state, slowest worker), the flow's figure, and the
+    same three terms as the prediction."""
+    steps = max(1, len(outs[0]["timings"]["steps"] or outs[0]["timings"]["iterations"]))
+    flow = max((o["result"]["compute_s"] + o["result"]["sync_s"]) / steps for o in outs)
+    if strategy == "local_sgd":
+        per_worker = []
+        for o in outs:
+            s = o["timings"]["steps"]
+            periods = steady(s)
+            compute = [s[i][0] - s[i - 1][1] for i in range(WARMUP_ITERATIONS, len(s))]
+            sync = [b - a for a, b in s[WARMUP_ITERATIONS:]]
+            per_worker.append((statistics.median(periods), statistics.median(compute),
+                               statistics.median(sync)))
+        total, compute, sync = max(per_worker)
+        ckpt = [b - a for o in outs for a, b in o["timings"]["ckpt"][WARMUP_ITERATIONS:]]
+        return {"iteration": total, "flow": flow, "compute": compute, "sync": sync,
+                "transfer": total - compute - sync,
+                "sync_checkpoint": statistics.median(ckpt) if ckpt else 0.0}
+    total = max(statistics.median(steady(o["timings"]["iterations"])) for o in outs)
+    fwd, bwd, sync = [0.0] * stages, [0.0] * stages, 0.0
+    for o in outs:  # replica r's stage s is rank r * stages + s
+        s = o["result"]["rank"] % stages
+        t = o["timings"]
+        fwd[s] = max(fwd[s], statistics.median(b - a for a, b in t["F"]))
+        bwd[s] = max(bwd[s], statistics.median(b - a for a, b in t["B"]))
+        if t["sync"]:
+            sync = max(sync, statistics.median(b - a for a, b in t["sync"][WARMUP_ITERATIONS:]))
+    # Hydrozoa's formula with each stage's measured F and B: the compute critical path
+    compute = sum(fwd) + sum(bwd) + (MICROBATCHES - 1) * (max(fwd) + max(bwd))
+    return {"iteration": total, "flow": flow, "compute": compute, "sync": sync,
+            "transfer": total - compute - sync}
+
+
+def worker_specs(case: ModelCase, strategy: str, replicas: int, plan, url: str, run_id: str,
+                 epoch: int, n_subsets: int, steps: int):
+    """The WorkerSpecs `run_epoch.worker_specs` would build for this plan (short epoch)."""
+    from training.datasets import assign_subsets
+    from training.pipeline_executor import pipeline_worker_specs
+    from training.specs import WorkerSpec
+
+    shards = assign_subsets(n_subsets, replicas, epoch, SEED)
+    base = WorkerSpec(run_id=run_id, epoch=epoch, rank=0, world=replicas, store_url=url,
+                      model=case.model, dataset=case.dataset, subsets=(), steps=steps,
+                      batch_size=case.batch, lr=LR, optimizer=OPTIMIZER, sync_period=1, seed=SEED,
+                      init_key=f"runs/{run_id}/init", out_key=f"runs/{run_id}/out-e{epoch}",
+                      sync_timeout_s=300.0, evaluate=False,
+                      extra={"strategy": strategy, "model_kwargs": case.kwargs})
+    if strategy == "local_sgd":
+        return [replace(base, rank=r, subsets=tuple(shards[r])) for r in range(replicas)]
+    # a planner cut i splits after layer i; the executor's cut is where a stage begins
+    return pipeline_worker_specs(base, cuts=[c + 1 for c in plan.cuts], microbatches=MICROBATCHES,
+                                 replica_subsets=shards)
+
+
+@dataclass
+class Row:
+    """One configuration's prediction next to its measurement (None: the run failed)."""
+
+    model: str
+    strategy: str
+    replicas: int
+    stages: int
+    cuts: tuple
+    predicted: dict
+    measured: dict | None
+    predicted_at_microbatch: float | None
+    load: tuple
+    note: str = ""
+
+    @property
+    def workers(self) -> int:
+        return self.replicas * self.stages
+
+    @property
+    def error(self) -> float | None:
+        """Signed relative error of the prediction, (predicted - measured) / measured."""
+        if self.measured is None:
+            return None
+        return self.predicted["iteration"] / self.measured["iteration"] - 1
+
+    def worst_term(self) -> str:
+        """The term whose predicted - measured gap is the largest in absolute seconds."""
+        if self.measured is None:
+            return "-"
+        gaps = {k: self.predicted[k] - self.measured[k] for k in ("compute", "transfer", "sync")}
+        k = max(gaps, key=lambda k: abs(gaps[k]))
+        return f"{k} {gaps[k] * 1e3:+.1f} ms"
+
+
+def has_empty_stage(layers, cuts) -> bool:
+    """Whether a stage of the planner's `cuts` (cut i: after layer i) holds no parameters."""
+    bounds = zip((0,) + tuple(c + 1 for c in cuts), tuple(cuts) + (len(layers) - 1,))
+    return any(sum(l["param_bytes"] for l in layers[a:b + 1]) == 0 for a, b in bounds)
+
+
+def measure_plan(case: ModelCase, prof: dict, x, strategy: str, replicas: int, stages: int,
+                 plan, terms: dict, *, url: str, run_id: str, epoch: int, manifest, steps: int,
+                 root: Path, note: str = "") -> Row:
+    """Run one plan's short epoch and return its row (a failed run keeps its error as note)."""
+    at_mb = None
+    if strategy != "local_sgd":
+        _, ct = pipeline_terms(prof["layers_at_microbatch"], case.batch // MICROBATCHES, case.batch,
+                               plan.cuts, x.bandwidth, x.latency)
+        at_mb = terms["sync"] + ct
+    specs = worker_specs(case, strategy, replicas, plan, url, run_id, epoch, manifest.n_subsets, steps)
+    scratch = root / f"e{epoch}"
+    scratch.mkdir()
+    before = os.getloadavg()[0]
+    measured = None
+    try:
+        measured = measured_terms(strategy, run_workers(specs, scratch), stages)
+    except RuntimeError as exc:
+        note = "run failed: " + str(exc).strip().splitlines()[-1][:160]
+    return Row(case.model, strategy, replicas, stages, tuple(plan.cuts),
+               {"iteration": plan.predicted_iteration_s, **terms}, measured, at_mb,
+               (before, os.getloadavg()[0]), note)
+
+
+def run_model(case: ModelCase, root: Path, steps: int, log) -> list[Row]:
+    """Profile, plan and measure every configuration of PLANS for one model. A plan with a
+    parameter-free stage is run as planned (and fails) and again with the best cuts whose
+    stages all hold parameters."""
+    from training.checkpoint import initial_checkpoint
+    from training.datasets import publish_dataset
+    from training.store import open_store
+
+    run_id = f"pred-{case.model}"
+    url = (root / "store").as_uri()
+    store = open_store(url)
+    manifest = publish_dataset(store, run_id, case.dataset, subset_size=64)
+    initial_checkpoint(store, f"runs/{run_id}/init", case.model, OPTIMIZER, LR, SEED, case.kwargs)
+    t0 = time.perf_counter()
+    prof = profile(case, store, run_id, manifest.classes)
+    store.close()
+    log(f"{case.model}: profiled in {time.perf_counter() - t0:.1f} s (step {prof['step_s'] * 1e3:.1f} ms, "
+        f"store {prof['store_bandwidth_bytes_per_s'] / 1e6:.0f} MB/s + {prof['store_latency_s'] * 1e3:.2f} ms)")
+    rows, epoch = [], 0
+    for strategy, replicas, stages in PLANS:
+        x = strategy_inputs_for(case, prof, manifest.n_train, replicas, stages if stages > 1 else None)
+        plan, terms = predict(x, strategy, replicas, stages)
+        attempts = [(plan, terms, "")]
+        if strategy != "local_sgd" and has_empty_stage(x.layers, plan.cuts):
+            cuts, total = runnable_cuts(case, x.layers, x, replicas, stages)
+            compute, with_transfer = pipeline_terms(x.layers, x.profile_batch, x.batch_size, cuts,
+                                                    x.bandwidth, x.latency)
+            attempts.append((replace(plan, cuts=tuple(cuts), predicted_iteration_s=total),
+                             {"compute": compute, "transfer": with_transfer - compute,
+                              "sync": total - with_transfer},
+                             f"planner's cuts {list(plan.cuts)} leave a stage without parameters; "
+                             "best cuts with parameters in every stage"))
+        for p, t, note in attempts:
+            t0 = time.perf_counter()
+            row = measure_plan(case, prof, x, strategy, replicas, stages, p, t, url=url, run_id=run_id,
+                               epoch=epoch, manifest=manifest, steps=steps, root=root, note=note)
+            epoch += 1
+            rows.append(row)
+            what = row.note if row.measured is None else \
+                f"measured {row.measured['iteration'] * 1e3:.1f} ms ({row.error:+.1%})"
+            log(f"  {strategy} {replicas}x{stages} cuts {list(p.cuts)}: predicted "
+                f"{row.predicted['iteration'] * 1e3:.1f} ms, {what}, {time.perf_counter() - t0:.1f} s, "
+                f"load {row.load[0]:.1f}")
+    return rows
+
+
+# --- report ------------------------------------------------------------------------------
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1e3:.1f}"
+
+
+def table(rows: list[Row]) -> list[str]:
+    """Markdown rows: prediction, measurement, error and the terms of each."""
+    out = ["| model | plan | workers | cuts | predicted ms | measured ms | error | flow's measured_iteration_s ms | "
+           "pred. compute / transfer / sync ms | meas. compute / transfer+rest / sync ms | "
+           "largest gap (pred - meas) | pred. with layers timed at the micro-batch ms | load avg |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        p, m = r.predicted, r.measured
+        head = (f"| {r.model} | {r.strategy} {r.replicas}x{r.stages} | {r.workers} | "
+                f"{list(r.cuts) or '-'} | {_ms(p['iteration'])} |")
+        pred_terms = f"{_ms(p['compute'])} / {_ms(p['transfer'])} / {_ms(p['sync'])}"
+        if m is None:
+            out.append(f"{head} - | - | - | {pred_terms} | - | - | - | {r.load[0]:.1f}-{r.load[1]:.1f} |")
+            continue
+        ckpt = f" (ckpt {_ms(m['sync_checkpoint'])})" if m.get("sync_checkpoint") else ""
+        at_mb = "-" if r.predicted_at_microbatch is None else \
+            f"{_ms(r.predicted_at_microbatch)} ({r.predicted_at_microbatch / m['iteration'] - 1:+.0%})"
+        out.append(
+            f"{head} {_ms(m['iteration'])} | {r.error:+.1%} | {_ms(m['flow'])} | {pred_terms} | "
+            f"{_ms(m['compute'])} / {_ms(m['transfer'])} / {_ms(m['sync'])}{ckpt} | {r.worst_term()} | "
+            f"{at_mb} | {r.load[0]:.1f}-{r.load[1]:.1f} |")
+    notes = [f"- {r.model} {r.strategy} {r.replicas}x{r.stages} {list(r.cuts)}: {r.note}"
+             for r in rows if r.note]
+    return out + ([""] + notes if notes else [])
+
+
+def summary(rows: list[Row], cores: int) -> list[str]:
+    """Median absolute error within and beyond the core count."""
+    lines = []
+    for label, keep in (("worker processes <= cores", lambda r: r.workers <= cores),
+                        ("worker processes > cores", lambda r: r.workers > cores)):
+        errs = [abs(r.error) for r in rows if keep(r) and r.measured is not None]
+        if errs:
+            lines.append(f"- {label} ({cores} cores): median |error| **{statistics.median(errs):.1%}** "
+                         f"over {len(errs)} runs (min {min(errs):.1%}, max {max(errs):.1%})")
+    return lines
+
+
+def write_report(rows: list[Row], args, seconds: float, cores: int) -> None:
+    """benchmarks/results/prediction.md with the command that produced it."""
+    command = "    .venv/bin/python -m benchmarks.bench_prediction " + " ".join(
+        ["--steps", str(args.steps), "--models", *args.models])
+    within = [r for r in rows if r.workers <= cores]
+    beyond = [r for r in rows if r.workers > cores]
+    md = ["# Predicted vs measured iteration time", "",
+          f"Command (run from the repository root; {seconds:.0f} s on {cores} cores, "
+          f"{platform.processor() or platform.machine()}, torch threads 1 per worker):", "", command, "",
+          "Method: see the module docstring of `benchmarks/bench_prediction.py`. Predicted = what "
+          "`planners.strategy` gives for the profile (one torch thread, layers timed at the job's "
+          "batch and scaled to the micro-batch, as `strategy=auto` does); measured = steady-state "
+          f"iteration period of the slowest worker over {args.steps} iterations minus "
+          f"{WARMUP_ITERATIONS} warm-up ones; error = predicted / measured - 1. Local-SGD syncs "
+          f"every step (k = 1); pipelines use {MICROBATCHES} micro-batches; the directory store "
+          "is the embedded default in a temporary folder. `load avg` is the machine's 1-minute "
+          "load before and after the run (other people's jobs share these cores).", "",
+          "## Summary", "", *summary(rows, cores), "",
+          f"## Worker processes <= cores ({cores})", "", *table(within), "",
+          f"## Worker processes > cores ({cores})", "", *table(beyond), ""]
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text("\n".join(md) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the sweep (or, with --worker, one instrumented worker) and write the report."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_prediction", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=8, help="iterations per run (>= 4)")
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker_main(args.worker, args.out)
+        return 0
+    if args.steps < WARMUP_ITERATIONS + 2:
+        parser.error(f"--steps must be at least {WARMUP_ITERATIONS + 2}")
+    cores = os.cpu_count() or 1
+    t0 = time.perf_counter()
+    rows = []
+    for name in args.models:
+        root = Path(tempfile.mkdtemp(prefix=f"zooid-pred-{name}-"))
+        try:
+            rows += run_model(MODELS[name], root, args.steps, lambda s: print(s, flush=True))
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+    write_report(rows, args, time.perf_counter() - t0, cores)
+    print("\n".join(summary(rows, cores)))
+    print(f"wrote {RESULTS}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
