@@ -139,14 +139,15 @@ def _cell(values: list[float], fmt: str) -> str:
     return fmt.format(statistics.median(values)) if values else "-"
 
 
-def render(traces: list[Trace], target: float, max_epochs: int, command: str, note: str) -> str:
+def render(traces: list[Trace], target: float, max_epochs: int, command: str, note: str,
+           elapsed_s: float) -> str:
     """Markdown: one row per configuration (median over seeds), then every run."""
     names = list(dict.fromkeys(t.name for t in traces))
     lines = [
         f"# Local-SGD to {100 * target:.0f} % validation accuracy: 4 workers on digits vs plain PyTorch",
         "",
         f"Command: `{command}`  ",
-        f"Machine: {note}",
+        f"Machine: {note}. Benchmark time after imports: {elapsed_s:.0f} s.",
         "",
         f"Setup: `{MODEL}`, SGD with momentum 0.9, lr {LR}, seeds {sorted({t.seed for t in traces})}; "
         f"Local-SGD: {WORKERS} replicas x batch {BATCH}, {steps_per_epoch(load_dataset(DATASET).train_y.numel(), WORKERS, BATCH)} "
@@ -180,8 +181,8 @@ def render(traces: list[Trace], target: float, max_epochs: int, command: str, no
 def machine_note() -> str:
     """Cores and load: the replicas and other people's jobs share this machine's CPUs."""
     load = os.getloadavg()[0]
-    return (f"{os.cpu_count()} CPU cores ({platform.machine()}), torch {torch.__version__} on CPU with "
-            f"{torch.get_num_threads()} intra-op threads, shared with other jobs (load average {load:.1f} "
+    return (f"{os.cpu_count()} CPU cores ({platform.machine()}), torch {torch.__version__} on CPU, "
+            f"intra-op threads: {torch.get_num_threads()}, shared with other jobs (load average {load:.1f} "
             "at the end); the four replicas are threads of one process")
 
 
@@ -202,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     # One intra-op thread, as the inline target gives each of 4 workers on 2 cores
     # (tasks.run_epoch.make_launcher); a 64-wide MLP gains nothing from more.
     torch.set_num_threads(1)
+    began = time.monotonic()
     warm_up()
     root = Path(tempfile.mkdtemp(prefix="zooid-bench-lsgd-"))
     traces: list[Trace] = []
@@ -222,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         f" {flag} {value}" for flag, value, default in (
             ("--seeds", " ".join(map(str, args.seeds)), "0 1 2"), ("--max-epochs", args.max_epochs, 30),
             ("--target", args.target, 0.95)) if str(value) != str(default))
-    text = render(traces, args.target, args.max_epochs, command, machine_note())
+    text = render(traces, args.target, args.max_epochs, command, machine_note(), time.monotonic() - began)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     print(text)
