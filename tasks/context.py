@@ -29,6 +29,8 @@ class RunContext:
     started_at: float = field(default_factory=time.time)
     ledger: list[CostRecord] = field(default_factory=list)
     launchers: list[Any] = field(default_factory=list)
+    attempts: dict = field(default_factory=dict)
+    """Last attempt number per (epoch, rank)."""
     dataset: dict = field(default_factory=dict)
     """The published dataset's manifest."""
     provisioned: bool = False

@@ -55,9 +55,11 @@ def worker_records(run_id: str, epoch: int, outcomes: Iterable[dict], offer: Off
     for o in outcomes:
         stop = o.get("stopped_at") or o["started_at"]
         kind = "worker" if o["status"] == "completed" else "failed_attempt"
+        failure = (o.get("extra") or {}).get("failure")
+        status = o["status"] if not failure else f"{o['status']}:{failure['kind']}"
         rows.append(CostRecord(run_id=run_id, resource=f"worker e{epoch} r{o['rank']} a{o['attempt']}",
                                kind=kind, offer=offer.name, start=o["started_at"], stop=stop,
-                               unit_price_per_s=price_per_s, status=o["status"], epoch=epoch,
+                               unit_price_per_s=price_per_s, status=status, epoch=epoch,
                                rank=o["rank"], attempt=o["attempt"]))
     return rows
 

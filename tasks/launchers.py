@@ -1,17 +1,20 @@
-"""Start one epoch's workers on a compute target and wait for them.
+"""Start one epoch's workers on a compute target, watch them, relaunch the ones that fail.
 
-Two launchers with one interface (`launch(spec)`, `wait(timeout_s)`, `stop()`):
+Two launchers with one interface (`launch(spec)`, `wait(timeout_s, on_failure)`, `stop()`):
 
 - `InlineLauncher`: plain processes started by the coordinator (`python -m
   training.worker_main`), each in its own process group and tagged with the run id.
 - `PoolLauncher`: one `worker` flow run per worker through `run_deployment` on a work pool
   (local process pool, ECS, ACI, Kubernetes), polled with the sync client until final.
 
-Either way the coordinator measures each worker's interval (launch to exit) for the bill,
-and a failure of one worker stops the others at once instead of letting them wait at a sync.
+The coordinator measures each attempt's interval (launch to exit) for the bill. When an
+attempt fails or outlives its timeout, `on_failure(outcome)` decides: return a spec to
+relaunch that one worker (Prefect does not retry a crashed flow run, and retrying the whole
+epoch would relaunch every worker), or None to stop the others at once and raise.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -19,12 +22,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from tasks.sweep import COORDINATOR_VAR, TAG_VAR, stop_pids
+from training import heartbeat
 from training.specs import WorkerResult, WorkerSpec
 
 FINAL = ("completed", "failed", "crashed", "timeout", "cancelled")
+FAILED = ("failed", "crashed", "timeout")
 
 
 @dataclass
@@ -42,70 +47,130 @@ class WorkerOutcome:
     ref: str = ""
     """pid (inline) or flow run id (pool)."""
     extra: dict = field(default_factory=dict)
+    """exit_code, log, failure classification, flow run times..."""
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(rank=self.rank, attempt=self.attempt, started_at=self.started_at,
-                    stopped_at=self.stopped_at, status=self.status, result=self.result,
-                    error=self.error, ref=self.ref, extra=self.extra)
+        return dataclasses.asdict(self)
 
 
 class WorkersFailed(RuntimeError):
-    """Some worker of the epoch did not complete (transient: the epoch may be retried)."""
+    """Some worker of the epoch did not complete and was not relaunched."""
 
-    def __init__(self, outcomes: list[WorkerOutcome]):
+    def __init__(self, outcomes: list[WorkerOutcome], reason: str = ""):
         self.outcomes = outcomes
         bad = [o for o in outcomes if o.status != "completed"]
-        detail = "; ".join(f"rank {o.rank} {o.status}: {(o.error or '')[-300:]}" for o in bad[:4])
-        super().__init__(f"{len(bad)} of {len(outcomes)} workers did not complete: {detail}")
+        detail = "; ".join(f"rank {o.rank} attempt {o.attempt} {o.status}: {(o.error or '')[-300:]}"
+                           for o in bad[:4])
+        super().__init__(f"{reason or 'workers did not complete'}: {detail}")
 
 
-def _wait_loop(poll, outcomes: list[WorkerOutcome], timeout_s: float, stop, interval: float) -> list[WorkerOutcome]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        poll()
-        if any(o.status in ("failed", "crashed", "cancelled") for o in outcomes):
-            stop("stopped: another worker failed")
-            break
-        if all(o.status in FINAL for o in outcomes):
-            break
-        if time.monotonic() > deadline:
-            for o in outcomes:
-                if o.status == "running":
-                    o.status, o.error = "timeout", f"still running after {timeout_s:.0f} s"
-            stop("stopped: timeout")
-            break
-        time.sleep(interval)
-    if any(o.status != "completed" for o in outcomes):
-        raise WorkersFailed(outcomes)
-    return outcomes
+class _Launcher:
+    """Shared bookkeeping: attempts, per-attempt timeout, relaunch on failure."""
+
+    poll_s = 0.05
+
+    def __init__(self):
+        self.attempts: list[tuple[Any, WorkerOutcome, WorkerSpec]] = []
+
+    def launch(self, spec: WorkerSpec) -> WorkerOutcome:
+        """Start one worker attempt for `spec`."""
+        handle, outcome = self._start(spec)
+        self.attempts.append((handle, outcome, spec))
+        return outcome
+
+    @property
+    def outcomes(self) -> list[WorkerOutcome]:
+        return [o for _, o, _ in self.attempts]
+
+    def wait(self, timeout_s: float,
+             on_failure: Callable[[WorkerOutcome, WorkerSpec], WorkerSpec | None] | None = None
+             ) -> list[WorkerOutcome]:
+        """Wait until the latest attempt of every rank completes. An attempt running longer
+        than `timeout_s` is stopped (status `timeout`). A failed attempt is passed to
+        `on_failure`; a returned spec is launched in its place, None stops everyone and
+        raises WorkersFailed. A relaunch restarts every attempt's clock: survivors waiting at a
+        sync for the relaunched peer are blocked, not hung."""
+        last_relaunch = 0.0
+        while True:
+            self._poll()
+            for handle, o, spec in list(self.attempts):
+                alive_at = max(o.started_at, last_relaunch, self._last_progress(o))
+                if o.status == "running" and time.time() - alive_at > timeout_s:
+                    self._stop_one(handle, o, "timeout", f"still running after {timeout_s:.0f} s")
+            handled = {id(o) for o in self.outcomes if o.extra.get("handled")}
+            for handle, o, spec in list(self.attempts):
+                if o.status in FAILED and id(o) not in handled:
+                    o.extra["handled"] = True
+                    try:
+                        retry = on_failure(o, spec) if on_failure else None
+                    except BaseException:  # e.g. out of memory: not retried, stop the rest
+                        self.stop("stopped: another worker cannot be retried")
+                        raise
+                    if retry is None:
+                        self.stop("stopped: another worker failed")
+                        raise WorkersFailed(self.outcomes, f"rank {o.rank} {o.status}")
+                    self.launch(retry)
+                    last_relaunch = time.time()
+                elif o.status == "cancelled" and id(o) not in handled:
+                    self.stop("stopped: a worker was cancelled")
+                    raise WorkersFailed(self.outcomes, "cancelled")
+            latest = {}
+            for _, o, _ in self.attempts:
+                latest[o.rank] = o
+            if all(o.status == "completed" for o in latest.values()):
+                return [latest[r] for r in sorted(latest)]
+            time.sleep(self.poll_s)
+
+    def stop(self, reason: str = "stopped") -> None:
+        """Stop every attempt still running."""
+        for handle, o, _ in self.attempts:
+            if o.status == "running":
+                self._stop_one(handle, o, "cancelled", reason)
+
+    # subclass hooks
+    def _last_progress(self, outcome: WorkerOutcome) -> float:
+        """Unix time of the attempt's last sign of progress (0: none known)."""
+        return 0.0
+
+    def _start(self, spec: WorkerSpec) -> tuple[Any, WorkerOutcome]:
+        raise NotImplementedError
+
+    def _poll(self) -> None:
+        raise NotImplementedError
+
+    def _stop_one(self, handle, outcome: WorkerOutcome, status: str, reason: str) -> None:
+        raise NotImplementedError
 
 
-class InlineLauncher:
+class InlineLauncher(_Launcher):
     """Workers as child processes of the coordinator."""
 
     def __init__(self, run_id: str, log_dir: Path, env: dict[str, str] | None = None):
+        super().__init__()
         self.run_id = run_id
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.env = env or {}
-        self._procs: list[tuple[subprocess.Popen, WorkerOutcome, Path]] = []
 
-    def launch(self, spec: WorkerSpec) -> WorkerOutcome:
-        """Start one worker process for `spec`."""
+    def _start(self, spec: WorkerSpec):
         log = self.log_dir / f"e{spec.epoch}-r{spec.rank}-a{spec.attempt}.log"
-        env = {**os.environ, **self.env, TAG_VAR: self.run_id, COORDINATOR_VAR: str(os.getpid())}
+        beat = log.with_suffix(".heartbeat")
+        env = {**os.environ, **self.env, TAG_VAR: self.run_id, COORDINATOR_VAR: str(os.getpid()),
+               heartbeat.ENV: str(beat)}
         with open(log, "wb") as out:
             proc = subprocess.Popen([sys.executable, "-m", "training.worker_main", "--spec-json",
                                      json.dumps(spec.to_dict())],
                                     stdout=out, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True)
         outcome = WorkerOutcome(rank=spec.rank, attempt=spec.attempt, started_at=time.time(),
-                                ref=str(proc.pid), extra={"log": str(log)})
-        self._procs.append((proc, outcome, log))
-        return outcome
+                                ref=str(proc.pid), extra={"log": str(log), "heartbeat": str(beat)})
+        return proc, outcome
+
+    def _last_progress(self, outcome: WorkerOutcome) -> float:
+        return heartbeat.last_beat(outcome.extra["heartbeat"]) or 0.0
 
     def _poll(self) -> None:
-        for proc, outcome, log in self._procs:
+        for proc, outcome, _ in self.attempts:
             if outcome.status != "running":
                 continue
             code = proc.poll()
@@ -113,7 +178,7 @@ class InlineLauncher:
                 continue
             outcome.stopped_at = time.time()
             outcome.extra["exit_code"] = code
-            text = log.read_text(errors="replace") if log.exists() else ""
+            text = Path(outcome.extra["log"]).read_text(errors="replace")
             if code == 0:
                 try:
                     outcome.result = json.loads(text.strip().splitlines()[-1])
@@ -124,35 +189,25 @@ class InlineLauncher:
                 outcome.status = "crashed" if code < 0 else "failed"
                 outcome.error = f"exit {code}: " + text[-600:]
 
-    def wait(self, timeout_s: float) -> list[WorkerOutcome]:
-        """Wait for every launched worker; on a failure stop the rest and raise WorkersFailed."""
-        outcomes = [o for _, o, _ in self._procs]
-        return _wait_loop(self._poll, outcomes, timeout_s, self.stop, 0.05)
-
-    def stop(self, reason: str = "stopped") -> None:
-        """Stop every worker still running (by pid, process group first)."""
-        running = [(p, o) for p, o, _ in self._procs if p.poll() is None]
-        stop_pids([p.pid for p, _ in running], grace_s=2.0)
-        for p, o in running:
-            p.wait()
-            if o.status == "running":
-                o.status, o.error, o.stopped_at = "cancelled", reason, time.time()
-        self._poll()
+    def _stop_one(self, proc, outcome: WorkerOutcome, status: str, reason: str) -> None:
+        stop_pids([proc.pid], grace_s=2.0)
+        proc.wait()
+        outcome.status, outcome.error, outcome.stopped_at = status, reason, time.time()
+        outcome.extra["exit_code"] = proc.returncode
 
 
-class PoolLauncher:
+class PoolLauncher(_Launcher):
     """Workers as `worker` flow runs on a work pool, through `run_deployment`."""
 
-    def __init__(self, run_id: str, deployment: str, job_variables: dict | None = None,
-                 poll_s: float = 0.5):
+    poll_s = 0.5
+
+    def __init__(self, run_id: str, deployment: str, job_variables: dict | None = None):
+        super().__init__()
         self.run_id = run_id
         self.deployment = deployment
         self.job_variables = job_variables or {}
-        self.poll_s = poll_s
-        self._runs: list[tuple[Any, WorkerOutcome]] = []
 
-    def launch(self, spec: WorkerSpec) -> WorkerOutcome:
-        """Create one worker flow run; returns at once (the pool's worker picks it up)."""
+    def _start(self, spec: WorkerSpec):
         from prefect.deployments import run_deployment
 
         env = {**self.job_variables.get("env", {}), TAG_VAR: self.run_id}
@@ -161,16 +216,14 @@ class PoolLauncher:
             tags=[f"zooid-run:{self.run_id}", f"epoch:{spec.epoch}", f"rank:{spec.rank}"],
             job_variables={**self.job_variables, "env": env},
             flow_run_name=f"{self.run_id}-e{spec.epoch}-r{spec.rank}-a{spec.attempt}")
-        outcome = WorkerOutcome(rank=spec.rank, attempt=spec.attempt, started_at=time.time(),
-                                ref=str(flow_run.id))
-        self._runs.append((flow_run.id, outcome))
-        return outcome
+        return flow_run.id, WorkerOutcome(rank=spec.rank, attempt=spec.attempt,
+                                          started_at=time.time(), ref=str(flow_run.id))
 
     def _poll(self) -> None:
         from prefect.client.orchestration import get_client
 
         with get_client(sync_client=True) as client:
-            for run_id, outcome in self._runs:
+            for run_id, outcome, _ in self.attempts:
                 if outcome.status != "running":
                     continue
                 fr = client.read_flow_run(run_id)
@@ -193,24 +246,16 @@ class PoolLauncher:
                 else:
                     outcome.status, outcome.error = "failed", state.message
 
-    def wait(self, timeout_s: float) -> list[WorkerOutcome]:
-        """Wait for every worker flow run; on a failure cancel the rest and raise WorkersFailed."""
-        outcomes = [o for _, o in self._runs]
-        return _wait_loop(self._poll, outcomes, timeout_s, self.stop, self.poll_s)
-
-    def stop(self, reason: str = "stopped") -> None:
-        """Cancel every worker flow run that is not final yet."""
+    def _stop_one(self, run_id, outcome: WorkerOutcome, status: str, reason: str) -> None:
         from prefect.client.orchestration import get_client
         from prefect.states import Cancelling
 
         with get_client(sync_client=True) as client:
-            for run_id, outcome in self._runs:
-                if outcome.status == "running":
-                    try:
-                        client.set_flow_run_state(run_id, Cancelling(message=reason), force=True)
-                    except Exception:
-                        pass
-                    outcome.status, outcome.error, outcome.stopped_at = "cancelled", reason, time.time()
+            try:
+                client.set_flow_run_state(run_id, Cancelling(message=reason), force=True)
+            except Exception:
+                pass
+        outcome.status, outcome.error, outcome.stopped_at = status, reason, time.time()
 
 
 def worker_result(outcome: WorkerOutcome) -> WorkerResult:

@@ -6,6 +6,7 @@ earlier attempt are deleted, so no replica reads a dead attempt's slices.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -32,13 +33,57 @@ def make_launcher(ctx: RunContext, plan: Plan):
     return PoolLauncher(ctx.run_id, target.worker_deployment, job_variables=job_variables)
 
 
+def relaunch_policy(ctx: RunContext, plan: Plan, max_relaunches: int = 2):
+    """`on_failure` for the launcher: classify the failed attempt; relaunch that one worker
+    (Local-SGD resumes it from the epoch's last sync checkpoint while the others wait at the
+    sync) unless the failure cannot be retried (out of memory, bad input) or the worker
+    already failed `max_relaunches` times. A pipeline stage has no mid-epoch resume: its
+    failure fails the attempt, and the task's retry reruns the epoch."""
+    from training.chaos import read_fault_marker
+    from training.errors import OutOfMemory, ZooidValueError
+    from training.failures import FailureKind, classify_failure
+
+    relaunched: dict[int, int] = {}
+
+    def on_failure(outcome, spec: WorkerSpec) -> WorkerSpec | None:
+        store = ctx.open_store()
+        try:
+            marker = read_fault_marker(store, ctx.run_id, spec.epoch, spec.rank, spec.attempt)
+        finally:
+            store.close()
+        log = outcome.extra.get("log")
+        tail = open(log, errors="replace").read()[-4000:] if log else (outcome.error or "")
+        failure = classify_failure(outcome.extra.get("exit_code"), tail,
+                                   timed_out=outcome.status == "timeout", injected=marker)
+        outcome.extra["failure"] = failure.to_dict()
+        if failure.kind is FailureKind.OOM:
+            raise OutOfMemory(f"worker {spec.rank} of epoch {spec.epoch} ran out of memory "
+                              f"({failure.reason}); re-plan with more memory per worker or a smaller batch")
+        if failure.kind is FailureKind.BAD_INPUT:
+            raise ZooidValueError("job", f"worker {spec.rank} refused its input: {failure.reason}")
+        if plan.strategy != "local_sgd" or relaunched.get(spec.rank, 0) >= max_relaunches:
+            return None
+        relaunched[spec.rank] = relaunched.get(spec.rank, 0) + 1
+        return dataclasses.replace(spec, attempt=next_attempt(ctx, spec.epoch, spec.rank))
+
+    return on_failure
+
+
+def next_attempt(ctx: RunContext, epoch: int, rank: int) -> int:
+    """A fresh attempt number for (epoch, rank), unique across relaunches and task retries."""
+    key = (epoch, rank)
+    ctx.attempts[key] = ctx.attempts.get(key, -1) + 1
+    return ctx.attempts[key]
+
+
 def worker_specs(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, attempt: int) -> list[WorkerSpec]:
     """One spec per replica: its data subsets, step count and the keys to read and write."""
     from training.datasets import assign_subsets
 
     job = ctx.job
     shards = assign_subsets(ctx.dataset["n_subsets"], plan.data_parallel, epoch, job.seed)
-    timeout = 300.0 if ctx.resolved.target.remote else 120.0
+    # survivors wait at a sync long enough for a failed peer to be detected and relaunched
+    timeout = job.worker_timeout_s + (300.0 if ctx.resolved.target.remote else 120.0)
     if plan.strategy in ("pipeline", "hybrid"):
         from training.pipeline_executor import pipeline_worker_specs
 
@@ -86,7 +131,7 @@ def run_epoch(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float) -> 
 
     from training.local_sgd import sync_group
 
-    attempt = max(0, (task_run.run_count or 1) - 1)
+    attempt = max(0, (task_run.run_count or 1) - 1)  # > 0: workers resume from the sync checkpoint
     from training.pipeline_executor import activation_prefix
 
     store = ctx.open_store()
@@ -100,17 +145,19 @@ def run_epoch(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float) -> 
     started = time.time()
     outcomes = []
     try:
-        outcomes = [launcher.launch(spec) for spec in worker_specs(ctx, plan, epoch, init, lr, attempt)]
-        launcher.wait(ctx.job.worker_timeout_s)
-    except WorkersFailed:
-        raise
+        for spec in worker_specs(ctx, plan, epoch, init, lr, attempt):
+            launcher.launch(dataclasses.replace(spec, attempt=next_attempt(ctx, epoch, spec.rank)))
+        final = launcher.wait(ctx.job.worker_timeout_s, relaunch_policy(ctx, plan))
     finally:
         launcher.stop("epoch over")
         ctx.launchers.remove(launcher)
+        outcomes = launcher.outcomes
         ctx.ledger.extend(worker_records(ctx.run_id, epoch, [o.to_dict() for o in outcomes],
                                          ctx.resolved.offer, ctx.price_per_worker_s))
     wall = max(o.stopped_at or started for o in outcomes) - started
-    summary = summarise(plan, [o.to_dict() for o in outcomes], wall)
+    summary = summarise(plan, [o.to_dict() for o in final], wall)
+    summary["relaunches"] = [{"rank": o.rank, "attempt": o.attempt, "status": o.status,
+                              "failure": o.extra.get("failure")} for o in outcomes if o.status != "completed"]
     summary.update(epoch=epoch, workers=plan.workers, stages=plan.stages, lr=lr, attempt=attempt,
                    cost_usd=sum(r.usd for r in ctx.ledger if r.epoch == epoch),
                    predicted_iteration_s=plan.predicted_iteration_s)

@@ -74,6 +74,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from training import heartbeat
 from training.chaos import chaos_for
 from training.checkpoint import load_checkpoint, save_checkpoint, sync_checkpoint_key
 from training.collectives import PostLog, SyncStats, allreduce_mean, release_group
@@ -187,6 +188,7 @@ class LocalSGD:
 
     def after_step(self) -> None:
         """Count one optimizer step; sync when the period is reached."""
+        heartbeat.beat()
         self.steps += 1
         self._since_sync += 1
         if self.period is not None and self._since_sync >= self.period:

@@ -22,6 +22,7 @@ import time
 from urllib.parse import urlsplit
 
 from training.bandwidth import Link, TransferStats
+from training import heartbeat
 from training.errors import StoreTimeout, ZooidValueError
 
 
@@ -109,6 +110,7 @@ class Store(abc.ABC):
             if left <= 0:
                 self.link.waited(time.monotonic() - began)
                 raise StoreTimeout(f"key {key!r} did not appear in {self.url} within {timeout:g} s")
+            heartbeat.beat()  # waiting on a peer is not hanging
             time.sleep(min(pause, left))
             pause = min(pause * POLL_GROWTH, self.poll_max_s)
 

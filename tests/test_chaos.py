@@ -1,0 +1,68 @@
+"""Faults injected into real runs (ZOOID_CHAOS): the run recovers, bills the dead attempt,
+and ends where a fault-free run ends."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tasks.job import TrainJob
+
+pytestmark = pytest.mark.usefixtures("prefect_api")
+
+JOB = dict(workers=2, epochs=1, optimizer="sgd", lr=0.1, sync_period=4, batch_size=32)
+
+
+def _final_weights(store_url: str, key: str) -> dict[str, torch.Tensor]:
+    from training.store import open_store
+    from training.tensor_codec import decode_tensors
+
+    tensors, _ = decode_tensors(open_store(store_url).get(key))
+    return {k: v for k, v in tensors.items() if k.startswith("model/")}
+
+
+@pytest.fixture(scope="module")
+def fault_free(tmp_path_factory):
+    from flows.train import train
+
+    url = f"file://{tmp_path_factory.mktemp('clean')}/store"
+    summary = train(TrainJob(store=url, **JOB))
+    return summary, _final_weights(url, summary.checkpoint_key)
+
+
+def test_worker_killed_at_a_sync_point_is_relaunched_and_ends_equal(tmp_path, monkeypatch, fault_free):
+    from flows.train import train
+    from tasks.cost import read_ledger
+    from training.store import open_store
+
+    clean, clean_weights = fault_free
+    monkeypatch.setenv("ZOOID_CHAOS", "kill_worker:epoch=0:rank=1:step=8:at=sync")
+    url = f"file://{tmp_path}/store"
+    summary = train(TrainJob(store=url, **JOB))
+    assert summary.status == "completed"
+    weights = _final_weights(url, summary.checkpoint_key)
+    for k, v in clean_weights.items():
+        torch.testing.assert_close(weights[k], v, rtol=1e-6, atol=1e-7)
+    assert summary.final_accuracy == pytest.approx(clean.final_accuracy, abs=1 / 360)
+    ledger = read_ledger(open_store(url), summary.run_id)
+    dead = [r for r in ledger["rows"] if r["kind"] == "failed_attempt"]
+    assert [(r["rank"], r["attempt"], r["status"]) for r in dead] == [(1, 0, "crashed:injected")]
+    assert dead[0]["usd"] > 0
+    relaunched = [r for r in ledger["rows"] if r["kind"] == "worker" and r["rank"] == 1]
+    assert [r["attempt"] for r in relaunched] == [1]
+
+
+def test_hung_worker_times_out_and_is_relaunched(tmp_path, monkeypatch, fault_free):
+    from flows.train import train
+    from tasks.cost import read_ledger
+    from training.store import open_store
+
+    clean, _ = fault_free
+    monkeypatch.setenv("ZOOID_CHAOS", "hang_worker:epoch=0:rank=0:step=4")
+    url = f"file://{tmp_path}/store"
+    summary = train(TrainJob(store=url, worker_timeout_s=20, **JOB))
+    assert summary.status == "completed"
+    assert summary.final_accuracy == pytest.approx(clean.final_accuracy, abs=0.01)
+    ledger = read_ledger(open_store(url), summary.run_id)
+    dead = [r for r in ledger["rows"] if r["kind"] == "failed_attempt"]
+    assert [(r["rank"], r["status"]) for r in dead] == [(0, "timeout:injected")]
+    assert dead[0]["seconds"] >= 20
