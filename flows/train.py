@@ -25,6 +25,7 @@ from tasks.profile import profile
 from tasks.provision import init_key, provision
 from tasks.record_cost import record_cost
 from tasks.report import artifact_key, markdown_report, plot_curves
+from tasks.resume import find_resume_point
 from tasks.rescale import rescale
 from tasks.run_epoch import run_epoch
 from tasks.teardown import teardown
@@ -91,21 +92,30 @@ def run_training(job: TrainJob) -> RunSummary:
 
     resolved = validate_job(job)  # bad input stops here: nothing provisioned, nothing billed
     fr_id = flow_run.id or uuid.uuid4().hex
-    ctx = RunContext(run_id=run_id_for(fr_id), job=job, resolved=resolved, flow_run_id=str(fr_id))
+    ctx = RunContext(run_id=job.resume or run_id_for(fr_id), job=job, resolved=resolved,
+                     flow_run_id=str(fr_id))
+    resume = find_resume_point(ctx, required=job.resume is not None)
     ACTIVE[ctx.flow_run_id] = ctx
     progress_id = create_progress_artifact(0.0, description=f"Epochs of run {ctx.run_id}")
     status, error, history, plan_dict = "failed", None, [], {}
     try:
         prof = profile(ctx)
-        current = plan(ctx, prof)
+        first_epoch, init, lr, workers = 0, init_key(ctx), job.lr, job.workers
+        if resume is not None:
+            first_epoch, init, lr, workers = resume.next_epoch, resume.init_key, resume.lr, resume.workers
+            history, ctx.ledger = list(resume.history), list(resume.ledger)
+            for rank in range(job.max_workers):  # attempt numbers stay unique across coordinators
+                ctx.attempts[(first_epoch, rank)] = resume.max_attempt
+        current = plan(ctx, prof, workers)
         plan_dict = current.to_dict()
-        provision(ctx, current)
-        init, lr, status = init_key(ctx), job.lr, "completed"
-        for epoch in range(job.epochs):
+        provision(ctx, current, fresh=resume is None)
+        status = "completed"
+        for epoch in range(first_epoch, job.epochs):
             if (stop := guardrail(job, ctx, current, history)) is not None:
                 status = stop
                 break
-            metrics = run_epoch(ctx, current, epoch, init, lr)
+            resuming = resume is not None and resume.mid_epoch and epoch == first_epoch
+            metrics = run_epoch(ctx, current, epoch, init, lr, resuming)
             init = checkpoint(ctx, epoch, metrics["checkpoint_key"], metrics)
             history.append(metrics)
             _epoch_progress(ctx, progress_id, history)
@@ -118,6 +128,7 @@ def run_training(job: TrainJob) -> RunSummary:
                 lr = decision["lr"]
                 if decision["workers"] != current.data_parallel:
                     current = plan(ctx, prof, decision["workers"])
+            save_progress(ctx, history)
     except BaseException as exc:
         status, error = "failed", f"{type(exc).__name__}: {exc}"
         raise
@@ -127,6 +138,19 @@ def run_training(job: TrainJob) -> RunSummary:
         summary = _finish(ctx, status, history, plan_dict, ledger, error)
         ACTIVE.pop(ctx.flow_run_id, None)
     return summary
+
+
+def save_progress(ctx: RunContext, history: list[dict]) -> None:
+    """History and the bill so far, so a killed coordinator leaves both behind."""
+    from tasks.record_cost import record_cost_now
+    from tasks.resume import write_history
+
+    store = ctx.open_store()
+    try:
+        write_history(store, ctx.run_id, history)
+    finally:
+        store.close()
+    record_cost_now(ctx, final=False)
 
 
 _HOOKS = dict(on_failure=[on_abnormal_end], on_crashed=[on_abnormal_end], on_cancellation=[on_abnormal_end])

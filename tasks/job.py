@@ -54,6 +54,8 @@ class TrainJob(BaseModel):
     target_accuracy: Optional[float] = Field(None, gt=0, le=1, allow_inf_nan=False, title="Target validation accuracy",
                                              description="Stop early (status target_reached) once reached.")
     target_loss: Optional[float] = Field(None, gt=0, allow_inf_nan=False, title="Target validation loss")
+    resume: Optional[str] = Field(None, title="Resume run",
+                                  description="Run id to continue from its last complete checkpoint.")
     worker_timeout_s: float = Field(900.0, gt=0, allow_inf_nan=False, title="Worker timeout (s)",
                                     description="A worker still running after this long is stopped and its epoch fails.")
 

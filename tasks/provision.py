@@ -47,8 +47,9 @@ def check_deployment(name: str) -> None:
 
 
 @task(name="provision", cache_policy=NO_CACHE, **task_options(retries=2, timeout_s=600))
-def provision(ctx: RunContext, plan: Plan) -> dict:
-    """Publish the dataset subsets and the initial checkpoint; return the run manifest."""
+def provision(ctx: RunContext, plan: Plan, fresh: bool = True) -> dict:
+    """Publish the dataset subsets and the initial checkpoint (a resumed run republishes the
+    data only if teardown removed it, and keeps its checkpoints); return the dataset manifest."""
     from training.checkpoint import initial_checkpoint
     from training.datasets import publish_dataset
 
@@ -60,15 +61,22 @@ def provision(ctx: RunContext, plan: Plan) -> dict:
         check_deployment(target.worker_deployment)
     store = ctx.open_store()
     try:
-        manifest = publish_dataset(store, ctx.run_id, ctx.job.dataset,
-                                   subset_size(ctx.resolved.n_train, ctx.job.max_workers))
+        from training.datasets import read_manifest
+
+        if not fresh and store.exists(f"runs/{ctx.run_id}/data/manifest.json"):
+            manifest = read_manifest(store, ctx.run_id)
+        else:  # the split is deterministic, so a republished subset i is the same subset i
+            manifest = publish_dataset(store, ctx.run_id, ctx.job.dataset,
+                                       subset_size(ctx.resolved.n_train, ctx.job.max_workers))
         ctx.dataset = manifest.to_dict()
-        initial_checkpoint(store, init_key(ctx), ctx.job.model, ctx.job.optimizer, ctx.job.lr,
-                           seed=ctx.job.seed, meta={"run_id": ctx.run_id})
+        if fresh or not store.exists(init_key(ctx)):
+            initial_checkpoint(store, init_key(ctx), ctx.job.model, ctx.job.optimizer, ctx.job.lr,
+                               seed=ctx.job.seed, meta={"run_id": ctx.run_id})
         run_doc = {"run_id": ctx.run_id, "flow_run_id": ctx.flow_run_id, "job": ctx.job.model_dump(),
                    "plan": plan.to_dict(), "target": ctx.job.target, "dataset": ctx.dataset,
                    "started_at": ctx.started_at, "provisioned_at": time.time()}
-        store.put(ctx.prefix("run.json"), json.dumps(run_doc, indent=1).encode())
+        if fresh or not store.exists(ctx.prefix("run.json")):
+            store.put(ctx.prefix("run.json"), json.dumps(run_doc, indent=1).encode())
     finally:
         store.close()
     ctx.provisioned = True

@@ -125,8 +125,10 @@ def summarise(plan: Plan, outcomes: list[dict], wall_s: float) -> dict:
 
 
 @task(name="run_epoch", cache_policy=NO_CACHE, **task_options(retries=2, timeout_s=3600))
-def run_epoch(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float) -> dict:
-    """Run one epoch on the target; retried as a whole on a transient worker failure."""
+def run_epoch(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, resume: bool = False) -> dict:
+    """Run one epoch on the target; retried as a whole on a transient worker failure.
+    `resume`: the epoch had started under an earlier coordinator (continue from its sync
+    checkpoint)."""
     from prefect.runtime import task_run
 
     from training.local_sgd import sync_group
@@ -146,7 +148,8 @@ def run_epoch(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float) -> 
     outcomes = []
     try:
         for spec in worker_specs(ctx, plan, epoch, init, lr, attempt):
-            launcher.launch(dataclasses.replace(spec, attempt=next_attempt(ctx, epoch, spec.rank)))
+            extra = {**spec.extra, "resume": True} if resume else spec.extra
+            launcher.launch(dataclasses.replace(spec, attempt=next_attempt(ctx, epoch, spec.rank), extra=extra))
         final = launcher.wait(ctx.job.worker_timeout_s, relaunch_policy(ctx, plan))
     finally:
         launcher.stop("epoch over")

@@ -1,0 +1,86 @@
+"""Continue a run from its last complete checkpoint (`resume=<run_id>`, or a Prefect retry of
+the same flow run, which derives the same run id).
+
+What the run left in the store says where to go on: `ckpt/latest.json` names the last
+complete epoch checkpoint, `history.json` the epochs done, `cost.json` what was billed. If the
+epoch after it had started, its Local-SGD workers continue from that epoch's last sync
+checkpoint (`ckpt/sync-e<E>`), so at most one sync interval of work is repeated.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+
+from tasks.context import RunContext
+from tasks.cost import CostRecord, ledger_key
+from training.errors import ZooidValueError
+
+
+@dataclass
+class ResumePoint:
+    """Where a resumed run starts."""
+
+    next_epoch: int
+    init_key: str
+    lr: float
+    workers: int
+    history: list[dict] = field(default_factory=list)
+    ledger: list[CostRecord] = field(default_factory=list)
+    mid_epoch: bool = False
+    """Whether `next_epoch` had started (its workers resume from its sync checkpoint)."""
+    max_attempt: int = -1
+    """Highest worker attempt number already used in `next_epoch`."""
+
+
+def history_key(run_id: str) -> str:
+    return f"runs/{run_id}/history.json"
+
+
+def write_history(store, run_id: str, history: list[dict]) -> None:
+    """The per-epoch history so far (rewritten atomically after every epoch)."""
+    store.put(history_key(run_id), json.dumps(history, default=str).encode())
+
+
+def _json(store, key: str):
+    return json.loads(store.get(key)) if store.exists(key) else None
+
+
+def find_resume_point(ctx: RunContext, *, required: bool) -> ResumePoint | None:
+    """The resume point of `ctx.run_id`, or None when the run has not started (an error
+    naming `resume` when `required`)."""
+    from tasks.provision import init_key
+    from training.checkpoint import sync_checkpoint_key
+
+    store = ctx.open_store()
+    try:
+        run = _json(store, ctx.prefix("run.json"))
+        if run is None:
+            if required:
+                raise ZooidValueError("resume", f"no run {ctx.run_id!r} in {ctx.store_ref.split('@')[-1]}")
+            return None
+        old = run["job"]
+        for name in ("model", "dataset", "batch_size", "optimizer", "seed"):
+            if old.get(name) != getattr(ctx.job, name):
+                raise ZooidValueError("resume", f"run {ctx.run_id} trained {name}={old.get(name)!r}, "
+                                      f"this job asks {getattr(ctx.job, name)!r}")
+        latest = _json(store, ctx.prefix("ckpt", "latest.json")) or {"epoch": -1, "key": init_key(ctx)}
+        history = [e for e in (_json(store, history_key(ctx.run_id)) or []) if e["epoch"] <= latest["epoch"]]
+        ledger = []
+        doc = _json(store, ledger_key(ctx.run_id))
+        if doc:
+            fields = CostRecord.__dataclass_fields__
+            ledger = [CostRecord(**{k: v for k, v in r.items() if k in fields}) for r in doc["rows"]]
+        nxt = latest["epoch"] + 1
+        pattern = re.compile(rf"e{nxt}[-/]r\d+-a(\d+)\.json$")
+        attempts = [int(m.group(1)) for k in store.list(ctx.prefix("history") + "/") +
+                    store.list(ctx.prefix("faults") + "/") if (m := pattern.search(k))]
+        last = history[-1] if history else {}
+        decision = last.get("rescale") or {}
+        return ResumePoint(next_epoch=nxt, init_key=latest["key"], lr=decision.get("lr", ctx.job.lr),
+                           workers=decision.get("workers", last.get("workers", ctx.job.workers)),
+                           history=history, ledger=ledger,
+                           mid_epoch=store.exists(sync_checkpoint_key(ctx.run_id, nxt)),
+                           max_attempt=max(attempts, default=-1))
+    finally:
+        store.close()

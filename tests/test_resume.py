@@ -1,0 +1,98 @@
+"""Checkpoints and resume: a new run with `resume=<run_id>` continues from the last complete
+checkpoint; a killed coordinator's workers are swept and its epoch continues from the last
+sync point."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tasks.job import TrainJob
+
+pytestmark = pytest.mark.usefixtures("prefect_api")
+ROOT = Path(__file__).resolve().parent.parent
+JOB = dict(workers=2, optimizer="momentum", lr=0.05, sync_period=4, batch_size=32)
+
+
+def _weights(url: str, key: str) -> dict[str, torch.Tensor]:
+    from training.store import open_store
+    from training.tensor_codec import decode_tensors
+
+    tensors, _ = decode_tensors(open_store(url).get(key))
+    return {k: v for k, v in tensors.items() if k.startswith("model/")}
+
+
+def test_resume_continues_from_the_last_checkpoint_and_ends_equal(tmp_path):
+    from flows.train import train
+    from tasks.cost import read_ledger
+    from training.store import open_store
+
+    clean_url = f"file://{tmp_path}/clean"
+    clean = train(TrainJob(store=clean_url, epochs=2, **JOB))
+
+    url = f"file://{tmp_path}/store"
+    first = train(TrainJob(store=url, epochs=1, **JOB))
+    resumed = train(TrainJob(store=url, epochs=2, resume=first.run_id, **JOB))
+    assert resumed.run_id == first.run_id and resumed.status == "completed"
+    assert [e.epoch for e in resumed.epochs] == [0, 1]
+    for k, v in _weights(clean_url, clean.checkpoint_key).items():
+        torch.testing.assert_close(_weights(url, resumed.checkpoint_key)[k], v, rtol=1e-5, atol=1e-6)
+    ledger = read_ledger(open_store(url), first.run_id)
+    assert sum(r["kind"] == "coordinator" for r in ledger["rows"]) == 2
+    assert sum(r["kind"] == "worker" for r in ledger["rows"]) == 4
+
+
+def test_resume_of_an_unknown_run_is_refused(tmp_path):
+    from flows.train import main
+
+    assert main(["--param", f"store=file://{tmp_path}/s", "--param", "resume=znothere"]) != 0
+
+
+def test_killed_coordinator_is_swept_and_its_epoch_resumes_from_the_sync_point(tmp_path):
+    from prefect.settings import PREFECT_API_URL
+
+    from flows.train import train
+    from tasks.sweep import orphan_pids, tagged_pids
+    from training.checkpoint import sync_checkpoint_key
+
+    store_dir = tmp_path / "store"
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(),
+           "ZOOID_CHAOS": "hang_worker:epoch=1:rank=0:step=6"}
+    argv = [sys.executable, "-m", "flows.train", "--param", f"store=file://{store_dir}",
+            "--param", "epochs=2"] + [a for k, v in JOB.items() for a in ("--param", f"{k}={v}")]
+    coordinator = subprocess.Popen(argv, cwd=ROOT, env=env, start_new_session=True,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 240
+        run_id = None
+        while time.time() < deadline:
+            runs = list((store_dir / "runs").glob("*")) if (store_dir / "runs").exists() else []
+            if runs and (store_dir / sync_checkpoint_key(runs[0].name, 1)).exists():
+                run_id = runs[0].name
+                break
+            time.sleep(0.5)
+        assert run_id, "epoch 1 never reached its first sync point"
+        time.sleep(1.0)
+        os.kill(coordinator.pid, signal.SIGKILL)  # no hook, no finally: a lost coordinator
+        coordinator.wait()
+        workers = tagged_pids(run_id)
+        assert workers and set(workers) <= set(orphan_pids())
+    finally:
+        if coordinator.poll() is None:
+            coordinator.kill()
+
+    summary = train(TrainJob(store=f"file://{store_dir}", epochs=2, resume=run_id, **JOB))
+    assert tagged_pids(run_id) == []  # the orphans were swept before anything else ran
+    assert summary.status == "completed" and [e.epoch for e in summary.epochs] == [0, 1]
+    assert summary.final_accuracy > 0.8
+    history = sorted((store_dir / "runs" / run_id / "history" / "e1").glob("*.json"))
+    resumed = [json.loads(p.read_text()) for p in history]
+    # the second coordinator's workers started at the sync point, not at step 0
+    assert resumed and all(h["start_step"] == 4 for h in resumed)
