@@ -1,0 +1,318 @@
+"""Hydrozoa's dynamic-scaling experiment (Sec. 5.4) in miniature: DP-1, DP-8 and adabatch
+DP-(1->8) on `digits_cnn`, synchronised every step, side by side in one run.
+
+With `sync_period=1` every replica averages weights and momentum after every step, so D
+replicas of batch b train like one process with batch D*b: more workers means a larger
+global batch and fewer steps per epoch. The three configurations are real `train` flows on
+the inline target (workers are local processes, the store is the directory store), driven
+through `flows.train.main`, the `python -m flows.train` entry point, in this process so they
+share one temporary Prefect server:
+
+- DP-1: `workers=1 scaling=static`, `--epochs` epochs;
+- DP-(1->8): `workers=1 scaling=adabatch scale_every_epochs=1 max_workers=8`, `--epochs`
+  epochs: 1, 2, 4, 8, 8, ... workers, the learning rate x0.75 per doubling
+  (`planners.scaling`);
+- DP-8: `workers=8 scaling=static`, stopped by the flow at the target accuracy
+  (`target_accuracy`), at most `--dp8-max-epochs` epochs: the large batch needs more epochs,
+  and it is the costliest configuration per epoch, so it is not run past the target.
+
+Per configuration, up to the first epoch whose validation accuracy (rank 0, end of epoch)
+reaches `--target`:
+
+- epochs and samples (the workers' `WorkerResult.samples`, summed);
+- cluster time: per epoch the slowest worker's `compute_s + sync_s`, what one core per worker
+  would see, summed; read from the last line of each worker's log under
+  `$ZOOID_HOME/logs/<run_id>/` (the `WorkerResult` JSON), for the attempts that completed
+  the epoch (`runs/<id>/history/`);
+- epoch wall time (the flow's per-epoch `seconds`: first launch to last exit, process
+  start-up included), with 8 workers sharing this machine's cores;
+- cost: worker-seconds billed in the ledger (`runs/<id>/cost.json`, failed attempts
+  included, the coordinator's own row excluded) times the offer's price, and, beside it,
+  what the same epochs would bill at one core per worker (workers x cluster time x price).
+
+Final accuracy is the last epoch's, and "after N epochs" is the accuracy at the same epoch
+for all three (N = `--epochs`).
+
+    .venv/bin/python -m benchmarks.bench_scaling [--target 0.93] [--epochs 4] [--dp8-max-epochs 10]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results" / "scaling.md"
+MODEL = "digits_cnn"
+
+
+@dataclass(frozen=True)
+class Config:
+    """One side of the comparison: a name and the `--param`s of its `train` flow."""
+
+    name: str
+    params: dict
+
+
+@dataclass
+class EpochRow:
+    """One epoch of one configuration, joined from the summary, the logs and the ledger."""
+
+    epoch: int
+    workers: int
+    lr: float
+    val_accuracy: float
+    samples: int
+    wall_s: float
+    cluster_s: float
+    slowest_compute_s: float
+    slowest_sync_s: float
+    worker_s: float
+    cost_usd: float
+    failed_attempts: int
+
+
+@dataclass
+class Outcome:
+    """A configuration's run: its per-epoch rows and what it billed."""
+
+    config: Config
+    run_id: str
+    status: str
+    price_per_s: float
+    offer: str
+    run_wall_s: float
+    rows: list[EpochRow] = field(default_factory=list)
+
+    def reached(self, target: float) -> int | None:
+        """Number of epochs until validation accuracy first reached `target`, or None."""
+        return next((i + 1 for i, r in enumerate(self.rows) if r.val_accuracy >= target), None)
+
+    def upto(self, target: float) -> list[EpochRow]:
+        """The epochs up to the target (all of them when it was missed)."""
+        return self.rows[: self.reached(target) or len(self.rows)]
+
+
+def configurations(args: argparse.Namespace) -> list[Config]:
+    """DP-1, DP-(1->8) adabatch and DP-8 with the common settings of this run."""
+    common = {"model": MODEL, "dataset": "digits", "strategy": "local_sgd", "sync_period": 1,
+              "batch_size": args.batch_size, "lr": args.lr, "optimizer": "momentum",
+              "seed": args.seed, "min_workers": 1, "max_workers": 8, "target": "inline"}
+    return [
+        Config("DP-1", {**common, "workers": 1, "scaling": "static", "epochs": args.epochs}),
+        Config("DP-(1->8) adabatch", {**common, "workers": 1, "scaling": "adabatch",
+                                      "scale_every_epochs": 1, "epochs": args.epochs}),
+        Config("DP-8", {**common, "workers": 8, "scaling": "static", "epochs": args.dp8_max_epochs,
+                        "target_accuracy": args.target}),
+    ]
+
+
+def cli_args(config: Config) -> list[str]:
+    """The `--param` arguments of `python -m flows.train` for `config`."""
+    return [f"--param={k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in config.params.items()]
+
+
+def worker_results(home: Path, store, run_id: str, epoch: int) -> list[dict]:
+    """The `WorkerResult` of each rank's attempt that completed `epoch`: the history names
+    the completed attempts, the log's last line holds what that attempt reported."""
+    from training.local_sgd import read_epoch_history
+
+    latest: dict[int, int] = {}
+    for record in read_epoch_history(store, run_id, epoch):
+        latest[record["rank"]] = max(latest.get(record["rank"], -1), record["attempt"])
+    results = []
+    for rank, attempt in sorted(latest.items()):
+        log = home / "logs" / run_id / f"e{epoch}-r{rank}-a{attempt}.log"
+        results.append(json.loads(log.read_text().strip().splitlines()[-1]))
+    return results
+
+
+def collect(home: Path, config: Config, summary: dict, run_wall_s: float) -> Outcome:
+    """Join the run's summary, worker logs and ledger into per-epoch rows."""
+    from tasks.cost import read_ledger
+    from training.store_dir import DirectoryStore
+
+    store = DirectoryStore(home / "store")
+    run_id = summary["run_id"]
+    ledger = read_ledger(store, run_id)
+    workers_rows = [r for r in ledger["rows"] if r["kind"] in ("worker", "failed_attempt")]
+    price = ledger["rows"][0]["unit_price_per_s"]
+    outcome = Outcome(config, run_id, summary["status"], price, ledger["rows"][0]["offer"], run_wall_s)
+    for e in summary["epochs"]:
+        results = worker_results(home, store, run_id, e["epoch"])
+        slowest = max(results, key=lambda r: r["compute_s"] + r["sync_s"])
+        billed = [r for r in workers_rows if r["epoch"] == e["epoch"]]
+        outcome.rows.append(EpochRow(
+            epoch=e["epoch"], workers=e["workers"], lr=e["lr"], val_accuracy=e["val_accuracy"],
+            samples=sum(r["samples"] for r in results), wall_s=e["seconds"],
+            cluster_s=slowest["compute_s"] + slowest["sync_s"], slowest_compute_s=slowest["compute_s"],
+            slowest_sync_s=slowest["sync_s"], worker_s=sum(r["seconds"] for r in billed),
+            cost_usd=sum(r["usd"] for r in billed),
+            failed_attempts=sum(r["kind"] == "failed_attempt" for r in billed)))
+    return outcome
+
+
+def run_config(home: Path, config: Config) -> Outcome:
+    """Run one configuration's `train` flow through the CLI entry point and collect it."""
+    from flows.train import main as train_main
+
+    out = home / f"summary-{config.name.split()[0].replace('(', '').replace(')', '')}.json"
+    began = time.monotonic()
+    code = train_main(cli_args(config) + ["--summary-out", str(out)])
+    wall = time.monotonic() - began
+    if code != 0 or not out.exists():
+        raise SystemExit(f"error: {config.name}: the train flow failed (exit {code})")
+    return collect(home, config, json.loads(out.read_text()), wall)
+
+
+def _money(usd: float) -> str:
+    return f"${usd * 1000:.3f}m"
+
+
+def render(outcomes: list[Outcome], args: argparse.Namespace, note: str, elapsed_s: float) -> str:
+    """Markdown: the comparison to the target, the goal check, then every epoch."""
+    target, n = args.target, args.epochs
+    price = outcomes[0].price_per_s
+    lines = [
+        f"# Dynamic worker scaling in miniature: DP-1, DP-8 and adabatch DP-(1->8) to {100 * target:.0f} %",
+        "",
+        f"Command: `{command_line(args)}`  ",
+        f"Machine: {note}. Whole benchmark: {elapsed_s:.0f} s.",
+        "",
+        f"Setup: `{MODEL}` on digits (1437 training rows), Local-SGD synchronised every step "
+        f"(`sync_period=1`: D workers = one step on a global batch of D x {args.batch_size}), "
+        f"batch {args.batch_size} per worker, SGD with momentum 0.9, lr {args.lr} (adabatch: x0.75 per "
+        f"doubling), seed {args.seed}, inline target (workers are local processes), directory store. "
+        f"Target: {100 * target:.0f} % validation accuracy, checked at epoch ends. DP-1 and DP-(1->8) run "
+        f"{n} epochs; DP-8 stops at the target (at most {args.dp8_max_epochs} epochs). Billing offer "
+        f"`{outcomes[0].offer}`: ${price:.4g} per worker-second. Money in thousandths of a dollar (m).",
+        "",
+        "| configuration | workers per epoch | epochs to target | samples to target | cluster s to target "
+        "| epoch wall s to target | worker-s billed | cost to target | cost at cluster time "
+        f"| acc after {n} epochs | final acc (epochs run) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for o in outcomes:
+        hit, rows = o.reached(target), o.upto(target)
+        at_n = f"{o.rows[n - 1].val_accuracy:.3f}" if len(o.rows) >= n else "-"
+        lines.append("| " + " | ".join([
+            o.config.name, " ".join(str(r.workers) for r in o.rows),
+            str(hit) if hit else f"not reached ({max(r.val_accuracy for r in o.rows):.3f} best)",
+            str(sum(r.samples for r in rows)), f"{sum(r.cluster_s for r in rows):.1f}",
+            f"{sum(r.wall_s for r in rows):.1f}", f"{sum(r.worker_s for r in rows):.1f}",
+            _money(sum(r.cost_usd for r in rows)),
+            _money(sum(r.workers * r.cluster_s for r in rows) * o.price_per_s),
+            at_n, f"{o.rows[-1].val_accuracy:.3f} ({len(o.rows)})",
+        ]) + " |")
+    lines += ["", *goal_lines(outcomes, target), "",
+              "Every epoch. Cluster s = the slowest worker's compute + sync (its split beside); wall s = "
+              "first launch to last exit; worker-s and cost from the ledger.", "",
+              "| configuration | epoch | workers | lr | val acc | samples | cluster s | compute + sync s "
+              "| wall s | worker-s | cost | failed attempts |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for o in outcomes:
+        for r in o.rows:
+            lines.append(f"| {o.config.name} | {r.epoch} | {r.workers} | {r.lr:.4g} | {r.val_accuracy:.3f} "
+                         f"| {r.samples} | {r.cluster_s:.2f} | {r.slowest_compute_s:.2f} + {r.slowest_sync_s:.2f} "
+                         f"| {r.wall_s:.1f} | {r.worker_s:.1f} | {_money(r.cost_usd)} | {r.failed_attempts} |")
+    lines += ["", "Runs: " + ", ".join(f"{o.config.name} `{o.run_id}` ({o.status}, {o.run_wall_s:.0f} s "
+                                       "including the flow's profile and plan)" for o in outcomes)]
+    return "\n".join(lines) + "\n"
+
+
+def goal_lines(outcomes: list[Outcome], target: float) -> list[str]:
+    """The issue's goal, checked: adabatch needs less cluster time than DP-1 and costs less
+    than DP-8 to the same accuracy."""
+    by = {o.config.name.split()[0]: o for o in outcomes}
+    ada, dp1, dp8 = by["DP-(1->8)"], by["DP-1"], by["DP-8"]
+    out = []
+    for other, metric, label, fmt in ((dp1, lambda rs: sum(r.cluster_s for r in rs), "cluster time", "{:.1f} s"),
+                                      (dp8, lambda rs: sum(r.cost_usd for r in rs), "cost (ledger)", "${:.6f}")):
+        if not (ada.reached(target) and other.reached(target)):
+            out.append(f"- {label} vs {other.config.name}: not comparable, a run missed the target.")
+            continue
+        a, b = metric(ada.upto(target)), metric(other.upto(target))
+        verdict = "met" if a < b else "NOT met"
+        out.append(f"- Goal, less {label} than {other.config.name} to {100 * target:.0f} %: {verdict}: "
+                   f"adabatch {fmt.format(a)} vs {fmt.format(b)} ({100 * (1 - a / b):+.0f} % saved).")
+    return out
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The command that reproduces this run (non-default flags only)."""
+    flags = [("--target", args.target, 0.93), ("--epochs", args.epochs, 4),
+             ("--dp8-max-epochs", args.dp8_max_epochs, 10), ("--batch-size", args.batch_size, 16),
+             ("--lr", args.lr, 0.05), ("--seed", args.seed, 0)]
+    return ".venv/bin/python -m benchmarks.bench_scaling" + "".join(
+        f" {flag} {value}" for flag, value, default in flags if value != default)
+
+
+def machine_note(load_start: float) -> str:
+    """Cores and load: the workers and other people's jobs share this machine's CPUs."""
+    return (f"{os.cpu_count()} CPU cores ({platform.machine()}), shared with other jobs (load average "
+            f"{load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end); up to 8 workers share "
+            "those cores, so wall time and even cluster time (a worker waiting for CPU computes and syncs "
+            "slower) are inflated against one core per worker")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Flags, validated: bad values stop with a one-line message naming the flag."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_scaling",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--target", type=float, default=0.93, help="validation accuracy to reach")
+    parser.add_argument("--epochs", type=int, default=4, help="epochs of DP-1 and DP-(1->8)")
+    parser.add_argument("--dp8-max-epochs", type=int, default=10, help="cap on DP-8's epochs")
+    parser.add_argument("--batch-size", type=int, default=16, help="samples per step per worker")
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--keep", action="store_true", help="keep the temporary ZOOID_HOME")
+    args = parser.parse_args(argv)
+    if not 0 < args.target <= 1:
+        parser.error("--target: must be in (0, 1]")
+    for name in ("epochs", "dp8_max_epochs", "batch_size"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}: must be a positive integer")
+    if not args.lr > 0:
+        parser.error("--lr: must be > 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the three configurations one after the other and write the markdown."""
+    args = parse_args(argv)
+    load_start = os.getloadavg()[0]
+    home = Path(tempfile.mkdtemp(prefix="zooid-bench-scaling-"))
+    # Set before Prefect and the engine are imported: they read these once.
+    os.environ.update(ZOOID_HOME=str(home), PREFECT_HOME=str(home / "prefect"), DO_NOT_TRACK="1",
+                      PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    began = time.monotonic()
+    outcomes = []
+    try:
+        for config in configurations(args):
+            print(f"--- {config.name}: python -m flows.train {' '.join(cli_args(config))}", flush=True)
+            outcome = run_config(home, config)
+            outcomes.append(outcome)
+            for r in outcome.rows:
+                print(f"{config.name} epoch {r.epoch} workers {r.workers} acc {r.val_accuracy:.3f} "
+                      f"cluster {r.cluster_s:.2f} s wall {r.wall_s:.1f} s cost ${r.cost_usd:.6f}", flush=True)
+    finally:
+        if args.keep:
+            print(f"kept {home}")
+        else:
+            shutil.rmtree(home, ignore_errors=True)
+    text = render(outcomes, args, machine_note(load_start), time.monotonic() - began)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
