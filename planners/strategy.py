@@ -70,31 +70,31 @@ def _microbatch_layers(x: StrategyInputs, microbatch_size: int) -> list[dict]:
             for l in x.layers]
 
 
-def pipeline_plans(x: StrategyInputs, replicas: int, stages: int | None,
-                   microbatches: int) -> list[Plan]:
-    """Plans of D = `replicas` pipelines of `stages` stages (every stage count up to the layer
-    count when None), each splitting the batch into `microbatches` micro-batches."""
-    if not x.layers or x.batch_size % microbatches:
+def pipeline_plans(x: StrategyInputs, *, cluster: int, global_batch: int, microbatch_size: int,
+                   max_stages: int | None = None) -> list[Plan]:
+    """Every A x B plan with B >= 2 stages and A * B <= `cluster` workers that keeps the
+    global batch: each of the A replicas pipelines global_batch / A samples as micro-batches
+    of `microbatch_size` (Hydrozoa Alg. 1 through `planners.hybrid`)."""
+    if not x.layers or microbatch_size < 1:
         return []
-    mb_size = x.batch_size // microbatches
-    doc = {"layers": _microbatch_layers(x, mb_size), "bandwidth_bytes_per_s": x.bandwidth,
-           "latency_s": x.latency, "transport": "store", "microbatches": microbatches,
-           "max_stages": stages or len(x.layers), "cluster_size": replicas * (stages or len(x.layers)),
-           "global_batch": replicas * x.batch_size, "microbatch_size": mb_size,
-           "allreduce": {"alpha_s_per_byte": 0.0, "beta_s": 0.0}, "sync": "pipelined_scatter_reduce"}
+    doc = {"layers": _microbatch_layers(x, microbatch_size), "bandwidth_bytes_per_s": x.bandwidth,
+           "latency_s": x.latency, "transport": "store", "max_stages": max_stages or len(x.layers),
+           "cluster_size": cluster, "global_batch": global_batch, "microbatch_size": microbatch_size,
+           "sync": "pipelined_scatter_reduce"}
     answer = hybrid(doc)
     if not answer.get("feasible"):
         return []
-    steps = math.ceil(x.n_train / (replicas * x.batch_size))
     plans = []
     for c in answer["candidates"]:
-        if c["data_parallel"] != replicas or c["stages"] < 2 or (stages and c["stages"] != stages):
-            continue
+        if c["stages"] < 2:
+            continue  # plain data parallelism is Local-SGD's candidate
+        replicas, batch = c["data_parallel"], global_batch // c["data_parallel"]
+        steps = math.ceil(x.n_train / global_batch)
         epoch_s = steps * c["time_s"]
         n = replicas * c["stages"]
         plans.append(Plan(strategy="hybrid" if replicas > 1 else "pipeline", data_parallel=replicas,
-                          stages=c["stages"], cuts=tuple(c["cuts"]), microbatches=microbatches,
-                          sync_period=1, steps_per_epoch=steps, batch_size=x.batch_size,
+                          stages=c["stages"], cuts=tuple(c["cuts"]), microbatches=c["microbatches"],
+                          sync_period=1, steps_per_epoch=steps, batch_size=batch,
                           worker_vcpu=x.worker_vcpu, worker_memory_gb=x.worker_memory_gb,
                           worker_gpu=x.worker_gpu, offer=x.offer,
                           price_per_worker_s=x.price_per_worker_s,
@@ -117,21 +117,40 @@ def describe(plan: Plan, chosen: bool = False) -> dict:
             "chosen": chosen}
 
 
-def choose(x: StrategyInputs, strategy: str) -> Plan:
-    """The plan for `strategy` (`auto` compares all), with the alternatives considered."""
+def candidates(x: StrategyInputs, strategy: str) -> list[Plan]:
+    """The plans `strategy` may choose from.
+
+    `local_sgd`: D = workers replicas. `pipeline`: one replica of `stages` stages (all stage
+    counts when None) at the job's batch. `hybrid`: D = workers replicas of it. `auto`: every
+    plan of at most `workers` worker processes at the same global batch (workers x
+    batch_size): Local-SGD, and each A x B pipeline with A * B <= workers."""
     mb = x.microbatches or next((m for m in (4, 2, 1) if x.batch_size % m == 0), 1)
-    candidates: list[Plan] = [local_sgd(x)]
-    candidates += pipeline_plans(x, 1, x.stages, mb)
-    candidates += pipeline_plans(x, x.workers, x.stages, mb) if x.workers > 1 else []
-    wanted = [p for p in candidates if strategy == "auto" or p.strategy == strategy]
+    if strategy == "local_sgd":
+        return [local_sgd(x)]
+    if strategy in ("pipeline", "hybrid"):
+        replicas = 1 if strategy == "pipeline" else x.workers
+        stages = x.stages or len(x.layers)
+        if x.batch_size % mb:
+            return []
+        plans = pipeline_plans(x, cluster=replicas * stages, global_batch=replicas * x.batch_size,
+                               microbatch_size=x.batch_size // mb, max_stages=stages)
+        return [p for p in plans if p.data_parallel == replicas and (not x.stages or p.stages == x.stages)]
+    return [local_sgd(x)] + pipeline_plans(x, cluster=x.workers, global_batch=x.workers * x.batch_size,
+                                            microbatch_size=max(1, x.batch_size // mb))
+
+
+def choose(x: StrategyInputs, strategy: str) -> Plan:
+    """The plan for `strategy` (`auto` compares all), with the alternatives considered:
+    the highest throughput, and among plans within 5 % of it the cheapest epoch."""
+    wanted = candidates(x, strategy)
     if not wanted:
         raise ValueError(f"strategy: no feasible {strategy} plan (the model needs top-level layers "
-                         f"to split, and batch_size {x.batch_size} must divide into {mb} micro-batches)")
+                         f"to split, and the batch must divide into whole micro-batches)")
+
     def throughput(p: Plan) -> float:
         return p.data_parallel * p.batch_size / max(p.predicted_iteration_s, 1e-12)
 
     best_throughput = max(throughput(p) for p in wanted)
     near = [p for p in wanted if throughput(p) >= best_throughput / 1.05]
     best = min(near, key=lambda p: (p.predicted_cost_per_epoch_usd, p.predicted_iteration_s))
-    alternatives = tuple(describe(p, p is best) for p in candidates)
-    return replace(best, alternatives=alternatives)
+    return replace(best, alternatives=tuple(describe(p, p is best) for p in wanted))

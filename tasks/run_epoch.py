@@ -11,6 +11,7 @@ import os
 import time
 
 from prefect import task
+from prefect.concurrency.sync import concurrency
 from prefect.cache_policies import NO_CACHE
 
 from planners.plan import Plan
@@ -20,6 +21,9 @@ from tasks.launchers import InlineLauncher, PoolLauncher, WorkersFailed
 from tasks.provision import epoch_key
 from tasks.retry import task_options
 from training.specs import WorkerSpec
+
+PAID_WORKERS_LIMIT = "zooid-paid-workers"
+"""Global concurrency limit (Prefect) that caps paid workers across all runs."""
 
 
 def make_launcher(ctx: RunContext, plan: Plan):
@@ -89,7 +93,7 @@ def worker_specs(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, 
 
         base = WorkerSpec(run_id=ctx.run_id, epoch=epoch, rank=0, world=plan.workers,
                           store_url=ctx.store_ref, model=job.model, dataset=job.dataset,
-                          subsets=(), steps=plan.steps_per_epoch, batch_size=job.batch_size, lr=lr,
+                          subsets=(), steps=plan.steps_per_epoch, batch_size=plan.batch_size, lr=lr,
                           optimizer=job.optimizer, seed=job.seed, init_key=init,
                           out_key=epoch_key(ctx, epoch), sync_timeout_s=timeout, attempt=attempt,
                           extra={"strategy": plan.strategy})
@@ -99,7 +103,7 @@ def worker_specs(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, 
     return [WorkerSpec(run_id=ctx.run_id, epoch=epoch, rank=rank, world=plan.data_parallel,
                        store_url=ctx.store_ref, model=job.model, dataset=job.dataset,
                        subsets=tuple(shards[rank]), steps=plan.steps_per_epoch,
-                       batch_size=job.batch_size, lr=lr, optimizer=job.optimizer,
+                       batch_size=plan.batch_size, lr=lr, optimizer=job.optimizer,
                        sync_period=job.sync_period, seed=job.seed, init_key=init,
                        out_key=epoch_key(ctx, epoch), sync_timeout_s=timeout, evaluate=True,
                        attempt=attempt, extra={"strategy": plan.strategy})
@@ -132,10 +136,9 @@ def run_epoch(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, res
     from prefect.runtime import task_run
 
     from training.local_sgd import sync_group
-
-    attempt = max(0, (task_run.run_count or 1) - 1)  # > 0: workers resume from the sync checkpoint
     from training.pipeline_executor import activation_prefix
 
+    attempt = max(0, (task_run.run_count or 1) - 1)  # > 0: workers resume from the sync checkpoint
     store = ctx.open_store()
     try:  # no worker of this attempt may read a failed attempt's slices or activations
         store.delete_prefix(sync_group(ctx.run_id, epoch) + "/")
@@ -144,19 +147,22 @@ def run_epoch(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, res
         store.close()
     launcher = make_launcher(ctx, plan)
     ctx.launchers.append(launcher)
-    started = time.time()
-    outcomes = []
-    try:
-        for spec in worker_specs(ctx, plan, epoch, init, lr, attempt):
-            extra = {**spec.extra, "resume": True} if resume else spec.extra
-            launcher.launch(dataclasses.replace(spec, attempt=next_attempt(ctx, epoch, spec.rank), extra=extra))
-        final = launcher.wait(ctx.job.worker_timeout_s, relaunch_policy(ctx, plan))
-    finally:
-        launcher.stop("epoch over")
-        ctx.launchers.remove(launcher)
-        outcomes = launcher.outcomes
-        ctx.ledger.extend(worker_records(ctx.run_id, epoch, [o.to_dict() for o in outcomes],
-                                         ctx.resolved.offer, ctx.price_per_worker_s))
+    # one slot of the global paid-worker limit per worker, held for the epoch (no-op when the
+    # limit does not exist; `python -m deployments.bootstrap` creates it)
+    with concurrency(PAID_WORKERS_LIMIT, occupy=plan.workers, timeout_seconds=ctx.job.worker_timeout_s,
+                     strict=False):
+        started = time.time()
+        try:
+            for spec in worker_specs(ctx, plan, epoch, init, lr, attempt):
+                extra = {**spec.extra, "resume": True} if resume else spec.extra
+                launcher.launch(dataclasses.replace(spec, attempt=next_attempt(ctx, epoch, spec.rank), extra=extra))
+            final = launcher.wait(ctx.job.worker_timeout_s, relaunch_policy(ctx, plan))
+        finally:
+            launcher.stop("epoch over")
+            ctx.launchers.remove(launcher)
+            outcomes = launcher.outcomes
+            ctx.ledger.extend(worker_records(ctx.run_id, epoch, [o.to_dict() for o in outcomes],
+                                             ctx.resolved.offer, ctx.price_per_worker_s))
     wall = max(o.stopped_at or started for o in outcomes) - started
     summary = summarise(plan, [o.to_dict() for o in final], wall)
     summary["relaunches"] = [{"rank": o.rank, "attempt": o.attempt, "status": o.status,
