@@ -7,6 +7,10 @@ a round is the slowest rank's time from a common barrier. Beside it stands FuncP
 model, Eq. 1 (plain: 3 s/w - 2 s/(n w) + 4 t_lat) and Eq. 2 (pipelined: 2 s/w + (n + 2)
 t_lat), with w the emulated per-direction bandwidth and t_lat a measured small put/get.
 
+Emulated links: each rank's client paces uploads and downloads with independent token
+buckets (`training.bandwidth`), but with `causal_link`, so that a key is visible only once
+its emulated upload has ended (see there why the store's own pacing is not used as is).
+
 Why emulated sizes are scaled: the model holds while each worker's link, not the store,
 is the bottleneck. n = 8 workers at 70 MB/s move about 1.5 n w = 840 MB/s through the
 store, which one redis-server or moto on a shared 2-core machine cannot serve (measured:
@@ -89,6 +93,31 @@ def model_times(size: float, bandwidth: float, ranks: int, latency: float) -> tu
 
 # --- one rank ----------------------------------------------------------------------------
 
+def causal_link(bandwidth: float | None):
+    """A `training.bandwidth.Link` whose uploads become visible only when the emulated
+    transfer ends.
+
+    The store's own `Link.upload` writes the bytes first and then sleeps out the emulated
+    time, so a reader can fetch a key while its writer's upload is still "on the wire"; a
+    pipelined algorithm, whose downloads chase its peers' uploads, would then overlap two
+    transfers that cannot overlap on real links, and look up to s/(n w) per step faster.
+    Here the write happens at the deadline instead (its real loopback time, milliseconds,
+    comes on top).
+    """
+    from training.bandwidth import Link, sleep_until
+
+    class CausalLink(Link):
+        def upload(self, nbytes, transfer) -> None:
+            start = time.monotonic()
+            sleep_until(self.up.reserve(nbytes) if self.up else start)
+            transfer()
+            with self._lock:
+                self.stats.bytes_up += nbytes
+                self.stats.seconds_up += time.monotonic() - start
+
+    return CausalLink(bandwidth, bandwidth)
+
+
 def rank_main(rank: int, ranks: int, url: str, bandwidth, plan, barrier, results) -> None:
     """A worker process: for each (size, algorithm, repeat), wait at the barrier, reduce,
     report the seconds; check the result once per call."""
@@ -98,7 +127,8 @@ def rank_main(rank: int, ranks: int, url: str, bandwidth, plan, barrier, results
     from training.scatter_reduce import allreduce_for
     from training.store import open_store
 
-    store = open_store(url, upload_bytes_per_s=bandwidth, download_bytes_per_s=bandwidth)
+    store = open_store(url)
+    store.link = causal_link(bandwidth)
     group = f"runs/bench/sync/n{ranks}"
     previous = None
     try:
