@@ -70,15 +70,39 @@ def _microbatch_layers(x: StrategyInputs, microbatch_size: int) -> list[dict]:
             for l in x.layers]
 
 
+def merge_parameter_free(layers) -> tuple[list[dict], list[int]]:
+    """Fold each layer without parameters (a reshape, an activation) into the next layer, or
+    the last ones into the previous layer, so that no stage is a worker paid to hold no
+    weights. Returns the merged layers and, per merged layer, the original index of its last
+    layer (a merged cut i is the original cut `last[i]`)."""
+    merged, last, pending = [], [], []
+    for i, layer in enumerate(layers):
+        pending.append(layer)
+        if layer["param_bytes"] > 0:
+            merged.append({"forward_s": sum(l["forward_s"] for l in pending),
+                           "backward_s": sum(l["backward_s"] for l in pending),
+                           "output_bytes": layer["output_bytes"], "param_bytes": sum(l["param_bytes"] for l in pending)})
+            last.append(i)
+            pending = []
+    if pending and merged:
+        tail = merged[-1]
+        merged[-1] = {"forward_s": tail["forward_s"] + sum(l["forward_s"] for l in pending),
+                      "backward_s": tail["backward_s"] + sum(l["backward_s"] for l in pending),
+                      "output_bytes": pending[-1]["output_bytes"], "param_bytes": tail["param_bytes"]}
+        last[-1] = len(layers) - 1
+    return merged, last
+
+
 def pipeline_plans(x: StrategyInputs, *, cluster: int, global_batch: int, microbatch_size: int,
                    max_stages: int | None = None) -> list[Plan]:
     """Every A x B plan with B >= 2 stages and A * B <= `cluster` workers that keeps the
     global batch: each of the A replicas pipelines global_batch / A samples as micro-batches
     of `microbatch_size` (Hydrozoa Alg. 1 through `planners.hybrid`)."""
-    if not x.layers or microbatch_size < 1:
+    layers, last = merge_parameter_free(_microbatch_layers(x, microbatch_size))
+    if len(layers) < 2 or microbatch_size < 1:
         return []
-    doc = {"layers": _microbatch_layers(x, microbatch_size), "bandwidth_bytes_per_s": x.bandwidth,
-           "latency_s": x.latency, "transport": "store", "max_stages": max_stages or len(x.layers),
+    doc = {"layers": layers, "bandwidth_bytes_per_s": x.bandwidth,
+           "latency_s": x.latency, "transport": "store", "max_stages": min(max_stages or len(layers), len(layers)),
            "cluster_size": cluster, "global_batch": global_batch, "microbatch_size": microbatch_size,
            "sync": "pipelined_scatter_reduce"}
     answer = hybrid(doc)
@@ -93,7 +117,8 @@ def pipeline_plans(x: StrategyInputs, *, cluster: int, global_batch: int, microb
         epoch_s = steps * c["time_s"]
         n = replicas * c["stages"]
         plans.append(Plan(strategy="hybrid" if replicas > 1 else "pipeline", data_parallel=replicas,
-                          stages=c["stages"], cuts=tuple(c["cuts"]), microbatches=c["microbatches"],
+                          stages=c["stages"], cuts=tuple(last[i] for i in c["cuts"]),
+                          microbatches=c["microbatches"],
                           sync_period=1, steps_per_epoch=steps, batch_size=batch,
                           worker_vcpu=x.worker_vcpu, worker_memory_gb=x.worker_memory_gb,
                           worker_gpu=x.worker_gpu, offer=x.offer,

@@ -42,3 +42,17 @@ def test_forced_strategies_and_infeasible_ones():
     assert (hyb.data_parallel, hyb.stages, hyb.batch_size) == (4, 2, 32)
     with pytest.raises(ValueError, match="strategy"):
         choose(_inputs(layers=()), "pipeline")
+
+
+def test_parameter_free_layers_never_make_a_stage_of_their_own():
+    from planners.strategy import merge_parameter_free
+
+    layer = lambda p: {"forward_s": 1.0, "backward_s": 2.0, "output_bytes": 10.0 + p, "param_bytes": p}
+    merged, last = merge_parameter_free([layer(0), layer(5), layer(0), layer(3), layer(0)])
+    assert last == [1, 4]
+    assert [m["param_bytes"] for m in merged] == [5, 3]
+    assert [m["forward_s"] for m in merged] == [2.0, 3.0]
+    assert merged[0]["output_bytes"] == 15.0 and merged[1]["output_bytes"] == 10.0
+    x = _inputs(layers=(layer(0), layer(4e6), layer(0), layer(4e6)), bandwidth=2e6)
+    for p in candidates(x, "pipeline"):
+        assert all(c in (1, 3) for c in p.cuts)

@@ -33,7 +33,10 @@ def build_optimizer(name: str, model: nn.Module, lr: float) -> torch.optim.Optim
     validate_optimizer(name)
     if not lr > 0:
         raise ZooidValueError("lr", f"must be positive, got {lr!r}")
-    return OPTIMIZERS[name](model.parameters(), lr)
+    # a pipeline stage may hold no parameters (a reshape, an activation): give its optimizer
+    # an empty placeholder so the stage still steps (a no-op) like every other stage
+    params = list(model.parameters()) or [torch.zeros(0, requires_grad=True)]
+    return OPTIMIZERS[name](params, lr)
 
 
 def optimizer_state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
