@@ -33,7 +33,13 @@ reaches `--target`:
 Final accuracy is the last epoch's, and "after N epochs" is the accuracy at the same epoch
 for all three (N = `--epochs`).
 
-    .venv/bin/python -m benchmarks.bench_scaling [--target 0.93] [--epochs 4] [--dp8-max-epochs 10]
+Other people's jobs share this machine, and a burst of their load lands on whichever epoch
+runs at the time: one DP-1 epoch measured 0.3 s of cluster time quiet and 9.8 s in a burst.
+So the three configurations run `--repeats` times, interleaved (DP-1, DP-(1->8), DP-8, DP-1,
+...), with the same seed, and the table shows medians over the repeats; the training is
+deterministic for a seed, so only the timings (and the bill) differ between repeats.
+
+    .venv/bin/python -m benchmarks.bench_scaling [--target 0.93] [--epochs 4] [--dp8-max-epochs 10] [--repeats 2]
 """
 from __future__ import annotations
 
@@ -42,6 +48,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -82,6 +89,7 @@ class Outcome:
     """A configuration's run: its per-epoch rows and what it billed."""
 
     config: Config
+    repeat: int
     run_id: str
     status: str
     price_per_s: float
@@ -96,6 +104,15 @@ class Outcome:
     def upto(self, target: float) -> list[EpochRow]:
         """The epochs up to the target (all of them when it was missed)."""
         return self.rows[: self.reached(target) or len(self.rows)]
+
+    def to_target(self, target: float) -> dict[str, float]:
+        """Sums over the epochs up to the target: samples, cluster and wall seconds, billed
+        worker-seconds, ledger cost, and the cost at one core per worker."""
+        rows = self.upto(target)
+        return {"samples": sum(r.samples for r in rows), "cluster_s": sum(r.cluster_s for r in rows),
+                "wall_s": sum(r.wall_s for r in rows), "worker_s": sum(r.worker_s for r in rows),
+                "cost_usd": sum(r.cost_usd for r in rows),
+                "cluster_cost_usd": sum(r.workers * r.cluster_s for r in rows) * self.price_per_s}
 
 
 def configurations(args: argparse.Namespace) -> list[Config]:
@@ -132,7 +149,7 @@ def worker_results(home: Path, store, run_id: str, epoch: int) -> list[dict]:
     return results
 
 
-def collect(home: Path, config: Config, summary: dict, run_wall_s: float) -> Outcome:
+def collect(home: Path, config: Config, repeat: int, summary: dict, run_wall_s: float) -> Outcome:
     """Join the run's summary, worker logs and ledger into per-epoch rows."""
     from tasks.cost import read_ledger
     from training.store_dir import DirectoryStore
@@ -142,7 +159,7 @@ def collect(home: Path, config: Config, summary: dict, run_wall_s: float) -> Out
     ledger = read_ledger(store, run_id)
     workers_rows = [r for r in ledger["rows"] if r["kind"] in ("worker", "failed_attempt")]
     price = ledger["rows"][0]["unit_price_per_s"]
-    outcome = Outcome(config, run_id, summary["status"], price, ledger["rows"][0]["offer"], run_wall_s)
+    outcome = Outcome(config, repeat, run_id, summary["status"], price, ledger["rows"][0]["offer"], run_wall_s)
     for e in summary["epochs"]:
         results = worker_results(home, store, run_id, e["epoch"])
         slowest = max(results, key=lambda r: r["compute_s"] + r["sync_s"])
@@ -157,27 +174,47 @@ def collect(home: Path, config: Config, summary: dict, run_wall_s: float) -> Out
     return outcome
 
 
-def run_config(home: Path, config: Config) -> Outcome:
+def run_config(home: Path, config: Config, repeat: int) -> Outcome:
     """Run one configuration's `train` flow through the CLI entry point and collect it."""
     from flows.train import main as train_main
 
-    out = home / f"summary-{config.name.split()[0].replace('(', '').replace(')', '')}.json"
+    out = home / f"summary-{config.name.split()[0].replace('(', '').replace(')', '')}-{repeat}.json"
     began = time.monotonic()
     code = train_main(cli_args(config) + ["--summary-out", str(out)])
     wall = time.monotonic() - began
     if code != 0 or not out.exists():
         raise SystemExit(f"error: {config.name}: the train flow failed (exit {code})")
-    return collect(home, config, json.loads(out.read_text()), wall)
+    return collect(home, config, repeat, json.loads(out.read_text()), wall)
 
 
 def _money(usd: float) -> str:
     return f"${usd * 1000:.3f}m"
 
 
+def _same(values: list) -> str:
+    """One value when every repeat agrees, else each repeat's."""
+    texts = [str(v) for v in values]
+    return texts[0] if len(set(texts)) == 1 else ", ".join(texts)
+
+
+def _median(outcomes: list[Outcome], target: float, key: str) -> float:
+    return statistics.median(o.to_target(target)[key] for o in outcomes)
+
+
+def by_config(outcomes: list[Outcome]) -> dict[str, list[Outcome]]:
+    """The repeats of each configuration, in the order the configurations ran."""
+    groups: dict[str, list[Outcome]] = {}
+    for o in outcomes:
+        groups.setdefault(o.config.name, []).append(o)
+    return groups
+
+
 def render(outcomes: list[Outcome], args: argparse.Namespace, note: str, elapsed_s: float) -> str:
-    """Markdown: the comparison to the target, the goal check, then every epoch."""
+    """Markdown: the comparison to the target (medians over repeats), the goal check, each
+    repeat's timings, then every epoch."""
     target, n = args.target, args.epochs
     price = outcomes[0].price_per_s
+    groups = by_config(outcomes)
     lines = [
         f"# Dynamic worker scaling in miniature: DP-1, DP-8 and adabatch DP-(1->8) to {100 * target:.0f} %",
         "",
@@ -187,9 +224,10 @@ def render(outcomes: list[Outcome], args: argparse.Namespace, note: str, elapsed
         f"Setup: `{MODEL}` on digits (1437 training rows), Local-SGD synchronised every step "
         f"(`sync_period=1`: D workers = one step on a global batch of D x {args.batch_size}), "
         f"batch {args.batch_size} per worker, SGD with momentum 0.9, lr {args.lr} (adabatch: x0.75 per "
-        f"doubling), seed {args.seed}, inline target (workers are local processes), directory store. "
-        f"Target: {100 * target:.0f} % validation accuracy, checked at epoch ends. DP-1 and DP-(1->8) run "
-        f"{n} epochs; DP-8 stops at the target (at most {args.dp8_max_epochs} epochs). Billing offer "
+        f"doubling; DP-1 and DP-8 keep it), seed {args.seed}, inline target (workers are local processes), "
+        f"directory store. Target: {100 * target:.0f} % validation accuracy, checked at epoch ends. DP-1 and "
+        f"DP-(1->8) run {n} epochs; DP-8 stops at the target (at most {args.dp8_max_epochs} epochs). "
+        f"{args.repeats} repeat(s), interleaved; seconds and money are medians over them. Billing offer "
         f"`{outcomes[0].offer}`: ${price:.4g} per worker-second. Money in thousandths of a dollar (m).",
         "",
         "| configuration | workers per epoch | epochs to target | samples to target | cluster s to target "
@@ -197,49 +235,59 @@ def render(outcomes: list[Outcome], args: argparse.Namespace, note: str, elapsed
         f"| acc after {n} epochs | final acc (epochs run) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for o in outcomes:
-        hit, rows = o.reached(target), o.upto(target)
-        at_n = f"{o.rows[n - 1].val_accuracy:.3f}" if len(o.rows) >= n else "-"
+    for name, runs in groups.items():
         lines.append("| " + " | ".join([
-            o.config.name, " ".join(str(r.workers) for r in o.rows),
-            str(hit) if hit else f"not reached ({max(r.val_accuracy for r in o.rows):.3f} best)",
-            str(sum(r.samples for r in rows)), f"{sum(r.cluster_s for r in rows):.1f}",
-            f"{sum(r.wall_s for r in rows):.1f}", f"{sum(r.worker_s for r in rows):.1f}",
-            _money(sum(r.cost_usd for r in rows)),
-            _money(sum(r.workers * r.cluster_s for r in rows) * o.price_per_s),
-            at_n, f"{o.rows[-1].val_accuracy:.3f} ({len(o.rows)})",
+            name, _same([" ".join(str(r.workers) for r in o.rows) for o in runs]),
+            _same([o.reached(target) or f"not reached ({max(r.val_accuracy for r in o.rows):.3f} best)"
+                   for o in runs]),
+            _same([o.to_target(target)["samples"] for o in runs]),
+            f"{_median(runs, target, 'cluster_s'):.1f}", f"{_median(runs, target, 'wall_s'):.1f}",
+            f"{_median(runs, target, 'worker_s'):.1f}", _money(_median(runs, target, "cost_usd")),
+            _money(_median(runs, target, "cluster_cost_usd")),
+            _same([f"{o.rows[n - 1].val_accuracy:.3f}" if len(o.rows) >= n else "-" for o in runs]),
+            _same([f"{o.rows[-1].val_accuracy:.3f} ({len(o.rows)})" for o in runs]),
         ]) + " |")
-    lines += ["", *goal_lines(outcomes, target), "",
-              "Every epoch. Cluster s = the slowest worker's compute + sync (its split beside); wall s = "
-              "first launch to last exit; worker-s and cost from the ledger.", "",
-              "| configuration | epoch | workers | lr | val acc | samples | cluster s | compute + sync s "
+    lines += ["", *goal_lines(groups, target), "",
+              "Each repeat, to the target: cluster s / epoch wall s / ledger cost.", "",
+              "| configuration | " + " | ".join(f"repeat {i}" for i in range(args.repeats)) + " |",
+              "|---|" + "---|" * args.repeats]
+    for name, runs in groups.items():
+        cells = [f"{t['cluster_s']:.1f} / {t['wall_s']:.1f} / {_money(t['cost_usd'])}"
+                 for t in (o.to_target(target) for o in runs)]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "Every epoch. Cluster s = the slowest worker's compute + sync (its split beside); wall s = "
+              "first launch to last exit (worker start-up included); worker-s and cost from the ledger.", "",
+              "| configuration | repeat | epoch | workers | lr | val acc | samples | cluster s | compute + sync s "
               "| wall s | worker-s | cost | failed attempts |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for o in outcomes:
-        for r in o.rows:
-            lines.append(f"| {o.config.name} | {r.epoch} | {r.workers} | {r.lr:.4g} | {r.val_accuracy:.3f} "
-                         f"| {r.samples} | {r.cluster_s:.2f} | {r.slowest_compute_s:.2f} + {r.slowest_sync_s:.2f} "
-                         f"| {r.wall_s:.1f} | {r.worker_s:.1f} | {_money(r.cost_usd)} | {r.failed_attempts} |")
-    lines += ["", "Runs: " + ", ".join(f"{o.config.name} `{o.run_id}` ({o.status}, {o.run_wall_s:.0f} s "
-                                       "including the flow's profile and plan)" for o in outcomes)]
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, runs in groups.items():
+        for o in runs:
+            for r in o.rows:
+                lines.append(f"| {name} | {o.repeat} | {r.epoch} | {r.workers} | {r.lr:.4g} | {r.val_accuracy:.3f} "
+                             f"| {r.samples} | {r.cluster_s:.2f} | {r.slowest_compute_s:.2f} + "
+                             f"{r.slowest_sync_s:.2f} | {r.wall_s:.1f} | {r.worker_s:.1f} | {_money(r.cost_usd)} "
+                             f"| {r.failed_attempts} |")
+    lines += ["", "Runs: " + ", ".join(f"{o.config.name} #{o.repeat} `{o.run_id}` ({o.status}, {o.run_wall_s:.0f} s "
+                                       "with profile and plan)" for o in outcomes)]
     return "\n".join(lines) + "\n"
 
 
-def goal_lines(outcomes: list[Outcome], target: float) -> list[str]:
-    """The issue's goal, checked: adabatch needs less cluster time than DP-1 and costs less
-    than DP-8 to the same accuracy."""
-    by = {o.config.name.split()[0]: o for o in outcomes}
-    ada, dp1, dp8 = by["DP-(1->8)"], by["DP-1"], by["DP-8"]
-    out = []
-    for other, metric, label, fmt in ((dp1, lambda rs: sum(r.cluster_s for r in rs), "cluster time", "{:.1f} s"),
-                                      (dp8, lambda rs: sum(r.cost_usd for r in rs), "cost (ledger)", "${:.6f}")):
-        if not (ada.reached(target) and other.reached(target)):
-            out.append(f"- {label} vs {other.config.name}: not comparable, a run missed the target.")
+def goal_lines(groups: dict[str, list[Outcome]], target: float) -> list[str]:
+    """The issue's goal, checked on the medians and in each repeat: adabatch needs less
+    cluster time than DP-1 and costs less than DP-8 to the same accuracy."""
+    by = {name.split()[0]: runs for name, runs in groups.items()}
+    ada, out = by["DP-(1->8)"], []
+    for other, key, label, fmt in ((by["DP-1"], "cluster_s", "cluster time", "{:.1f} s"),
+                                   (by["DP-8"], "cost_usd", "cost (ledger)", "${:.6f}")):
+        name = other[0].config.name
+        if not all(o.reached(target) for o in ada + other):
+            out.append(f"- {label} vs {name}: not comparable, a run missed the target.")
             continue
-        a, b = metric(ada.upto(target)), metric(other.upto(target))
-        verdict = "met" if a < b else "NOT met"
-        out.append(f"- Goal, less {label} than {other.config.name} to {100 * target:.0f} %: {verdict}: "
-                   f"adabatch {fmt.format(a)} vs {fmt.format(b)} ({100 * (1 - a / b):+.0f} % saved).")
+        a, b = _median(ada, target, key), _median(other, target, key)
+        wins = sum(x.to_target(target)[key] < y.to_target(target)[key] for x, y in zip(ada, other))
+        out.append(f"- Goal, less {label} than {name} to {100 * target:.0f} %: "
+                   f"{'met' if a < b else 'NOT met'} on the medians: adabatch {fmt.format(a)} vs "
+                   f"{fmt.format(b)} ({100 * (1 - a / b):.0f} % less); in {wins} of {len(ada)} repeat(s).")
     return out
 
 
@@ -247,7 +295,7 @@ def command_line(args: argparse.Namespace) -> str:
     """The command that reproduces this run (non-default flags only)."""
     flags = [("--target", args.target, 0.93), ("--epochs", args.epochs, 4),
              ("--dp8-max-epochs", args.dp8_max_epochs, 10), ("--batch-size", args.batch_size, 16),
-             ("--lr", args.lr, 0.05), ("--seed", args.seed, 0)]
+             ("--lr", args.lr, 0.05), ("--seed", args.seed, 0), ("--repeats", args.repeats, 2)]
     return ".venv/bin/python -m benchmarks.bench_scaling" + "".join(
         f" {flag} {value}" for flag, value, default in flags if value != default)
 
@@ -270,12 +318,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=16, help="samples per step per worker")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each configuration, interleaved")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--keep", action="store_true", help="keep the temporary ZOOID_HOME")
     args = parser.parse_args(argv)
     if not 0 < args.target <= 1:
         parser.error("--target: must be in (0, 1]")
-    for name in ("epochs", "dp8_max_epochs", "batch_size"):
+    for name in ("epochs", "dp8_max_epochs", "batch_size", "repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}: must be a positive integer")
     if not args.lr > 0:
@@ -284,7 +333,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the three configurations one after the other and write the markdown."""
+    """Run the three configurations `--repeats` times, interleaved, and write the markdown."""
     args = parse_args(argv)
     load_start = os.getloadavg()[0]
     home = Path(tempfile.mkdtemp(prefix="zooid-bench-scaling-"))
@@ -295,13 +344,15 @@ def main(argv: list[str] | None = None) -> int:
     began = time.monotonic()
     outcomes = []
     try:
-        for config in configurations(args):
-            print(f"--- {config.name}: python -m flows.train {' '.join(cli_args(config))}", flush=True)
-            outcome = run_config(home, config)
-            outcomes.append(outcome)
-            for r in outcome.rows:
-                print(f"{config.name} epoch {r.epoch} workers {r.workers} acc {r.val_accuracy:.3f} "
-                      f"cluster {r.cluster_s:.2f} s wall {r.wall_s:.1f} s cost ${r.cost_usd:.6f}", flush=True)
+        for repeat in range(args.repeats):
+            for config in configurations(args):
+                print(f"--- {config.name} #{repeat}: python -m flows.train {' '.join(cli_args(config))}",
+                      flush=True)
+                outcome = run_config(home, config, repeat)
+                outcomes.append(outcome)
+                for r in outcome.rows:
+                    print(f"{config.name} #{repeat} epoch {r.epoch} workers {r.workers} acc {r.val_accuracy:.3f} "
+                          f"cluster {r.cluster_s:.2f} s wall {r.wall_s:.1f} s cost ${r.cost_usd:.6f}", flush=True)
     finally:
         if args.keep:
             print(f"kept {home}")
