@@ -247,7 +247,11 @@ def render(outcomes: list[Outcome], args: argparse.Namespace, note: str, elapsed
             _same([f"{o.rows[n - 1].val_accuracy:.3f}" if len(o.rows) >= n else "-" for o in runs]),
             _same([f"{o.rows[-1].val_accuracy:.3f} ({len(o.rows)})" for o in runs]),
         ]) + " |")
-    lines += ["", *goal_lines(groups, target), "",
+    lines += ["", "Cluster s: per epoch the slowest worker's compute + sync, summed. Epoch wall s: the flow's "
+              "epoch seconds (first launch to last exit), summed. Worker-s billed and cost: the ledger's worker "
+              "rows (failed attempts included, coordinator excluded). Cost at cluster time: workers x cluster s "
+              "x price, the bill at one core per worker with no process start-up.",
+              "", *goal_lines(groups, target), "",
               "Each repeat, to the target: cluster s / epoch wall s / ledger cost.", "",
               "| configuration | " + " | ".join(f"repeat {i}" for i in range(args.repeats)) + " |",
               "|---|" + "---|" * args.repeats]
