@@ -177,7 +177,7 @@ def _run_and_wait(params: dict, timeout_s: float) -> dict:
     from prefect.deployments import run_deployment
 
     from flows.hooks import run_id_for
-    from tasks.validate import resolve_store_ref
+    from tasks.validate import resolve_durable_ref, resolve_store_ref
     from training.store import open_store
 
     flow_run = run_deployment("train/local", parameters=params, timeout=0)
@@ -191,7 +191,8 @@ def _run_and_wait(params: dict, timeout_s: float) -> dict:
                 raise TimeoutError(f"train/local run {flow_run.id} still running after {timeout_s:.0f} s")
             time.sleep(1)
     run_id = run_id_for(flow_run.id)
-    store = open_store(resolve_store_ref(params.get("store", "")))
+    store = open_store(resolve_durable_ref(params.get("durable_store", ""),
+                                           resolve_store_ref(params.get("store", ""))))
     try:
         summary = json.loads(store.get(f"runs/{run_id}/summary.json", timeout=10))
     finally:

@@ -35,7 +35,7 @@ def _rebuild_and_clean(flow_run, state) -> None:
     from tasks.cost import CostRecord, coordinator_record, ledger_key, write_ledger
     from tasks.sweep import sweep_run
     from tasks.teardown import cancel_flow_runs, delete_scratch
-    from tasks.validate import open_checked_store, resolve_store_ref
+    from tasks.validate import open_checked_store, resolve_durable_ref, resolve_store_ref
 
     run_id = run_id_for(flow_run.id)
     sweep_run(run_id)
@@ -47,7 +47,15 @@ def _rebuild_and_clean(flow_run, state) -> None:
     target = resolve_target(job.target)
     offer = get_offer(job.offer or target.offer)
     price = offer.price_per_s(target.worker_vcpu, target.worker_memory_gb, target.worker_gpu)
-    store = open_checked_store(resolve_store_ref(job.store))
+    scratch_ref = resolve_store_ref(job.store)
+    durable_ref = resolve_durable_ref(job.durable_store, scratch_ref)
+    if scratch_ref != durable_ref:
+        scratch = open_checked_store(scratch_ref)
+        try:
+            delete_scratch(scratch, run_id)
+        finally:
+            scratch.close()
+    store = open_checked_store(durable_ref)
     try:
         delete_scratch(store, run_id)
         rows = []

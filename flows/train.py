@@ -71,9 +71,9 @@ def _finish(ctx: RunContext, status: str, history: list[dict], plan_dict: dict, 
         run_id=ctx.run_id, status=status, final_loss=last.get("val_loss", last.get("train_loss")),
         final_accuracy=last.get("val_accuracy"), total_cost_usd=ledger["total_usd"], plan=plan_dict,
         epochs=[EpochSummary(**{k: v for k, v in e.items() if k in EpochSummary.model_fields}) for e in history],
-        store_url=ctx.store_ref, checkpoint_key=last.get("checkpoint_key", ""), error=error)
+        store_url=ctx.durable_ref, checkpoint_key=last.get("checkpoint_key", ""), error=error)
     png = plot_curves([e.model_dump() for e in summary.epochs]) if summary.epochs else None
-    store = ctx.open_store()
+    store = ctx.open_durable()
     try:
         store.put(ctx.prefix("summary.json"), summary.model_dump_json(indent=1).encode())
         if png:
@@ -145,7 +145,7 @@ def save_progress(ctx: RunContext, history: list[dict]) -> None:
     from tasks.record_cost import record_cost_now
     from tasks.resume import write_history
 
-    store = ctx.open_store()
+    store = ctx.open_durable()
     try:
         write_history(store, ctx.run_id, history)
     finally:

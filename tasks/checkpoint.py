@@ -25,7 +25,7 @@ def checkpoint(ctx: RunContext, epoch: int, key: str, metrics: dict) -> str:
     """Verify `key` decodes as a checkpoint and record it as the latest; return the key."""
     from training.tensor_codec import read_header
 
-    store = ctx.open_store()
+    store = ctx.open_durable()
     try:
         header = read_header(store.get(key, timeout=30))
         if not header:

@@ -47,11 +47,22 @@ class RunContext:
         t = self.resolved.target
         return self.resolved.offer.price_per_s(t.worker_vcpu, t.worker_memory_gb, t.worker_gpu)
 
+    @property
+    def durable_ref(self) -> str:
+        return self.resolved.durable_ref
+
     def open_store(self):
-        """A fresh client of the run's store."""
+        """A fresh client of the run's store (scratch: tensors in flight)."""
         from blocks.store import open_store_ref
 
         return open_store_ref(self.store_ref)
+
+    def open_durable(self):
+        """A fresh client of the durable store: data subsets, checkpoints, history, ledger,
+        summary (the same store unless the scratch store may lose keys, e.g. Redis)."""
+        from blocks.store import open_store_ref
+
+        return open_store_ref(self.durable_ref)
 
     def log_dir(self) -> Path:
         from training.store_dir import zooid_home

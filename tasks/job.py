@@ -45,6 +45,9 @@ class TrainJob(BaseModel):
     seed: int = Field(0, ge=0, title="Seed")
     store: str = Field("", title="Store",
                        description="Store block name or URL (file://..., redis://..., s3://bucket/prefix); empty: the local directory store.")
+    durable_store: str = Field("", title="Durable store",
+                               description="Where checkpoints, data subsets and ledgers live; empty: the store itself, "
+                                           "or the local directory store when the store is Redis.")
     target: str = Field("inline", title="Compute target",
                         description="`inline` (processes started by the coordinator), `local` (the process work pool), `ecs`, `aci`, `k8s`, or a ComputeTarget block name.")
     offer: Optional[str] = Field(None, title="Billing offer",

@@ -59,7 +59,7 @@ def provision(ctx: RunContext, plan: Plan, fresh: bool = True) -> dict:
     target = ctx.resolved.target
     if target.remote:
         check_deployment(target.worker_deployment)
-    store = ctx.open_store()
+    store = ctx.open_durable()
     try:
         from training.datasets import read_manifest
 

@@ -15,7 +15,7 @@ def record_cost_now(ctx: RunContext, final: bool = True) -> dict:
     rows = list(ctx.ledger)
     rows.append(coordinator_record(ctx.run_id, ctx.started_at, time.time(), ctx.resolved.offer,
                                    ctx.price_per_worker_s))
-    store = ctx.open_store()
+    store = ctx.open_durable()
     try:
         write_ledger(store, ctx.run_id, rows)
     finally:

@@ -52,7 +52,7 @@ def find_resume_point(ctx: RunContext, *, required: bool) -> ResumePoint | None:
     from tasks.provision import init_key
     from training.checkpoint import sync_checkpoint_key
 
-    store = ctx.open_store()
+    store = ctx.open_durable()
     try:
         run = _json(store, ctx.prefix("run.json"))
         if run is None:

@@ -91,8 +91,9 @@ def worker_specs(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, 
     if plan.strategy in ("pipeline", "hybrid"):
         from training.pipeline_executor import pipeline_worker_specs
 
+        # a stage reads data and checkpoints from its one store: the durable one
         base = WorkerSpec(run_id=ctx.run_id, epoch=epoch, rank=0, world=plan.workers,
-                          store_url=ctx.store_ref, model=job.model, dataset=job.dataset,
+                          store_url=ctx.durable_ref, model=job.model, dataset=job.dataset,
                           subsets=(), steps=plan.steps_per_epoch, batch_size=plan.batch_size, lr=lr,
                           optimizer=job.optimizer, seed=job.seed, init_key=init,
                           out_key=epoch_key(ctx, epoch), sync_timeout_s=timeout, attempt=attempt,
@@ -106,7 +107,7 @@ def worker_specs(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, 
                        batch_size=plan.batch_size, lr=lr, optimizer=job.optimizer,
                        sync_period=job.sync_period, seed=job.seed, init_key=init,
                        out_key=epoch_key(ctx, epoch), sync_timeout_s=timeout, evaluate=True,
-                       attempt=attempt, extra={"strategy": plan.strategy})
+                       attempt=attempt, extra={"strategy": plan.strategy, "checkpoint_store": ctx.durable_ref})
             for rank in range(plan.data_parallel)]
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from blocks.store import open_store_ref
 from tasks.context import RunContext
 from tasks.sweep import sweep_run
 
@@ -52,11 +53,12 @@ def teardown_run(ctx: RunContext) -> dict:
             report["cancel_error"] = str(exc)
     report["stopped_pids"] = sweep_run(ctx.run_id)
     if ctx.provisioned:
-        store = ctx.open_store()
-        try:
-            report["deleted_keys"] = delete_scratch(store, ctx.run_id)
-        finally:
-            store.close()
+        for ref in dict.fromkeys((ctx.store_ref, ctx.durable_ref)):  # data lives on the durable one
+            store = open_store_ref(ref)
+            try:
+                report["deleted_keys"] += delete_scratch(store, ctx.run_id)
+            finally:
+                store.close()
     ctx.torn_down = True
     return report
 

@@ -25,6 +25,8 @@ class ResolvedJob:
     job: TrainJob
     store_ref: str
     """A store URL, or `block:<name>` (workers load the block, so secrets stay in it)."""
+    durable_ref: str
+    """Where checkpoints, data subsets, history, ledger and summary live."""
     target_name: str
     target: ComputeTarget
     offer: Offer
@@ -45,6 +47,18 @@ def resolve_store_ref(store: str) -> str:
             return "file://" + str(path_from_url(store).resolve())
         return store
     return BLOCK_PREFIX + store
+
+
+def resolve_durable_ref(durable_store: str, store_ref: str) -> str:
+    """The durable store: as given; else the run's store, unless that is Redis (scratch that
+    a restart may empty), in which case the local directory store."""
+    from training.store_dir import default_store_url
+
+    if durable_store:
+        return resolve_store_ref(durable_store)
+    if store_ref.startswith(("redis://", "rediss://")):
+        return default_store_url()
+    return store_ref
 
 
 def open_checked_store(store_ref: str):
@@ -109,9 +123,15 @@ def validate_job(job: TrainJob, *, check_store: bool = True) -> ResolvedJob:
     except ValueError as exc:
         raise ZooidValueError("offer", str(exc).removeprefix("offer: ")) from None
     store_ref = resolve_store_ref(job.store)
+    durable_ref = resolve_durable_ref(job.durable_store, store_ref)
     if check_store:
         open_checked_store(store_ref).close()
+        if durable_ref != store_ref:
+            try:
+                open_checked_store(durable_ref).close()
+            except ZooidValueError as exc:
+                raise ZooidValueError("durable_store", str(exc).removeprefix("store: ")) from None
     classes = int(max(data.train_y.max(), data.val_y.max())) + 1
-    return ResolvedJob(job=job, store_ref=store_ref, target_name=job.target, target=target,
+    return ResolvedJob(job=job, store_ref=store_ref, durable_ref=durable_ref, target_name=job.target, target=target,
                        offer=offer, n_train=n_train, n_val=n_val,
                        input_shape=tuple(data.train_x.shape[1:]), classes=classes)

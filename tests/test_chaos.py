@@ -66,3 +66,45 @@ def test_hung_worker_times_out_and_is_relaunched(tmp_path, monkeypatch, fault_fr
     dead = [r for r in ledger["rows"] if r["kind"] == "failed_attempt"]
     assert [(r["rank"], r["status"]) for r in dead] == [(0, "timeout:injected")]
     assert dead[0]["seconds"] >= 20
+
+
+def test_redis_restarted_mid_epoch_loses_only_scratch(tmp_path, redis_server, fault_free):
+    """Tensors in flight live in Redis (scratch); data and checkpoints in the durable
+    directory store. Redis restarts without persistence in the middle of the epoch: the
+    workers re-post what was lost and the run ends where the fault-free run ends."""
+    import threading
+    import time
+
+    from flows.train import train
+    from tasks.cost import read_ledger
+    from training.checkpoint import sync_checkpoint_key
+    from training.store import open_store
+
+    clean, clean_weights = fault_free
+    durable = tmp_path / "durable"
+    restarted = threading.Event()
+
+    def restart_when_the_first_sync_is_done():
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            runs = list((durable / "runs").glob("*")) if (durable / "runs").exists() else []
+            if runs and (durable / sync_checkpoint_key(runs[0].name, 0)).exists():
+                redis_server.restart()
+                restarted.set()
+                return
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=restart_when_the_first_sync_is_done, daemon=True)
+    watcher.start()
+    summary = train(TrainJob(store=redis_server.url, durable_store=f"file://{durable}", **JOB))
+    watcher.join(timeout=5)
+    assert restarted.is_set()
+    assert summary.status == "completed"
+    url = f"file://{durable}"
+    weights = _final_weights(url, summary.checkpoint_key)
+    for k, v in clean_weights.items():
+        torch.testing.assert_close(weights[k], v, rtol=1e-5, atol=1e-6)
+    assert summary.final_accuracy == pytest.approx(clean.final_accuracy, abs=0.01)
+    ledger = read_ledger(open_store(url), summary.run_id)
+    assert ledger["total_usd"] > 0 and ledger["rows"]
+    assert open_store(redis_server.url).list(f"runs/{summary.run_id}/") == []  # scratch cleaned

@@ -63,6 +63,20 @@ def test_budget_stops_before_spending_it(tmp_path):
     assert summary.epochs == []
 
 
+def test_deadline_stops_cleanly_before_the_next_epoch_would_pass_it(tmp_path):
+    from flows.train import train
+    from training.store import open_store
+
+    url = f"file://{tmp_path}/s"
+    summary = train(TrainJob(workers=2, epochs=4, deadline_s=8, store=url))
+    assert summary.status == "deadline_reached"
+    assert 1 <= len(summary.epochs) < 4
+    store = open_store(url)
+    latest = json.loads(store.get(f"runs/{summary.run_id}/ckpt/latest.json"))
+    assert latest["epoch"] == len(summary.epochs) - 1 and store.exists(latest["key"])
+    assert store.list(f"runs/{summary.run_id}/data/") == []
+
+
 def test_out_of_memory_is_not_retried_and_teardown_leaves_nothing(tmp_path, monkeypatch):
     from flows.train import train
     from tasks.cost import read_ledger

@@ -332,7 +332,8 @@ def _run(spec: WorkerSpec, store: Store, ckpt_store: Store, started: float) -> W
     model = model.to(device=device, dtype=dtype)
     optimizer = build_optimizer(spec.optimizer, model, spec.lr)
     start = load_start_point(spec, ckpt_store, model, optimizer)
-    x, y = read_subsets(store, spec.run_id, spec.subsets, timeout=spec.sync_timeout_s)
+    # data subsets are durable: they live beside the checkpoints, not in the scratch store
+    x, y = read_subsets(ckpt_store, spec.run_id, spec.subsets, timeout=spec.sync_timeout_s)
     x, y = x.to(device=device, dtype=dtype if x.is_floating_point() else x.dtype), y.to(device)
 
     group = spec.extra.get("sync_group") or sync_group(spec.run_id, spec.epoch)
@@ -388,8 +389,8 @@ def _run(spec: WorkerSpec, store: Store, ckpt_store: Store, started: float) -> W
 
     val_loss = val_acc = None
     if spec.rank == 0 and spec.evaluate:
-        manifest = read_manifest(store, spec.run_id, timeout=spec.sync_timeout_s)
-        vx, vy = read_subsets(store, spec.run_id, range(manifest.n_val_subsets), split="val")
+        manifest = read_manifest(ckpt_store, spec.run_id, timeout=spec.sync_timeout_s)
+        vx, vy = read_subsets(ckpt_store, spec.run_id, range(manifest.n_val_subsets), split="val")
         val_loss, val_acc = evaluate(model, vx.to(dtype), vy)
     record = {"run_id": spec.run_id, "epoch": spec.epoch, "rank": spec.rank, "attempt": spec.attempt,
               "subsets": list(spec.subsets), "start_step": start.step, "end_step": spec.steps,
