@@ -65,5 +65,9 @@ def open_store_ref(ref: str):
     from training.store import open_store
 
     if ref.startswith(BLOCK_PREFIX):
+        if "/" in ref[len(BLOCK_PREFIX):]:  # block:<type slug>/<name>: an S3 or Redis store block
+            from blocks.cloud import open_block_store
+
+            return open_block_store(ref)
         return ZooidStore.load(ref[len(BLOCK_PREFIX):]).open()
     return open_store(ref)

@@ -45,6 +45,10 @@ def _rebuild_and_clean(flow_run, state) -> None:
         pass
     job = _job_from_parameters(flow_run.parameters)
     target = resolve_target(job.target)
+    if target.kind in ("ecs", "aci", "k8s"):
+        from tasks.cloud_runs import sweep_target
+
+        sweep_target(target, run_id)
     offer = get_offer(job.offer or target.offer)
     price = offer.price_per_s(target.worker_vcpu, target.worker_memory_gb, target.worker_gpu)
     scratch_ref = resolve_store_ref(job.store)

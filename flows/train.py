@@ -99,7 +99,7 @@ def run_training(job: TrainJob) -> RunSummary:
     progress_id = create_progress_artifact(0.0, description=f"Epochs of run {ctx.run_id}")
     status, error, history, plan_dict = "failed", None, [], {}
     try:
-        prof = profile(ctx)
+        prof = ctx.profile = profile(ctx)
         first_epoch, init, lr, workers = 0, init_key(ctx), job.lr, job.workers
         if resume is not None:
             first_epoch, init, lr, workers = resume.next_epoch, resume.init_key, resume.lr, resume.workers

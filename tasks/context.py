@@ -29,9 +29,13 @@ class RunContext:
     started_at: float = field(default_factory=time.time)
     ledger: list[CostRecord] = field(default_factory=list)
     launchers: list[Any] = field(default_factory=list)
+    cloud_attempts: dict = field(default_factory=dict)
+    """Worker flow run id -> (epoch, rank, attempt), to match cloud intervals to attempts."""
     attempts: dict = field(default_factory=dict)
     """Last attempt number per (epoch, rank)."""
     dataset: dict = field(default_factory=dict)
+    profile: dict = field(default_factory=dict)
+    """The measured profile (peak memory sizes cloud workers)."""
     """The published dataset's manifest."""
     provisioned: bool = False
     torn_down: bool = False

@@ -26,6 +26,25 @@ PAID_WORKERS_LIMIT = "zooid-paid-workers"
 """Global concurrency limit (Prefect) that caps paid workers across all runs."""
 
 
+def bill_from_cloud_clock(ctx: RunContext, outcomes, epoch: int) -> None:
+    """On ECS, ACI and Kubernetes, replace the coordinator's intervals with the cloud's own
+    start/stop times (collected every epoch: AWS forgets stopped tasks after about an hour)."""
+    target = ctx.resolved.target
+    if target.kind not in ("ecs", "aci", "k8s"):
+        return
+    from tasks.cloud_runs import cloud_records, replace_measured, target_intervals
+
+    for o in outcomes:
+        ctx.cloud_attempts[o.ref] = (epoch, o.rank, o.attempt)
+    try:
+        intervals = [i for i in target_intervals(target, ctx.run_id) if i.flow_run_id in ctx.cloud_attempts]
+    except Exception as exc:  # the bill keeps the coordinator's intervals; say why
+        print(f"zooid: cloud intervals unavailable, billing measured intervals: {exc}")
+        return
+    ctx.ledger[:] = replace_measured(ctx.ledger, cloud_records(ctx.run_id, intervals, ctx.cloud_attempts,
+                                                               ctx.resolved.offer, ctx.price_per_worker_s))
+
+
 def make_launcher(ctx: RunContext, plan: Plan):
     """The launcher for the run's compute target."""
     target = ctx.resolved.target
@@ -33,7 +52,16 @@ def make_launcher(ctx: RunContext, plan: Plan):
     env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     if not target.remote:
         return InlineLauncher(ctx.run_id, ctx.log_dir(), env=env)
-    job_variables = {**target.job_variables, "env": {**target.job_variables.get("env", {}), **env}}
+    if target.kind in ("ecs", "aci", "k8s"):
+        from deployments.job_variables import job_variables as cloud_job_variables, resources_from_plan
+
+        peak = ctx.profile.get("peak_memory_bytes") if ctx.profile else None
+        resources = resources_from_plan(plan, profiled_memory_gb=peak / 2**30 if peak else None,
+                                        gpu_type=ctx.resolved.offer.gpu_type)
+        job_variables = cloud_job_variables(target.kind, resources, ctx.run_id, image=target.image,
+                                            env=env, extra=target.job_variables)
+    else:
+        job_variables = {**target.job_variables, "env": {**target.job_variables.get("env", {}), **env}}
     return PoolLauncher(ctx.run_id, target.worker_deployment, job_variables=job_variables)
 
 
@@ -164,6 +192,7 @@ def run_epoch(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, res
             outcomes = launcher.outcomes
             ctx.ledger.extend(worker_records(ctx.run_id, epoch, [o.to_dict() for o in outcomes],
                                              ctx.resolved.offer, ctx.price_per_worker_s))
+            bill_from_cloud_clock(ctx, outcomes, epoch)
     wall = max(o.stopped_at or started for o in outcomes) - started
     summary = summarise(plan, [o.to_dict() for o in final], wall)
     summary["relaunches"] = [{"rank": o.rank, "attempt": o.attempt, "status": o.status,

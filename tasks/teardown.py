@@ -18,21 +18,21 @@ from tasks.sweep import sweep_run
 SCRATCH = ("sync", "act", "data", "probe", "grad")
 
 
-def cancel_flow_runs(run_id: str) -> int:
-    """Cancel the run's worker flow runs that are not final; return how many."""
+def cancel_flow_runs(run_id: str) -> list:
+    """Cancel the run's worker flow runs that are not final; return them."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
     from prefect.states import Cancelling
 
-    n = 0
+    cancelled = []
     with get_client(sync_client=True) as client:
         runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
             tags=FlowRunFilterTags(all_=[f"zooid-run:{run_id}"])))
         for fr in runs:
             if fr.state is not None and not fr.state.is_final():
                 client.set_flow_run_state(fr.id, Cancelling(message="zooid teardown"), force=True)
-                n += 1
-    return n
+                cancelled.append(fr)
+    return cancelled
 
 
 def delete_scratch(store, run_id: str) -> int:
@@ -46,9 +46,20 @@ def teardown_run(ctx: RunContext) -> dict:
     for launcher in list(ctx.launchers):
         launcher.stop("run torn down")
     ctx.launchers.clear()
-    if ctx.resolved.target.remote:
+    target = ctx.resolved.target
+    if target.remote:
         try:
-            report["cancelled_flow_runs"] = cancel_flow_runs(ctx.run_id)
+            cancelled = cancel_flow_runs(ctx.run_id)
+            report["cancelled_flow_runs"] = len(cancelled)
+            if target.kind in ("ecs", "aci", "k8s"):
+                from tasks.cloud_runs import stop_flow_run_infrastructure, sweep_target
+
+                stop_flow_run_infrastructure(target, cancelled)
+                # ACI's sweep deletes container groups: read their clock first
+                from tasks.run_epoch import bill_from_cloud_clock
+
+                bill_from_cloud_clock(ctx, [], -1)
+                report["swept"] = sweep_target(target, ctx.run_id)
         except Exception as exc:  # the API may be gone when the run crashed with it
             report["cancel_error"] = str(exc)
     report["stopped_pids"] = sweep_run(ctx.run_id)
