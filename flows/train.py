@@ -212,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         summary = train(job)
+    except ZooidValueError as exc:  # found once measured, e.g. a stage that does not fit memory
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except Exception as exc:
         print(f"error: run failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
               file=sys.stderr)

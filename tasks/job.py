@@ -50,6 +50,10 @@ class TrainJob(BaseModel):
                                            "or the local directory store when the store is Redis.")
     target: str = Field("inline", title="Compute target",
                         description="`inline` (processes started by the coordinator), `local` (the process work pool), `ecs`, `aci`, `k8s`, or a ComputeTarget block name.")
+    worker_vcpu: Optional[float] = Field(None, gt=0, allow_inf_nan=False, title="vCPU per worker",
+                                         description="Overrides the compute target's worker size.")
+    worker_memory_gb: Optional[float] = Field(None, gt=0, allow_inf_nan=False, title="Memory per worker (GB)",
+                                              description="Overrides the compute target's worker size; a plan whose stage does not fit is refused.")
     offer: Optional[str] = Field(None, title="Billing offer",
                                  description="Price-catalog offer the workers are billed as; null: the target's default (local targets: an ACI CPU container).")
     budget_usd: Optional[float] = Field(None, gt=0, allow_inf_nan=False, title="Budget (USD)")

@@ -38,14 +38,33 @@ def strategy_inputs(ctx: RunContext, profile: dict, workers: int) -> StrategyInp
 
 
 def make_plan(ctx: RunContext, profile: dict, workers: int) -> Plan:
-    """The plan for the job's strategy with `workers` replicas."""
-    strategy = ctx.job.strategy
-    if strategy == "pipeline":
-        workers = 1  # one pipeline; `hybrid` is D replicas of it
+    """The plan for the job's strategy with `workers` replicas, refused (ZooidValueError
+    naming `memory`, with the numbers per stage) when a stage does not fit its worker."""
     try:
-        return choose(strategy_inputs(ctx, profile, workers), strategy)
+        chosen = choose(strategy_inputs(ctx, profile, workers), ctx.job.strategy)
     except ValueError as exc:
         raise ZooidValueError("strategy", str(exc).removeprefix("strategy: ")) from None
+    check_memory(ctx, profile, chosen)
+    return chosen
+
+
+def check_memory(ctx: RunContext, profile: dict, plan: Plan) -> None:
+    """Every stage's activations, parameters, gradients, optimizer state and the worker
+    process's base memory must fit the worker's memory."""
+    from training.memory import check_plan_memory
+    from training.profiler import ModelProfile
+
+    prof = ModelProfile.from_dict(profile)
+    if not prof.layers:
+        return
+    micro = max(1, plan.batch_size // max(1, plan.microbatches))
+    check_plan_memory(activation_bytes=prof.layer_activation_bytes(micro),
+                      param_bytes=[l.param_bytes for l in prof.layers],
+                      cuts=[c + 1 for c in plan.cuts], microbatches=plan.microbatches,
+                      available_bytes=ctx.resolved.target.worker_memory_gb * 2**30,
+                      base_memory_bytes=prof.base_memory_bytes or 0.0,
+                      optimizer_state_factor=optimizer_copies(ctx.job.optimizer),
+                      data_parallel=plan.data_parallel)
 
 
 @task(name="plan", cache_policy=NO_CACHE, **task_options(retries=1, timeout_s=300))

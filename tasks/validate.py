@@ -118,6 +118,9 @@ def validate_job(job: TrainJob, *, check_store: bool = True) -> ResolvedJob:
         target = resolve_target(job.target)
     except ValueError as exc:
         raise ZooidValueError("target", str(exc).removeprefix("target: ")) from None
+    sizes = {k: getattr(job, k) for k in ("worker_vcpu", "worker_memory_gb") if getattr(job, k) is not None}
+    if sizes:
+        target = target.model_copy(update=sizes)
     try:
         offer = get_offer(job.offer or target.offer)
     except ValueError as exc:

@@ -49,3 +49,13 @@ def test_user_model_factory_by_import_path_is_accepted():
 
     resolved = validate_job(TrainJob(model="tests.user_models:tiny_mlp"))
     assert resolved.n_train == 1437
+
+
+def test_plan_that_does_not_fit_memory_is_refused_with_the_numbers(tmp_path, capsys):
+    store = tmp_path / "store"
+    assert main(["--param", f"store=file://{store}", "--param", "worker_memory_gb=0.05",
+                 "--param", "epochs=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: memory: stage 0") and "worker has 51.2 MB" in err
+    runs = list((store / "runs").glob("*")) if (store / "runs").exists() else []
+    assert all(not (r / "ckpt").exists() and not (r / "data").exists() for r in runs)
