@@ -8,7 +8,6 @@ From a shell: `python -m flows.train --param workers=2 --param epochs=3 [--summa
 """
 from __future__ import annotations
 
-import inspect
 import json
 import sys
 import time
@@ -31,6 +30,7 @@ from tasks.run_epoch import run_epoch
 from tasks.teardown import teardown
 from tasks.validate import validate_job
 from flows.hooks import on_abnormal_end, run_id_for
+from flows.params import job_fields_flow
 
 
 def guardrail(job: TrainJob, ctx: RunContext, plan_, history: list[dict]) -> str | None:
@@ -162,20 +162,9 @@ def train(job: TrainJob = TrainJob()) -> RunSummary:
     return run_training(job)
 
 
-def _train_with_params(**fields) -> RunSummary:
-    return run_training(TrainJob(**fields))
-
-
-# One keyword parameter per TrainJob field, with its default, type and description, so the
-# deployment's parameter schema (the UI form and `--param`) is the job's fields.
-_train_with_params.__signature__ = inspect.Signature([
-    inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.annotation)
-    for name, f in TrainJob.model_fields.items()], return_annotation=RunSummary)
-_train_with_params.__doc__ = "Train a model with Zooid (one parameter per TrainJob field).\n\nArgs:\n" + "\n".join(
-    f"    {name}: {f.description or f.title or name}" for name, f in TrainJob.model_fields.items())
-
-train_with_params = flow(name="train", result_serializer="json", log_prints=True,
-                         validate_parameters=False, **_HOOKS)(_train_with_params)
+train_with_params = job_fields_flow(run_training, name="train", result_serializer="json", log_prints=True,
+                                    description="Train a model with Zooid (one parameter per TrainJob field).",
+                                    **_HOOKS)
 
 
 def main(argv: list[str] | None = None) -> int:

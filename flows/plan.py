@@ -1,0 +1,95 @@
+"""The `plan` flow: a dry run. Profile the model and the store, plan, and report what each
+strategy would cost, without provisioning anything.
+
+    python -m flows.plan --param model=digits_cnn --param workers=4
+
+For each candidate (Local-SGD, pipeline, hybrid D x M at the job's worker budget) it reports
+the predicted iteration time, epoch time, cost per epoch and throughput per dollar, and which
+one the planner would choose.
+"""
+from __future__ import annotations
+
+import sys
+import uuid
+
+from prefect import flow
+from prefect.artifacts import create_markdown_artifact
+
+from flows.hooks import run_id_for
+from flows.params import job_fields_flow
+from tasks.context import RunContext
+from tasks.job import TrainJob
+from tasks.plan import plan as plan_task
+from tasks.profile import profile
+from tasks.report import artifact_key
+from tasks.validate import validate_job
+
+
+def plan_report(job: TrainJob, chosen: dict) -> str:
+    """The dry run's markdown: one row per candidate."""
+    rows = ["| strategy | D | M | workers | cuts | micro-batches | iteration s | epoch s | $ / epoch | samples/s per $/h | chosen |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for a in chosen["alternatives"]:
+        tpd = a.get("throughput_per_dollar")
+        rows.append(f"| {a['strategy']} | {a['data_parallel']} | {a['stages']} | {a['workers']} | {a['cuts']} | "
+                    f"{a['microbatches']} | {a['predicted_iteration_s']:.5f} | {a['predicted_epoch_s']:.3f} | "
+                    f"{a['predicted_cost_per_epoch_usd']:.6f} | {'-' if tpd is None else f'{tpd:.0f}'} | "
+                    f"{'yes' if a['chosen'] else ''} |")
+    total = chosen["predicted_cost_per_epoch_usd"] * job.epochs
+    return "\n".join([f"# Zooid plan for `{job.model}` on `{job.dataset}` ({job.workers} workers, {job.target})", "",
+                      *rows, "", f"Chosen: **{chosen['strategy']}**, D={chosen['data_parallel']}, "
+                      f"M={chosen['stages']}; predicted {chosen['predicted_epoch_s'] * job.epochs:.2f} s and "
+                      f"${total:.6f} for {job.epochs} epochs (workers only)."])
+
+
+def dry_run(job: TrainJob) -> dict:
+    """Profile and plan `job` without provisioning; return the chosen plan and its alternatives."""
+    from prefect.runtime import flow_run
+
+    resolved = validate_job(job)
+    ctx = RunContext(run_id=run_id_for(flow_run.id or uuid.uuid4().hex), job=job, resolved=resolved)
+    prof = ctx.profile = profile(ctx)
+    chosen = plan_task(ctx, prof).to_dict()
+    markdown = plan_report(job, chosen)
+    create_markdown_artifact(key=artifact_key(ctx.run_id, "plan"), markdown=markdown,
+                             description=f"Dry run of {job.model}: strategies, time and cost")
+    print(markdown)
+    return chosen
+
+
+@flow(name="plan", result_serializer="json", log_prints=True)
+def plan(job: TrainJob = TrainJob()) -> dict:
+    """Profile and plan `job` without provisioning; return the chosen plan and its alternatives."""
+    return dry_run(job)
+
+
+plan_with_params = job_fields_flow(dry_run, name="plan", result_serializer="json", log_prints=True,
+                                   description="Dry run: profile and plan a Zooid job, provision nothing.")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m flows.plan --param name=value ...`: print the dry run's table."""
+    import argparse
+
+    from pydantic import ValidationError
+
+    from tasks.job import format_validation_error, parse_param_value
+    from training.errors import ZooidValueError
+
+    parser = argparse.ArgumentParser(prog="python -m flows.plan", description=__doc__.splitlines()[0])
+    parser.add_argument("--param", action="append", default=[], metavar="NAME=VALUE")
+    args = parser.parse_args(argv)
+    fields = {k.strip(): parse_param_value(v) for k, _, v in (p.partition("=") for p in args.param)}
+    try:
+        plan(TrainJob(**fields))
+    except ValidationError as exc:
+        print(f"error: {format_validation_error(exc)}", file=sys.stderr)
+        return 2
+    except ZooidValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
