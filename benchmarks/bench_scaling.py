@@ -201,6 +201,20 @@ def _median(outcomes: list[Outcome], target: float, key: str) -> float:
     return statistics.median(o.to_target(target)[key] for o in outcomes)
 
 
+NOTES = [
+    "Notes:",
+    "- The static policy keeps the learning rate, so DP-1 and DP-8 train at a constant lr (Hydrozoa's "
+    "DP-1 decayed it every 5 epochs); part of adabatch's lead in the first epochs is its lower lr, not only "
+    "its larger batch.",
+    "- On this machine, per epoch, syncing every step through the directory store costs more than the compute it splits on "
+    "this small model (compare compute + sync below); where adabatch needs less cluster time than DP-1 it "
+    "is by reaching the target in fewer epochs.",
+    "- Worker start-up (a Python process importing torch, per worker and epoch) dominates the epoch wall time "
+    "and the ledger at 8 workers; the cost-at-cluster-time column leaves it out.",
+]
+"""A few facts that hold for any run of this benchmark, printed under the goal check."""
+
+
 def by_config(outcomes: list[Outcome]) -> dict[str, list[Outcome]]:
     """The repeats of each configuration, in the order the configurations ran."""
     groups: dict[str, list[Outcome]] = {}
@@ -251,7 +265,7 @@ def render(outcomes: list[Outcome], args: argparse.Namespace, note: str, elapsed
               "epoch seconds (first launch to last exit), summed. Worker-s billed and cost: the ledger's worker "
               "rows (failed attempts included, coordinator excluded). Cost at cluster time: workers x cluster s "
               "x price, the bill at one core per worker with no process start-up.",
-              "", *goal_lines(groups, target), "",
+              "", *goal_lines(groups, target), "", *NOTES, "",
               "Each repeat, to the target: cluster s / epoch wall s / ledger cost.", "",
               "| configuration | " + " | ".join(f"repeat {i}" for i in range(args.repeats)) + " |",
               "|---|" + "---|" * args.repeats]
