@@ -29,6 +29,12 @@ class RunContext:
     started_at: float = field(default_factory=time.time)
     ledger: list[CostRecord] = field(default_factory=list)
     launchers: list[Any] = field(default_factory=list)
+    prestarted: dict = field(default_factory=dict)
+    """Epoch -> launcher whose workers were started during the previous epoch."""
+    startup_samples: list = field(default_factory=list)
+    """Measured worker start-up latencies (launch to work), seconds."""
+    last_epoch_s: float = 0.0
+    last_epoch_end: float | None = None
     cloud_attempts: dict = field(default_factory=dict)
     """Worker flow run id -> (epoch, rank, attempt), to match cloud intervals to attempts."""
     attempts: dict = field(default_factory=dict)

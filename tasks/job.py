@@ -61,6 +61,8 @@ class TrainJob(BaseModel):
     target_accuracy: Optional[float] = Field(None, gt=0, le=1, allow_inf_nan=False, title="Target validation accuracy",
                                              description="Stop early (status target_reached) once reached.")
     target_loss: Optional[float] = Field(None, gt=0, allow_inf_nan=False, title="Target validation loss")
+    prestart: bool = Field(True, title="Pre-start workers",
+                           description="Launch the next epoch's workers before this one ends, to hide their start-up.")
     resume: Optional[str] = Field(None, title="Resume run",
                                   description="Run id to continue from its last complete checkpoint.")
     worker_timeout_s: float = Field(900.0, gt=0, allow_inf_nan=False, title="Worker timeout (s)",
@@ -110,6 +112,12 @@ class EpochSummary(BaseModel):
     bytes_synced: int = 0
     checkpoint_key: str = ""
     lr: Optional[float] = None
+    prestarted: bool = False
+    """Whether this epoch's workers were launched during the previous epoch."""
+    startup: dict = Field(default_factory=dict)
+    """Worker start-up seconds hidden behind the previous epoch vs exposed (and idle)."""
+    relaunches: list = Field(default_factory=list)
+    """Failed worker attempts of this epoch and how each was classified."""
 
 
 class RunSummary(BaseModel):

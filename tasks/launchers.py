@@ -83,8 +83,8 @@ class _Launcher:
         return [o for _, o, _ in self.attempts]
 
     def wait(self, timeout_s: float,
-             on_failure: Callable[[WorkerOutcome, WorkerSpec], WorkerSpec | None] | None = None
-             ) -> list[WorkerOutcome]:
+             on_failure: Callable[[WorkerOutcome, WorkerSpec], WorkerSpec | None] | None = None,
+             on_tick: Callable[[], None] | None = None) -> list[WorkerOutcome]:
         """Wait until the latest attempt of every rank completes. An attempt running longer
         than `timeout_s` is stopped (status `timeout`). A failed attempt is passed to
         `on_failure`; a returned spec is launched in its place, None stops everyone and
@@ -119,6 +119,8 @@ class _Launcher:
                 latest[o.rank] = o
             if all(o.status == "completed" for o in latest.values()):
                 return [latest[r] for r in sorted(latest)]
+            if on_tick is not None:
+                on_tick()
             time.sleep(self.poll_s)
 
     def stop(self, reason: str = "stopped") -> None:

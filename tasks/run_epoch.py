@@ -18,6 +18,7 @@ from planners.plan import Plan
 from tasks.context import RunContext
 from tasks.cost import worker_records
 from tasks.launchers import InlineLauncher, PoolLauncher, WorkersFailed
+from tasks.prestart import PrestartWatch, should_prestart, startup_report
 from tasks.provision import epoch_key
 from tasks.retry import task_options
 from training.specs import WorkerSpec
@@ -174,18 +175,32 @@ def run_epoch(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, res
         store.delete_prefix(activation_prefix(ctx.run_id, epoch) + "/")
     finally:
         store.close()
-    launcher = make_launcher(ctx, plan)
-    ctx.launchers.append(launcher)
+    launcher = ctx.prestarted.pop(epoch, None)  # started during the previous epoch
+    if launcher is not None and (attempt > 0 or resume or any(o.status != "running" for o in launcher.outcomes)):
+        launcher.stop("pre-started workers replaced")  # a retried epoch starts afresh
+        ctx.launchers.remove(launcher)
+        ctx.ledger.extend(worker_records(ctx.run_id, epoch, [o.to_dict() for o in launcher.outcomes],
+                                         ctx.resolved.offer, ctx.price_per_worker_s))
+        launcher = None
+    prestarted = launcher is not None
+    if launcher is None:
+        launcher = make_launcher(ctx, plan)
+        ctx.launchers.append(launcher)
     # one slot of the global paid-worker limit per worker, held for the epoch (no-op when the
     # limit does not exist; `python -m deployments.bootstrap` creates it)
     with concurrency(PAID_WORKERS_LIMIT, occupy=plan.workers, timeout_seconds=ctx.job.worker_timeout_s,
                      strict=False):
         started = time.time()
         try:
-            for spec in worker_specs(ctx, plan, epoch, init, lr, attempt):
-                extra = {**spec.extra, "resume": True} if resume else spec.extra
-                launcher.launch(dataclasses.replace(spec, attempt=next_attempt(ctx, epoch, spec.rank), extra=extra))
-            final = launcher.wait(ctx.job.worker_timeout_s, relaunch_policy(ctx, plan))
+            if not prestarted:
+                for spec in worker_specs(ctx, plan, epoch, init, lr, attempt):
+                    extra = {**spec.extra, "resume": True} if resume else spec.extra
+                    launcher.launch(dataclasses.replace(spec, attempt=next_attempt(ctx, epoch, spec.rank), extra=extra))
+            else:  # the epoch really starts when the previous one ended
+                started = max(min(o.started_at for o in launcher.outcomes), ctx.last_epoch_end or 0.0)
+            watch = PrestartWatch(ctx, plan, epoch, lr, started) if should_prestart(ctx, plan, epoch) else None
+            final = launcher.wait(ctx.job.worker_timeout_s, relaunch_policy(ctx, plan),
+                                  on_tick=watch.tick if watch else None)
         finally:
             launcher.stop("epoch over")
             ctx.launchers.remove(launcher)
@@ -193,8 +208,13 @@ def run_epoch(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, res
             ctx.ledger.extend(worker_records(ctx.run_id, epoch, [o.to_dict() for o in outcomes],
                                              ctx.resolved.offer, ctx.price_per_worker_s))
             bill_from_cloud_clock(ctx, outcomes, epoch)
-    wall = max(o.stopped_at or started for o in outcomes) - started
+    ended = max(o.stopped_at or started for o in outcomes)
+    wall = ended - started
     summary = summarise(plan, [o.to_dict() for o in final], wall)
+    summary["startup"] = startup_report(final, ctx.last_epoch_end)
+    summary["prestarted"] = prestarted
+    ctx.startup_samples += [max(0.0, o.result["started_at"] - o.started_at) for o in final if o.result]
+    ctx.last_epoch_s, ctx.last_epoch_end = wall, ended
     summary["relaunches"] = [{"rank": o.rank, "attempt": o.attempt, "status": o.status,
                               "failure": o.extra.get("failure")} for o in outcomes if o.status != "completed"]
     summary.update(epoch=epoch, workers=plan.workers, stages=plan.stages, lr=lr, attempt=attempt,
