@@ -15,6 +15,20 @@ from prefect import flow
 from tasks.job import TrainJob
 
 
+def job_fields_from_args(params: list[str]) -> dict[str, Any]:
+    """`--param NAME=VALUE` items as TrainJob fields (values parsed as JSON where they can be);
+    ValueError for an item without `=`."""
+    from tasks.job import parse_param_value
+
+    fields = {}
+    for item in params:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--param {item!r}: expected NAME=VALUE")
+        fields[name.strip()] = parse_param_value(value)
+    return fields
+
+
 def job_fields_flow(fn: Callable[[TrainJob], Any], *, name: str, description: str, **flow_options):
     """A flow named `name` taking one keyword parameter per TrainJob field and calling `fn`."""
 

@@ -16,7 +16,7 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
 from flows.hooks import run_id_for
-from flows.params import job_fields_flow
+from flows.params import job_fields_flow, job_fields_from_args
 from tasks.context import RunContext
 from tasks.job import TrainJob
 from tasks.plan import plan as plan_task
@@ -73,19 +73,17 @@ def main(argv: list[str] | None = None) -> int:
 
     from pydantic import ValidationError
 
-    from tasks.job import format_validation_error, parse_param_value
-    from training.errors import ZooidValueError
+    from tasks.job import format_validation_error
 
     parser = argparse.ArgumentParser(prog="python -m flows.plan", description=__doc__.splitlines()[0])
     parser.add_argument("--param", action="append", default=[], metavar="NAME=VALUE")
     args = parser.parse_args(argv)
-    fields = {k.strip(): parse_param_value(v) for k, _, v in (p.partition("=") for p in args.param)}
     try:
-        plan(TrainJob(**fields))
+        plan(TrainJob(**job_fields_from_args(args.param)))
     except ValidationError as exc:
         print(f"error: {format_validation_error(exc)}", file=sys.stderr)
         return 2
-    except ZooidValueError as exc:
+    except ValueError as exc:  # ZooidValueError and a malformed --param
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

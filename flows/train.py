@@ -30,7 +30,7 @@ from tasks.run_epoch import run_epoch
 from tasks.teardown import teardown
 from tasks.validate import validate_job
 from flows.hooks import on_abnormal_end, run_id_for
-from flows.params import job_fields_flow
+from flows.params import job_fields_flow, job_fields_from_args
 
 
 def guardrail(job: TrainJob, ctx: RunContext, plan_, history: list[dict]) -> str | None:
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from pydantic import ValidationError
 
-    from tasks.job import format_validation_error, parse_param_value
+    from tasks.job import format_validation_error
     from tasks.report import text_report
     from training.errors import ZooidValueError
 
@@ -182,13 +182,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="a TrainJob field, e.g. workers=4 (repeat)")
     parser.add_argument("--summary-out", metavar="PATH", help="also write the summary JSON here")
     args = parser.parse_args(argv)
-    fields = {}
-    for item in args.param:
-        name, sep, value = item.partition("=")
-        if not sep:
-            print(f"error: --param {item!r}: expected NAME=VALUE", file=sys.stderr)
-            return 2
-        fields[name.strip()] = parse_param_value(value)
+    try:
+        fields = job_fields_from_args(args.param)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     fields.setdefault("target", "inline")
     try:
         job = TrainJob(**fields)
