@@ -62,14 +62,26 @@ def ensure_concurrency_limit(client, limit: int) -> None:
         client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=CONCURRENCY_LIMIT, limit=limit))
 
 
+def register(block_type) -> None:
+    """Register a block type; a concurrent bootstrap that registered it first is fine."""
+    from prefect.exceptions import ObjectAlreadyExists, PrefectHTTPStatusError
+
+    try:
+        block_type.register_type_and_schema()
+    except (ObjectAlreadyExists, PrefectHTTPStatusError) as exc:
+        if "already exists" not in str(exc):
+            raise
+        block_type.register_type_and_schema()  # now an update of the existing type
+
+
 def bootstrap(target: str, paid_worker_limit: int = 16) -> dict:
     """Set up `target` on the current Prefect API; return what was done."""
     from prefect.client.orchestration import get_client
 
     if target not in POOL_TYPES:
         raise ValueError(f"target: must be one of {', '.join(POOL_TYPES)}, got {target!r}")
-    ZooidStore.register_type_and_schema()
-    ComputeTarget.register_type_and_schema()
+    for block_type in (ZooidStore, ComputeTarget):
+        register(block_type)
     ComputeTarget(**BUILTIN[target]).save(f"zooid-{target}", overwrite=True)
     with get_client(sync_client=True) as client:
         pool = ensure_pool(client, f"zooid-{target}", POOL_TYPES[target])

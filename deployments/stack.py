@@ -121,6 +121,10 @@ def up(home: Path | None = None, port: int | None = None) -> dict:
     state_file(home).write_text(json.dumps(state, indent=1))
     try:
         _wait_healthy(api_url)
+        time.sleep(1.0)
+        if not _alive(pids["server"]):  # the port was taken: another server answered
+            raise RuntimeError(f"the Prefect server on port {port} did not start "
+                               f"(see {home / 'logs' / 'server.log'}); is the port in use?")
         _run([sys.executable, "-m", "deployments.bootstrap", "--target", "local"], env)
         _run([_bin("prefect"), "--no-prompt", "deploy", "--name", "local"], env)
         pids["worker"] = _spawn([_bin("prefect"), "worker", "start", "--pool", POOL, "--type", "process"],

@@ -16,6 +16,7 @@ import uuid
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 
+from planners.plan import Plan
 from tasks.checkpoint import checkpoint
 from tasks.context import ACTIVE, RunContext
 from tasks.job import EpochSummary, RunSummary, TrainJob
@@ -106,7 +107,10 @@ def run_training(job: TrainJob) -> RunSummary:
             history, ctx.ledger = list(resume.history), list(resume.ledger)
             for rank in range(job.max_workers):  # attempt numbers stay unique across coordinators
                 ctx.attempts[(first_epoch, rank)] = resume.max_attempt
-        current = plan(ctx, prof, workers)
+        if resume is not None and resume.plan and resume.plan.get("data_parallel") == workers:
+            current = Plan.from_dict(resume.plan)  # the same plan, so a started epoch can go on
+        else:
+            current = plan(ctx, prof, workers)
         plan_dict = current.to_dict()
         provision(ctx, current, fresh=resume is None)
         status = "completed"
@@ -128,6 +132,7 @@ def run_training(job: TrainJob) -> RunSummary:
                 lr = decision["lr"]
                 if decision["workers"] != current.data_parallel:
                     current = plan(ctx, prof, decision["workers"])
+            metrics["plan"] = current.to_dict()
             save_progress(ctx, history)
     except BaseException as exc:
         status, error = "failed", f"{type(exc).__name__}: {exc}"

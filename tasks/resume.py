@@ -31,6 +31,8 @@ class ResumePoint:
     """Whether `next_epoch` had started (its workers resume from its sync checkpoint)."""
     max_attempt: int = -1
     """Highest worker attempt number already used in `next_epoch`."""
+    plan: dict = field(default_factory=dict)
+    """The plan the run was using (a resumed epoch keeps it, so its sync checkpoint fits)."""
 
 
 def history_key(run_id: str) -> str:
@@ -81,6 +83,7 @@ def find_resume_point(ctx: RunContext, *, required: bool) -> ResumePoint | None:
                            workers=decision.get("workers", last.get("workers", ctx.job.workers)),
                            history=history, ledger=ledger,
                            mid_epoch=store.exists(sync_checkpoint_key(ctx.run_id, nxt)),
-                           max_attempt=max(attempts, default=-1))
+                           max_attempt=max(attempts, default=-1),
+                           plan=(last.get("plan") or run.get("plan") or {}))
     finally:
         store.close()

@@ -9,7 +9,7 @@ from tasks.job import TrainJob
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
-JOB = dict(workers=2, epochs=1, optimizer="sgd", lr=0.1, sync_period=4, batch_size=32)
+JOB = dict(workers=2, epochs=1, optimizer="sgd", lr=0.1, sync_period=4, batch_size=32, strategy="local_sgd")
 
 
 def _final_weights(store_url: str, key: str) -> dict[str, torch.Tensor]:

@@ -177,8 +177,8 @@ def test_redis_restart_mid_round_loses_scratch_keys_and_the_round_completes(tmp_
                                                                           monkeypatch):
     durable = DirectoryStore(tmp_path / "durable")
     scratch = RedisStore(redis_server.url)
-    subsets = stage(scratch, "rr")
-    initial_checkpoint(durable, "runs/rr/ckpt/init", "digits_mlp", "sgd", lr=0.1, seed=3)
+    subsets = stage(durable, "rr")  # data and checkpoints are durable; Redis holds the syncs
+    stage(scratch, "rr")  # a copy the restart will wipe, to show the keys really were lost
     # Rank 1 straggles after round 0, so rank 0 waits inside round 1 with its piece posted.
     monkeypatch.setenv("ZOOID_CHAOS", f"slow_worker:epoch=0:rank=1:step={PERIOD}:seconds=2")
     piece = "runs/rr/sync/e0/r1/part/1/0"

@@ -18,7 +18,7 @@ from tasks.job import TrainJob
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 ROOT = Path(__file__).resolve().parent.parent
-JOB = dict(workers=2, optimizer="momentum", lr=0.05, sync_period=4, batch_size=32)
+JOB = dict(workers=2, optimizer="momentum", lr=0.05, sync_period=4, batch_size=32, strategy="local_sgd")
 
 
 def _weights(url: str, key: str) -> dict[str, torch.Tensor]:
