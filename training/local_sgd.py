@@ -42,6 +42,16 @@ Sync round r of epoch e uses scratch keys under `runs/<id>/sync/e<e>/r<r>/`.
 4. The release at the end is idempotent too (`release_group(resumed=True)`), and rank 0
    rewrites the epoch checkpoint from the final sync checkpoint when it is the relaunch.
 
+The collective (`extra["collective"]`): `plain` (default, `training.collectives`),
+`pipelined` (`training.scatter_reduce`), or `ring`: a direct ring allreduce over
+torch.distributed (`training.ring_allreduce`) for targets whose workers reach each other,
+rank 0 listening on `extra["ring_host"]` (default 127.0.0.1), with
+`extra["ring_timeout_s"]` (default `sync_timeout_s`) for the rendezvous and each sync. A
+torch.distributed group cannot take a relaunched rank, so with the ring a worker failure
+fails the epoch attempt: the survivors raise `RingError` (a peer died) or `RingTimeout`
+(a peer never came or stopped calling) instead of waiting, and the coordinator reruns the
+epoch, every rank resuming from the sync checkpoint (steps 1 and 2 above; 3 does not apply).
+
 `extra["sync_checkpoint_every"]` = n writes the sync checkpoint every n rounds (default 1;
 the last round always) and keeps n rounds of results in the store; 0 turns sync
 checkpoints off, and with them single-replica relaunch (each round then deletes the one
@@ -82,6 +92,8 @@ from training.datasets import read_manifest, read_subsets
 from training.errors import OutOfMemory, ZooidValueError
 from training.models import build_model
 from training.optimizers import build_optimizer, optimizer_state_tensors
+from training.ring_allreduce import LOOPBACK, RingGroup, open_ring
+from training.scatter_reduce import COLLECTIVES, Allreduce, allreduce_for
 from training.specs import WorkerResult, WorkerSpec
 from training.store import Store, open_store
 
@@ -119,7 +131,8 @@ class LocalSGD:
     checkpoints), so a relaunched replica can replay rounds; otherwise each round deletes
     the previous one's. `on_sync(round, step)` runs after every sync. `start_round` and
     `start_step` place a resumed replica in the epoch; `replay` marks a relaunch, which
-    may find results of rounds its previous life took part in."""
+    may find results of rounds its previous life took part in. `allreduce` is the
+    collective (`scatter_reduce.allreduce_for`; the plain store one by default)."""
 
     def __init__(
         self,
@@ -138,6 +151,7 @@ class LocalSGD:
         start_round: int = 0,
         start_step: int = 0,
         replay: bool = False,
+        allreduce: Allreduce = allreduce_mean,
     ):
         if period is not None and period < 1:
             raise ZooidValueError("sync_period", f"must be a positive step count or None, got {period}")
@@ -145,7 +159,7 @@ class LocalSGD:
         self.group, self.rank, self.world = group, rank, world
         self.period, self.timeout = period, timeout
         self.replayable, self.repost_s, self.on_sync = replayable, repost_s, on_sync
-        self.replay = replay
+        self.replay, self.allreduce = replay, allreduce
         self.stats = SyncStats()
         self.log = PostLog()
         self.rounds = self._dropped = start_round
@@ -166,7 +180,7 @@ class LocalSGD:
         """Average the shared tensors over the replicas now (in place)."""
         live = self._shared_tensors()
         previous = f"{self.group}/r{self.rounds - 1}" if self.rounds and not self.replayable else None
-        mean = allreduce_mean(
+        mean = self.allreduce(
             self.store, f"{self.group}/r{self.rounds}", self.rank, self.world, live,
             self.timeout, stats=self.stats, previous_prefix=previous, log=self.log,
             repost_s=self.repost_s, replay=self.replay,
@@ -255,6 +269,14 @@ def _validate(spec: WorkerSpec) -> None:
     every = spec.extra.get("sync_checkpoint_every", 1)
     if not isinstance(every, int) or every < 0:
         raise ZooidValueError("extra.sync_checkpoint_every", f"must be a round count >= 0 (0: off), got {every!r}")
+    collective = spec.extra.get("collective", "plain")
+    if collective not in COLLECTIVES:
+        raise ZooidValueError("extra.collective", f"must be one of {', '.join(COLLECTIVES)}, got {collective!r}")
+    if not isinstance(spec.extra.get("ring_host", LOOPBACK), str):
+        raise ZooidValueError("extra.ring_host", f"must be an address string, got {spec.extra['ring_host']!r}")
+    ring_timeout = spec.extra.get("ring_timeout_s", 1.0)
+    if isinstance(ring_timeout, bool) or not isinstance(ring_timeout, (int, float)) or ring_timeout <= 0:
+        raise ZooidValueError("extra.ring_timeout_s", f"must be seconds > 0, got {ring_timeout!r}")
 
 
 def wants_resume(spec: WorkerSpec) -> bool:
@@ -310,20 +332,44 @@ def run_local_sgd_epoch(spec: WorkerSpec, store: Store) -> WorkerResult:
     _validate(spec)
     url = spec.extra.get("checkpoint_store")
     ckpt_store = open_store(url) if url and url != store.url else store
+    ring = None
     try:
-        return _run(spec, store, ckpt_store, started)
+        ring = _open_ring(spec, store)
+        return _run(spec, store, ckpt_store, started, ring)
     except (torch.OutOfMemoryError, MemoryError) as exc:
         raise OutOfMemory(f"rank {spec.rank} of {spec.model}, batch {spec.batch_size}: "
                           f"{type(exc).__name__}: {exc}") from None
     finally:
+        if ring is not None:
+            ring.close()
         if ckpt_store is not store:
             ckpt_store.close()
 
 
-def _run(spec: WorkerSpec, store: Store, ckpt_store: Store, started: float) -> WorkerResult:
-    # extra["device"] / extra["dtype"] override the defaults (the GPU when there is one,
-    # float32); tests train in float64 to compare replicas with one process exactly.
-    device = torch.device(spec.extra.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
+def _group(spec: WorkerSpec) -> str:
+    return spec.extra.get("sync_group") or sync_group(spec.run_id, spec.epoch)
+
+
+def _device(spec: WorkerSpec) -> torch.device:
+    # extra["device"] overrides the default: the GPU when there is one.
+    return torch.device(spec.extra.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def _open_ring(spec: WorkerSpec, store: Store) -> RingGroup | None:
+    """The epoch's ring when `extra["collective"]` is `ring`, else None. Opened before
+    training, so a missing peer fails the attempt before any work is done."""
+    if spec.extra.get("collective", "plain") != "ring":
+        return None
+    timeout = float(spec.extra.get("ring_timeout_s", spec.sync_timeout_s))
+    return open_ring(store, _group(spec), spec.rank, spec.world, timeout,
+                     host=spec.extra.get("ring_host", LOOPBACK), device=_device(spec))
+
+
+def _run(spec: WorkerSpec, store: Store, ckpt_store: Store, started: float,
+         ring: RingGroup | None = None) -> WorkerResult:
+    # extra["dtype"] overrides the default float32; tests train in float64 to compare
+    # replicas with one process exactly.
+    device = _device(spec)
     dtype = getattr(torch, str(spec.extra.get("dtype", "float32")), None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ZooidValueError("extra.dtype", f"must name a floating dtype, got {spec.extra.get('dtype')!r}")
@@ -336,7 +382,7 @@ def _run(spec: WorkerSpec, store: Store, ckpt_store: Store, started: float) -> W
     x, y = read_subsets(ckpt_store, spec.run_id, spec.subsets, timeout=spec.sync_timeout_s)
     x, y = x.to(device=device, dtype=dtype if x.is_floating_point() else x.dtype), y.to(device)
 
-    group = spec.extra.get("sync_group") or sync_group(spec.run_id, spec.epoch)
+    group = _group(spec)
     every = spec.extra.get("sync_checkpoint_every", 1)
     sync_key = sync_checkpoint_key(spec.run_id, spec.epoch)
     position = {**_position_identity(spec), "kind": "sync", "global_step_before": start.global_step_before,
@@ -353,7 +399,8 @@ def _run(spec: WorkerSpec, store: Store, ckpt_store: Store, started: float) -> W
                          spec.sync_timeout_s, replayable=bool(every),
                          repost_s=float(spec.extra.get("sync_repost_s", DEFAULT_REPOST_S)) or None,
                          on_sync=on_sync, start_round=start.round, start_step=start.step,
-                         replay=wants_resume(spec))
+                         replay=wants_resume(spec),
+                         allreduce=allreduce_for(spec.extra.get("collective", "plain"), "mean", ring=ring))
     generator = torch.Generator().manual_seed(batch_seed(spec.seed, spec.epoch, spec.rank))
     stream = batch_stream(len(y), spec.batch_size, spec.steps, generator)
     for _ in range(start.step):

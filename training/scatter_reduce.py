@@ -22,13 +22,16 @@ is rank i's piece of slice j, deleted by its one reader once it has posted
 store lost, and `replay` lets a relaunched rank adopt results already posted. A group may
 therefore mix the two algorithms. The pieces of a slice are reduced in rank order with the
 plain version's arithmetic, so both give bitwise-equal results on every rank.
+
+`allreduce_for` also hands out the direct ring (`training.ring_allreduce`) behind the same
+signature, for targets whose workers can reach each other.
 """
 from __future__ import annotations
 
 import dataclasses
 import threading
 import time
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
@@ -41,6 +44,9 @@ from training.collectives import _flatten, _Traffic, _unflatten
 from training.errors import ZooidValueError
 from training.store import Store
 from training.tensor_codec import encode_tensors
+
+if TYPE_CHECKING:
+    from training.ring_allreduce import RingGroup
 
 Flat = dict[str, torch.Tensor]
 """One flat vector per dtype name."""
@@ -92,18 +98,29 @@ plain_allreduce_sum: Allreduce = collectives.allreduce_sum
 """The three-phase baseline for sums."""
 
 ALGORITHMS = ("pipelined", "plain")
+"""The collectives through a store."""
+COLLECTIVES = ALGORITHMS + ("ring",)
+"""Every collective `allreduce_for` knows: the store ones and the direct ring
+(`training.ring_allreduce`), which needs workers that can reach each other."""
 
 
-def allreduce_for(algorithm: str, op: str = "mean") -> Allreduce:
-    """The collective named `algorithm` (`pipelined` or `plain`) for `op` (`mean` or `sum`)."""
+def allreduce_for(algorithm: str, op: str = "mean", *, ring: "RingGroup | None" = None) -> Allreduce:
+    """The collective named `algorithm` (`pipelined`, `plain` or `ring`) for `op` (`mean`
+    or `sum`). `ring` must be given for `ring`: the open `training.ring_allreduce.RingGroup`
+    the calls go through (it ignores the store arguments)."""
     table = {("pipelined", "mean"): pipelined_allreduce_mean,
              ("pipelined", "sum"): pipelined_allreduce_sum,
              ("plain", "mean"): plain_allreduce_mean,
              ("plain", "sum"): plain_allreduce_sum}
-    if algorithm not in ALGORITHMS:
-        raise ZooidValueError("sync", f"unknown algorithm {algorithm!r}; valid: {', '.join(ALGORITHMS)}")
+    if algorithm not in COLLECTIVES:
+        raise ZooidValueError("sync", f"unknown algorithm {algorithm!r}; valid: {', '.join(COLLECTIVES)}")
     if op not in ("mean", "sum"):
         raise ZooidValueError("op", f"must be 'mean' or 'sum', got {op!r}")
+    if algorithm == "ring":
+        if ring is None:
+            raise ZooidValueError("ring", "the ring collective needs an open RingGroup "
+                                  "(training.ring_allreduce.open_ring)")
+        return ring.as_allreduce(op)
     return table[(algorithm, op)]
 
 
