@@ -214,7 +214,7 @@ def test_a_peer_that_dies_fails_the_survivor_fast_instead_of_hanging(tmp_path):
 
 def test_store_signature_and_bad_settings(tmp_path):
     store = DirectoryStore(tmp_path / "store")
-    with pytest.raises(ZooidValueError, match="ring: the ring collective needs an open RingGroup"):
+    with pytest.raises(ZooidValueError, match="ring: sync 'ring' needs the open RingGroup"):
         allreduce_for("ring", "mean")
     with pytest.raises(ZooidValueError, match="sync: unknown algorithm 'tree'"):
         allreduce_for("tree", "mean")

@@ -118,7 +118,7 @@ def allreduce_for(algorithm: str, op: str = "mean", *, ring: "RingGroup | None" 
         raise ZooidValueError("op", f"must be 'mean' or 'sum', got {op!r}")
     if algorithm == "ring":
         if ring is None:
-            raise ZooidValueError("ring", "the ring collective needs an open RingGroup "
+            raise ZooidValueError("ring", "sync 'ring' needs the open RingGroup it runs on "
                                   "(training.ring_allreduce.open_ring)")
         return ring.as_allreduce(op)
     return table[(algorithm, op)]
