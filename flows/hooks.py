@@ -34,13 +34,17 @@ def _rebuild_and_clean(flow_run, state) -> None:
     from planners.catalog import get_offer
     from tasks.cost import CostRecord, coordinator_record, ledger_key, write_ledger
     from tasks.sweep import sweep_run
-    from tasks.teardown import cancel_flow_runs, delete_scratch
+    from tasks.teardown import cancel_flow_runs, delete_scratch, finish_cancelled
     from tasks.validate import open_checked_store, resolve_durable_ref, resolve_store_ref
 
     run_id = run_id_for(flow_run.id)
+    try:
+        cancelled = cancel_flow_runs(run_id)
+    except Exception:
+        cancelled = []
     sweep_run(run_id)
     try:
-        cancel_flow_runs(run_id)
+        finish_cancelled(cancelled)
     except Exception:
         pass
     job = _job_from_parameters(flow_run.parameters)

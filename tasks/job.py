@@ -38,6 +38,11 @@ class TrainJob(BaseModel):
     microbatches: Optional[int] = Field(None, gt=0, title="Micro-batches", description="Micro-batches per iteration (pipeline/hybrid).")
     sync_period: Optional[int] = Field(None, gt=0, title="Local-SGD period k",
                                        description="Steps between model averages; null averages once per epoch.")
+    collective: Literal["store", "ring"] = Field(
+        "store", title="Collective",
+        description="How Local-SGD replicas average: `store` (scatter-reduce through the store; a dead "
+                    "worker is relaunched alone) or `ring` (direct ring allreduce over torch.distributed, "
+                    "gloo/NCCL, when workers can reach each other; a failure reruns the epoch).")
     scaling: Scaling = Field("static", title="Scaling policy", description="How the worker count changes between epochs.")
     scale_every_epochs: int = Field(1, gt=0, title="Epochs between doublings (adabatch)")
     min_workers: int = Field(1, gt=0, title="Minimum workers")

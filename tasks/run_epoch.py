@@ -94,12 +94,23 @@ def relaunch_policy(ctx: RunContext, plan: Plan, max_relaunches: int = 2):
                               f"({failure.reason}); re-plan with more memory per worker or a smaller batch")
         if failure.kind is FailureKind.BAD_INPUT:
             raise ZooidValueError("job", f"worker {spec.rank} refused its input: {failure.reason}")
-        if plan.strategy != "local_sgd" or relaunched.get(spec.rank, 0) >= max_relaunches:
+        if (plan.strategy != "local_sgd" or spec.extra.get("collective") == "ring"  # a ring cannot take a new rank
+                or relaunched.get(spec.rank, 0) >= max_relaunches):
             return None
         relaunched[spec.rank] = relaunched.get(spec.rank, 0) + 1
         return dataclasses.replace(spec, attempt=next_attempt(ctx, spec.epoch, spec.rank))
 
     return on_failure
+
+
+def ring_settings(ctx: RunContext) -> dict:
+    """Worker settings of the direct ring allreduce (workers on other hosts publish their
+    resolved address; local ones stay on 127.0.0.1)."""
+    if ctx.job.collective != "ring":
+        return {}
+    cloud = ctx.resolved.target.kind in ("ecs", "aci", "k8s")
+    return {"collective": "ring", "ring_host": "auto" if cloud else "127.0.0.1",
+            "ring_timeout_s": 120.0}
 
 
 def next_attempt(ctx: RunContext, epoch: int, rank: int) -> int:
@@ -136,7 +147,8 @@ def worker_specs(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, 
                        batch_size=plan.batch_size, lr=lr, optimizer=job.optimizer,
                        sync_period=job.sync_period, seed=job.seed, init_key=init,
                        out_key=epoch_key(ctx, epoch), sync_timeout_s=timeout, evaluate=True,
-                       attempt=attempt, extra={"strategy": plan.strategy, "checkpoint_store": ctx.durable_ref})
+                       attempt=attempt, extra={"strategy": plan.strategy, "checkpoint_store": ctx.durable_ref,
+                                               **ring_settings(ctx)})
             for rank in range(plan.data_parallel)]
 
 

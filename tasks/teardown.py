@@ -35,6 +35,19 @@ def cancel_flow_runs(run_id: str) -> list:
     return cancelled
 
 
+def finish_cancelled(flow_runs: list) -> None:
+    """Mark as Cancelled the worker flow runs whose processes the sweep already stopped (the
+    process worker would otherwise leave them Cancelling, having nothing left to kill)."""
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelled
+
+    with get_client(sync_client=True) as client:
+        for fr in flow_runs:
+            state = client.read_flow_run(fr.id).state
+            if state is not None and not state.is_final():
+                client.set_flow_run_state(fr.id, Cancelled(message="zooid teardown: worker stopped"), force=True)
+
+
 def delete_scratch(store, run_id: str) -> int:
     """Delete the run's scratch keys; keep checkpoints, summary, ledger and report."""
     return sum(store.delete_prefix(f"runs/{run_id}/{p}/") for p in SCRATCH)
@@ -63,6 +76,11 @@ def teardown_run(ctx: RunContext) -> dict:
         except Exception as exc:  # the API may be gone when the run crashed with it
             report["cancel_error"] = str(exc)
     report["stopped_pids"] = sweep_run(ctx.run_id)
+    if target.kind == "process" and report.get("cancelled_flow_runs"):
+        try:
+            finish_cancelled(cancelled)
+        except Exception as exc:
+            report["cancel_error"] = str(exc)
     if ctx.provisioned:
         for ref in dict.fromkeys((ctx.store_ref, ctx.durable_ref)):  # data lives on the durable one
             store = open_store_ref(ref)

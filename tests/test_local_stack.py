@@ -49,3 +49,52 @@ def test_train_local_deployment_through_process_pool(tmp_path):
     from tasks.sweep import tagged_pids
 
     assert tagged_pids(runs[0].name) == []
+
+
+@pytest.mark.slow
+def test_cancelling_a_training_run_stops_its_workers_and_bills_it(tmp_path):
+    """`prefect flow-run cancel` on a train/local run: the run ends Cancelled, its worker flow
+    runs are cancelled, no worker process is left, and the ledger has the run's cost."""
+    import time
+
+    from deployments import stack
+    from flows.hooks import run_id_for
+    from tasks.sweep import tagged_pids
+
+    home = tmp_path / "zooid"
+    saved = dict(os.environ)
+    state = stack.up(home=home)
+    try:
+        os.environ.update(state["env"])
+        from prefect.client.orchestration import get_client
+        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+        from prefect.deployments import run_deployment
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+        from prefect.states import Cancelling
+
+        with temporary_settings(updates={PREFECT_API_URL: state["api_url"]}):
+            flow_run = run_deployment("train/local", parameters={"epochs": 8, "workers": 2}, timeout=0)
+            run_id = run_id_for(flow_run.id)
+            deadline = time.time() + 240
+            while not tagged_pids(run_id) and time.time() < deadline:
+                time.sleep(0.5)
+            assert tagged_pids(run_id), "no worker started"
+            with get_client(sync_client=True) as client:
+                client.set_flow_run_state(flow_run.id, Cancelling(message="user cancel"), force=True)
+                deadline = time.time() + 120
+                while time.time() < deadline:
+                    if client.read_flow_run(flow_run.id).state.is_final() and not tagged_pids(run_id):
+                        break
+                    time.sleep(1)
+                assert client.read_flow_run(flow_run.id).state.is_cancelled()
+                workers = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                    tags=FlowRunFilterTags(all_=[f"zooid-run:{run_id}"])))
+                assert workers and all(w.state.is_final() for w in workers)
+            time.sleep(3)
+            assert tagged_pids(run_id) == []
+            ledger = json.loads((home / "store" / "runs" / run_id / "cost.json").read_text())
+            assert ledger["total_usd"] > 0
+    finally:
+        stack.down(home)
+        os.environ.clear()
+        os.environ.update(saved)
