@@ -139,8 +139,10 @@ def worker_specs(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, 
                           out_key=epoch_key(ctx, epoch), sync_timeout_s=timeout, attempt=attempt,
                           extra={"strategy": plan.strategy})
         # a planner cut i splits after layer i; the executor's cut is where a stage begins
+        ring = ring_settings(ctx)
         return pipeline_worker_specs(base, cuts=[c + 1 for c in plan.cuts], microbatches=plan.microbatches,
-                                     replica_subsets=shards)
+                                     replica_subsets=shards, sync="ring" if ring else "pipelined",
+                                     **{k: v for k, v in ring.items() if k == "ring_host"})
     return [WorkerSpec(run_id=ctx.run_id, epoch=epoch, rank=rank, world=plan.data_parallel,
                        store_url=ctx.store_ref, model=job.model, dataset=job.dataset,
                        subsets=tuple(shards[rank]), steps=plan.steps_per_epoch,
@@ -226,7 +228,9 @@ def run_epoch(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, res
     summary["startup"] = startup_report(final, ctx.last_epoch_end)
     summary["prestarted"] = prestarted
     ctx.startup_samples += [max(0.0, o.result["started_at"] - o.started_at) for o in final if o.result]
-    ctx.last_epoch_s, ctx.last_epoch_end = wall, ended
+    # the next epoch's length is this one's training, not the start-up it exposed
+    ctx.last_epoch_s = max(0.05, wall - summary["startup"].get("critical_exposed_s", 0.0))
+    ctx.last_epoch_end = ended
     summary["relaunches"] = [{"rank": o.rank, "attempt": o.attempt, "status": o.status,
                               "failure": o.extra.get("failure")} for o in outcomes if o.status != "completed"]
     summary.update(epoch=epoch, workers=plan.workers, stages=plan.stages, lr=lr, attempt=attempt,

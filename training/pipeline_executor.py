@@ -65,7 +65,7 @@ from training.optimizers import build_optimizer, load_optimizer_state, optimizer
 from training.pipeline_schedule import (
     TRANSFER, Action, Kind, ScheduleError, forward_only, gpipe, lower, parse_schedule, validate,
 )
-from training.scatter_reduce import ALGORITHMS, allreduce_for
+from training.scatter_reduce import COLLECTIVES, allreduce_for
 from training.specs import WorkerResult, WorkerSpec
 from training.stages import slice_full_state, split_stages
 from training.store import Store
@@ -113,8 +113,8 @@ class PipelineSettings:
             raise ZooidValueError("extra.microbatches", "microbatches, val_chunk and replicas must be >= 1")
         if not 0 <= self.replica < self.replicas:
             raise ZooidValueError("extra.replica", f"must be in 0..{self.replicas - 1}, got {self.replica}")
-        if self.sync not in ALGORITHMS:
-            raise ZooidValueError("extra.sync", f"must be one of {', '.join(ALGORITHMS)}, got {self.sync!r}")
+        if self.sync not in COLLECTIVES:
+            raise ZooidValueError("extra.sync", f"must be one of {', '.join(COLLECTIVES)}, got {self.sync!r}")
         dtype = getattr(torch, self.dtype, None)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ZooidValueError("extra.dtype", f"must name a floating dtype, got {self.dtype!r}")
@@ -203,9 +203,13 @@ class _StageWorker:
         self.sync_stats = SyncStats()
         self.upload_s = self.download_s = self.compute_s = 0.0
         self.pending: list[Future] = []
+        self.ring = None
+        """The stage's direct ring among its replicas (sync `ring`), opened at its first sync."""
         self.prefix = f"{activation_prefix(spec.run_id, spec.epoch)}/r{settings.replica}"
 
     def close(self) -> None:
+        if self.ring is not None:
+            self.ring.close()
         self.uploads.shutdown(wait=True)
         self.downloads.shutdown(wait=True, cancel_futures=True)
 
@@ -294,7 +298,12 @@ class _StageWorker:
         if cfg.replicas == 1:
             return
         grads = {n: p.grad for n, p in self.module.named_parameters() if p.grad is not None}
-        allreduce = allreduce_for(cfg.sync, "mean")
+        if cfg.sync == "ring" and self.ring is None:
+            from training.ring_allreduce import open_ring
+
+            self.ring = open_ring(self.store, group, cfg.replica, cfg.replicas, self.spec.sync_timeout_s,
+                                  host=self.spec.extra.get("ring_host", "127.0.0.1"))
+        allreduce = allreduce_for(cfg.sync, "mean", ring=self.ring)
         mean = allreduce(self.store, f"{group}/r{step}", cfg.replica, cfg.replicas, grads,
                          self.spec.sync_timeout_s, stats=self.sync_stats,
                          previous_prefix=f"{group}/r{step - 1}" if step else None)
