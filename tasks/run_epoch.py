@@ -164,7 +164,10 @@ def summarise(plan: Plan, outcomes: list[dict], wall_s: float) -> dict:
     loss = sum(r["train_loss"] * r["samples"] for r in firsts) / max(1, samples)
     rank0 = next(r for r in results if r.get("checkpoint_key")) if plan.stages > 1 else \
         next(r for r in results if r["rank"] == 0)
-    per_step = max((r["compute_s"] + r["sync_s"]) / max(1, plan.steps_per_epoch) for r in results)
+    if plan.stages > 1:  # a stage's compute_s is its busy time; the iteration includes its bubble
+        per_step = max((r["stopped_at"] - r["started_at"]) / max(1, plan.steps_per_epoch) for r in results)
+    else:
+        per_step = max((r["compute_s"] + r["sync_s"]) / max(1, plan.steps_per_epoch) for r in results)
     return {"train_loss": loss, "val_loss": rank0.get("val_loss"), "val_accuracy": rank0.get("val_accuracy"),
             "samples": samples, "seconds": wall_s, "samples_per_s": samples / max(wall_s, 1e-9),
             "measured_iteration_s": per_step, "bytes_synced": sum(r.get("bytes_synced", 0) for r in results),
