@@ -70,13 +70,16 @@ def plan_local_sgd(*, workers: int, train_samples: int, batch_size: int, sync_pe
     """The Local-SGD plan for `workers` replicas and its predicted step time and epoch cost.
 
     Each replica takes ceil(samples / (workers * batch)) steps, and averages
-    `sync_bytes` every `sync_period` steps (once per epoch when None)."""
+    `sync_bytes` every `sync_period` steps (once per epoch when None); each sync also writes
+    the sync checkpoint (`sync_bytes` once)."""
     if workers < 1:
         raise ValueError(f"workers: must be >= 1, got {workers}")
     steps = max(1, math.ceil(train_samples / (workers * batch_size)))
     syncs = 1 if sync_period is None else math.ceil(steps / sync_period)
-    # the decentralised average is a scatter-reduce then all-gather (FuncPipe Eq. 1)
-    sync_s = scatter_reduce(sync_bytes, workers, bandwidth, latency) * syncs
+    # the decentralised average is a scatter-reduce then all-gather (FuncPipe Eq. 1), and at
+    # every sync rank 0 writes the averaged state as the sync checkpoint (one put) before the
+    # next round can complete
+    sync_s = (scatter_reduce(sync_bytes, workers, bandwidth, latency) + sync_bytes / bandwidth + latency) * syncs
     epoch_s = steps * step_s + sync_s
     return Plan(strategy="local_sgd", data_parallel=workers, sync_period=sync_period,
                 steps_per_epoch=steps, batch_size=batch_size, worker_vcpu=worker_vcpu,

@@ -532,10 +532,41 @@ def fit_store(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
     return bandwidth, max(latency, 1e-6)
 
 
-def profile_store(store, run_prefix: str, sizes: tuple[int, ...] = (64 << 10, 1 << 20, 4 << 20),
+def measure_handoff(store, run_prefix: str, repeats: int = 5, delay_s: float = 0.01) -> float:
+    """Median seconds between a put finishing and a reader already waiting in `get` seeing
+    it: the notice delay of a store without notifications (a polling reader), which every
+    worker-to-worker transfer pays once and a put-then-get probe never sees."""
+    import threading
+
+    delays = []
+    key_base = f"{run_prefix}/handoff-{uuid.uuid4().hex[:8]}"
+    try:
+        for i in range(repeats):
+            key, done = f"{key_base}/{i}", {}
+
+            def writer():
+                time.sleep(delay_s)
+                store.put(key, b"x")
+                done["at"] = time.perf_counter()
+
+            t = threading.Thread(target=writer)
+            t.start()
+            store.get(key, timeout=10)
+            seen = time.perf_counter()
+            t.join()
+            delays.append(max(0.0, seen - done.get("at", seen)))
+    finally:
+        store.delete_prefix(key_base)
+    return statistics.median(delays)
+
+
+def profile_store(store, run_prefix: str, sizes: tuple[int, ...] = (1 << 10, 16 << 10, 64 << 10, 1 << 20, 4 << 20),
                   repeats: int = 3) -> tuple[float, float]:
     """(bandwidth bytes/s, latency s) of `store`: every put and every get of `sizes` bytes
-    is one transfer sample for `fit_store`. Keys live under `run_prefix` and are deleted."""
+    is one transfer sample for `fit_store` (the small sizes pin the latency down). The
+    latency also carries half the measured hand-off delay (`measure_handoff`): the planners
+    count a store transfer as an upload plus a download, each with one latency, while a
+    waiting reader notices a new key once. Keys live under `run_prefix` and are deleted."""
     samples = []
     key_base = f"{run_prefix}/probe-{uuid.uuid4().hex[:8]}"
     try:
@@ -550,7 +581,8 @@ def profile_store(store, run_prefix: str, sizes: tuple[int, ...] = (64 << 10, 1 
                 samples += [(size, t1 - t0), (size, time.perf_counter() - t1)]
     finally:
         store.delete_prefix(key_base)
-    return fit_store(samples)
+    bandwidth, latency = fit_store(samples)
+    return bandwidth, latency + measure_handoff(store, run_prefix) / 2
 
 
 def measure_contention(model: nn.Module, input_shape: tuple[int, ...], num_classes: int,
