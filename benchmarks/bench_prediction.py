@@ -272,13 +272,16 @@ def strategy_inputs_for(case: ModelCase, prof: dict, n_train: int, workers: int,
 
 def predict(x, strategy: str, replicas: int, stages: int):
     """(plan, predicted terms {compute, transfer, sync}) for one configuration."""
-    from planners.strategy import local_sgd, pipeline_plans
+    from dataclasses import replace
+
+    from planners.strategy import candidates, local_sgd
 
     if strategy == "local_sgd":
         plan = local_sgd(x, replicas)
         return plan, {"compute": x.step_s, "transfer": 0.0,
                       "sync": plan.predicted_iteration_s - x.step_s}
-    [plan] = pipeline_plans(x, replicas, stages, MICROBATCHES)
+    [plan] = candidates(replace(x, workers=replicas, stages=stages, microbatches=MICROBATCHES),
+                        "pipeline" if replicas == 1 else "hybrid")
     compute, with_transfer = pipeline_terms(x.layers, x.profile_batch, x.batch_size, plan.cuts,
                                             x.bandwidth, x.latency)
     return plan, {"compute": compute, "transfer": with_transfer - compute,
