@@ -140,7 +140,7 @@ def test_a_missing_neighbour_times_out_naming_the_key(staged):
 @pytest.mark.parametrize("extra, field", [
     ({"cuts": [2], "microbatches": 2}, "extra.stage"),
     ({"stage": 2, "cuts": [2], "microbatches": 2}, "extra.stage"),
-    ({"stage": 0, "cuts": [2], "microbatches": 2, "sync": "ring"}, "extra.sync"),
+    ({"stage": 0, "cuts": [2], "microbatches": 2, "sync": "telepathy"}, "extra.sync"),
     ({"stage": 0, "cuts": [2], "microbatches": 2, "replica": 2, "replicas": 2}, "extra.replica"),
     ({"stage": 0, "cuts": [2], "microbatches": 1, "schedule": ["0F0 0B0", "1B0 1F0"]}, "schedule"),
     ({"stage": 0, "cuts": [2], "microbatches": 1, "replicas": 2,
