@@ -214,23 +214,31 @@ def _allreduce(
         mine = {dtype: reduce(torch.stack([p[dtype] for p in pieces])) for dtype in flat}
         del pieces
         io.put(mine_key, mine)
-    # The pieces of my slice have served; delete them only now, so that a rank dying
-    # before it posted its mean finds them all again when it is relaunched.
+    out = _release_and_gather(store, io, prefix, rank, world, flat, mine, tensors, previous_prefix)
+    stats.seconds += time.perf_counter() - t0
+    stats.calls += 1
+    return out
+
+
+def _release_and_gather(store: Store, io: "_Traffic", prefix: str, rank: int, world: int,
+                        flat: dict[str, torch.Tensor], mine: dict[str, torch.Tensor],
+                        tensors: dict[str, torch.Tensor], previous_prefix: str | None) -> dict[str, torch.Tensor]:
+    """The end of a round once this rank has posted its reduced slice (`mean/<rank>`), shared
+    by the plain and the pipelined scatter-reduce: delete the pieces of the slice (only now,
+    so a rank that died before posting finds them all when relaunched) and the previous
+    call's result (every peer posted a part of this call, so all have read it), then gather
+    every reduced slice in rank order."""
     for i in range(world):
         if i != rank:
             store.delete(f"{prefix}/part/{rank}/{i}")
     if previous_prefix is not None:
         store.delete(f"{previous_prefix}/mean/{rank}")
-    # Gather every reduced slice.
     reduced = {dtype: [] for dtype in flat}
     for j in range(world):
         part = mine if j == rank else io.get(f"{prefix}/mean/{j}")
         for dtype in flat:
             reduced[dtype].append(part[dtype])
-    out = _unflatten({d: torch.cat(v) for d, v in reduced.items()}, tensors)
-    stats.seconds += time.perf_counter() - t0
-    stats.calls += 1
-    return out
+    return _unflatten({d: torch.cat(v) for d, v in reduced.items()}, tensors)
 
 
 def allreduce_mean(

@@ -40,7 +40,7 @@ from training.collectives import PostLog, SyncStats
 # The plain version's store access (counting, timeouts naming the key, re-posting lost
 # keys) and its flat layout, reused so that both algorithms behave alike in every respect
 # but the overlap. Private to training.collectives: see the report asking to publish them.
-from training.collectives import _flatten, _Traffic, _unflatten
+from training.collectives import _flatten, _release_and_gather, _Traffic
 from training.errors import ZooidValueError
 from training.store import Store
 from training.tensor_codec import encode_tensors
@@ -179,21 +179,8 @@ def _pipelined(
                 for dtype in flat}
         del pieces
         down.put(mine_key, mine)
-    # Parts are deleted only once mean/rank is posted, so a relaunched rank finds them all.
-    for i in range(world):
-        if i != rank:
-            store.delete(f"{prefix}/part/{rank}/{i}")
-    if previous_prefix is not None:
-        # Every peer posted a part of this call, so all have read the previous call's results.
-        store.delete(f"{previous_prefix}/mean/{rank}")
-
-    # Phase 3: gather the other reduced slices.
-    gathered = {dtype: [] for dtype in flat}
-    for j in range(world):
-        part = mine if j == rank else down.get(f"{prefix}/mean/{j}")
-        for dtype in flat:
-            gathered[dtype].append(part[dtype])
-    out = _unflatten({dtype: torch.cat(v) for dtype, v in gathered.items()}, tensors)
+    # Phase 3: release the parts, gather the other reduced slices (as the plain version).
+    out = _release_and_gather(store, down, prefix, rank, world, flat, mine, tensors, previous_prefix)
     for f in dataclasses.fields(SyncStats):
         if f.name not in ("seconds", "calls"):
             setattr(stats, f.name, getattr(stats, f.name) + getattr(up_stats, f.name))
