@@ -15,10 +15,11 @@ from torch import nn
 from training.errors import ZooidValueError
 from training.memory import GB, check_plan_memory, stage_bounds, stage_memory
 from training.models import build_model
+from training.links import (fit_allreduce_samples, measure_allreduce, measure_contention,
+                            profile_store)
 from training.profiler import (ModelProfile, fit_serial_fraction, hardware_fingerprint,
-                               measure_allreduce, measure_base_memory, measure_contention,
-                               fit_allreduce_samples, profile_layers, profile_model,
-                               profile_store, to_planner_layers, vcpu_factor)
+                               measure_base_memory, profile_layers, profile_model,
+                               to_planner_layers, vcpu_factor)
 from training.store import open_store
 
 F32 = 4
@@ -241,7 +242,7 @@ def test_per_offer_step_time_and_activations_scale(cnn_profile):
 
 
 def test_links_profile_lands_in_the_model_profile(tmp_path, cnn_profile):
-    from training.profiler import profile_links
+    from training.links import profile_links
 
     rate = 40e6
     links = profile_links(build_model("digits_cnn", 0), (64,), 10, 32,

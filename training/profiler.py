@@ -11,10 +11,7 @@ What the planners need, measured rather than guessed:
   what is counted on CPU and on CUDA), the base memory s0 of a fresh worker process;
 - how step time scales with vCPUs (Amdahl's law fitted to steps at 1 thread and at every
   core; `vcpu_factor`), so per-offer timings can be scaled to an offer's vCPU count;
-- the links (not cached: a store's speed depends on where it runs): the store's bandwidth
-  and latency (`profile_store`), the contention factor beta (compute slowdown while
-  transfers run, FuncPipe Sec. 3.4.2; `measure_contention`), and the allreduce alpha/beta
-  fitted to timed collectives (`measure_allreduce`).
+- the links (store, contention, collectives) live in `training.links`.
 
 `to_planner_layers` turns a profile into the `layers` list of the planners' JSON contract
 (PLANNER_SPEC.md). Profiling leaves the model's weights and buffers as it found them.
@@ -31,17 +28,18 @@ import resource
 import statistics
 import subprocess
 import sys
-import threading
 import time
-import uuid
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
 from training.errors import ZooidError, ZooidValueError
+
+if TYPE_CHECKING:
+    from training.links import LinkProfile
 
 # --- the data ------------------------------------------------------------------------------
 
@@ -59,6 +57,12 @@ class LayerProfile:
     """Bytes autograd keeps from this layer's forward until its backward (parameters not
     counted). Each layer is measured on its own input, so a tensor two neighbours both keep
     (a ReLU's output, the next Linear's input) counts in both: per-stage sums err safe."""
+    forward_fixed_s: float = 0.0
+    backward_fixed_s: float = 0.0
+    """Per-call parts of the forward and backward seconds: the intercepts of t(n) = fixed +
+    n x per-row, fitted to the layer timed at two batch sizes. A small micro-batch pays the
+    fixed part in full (kernel launches, Python, allocation), so times do not scale
+    linearly with rows; 0 where only one size was timed."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,6 +76,9 @@ class ModelProfile:
     """Seconds for one forward + backward + optimizer step at `batch_size`."""
     param_bytes: int
     peak_rss_bytes: int
+    optimizer_step_s: float = 0.0
+    """Seconds of the optimizer's step alone, for the whole model (a pipeline stage pays its
+    share of the parameters)."""
     """Peak resident memory of the profiling process so far (ru_maxrss)."""
     layers: tuple[LayerProfile, ...] = ()
     store_bandwidth_bytes_per_s: float = 1e9
@@ -142,32 +149,6 @@ class ModelProfile:
         in the samples, so the measured figures scale by size / `microbatch_size`."""
         measured = self.microbatch_size or self.batch_size
         return [round(layer.activation_bytes * microbatch_size / measured) for layer in self.layers]
-
-
-@dataclass(frozen=True, kw_only=True)
-class LinkProfile:
-    """The transfer side of a profile, measured where the workers will run."""
-
-    bandwidth_bytes_per_s: float
-    latency_s: float
-    contention: float
-    allreduce_alpha_s_per_byte: float
-    allreduce_beta_s: float
-    allreduce_rmse_s: float = 0.0
-
-
-@dataclass(frozen=True)
-class ContentionResult:
-    """Median compute seconds alone and under transfer load, and the bytes moved meanwhile."""
-
-    alone_s: float
-    loaded_s: float
-    bytes_moved: int
-
-    @property
-    def factor(self) -> float:
-        """beta = loaded / alone, never below 1 (transfers do not speed compute up)."""
-        return max(1.0, self.loaded_s / self.alone_s)
 
 
 # --- timing and memory primitives ----------------------------------------------------------
@@ -297,31 +278,60 @@ def hardware_fingerprint(threads: int | None = None) -> str:
 # --- the model side ------------------------------------------------------------------------
 
 
-def profile_layers(model: nn.Module, x: torch.Tensor, repeats: int = 5) -> tuple[LayerProfile, ...]:
+def profile_layers(model: nn.Module, x: torch.Tensor, repeats: int = 5,
+                   fit_rows: int | None = None) -> tuple[LayerProfile, ...]:
     """Per top-level layer: forward and backward seconds on micro-batch `x`, output,
     activation and parameter bytes. Each layer runs on a detached copy of its input
     (requiring grad after the first layer, as a pipeline stage's input does); backward is
-    timed on its own, after an untimed forward, with a gradient of ones."""
-    device = x.device
-    params = list(model.parameters())
+    timed on its own, after an untimed forward, with a gradient of ones. With `fit_rows`
+    (fewer rows than `x` has), each layer is timed again on its input's first `fit_rows`
+    rows and the per-call part of its times fitted (`LayerProfile.forward_fixed_s`)."""
+    rows = len(x)
+    small = fit_rows if fit_rows is not None and 0 < fit_rows < rows else None
     layers, h = [], x
     for index, (name, layer) in enumerate(_children(model)):
-        inp = h.detach()
-        if index > 0 and inp.is_floating_point():
-            inp.requires_grad_(True)
-        with _SavedTensors(exclude=params) as saved:
-            out = layer(inp)
-        fwd = _median_time(lambda: layer(inp), repeats, device)
-        bwd = 0.0
-        if out.requires_grad:
-            grad = torch.ones_like(out)
-            bwd = _median_time(lambda o: torch.autograd.backward(o, grad), repeats, device,
-                               setup=lambda: layer(inp))
+        with _SavedTensors(exclude=list(model.parameters())) as saved:
+            out = layer(_stage_input(h, index))
+        fwd, bwd = _layer_times(layer, _stage_input(h, index), repeats)
+        fixed = (0.0, 0.0)
+        if small is not None:
+            f_small, b_small = _layer_times(layer, _stage_input(h[:small], index), repeats)
+            fixed = (_intercept(fwd, f_small, rows, small), _intercept(bwd, b_small, rows, small))
         layers.append(LayerProfile(name=name, forward_s=fwd, backward_s=bwd,
                                    output_bytes=_nbytes(out), param_bytes=_param_bytes(layer),
-                                   activation_bytes=saved.bytes))
+                                   activation_bytes=saved.bytes, forward_fixed_s=fixed[0],
+                                   backward_fixed_s=fixed[1]))
         h = out.detach()
     return tuple(layers)
+
+
+def _stage_input(h: torch.Tensor, index: int) -> torch.Tensor:
+    """A layer's input as a pipeline stage receives it: detached, requiring grad after the
+    first layer."""
+    inp = h.detach()
+    if index > 0 and inp.is_floating_point():
+        inp.requires_grad_(True)
+    return inp
+
+
+def _layer_times(layer: nn.Module, inp: torch.Tensor, repeats: int) -> tuple[float, float]:
+    """Median forward and backward seconds of `layer` on `inp` (backward 0 without grad)."""
+    device = inp.device
+    fwd = _median_time(lambda: layer(inp), repeats, device)
+    out = layer(inp)
+    if not out.requires_grad:
+        return fwd, 0.0
+    grad = torch.ones_like(out)
+    bwd = _median_time(lambda o: torch.autograd.backward(o, grad), repeats, device,
+                       setup=lambda: layer(inp))
+    return fwd, bwd
+
+
+def _intercept(t_big: float, t_small: float, rows: int, small: int) -> float:
+    """Intercept of the line through (small, t_small) and (rows, t_big), kept within
+    [0, t_small]: timing noise must not make a layer's time negative or superlinear."""
+    fixed = (t_small * rows - t_big * small) / (rows - small)
+    return min(max(fixed, 0.0), t_small)
 
 
 def measure_activation_bytes(model: nn.Module, x: torch.Tensor) -> int:
@@ -491,8 +501,11 @@ def profile_model(model: nn.Module, name: str, input_shape: tuple[int, ...], num
         opt = _build_optimizer(optimizer, model)
         step = _training_step(model, opt, x, y)
         threads = torch.get_num_threads()
-        step_s = _median_time(step, repeats, device)
-        layers = profile_layers(model, xm, repeats)
+        # a few more warm-up steps than elsewhere: the allocator and caches settle over the
+        # first steps, and a training run is all steady state
+        step_s = _median_time(step, 2 * repeats, device, warmup=3)
+        optimizer_step_s = _median_time(opt.step, 2 * repeats, device)  # gradients are in place
+        layers = profile_layers(model, xm, repeats, fit_rows=max(1, micro // 4))
         loss_fn = nn.CrossEntropyLoss()
         fwd = _median_time(lambda: loss_fn(model(xm), ym), repeats, device)
         bwd = _median_time(lambda loss: loss.backward(), repeats, device,
@@ -507,6 +520,7 @@ def profile_model(model: nn.Module, name: str, input_shape: tuple[int, ...], num
         model.train(was_training)
     return ModelProfile(
         model=name, input_shape=tuple(input_shape), batch_size=batch_size, step_s=step_s,
+        optimizer_step_s=optimizer_step_s,
         param_bytes=_param_bytes(model),
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         layers=layers, hardware=hardware_fingerprint(threads), microbatch_size=micro,
@@ -516,213 +530,6 @@ def profile_model(model: nn.Module, name: str, input_shape: tuple[int, ...], num
         base_memory_bytes=measure_base_memory(_model_modules(name)) if base_memory else 0,
         threads=threads, step_s_by_threads={str(n): s for n, s in sorted(by_threads.items())},
         serial_fraction=fit_serial_fraction(by_threads))
-
-
-# --- the link side -------------------------------------------------------------------------
-
-
-def fit_store(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
-    """(bandwidth bytes/s, latency s) from (bytes, seconds) transfers by least squares on
-    seconds = bytes / bandwidth + latency; latency is floored at 1 us (an emulated link's
-    burst allowance can make the intercept slightly negative)."""
-    a = np.array([(size, 1.0) for size, _ in samples], dtype=float)
-    coef, *_ = np.linalg.lstsq(a, np.array([s for _, s in samples], dtype=float), rcond=None)
-    per_byte, latency = float(coef[0]), float(coef[1])
-    bandwidth = 1.0 / per_byte if per_byte > 0 else 1e12
-    return bandwidth, max(latency, 1e-6)
-
-
-def measure_handoff(store, run_prefix: str, repeats: int = 5, delay_s: float = 0.01) -> float:
-    """Median seconds between a put finishing and a reader already waiting in `get` seeing
-    it: the notice delay of a store without notifications (a polling reader), which every
-    worker-to-worker transfer pays once and a put-then-get probe never sees."""
-    import threading
-
-    delays = []
-    key_base = f"{run_prefix}/handoff-{uuid.uuid4().hex[:8]}"
-    try:
-        for i in range(repeats):
-            key, done = f"{key_base}/{i}", {}
-
-            def writer():
-                time.sleep(delay_s)
-                store.put(key, b"x")
-                done["at"] = time.perf_counter()
-
-            t = threading.Thread(target=writer)
-            t.start()
-            store.get(key, timeout=10)
-            seen = time.perf_counter()
-            t.join()
-            delays.append(max(0.0, seen - done.get("at", seen)))
-    finally:
-        store.delete_prefix(key_base)
-    return statistics.median(delays)
-
-
-def profile_store(store, run_prefix: str, sizes: tuple[int, ...] = (1 << 10, 16 << 10, 64 << 10, 1 << 20, 4 << 20),
-                  repeats: int = 3) -> tuple[float, float]:
-    """(bandwidth bytes/s, latency s) of `store`: every put and every get of `sizes` bytes
-    is one transfer sample for `fit_store` (the small sizes pin the latency down). The
-    latency also carries half the measured hand-off delay (`measure_handoff`): the planners
-    count a store transfer as an upload plus a download, each with one latency, while a
-    waiting reader notices a new key once. Keys live under `run_prefix` and are deleted."""
-    samples = []
-    key_base = f"{run_prefix}/probe-{uuid.uuid4().hex[:8]}"
-    try:
-        for size in sizes:
-            payload = np.random.default_rng(size).bytes(size)
-            for i in range(repeats):
-                key = f"{key_base}/{size}-{i}"
-                t0 = time.perf_counter()
-                store.put(key, payload)
-                t1 = time.perf_counter()
-                store.get(key)
-                samples += [(size, t1 - t0), (size, time.perf_counter() - t1)]
-    finally:
-        store.delete_prefix(key_base)
-    bandwidth, latency = fit_store(samples)
-    return bandwidth, latency + measure_handoff(store, run_prefix) / 2
-
-
-def measure_contention(model: nn.Module, input_shape: tuple[int, ...], num_classes: int,
-                       microbatch_size: int, store, run_prefix: str, *,
-                       payload_bytes: int = 4 << 20, repeats: int = 5) -> ContentionResult:
-    """Forward + backward of `model` on one micro-batch, timed alone and while a background
-    thread uploads and downloads `payload_bytes` to `store` without pause (FuncPipe's
-    beta: compute slows while a worker's transfers run). Alone samples are taken before
-    and after the loaded ones, so a drift in machine load does not pass for contention."""
-    device = next(model.parameters(), torch.empty(0)).device
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(microbatch_size, *input_shape, generator=gen).to(device)
-    y = torch.randint(0, num_classes, (microbatch_size,), generator=gen).to(device)
-    loss_fn = nn.CrossEntropyLoss()
-
-    def compute() -> None:
-        model.zero_grad(set_to_none=True)
-        loss_fn(model(x), y).backward()
-
-    def timed() -> list[float]:
-        return [_median_time(compute, 1, device, warmup=0) for _ in range(repeats)]
-
-    key = f"{run_prefix}/contention-{uuid.uuid4().hex[:8]}"
-    payload = np.random.default_rng(0).bytes(payload_bytes)
-    stop, started, moved = threading.Event(), threading.Event(), [0]
-
-    def transfer() -> None:
-        while not stop.is_set():
-            store.put(key, payload)
-            store.get(key)
-            moved[0] += 2 * payload_bytes
-            started.set()
-
-    saved_state = copy.deepcopy(model.state_dict())
-    try:
-        _median_time(compute, 1, device)  # warm-up
-        alone = timed()
-        worker = threading.Thread(target=transfer, name="contention-load", daemon=True)
-        worker.start()
-        try:
-            started.wait(timeout=30)
-            loaded = timed()
-        finally:
-            stop.set()
-            worker.join()
-        alone += timed()
-    finally:
-        model.load_state_dict(saved_state)
-        model.zero_grad(set_to_none=True)
-        store.delete_prefix(key)
-    return ContentionResult(statistics.median(alone), statistics.median(loaded), moved[0])
-
-
-def measure_allreduce(connect: Callable[[], object], run_prefix: str, *,
-                      sizes: Sequence[int] = (256 << 10, 1 << 20, 4 << 20),
-                      worlds: Sequence[int] = (2, 3, 4), repeats: int = 2,
-                      timeout: float = 60.0) -> list[tuple[int, int, float]]:
-    """(bytes, workers, seconds) of `training.collectives.allreduce_mean` on a float32
-    tensor of each size among each number of thread-ranks, each rank with its own store
-    client from `connect()` (so an emulated link is per rank, as per worker). A call's
-    seconds run from a common barrier until its slowest rank holds the mean; the median
-    of `repeats` calls is kept."""
-    from training.collectives import allreduce_mean, release_group
-
-    samples = []
-    for world in worlds:
-        stores = [connect() for _ in range(world)]
-        try:
-            for size in sizes:
-                times = []
-                for r in range(repeats):
-                    group = f"{run_prefix}/allreduce-{uuid.uuid4().hex[:8]}"
-                    times.append(_timed_allreduce(stores, group, size, timeout,
-                                                  allreduce_mean, release_group))
-                samples.append((int(size), int(world), statistics.median(times)))
-        finally:
-            for s in stores:
-                s.close()
-    return samples
-
-
-def _timed_allreduce(stores, group: str, size: int, timeout: float, allreduce, release) -> float:
-    world = len(stores)
-    barrier = threading.Barrier(world)
-    elapsed = [0.0] * world
-    errors: list[BaseException] = []
-    tensor = torch.ones(max(1, size // 4), dtype=torch.float32)
-
-    def rank(i: int) -> None:
-        try:
-            barrier.wait(timeout)
-            t0 = time.perf_counter()
-            allreduce(stores[i], f"{group}/call", i, world, {"x": tensor * (i + 1)}, timeout)
-            elapsed[i] = time.perf_counter() - t0
-            release(stores[i], group, i, world, timeout)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
-            errors.append(exc)
-            barrier.abort()
-
-    threads = [threading.Thread(target=rank, args=(i,), name=f"allreduce-rank-{i}")
-               for i in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return max(elapsed)
-
-
-def fit_allreduce_samples(samples: Sequence[tuple[int, int, float]],
-                          bandwidth_bytes_per_s: float = float("inf")) -> tuple[float, float, float]:
-    """(alpha s/byte, beta s, rmse s) of the hybrid contract's ring form
-    T = 2 (A - 1) (P / (A bw) + alpha P / A + beta), by the planner's own least squares
-    (`planners.hybrid.fit_allreduce`), so the fit and the planner share one model. With
-    the store's bandwidth given, alpha is the per-byte cost beyond the link."""
-    from planners.hybrid import fit_allreduce  # pure numpy; one definition of the model
-
-    fit = fit_allreduce(samples, bandwidth_bytes_per_s)
-    return fit.alpha_s_per_byte, fit.beta_s, fit.rmse_s
-
-
-def profile_links(model: nn.Module, input_shape: tuple[int, ...], num_classes: int,
-                  microbatch_size: int, connect: Callable[[], object], run_prefix: str, *,
-                  worlds: Sequence[int] = (2, 3, 4),
-                  sizes: Sequence[int] = (256 << 10, 1 << 20, 4 << 20)) -> LinkProfile:
-    """Store bandwidth and latency, contention factor and allreduce alpha/beta, measured
-    through store clients from `connect()`; every key lives under `run_prefix`."""
-    store = connect()
-    try:
-        bandwidth, latency = profile_store(store, run_prefix)
-        contention = measure_contention(model, input_shape, num_classes, microbatch_size,
-                                        store, run_prefix).factor
-    finally:
-        store.close()
-    samples = measure_allreduce(connect, run_prefix, sizes=sizes, worlds=worlds)
-    alpha, beta, rmse = fit_allreduce_samples(samples, bandwidth)
-    return LinkProfile(bandwidth_bytes_per_s=bandwidth, latency_s=latency, contention=contention,
-                       allreduce_alpha_s_per_byte=alpha, allreduce_beta_s=beta,
-                       allreduce_rmse_s=rmse)
 
 
 # --- what the planners read ----------------------------------------------------------------

@@ -1,0 +1,77 @@
+"""The link side of a profile: a worker's put and get costs, and the store collective timed
+among real worker processes, with the fits the planners read."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from planners.sync_time import scatter_reduce
+from training.links import (fit_endpoints, fit_scatter_reduce, profile_transfers,
+                            time_store_collective, transfer_sizes)
+from training.profiler import profile_layers
+from training.store import open_store
+
+
+def test_relative_fit_recovers_latency_and_bandwidth_exactly():
+    bw, lat = 250e6, 2e-3
+    samples = [(s, lat + s / bw) for s in (1 << 10, 1 << 16, 1 << 20, 1 << 24) for _ in range(3)]
+    got_bw, got_lat = fit_endpoints(samples + [(1 << 10, 1.0)])  # one outlier: the median ignores it
+    assert got_bw == pytest.approx(bw, rel=1e-9) and got_lat == pytest.approx(lat, rel=1e-9)
+
+
+def test_scatter_reduce_fit_inverts_the_model():
+    bw, lat = 400e6, 5e-3
+    samples = [(s, n, scatter_reduce(s, n, bw, lat)) for s in (4e6, 32e6) for n in (2, 4)]
+    got_bw, got_lat = fit_scatter_reduce(samples)
+    assert got_bw == pytest.approx(bw, rel=1e-9) and got_lat == pytest.approx(lat, rel=1e-9)
+
+
+def test_probe_sizes_reach_the_largest_tensor_within_bounds():
+    assert transfer_sizes(0)[-1] == 4 << 20 and transfer_sizes(0)[0] == 1 << 10
+    assert transfer_sizes(37e6)[-1] == int(37e6)
+    assert transfer_sizes(1e12)[-1] == 64 << 20
+
+
+def test_put_and_get_fits_recover_emulated_links_per_direction(tmp_path):
+    up, down = 30e6, 60e6
+    store = open_store(str(tmp_path), upload_bytes_per_s=up, download_bytes_per_s=down)
+    t = profile_transfers(store, "runs/t/probe", max_bytes=2 << 20, repeats=2)
+    assert abs(t.put_bandwidth - up) / up < 0.3
+    assert abs(t.get_bandwidth - down) / down < 0.3
+    assert 0 < t.put_latency_s < 0.05 and 0 < t.get_latency_s < 0.05 and t.handoff_s >= 0
+    assert store.list("runs/") == []
+
+
+def test_store_collective_timed_among_two_processes(tmp_path):
+    url = tmp_path.as_uri()
+    samples = time_store_collective(url, "runs/c/probe", 1 << 20, worlds=(2,), repeats=2)
+    assert [(s, n) for s, n, _ in samples] == [(1 << 17, 2), (1 << 20, 2)]
+    assert all(0 < sec < 10 for _, _, sec in samples)
+    assert open_store(url).list("runs/") == []  # barrier and round keys are gone
+
+
+class _FixedCost(nn.Module):
+    """A layer whose forward costs a fixed wait (a sleep: no CPU to be preempted from)
+    plus real per-row work."""
+
+    def __init__(self, fixed_s: float):
+        super().__init__()
+        self.fixed_s, self.lin = fixed_s, nn.Linear(256, 256)
+
+    def forward(self, x):
+        import time
+
+        time.sleep(self.fixed_s)
+        return self.lin(x)
+
+
+def test_layer_times_split_into_per_call_and_per_row_parts():
+    torch.manual_seed(0)
+    model = nn.Sequential(_FixedCost(0.004), nn.ReLU())
+    [first, _] = profile_layers(model, torch.randn(64, 256), repeats=5, fit_rows=8)
+    assert first.forward_fixed_s == pytest.approx(0.004, abs=0.0015)
+    assert 0 <= first.forward_fixed_s <= first.forward_s
+    assert 0 <= first.backward_fixed_s <= first.backward_s
+    [plain, _] = profile_layers(model, torch.randn(64, 256), repeats=3)
+    assert plain.forward_fixed_s == plain.backward_fixed_s == 0.0

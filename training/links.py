@@ -1,0 +1,450 @@
+"""The link side of a profile: the store and the collectives the workers will sync through.
+
+Not cached (a store's speed depends on where it runs):
+
+- `profile_store`: the store's bandwidth and latency in the planners' contract form (one
+  bandwidth, one latency per transfer), with the hand-off delay of a polling store
+  (`measure_handoff`);
+- `profile_transfers`: what a worker's transfer really costs, put (encode + upload) and get
+  (download + decode) fitted apart, at sizes up to the tensors the job will move;
+- `measure_contention`: FuncPipe's beta, compute slowdown while transfers run (Sec. 3.4.2);
+- `measure_allreduce` / `fit_allreduce_samples`: timed collectives among thread ranks and
+  the hybrid contract's alpha/beta fitted to them; `time_store_collective`: the store
+  allreduce timed among real worker processes, as the workers run it.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import statistics
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from training.profiler import _median_time
+
+@dataclass(frozen=True, kw_only=True)
+class LinkProfile:
+    """The transfer side of a profile, measured where the workers will run."""
+
+    bandwidth_bytes_per_s: float
+    latency_s: float
+    contention: float
+    allreduce_alpha_s_per_byte: float
+    allreduce_beta_s: float
+    allreduce_rmse_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class ContentionResult:
+    """Median compute seconds alone and under transfer load, and the bytes moved meanwhile."""
+
+    alone_s: float
+    loaded_s: float
+    bytes_moved: int
+
+    @property
+    def factor(self) -> float:
+        """beta = loaded / alone, never below 1 (transfers do not speed compute up)."""
+        return max(1.0, self.loaded_s / self.alone_s)
+
+
+
+def fit_store(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """(bandwidth bytes/s, latency s) from (bytes, seconds) transfers by least squares on
+    seconds = bytes / bandwidth + latency; latency is floored at 1 us (an emulated link's
+    burst allowance can make the intercept slightly negative)."""
+    a = np.array([(size, 1.0) for size, _ in samples], dtype=float)
+    coef, *_ = np.linalg.lstsq(a, np.array([s for _, s in samples], dtype=float), rcond=None)
+    per_byte, latency = float(coef[0]), float(coef[1])
+    bandwidth = 1.0 / per_byte if per_byte > 0 else 1e12
+    return bandwidth, max(latency, 1e-6)
+
+
+def measure_handoff(store, run_prefix: str, repeats: int = 5, delay_s: float = 0.01) -> float:
+    """Median seconds between a put finishing and a reader already waiting in `get` seeing
+    it: the notice delay of a store without notifications (a polling reader), which every
+    worker-to-worker transfer pays once and a put-then-get probe never sees."""
+    import threading
+
+    delays = []
+    key_base = f"{run_prefix}/handoff-{uuid.uuid4().hex[:8]}"
+    try:
+        for i in range(repeats):
+            key, done = f"{key_base}/{i}", {}
+
+            def writer():
+                time.sleep(delay_s)
+                store.put(key, b"x")
+                done["at"] = time.perf_counter()
+
+            t = threading.Thread(target=writer)
+            t.start()
+            store.get(key, timeout=10)
+            seen = time.perf_counter()
+            t.join()
+            delays.append(max(0.0, seen - done.get("at", seen)))
+    finally:
+        store.delete_prefix(key_base)
+    return statistics.median(delays)
+
+
+def profile_store(store, run_prefix: str, sizes: tuple[int, ...] = (1 << 10, 16 << 10, 64 << 10, 1 << 20, 4 << 20),
+                  repeats: int = 3) -> tuple[float, float]:
+    """(bandwidth bytes/s, latency s) of `store`: every put and every get of `sizes` bytes
+    is one transfer sample for `fit_store` (the small sizes pin the latency down). The
+    latency also carries half the measured hand-off delay (`measure_handoff`): the planners
+    count a store transfer as an upload plus a download, each with one latency, while a
+    waiting reader notices a new key once. Keys live under `run_prefix` and are deleted."""
+    samples = []
+    key_base = f"{run_prefix}/probe-{uuid.uuid4().hex[:8]}"
+    try:
+        for size in sizes:
+            payload = np.random.default_rng(size).bytes(size)
+            for i in range(repeats):
+                key = f"{key_base}/{size}-{i}"
+                t0 = time.perf_counter()
+                store.put(key, payload)
+                t1 = time.perf_counter()
+                store.get(key)
+                samples += [(size, t1 - t0), (size, time.perf_counter() - t1)]
+    finally:
+        store.delete_prefix(key_base)
+    bandwidth, latency = fit_store(samples)
+    return bandwidth, latency + measure_handoff(store, run_prefix) / 2
+
+
+def measure_contention(model: nn.Module, input_shape: tuple[int, ...], num_classes: int,
+                       microbatch_size: int, store, run_prefix: str, *,
+                       payload_bytes: int = 4 << 20, repeats: int = 5) -> ContentionResult:
+    """Forward + backward of `model` on one micro-batch, timed alone and while a background
+    thread uploads and downloads `payload_bytes` to `store` without pause (FuncPipe's
+    beta: compute slows while a worker's transfers run). Alone samples are taken before
+    and after the loaded ones, so a drift in machine load does not pass for contention."""
+    device = next(model.parameters(), torch.empty(0)).device
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(microbatch_size, *input_shape, generator=gen).to(device)
+    y = torch.randint(0, num_classes, (microbatch_size,), generator=gen).to(device)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def compute() -> None:
+        model.zero_grad(set_to_none=True)
+        loss_fn(model(x), y).backward()
+
+    def timed() -> list[float]:
+        return [_median_time(compute, 1, device, warmup=0) for _ in range(repeats)]
+
+    key = f"{run_prefix}/contention-{uuid.uuid4().hex[:8]}"
+    payload = np.random.default_rng(0).bytes(payload_bytes)
+    stop, started, moved = threading.Event(), threading.Event(), [0]
+
+    def transfer() -> None:
+        while not stop.is_set():
+            store.put(key, payload)
+            store.get(key)
+            moved[0] += 2 * payload_bytes
+            started.set()
+
+    saved_state = copy.deepcopy(model.state_dict())
+    try:
+        _median_time(compute, 1, device)  # warm-up
+        alone = timed()
+        worker = threading.Thread(target=transfer, name="contention-load", daemon=True)
+        worker.start()
+        try:
+            started.wait(timeout=30)
+            loaded = timed()
+        finally:
+            stop.set()
+            worker.join()
+        alone += timed()
+    finally:
+        model.load_state_dict(saved_state)
+        model.zero_grad(set_to_none=True)
+        store.delete_prefix(key)
+    return ContentionResult(statistics.median(alone), statistics.median(loaded), moved[0])
+
+
+def measure_allreduce(connect: Callable[[], object], run_prefix: str, *,
+                      sizes: Sequence[int] = (256 << 10, 1 << 20, 4 << 20),
+                      worlds: Sequence[int] = (2, 3, 4), repeats: int = 2,
+                      timeout: float = 60.0) -> list[tuple[int, int, float]]:
+    """(bytes, workers, seconds) of `training.collectives.allreduce_mean` on a float32
+    tensor of each size among each number of thread-ranks, each rank with its own store
+    client from `connect()` (so an emulated link is per rank, as per worker). A call's
+    seconds run from a common barrier until its slowest rank holds the mean; the median
+    of `repeats` calls is kept."""
+    from training.collectives import allreduce_mean, release_group
+
+    samples = []
+    for world in worlds:
+        stores = [connect() for _ in range(world)]
+        try:
+            for size in sizes:
+                times = []
+                for r in range(repeats):
+                    group = f"{run_prefix}/allreduce-{uuid.uuid4().hex[:8]}"
+                    times.append(_timed_allreduce(stores, group, size, timeout,
+                                                  allreduce_mean, release_group))
+                samples.append((int(size), int(world), statistics.median(times)))
+        finally:
+            for s in stores:
+                s.close()
+    return samples
+
+
+def _timed_allreduce(stores, group: str, size: int, timeout: float, allreduce, release) -> float:
+    world = len(stores)
+    barrier = threading.Barrier(world)
+    elapsed = [0.0] * world
+    errors: list[BaseException] = []
+    tensor = torch.ones(max(1, size // 4), dtype=torch.float32)
+
+    def rank(i: int) -> None:
+        try:
+            barrier.wait(timeout)
+            t0 = time.perf_counter()
+            allreduce(stores[i], f"{group}/call", i, world, {"x": tensor * (i + 1)}, timeout)
+            elapsed[i] = time.perf_counter() - t0
+            release(stores[i], group, i, world, timeout)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=rank, args=(i,), name=f"allreduce-rank-{i}")
+               for i in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return max(elapsed)
+
+
+def fit_allreduce_samples(samples: Sequence[tuple[int, int, float]],
+                          bandwidth_bytes_per_s: float = float("inf")) -> tuple[float, float, float]:
+    """(alpha s/byte, beta s, rmse s) of the hybrid contract's ring form
+    T = 2 (A - 1) (P / (A bw) + alpha P / A + beta), by the planner's own least squares
+    (`planners.hybrid.fit_allreduce`), so the fit and the planner share one model. With
+    the store's bandwidth given, alpha is the per-byte cost beyond the link."""
+    from planners.hybrid import fit_allreduce  # pure numpy; one definition of the model
+
+    fit = fit_allreduce(samples, bandwidth_bytes_per_s)
+    return fit.alpha_s_per_byte, fit.beta_s, fit.rmse_s
+
+
+def profile_links(model: nn.Module, input_shape: tuple[int, ...], num_classes: int,
+                  microbatch_size: int, connect: Callable[[], object], run_prefix: str, *,
+                  worlds: Sequence[int] = (2, 3, 4),
+                  sizes: Sequence[int] = (256 << 10, 1 << 20, 4 << 20)) -> LinkProfile:
+    """Store bandwidth and latency, contention factor and allreduce alpha/beta, measured
+    through store clients from `connect()`; every key lives under `run_prefix`."""
+    store = connect()
+    try:
+        bandwidth, latency = profile_store(store, run_prefix)
+        contention = measure_contention(model, input_shape, num_classes, microbatch_size,
+                                        store, run_prefix).factor
+    finally:
+        store.close()
+    samples = measure_allreduce(connect, run_prefix, sizes=sizes, worlds=worlds)
+    alpha, beta, rmse = fit_allreduce_samples(samples, bandwidth)
+    return LinkProfile(bandwidth_bytes_per_s=bandwidth, latency_s=latency, contention=contention,
+                       allreduce_alpha_s_per_byte=alpha, allreduce_beta_s=beta,
+                       allreduce_rmse_s=rmse)
+
+
+
+
+# --- what a worker's transfers and collectives really cost ------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransferProfile:
+    """A worker's tensor transfers through the store, as the engine makes them: put =
+    encode + upload, get = download + decode, each `latency + bytes / bandwidth`; handoff =
+    how late a reader already waiting for a key notices it (a polling store)."""
+
+    put_latency_s: float
+    put_bandwidth: float
+    get_latency_s: float
+    get_bandwidth: float
+    handoff_s: float
+
+    def to_dict(self) -> dict:
+        """Plain JSON-able dict."""
+        return dataclasses.asdict(self)
+
+
+def fit_endpoints(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """(bandwidth bytes/s, latency s) of seconds = bytes / bandwidth + latency through the
+    median seconds of the smallest and of the largest size: the latency is what a tiny
+    transfer costs and the bandwidth what a large one adds per byte. A least-squares line
+    over every size lets the largest transfers' noise decide the latency, and an emulated
+    link's burst allowance (small transfers free) bend the slope."""
+    by_size: dict[int, list[float]] = {}
+    for size, seconds in samples:
+        by_size.setdefault(int(size), []).append(float(seconds))
+    small, large = min(by_size), max(by_size)
+    t_small, t_large = statistics.median(by_size[small]), statistics.median(by_size[large])
+    per_byte = (t_large - t_small) / (large - small) if large > small else 0.0
+    bandwidth = 1.0 / per_byte if per_byte > 0 else 1e12
+    return bandwidth, max(t_small - small * max(per_byte, 0.0), 1e-6)
+
+
+def transfer_sizes(max_bytes: float, floor: int = 4 << 20, cap: int = 64 << 20) -> list[int]:
+    """Probe sizes: 1 KiB, then x4 steps up to the largest tensor the job moves (at least
+    `floor`, at most `cap`), so the fit covers the sizes that matter."""
+    top = int(min(max(max_bytes, floor), cap))
+    sizes, size = [], 1 << 10
+    while size < top:
+        sizes.append(size)
+        size *= 4
+    return sizes + [top]
+
+
+def profile_transfers(store, run_prefix: str, max_bytes: float = 0, repeats: int = 3) -> TransferProfile:
+    """Time put (encode + upload) and get (download + decode) of float32 tensors of
+    `transfer_sizes(max_bytes)` bytes through `store`, fit each to latency + bytes /
+    bandwidth (`fit_endpoints`), and measure the hand-off delay. Keys live under
+    `run_prefix` and are deleted."""
+    from training.tensor_codec import decode_tensors, encode_tensors
+
+    puts, gets = [], []
+    key_base = f"{run_prefix}/transfers-{uuid.uuid4().hex[:8]}"
+    try:
+        for size in transfer_sizes(max_bytes):
+            tensor = torch.randn(max(1, size // 4), generator=torch.Generator().manual_seed(size))
+            for i in range(repeats + 1):  # the first of each size is a warm-up
+                key = f"{key_base}/{size}-{i}"
+                t0 = time.perf_counter()
+                store.put(key, encode_tensors({"t": tensor}))
+                t1 = time.perf_counter()
+                decode_tensors(store.get(key))
+                t2 = time.perf_counter()
+                store.delete(key)
+                if i:
+                    puts.append((size, t1 - t0))
+                    gets.append((size, t2 - t1))
+    finally:
+        store.delete_prefix(key_base)
+    put_bw, put_lat = fit_endpoints(puts)
+    get_bw, get_lat = fit_endpoints(gets)
+    return TransferProfile(put_latency_s=put_lat, put_bandwidth=put_bw, get_latency_s=get_lat,
+                           get_bandwidth=get_bw, handoff_s=measure_handoff(store, run_prefix))
+
+
+def fit_scatter_reduce(samples: Sequence[tuple[int, int, float]]) -> tuple[float, float]:
+    """(bandwidth, latency) that make FuncPipe's scatter-reduce model (Eq. 1,
+    `planners.sync_time.scatter_reduce`) fit timed collectives (bytes, workers, seconds),
+    by least squares on the relative error: the effective link of the store collective as
+    implemented (encoding, reduction and the peers' waits included)."""
+    rows = [((3 - 2 / n) * s, 4.0) for s, n, _ in samples]
+    t = np.array([sec for _, _, sec in samples], dtype=float)
+    coef, *_ = np.linalg.lstsq(np.array(rows, dtype=float) / t[:, None], np.ones(len(rows)), rcond=None)
+    per_byte, latency = float(coef[0]), float(coef[1])
+    return (1.0 / per_byte if per_byte > 0 else 1e12), max(latency, 1e-6)
+
+
+def time_store_collective(store_url: str, run_prefix: str, nbytes: float, *,
+                          worlds: Sequence[int] = (2,), repeats: int = 3, timeout_s: float = 120.0,
+                          opener: str = "training.store:open_store") -> list[tuple[int, int, float]]:
+    """(bytes, workers, seconds) of the plain store allreduce (`training.collectives.
+    allreduce_mean`, what Local-SGD averages with) among `workers` real processes, one torch
+    thread each as workers run, at `nbytes` and `nbytes / 8`: each call's seconds are its
+    slowest rank's, the median of `repeats` calls after a warm-up is kept. Processes run in
+    their own process group and are stopped by pid on failure. `opener` ("module:function")
+    opens `store_url` in each rank (the coordinator passes its block-aware opener)."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    samples = []
+    sizes = sorted({max(4096, int(nbytes) // 8), max(4096, int(nbytes))})
+    for world in worlds:
+        group = f"{run_prefix}/collective-{uuid.uuid4().hex[:8]}"
+        args = [sys.executable, "-m", "training.links", store_url, group, str(world),
+                ",".join(map(str, sizes)), str(repeats), str(timeout_s), opener]
+        repo = str(Path(__file__).resolve().parent.parent)  # `-m training.links` from anywhere
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
+        procs = [subprocess.Popen(args + [str(rank)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  env=env, start_new_session=True, text=True) for rank in range(world)]
+        try:
+            outs = [p.communicate(timeout=timeout_s * (repeats + 1) * len(sizes)) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+        bad = [(p.returncode, err) for p, (_, err) in zip(procs, outs) if p.returncode]
+        if bad:
+            raise RuntimeError(f"timed collective among {world} processes failed: "
+                               f"{bad[0][1].strip().splitlines()[-1:] or bad[0][0]}")
+        store = _opener(opener)(store_url)
+        try:
+            store.delete_prefix(group)  # the barrier calls leave their results behind
+        finally:
+            store.close()
+        per_rank = [json.loads(out) for out, _ in outs]
+        for size in sizes:
+            calls = zip(*(r[str(size)] for r in per_rank))
+            samples.append((size, world, statistics.median(max(c) for c in calls)))
+    return samples
+
+
+def _opener(path: str) -> Callable[[str], object]:
+    import importlib
+
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _collective_rank(store_url: str, group: str, world: int, sizes: str, repeats: int,
+                     timeout_s: float, opener: str, rank: int) -> dict[str, list[float]]:
+    """One rank of `time_store_collective`: seconds of each timed call, by size. Calls start
+    together (a barrier through the store) so a call's time is the collective's, not a
+    late start's; each call cleans up the previous one's keys as Local-SGD does."""
+    from training.collectives import allreduce_mean, release_group
+
+    torch.set_num_threads(1)
+    store = _opener(opener)(store_url)
+    out = {}
+    try:
+        call = 0
+        for size in map(int, sizes.split(",")):
+            # several tensors, as a model has: the flattening cost is part of the collective
+            n = max(1, size // 4)
+            tensors = {f"p{i}": c.clone() for i, c in enumerate(torch.randn(n).tensor_split(8))}
+            times = []
+            for i in range(repeats + 1):
+                allreduce_mean(store, f"{group}/barrier{call}", rank, world, {"b": torch.ones(1)}, timeout_s)
+                t0 = time.perf_counter()
+                allreduce_mean(store, f"{group}/r{call}", rank, world, tensors, timeout_s,
+                               previous_prefix=f"{group}/r{call - 1}" if call else None)
+                if i:
+                    times.append(time.perf_counter() - t0)
+                call += 1
+            out[str(size)] = times
+        release_group(store, group, rank, world, timeout_s)
+    finally:
+        store.close()
+    return out
+
+
+if __name__ == "__main__":  # a rank of `time_store_collective`
+    import json
+    import sys
+
+    url, grp, world_, sizes_, repeats_, timeout_, opener_, rank_ = sys.argv[1:9]
+    print(json.dumps(_collective_rank(url, grp, int(world_), sizes_, int(repeats_), float(timeout_),
+                                      opener_, int(rank_))))
