@@ -53,7 +53,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from training.checkpoint import FORMAT as CHECKPOINT_FORMAT
 from training.collectives import SyncStats, release_group
