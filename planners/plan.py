@@ -41,6 +41,9 @@ class Plan:
     """Predicted seconds per optimizer step, synchronisation amortised."""
     predicted_epoch_s: float = 0.0
     predicted_cost_per_epoch_usd: float = 0.0
+    planner_objective_s: float = 0.0
+    """The contract formula's iteration time the partition solver minimised (pipelines; 0
+    where no solver ran), kept beside the prediction for the report."""
     alternatives: tuple[dict, ...] = field(default_factory=tuple)
     """Other plans considered, each with its predicted iteration time and cost."""
 
@@ -66,12 +69,13 @@ class Plan:
 def plan_local_sgd(*, workers: int, train_samples: int, batch_size: int, sync_period: int | None,
                    step_s: float, sync_bytes: float, bandwidth: float, latency: float,
                    worker_vcpu: float, worker_memory_gb: float, worker_gpu: int,
-                   offer: str, price_per_worker_s: float) -> Plan:
+                   offer: str, price_per_worker_s: float, checkpoint_s: float | None = None) -> Plan:
     """The Local-SGD plan for `workers` replicas and its predicted step time and epoch cost.
 
     Each replica takes ceil(samples / (workers * batch)) steps, and averages
     `sync_bytes` every `sync_period` steps (once per epoch when None); each sync also writes
-    the sync checkpoint (`sync_bytes` once)."""
+    the sync checkpoint (`sync_bytes` once): `checkpoint_s` seconds when measured, else
+    one put at `bandwidth` and `latency`."""
     if workers < 1:
         raise ValueError(f"workers: must be >= 1, got {workers}")
     steps = max(1, math.ceil(train_samples / (workers * batch_size)))
@@ -79,7 +83,9 @@ def plan_local_sgd(*, workers: int, train_samples: int, batch_size: int, sync_pe
     # the decentralised average is a scatter-reduce then all-gather (FuncPipe Eq. 1), and at
     # every sync rank 0 writes the averaged state as the sync checkpoint (one put) before the
     # next round can complete
-    sync_s = (scatter_reduce(sync_bytes, workers, bandwidth, latency) + sync_bytes / bandwidth + latency) * syncs
+    if checkpoint_s is None:
+        checkpoint_s = sync_bytes / bandwidth + latency
+    sync_s = (scatter_reduce(sync_bytes, workers, bandwidth, latency) + checkpoint_s) * syncs
     epoch_s = steps * step_s + sync_s
     return Plan(strategy="local_sgd", data_parallel=workers, sync_period=sync_period,
                 steps_per_epoch=steps, batch_size=batch_size, worker_vcpu=worker_vcpu,

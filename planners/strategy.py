@@ -6,10 +6,14 @@ and latency, the worker's price), so this is pure and testable without torch or 
 - Local-SGD with D = `workers` replicas: a step is one replica's forward/backward at the
   job's batch, plus the store allreduce (scatter-reduce) of the parameters and optimizer state
   every k steps, amortised over the k steps.
-- Pipeline / hybrid with D replicas of an M-stage pipeline: the iteration time of
-  `planners.hybrid` (Hydrozoa's pipeline runtime with store transport, plus the pipelined
-  scatter-reduce of each stage's gradients among its D replicas, chosen jointly with the
-  partition), at the same per-replica batch split into `microbatches` micro-batches.
+- Pipeline / hybrid with D replicas of an M-stage pipeline: `planners.hybrid` (Hydrozoa's
+  pipeline runtime with store transport plus the pipelined scatter-reduce of each stage's
+  gradients, the contract's objective) chooses the candidates and their cuts, at the same
+  per-replica batch split into `microbatches` micro-batches; each chosen plan's iteration
+  time is then predicted by `planners.pipeline_time`, which replays the schedule as the
+  executor runs it (affine layer times, overlapped transfers, hand-off paid when a reader
+  waits, per-stage sync and optimizer step). The contract's figure stays in the plan as
+  `planner_objective_s`.
 
 Every candidate gets a predicted iteration time, epoch time, cost per epoch and throughput
 per dollar; `auto` picks the cheapest epoch among the fastest (throughput within 5 % of the
@@ -21,7 +25,9 @@ import math
 from dataclasses import dataclass, replace
 
 from planners.hybrid import hybrid
+from planners.pipeline_time import PipelineTime, TransferCosts, pipeline_iteration, stage_times
 from planners.plan import Plan, plan_local_sgd
+from planners.sync_time import pipelined_scatter_reduce
 
 STRATEGIES = ("local_sgd", "pipeline", "hybrid")
 
@@ -31,7 +37,8 @@ class StrategyInputs:
     """What the planner needs to know about a job, its profile and its target."""
 
     layers: tuple[dict, ...]
-    """Per layer at `profile_batch` samples: forward_s, backward_s, output_bytes, param_bytes."""
+    """Per layer at `profile_batch` samples: forward_s, backward_s, output_bytes, param_bytes,
+    and optionally forward_fixed_s, backward_fixed_s (the per-call part of an affine fit)."""
     profile_batch: int
     step_s: float
     """One Local-SGD step at `batch_size` samples."""
@@ -51,23 +58,54 @@ class StrategyInputs:
     worker_vcpu: float = 1.0
     worker_memory_gb: float = 2.0
     worker_gpu: int = 0
+    transfer: TransferCosts | None = None
+    """Measured per-direction put/get costs and hand-off delay of the store (None: the
+    contract's symmetric `bandwidth` and `latency`)."""
+    optimizer_step_s: float = 0.0
+    """One optimizer step of the whole model; a pipeline stage pays its parameter share."""
+    sync_bandwidth: float | None = None
+    """Effective bandwidth of the store collectives, fitted from timed ones (None: `bandwidth`)."""
+    sync_latency: float | None = None
+    """Effective per-round latency of the store collectives (None: `latency`)."""
+
+    @property
+    def transfer_costs(self) -> TransferCosts:
+        """`transfer`, or the contract's store when no probe measured it."""
+        return self.transfer or TransferCosts.from_contract(self.bandwidth, self.latency)
+
+    @property
+    def sync_link(self) -> tuple[float, float]:
+        """(bandwidth, latency) of the store collectives."""
+        return (self.sync_bandwidth if self.sync_bandwidth is not None else self.bandwidth,
+                self.sync_latency if self.sync_latency is not None else self.latency)
 
 
 def local_sgd(x: StrategyInputs, workers: int | None = None) -> Plan:
-    """The Local-SGD plan for `workers` (default: the job's) replicas."""
+    """The Local-SGD plan for `workers` (default: the job's) replicas: the scatter-reduce at
+    the collectives' fitted link, the sync checkpoint write as one put."""
+    sync_bytes = x.param_bytes * (1 + x.optimizer_copies)
+    checkpoint_s = (x.transfer.put_s(sync_bytes) if x.transfer is not None
+                    else sync_bytes / x.bandwidth + x.latency)
+    bandwidth, latency = x.sync_link
     return plan_local_sgd(
         workers=workers or x.workers, train_samples=x.n_train, batch_size=x.batch_size,
-        sync_period=x.sync_period, step_s=x.step_s,
-        sync_bytes=x.param_bytes * (1 + x.optimizer_copies), bandwidth=x.bandwidth,
-        latency=x.latency, worker_vcpu=x.worker_vcpu, worker_memory_gb=x.worker_memory_gb,
-        worker_gpu=x.worker_gpu, offer=x.offer, price_per_worker_s=x.price_per_worker_s)
+        sync_period=x.sync_period, step_s=x.step_s, sync_bytes=sync_bytes, bandwidth=bandwidth,
+        latency=latency, worker_vcpu=x.worker_vcpu, worker_memory_gb=x.worker_memory_gb,
+        worker_gpu=x.worker_gpu, offer=x.offer, price_per_worker_s=x.price_per_worker_s,
+        checkpoint_s=checkpoint_s)
+
+
+_FIXED = ("forward_fixed_s", "backward_fixed_s")
 
 
 def _microbatch_layers(x: StrategyInputs, microbatch_size: int) -> list[dict]:
-    scale = microbatch_size / x.profile_batch
-    return [{"forward_s": l["forward_s"] * scale, "backward_s": l["backward_s"] * scale,
-             "output_bytes": l["output_bytes"] * scale, "param_bytes": l["param_bytes"]}
-            for l in x.layers]
+    """The layers at `microbatch_size` rows, each time affine in the rows (the fixed part
+    is kept so that merging and stage sums stay exact)."""
+    stages = stage_times(x.layers, range(len(x.layers) - 1), microbatch_size, x.profile_batch)
+    return [{"forward_s": st["forward_s"], "backward_s": st["backward_s"],
+             "output_bytes": st["out_bytes"], "param_bytes": l["param_bytes"],
+             **{k: l.get(k, 0.0) for k in _FIXED}}
+            for st, l in zip(stages, x.layers)]
 
 
 def merge_parameter_free(layers) -> tuple[list[dict], list[int]]:
@@ -81,25 +119,35 @@ def merge_parameter_free(layers) -> tuple[list[dict], list[int]]:
         if layer["param_bytes"] > 0:
             merged.append({"forward_s": sum(l["forward_s"] for l in pending),
                            "backward_s": sum(l["backward_s"] for l in pending),
-                           "output_bytes": layer["output_bytes"], "param_bytes": sum(l["param_bytes"] for l in pending)})
+                           "output_bytes": layer["output_bytes"], "param_bytes": sum(l["param_bytes"] for l in pending),
+                           **_fixed_sums(pending)})
             last.append(i)
             pending = []
     if pending and merged:
         tail = merged[-1]
         merged[-1] = {"forward_s": tail["forward_s"] + sum(l["forward_s"] for l in pending),
                       "backward_s": tail["backward_s"] + sum(l["backward_s"] for l in pending),
-                      "output_bytes": pending[-1]["output_bytes"], "param_bytes": tail["param_bytes"]}
+                      "output_bytes": pending[-1]["output_bytes"], "param_bytes": tail["param_bytes"],
+                      **_fixed_sums([tail] + pending)}
         last[-1] = len(layers) - 1
     return merged, last
+
+
+def _fixed_sums(layers) -> dict:
+    """The summed per-call parts of merged layers (only where some layer has one)."""
+    return {k: sum(l.get(k, 0.0) for l in layers) for k in _FIXED if any(k in l for l in layers)}
 
 
 def pipeline_plans(x: StrategyInputs, *, cluster: int, global_batch: int, microbatch_size: int,
                    max_stages: int | None = None) -> list[Plan]:
     """Every A x B plan with B >= 2 stages and A * B <= `cluster` workers that keeps the
     global batch: each of the A replicas pipelines global_batch / A samples as micro-batches
-    of `microbatch_size` (Hydrozoa Alg. 1 through `planners.hybrid`)."""
+    of `microbatch_size` (Hydrozoa Alg. 1 through `planners.hybrid`, which picks the cuts),
+    each predicted by `pipeline_prediction`."""
+    if len(x.layers) < 2 or microbatch_size < 1:
+        return []
     layers, last = merge_parameter_free(_microbatch_layers(x, microbatch_size))
-    if len(layers) < 2 or microbatch_size < 1:
+    if len(layers) < 2:
         return []
     doc = {"layers": layers, "bandwidth_bytes_per_s": x.bandwidth,
            "latency_s": x.latency, "transport": "store", "max_stages": min(max_stages or len(layers), len(layers)),
@@ -114,18 +162,36 @@ def pipeline_plans(x: StrategyInputs, *, cluster: int, global_batch: int, microb
             continue  # plain data parallelism is Local-SGD's candidate
         replicas, batch = c["data_parallel"], global_batch // c["data_parallel"]
         steps = math.ceil(x.n_train / global_batch)
-        epoch_s = steps * c["time_s"]
-        n = replicas * c["stages"]
-        plans.append(Plan(strategy="hybrid" if replicas > 1 else "pipeline", data_parallel=replicas,
-                          stages=c["stages"], cuts=tuple(last[i] for i in c["cuts"]),
-                          microbatches=c["microbatches"],
-                          sync_period=1, steps_per_epoch=steps, batch_size=batch,
-                          worker_vcpu=x.worker_vcpu, worker_memory_gb=x.worker_memory_gb,
-                          worker_gpu=x.worker_gpu, offer=x.offer,
-                          price_per_worker_s=x.price_per_worker_s,
-                          predicted_iteration_s=c["time_s"], predicted_epoch_s=epoch_s,
-                          predicted_cost_per_epoch_usd=epoch_s * n * x.price_per_worker_s))
+        # the solver's cuts are on merged layers; the plan (and the executor) use the originals
+        plan = Plan(strategy="hybrid" if replicas > 1 else "pipeline", data_parallel=replicas,
+                    stages=c["stages"], cuts=tuple(last[i] for i in c["cuts"]),
+                    microbatches=c["microbatches"], sync_period=1, steps_per_epoch=steps,
+                    batch_size=batch, worker_vcpu=x.worker_vcpu,
+                    worker_memory_gb=x.worker_memory_gb, worker_gpu=x.worker_gpu, offer=x.offer,
+                    price_per_worker_s=x.price_per_worker_s, planner_objective_s=c["time_s"])
+        period = pipeline_prediction(x, plan).period_s
+        epoch_s = steps * period
+        plans.append(replace(plan, predicted_iteration_s=period, predicted_epoch_s=epoch_s,
+                             predicted_cost_per_epoch_usd=epoch_s * plan.workers * x.price_per_worker_s))
     return plans
+
+
+def pipeline_prediction(x: StrategyInputs, plan: Plan) -> PipelineTime:
+    """The executor-faithful iteration time of a pipeline or hybrid `plan` (its cuts, D,
+    stages and micro-batches) for the job `x`: stage times at the plan's micro-batch, the
+    store's transfer costs, each stage's pipelined scatter-reduce among its D replicas and
+    its parameter share of the optimizer step."""
+    if plan.microbatches < 1 or plan.batch_size % plan.microbatches:
+        raise ValueError(f"microbatches: {plan.microbatches} does not split the batch of {plan.batch_size}")
+    stages = stage_times(x.layers, plan.cuts, plan.batch_size // plan.microbatches, x.profile_batch)
+    bandwidth, latency = x.sync_link
+    params = [st["param_bytes"] for st in stages]
+    total = sum(params)
+    sync_s = [pipelined_scatter_reduce(p, plan.data_parallel, bandwidth, latency) for p in params]
+    optimizer_s = [x.optimizer_step_s * p / total if total > 0 else x.optimizer_step_s / len(stages)
+                   for p in params]
+    return pipeline_iteration(stages, plan.microbatches, x.transfer_costs, sync_s=sync_s,
+                              optimizer_s=optimizer_s)
 
 
 def describe(plan: Plan, chosen: bool = False) -> dict:
@@ -137,6 +203,7 @@ def describe(plan: Plan, chosen: bool = False) -> dict:
             "predicted_iteration_s": plan.predicted_iteration_s,
             "predicted_epoch_s": plan.predicted_epoch_s,
             "predicted_cost_per_epoch_usd": per_epoch,
+            "planner_objective_s": plan.planner_objective_s if plan.stages > 1 else None,
             "throughput_per_dollar": (samples / plan.predicted_epoch_s) / (per_epoch / plan.predicted_epoch_s * 3600)
             if per_epoch > 0 and plan.predicted_epoch_s > 0 else None,
             "chosen": chosen}

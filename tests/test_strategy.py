@@ -56,3 +56,58 @@ def test_parameter_free_layers_never_make_a_stage_of_their_own():
     x = _inputs(layers=(layer(0), layer(4e6), layer(0), layer(4e6)), bandwidth=2e6)
     for p in candidates(x, "pipeline"):
         assert all(c in (1, 3) for c in p.cuts)
+
+
+def test_pipeline_plans_report_the_executor_model_and_keep_the_contract_figure():
+    from planners.pipeline_time import TransferCosts
+    from planners.strategy import pipeline_prediction
+
+    x = _inputs(stages=2, bandwidth=2e6, transfer=TransferCosts(2e-3, 5e6, 1e-3, 8e6, 4e-3),
+                optimizer_step_s=0.04)
+    plan = choose(x, "pipeline")
+    t = pipeline_prediction(x, plan)
+    assert plan.predicted_iteration_s == t.period_s
+    assert plan.predicted_epoch_s == plan.steps_per_epoch * t.period_s
+    row = next(a for a in plan.alternatives if a["chosen"])
+    assert row["planner_objective_s"] == plan.planner_objective_s > 0
+    assert row["planner_objective_s"] != row["predicted_iteration_s"]
+    # the stage's share of the optimizer step ends its cycle: half the parameters each
+    assert t.stage_period_s[0] == pytest.approx(
+        max(i.end for i in t.simulation.timelines[0]) + 0.02)
+
+
+def test_hybrid_sync_uses_the_fitted_collective_link():
+    from planners.strategy import pipeline_prediction
+    from planners.sync_time import pipelined_scatter_reduce
+
+    x = _inputs(stages=2, sync_bandwidth=4e8, sync_latency=2e-3)
+    plan = choose(x, "hybrid")
+    syncs = [i.end - i.start for row in pipeline_prediction(x, plan).simulation.timelines
+             for i in row if i.resource == "sync"]
+    # each stage holds two of the four 4 MB layers, synced among the 4 replicas
+    assert syncs == pytest.approx([pipelined_scatter_reduce(8e6, 4, 4e8, 2e-3)] * 2)
+
+
+def test_local_sgd_uses_the_collective_link_and_the_measured_checkpoint_put():
+    from planners.pipeline_time import TransferCosts
+    from planners.sync_time import scatter_reduce
+
+    costs = TransferCosts(5e-3, 2e8, 1e-3, 3e8, 0.0)
+    plan = choose(_inputs(sync_bandwidth=4e8, sync_latency=2e-3, transfer=costs), "local_sgd")
+    steps = 4096 // (4 * 32)
+    sync = scatter_reduce(16e6, 4, 4e8, 2e-3) + costs.put_s(16e6)
+    assert plan.predicted_epoch_s == pytest.approx(steps * (0.12 + sync))
+
+
+def test_layer_fixed_parts_scale_affinely_and_survive_merging():
+    from planners.strategy import _microbatch_layers, merge_parameter_free
+
+    layers = ({"forward_s": 0.4, "backward_s": 0.8, "output_bytes": 64.0, "param_bytes": 0.0,
+               "forward_fixed_s": 0.2, "backward_fixed_s": 0.4},
+              {"forward_s": 0.2, "backward_s": 0.4, "output_bytes": 32.0, "param_bytes": 8.0})
+    micro = _microbatch_layers(_inputs(layers=layers), 8)  # a quarter of the 32-row profile
+    assert [m["forward_s"] for m in micro] == pytest.approx([0.25, 0.05])
+    merged, last = merge_parameter_free(micro)
+    assert last == [1]
+    assert merged[0]["forward_fixed_s"] == 0.2 and merged[0]["backward_fixed_s"] == 0.4
+    assert merged[0]["forward_s"] == pytest.approx(0.3) and merged[0]["output_bytes"] == 8.0
