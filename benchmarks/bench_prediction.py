@@ -237,21 +237,33 @@ def run_workers(specs, scratch: Path, timeout_s: float = 300.0) -> list[dict]:
 # --- profile and plan --------------------------------------------------------------------
 
 
-def profile(case: ModelCase, store, run_id: str, classes: int) -> dict:
-    """The profile dict the `profile` step would produce (one torch thread, layers at the
-    job's batch), plus the layers re-timed at the micro-batch size (a diagnostic only)."""
+def profile(case: ModelCase, store, url: str, run_id: str, classes: int) -> dict:
+    """The profile dict the `profile` step would produce (`tasks.profile.profile`: one torch
+    thread, layers at the job's batch with their per-call parts fitted, the store probe, a
+    worker's put and get costs, the store collective timed among 2 worker processes), plus
+    the layers re-timed at the micro-batch size (a diagnostic only)."""
     import torch
 
+    from tasks.profile import sync_bytes
+    from training.links import (fit_scatter_reduce, profile_store, profile_transfers,
+                                time_store_collective)
     from training.models import build_model, input_shape
-    from training.profiler import profile_layers, profile_model, profile_store
+    from training.profiler import profile_layers, profile_model
 
     torch.set_num_threads(1)
     shape = input_shape(case.model, case.dataset)
     net = build_model(case.model, SEED, **case.kwargs)
     prof = profile_model(net, case.model, shape, classes, case.batch, base_memory=False,
                          thread_counts=(1,)).to_dict()
-    bandwidth, latency = profile_store(store, f"runs/{run_id}/probe")
-    prof.update(store_bandwidth_bytes_per_s=bandwidth, store_latency_s=latency)
+    prefix = f"runs/{run_id}/probe"
+    bandwidth, latency = profile_store(store, prefix)
+    nbytes = sync_bytes(prof, OPTIMIZER)
+    largest = max([nbytes] + [l["output_bytes"] for l in prof["layers"]])
+    samples = time_store_collective(url, prefix, nbytes, worlds=(2,))
+    sync_bw, sync_lat = fit_scatter_reduce(samples)
+    prof.update(store_bandwidth_bytes_per_s=bandwidth, store_latency_s=latency,
+                store_transfer=profile_transfers(store, prefix, largest).to_dict(),
+                store_sync={"samples": samples, "bandwidth_bytes_per_s": sync_bw, "latency_s": sync_lat})
     x = torch.randn(case.batch // MICROBATCHES, *shape, generator=torch.Generator().manual_seed(0))
     prof["layers_at_microbatch"] = [vars(l) for l in profile_layers(net, x)]
     return prof
@@ -270,11 +282,15 @@ def strategy_inputs_for(case: ModelCase, prof: dict, n_train: int, workers: int,
     return strategy_inputs(ctx, prof, workers)
 
 
-def predict(x, strategy: str, replicas: int, stages: int):
-    """(plan, predicted terms {compute, transfer, sync}) for one configuration."""
-    from dataclasses import replace
+FREE = dict(put_latency_s=0.0, put_bandwidth=1e30, get_latency_s=0.0, get_bandwidth=1e30, handoff_s=0.0)
 
-    from planners.strategy import candidates, local_sgd
+
+def predict(x, strategy: str, replicas: int, stages: int):
+    """(plan, predicted terms {compute, transfer, sync}) for one configuration. A pipeline's
+    terms come from the same model run three times: free transfers and a free sync
+    (compute, bubble and optimizer step), real transfers, then the real sync too."""
+    from planners.pipeline_time import TransferCosts
+    from planners.strategy import candidates, local_sgd, pipeline_prediction
 
     if strategy == "local_sgd":
         plan = local_sgd(x, replicas)
@@ -282,49 +298,22 @@ def predict(x, strategy: str, replicas: int, stages: int):
                       "sync": plan.predicted_iteration_s - x.step_s}
     [plan] = candidates(replace(x, workers=replicas, stages=stages, microbatches=MICROBATCHES),
                         "pipeline" if replicas == 1 else "hybrid")
-    compute, with_transfer = pipeline_terms(x.layers, x.profile_batch, x.batch_size, plan.cuts,
-                                            x.bandwidth, x.latency)
+    free_sync = dict(sync_bandwidth=1e30, sync_latency=0.0)
+    compute = pipeline_prediction(replace(x, transfer=TransferCosts(**FREE), **free_sync), plan).period_s
+    with_transfer = pipeline_prediction(replace(x, **free_sync), plan).period_s
     return plan, {"compute": compute, "transfer": with_transfer - compute,
                   "sync": plan.predicted_iteration_s - with_transfer}
 
 
-def runnable_cuts(case: ModelCase, layers, x, replicas: int, stages: int) -> tuple[tuple[int, ...], float]:
-    """The planner's objective (pipeline runtime + slowest stage sync) minimised by brute force
-    over the cuts whose every stage holds parameters (the executor needs some to optimise)."""
-    from itertools import combinations
+def predicted_at_microbatch(x, prof: dict, plan) -> float:
+    """The pipeline prediction with every layer timed at the plan's micro-batch instead of
+    scaled to it (a diagnostic of the per-call fit)."""
+    from planners.strategy import pipeline_prediction
 
-    from planners.sync_time import pipelined_scatter_reduce
-
-    params = [l["param_bytes"] for l in layers]
-
-    def cost(cuts):
-        _, total = pipeline_terms(layers, x.profile_batch, x.batch_size, cuts, x.bandwidth, x.latency)
-        bounds = zip((0,) + tuple(c + 1 for c in cuts), tuple(cuts) + (len(layers) - 1,))
-        sizes = [sum(params[a:b + 1]) for a, b in bounds]
-        if min(sizes) == 0:
-            return float("inf")
-        return total + max(pipelined_scatter_reduce(p, replicas, x.bandwidth, x.latency) for p in sizes)
-
-    best = min(combinations(range(len(layers) - 1), stages - 1), key=cost)
-    if cost(best) == float("inf"):
-        raise ValueError(f"stages: {case.model} has no {stages}-stage split with parameters in every stage")
-    return best, cost(best)
-
-
-def pipeline_terms(layers, profile_batch: int, batch: int, cuts, bandwidth: float,
-                   latency: float) -> tuple[float, float]:
-    """Hydrozoa's pipeline runtime for `cuts` without transfers and with store transfers, from
-    per-layer figures measured at `profile_batch` rows, scaled to the micro-batch."""
-    from planners.partition import PartitionProblem, PipelineLayer, pipeline_runtime
-
-    scale = batch / MICROBATCHES / profile_batch
-    problem = PartitionProblem(
-        layers=tuple(PipelineLayer(forward_s=l["forward_s"] * scale, backward_s=l["backward_s"] * scale,
-                                   output_bytes=l["output_bytes"] * scale) for l in layers),
-        bandwidth_bytes_per_s=bandwidth, microbatches=MICROBATCHES, max_stages=len(layers),
-        transport="store", latency_s=latency)
-    free = replace(problem, bandwidth_bytes_per_s=float("inf"), latency_s=0.0)
-    return pipeline_runtime(free, cuts), pipeline_runtime(problem, cuts)
+    layers = tuple({k: l[k] for k in ("forward_s", "backward_s", "output_bytes", "param_bytes")}
+                   for l in prof["layers_at_microbatch"])
+    return pipeline_prediction(replace(x, layers=layers, profile_batch=x.batch_size // MICROBATCHES),
+                               plan).period_s
 
 
 # --- measure -----------------------------------------------------------------------------
@@ -336,7 +325,8 @@ def steady(stamps: list, warmup: int = WARMUP_ITERATIONS) -> list[float]:
     return [b - a for a, b in zip(ends[warmup - 1:], ends[warmup:])]
 
 
-def measured_terms(strategy: str, outs: list[dict], stages: int) -> dict:
+def measured_terms(strategy: str, outs: list[dict], stages: int, handoff_s: float = 0.0,
+                   optimizer_s=()) -> dict:
     """Measured iteration time (steady state, slowest worker), the flow's figure, and the
     same three terms as the prediction."""
     steps = max(1, len(outs[0]["timings"]["steps"] or outs[0]["timings"]["iterations"]))
@@ -364,15 +354,21 @@ def measured_terms(strategy: str, outs: list[dict], stages: int) -> dict:
         bwd[s] = max(bwd[s], statistics.median(b - a for a, b in t["B"]))
         if t["sync"]:
             sync = max(sync, statistics.median(b - a for a, b in t["sync"][WARMUP_ITERATIONS:]))
-    # Hydrozoa's formula with each stage's measured F and B: the compute critical path
-    compute = sum(fwd) + sum(bwd) + (MICROBATCHES - 1) * (max(fwd) + max(bwd))
-    # ... and with a store hop c = measured upload + measured read of one activation
-    hop = sum(statistics.median(r[1] - r[0] for o in outs for r in o["timings"][k] or [(0, 0)])
-              for k in ("put", "read"))
-    f, b = fwd + [hop], bwd + [hop]
-    with_hops = sum(fwd) + sum(bwd) + 2 * (stages - 1) * hop + (MICROBATCHES - 1) * (max(f) + max(b))
+    # the prediction's model fed with each stage's measured F, B, put, read and sync times
+    from planners.pipeline_time import TransferCosts, pipeline_iteration
+
+    def median_of(key):
+        got = [r[1] - r[0] for o in outs for r in o["timings"][key]]
+        return statistics.median(got) if got else 0.0
+
+    stage_rows = [{"forward_s": fwd[s], "backward_s": bwd[s], "out_bytes": 0.0} for s in range(stages)]
+    costs = TransferCosts(median_of("put"), 1e30, median_of("read"), 1e30, handoff_s)
+    fed = pipeline_iteration(stage_rows, MICROBATCHES, costs, sync_s=[sync] * stages if sync else (),
+                             optimizer_s=optimizer_s).period_s
+    compute = pipeline_iteration(stage_rows, MICROBATCHES, TransferCosts(**FREE),
+                                 optimizer_s=optimizer_s).period_s
     return {"iteration": total, "flow": flow, "compute": compute, "sync": sync,
-            "transfer": total - compute - sync, "model_runtime": with_hops}
+            "transfer": total - compute - sync, "model_runtime": fed}
 
 
 def worker_specs(case: ModelCase, strategy: str, replicas: int, plan, url: str, run_id: str,
@@ -438,28 +434,27 @@ class Row:
         return f"{k} {gaps[k] * 1e3:+.1f} ms"
 
 
-def has_empty_stage(layers, cuts) -> bool:
-    """Whether a stage of the planner's `cuts` (cut i: after layer i) holds no parameters."""
-    bounds = zip((0,) + tuple(c + 1 for c in cuts), tuple(cuts) + (len(layers) - 1,))
-    return any(sum(l["param_bytes"] for l in layers[a:b + 1]) == 0 for a, b in bounds)
-
-
 def measure_plan(case: ModelCase, prof: dict, x, strategy: str, replicas: int, stages: int,
                  plan, terms: dict, *, url: str, run_id: str, epoch: int, manifest, steps: int,
                  root: Path, note: str = "") -> Row:
     """Run one plan's short epoch and return its row (a failed run keeps its error as note)."""
-    at_mb = None
+    from planners.pipeline_time import stage_times
+
+    at_mb = handoff_s = None
+    optimizer_s = ()
     if strategy != "local_sgd":
-        _, ct = pipeline_terms(prof["layers_at_microbatch"], case.batch // MICROBATCHES, case.batch,
-                               plan.cuts, x.bandwidth, x.latency)
-        at_mb = terms["sync"] + ct
+        at_mb = predicted_at_microbatch(x, prof, plan)
+        handoff_s = x.transfer_costs.handoff_s
+        params = [st["param_bytes"] for st in stage_times(x.layers, plan.cuts, 1, x.profile_batch)]
+        optimizer_s = [x.optimizer_step_s * p / sum(params) for p in params]
     specs = worker_specs(case, strategy, replicas, plan, url, run_id, epoch, manifest.n_subsets, steps)
     scratch = root / f"e{epoch}"
     scratch.mkdir()
     before = os.getloadavg()[0]
     measured = None
     try:
-        measured = measured_terms(strategy, run_workers(specs, scratch), stages)
+        measured = measured_terms(strategy, run_workers(specs, scratch), stages, handoff_s or 0.0,
+                                  optimizer_s)
     except RuntimeError as exc:
         note = "run failed: " + str(exc).strip().splitlines()[-1][:160]
     return Row(case.model, strategy, replicas, stages, tuple(plan.cuts),
@@ -468,9 +463,7 @@ def measure_plan(case: ModelCase, prof: dict, x, strategy: str, replicas: int, s
 
 
 def run_model(case: ModelCase, root: Path, steps: int, log) -> list[Row]:
-    """Profile, plan and measure every configuration of PLANS for one model. A plan with a
-    parameter-free stage is run as planned (and fails) and again with the best cuts whose
-    stages all hold parameters."""
+    """Profile, plan and measure every configuration of PLANS for one model."""
     from training.checkpoint import initial_checkpoint
     from training.datasets import publish_dataset
     from training.store import open_store
@@ -481,7 +474,7 @@ def run_model(case: ModelCase, root: Path, steps: int, log) -> list[Row]:
     manifest = publish_dataset(store, run_id, case.dataset, subset_size=64)
     initial_checkpoint(store, f"runs/{run_id}/init", case.model, OPTIMIZER, LR, SEED, case.kwargs)
     t0 = time.perf_counter()
-    prof = profile(case, store, run_id, manifest.classes)
+    prof = profile(case, store, url, run_id, manifest.classes)
     store.close()
     log(f"{case.model}: profiled in {time.perf_counter() - t0:.1f} s (step {prof['step_s'] * 1e3:.1f} ms, "
         f"store {prof['store_bandwidth_bytes_per_s'] / 1e6:.0f} MB/s + {prof['store_latency_s'] * 1e3:.2f} ms)")
@@ -489,17 +482,7 @@ def run_model(case: ModelCase, root: Path, steps: int, log) -> list[Row]:
     for strategy, replicas, stages in PLANS:
         x = strategy_inputs_for(case, prof, manifest.n_train, replicas, stages if stages > 1 else None)
         plan, terms = predict(x, strategy, replicas, stages)
-        attempts = [(plan, terms, "")]
-        if strategy != "local_sgd" and has_empty_stage(x.layers, plan.cuts):
-            cuts, total = runnable_cuts(case, x.layers, x, replicas, stages)
-            compute, with_transfer = pipeline_terms(x.layers, x.profile_batch, x.batch_size, cuts,
-                                                    x.bandwidth, x.latency)
-            attempts.append((replace(plan, cuts=tuple(cuts), predicted_iteration_s=total),
-                             {"compute": compute, "transfer": with_transfer - compute,
-                              "sync": total - with_transfer},
-                             f"planner's cuts {list(plan.cuts)} leave a stage without parameters; "
-                             "best cuts with parameters in every stage"))
-        for p, t, note in attempts:
+        for p, t, note in [(plan, terms, "")]:
             t0 = time.perf_counter()
             row = measure_plan(case, prof, x, strategy, replicas, stages, p, t, url=url, run_id=run_id,
                                epoch=epoch, manifest=manifest, steps=steps, root=root, note=note)

@@ -111,7 +111,9 @@ def stage_times(layers: Sequence[Mapping[str, float]], cuts: Sequence[int], micr
 
     def at_microbatch(layer: Mapping[str, float], key: str) -> float:
         fixed = layer.get(f"{key}_fixed_s", 0.0)
-        return fixed + (layer[f"{key}_s"] - fixed) * scale
+        # a negative intercept (superlinear between the profiled sizes) must not make a
+        # small micro-batch's time negative
+        return max(0.0, fixed + (layer[f"{key}_s"] - fixed) * scale)
 
     bounds = zip([0] + [c + 1 for c in cuts], cuts + [len(layers) - 1])
     return [{"forward_s": sum(at_microbatch(l, "forward") for l in layers[a:b + 1]),

@@ -9,6 +9,7 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from planners.pipeline_time import TransferCosts
 from planners.plan import Plan
 from planners.strategy import StrategyInputs, choose
 from tasks.context import RunContext
@@ -21,20 +22,29 @@ def optimizer_copies(optimizer: str) -> int:
     return {"sgd": 0, "momentum": 1, "adam": 2}[optimizer]
 
 
+LAYER_FIELDS = ("forward_s", "backward_s", "output_bytes", "param_bytes", "forward_fixed_s",
+                "backward_fixed_s")
+
+
 def strategy_inputs(ctx: RunContext, profile: dict, workers: int) -> StrategyInputs:
-    """The planner's view of the job, its measured profile and its target."""
+    """The planner's view of the job, its measured profile and its target: the contract's
+    store bandwidth and latency, and where the profile has them, a worker's measured put
+    and get costs and the store collective's fitted link (`tasks.profile`)."""
     job, target = ctx.job, ctx.resolved.target
+    transfer = profile.get("store_transfer")
+    sync = profile.get("store_sync") or {}
     return StrategyInputs(
-        layers=tuple({k: l[k] for k in ("forward_s", "backward_s", "output_bytes", "param_bytes")}
-                     for l in profile.get("layers", ())),
-        profile_batch=profile["batch_size"], step_s=profile["step_s"],
+        layers=tuple({k: l[k] for k in LAYER_FIELDS if k in l} for l in profile.get("layers", ())),
+        profile_batch=profile.get("microbatch_size") or profile["batch_size"], step_s=profile["step_s"],
         param_bytes=profile["param_bytes"], optimizer_copies=optimizer_copies(job.optimizer),
         n_train=ctx.resolved.n_train, batch_size=job.batch_size, workers=workers,
         stages=job.stages, microbatches=job.microbatches, sync_period=job.sync_period,
         bandwidth=profile["store_bandwidth_bytes_per_s"], latency=profile["store_latency_s"],
         offer=ctx.resolved.offer.name, price_per_worker_s=ctx.price_per_worker_s,
         worker_vcpu=target.worker_vcpu, worker_memory_gb=target.worker_memory_gb,
-        worker_gpu=target.worker_gpu)
+        worker_gpu=target.worker_gpu, optimizer_step_s=profile.get("optimizer_step_s", 0.0),
+        transfer=TransferCosts(**transfer) if transfer else None,
+        sync_bandwidth=sync.get("bandwidth_bytes_per_s"), sync_latency=sync.get("latency_s"))
 
 
 def make_plan(ctx: RunContext, profile: dict, workers: int) -> Plan:

@@ -2,12 +2,16 @@
 
 The model profile is cached by Prefect, keyed on model, input shape, batch size and hardware,
 so a second run of the same job does not profile again; the store probe is cheap and always
-measured, since a store's speed depends on where it is.
+measured, since a store's speed depends on where it is. The store collective (Local-SGD's
+average, timed among real worker processes) costs seconds of process start-up, so it is
+cached for a day per kind of store, hardware and size.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+from datetime import timedelta
+from urllib.parse import urlsplit
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -21,7 +25,7 @@ def _profile_cache_key(context, params) -> str:
 
     key = {k: params[k] for k in ("model", "input_shape", "classes", "batch_size", "optimizer")}
     key["hardware"] = hardware_fingerprint(threads=1)  # the task profiles at one thread
-    key["version"] = 2
+    key["version"] = 3
     return "zooid-profile-" + hashlib.sha256(json.dumps(key, sort_keys=True, default=list).encode()).hexdigest()[:32]
 
 
@@ -41,26 +45,65 @@ def profile_model(model: str, input_shape: list[int], classes: int, batch_size: 
 
 
 @task(name="probe-store", cache_policy=NO_CACHE, **task_options(retries=2, timeout_s=120))
-def probe_store(ctx: RunContext) -> dict:
-    """The store's fitted bandwidth (bytes/s) and latency (s)."""
-    from training.profiler import profile_store
+def probe_store(ctx: RunContext, max_bytes: float = 0) -> dict:
+    """The store's fitted bandwidth (bytes/s) and latency (s) in the contract's form, and
+    a worker's put and get costs up to `max_bytes` (`training.links.profile_transfers`)."""
+    from training.links import profile_store, profile_transfers
 
     store = ctx.open_store()
     try:
         bw, lat = profile_store(store, ctx.prefix("probe"))
+        transfer = profile_transfers(store, ctx.prefix("probe"), max_bytes)
     finally:
         store.close()
-    return {"bandwidth_bytes_per_s": bw, "latency_s": lat}
+    return {"bandwidth_bytes_per_s": bw, "latency_s": lat, "transfer": transfer.to_dict()}
+
+
+def _collective_cache_key(context, params) -> str:
+    from training.profiler import hardware_fingerprint
+
+    parts = urlsplit(params["store_ref"])
+    # the kind of store and where it is, not the run's folder; hashed: a URL may hold a password
+    where = hashlib.sha256(f"{parts.scheme}://{parts.netloc}".encode()).hexdigest()[:16]
+    key = {"where": where, "bytes": int(params["nbytes"]), "worlds": list(params["worlds"]),
+           "hardware": hardware_fingerprint(threads=1), "version": 1}
+    return "zooid-collective-" + hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+
+
+@task(name="time-store-collective", cache_key_fn=_collective_cache_key, persist_result=True,
+      result_serializer="json", cache_expiration=timedelta(days=1), retries=1, retry_delay_seconds=2,
+      timeout_seconds=600)
+def time_collective(store_ref: str, run_prefix: str, nbytes: float, worlds: list[int]) -> dict:
+    """Local-SGD's store allreduce of `nbytes` timed among `worlds` worker processes, and the
+    effective bandwidth and latency of the scatter-reduce model fitted to it."""
+    from training.links import fit_scatter_reduce, time_store_collective
+
+    samples = time_store_collective(store_ref, run_prefix, nbytes, worlds=tuple(worlds),
+                                    opener="blocks.store:open_store_ref")
+    bw, lat = fit_scatter_reduce(samples)
+    return {"samples": [list(s) for s in samples], "bandwidth_bytes_per_s": bw, "latency_s": lat}
+
+
+def sync_bytes(prof: dict, optimizer: str) -> float:
+    """Bytes one Local-SGD average moves: the parameters and the optimizer's moments."""
+    from tasks.plan import optimizer_copies
+
+    return prof["param_bytes"] * (1 + optimizer_copies(optimizer))
 
 
 def profile(ctx: RunContext) -> dict:
-    """The profile step: model profile (cached) plus store probe."""
-    r = ctx.resolved
-    prof = profile_model(ctx.job.model, list(r.input_shape), r.classes, ctx.job.batch_size, ctx.job.seed,
-                         ctx.job.optimizer)
-    prof = dict(prof)
-    prof.update(store_bandwidth_bytes_per_s=None, store_latency_s=None)
-    probe = probe_store(ctx)
+    """The profile step: model profile (cached), store probe and, when a plan may have
+    several workers, the store collective (cached)."""
+    r, job = ctx.resolved, ctx.job
+    prof = dict(profile_model(job.model, list(r.input_shape), r.classes, job.batch_size, job.seed,
+                              job.optimizer))
+    nbytes = sync_bytes(prof, job.optimizer)
+    largest = max([nbytes] + [l["output_bytes"] for l in prof.get("layers", ())])
+    probe = probe_store(ctx, largest)
     prof["store_bandwidth_bytes_per_s"] = probe["bandwidth_bytes_per_s"]
     prof["store_latency_s"] = probe["latency_s"]
+    prof["store_transfer"] = probe["transfer"]
+    prof["store_sync"] = None
+    if job.max_workers > 1 and job.collective == "store":
+        prof["store_sync"] = time_collective(ctx.store_ref, ctx.prefix("probe"), nbytes, [2])
     return prof
