@@ -240,13 +240,15 @@ def run_workers(specs, scratch: Path, timeout_s: float = 300.0) -> list[dict]:
 def profile(case: ModelCase, store, url: str, run_id: str, classes: int) -> dict:
     """The profile dict the `profile` step would produce (`tasks.profile.profile`: one torch
     thread, layers at the job's batch with their per-call parts fitted, the store probe, a
-    worker's put and get costs, the store collective timed among 2 worker processes), plus
+    worker's put and get costs, the sync checkpoint write, the store collective timed among
+    2 worker processes), plus
     the layers re-timed at the micro-batch size (a diagnostic only)."""
     import torch
 
     from tasks.profile import sync_bytes
     from training.links import (fit_scatter_reduce, profile_store, profile_transfers,
-                                time_store_collective)
+                                time_checkpoint_write, time_store_collective)
+    from training.optimizers import build_optimizer
     from training.models import build_model, input_shape
     from training.profiler import profile_layers, profile_model
 
@@ -259,11 +261,13 @@ def profile(case: ModelCase, store, url: str, run_id: str, classes: int) -> dict
     bandwidth, latency = profile_store(store, prefix)
     nbytes = sync_bytes(prof, OPTIMIZER)
     largest = max([nbytes] + [l["output_bytes"] for l in prof["layers"]])
-    samples = time_store_collective(url, prefix, nbytes, worlds=(2,))
+    samples = time_store_collective(url, prefix, model=case.model, model_kwargs=case.kwargs,
+                                    optimizer=OPTIMIZER, worlds=(2,))
     sync_bw, sync_lat = fit_scatter_reduce(samples)
     prof.update(store_bandwidth_bytes_per_s=bandwidth, store_latency_s=latency,
                 store_transfer=profile_transfers(store, prefix, largest).to_dict(),
-                store_sync={"samples": samples, "bandwidth_bytes_per_s": sync_bw, "latency_s": sync_lat})
+                store_sync={"samples": samples, "bandwidth_bytes_per_s": sync_bw, "latency_s": sync_lat},
+                checkpoint_s=time_checkpoint_write(store, prefix, net, build_optimizer(OPTIMIZER, net, LR)))
     x = torch.randn(case.batch // MICROBATCHES, *shape, generator=torch.Generator().manual_seed(0))
     prof["layers_at_microbatch"] = [vars(l) for l in profile_layers(net, x)]
     return prof

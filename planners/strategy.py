@@ -67,6 +67,9 @@ class StrategyInputs:
     """Effective bandwidth of the store collectives, fitted from timed ones (None: `bandwidth`)."""
     sync_latency: float | None = None
     """Effective per-round latency of the store collectives (None: `latency`)."""
+    checkpoint_s: float | None = None
+    """Measured seconds of the sync checkpoint rank 0 writes at every Local-SGD sync (None:
+    one put of the synchronised bytes)."""
 
     @property
     def transfer_costs(self) -> TransferCosts:
@@ -82,10 +85,12 @@ class StrategyInputs:
 
 def local_sgd(x: StrategyInputs, workers: int | None = None) -> Plan:
     """The Local-SGD plan for `workers` (default: the job's) replicas: the scatter-reduce at
-    the collectives' fitted link, the sync checkpoint write as one put."""
+    the collectives' fitted link, plus the sync checkpoint write (measured, or one put)."""
     sync_bytes = x.param_bytes * (1 + x.optimizer_copies)
-    checkpoint_s = (x.transfer.put_s(sync_bytes) if x.transfer is not None
-                    else sync_bytes / x.bandwidth + x.latency)
+    checkpoint_s = x.checkpoint_s
+    if checkpoint_s is None:
+        checkpoint_s = (x.transfer.put_s(sync_bytes) if x.transfer is not None
+                        else sync_bytes / x.bandwidth + x.latency)
     bandwidth, latency = x.sync_link
     return plan_local_sgd(
         workers=workers or x.workers, train_samples=x.n_train, batch_size=x.batch_size,

@@ -46,17 +46,25 @@ def profile_model(model: str, input_shape: list[int], classes: int, batch_size: 
 
 @task(name="probe-store", cache_policy=NO_CACHE, **task_options(retries=2, timeout_s=120))
 def probe_store(ctx: RunContext, max_bytes: float = 0) -> dict:
-    """The store's fitted bandwidth (bytes/s) and latency (s) in the contract's form, and
-    a worker's put and get costs up to `max_bytes` (`training.links.profile_transfers`)."""
-    from training.links import profile_store, profile_transfers
+    """The store's fitted bandwidth (bytes/s) and latency (s) in the contract's form, a
+    worker's put and get costs up to `max_bytes` (`training.links.profile_transfers`), and
+    the seconds of the sync checkpoint rank 0 writes (the job's model and optimizer)."""
+    from training.links import profile_store, profile_transfers, time_checkpoint_write
+    from training.models import build_model
+    from training.optimizers import build_optimizer
 
+    job = ctx.job
+    net = build_model(job.model, job.seed)
     store = ctx.open_store()
     try:
         bw, lat = profile_store(store, ctx.prefix("probe"))
         transfer = profile_transfers(store, ctx.prefix("probe"), max_bytes)
+        checkpoint_s = time_checkpoint_write(store, ctx.prefix("probe"), net,
+                                             build_optimizer(job.optimizer, net, job.lr))
     finally:
         store.close()
-    return {"bandwidth_bytes_per_s": bw, "latency_s": lat, "transfer": transfer.to_dict()}
+    return {"bandwidth_bytes_per_s": bw, "latency_s": lat, "transfer": transfer.to_dict(),
+            "checkpoint_s": checkpoint_s}
 
 
 def _collective_cache_key(context, params) -> str:
@@ -65,21 +73,22 @@ def _collective_cache_key(context, params) -> str:
     parts = urlsplit(params["store_ref"])
     # the kind of store and where it is, not the run's folder; hashed: a URL may hold a password
     where = hashlib.sha256(f"{parts.scheme}://{parts.netloc}".encode()).hexdigest()[:16]
-    key = {"where": where, "bytes": int(params["nbytes"]), "worlds": list(params["worlds"]),
-           "hardware": hardware_fingerprint(threads=1), "version": 1}
+    key = {"where": where, "model": params["model"], "optimizer": params["optimizer"],
+           "worlds": list(params["worlds"]), "hardware": hardware_fingerprint(threads=1), "version": 2}
     return "zooid-collective-" + hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
 
 
 @task(name="time-store-collective", cache_key_fn=_collective_cache_key, persist_result=True,
       result_serializer="json", cache_expiration=timedelta(days=1), retries=1, retry_delay_seconds=2,
       timeout_seconds=600)
-def time_collective(store_ref: str, run_prefix: str, nbytes: float, worlds: list[int]) -> dict:
-    """Local-SGD's store allreduce of `nbytes` timed among `worlds` worker processes, and the
-    effective bandwidth and latency of the scatter-reduce model fitted to it."""
+def time_collective(store_ref: str, run_prefix: str, model: str, optimizer: str, worlds: list[int]) -> dict:
+    """Local-SGD's store allreduce of `model`'s replica state timed among `worlds` worker
+    processes, and the effective bandwidth and latency of the scatter-reduce model fitted
+    to it."""
     from training.links import fit_scatter_reduce, time_store_collective
 
-    samples = time_store_collective(store_ref, run_prefix, nbytes, worlds=tuple(worlds),
-                                    opener="blocks.store:open_store_ref")
+    samples = time_store_collective(store_ref, run_prefix, model=model, optimizer=optimizer,
+                                    worlds=tuple(worlds), opener="blocks.store:open_store_ref")
     bw, lat = fit_scatter_reduce(samples)
     return {"samples": [list(s) for s in samples], "bandwidth_bytes_per_s": bw, "latency_s": lat}
 
@@ -103,7 +112,8 @@ def profile(ctx: RunContext) -> dict:
     prof["store_bandwidth_bytes_per_s"] = probe["bandwidth_bytes_per_s"]
     prof["store_latency_s"] = probe["latency_s"]
     prof["store_transfer"] = probe["transfer"]
+    prof["checkpoint_s"] = probe["checkpoint_s"]
     prof["store_sync"] = None
     if job.max_workers > 1 and job.collective == "store":
-        prof["store_sync"] = time_collective(ctx.store_ref, ctx.prefix("probe"), nbytes, [2])
+        prof["store_sync"] = time_collective(ctx.store_ref, ctx.prefix("probe"), job.model, job.optimizer, [2])
     return prof

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from planners.sync_time import scatter_reduce
-from training.links import (fit_endpoints, fit_scatter_reduce, profile_transfers,
-                            time_store_collective, transfer_sizes)
+from training.links import (fit_endpoints, fit_scatter_reduce, profile_transfers, replica_tensors,
+                            time_checkpoint_write, time_store_collective, transfer_sizes)
 from training.profiler import profile_layers
 from training.store import open_store
 
@@ -43,12 +43,29 @@ def test_put_and_get_fits_recover_emulated_links_per_direction(tmp_path):
     assert store.list("runs/") == []
 
 
-def test_store_collective_timed_among_two_processes(tmp_path):
+def test_store_collective_timed_among_two_processes_on_the_models_replica_state(tmp_path):
     url = tmp_path.as_uri()
-    samples = time_store_collective(url, "runs/c/probe", 1 << 20, worlds=(2,), repeats=2)
-    assert [(s, n) for s, n, _ in samples] == [(1 << 17, 2), (1 << 20, 2)]
+    state = replica_tensors("digits_cnn", {}, "momentum")
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    assert any(k.startswith("optim/") for k in state)  # the moments travel with the weights
+    samples = time_store_collective(url, "runs/c/probe", model="digits_cnn", optimizer="momentum",
+                                    worlds=(2,), repeats=2)
+    assert [(s, n) for s, n, _ in samples] == [(nbytes // 32 * 4, 2), (nbytes, 2)]
     assert all(0 < sec < 10 for _, _, sec in samples)
     assert open_store(url).list("runs/") == []  # barrier and round keys are gone
+    with pytest.raises(ValueError, match="nbytes"):
+        time_store_collective(url, "runs/c/probe")
+
+
+def test_checkpoint_write_is_timed_and_cleaned_up(tmp_path):
+    from training.models import build_model
+    from training.optimizers import build_optimizer
+
+    store = open_store(str(tmp_path))
+    net = build_model("digits_mlp", 0)
+    seconds = time_checkpoint_write(store, "runs/k/probe", net, build_optimizer("adam", net, 0.01), repeats=2)
+    assert 0 < seconds < 5
+    assert store.list("runs/") == []
 
 
 class _FixedCost(nn.Module):

@@ -353,13 +353,18 @@ def fit_scatter_reduce(samples: Sequence[tuple[int, int, float]]) -> tuple[float
     return (1.0 / per_byte if per_byte > 0 else 1e12), max(latency, 1e-6)
 
 
-def time_store_collective(store_url: str, run_prefix: str, nbytes: float, *,
-                          worlds: Sequence[int] = (2,), repeats: int = 3, timeout_s: float = 120.0,
+def time_store_collective(store_url: str, run_prefix: str, nbytes: float = 0, *,
+                          model: str | None = None, model_kwargs: dict | None = None,
+                          optimizer: str = "sgd", worlds: Sequence[int] = (2,), repeats: int = 3,
+                          timeout_s: float = 120.0,
                           opener: str = "training.store:open_store") -> list[tuple[int, int, float]]:
     """(bytes, workers, seconds) of the plain store allreduce (`training.collectives.
     allreduce_mean`, what Local-SGD averages with) among `workers` real processes, one torch
-    thread each as workers run, at `nbytes` and `nbytes / 8`: each call's seconds are its
-    slowest rank's, the median of `repeats` calls after a warm-up is kept. Processes run in
+    thread each as workers run: on the tensors a Local-SGD replica of `model` averages
+    (parameters, float buffers, the optimizer's moments; `model_kwargs` as the job builds it)
+    when given, else on `nbytes` in 8 tensors, and on an eighth of those bytes, so the
+    scatter-reduce model can be fitted through both sizes. Each call's seconds are its
+    slowest rank's; the median of `repeats` calls after a warm-up is kept. Processes run in
     their own process group and are stopped by pid on failure. `opener` ("module:function")
     opens `store_url` in each rank (the coordinator passes its block-aware opener)."""
     import json
@@ -368,38 +373,41 @@ def time_store_collective(store_url: str, run_prefix: str, nbytes: float, *,
     import subprocess
     import sys
 
+    if model is None and not nbytes > 0:
+        raise ValueError("nbytes: give a model or a positive byte count to time the collective on")
     samples = []
-    sizes = sorted({max(4096, int(nbytes) // 8), max(4096, int(nbytes))})
     for world in worlds:
         group = f"{run_prefix}/collective-{uuid.uuid4().hex[:8]}"
-        args = [sys.executable, "-m", "training.links", store_url, group, str(world),
-                ",".join(map(str, sizes)), str(repeats), str(timeout_s), opener]
+        config = {"store_url": store_url, "group": group, "world": world, "nbytes": nbytes,
+                  "model": model, "model_kwargs": model_kwargs or {}, "optimizer": optimizer,
+                  "repeats": repeats, "timeout_s": timeout_s, "opener": opener}
         repo = str(Path(__file__).resolve().parent.parent)  # `-m training.links` from anywhere
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
                "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
-        procs = [subprocess.Popen(args + [str(rank)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  env=env, start_new_session=True, text=True) for rank in range(world)]
+        procs = [subprocess.Popen([sys.executable, "-m", "training.links", json.dumps(config), str(rank)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                                  start_new_session=True, text=True) for rank in range(world)]
         try:
-            outs = [p.communicate(timeout=timeout_s * (repeats + 1) * len(sizes)) for p in procs]
+            outs = [p.communicate(timeout=timeout_s * (repeats + 1) * 2 + 60) for p in procs]
         finally:
             for p in procs:
                 if p.poll() is None:
                     os.killpg(p.pid, signal.SIGKILL)
                     p.wait()
+            store = _opener(opener)(store_url)
+            try:
+                store.delete_prefix(group)  # the barrier calls leave their results behind
+            finally:
+                store.close()
         bad = [(p.returncode, err) for p, (_, err) in zip(procs, outs) if p.returncode]
         if bad:
             raise RuntimeError(f"timed collective among {world} processes failed: "
                                f"{bad[0][1].strip().splitlines()[-1:] or bad[0][0]}")
-        store = _opener(opener)(store_url)
-        try:
-            store.delete_prefix(group)  # the barrier calls leave their results behind
-        finally:
-            store.close()
         per_rank = [json.loads(out) for out, _ in outs]
-        for size in sizes:
-            calls = zip(*(r[str(size)] for r in per_rank))
-            samples.append((size, world, statistics.median(max(c) for c in calls)))
-    return samples
+        for size in per_rank[0]:
+            calls = zip(*(r[size] for r in per_rank))
+            samples.append((int(size), world, statistics.median(max(c) for c in calls)))
+    return sorted(samples)
 
 
 def _opener(path: str) -> Callable[[str], object]:
@@ -409,24 +417,47 @@ def _opener(path: str) -> Callable[[str], object]:
     return getattr(importlib.import_module(module), name)
 
 
-def _collective_rank(store_url: str, group: str, world: int, sizes: str, repeats: int,
-                     timeout_s: float, opener: str, rank: int) -> dict[str, list[float]]:
-    """One rank of `time_store_collective`: seconds of each timed call, by size. Calls start
+def replica_tensors(model: str, model_kwargs: dict, optimizer: str) -> dict[str, torch.Tensor]:
+    """What a Local-SGD replica of `model` averages at each sync: parameters, floating
+    buffers and the optimizer's moments (created by one step on zero gradients)."""
+    from training.models import build_model
+    from training.optimizers import build_optimizer, optimizer_state_tensors
+
+    net = build_model(model, 0, **model_kwargs)
+    opt = build_optimizer(optimizer, net, 1e-3)  # zero gradients: the weights do not move
+    for param in net.parameters():
+        param.grad = torch.zeros_like(param)
+    opt.step()
+    out = {f"param/{n}": p.data for n, p in net.named_parameters()}
+    out.update({f"buffer/{n}": b for n, b in net.named_buffers() if b.is_floating_point()})
+    out.update({f"optim/{n}": t for n, t in optimizer_state_tensors(net, opt).items()
+                if t.is_floating_point() and t.dim() > 0})
+    return out
+
+
+def _collective_rank(config: dict, rank: int) -> dict[str, list[float]]:
+    """One rank of `time_store_collective`: seconds of each timed call, by bytes. Calls start
     together (a barrier through the store) so a call's time is the collective's, not a
     late start's; each call cleans up the previous one's keys as Local-SGD does."""
     from training.collectives import allreduce_mean, release_group
 
     torch.set_num_threads(1)
-    store = _opener(opener)(store_url)
+    if config["model"]:
+        full = replica_tensors(config["model"], config["model_kwargs"], config["optimizer"])
+    else:
+        full = {f"p{i}": c.clone() for i, c in
+                enumerate(torch.randn(max(8, int(config["nbytes"]) // 4)).tensor_split(8))}
+    nbytes = sum(t.numel() * t.element_size() for t in full.values())
+    # an eighth of the bytes in as many tensors: the second point of the fit
+    small = {f"p{i}": c.clone() for i, c in enumerate(torch.randn(max(len(full), nbytes // 32)).tensor_split(len(full)))}
+    world, group, timeout_s = config["world"], config["group"], config["timeout_s"]
+    store = _opener(config["opener"])(config["store_url"])
     out = {}
     try:
         call = 0
-        for size in map(int, sizes.split(",")):
-            # several tensors, as a model has: the flattening cost is part of the collective
-            n = max(1, size // 4)
-            tensors = {f"p{i}": c.clone() for i, c in enumerate(torch.randn(n).tensor_split(8))}
+        for tensors in (small, full):
             times = []
-            for i in range(repeats + 1):
+            for i in range(config["repeats"] + 1):
                 allreduce_mean(store, f"{group}/barrier{call}", rank, world, {"b": torch.ones(1)}, timeout_s)
                 t0 = time.perf_counter()
                 allreduce_mean(store, f"{group}/r{call}", rank, world, tensors, timeout_s,
@@ -434,17 +465,34 @@ def _collective_rank(store_url: str, group: str, world: int, sizes: str, repeats
                 if i:
                     times.append(time.perf_counter() - t0)
                 call += 1
-            out[str(size)] = times
+            out[str(sum(t.numel() * t.element_size() for t in tensors.values()))] = times
         release_group(store, group, rank, world, timeout_s)
     finally:
         store.close()
     return out
 
 
-if __name__ == "__main__":  # a rank of `time_store_collective`
+def time_checkpoint_write(store, run_prefix: str, model: nn.Module, optimizer, repeats: int = 3) -> float:
+    """Median seconds of writing `model` and `optimizer` as a checkpoint to `store`
+    (`training.checkpoint.save_checkpoint`, what rank 0 does at every Local-SGD sync), after
+    a warm-up write. The keys are deleted."""
+    from training.checkpoint import save_checkpoint
+
+    key_base = f"{run_prefix}/checkpoint-{uuid.uuid4().hex[:8]}"
+    times = []
+    try:
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            save_checkpoint(store, f"{key_base}/{i}", model, optimizer, {"step": i})
+            if i:
+                times.append(time.perf_counter() - t0)
+    finally:
+        store.delete_prefix(key_base)
+    return statistics.median(times)
+
+
+if __name__ == "__main__":  # a rank of `time_store_collective`: argv = config JSON, rank
     import json
     import sys
 
-    url, grp, world_, sizes_, repeats_, timeout_, opener_, rank_ = sys.argv[1:9]
-    print(json.dumps(_collective_rank(url, grp, int(world_), sizes_, int(repeats_), float(timeout_),
-                                      opener_, int(rank_))))
+    print(json.dumps(_collective_rank(json.loads(sys.argv[1]), int(sys.argv[2]))))

@@ -46,7 +46,9 @@ def path_from_url(url: str) -> Path:
 class DirectoryStore(Store):
     """Keys are files below `root`; puts are atomic by temp file, fsync and rename."""
 
-    poll_max_s = 0.02  # a stat() is cheap, so poll often
+    # a miss costs one failed open() (~8 us measured): polling every 2 ms costs 0.4 % of a
+    # core and keeps the hand-off to a waiting reader at ~1 ms (20 ms polls cost ~10 ms)
+    poll_max_s = 0.002
 
     def __init__(self, root: str | os.PathLike, **rates):
         super().__init__(**rates)
