@@ -4,11 +4,17 @@ For `digits_cnn` (digits), a `resnet18`-shaped model (width 16) and a `vgg11`-sh
 (hidden 128), both on synthetic 3x32x32 images, this does what `strategy=auto` does and then
 checks it:
 
-1. profile: `training.profiler.profile_model` at the job's batch with one torch thread (as
-   the `profile` task does), and `profile_store` on the store the workers use;
+1. profile, as the flow's `profile` step does (`tasks.profile`): `profile_model` at the job's
+   batch with one torch thread (layers timed at the batch and at a quarter of it, calibrated
+   to a pass through the whole chain; step and optimizer step), the store probe, a worker's
+   put and get costs (`training.links.profile_transfers`), the sync checkpoint write, the
+   store allreduce timed among 2 worker processes on the model's replica state, and the
+   contention factor at a typical activation;
 2. plan (predict): the profile dict goes through the coordinator's own
-   `tasks.plan.strategy_inputs` into `planners.strategy.local_sgd` / `pipeline_plans`, which
-   give the predicted iteration time (and the cuts the run then uses);
+   `tasks.plan.strategy_inputs` into `planners.strategy.local_sgd` / `candidates`: Local-SGD
+   is step + fitted scatter-reduce + checkpoint write; a pipeline or hybrid is the replay of
+   its GPipe action lists on each stage's compute, upload and download threads
+   (`planners.pipeline_time`);
 3. measure: a short epoch (`--steps` iterations) with every worker its own process
    (`python -m benchmarks.bench_prediction --worker`, one torch thread each, as the
    `inline` target starts them), against a directory store in a temporary folder (the
@@ -23,15 +29,20 @@ steps of the slowest worker, warm-up included; a stage worker's compute_s counts
 forward and backward passes only, so for pipelines that figure is busy time, not the period).
 
 Each error is split into terms so a miss can be named: compute (Local-SGD: the measured
-step without its sync vs the profiled step; pipelines: Hydrozoa's runtime formula fed by
-the stage workers' measured forward/backward times vs fed by the profile), sync (measured
-time in the gradient/parameter sync vs the scatter-reduce model) and transfer (the rest:
-activation uploads, downloads, waits for a key, optimizer step).
+step without its sync vs the profiled step; pipelines: the same replay fed with the stage
+workers' measured forward/backward times and no transfers vs fed with the profile), sync
+(measured time in the gradient/parameter sync vs the model) and transfer (the rest:
+activation uploads, downloads, waits for a key). "Model fed with measured times" replays
+with every measured duration: the model's own error, without the profile's.
 
 Runs are grouped by whether worker processes outnumber the cores: with more processes than
 cores a worker's compute is time-shared, which no term of the model knows about.
 
-    .venv/bin/python -m benchmarks.bench_prediction [--steps 8] [--models digits_cnn resnet18 vgg11]
+Timing on these shared machines drifts: the same backward pass (vgg11, 4 rows, one thread)
+measured 35 ms and 57-69 ms in runs minutes apart on an otherwise idle machine, so a single
+run's errors carry that noise.
+
+    .venv/bin/python -m benchmarks.bench_prediction [--steps 14] [--models digits_cnn resnet18 vgg11]
 
 Writes markdown with the command to `benchmarks/results/prediction.md`.
 """
@@ -241,13 +252,13 @@ def profile(case: ModelCase, store, url: str, run_id: str, classes: int) -> dict
     """The profile dict the `profile` step would produce (`tasks.profile.profile`: one torch
     thread, layers at the job's batch with their per-call parts fitted, the store probe, a
     worker's put and get costs, the sync checkpoint write, the store collective timed among
-    2 worker processes), plus
+    2 worker processes, the contention factor at a typical activation), plus
     the layers re-timed at the micro-batch size (a diagnostic only)."""
     import torch
 
-    from tasks.profile import sync_bytes
-    from training.links import (fit_scatter_reduce, profile_store, profile_transfers,
-                                time_checkpoint_write, time_store_collective)
+    from tasks.profile import microbatch_size, sync_bytes, typical_activation_bytes
+    from training.links import (fit_scatter_reduce, measure_contention, profile_store,
+                                profile_transfers, time_checkpoint_write, time_store_collective)
     from training.optimizers import build_optimizer
     from training.models import build_model, input_shape
     from training.profiler import profile_layers, profile_model
@@ -268,6 +279,9 @@ def profile(case: ModelCase, store, url: str, run_id: str, classes: int) -> dict
                 store_transfer=profile_transfers(store, prefix, largest).to_dict(),
                 store_sync={"samples": samples, "bandwidth_bytes_per_s": sync_bw, "latency_s": sync_lat},
                 checkpoint_s=time_checkpoint_write(store, prefix, net, build_optimizer(OPTIMIZER, net, LR)))
+    job = SimpleNamespace(batch_size=case.batch, microbatches=MICROBATCHES)
+    prof["contention"] = measure_contention(net, shape, classes, microbatch_size(job), store, prefix,
+                                            payload_bytes=int(typical_activation_bytes(prof, job))).factor
     x = torch.randn(case.batch // MICROBATCHES, *shape, generator=torch.Generator().manual_seed(0))
     prof["layers_at_microbatch"] = [vars(l) for l in profile_layers(net, x)]
     return prof
@@ -479,9 +493,9 @@ def run_model(case: ModelCase, root: Path, steps: int, log) -> list[Row]:
     initial_checkpoint(store, f"runs/{run_id}/init", case.model, OPTIMIZER, LR, SEED, case.kwargs)
     t0 = time.perf_counter()
     prof = profile(case, store, url, run_id, manifest.classes)
-    store.close()
     log(f"{case.model}: profiled in {time.perf_counter() - t0:.1f} s (step {prof['step_s'] * 1e3:.1f} ms, "
-        f"store {prof['store_bandwidth_bytes_per_s'] / 1e6:.0f} MB/s + {prof['store_latency_s'] * 1e3:.2f} ms)")
+        f"store {prof['store_bandwidth_bytes_per_s'] / 1e6:.0f} MB/s + {prof['store_latency_s'] * 1e3:.2f} ms, "
+        f"contention {prof['contention']:.2f})")
     rows, epoch = [], 0
     for strategy, replicas, stages in PLANS:
         x = strategy_inputs_for(case, prof, manifest.n_train, replicas, stages if stages > 1 else None)
@@ -497,6 +511,7 @@ def run_model(case: ModelCase, root: Path, steps: int, log) -> list[Row]:
             log(f"  {strategy} {replicas}x{stages} cuts {list(p.cuts)}: predicted "
                 f"{row.predicted['iteration'] * 1e3:.1f} ms, {what}, {time.perf_counter() - t0:.1f} s, "
                 f"load {row.load[0]:.1f}")
+    store.close()
     return rows
 
 
@@ -561,12 +576,13 @@ def write_report(rows: list[Row], args, seconds: float, cores: int) -> None:
           f"{platform.processor() or platform.machine()}, torch threads 1 per worker):", "", command, "",
           "Method: see the module docstring of `benchmarks/bench_prediction.py`. Predicted = what "
           "`planners.strategy` gives for the profile (one torch thread, layers timed at the job's "
-          "batch and scaled to the micro-batch, as `strategy=auto` does); measured = steady-state "
+          "batch and at a quarter of it and interpolated to the micro-batch, as `strategy=auto` "
+          "does); measured = steady-state "
           f"iteration period of the slowest worker over {args.steps} iterations minus "
           f"{WARMUP_ITERATIONS} warm-up ones; error = predicted / measured - 1. Local-SGD syncs "
           f"every step (k = 1); pipelines use {MICROBATCHES} micro-batches; the directory store "
           "is the embedded default in a temporary folder. `load avg` is the machine's 1-minute "
-          "load before and after the run (other people's jobs share these cores).", "",
+          "load before and after the run (the run's own worker processes included).", "",
           "## Summary", "", *summary(rows, cores), "",
           f"## Worker processes <= cores ({cores})", "", *table(within), "",
           f"## Worker processes > cores ({cores})", "", *table(beyond), ""]
@@ -578,7 +594,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the sweep (or, with --worker, one instrumented worker) and write the report."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_prediction", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=8, help="iterations per run (>= 4)")
+    parser.add_argument("--steps", type=int, default=14, help="iterations per run (>= 4)")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)

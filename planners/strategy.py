@@ -70,6 +70,10 @@ class StrategyInputs:
     checkpoint_s: float | None = None
     """Measured seconds of the sync checkpoint rank 0 writes at every Local-SGD sync (None:
     one put of the synchronised bytes)."""
+    contention: float = 1.0
+    """beta >= 1: compute slowdown while the same worker's transfers run (FuncPipe Sec.
+    3.4.2). A pipeline stage transfers while it computes, so its forward and backward
+    times are scaled by it; Local-SGD does not overlap the two."""
 
     @property
     def transfer_costs(self) -> TransferCosts:
@@ -185,10 +189,14 @@ def pipeline_prediction(x: StrategyInputs, plan: Plan) -> PipelineTime:
     """The executor-faithful iteration time of a pipeline or hybrid `plan` (its cuts, D,
     stages and micro-batches) for the job `x`: stage times at the plan's micro-batch, the
     store's transfer costs, each stage's pipelined scatter-reduce among its D replicas and
-    its parameter share of the optimizer step."""
+    its parameter share of the optimizer step; forward and backward slowed by the
+    contention factor."""
     if plan.microbatches < 1 or plan.batch_size % plan.microbatches:
         raise ValueError(f"microbatches: {plan.microbatches} does not split the batch of {plan.batch_size}")
     stages = stage_times(x.layers, plan.cuts, plan.batch_size // plan.microbatches, x.profile_batch)
+    for st in stages:  # a stage's transfer threads share its CPU with its compute
+        st["forward_s"] *= x.contention
+        st["backward_s"] *= x.contention
     bandwidth, latency = x.sync_link
     params = [st["param_bytes"] for st in stages]
     total = sum(params)

@@ -45,26 +45,47 @@ def profile_model(model: str, input_shape: list[int], classes: int, batch_size: 
 
 
 @task(name="probe-store", cache_policy=NO_CACHE, **task_options(retries=2, timeout_s=120))
-def probe_store(ctx: RunContext, max_bytes: float = 0) -> dict:
+def probe_store(ctx: RunContext, max_bytes: float = 0, activation_bytes: float = 0) -> dict:
     """The store's fitted bandwidth (bytes/s) and latency (s) in the contract's form, a
-    worker's put and get costs up to `max_bytes` (`training.links.profile_transfers`), and
-    the seconds of the sync checkpoint rank 0 writes (the job's model and optimizer)."""
-    from training.links import profile_store, profile_transfers, time_checkpoint_write
+    worker's put and get costs up to `max_bytes` (`training.links.profile_transfers`), the
+    seconds of the sync checkpoint rank 0 writes (the job's model and optimizer), and, with
+    `activation_bytes` (a pipeline may be planned), the contention factor: compute at the
+    micro-batch slowed by transfers of that size (FuncPipe's beta)."""
+    from training.links import measure_contention, profile_store, profile_transfers, time_checkpoint_write
     from training.models import build_model
     from training.optimizers import build_optimizer
 
-    job = ctx.job
+    job, prefix = ctx.job, ctx.prefix("probe")
     net = build_model(job.model, job.seed)
     store = ctx.open_store()
     try:
-        bw, lat = profile_store(store, ctx.prefix("probe"))
-        transfer = profile_transfers(store, ctx.prefix("probe"), max_bytes)
-        checkpoint_s = time_checkpoint_write(store, ctx.prefix("probe"), net,
-                                             build_optimizer(job.optimizer, net, job.lr))
+        bw, lat = profile_store(store, prefix)
+        transfer = profile_transfers(store, prefix, max_bytes)
+        checkpoint_s = time_checkpoint_write(store, prefix, net, build_optimizer(job.optimizer, net, job.lr))
+        contention = 1.0
+        if activation_bytes > 0:
+            contention = measure_contention(net, tuple(ctx.resolved.input_shape), ctx.resolved.classes,
+                                            microbatch_size(job), store, prefix,
+                                            payload_bytes=int(activation_bytes)).factor
     finally:
         store.close()
     return {"bandwidth_bytes_per_s": bw, "latency_s": lat, "transfer": transfer.to_dict(),
-            "checkpoint_s": checkpoint_s}
+            "checkpoint_s": checkpoint_s, "contention": contention}
+
+
+def microbatch_size(job) -> int:
+    """Rows per micro-batch of a pipeline of this job (the planner's default split)."""
+    parts = job.microbatches or next((m for m in (4, 2, 1) if job.batch_size % m == 0), 1)
+    return max(1, job.batch_size // parts)
+
+
+def typical_activation_bytes(prof: dict, job) -> float:
+    """The median layer output at the micro-batch: what a stage typically sends per
+    micro-batch, the transfer size the contention factor is measured with."""
+    outputs = sorted(l["output_bytes"] for l in prof.get("layers", ()))
+    if not outputs:
+        return 0.0
+    return outputs[len(outputs) // 2] * microbatch_size(job) / (prof.get("microbatch_size") or prof["batch_size"])
 
 
 def _collective_cache_key(context, params) -> str:
@@ -108,11 +129,13 @@ def profile(ctx: RunContext) -> dict:
                               job.optimizer))
     nbytes = sync_bytes(prof, job.optimizer)
     largest = max([nbytes] + [l["output_bytes"] for l in prof.get("layers", ())])
-    probe = probe_store(ctx, largest)
+    pipelined = job.strategy != "local_sgd"
+    probe = probe_store(ctx, largest, typical_activation_bytes(prof, job) if pipelined else 0.0)
     prof["store_bandwidth_bytes_per_s"] = probe["bandwidth_bytes_per_s"]
     prof["store_latency_s"] = probe["latency_s"]
     prof["store_transfer"] = probe["transfer"]
     prof["checkpoint_s"] = probe["checkpoint_s"]
+    prof["contention"] = probe["contention"]
     prof["store_sync"] = None
     if job.max_workers > 1 and job.collective == "store":
         prof["store_sync"] = time_collective(ctx.store_ref, ctx.prefix("probe"), job.model, job.optimizer, [2])

@@ -1,6 +1,8 @@
 """Strategy choice from measured numbers: same worker budget, same global batch."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from planners.strategy import StrategyInputs, candidates, choose
@@ -111,3 +113,24 @@ def test_layer_fixed_parts_scale_affinely_and_survive_merging():
     assert last == [1]
     assert merged[0]["forward_fixed_s"] == 0.2 and merged[0]["backward_fixed_s"] == 0.4
     assert merged[0]["forward_s"] == pytest.approx(0.3) and merged[0]["output_bytes"] == 8.0
+
+
+def test_measured_checkpoint_write_replaces_the_put_model():
+    from planners.sync_time import scatter_reduce
+
+    plan = choose(_inputs(sync_bandwidth=4e8, sync_latency=2e-3, checkpoint_s=0.05), "local_sgd")
+    steps = 4096 // (4 * 32)
+    assert plan.predicted_epoch_s == pytest.approx(steps * (0.12 + scatter_reduce(16e6, 4, 4e8, 2e-3) + 0.05))
+
+
+def test_contention_slows_a_pipeline_stage_compute_not_local_sgd():
+    from planners.pipeline_time import TransferCosts
+    from planners.strategy import local_sgd, pipeline_prediction
+
+    free = TransferCosts(0.0, 1e30, 0.0, 1e30, 0.0)
+    x = _inputs(stages=2, transfer=free)
+    plan = choose(x, "pipeline")
+    # free transfers, no optimizer step: the period is all forward and backward, so beta scales it
+    assert pipeline_prediction(replace(x, contention=1.5), plan).period_s == \
+        pytest.approx(1.5 * pipeline_prediction(x, plan).period_s)
+    assert local_sgd(replace(x, contention=1.5)).predicted_iteration_s == local_sgd(x).predicted_iteration_s

@@ -307,7 +307,8 @@ def profile_layers(model: nn.Module, x: torch.Tensor, repeats: int = 5,
     scale = [(1.0, 1.0), (1.0, 1.0)]
     if calibrate:
         for which, inp in enumerate((x, x[:small] if small else x)):
-            whole = _layer_times(chain, inp.detach(), repeats)
+            # the anchor of every layer's time: more repeats, after a longer warm-up
+            whole = _layer_times(chain, inp.detach(), 2 * repeats, warmup=3)
             parts = [sum(t[which][k] for t in times) for k in (0, 1)]
             scale[which] = tuple(w / p if p > 0 and w > 0 else 1.0 for w, p in zip(whole, parts))
     out_layers = []
@@ -330,15 +331,15 @@ def _stage_input(h: torch.Tensor, index: int) -> torch.Tensor:
     return inp
 
 
-def _layer_times(layer: nn.Module, inp: torch.Tensor, repeats: int) -> tuple[float, float]:
+def _layer_times(layer: nn.Module, inp: torch.Tensor, repeats: int, warmup: int = 1) -> tuple[float, float]:
     """Median forward and backward seconds of `layer` on `inp` (backward 0 without grad)."""
     device = inp.device
-    fwd = _median_time(lambda: layer(inp), repeats, device)
+    fwd = _median_time(lambda: layer(inp), repeats, device, warmup)
     out = layer(inp)
     if not out.requires_grad:
         return fwd, 0.0
     grad = torch.ones_like(out)
-    bwd = _median_time(lambda o: torch.autograd.backward(o, grad), repeats, device,
+    bwd = _median_time(lambda o: torch.autograd.backward(o, grad), repeats, device, warmup,
                        setup=lambda: layer(inp))
     return fwd, bwd
 
