@@ -251,14 +251,14 @@ def run_workers(specs, scratch: Path, timeout_s: float = 300.0) -> list[dict]:
 def profile(case: ModelCase, store, url: str, run_id: str, classes: int) -> dict:
     """The profile dict the `profile` step would produce (`tasks.profile.profile`: one torch
     thread, layers at the job's batch with their per-call parts fitted, the store probe, a
-    worker's put and get costs, the sync checkpoint write, the store collective timed among
-    2 worker processes, the contention factor at a typical activation), plus
-    the layers re-timed at the micro-batch size (a diagnostic only)."""
+    worker's put and get costs, the sync checkpoint write and a step right after it, the
+    store collective timed among 2 worker processes, the contention factor at a typical
+    activation), plus the layers re-timed at the micro-batch size (a diagnostic only)."""
     import torch
 
     from tasks.profile import microbatch_size, sync_bytes, typical_activation_bytes
     from training.links import (fit_scatter_reduce, measure_contention, profile_store,
-                                profile_transfers, time_checkpoint_write, time_store_collective)
+                                profile_transfers, time_steps_between_checkpoints, time_store_collective)
     from training.optimizers import build_optimizer
     from training.models import build_model, input_shape
     from training.profiler import profile_layers, profile_model
@@ -277,8 +277,12 @@ def profile(case: ModelCase, store, url: str, run_id: str, classes: int) -> dict
     sync_bw, sync_lat = fit_scatter_reduce(samples)
     prof.update(store_bandwidth_bytes_per_s=bandwidth, store_latency_s=latency,
                 store_transfer=profile_transfers(store, prefix, largest).to_dict(),
-                store_sync={"samples": samples, "bandwidth_bytes_per_s": sync_bw, "latency_s": sync_lat},
-                checkpoint_s=time_checkpoint_write(store, prefix, net, build_optimizer(OPTIMIZER, net, LR)))
+                store_sync={"samples": samples, "bandwidth_bytes_per_s": sync_bw, "latency_s": sync_lat})
+    gen = torch.Generator().manual_seed(SEED)
+    xb = torch.randn(case.batch, *shape, generator=gen)
+    yb = torch.randint(0, classes, (case.batch,), generator=gen)
+    prof["synced_step_s"], prof["checkpoint_s"] = time_steps_between_checkpoints(
+        store, prefix, net, build_optimizer(OPTIMIZER, net, LR), xb, yb)
     job = SimpleNamespace(batch_size=case.batch, microbatches=MICROBATCHES)
     prof["contention"] = measure_contention(net, shape, classes, microbatch_size(job), store, prefix,
                                             payload_bytes=int(typical_activation_bytes(prof, job))).factor
@@ -312,8 +316,8 @@ def predict(x, strategy: str, replicas: int, stages: int):
 
     if strategy == "local_sgd":
         plan = local_sgd(x, replicas)
-        return plan, {"compute": x.step_s, "transfer": 0.0,
-                      "sync": plan.predicted_iteration_s - x.step_s}
+        step = x.synced_step_s if x.synced_step_s is not None else x.step_s  # k = 1: every step follows a sync
+        return plan, {"compute": step, "transfer": 0.0, "sync": plan.predicted_iteration_s - step}
     [plan] = candidates(replace(x, workers=replicas, stages=stages, microbatches=MICROBATCHES),
                         "pipeline" if replicas == 1 else "hybrid")
     free_sync = dict(sync_bandwidth=1e30, sync_latency=0.0)

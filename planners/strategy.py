@@ -70,6 +70,9 @@ class StrategyInputs:
     checkpoint_s: float | None = None
     """Measured seconds of the sync checkpoint rank 0 writes at every Local-SGD sync (None:
     one put of the synchronised bytes)."""
+    synced_step_s: float | None = None
+    """One step at `batch_size` measured right after a sync checkpoint write, as a replica
+    that syncs runs it (None: `step_s`)."""
     contention: float = 1.0
     """beta >= 1: compute slowdown while the same worker's transfers run (FuncPipe Sec.
     3.4.2). A pipeline stage transfers while it computes, so its forward and backward
@@ -96,9 +99,13 @@ def local_sgd(x: StrategyInputs, workers: int | None = None) -> Plan:
         checkpoint_s = (x.transfer.put_s(sync_bytes) if x.transfer is not None
                         else sync_bytes / x.bandwidth + x.latency)
     bandwidth, latency = x.sync_link
+    step_s = x.step_s
+    if x.synced_step_s is not None and x.sync_period:
+        # one step in k follows a sync (and its checkpoint write) and runs at that pace
+        step_s = (x.synced_step_s + (x.sync_period - 1) * x.step_s) / x.sync_period
     return plan_local_sgd(
         workers=workers or x.workers, train_samples=x.n_train, batch_size=x.batch_size,
-        sync_period=x.sync_period, step_s=x.step_s, sync_bytes=sync_bytes, bandwidth=bandwidth,
+        sync_period=x.sync_period, step_s=step_s, sync_bytes=sync_bytes, bandwidth=bandwidth,
         latency=latency, worker_vcpu=x.worker_vcpu, worker_memory_gb=x.worker_memory_gb,
         worker_gpu=x.worker_gpu, offer=x.offer, price_per_worker_s=x.price_per_worker_s,
         checkpoint_s=checkpoint_s)

@@ -45,7 +45,8 @@ def strategy_inputs(ctx: RunContext, profile: dict, workers: int) -> StrategyInp
         worker_gpu=target.worker_gpu, optimizer_step_s=profile.get("optimizer_step_s", 0.0),
         transfer=TransferCosts(**transfer) if transfer else None,
         sync_bandwidth=sync.get("bandwidth_bytes_per_s"), sync_latency=sync.get("latency_s"),
-        checkpoint_s=profile.get("checkpoint_s"), contention=profile.get("contention") or 1.0)
+        checkpoint_s=profile.get("checkpoint_s"), synced_step_s=profile.get("synced_step_s"),
+        contention=profile.get("contention") or 1.0)
 
 
 def make_plan(ctx: RunContext, profile: dict, workers: int) -> Plan:

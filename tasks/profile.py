@@ -48,10 +48,14 @@ def profile_model(model: str, input_shape: list[int], classes: int, batch_size: 
 def probe_store(ctx: RunContext, max_bytes: float = 0, activation_bytes: float = 0) -> dict:
     """The store's fitted bandwidth (bytes/s) and latency (s) in the contract's form, a
     worker's put and get costs up to `max_bytes` (`training.links.profile_transfers`), the
-    seconds of the sync checkpoint rank 0 writes (the job's model and optimizer), and, with
+    seconds of the sync checkpoint rank 0 writes (the job's model and optimizer) and of a
+    step right after it, and, with
     `activation_bytes` (a pipeline may be planned), the contention factor: compute at the
     micro-batch slowed by transfers of that size (FuncPipe's beta)."""
-    from training.links import measure_contention, profile_store, profile_transfers, time_checkpoint_write
+    import torch
+
+    from training.links import (measure_contention, profile_store, profile_transfers,
+                                time_steps_between_checkpoints)
     from training.models import build_model
     from training.optimizers import build_optimizer
 
@@ -61,7 +65,11 @@ def probe_store(ctx: RunContext, max_bytes: float = 0, activation_bytes: float =
     try:
         bw, lat = profile_store(store, prefix)
         transfer = profile_transfers(store, prefix, max_bytes)
-        checkpoint_s = time_checkpoint_write(store, prefix, net, build_optimizer(job.optimizer, net, job.lr))
+        gen = torch.Generator().manual_seed(job.seed)
+        x = torch.randn(job.batch_size, *ctx.resolved.input_shape, generator=gen)
+        y = torch.randint(0, ctx.resolved.classes, (job.batch_size,), generator=gen)
+        synced_step_s, checkpoint_s = time_steps_between_checkpoints(
+            store, prefix, net, build_optimizer(job.optimizer, net, job.lr), x, y)
         contention = 1.0
         if activation_bytes > 0:
             contention = measure_contention(net, tuple(ctx.resolved.input_shape), ctx.resolved.classes,
@@ -70,7 +78,7 @@ def probe_store(ctx: RunContext, max_bytes: float = 0, activation_bytes: float =
     finally:
         store.close()
     return {"bandwidth_bytes_per_s": bw, "latency_s": lat, "transfer": transfer.to_dict(),
-            "checkpoint_s": checkpoint_s, "contention": contention}
+            "checkpoint_s": checkpoint_s, "synced_step_s": synced_step_s, "contention": contention}
 
 
 def microbatch_size(job) -> int:
@@ -135,6 +143,7 @@ def profile(ctx: RunContext) -> dict:
     prof["store_latency_s"] = probe["latency_s"]
     prof["store_transfer"] = probe["transfer"]
     prof["checkpoint_s"] = probe["checkpoint_s"]
+    prof["synced_step_s"] = probe["synced_step_s"]
     prof["contention"] = probe["contention"]
     prof["store_sync"] = None
     if job.max_workers > 1 and job.collective == "store":

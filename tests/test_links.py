@@ -8,7 +8,7 @@ from torch import nn
 
 from planners.sync_time import scatter_reduce
 from training.links import (fit_endpoints, fit_scatter_reduce, profile_transfers, replica_tensors,
-                            time_checkpoint_write, time_store_collective, transfer_sizes)
+                            time_steps_between_checkpoints, time_store_collective, transfer_sizes)
 from training.profiler import profile_layers
 from training.store import open_store
 
@@ -57,15 +57,20 @@ def test_store_collective_timed_among_two_processes_on_the_models_replica_state(
         time_store_collective(url, "runs/c/probe")
 
 
-def test_checkpoint_write_is_timed_and_cleaned_up(tmp_path):
+def test_steps_between_checkpoint_writes_are_timed_and_leave_no_trace(tmp_path):
     from training.models import build_model
     from training.optimizers import build_optimizer
 
     store = open_store(str(tmp_path))
     net = build_model("digits_mlp", 0)
-    seconds = time_checkpoint_write(store, "runs/k/probe", net, build_optimizer("adam", net, 0.01), repeats=2)
-    assert 0 < seconds < 5
+    opt = build_optimizer("adam", net, 0.01)
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    x, y = torch.randn(16, 64), torch.randint(0, 10, (16,))
+    step_s, write_s = time_steps_between_checkpoints(store, "runs/k/probe", net, opt, x, y, repeats=2)
+    assert 0 < step_s < 5 and 0 < write_s < 5
     assert store.list("runs/") == []
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())  # weights restored
+    assert opt.state_dict()["state"] == {}  # and the optimizer as it was
 
 
 class _FixedCost(nn.Module):
