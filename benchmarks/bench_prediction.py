@@ -42,7 +42,7 @@ Timing on these shared machines drifts: the same backward pass (vgg11, 4 rows, o
 measured 35 ms and 57-69 ms in runs minutes apart on an otherwise idle machine, so a single
 run's errors carry that noise.
 
-    .venv/bin/python -m benchmarks.bench_prediction [--steps 14] [--models digits_cnn resnet18 vgg11]
+    .venv/bin/python -m benchmarks.bench_prediction [--steps 14] [--trials 1] [--models digits_cnn resnet18 vgg11]
 
 Writes markdown with the command to `benchmarks/results/prediction.md`.
 """
@@ -428,6 +428,7 @@ class Row:
     predicted_at_microbatch: float | None
     load: tuple
     note: str = ""
+    trial: int = 0
 
     @property
     def workers(self) -> int:
@@ -554,7 +555,7 @@ def table(rows: list[Row]) -> list[str]:
 
 
 def summary(rows: list[Row], cores: int) -> list[str]:
-    """Median absolute error within and beyond the core count."""
+    """Median absolute error within and beyond the core count (and per trial when several)."""
     lines = []
     for label, keep in (("worker processes <= cores", lambda r: r.workers <= cores),
                         ("worker processes > cores", lambda r: r.workers > cores)):
@@ -562,9 +563,12 @@ def summary(rows: list[Row], cores: int) -> list[str]:
         if done:
             errs = [abs(r.error) for r in done]
             fed = [abs(r.fed / r.measured["iteration"] - 1) for r in done]
+            trials = sorted({r.trial for r in done})
+            per_trial = "" if len(trials) < 2 else "; per trial " + ", ".join(
+                f"{statistics.median(abs(r.error) for r in done if r.trial == t):.1%}" for t in trials)
             lines.append(f"- {label} ({cores} cores): median |error| of the prediction "
                          f"**{statistics.median(errs):.1%}** over {len(errs)} runs (min {min(errs):.1%}, "
-                         f"max {max(errs):.1%}); of the model fed with the run's measured times "
+                         f"max {max(errs):.1%}{per_trial}); of the model fed with the run's measured times "
                          f"{statistics.median(fed):.1%}")
     return lines
 
@@ -572,7 +576,7 @@ def summary(rows: list[Row], cores: int) -> list[str]:
 def write_report(rows: list[Row], args, seconds: float, cores: int) -> None:
     """benchmarks/results/prediction.md with the command that produced it."""
     command = "    .venv/bin/python -m benchmarks.bench_prediction " + " ".join(
-        ["--steps", str(args.steps), "--models", *args.models])
+        ["--steps", str(args.steps), "--trials", str(args.trials), "--models", *args.models])
     within = [r for r in rows if r.workers <= cores]
     beyond = [r for r in rows if r.workers > cores]
     md = ["# Predicted vs measured iteration time", "",
@@ -600,6 +604,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=14, help="iterations per run (>= 4)")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--trials", type=int, default=1,
+                        help="profile-plan-measure each model this many times (rows of every trial count)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -611,12 +617,16 @@ def main(argv: list[str] | None = None) -> int:
     cores = os.cpu_count() or 1
     t0 = time.perf_counter()
     rows = []
-    for name in args.models:
-        root = Path(tempfile.mkdtemp(prefix=f"zooid-pred-{name}-"))
-        try:
-            rows += run_model(MODELS[name], root, args.steps, lambda s: print(s, flush=True))
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
+    for trial in range(args.trials):
+        # trial after trial, not model after model: a drift in the machine's speed then
+        # touches every model instead of one
+        for name in args.models:
+            root = Path(tempfile.mkdtemp(prefix=f"zooid-pred-{name}-"))
+            try:
+                rows += [replace(r, trial=trial) for r in
+                         run_model(MODELS[name], root, args.steps, lambda s: print(s, flush=True))]
+            finally:
+                shutil.rmtree(root, ignore_errors=True)
     write_report(rows, args, time.perf_counter() - t0, cores)
     print("\n".join(summary(rows, cores)))
     print(f"wrote {RESULTS}")
