@@ -49,9 +49,9 @@ def probe_store(ctx: RunContext, max_bytes: float = 0, activation_bytes: float =
     """The store's fitted bandwidth (bytes/s) and latency (s) in the contract's form, a
     worker's put and get costs up to `max_bytes` (`training.links.profile_transfers`), the
     seconds of the sync checkpoint rank 0 writes (the job's model and optimizer) and of a
-    step right after it, and, with
-    `activation_bytes` (a pipeline may be planned), the contention factor: compute at the
-    micro-batch slowed by transfers of that size (FuncPipe's beta)."""
+    step right after it, and, with `activation_bytes` (a pipeline may be planned), the
+    contention factor: compute at the micro-batch slowed by transfers of that size
+    (FuncPipe's beta). One torch thread, as a worker runs."""
     import torch
 
     from training.links import (measure_contention, profile_store, profile_transfers,
@@ -59,6 +59,7 @@ def probe_store(ctx: RunContext, max_bytes: float = 0, activation_bytes: float =
     from training.models import build_model
     from training.optimizers import build_optimizer
 
+    torch.set_num_threads(1)  # the cached model profile may not have run in this process
     job, prefix = ctx.job, ctx.prefix("probe")
     net = build_model(job.model, job.seed)
     store = ctx.open_store()
