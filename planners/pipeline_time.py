@@ -17,7 +17,7 @@ from `training.pipeline_executor` (20-100 % on the measured benchmarks):
   once per tensor, as the single upload and download threads do.
 
 This module replays the GPipe schedule (`training.pipeline_schedule.gpipe` + `lower`) on
-those three resources per stage, with the hand-off rule above, and derives the steady-state
+those three resources per stage (`simulate`, with the hand-off rule above), and derives the steady-state
 period: a stage cannot start its next iteration before its uploads have drained and its
 optimizer has stepped. Pure python; the contract formula stays the solvers' objective, and
 this model predicts the time of the plans they choose.
@@ -26,16 +26,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from planners.errors import PlannerInputError
-from training.pipeline_schedule import Action, Interval, Kind, Schedule, Simulation, gpipe, lower, \
-    validate
-
-_RESOURCE = {Kind.F: "compute", Kind.B: "compute", Kind.SYNC: "compute",
-             Kind.SEND_F: "upload", Kind.SEND_B: "upload",
-             Kind.RECV_F: "download", Kind.RECV_B: "download"}
-
+from training.pipeline_schedule import Kind, Simulation, gpipe, lower, simulate
 
 @dataclass(frozen=True)
 class TransferCosts:
@@ -148,7 +142,8 @@ def pipeline_iteration(stages: Sequence[Mapping[str, float]], microbatches: int,
                 Kind.RECV_F: lambda s: costs.get_s(out[s - 1]), Kind.RECV_B: lambda s: costs.get_s(out[s]),
                 Kind.SYNC: lambda s: sync_s[s]}
     schedule = lower(gpipe(n, microbatches), sync=bool(sync_s))
-    sim = _replay(schedule, lambda a: float(duration[a.kind](a.stage)), costs.handoff_s)
+    sim = simulate(schedule, lambda a: float(duration[a.kind](a.stage)), handoff_s=costs.handoff_s,
+                   sync_waits_for_uploads=False)
 
     cycles = []
     for s, row in enumerate(sim.timelines):
@@ -163,68 +158,3 @@ def pipeline_iteration(stages: Sequence[Mapping[str, float]], microbatches: int,
     bubble = tuple(1.0 - b / period if period > 0 else 0.0 for b in busy)
     return PipelineTime(period_s=period, makespan_s=sim.makespan, bubble=bubble,
                         stage_period_s=tuple(cycles), simulation=sim)
-
-
-def _replay(schedule: Schedule, seconds: Callable[[Action], float], handoff_s: float = 0.0) -> Simulation:
-    """Replay a lowered schedule on a compute thread, an upload thread and a download
-    thread per stage (each in schedule order), as the executor runs it.
-
-    Unlike `training.pipeline_schedule.simulate`, a receive pays `handoff_s` only when its
-    download thread was already waiting when the key was written (a reader that is behind
-    finds the key there), and SYNC does not wait for the stage's uploads: the executor syncs
-    from the compute thread and drains its uploads afterwards."""
-    validate(schedule)
-    last = len(schedule) - 1
-    queues = [{r: [a for a in row if _RESOURCE[a.kind] == r] for r in ("compute", "upload", "download")}
-              for row in schedule]
-    heads = {(s, r): 0 for s in range(len(schedule)) for r in queues[s]}
-    free = {key: 0.0 for key in heads}
-    start: dict[Action, float] = {}
-    end: dict[Action, float] = {}
-    moved = True
-    while moved:
-        moved = False
-        for (s, r), h in heads.items():
-            queue = queues[s][r]
-            while h < len(queue):
-                a = queue[h]
-                deps = _dependencies(a, last)
-                if not all(d in end for d in deps):
-                    break
-                ready = max([end[d] for d in deps], default=0.0)
-                if a.kind in (Kind.RECV_F, Kind.RECV_B) and free[(s, r)] <= ready:
-                    start[a], end[a] = ready, ready + handoff_s + seconds(a)
-                else:
-                    start[a] = max(free[(s, r)], ready)
-                    end[a] = start[a] + seconds(a)
-                free[(s, r)] = end[a]
-                h += 1
-                moved = True
-            heads[(s, r)] = h
-    if len(end) != sum(len(row) for row in schedule):
-        raise PlannerInputError("schedule", "must be lowered (every transfer present) to be replayed")
-    makespan = max(end.values()) - min(start.values())
-    timelines = [[Interval(a, "sync" if a.kind is Kind.SYNC else _RESOURCE[a.kind], start[a], end[a])
-                  for a in row] for row in schedule]
-    busy = [sum(i.end - i.start for i in row if i.resource == "compute") for row in timelines]
-    return Simulation(timelines=timelines, makespan=makespan,
-                      bubble=[1.0 - b / makespan if makespan > 0 else 0.0 for b in busy])
-
-
-def _dependencies(a: Action, last: int) -> list[Action]:
-    """Actions on other threads (or stages) that `a` of a lowered schedule waits for; its
-    own thread's order is the queue's."""
-    s, m = a.stage, a.microbatch
-    if a.kind is Kind.RECV_F:
-        return [Action(s - 1, Kind.SEND_F, m)]
-    if a.kind is Kind.RECV_B:
-        return [Action(s + 1, Kind.SEND_B, m)]
-    if a.kind is Kind.SEND_F:
-        return [Action(s, Kind.F, m)]
-    if a.kind is Kind.SEND_B:
-        return [Action(s, Kind.B, m)]
-    if a.kind is Kind.F and s > 0:
-        return [Action(s, Kind.RECV_F, m)]
-    if a.kind is Kind.B and s < last:
-        return [Action(s, Kind.RECV_B, m)]
-    return []

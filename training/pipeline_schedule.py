@@ -307,15 +307,21 @@ class Simulation:
 Durations = Mapping[str, float] | Callable[[Action], float]
 
 
-def simulate(schedule: Schedule, durations: Durations) -> Simulation:
+def simulate(schedule: Schedule, durations: Durations, *, handoff_s: float = 0.0,
+             sync_waits_for_uploads: bool = True) -> Simulation:
     """Replay a valid schedule and return per-stage timelines, makespan and bubble shares.
 
     `durations` is a function of the action, or a mapping from `"<stage><kind>"` (e.g.
     `"1F"`) or `"<kind>"` (e.g. `"F"`, `"SEND_F"`) to seconds; missing kinds take 0. Each
     stage has three resources that work in parallel, as the executor's threads do: compute
     (F, B and SYNC, in schedule order), the upload link (SENDs in order) and the download
-    link (RECVs in order, prefetched as soon as the matching SEND has finished). SYNC also
-    waits for the stage's earlier uploads, since it uses the same links.
+    link (RECVs in order, prefetched as soon as the matching SEND has finished).
+
+    `handoff_s`: a receive whose download thread was already waiting when the key was
+    written pays this notice delay of a polling store on top of its duration; a reader that
+    is behind finds the key there and does not. `sync_waits_for_uploads`: SYNC starts only
+    after the stage's earlier uploads (when it shares their link; the executor's SYNC runs
+    from the compute thread and drains the uploads afterwards, so it does not wait).
     """
     validate(schedule)
     seconds = durations if callable(durations) else _lookup(durations)
@@ -337,12 +343,14 @@ def simulate(schedule: Schedule, durations: Durations) -> Simulation:
             while h < len(queue):
                 a = queue[h]
                 deps = _data_deps(a, index, last)
-                if a.kind is Kind.SYNC:
+                if a.kind is Kind.SYNC and sync_waits_for_uploads:
                     deps = deps + [u for u in queues[s]["upload"] if index[u][1] < index[a][1]]
                 if not all(d in end for d in deps):
                     break
-                start[a] = max([free[(s, r)]] + [end[d] for d in deps])
-                end[a] = start[a] + float(seconds(a))
+                ready = max([end[d] for d in deps], default=0.0)
+                waiting = a.kind in (Kind.RECV_F, Kind.RECV_B) and free[(s, r)] <= ready
+                start[a] = max(free[(s, r)], ready)
+                end[a] = start[a] + (handoff_s if waiting else 0.0) + float(seconds(a))
                 free[(s, r)] = end[a]
                 h += 1
                 progress = True
