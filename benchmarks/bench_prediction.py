@@ -24,9 +24,9 @@ Measured iteration time is the steady state: each worker timestamps the end of e
 iteration (a small wrapper around `LocalSGD.after_step` / the stage loop's iteration,
 installed only in the benchmark's worker processes); the first two iterations (warm-up)
 are dropped, the median of the rest is taken per worker and the slowest worker counts.
-Beside it stands the flow's own figure (`run_epoch.summarise`: (compute_s + sync_s) /
-steps of the slowest worker, warm-up included; a stage worker's compute_s counts its
-forward and backward passes only, so for pipelines that figure is busy time, not the period).
+Beside it stands the flow's own figure (`run_epoch.summarise`): the slowest worker's
+`WorkerResult.iteration_s`, which each worker measures the same way
+(`training.iteration_clock`), stamping after its sync where the benchmark stamps inside it.
 
 Each error is split into terms so a miss can be named: compute (Local-SGD: the measured
 step without its sync vs the profiled step; pipelines: the same replay fed with the stage
@@ -63,9 +63,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
+from training.iteration_clock import WARMUP
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "prediction.md"
-WARMUP_ITERATIONS = 2
+WARMUP_ITERATIONS = WARMUP  # as the workers' own clocks
 
 
 @dataclass(frozen=True)
@@ -351,8 +353,7 @@ def measured_terms(strategy: str, outs: list[dict], stages: int, handoff_s: floa
                    optimizer_s=()) -> dict:
     """Measured iteration time (steady state, slowest worker), the flow's figure, and the
     same three terms as the prediction."""
-    steps = max(1, len(outs[0]["timings"]["steps"] or outs[0]["timings"]["iterations"]))
-    flow = max((o["result"]["compute_s"] + o["result"]["sync_s"]) / steps for o in outs)
+    flow = max(o["result"]["iteration_s"] for o in outs)  # what run_epoch.summarise records
     if strategy == "local_sgd":
         per_worker = []
         for o in outs:

@@ -164,7 +164,10 @@ def summarise(plan: Plan, outcomes: list[dict], wall_s: float) -> dict:
     loss = sum(r["train_loss"] * r["samples"] for r in firsts) / max(1, samples)
     rank0 = next(r for r in results if r.get("checkpoint_key")) if plan.stages > 1 else \
         next(r for r in results if r["rank"] == 0)
-    if plan.stages > 1:  # a stage's compute_s is its busy time; the iteration includes its bubble
+    periods = [r.get("iteration_s") or 0.0 for r in results]
+    if all(p > 0 for p in periods):  # each worker's steady-state period: what the plan predicts
+        per_step = max(periods)
+    elif plan.stages > 1:  # too few iterations; a stage's compute_s is busy time, not its period
         per_step = max((r["stopped_at"] - r["started_at"]) / max(1, plan.steps_per_epoch) for r in results)
     else:
         per_step = max((r["compute_s"] + r["sync_s"]) / max(1, plan.steps_per_epoch) for r in results)

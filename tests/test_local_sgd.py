@@ -115,6 +115,7 @@ def test_four_workers_learn_digits(tmp_path):
         accuracies.append(results[0].val_accuracy)
         assert all(r.val_accuracy is None for r in results[1:])
         assert all(r.samples == steps * batch and r.compute_s > 0 for r in results)
+        assert all(0 < r.iteration_s * (steps - 2) < r.stopped_at - r.started_at for r in results)
     assert accuracies[-1] >= 0.9, accuracies
     assert store.list("runs/d4/sync/") == []
 

@@ -101,6 +101,8 @@ def test_two_stage_four_microbatch_pipeline_equals_single_process(staged):
     assert last.val_accuracy == ref.val_accuracy
     store = open_store(url)
     assert store.list(activation_prefix(RUN, 0)) == []
+    # each stage times its steady-state period, which the flow records beside the prediction
+    assert all(0 < r.iteration_s < r.stopped_at - r.started_at for r in results)
 
 
 def test_hybrid_two_by_two_equals_local_sgd_averaging_every_step(staged):

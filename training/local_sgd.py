@@ -87,6 +87,7 @@ from torch import nn
 from training import heartbeat
 from training.chaos import chaos_for
 from training.checkpoint import load_checkpoint, save_checkpoint, sync_checkpoint_key
+from training.iteration_clock import IterationClock
 from training.collectives import PostLog, SyncStats, allreduce_mean, release_group
 from training.datasets import read_manifest, read_subsets
 from training.errors import OutOfMemory, ZooidValueError
@@ -407,6 +408,7 @@ def _run(spec: WorkerSpec, store: Store, ckpt_store: Store, started: float,
         next(stream)  # batches the checkpointed state already covers
     loss_sum = torch.zeros((), device=device)
     model.train()
+    clock = IterationClock()
     t0 = time.perf_counter()
     for step, idx in enumerate(stream, start=start.step):
         chaos.before_step(step)
@@ -417,6 +419,7 @@ def _run(spec: WorkerSpec, store: Store, ckpt_store: Store, started: float,
         optimizer.step()
         loss_sum += loss.detach()
         averaging.after_step()
+        clock.tick()
     averaging.flush()
     trained = spec.steps - start.step
     checkpoint_key = ""
@@ -454,5 +457,5 @@ def _run(spec: WorkerSpec, store: Store, ckpt_store: Store, started: float,
         compute_s=max(0.0, loop_s - stats.seconds), sync_s=stats.seconds,
         upload_s=stats.upload_s, download_s=stats.download_s, bytes_synced=stats.bytes_total,
         val_loss=val_loss, val_accuracy=val_acc, checkpoint_key=checkpoint_key,
-        pid=os.getpid(), host=socket.gethostname(),
+        pid=os.getpid(), host=socket.gethostname(), iteration_s=clock.period_s(),
     )

@@ -55,6 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from training.checkpoint import FORMAT as CHECKPOINT_FORMAT
+from training.iteration_clock import IterationClock
 from training.collectives import SyncStats, release_group
 from training.datasets import read_manifest, read_subsets
 from training.errors import OutOfMemory, StoreTimeout, ZooidValueError
@@ -222,8 +223,10 @@ class _StageWorker:
         group = f"runs/{spec.run_id}/sync/e{spec.epoch}/s{cfg.stage}"
         loss_sum = 0.0
         self.module.train()
+        clock = IterationClock()
         for step, idx in enumerate(self._batches(x, y, generator)):
             loss_sum += self._iteration(step, idx, x, y, group)
+            clock.tick()
         if cfg.replicas > 1:
             release_group(self.store, group, cfg.replica, cfg.replicas, spec.sync_timeout_s,
                           stats=self.sync_stats)
@@ -243,7 +246,7 @@ class _StageWorker:
             compute_s=self.compute_s, sync_s=stats.seconds,
             upload_s=self.upload_s, download_s=self.download_s, bytes_synced=stats.bytes_total,
             val_loss=val_loss, val_accuracy=val_acc, checkpoint_key=checkpoint_key,
-            pid=os.getpid(), host=socket.gethostname(),
+            pid=os.getpid(), host=socket.gethostname(), iteration_s=clock.period_s(),
         )
 
     def _batches(self, x, y, generator: torch.Generator):

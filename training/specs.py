@@ -92,6 +92,8 @@ class WorkerResult:
     checkpoint_key: str = ""
     pid: int = 0
     host: str = ""
+    iteration_s: float = 0.0
+    """Steady-state seconds per iteration (`training.iteration_clock`; 0 when too few ran)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
