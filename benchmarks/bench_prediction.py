@@ -63,7 +63,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
-from training.iteration_clock import WARMUP
+from training.iteration_clock import WARMUP, steady_gaps
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "prediction.md"
@@ -344,9 +344,9 @@ def predicted_at_microbatch(x, prof: dict, plan) -> float:
 
 
 def steady(stamps: list, warmup: int = WARMUP_ITERATIONS) -> list[float]:
-    """Iteration periods end-to-end after the first `warmup` iterations."""
-    ends = [s[-1] if isinstance(s, (list, tuple)) else s for s in stamps]
-    return [b - a for a, b in zip(ends[warmup - 1:], ends[warmup:])]
+    """Iteration periods end-to-end after the first `warmup` iterations (the workers' own
+    rule, `training.iteration_clock.steady_gaps`, on the benchmark's stamps)."""
+    return steady_gaps([s[-1] if isinstance(s, (list, tuple)) else s for s in stamps], warmup)
 
 
 def measured_terms(strategy: str, outs: list[dict], stages: int, handoff_s: float = 0.0,
@@ -463,14 +463,15 @@ def measure_plan(case: ModelCase, prof: dict, x, strategy: str, replicas: int, s
                  root: Path, note: str = "") -> Row:
     """Run one plan's short epoch and return its row (a failed run keeps its error as note)."""
     from planners.pipeline_time import stage_times
+    from planners.strategy import optimizer_shares
 
     at_mb = handoff_s = None
     optimizer_s = ()
     if strategy != "local_sgd":
         at_mb = predicted_at_microbatch(x, prof, plan)
         handoff_s = x.transfer_costs.handoff_s
-        params = [st["param_bytes"] for st in stage_times(x.layers, plan.cuts, 1, x.profile_batch)]
-        optimizer_s = [x.optimizer_step_s * p / sum(params) for p in params]
+        optimizer_s = optimizer_shares(x.optimizer_step_s, [st["param_bytes"] for st in
+                                                            stage_times(x.layers, plan.cuts, 1, x.profile_batch)])
     specs = worker_specs(case, strategy, replicas, plan, url, run_id, epoch, manifest.n_subsets, steps)
     scratch = root / f"e{epoch}"
     scratch.mkdir()

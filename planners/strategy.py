@@ -205,13 +205,19 @@ def pipeline_prediction(x: StrategyInputs, plan: Plan) -> PipelineTime:
         st["forward_s"] *= x.contention
         st["backward_s"] *= x.contention
     bandwidth, latency = x.sync_link
-    params = [st["param_bytes"] for st in stages]
-    total = sum(params)
-    sync_s = [pipelined_scatter_reduce(p, plan.data_parallel, bandwidth, latency) for p in params]
-    optimizer_s = [x.optimizer_step_s * p / total if total > 0 else x.optimizer_step_s / len(stages)
-                   for p in params]
+    sync_s = [pipelined_scatter_reduce(st["param_bytes"], plan.data_parallel, bandwidth, latency)
+              for st in stages]
+    optimizer_s = optimizer_shares(x.optimizer_step_s, [st["param_bytes"] for st in stages])
     return pipeline_iteration(stages, plan.microbatches, x.transfer_costs, sync_s=sync_s,
                               optimizer_s=optimizer_s)
+
+
+def optimizer_shares(optimizer_step_s: float, stage_param_bytes: list[float]) -> list[float]:
+    """Each stage's part of the whole model's optimizer step: its share of the parameters
+    (equal parts when no stage holds any)."""
+    total = sum(stage_param_bytes)
+    return [optimizer_step_s * p / total if total > 0 else optimizer_step_s / len(stage_param_bytes)
+            for p in stage_param_bytes]
 
 
 def describe(plan: Plan, chosen: bool = False) -> dict:
@@ -229,6 +235,11 @@ def describe(plan: Plan, chosen: bool = False) -> dict:
             "chosen": chosen}
 
 
+def microbatch_count(batch_size: int, microbatches: int | None) -> int:
+    """Micro-batches per iteration: the job's, or the most of 4, 2, 1 that divides the batch."""
+    return microbatches or next((m for m in (4, 2, 1) if batch_size % m == 0), 1)
+
+
 def candidates(x: StrategyInputs, strategy: str) -> list[Plan]:
     """The plans `strategy` may choose from.
 
@@ -236,7 +247,7 @@ def candidates(x: StrategyInputs, strategy: str) -> list[Plan]:
     counts when None) at the job's batch. `hybrid`: D = workers replicas of it. `auto`: every
     plan of at most `workers` worker processes at the same global batch (workers x
     batch_size): Local-SGD, and each A x B pipeline with A * B <= workers."""
-    mb = x.microbatches or next((m for m in (4, 2, 1) if x.batch_size % m == 0), 1)
+    mb = microbatch_count(x.batch_size, x.microbatches)
     if strategy == "local_sgd":
         return [local_sgd(x)]
     if strategy in ("pipeline", "hybrid"):

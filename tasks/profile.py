@@ -84,8 +84,9 @@ def probe_store(ctx: RunContext, max_bytes: float = 0, activation_bytes: float =
 
 def microbatch_size(job) -> int:
     """Rows per micro-batch of a pipeline of this job (the planner's default split)."""
-    parts = job.microbatches or next((m for m in (4, 2, 1) if job.batch_size % m == 0), 1)
-    return max(1, job.batch_size // parts)
+    from planners.strategy import microbatch_count
+
+    return max(1, job.batch_size // microbatch_count(job.batch_size, job.microbatches))
 
 
 def typical_activation_bytes(prof: dict, job) -> float:

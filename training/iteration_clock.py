@@ -26,5 +26,10 @@ class IterationClock:
     def period_s(self, warmup: int = WARMUP) -> float:
         """Median seconds between iteration ends after the first `warmup` iterations
         (0.0 when too few iterations ran to give one gap)."""
-        gaps = [b - a for a, b in zip(self.ends[max(0, warmup - 1):], self.ends[max(1, warmup):])]
+        gaps = steady_gaps(self.ends, warmup)
         return statistics.median(gaps) if gaps else 0.0
+
+
+def steady_gaps(ends: list[float], warmup: int = WARMUP) -> list[float]:
+    """Seconds between consecutive iteration ends, from the end of iteration `warmup` on."""
+    return [b - a for a, b in zip(ends[max(0, warmup - 1):], ends[max(1, warmup):])]

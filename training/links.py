@@ -57,15 +57,20 @@ class ContentionResult:
 
 
 
+def _link(per_byte: float, latency: float) -> tuple[float, float]:
+    """(bandwidth, latency) from a fitted slope and intercept: a slope of 0 or less (noise
+    on a fast link) reads as 1 TB/s, and the latency is floored at 1 us (an emulated link's
+    burst allowance can make the intercept slightly negative)."""
+    return (1.0 / per_byte if per_byte > 0 else 1e12), max(latency, 1e-6)
+
+
 def fit_store(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
     """(bandwidth bytes/s, latency s) from (bytes, seconds) transfers by least squares on
     seconds = bytes / bandwidth + latency; latency is floored at 1 us (an emulated link's
     burst allowance can make the intercept slightly negative)."""
     a = np.array([(size, 1.0) for size, _ in samples], dtype=float)
     coef, *_ = np.linalg.lstsq(a, np.array([s for _, s in samples], dtype=float), rcond=None)
-    per_byte, latency = float(coef[0]), float(coef[1])
-    bandwidth = 1.0 / per_byte if per_byte > 0 else 1e12
-    return bandwidth, max(latency, 1e-6)
+    return _link(float(coef[0]), float(coef[1]))
 
 
 def measure_handoff(store, run_prefix: str, repeats: int = 5, delay_s: float = 0.01) -> float:
@@ -295,8 +300,7 @@ def fit_endpoints(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
     small, large = min(by_size), max(by_size)
     t_small, t_large = statistics.median(by_size[small]), statistics.median(by_size[large])
     per_byte = (t_large - t_small) / (large - small) if large > small else 0.0
-    bandwidth = 1.0 / per_byte if per_byte > 0 else 1e12
-    return bandwidth, max(t_small - small * max(per_byte, 0.0), 1e-6)
+    return _link(per_byte, t_small - small * max(per_byte, 0.0))
 
 
 def transfer_sizes(max_bytes: float, floor: int = 4 << 20, cap: int = 64 << 20) -> list[int]:
@@ -349,8 +353,7 @@ def fit_scatter_reduce(samples: Sequence[tuple[int, int, float]]) -> tuple[float
     rows = [((3 - 2 / n) * s, 4.0) for s, n, _ in samples]
     t = np.array([sec for _, _, sec in samples], dtype=float)
     coef, *_ = np.linalg.lstsq(np.array(rows, dtype=float) / t[:, None], np.ones(len(rows)), rcond=None)
-    per_byte, latency = float(coef[0]), float(coef[1])
-    return (1.0 / per_byte if per_byte > 0 else 1e12), max(latency, 1e-6)
+    return _link(float(coef[0]), float(coef[1]))
 
 
 def time_store_collective(store_url: str, run_prefix: str, nbytes: float = 0, *,
