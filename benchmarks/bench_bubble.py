@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.bench_prediction import REPO, WARMUP_ITERATIONS, run_workers
+from benchmarks.output import write_result
 
 RESULTS = REPO / "benchmarks" / "results" / "bubble.md"
 MODEL = "benchmarks.bench_bubble:uniform_mlp"
@@ -191,8 +192,7 @@ def write_report(rows: list[Bubble], args, seconds: float, cores: int) -> None:
           "jobs share these cores).", "",
           f"## Stage processes <= cores ({cores})", "", *table(within), "",
           f"## Stage processes > cores ({cores}): stages time-share the cores", "", *table(beyond), ""]
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text("\n".join(md) + "\n")
+    write_result(RESULTS, "\n".join(md) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,8 +16,8 @@ import random
 import statistics
 import sys
 import time
-from pathlib import Path
 
+from benchmarks.output import write_result
 from planners.co_optimize import CoOptProblem, evaluate, merge_layers, parse_problem
 from planners.co_optimize_exact import solve_exact
 from planners.co_optimize_miqp import model_size, solve_miqp
@@ -124,8 +124,7 @@ def main(argv=None) -> int:
         "| SCIP status | SCIP gap | speed-up | gurobipy |",
         "|---|---|---|---|---|---|---|---|---|---|",
         *rows, ""])
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
+    write_result(args.out, text)
     return 0
 
 

@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks.output import write_result
 from training.checkpoint import initial_checkpoint
 from training.datasets import assign_subsets, load_dataset, publish_dataset
 from training.local_sgd import batch_seed, batch_stream, evaluate, run_local_sgd_epoch, steps_per_epoch
@@ -225,9 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             ("--seeds", " ".join(map(str, args.seeds)), "0 1 2"), ("--max-epochs", args.max_epochs, 30),
             ("--target", args.target, 0.95)) if str(value) != str(default))
     text = render(traces, args.target, args.max_epochs, command, machine_note(), time.monotonic() - began)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(text)
+    write_result(args.out, text, echo=True)
     return 0
 
 

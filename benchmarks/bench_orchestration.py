@@ -42,6 +42,8 @@ from pathlib import Path
 
 from torch import nn
 
+from benchmarks.output import write_result
+
 RESULTS = Path(__file__).resolve().parent / "results" / "orchestration.md"
 PROBE_MODEL = "benchmarks.bench_orchestration:timed_digits_mlp"
 
@@ -271,9 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         f" --workers {' '.join(map(str, args.workers))}" if args.workers != [1, 2, 4, 8] else "") + (
         f" --epochs {args.epochs}" if args.epochs != 2 else "")
     text = render(rows, command, machine_note(), time.monotonic() - began)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(text)
+    write_result(args.out, text, echo=True)
     if args.keep:
         print(f"scratch kept in {base}")
     else:

@@ -63,6 +63,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
+from benchmarks.output import write_result
 from training.iteration_clock import WARMUP, steady_gaps
 
 REPO = Path(__file__).resolve().parent.parent
@@ -261,8 +262,8 @@ def profile(case: ModelCase, store, url: str, run_id: str, classes: int) -> dict
     from tasks.profile import microbatch_size, sync_bytes, typical_activation_bytes
     from training.links import (fit_scatter_reduce, measure_contention, profile_store,
                                 profile_transfers, time_steps_between_checkpoints, time_store_collective)
-    from training.optimizers import build_optimizer
     from training.models import build_model, input_shape
+    from training.optimizers import build_optimizer
     from training.profiler import profile_layers, profile_model
 
     torch.set_num_threads(1)
@@ -596,8 +597,7 @@ def write_report(rows: list[Row], args, seconds: float, cores: int) -> None:
           "## Summary", "", *summary(rows, cores), "",
           f"## Worker processes <= cores ({cores})", "", *table(within), "",
           f"## Worker processes > cores ({cores})", "", *table(beyond), ""]
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text("\n".join(md) + "\n")
+    write_result(RESULTS, "\n".join(md) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -44,6 +44,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks.output import write_result
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results" / "prestart.md"
 MODEL = "digits_mlp"
@@ -344,9 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             shutil.rmtree(home, ignore_errors=True)
     text = render(outcomes, args, machine_note(load_start), time.monotonic() - began)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(text)
+    write_result(args.out, text, echo=True)
     return 0
 
 

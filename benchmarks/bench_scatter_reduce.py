@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.bench_stores import free_port, start_server, stop_server
+from benchmarks.output import write_result
 
 MB = 1_000_000
 RESULTS = Path(__file__).resolve().parent / "results" / "scatter_reduce.md"
@@ -309,9 +310,7 @@ def main(argv: list[str] | None = None) -> None:
         "",
         *[s + "\n" for s in sections],
     ])
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(text)
+    write_result(args.out, text, echo=True)
 
 
 if __name__ == "__main__":

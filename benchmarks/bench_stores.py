@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.output import write_result
 from training.store import Store
 from training.store_dir import DirectoryStore
 from training.store_redis import RedisStore
@@ -221,9 +222,7 @@ def main(argv: list[str] | None = None) -> None:
         table(rows),
         "",
     ])
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(text)
+    write_result(args.out, text, echo=True)
 
 
 if __name__ == "__main__":
