@@ -15,7 +15,8 @@ checks it:
    is step + fitted scatter-reduce + checkpoint write; a pipeline or hybrid is the replay of
    its GPipe action lists on each stage's compute, upload and download threads
    (`planners.pipeline_time`);
-3. measure: a short epoch (`--steps` iterations) with every worker its own process
+3. measure: a short epoch (at least `--steps` iterations, and enough that the steady state
+   lasts `--min-seconds` at the predicted pace) with every worker its own process
    (`python -m benchmarks.bench_prediction --worker`, one torch thread each, as the
    `inline` target starts them), against a directory store in a temporary folder (the
    embedded default: fsync per put).
@@ -42,7 +43,7 @@ Timing on these shared machines drifts: the same backward pass (vgg11, 4 rows, o
 measured 35 ms and 57-69 ms in runs minutes apart on an otherwise idle machine, so a single
 run's errors carry that noise.
 
-    .venv/bin/python -m benchmarks.bench_prediction [--steps 14] [--trials 1] [--models digits_cnn resnet18 vgg11]
+    .venv/bin/python -m benchmarks.bench_prediction [--steps 14] [--min-seconds 3] [--trials 1] [--models ...]
 
 Writes markdown with the command to `benchmarks/results/prediction.md`.
 """
@@ -50,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shutil
@@ -275,12 +277,13 @@ def profile(case: ModelCase, store, url: str, run_id: str, classes: int) -> dict
     bandwidth, latency = profile_store(store, prefix)
     nbytes = sync_bytes(prof, OPTIMIZER)
     largest = max([nbytes] + [l["output_bytes"] for l in prof["layers"]])
-    samples = time_store_collective(url, prefix, model=case.model, model_kwargs=case.kwargs,
-                                    optimizer=OPTIMIZER, worlds=(2,))
-    sync_bw, sync_lat = fit_scatter_reduce(samples)
+    timing = time_store_collective(url, prefix, model=case.model, model_kwargs=case.kwargs,
+                                   optimizer=OPTIMIZER, worlds=(2,))
+    sync_bw, sync_lat = fit_scatter_reduce(timing.samples)
     prof.update(store_bandwidth_bytes_per_s=bandwidth, store_latency_s=latency,
                 store_transfer=profile_transfers(store, prefix, largest).to_dict(),
-                store_sync={"samples": samples, "bandwidth_bytes_per_s": sync_bw, "latency_s": sync_lat})
+                store_sync={"samples": timing.samples, "bandwidth_bytes_per_s": sync_bw, "latency_s": sync_lat,
+                            "handoff_s": timing.handoff_s})
     gen = torch.Generator().manual_seed(SEED)
     xb = torch.randn(case.batch, *shape, generator=gen)
     yb = torch.randint(0, classes, (case.batch,), generator=gen)
@@ -431,6 +434,7 @@ class Row:
     load: tuple
     note: str = ""
     trial: int = 0
+    steps: int = 0
 
     @property
     def workers(self) -> int:
@@ -459,6 +463,14 @@ class Row:
         return f"{k} {gaps[k] * 1e3:+.1f} ms"
 
 
+def steps_for(predicted_s: float, steps: int, min_seconds: float, cap: int = 5000) -> int:
+    """Iterations of a run: at least `steps`, and enough that the steady state (after the
+    warm-up) lasts `min_seconds` at the predicted pace: a period measured over a fraction of
+    a second catches one moment of the machine's wandering speed."""
+    wanted = WARMUP_ITERATIONS + 1 + math.ceil(min_seconds / max(predicted_s, 1e-4))
+    return max(steps, min(cap, wanted))
+
+
 def measure_plan(case: ModelCase, prof: dict, x, strategy: str, replicas: int, stages: int,
                  plan, terms: dict, *, url: str, run_id: str, epoch: int, manifest, steps: int,
                  root: Path, note: str = "") -> Row:
@@ -485,10 +497,10 @@ def measure_plan(case: ModelCase, prof: dict, x, strategy: str, replicas: int, s
         note = "run failed: " + str(exc).strip().splitlines()[-1][:160]
     return Row(case.model, strategy, replicas, stages, tuple(plan.cuts),
                {"iteration": plan.predicted_iteration_s, **terms}, measured, at_mb,
-               (before, os.getloadavg()[0]), note)
+               (before, os.getloadavg()[0]), note, steps=steps)
 
 
-def run_model(case: ModelCase, root: Path, steps: int, log) -> list[Row]:
+def run_model(case: ModelCase, root: Path, steps: int, log, min_seconds: float = 0.0) -> list[Row]:
     """Profile, plan and measure every configuration of PLANS for one model."""
     from training.checkpoint import initial_checkpoint
     from training.datasets import publish_dataset
@@ -511,12 +523,13 @@ def run_model(case: ModelCase, root: Path, steps: int, log) -> list[Row]:
         for p, t, note in [(plan, terms, "")]:
             t0 = time.perf_counter()
             row = measure_plan(case, prof, x, strategy, replicas, stages, p, t, url=url, run_id=run_id,
-                               epoch=epoch, manifest=manifest, steps=steps, root=root, note=note)
+                               epoch=epoch, manifest=manifest, root=root, note=note,
+                               steps=steps_for(p.predicted_iteration_s, steps, min_seconds))
             epoch += 1
             rows.append(row)
             what = row.note if row.measured is None else \
                 f"measured {row.measured['iteration'] * 1e3:.1f} ms ({row.error:+.1%})"
-            log(f"  {strategy} {replicas}x{stages} cuts {list(p.cuts)}: predicted "
+            log(f"  {strategy} {replicas}x{stages} cuts {list(p.cuts)}, {row.steps} steps: predicted "
                 f"{row.predicted['iteration'] * 1e3:.1f} ms, {what}, {time.perf_counter() - t0:.1f} s, "
                 f"load {row.load[0]:.1f}")
     store.close()
@@ -532,15 +545,15 @@ def _ms(v: float | None) -> str:
 
 def table(rows: list[Row]) -> list[str]:
     """Markdown rows: prediction, measurement, error and the terms of each."""
-    out = ["| model | plan | workers | cuts | predicted ms | measured ms | error | flow's measured_iteration_s ms | "
+    out = ["| model | plan | workers | cuts | steps | predicted ms | measured ms | error | flow's measured_iteration_s ms | "
            "pred. compute / transfer / sync ms | meas. compute / transfer+rest / sync ms | "
            "largest gap (pred - meas) | pred. with layers timed at the micro-batch ms | "
            "model fed with measured times ms | load avg |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         p, m = r.predicted, r.measured
         head = (f"| {r.model} | {r.strategy} {r.replicas}x{r.stages} | {r.workers} | "
-                f"{list(r.cuts) or '-'} | {_ms(p['iteration'])} |")
+                f"{list(r.cuts) or '-'} | {r.steps} | {_ms(p['iteration'])} |")
         pred_terms = f"{_ms(p['compute'])} / {_ms(p['transfer'])} / {_ms(p['sync'])}"
         if m is None:
             out.append(f"{head} - | - | - | {pred_terms} | - | - | - | - | {r.load[0]:.1f}-{r.load[1]:.1f} |")
@@ -579,7 +592,8 @@ def summary(rows: list[Row], cores: int) -> list[str]:
 def write_report(rows: list[Row], args, seconds: float, cores: int) -> None:
     """benchmarks/results/prediction.md with the command that produced it."""
     command = "    .venv/bin/python -m benchmarks.bench_prediction " + " ".join(
-        ["--steps", str(args.steps), "--trials", str(args.trials), "--models", *args.models])
+        ["--steps", str(args.steps), "--min-seconds", f"{args.min_seconds:g}", "--trials", str(args.trials),
+         "--models", *args.models])
     within = [r for r in rows if r.workers <= cores]
     beyond = [r for r in rows if r.workers > cores]
     md = ["# Predicted vs measured iteration time", "",
@@ -589,7 +603,8 @@ def write_report(rows: list[Row], args, seconds: float, cores: int) -> None:
           "`planners.strategy` gives for the profile (one torch thread, layers timed at the job's "
           "batch and at a quarter of it and interpolated to the micro-batch, as `strategy=auto` "
           "does); measured = steady-state "
-          f"iteration period of the slowest worker over {args.steps} iterations minus "
+          f"iteration period of the slowest worker over the run's iterations (at least {args.steps}, "
+          f"and enough for {args.min_seconds:g} s at the predicted pace; column `steps`) minus "
           f"{WARMUP_ITERATIONS} warm-up ones; error = predicted / measured - 1. Local-SGD syncs "
           f"every step (k = 1); pipelines use {MICROBATCHES} micro-batches; the directory store "
           "is the embedded default in a temporary folder. `load avg` is the machine's 1-minute "
@@ -604,7 +619,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run the sweep (or, with --worker, one instrumented worker) and write the report."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_prediction", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=14, help="iterations per run (>= 4)")
+    parser.add_argument("--steps", type=int, default=14, help="least iterations per run (>= 4)")
+    parser.add_argument("--min-seconds", type=float, default=3.0,
+                        help="least steady-state seconds per run at the predicted pace (more iterations for fast plans)")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--trials", type=int, default=1,
                         help="profile-plan-measure each model this many times (rows of every trial count)")
@@ -626,7 +643,8 @@ def main(argv: list[str] | None = None) -> int:
             root = Path(tempfile.mkdtemp(prefix=f"zooid-pred-{name}-"))
             try:
                 rows += [replace(r, trial=trial) for r in
-                         run_model(MODELS[name], root, args.steps, lambda s: print(s, flush=True))]
+                         run_model(MODELS[name], root, args.steps, lambda s: print(s, flush=True),
+                                   args.min_seconds)]
             finally:
                 shutil.rmtree(root, ignore_errors=True)
     write_report(rows, args, time.perf_counter() - t0, cores)

@@ -29,10 +29,14 @@ LAYER_FIELDS = ("forward_s", "backward_s", "output_bytes", "param_bytes", "forwa
 def strategy_inputs(ctx: RunContext, profile: dict, workers: int) -> StrategyInputs:
     """The planner's view of the job, its measured profile and its target: the contract's
     store bandwidth and latency, and where the profile has them, a worker's measured put
-    and get costs and the store collective's fitted link (`tasks.profile`)."""
+    and get costs and the store collective's fitted link (`tasks.profile`). The hand-off
+    delay timed between two worker processes, when the collective probe ran, replaces the
+    one timed between two threads of the coordinator."""
     job, target = ctx.job, ctx.resolved.target
     transfer = profile.get("store_transfer")
     sync = profile.get("store_sync") or {}
+    if transfer and sync.get("handoff_s") is not None:
+        transfer = {**transfer, "handoff_s": sync["handoff_s"]}
     return StrategyInputs(
         layers=tuple({k: l[k] for k in LAYER_FIELDS if k in l} for l in profile.get("layers", ())),
         profile_batch=profile.get("microbatch_size") or profile["batch_size"], step_s=profile["step_s"],

@@ -105,7 +105,7 @@ def _collective_cache_key(context, params) -> str:
     # the kind of store and where it is, not the run's folder; hashed: a URL may hold a password
     where = hashlib.sha256(f"{parts.scheme}://{parts.netloc}".encode()).hexdigest()[:16]
     key = {"where": where, "model": params["model"], "optimizer": params["optimizer"],
-           "worlds": list(params["worlds"]), "hardware": hardware_fingerprint(threads=1), "version": 2}
+           "worlds": list(params["worlds"]), "hardware": hardware_fingerprint(threads=1), "version": 3}
     return "zooid-collective-" + hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
 
 
@@ -114,14 +114,16 @@ def _collective_cache_key(context, params) -> str:
       timeout_seconds=600)
 def time_collective(store_ref: str, run_prefix: str, model: str, optimizer: str, worlds: list[int]) -> dict:
     """Local-SGD's store allreduce of `model`'s replica state timed among `worlds` worker
-    processes, and the effective bandwidth and latency of the scatter-reduce model fitted
-    to it."""
+    processes, the effective bandwidth and latency of the scatter-reduce model fitted to
+    it, and the hand-off delay between two of those processes (what a pipeline stage
+    waiting for its neighbour's tensor pays)."""
     from training.links import fit_scatter_reduce, time_store_collective
 
-    samples = time_store_collective(store_ref, run_prefix, model=model, optimizer=optimizer,
-                                    worlds=tuple(worlds), opener="blocks.store:open_store_ref")
-    bw, lat = fit_scatter_reduce(samples)
-    return {"samples": [list(s) for s in samples], "bandwidth_bytes_per_s": bw, "latency_s": lat}
+    timing = time_store_collective(store_ref, run_prefix, model=model, optimizer=optimizer,
+                                   worlds=tuple(worlds), opener="blocks.store:open_store_ref")
+    bw, lat = fit_scatter_reduce(timing.samples)
+    return {"samples": [list(s) for s in timing.samples], "bandwidth_bytes_per_s": bw, "latency_s": lat,
+            "handoff_s": timing.handoff_s}
 
 
 def sync_bytes(prof: dict, optimizer: str) -> float:

@@ -17,7 +17,7 @@ from prefect.cache_policies import NO_CACHE
 from planners.plan import Plan
 from tasks.context import RunContext
 from tasks.cost import worker_records
-from tasks.launchers import InlineLauncher, PoolLauncher, WorkersFailed
+from tasks.launchers import InlineLauncher, PoolLauncher
 from tasks.prestart import PrestartWatch, should_prestart, startup_report
 from tasks.provision import epoch_key
 from tasks.retry import task_options

@@ -48,10 +48,12 @@ def test_store_collective_timed_among_two_processes_on_the_models_replica_state(
     state = replica_tensors("digits_cnn", {}, "momentum")
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     assert any(k.startswith("optim/") for k in state)  # the moments travel with the weights
-    samples = time_store_collective(url, "runs/c/probe", model="digits_cnn", optimizer="momentum",
-                                    worlds=(2,), repeats=2)
-    assert [(s, n) for s, n, _ in samples] == [(nbytes // 32 * 4, 2), (nbytes, 2)]
-    assert all(0 < sec < 10 for _, _, sec in samples)
+    timing = time_store_collective(url, "runs/c/probe", model="digits_cnn", optimizer="momentum",
+                                   worlds=(2,), repeats=2)
+    assert [(s, n) for s, n, _ in timing.samples] == [(nbytes // 32 * 4, 2), (nbytes, 2)]
+    assert all(0 < sec < 10 for _, _, sec in timing.samples)
+    # the directory store polls every 2 ms: a waiting process hears of a key ~1 ms late
+    assert 0.0002 < timing.handoff_s < 0.004
     assert open_store(url).list("runs/") == []  # barrier and round keys are gone
     with pytest.raises(ValueError, match="nbytes"):
         time_store_collective(url, "runs/c/probe")
@@ -95,3 +97,24 @@ def test_layer_times_split_into_per_call_and_per_row_parts():
     assert first.forward_fixed_s == pytest.approx(0.004, abs=0.0015)
     [plain, _] = profile_layers(model, torch.randn(64, 256), repeats=3)
     assert plain.forward_fixed_s == plain.backward_fixed_s == 0.0
+
+
+def test_handoff_is_the_mean_notice_delay_less_a_present_fetch():
+    from training.links import _handoff_from_ping_pong
+
+    # rank 1 reads rounds 0 and 2 (written by rank 0), rank 0 reads round 1
+    rank0 = {"put_end": {"0": 10.0, "2": 30.0}, "seen": {"1": 20.003}, "present": [0.0005, 0.0005]}
+    rank1 = {"put_end": {"1": 20.0}, "seen": {"0": 10.002, "2": 30.0015}, "present": [0.0004]}
+    delays = (0.002 + 0.0015 + 0.003) / 3
+    assert _handoff_from_ping_pong([rank0, rank1]) == pytest.approx(delays - 0.0005)
+    rank1["seen"] = {"0": 10.0001, "2": 30.0001}
+    rank0["seen"] = {"1": 20.0001}
+    assert _handoff_from_ping_pong([rank0, rank1]) == 0.0  # never negative
+
+
+def test_thread_handoff_probe_sees_about_half_a_poll_interval(tmp_path):
+    from training.links import measure_handoff
+
+    store = open_store(str(tmp_path))
+    assert 0.0002 < measure_handoff(store, "runs/h/probe") < 0.004  # polls every 2 ms
+    assert store.list("runs/") == []

@@ -257,3 +257,20 @@ def test_links_profile_lands_in_the_model_profile(tmp_path, cnn_profile):
         links.bandwidth_bytes_per_s, links.latency_s, links.contention,
         links.allreduce_alpha_s_per_byte, links.allreduce_beta_s)
     assert open_store(str(tmp_path)).list("runs/") == []
+
+
+def test_anchor_timings_sample_for_a_least_duration():
+    from training.profiler import _median_time
+
+    calls = []
+
+    def nap():
+        calls.append(1)
+        time.sleep(0.004)
+
+    _median_time(nap, 3, torch.device("cpu"), warmup=1)
+    assert len(calls) == 4  # warm-up + repeats, when no least duration is asked
+    calls.clear()
+    median = _median_time(nap, 3, torch.device("cpu"), warmup=1, min_time_s=0.06)
+    assert 16 <= len(calls) <= 20  # 1 + ceil(0.06 / ~0.0041) samples, a sleep may overshoot
+    assert 0.004 <= median < 0.02

@@ -134,3 +134,26 @@ def test_contention_slows_a_pipeline_stage_compute_not_local_sgd():
     assert pipeline_prediction(replace(x, contention=1.5), plan).period_s == \
         pytest.approx(1.5 * pipeline_prediction(x, plan).period_s)
     assert local_sgd(replace(x, contention=1.5)).predicted_iteration_s == local_sgd(x).predicted_iteration_s
+
+
+def test_the_plan_step_takes_the_handoff_timed_between_worker_processes():
+    from types import SimpleNamespace
+
+    from tasks.plan import strategy_inputs
+
+    job = SimpleNamespace(optimizer="sgd", batch_size=32, stages=2, microbatches=4, sync_period=1)
+    ctx = SimpleNamespace(job=job, price_per_worker_s=0.0, resolved=SimpleNamespace(
+        target=SimpleNamespace(worker_vcpu=1.0, worker_memory_gb=2.0, worker_gpu=0), n_train=512,
+        offer=SimpleNamespace(name="local")))
+    transfer = dict(put_latency_s=0.001, put_bandwidth=1e9, get_latency_s=0.0005, get_bandwidth=2e9,
+                    handoff_s=0.0013)
+    layer = dict(forward_s=0.01, backward_s=0.02, output_bytes=4096, param_bytes=1024)
+    profile = {"layers": [layer, layer], "batch_size": 32, "step_s": 0.06, "param_bytes": 2048,
+               "store_bandwidth_bytes_per_s": 1e9, "store_latency_s": 0.001, "store_transfer": transfer}
+    assert strategy_inputs(ctx, profile, 2).transfer_costs.handoff_s == 0.0013  # the threads' probe
+    profile["store_sync"] = {"bandwidth_bytes_per_s": 5e8, "latency_s": 0.002, "handoff_s": 0.0009}
+    x = strategy_inputs(ctx, profile, 2)
+    assert x.transfer_costs.handoff_s == 0.0009  # the processes' probe wins
+    assert (x.transfer_costs.put_latency_s, x.sync_link) == (0.001, (5e8, 0.002))
+    profile["store_sync"]["handoff_s"] = None  # a collective timed without a world of 2
+    assert strategy_inputs(ctx, profile, 2).transfer_costs.handoff_s == 0.0013

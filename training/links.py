@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from training.profiler import _median_time
+from training.profiler import ANCHOR_MIN_S, _median_time
 
 @dataclass(frozen=True, kw_only=True)
 class LinkProfile:
@@ -73,20 +73,27 @@ def fit_store(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
     return _link(float(coef[0]), float(coef[1]))
 
 
-def measure_handoff(store, run_prefix: str, repeats: int = 5, delay_s: float = 0.01) -> float:
-    """Median seconds between a put finishing and a reader already waiting in `get` seeing
+def measure_handoff(store, run_prefix: str, repeats: int = 12, delay_s: float = 0.005) -> float:
+    """Mean seconds between a put finishing and a reader already waiting in `get` seeing
     it: the notice delay of a store without notifications (a polling reader), which every
-    worker-to-worker transfer pays once and a put-then-get probe never sees."""
-    import threading
+    worker-to-worker transfer pays once and a put-then-get probe never sees. The writer
+    (a thread of this process) puts after `delay_s` plus a random part of a poll
+    interval, so the put lands at a random phase of the reader's polls (a fixed delay
+    lands at the same phase every time and reads anywhere between 0 and one interval);
+    the mean is what a run pays on average. `time_store_collective` measures the same
+    between two processes, as workers see it."""
+    import random
 
+    rng = random.Random(0)
+    spread = _poll_interval(store)
     delays = []
     key_base = f"{run_prefix}/handoff-{uuid.uuid4().hex[:8]}"
     try:
         for i in range(repeats):
-            key, done = f"{key_base}/{i}", {}
+            key, done, wait = f"{key_base}/{i}", {}, delay_s + rng.uniform(0, spread)
 
             def writer():
-                time.sleep(delay_s)
+                time.sleep(wait)
                 store.put(key, b"x")
                 done["at"] = time.perf_counter()
 
@@ -98,7 +105,12 @@ def measure_handoff(store, run_prefix: str, repeats: int = 5, delay_s: float = 0
             delays.append(max(0.0, seen - done.get("at", seen)))
     finally:
         store.delete_prefix(key_base)
-    return statistics.median(delays)
+    return statistics.fmean(delays)
+
+
+def _poll_interval(store) -> float:
+    """The longest pause of a waiting `get` between two reads of `store`."""
+    return float(getattr(store, "poll_max_s", 0.002))
 
 
 def profile_store(store, run_prefix: str, sizes: tuple[int, ...] = (1 << 10, 16 << 10, 64 << 10, 1 << 20, 4 << 20),
@@ -356,20 +368,39 @@ def fit_scatter_reduce(samples: Sequence[tuple[int, int, float]]) -> tuple[float
     return _link(float(coef[0]), float(coef[1]))
 
 
+@dataclass(frozen=True)
+class CollectiveTiming:
+    """What `time_store_collective` measured among real worker processes."""
+
+    samples: list[tuple[int, int, float]]
+    """(bytes, workers, seconds) of each timed allreduce size and world."""
+    handoff_s: float | None
+    """Mean notice delay of a new key to a worker process waiting for it (None: no world
+    of 2 or more): the put's end in one process to the waiting thread resuming with the
+    decoded tensor in the other, less what fetching a key that is already there costs."""
+
+
 def time_store_collective(store_url: str, run_prefix: str, nbytes: float = 0, *,
                           model: str | None = None, model_kwargs: dict | None = None,
                           optimizer: str = "sgd", worlds: Sequence[int] = (2,), repeats: int = 3,
-                          timeout_s: float = 120.0,
-                          opener: str = "training.store:open_store") -> list[tuple[int, int, float]]:
+                          timeout_s: float = 120.0, handoff_rounds: int = 24,
+                          opener: str = "training.store:open_store") -> CollectiveTiming:
     """(bytes, workers, seconds) of the plain store allreduce (`training.collectives.
     allreduce_mean`, what Local-SGD averages with) among `workers` real processes, one torch
     thread each as workers run: on the tensors a Local-SGD replica of `model` averages
     (parameters, float buffers, the optimizer's moments; `model_kwargs` as the job builds it)
     when given, else on `nbytes` in 8 tensors, and on an eighth of those bytes, so the
     scatter-reduce model can be fitted through both sizes. Each call's seconds are its
-    slowest rank's; the median of `repeats` calls after a warm-up is kept. Processes run in
+    slowest rank's; the median of `repeats` calls after a warm-up is kept (more calls while
+    they have taken under `ANCHOR_MIN_S`: a short collective's few calls would catch one
+    moment of the machine's wandering speed). Processes run in
     their own process group and are stopped by pid on failure. `opener` ("module:function")
-    opens `store_url` in each rank (the coordinator passes its block-aware opener)."""
+    opens `store_url` in each rank (the coordinator passes its block-aware opener).
+
+    Ranks 0 and 1 of the first world of 2 or more then pass a small tensor back and forth
+    `handoff_rounds` times, as neighbouring pipeline stages do: the writer puts at a random
+    phase of the reader's polls, the reader fetches through a download thread and its main
+    thread waits for the result (`handoff_s`, see `CollectiveTiming`)."""
     import json
     import os
     import signal
@@ -378,12 +409,13 @@ def time_store_collective(store_url: str, run_prefix: str, nbytes: float = 0, *,
 
     if model is None and not nbytes > 0:
         raise ValueError("nbytes: give a model or a positive byte count to time the collective on")
-    samples = []
+    samples, handoff_s = [], None
     for world in worlds:
         group = f"{run_prefix}/collective-{uuid.uuid4().hex[:8]}"
         config = {"store_url": store_url, "group": group, "world": world, "nbytes": nbytes,
                   "model": model, "model_kwargs": model_kwargs or {}, "optimizer": optimizer,
-                  "repeats": repeats, "timeout_s": timeout_s, "opener": opener}
+                  "repeats": repeats, "timeout_s": timeout_s, "opener": opener,
+                  "handoff_rounds": handoff_rounds if world >= 2 and handoff_s is None else 0}
         repo = str(Path(__file__).resolve().parent.parent)  # `-m training.links` from anywhere
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
                "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
@@ -407,10 +439,58 @@ def time_store_collective(store_url: str, run_prefix: str, nbytes: float = 0, *,
             raise RuntimeError(f"timed collective among {world} processes failed: "
                                f"{bad[0][1].strip().splitlines()[-1:] or bad[0][0]}")
         per_rank = [json.loads(out) for out, _ in outs]
+        if config["handoff_rounds"]:
+            handoff_s = _handoff_from_ping_pong([r.pop("handoff") for r in per_rank[:2]])
         for size in per_rank[0]:
             calls = zip(*(r[size] for r in per_rank))
             samples.append((int(size), world, statistics.median(max(c) for c in calls)))
-    return sorted(samples)
+    return CollectiveTiming(sorted(samples), handoff_s)
+
+
+def _handoff_from_ping_pong(ranks: list[dict]) -> float:
+    """Mean (seen - put end) over both directions, less the median fetch of a present key.
+    Both ranks ran on this host: their `perf_counter` stamps share CLOCK_MONOTONIC."""
+    delays = [reader["seen"][i] - writer["put_end"][i]
+              for reader, writer in ((ranks[0], ranks[1]), (ranks[1], ranks[0]))
+              for i in reader["seen"]]
+    present = statistics.median(ranks[0]["present"] + ranks[1]["present"])
+    return max(0.0, statistics.fmean(delays) - present)
+
+
+def _ping_pong(store, prefix: str, rank: int, rounds: int, timeout_s: float) -> dict:
+    """Rank 0 or 1 of the hand-off probe: round i is written by rank i % 2 and read by the
+    other, which has been waiting since its own put. Returns this rank's stamps."""
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    from training.tensor_codec import decode_tensors, encode_tensors
+
+    rng, spread = random.Random(rank), _poll_interval(store)
+    blob = encode_tensors({"t": torch.randn(256, generator=torch.Generator().manual_seed(rank))})
+
+    def fetch(key):
+        data = store.get(key, timeout=timeout_s)
+        store.delete(key)
+        return decode_tensors(data)
+
+    put_end, seen, present = {}, {}, []
+    with ThreadPoolExecutor(1, thread_name_prefix="download") as download:
+        for i in range(rounds):
+            key = f"{prefix}/{i}"
+            if i % 2 == rank:
+                time.sleep(0.0005 + rng.uniform(0, spread))
+                store.put(key, blob)
+                put_end[str(i)] = time.perf_counter()
+            else:
+                download.submit(fetch, key).result()
+                seen[str(i)] = time.perf_counter()
+        for i in range(5):  # the part of a waiting fetch that is not the notice delay
+            key = f"{prefix}/present-{rank}-{i}"
+            store.put(key, blob)
+            t0 = time.perf_counter()
+            download.submit(fetch, key).result()
+            present.append(time.perf_counter() - t0)
+    return {"put_end": put_end, "seen": seen, "present": present}
 
 
 def _opener(path: str) -> Callable[[str], object]:
@@ -438,8 +518,9 @@ def replica_tensors(model: str, model_kwargs: dict, optimizer: str) -> dict[str,
     return out
 
 
-def _collective_rank(config: dict, rank: int) -> dict[str, list[float]]:
-    """One rank of `time_store_collective`: seconds of each timed call, by bytes. Calls start
+def _collective_rank(config: dict, rank: int) -> dict:
+    """One rank of `time_store_collective`: seconds of each timed call, by bytes, and ranks
+    0 and 1's hand-off stamps under "handoff" when asked (`_ping_pong`). Calls start
     together (a barrier through the store) so a call's time is the collective's, not a
     late start's; each call cleans up the previous one's keys as Local-SGD does."""
     from training.collectives import allreduce_mean, release_group
@@ -456,19 +537,29 @@ def _collective_rank(config: dict, rank: int) -> dict[str, list[float]]:
     world, group, timeout_s = config["world"], config["group"], config["timeout_s"]
     store = _opener(config["opener"])(config["store_url"])
     out = {}
+    repeats = config["repeats"]
     try:
-        call = 0
+        call = barrier = 0
         for tensors in (small, full):
-            times = []
-            for i in range(config["repeats"] + 1):
-                allreduce_mean(store, f"{group}/barrier{call}", rank, world, {"b": torch.ones(1)}, timeout_s)
+            times, spent, warm = [], 0.0, False
+            while True:
+                # the barrier also agrees on when to stop: `repeats` calls after a warm-up,
+                # more while the ranks' mean time spent is under ANCHOR_MIN_S
+                agreed = allreduce_mean(store, f"{group}/barrier{barrier}", rank, world,
+                                        {"b": torch.tensor([spent], dtype=torch.float64)}, timeout_s)
+                barrier += 1
+                if len(times) >= repeats and (float(agreed["b"]) >= ANCHOR_MIN_S or len(times) >= 50 * repeats):
+                    break
                 t0 = time.perf_counter()
                 allreduce_mean(store, f"{group}/r{call}", rank, world, tensors, timeout_s,
                                previous_prefix=f"{group}/r{call - 1}" if call else None)
-                if i:
+                if warm:  # each size's first call is a warm-up
                     times.append(time.perf_counter() - t0)
-                call += 1
+                    spent += times[-1]
+                warm, call = True, call + 1
             out[str(sum(t.numel() * t.element_size() for t in tensors.values()))] = times
+        if config.get("handoff_rounds") and rank < 2:
+            out["handoff"] = _ping_pong(store, f"{group}/handoff", rank, config["handoff_rounds"], timeout_s)
         release_group(store, group, rank, world, timeout_s)
     finally:
         store.close()
@@ -477,7 +568,8 @@ def _collective_rank(config: dict, rank: int) -> dict[str, list[float]]:
 
 def time_steps_between_checkpoints(store, run_prefix: str, model: nn.Module, optimizer, x: torch.Tensor,
                                    y: torch.Tensor, repeats: int = 5) -> tuple[float, float]:
-    """(step seconds, checkpoint seconds), medians over `repeats` rounds of one training step
+    """(step seconds, checkpoint seconds), medians over `repeats` rounds (more while the rounds
+    have taken under 2 x `ANCHOR_MIN_S`) of one training step
     on (`x`, `y`) followed by a checkpoint write (`training.checkpoint.save_checkpoint`), as
     a Local-SGD replica syncing every step runs them: a step right after a write is slower
     than one in a tight loop (the encoding evicts the caches, the kernel writes back the
@@ -489,8 +581,10 @@ def time_steps_between_checkpoints(store, run_prefix: str, model: nn.Module, opt
     loss_fn = nn.CrossEntropyLoss()
     key_base = f"{run_prefix}/checkpoint-{uuid.uuid4().hex[:8]}"
     steps, writes = [], []
+    began = time.perf_counter()
     try:
-        for i in range(repeats + 1):
+        i = 0
+        while i <= repeats or (time.perf_counter() - began < 2 * ANCHOR_MIN_S and i <= 100 * repeats):
             t0 = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
             loss_fn(model(x), y).backward()
@@ -500,6 +594,7 @@ def time_steps_between_checkpoints(store, run_prefix: str, model: nn.Module, opt
             if i:
                 steps.append(t1 - t0)
                 writes.append(time.perf_counter() - t1)
+            i += 1
     finally:
         store.delete_prefix(key_base)
         model.load_state_dict(saved[0])

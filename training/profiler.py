@@ -159,11 +159,20 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+ANCHOR_MIN_S = 0.3
+"""Least seconds of samples behind an anchor time (the whole step, the chain the layers are
+scaled to): these machines' speed wanders by 10-25 % from one 0.1 s window to the next, so a
+short model's few repeats would catch one window; a median over 0.3 s or more varies by
+about 3 % (measured here)."""
+
+
 def _median_time(fn: Callable[[], object], repeats: int, device: torch.device,
-                 warmup: int = 1, setup: Callable[[], object] | None = None) -> float:
-    """Median seconds of `fn(setup())` (or `fn()`), after `warmup` untimed calls."""
-    samples = []
-    for i in range(warmup + repeats):
+                 warmup: int = 1, setup: Callable[[], object] | None = None,
+                 min_time_s: float = 0.0) -> float:
+    """Median seconds of `fn(setup())` (or `fn()`), after `warmup` untimed calls: `repeats`
+    samples, and more while their total is under `min_time_s` (at most 100 x `repeats`)."""
+    samples, total, i = [], 0.0, 0
+    while i < warmup + repeats or (total < min_time_s and len(samples) < 100 * repeats):
         arg = setup() if setup else None
         _sync(device)
         t0 = time.perf_counter()
@@ -171,6 +180,8 @@ def _median_time(fn: Callable[[], object], repeats: int, device: torch.device,
         _sync(device)
         if i >= warmup:
             samples.append(time.perf_counter() - t0)
+            total += samples[-1]
+        i += 1
     return statistics.median(samples)
 
 
@@ -308,7 +319,7 @@ def profile_layers(model: nn.Module, x: torch.Tensor, repeats: int = 5,
     if calibrate:
         for which, inp in enumerate((x, x[:small] if small else x)):
             # the anchor of every layer's time: more repeats, after a longer warm-up
-            whole = _layer_times(chain, inp.detach(), 2 * repeats, warmup=3)
+            whole = _layer_times(chain, inp.detach(), 2 * repeats, warmup=3, min_time_s=ANCHOR_MIN_S)
             parts = [sum(t[which][k] for t in times) for k in (0, 1)]
             scale[which] = tuple(w / p if p > 0 and w > 0 else 1.0 for w, p in zip(whole, parts))
     out_layers = []
@@ -331,16 +342,17 @@ def _stage_input(h: torch.Tensor, index: int) -> torch.Tensor:
     return inp
 
 
-def _layer_times(layer: nn.Module, inp: torch.Tensor, repeats: int, warmup: int = 1) -> tuple[float, float]:
+def _layer_times(layer: nn.Module, inp: torch.Tensor, repeats: int, warmup: int = 1,
+                 min_time_s: float = 0.0) -> tuple[float, float]:
     """Median forward and backward seconds of `layer` on `inp` (backward 0 without grad)."""
     device = inp.device
-    fwd = _median_time(lambda: layer(inp), repeats, device, warmup)
+    fwd = _median_time(lambda: layer(inp), repeats, device, warmup, min_time_s=min_time_s)
     out = layer(inp)
     if not out.requires_grad:
         return fwd, 0.0
     grad = torch.ones_like(out)
     bwd = _median_time(lambda o: torch.autograd.backward(o, grad), repeats, device, warmup,
-                       setup=lambda: layer(inp))
+                       setup=lambda: layer(inp), min_time_s=min_time_s)
     return fwd, bwd
 
 
@@ -521,7 +533,7 @@ def profile_model(model: nn.Module, name: str, input_shape: tuple[int, ...], num
         threads = torch.get_num_threads()
         # a few more warm-up steps than elsewhere: the allocator and caches settle over the
         # first steps, and a training run is all steady state
-        step_s = _median_time(step, 2 * repeats, device, warmup=3)
+        step_s = _median_time(step, 2 * repeats, device, warmup=3, min_time_s=ANCHOR_MIN_S)
         optimizer_step_s = _median_time(opt.step, 2 * repeats, device)  # gradients are in place
         layers = profile_layers(model, xm, repeats, fit_rows=max(1, micro // 4))
         loss_fn = nn.CrossEntropyLoss()
