@@ -56,10 +56,12 @@ def probe_store(ctx: RunContext, max_bytes: float = 0, activation_bytes: float =
 
     from training.links import (measure_contention, profile_store, profile_transfers,
                                 time_steps_between_checkpoints)
+    from training.malloc import pin_malloc_thresholds
     from training.models import build_model
     from training.optimizers import build_optimizer
 
     torch.set_num_threads(1)  # the cached model profile may not have run in this process
+    pin_malloc_thresholds()  # nor pinned the allocator as workers do
     job, prefix = ctx.job, ctx.prefix("probe")
     net = build_model(job.model, job.seed)
     store = ctx.open_store()

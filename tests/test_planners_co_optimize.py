@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import itertools
 import json
-import math
 import random
 import sys
 

@@ -274,3 +274,15 @@ def test_anchor_timings_sample_for_a_least_duration():
     median = _median_time(nap, 3, torch.device("cpu"), warmup=1, min_time_s=0.06)
     assert 16 <= len(calls) <= 20  # 1 + ceil(0.06 / ~0.0041) samples, a sleep may overshoot
     assert 0.004 <= median < 0.02
+
+
+def test_malloc_thresholds_are_pinned_where_workers_and_profiles_run():
+    import platform
+
+    from training import malloc
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("mallopt is glibc's")
+    assert malloc.pin_malloc_thresholds() is True
+    assert malloc.pin_malloc_thresholds() is True  # idempotent
+    assert malloc._pinned

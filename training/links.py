@@ -524,8 +524,10 @@ def _collective_rank(config: dict, rank: int) -> dict:
     together (a barrier through the store) so a call's time is the collective's, not a
     late start's; each call cleans up the previous one's keys as Local-SGD does."""
     from training.collectives import allreduce_mean, release_group
+    from training.malloc import pin_malloc_thresholds
 
     torch.set_num_threads(1)
+    pin_malloc_thresholds()
     if config["model"]:
         full = replica_tensors(config["model"], config["model_kwargs"], config["optimizer"])
     else:

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from training.malloc import pin_malloc_thresholds
 from training.errors import ZooidError, ZooidValueError
 
 if TYPE_CHECKING:
@@ -516,6 +517,7 @@ def profile_model(model: nn.Module, name: str, input_shape: tuple[int, ...], num
         if not isinstance(value, int) or value < 1:
             raise ZooidValueError(label, f"must be a positive integer, got {value!r}")
     micro = microbatch_size or batch_size
+    pin_malloc_thresholds()  # as every worker runs (training.malloc)
     device = next(model.parameters(), torch.empty(0)).device
     saved_state = copy.deepcopy(model.state_dict())
     was_training = model.training

@@ -3,12 +3,14 @@ from __future__ import annotations
 
 from training.chaos import chaos_for, chaos_requested  # noqa: F401 - chaos_requested kept for callers
 from training.errors import ZooidValueError
+from training.malloc import pin_malloc_thresholds
 from training.specs import WorkerResult, WorkerSpec
 from training.store import Store
 
 
 def run_spec(spec: WorkerSpec, store: Store) -> WorkerResult:
     """Dispatch on `spec.extra["strategy"]` (default `local_sgd`)."""
+    pin_malloc_thresholds()  # the allocator the profile measured with (training.malloc)
     # Injected faults (ZOOID_CHAOS, off when unset) that fire at worker start, for every
     # strategy; the Local-SGD loop fires the step and sync ones.
     chaos_for(spec, store).at_start()
