@@ -25,7 +25,7 @@ def _profile_cache_key(context, params) -> str:
 
     key = {k: params[k] for k in ("model", "input_shape", "classes", "batch_size", "optimizer")}
     key["hardware"] = hardware_fingerprint(threads=1)  # the task profiles at one thread
-    key["version"] = 3
+    key["version"] = 4  # 4: allocator pinned (training.malloc), anchors sampled >= 0.3 s
     return "zooid-profile-" + hashlib.sha256(json.dumps(key, sort_keys=True, default=list).encode()).hexdigest()[:32]
 
 

@@ -143,8 +143,10 @@ def measure_contention(model: nn.Module, input_shape: tuple[int, ...], num_class
                        payload_bytes: int = 4 << 20, repeats: int = 5) -> ContentionResult:
     """Forward + backward of `model` on one micro-batch, timed alone and while a background
     thread uploads and downloads `payload_bytes` to `store` without pause (FuncPipe's
-    beta: compute slows while a worker's transfers run). Alone samples are taken before
-    and after the loaded ones, so a drift in machine load does not pass for contention."""
+    beta: compute slows while a worker's transfers run). Each phase is a median over at
+    least `ANCHOR_MIN_S` (five single calls varied the factor from 1.0 to 1.46 for one
+    model); alone is timed before and after the loaded phase and averaged, so a drift in
+    machine load does not pass for contention."""
     device = next(model.parameters(), torch.empty(0)).device
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(microbatch_size, *input_shape, generator=gen).to(device)
@@ -155,8 +157,9 @@ def measure_contention(model: nn.Module, input_shape: tuple[int, ...], num_class
         model.zero_grad(set_to_none=True)
         loss_fn(model(x), y).backward()
 
-    def timed() -> list[float]:
-        return [_median_time(compute, 1, device, warmup=0) for _ in range(repeats)]
+    def timed() -> float:
+        # at least ANCHOR_MIN_S of samples: the factor is a ratio of two such medians
+        return _median_time(compute, repeats, device, warmup=0, min_time_s=ANCHOR_MIN_S)
 
     key = f"{run_prefix}/contention-{uuid.uuid4().hex[:8]}"
     payload = np.random.default_rng(0).bytes(payload_bytes)
@@ -172,7 +175,7 @@ def measure_contention(model: nn.Module, input_shape: tuple[int, ...], num_class
     saved_state = copy.deepcopy(model.state_dict())
     try:
         _median_time(compute, 1, device)  # warm-up
-        alone = timed()
+        alone = [timed()]
         worker = threading.Thread(target=transfer, name="contention-load", daemon=True)
         worker.start()
         try:
@@ -181,12 +184,12 @@ def measure_contention(model: nn.Module, input_shape: tuple[int, ...], num_class
         finally:
             stop.set()
             worker.join()
-        alone += timed()
+        alone.append(timed())
     finally:
         model.load_state_dict(saved_state)
         model.zero_grad(set_to_none=True)
         store.delete_prefix(key)
-    return ContentionResult(statistics.median(alone), statistics.median(loaded), moved[0])
+    return ContentionResult(statistics.fmean(alone), loaded, moved[0])
 
 
 def measure_allreduce(connect: Callable[[], object], run_prefix: str, *,
