@@ -386,7 +386,7 @@ class CollectiveTiming:
 def time_store_collective(store_url: str, run_prefix: str, nbytes: float = 0, *,
                           model: str | None = None, model_kwargs: dict | None = None,
                           optimizer: str = "sgd", worlds: Sequence[int] = (2,), repeats: int = 3,
-                          timeout_s: float = 120.0, handoff_rounds: int = 24,
+                          timeout_s: float = 120.0, handoff_rounds: int = 24, min_seconds: float = 1.0,
                           opener: str = "training.store:open_store") -> CollectiveTiming:
     """(bytes, workers, seconds) of the plain store allreduce (`training.collectives.
     allreduce_mean`, what Local-SGD averages with) among `workers` real processes, one torch
@@ -394,9 +394,11 @@ def time_store_collective(store_url: str, run_prefix: str, nbytes: float = 0, *,
     (parameters, float buffers, the optimizer's moments; `model_kwargs` as the job builds it)
     when given, else on `nbytes` in 8 tensors, and on an eighth of those bytes, so the
     scatter-reduce model can be fitted through both sizes. Each call's seconds are its
-    slowest rank's; the median of `repeats` calls after a warm-up is kept (more calls while
-    they have taken under `ANCHOR_MIN_S`: a short collective's few calls would catch one
-    moment of the machine's wandering speed). Processes run in
+    slowest rank's; the median of `repeats` calls after a warm-up is kept, and of more calls
+    while they have taken under `min_seconds` per size (a vgg11-sized allreduce through the
+    directory store, three calls each, gave 129 to 243 ms from one probe to the next; five
+    calls still 160 to 253 ms: the machine's speed wanders on a scale of tens of seconds).
+    Processes run in
     their own process group and are stopped by pid on failure. `opener` ("module:function")
     opens `store_url` in each rank (the coordinator passes its block-aware opener).
 
@@ -417,7 +419,7 @@ def time_store_collective(store_url: str, run_prefix: str, nbytes: float = 0, *,
         group = f"{run_prefix}/collective-{uuid.uuid4().hex[:8]}"
         config = {"store_url": store_url, "group": group, "world": world, "nbytes": nbytes,
                   "model": model, "model_kwargs": model_kwargs or {}, "optimizer": optimizer,
-                  "repeats": repeats, "timeout_s": timeout_s, "opener": opener,
+                  "repeats": repeats, "timeout_s": timeout_s, "opener": opener, "min_s": min_seconds,
                   "handoff_rounds": handoff_rounds if world >= 2 and handoff_s is None else 0}
         repo = str(Path(__file__).resolve().parent.parent)  # `-m training.links` from anywhere
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
@@ -549,11 +551,12 @@ def _collective_rank(config: dict, rank: int) -> dict:
             times, spent, warm = [], 0.0, False
             while True:
                 # the barrier also agrees on when to stop: `repeats` calls after a warm-up,
-                # more while the ranks' mean time spent is under ANCHOR_MIN_S
+                # more while the ranks' mean time spent is under min_s
                 agreed = allreduce_mean(store, f"{group}/barrier{barrier}", rank, world,
                                         {"b": torch.tensor([spent], dtype=torch.float64)}, timeout_s)
                 barrier += 1
-                if len(times) >= repeats and (float(agreed["b"]) >= ANCHOR_MIN_S or len(times) >= 50 * repeats):
+                if len(times) >= repeats and (float(agreed["b"]) >= config.get("min_s", ANCHOR_MIN_S)
+                                              or len(times) >= 50 * repeats):
                     break
                 t0 = time.perf_counter()
                 allreduce_mean(store, f"{group}/r{call}", rank, world, tensors, timeout_s,
