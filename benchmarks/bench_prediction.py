@@ -39,9 +39,12 @@ with every measured duration: the model's own error, without the profile's.
 Runs are grouped by whether worker processes outnumber the cores: with more processes than
 cores a worker's compute is time-shared, which no term of the model knows about.
 
-Timing on these shared machines drifts: the same backward pass (vgg11, 4 rows, one thread)
-measured 35 ms and 57-69 ms in runs minutes apart on an otherwise idle machine, so a single
-run's errors carry that noise.
+Timing on these shared machines drifts: the same resnet18 pipeline ran at a 72 ms and a
+98 ms period in two identical runs a minute apart, and one conv's median over 0.1 s windows
+wanders by -11..+25 %, so a single run's errors carry that noise. Part of what looked like
+drift was our own processes: glibc's dynamic mmap threshold made a deep conv's backward
+take 7-16.5 ms by what the process had allocated before; every worker and profile now pins
+it (`training.malloc`).
 
     .venv/bin/python -m benchmarks.bench_prediction [--steps 14] [--min-seconds 3] [--trials 1] [--models ...]
 
