@@ -265,8 +265,7 @@ def profile(case: ModelCase, store, url: str, run_id: str, classes: int) -> dict
     import torch
 
     from tasks.profile import microbatch_size, sync_bytes, typical_activation_bytes
-    from training.links import (fit_scatter_reduce, measure_contention, profile_store,
-                                profile_transfers, time_steps_between_checkpoints, time_store_collective)
+    from training.links import fit_scatter_reduce, probe_store_side, time_store_collective
     from training.models import build_model, input_shape
     from training.optimizers import build_optimizer
     from training.profiler import profile_layers, profile_model
@@ -277,24 +276,23 @@ def profile(case: ModelCase, store, url: str, run_id: str, classes: int) -> dict
     prof = profile_model(net, case.model, shape, classes, case.batch, base_memory=False,
                          thread_counts=(1,)).to_dict()
     prefix = f"runs/{run_id}/probe"
-    bandwidth, latency = profile_store(store, prefix)
     nbytes = sync_bytes(prof, OPTIMIZER)
     largest = max([nbytes] + [l["output_bytes"] for l in prof["layers"]])
-    timing = time_store_collective(url, prefix, model=case.model, model_kwargs=case.kwargs,
-                                   optimizer=OPTIMIZER, worlds=(2,))
-    sync_bw, sync_lat = fit_scatter_reduce(timing.samples)
-    prof.update(store_bandwidth_bytes_per_s=bandwidth, store_latency_s=latency,
-                store_transfer=profile_transfers(store, prefix, largest).to_dict(),
-                store_sync={"samples": timing.samples, "bandwidth_bytes_per_s": sync_bw, "latency_s": sync_lat,
-                            "handoff_s": timing.handoff_s})
     gen = torch.Generator().manual_seed(SEED)
     xb = torch.randn(case.batch, *shape, generator=gen)
     yb = torch.randint(0, classes, (case.batch,), generator=gen)
-    prof["synced_step_s"], prof["checkpoint_s"] = time_steps_between_checkpoints(
-        store, prefix, net, build_optimizer(OPTIMIZER, net, LR), xb, yb)
     job = SimpleNamespace(batch_size=case.batch, microbatches=MICROBATCHES)
-    prof["contention"] = measure_contention(net, shape, classes, microbatch_size(job), store, prefix,
-                                            payload_bytes=int(typical_activation_bytes(prof, job))).factor
+    probe = probe_store_side(store, prefix, net, build_optimizer(OPTIMIZER, net, LR), xb, yb, classes,
+                             max_bytes=largest, microbatch_size=microbatch_size(job),
+                             activation_bytes=typical_activation_bytes(prof, job))
+    timing = time_store_collective(url, prefix, model=case.model, model_kwargs=case.kwargs,
+                                   optimizer=OPTIMIZER, worlds=(2,))
+    sync_bw, sync_lat = fit_scatter_reduce(timing.samples)
+    prof.update(store_bandwidth_bytes_per_s=probe["bandwidth_bytes_per_s"], store_latency_s=probe["latency_s"],
+                store_transfer=probe["transfer"], synced_step_s=probe["synced_step_s"],
+                checkpoint_s=probe["checkpoint_s"], contention=probe["contention"],
+                store_sync={"samples": timing.samples, "bandwidth_bytes_per_s": sync_bw, "latency_s": sync_lat,
+                            "handoff_s": timing.handoff_s})
     x = torch.randn(case.batch // MICROBATCHES, *shape, generator=torch.Generator().manual_seed(0))
     prof["layers_at_microbatch"] = [vars(l) for l in profile_layers(net, x)]
     return prof

@@ -54,34 +54,22 @@ def probe_store(ctx: RunContext, max_bytes: float = 0, activation_bytes: float =
     (FuncPipe's beta). One torch thread, as a worker runs."""
     import torch
 
-    from training.links import (measure_contention, profile_store, profile_transfers,
-                                time_steps_between_checkpoints)
-    from training.malloc import pin_malloc_thresholds
+    from training.links import probe_store_side
     from training.models import build_model
     from training.optimizers import build_optimizer
 
-    torch.set_num_threads(1)  # the cached model profile may not have run in this process
-    pin_malloc_thresholds()  # nor pinned the allocator as workers do
-    job, prefix = ctx.job, ctx.prefix("probe")
+    job, r = ctx.job, ctx.resolved
     net = build_model(job.model, job.seed)
+    gen = torch.Generator().manual_seed(job.seed)
+    x = torch.randn(job.batch_size, *r.input_shape, generator=gen)
+    y = torch.randint(0, r.classes, (job.batch_size,), generator=gen)
     store = ctx.open_store()
     try:
-        bw, lat = profile_store(store, prefix)
-        transfer = profile_transfers(store, prefix, max_bytes)
-        gen = torch.Generator().manual_seed(job.seed)
-        x = torch.randn(job.batch_size, *ctx.resolved.input_shape, generator=gen)
-        y = torch.randint(0, ctx.resolved.classes, (job.batch_size,), generator=gen)
-        synced_step_s, checkpoint_s = time_steps_between_checkpoints(
-            store, prefix, net, build_optimizer(job.optimizer, net, job.lr), x, y)
-        contention = 1.0
-        if activation_bytes > 0:
-            contention = measure_contention(net, tuple(ctx.resolved.input_shape), ctx.resolved.classes,
-                                            microbatch_size(job), store, prefix,
-                                            payload_bytes=int(activation_bytes)).factor
+        return probe_store_side(store, ctx.prefix("probe"), net, build_optimizer(job.optimizer, net, job.lr),
+                                x, y, r.classes, max_bytes=max_bytes, microbatch_size=microbatch_size(job),
+                                activation_bytes=activation_bytes)
     finally:
         store.close()
-    return {"bandwidth_bytes_per_s": bw, "latency_s": lat, "transfer": transfer.to_dict(),
-            "checkpoint_s": checkpoint_s, "synced_step_s": synced_step_s, "contention": contention}
 
 
 def microbatch_size(job) -> int:

@@ -114,12 +114,13 @@ def _poll_interval(store) -> float:
 
 
 def profile_store(store, run_prefix: str, sizes: tuple[int, ...] = (1 << 10, 16 << 10, 64 << 10, 1 << 20, 4 << 20),
-                  repeats: int = 3) -> tuple[float, float]:
+                  repeats: int = 3, handoff_s: float | None = None) -> tuple[float, float]:
     """(bandwidth bytes/s, latency s) of `store`: every put and every get of `sizes` bytes
     is one transfer sample for `fit_store` (the small sizes pin the latency down). The
-    latency also carries half the measured hand-off delay (`measure_handoff`): the planners
-    count a store transfer as an upload plus a download, each with one latency, while a
-    waiting reader notices a new key once. Keys live under `run_prefix` and are deleted."""
+    latency also carries half the hand-off delay (`handoff_s`, measured by `measure_handoff`
+    when None): the planners count a store transfer as an upload plus a download, each with
+    one latency, while a waiting reader notices a new key once. Keys live under
+    `run_prefix` and are deleted."""
     samples = []
     key_base = f"{run_prefix}/probe-{uuid.uuid4().hex[:8]}"
     try:
@@ -135,7 +136,9 @@ def profile_store(store, run_prefix: str, sizes: tuple[int, ...] = (1 << 10, 16 
     finally:
         store.delete_prefix(key_base)
     bandwidth, latency = fit_store(samples)
-    return bandwidth, latency + measure_handoff(store, run_prefix) / 2
+    if handoff_s is None:
+        handoff_s = measure_handoff(store, run_prefix)
+    return bandwidth, latency + handoff_s / 2
 
 
 def measure_contention(model: nn.Module, input_shape: tuple[int, ...], num_classes: int,
@@ -329,11 +332,12 @@ def transfer_sizes(max_bytes: float, floor: int = 4 << 20, cap: int = 64 << 20) 
     return sizes + [top]
 
 
-def profile_transfers(store, run_prefix: str, max_bytes: float = 0, repeats: int = 3) -> TransferProfile:
+def profile_transfers(store, run_prefix: str, max_bytes: float = 0, repeats: int = 3,
+                      handoff_s: float | None = None) -> TransferProfile:
     """Time put (encode + upload) and get (download + decode) of float32 tensors of
     `transfer_sizes(max_bytes)` bytes through `store`, fit each to latency + bytes /
-    bandwidth (`fit_endpoints`), and measure the hand-off delay. Keys live under
-    `run_prefix` and are deleted."""
+    bandwidth (`fit_endpoints`), and take the hand-off delay (`handoff_s`, measured by
+    `measure_handoff` when None). Keys live under `run_prefix` and are deleted."""
     from training.tensor_codec import decode_tensors, encode_tensors
 
     puts, gets = [], []
@@ -356,8 +360,36 @@ def profile_transfers(store, run_prefix: str, max_bytes: float = 0, repeats: int
         store.delete_prefix(key_base)
     put_bw, put_lat = fit_endpoints(puts)
     get_bw, get_lat = fit_endpoints(gets)
+    if handoff_s is None:
+        handoff_s = measure_handoff(store, run_prefix)
     return TransferProfile(put_latency_s=put_lat, put_bandwidth=put_bw, get_latency_s=get_lat,
-                           get_bandwidth=get_bw, handoff_s=measure_handoff(store, run_prefix))
+                           get_bandwidth=get_bw, handoff_s=handoff_s)
+
+
+def probe_store_side(store, run_prefix: str, model: nn.Module, optimizer, x: torch.Tensor, y: torch.Tensor,
+                     num_classes: int, *, max_bytes: float = 0, microbatch_size: int = 1,
+                     activation_bytes: float = 0) -> dict:
+    """The store side of a profile, as a worker would see it (one torch thread, the
+    allocator pinned): the contract's bandwidth and latency (`profile_store`) and a
+    worker's put and get costs up to `max_bytes` (`profile_transfers`), both with one
+    hand-off measurement; a training step on (`x`, `y`) right after a sync checkpoint write
+    and the write itself (`time_steps_between_checkpoints`); and, with `activation_bytes`
+    (a pipeline may be planned), the contention factor at `microbatch_size` rows under
+    transfers of that size. Keys live under `run_prefix` and are deleted."""
+    from training.malloc import pin_malloc_thresholds
+
+    torch.set_num_threads(1)
+    pin_malloc_thresholds()
+    handoff_s = measure_handoff(store, run_prefix)
+    bandwidth, latency = profile_store(store, run_prefix, handoff_s=handoff_s)
+    transfer = profile_transfers(store, run_prefix, max_bytes, handoff_s=handoff_s)
+    synced_step_s, checkpoint_s = time_steps_between_checkpoints(store, run_prefix, model, optimizer, x, y)
+    contention = 1.0
+    if activation_bytes > 0:
+        contention = measure_contention(model, tuple(x.shape[1:]), num_classes, microbatch_size, store,
+                                        run_prefix, payload_bytes=int(activation_bytes)).factor
+    return {"bandwidth_bytes_per_s": bandwidth, "latency_s": latency, "transfer": transfer.to_dict(),
+            "checkpoint_s": checkpoint_s, "synced_step_s": synced_step_s, "contention": contention}
 
 
 def fit_scatter_reduce(samples: Sequence[tuple[int, int, float]]) -> tuple[float, float]:
@@ -523,6 +555,10 @@ def replica_tensors(model: str, model_kwargs: dict, optimizer: str) -> dict[str,
     return out
 
 
+def _total_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 def _collective_rank(config: dict, rank: int) -> dict:
     """One rank of `time_store_collective`: seconds of each timed call, by bytes, and ranks
     0 and 1's hand-off stamps under "handoff" when asked (`_ping_pong`). Calls start
@@ -538,7 +574,7 @@ def _collective_rank(config: dict, rank: int) -> dict:
     else:
         full = {f"p{i}": c.clone() for i, c in
                 enumerate(torch.randn(max(8, int(config["nbytes"]) // 4)).tensor_split(8))}
-    nbytes = sum(t.numel() * t.element_size() for t in full.values())
+    nbytes = _total_bytes(full)
     # an eighth of the bytes in as many tensors: the second point of the fit
     small = {f"p{i}": c.clone() for i, c in enumerate(torch.randn(max(len(full), nbytes // 32)).tensor_split(len(full)))}
     world, group, timeout_s = config["world"], config["group"], config["timeout_s"]
@@ -555,8 +591,7 @@ def _collective_rank(config: dict, rank: int) -> dict:
                 agreed = allreduce_mean(store, f"{group}/barrier{barrier}", rank, world,
                                         {"b": torch.tensor([spent], dtype=torch.float64)}, timeout_s)
                 barrier += 1
-                if len(times) >= repeats and (float(agreed["b"]) >= config.get("min_s", ANCHOR_MIN_S)
-                                              or len(times) >= 50 * repeats):
+                if len(times) >= repeats and (float(agreed["b"]) >= config["min_s"] or len(times) >= 50 * repeats):
                     break
                 t0 = time.perf_counter()
                 allreduce_mean(store, f"{group}/r{call}", rank, world, tensors, timeout_s,
@@ -565,8 +600,8 @@ def _collective_rank(config: dict, rank: int) -> dict:
                     times.append(time.perf_counter() - t0)
                     spent += times[-1]
                 warm, call = True, call + 1
-            out[str(sum(t.numel() * t.element_size() for t in tensors.values()))] = times
-        if config.get("handoff_rounds") and rank < 2:
+            out[str(_total_bytes(tensors))] = times
+        if config["handoff_rounds"] and rank < 2:
             out["handoff"] = _ping_pong(store, f"{group}/handoff", rank, config["handoff_rounds"], timeout_s)
         release_group(store, group, rank, world, timeout_s)
     finally:

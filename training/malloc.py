@@ -4,12 +4,13 @@ glibc serves a large allocation with a fresh `mmap` until a freed one raises its
 (dynamically, from the history of the process), and gives the top of the heap back to the
 kernel above 128 KiB free. PyTorch's CPU tensors come from malloc, so the same layer's
 backward pass paid page faults for its multi-megabyte buffers in one process and not in
-another: measured here on vgg11's deepest conv (4 rows, one thread), 10.5-16.5 ms or
-7-8 ms by what the process had allocated before, and 5.3-6.6 ms steady with the thresholds
-pinned; the synced step fell from 117 to 99 ms. Profiles and worker runs differed by up to
-2x for that reason alone. Every worker (`training.run_spec`) and every profiling entry
-point pins them, so both see the same allocator. Costs: up to `TRIM_THRESHOLD` of freed
-heap stays mapped per process.
+another: measured here on vgg11's deepest conv (4 rows, one thread), 7.4-11.7 ms by what
+the process had allocated before, and 5.3-6.6 ms with the thresholds pinned (pinning the
+mmap threshold alone: 7.8-16.5 ms); in one comparison the synced step fell from 117 to
+99 ms. A profile taken in one state and a worker running in the other differ by that
+much. Every worker (`training.run_spec`) and every profiling entry point pins them, so
+both see the same allocator. Costs: up to `TRIM_THRESHOLD` of freed heap stays mapped per
+process (vgg11's peak RSS was 3 % higher, measured).
 """
 from __future__ import annotations
 

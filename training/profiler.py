@@ -36,8 +36,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from training.malloc import pin_malloc_thresholds
 from training.errors import ZooidError, ZooidValueError
+from training.malloc import pin_malloc_thresholds
 
 if TYPE_CHECKING:
     from training.links import LinkProfile
