@@ -4,12 +4,15 @@ For `digits_cnn` (digits), a `resnet18`-shaped model (width 16) and a `vgg11`-sh
 (hidden 128), both on synthetic 3x32x32 images, this does what `strategy=auto` does and then
 checks it:
 
-1. profile, as the flow's `profile` step does (`tasks.profile`): `profile_model` at the job's
+1. profile, as the flow's `profile` step does on a pool (`tasks.profile`), in a fresh process
+   like the run's workers (`--profile`): `profile_model` at the job's
    batch with one torch thread (layers timed at the batch and at a quarter of it, calibrated
    to a pass through the whole chain; step and optimizer step), the store probe, a worker's
    put and get costs (`training.links.profile_transfers`), the sync checkpoint write, the
-   store allreduce timed among 2 worker processes on the model's replica state, and the
-   contention factor at a typical activation;
+   store allreduce timed among 2 worker processes on the model's replica state, the
+   contention factor at a typical activation, and the co-run slowdown of a step while a
+   second worker process computes beside it (`training.corun`; the local pool's workers
+   share this machine);
 2. plan (predict): the profile dict goes through the coordinator's own
    `tasks.plan.strategy_inputs` into `planners.strategy.local_sgd` / `candidates`: Local-SGD
    is step + fitted scatter-reduce + checkpoint write; a pipeline or hybrid is the replay of
@@ -39,6 +42,12 @@ with every measured duration: the model's own error, without the profile's.
 Runs are grouped by whether worker processes outnumber the cores: with more processes than
 cores a worker's compute is time-shared, which no term of the model knows about.
 
+Noise floor: each configuration whose workers fit the cores runs `--repeats` times back to
+back with the same profile, plan, code and iteration count; the later runs change nothing but
+the column "measured again", and the summary gives how far the repeat's period lies from the
+first run's. No prediction made before a run can be expected to come closer to it, in the
+median, than the run comes to its own repeat.
+
 Timing on these shared machines drifts: the same resnet18 pipeline ran at a 72 ms and a
 98 ms period in two identical runs a minute apart, and one conv's median over 0.1 s windows
 wanders by -11..+25 %, so a single run's errors carry that noise. Part of what looked like
@@ -46,7 +55,7 @@ drift was our own processes: glibc's dynamic mmap threshold made a deep conv's b
 take 7-16.5 ms by what the process had allocated before; every worker and profile now pins
 it (`training.malloc`).
 
-    .venv/bin/python -m benchmarks.bench_prediction [--steps 14] [--min-seconds 3] [--trials 1] [--models ...]
+    .venv/bin/python -m benchmarks.bench_prediction [--steps 14] [--min-seconds 3] [--trials 1] [--repeats 2] [--models ...]
 
 Writes markdown with the command to `benchmarks/results/prediction.md`.
 """
@@ -219,11 +228,16 @@ def worker_main(spec_path: str, out_path: str) -> None:
     Path(out_path).write_text(json.dumps({"result": result.to_dict(), "timings": timings}))
 
 
+def _worker_env() -> dict:
+    """A worker's environment: one OpenMP/MKL thread, the repository importable."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+
+
 def run_workers(specs, scratch: Path, timeout_s: float = 300.0) -> list[dict]:
     """Start one worker process per spec (own process group, one torch thread), wait for all;
     return each one's {"result", "timings"} in spec order. A failure stops the others."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env = _worker_env()
     procs, outs = [], []
     for i, spec in enumerate(specs):
         spec_file, out_file = scratch / f"spec-{i}.json", scratch / f"out-{i}.json"
@@ -265,10 +279,11 @@ def profile(case: ModelCase, store, url: str, run_id: str, classes: int) -> dict
     import torch
 
     from tasks.profile import microbatch_size, sync_bytes, typical_activation_bytes
+    from training.corun import measure_corun
     from training.links import fit_scatter_reduce, probe_store_side, time_store_collective
     from training.models import build_model, input_shape
     from training.optimizers import build_optimizer
-    from training.profiler import profile_layers, profile_model
+    from training.profiler import cpu_count, profile_layers, profile_model
 
     torch.set_num_threads(1)
     shape = input_shape(case.model, case.dataset)
@@ -293,9 +308,42 @@ def profile(case: ModelCase, store, url: str, run_id: str, classes: int) -> dict
                 checkpoint_s=probe["checkpoint_s"], contention=probe["contention"],
                 store_sync={"samples": timing.samples, "bandwidth_bytes_per_s": sync_bw, "latency_s": sync_lat,
                             "handoff_s": timing.handoff_s})
+    prof["corun"] = {**measure_corun(case.model, shape, classes, case.batch, model_kwargs=case.kwargs,
+                                     optimizer=OPTIMIZER, seed=SEED).to_dict(), "host_cores": cpu_count()}
     x = torch.randn(case.batch // MICROBATCHES, *shape, generator=torch.Generator().manual_seed(0))
     prof["layers_at_microbatch"] = [vars(l) for l in profile_layers(net, x)]
     return prof
+
+
+def profile_main(args_path: str, out_path: str) -> None:
+    """The profile of one model in this (fresh) process, as a pool worker runs the
+    `profile` step; writes the profile dict as JSON."""
+    from training.store import open_store
+
+    a = json.loads(Path(args_path).read_text())
+    store = open_store(a["url"])
+    try:
+        prof = profile(MODELS[a["model"]], store, a["url"], a["run_id"], a["classes"])
+    finally:
+        store.close()
+    Path(out_path).write_text(json.dumps(prof))
+
+
+def profile_in_fresh_process(case: ModelCase, url: str, run_id: str, classes: int, scratch: Path) -> dict:
+    """`profile` in a new process with one torch thread, like the run's workers: the
+    benchmark's own long-lived process has allocated, threaded and timed other models
+    before, which a pool's profile worker has not."""
+    scratch.mkdir(parents=True, exist_ok=True)
+    args_file, out_file = scratch / "profile-args.json", scratch / "profile.json"
+    args_file.write_text(json.dumps({"model": case.model, "url": url, "run_id": run_id, "classes": classes}))
+    with open(scratch / "profile.log", "w") as log:
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_prediction", "--profile", str(args_file),
+                               "--out", str(out_file)], cwd=REPO, env=_worker_env(), stdout=log,
+                              stderr=subprocess.STDOUT, start_new_session=True, timeout=900)
+    if proc.returncode != 0:
+        raise RuntimeError(f"profile of {case.model} exited {proc.returncode}:\n"
+                           + (scratch / "profile.log").read_text()[-1500:])
+    return json.loads(out_file.read_text())
 
 
 def strategy_inputs_for(case: ModelCase, prof: dict, n_train: int, workers: int, stages: int):
@@ -304,7 +352,7 @@ def strategy_inputs_for(case: ModelCase, prof: dict, n_train: int, workers: int,
 
     job = SimpleNamespace(optimizer=OPTIMIZER, batch_size=case.batch, stages=stages,
                           microbatches=MICROBATCHES, sync_period=1)
-    target = SimpleNamespace(worker_vcpu=1.0, worker_memory_gb=2.0, worker_gpu=0)
+    target = SimpleNamespace(kind="process", worker_vcpu=1.0, worker_memory_gb=2.0, worker_gpu=0)
     ctx = SimpleNamespace(job=job, resolved=SimpleNamespace(
         target=target, n_train=n_train, offer=SimpleNamespace(name="local")),
         price_per_worker_s=0.0)
@@ -324,6 +372,7 @@ def predict(x, strategy: str, replicas: int, stages: int):
     if strategy == "local_sgd":
         plan = local_sgd(x, replicas)
         step = x.synced_step_s if x.synced_step_s is not None else x.step_s  # k = 1: every step follows a sync
+        step *= x.compute_slowdown(replicas)
         return plan, {"compute": step, "transfer": 0.0, "sync": plan.predicted_iteration_s - step}
     [plan] = candidates(replace(x, workers=replicas, stages=stages, microbatches=MICROBATCHES),
                         "pipeline" if replicas == 1 else "hybrid")
@@ -436,6 +485,7 @@ class Row:
     note: str = ""
     trial: int = 0
     steps: int = 0
+    again: tuple = ()  # iteration periods of the same run repeated right after (noise floor)
 
     @property
     def workers(self) -> int:
@@ -454,6 +504,14 @@ class Row:
         activation upload and read) times, plus the modelled sync: the formula's own error,
         without the profile's."""
         return None if self.measured is None else self.measured["model_runtime"] + self.predicted["sync"]
+
+    @property
+    def drift(self) -> float | None:
+        """How far the first repeat's period lies from this run's: what the machine alone
+        moves a measurement, with the same code, plan and profile."""
+        if self.measured is None or not self.again:
+            return None
+        return self.again[0] / self.measured["iteration"] - 1
 
     def worst_term(self) -> str:
         """The term whose predicted - measured gap is the largest in absolute seconds."""
@@ -501,8 +559,11 @@ def measure_plan(case: ModelCase, prof: dict, x, strategy: str, replicas: int, s
                (before, os.getloadavg()[0]), note, steps=steps)
 
 
-def run_model(case: ModelCase, root: Path, steps: int, log, min_seconds: float = 0.0) -> list[Row]:
-    """Profile, plan and measure every configuration of PLANS for one model."""
+def run_model(case: ModelCase, root: Path, steps: int, log, min_seconds: float = 0.0,
+              repeats: int = 1, cores: int = 1) -> list[Row]:
+    """Profile, plan and measure every configuration of PLANS for one model; a configuration
+    whose worker processes fit the cores runs `repeats` times back to back (the later runs
+    only give the row its `again` periods)."""
     from training.checkpoint import initial_checkpoint
     from training.datasets import publish_dataset
     from training.store import open_store
@@ -513,10 +574,10 @@ def run_model(case: ModelCase, root: Path, steps: int, log, min_seconds: float =
     manifest = publish_dataset(store, run_id, case.dataset, subset_size=64)
     initial_checkpoint(store, f"runs/{run_id}/init", case.model, OPTIMIZER, LR, SEED, case.kwargs)
     t0 = time.perf_counter()
-    prof = profile(case, store, url, run_id, manifest.classes)
+    prof = profile_in_fresh_process(case, url, run_id, manifest.classes, root / "profile")
     log(f"{case.model}: profiled in {time.perf_counter() - t0:.1f} s (step {prof['step_s'] * 1e3:.1f} ms, "
         f"store {prof['store_bandwidth_bytes_per_s'] / 1e6:.0f} MB/s + {prof['store_latency_s'] * 1e3:.2f} ms, "
-        f"contention {prof['contention']:.2f})")
+        f"contention {prof['contention']:.2f}, co-run {prof['corun']['factor']:.2f})")
     rows, epoch = [], 0
     for strategy, replicas, stages in PLANS:
         x = strategy_inputs_for(case, prof, manifest.n_train, replicas, stages if stages > 1 else None)
@@ -527,9 +588,18 @@ def run_model(case: ModelCase, root: Path, steps: int, log, min_seconds: float =
                                epoch=epoch, manifest=manifest, root=root, note=note,
                                steps=steps_for(p.predicted_iteration_s, steps, min_seconds))
             epoch += 1
+            again = []
+            for _ in range(repeats - 1 if row.measured is not None and row.workers <= cores else 0):
+                rerun = measure_plan(case, prof, x, strategy, replicas, stages, p, t, url=url, run_id=run_id,
+                                     epoch=epoch, manifest=manifest, root=root, steps=row.steps)
+                epoch += 1
+                if rerun.measured is not None:
+                    again.append(rerun.measured["iteration"])
+            row = replace(row, again=tuple(again))
             rows.append(row)
             what = row.note if row.measured is None else \
-                f"measured {row.measured['iteration'] * 1e3:.1f} ms ({row.error:+.1%})"
+                f"measured {row.measured['iteration'] * 1e3:.1f} ms ({row.error:+.1%})" + (
+                    "" if row.drift is None else f", again {row.again[0] * 1e3:.1f} ms ({row.drift:+.1%})")
             log(f"  {strategy} {replicas}x{stages} cuts {list(p.cuts)}, {row.steps} steps: predicted "
                 f"{row.predicted['iteration'] * 1e3:.1f} ms, {what}, {time.perf_counter() - t0:.1f} s, "
                 f"load {row.load[0]:.1f}")
@@ -549,23 +619,24 @@ def table(rows: list[Row]) -> list[str]:
     out = ["| model | plan | workers | cuts | steps | predicted ms | measured ms | error | flow's measured_iteration_s ms | "
            "pred. compute / transfer / sync ms | meas. compute / transfer+rest / sync ms | "
            "largest gap (pred - meas) | pred. with layers timed at the micro-batch ms | "
-           "model fed with measured times ms | load avg |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "model fed with measured times ms | measured again ms | load avg |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         p, m = r.predicted, r.measured
         head = (f"| {r.model} | {r.strategy} {r.replicas}x{r.stages} | {r.workers} | "
                 f"{list(r.cuts) or '-'} | {r.steps} | {_ms(p['iteration'])} |")
         pred_terms = f"{_ms(p['compute'])} / {_ms(p['transfer'])} / {_ms(p['sync'])}"
         if m is None:
-            out.append(f"{head} - | - | - | {pred_terms} | - | - | - | - | {r.load[0]:.1f}-{r.load[1]:.1f} |")
+            out.append(f"{head} - | - | - | {pred_terms} | - | - | - | - | - | {r.load[0]:.1f}-{r.load[1]:.1f} |")
             continue
         ckpt = f" (ckpt {_ms(m['sync_checkpoint'])})" if m.get("sync_checkpoint") else ""
+        again = ", ".join(f"{_ms(a)} ({a / m['iteration'] - 1:+.0%})" for a in r.again) or "-"
         at_mb = "-" if r.predicted_at_microbatch is None else \
             f"{_ms(r.predicted_at_microbatch)} ({r.predicted_at_microbatch / m['iteration'] - 1:+.0%})"
         out.append(
             f"{head} {_ms(m['iteration'])} | {r.error:+.1%} | {_ms(m['flow'])} | {pred_terms} | "
             f"{_ms(m['compute'])} / {_ms(m['transfer'])} / {_ms(m['sync'])}{ckpt} | {r.worst_term()} | "
-            f"{at_mb} | {_ms(r.fed)} ({r.fed / m['iteration'] - 1:+.0%}) | {r.load[0]:.1f}-{r.load[1]:.1f} |")
+            f"{at_mb} | {_ms(r.fed)} ({r.fed / m['iteration'] - 1:+.0%}) | {again} | {r.load[0]:.1f}-{r.load[1]:.1f} |")
     notes = [f"- {r.model} {r.strategy} {r.replicas}x{r.stages} {list(r.cuts)}: {r.note}"
              for r in rows if r.note]
     return out + ([""] + notes if notes else [])
@@ -587,6 +658,13 @@ def summary(rows: list[Row], cores: int) -> list[str]:
                          f"**{statistics.median(errs):.1%}** over {len(errs)} runs (min {min(errs):.1%}, "
                          f"max {max(errs):.1%}{per_trial}); of the model fed with the run's measured times "
                          f"{statistics.median(fed):.1%}")
+            drifts = [abs(r.drift) for r in done if r.drift is not None]
+            if drifts:
+                again = [abs(r.predicted["iteration"] / a - 1) for r in done for a in r.again]
+                lines.append(f"  - the same run repeated right after it (same profile, plan and code): its period "
+                             f"differs from the first run's by a median **{statistics.median(drifts):.1%}** "
+                             f"(max {max(drifts):.1%}, {len(drifts)} pairs); the prediction's median |error| "
+                             f"against the repeats is {statistics.median(again):.1%}")
     return lines
 
 
@@ -594,6 +672,7 @@ def write_report(rows: list[Row], args, seconds: float, cores: int) -> None:
     """benchmarks/results/prediction.md with the command that produced it."""
     command = "    .venv/bin/python -m benchmarks.bench_prediction " + " ".join(
         ["--steps", str(args.steps), "--min-seconds", f"{args.min_seconds:g}", "--trials", str(args.trials),
+         "--repeats", str(args.repeats),
          "--models", *args.models])
     within = [r for r in rows if r.workers <= cores]
     beyond = [r for r in rows if r.workers > cores]
@@ -626,14 +705,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--trials", type=int, default=1,
                         help="profile-plan-measure each model this many times (rows of every trial count)")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="runs of each configuration whose workers fit the cores, back to back; the "
+                             "first is the measurement, the others show how far the machine alone moves it")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--profile", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         worker_main(args.worker, args.out)
         return 0
+    if args.profile:
+        profile_main(args.profile, args.out)
+        return 0
     if args.steps < WARMUP_ITERATIONS + 2:
         parser.error(f"--steps must be at least {WARMUP_ITERATIONS + 2}")
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     cores = os.cpu_count() or 1
     t0 = time.perf_counter()
     rows = []
@@ -645,7 +733,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 rows += [replace(r, trial=trial) for r in
                          run_model(MODELS[name], root, args.steps, lambda s: print(s, flush=True),
-                                   args.min_seconds)]
+                                   args.min_seconds, args.repeats, cores)]
             finally:
                 shutil.rmtree(root, ignore_errors=True)
     write_report(rows, args, time.perf_counter() - t0, cores)

@@ -77,6 +77,20 @@ class StrategyInputs:
     """beta >= 1: compute slowdown while the same worker's transfers run (FuncPipe Sec.
     3.4.2). A pipeline stage transfers while it computes, so its forward and backward
     times are scaled by it; Local-SGD does not overlap the two."""
+    host_cores: int | None = None
+    """Cores of the one machine all of a plan's worker processes share (the `inline` and
+    local `process` targets); None: each worker has a machine or container of its own."""
+    corun: float = 1.0
+    """>= 1: a worker's compute slowdown while another worker process computes beside it on
+    the shared machine (measured, `training.corun`); used only with `host_cores`."""
+
+    def compute_slowdown(self, processes: int) -> float:
+        """How much slower each of a plan's `processes` worker processes computes than one
+        process alone: 1 with a machine each; on a shared machine the measured co-run
+        factor, times processes / cores where they outnumber the cores (time-sharing)."""
+        if self.host_cores is None or processes <= 1:
+            return 1.0
+        return self.corun * max(1.0, processes / self.host_cores)
 
     @property
     def transfer_costs(self) -> TransferCosts:
@@ -99,12 +113,14 @@ def local_sgd(x: StrategyInputs, workers: int | None = None) -> Plan:
         checkpoint_s = (x.transfer.put_s(sync_bytes) if x.transfer is not None
                         else sync_bytes / x.bandwidth + x.latency)
     bandwidth, latency = x.sync_link
+    workers = workers or x.workers
     step_s = x.step_s
     if x.synced_step_s is not None and x.sync_period:
         # one step in k follows a sync (and its checkpoint write) and runs at that pace
         step_s = (x.synced_step_s + (x.sync_period - 1) * x.step_s) / x.sync_period
+    step_s *= x.compute_slowdown(workers)
     return plan_local_sgd(
-        workers=workers or x.workers, train_samples=x.n_train, batch_size=x.batch_size,
+        workers=workers, train_samples=x.n_train, batch_size=x.batch_size,
         sync_period=x.sync_period, step_s=step_s, sync_bytes=sync_bytes, bandwidth=bandwidth,
         latency=latency, worker_vcpu=x.worker_vcpu, worker_memory_gb=x.worker_memory_gb,
         worker_gpu=x.worker_gpu, offer=x.offer, price_per_worker_s=x.price_per_worker_s,
@@ -197,17 +213,19 @@ def pipeline_prediction(x: StrategyInputs, plan: Plan) -> PipelineTime:
     stages and micro-batches) for the job `x`: stage times at the plan's micro-batch, the
     store's transfer costs, each stage's pipelined scatter-reduce among its D replicas and
     its parameter share of the optimizer step; forward and backward slowed by the
-    contention factor."""
+    contention factor, and compute by the plan's processes sharing one machine
+    (`StrategyInputs.compute_slowdown`)."""
     if plan.microbatches < 1 or plan.batch_size % plan.microbatches:
         raise ValueError(f"microbatches: {plan.microbatches} does not split the batch of {plan.batch_size}")
     stages = stage_times(x.layers, plan.cuts, plan.batch_size // plan.microbatches, x.profile_batch)
+    shared = x.compute_slowdown(plan.workers)
     for st in stages:  # a stage's transfer threads share its CPU with its compute
-        st["forward_s"] *= x.contention
-        st["backward_s"] *= x.contention
+        st["forward_s"] *= x.contention * shared
+        st["backward_s"] *= x.contention * shared
     bandwidth, latency = x.sync_link
     sync_s = [pipelined_scatter_reduce(st["param_bytes"], plan.data_parallel, bandwidth, latency)
               for st in stages]
-    optimizer_s = optimizer_shares(x.optimizer_step_s, [st["param_bytes"] for st in stages])
+    optimizer_s = optimizer_shares(x.optimizer_step_s * shared, [st["param_bytes"] for st in stages])
     return pipeline_iteration(stages, plan.microbatches, x.transfer_costs, sync_s=sync_s,
                               optimizer_s=optimizer_s)
 

@@ -22,6 +22,9 @@ def optimizer_copies(optimizer: str) -> int:
     return {"sgd": 0, "momentum": 1, "adam": 2}[optimizer]
 
 
+SHARED_HOST_KINDS = ("inline", "process")
+"""Targets whose worker processes all run on the coordinator's machine."""
+
 LAYER_FIELDS = ("forward_s", "backward_s", "output_bytes", "param_bytes", "forward_fixed_s",
                 "backward_fixed_s")
 
@@ -31,8 +34,11 @@ def strategy_inputs(ctx: RunContext, profile: dict, workers: int) -> StrategyInp
     store bandwidth and latency, and where the profile has them, a worker's measured put
     and get costs and the store collective's fitted link (`tasks.profile`). The hand-off
     delay timed between two worker processes, when the collective probe ran, replaces the
-    one timed between two threads of the coordinator."""
+    one timed between two threads of the coordinator. On a target whose workers share
+    this machine, the measured co-run slowdown and the machine's cores (`profile["corun"]`)
+    slow each plan's compute by how many worker processes it runs at once."""
     job, target = ctx.job, ctx.resolved.target
+    corun = profile.get("corun") if target.kind in SHARED_HOST_KINDS else None
     transfer = profile.get("store_transfer")
     sync = profile.get("store_sync") or {}
     if transfer and sync.get("handoff_s") is not None:
@@ -50,7 +56,8 @@ def strategy_inputs(ctx: RunContext, profile: dict, workers: int) -> StrategyInp
         transfer=TransferCosts(**transfer) if transfer else None,
         sync_bandwidth=sync.get("bandwidth_bytes_per_s"), sync_latency=sync.get("latency_s"),
         checkpoint_s=profile.get("checkpoint_s"), synced_step_s=profile.get("synced_step_s"),
-        contention=profile.get("contention") or 1.0)
+        contention=profile.get("contention") or 1.0,
+        host_cores=corun["host_cores"] if corun else None, corun=corun["factor"] if corun else 1.0)
 
 
 def make_plan(ctx: RunContext, profile: dict, workers: int) -> Plan:

@@ -4,7 +4,10 @@ The model profile is cached by Prefect, keyed on model, input shape, batch size 
 so a second run of the same job does not profile again; the store probe is cheap and always
 measured, since a store's speed depends on where it is. The store collective (Local-SGD's
 average, timed among real worker processes) costs seconds of process start-up, so it is
-cached for a day per kind of store, hardware and size.
+cached for a day per kind of store, hardware and size. Where the workers will share this
+machine (the `inline` and local `process` targets), the step is also timed in two worker
+processes at once (`training.corun`), cached the same way: the slowdown a plan's compute
+pays for its neighbours.
 """
 from __future__ import annotations
 
@@ -17,14 +20,19 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.context import RunContext
+from tasks.plan import SHARED_HOST_KINDS
 from tasks.retry import task_options
 
 
-def _profile_cache_key(context, params) -> str:
+def _hardware() -> str:
     from training.profiler import hardware_fingerprint
 
+    return hardware_fingerprint(threads=1)  # the tasks measure at one thread, as workers run
+
+
+def _profile_cache_key(context, params) -> str:
     key = {k: params[k] for k in ("model", "input_shape", "classes", "batch_size", "optimizer")}
-    key["hardware"] = hardware_fingerprint(threads=1)  # the task profiles at one thread
+    key["hardware"] = _hardware()
     key["version"] = 4  # 4: allocator pinned (training.malloc), anchors sampled >= 0.3 s
     return "zooid-profile-" + hashlib.sha256(json.dumps(key, sort_keys=True, default=list).encode()).hexdigest()[:32]
 
@@ -89,13 +97,11 @@ def typical_activation_bytes(prof: dict, job) -> float:
 
 
 def _collective_cache_key(context, params) -> str:
-    from training.profiler import hardware_fingerprint
-
     parts = urlsplit(params["store_ref"])
     # the kind of store and where it is, not the run's folder; hashed: a URL may hold a password
     where = hashlib.sha256(f"{parts.scheme}://{parts.netloc}".encode()).hexdigest()[:16]
     key = {"where": where, "model": params["model"], "optimizer": params["optimizer"],
-           "worlds": list(params["worlds"]), "hardware": hardware_fingerprint(threads=1), "version": 3}
+           "worlds": list(params["worlds"]), "hardware": _hardware(), "version": 3}
     return "zooid-collective-" + hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
 
 
@@ -116,6 +122,27 @@ def time_collective(store_ref: str, run_prefix: str, model: str, optimizer: str,
             "handoff_s": timing.handoff_s}
 
 
+def _corun_cache_key(context, params) -> str:
+    key = {k: params[k] for k in ("model", "input_shape", "classes", "batch_size", "optimizer")}
+    key["hardware"] = _hardware()
+    key["version"] = 1
+    return "zooid-corun-" + hashlib.sha256(json.dumps(key, sort_keys=True, default=list).encode()).hexdigest()[:32]
+
+
+@task(name="time-corun", cache_key_fn=_corun_cache_key, persist_result=True, result_serializer="json",
+      cache_expiration=timedelta(days=1), retries=1, retry_delay_seconds=2, timeout_seconds=300)
+def time_corun(model: str, input_shape: list[int], classes: int, batch_size: int, optimizer: str,
+               seed: int = 0) -> dict:
+    """The training step of `model` timed in one worker process alone and in two at once on
+    this machine (`training.corun`), with the machine's cores: how much a plan's compute
+    slows when its worker processes share the machine (`inline` and local targets)."""
+    from training.corun import measure_corun
+    from training.profiler import cpu_count
+
+    measured = measure_corun(model, tuple(input_shape), classes, batch_size, optimizer=optimizer, seed=seed)
+    return {**measured.to_dict(), "host_cores": cpu_count()}
+
+
 def sync_bytes(prof: dict, optimizer: str) -> float:
     """Bytes one Local-SGD average moves: the parameters and the optimizer's moments."""
     from tasks.plan import optimizer_copies
@@ -125,7 +152,8 @@ def sync_bytes(prof: dict, optimizer: str) -> float:
 
 def profile(ctx: RunContext) -> dict:
     """The profile step: model profile (cached), store probe and, when a plan may have
-    several workers, the store collective (cached)."""
+    several workers, the store collective and, on a shared machine, the co-run slowdown
+    (both cached)."""
     r, job = ctx.resolved, ctx.job
     prof = dict(profile_model(job.model, list(r.input_shape), r.classes, job.batch_size, job.seed,
                               job.optimizer))
@@ -142,4 +170,8 @@ def profile(ctx: RunContext) -> dict:
     prof["store_sync"] = None
     if job.max_workers > 1 and job.collective == "store":
         prof["store_sync"] = time_collective(ctx.store_ref, ctx.prefix("probe"), job.model, job.optimizer, [2])
+    prof["corun"] = None
+    if job.max_workers > 1 and ctx.resolved.target.kind in SHARED_HOST_KINDS:
+        prof["corun"] = time_corun(job.model, list(r.input_shape), r.classes, job.batch_size, job.optimizer,
+                                   job.seed)
     return prof

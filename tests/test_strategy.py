@@ -136,6 +136,44 @@ def test_contention_slows_a_pipeline_stage_compute_not_local_sgd():
     assert local_sgd(replace(x, contention=1.5)).predicted_iteration_s == local_sgd(x).predicted_iteration_s
 
 
+def test_workers_sharing_one_machine_compute_slower_by_the_corun_factor_and_time_sharing():
+    from planners.pipeline_time import TransferCosts
+    from planners.strategy import local_sgd, pipeline_prediction
+
+    free = TransferCosts(0.0, 1e30, 0.0, 1e30, 0.0)
+    x = _inputs(stages=2, transfer=free)
+    shared = replace(x, host_cores=2, corun=1.25)
+    assert [shared.compute_slowdown(n) for n in (1, 2, 3, 4)] == pytest.approx([1.0, 1.25, 1.875, 2.5])
+    assert replace(x, corun=1.25).compute_slowdown(4) == 1.0  # a machine each: nothing shared
+    plan = choose(x, "pipeline")
+    assert plan.workers == 2
+    # free transfers, no optimizer step: the period is all forward and backward
+    assert pipeline_prediction(shared, plan).period_s == pytest.approx(1.25 * pipeline_prediction(x, plan).period_s)
+    # Local-SGD: the step slows, the sync as timed among processes does not
+    for workers, factor in ((1, 1.0), (2, 1.25), (4, 2.5)):
+        gap = local_sgd(shared, workers).predicted_iteration_s - local_sgd(x, workers).predicted_iteration_s
+        assert gap == pytest.approx((factor - 1) * x.step_s)
+
+
+def test_the_plan_step_applies_the_corun_factor_only_where_workers_share_the_machine():
+    from types import SimpleNamespace
+
+    from tasks.plan import strategy_inputs
+
+    job = SimpleNamespace(optimizer="sgd", batch_size=32, stages=None, microbatches=4, sync_period=1)
+    layer = dict(forward_s=0.01, backward_s=0.02, output_bytes=4096, param_bytes=1024)
+    profile = {"layers": [layer, layer], "batch_size": 32, "step_s": 0.06, "param_bytes": 2048,
+               "store_bandwidth_bytes_per_s": 1e9, "store_latency_s": 0.001,
+               "corun": {"processes": 2, "alone_s": 0.05, "together_s": 0.06, "factor": 1.2, "host_cores": 2}}
+    got = {}
+    for kind in ("inline", "process", "ecs", "aci", "k8s"):
+        ctx = SimpleNamespace(job=job, price_per_worker_s=0.0, resolved=SimpleNamespace(
+            target=SimpleNamespace(kind=kind, worker_vcpu=1.0, worker_memory_gb=2.0, worker_gpu=0), n_train=512,
+            offer=SimpleNamespace(name="local")))
+        got[kind] = strategy_inputs(ctx, profile, 4).compute_slowdown(4)
+    assert got == pytest.approx({"inline": 2.4, "process": 2.4, "ecs": 1.0, "aci": 1.0, "k8s": 1.0})
+
+
 def test_the_plan_step_takes_the_handoff_timed_between_worker_processes():
     from types import SimpleNamespace
 
@@ -143,7 +181,7 @@ def test_the_plan_step_takes_the_handoff_timed_between_worker_processes():
 
     job = SimpleNamespace(optimizer="sgd", batch_size=32, stages=2, microbatches=4, sync_period=1)
     ctx = SimpleNamespace(job=job, price_per_worker_s=0.0, resolved=SimpleNamespace(
-        target=SimpleNamespace(worker_vcpu=1.0, worker_memory_gb=2.0, worker_gpu=0), n_train=512,
+        target=SimpleNamespace(kind="process", worker_vcpu=1.0, worker_memory_gb=2.0, worker_gpu=0), n_train=512,
         offer=SimpleNamespace(name="local")))
     transfer = dict(put_latency_s=0.001, put_bandwidth=1e9, get_latency_s=0.0005, get_bandwidth=2e9,
                     handoff_s=0.0013)
