@@ -79,6 +79,7 @@ from types import SimpleNamespace
 
 from benchmarks.output import write_result
 from training.iteration_clock import WARMUP, steady_gaps
+from training.subprocess_env import one_thread_env
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "prediction.md"
@@ -228,16 +229,10 @@ def worker_main(spec_path: str, out_path: str) -> None:
     Path(out_path).write_text(json.dumps({"result": result.to_dict(), "timings": timings}))
 
 
-def _worker_env() -> dict:
-    """A worker's environment: one OpenMP/MKL thread, the repository importable."""
-    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-
-
 def run_workers(specs, scratch: Path, timeout_s: float = 300.0) -> list[dict]:
     """Start one worker process per spec (own process group, one torch thread), wait for all;
     return each one's {"result", "timings"} in spec order. A failure stops the others."""
-    env = _worker_env()
+    env = one_thread_env()
     procs, outs = [], []
     for i, spec in enumerate(specs):
         spec_file, out_file = scratch / f"spec-{i}.json", scratch / f"out-{i}.json"
@@ -338,7 +333,7 @@ def profile_in_fresh_process(case: ModelCase, url: str, run_id: str, classes: in
     args_file.write_text(json.dumps({"model": case.model, "url": url, "run_id": run_id, "classes": classes}))
     with open(scratch / "profile.log", "w") as log:
         proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_prediction", "--profile", str(args_file),
-                               "--out", str(out_file)], cwd=REPO, env=_worker_env(), stdout=log,
+                               "--out", str(out_file)], cwd=REPO, env=one_thread_env(), stdout=log,
                               stderr=subprocess.STDOUT, start_new_session=True, timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(f"profile of {case.model} exited {proc.returncode}:\n"

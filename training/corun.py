@@ -26,7 +26,8 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
+
+from training.subprocess_env import one_thread_env
 
 
 @dataclass(frozen=True)
@@ -60,10 +61,7 @@ def measure_corun(model: str, input_shape: tuple[int, ...], classes: int, batch_
     config = {"model": model, "input_shape": list(input_shape), "classes": classes, "batch_size": batch_size,
               "model_kwargs": model_kwargs or {}, "optimizer": optimizer, "seed": seed,
               "min_seconds": min_seconds}
-    repo = str(Path(__file__).resolve().parent.parent)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
-    procs = [subprocess.Popen([sys.executable, "-m", "training.corun", json.dumps(config)], env=env,
+    procs = [subprocess.Popen([sys.executable, "-m", "training.corun", json.dumps(config)], env=one_thread_env(),
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, start_new_session=True) for _ in range(processes)]
     deadline = time.monotonic() + timeout_s

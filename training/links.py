@@ -21,7 +21,6 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
@@ -444,6 +443,8 @@ def time_store_collective(store_url: str, run_prefix: str, nbytes: float = 0, *,
     import subprocess
     import sys
 
+    from training.subprocess_env import one_thread_env
+
     if model is None and not nbytes > 0:
         raise ValueError("nbytes: give a model or a positive byte count to time the collective on")
     samples, handoff_s = [], None
@@ -453,11 +454,8 @@ def time_store_collective(store_url: str, run_prefix: str, nbytes: float = 0, *,
                   "model": model, "model_kwargs": model_kwargs or {}, "optimizer": optimizer,
                   "repeats": repeats, "timeout_s": timeout_s, "opener": opener, "min_s": min_seconds,
                   "handoff_rounds": handoff_rounds if world >= 2 and handoff_s is None else 0}
-        repo = str(Path(__file__).resolve().parent.parent)  # `-m training.links` from anywhere
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
         procs = [subprocess.Popen([sys.executable, "-m", "training.links", json.dumps(config), str(rank)],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=one_thread_env(),
                                   start_new_session=True, text=True) for rank in range(world)]
         try:
             outs = [p.communicate(timeout=timeout_s * (repeats + 1) * 2 + 60) for p in procs]
