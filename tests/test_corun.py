@@ -50,3 +50,13 @@ def test_bad_arguments_name_the_parameter(kwargs, name):
     with pytest.raises(ValueError, match=f"^{name}:"):
         measure_corun(args.pop("model"), args.pop("input_shape"), args.pop("classes"), args.pop("batch_size"),
                       **args)
+
+
+def test_a_probe_that_does_not_answer_in_time_is_stopped():
+    import time
+
+    began = time.monotonic()
+    with pytest.raises(RuntimeError, match="co-run probe process failed.*no answer"):
+        measure_corun("digits_mlp", (64,), 10, 32, timeout_s=0.2)  # not even ready by then
+    assert time.monotonic() - began < 10
+    assert _probe_children() == []

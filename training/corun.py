@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import statistics
 import subprocess
@@ -97,10 +98,16 @@ def _round(procs: list[subprocess.Popen], deadline: float) -> list[list[float]]:
 
 
 def _expect(p: subprocess.Popen, prefix: str, deadline: float) -> str:
-    """The rest of the next line `p` prints, which must start with `prefix`."""
-    line = p.stdout.readline() if time.monotonic() < deadline else ""
+    """The rest of the next line `p` prints, which must start with `prefix` (by `deadline`)."""
+    # one line answers each request, so nothing waits in the reader's buffer: select sees it
+    ready, _, _ = select.select([p.stdout], [], [], max(0.0, deadline - time.monotonic()))
+    line = p.stdout.readline() if ready else ""
     if not line.startswith(prefix):
-        err = p.stderr.read() if p.poll() is not None else ""
+        try:  # its stdout closed: it is exiting, so its last error is about to be complete
+            p.wait(timeout=5.0)
+            err = p.stderr.read()
+        except subprocess.TimeoutExpired:
+            err = ""  # still running: the caller stops it
         raise RuntimeError(f"co-run probe process failed (exit {p.poll()}): "
                            f"{(err.strip().splitlines() or [line.strip() or 'no answer'])[-1]}")
     return line[len(prefix):].strip()
