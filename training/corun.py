@@ -12,7 +12,8 @@ allocator pinned, as workers run), has each build the job's model and run its tr
 step, and times the step in rounds: rank 0 alone, then every rank at once, alternately,
 each round at least `min_seconds` long. The factor is the median step of a rank while all
 ran over the median of the same rank alone, the median over ranks. Processes run in their
-own process group and are stopped by pid on any failure. Nothing is read from a store.
+own process group and are stopped by pid on any failure; a rank whose parent dies reads the
+end of its stdin and exits. Nothing is read from a store.
 
     python -m training.corun '<config json>'     # one rank: the parent drives it over stdin
 """
