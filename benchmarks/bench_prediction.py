@@ -304,7 +304,9 @@ def profile(case: ModelCase, store, url: str, run_id: str, classes: int) -> dict
                 store_sync={"samples": timing.samples, "bandwidth_bytes_per_s": sync_bw, "latency_s": sync_lat,
                             "handoff_s": timing.handoff_s})
     prof["corun"] = {**measure_corun(case.model, shape, classes, case.batch, model_kwargs=case.kwargs,
-                                     optimizer=OPTIMIZER, seed=SEED).to_dict(), "host_cores": cpu_count()}
+                                     optimizer=OPTIMIZER, seed=SEED,
+                                     transfer_bytes=int(typical_activation_bytes(prof, job))).to_dict(),
+                     "host_cores": cpu_count()}
     x = torch.randn(case.batch // MICROBATCHES, *shape, generator=torch.Generator().manual_seed(0))
     prof["layers_at_microbatch"] = [vars(l) for l in profile_layers(net, x)]
     return prof
@@ -572,7 +574,8 @@ def run_model(case: ModelCase, root: Path, steps: int, log, min_seconds: float =
     prof = profile_in_fresh_process(case, url, run_id, manifest.classes, root / "profile")
     log(f"{case.model}: profiled in {time.perf_counter() - t0:.1f} s (step {prof['step_s'] * 1e3:.1f} ms, "
         f"store {prof['store_bandwidth_bytes_per_s'] / 1e6:.0f} MB/s + {prof['store_latency_s'] * 1e3:.2f} ms, "
-        f"contention {prof['contention']:.2f}, co-run {prof['corun']['factor']:.2f})")
+        f"contention {prof['contention']:.2f}, co-run {prof['corun']['factor']:.2f}, "
+        f"transfer wake {prof['corun']['transfer_extra_s'] * 1e3:.2f} ms)")
     rows, epoch = [], 0
     for strategy, replicas, stages in PLANS:
         x = strategy_inputs_for(case, prof, manifest.n_train, replicas, stages if stages > 1 else None)

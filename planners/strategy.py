@@ -83,6 +83,10 @@ class StrategyInputs:
     corun: float = 1.0
     """>= 1: a worker's compute slowdown while another worker process computes beside it on
     the shared machine (measured, `training.corun`); used only with `host_cores`."""
+    transfer_wake_s: float = 0.0
+    """Seconds each put and each get of a pipeline stage costs beyond `transfer` on the
+    shared machine: its transfer thread wakes from a pause while the cores compute
+    (measured, `training.corun`); used only with `host_cores`."""
 
     def compute_slowdown(self, processes: int) -> float:
         """How much slower each of a plan's `processes` worker processes computes than one
@@ -214,7 +218,8 @@ def pipeline_prediction(x: StrategyInputs, plan: Plan) -> PipelineTime:
     store's transfer costs, each stage's pipelined scatter-reduce among its D replicas and
     its parameter share of the optimizer step; forward and backward slowed by the
     contention factor, and compute by the plan's processes sharing one machine
-    (`StrategyInputs.compute_slowdown`)."""
+    (`StrategyInputs.compute_slowdown`), where each put and get also pays
+    `transfer_wake_s`."""
     if plan.microbatches < 1 or plan.batch_size % plan.microbatches:
         raise ValueError(f"microbatches: {plan.microbatches} does not split the batch of {plan.batch_size}")
     stages = stage_times(x.layers, plan.cuts, plan.batch_size // plan.microbatches, x.profile_batch)
@@ -226,8 +231,11 @@ def pipeline_prediction(x: StrategyInputs, plan: Plan) -> PipelineTime:
     sync_s = [pipelined_scatter_reduce(st["param_bytes"], plan.data_parallel, bandwidth, latency)
               for st in stages]
     optimizer_s = optimizer_shares(x.optimizer_step_s * shared, [st["param_bytes"] for st in stages])
-    return pipeline_iteration(stages, plan.microbatches, x.transfer_costs, sync_s=sync_s,
-                              optimizer_s=optimizer_s)
+    costs = x.transfer_costs
+    if x.host_cores is not None and x.transfer_wake_s:
+        costs = replace(costs, put_latency_s=costs.put_latency_s + x.transfer_wake_s,
+                        get_latency_s=costs.get_latency_s + x.transfer_wake_s)
+    return pipeline_iteration(stages, plan.microbatches, costs, sync_s=sync_s, optimizer_s=optimizer_s)
 
 
 def optimizer_shares(optimizer_step_s: float, stage_param_bytes: list[float]) -> list[float]:

@@ -57,7 +57,8 @@ def strategy_inputs(ctx: RunContext, profile: dict, workers: int) -> StrategyInp
         sync_bandwidth=sync.get("bandwidth_bytes_per_s"), sync_latency=sync.get("latency_s"),
         checkpoint_s=profile.get("checkpoint_s"), synced_step_s=profile.get("synced_step_s"),
         contention=profile.get("contention") or 1.0,
-        host_cores=corun["host_cores"] if corun else None, corun=corun["factor"] if corun else 1.0)
+        host_cores=corun["host_cores"] if corun else None, corun=corun["factor"] if corun else 1.0,
+        transfer_wake_s=(corun.get("transfer_extra_s") or 0.0) if corun else 0.0)
 
 
 def make_plan(ctx: RunContext, profile: dict, workers: int) -> Plan:

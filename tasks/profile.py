@@ -123,23 +123,26 @@ def time_collective(store_ref: str, run_prefix: str, model: str, optimizer: str,
 
 
 def _corun_cache_key(context, params) -> str:
-    key = {k: params[k] for k in ("model", "input_shape", "classes", "batch_size", "optimizer")}
+    key = {k: params[k] for k in ("model", "input_shape", "classes", "batch_size", "optimizer", "transfer_bytes")}
     key["hardware"] = _hardware()
-    key["version"] = 1
+    key["version"] = 2
     return "zooid-corun-" + hashlib.sha256(json.dumps(key, sort_keys=True, default=list).encode()).hexdigest()[:32]
 
 
 @task(name="time-corun", cache_key_fn=_corun_cache_key, persist_result=True, result_serializer="json",
       cache_expiration=timedelta(days=1), retries=1, retry_delay_seconds=2, timeout_seconds=300)
 def time_corun(model: str, input_shape: list[int], classes: int, batch_size: int, optimizer: str,
-               seed: int = 0) -> dict:
+               seed: int = 0, transfer_bytes: int = 0) -> dict:
     """The training step of `model` timed in one worker process alone and in two at once on
     this machine (`training.corun`), with the machine's cores: how much a plan's compute
-    slows when its worker processes share the machine (`inline` and local targets)."""
+    slows when its worker processes share the machine (`inline` and local targets); with
+    `transfer_bytes` (a pipeline may be planned), also what a stage's put and get of that
+    size pay beyond the profile's timing while the machine computes."""
     from training.corun import measure_corun
     from training.profiler import cpu_count
 
-    measured = measure_corun(model, tuple(input_shape), classes, batch_size, optimizer=optimizer, seed=seed)
+    measured = measure_corun(model, tuple(input_shape), classes, batch_size, optimizer=optimizer, seed=seed,
+                             transfer_bytes=transfer_bytes)
     return {**measured.to_dict(), "host_cores": cpu_count()}
 
 
@@ -173,5 +176,5 @@ def profile(ctx: RunContext) -> dict:
     prof["corun"] = None
     if job.max_workers > 1 and ctx.resolved.target.kind in SHARED_HOST_KINDS:
         prof["corun"] = time_corun(job.model, list(r.input_shape), r.classes, job.batch_size, job.optimizer,
-                                   job.seed)
+                                   job.seed, int(typical_activation_bytes(prof, job)) if pipelined else 0)
     return prof

@@ -30,11 +30,31 @@ def test_factor_is_the_together_over_alone_ratio_and_never_below_one():
     assert CoRun(2, 0.010, 0.012).to_dict()["factor"] == pytest.approx(1.2)
 
 
+def test_transfer_extra_is_half_the_trips_difference_and_never_negative():
+    assert CoRun(2, 0.01, 0.01, 0.0005, 0.0013).transfer_extra_s == pytest.approx(0.0004)
+    assert CoRun(2, 0.01, 0.01, 0.0013, 0.0005).transfer_extra_s == 0.0
+    assert CoRun(2, 0.01, 0.01).transfer_extra_s == 0.0  # not measured
+
+
 def test_two_real_worker_processes_time_the_models_step_and_leave_nothing_behind():
     got = measure_corun("digits_mlp", (64,), 10, 32, min_seconds=0.1, rounds=2)
     assert got.processes == 2
     assert 0 < got.alone_s < 0.5 and 0 < got.together_s < 0.5
     assert got.factor >= 1.0
+    assert (got.transfer_tight_s, got.transfer_busy_s, got.transfer_extra_s) == (None, None, 0.0)
+    assert _probe_children() == []
+
+
+def test_transfer_trips_are_timed_back_to_back_and_under_load_and_leave_no_files():
+    import tempfile
+    from pathlib import Path
+
+    before = set(Path(tempfile.gettempdir()).glob("zooid-corun-*"))
+    got = measure_corun("digits_mlp", (64,), 10, 32, min_seconds=0.1, rounds=1, transfer_bytes=64 << 10)
+    # a 64 KiB trip (put with fsync, get, delete, decode) takes tens of microseconds at least
+    assert 1e-5 < got.transfer_tight_s < 0.5 and 1e-5 < got.transfer_busy_s < 0.5
+    assert got.transfer_extra_s == pytest.approx(max(0.0, got.transfer_busy_s - got.transfer_tight_s) / 2)
+    assert set(Path(tempfile.gettempdir()).glob("zooid-corun-*")) == before
     assert _probe_children() == []
 
 

@@ -155,6 +155,23 @@ def test_workers_sharing_one_machine_compute_slower_by_the_corun_factor_and_time
         assert gap == pytest.approx((factor - 1) * x.step_s)
 
 
+def test_a_shared_machine_adds_the_measured_wake_cost_to_each_pipeline_put_and_get():
+    from planners.pipeline_time import TransferCosts
+    from planners.strategy import local_sgd, pipeline_prediction
+
+    costs = TransferCosts(0.001, 1e9, 0.0005, 2e9, 0.0)
+    x = _inputs(stages=2, transfer=costs)
+    plan = choose(x, "pipeline")
+    woken = replace(x, transfer=replace(costs, put_latency_s=0.0013, get_latency_s=0.0008))
+    shared = replace(x, host_cores=2, transfer_wake_s=0.0003)
+    assert pipeline_prediction(shared, plan).period_s == pytest.approx(pipeline_prediction(woken, plan).period_s)
+    assert pipeline_prediction(shared, plan).period_s > pipeline_prediction(x, plan).period_s
+    # a machine each: nothing shared; Local-SGD moves no activations
+    assert pipeline_prediction(replace(x, transfer_wake_s=0.0003), plan).period_s == \
+        pipeline_prediction(x, plan).period_s
+    assert local_sgd(shared, 2).predicted_iteration_s == local_sgd(x, 2).predicted_iteration_s
+
+
 def test_the_plan_step_applies_the_corun_factor_only_where_workers_share_the_machine():
     from types import SimpleNamespace
 
@@ -164,14 +181,18 @@ def test_the_plan_step_applies_the_corun_factor_only_where_workers_share_the_mac
     layer = dict(forward_s=0.01, backward_s=0.02, output_bytes=4096, param_bytes=1024)
     profile = {"layers": [layer, layer], "batch_size": 32, "step_s": 0.06, "param_bytes": 2048,
                "store_bandwidth_bytes_per_s": 1e9, "store_latency_s": 0.001,
-               "corun": {"processes": 2, "alone_s": 0.05, "together_s": 0.06, "factor": 1.2, "host_cores": 2}}
-    got = {}
+               "corun": {"processes": 2, "alone_s": 0.05, "together_s": 0.06, "factor": 1.2, "host_cores": 2,
+                         "transfer_extra_s": 0.0004}}
+    got, wake = {}, {}
     for kind in ("inline", "process", "ecs", "aci", "k8s"):
         ctx = SimpleNamespace(job=job, price_per_worker_s=0.0, resolved=SimpleNamespace(
             target=SimpleNamespace(kind=kind, worker_vcpu=1.0, worker_memory_gb=2.0, worker_gpu=0), n_train=512,
             offer=SimpleNamespace(name="local")))
-        got[kind] = strategy_inputs(ctx, profile, 4).compute_slowdown(4)
+        x = strategy_inputs(ctx, profile, 4)
+        got[kind], wake[kind] = x.compute_slowdown(4), (x.host_cores, x.transfer_wake_s)
     assert got == pytest.approx({"inline": 2.4, "process": 2.4, "ecs": 1.0, "aci": 1.0, "k8s": 1.0})
+    assert wake == {"inline": (2, 0.0004), "process": (2, 0.0004), "ecs": (None, 0.0), "aci": (None, 0.0),
+                    "k8s": (None, 0.0)}
 
 
 def test_the_plan_step_takes_the_handoff_timed_between_worker_processes():

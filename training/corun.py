@@ -22,47 +22,71 @@ from __future__ import annotations
 import json
 import os
 import select
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from training.subprocess_env import one_thread_env
 
 
 @dataclass(frozen=True)
 class CoRun:
-    """Step seconds of one worker process alone and beside `processes - 1` others."""
+    """Step seconds of one worker process alone and beside `processes - 1` others, and the
+    seconds of one tensor's trip through a store back to back with nothing else running
+    (as the profile times puts and gets) and as a stage makes it, after a pause, with every
+    process computing (None: not measured)."""
 
     processes: int
     alone_s: float
     together_s: float
+    transfer_tight_s: float | None = None
+    transfer_busy_s: float | None = None
 
     @property
     def factor(self) -> float:
         """Slowdown of a step while the others compute (at least 1: below it is noise)."""
         return max(1.0, self.together_s / self.alone_s)
 
+    @property
+    def transfer_extra_s(self) -> float:
+        """Seconds a put, and a get, cost beyond the back-to-back timing when the transfer
+        thread wakes from a pause while the machine computes: half the trips' difference
+        (each trip is a put and a get, each woken on its own thread in a stage); 0 when not
+        measured."""
+        if self.transfer_tight_s is None or self.transfer_busy_s is None:
+            return 0.0
+        return max(0.0, self.transfer_busy_s - self.transfer_tight_s) / 2
+
     def to_dict(self) -> dict:
         return {"processes": self.processes, "alone_s": self.alone_s, "together_s": self.together_s,
-                "factor": self.factor}
+                "factor": self.factor, "transfer_tight_s": self.transfer_tight_s,
+                "transfer_busy_s": self.transfer_busy_s, "transfer_extra_s": self.transfer_extra_s}
 
 
 def measure_corun(model: str, input_shape: tuple[int, ...], classes: int, batch_size: int, *,
                   model_kwargs: dict | None = None, optimizer: str = "sgd", processes: int = 2,
-                  rounds: int = 3, min_seconds: float = 0.3, seed: int = 0,
+                  rounds: int = 3, min_seconds: float = 0.3, seed: int = 0, transfer_bytes: int = 0,
                   timeout_s: float = 300.0) -> CoRun:
     """Time `model`'s training step at `batch_size` in one process alone and in `processes`
-    processes at once (see the module docstring)."""
+    processes at once (see the module docstring). With `transfer_bytes`, rank 0 also
+    times a transfer thread's trips of a tensor of that size (put, get, delete, decode,
+    through a directory store of its own): back to back with nothing else running, and
+    after a pause of 1-3 ms each (a stage's transfers come between its computations, and
+    each wakes its thread) while every rank computes, its own main thread included."""
     if processes < 2:
         raise ValueError(f"processes: {processes}; the co-run slowdown needs at least 2")
     if batch_size < 1:
         raise ValueError(f"batch_size: {batch_size}; must be at least 1")
     config = {"model": model, "input_shape": list(input_shape), "classes": classes, "batch_size": batch_size,
               "model_kwargs": model_kwargs or {}, "optimizer": optimizer, "seed": seed,
-              "min_seconds": min_seconds}
+              "min_seconds": min_seconds, "transfer_bytes": int(transfer_bytes)}
     procs = [subprocess.Popen([sys.executable, "-m", "training.corun", json.dumps(config)], env=one_thread_env(),
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, start_new_session=True) for _ in range(processes)]
@@ -70,11 +94,14 @@ def measure_corun(model: str, input_shape: tuple[int, ...], classes: int, batch_
     try:
         for p in procs:
             _expect(p, "ready", deadline)
-        alone, together = [], [[] for _ in procs]
+        alone, together, tight_trips, busy_trips = [], [[] for _ in procs], [], []
         for _ in range(rounds):
-            alone += _round(procs[:1], deadline)[0]
+            alone += _round(procs[:1], deadline)[0]["step"]
             for mine, got in zip(together, _round(procs, deadline)):
-                mine += got
+                mine += got["step"]
+            if transfer_bytes:
+                tight_trips += _round(procs[:1], deadline, "transfer")[0]["transfer"]
+                busy_trips += _round(procs, deadline, "both")[0]["transfer"]
         for p in procs:
             p.stdin.write("stop\n")
             p.stdin.flush()
@@ -87,13 +114,16 @@ def measure_corun(model: str, input_shape: tuple[int, ...], classes: int, batch_
             for stream in (p.stdin, p.stdout, p.stderr):
                 stream.close()
     # rank 0 alone vs rank 0 together; the others are checked by being alike (same model)
-    return CoRun(processes, statistics.median(alone), statistics.median(together[0]))
+    return CoRun(processes, statistics.median(alone), statistics.median(together[0]),
+                 statistics.median(tight_trips) if tight_trips else None,
+                 statistics.median(busy_trips) if busy_trips else None)
 
 
-def _round(procs: list[subprocess.Popen], deadline: float) -> list[list[float]]:
-    """Tell `procs` to run their step for the round; each one's step seconds."""
-    for p in procs:
-        p.stdin.write("go\n")
+def _round(procs: list[subprocess.Popen], deadline: float, first: str = "step") -> list[dict]:
+    """Run one round: rank 0 does `first` ("step", "transfer" or "both"), the others train;
+    each one's {"step": seconds, "transfer": seconds}."""
+    for i, p in enumerate(procs):
+        p.stdin.write(f"{first if i == 0 else 'step'}\n")
         p.stdin.flush()
     return [json.loads(_expect(p, "times ", deadline)) for p in procs]
 
@@ -144,13 +174,57 @@ def _rank(config: dict) -> None:
     while time.perf_counter() - began < config["min_seconds"] / 2:  # warm-up, every rank at once
         step()
     print("ready", flush=True)
-    for line in sys.stdin:
-        if line.strip() != "go":
-            break
-        times, began = [], time.perf_counter()
-        while time.perf_counter() - began < config["min_seconds"] or len(times) < 3:
-            times.append(step())
-        print("times " + json.dumps(times), flush=True)
+    scratch = tempfile.mkdtemp(prefix="zooid-corun-")
+    try:
+        for line in sys.stdin:
+            what = line.strip()
+            if what not in ("step", "transfer", "both"):
+                break
+            trips: list[float] = []
+            stop = threading.Event()
+            mover = threading.Thread(target=_transfer_trips, args=(scratch, config["transfer_bytes"], stop, trips,
+                                                                   what == "both"))
+            if what != "step":
+                mover.start()
+            times, began = [], time.perf_counter()
+            while time.perf_counter() - began < config["min_seconds"] or (what != "transfer" and len(times) < 3):
+                if what == "transfer":
+                    time.sleep(0.01)
+                else:
+                    times.append(step())
+            stop.set()
+            if what != "step":
+                mover.join()
+            print("times " + json.dumps({"step": times, "transfer": trips}), flush=True)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _transfer_trips(root: str, nbytes: int, stop: threading.Event, trips: list[float], pause: bool) -> None:
+    """A transfer thread: a tensor of `nbytes` put, read back, deleted and decoded through a
+    directory store at `root` (after a pause of 1-3 ms each time when `pause`), until
+    `stop`; appends each trip's seconds."""
+    import random
+
+    import torch
+
+    from training.store import open_store
+    from training.tensor_codec import decode_tensors, encode_tensors
+
+    store = open_store(Path(root).as_uri())
+    tensor, rng = torch.randn(max(1, nbytes // 4)), random.Random(0)
+    try:
+        while not stop.is_set():
+            if pause:
+                time.sleep(rng.uniform(0.001, 0.003))
+            t0 = time.perf_counter()
+            store.put("t", encode_tensors({"t": tensor}))
+            blob = store.get("t")
+            store.delete("t")
+            decode_tensors(blob)
+            trips.append(time.perf_counter() - t0)
+    finally:
+        store.close()
 
 
 if __name__ == "__main__":

@@ -333,7 +333,8 @@ def transfer_sizes(max_bytes: float, floor: int = 4 << 20, cap: int = 64 << 20) 
 
 def profile_transfers(store, run_prefix: str, max_bytes: float = 0, repeats: int = 3,
                       handoff_s: float | None = None) -> TransferProfile:
-    """Time put (encode + upload) and get (download + decode) of float32 tensors of
+    """Time put (encode + upload) and get (download, delete, decode: what a pipeline stage's
+    download thread does with each tensor) of float32 tensors of
     `transfer_sizes(max_bytes)` bytes through `store`, fit each to latency + bytes /
     bandwidth (`fit_endpoints`), and take the hand-off delay (`handoff_s`, measured by
     `measure_handoff` when None). Keys live under `run_prefix` and are deleted."""
@@ -349,9 +350,10 @@ def profile_transfers(store, run_prefix: str, max_bytes: float = 0, repeats: int
                 t0 = time.perf_counter()
                 store.put(key, encode_tensors({"t": tensor}))
                 t1 = time.perf_counter()
-                decode_tensors(store.get(key))
+                blob = store.get(key)
+                store.delete(key)  # a stage's download thread deletes each key it read
+                decode_tensors(blob)
                 t2 = time.perf_counter()
-                store.delete(key)
                 if i:
                     puts.append((size, t1 - t0))
                     gets.append((size, t2 - t1))
