@@ -296,13 +296,14 @@ def profile(case: ModelCase, store, url: str, run_id: str, classes: int) -> dict
                              max_bytes=largest, microbatch_size=microbatch_size(job),
                              activation_bytes=typical_activation_bytes(prof, job))
     timing = time_store_collective(url, prefix, model=case.model, model_kwargs=case.kwargs,
-                                   optimizer=OPTIMIZER, worlds=(2,))
+                                   optimizer=OPTIMIZER, worlds=(2,),
+                                   step={"input_shape": list(shape), "classes": classes, "batch_size": case.batch})
     sync_bw, sync_lat = fit_scatter_reduce(timing.samples)
     prof.update(store_bandwidth_bytes_per_s=probe["bandwidth_bytes_per_s"], store_latency_s=probe["latency_s"],
                 store_transfer=probe["transfer"], synced_step_s=probe["synced_step_s"],
                 checkpoint_s=probe["checkpoint_s"], contention=probe["contention"],
                 store_sync={"samples": timing.samples, "bandwidth_bytes_per_s": sync_bw, "latency_s": sync_lat,
-                            "handoff_s": timing.handoff_s})
+                            "handoff_s": timing.handoff_s, "synced_step_s": timing.synced_step_s})
     prof["corun"] = {**measure_corun(case.model, shape, classes, case.batch, model_kwargs=case.kwargs,
                                      optimizer=OPTIMIZER, seed=SEED,
                                      transfer_bytes=int(typical_activation_bytes(prof, job))).to_dict(),
@@ -364,12 +365,11 @@ def predict(x, strategy: str, replicas: int, stages: int):
     terms come from the same model run three times: free transfers and a free sync
     (compute, bubble and optimizer step), real transfers, then the real sync too."""
     from planners.pipeline_time import TransferCosts
-    from planners.strategy import candidates, local_sgd, pipeline_prediction
+    from planners.strategy import candidates, local_sgd, local_sgd_step_s, pipeline_prediction
 
     if strategy == "local_sgd":
         plan = local_sgd(x, replicas)
-        step = x.synced_step_s if x.synced_step_s is not None else x.step_s  # k = 1: every step follows a sync
-        step *= x.compute_slowdown(replicas)
+        step = local_sgd_step_s(x, replicas)  # k = 1: every step follows a sync
         return plan, {"compute": step, "transfer": 0.0, "sync": plan.predicted_iteration_s - step}
     [plan] = candidates(replace(x, workers=replicas, stages=stages, microbatches=MICROBATCHES),
                         "pipeline" if replicas == 1 else "hybrid")

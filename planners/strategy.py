@@ -83,6 +83,11 @@ class StrategyInputs:
     corun: float = 1.0
     """>= 1: a worker's compute slowdown while another worker process computes beside it on
     the shared machine (measured, `training.corun`); used only with `host_cores`."""
+    peer_synced_step_s: float | None = None
+    """One step right after a store allreduce, timed in each of 2 worker processes sharing
+    this machine (`training.links.time_store_collective`; None: not timed). Replaces
+    `synced_step_s` for Local-SGD with several workers on the shared machine: it carries
+    what syncing beside a peer costs the next step, and the co-run slowdown."""
     transfer_wake_s: float = 0.0
     """Seconds each put and each get of a pipeline stage costs beyond `transfer` on the
     shared machine: its transfer thread wakes from a pause while the cores compute
@@ -118,17 +123,27 @@ def local_sgd(x: StrategyInputs, workers: int | None = None) -> Plan:
                         else sync_bytes / x.bandwidth + x.latency)
     bandwidth, latency = x.sync_link
     workers = workers or x.workers
-    step_s = x.step_s
-    if x.synced_step_s is not None and x.sync_period:
-        # one step in k follows a sync (and its checkpoint write) and runs at that pace
-        step_s = (x.synced_step_s + (x.sync_period - 1) * x.step_s) / x.sync_period
-    step_s *= x.compute_slowdown(workers)
     return plan_local_sgd(
         workers=workers, train_samples=x.n_train, batch_size=x.batch_size,
-        sync_period=x.sync_period, step_s=step_s, sync_bytes=sync_bytes, bandwidth=bandwidth,
+        sync_period=x.sync_period, step_s=local_sgd_step_s(x, workers), sync_bytes=sync_bytes, bandwidth=bandwidth,
         latency=latency, worker_vcpu=x.worker_vcpu, worker_memory_gb=x.worker_memory_gb,
         worker_gpu=x.worker_gpu, offer=x.offer, price_per_worker_s=x.price_per_worker_s,
         checkpoint_s=checkpoint_s)
+
+
+def local_sgd_step_s(x: StrategyInputs, workers: int) -> float:
+    """A Local-SGD replica's mean step among `workers`: one step in k follows a sync (and
+    rank 0's checkpoint write) and runs at that measured pace; all are slowed by sharing the
+    machine (`StrategyInputs.compute_slowdown`). With peers on the shared machine the step
+    after a sync is the one timed beside a peer, which holds the co-run slowdown already."""
+    k, slow = x.sync_period, x.compute_slowdown(workers)
+    if not k:
+        return x.step_s * slow
+    if x.host_cores is not None and workers > 1 and x.peer_synced_step_s is not None:
+        synced = x.peer_synced_step_s * max(1.0, workers / x.host_cores)
+        return (synced + (k - 1) * x.step_s * slow) / k
+    synced = x.synced_step_s if x.synced_step_s is not None else x.step_s
+    return (synced + (k - 1) * x.step_s) / k * slow
 
 
 _FIXED = ("forward_fixed_s", "backward_fixed_s")

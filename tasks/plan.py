@@ -58,7 +58,8 @@ def strategy_inputs(ctx: RunContext, profile: dict, workers: int) -> StrategyInp
         checkpoint_s=profile.get("checkpoint_s"), synced_step_s=profile.get("synced_step_s"),
         contention=profile.get("contention") or 1.0,
         host_cores=corun["host_cores"] if corun else None, corun=corun["factor"] if corun else 1.0,
-        transfer_wake_s=(corun.get("transfer_extra_s") or 0.0) if corun else 0.0)
+        transfer_wake_s=(corun.get("transfer_extra_s") or 0.0) if corun else 0.0,
+        peer_synced_step_s=sync.get("synced_step_s") if corun else None)
 
 
 def make_plan(ctx: RunContext, profile: dict, workers: int) -> Plan:

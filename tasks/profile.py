@@ -101,25 +101,27 @@ def _collective_cache_key(context, params) -> str:
     # the kind of store and where it is, not the run's folder; hashed: a URL may hold a password
     where = hashlib.sha256(f"{parts.scheme}://{parts.netloc}".encode()).hexdigest()[:16]
     key = {"where": where, "model": params["model"], "optimizer": params["optimizer"],
-           "worlds": list(params["worlds"]), "hardware": _hardware(), "version": 3}
+           "worlds": list(params["worlds"]), "step": params.get("step"), "hardware": _hardware(), "version": 4}
     return "zooid-collective-" + hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
 
 
 @task(name="time-store-collective", cache_key_fn=_collective_cache_key, persist_result=True,
       result_serializer="json", cache_expiration=timedelta(days=1), retries=1, retry_delay_seconds=2,
       timeout_seconds=600)
-def time_collective(store_ref: str, run_prefix: str, model: str, optimizer: str, worlds: list[int]) -> dict:
+def time_collective(store_ref: str, run_prefix: str, model: str, optimizer: str, worlds: list[int],
+                    step: dict | None = None) -> dict:
     """Local-SGD's store allreduce of `model`'s replica state timed among `worlds` worker
     processes, the effective bandwidth and latency of the scatter-reduce model fitted to
     it, and the hand-off delay between two of those processes (what a pipeline stage
-    waiting for its neighbour's tensor pays)."""
+    waiting for its neighbour's tensor pays); with `step` (input_shape, classes, batch_size),
+    a training step timed right after each sync in both processes."""
     from training.links import fit_scatter_reduce, time_store_collective
 
     timing = time_store_collective(store_ref, run_prefix, model=model, optimizer=optimizer,
-                                   worlds=tuple(worlds), opener="blocks.store:open_store_ref")
+                                   worlds=tuple(worlds), opener="blocks.store:open_store_ref", step=step)
     bw, lat = fit_scatter_reduce(timing.samples)
     return {"samples": [list(s) for s in timing.samples], "bandwidth_bytes_per_s": bw, "latency_s": lat,
-            "handoff_s": timing.handoff_s}
+            "handoff_s": timing.handoff_s, "synced_step_s": timing.synced_step_s}
 
 
 def _corun_cache_key(context, params) -> str:
@@ -172,7 +174,9 @@ def profile(ctx: RunContext) -> dict:
     prof["contention"] = probe["contention"]
     prof["store_sync"] = None
     if job.max_workers > 1 and job.collective == "store":
-        prof["store_sync"] = time_collective(ctx.store_ref, ctx.prefix("probe"), job.model, job.optimizer, [2])
+        step = {"input_shape": list(r.input_shape), "classes": r.classes, "batch_size": job.batch_size}
+        prof["store_sync"] = time_collective(ctx.store_ref, ctx.prefix("probe"), job.model, job.optimizer, [2],
+                                             step if ctx.resolved.target.kind in SHARED_HOST_KINDS else None)
     prof["corun"] = None
     if job.max_workers > 1 and ctx.resolved.target.kind in SHARED_HOST_KINDS:
         prof["corun"] = time_corun(job.model, list(r.input_shape), r.classes, job.batch_size, job.optimizer,

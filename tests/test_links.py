@@ -49,11 +49,13 @@ def test_store_collective_timed_among_two_processes_on_the_models_replica_state(
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     assert any(k.startswith("optim/") for k in state)  # the moments travel with the weights
     timing = time_store_collective(url, "runs/c/probe", model="digits_cnn", optimizer="momentum",
-                                   worlds=(2,), repeats=2)
+                                   worlds=(2,), repeats=2,
+                                   step={"input_shape": [64], "classes": 10, "batch_size": 16})
     assert [(s, n) for s, n, _ in timing.samples] == [(nbytes // 32 * 4, 2), (nbytes, 2)]
     assert all(0 < sec < 10 for _, _, sec in timing.samples)
     # the directory store polls every 2 ms: a waiting process hears of a key ~1 ms late
     assert 0.0002 < timing.handoff_s < 0.004
+    assert 0 < timing.synced_step_s < 1  # a digits_cnn step after each full-size sync
     assert open_store(url).list("runs/") == []  # barrier and round keys are gone
     with pytest.raises(ValueError, match="nbytes"):
         time_store_collective(url, "runs/c/probe")

@@ -172,6 +172,19 @@ def test_a_shared_machine_adds_the_measured_wake_cost_to_each_pipeline_put_and_g
     assert local_sgd(shared, 2).predicted_iteration_s == local_sgd(x, 2).predicted_iteration_s
 
 
+def test_local_sgd_peers_on_a_shared_machine_step_after_a_sync_at_the_pace_timed_beside_a_peer():
+    from planners.strategy import local_sgd, local_sgd_step_s
+
+    x = _inputs(synced_step_s=0.15, host_cores=2, corun=1.1, peer_synced_step_s=0.2, sync_period=2)
+    assert local_sgd_step_s(x, 1) == pytest.approx((0.15 + 0.12) / 2)  # alone: after its checkpoint
+    assert local_sgd_step_s(x, 2) == pytest.approx((0.2 + 0.12 * 1.1) / 2)  # co-run already in the 0.2
+    assert local_sgd_step_s(x, 4) == pytest.approx((0.2 * 2 + 0.12 * 2.2) / 2)  # time-shared 2 x
+    # a machine each: the peer's timing does not apply
+    assert local_sgd_step_s(replace(x, host_cores=None), 4) == pytest.approx((0.15 + 0.12) / 2)
+    assert local_sgd(x, 2).predicted_iteration_s - local_sgd(replace(x, peer_synced_step_s=None), 2) \
+        .predicted_iteration_s == pytest.approx((0.2 - 0.15 * 1.1) / 2)
+
+
 def test_the_plan_step_applies_the_corun_factor_only_where_workers_share_the_machine():
     from types import SimpleNamespace
 
@@ -193,6 +206,15 @@ def test_the_plan_step_applies_the_corun_factor_only_where_workers_share_the_mac
     assert got == pytest.approx({"inline": 2.4, "process": 2.4, "ecs": 1.0, "aci": 1.0, "k8s": 1.0})
     assert wake == {"inline": (2, 0.0004), "process": (2, 0.0004), "ecs": (None, 0.0), "aci": (None, 0.0),
                     "k8s": (None, 0.0)}
+    profile["store_sync"] = {"bandwidth_bytes_per_s": 5e8, "latency_s": 0.002, "handoff_s": None,
+                             "synced_step_s": 0.07}
+    peer = {}
+    for kind in ("process", "ecs"):
+        ctx = SimpleNamespace(job=job, price_per_worker_s=0.0, resolved=SimpleNamespace(
+            target=SimpleNamespace(kind=kind, worker_vcpu=1.0, worker_memory_gb=2.0, worker_gpu=0), n_train=512,
+            offer=SimpleNamespace(name="local")))
+        peer[kind] = strategy_inputs(ctx, profile, 2).peer_synced_step_s
+    assert peer == {"process": 0.07, "ecs": None}
 
 
 def test_the_plan_step_takes_the_handoff_timed_between_worker_processes():

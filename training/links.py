@@ -410,17 +410,21 @@ class CollectiveTiming:
 
     samples: list[tuple[int, int, float]]
     """(bytes, workers, seconds) of each timed allreduce size and world."""
-    handoff_s: float | None
+    handoff_s: float | None = None
     """Mean notice delay of a new key to a worker process waiting for it (None: no world
     of 2 or more): the put's end in one process to the waiting thread resuming with the
     decoded tensor in the other, less what fetching a key that is already there costs."""
+    synced_step_s: float | None = None
+    """A training step timed right after each full-size allreduce in every process of the
+    first world of 2 or more, as a Local-SGD replica steps after its sync beside its peers
+    (the slowest process's median; None: no `step` asked for)."""
 
 
 def time_store_collective(store_url: str, run_prefix: str, nbytes: float = 0, *,
                           model: str | None = None, model_kwargs: dict | None = None,
                           optimizer: str = "sgd", worlds: Sequence[int] = (2,), repeats: int = 3,
                           timeout_s: float = 120.0, handoff_rounds: int = 24, min_seconds: float = 1.0,
-                          opener: str = "training.store:open_store") -> CollectiveTiming:
+                          opener: str = "training.store:open_store", step: dict | None = None) -> CollectiveTiming:
     """(bytes, workers, seconds) of the plain store allreduce (`training.collectives.
     allreduce_mean`, what Local-SGD averages with) among `workers` real processes, one torch
     thread each as workers run: on the tensors a Local-SGD replica of `model` averages
@@ -438,7 +442,11 @@ def time_store_collective(store_url: str, run_prefix: str, nbytes: float = 0, *,
     Ranks 0 and 1 of the first world of 2 or more then pass a small tensor back and forth
     `handoff_rounds` times, as neighbouring pipeline stages do: the writer puts at a random
     phase of the reader's polls, the reader fetches through a download thread and its main
-    thread waits for the result (`handoff_s`, see `CollectiveTiming`)."""
+    thread waits for the result (`handoff_s`, see `CollectiveTiming`).
+
+    With `step` ({"input_shape", "classes", "batch_size"}) and a `model`, every rank of that
+    world also times one training step of its replica right after each full-size call
+    (`synced_step_s`)."""
     import json
     import os
     import signal
@@ -449,13 +457,14 @@ def time_store_collective(store_url: str, run_prefix: str, nbytes: float = 0, *,
 
     if model is None and not nbytes > 0:
         raise ValueError("nbytes: give a model or a positive byte count to time the collective on")
-    samples, handoff_s = [], None
+    samples, handoff_s, synced_step_s = [], None, None
     for world in worlds:
         group = f"{run_prefix}/collective-{uuid.uuid4().hex[:8]}"
         config = {"store_url": store_url, "group": group, "world": world, "nbytes": nbytes,
                   "model": model, "model_kwargs": model_kwargs or {}, "optimizer": optimizer,
                   "repeats": repeats, "timeout_s": timeout_s, "opener": opener, "min_s": min_seconds,
-                  "handoff_rounds": handoff_rounds if world >= 2 and handoff_s is None else 0}
+                  "handoff_rounds": handoff_rounds if world >= 2 and handoff_s is None else 0,
+                  "step": step if model and world >= 2 and synced_step_s is None else None}
         procs = [subprocess.Popen([sys.executable, "-m", "training.links", json.dumps(config), str(rank)],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=one_thread_env(),
                                   start_new_session=True, text=True) for rank in range(world)]
@@ -478,10 +487,12 @@ def time_store_collective(store_url: str, run_prefix: str, nbytes: float = 0, *,
         per_rank = [json.loads(out) for out, _ in outs]
         if config["handoff_rounds"]:
             handoff_s = _handoff_from_ping_pong([r.pop("handoff") for r in per_rank[:2]])
+        if config["step"]:
+            synced_step_s = max(statistics.median(r.pop("synced_step")) for r in per_rank)
         for size in per_rank[0]:
             calls = zip(*(r[size] for r in per_rank))
             samples.append((int(size), world, statistics.median(max(c) for c in calls)))
-    return CollectiveTiming(sorted(samples), handoff_s)
+    return CollectiveTiming(sorted(samples), handoff_s, synced_step_s)
 
 
 def _handoff_from_ping_pong(ranks: list[dict]) -> float:
@@ -540,6 +551,11 @@ def _opener(path: str) -> Callable[[str], object]:
 def replica_tensors(model: str, model_kwargs: dict, optimizer: str) -> dict[str, torch.Tensor]:
     """What a Local-SGD replica of `model` averages at each sync: parameters, floating
     buffers and the optimizer's moments (created by one step on zero gradients)."""
+    return _replica(model, model_kwargs, optimizer)[2]
+
+
+def _replica(model: str, model_kwargs: dict, optimizer: str):
+    """(module, optimizer, the tensors it averages: sharing the module's memory)."""
     from training.models import build_model
     from training.optimizers import build_optimizer, optimizer_state_tensors
 
@@ -552,11 +568,28 @@ def replica_tensors(model: str, model_kwargs: dict, optimizer: str) -> dict[str,
     out.update({f"buffer/{n}": b for n, b in net.named_buffers() if b.is_floating_point()})
     out.update({f"optim/{n}": t for n, t in optimizer_state_tensors(net, opt).items()
                 if t.is_floating_point() and t.dim() > 0})
-    return out
+    return net, opt, out
 
 
 def _total_bytes(tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _step_timer(net: nn.Module, opt, shape: dict) -> Callable[[], float]:
+    """A timed training step of `net` on a fixed random batch of `shape`."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(shape["batch_size"], *shape["input_shape"], generator=gen)
+    y = torch.randint(0, shape["classes"], (shape["batch_size"],), generator=gen)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss_fn(net(x), y).backward()
+        opt.step()
+        return time.perf_counter() - t0
+
+    return step
 
 
 def _collective_rank(config: dict, rank: int) -> dict:
@@ -569,8 +602,11 @@ def _collective_rank(config: dict, rank: int) -> dict:
 
     torch.set_num_threads(1)
     pin_malloc_thresholds()
+    step = None
     if config["model"]:
-        full = replica_tensors(config["model"], config["model_kwargs"], config["optimizer"])
+        net, opt, full = _replica(config["model"], config["model_kwargs"], config["optimizer"])
+        if config.get("step"):
+            step = _step_timer(net, opt, config["step"])
     else:
         full = {f"p{i}": c.clone() for i, c in
                 enumerate(torch.randn(max(8, int(config["nbytes"]) // 4)).tensor_split(8))}
@@ -599,6 +635,8 @@ def _collective_rank(config: dict, rank: int) -> dict:
                 if warm:  # each size's first call is a warm-up
                     times.append(time.perf_counter() - t0)
                     spent += times[-1]
+                    if step and tensors is full:
+                        out.setdefault("synced_step", []).append(step())
                 warm, call = True, call + 1
             out[str(_total_bytes(tensors))] = times
         if config["handoff_rounds"] and rank < 2:
