@@ -148,8 +148,8 @@ def _rank(config: dict) -> None:
     """One probe process: build the model, warm its step up, then for each "go" line run the
     step for `min_seconds` and print its step times; exit on "stop"."""
     import torch
-    from torch import nn
 
+    from training.links import step_timer
     from training.malloc import pin_malloc_thresholds
     from training.models import build_model
     from training.optimizers import build_optimizer
@@ -158,18 +158,7 @@ def _rank(config: dict) -> None:
     pin_malloc_thresholds()
     net = build_model(config["model"], config["seed"], **config["model_kwargs"])
     opt = build_optimizer(config["optimizer"], net, 1e-9)  # the weights barely move
-    gen = torch.Generator().manual_seed(config["seed"])
-    x = torch.randn(config["batch_size"], *config["input_shape"], generator=gen)
-    y = torch.randint(0, config["classes"], (config["batch_size"],), generator=gen)
-    loss_fn = nn.CrossEntropyLoss()
-
-    def step() -> float:
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        loss_fn(net(x), y).backward()
-        opt.step()
-        return time.perf_counter() - t0
-
+    step = step_timer(net, opt, config, config["seed"])
     began = time.perf_counter()
     while time.perf_counter() - began < config["min_seconds"] / 2:  # warm-up, every rank at once
         step()

@@ -575,9 +575,11 @@ def _total_bytes(tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def _step_timer(net: nn.Module, opt, shape: dict) -> Callable[[], float]:
-    """A timed training step of `net` on a fixed random batch of `shape`."""
-    gen = torch.Generator().manual_seed(0)
+def step_timer(net: nn.Module, opt, shape: dict, seed: int = 0) -> Callable[[], float]:
+    """A training step of `net` with `opt` on a fixed random batch of `shape`
+    ({"input_shape", "classes", "batch_size"}) drawn from `seed`; each call returns its
+    seconds."""
+    gen = torch.Generator().manual_seed(seed)
     x = torch.randn(shape["batch_size"], *shape["input_shape"], generator=gen)
     y = torch.randint(0, shape["classes"], (shape["batch_size"],), generator=gen)
     loss_fn = nn.CrossEntropyLoss()
@@ -606,7 +608,7 @@ def _collective_rank(config: dict, rank: int) -> dict:
     if config["model"]:
         net, opt, full = _replica(config["model"], config["model_kwargs"], config["optimizer"])
         if config.get("step"):
-            step = _step_timer(net, opt, config["step"])
+            step = step_timer(net, opt, config["step"])
     else:
         full = {f"p{i}": c.clone() for i, c in
                 enumerate(torch.randn(max(8, int(config["nbytes"]) // 4)).tensor_split(8))}
