@@ -89,6 +89,25 @@ def test_get_times_out_when_nothing_comes(store):
     assert 0.3 <= time.monotonic() - start < 1.5
 
 
+def test_a_waiting_get_polls_fast_first_then_backs_off(store, monkeypatch):
+    """The sleeps between a waiting get's reads: the store's first pause, growing by half
+    each time up to its longest (a neighbour's activation usually lands within a ms)."""
+    import training.store as store_module
+
+    reads, pauses = [], []
+    monkeypatch.setattr(type(store), "_read", lambda self, key: reads.append(key) or (b"v" if len(reads) > 9 else None))
+    monkeypatch.setattr(store_module.time, "sleep", pauses.append)
+    assert store.get("runs/r1/soon", timeout=10) == b"v"
+    expected, pause = [], store.poll_first_s
+    for _ in range(9):
+        expected.append(pause)
+        pause = min(pause * store_module.POLL_GROWTH, store.poll_max_s)
+    assert pauses == pytest.approx(expected)
+    assert max(pauses) <= store.poll_max_s
+    if isinstance(store, DirectoryStore):  # a miss is one failed open(): poll a stage's neighbour fast
+        assert pauses[0] < 0.001
+
+
 def test_list_and_delete_prefix_are_scoped(store):
     keys = ["runs/a/x", "runs/a/sub/y", "runs/ab/z", "runs/b/x"]
     for k in keys:

@@ -58,7 +58,6 @@ def check_key(key: str, *, field: str = "key", prefix: bool = False) -> str:
 
 # Polling schedule of `get` while a key is absent: start fast (a pipeline stage waits for
 # its neighbour's activations), back off so that a long wait costs few requests.
-POLL_FIRST_S = 0.002
 POLL_GROWTH = 1.5
 
 
@@ -67,6 +66,8 @@ class Store(abc.ABC):
 
     url: str
     """A URL that `open_store` turns back into an equivalent store (workers reopen it)."""
+    poll_first_s: float = 0.002
+    """First sleep of a waiting `get`; each next one is `POLL_GROWTH` times longer."""
     poll_max_s: float = 0.05
     """Longest sleep between two checks while `get` waits for a key."""
 
@@ -96,7 +97,7 @@ class Store(abc.ABC):
         if timeout is not None and not timeout >= 0:
             raise ZooidValueError("timeout", f"must be >= 0 seconds or None, got {timeout!r}")
         began = time.monotonic()
-        pause = POLL_FIRST_S
+        pause = self.poll_first_s
         while True:
             start = time.monotonic()
             data = self._read(key)
