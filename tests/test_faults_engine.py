@@ -215,10 +215,10 @@ class DyingStore(MemoryStore):
         super().__init__()
         self._data, self._lock, self.when = shared._data, shared._lock, when
 
-    def put(self, key, data):
+    def put(self, key, data, **kwargs):
         if self.when("put", key):
             raise Died(key)
-        super().put(key, data)
+        super().put(key, data, **kwargs)
 
     def delete(self, key):
         if self.when("delete", key):

@@ -354,3 +354,23 @@ def test_directory_store_reports_a_key_that_is_also_a_prefix(dir_store):
         dir_store.put("runs/r/a", b"y")
     assert dir_store.list("runs/r/") == ["runs/r/a/b"]  # the failed put left no temp file
     assert dir_store.list("") == ["runs/r/a/b"] and not list((dir_store.root / ".zooid-tmp").iterdir())
+
+
+def test_a_scratch_put_is_as_atomic_but_skips_the_fsync_of_the_directory_store(dir_store, monkeypatch):
+    import os as os_module
+
+    synced = []
+    real_fsync = os_module.fsync
+    monkeypatch.setattr("training.store_dir.os.fsync", lambda fd: synced.append(fd) or real_fsync(fd))
+    dir_store.put("runs/r1/ckpt", b"durable")
+    assert len(synced) == 1
+    dir_store.put("runs/r1/act/it0/f0m0", b"scratch", scratch=True)
+    assert len(synced) == 1  # an activation read and deleted by a live peer is not fsynced
+    assert dir_store.get("runs/r1/act/it0/f0m0") == b"scratch" and dir_store.get("runs/r1/ckpt") == b"durable"
+    assert not any(dir_store._tmp.iterdir())  # renamed into place, nothing half-written left
+
+
+def test_scratch_puts_reach_every_store(store):
+    store.put("runs/r1/sync/e0/r0/part/0/1", b"part", scratch=True)
+    assert store.get("runs/r1/sync/e0/r0/part/0/1") == b"part"
+    assert store.stats.bytes_up == 4

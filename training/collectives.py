@@ -100,7 +100,7 @@ class PostLog:
         for post in self.previous + self.current:
             if store.exists(post.key) or (post.unless and store.exists(post.unless)):
                 continue
-            store.put(post.key, post.blob)
+            store.put(post.key, post.blob, scratch=True)
             n += 1
         return n
 
@@ -117,7 +117,7 @@ class _Traffic:
     def put(self, key: str, tensors: dict[str, torch.Tensor], unless: str | None = None) -> None:
         t0 = time.perf_counter()
         blob = encode_tensors(tensors)
-        self.store.put(key, blob)
+        self.store.put(key, blob, scratch=True)
         if self.log is not None:
             self.log.add(key, blob, unless)
         self.stats.upload_s += time.perf_counter() - t0
@@ -306,7 +306,7 @@ def release_group(
         if rank == 0:
             store.delete_prefix(f"{group}/")  # done keys a previous life left behind
         return
-    store.put(f"{group}/done/{rank}", b"1")
+    store.put(f"{group}/done/{rank}", b"1", scratch=True)
     if rank != 0:
         return
     for i in range(1, world):

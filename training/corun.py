@@ -207,7 +207,7 @@ def _transfer_trips(root: str, nbytes: int, stop: threading.Event, trips: list[f
             if pause:
                 time.sleep(rng.uniform(0.001, 0.003))
             t0 = time.perf_counter()
-            store.put("t", encode_tensors({"t": tensor}))
+            store.put("t", encode_tensors({"t": tensor}), scratch=True)
             blob = store.get("t")
             store.delete("t")
             decode_tensors(blob)

@@ -93,7 +93,7 @@ def measure_handoff(store, run_prefix: str, repeats: int = 12, delay_s: float = 
 
             def writer():
                 time.sleep(wait)
-                store.put(key, b"x")
+                store.put(key, b"x", scratch=True)
                 done["at"] = time.perf_counter()
 
             t = threading.Thread(target=writer)
@@ -128,7 +128,7 @@ def profile_store(store, run_prefix: str, sizes: tuple[int, ...] = (1 << 10, 16 
             for i in range(repeats):
                 key = f"{key_base}/{size}-{i}"
                 t0 = time.perf_counter()
-                store.put(key, payload)
+                store.put(key, payload, scratch=True)  # as a stage's activations
                 t1 = time.perf_counter()
                 store.get(key)
                 samples += [(size, t1 - t0), (size, time.perf_counter() - t1)]
@@ -169,7 +169,7 @@ def measure_contention(model: nn.Module, input_shape: tuple[int, ...], num_class
 
     def transfer() -> None:
         while not stop.is_set():
-            store.put(key, payload)
+            store.put(key, payload, scratch=True)
             store.get(key)
             moved[0] += 2 * payload_bytes
             started.set()
@@ -348,7 +348,7 @@ def profile_transfers(store, run_prefix: str, max_bytes: float = 0, repeats: int
             for i in range(repeats + 1):  # the first of each size is a warm-up
                 key = f"{key_base}/{size}-{i}"
                 t0 = time.perf_counter()
-                store.put(key, encode_tensors({"t": tensor}))
+                store.put(key, encode_tensors({"t": tensor}), scratch=True)
                 t1 = time.perf_counter()
                 blob = store.get(key)
                 store.delete(key)  # a stage's download thread deletes each key it read
@@ -527,14 +527,14 @@ def _ping_pong(store, prefix: str, rank: int, rounds: int, timeout_s: float) -> 
             key = f"{prefix}/{i}"
             if i % 2 == rank:
                 time.sleep(0.0005 + rng.uniform(0, spread))
-                store.put(key, blob)
+                store.put(key, blob, scratch=True)
                 put_end[str(i)] = time.perf_counter()
             else:
                 download.submit(fetch, key).result()
                 seen[str(i)] = time.perf_counter()
         for i in range(5):  # the part of a waiting fetch that is not the notice delay
             key = f"{prefix}/present-{rank}-{i}"
-            store.put(key, blob)
+            store.put(key, blob, scratch=True)
             t0 = time.perf_counter()
             download.submit(fetch, key).result()
             present.append(time.perf_counter() - t0)

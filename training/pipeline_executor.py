@@ -343,7 +343,7 @@ class _StageWorker:
 
     def _put(self, key: str, tensor: torch.Tensor) -> None:
         t0 = time.perf_counter()
-        self.store.put(key, encode_tensors({"t": tensor}))
+        self.store.put(key, encode_tensors({"t": tensor}), scratch=True)
         self.upload_s += time.perf_counter() - t0
 
     def _drain_uploads(self) -> None:
@@ -383,7 +383,7 @@ class _StageWorker:
             return mean_loss
         if self.cfg.stage == self.last:
             for s in range(self.last):
-                self.store.put(f"{self.prefix}/loss/s{s}", encode_json({"loss": mean_loss}))
+                self.store.put(f"{self.prefix}/loss/s{s}", encode_json({"loss": mean_loss}), scratch=True)
             return mean_loss
         key = f"{self.prefix}/loss/s{self.cfg.stage}"
         value = decode_json(self.store.get(key, timeout=self.spec.sync_timeout_s))["loss"]
@@ -427,7 +427,7 @@ class _StageWorker:
         mine.update({f"optim/{k}": v.detach()
                      for k, v in optimizer_state_tensors(self.module, self.optimizer).items()})
         if self.cfg.stage != self.last:
-            self.store.put(f"{self.prefix}/ckpt/s{self.cfg.stage}", encode_tensors(mine))
+            self.store.put(f"{self.prefix}/ckpt/s{self.cfg.stage}", encode_tensors(mine), scratch=True)
             return ""
         full: dict[str, torch.Tensor] = {}
         for s in range(self.last):

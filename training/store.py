@@ -82,13 +82,18 @@ class Store(abc.ABC):
 
     # --- the interface -------------------------------------------------------------
 
-    def put(self, key: str, data: bytes) -> None:
-        """Store `data` under `key` atomically (readers see all of it or nothing)."""
+    def put(self, key: str, data: bytes, *, scratch: bool = False) -> None:
+        """Store `data` under `key` atomically (readers see all of it or nothing).
+
+        `scratch`: the key is read by a live peer and deleted (an activation, a sync round's
+        part, a barrier mark), so a store may skip what only guards it against a crash of
+        the machine, which would lose the epoch anyway (the directory store's fsync)."""
         check_key(key)
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise ZooidValueError("data", f"must be bytes, got {type(data).__name__}")
         data = bytes(data) if not isinstance(data, bytes) else data
-        self.link.upload(len(data), lambda: self._write(key, data))
+        write = self._write_scratch if scratch else self._write
+        self.link.upload(len(data), lambda: write(key, data))
 
     def get(self, key: str, timeout: float | None = None) -> bytes:
         """Return the bytes under `key`; wait up to `timeout` seconds for it to appear
@@ -156,6 +161,10 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def _write(self, key: str, data: bytes) -> None:
         """Atomically replace the value under a validated key."""
+
+    def _write_scratch(self, key: str, data: bytes) -> None:
+        """`_write` for a scratch key (see `put`); the same unless a store can do less."""
+        self._write(key, data)
 
     @abc.abstractmethod
     def _read(self, key: str) -> bytes | None:

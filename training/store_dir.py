@@ -1,7 +1,7 @@
 """The directory store: one file per key below a root directory (the embedded default).
 
 A put writes a temporary file in `<root>/.zooid-tmp/`, fsyncs it and `os.replace`s it onto
-the key's path. Rename is atomic on POSIX within one file system, so a reader opens either
+the key's path (a scratch put, `Store.put(scratch=True)`, skips the fsync). Rename is atomic on POSIX within one file system, so a reader opens either
 the old file or the new one, never a half-written one; an open reader keeps reading the
 inode it opened even while the path is replaced. The temporary area lives inside the root
 so it is on the same file system, and `list` skips it.
@@ -74,7 +74,7 @@ class DirectoryStore(Store):
             raise StoreKeyError("key", f"{TMP_DIR!r} is reserved by the directory store: {key!r}")
         return self.root / key
 
-    def _write(self, key: str, data: bytes) -> None:
+    def _write(self, key: str, data: bytes, durable: bool = True) -> None:
         path = self._path(key)
         tmp = self._tmp / f"{uuid.uuid4().hex}.part"
         try:
@@ -85,7 +85,8 @@ class DirectoryStore(Store):
                 # fsync before the rename: otherwise a crash could leave the new name
                 # pointing at an empty file. The directory entry itself is not fsynced;
                 # after a crash we may see the old value, which is still a whole one.
-                os.fsync(f.fileno())
+                if durable:
+                    os.fsync(f.fileno())
             os.replace(tmp, path)
         except OSError as e:
             tmp.unlink(missing_ok=True)
@@ -94,6 +95,13 @@ class DirectoryStore(Store):
                 raise StoreError(f"key {key!r} collides with a key prefix of the same name "
                                  f"in the directory store {self.root}") from e
             raise StoreError(f"cannot write {key!r} to {self.root}: {e}") from e
+
+    def _write_scratch(self, key: str, data: bytes) -> None:
+        # Without the fsync the rename is just as atomic for readers on this machine (they
+        # see the page cache); only a crash of the machine could lose the value, and with
+        # it the epoch that a scratch key belongs to. Measured here (ext4 on virtio): a
+        # 2 KB put 0.39 -> 0.24 ms, 256 KB 0.75 -> 0.54 ms, 4 MB 15 -> 4.3 ms.
+        self._write(key, data, durable=False)
 
     def _read(self, key: str) -> bytes | None:
         try:
