@@ -75,8 +75,10 @@ class StrategyInputs:
     that syncs runs it (None: `step_s`)."""
     contention: float = 1.0
     """beta >= 1: compute slowdown while the same worker's transfers run (FuncPipe Sec.
-    3.4.2). A pipeline stage transfers while it computes, so its forward and backward
-    times are scaled by it; Local-SGD does not overlap the two."""
+    3.4.2), measured with transfers running the whole time. A pipeline stage transfers
+    while it computes, so its forward and backward times are scaled by it in proportion to
+    the share of its compute its transfers last (`stage_contention`); Local-SGD does not
+    overlap the two."""
     host_cores: int | None = None
     """Cores of the one machine all of a plan's worker processes share (the `inline` and
     local `process` targets); None: each worker has a machine or container of its own."""
@@ -239,18 +241,38 @@ def pipeline_prediction(x: StrategyInputs, plan: Plan) -> PipelineTime:
         raise ValueError(f"microbatches: {plan.microbatches} does not split the batch of {plan.batch_size}")
     stages = stage_times(x.layers, plan.cuts, plan.batch_size // plan.microbatches, x.profile_batch)
     shared = x.compute_slowdown(plan.workers)
-    for st in stages:  # a stage's transfer threads share its CPU with its compute
-        st["forward_s"] *= x.contention * shared
-        st["backward_s"] *= x.contention * shared
-    bandwidth, latency = x.sync_link
-    sync_s = [pipelined_scatter_reduce(st["param_bytes"], plan.data_parallel, bandwidth, latency)
-              for st in stages]
-    optimizer_s = optimizer_shares(x.optimizer_step_s * shared, [st["param_bytes"] for st in stages])
     costs = x.transfer_costs
     if x.host_cores is not None and x.transfer_wake_s:
         costs = replace(costs, put_latency_s=costs.put_latency_s + x.transfer_wake_s,
                         get_latency_s=costs.get_latency_s + x.transfer_wake_s)
+    for beta, st in zip(stage_contention(x.contention, stages, costs), stages):
+        # a stage's transfer threads share its CPU with its compute
+        st["forward_s"] *= beta * shared
+        st["backward_s"] *= beta * shared
+    bandwidth, latency = x.sync_link
+    sync_s = [pipelined_scatter_reduce(st["param_bytes"], plan.data_parallel, bandwidth, latency)
+              for st in stages]
+    optimizer_s = optimizer_shares(x.optimizer_step_s * shared, [st["param_bytes"] for st in stages])
     return pipeline_iteration(stages, plan.microbatches, costs, sync_s=sync_s, optimizer_s=optimizer_s)
+
+
+def stage_contention(beta: float, stages: list[dict], costs: TransferCosts) -> list[float]:
+    """Per stage, the compute slowdown its own transfers cause: 1 + (beta - 1) x duty, where
+    beta is measured with transfers running the whole time and duty is the share of the
+    stage's forward and backward time that its puts and gets last (at most 1). A stage of a
+    small model that moves a few KB per micro-batch pays little of a large beta."""
+    last = len(stages) - 1
+    factors = []
+    for s, st in enumerate(stages):
+        moved = []
+        if s < last:  # its activation out, the gradient of it back in
+            moved += [costs.put_s(st["out_bytes"]), costs.get_s(st["out_bytes"])]
+        if s > 0:  # its input in, the gradient of its input out
+            moved += [costs.get_s(stages[s - 1]["out_bytes"]), costs.put_s(stages[s - 1]["out_bytes"])]
+        compute = st["forward_s"] + st["backward_s"]
+        duty = min(1.0, sum(moved) / compute) if compute > 0 else 0.0
+        factors.append(1.0 + (beta - 1.0) * duty)
+    return factors
 
 
 def optimizer_shares(optimizer_step_s: float, stage_param_bytes: list[float]) -> list[float]:

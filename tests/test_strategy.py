@@ -123,16 +123,30 @@ def test_measured_checkpoint_write_replaces_the_put_model():
     assert plan.predicted_epoch_s == pytest.approx(steps * (0.12 + scatter_reduce(16e6, 4, 4e8, 2e-3) + 0.05))
 
 
-def test_contention_slows_a_pipeline_stage_compute_not_local_sgd():
-    from planners.pipeline_time import TransferCosts
-    from planners.strategy import local_sgd, pipeline_prediction
+def test_contention_slows_a_pipeline_stage_compute_by_its_transfer_duty_not_local_sgd():
+    from planners.pipeline_time import TransferCosts, stage_times
+    from planners.strategy import local_sgd, pipeline_prediction, stage_contention
 
-    free = TransferCosts(0.0, 1e30, 0.0, 1e30, 0.0)
-    x = _inputs(stages=2, transfer=free)
+    # per micro-batch (8 rows) a stage computes 2 x (F 2.5 ms + B 5 ms) = 15 ms; a put or get
+    # of its 1024-byte activation costs `t`
+    x = _inputs(stages=2, optimizer_step_s=0.0)
     plan = choose(x, "pipeline")
-    # free transfers, no optimizer step: the period is all forward and backward, so beta scales it
-    assert pipeline_prediction(replace(x, contention=1.5), plan).period_s == \
-        pytest.approx(1.5 * pipeline_prediction(x, plan).period_s)
+    stages = stage_times(x.layers, plan.cuts, 8, 32)
+    for t, duty in ((0.0, 0.0), (0.0015, 0.2), (0.00375, 0.5), (0.02, 1.0)):
+        costs = TransferCosts(t, 1e30, t, 1e30, 0.0)
+        # stage 0 puts its activation and gets its gradient, stage 1 the reverse: 2 t of 15 ms
+        assert stage_contention(1.5, stages, costs) == pytest.approx([1 + 0.5 * duty] * 2)
+    free = TransferCosts(0.0, 1e30, 0.0, 1e30, 0.0)
+    assert pipeline_prediction(replace(x, transfer=free, contention=1.5), plan).period_s == \
+        pytest.approx(pipeline_prediction(replace(x, transfer=free), plan).period_s)  # nothing moves
+    busy = TransferCosts(0.02, 1e30, 0.02, 1e30, 0.0)  # transfers outlast compute: the whole beta
+    compute_only = replace(x, transfer=busy, sync_bandwidth=1e30, sync_latency=0.0)
+    slowed = pipeline_prediction(replace(compute_only, contention=1.5), plan).simulation
+    plain = pipeline_prediction(compute_only, plan).simulation
+    for row_slow, row in zip(slowed.timelines, plain.timelines):
+        for i_slow, i in zip(row_slow, row):
+            if i.resource == "compute" and i.action.kind.value in ("F", "B"):
+                assert i_slow.end - i_slow.start == pytest.approx(1.5 * (i.end - i.start))
     assert local_sgd(replace(x, contention=1.5)).predicted_iteration_s == local_sgd(x).predicted_iteration_s
 
 
