@@ -25,7 +25,7 @@ from training.chaos import ChaosError, Fault, fault_marker_key, parse_chaos, rea
 from training.checkpoint import initial_checkpoint, load_checkpoint, read_checkpoint_meta, sync_checkpoint_key
 from training.collectives import allreduce_mean, release_group
 from training.datasets import assign_subsets, publish_dataset
-from training.errors import ZooidValueError
+from training.errors import StoreTimeout, ZooidValueError
 from training.failures import FailureKind, MemoryEvents, classify_failure, read_memory_events
 from training.local_sgd import read_epoch_history, run_local_sgd_epoch
 from training.models import build_model
@@ -259,6 +259,29 @@ def test_a_relaunched_rank_0_after_the_release_returns_at_once():
     store = MemoryStore()
     release_group(store, "runs/t/sync/e0", 0, 2, 0.5, resumed=True)  # no call keys left: released
     assert store.list("runs/") == []
+
+
+def test_rank_0_stops_waiting_for_done_keys_a_restarted_store_lost():
+    """The scratch store restarts (Redis without persistence) after rank 1 posted its done
+    key: rank 0, releasing, finds the call keys gone too and returns within a stall or two
+    instead of waiting out the sync timeout (the chaos run once hung here for 600 s)."""
+    store, world = MemoryStore(), 2
+    inputs = [{"w": torch.full((6,), float(r))} for r in range(world)]
+    with ThreadPoolExecutor(world) as pool:
+        list(pool.map(lambda r: allreduce_mean(store, "runs/t/sync/e0/r0", r, world, inputs[r], 20), range(world)))
+    release_group(store, "runs/t/sync/e0", 1, world, 20)
+    assert store.list("runs/t/sync/e0/done/") == ["runs/t/sync/e0/done/1"]
+    store.delete_prefix("runs/")  # the restart: every scratch key is gone
+    began = time.monotonic()
+    release_group(store, "runs/t/sync/e0", 0, world, 60)
+    assert time.monotonic() - began < 5
+    assert store.list("runs/") == []
+
+    # with the call keys still there a missing done key is waited for, up to the timeout
+    with ThreadPoolExecutor(world) as pool:
+        list(pool.map(lambda r: allreduce_mean(store, "runs/t/sync/e1/r0", r, world, inputs[r], 20), range(world)))
+    with pytest.raises(StoreTimeout, match="done/1"):
+        release_group(store, "runs/t/sync/e1", 0, world, 1.5)
 
 
 def test_chaos_parsing():

@@ -29,6 +29,9 @@ safe to rejoin by a rank that died in it and was relaunched from an earlier stat
 - after the last call, `release_group` lets every rank post `{group}/done/{rank}`; rank 0
   waits for all of them and deletes the whole group prefix, the calls before the done keys
   (so a relaunched rank 0 that finds no call keys knows the release already happened).
+  While it waits, call keys that are gone mean the store lost the group (only rank 0
+  deletes them): the done keys posted before the loss are gone too, so it stops waiting
+  instead of sitting out the whole timeout (`sync_timeout_s`, 17 minutes by default).
 
 Lost scratch keys (a Redis restarted without persistence). A `PostLog` remembers what this
 rank posted in the current and the previous call. While a wait stalls for `repost_s`
@@ -297,7 +300,10 @@ def release_group(
 
     `resumed`: this rank is a relaunch that may have released the group in a previous life.
     If no call keys (`{group}/r...`) are left, the release already happened: a relaunched
-    rank then posts nothing, and a relaunched rank 0 stops waiting for done keys."""
+    rank then posts nothing. Rank 0 stops waiting for done keys whenever the call keys
+    are gone: released in a previous life, or lost by a scratch store that restarted (the
+    done keys posted before it are lost with them; one posted later is scratch that
+    the coordinator deletes with the epoch's group)."""
     if world == 1:
         return
     t0 = time.perf_counter()
@@ -317,8 +323,8 @@ def release_group(
                 store.get(key, timeout=min(1.0, max(0.0, deadline - time.monotonic())))
                 break
             except (StoreTimeout, KeyError):
-                if resumed and not calls_left():
-                    break  # our previous life was deleting the group: every peer was done
+                if not calls_left():
+                    break  # released by our previous life, or lost by the store: nothing to wait for
                 if time.monotonic() >= deadline:
                     raise StoreTimeout(f"rank 0 waited {timeout:g}s for {key}; a peer is missing") from None
     # Calls first, done keys last: see `resumed` above.
