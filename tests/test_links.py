@@ -120,3 +120,43 @@ def test_thread_handoff_probe_sees_about_half_a_poll_interval(tmp_path):
     store = open_store(str(tmp_path))
     assert 0.0002 < measure_handoff(store, "runs/h/probe") < 0.004  # polls every 2 ms
     assert store.list("runs/") == []
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is a live process (a zombie waiting to be reaped counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return not any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
+    except FileNotFoundError:
+        return False
+
+
+def test_a_probe_rank_in_its_own_session_exits_when_its_parent_dies():
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from training.subprocess_env import one_thread_env
+
+    rank = ("import os, time; from training.subprocess_env import exit_when_orphaned; "
+            "exit_when_orphaned(os.getppid(), 0.1); time.sleep(60)")
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys, time\n"
+         f"child = subprocess.Popen([sys.executable, '-c', {rank!r}], start_new_session=True)\n"
+         "print(child.pid, flush=True)\ntime.sleep(60)\n"],
+        stdout=subprocess.PIPE, text=True, env=one_thread_env(), start_new_session=True)
+    child = int(parent.stdout.readline())
+    try:
+        time.sleep(1.0)
+        assert _running(child)  # its parent lives: it stays
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while _running(child) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _running(child)
+    finally:
+        if _running(child):
+            os.kill(child, signal.SIGKILL)

@@ -464,7 +464,8 @@ def time_store_collective(store_url: str, run_prefix: str, nbytes: float = 0, *,
                   "model": model, "model_kwargs": model_kwargs or {}, "optimizer": optimizer,
                   "repeats": repeats, "timeout_s": timeout_s, "opener": opener, "min_s": min_seconds,
                   "handoff_rounds": handoff_rounds if world >= 2 and handoff_s is None else 0,
-                  "step": step if model and world >= 2 and synced_step_s is None else None}
+                  "step": step if model and world >= 2 and synced_step_s is None else None,
+                  "parent_pid": os.getpid()}
         procs = [subprocess.Popen([sys.executable, "-m", "training.links", json.dumps(config), str(rank)],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=one_thread_env(),
                                   start_new_session=True, text=True) for rank in range(world)]
@@ -601,7 +602,10 @@ def _collective_rank(config: dict, rank: int) -> dict:
     late start's; each call cleans up the previous one's keys as Local-SGD does."""
     from training.collectives import allreduce_mean, release_group
     from training.malloc import pin_malloc_thresholds
+    from training.subprocess_env import exit_when_orphaned
 
+    if config.get("parent_pid"):
+        exit_when_orphaned(config["parent_pid"])  # its own session: a dead parent cannot stop it
     torch.set_num_threads(1)
     pin_malloc_thresholds()
     step = None
