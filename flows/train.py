@@ -8,7 +8,6 @@ From a shell: `python -m flows.train --param workers=2 --param epochs=3 [--summa
 """
 from __future__ import annotations
 
-import json
 import sys
 import time
 import uuid

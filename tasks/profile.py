@@ -148,6 +148,21 @@ def time_corun(model: str, input_shape: list[int], classes: int, batch_size: int
     return {**measured.to_dict(), "host_cores": cpu_count()}
 
 
+def allreduce_fit(samples, store_bandwidth: float) -> dict:
+    """The hybrid contract's ring allreduce alpha and beta (the profile's
+    `allreduce_alpha_s_per_byte`, `allreduce_beta_s`), fitted to the timed store allreduce
+    `samples` beyond the store's bandwidth; zeros when they cannot be told apart (fewer than
+    two sizes)."""
+    from planners.errors import PlannerInputError
+    from training.links import fit_allreduce_samples
+
+    try:
+        alpha, beta, _ = fit_allreduce_samples([tuple(s) for s in samples], store_bandwidth)
+    except PlannerInputError:
+        alpha = beta = 0.0
+    return {"allreduce_alpha_s_per_byte": alpha, "allreduce_beta_s": beta}
+
+
 def sync_bytes(prof: dict, optimizer: str) -> float:
     """Bytes one Local-SGD average moves: the parameters and the optimizer's moments."""
     from tasks.plan import optimizer_copies
@@ -177,6 +192,7 @@ def profile(ctx: RunContext) -> dict:
         step = {"input_shape": list(r.input_shape), "classes": r.classes, "batch_size": job.batch_size}
         prof["store_sync"] = time_collective(ctx.store_ref, ctx.prefix("probe"), job.model, job.optimizer, [2],
                                              step if ctx.resolved.target.kind in SHARED_HOST_KINDS else None)
+        prof.update(allreduce_fit(prof["store_sync"]["samples"], prof["store_bandwidth_bytes_per_s"]))
     prof["corun"] = None
     if job.max_workers > 1 and ctx.resolved.target.kind in SHARED_HOST_KINDS:
         prof["corun"] = time_corun(job.model, list(r.input_shape), r.classes, job.batch_size, job.optimizer,

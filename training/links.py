@@ -8,9 +8,9 @@ Not cached (a store's speed depends on where it runs):
 - `profile_transfers`: what a worker's transfer really costs, put (encode + upload) and get
   (download + decode) fitted apart, at sizes up to the tensors the job will move;
 - `measure_contention`: FuncPipe's beta, compute slowdown while transfers run (Sec. 3.4.2);
-- `measure_allreduce` / `fit_allreduce_samples`: timed collectives among thread ranks and
-  the hybrid contract's alpha/beta fitted to them; `time_store_collective`: the store
-  allreduce timed among real worker processes, as the workers run it.
+- `time_store_collective`: the store allreduce timed among real worker processes, as the
+  workers run it; `fit_scatter_reduce` fits the store collectives' sync model to it and
+  `fit_allreduce_samples` the hybrid contract's alpha/beta.
 """
 from __future__ import annotations
 
@@ -28,18 +28,6 @@ import torch
 from torch import nn
 
 from training.profiler import ANCHOR_MIN_S, _median_time
-
-@dataclass(frozen=True, kw_only=True)
-class LinkProfile:
-    """The transfer side of a profile, measured where the workers will run."""
-
-    bandwidth_bytes_per_s: float
-    latency_s: float
-    contention: float
-    allreduce_alpha_s_per_byte: float
-    allreduce_beta_s: float
-    allreduce_rmse_s: float = 0.0
-
 
 @dataclass(frozen=True)
 class ContentionResult:
@@ -194,63 +182,6 @@ def measure_contention(model: nn.Module, input_shape: tuple[int, ...], num_class
     return ContentionResult(statistics.fmean(alone), loaded, moved[0])
 
 
-def measure_allreduce(connect: Callable[[], object], run_prefix: str, *,
-                      sizes: Sequence[int] = (256 << 10, 1 << 20, 4 << 20),
-                      worlds: Sequence[int] = (2, 3, 4), repeats: int = 2,
-                      timeout: float = 60.0) -> list[tuple[int, int, float]]:
-    """(bytes, workers, seconds) of `training.collectives.allreduce_mean` on a float32
-    tensor of each size among each number of thread-ranks, each rank with its own store
-    client from `connect()` (so an emulated link is per rank, as per worker). A call's
-    seconds run from a common barrier until its slowest rank holds the mean; the median
-    of `repeats` calls is kept."""
-    from training.collectives import allreduce_mean, release_group
-
-    samples = []
-    for world in worlds:
-        stores = [connect() for _ in range(world)]
-        try:
-            for size in sizes:
-                times = []
-                for r in range(repeats):
-                    group = f"{run_prefix}/allreduce-{uuid.uuid4().hex[:8]}"
-                    times.append(_timed_allreduce(stores, group, size, timeout,
-                                                  allreduce_mean, release_group))
-                samples.append((int(size), int(world), statistics.median(times)))
-        finally:
-            for s in stores:
-                s.close()
-    return samples
-
-
-def _timed_allreduce(stores, group: str, size: int, timeout: float, allreduce, release) -> float:
-    world = len(stores)
-    barrier = threading.Barrier(world)
-    elapsed = [0.0] * world
-    errors: list[BaseException] = []
-    tensor = torch.ones(max(1, size // 4), dtype=torch.float32)
-
-    def rank(i: int) -> None:
-        try:
-            barrier.wait(timeout)
-            t0 = time.perf_counter()
-            allreduce(stores[i], f"{group}/call", i, world, {"x": tensor * (i + 1)}, timeout)
-            elapsed[i] = time.perf_counter() - t0
-            release(stores[i], group, i, world, timeout)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
-            errors.append(exc)
-            barrier.abort()
-
-    threads = [threading.Thread(target=rank, args=(i,), name=f"allreduce-rank-{i}")
-               for i in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return max(elapsed)
-
-
 def fit_allreduce_samples(samples: Sequence[tuple[int, int, float]],
                           bandwidth_bytes_per_s: float = float("inf")) -> tuple[float, float, float]:
     """(alpha s/byte, beta s, rmse s) of the hybrid contract's ring form
@@ -261,28 +192,6 @@ def fit_allreduce_samples(samples: Sequence[tuple[int, int, float]],
 
     fit = fit_allreduce(samples, bandwidth_bytes_per_s)
     return fit.alpha_s_per_byte, fit.beta_s, fit.rmse_s
-
-
-def profile_links(model: nn.Module, input_shape: tuple[int, ...], num_classes: int,
-                  microbatch_size: int, connect: Callable[[], object], run_prefix: str, *,
-                  worlds: Sequence[int] = (2, 3, 4),
-                  sizes: Sequence[int] = (256 << 10, 1 << 20, 4 << 20)) -> LinkProfile:
-    """Store bandwidth and latency, contention factor and allreduce alpha/beta, measured
-    through store clients from `connect()`; every key lives under `run_prefix`."""
-    store = connect()
-    try:
-        bandwidth, latency = profile_store(store, run_prefix)
-        contention = measure_contention(model, input_shape, num_classes, microbatch_size,
-                                        store, run_prefix).factor
-    finally:
-        store.close()
-    samples = measure_allreduce(connect, run_prefix, sizes=sizes, worlds=worlds)
-    alpha, beta, rmse = fit_allreduce_samples(samples, bandwidth)
-    return LinkProfile(bandwidth_bytes_per_s=bandwidth, latency_s=latency, contention=contention,
-                       allreduce_alpha_s_per_byte=alpha, allreduce_beta_s=beta,
-                       allreduce_rmse_s=rmse)
-
-
 
 
 # --- what a worker's transfers and collectives really cost ------------------------------

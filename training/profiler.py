@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -38,9 +38,6 @@ from torch import nn
 
 from training.errors import ZooidError, ZooidValueError
 from training.malloc import pin_malloc_thresholds
-
-if TYPE_CHECKING:
-    from training.links import LinkProfile
 
 # --- the data ------------------------------------------------------------------------------
 
@@ -113,7 +110,11 @@ class ModelProfile:
     contention: float = 1.0
     """beta >= 1: compute slowdown while transfers run (1.0 until the links are profiled)."""
     allreduce_alpha_s_per_byte: float = 0.0
+    """The hybrid contract's ring allreduce alpha (seconds per byte beyond the store's
+    bandwidth), fitted to the store allreduce timed among worker processes (0.0: not timed,
+    a job of one worker)."""
     allreduce_beta_s: float = 0.0
+    """... and its per-round beta in seconds."""
 
     def to_dict(self) -> dict:
         """Plain JSON-able dict (Prefect persists it with the JSON serializer)."""
@@ -127,14 +128,6 @@ class ModelProfile:
         d["input_shape"] = tuple(d["input_shape"])
         d["layers"] = tuple(LayerProfile(**layer) for layer in d.get("layers", ()))
         return cls(**d)
-
-    def with_links(self, links: "LinkProfile") -> "ModelProfile":
-        """This profile with the store, contention and allreduce figures of `links`."""
-        return dataclasses.replace(
-            self, store_bandwidth_bytes_per_s=links.bandwidth_bytes_per_s,
-            store_latency_s=links.latency_s, contention=links.contention,
-            allreduce_alpha_s_per_byte=links.allreduce_alpha_s_per_byte,
-            allreduce_beta_s=links.allreduce_beta_s)
 
     def scale_factor(self, vcpu: float) -> float:
         """Seconds on `vcpu` vCPUs per second measured here (`vcpu_factor` ratio)."""
