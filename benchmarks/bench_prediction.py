@@ -124,13 +124,15 @@ def _now() -> float:
 def install_timers(t: dict) -> None:
     """Wrap the engine's loop points to append (start, end) stamps to the lists in `t`:
     `steps` (Local-SGD: compute end, sync end), `ckpt` (Local-SGD's sync checkpoint writes,
-    inside the sync), `iterations`, `F`, `B`, `sync`, `put`,
-    `read` (pipeline stage worker). Only the benchmark's worker processes call this."""
+    inside the sync), `iterations`, `F`, `B`, `sync`, `put`, `read` (the read that found an
+    activation's key) and `fetch` (a download thread's whole get: waiting, reading,
+    deleting, decoding) of a pipeline stage worker, the last three with their keys. Only
+    the benchmark's worker processes call this."""
     import torch
 
     from training import local_sgd, pipeline_executor
 
-    for name in ("steps", "ckpt", "iterations", "F", "B", "sync", "put", "read"):
+    for name in ("steps", "ckpt", "iterations", "F", "B", "sync", "put", "read", "fetch"):
         t.setdefault(name, [])
     inside = [False]  # validation forwards and the checkpoint are not iterations
 
@@ -154,6 +156,7 @@ def install_timers(t: dict) -> None:
 
     worker = pipeline_executor._StageWorker
     init, iteration, sync, put = worker.__init__, worker._iteration, worker._sync_gradients, worker._put
+    fetch = worker._fetch
 
     def timed_init(self, *args, **kwargs):
         init(self, *args, **kwargs)
@@ -174,7 +177,7 @@ def install_timers(t: dict) -> None:
             t0 = _now()
             data = read(store, key)
             if data is not None and "/act/" in key:
-                t["read"].append((t0, _now(), len(data)))
+                t["read"].append((t0, _now(), len(data), key))
             return data
 
         store_type._read = timed_read
@@ -195,9 +198,16 @@ def install_timers(t: dict) -> None:
     def timed_put(self, key, tensor):
         t0 = _now()
         put(self, key, tensor)
-        t["put"].append((t0, _now(), tensor.numel() * tensor.element_size()))
+        t["put"].append((t0, _now(), tensor.numel() * tensor.element_size(), key))
 
-    worker.__init__, worker._iteration = timed_init, timed_iteration
+    def timed_fetch(self, key):
+        t0 = _now()
+        tensor = fetch(self, key)
+        if inside[0]:
+            t["fetch"].append((t0, _now(), key))
+        return tensor
+
+    worker.__init__, worker._iteration, worker._fetch = timed_init, timed_iteration, timed_fetch
     worker._sync_gradients, worker._put = timed_sync, timed_put
 
     backward = torch.Tensor.backward
@@ -423,22 +433,28 @@ def measured_terms(strategy: str, outs: list[dict], stages: int, handoff_s: floa
                 "sync_checkpoint": statistics.median(ckpt) if ckpt else 0.0}
     total = max(statistics.median(steady(o["timings"]["iterations"])) for o in outs)
     fwd, bwd, sync = [0.0] * stages, [0.0] * stages, 0.0
+    # Means, not medians: the replay sums these actions along its critical path, and their
+    # times have right tails in a run (compute 5-15 %, puts 10-40 % above the median).
     for o in outs:  # replica r's stage s is rank r * stages + s
         s = o["result"]["rank"] % stages
         t = o["timings"]
-        fwd[s] = max(fwd[s], statistics.median(b - a for a, b in t["F"]))
-        bwd[s] = max(bwd[s], statistics.median(b - a for a, b in t["B"]))
+        fwd[s] = max(fwd[s], statistics.fmean(b - a for a, b in t["F"]))
+        bwd[s] = max(bwd[s], statistics.fmean(b - a for a, b in t["B"]))
         if t["sync"]:
             sync = max(sync, statistics.median(b - a for a, b in t["sync"][WARMUP_ITERATIONS:]))
-    # the prediction's model fed with each stage's measured F, B, put, read and sync times
+    # the prediction's model fed with each stage's measured F, B, put, get and sync times
     from planners.pipeline_time import TransferCosts, pipeline_iteration
 
-    def median_of(key):
-        got = [r[1] - r[0] for o in outs for r in o["timings"][key]]
-        return statistics.median(got) if got else 0.0
-
+    puts = [b - a for o in outs for a, b, *_ in o["timings"]["put"]]
+    # a get's own part: from the read that found the key to the decoded tensor (the wait
+    # before it is the hand-off, which the replay adds where a reader waits)
+    gets = []
+    for o in outs:
+        found = {r[3]: r[0] for r in o["timings"]["read"]}
+        gets += [end - found[key] for _, end, key in o["timings"]["fetch"] if key in found]
     stage_rows = [{"forward_s": fwd[s], "backward_s": bwd[s], "out_bytes": 0.0} for s in range(stages)]
-    costs = TransferCosts(median_of("put"), 1e30, median_of("read"), 1e30, handoff_s)
+    costs = TransferCosts(statistics.fmean(puts) if puts else 0.0, 1e30,
+                          statistics.fmean(gets) if gets else 0.0, 1e30, handoff_s)
     fed = pipeline_iteration(stage_rows, MICROBATCHES, costs, sync_s=[sync] * stages if sync else (),
                              optimizer_s=optimizer_s).period_s
     compute = pipeline_iteration(stage_rows, MICROBATCHES, TransferCosts(**FREE),
