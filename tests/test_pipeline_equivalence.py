@@ -153,3 +153,28 @@ def test_bad_settings_name_the_field(extra, field):
     with pytest.raises(ZooidValueError) as info:
         PipelineSettings.from_extra(extra).iteration_schedule()
     assert info.value.field == field
+
+
+def test_activations_and_sync_rounds_are_scratch_puts_and_the_checkpoint_is_durable(staged, monkeypatch):
+    """The directory store fsyncs only what must outlive a crash of the machine: the epoch's
+    checkpoint, not the activations and sync rounds a live peer reads and deletes."""
+    from training.store_dir import DirectoryStore
+
+    url, manifest = staged
+    written, lock, write = [], threading.Lock(), DirectoryStore._write
+
+    def recording_write(self, key, data, durable=True):
+        with lock:
+            written.append((key, durable))
+        write(self, key, data, durable)
+
+    monkeypatch.setattr(DirectoryStore, "_write", recording_write)
+    out = f"runs/{RUN}/hybrid-durability"
+    specs = pipeline_worker_specs(base_spec(url, 2, (), out), cuts=[1], microbatches=2,
+                                  replica_subsets=assign_subsets(manifest.n_subsets, 2, epoch=0, seed=3))
+    run_threads(specs, run_pipeline_worker)
+    peers = (activation_prefix(RUN, 0) + "/", f"runs/{RUN}/sync/")  # activations, gradient rounds
+    assert any("/it0/f0m0" in k for k, _ in written) and any(k.startswith(peers[1]) for k, _ in written)
+    assert [k for k, durable in written if durable and k.startswith(peers)] == []
+    assert [k for k, durable in written if not durable and not k.startswith(peers)] == []
+    assert (out, True) in written  # the canonical checkpoint is fsynced
