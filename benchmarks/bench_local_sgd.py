@@ -3,11 +3,12 @@ wall time and bytes synchronised until 95 % validation accuracy, measured in one
 
 Local-SGD runs the engine itself, `training.local_sgd.run_local_sgd_epoch`, with the four
 replicas as threads of this process against a directory store in a temporary folder (the
-embedded default; it fsyncs checkpoints, not the sync rounds' scratch keys), as `run_epoch` would drive them minus the process
-launches (bench_orchestration measures those): the dataset is published once as subsets
-of 64 rows, each epoch deals the subsets to the replicas (`assign_subsets`), every replica
-takes `steps_per_epoch(n_train, 4, batch)` steps (batch 16: 23 steps) from the previous
-epoch's averaged checkpoint, and rank 0 evaluates the averaged model on the validation set.
+embedded default; it fsyncs checkpoints, not the sync rounds' scratch keys), as `run_epoch`
+would drive them minus the process launches (bench_orchestration measures those): the
+dataset is published once as subsets of 64 rows, each epoch deals the subsets to the
+replicas (`assign_subsets`), every replica takes `steps_per_epoch(n_train, 4, batch)` steps
+(batch 16: 23 steps) from the previous epoch's averaged checkpoint, and rank 0 evaluates
+the averaged model on the validation set.
 
 Plain PyTorch is one process with no store: the same model and initial weights
 (`build_model(seed)`), the same optimizer and learning rate, the same validation set,

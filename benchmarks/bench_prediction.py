@@ -304,9 +304,10 @@ def profile(case: ModelCase, store, url: str, run_id: str, classes: int) -> dict
     xb = torch.randn(case.batch, *shape, generator=gen)
     yb = torch.randint(0, classes, (case.batch,), generator=gen)
     job = SimpleNamespace(batch_size=case.batch, microbatches=MICROBATCHES)
+    activation = typical_activation_bytes(prof, job)
     probe = probe_store_side(store, prefix, net, build_optimizer(OPTIMIZER, net, LR), xb, yb, classes,
                              max_bytes=largest, microbatch_size=microbatch_size(job),
-                             activation_bytes=typical_activation_bytes(prof, job))
+                             activation_bytes=activation)
     timing = time_store_collective(url, prefix, model=case.model, model_kwargs=case.kwargs,
                                    optimizer=OPTIMIZER, worlds=(2,),
                                    step={"input_shape": list(shape), "classes": classes, "batch_size": case.batch})
@@ -318,7 +319,7 @@ def profile(case: ModelCase, store, url: str, run_id: str, classes: int) -> dict
                             "handoff_s": timing.handoff_s, "synced_step_s": timing.synced_step_s})
     prof["corun"] = {**measure_corun(case.model, shape, classes, case.batch, model_kwargs=case.kwargs,
                                      optimizer=OPTIMIZER, seed=SEED,
-                                     transfer_bytes=int(typical_activation_bytes(prof, job))).to_dict(),
+                                     transfer_bytes=int(activation)).to_dict(),
                      "host_cores": cpu_count()}
     x = torch.randn(case.batch // MICROBATCHES, *shape, generator=torch.Generator().manual_seed(0))
     prof["layers_at_microbatch"] = [vars(l) for l in profile_layers(net, x)]

@@ -216,8 +216,9 @@ def main(argv: list[str] | None = None) -> None:
         "raw = the medium alone (shutil file copy; bare redis-py SET/GET; bare boto3 "
         "put_object/get_object); store = `Store.put`/`get` of the same bytes; store+codec "
         "adds `encode_tensors`/`decode_tensors` (safetensors). The directory store fsyncs "
-        "every durable put (the raw copy does not; scratch puts of activations and sync rounds skip it); the raw directory get copies twice (into a BytesIO, "
-        "then out of it), the store reads once. S3 puts of 64 MB and more go multipart.",
+        "every durable put (the raw copy does not; scratch puts of activations and sync rounds "
+        "skip it); the raw directory get copies twice (into a BytesIO, then out of it), the "
+        "store reads once. S3 puts of 64 MB and more go multipart.",
         "",
         table(rows),
         "",

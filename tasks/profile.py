@@ -179,8 +179,9 @@ def profile(ctx: RunContext) -> dict:
                               job.optimizer))
     nbytes = sync_bytes(prof, job.optimizer)
     largest = max([nbytes] + [l["output_bytes"] for l in prof.get("layers", ())])
-    pipelined = job.strategy != "local_sgd"
-    probe = probe_store(ctx, largest, typical_activation_bytes(prof, job) if pipelined else 0.0)
+    # a pipeline may be planned: the probes time transfers of its typical activation
+    activation = typical_activation_bytes(prof, job) if job.strategy != "local_sgd" else 0.0
+    probe = probe_store(ctx, largest, activation)
     prof["store_bandwidth_bytes_per_s"] = probe["bandwidth_bytes_per_s"]
     prof["store_latency_s"] = probe["latency_s"]
     prof["store_transfer"] = probe["transfer"]
@@ -196,5 +197,5 @@ def profile(ctx: RunContext) -> dict:
     prof["corun"] = None
     if job.max_workers > 1 and ctx.resolved.target.kind in SHARED_HOST_KINDS:
         prof["corun"] = time_corun(job.model, list(r.input_shape), r.classes, job.batch_size, job.optimizer,
-                                   job.seed, int(typical_activation_bytes(prof, job)) if pipelined else 0)
+                                   job.seed, int(activation))
     return prof

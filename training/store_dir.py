@@ -1,10 +1,11 @@
 """The directory store: one file per key below a root directory (the embedded default).
 
 A put writes a temporary file in `<root>/.zooid-tmp/`, fsyncs it and `os.replace`s it onto
-the key's path (a scratch put, `Store.put(scratch=True)`, skips the fsync). Rename is atomic on POSIX within one file system, so a reader opens either
-the old file or the new one, never a half-written one; an open reader keeps reading the
-inode it opened even while the path is replaced. The temporary area lives inside the root
-so it is on the same file system, and `list` skips it.
+the key's path (a scratch put, `Store.put(scratch=True)`, skips the fsync). Rename is
+atomic on POSIX within one file system, so a reader opens either the old file or the new
+one, never a half-written one; an open reader keeps reading the inode it opened even while
+the path is replaced. The temporary area lives inside the root so it is on the same file
+system, and `list` skips it.
 """
 from __future__ import annotations
 
