@@ -19,7 +19,7 @@ from blocks.store import ZooidStore
 
 POOL_TYPES = {"local": "process", "ecs": "ecs", "aci": "azure-container-instance", "k8s": "kubernetes"}
 TEMPLATES = Path(__file__).with_name("templates")
-from tasks.run_epoch import PAID_WORKERS_LIMIT as CONCURRENCY_LIMIT
+from tasks.launchers import PAID_WORKERS_LIMIT as CONCURRENCY_LIMIT
 
 
 def base_job_template(pool_type: str) -> dict:

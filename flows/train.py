@@ -29,6 +29,7 @@ from tasks.rescale import rescale
 from tasks.run_epoch import run_epoch
 from tasks.teardown import teardown
 from tasks.validate import validate_job
+from tasks.warm_pool import WarmPool, provisional_plan, starts_before_profile
 from flows.hooks import on_abnormal_end, run_id_for
 from flows.params import job_fields_flow, job_fields_from_args
 
@@ -51,6 +52,22 @@ def target_reached(job: TrainJob, metrics: dict) -> bool:
     acc, loss = metrics.get("val_accuracy"), metrics.get("val_loss")
     return ((job.target_accuracy is not None and acc is not None and acc >= job.target_accuracy)
             or (job.target_loss is not None and loss is not None and loss <= job.target_loss))
+
+
+def epoch_progress_tick(ctx: RunContext, progress_id, done: int, every_s: float = 5.0):
+    """A callback that moves the progress artifact within an epoch, by the steps the warm
+    workers reported, at most every `every_s` seconds."""
+    last = [time.time()]
+
+    def tick() -> None:
+        if progress_id is None or ctx.warm is None or time.time() - last[0] < every_s:
+            return
+        last[0] = time.time()
+        steps, total = ctx.warm.progress()
+        if total:
+            update_progress_artifact(progress_id, 100.0 * (done + steps / total) / ctx.job.epochs)
+
+    return tick
 
 
 def _epoch_progress(ctx: RunContext, progress_id, history: list[dict]) -> None:
@@ -96,9 +113,12 @@ def run_training(job: TrainJob) -> RunSummary:
                      flow_run_id=str(fr_id))
     resume = find_resume_point(ctx, required=job.resume is not None)
     ACTIVE[ctx.flow_run_id] = ctx
-    progress_id = create_progress_artifact(0.0, description=f"Epochs of run {ctx.run_id}")
+    progress_id = ctx.progress_id = create_progress_artifact(0.0, description=f"Epochs of run {ctx.run_id}")
     status, error, history, plan_dict = "failed", None, [], {}
+    ctx.warm = WarmPool(ctx) if job.warm else None
     try:
+        if ctx.warm is not None and starts_before_profile(ctx):  # their start-up hides behind profile + plan
+            ctx.warm.ensure(provisional_plan(ctx), resume.next_epoch if resume else 0)
         prof = ctx.profile = profile(ctx)
         first_epoch, init, lr, workers = 0, init_key(ctx), job.lr, job.workers
         if resume is not None:
@@ -111,6 +131,8 @@ def run_training(job: TrainJob) -> RunSummary:
         else:
             current = plan(ctx, prof, workers)
         plan_dict = current.to_dict()
+        if ctx.warm is not None:  # start-up overlaps provisioning
+            ctx.warm.ensure(current, first_epoch)
         provision(ctx, current, fresh=resume is None)
         status = "completed"
         for epoch in range(first_epoch, job.epochs):
@@ -118,7 +140,8 @@ def run_training(job: TrainJob) -> RunSummary:
                 status = stop
                 break
             resuming = resume is not None and resume.mid_epoch and epoch == first_epoch
-            metrics = run_epoch(ctx, current, epoch, init, lr, resuming)
+            metrics = run_epoch(ctx, current, epoch, init, lr, resuming,
+                                on_tick=epoch_progress_tick(ctx, progress_id, len(history)))
             init = checkpoint(ctx, epoch, metrics["checkpoint_key"], metrics)
             history.append(metrics)
             _epoch_progress(ctx, progress_id, history)

@@ -1,12 +1,18 @@
-"""The `worker` flow: one worker's share of one epoch, run on a work pool.
+"""The `worker` flow: one worker on a work pool.
 
-It receives a `WorkerSpec` as a JSON dict, trains, and returns a `WorkerResult` dict:
-metrics, timings and store keys, never tensors. The result is persisted as JSON (not
-pickle) in result storage that the coordinator can read.
+It receives a `WorkerSpec` as a JSON dict. A cold worker (the default spec) trains one
+epoch and returns its `WorkerResult` dict: metrics, timings and store keys, never tensors,
+persisted as JSON (not pickle) in result storage that the coordinator can read.
+
+A warm worker (`spec.extra["warm"]`, `training.warm`) lives across epochs: the flow run
+serves the coordinator's commands from the store until it is stopped or its lease expires,
+and every epoch it trains is a `train_epoch` task run of this flow run, with its own state
+and logs in the UI. A lease that expires fails the flow run with the reason.
 """
 from __future__ import annotations
 
-from prefect import flow
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
 
 
 def run_worker(spec_dict: dict) -> dict:
@@ -23,7 +29,32 @@ def run_worker(spec_dict: dict) -> dict:
         store.close()
 
 
+@task(name="train_epoch", cache_policy=NO_CACHE, result_serializer="json", persist_result=False,
+      task_run_name="epoch {spec[epoch]} rank {spec[rank]} attempt {spec[attempt]}")
+def train_epoch(spec: dict) -> dict:
+    """One epoch of a warm worker (relaunching is the coordinator's call, so no retries)."""
+    return run_worker(spec)
+
+
+def serve_warm(spec_dict: dict) -> dict:
+    """Serve the run's epochs until the coordinator stops this worker."""
+    from blocks.store import open_store_ref
+    from training.specs import WorkerResult, WorkerSpec
+    from training.warm import serve
+
+    spec = WorkerSpec.from_dict(spec_dict)
+    store = open_store_ref(spec.store_url)
+    try:
+        reason = serve(spec, store, lambda job: WorkerResult.from_dict(train_epoch(job.to_dict())),
+                       lambda: open_store_ref(spec.store_url))
+    finally:
+        store.close()
+    return {"run_id": spec.run_id, "rank": spec.rank, "warm": True, "stopped": reason}
+
+
 @flow(name="worker", persist_result=True, result_serializer="json", log_prints=True)
 def worker(spec: dict) -> dict:
-    """Train one replica (or stage) for one epoch and report metrics and keys."""
+    """Train one replica (or stage): one epoch, or every epoch the coordinator sends (warm)."""
+    if spec.get("extra", {}).get("warm"):
+        return serve_warm(spec)
     return run_worker(spec)

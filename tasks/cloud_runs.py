@@ -79,19 +79,21 @@ def cloud_records(run_id: str, intervals: Iterable[CloudInterval], attempts: dic
         rows.append(CostRecord(run_id=run_id, resource=f"worker {label}", kind=kind, offer=offer.name,
                                start=start, stop=iv.stopped if iv.stopped is not None else now,
                                unit_price_per_s=price_per_s, status=iv.status, epoch=epoch, rank=rank,
-                               attempt=attempt))
+                               attempt=attempt, worker=iv.flow_run_id or ""))
     return rows
 
 
 def replace_measured(rows: list[CostRecord], cloud_rows: list[CostRecord]) -> list[CostRecord]:
     """The ledger with each worker attempt the cloud reported billed on the cloud's clock.
 
-    Rows of the same (epoch, rank, attempt) measured by the coordinator are dropped in favour
-    of the cloud's; every other row (coordinator, attempts the cloud no longer lists) is kept.
+    Rows of the same (epoch, rank, attempt) measured by the coordinator, and every row of a
+    warm worker whose flow run the cloud reported, are dropped in favour of the cloud's; every
+    other row (coordinator, attempts the cloud no longer lists) is kept.
     """
     reported = {(r.epoch, r.rank, r.attempt) for r in cloud_rows if r.epoch is not None}
+    workers = {r.worker for r in cloud_rows if r.worker}  # a warm worker: every row of its life
     kept = [r for r in rows if r.kind not in ("worker", "failed_attempt")
-            or (r.epoch, r.rank, r.attempt) not in reported]
+            or ((r.epoch, r.rank, r.attempt) not in reported and not (r.worker and r.worker in workers))]
     return kept + list(cloud_rows)
 
 

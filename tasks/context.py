@@ -43,6 +43,10 @@ class RunContext:
     profile: dict = field(default_factory=dict)
     """The measured profile (peak memory sizes cloud workers)."""
     """The published dataset's manifest."""
+    warm: Any = None
+    """The run's warm workers (`tasks.warm_pool.WarmPool`) when the job keeps them."""
+    progress_id: Any = None
+    """The run's progress artifact."""
     provisioned: bool = False
     torn_down: bool = False
     cost_recorded: bool = False

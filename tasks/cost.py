@@ -24,6 +24,8 @@ class CostRecord:
     """e.g. `worker e1 r0 a0`, `coordinator`."""
     kind: str
     """`worker`, `coordinator`, `failed_attempt` or `failed_placement`."""
+    # A warm worker's rows split its life: status `startup`, `busy`, `idle` (and a failed
+    # attempt's `failed_attempt` row); together they cover its launch to its stop.
     offer: str
     start: float
     stop: float
@@ -32,6 +34,8 @@ class CostRecord:
     epoch: int | None = None
     rank: int | None = None
     attempt: int | None = None
+    worker: str = ""
+    """The worker process or flow run the interval belongs to (warm workers, cloud clocks)."""
 
     @property
     def seconds(self) -> float:

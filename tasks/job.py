@@ -70,8 +70,17 @@ class TrainJob(BaseModel):
                            description="Launch the next epoch's workers before this one ends, to hide their start-up.")
     resume: Optional[str] = Field(None, title="Resume run",
                                   description="Run id to continue from its last complete checkpoint.")
+    warm: bool = Field(True, title="Warm workers",
+                       description="Keep one worker per rank alive across epochs (it imports, builds the model and "
+                                   "loads its data once); false starts new workers every epoch.")
+    worker_lease_s: float = Field(60.0, gt=0, allow_inf_nan=False, title="Worker lease (s)",
+                                  description="A warm worker whose coordinator has not renewed the run's lease "
+                                              "for this long stops by itself.")
+    keep_checkpoints: int = Field(3, ge=1, title="Checkpoints kept",
+                                  description="Epoch checkpoints kept (the last N, and the best by validation "
+                                              "loss when a target is set); older ones are deleted.")
     worker_timeout_s: float = Field(900.0, gt=0, allow_inf_nan=False, title="Worker timeout (s)",
-                                    description="A worker still running after this long is stopped and its epoch fails.")
+                                    description="A worker that shows no progress for this long is stopped and replaced.")
 
     @field_validator("model", "dataset")
     @classmethod
@@ -123,6 +132,8 @@ class EpochSummary(BaseModel):
     """Worker start-up seconds hidden behind the previous epoch vs exposed (and idle)."""
     relaunches: list = Field(default_factory=list)
     """Failed worker attempts of this epoch and how each was classified."""
+    worker_pids: dict = Field(default_factory=dict)
+    """Rank -> process id of the worker that completed it (warm workers keep theirs)."""
 
 
 class RunSummary(BaseModel):

@@ -28,6 +28,10 @@ from tasks.sweep import COORDINATOR_VAR, TAG_VAR, stop_pids
 from training import heartbeat
 from training.specs import WorkerResult, WorkerSpec
 
+PAID_WORKERS_LIMIT = "zooid-paid-workers"
+"""Global concurrency limit (Prefect) that caps paid workers across all runs: a cold worker
+holds a slot for its epoch, a warm one from its start to its stop."""
+
 FINAL = ("completed", "failed", "crashed", "timeout", "cancelled")
 FAILED = ("failed", "crashed", "timeout")
 
@@ -263,3 +267,44 @@ class PoolLauncher(_Launcher):
 def worker_result(outcome: WorkerOutcome) -> WorkerResult:
     """The typed result a completed worker reported."""
     return WorkerResult.from_dict(outcome.result or {})
+
+
+SHARED_HOST_KINDS = ("inline", "process")
+"""Targets whose workers run on the coordinator's machine and share its cores."""
+
+
+def worker_threads(kind: str, plan) -> int:
+    """Torch threads per worker: the worker's own vCPU on a cloud target (a 4-vCPU container
+    runs 4 threads), or this machine's cores divided among the plan's workers where they
+    share it."""
+    if kind in SHARED_HOST_KINDS:
+        return max(1, (os.cpu_count() or 1) // max(1, plan.workers))
+    return max(1, int(plan.worker_vcpu + 1e-9))
+
+
+def make_launcher(ctx, plan) -> _Launcher:
+    """The launcher for the run's compute target (`ctx`: the run's `tasks.context.RunContext`)."""
+    target = ctx.resolved.target
+    threads = worker_threads(target.kind, plan)
+    env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    if not target.remote:
+        return InlineLauncher(ctx.run_id, ctx.log_dir(), env=env)
+    if target.kind in ("ecs", "aci", "k8s"):
+        from deployments.job_variables import job_variables as cloud_job_variables, resources_from_plan
+
+        peak = ctx.profile.get("peak_memory_bytes") if ctx.profile else None
+        resources = resources_from_plan(plan, profiled_memory_gb=peak / 2**30 if peak else None,
+                                        gpu_type=ctx.resolved.offer.gpu_type)
+        job_variables = cloud_job_variables(target.kind, resources, ctx.run_id, image=target.image,
+                                            env=env, extra=target.job_variables)
+    else:
+        job_variables = {**target.job_variables, "env": {**target.job_variables.get("env", {}), **env}}
+    return PoolLauncher(ctx.run_id, target.worker_deployment, job_variables=job_variables)
+
+
+def launch_identity(launcher: _Launcher) -> str:
+    """What a worker's launch depends on besides the run: its size and image (job variables
+    without the environment, whose thread counts an epoch sets itself). Two plans whose
+    launchers share it can keep the same warm workers."""
+    variables = getattr(launcher, "job_variables", {}) or {}
+    return json.dumps({k: v for k, v in variables.items() if k != "env"}, sort_keys=True, default=str)

@@ -12,7 +12,7 @@ from tasks.cost import coordinator_record, total_usd, write_ledger
 
 def record_cost_now(ctx: RunContext, final: bool = True) -> dict:
     """Write the ledger with the coordinator's interval up to now; returns the ledger doc."""
-    rows = list(ctx.ledger)
+    rows = list(ctx.ledger) + (ctx.warm.open_rows() if ctx.warm is not None else [])
     rows.append(coordinator_record(ctx.run_id, ctx.started_at, time.time(), ctx.resolved.offer,
                                    ctx.price_per_worker_s))
     store = ctx.open_durable()

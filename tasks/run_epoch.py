@@ -7,7 +7,6 @@ earlier attempt are deleted, so no replica reads a dead attempt's slices.
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 
 from prefect import task
@@ -17,14 +16,12 @@ from prefect.cache_policies import NO_CACHE
 from planners.plan import Plan
 from tasks.context import RunContext
 from tasks.cost import worker_records
-from tasks.launchers import InlineLauncher, PoolLauncher
+from tasks.launchers import PAID_WORKERS_LIMIT, make_launcher, worker_threads
 from tasks.prestart import PrestartWatch, should_prestart, startup_report
 from tasks.provision import epoch_key
 from tasks.retry import task_options
 from training.specs import WorkerSpec
 
-PAID_WORKERS_LIMIT = "zooid-paid-workers"
-"""Global concurrency limit (Prefect) that caps paid workers across all runs."""
 
 
 def bill_from_cloud_clock(ctx: RunContext, outcomes, epoch: int) -> None:
@@ -46,26 +43,6 @@ def bill_from_cloud_clock(ctx: RunContext, outcomes, epoch: int) -> None:
                                                                ctx.resolved.offer, ctx.price_per_worker_s))
 
 
-def make_launcher(ctx: RunContext, plan: Plan):
-    """The launcher for the run's compute target."""
-    target = ctx.resolved.target
-    threads = max(1, (os.cpu_count() or 1) // max(1, plan.workers))
-    env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    if not target.remote:
-        return InlineLauncher(ctx.run_id, ctx.log_dir(), env=env)
-    if target.kind in ("ecs", "aci", "k8s"):
-        from deployments.job_variables import job_variables as cloud_job_variables, resources_from_plan
-
-        peak = ctx.profile.get("peak_memory_bytes") if ctx.profile else None
-        resources = resources_from_plan(plan, profiled_memory_gb=peak / 2**30 if peak else None,
-                                        gpu_type=ctx.resolved.offer.gpu_type)
-        job_variables = cloud_job_variables(target.kind, resources, ctx.run_id, image=target.image,
-                                            env=env, extra=target.job_variables)
-    else:
-        job_variables = {**target.job_variables, "env": {**target.job_variables.get("env", {}), **env}}
-    return PoolLauncher(ctx.run_id, target.worker_deployment, job_variables=job_variables)
-
-
 def relaunch_policy(ctx: RunContext, plan: Plan, max_relaunches: int = 2):
     """`on_failure` for the launcher: classify the failed attempt; relaunch that one worker
     (Local-SGD resumes it from the epoch's last sync checkpoint while the others wait at the
@@ -84,8 +61,7 @@ def relaunch_policy(ctx: RunContext, plan: Plan, max_relaunches: int = 2):
             marker = read_fault_marker(store, ctx.run_id, spec.epoch, spec.rank, spec.attempt)
         finally:
             store.close()
-        log = outcome.extra.get("log")
-        tail = open(log, errors="replace").read()[-4000:] if log else (outcome.error or "")
+        tail = _log_tail(outcome)
         failure = classify_failure(outcome.extra.get("exit_code"), tail,
                                    timed_out=outcome.status == "timeout", injected=marker)
         outcome.extra["failure"] = failure.to_dict()
@@ -101,6 +77,16 @@ def relaunch_policy(ctx: RunContext, plan: Plan, max_relaunches: int = 2):
         return dataclasses.replace(spec, attempt=next_attempt(ctx, spec.epoch, spec.rank))
 
     return on_failure
+
+
+def _log_tail(outcome) -> str:
+    """The end of what the failed attempt printed (a warm worker's log from its epoch on)."""
+    log = outcome.extra.get("log")
+    if not log:
+        return outcome.error or ""
+    with open(log, errors="replace") as fh:
+        fh.seek(outcome.extra.get("log_offset", 0))
+        return (fh.read()[-4000:] + "\n" + (outcome.error or "")).strip()
 
 
 def ring_settings(ctx: RunContext) -> dict:
@@ -178,11 +164,43 @@ def summarise(plan: Plan, outcomes: list[dict], wall_s: float) -> dict:
             "compute_s": max(r["compute_s"] for r in results), "sync_s": max(r["sync_s"] for r in results)}
 
 
+def epoch_specs(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, attempt: int,
+                resume: bool) -> list[WorkerSpec]:
+    """The epoch's specs with fresh attempt numbers and the workers' thread count."""
+    threads = worker_threads(ctx.resolved.target.kind, plan)
+    return [dataclasses.replace(spec, attempt=next_attempt(ctx, epoch, spec.rank),
+                                extra={**spec.extra, "threads": threads, **({"resume": True} if resume else {})})
+            for spec in worker_specs(ctx, plan, epoch, init, lr, attempt)]
+
+
+def warm_epoch(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, resume: bool, attempt: int,
+               on_tick=None) -> dict:
+    """One epoch on the run's warm workers (started or retired to fit `plan` first)."""
+    pool = ctx.warm
+    started = pool.ensure(plan, epoch)
+    sent = time.time()
+    final, attempts = pool.run_epoch(plan, epoch_specs(ctx, plan, epoch, init, lr, attempt, resume),
+                                     ctx.job.worker_timeout_s, relaunch_policy(ctx, plan), on_tick=on_tick)
+    ended = max(o.stopped_at for o in final)
+    summary = summarise(plan, [o.to_dict() for o in final], ended - sent)
+    first_work = [o.result["started_at"] for o in final if o.result]
+    summary["startup"] = {"mode": "warm", "cold_started": started,
+                          "exposed_s": max(0.0, max(first_work, default=sent) - sent)}
+    summary["prestarted"] = False
+    summary["relaunches"] = [{"rank": o.rank, "attempt": o.attempt, "status": o.status,
+                              "failure": o.extra.get("failure")} for o in attempts if o.status != "completed"]
+    summary["worker_pids"] = {str(o.rank): o.result.get("pid") for o in final if o.result}
+    ctx.last_epoch_s, ctx.last_epoch_end = max(0.05, ended - sent), ended
+    bill_from_cloud_clock(ctx, [], epoch)
+    return summary
+
+
 @task(name="run_epoch", cache_policy=NO_CACHE, **task_options(retries=2, timeout_s=3600))
-def run_epoch(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, resume: bool = False) -> dict:
+def run_epoch(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, resume: bool = False,
+              on_tick=None) -> dict:
     """Run one epoch on the target; retried as a whole on a transient worker failure.
     `resume`: the epoch had started under an earlier coordinator (continue from its sync
-    checkpoint)."""
+    checkpoint). `on_tick()` is called while the workers train (progress)."""
     from prefect.runtime import task_run
 
     from training.local_sgd import sync_group
@@ -195,6 +213,12 @@ def run_epoch(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, res
         store.delete_prefix(activation_prefix(ctx.run_id, epoch) + "/")
     finally:
         store.close()
+    if ctx.job.warm:  # each warm worker holds its paid-worker slot from its start to its stop
+        summary = warm_epoch(ctx, plan, epoch, init, lr, resume, attempt, on_tick)
+        summary.update(epoch=epoch, workers=plan.workers, stages=plan.stages, lr=lr, attempt=attempt,
+                       cost_usd=sum(r.usd for r in ctx.ledger if r.epoch == epoch),
+                       predicted_iteration_s=plan.predicted_iteration_s)
+        return summary
     launcher = ctx.prestarted.pop(epoch, None)  # started during the previous epoch
     if launcher is not None and (attempt > 0 or resume or any(o.status != "running" for o in launcher.outcomes)):
         launcher.stop("pre-started workers replaced")  # a retried epoch starts afresh
@@ -213,14 +237,14 @@ def run_epoch(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, res
         started = time.time()
         try:
             if not prestarted:
-                for spec in worker_specs(ctx, plan, epoch, init, lr, attempt):
-                    extra = {**spec.extra, "resume": True} if resume else spec.extra
-                    launcher.launch(dataclasses.replace(spec, attempt=next_attempt(ctx, epoch, spec.rank), extra=extra))
+                for spec in epoch_specs(ctx, plan, epoch, init, lr, attempt, resume):
+                    launcher.launch(spec)
             else:  # the epoch really starts when the previous one ended
                 started = max(min(o.started_at for o in launcher.outcomes), ctx.last_epoch_end or 0.0)
             watch = PrestartWatch(ctx, plan, epoch, lr, started) if should_prestart(ctx, plan, epoch) else None
+            ticks = [t for t in (watch.tick if watch else None, on_tick) if t is not None]
             final = launcher.wait(ctx.job.worker_timeout_s, relaunch_policy(ctx, plan),
-                                  on_tick=watch.tick if watch else None)
+                                  on_tick=(lambda: [t() for t in ticks]) if ticks else None)
         finally:
             launcher.stop("epoch over")
             ctx.launchers.remove(launcher)

@@ -15,7 +15,7 @@ from blocks.store import open_store_ref
 from tasks.context import RunContext
 from tasks.sweep import sweep_run
 
-SCRATCH = ("sync", "act", "data", "probe", "grad")
+SCRATCH = ("sync", "act", "data", "probe", "grad", "warm")
 
 
 def cancel_flow_runs(run_id: str) -> list:
@@ -56,6 +56,8 @@ def delete_scratch(store, run_id: str) -> int:
 def teardown_run(ctx: RunContext) -> dict:
     """Stop workers, cancel worker flow runs, delete scratch keys. Safe to call twice."""
     report = {"stopped_pids": [], "cancelled_flow_runs": 0, "deleted_keys": 0}
+    if ctx.warm is not None:
+        ctx.warm.stop_all("run torn down")
     for launcher in list(ctx.launchers):
         launcher.stop("run torn down")
     ctx.launchers.clear()

@@ -239,6 +239,18 @@ def read_manifest(store: Store, run_id: str, timeout: float | None = None) -> Da
     return DatasetManifest.from_dict(json.loads(raw))
 
 
+_SUBSETS: dict | None = None
+"""Decoded subsets by (store URL, key), kept by a warm worker (`keep_subsets`); None: off."""
+
+
+def keep_subsets() -> None:
+    """Keep every subset this process reads in memory: a warm worker reads each once per run
+    (a run's subsets never change once published)."""
+    global _SUBSETS
+    if _SUBSETS is None:
+        _SUBSETS = {}
+
+
 def read_subsets(
     store: Store, run_id: str, indices, split: str = "train", timeout: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,9 +259,15 @@ def read_subsets(
         raise ZooidValueError("split", f"must be 'train' or 'val', got {split!r}")
     xs, ys = [], []
     for i in indices:
-        tensors, _ = decode_tensors(store.get(f"{data_prefix(run_id)}/{split}/{int(i)}", timeout=timeout))
-        xs.append(tensors["x"])
-        ys.append(tensors["y"])
+        key = f"{data_prefix(run_id)}/{split}/{int(i)}"
+        cached = _SUBSETS.get((store.url, key)) if _SUBSETS is not None else None
+        if cached is None:
+            tensors, _ = decode_tensors(store.get(key, timeout=timeout))
+            cached = (tensors["x"], tensors["y"])
+            if _SUBSETS is not None:
+                _SUBSETS[(store.url, key)] = cached
+        xs.append(cached[0])
+        ys.append(cached[1])
     if not xs:
         raise ZooidValueError("subsets", "no subsets given")
     return torch.cat(xs), torch.cat(ys)

@@ -23,3 +23,7 @@ class StoreTimeout(StoreError, TimeoutError):
 
 class OutOfMemory(ZooidError):
     """A worker or stage does not fit its memory; never retried, only re-planned."""
+
+
+class LeaseExpired(ZooidError):
+    """A warm worker's coordinator stopped renewing its lease: the worker stops itself."""

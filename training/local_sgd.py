@@ -203,7 +203,7 @@ class LocalSGD:
 
     def after_step(self) -> None:
         """Count one optimizer step; sync when the period is reached."""
-        heartbeat.beat()
+        heartbeat.step()
         self.steps += 1
         self._since_sync += 1
         if self.period is not None and self._since_sync >= self.period:

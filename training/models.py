@@ -7,6 +7,7 @@ deterministic: the same name, seed and keyword arguments give bitwise-equal weig
 """
 from __future__ import annotations
 
+import copy
 import importlib
 import inspect
 import sys
@@ -177,13 +178,30 @@ def resolve_model(name: str) -> Callable[..., nn.Module]:
 def build_model(name: str, seed: int = 0, **kwargs: Any) -> nn.Module:
     """Build model `name` with weights drawn from `seed` (deterministic) and `kwargs`
     passed to its factory. The global RNG state is left as it was."""
+    cache_key = (name, seed, repr(sorted(kwargs.items())))
+    if _TEMPLATES is not None and cache_key in _TEMPLATES:
+        return copy.deepcopy(_TEMPLATES[cache_key])
     factory = resolve_model(name)
     with _SEED_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = factory(**kwargs)
     if not isinstance(model, nn.Module):
         raise ZooidValueError("model", f"{name!r} returned {type(model).__name__}, not a Module")
+    if _TEMPLATES is not None:
+        _TEMPLATES[cache_key] = copy.deepcopy(model)
     return model
+
+
+_TEMPLATES: dict | None = None
+"""Built models by (name, seed, kwargs), kept by a warm worker (`keep_models`); None: off."""
+
+
+def keep_models() -> None:
+    """Build each model once in this process: later `build_model` calls return a copy of
+    the first build (the same initial weights), without running the factory again."""
+    global _TEMPLATES
+    if _TEMPLATES is None:
+        _TEMPLATES = {}
 
 
 def input_shape(model_name: str, dataset: str | None = None, **kwargs: Any) -> tuple[int, ...]:

@@ -54,6 +54,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from training import heartbeat
 from training.checkpoint import FORMAT as CHECKPOINT_FORMAT
 from training.iteration_clock import IterationClock
 from training.collectives import SyncStats, release_group
@@ -227,6 +228,7 @@ class _StageWorker:
         for step, idx in enumerate(self._batches(x, y, generator)):
             loss_sum += self._iteration(step, idx, x, y, group)
             clock.tick()
+            heartbeat.step()
         if cfg.replicas > 1:
             release_group(self.store, group, cfg.replica, cfg.replicas, spec.sync_timeout_s,
                           stats=self.sync_stats)

@@ -14,6 +14,13 @@ def run_spec(spec: WorkerSpec, store: Store) -> WorkerResult:
     # Injected faults (ZOOID_CHAOS, off when unset) that fire at worker start, for every
     # strategy; the Local-SGD loop fires the step and sync ones.
     chaos_for(spec, store).at_start()
+    threads = spec.extra.get("threads")
+    if threads is not None:
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ZooidValueError("extra.threads", f"must be a thread count >= 1, got {threads!r}")
+        import torch
+
+        torch.set_num_threads(threads)  # the worker's own vCPU, set per epoch (warm workers stay)
     strategy = spec.extra.get("strategy", "local_sgd")
     if strategy == "local_sgd":
         from training.local_sgd import run_local_sgd_epoch

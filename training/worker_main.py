@@ -5,7 +5,11 @@ by default, or a pipeline stage). The `inline` target starts workers this way. T
 line on stdout is JSON: the WorkerResult (`WorkerResult.from_dict` reads it back), or on
 failure `{"error": <class name>, "message": ...}` with a non-zero exit status: 2 for bad
 input (ZooidValueError), 3 for a store timeout, 4 for out-of-memory (OutOfMemory or a
-MemoryError), 1 for anything else. `training.failures.classify_failure` reads these back.
+MemoryError), 5 for a warm worker whose lease expired, 1 for anything else.
+
+A spec with `extra["warm"]` starts a warm worker (`training.warm`): it serves the run's
+epochs from the store until the coordinator stops it or its lease expires, and prints its
+log lines; it exits 0 when stopped. `training.failures.classify_failure` reads these back.
 """
 from __future__ import annotations
 
@@ -13,12 +17,23 @@ import argparse
 import json
 import sys
 
-from training.errors import OutOfMemory, StoreTimeout, ZooidValueError
+from training.errors import LeaseExpired, OutOfMemory, StoreTimeout, ZooidValueError
 from training.run_spec import run_spec
 from training.specs import WorkerSpec
 from training.store import open_store
 
-EXIT_CODES = ((ZooidValueError, 2), (StoreTimeout, 3), (OutOfMemory, 4), (MemoryError, 4))
+EXIT_CODES = ((ZooidValueError, 2), (StoreTimeout, 3), (OutOfMemory, 4), (MemoryError, 4), (LeaseExpired, 5))
+
+
+def _run_job(spec: WorkerSpec, warm_store):
+    """One epoch of a warm worker: on its command store, or another one the spec names."""
+    if spec.store_url == warm_store.url:
+        return run_spec(spec, warm_store)
+    store = open_store(spec.store_url)
+    try:
+        return run_spec(spec, store)
+    finally:
+        store.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,6 +51,12 @@ def main(argv: list[str] | None = None) -> int:
             raise ZooidValueError("spec", f"not a WorkerSpec JSON object: {exc}") from None
         store = open_store(spec.store_url)
         try:
+            if spec.extra.get("warm"):
+                from training.warm import serve
+
+                serve(spec, store, lambda job: _run_job(job, store), lambda: open_store(spec.store_url),
+                      log=lambda line: print(line, flush=True))
+                return 0
             result = run_spec(spec, store)
         finally:
             store.close()

@@ -1,0 +1,276 @@
+"""Warm workers: one worker per rank lives across epochs, commanded through the store.
+
+Engine-level tests run a real warm worker process (`python -m training.worker_main`) on a
+directory store; flow-level tests run the `train` flow against a real Prefect API with the
+inline target. Waits are for events (a reply, a process exit), bounded only as a safety net.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tasks.job import TrainJob
+from training.errors import ZooidValueError
+from training.specs import WorkerSpec
+from training.warm import (LEASE_EXIT, LeaseClock, WarmSettings, command_key, read_json, reply_key,
+                           status_key)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# --- the lease, pure ---------------------------------------------------------------------
+
+
+def test_lease_ages_from_its_last_change_on_the_readers_clock():
+    now = [100.0]
+    lease = LeaseClock(5.0, clock=lambda: now[0])
+    now[0] = 104.0
+    assert not lease.expired  # never seen: as old as the reader
+    now[0] = 105.5
+    assert lease.expired
+    lease.observe(b'{"seq": 1}')
+    assert lease.age_s == 0 and not lease.expired
+    now[0] = 109.0
+    lease.observe(b'{"seq": 1}')  # the same value again is no renewal
+    assert lease.age_s == pytest.approx(3.5)
+    now[0] = 111.0
+    assert lease.expired
+    lease.observe(b'{"seq": 2}')
+    assert not lease.expired
+    lease.observe(None)  # a missing key does not renew
+    now[0] = 116.5
+    assert lease.expired
+
+
+@pytest.mark.parametrize("raw, field", [(None, "extra.warm"), ({"lease_s": 3}, "extra.warm"),
+                                        ({"worker": "r0-w0", "lease_s": 0}, "extra.warm.lease_s"),
+                                        ({"worker": "r0-w0", "check_s": True}, "extra.warm.check_s")])
+def test_warm_settings_refuse_bad_values(raw, field):
+    with pytest.raises(ZooidValueError, match=f"^{field}"):
+        WarmSettings.from_extra({"warm": raw})
+
+
+# --- one warm worker process, no Prefect ---------------------------------------------------
+
+
+def _publish_run(store, run_id: str) -> dict:
+    from training.checkpoint import initial_checkpoint
+    from training.datasets import publish_dataset
+
+    manifest = publish_dataset(store, run_id, "digits", 64)
+    initial_checkpoint(store, f"runs/{run_id}/ckpt/init.safetensors", "digits_mlp", "sgd", 0.05, seed=0,
+                       meta={"run_id": run_id})
+    return manifest.to_dict()
+
+
+def _launch(store_url: str, run_id: str, worker: str, log: Path, lease_s: float = 30.0):
+    spec = WorkerSpec(run_id=run_id, epoch=0, rank=0, world=1, store_url=store_url, model="digits_mlp",
+                      dataset="digits", subsets=(), steps=0, batch_size=16, lr=0.05,
+                      extra={"warm": {"worker": worker, "lease_s": lease_s, "check_s": 0.2}})
+    with open(log, "wb") as out:
+        return subprocess.Popen([sys.executable, "-m", "training.worker_main", "--spec-json",
+                                 json.dumps(spec.to_dict())], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def _await_reply(store, run_id, worker, seq, proc, limit_s=120.0) -> dict:
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        reply = read_json(store, reply_key(run_id, worker, seq))
+        if reply is not None:
+            return reply
+        assert proc.poll() is None, f"worker exited with {proc.returncode}"
+        time.sleep(0.02)
+    raise AssertionError("no reply")
+
+
+def test_a_warm_worker_trains_epoch_after_epoch_in_one_process_then_stops(dir_store, tmp_path):
+    from tasks.warm_pool import LeaseRenewer
+    from training.datasets import assign_subsets
+
+    run_id = "warmengine"
+    manifest = _publish_run(dir_store, run_id)
+    renewer = LeaseRenewer(lambda: type(dir_store)(dir_store.root), run_id, 0.2)
+    renewer.start()
+    proc = _launch(dir_store.url, run_id, "r0-w0", tmp_path / "w.log")
+    try:
+        pids, init = [], f"runs/{run_id}/ckpt/init.safetensors"
+        for epoch in range(3):
+            spec = WorkerSpec(run_id=run_id, epoch=epoch, rank=0, world=1, store_url=dir_store.url,
+                              model="digits_mlp", dataset="digits",
+                              subsets=assign_subsets(manifest["n_subsets"], 1, epoch)[0], steps=5,
+                              batch_size=16, lr=0.05, optimizer="sgd", init_key=init,
+                              out_key=f"runs/{run_id}/ckpt/epoch-{epoch}.safetensors", extra={"threads": 1})
+            dir_store.put(command_key(run_id, "r0-w0", epoch), json.dumps({"op": "epoch", "spec": spec.to_dict()}).encode())
+            reply = _await_reply(dir_store, run_id, "r0-w0", epoch, proc)
+            assert reply["ok"] and reply["result"]["epoch"] == epoch and reply["result"]["samples"] == 80
+            assert reply["ready_at"] <= reply["began_at"] <= reply["ended_at"]
+            pids.append(reply["result"]["pid"])
+            init = spec.out_key
+        assert pids == [proc.pid] * 3
+        status = read_json(dir_store, status_key(run_id, "r0-w0"))
+        assert status["pid"] == proc.pid
+        dir_store.put(command_key(run_id, "r0-w0", 3), json.dumps({"op": "stop", "reason": "test"}).encode())
+        assert proc.wait(timeout=60) == 0
+        assert read_json(dir_store, reply_key(run_id, "r0-w0", 3))["stopped"]
+    finally:
+        renewer.stop()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_warm_worker_whose_lease_is_not_renewed_stops_itself(dir_store, tmp_path):
+    run_id = "warmnolease"
+    log = tmp_path / "w.log"
+    proc = _launch(dir_store.url, run_id, "r0-w0", log, lease_s=1.0)
+    try:
+        assert proc.wait(timeout=120) == LEASE_EXIT
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert "lease was not renewed" in text and "worker_lease_s=1" in text
+
+
+# --- the train flow with warm workers ------------------------------------------------------
+
+
+def _lives(rows: list[dict]) -> dict[str, list[dict]]:
+    by_worker: dict[str, list[dict]] = {}
+    for r in rows:
+        if r["kind"] in ("worker", "failed_attempt"):
+            by_worker.setdefault(r["worker"], []).append(r)
+    return {w: sorted(rs, key=lambda r: r["start"]) for w, rs in by_worker.items()}
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_warm_run_keeps_one_process_per_rank_and_bills_its_whole_life(tmp_path):
+    from flows.train import train
+    from tasks.cost import read_ledger
+    from tasks.sweep import tagged_pids
+    from training.store import open_store
+
+    store_url = f"file://{tmp_path}/store"
+    summary = train(TrainJob(workers=2, epochs=3, store=store_url, batch_size=32, target="inline"))
+    assert summary.status == "completed"
+    pids = [e.worker_pids for e in summary.epochs]
+    assert len(set(pids[0].values())) == 2 and pids[0] == pids[1] == pids[2]
+    store = open_store(store_url)
+    ledger = read_ledger(store, summary.run_id)
+    lives = _lives(ledger["rows"])
+    assert len(lives) == 2
+    for rows in lives.values():
+        # start-up, then idle/busy alternating, back to back: the rows are the worker's life
+        assert rows[0]["status"] == "startup"
+        assert sum(r["status"] == "busy" for r in rows) == 3
+        for before, after in zip(rows, rows[1:]):
+            assert after["start"] == pytest.approx(before["stop"], abs=1e-6)
+        assert sum(r["seconds"] for r in rows) == pytest.approx(rows[-1]["stop"] - rows[0]["start"], abs=1e-3)
+        assert all(r["status"] in ("startup", "busy", "idle") for r in rows)
+    assert tagged_pids(summary.run_id) == []
+    assert store.list(f"runs/{summary.run_id}/warm/") == []
+
+
+def _final_weights(store_url: str, summary) -> dict[str, torch.Tensor]:
+    from training.store import open_store
+    from training.tensor_codec import decode_tensors
+
+    store = open_store(store_url)
+    tensors, _ = decode_tensors(store.get(summary.checkpoint_key))
+    return {k: v for k, v in tensors.items() if k.startswith("model/")}
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_rescaling_warm_workers_up_and_down_trains_as_the_cold_path(tmp_path, monkeypatch):
+    """Workers 2 -> 3 -> 1 -> 2 under plain SGD: warm and cold end with the same weights; the
+    warm run kept rank 0's process, retired ranks the plan dropped and started new ones."""
+    import tasks.rescale
+    from flows.train import train
+
+    script = {0: 3, 1: 1, 2: 2}
+    monkeypatch.setattr(tasks.rescale, "decide_next", lambda ctx, prof, history, workers, lr: {
+        "workers": script[history[-1]["epoch"]], "lr": lr, "reason": "scripted"})
+    weights, runs = [], []
+    for warm in (True, False):
+        store_url = f"file://{tmp_path}/{warm}"
+        summary = train(TrainJob(workers=2, epochs=4, max_workers=4, store=store_url, batch_size=32,
+                                 optimizer="sgd", strategy="local_sgd", warm=warm, prestart=False,
+                                 target="inline"))
+        assert summary.status == "completed"
+        assert [e.workers for e in summary.epochs] == [2, 3, 1, 2]
+        weights.append(_final_weights(store_url, summary))
+        runs.append(summary)
+    for name, tensor in weights[0].items():
+        torch.testing.assert_close(tensor, weights[1][name], rtol=1e-5, atol=1e-6)
+    pids = [e.worker_pids for e in runs[0].epochs]
+    assert pids[0]["0"] == pids[1]["0"] == pids[2]["0"] == pids[3]["0"]  # rank 0 stayed warm
+    assert pids[1]["1"] == pids[0]["1"] and "2" in pids[1] and "2" not in pids[2]
+    assert pids[3]["1"] != pids[0]["1"]  # rank 1 retired at 1 worker, started again at 2
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_a_warm_worker_killed_mid_epoch_is_replaced_and_the_epoch_completes(tmp_path, monkeypatch):
+    from flows.train import train
+    from tasks.cost import read_ledger
+    from tasks.sweep import tagged_pids
+    from training.store import open_store
+
+    monkeypatch.setenv("ZOOID_CHAOS", "kill_worker:epoch=1:rank=1:step=3")
+    store_url = f"file://{tmp_path}/store"
+    summary = train(TrainJob(workers=2, epochs=3, store=store_url, batch_size=32, strategy="local_sgd",
+                             target="inline"))
+    assert summary.status == "completed" and len(summary.epochs) == 3
+    failed = summary.epochs[1].relaunches
+    assert [(f["rank"], f["failure"]["kind"]) for f in failed] == [(1, "injected")]
+    pids = [e.worker_pids for e in summary.epochs]
+    assert pids[0]["0"] == pids[1]["0"] == pids[2]["0"]
+    assert pids[0]["1"] != pids[1]["1"] == pids[2]["1"]  # the replacement stays warm
+    ledger = read_ledger(open_store(store_url), summary.run_id)
+    lost = [r for r in ledger["rows"] if r["kind"] == "failed_attempt"]
+    assert len(lost) == 1 and lost[0]["epoch"] == 1 and lost[0]["rank"] == 1
+    assert lost[0]["status"].startswith("crashed")
+    assert len(_lives(ledger["rows"])) == 3  # two warm workers and the one that replaced the killed one
+    assert tagged_pids(summary.run_id) == []
+
+
+def test_workers_of_a_killed_coordinator_exit_within_their_lease(tmp_path):
+    """SIGKILL the whole coordinator (its process group: the flow and its temporary Prefect
+    server) mid-run: its warm workers, in sessions of their own, stop once the lease is stale."""
+    from tasks.sweep import tagged_pids
+
+    home = tmp_path / "zooid"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(ZOOID_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1")
+    coordinator = subprocess.Popen(
+        [sys.executable, "-m", "flows.train", "--param", "workers=2", "--param", "epochs=500",
+         "--param", "worker_lease_s=3", "--param", "batch_size=32"],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        runs = home / "store" / "runs"
+        deadline = time.monotonic() + 300
+        replies = []
+        while time.monotonic() < deadline and not replies:  # a warm worker finished an epoch
+            replies = list(runs.glob("*/warm/*/reply-00001.json")) if runs.exists() else []
+            assert coordinator.poll() is None, "the coordinator ended early"
+            time.sleep(0.2)
+        assert replies, "no warm worker replied"
+        run_id = replies[0].relative_to(runs).parts[0]
+        workers = tagged_pids(run_id)
+        assert len(workers) == 2
+    finally:
+        os.killpg(coordinator.pid, signal.SIGKILL)
+        coordinator.wait()
+    deadline = time.monotonic() + 120
+    while tagged_pids(run_id) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert tagged_pids(run_id) == []
+    logs = list((home / "logs" / run_id).glob("*.log"))
+    assert len(logs) == 2 and all("lease was not renewed" in p.read_text() for p in logs)
