@@ -132,6 +132,8 @@ class EpochSummary(BaseModel):
     """Worker start-up seconds hidden behind the previous epoch vs exposed (and idle)."""
     relaunches: list = Field(default_factory=list)
     """Failed worker attempts of this epoch and how each was classified."""
+    critical_busy_s: Optional[float] = None
+    """The slowest worker's compute + sync seconds: the epoch's wall time minus this is overhead."""
     worker_pids: dict = Field(default_factory=dict)
     """Rank -> process id of the worker that completed it (warm workers keep theirs)."""
 

@@ -161,7 +161,8 @@ def summarise(plan: Plan, outcomes: list[dict], wall_s: float) -> dict:
             "samples": samples, "seconds": wall_s, "samples_per_s": samples / max(wall_s, 1e-9),
             "measured_iteration_s": per_step, "bytes_synced": sum(r.get("bytes_synced", 0) for r in results),
             "checkpoint_key": rank0.get("checkpoint_key", ""),
-            "compute_s": max(r["compute_s"] for r in results), "sync_s": max(r["sync_s"] for r in results)}
+            "compute_s": max(r["compute_s"] for r in results), "sync_s": max(r["sync_s"] for r in results),
+            "critical_busy_s": max(r["compute_s"] + r["sync_s"] for r in results)}
 
 
 def epoch_specs(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, attempt: int,

@@ -20,6 +20,7 @@ import dataclasses
 import json
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -29,7 +30,7 @@ from tasks.cost import CostRecord
 from tasks.launchers import PAID_WORKERS_LIMIT, FAILED, WorkerOutcome, WorkersFailed, launch_identity, make_launcher
 from training.specs import WorkerSpec
 from training.warm import (WarmSettings, command_key, lease_key, read_json, reply_key, status_key,
-                           worker_name)
+                           warm_prefix, worker_name)
 
 
 class LeaseRenewer(threading.Thread):
@@ -110,6 +111,8 @@ class WarmPool:
     ctx: Any
     workers: dict[int, WarmWorker] = field(default_factory=dict)
     serial: int = 0
+    token: str = field(default_factory=lambda: uuid.uuid4().hex[:6])
+    """This coordinator's mark in its workers' names (a resumed run's workers never share one)."""
     renewer: LeaseRenewer | None = None
     store: Any = None
     status_every_s: float = 1.0
@@ -119,6 +122,8 @@ class WarmPool:
     def _open(self) -> None:
         if self.store is None:
             self.store = self.ctx.open_store()
+            # a coordinator that died (resume) leaves its commands and replies behind
+            self.store.delete_prefix(warm_prefix(self.ctx.run_id) + "/")
         if self.renewer is None:
             lease_s = self.ctx.job.worker_lease_s
             self.renewer = LeaseRenewer(self.ctx.open_store, self.ctx.run_id, max(0.2, lease_s / 4))
@@ -146,7 +151,7 @@ class WarmPool:
 
     def _start(self, rank: int, plan, epoch: int, launcher, identity: str) -> WarmWorker:
         ctx, job = self.ctx, self.ctx.job
-        name = worker_name(rank, self.serial)
+        name = worker_name(rank, self.serial, self.token)
         settings = WarmSettings(worker=name, lease_s=job.worker_lease_s,
                                 check_s=min(1.0, job.worker_lease_s / 4))
         spec = WorkerSpec(run_id=ctx.run_id, epoch=epoch, rank=rank, world=plan.workers,
@@ -235,6 +240,7 @@ class WarmPool:
                 try:  # classifies the failure (into failed.extra) before the bill closes
                     retry = on_failure(failed, spec) if on_failure else None
                 except BaseException:
+                    self._bury(w)
                     self._abort("another worker cannot be retried")
                     raise
                 self._bury(w)
@@ -273,6 +279,10 @@ class WarmPool:
         cmd = w.command
         reply = read_json(self.store, reply_key(self.ctx.run_id, w.name, cmd.seq))
         if reply is not None and reply.get("ok"):
+            got = reply["result"]
+            if (got.get("epoch"), got.get("rank")) != (cmd.spec.epoch, cmd.spec.rank):
+                raise RuntimeError(f"{w.name} answered epoch {got.get('epoch')} rank {got.get('rank')} "
+                                   f"to a command for epoch {cmd.spec.epoch} rank {cmd.spec.rank}")
             cmd.outcome.result, cmd.outcome.status, cmd.outcome.stopped_at = reply["result"], "completed", now
             self._bill_reply(w, reply, now)
             w.command, w.seq = None, w.seq + 1
@@ -312,8 +322,9 @@ class WarmPool:
     def _abort(self, reason: str) -> None:
         """Stop every worker still in the epoch (they wait on peers that will not come)."""
         for w in [w for w in self.workers.values() if w.command is not None]:
-            w.command.outcome.status, w.command.outcome.error = "cancelled", reason
-            w.command.outcome.stopped_at = time.time()
+            if w.command.outcome.status == "running":
+                w.command.outcome.status, w.command.outcome.error = "cancelled", reason
+                w.command.outcome.stopped_at = time.time()
             self._bury(w)
 
     # --- the bill -------------------------------------------------------------------

@@ -47,7 +47,7 @@ def test_worker_killed_at_a_sync_point_is_relaunched_and_ends_equal(tmp_path, mo
     dead = [r for r in ledger["rows"] if r["kind"] == "failed_attempt"]
     assert [(r["rank"], r["attempt"], r["status"]) for r in dead] == [(1, 0, "crashed:injected")]
     assert dead[0]["usd"] > 0
-    relaunched = [r for r in ledger["rows"] if r["kind"] == "worker" and r["rank"] == 1]
+    relaunched = [r for r in ledger["rows"] if r["kind"] == "worker" and r["rank"] == 1 and r["attempt"] is not None]
     assert [r["attempt"] for r in relaunched] == [1]
 
 

@@ -32,17 +32,22 @@ def test_train_local_deployment_through_process_pool(tmp_path):
     assert summary["status"] == "completed"
     assert [e["workers"] for e in summary["epochs"]] == [3, 3]
     ledger = json.loads((runs[0] / "cost.json").read_text())
-    assert sum(r["kind"] == "worker" for r in ledger["rows"]) == 6 and ledger["total_usd"] > 0
+    busy = [r for r in ledger["rows"] if r["kind"] == "worker" and r["status"] == "busy"]
+    assert len(busy) == 6 and ledger["total_usd"] > 0
+    # warm workers: one worker flow run per rank lived through both epochs, in one process
+    pids = [e["worker_pids"] for e in summary["epochs"]]
+    assert pids[0] == pids[1] and len(set(pids[0].values())) == 3
+    assert len({r["worker"] for r in busy}) == 3
 
-    # worker results were persisted as JSON (never pickle) where the coordinator read them
+    # worker flow results were persisted as JSON (never pickle) where the coordinator read them
     results = [p for p in (home / "results").iterdir() if p.is_file()]
-    worker_results = []
+    warm_results = []
     for path in results:
         doc = json.loads(path.read_text())  # every persisted result is JSON, none is pickle
-        if isinstance(doc, dict) and "train_loss" in doc:
-            worker_results.append(doc)
-    assert len(worker_results) == 6
-    assert {r["rank"] for r in worker_results} == {0, 1, 2}
+        if isinstance(doc, dict) and doc.get("warm"):
+            warm_results.append(doc)
+    assert sorted(r["rank"] for r in warm_results) == [0, 1, 2]
+    assert all(r["stopped"] == "stopped" for r in warm_results)
 
     # `run` stopped everything it started
     assert not (home / "stack.json").exists()

@@ -36,7 +36,8 @@ def test_train_flow_trains_bills_and_cleans_up(tmp_path):
     assert saved["status"] == "completed" and len(saved["epochs"]) == 2
     ledger = read_ledger(store, summary.run_id)
     kinds = [r["kind"] for r in ledger["rows"]]
-    assert kinds.count("worker") == 4 and kinds.count("coordinator") == 1
+    trained = [r for r in ledger["rows"] if r["kind"] == "worker" and r["attempt"] is not None]
+    assert len(trained) == 4 and kinds.count("coordinator") == 1  # 2 workers x 2 epochs
     assert ledger["total_usd"] == pytest.approx(summary.total_cost_usd)
     assert all(r["seconds"] > 0 and r["usd"] > 0 for r in ledger["rows"])
     assert store.exists(f"{run}/ckpt/epoch-0001.safetensors")
@@ -62,18 +63,62 @@ def test_budget_stops_before_spending_it(tmp_path):
     assert summary.epochs == []
 
 
-def test_deadline_stops_cleanly_before_the_next_epoch_would_pass_it(tmp_path):
+def test_a_deadline_the_first_epoch_would_pass_stops_the_run_cleanly(tmp_path):
     from flows.train import train
+    from tasks.cost import read_ledger
+    from tasks.sweep import tagged_pids
     from training.store import open_store
 
     url = f"file://{tmp_path}/s"
-    summary = train(TrainJob(workers=2, epochs=4, deadline_s=8, store=url))
-    assert summary.status == "deadline_reached"
-    assert 1 <= len(summary.epochs) < 4
+    summary = train(TrainJob(workers=2, epochs=4, deadline_s=1e-3, store=url))
+    assert summary.status == "deadline_reached" and summary.epochs == []
     store = open_store(url)
-    latest = json.loads(store.get(f"runs/{summary.run_id}/ckpt/latest.json"))
-    assert latest["epoch"] == len(summary.epochs) - 1 and store.exists(latest["key"])
-    assert store.list(f"runs/{summary.run_id}/data/") == []
+    assert store.list(f"runs/{summary.run_id}/data/") == [] and tagged_pids(summary.run_id) == []
+    # the workers started for the run are billed to their stop, though they trained nothing
+    rows = read_ledger(store, summary.run_id)["rows"]
+    assert {r["status"] for r in rows if r["kind"] == "worker"} <= {"startup", "idle"}
+
+
+class _Ctx:
+    def __init__(self, started_at, spent_usd=0.0, price=0.0):
+        from tasks.cost import CostRecord
+
+        self.started_at, self.price_per_worker_s = started_at, price
+        self.ledger = [CostRecord(run_id="r", resource="w", kind="worker", offer="o", start=0.0, stop=1.0,
+                                  unit_price_per_s=spent_usd)]
+
+
+@pytest.mark.parametrize("elapsed, predicted_s, last_s, deadline, expected", [
+    (10.0, 1.0, None, 20.0, None),            # first epoch fits
+    (10.0, 1.0, 12.0, 20.0, "deadline_reached"),  # the last epoch measured longer than the plan
+    (19.5, 1.0, 0.2, 20.0, "deadline_reached"),   # the prediction alone passes it
+    (18.0, 1.0, 1.5, 20.0, None),
+])
+def test_guardrail_judges_the_next_epoch_by_the_larger_of_plan_and_measure(elapsed, predicted_s, last_s,
+                                                                              deadline, expected):
+    import time
+    from types import SimpleNamespace
+
+    from flows.train import guardrail
+
+    job = TrainJob(deadline_s=deadline)
+    plan = SimpleNamespace(predicted_epoch_s=predicted_s, predicted_cost_per_epoch_usd=0.0)
+    history = [{"seconds": last_s, "cost_usd": 0.0}] if last_s is not None else []
+    assert guardrail(job, _Ctx(time.time() - elapsed), plan, history) == expected
+
+
+def test_guardrail_stops_before_the_budget_is_spent():
+    import time
+    from types import SimpleNamespace
+
+    from flows.train import guardrail
+
+    plan = SimpleNamespace(predicted_epoch_s=1.0, predicted_cost_per_epoch_usd=0.4)
+    job = TrainJob(budget_usd=1.0)
+    assert guardrail(job, _Ctx(time.time(), spent_usd=0.5), plan, []) is None
+    assert guardrail(job, _Ctx(time.time(), spent_usd=0.7), plan, []) == "budget_exhausted"
+    assert guardrail(job, _Ctx(time.time(), spent_usd=0.5), plan, [{"seconds": 1.0, "cost_usd": 0.6}]) \
+        == "budget_exhausted"
 
 
 def test_out_of_memory_is_not_retried_and_teardown_leaves_nothing(tmp_path, monkeypatch):

@@ -15,8 +15,9 @@ Keys, all under `runs/<run_id>/warm/` (scratch: teardown deletes them):
 | `<worker>/reply-<n>.json` | worker | `{"ok", "result": WorkerResult, "began_at", "ended_at", "ready_at"}` or the error |
 | `<worker>/status.json` | worker | once a second: state (`idle`, `busy`), pid, steps done this epoch, last beat |
 
-`<worker>` is `r<rank>-w<serial>`: a replacement of a dead worker has a new serial, so it
-never reads a command meant for its predecessor.
+`<worker>` is `r<rank>-w<serial>-<coordinator>`: a replacement of a dead worker has a new
+serial, and a resumed run's coordinator a new mark, so no worker reads a command meant for
+another.
 
 The lease keeps paid workers from outliving their run. A worker reads the lease every
 `check_s` seconds and counts its age on its own monotonic clock from the last time the
@@ -56,9 +57,10 @@ def lease_key(run_id: str) -> str:
     return f"{warm_prefix(run_id)}/lease"
 
 
-def worker_name(rank: int, serial: int) -> str:
-    """The name of one warm worker process: rank and a serial unique within the run."""
-    return f"r{rank}-w{serial}"
+def worker_name(rank: int, serial: int, coordinator: str = "") -> str:
+    """The name of one warm worker process: its rank, a serial unique within its coordinator,
+    and the coordinator's mark (a resumed run's new coordinator never reuses a name)."""
+    return f"r{rank}-w{serial}" + (f"-{coordinator}" if coordinator else "")
 
 
 def command_key(run_id: str, worker: str, seq: int) -> str:
