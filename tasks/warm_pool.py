@@ -279,6 +279,7 @@ class WarmPool:
         cmd = w.command
         reply = read_json(self.store, reply_key(self.ctx.run_id, w.name, cmd.seq))
         if reply is not None and reply.get("ok"):
+            now = time.time()  # after the read: the reply may be younger than the poll
             got = reply["result"]
             if (got.get("epoch"), got.get("rank")) != (cmd.spec.epoch, cmd.spec.rank):
                 raise RuntimeError(f"{w.name} answered epoch {got.get('epoch')} rank {got.get('rank')} "
@@ -333,7 +334,7 @@ class WarmPool:
              kind: str = "worker") -> None:
         start = w.billed_to
         stop = max(start, stop)
-        if stop > start:
+        if stop > start or attempt is not None:  # an epoch's row stays, however short
             self.ctx.ledger.append(self._record(w, status, start, stop, epoch, attempt, kind))
         w.billed_to = stop
 
