@@ -139,7 +139,7 @@ def run_pool(params: dict, home: Path, timeout_s: float = 900) -> dict:
     Returns the run's summary (from the store) plus timings: `submitted_at` (just before
     `run_deployment`), `seen_final_at` (the first poll, every 0.1 s, that found the flow run
     final), and the flow run's own `flow_start_at` / `flow_end_at` from Prefect."""
-    from deployments.stack import read_state
+    from deployments.stack import run_and_wait, read_state
 
     state = read_state(home)
     if state is None:
@@ -148,44 +148,10 @@ def run_pool(params: dict, home: Path, timeout_s: float = 900) -> dict:
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     with temporary_settings(updates={PREFECT_API_URL: state["api_url"]}):
-        summary = _submit_and_wait(params, timeout_s)
+        summary = run_and_wait({**params, "target": "local"}, timeout_s, poll_s=0.1)
     if summary.get("flow_run_state") != "COMPLETED" or summary.get("status") == "failed":
         raise RuntimeError(f"pool run ended {summary.get('flow_run_state')} / {summary.get('status')}: "
                            f"{summary.get('error')}")
-    return summary
-
-
-def _submit_and_wait(params: dict, timeout_s: float) -> dict:
-    """`deployments.stack._run_and_wait` with the timestamps this benchmark needs."""
-    from prefect.client.orchestration import get_client
-    from prefect.deployments import run_deployment
-
-    from flows.hooks import run_id_for
-    from tasks.validate import resolve_durable_ref, resolve_store_ref
-    from training.store import open_store
-
-    submitted = time.time()
-    flow_run = run_deployment("train/local", parameters={**params, "target": "local"}, timeout=0)
-    deadline = time.monotonic() + timeout_s
-    with get_client(sync_client=True) as client:
-        while True:
-            fr = client.read_flow_run(flow_run.id)
-            if fr.state and fr.state.is_final():
-                seen = time.time()
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"train/local run {flow_run.id} still running after {timeout_s:.0f} s")
-            time.sleep(0.1)
-    run_id = run_id_for(flow_run.id)
-    store = open_store(resolve_durable_ref(params.get("durable_store", ""),
-                                           resolve_store_ref(params.get("store", ""))))
-    try:
-        summary = json.loads(store.get(f"runs/{run_id}/summary.json", timeout=10))
-    finally:
-        store.close()
-    summary.update(flow_run_state=fr.state.type.value, submitted_at=submitted, seen_final_at=seen,
-                   flow_start_at=fr.start_time.timestamp() if fr.start_time else None,
-                   flow_end_at=fr.end_time.timestamp() if fr.end_time else None)
     return summary
 
 

@@ -105,7 +105,8 @@ def job_params(args: argparse.Namespace, config: Config) -> dict:
     return {"model": MODEL, "dataset": "digits", "workers": args.workers, "min_workers": 1,
             "max_workers": max(8, args.workers), "epochs": args.epochs, "scaling": "static",
             "strategy": "local_sgd", "batch_size": args.batch_size, "seed": args.seed,
-            "target": config.target, "prestart": config.prestart}
+            "target": config.target, "prestart": config.prestart,
+            "warm": False}  # pre-start of cold per-epoch workers (warm workers need none)
 
 
 def outcome_from(home: Path, config: Config, repeat: int, summary: dict, wall_s: float) -> Outcome:

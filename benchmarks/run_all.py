@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 
 SECTIONS = [
-    ("Foundation: orchestration overhead", "bench_orchestration", "orchestration"),
+    ("Warm workers: orchestration overhead, warm vs cold", "bench_orchestration", "orchestration"),
     ("Foundation: store throughput", "bench_stores", "stores"),
     ("Foundation: Local-SGD period to 95 % accuracy", "bench_local_sgd", "local_sgd"),
     ("Planners: partition, hybrid, provision", "bench_planners", "planners_partition_provision"),

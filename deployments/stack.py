@@ -126,7 +126,7 @@ def up(home: Path | None = None, port: int | None = None) -> dict:
             raise RuntimeError(f"the Prefect server on port {port} did not start "
                                f"(see {home / 'logs' / 'server.log'}); is the port in use?")
         _run([sys.executable, "-m", "deployments.bootstrap", "--target", "local"], env)
-        _run([_bin("prefect"), "--no-prompt", "deploy", "--name", "local"], env)
+        _run([_bin("prefect"), "--no-prompt", "deploy", "--name", "local", "--name", "nightly"], env)
         pids["worker"] = _spawn([_bin("prefect"), "worker", "start", "--pool", POOL, "--type", "process"],
                                 env, home / "logs" / "worker.log")
         state_file(home).write_text(json.dumps(state, indent=1))
@@ -173,10 +173,12 @@ def run_deployed(params: dict, home: Path | None = None, timeout_s: float = 1800
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     with temporary_settings(updates={PREFECT_API_URL: state["api_url"]}):
-        return _run_and_wait(params, timeout_s)
+        return run_and_wait(params, timeout_s)
 
 
-def _run_and_wait(params: dict, timeout_s: float) -> dict:
+def run_and_wait(params: dict, timeout_s: float, poll_s: float = 1.0) -> dict:
+    """Submit `train/local` with `params`, wait until its flow run is final, and return the
+    run's summary from the store, with the flow run's state and times added."""
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
 
@@ -184,16 +186,18 @@ def _run_and_wait(params: dict, timeout_s: float) -> dict:
     from tasks.validate import resolve_durable_ref, resolve_store_ref
     from training.store import open_store
 
+    submitted = time.time()
     flow_run = run_deployment("train/local", parameters=params, timeout=0)
     deadline = time.monotonic() + timeout_s
     with get_client(sync_client=True) as client:
         while True:
             fr = client.read_flow_run(flow_run.id)
             if fr.state and fr.state.is_final():
+                seen = time.time()
                 break
             if time.monotonic() > deadline:
                 raise TimeoutError(f"train/local run {flow_run.id} still running after {timeout_s:.0f} s")
-            time.sleep(1)
+            time.sleep(poll_s)
     run_id = run_id_for(flow_run.id)
     store = open_store(resolve_durable_ref(params.get("durable_store", ""),
                                            resolve_store_ref(params.get("store", ""))))
@@ -201,7 +205,9 @@ def _run_and_wait(params: dict, timeout_s: float) -> dict:
         summary = json.loads(store.get(f"runs/{run_id}/summary.json", timeout=10))
     finally:
         store.close()
-    summary["flow_run_state"] = fr.state.type.value
+    summary.update(flow_run_state=fr.state.type.value, submitted_at=submitted, seen_final_at=seen,
+                   flow_start_at=fr.start_time.timestamp() if fr.start_time else None,
+                   flow_end_at=fr.end_time.timestamp() if fr.end_time else None)
     return summary
 
 

@@ -18,6 +18,7 @@ from prefect.artifacts import create_markdown_artifact, create_progress_artifact
 from planners.plan import Plan
 from tasks.checkpoint import checkpoint
 from tasks.context import ACTIVE, RunContext
+from tasks.cost import worker_seconds
 from tasks.job import EpochSummary, RunSummary, TrainJob
 from tasks.plan import plan
 from tasks.profile import profile
@@ -25,7 +26,8 @@ from tasks.provision import init_key, provision
 from tasks.record_cost import record_cost
 from tasks.report import artifact_key, markdown_report, plot_curves
 from tasks.resume import find_resume_point
-from tasks.rescale import rescale
+from tasks.rescale import forecast_workers, rescale
+from tasks.prestart import WarmPrestart
 from tasks.run_epoch import run_epoch
 from tasks.teardown import teardown
 from tasks.validate import validate_job
@@ -88,7 +90,8 @@ def _finish(ctx: RunContext, status: str, history: list[dict], plan_dict: dict, 
         run_id=ctx.run_id, status=status, final_loss=last.get("val_loss", last.get("train_loss")),
         final_accuracy=last.get("val_accuracy"), total_cost_usd=ledger["total_usd"], plan=plan_dict,
         epochs=[EpochSummary(**{k: v for k, v in e.items() if k in EpochSummary.model_fields}) for e in history],
-        store_url=ctx.durable_ref, checkpoint_key=last.get("checkpoint_key", ""), error=error)
+        store_url=ctx.durable_ref, checkpoint_key=last.get("checkpoint_key", ""), error=error,
+        worker_seconds=worker_seconds(ledger["rows"]))
     png = plot_curves([e.model_dump() for e in summary.epochs]) if summary.epochs else None
     store = ctx.open_durable()
     try:
@@ -140,8 +143,11 @@ def run_training(job: TrainJob) -> RunSummary:
                 status = stop
                 break
             resuming = resume is not None and resume.mid_epoch and epoch == first_epoch
-            metrics = run_epoch(ctx, current, epoch, init, lr, resuming,
-                                on_tick=epoch_progress_tick(ctx, progress_id, len(history)))
+            ticks = [epoch_progress_tick(ctx, progress_id, len(history))]
+            if ctx.warm is not None and epoch + 1 < job.epochs and \
+                    (upcoming := forecast_workers(ctx, prof, history, current.data_parallel, lr)):
+                ticks.append(WarmPrestart(ctx, current, epoch, upcoming).tick)  # hides the next start-up
+            metrics = run_epoch(ctx, current, epoch, init, lr, resuming, on_tick=lambda: [t() for t in ticks])
             init = checkpoint(ctx, epoch, metrics["checkpoint_key"], metrics)
             history.append(metrics)
             _epoch_progress(ctx, progress_id, history)

@@ -96,6 +96,13 @@ def _static(history: Sequence[EpochRecord], s: ScalingSettings) -> ScalingDecisi
     return ScalingDecision(s.initial_workers, s.lr, "static: fixed worker count")
 
 
+def known_in_advance(policy: str, epochs_done: int) -> bool:
+    """Whether `policy`'s decision after `epochs_done` epochs depends only on how many ran,
+    not on what they measured, so it can be taken before the last of them ends (to pre-start
+    the workers it adds): `static` and `adabatch` always, `reactive` after its first epoch."""
+    return policy in ("static", "adabatch") or (policy == "reactive" and epochs_done == 1)
+
+
 def _adabatch(history: Sequence[EpochRecord], s: ScalingSettings) -> ScalingDecision:
     due = len(history) // s.double_every_epochs
     workers, doublings = s.initial_workers, 0

@@ -151,6 +151,8 @@ class RunSummary(BaseModel):
     epochs: list[EpochSummary] = Field(default_factory=list)
     store_url: str = ""
     checkpoint_key: str = ""
+    worker_seconds: dict[str, float] = Field(default_factory=dict)
+    """Worker-seconds billed, by what they paid for (`tasks.cost.worker_seconds`)."""
     error: Optional[str] = None
 
 

@@ -56,6 +56,29 @@ class PrestartWatch:
         self.launched = True
 
 
+class WarmPrestart:
+    """Called on every poll of a warm epoch: starts the workers the next epoch is known to add
+    (`tasks.rescale.forecast_workers`) once their start-up would end by the epoch's end."""
+
+    def __init__(self, ctx: RunContext, plan: Plan, epoch: int, next_workers: int):
+        self.ctx, self.plan, self.epoch, self.next_workers = ctx, plan, epoch, next_workers
+        self.epoch_start = time.time()
+        self.launched = next_workers <= plan.workers or plan.strategy != "local_sgd"
+
+    def tick(self) -> None:
+        from planners.prestart import decide_prestart
+
+        if self.launched:
+            return
+        decision = decide_prestart(elapsed_s=time.time() - self.epoch_start,
+                                   predicted_epoch_s=self.ctx.last_epoch_s or self.plan.predicted_epoch_s,
+                                   startup_samples=self.ctx.startup_samples,
+                                   prior_startup_s=self.ctx.resolved.target.startup_s)
+        if decision.launch_in_s <= 0:
+            self.ctx.warm.prestart(self.next_workers, self.plan, self.epoch + 1)
+            self.launched = True
+
+
 def startup_report(outcomes, previous_end: float | None) -> dict:
     """Start-up hidden behind the previous epoch vs exposed, over the epoch's workers."""
     from planners.prestart import startup_split

@@ -64,11 +64,9 @@ def text_report(summary: RunSummary, ledger: dict | None = None) -> str:
     for e in summary.epochs:
         lines.append(f"{e.epoch:>5} {e.workers:>7} {e.train_loss:>10.4f} {_fmt(e.val_loss):>9} "
                      f"{_fmt(e.val_accuracy):>8} {e.seconds:>8.2f} {e.samples_per_s:>10.1f} {e.cost_usd:>10.6f}")
-    hidden = sum(e.startup.get("hidden_s", 0.0) for e in summary.epochs)
-    exposed = sum(e.startup.get("exposed_s", 0.0) for e in summary.epochs)
-    if hidden or exposed:
-        lines += ["", f"worker start-up: {hidden:.1f} worker-s hidden behind training (pre-start), "
-                      f"{exposed:.1f} worker-s exposed"]
+    ws = summary.worker_seconds
+    if ws:
+        lines += ["", "worker-seconds billed: " + ", ".join(f"{k} {v:.1f}" for k, v in ws.items() if v)]
     lines += ["", f"final loss {_fmt(summary.final_loss)}, final accuracy {_fmt(summary.final_accuracy)}",
               f"total cost ${summary.total_cost_usd:.6f}"
               + (f" ({len(ledger['rows'])} ledger rows)" if ledger else "")]
@@ -97,14 +95,20 @@ def markdown_report(summary: RunSummary, ledger_rows: list[dict], png: bytes | N
         md.append(f"| {e.epoch} | {e.workers} | {e.train_loss:.4f} | {_fmt(e.val_loss)} | {_fmt(e.val_accuracy)} | "
                   f"{e.seconds:.2f} | {e.samples_per_s:.1f} | {_fmt(e.predicted_iteration_s, '.5f')} | "
                   f"{_fmt(e.measured_iteration_s, '.5f')} | {e.cost_usd:.6f} |")
-    md += ["", "| epoch | pre-started | start-up hidden s | exposed s | idle s | relaunched workers |", "|---|---|---|---|---|---|"]
+    md += ["", "| epoch | pre-started | start-up hidden s | exposed s | idle s | relaunched workers | worker pids |",
+           "|---|---|---|---|---|---|---|"]
     for e in summary.epochs:
         st = e.startup or {}
         md.append(f"| {e.epoch} | {e.prestarted} | {st.get('hidden_s', 0):.2f} | {st.get('exposed_s', 0):.2f} | "
-                  f"{st.get('idle_s', 0):.2f} | {len(e.relaunches)} |")
-    md += ["", "## Bill", "", "| resource | kind | offer | seconds | $/s | $ |", "|---|---|---|---|---|---|"]
+                  f"{st.get('idle_s', 0):.2f} | {len(e.relaunches)} | "
+                  f"{' '.join(str(v) for _, v in sorted(e.worker_pids.items()))} |")
+    if summary.worker_seconds:
+        md += ["", "Worker-seconds billed: " + ", ".join(f"{k} {v:.2f}" for k, v in summary.worker_seconds.items())]
+    md += ["", "## Bill", "", "| resource | kind | status | epoch | offer | seconds | $/s | $ |",
+           "|---|---|---|---|---|---|---|---|"]
     for r in ledger_rows:
-        md.append(f"| {r['resource']} | {r['kind']} | {r['offer']} | {r['seconds']:.2f} | {r['unit_price_per_s']:.3e} | {r['usd']:.6f} |")
+        md.append(f"| {r['resource']} | {r['kind']} | {r.get('status', '')} | {_fmt(r.get('epoch'), 'd')} | "
+                  f"{r['offer']} | {r['seconds']:.2f} | {r['unit_price_per_s']:.3e} | {r['usd']:.6f} |")
     md += ["", f"**Total: ${summary.total_cost_usd:.6f}**"]
     if png:
         md += ["", f"![loss, accuracy and cost per epoch](data:image/png;base64,{base64.b64encode(png).decode()})"]

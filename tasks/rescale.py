@@ -86,3 +86,16 @@ def decide_next(ctx: RunContext, profile: dict, history: list[dict], workers: in
 def rescale(ctx: RunContext, profile: dict, history: list[dict], workers: int, lr: float) -> dict:
     """Prefect task around `decide_next`."""
     return decide_next(ctx, profile, history, workers, lr)
+
+
+def forecast_workers(ctx: RunContext, profile: dict, history: list[dict], workers: int, lr: float) -> int | None:
+    """The worker count the policy will choose after the epoch now starting, when that does not
+    depend on what the epoch measures (`planners.scaling.known_in_advance`); else None."""
+    from planners.scaling import known_in_advance
+
+    if not known_in_advance(ctx.job.scaling, len(history) + 1):
+        return None
+    last = history[-1] if history else {"seconds": 1.0, "samples_per_s": 1.0, "cost_usd": 0.0, "samples": 0}
+    placeholder = {**last, "epoch": len(history), "workers": workers, "stages": 1, "val_loss": None,
+                   "val_accuracy": None}
+    return decide_next(ctx, profile, history + [placeholder], workers, lr)["workers"]

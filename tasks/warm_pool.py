@@ -172,6 +172,18 @@ class WarmPool:
         self.workers[rank] = worker
         return worker
 
+    def prestart(self, workers: int, plan, epoch: int) -> list[int]:
+        """Start ranks plan.workers..workers-1 now, sized as `plan`'s, for a next epoch known to
+        need `workers` (they wait, billed, until it starts). Returns the ranks started."""
+        self._open()
+        started = []
+        for rank in range(plan.workers, workers):
+            if rank not in self.workers:
+                launcher = make_launcher(self.ctx, plan)
+                self._start(rank, plan, epoch, launcher, launch_identity(launcher))
+                started.append(rank)
+        return started
+
     def retire(self, rank: int, reason: str, grace_s: float = 10.0) -> None:
         """Stop the worker of `rank` (asked through the store, then stopped by its launcher
         if it has not exited within `grace_s`), and bill it to its stop."""
@@ -351,6 +363,7 @@ class WarmPool:
         if w.ready_at is None:
             w.ready_at = min(float(reply.get("ready_at") or w.billed_to), now)
             self._row(w, "startup", w.ready_at, spec.epoch)
+            self.ctx.startup_samples.append(w.ready_at - w.launched_at)
         began = min(float(reply.get("began_at") or now), now)
         ended = min(float(reply.get("ended_at") or now), now)
         self._row(w, "idle", began, spec.epoch)

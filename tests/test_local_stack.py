@@ -78,6 +78,10 @@ def test_cancelling_a_training_run_stops_its_workers_and_bills_it(tmp_path):
         from prefect.states import Cancelling
 
         with temporary_settings(updates={PREFECT_API_URL: state["api_url"]}):
+            with get_client(sync_client=True) as client:  # the nightly schedule ships paused
+                nightly = client.read_deployment_by_name("train/nightly")
+                assert [s.active for s in nightly.schedules] == [False]
+                assert nightly.schedules[0].schedule.cron == "0 2 * * *"
             flow_run = run_deployment("train/local", parameters={"epochs": 8, "workers": 2}, timeout=0)
             run_id = run_id_for(flow_run.id)
             deadline = time.time() + 240

@@ -16,14 +16,15 @@ def _store_root() -> str:
     return str(path_from_url(default_store_url()))
 
 
-def test_train_flow_trains_bills_and_cleans_up(tmp_path):
+@pytest.mark.parametrize("warm", [True, False])
+def test_train_flow_trains_bills_and_cleans_up(tmp_path, warm):
     from flows.train import train
     from tasks.cost import read_ledger
     from tasks.sweep import tagged_pids
     from training.store import open_store
 
     store_url = f"file://{tmp_path}/store"
-    summary = train(TrainJob(workers=2, epochs=2, store=store_url, batch_size=16))
+    summary = train(TrainJob(workers=2, epochs=2, store=store_url, batch_size=16, warm=warm))
     assert summary.status == "completed"
     assert [e.epoch for e in summary.epochs] == [0, 1]
     assert all(e.workers == 2 for e in summary.epochs)

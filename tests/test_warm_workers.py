@@ -159,7 +159,8 @@ def test_warm_run_keeps_one_process_per_rank_and_bills_its_whole_life(tmp_path):
     from training.store import open_store
 
     store_url = f"file://{tmp_path}/store"
-    summary = train(TrainJob(workers=2, epochs=3, store=store_url, batch_size=32, target="inline"))
+    summary = train(TrainJob(workers=2, epochs=3, store=store_url, batch_size=32, target="inline",
+                             keep_checkpoints=2, sync_period=5))
     assert summary.status == "completed"
     pids = [e.worker_pids for e in summary.epochs]
     assert len(set(pids[0].values())) == 2 and pids[0] == pids[1] == pids[2]
@@ -177,6 +178,46 @@ def test_warm_run_keeps_one_process_per_rank_and_bills_its_whole_life(tmp_path):
         assert all(r["status"] in ("startup", "busy", "idle") for r in rows)
     assert tagged_pids(summary.run_id) == []
     assert store.list(f"runs/{summary.run_id}/warm/") == []
+    # the last two epoch checkpoints stay; the finished epochs' sync checkpoints are gone
+    assert [k.rsplit("/", 1)[1] for k in store.list(f"runs/{summary.run_id}/ckpt/")] == [
+        "epoch-0001.safetensors", "epoch-0002.safetensors", "init.safetensors", "latest.json"]
+    assert summary.worker_seconds["busy"] > 0 and summary.worker_seconds["startup"] > 0
+
+
+def test_pruning_keeps_the_last_checkpoints_and_the_best(dir_store):
+    from tasks.checkpoint import prune_checkpoints, update_best
+
+    run = "prune"
+    for epoch in range(6):
+        dir_store.put(f"runs/{run}/ckpt/epoch-{epoch:04d}.safetensors", b"x")
+        dir_store.put(f"runs/{run}/ckpt/sync-e{epoch}.safetensors", b"x")
+    best = None
+    for epoch, loss in enumerate([0.9, 0.5, 0.2, 0.4, 0.3, 0.35]):
+        best = update_best(dir_store, run, epoch, f"runs/{run}/ckpt/epoch-{epoch:04d}.safetensors", loss)
+    assert best["epoch"] == 2
+    deleted = prune_checkpoints(dir_store, run, latest_epoch=4, keep=2, best=best)
+    left = [k.rsplit("/", 1)[1] for k in dir_store.list(f"runs/{run}/ckpt/")]
+    # epoch 5 is not finished (latest is 4): its checkpoint and its sync checkpoint stay
+    assert left == ["best.json", "epoch-0002.safetensors", "epoch-0003.safetensors", "epoch-0004.safetensors",
+                    "epoch-0005.safetensors", "sync-e5.safetensors"]
+    assert len(deleted) == 7
+
+
+def test_progress_moves_within_an_epoch_by_the_steps_workers_report(monkeypatch):
+    from types import SimpleNamespace
+
+    import flows.train
+
+    moved = []
+    monkeypatch.setattr(flows.train, "update_progress_artifact", lambda pid, value: moved.append((pid, value)))
+    steps = [(0, 40)]
+    ctx = SimpleNamespace(job=TrainJob(epochs=4), warm=SimpleNamespace(progress=lambda: steps[-1]))
+    tick = flows.train.epoch_progress_tick(ctx, "artifact-id", done=1, every_s=0.0)
+    steps.append((20, 40))
+    tick()
+    steps.append((40, 40))
+    tick()
+    assert moved == [("artifact-id", 37.5), ("artifact-id", 50.0)]
 
 
 def _final_weights(store_url: str, summary) -> dict[str, torch.Tensor]:
@@ -274,3 +315,23 @@ def test_workers_of_a_killed_coordinator_exit_within_their_lease(tmp_path):
     assert tagged_pids(run_id) == []
     logs = list((home / "logs" / run_id).glob("*.log"))
     assert len(logs) == 2 and all("lease was not renewed" in p.read_text() for p in logs)
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_workers_a_known_rescale_adds_are_started_during_the_epoch_before(tmp_path):
+    """adabatch doubles 1 -> 2 workers after epoch 0, which is known before epoch 0 ends: the
+    second worker is launched while epoch 0 trains, and epoch 1 starts on it warm."""
+    from flows.train import train
+    from tasks.cost import read_ledger
+    from training.store import open_store
+
+    store_url = f"file://{tmp_path}/store"
+    summary = train(TrainJob(workers=1, max_workers=2, epochs=2, scaling="adabatch", scale_every_epochs=1,
+                             store=store_url, batch_size=32, target="inline"))
+    assert [e.workers for e in summary.epochs] == [1, 2]
+    rows = read_ledger(open_store(store_url), summary.run_id)["rows"]
+    lives = _lives(rows)
+    first_busy = next(r for r in rows if r["status"] == "busy" and r["epoch"] == 0)
+    second = next(rs for rs in lives.values() if rs[0]["rank"] == 1)
+    assert second[0]["status"] == "startup" and second[0]["start"] < first_busy["stop"]
+    assert summary.epochs[1].worker_pids["0"] == summary.epochs[0].worker_pids["0"]
