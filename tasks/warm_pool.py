@@ -121,12 +121,13 @@ class WarmPool:
 
     def _open(self) -> None:
         if self.store is None:
-            self.store = self.ctx.open_store()
+            # the durable store: a scratch store that restarts (Redis) must not lose a command or a reply
+            self.store = self.ctx.open_durable()
             # a coordinator that died (resume) leaves its commands and replies behind
             self.store.delete_prefix(warm_prefix(self.ctx.run_id) + "/")
         if self.renewer is None:
             lease_s = self.ctx.job.worker_lease_s
-            self.renewer = LeaseRenewer(self.ctx.open_store, self.ctx.run_id, max(0.2, lease_s / 4))
+            self.renewer = LeaseRenewer(self.ctx.open_durable, self.ctx.run_id, max(0.2, lease_s / 4))
             self.renewer.start()
             self.renewer.renewed.wait(10)
 
@@ -155,7 +156,7 @@ class WarmPool:
         settings = WarmSettings(worker=name, lease_s=job.worker_lease_s,
                                 check_s=min(1.0, job.worker_lease_s / 4))
         spec = WorkerSpec(run_id=ctx.run_id, epoch=epoch, rank=rank, world=plan.workers,
-                          store_url=ctx.store_ref, model=job.model, dataset=job.dataset, subsets=(),
+                          store_url=ctx.durable_ref, model=job.model, dataset=job.dataset, subsets=(),
                           steps=0, batch_size=plan.batch_size or job.batch_size, lr=job.lr,
                           optimizer=job.optimizer, seed=job.seed, attempt=self.serial,
                           extra={"warm": settings.to_extra()})

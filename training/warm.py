@@ -6,7 +6,9 @@ waits for the coordinator's commands, so it imports once, builds the model once
 (`models.keep_models`), reads each data subset once (`datasets.keep_subsets`) and keeps its
 CUDA context. The coordinator side is `tasks.warm_pool`.
 
-Keys, all under `runs/<run_id>/warm/` (scratch: teardown deletes them):
+Keys, all under `runs/<run_id>/warm/` of the run's durable store (a scratch store that
+restarts, such as Redis without persistence, would lose a command or a reply in flight;
+teardown deletes them):
 
 | key | written by | what |
 |---|---|---|
