@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from planners.errors import PlannerInputError
-from training.pipeline_schedule import Kind, Simulation, gpipe, lower, simulate
+from training.pipeline_schedule import Kind, Simulation, build_schedule, lower, simulate
 
 @dataclass(frozen=True)
 class TransferCosts:
@@ -119,9 +119,9 @@ def stage_times(layers: Sequence[Mapping[str, float]], cuts: Sequence[int], micr
 
 def pipeline_iteration(stages: Sequence[Mapping[str, float]], microbatches: int,
                        costs: TransferCosts, *, sync_s: Sequence[float] = (),
-                       optimizer_s: Sequence[float] = ()) -> PipelineTime:
-    """Replay one GPipe iteration of `stages` (from `stage_times`) with `microbatches`
-    micro-batches and return its steady-state period.
+                       optimizer_s: Sequence[float] = (), schedule: str = "gpipe") -> PipelineTime:
+    """Replay one iteration of `schedule` (`gpipe` or `1f1b`) over `stages` (from
+    `stage_times`) with `microbatches` micro-batches and return its steady-state period.
 
     Durations: F / B per stage; stage s puts its activation (`out_bytes[s]`) and the
     gradient of its input (`out_bytes[s - 1]`), its neighbours get them; `sync_s[s]` is the
@@ -141,8 +141,8 @@ def pipeline_iteration(stages: Sequence[Mapping[str, float]], microbatches: int,
                 Kind.SEND_F: lambda s: costs.put_s(out[s]), Kind.SEND_B: lambda s: costs.put_s(out[s - 1]),
                 Kind.RECV_F: lambda s: costs.get_s(out[s - 1]), Kind.RECV_B: lambda s: costs.get_s(out[s]),
                 Kind.SYNC: lambda s: sync_s[s]}
-    schedule = lower(gpipe(n, microbatches), sync=bool(sync_s))
-    sim = simulate(schedule, lambda a: float(duration[a.kind](a.stage)), handoff_s=costs.handoff_s,
+    rows = lower(build_schedule(schedule, n, microbatches), sync=bool(sync_s))
+    sim = simulate(rows, lambda a: float(duration[a.kind](a.stage)), handoff_s=costs.handoff_s,
                    sync_waits_for_uploads=False)
 
     cycles = []

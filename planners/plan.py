@@ -26,6 +26,8 @@ class Plan:
     """M: pipeline stages per replica."""
     cuts: tuple[int, ...] = ()
     microbatches: int = 1
+    pipeline_schedule: str = "gpipe"
+    """The pipeline's schedule (`training.pipeline_schedule.build_schedule`): `gpipe` or `1f1b`."""
     sync_period: int | None = None
     """Local-SGD period k in steps (None: once per epoch)."""
     steps_per_epoch: int = 0

@@ -6,6 +6,8 @@ with predicted iteration time, epoch time and cost, travel with the plan to the 
 """
 from __future__ import annotations
 
+import dataclasses
+
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
@@ -65,12 +67,38 @@ def strategy_inputs(ctx: RunContext, profile: dict, workers: int) -> StrategyInp
 def make_plan(ctx: RunContext, profile: dict, workers: int) -> Plan:
     """The plan for the job's strategy with `workers` replicas, refused (ZooidValueError
     naming `memory`, with the numbers per stage) when a stage does not fit its worker."""
+    x = strategy_inputs(ctx, profile, workers)
     try:
-        chosen = choose(strategy_inputs(ctx, profile, workers), ctx.job.strategy)
+        chosen = choose(x, ctx.job.strategy)
     except ValueError as exc:
         raise ZooidValueError("strategy", str(exc).removeprefix("strategy: ")) from None
+    if chosen.stages > 1:
+        return pick_schedule(ctx, profile, x, chosen)
     check_memory(ctx, profile, chosen)
     return chosen
+
+
+def pick_schedule(ctx: RunContext, profile: dict, x, plan: Plan) -> Plan:
+    """The pipeline `plan` under the job's schedule, or for `auto` the fastest predicted of
+    1F1B and GPipe whose stages fit their workers (1F1B holds min(k - s, M) micro-batches of
+    activations on stage s, GPipe all M; within 1 % of the fastest, the one holding less);
+    the schedules compared join the plan's alternatives."""
+    from planners.strategy import choose_schedule, describe, with_schedule
+
+    names = ["1f1b", "gpipe"] if ctx.job.pipeline_schedule == "auto" else [ctx.job.pipeline_schedule]
+    options, errors = [with_schedule(x, plan, name) for name in names], []
+    fitting = []
+    for option in options:
+        try:
+            check_memory(ctx, profile, option)
+            fitting.append(option)
+        except ZooidValueError as exc:
+            errors.append(f"{option.pipeline_schedule}: {str(exc).removeprefix('memory: ')}")
+    if not fitting:
+        raise ZooidValueError("memory", "; ".join(errors))
+    best = choose_schedule(fitting)
+    compared = tuple({**describe(o, o is best), "compared": "schedule", "fits": o in fitting} for o in options)
+    return dataclasses.replace(best, alternatives=plan.alternatives + compared)
 
 
 def check_memory(ctx: RunContext, profile: dict, plan: Plan) -> None:
@@ -82,8 +110,12 @@ def check_memory(ctx: RunContext, profile: dict, plan: Plan) -> None:
     prof = ModelProfile.from_dict(profile)
     if not prof.layers:
         return
+    from training.pipeline_schedule import ideal_peak_in_flight
+
     micro = max(1, plan.batch_size // max(1, plan.microbatches))
-    check_plan_memory(activation_bytes=prof.layer_activation_bytes(micro),
+    in_flight = [ideal_peak_in_flight(plan.pipeline_schedule, plan.stages, plan.microbatches, worker=s)
+                 for s in range(plan.stages)]
+    check_plan_memory(activation_bytes=prof.layer_activation_bytes(micro), in_flight=in_flight,
                       param_bytes=[l.param_bytes for l in prof.layers],
                       cuts=[c + 1 for c in plan.cuts], microbatches=plan.microbatches,
                       available_bytes=ctx.resolved.target.worker_memory_gb * 2**30,

@@ -178,3 +178,29 @@ def test_activations_and_sync_rounds_are_scratch_puts_and_the_checkpoint_is_dura
     assert [k for k, durable in written if durable and k.startswith(peers)] == []
     assert [k for k, durable in written if not durable and not k.startswith(peers)] == []
     assert (out, True) in written  # the canonical checkpoint is fsynced
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_three_stage_pipeline_equals_single_process_under_each_schedule(staged, schedule):
+    url, manifest = staged
+    everything = range(manifest.n_subsets)
+    single = base_spec(url, 1, everything, f"runs/{RUN}/single3")
+    run_threads([single], run_local_sgd_epoch)
+    out = f"runs/{RUN}/pipe3-{schedule}"
+    specs = pipeline_worker_specs(base_spec(url, 1, everything, out), cuts=[1, 2], microbatches=4,
+                                  replica_subsets=[tuple(everything)], pipeline_schedule=schedule)
+    assert all(s.extra["pipeline_schedule"] == schedule for s in specs)
+    run_threads(specs, run_pipeline_worker)
+    assert_same_weights(weights(url, out), weights(url, f"runs/{RUN}/single3"))
+
+
+def test_hybrid_under_1f1b_equals_local_sgd_averaging_every_step(staged):
+    url, manifest = staged
+    shards = assign_subsets(manifest.n_subsets, 2, epoch=0, seed=3)
+    local = [dataclasses.replace(base_spec(url, 2, shards[r], f"runs/{RUN}/lsgd1f1b"), rank=r) for r in range(2)]
+    run_threads(local, run_local_sgd_epoch)
+    out = f"runs/{RUN}/hybrid-1f1b"
+    specs = pipeline_worker_specs(base_spec(url, 2, (), out), cuts=[1, 2], microbatches=4,
+                                  replica_subsets=shards, pipeline_schedule="1f1b")
+    run_threads(specs, run_pipeline_worker)
+    assert_same_weights(weights(url, out), weights(url, f"runs/{RUN}/lsgd1f1b"))

@@ -252,3 +252,64 @@ def test_the_plan_step_takes_the_handoff_timed_between_worker_processes():
     assert (x.transfer_costs.put_latency_s, x.sync_link) == (0.001, (5e8, 0.002))
     profile["store_sync"]["handoff_s"] = None  # a collective timed without a world of 2
     assert strategy_inputs(ctx, profile, 2).transfer_costs.handoff_s == 0.0013
+
+
+def test_schedule_choice_prefers_the_fastest_and_within_one_percent_the_one_holding_less():
+    from dataclasses import replace
+
+    from planners.plan import Plan
+    from planners.strategy import choose_schedule
+
+    base = Plan(strategy="pipeline", data_parallel=1, stages=4, cuts=(1, 2, 3), microbatches=8)
+    one_f_one_b = replace(base, pipeline_schedule="1f1b", predicted_iteration_s=1.005)
+    gpipe = replace(base, pipeline_schedule="gpipe", predicted_iteration_s=1.0)
+    assert choose_schedule([one_f_one_b, gpipe]) is one_f_one_b  # within 1 %: less memory wins
+    assert choose_schedule([replace(one_f_one_b, predicted_iteration_s=1.05), gpipe]) is gpipe
+    assert choose_schedule([one_f_one_b]) is one_f_one_b
+
+
+def test_1f1b_fits_a_worker_gpipe_does_not():
+    """Stage memory by the micro-batches each schedule holds: GPipe all M on every stage,
+    1F1B min(k - s, M) on stage s, so a size too small for GPipe's stage 0 fits 1F1B's."""
+    from training.memory import stage_memory
+    from training.pipeline_schedule import ideal_peak_in_flight
+
+    acts, params = [100.0] * 4, [10.0] * 4  # per layer: activation bytes per micro-batch, parameter bytes
+    k, m = 4, 8
+    for schedule, expect_fit in (("gpipe", False), ("1f1b", True)):
+        held = [ideal_peak_in_flight(schedule, k, m, worker=s) for s in range(k)]
+        report = stage_memory(activation_bytes=acts, param_bytes=params, cuts=[1, 2, 3], microbatches=m,
+                              available_bytes=600.0, in_flight=held)
+        assert [r.activation_bytes for r in report] == [100.0 * h for h in held]
+        assert all(r.fits for r in report) is expect_fit
+    assert [ideal_peak_in_flight("1f1b", k, m, worker=s) for s in range(k)] == [4, 3, 2, 1]
+
+
+def test_pick_schedule_keeps_the_one_that_fits_and_lists_both(monkeypatch):
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    import planners.strategy
+    import tasks.plan
+    from planners.plan import Plan
+    from tasks.job import TrainJob
+    from training.errors import ZooidValueError
+
+    times = {"gpipe": 1.0, "1f1b": 1.2}
+    monkeypatch.setattr(planners.strategy, "with_schedule",
+                        lambda x, plan, name: replace(plan, pipeline_schedule=name, predicted_iteration_s=times[name]))
+
+    def check(ctx, profile, plan):
+        if plan.pipeline_schedule == "gpipe":
+            raise ZooidValueError("memory", "stage 0 needs 9 GB of 2 GB")
+
+    monkeypatch.setattr(tasks.plan, "check_memory", check)
+    plan = Plan(strategy="pipeline", data_parallel=1, stages=2, cuts=(1,), microbatches=4)
+    ctx = SimpleNamespace(job=TrainJob(pipeline_schedule="auto"))
+    chosen = tasks.plan.pick_schedule(ctx, {}, None, plan)
+    assert chosen.pipeline_schedule == "1f1b"
+    assert [(a["pipeline_schedule"], a["fits"], a["chosen"]) for a in chosen.alternatives] == [
+        ("1f1b", True, True), ("gpipe", False, False)]
+    ctx = SimpleNamespace(job=TrainJob(pipeline_schedule="gpipe"))
+    with pytest.raises(ZooidValueError, match="^memory: gpipe: stage 0 needs 9 GB"):
+        tasks.plan.pick_schedule(ctx, {}, None, plan)

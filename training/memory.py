@@ -87,11 +87,13 @@ def stage_bounds(cuts: Sequence[int], num_layers: int) -> list[tuple[int, int]]:
 def stage_memory(*, activation_bytes: Sequence[float], param_bytes: Sequence[float],
                  cuts: Sequence[int], microbatches: int, available_bytes: float | Sequence[float],
                  base_memory_bytes: float = 0.0, optimizer_state_factor: float = 0.0,
-                 data_parallel: int = 1) -> list[StageMemory]:
+                 data_parallel: int = 1, in_flight: Sequence[int] | None = None) -> list[StageMemory]:
     """Per stage, what its worker needs (module docstring) next to what it has.
 
     `activation_bytes` and `param_bytes` are per layer (activations per micro-batch);
     `microbatches` is mu, the micro-batches one replica keeps in flight;
+    `in_flight`, per stage, overrides it with what the schedule holds at its peak (1F1B:
+    min(k - s, mu) on stage s; `training.pipeline_schedule.ideal_peak_in_flight`);
     `available_bytes` is one worker size for every stage or one per stage."""
     n = len(activation_bytes)
     if n == 0:
@@ -115,9 +117,13 @@ def stage_memory(*, activation_bytes: Sequence[float], param_bytes: Sequence[flo
     if len(available) != len(bounds) or any(not a > 0 for a in available):
         raise ZooidValueError("available_bytes", f"must be one positive size or one per stage "
                                                  f"({len(bounds)}), got {available_bytes!r}")
+    held = list(in_flight) if in_flight is not None else [microbatches] * len(bounds)
+    if len(held) != len(bounds) or any(not (isinstance(h, int) and 1 <= h <= microbatches) for h in held):
+        raise ZooidValueError("in_flight", f"must be one count in 1..{microbatches} per stage "
+                                           f"({len(bounds)}), got {in_flight!r}")
     factor = 4 - 2 * (data_parallel == 1) + optimizer_state_factor
     return [StageMemory(stage=k, first_layer=a, last_layer=b,
-                        activation_bytes=microbatches * float(sum(activation_bytes[a:b + 1])),
+                        activation_bytes=held[k] * float(sum(activation_bytes[a:b + 1])),
                         parameter_bytes=factor * float(sum(param_bytes[a:b + 1])),
                         base_bytes=float(base_memory_bytes), available_bytes=available[k])
             for k, (a, b) in enumerate(bounds)]
@@ -126,13 +132,15 @@ def stage_memory(*, activation_bytes: Sequence[float], param_bytes: Sequence[flo
 def check_plan_memory(*, activation_bytes: Sequence[float], param_bytes: Sequence[float],
                       cuts: Sequence[int], microbatches: int,
                       available_bytes: float | Sequence[float], base_memory_bytes: float = 0.0,
-                      optimizer_state_factor: float = 0.0, data_parallel: int = 1) -> list[StageMemory]:
+                      optimizer_state_factor: float = 0.0, data_parallel: int = 1,
+                      in_flight: Sequence[int] | None = None) -> list[StageMemory]:
     """The `stage_memory` report when every stage fits; else ZooidValueError("memory", ...)
     naming each stage that does not, with its needed and available bytes."""
     report = stage_memory(activation_bytes=activation_bytes, param_bytes=param_bytes, cuts=cuts,
                           microbatches=microbatches, available_bytes=available_bytes,
                           base_memory_bytes=base_memory_bytes,
-                          optimizer_state_factor=optimizer_state_factor, data_parallel=data_parallel)
+                          optimizer_state_factor=optimizer_state_factor, data_parallel=data_parallel,
+                          in_flight=in_flight)
     over = [s for s in report if not s.fits]
     if over:
         raise ZooidValueError("memory", "; ".join(s.describe() for s in over))

@@ -1,8 +1,8 @@
 """One stage worker of a D x M pipeline for one epoch: an interpreter over its action list.
 
 `run_pipeline_worker(spec, store)` trains stage `extra["stage"]` of replica
-`extra["replica"]`. Each iteration it runs its row of the lowered GPipe schedule
-(`training.pipeline_schedule`) on three threads, as FuncPipe's task executor (Sec. 4) and
+`extra["replica"]`. Each iteration it runs its row of the lowered schedule
+(`training.pipeline_schedule`: GPipe, or 1F1B with `extra["pipeline_schedule"]`) on three threads, as FuncPipe's task executor (Sec. 4) and
 Hydrozoa's prefetching workers (Sec. 3.2) do:
 
 - compute (the calling thread): F and B in schedule order, then SYNC and the optimizer step;
@@ -29,8 +29,8 @@ gradients), `.../val/f<stage>m<chunk>`, `.../loss/s<stage>`, `.../ckpt/s<stage>`
 syncs use `runs/<run>/sync/e<epoch>/s<stage>/r<step>`.
 
 `spec.extra` keys (`PipelineSettings`): `stage`, `cuts`, `microbatches`, `replica`,
-`replicas`; optional `sync` (`pipelined`/`plain`), `schedule` (one action line per stage;
-default lowered GPipe), `val_chunk`, `dtype`, `device`, `model_kwargs`. `spec.rank` and
+`replicas`; optional `sync` (`pipelined`/`plain`), `pipeline_schedule` (`gpipe`, `1f1b`),
+`schedule` (one action line per stage; default the lowered `pipeline_schedule`), `val_chunk`, `dtype`, `device`, `model_kwargs`. `spec.rank` and
 `spec.world` are not used: `pipeline_worker_specs` fills them as replica * S + stage, D * S.
 
 Reporting: every stage reports its replica's mean training loss (the last stage sends it to
@@ -64,7 +64,7 @@ from training.local_sgd import batch_seed, batch_stream
 from training.models import build_model
 from training.optimizers import build_optimizer, load_optimizer_state, optimizer_state_tensors
 from training.pipeline_schedule import (
-    TRANSFER, Action, Kind, ScheduleError, forward_only, gpipe, lower, parse_schedule, validate,
+    TRANSFER, Action, Kind, ScheduleError, build_schedule, forward_only, lower, parse_schedule, validate,
 )
 from training.scatter_reduce import COLLECTIVES, allreduce_for
 from training.specs import WorkerResult, WorkerSpec
@@ -89,8 +89,10 @@ class PipelineSettings:
     """D: replicas of the whole pipeline; each stage's replicas sync every iteration."""
     sync: str = "pipelined"
     """Gradient sync among a stage's replicas: `pipelined` or `plain` scatter-reduce."""
+    pipeline_schedule: str = "gpipe"
+    """The named schedule (`gpipe`, `1f1b`) run when `schedule` gives no action lines."""
     schedule: tuple[str, ...] = ()
-    """One action line per stage for one iteration; empty = lowered GPipe."""
+    """One action line per stage for one iteration; empty = the lowered `pipeline_schedule`."""
     val_chunk: int = 256
     """Validation rows per micro-batch."""
     dtype: str = "float32"
@@ -134,7 +136,10 @@ class PipelineSettings:
 
     def iteration_schedule(self) -> list[Action]:
         """This stage's validated action list for one training iteration."""
-        rows = parse_schedule(self.schedule) if self.schedule else gpipe(self.stages, self.microbatches)
+        if self.pipeline_schedule not in ("gpipe", "1f1b"):  # interleaved needs several chunks per worker
+            raise ZooidValueError("extra.pipeline_schedule", f"must be gpipe or 1f1b, got {self.pipeline_schedule!r}")
+        rows = (parse_schedule(self.schedule) if self.schedule
+                else build_schedule(self.pipeline_schedule, self.stages, self.microbatches))
         if len(rows) != self.stages:
             raise ScheduleError(f"has {len(rows)} rows for {self.stages} stages")
         if not any(a.kind in TRANSFER or a.kind is Kind.SYNC for row in rows for a in row):
