@@ -27,14 +27,17 @@ from tasks.validate import validate_job
 
 def plan_report(job: TrainJob, chosen: dict) -> str:
     """The dry run's markdown: one row per candidate."""
-    rows = ["| strategy | D | M | workers | cuts | micro-batches | iteration s | epoch s | $ / epoch | samples/s per $/h | chosen |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| strategy | D | M | workers | cuts | micro-batches | schedule | iteration s | epoch s | $ / epoch | "
+            "samples/s per $/h | chosen |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for a in chosen["alternatives"]:
         tpd = a.get("throughput_per_dollar")
+        schedule = a.get("pipeline_schedule") or "-"
+        if a.get("compared") == "schedule":  # the chosen pipeline under each schedule
+            schedule += "" if a.get("fits") else " (does not fit)"
         rows.append(f"| {a['strategy']} | {a['data_parallel']} | {a['stages']} | {a['workers']} | {a['cuts']} | "
-                    f"{a['microbatches']} | {a['predicted_iteration_s']:.5f} | {a['predicted_epoch_s']:.3f} | "
-                    f"{a['predicted_cost_per_epoch_usd']:.6f} | {'-' if tpd is None else f'{tpd:.0f}'} | "
-                    f"{'yes' if a['chosen'] else ''} |")
+                    f"{a['microbatches']} | {schedule} | {a['predicted_iteration_s']:.3g} | "
+                    f"{a['predicted_epoch_s']:.3g} | {a['predicted_cost_per_epoch_usd']:.3g} | "
+                    f"{'-' if tpd is None else f'{tpd:.3g}'} | {'yes' if a['chosen'] else ''} |")
     total = chosen["predicted_cost_per_epoch_usd"] * job.epochs
     return "\n".join([f"# Zooid plan for `{job.model}` on `{job.dataset}` ({job.workers} workers, {job.target})", "",
                       *rows, "", f"Chosen: **{chosen['strategy']}**, D={chosen['data_parallel']}, "

@@ -128,6 +128,8 @@ class EpochSummary(BaseModel):
     cost_usd: float
     predicted_iteration_s: Optional[float] = None
     measured_iteration_s: Optional[float] = None
+    predicted_epoch_s: Optional[float] = None
+    """The plan's epoch time in force for this epoch, beside `seconds` measured."""
     bytes_synced: int = 0
     checkpoint_key: str = ""
     lr: Optional[float] = None

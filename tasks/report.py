@@ -89,12 +89,12 @@ def markdown_report(summary: RunSummary, ledger_rows: list[dict], png: bytes | N
         for a in p["alternatives"]:
             md.append(f"| {a.get('strategy')} | {a.get('workers')} | {_fmt(a.get('predicted_iteration_s'), '.5f')} | "
                       f"{_fmt(a.get('predicted_epoch_s'), '.3f')} | {_fmt(a.get('predicted_cost_per_epoch_usd'), '.6f')} | {a.get('chosen', '')} |")
-    md += ["", "## Epochs", "", "| epoch | workers | train loss | val loss | val acc | s | samples/s | predicted iter s | measured iter s | $ |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+    md += ["", "## Epochs", "", "| epoch | workers | train loss | val loss | val acc | s | predicted s | samples/s | "
+           "predicted iter s | measured iter s | $ |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in summary.epochs:
         md.append(f"| {e.epoch} | {e.workers} | {e.train_loss:.4f} | {_fmt(e.val_loss)} | {_fmt(e.val_accuracy)} | "
-                  f"{e.seconds:.2f} | {e.samples_per_s:.1f} | {_fmt(e.predicted_iteration_s, '.5f')} | "
-                  f"{_fmt(e.measured_iteration_s, '.5f')} | {e.cost_usd:.6f} |")
+                  f"{e.seconds:.3g} | {_fmt(e.predicted_epoch_s, '.3g')} | {e.samples_per_s:.1f} | "
+                  f"{_fmt(e.predicted_iteration_s, '.3g')} | {_fmt(e.measured_iteration_s, '.3g')} | {e.cost_usd:.3g} |")
     md += ["", "| epoch | pre-started | start-up hidden s | exposed s | idle s | relaunched workers | worker pids |",
            "|---|---|---|---|---|---|---|"]
     for e in summary.epochs:

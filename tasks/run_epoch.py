@@ -218,7 +218,7 @@ def run_epoch(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, res
         summary = warm_epoch(ctx, plan, epoch, init, lr, resume, attempt, on_tick)
         summary.update(epoch=epoch, workers=plan.workers, stages=plan.stages, lr=lr, attempt=attempt,
                        cost_usd=sum(r.usd for r in ctx.ledger if r.epoch == epoch),
-                       predicted_iteration_s=plan.predicted_iteration_s)
+                       predicted_iteration_s=plan.predicted_iteration_s, predicted_epoch_s=plan.predicted_epoch_s)
         return summary
     launcher = ctx.prestarted.pop(epoch, None)  # started during the previous epoch
     if launcher is not None and (attempt > 0 or resume or any(o.status != "running" for o in launcher.outcomes)):
@@ -266,5 +266,5 @@ def run_epoch(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, res
                               "failure": o.extra.get("failure")} for o in outcomes if o.status != "completed"]
     summary.update(epoch=epoch, workers=plan.workers, stages=plan.stages, lr=lr, attempt=attempt,
                    cost_usd=sum(r.usd for r in ctx.ledger if r.epoch == epoch),
-                   predicted_iteration_s=plan.predicted_iteration_s)
+                   predicted_iteration_s=plan.predicted_iteration_s, predicted_epoch_s=plan.predicted_epoch_s)
     return summary
