@@ -57,16 +57,8 @@ class ZooidS3Store(Block):
         from training.store import open_store
 
         creds = self.bucket.credentials
-        if isinstance(creds, AwsCredentials):
-            # boto3 in the store reads the standard variables; set in this process only.
-            if creds.aws_access_key_id:
-                os.environ["AWS_ACCESS_KEY_ID"] = creds.aws_access_key_id
-            if creds.aws_secret_access_key is not None:
-                os.environ["AWS_SECRET_ACCESS_KEY"] = creds.aws_secret_access_key.get_secret_value()
-            if creds.aws_session_token:
-                os.environ["AWS_SESSION_TOKEN"] = creds.aws_session_token
-            if creds.region_name:
-                os.environ["AWS_DEFAULT_REGION"] = creds.region_name
+        if isinstance(creds, AwsCredentials):  # the block's keys reach boto3 as arguments, never the environment
+            return open_store(self.url(), s3_session=creds.get_boto3_session())
         return open_store(self.url())
 
 

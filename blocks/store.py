@@ -6,7 +6,6 @@ Workers receive `block:<name>` and load the block themselves.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 from urllib.parse import quote, urlsplit, urlunsplit
 
@@ -40,18 +39,22 @@ class ZooidStore(Block):
         return self.url
 
     def open(self):
-        """Open the store this block describes (credentials go to the environment of boto3)."""
+        """Open the store this block describes; an S3 store gets the block's keys through its
+        own boto3 Session (never the process environment)."""
         from training.store import open_store
 
         if self.url.startswith("s3://"):
-            if self.aws_access_key_id:
-                os.environ["AWS_ACCESS_KEY_ID"] = self.aws_access_key_id
-            if self.aws_secret_access_key is not None:
-                os.environ["AWS_SECRET_ACCESS_KEY"] = self.aws_secret_access_key.get_secret_value()
-            if self.region_name:
-                os.environ.setdefault("AWS_DEFAULT_REGION", self.region_name)
-            if self.endpoint_url:
-                os.environ["ZOOID_S3_ENDPOINT"] = self.endpoint_url
+            import boto3
+
+            session = boto3.session.Session(
+                aws_access_key_id=self.aws_access_key_id or None,
+                aws_secret_access_key=(self.aws_secret_access_key.get_secret_value()
+                                       if self.aws_secret_access_key is not None else None),
+                region_name=self.region_name or None)
+            url = self.resolved_url()
+            if self.endpoint_url and "endpoint=" not in url:
+                url += ("&" if "?" in url else "?") + f"endpoint={quote(self.endpoint_url, safe=':/')}"
+            return open_store(url, s3_session=session)
         return open_store(self.resolved_url())
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -26,6 +27,27 @@ def test_s3_store_block_opens_the_bucket_and_leaks_no_key(s3_server):
         assert store.get("runs/z1/probe/x") == b"\x00\x01"
     finally:
         store.close()
+    # the key reached boto3 as an argument: nothing of it is in this process's environment
+    assert not any("s3cr3t" in v for v in os.environ.values())
+
+
+def test_zooid_store_block_hands_its_keys_to_boto3_not_the_environment(s3_server):
+    from pydantic import SecretStr
+
+    from blocks.store import ZooidStore
+
+    bucket = s3_server.create_bucket("zooid-store-block")
+    block = ZooidStore(url=f"s3://{bucket}/p", aws_access_key_id="AKIAZOOIDTEST",
+                       aws_secret_access_key=SecretStr("s3cr3t-two"), region_name="us-east-1",
+                       endpoint_url=s3_server.endpoint)
+    store = block.open()
+    try:
+        store.put("runs/z3/probe/x", b"ok")
+        assert store.get("runs/z3/probe/x") == b"ok"
+        assert store.client._request_signer._credentials.access_key == "AKIAZOOIDTEST"
+    finally:
+        store.close()
+    assert not any("s3cr3t" in v or v == "AKIAZOOIDTEST" for v in os.environ.values())
 
 
 def test_redis_store_block_url_has_no_password(redis_server):

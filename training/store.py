@@ -188,11 +188,13 @@ class Store(abc.ABC):
 
 
 def open_store(url: str, *, upload_bytes_per_s: float | None = None,
-               download_bytes_per_s: float | None = None) -> Store:
+               download_bytes_per_s: float | None = None, s3_session=None) -> Store:
     """Open the store a URL names (see the module docstring).
 
     `upload_bytes_per_s` / `download_bytes_per_s` emulate a link of that bandwidth per
     direction (e.g. 70e6 for an AWS Lambda function); None leaves a direction unpaced.
+    `s3_session`: the boto3 Session an S3 store uses (its credentials, from a block); None:
+    boto3's default chain (a task role, the instance profile, the standard variables).
     """
     if not isinstance(url, str) or not url.strip():
         raise ZooidValueError("store", f"must be a store URL or a path, got {url!r}")
@@ -207,6 +209,6 @@ def open_store(url: str, *, upload_bytes_per_s: float | None = None,
         return RedisStore.from_url(url, **rates)
     if scheme == "s3":
         from training.store_s3 import S3Store
-        return S3Store.from_url(url, **rates)
+        return S3Store.from_url(url, session=s3_session, **rates)
     raise ZooidValueError(
         "store", f"unknown scheme {scheme!r} in {url!r}; use file://, redis:// or s3://")

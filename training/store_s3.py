@@ -38,7 +38,7 @@ class S3Store(Store):
 
     def __init__(self, bucket: str, prefix: str = "", *, endpoint: str | None = None,
                  region: str | None = None, url: str | None = None,
-                 multipart_threshold: int = MULTIPART_THRESHOLD, **rates):
+                 multipart_threshold: int = MULTIPART_THRESHOLD, session=None, **rates):
         super().__init__(**rates)
         if not bucket:
             raise ZooidValueError("store", "an S3 store needs a bucket: s3://bucket/prefix")
@@ -47,10 +47,11 @@ class S3Store(Store):
         self.prefix = prefix + "/" if prefix else ""
         self.endpoint = endpoint or os.environ.get("ZOOID_S3_ENDPOINT") or os.environ.get(
             "AWS_ENDPOINT_URL") or None
-        self.region = region or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+        self.region = (region or (session.region_name if session is not None else None)
+                       or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1")
         # A URL that reopens this very store, endpoint included, for workers elsewhere.
         self.url = url or f"s3://{bucket}/{prefix}" + (f"?endpoint={endpoint}" if endpoint else "")
-        session = boto3.session.Session()
+        session = session or boto3.session.Session()  # credentials: the caller's, else boto3's chain
         self.client = session.client(
             "s3", endpoint_url=self.endpoint, region_name=self.region,
             config=Config(connect_timeout=2, read_timeout=60, max_pool_connections=32,
@@ -61,7 +62,7 @@ class S3Store(Store):
                                        multipart_chunksize=MULTIPART_CHUNK, max_concurrency=4)
 
     @classmethod
-    def from_url(cls, url: str, **rates) -> "S3Store":
+    def from_url(cls, url: str, session=None, **rates) -> "S3Store":
         """Open `s3://bucket/prefix[?endpoint=URL&region=R]`."""
         parts = urlsplit(url)
         query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
@@ -69,7 +70,7 @@ class S3Store(Store):
         if unknown:
             raise ZooidValueError("store", f"unknown S3 URL parameter(s) {sorted(unknown)} in {url!r}")
         return cls(parts.netloc, parts.path, endpoint=query.get("endpoint"),
-                   region=query.get("region"), url=url, **rates)
+                   region=query.get("region"), url=url, session=session, **rates)
 
     def _fail(self, what: str, key: str, e: Exception) -> StoreError:
         return StoreError(f"S3 {what} of {key!r} in {self.url} failed: {e}")
