@@ -241,9 +241,12 @@ def worker_main(spec_path: str, out_path: str) -> None:
     Path(out_path).write_text(json.dumps({"result": result.to_dict(), "timings": timings}))
 
 
-def run_workers(specs, scratch: Path, timeout_s: float = 300.0) -> list[dict]:
+def run_workers(specs, scratch: Path, timeout_s: float = 300.0,
+                module: str = "benchmarks.bench_prediction") -> list[dict]:
     """Start one worker process per spec (own process group, one torch thread), wait for all;
-    return each one's {"result", "timings"} in spec order. A failure stops the others."""
+    return each one's {"result", "timings"} in spec order. A failure stops the others.
+    `module` is the entry point each runs (`python -m <module> --worker SPEC --out JSON`):
+    this module's `worker_main` unless a benchmark brings its own instrumented one."""
     env = one_thread_env()
     procs, outs = [], []
     for i, spec in enumerate(specs):
@@ -252,7 +255,7 @@ def run_workers(specs, scratch: Path, timeout_s: float = 300.0) -> list[dict]:
         out_file.unlink(missing_ok=True)
         log = open(scratch / f"worker-{i}.log", "w")
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.bench_prediction", "--worker", str(spec_file),
+            [sys.executable, "-m", module, "--worker", str(spec_file),
              "--out", str(out_file)], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True))
         outs.append(out_file)

@@ -12,6 +12,7 @@ Everything binds to 127.0.0.1, runs in its own process group, and lives under `$
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -137,6 +138,26 @@ def up(home: Path | None = None, port: int | None = None) -> dict:
     return state
 
 
+@contextlib.contextmanager
+def temporary_server(home: Path | None = None):
+    """A Prefect server (SQLite under `$ZOOID_HOME/prefect`) for one command-line run, yielding
+    its API URL. It runs in a session of its own, so the Ctrl-C or SIGTERM that stops the
+    run does not stop the API that the run's teardown and bill still need (Prefect's
+    temporary server is a child in the run's process group, and dies with it); it is stopped
+    by pid when the run is over."""
+    home = home or zooid_home()
+    port = free_port(0)
+    api_url = f"http://127.0.0.1:{port}/api"
+    env = {**stack_env(home, ""), "PREFECT_API_URL": ""}
+    pid = _spawn([_bin("prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)], env,
+                 home / "logs" / f"server-{port}.log")
+    try:
+        _wait_healthy(api_url)
+        yield api_url
+    finally:
+        _stop_groups([pid])
+
+
 def down(home: Path | None = None) -> list[int]:
     """Stop what `up` started, by pid (process groups), and forget it."""
     home = home or zooid_home()
@@ -144,6 +165,14 @@ def down(home: Path | None = None) -> list[int]:
     if not state:
         return []
     pids = list(state["pids"].values())
+    _stop_groups(pids)
+    state_file(home).unlink(missing_ok=True)
+    (home / "env").unlink(missing_ok=True)
+    return pids
+
+
+def _stop_groups(pids: list[int]) -> None:
+    """SIGTERM the process groups these pids lead, then SIGKILL what is left after 10 s."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in pids:
             try:
@@ -160,9 +189,6 @@ def down(home: Path | None = None) -> list[int]:
                     pass
         if not any(_alive(p) for p in pids):
             break
-    state_file(home).unlink(missing_ok=True)
-    (home / "env").unlink(missing_ok=True)
-    return pids
 
 
 def run_deployed(params: dict, home: Path | None = None, timeout_s: float = 1800) -> dict:

@@ -8,6 +8,8 @@ From a shell: `python -m flows.train --param workers=2 --param epochs=3 [--summa
 """
 from __future__ import annotations
 
+import contextlib
+import signal
 import sys
 import time
 import uuid
@@ -200,6 +202,36 @@ train_with_params = job_fields_flow(run_training, name="train", result_serialize
                                     **_HOOKS)
 
 
+@contextlib.contextmanager
+def prefect_api():
+    """The Prefect API for a command-line run: the configured one, or a temporary server of
+    our own that outlives a Ctrl-C (`deployments.stack.temporary_server`); SIGTERM is turned
+    into KeyboardInterrupt, so either one runs the flow's teardown and bill before exiting."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        if PREFECT_API_URL.value():
+            yield
+            return
+        from deployments.stack import temporary_server
+
+        with temporary_server() as url, temporary_settings(updates={PREFECT_API_URL: url}):
+            try:
+                yield
+            finally:  # the run's logs and events reach the server before it stops
+                from prefect.events.worker import EventsWorker
+                from prefect.logging.handlers import APILogWorker
+
+                for service in (APILogWorker, EventsWorker):
+                    service.drain_all(timeout=5, at_exit=False)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m flows.train --param name=value ... [--summary-out PATH]`."""
     import argparse
@@ -231,10 +263,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
-        summary = train(job)
+        with prefect_api():
+            summary = train(job)
     except ZooidValueError as exc:  # found once measured, e.g. a stage that does not fit memory
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("error: interrupted: the run's workers were stopped and its bill recorded", file=sys.stderr)
+        return 130
     except Exception as exc:
         print(f"error: run failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
               file=sys.stderr)

@@ -335,3 +335,47 @@ def test_workers_a_known_rescale_adds_are_started_during_the_epoch_before(tmp_pa
     second = next(rs for rs in lives.values() if rs[0]["rank"] == 1)
     assert second[0]["status"] == "startup" and second[0]["start"] < first_busy["stop"]
     assert summary.epochs[1].worker_pids["0"] == summary.epochs[0].worker_pids["0"]
+
+
+def test_sigterm_to_the_command_line_tears_down_and_bills_before_exiting(tmp_path):
+    """`python -m flows.train` without a Prefect API: its temporary server runs in a session of
+    its own, so a SIGTERM to the run's process group still finds the API for teardown and the
+    bill; then the server is stopped too."""
+    import socket
+
+    from tasks.sweep import tagged_pids
+
+    home = tmp_path / "zooid"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(ZOOID_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1")
+    coordinator = subprocess.Popen([sys.executable, "-m", "flows.train", "--param", "workers=2",
+                                    "--param", "epochs=500", "--param", "batch_size=32"],
+                                   cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                   text=True, start_new_session=True)
+    runs = home / "store" / "runs"
+    try:
+        deadline = time.monotonic() + 300
+        replies = []
+        while time.monotonic() < deadline and not replies:
+            replies = list(runs.glob("*/warm/*/reply-00001.json")) if runs.exists() else []
+            assert coordinator.poll() is None, coordinator.stderr.read()[-2000:]
+            time.sleep(0.2)
+        assert replies, "no warm worker replied"
+        os.killpg(coordinator.pid, signal.SIGTERM)
+        coordinator.wait(timeout=300)
+    finally:
+        if coordinator.poll() is None:
+            os.killpg(coordinator.pid, signal.SIGKILL)
+            coordinator.wait()
+    run = replies[0].relative_to(runs).parts[0]
+    assert coordinator.returncode != 0
+    assert tagged_pids(run) == []
+    ledger = json.loads((runs / run / "cost.json").read_text())
+    assert any(r["kind"] == "coordinator" for r in ledger["rows"])
+    assert not any(r["status"] == "open" for r in ledger["rows"])  # every worker billed to its stop
+    assert json.loads((runs / run / "summary.json").read_text())["status"] == "failed"
+    assert not (runs / run / "warm").exists() or not any((runs / run / "warm").rglob("*.json"))
+    [log] = (home / "logs").glob("server-*.log")
+    port = int(log.stem.split("-")[1])
+    with socket.socket() as s:  # the temporary server is gone
+        assert s.connect_ex(("127.0.0.1", port)) != 0
