@@ -23,7 +23,7 @@ SECTIONS = [
     ("Planners: co-optimisation (exact vs SCIP vs gurobipy)", "bench_co_optimize", "co_optimize"),
     ("Pipeline: pipelined vs plain scatter-reduce", "bench_scatter_reduce", "scatter_reduce"),
     ("Pipeline: predicted vs measured iteration time", "bench_prediction", "prediction"),
-    ("Pipeline: bubble", "bench_bubble", "bubble"),
+    ("Pipeline: bubble and activation memory per schedule", "bench_bubble", "bubble"),
     ("Cloud targets: pre-start on the local process pool", "bench_prestart", "prestart"),
     ("Elastic training: dynamic scaling in miniature", "bench_scaling", "scaling"),
 ]
