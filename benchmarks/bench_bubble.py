@@ -239,24 +239,9 @@ def install_memory_tracker(mem: dict) -> None:
 
 def worker_main(spec_path: str, out_path: str) -> None:
     """Run one stage worker's WorkerSpec with timers and the memory counter; write JSON."""
-    import torch
+    from benchmarks import bench_prediction
 
-    from training.run_spec import run_spec
-    from training.specs import WorkerSpec
-    from training.store import open_store
-
-    torch.set_num_threads(1)
-    timings: dict = {}
-    memory: dict = {}
-    install_timers(timings)
-    install_memory_tracker(memory)  # outside the timers: its bookkeeping is not in the stamps
-    spec = WorkerSpec.from_dict(json.loads(Path(spec_path).read_text()))
-    store = open_store(spec.store_url)
-    try:
-        result = run_spec(spec, store)
-    finally:
-        store.close()
-    Path(out_path).write_text(json.dumps({"result": result.to_dict(), "timings": timings, "memory": memory}))
+    bench_prediction.worker_main(spec_path, out_path, probes={"memory": install_memory_tracker})
 
 
 # --- analysis -----------------------------------------------------------------------------

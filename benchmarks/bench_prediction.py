@@ -221,8 +221,9 @@ def install_timers(t: dict) -> None:
     torch.Tensor.backward = timed_backward
 
 
-def worker_main(spec_path: str, out_path: str) -> None:
-    """Run one WorkerSpec (Local-SGD replica or pipeline stage) with timers; write JSON."""
+def worker_main(spec_path: str, out_path: str, probes: dict | None = None) -> None:
+    """Run one WorkerSpec (Local-SGD replica or pipeline stage) with timers, and each of
+    `probes` (name -> installer filling a dict, e.g. a memory counter); write JSON."""
     import torch
 
     from training.run_spec import run_spec
@@ -232,13 +233,16 @@ def worker_main(spec_path: str, out_path: str) -> None:
     torch.set_num_threads(1)
     timings: dict = {}
     install_timers(timings)
+    measured = {name: {} for name in probes or {}}
+    for name, install in (probes or {}).items():  # outside the timers: their bookkeeping is not stamped
+        install(measured[name])
     spec = WorkerSpec.from_dict(json.loads(Path(spec_path).read_text()))
     store = open_store(spec.store_url)
     try:
         result = run_spec(spec, store)
     finally:
         store.close()
-    Path(out_path).write_text(json.dumps({"result": result.to_dict(), "timings": timings}))
+    Path(out_path).write_text(json.dumps({"result": result.to_dict(), "timings": timings, **measured}))
 
 
 def run_workers(specs, scratch: Path, timeout_s: float = 300.0,

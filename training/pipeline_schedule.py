@@ -176,15 +176,18 @@ def one_f_one_b(stages: int, microbatches: int) -> Schedule:
     saves memory, not time.
     """
     _check_positive(stages=stages, microbatches=microbatches)
-    schedule = []
-    for s in range(stages):
-        warm = min(stages - s - 1, microbatches)
-        row = [Action(s, Kind.F, m) for m in range(warm)]
-        for m in range(microbatches - warm):
-            row += [Action(s, Kind.F, warm + m), Action(s, Kind.B, m)]
-        row += [Action(s, Kind.B, m) for m in range(microbatches - warm, microbatches)]
-        schedule.append(row)
-    return schedule
+    return [_warm_up_then_alternate(min(stages - s - 1, microbatches), microbatches,
+                                    lambda m, s=s: Action(s, Kind.F, m), lambda m, s=s: Action(s, Kind.B, m))
+            for s in range(stages)]
+
+
+def _warm_up_then_alternate(warm: int, total: int, forward, backward) -> list[Action]:
+    """One 1F1B row: `warm` forwards, then one forward and one backward until every forward
+    ran, then the backwards left; `forward(i)` / `backward(i)` give the i-th of each."""
+    row = [forward(i) for i in range(warm)]
+    for j in range(total - warm):
+        row += [forward(warm + j), backward(j)]
+    return row + [backward(j) for j in range(total - warm, total)]
 
 
 def interleaved(workers: int, chunks: int, microbatches: int) -> Schedule:
@@ -228,15 +231,9 @@ def interleaved(workers: int, chunks: int, microbatches: int) -> Schedule:
         chunk = v - 1 - chunk if kind is Kind.B else chunk
         return Action(chunk * p + w, kind, (i // (p * v)) * p + i % p)
 
-    schedule = []
-    for w in range(p):
-        warm = _interleaved_warmup(p, v, microbatches, w)
-        row = [action(w, Kind.F, i) for i in range(warm)]
-        for j in range(total - warm):
-            row += [action(w, Kind.F, warm + j), action(w, Kind.B, j)]
-        row += [action(w, Kind.B, j) for j in range(total - warm, total)]
-        schedule.append(row)
-    return schedule
+    return [_warm_up_then_alternate(_interleaved_warmup(p, v, microbatches, w), total,
+                                    lambda i, w=w: action(w, Kind.F, i), lambda i, w=w: action(w, Kind.B, i))
+            for w in range(p)]
 
 
 def _interleaved_warmup(workers: int, chunks: int, microbatches: int, worker: int) -> int:
