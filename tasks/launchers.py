@@ -221,7 +221,8 @@ class PoolLauncher(_Launcher):
             self.deployment, parameters={"spec": spec.to_dict()}, timeout=0,
             tags=[f"zooid-run:{self.run_id}", f"epoch:{spec.epoch}", f"rank:{spec.rank}"],
             job_variables={**self.job_variables, "env": env},
-            flow_run_name=f"{self.run_id}-e{spec.epoch}-r{spec.rank}-a{spec.attempt}")
+            flow_run_name=(f"{self.run_id}-warm-{spec.extra['warm']['worker']}" if spec.extra.get("warm")
+                           else f"{self.run_id}-e{spec.epoch}-r{spec.rank}-a{spec.attempt}"))
         return flow_run.id, WorkerOutcome(rank=spec.rank, attempt=spec.attempt,
                                           started_at=time.time(), ref=str(flow_run.id))
 

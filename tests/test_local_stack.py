@@ -82,6 +82,19 @@ def test_cancelling_a_training_run_stops_its_workers_and_bills_it(tmp_path):
                 nightly = client.read_deployment_by_name("train/nightly")
                 assert [s.active for s in nightly.schedules] == [False]
                 assert nightly.schedules[0].schedule.cron == "0 2 * * *"
+            # warm workers: one worker flow run per rank, one train_epoch task run per epoch in it
+            from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterFlowRunId
+
+            done = stack.run_and_wait({"workers": 2, "epochs": 2, "target": "local"}, 400)
+            with get_client(sync_client=True) as client:
+                workers = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                    tags=FlowRunFilterTags(all_=[f"zooid-run:{done['run_id']}"])))
+                assert len(workers) == 2 and all(w.state.is_completed() for w in workers)
+                for w in workers:
+                    epochs = client.read_task_runs(task_run_filter=TaskRunFilter(
+                        flow_run_id=TaskRunFilterFlowRunId(any_=[w.id])))
+                    assert sorted(t.name.split(" rank")[0] for t in epochs) == ["epoch 0", "epoch 1"]
+                    assert all(t.state.is_completed() for t in epochs)
             flow_run = run_deployment("train/local", parameters={"epochs": 8, "workers": 2}, timeout=0)
             run_id = run_id_for(flow_run.id)
             deadline = time.time() + 240
