@@ -28,7 +28,7 @@ from tasks.validate import validate_job
 def plan_report(job: TrainJob, chosen: dict) -> str:
     """The dry run's markdown: one row per candidate."""
     rows = ["| strategy | D | M | workers | cuts | micro-batches | schedule | iteration s | epoch s | $ / epoch | "
-            "samples/s per $/h | chosen |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "run s | run $ | samples/s per $/h | chosen |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for a in chosen["alternatives"]:
         tpd = a.get("throughput_per_dollar")
         schedule = a.get("pipeline_schedule") or "-"
@@ -37,12 +37,18 @@ def plan_report(job: TrainJob, chosen: dict) -> str:
         rows.append(f"| {a['strategy']} | {a['data_parallel']} | {a['stages']} | {a['workers']} | {a['cuts']} | "
                     f"{a['microbatches']} | {schedule} | {a['predicted_iteration_s']:.3g} | "
                     f"{a['predicted_epoch_s']:.3g} | {a['predicted_cost_per_epoch_usd']:.3g} | "
+                    f"{a.get('predicted_run_s', 0):.3g} | {a.get('predicted_run_cost_usd', 0):.3g} | "
                     f"{'-' if tpd is None else f'{tpd:.3g}'} | {'yes' if a['chosen'] else ''} |")
-    total = chosen["predicted_cost_per_epoch_usd"] * job.epochs
+    terms = chosen.get("run_terms") or {}
+    basis = ", ".join(f"{k} {terms[k]:.3g} s{'' if terms['measured'].get(k) else ' (assumed)'}"
+                      for k in terms if k != "measured")
     return "\n".join([f"# Zooid plan for `{job.model}` on `{job.dataset}` ({job.workers} workers, {job.target})", "",
                       *rows, "", f"Chosen: **{chosen['strategy']}**, D={chosen['data_parallel']}, "
-                      f"M={chosen['stages']}; predicted {chosen['predicted_epoch_s'] * job.epochs:.2f} s and "
-                      f"${total:.6f} for {job.epochs} epochs (workers only)."])
+                      f"M={chosen['stages']}; predicted {chosen['predicted_epoch_s']:.3g} s and "
+                      f"${chosen['predicted_cost_per_epoch_usd']:.3g} per epoch; the run of {job.epochs} epochs "
+                      f"{chosen['predicted_run_s']:.3g} s and ${chosen['predicted_run_cost_usd']:.3g} (first epoch "
+                      f"{chosen['predicted_first_epoch_s']:.3g} s; start-up, idle workers and the coordinator "
+                      f"included).", "", f"Outside the workers' compute: {basis}."])
 
 
 def dry_run(job: TrainJob) -> dict:
@@ -50,7 +56,7 @@ def dry_run(job: TrainJob) -> dict:
     from prefect.runtime import flow_run
 
     resolved = validate_job(job)
-    ctx = RunContext(run_id=run_id_for(flow_run.id or uuid.uuid4().hex), job=job, resolved=resolved)
+    ctx = RunContext(run_id=run_id_for(flow_run.id or uuid.uuid4().hex), job=job, resolved=resolved, dry_run=True)
     prof = ctx.profile = profile(ctx)
     chosen = plan_task(ctx, prof).to_dict()
     markdown = plan_report(job, chosen)

@@ -1,5 +1,9 @@
-"""The `train` flow: profile -> plan -> provision -> [run_epoch -> checkpoint -> rescale] x epochs
--> teardown -> record_cost.
+"""The `train` flow: profile -> plan -> provision -> [run_epoch -> checkpoint -> rescale or
+re-plan] x epochs -> teardown -> record_cost.
+
+After every epoch the planner is calibrated from what the workers measured
+(`planners.calibration`); the next epoch runs the plan a rescale asked for, or else the
+plan in force, unless a re-plan found one at least 10 % faster or cheaper (`tasks.plan.replan`).
 
 `train(job)` takes a `TrainJob`; `train_with_params(**fields)` is the same flow with one
 parameter per `TrainJob` field, which is what deployments run, so that
@@ -17,12 +21,13 @@ import uuid
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 
+from planners.calibration import Calibration, epoch_overhead, fit
 from planners.plan import Plan
 from tasks.checkpoint import checkpoint
 from tasks.context import ACTIVE, RunContext
 from tasks.cost import worker_seconds
 from tasks.job import EpochSummary, RunSummary, TrainJob
-from tasks.plan import plan
+from tasks.plan import plan, replan_task, strategy_inputs
 from tasks.profile import profile
 from tasks.provision import init_key, provision
 from tasks.record_cost import record_cost
@@ -31,6 +36,7 @@ from tasks.resume import find_resume_point
 from tasks.rescale import forecast_workers, rescale
 from tasks.prestart import WarmPrestart
 from tasks.run_epoch import run_epoch
+from tasks.run_terms import RunClock, record_terms
 from tasks.teardown import teardown
 from tasks.validate import validate_job
 from tasks.warm_pool import WarmPool, provisional_plan, starts_before_profile
@@ -120,6 +126,7 @@ def run_training(job: TrainJob) -> RunSummary:
     ACTIVE[ctx.flow_run_id] = ctx
     progress_id = ctx.progress_id = create_progress_artifact(0.0, description=f"Epochs of run {ctx.run_id}")
     status, error, history, plan_dict = "failed", None, [], {}
+    clock = RunClock(first_epoch_fresh=job.resume is None)
     ctx.warm = WarmPool(ctx) if job.warm else None
     try:
         if ctx.warm is not None and starts_before_profile(ctx):  # their start-up hides behind profile + plan
@@ -128,14 +135,16 @@ def run_training(job: TrainJob) -> RunSummary:
         first_epoch, init, lr, workers = 0, init_key(ctx), job.lr, job.workers
         if resume is not None:
             first_epoch, init, lr, workers = resume.next_epoch, resume.init_key, resume.lr, resume.workers
-            history, ctx.ledger = list(resume.history), list(resume.ledger)
+            history, ctx.ledger = list(resume.history), list(resume.ledger) + ctx.ledger  # + the profile's worker
             for rank in range(job.max_workers):  # attempt numbers stay unique across coordinators
                 ctx.attempts[(first_epoch, rank)] = resume.max_attempt
+        calibration = Calibration.from_dict((history[-1].get("replan") or {}).get("calibration") if history else None)
         if resume is not None and resume.plan and resume.plan.get("data_parallel") == workers:
             current = Plan.from_dict(resume.plan)  # the same plan, so a started epoch can go on
         else:
-            current = plan(ctx, prof, workers)
+            current = plan(ctx, prof, workers, calibration, job.epochs - first_epoch)
         plan_dict = current.to_dict()
+        clock.planned_at = time.time()
         if ctx.warm is not None:  # start-up overlaps provisioning
             ctx.warm.ensure(current, first_epoch)
         provision(ctx, current, fresh=resume is None)
@@ -149,28 +158,42 @@ def run_training(job: TrainJob) -> RunSummary:
             if ctx.warm is not None and epoch + 1 < job.epochs and \
                     (upcoming := forecast_workers(ctx, prof, history, current.data_parallel, lr)):
                 ticks.append(WarmPrestart(ctx, current, epoch, upcoming).tick)  # hides the next start-up
+            sent = time.time()
             metrics = run_epoch(ctx, current, epoch, init, lr, resuming, on_tick=lambda: [t() for t in ticks])
+            clock.epoch(sent, time.time())
             init = checkpoint(ctx, epoch, metrics["checkpoint_key"], metrics)
+            calibration = fit(current, metrics, calibration, first=epoch == first_epoch,
+                              inputs=strategy_inputs(ctx, prof, workers))
+            metrics["overhead_s"] = epoch_overhead(current, metrics)
             history.append(metrics)
             _epoch_progress(ctx, progress_id, history)
             if target_reached(job, metrics):
                 status = "target_reached"
                 break
             if epoch + 1 < job.epochs:
-                decision = rescale(ctx, prof, history, current.data_parallel, lr)
+                decision = rescale(ctx, prof, history, workers, lr)
                 metrics["rescale"] = decision
                 lr = decision["lr"]
-                if decision["workers"] != current.data_parallel:
-                    current = plan(ctx, prof, decision["workers"])
+                left = job.epochs - epoch - 1
+                if decision["workers"] != workers:  # the policy moved the worker budget
+                    workers = decision["workers"]
+                    current = plan(ctx, prof, workers, calibration, left)
+                    metrics["replan"] = {"calibration": calibration.to_dict(), "switched": True,
+                                         "reason": f"rescaled to {workers} worker(s) by the {job.scaling} policy",
+                                         "predicted_epoch_s": current.predicted_epoch_s}
+                else:
+                    current, metrics["replan"] = replan_task(ctx, prof, current, calibration, left, workers)
             metrics["plan"] = current.to_dict()
             save_progress(ctx, history)
     except BaseException as exc:
         status, error = "failed", f"{type(exc).__name__}: {exc}"
         raise
     finally:
+        clock.teardown_at = time.time()
         teardown(ctx)
         ledger = record_cost(ctx)
         summary = _finish(ctx, status, history, plan_dict, ledger, error)
+        record_terms(ctx, clock, history)  # the next plan on this target predicts from them
         ACTIVE.pop(ctx.flow_run_id, None)
     return summary
 

@@ -46,7 +46,7 @@ def serve_warm(spec_dict: dict) -> dict:
     store = open_store_ref(spec.store_url)
     try:
         reason = serve(spec, store, lambda job: WorkerResult.from_dict(train_epoch(job.to_dict())),
-                       lambda: open_store_ref(spec.store_url))
+                       lambda: open_store_ref(spec.store_url), open_ref=open_store_ref)
     finally:
         store.close()
     return {"run_id": spec.run_id, "rank": spec.rank, "warm": True, "stopped": reason}

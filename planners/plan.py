@@ -42,7 +42,21 @@ class Plan:
     predicted_iteration_s: float = 0.0
     """Predicted seconds per optimizer step, synchronisation amortised."""
     predicted_epoch_s: float = 0.0
+    """A steady-state epoch's wall time: the workers' compute and sync, plus the run's
+    per-epoch overhead once `planners.run_prediction` added it."""
     predicted_cost_per_epoch_usd: float = 0.0
+    predicted_compute_epoch_s: float = 0.0
+    """The workers' part of an epoch: steps x iteration (what the strategy planners predict)."""
+    predicted_compute_s: float = 0.0
+    """The busiest worker's compute per iteration, the rest of `predicted_iteration_s` being
+    communication (transfers, sync): the split the first epoch's measurements calibrate."""
+    predicted_first_epoch_s: float = 0.0
+    predicted_run_s: float = 0.0
+    """From the plan to the run's end, start-up, gaps and teardown included."""
+    predicted_run_cost_usd: float = 0.0
+    """The whole run's bill (workers, start-up, idle and the coordinator), made at the plan."""
+    run_terms: dict = field(default_factory=dict)
+    """The `planners.run_prediction.RunTerms` the run predictions used."""
     planner_objective_s: float = 0.0
     """The contract formula's iteration time the partition solver minimised (pipelines; 0
     where no solver ran), kept beside the prediction for the report."""
@@ -94,4 +108,5 @@ def plan_local_sgd(*, workers: int, train_samples: int, batch_size: int, sync_pe
                 worker_memory_gb=worker_memory_gb, worker_gpu=worker_gpu, offer=offer,
                 price_per_worker_s=price_per_worker_s,
                 predicted_iteration_s=epoch_s / steps, predicted_epoch_s=epoch_s,
+                predicted_compute_epoch_s=epoch_s, predicted_compute_s=step_s,
                 predicted_cost_per_epoch_usd=epoch_s * workers * price_per_worker_s)

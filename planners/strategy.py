@@ -82,26 +82,14 @@ class StrategyInputs:
     host_cores: int | None = None
     """Cores of the one machine all of a plan's worker processes share (the `inline` and
     local `process` targets); None: each worker has a machine or container of its own."""
-    corun: float = 1.0
-    """>= 1: a worker's compute slowdown while another worker process computes beside it on
-    the shared machine (measured, `training.corun`); used only with `host_cores`."""
-    peer_synced_step_s: float | None = None
-    """One step right after a store allreduce, timed in each of 2 worker processes sharing
-    this machine (`training.links.time_store_collective`; None: not timed). Replaces
-    `synced_step_s` for Local-SGD with several workers on the shared machine: it carries
-    what syncing beside a peer costs the next step, and the co-run slowdown."""
-    transfer_wake_s: float = 0.0
-    """Seconds each put and each get of a pipeline stage costs beyond `transfer` on the
-    shared machine: its transfer thread wakes from a pause while the cores compute
-    (measured, `training.corun`); used only with `host_cores`."""
 
     def compute_slowdown(self, processes: int) -> float:
-        """How much slower each of a plan's `processes` worker processes computes than one
-        process alone: 1 with a machine each; on a shared machine the measured co-run
-        factor, times processes / cores where they outnumber the cores (time-sharing)."""
+        """How much slower each of a plan's `processes` worker processes computes than the
+        profile's worker: 1 with a machine each, or while the shared machine has a core per
+        process; processes / cores where they outnumber the cores (time-sharing)."""
         if self.host_cores is None or processes <= 1:
             return 1.0
-        return self.corun * max(1.0, processes / self.host_cores)
+        return max(1.0, processes / self.host_cores)
 
     @property
     def transfer_costs(self) -> TransferCosts:
@@ -136,14 +124,10 @@ def local_sgd(x: StrategyInputs, workers: int | None = None) -> Plan:
 def local_sgd_step_s(x: StrategyInputs, workers: int) -> float:
     """A Local-SGD replica's mean step among `workers`: one step in k follows a sync (and
     rank 0's checkpoint write) and runs at that measured pace; all are slowed by sharing the
-    machine (`StrategyInputs.compute_slowdown`). With peers on the shared machine the step
-    after a sync is the one timed beside a peer, which holds the co-run slowdown already."""
+    machine (`StrategyInputs.compute_slowdown`)."""
     k, slow = x.sync_period, x.compute_slowdown(workers)
     if not k:
         return x.step_s * slow
-    if x.host_cores is not None and workers > 1 and x.peer_synced_step_s is not None:
-        synced = x.peer_synced_step_s * max(1.0, workers / x.host_cores)
-        return (synced + (k - 1) * x.step_s * slow) / k
     synced = x.synced_step_s if x.synced_step_s is not None else x.step_s
     return (synced + (k - 1) * x.step_s) / k * slow
 
@@ -222,11 +206,23 @@ def pipeline_plans(x: StrategyInputs, *, cluster: int, global_batch: int, microb
                     batch_size=batch, worker_vcpu=x.worker_vcpu,
                     worker_memory_gb=x.worker_memory_gb, worker_gpu=x.worker_gpu, offer=x.offer,
                     price_per_worker_s=x.price_per_worker_s, planner_objective_s=c["time_s"])
-        period = pipeline_prediction(x, plan).period_s
-        epoch_s = steps * period
-        plans.append(replace(plan, predicted_iteration_s=period, predicted_epoch_s=epoch_s,
-                             predicted_cost_per_epoch_usd=epoch_s * plan.workers * x.price_per_worker_s))
+        plans.append(predicted(x, plan))
     return plans
+
+
+def predicted(x: StrategyInputs, plan: Plan) -> Plan:
+    """A pipeline or hybrid `plan` with its iteration, compute, epoch and cost predicted."""
+    timing = pipeline_prediction(x, plan)
+    epoch_s = plan.steps_per_epoch * timing.period_s
+    return replace(plan, predicted_iteration_s=timing.period_s, predicted_epoch_s=epoch_s,
+                   predicted_compute_epoch_s=epoch_s, predicted_compute_s=busiest_compute_s(timing),
+                   predicted_cost_per_epoch_usd=epoch_s * plan.workers * x.price_per_worker_s)
+
+
+def busiest_compute_s(timing: PipelineTime) -> float:
+    """The busiest stage's forward and backward seconds per iteration (the rest of its
+    period is transfers, waits and sync)."""
+    return max(timing.period_s * (1.0 - b) for b in timing.bubble)
 
 
 def pipeline_prediction(x: StrategyInputs, plan: Plan) -> PipelineTime:
@@ -235,16 +231,12 @@ def pipeline_prediction(x: StrategyInputs, plan: Plan) -> PipelineTime:
     store's transfer costs, each stage's pipelined scatter-reduce among its D replicas and
     its parameter share of the optimizer step; forward and backward slowed by the
     contention factor, and compute by the plan's processes sharing one machine
-    (`StrategyInputs.compute_slowdown`), where each put and get also pays
-    `transfer_wake_s`."""
+    (`StrategyInputs.compute_slowdown`)."""
     if plan.microbatches < 1 or plan.batch_size % plan.microbatches:
         raise ValueError(f"microbatches: {plan.microbatches} does not split the batch of {plan.batch_size}")
     stages = stage_times(x.layers, plan.cuts, plan.batch_size // plan.microbatches, x.profile_batch)
     shared = x.compute_slowdown(plan.workers)
     costs = x.transfer_costs
-    if x.host_cores is not None and x.transfer_wake_s:
-        costs = replace(costs, put_latency_s=costs.put_latency_s + x.transfer_wake_s,
-                        get_latency_s=costs.get_latency_s + x.transfer_wake_s)
     for beta, st in zip(stage_contention(x.contention, stages, costs), stages):
         # a stage's transfer threads share its CPU with its compute
         st["forward_s"] *= beta * shared
@@ -259,11 +251,7 @@ def pipeline_prediction(x: StrategyInputs, plan: Plan) -> PipelineTime:
 
 def with_schedule(x: StrategyInputs, plan: Plan, schedule: str) -> Plan:
     """`plan` run with another pipeline schedule, its time and cost predicted again."""
-    plan = replace(plan, pipeline_schedule=schedule)
-    period = pipeline_prediction(x, plan).period_s
-    epoch_s = plan.steps_per_epoch * period
-    return replace(plan, predicted_iteration_s=period, predicted_epoch_s=epoch_s,
-                   predicted_cost_per_epoch_usd=epoch_s * plan.workers * x.price_per_worker_s)
+    return predicted(x, replace(plan, pipeline_schedule=schedule))
 
 
 def choose_schedule(options: list[Plan]) -> Plan:

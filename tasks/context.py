@@ -51,6 +51,8 @@ class RunContext:
     torn_down: bool = False
     cost_recorded: bool = False
     flow_run_id: str = ""
+    dry_run: bool = False
+    """A plan without a run (`flows.plan`): what it spent profiling is no part of a run's bill."""
 
     @property
     def store_ref(self) -> str:

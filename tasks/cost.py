@@ -77,13 +77,14 @@ def coordinator_record(run_id: str, start: float, stop: float, offer: Offer,
 
 def worker_seconds(rows: Iterable[dict]) -> dict[str, float]:
     """Worker-seconds of a ledger (row dicts) by what they paid for: `startup`, `busy` and
-    `idle` (warm workers), `cold` (a cold worker's whole attempt), `failed` (failed attempts)."""
-    out = {"startup": 0.0, "busy": 0.0, "idle": 0.0, "cold": 0.0, "failed": 0.0}
+    `idle` and `profile` (warm workers), `cold` (a cold worker's whole attempt), `failed`
+    (failed attempts)."""
+    out = {"startup": 0.0, "busy": 0.0, "idle": 0.0, "profile": 0.0, "cold": 0.0, "failed": 0.0}
     for r in rows:
         if r["kind"] == "failed_attempt":
             out["failed"] += r["seconds"]
         elif r["kind"] == "worker":
-            out[r["status"] if r["status"] in ("startup", "busy", "idle") else "cold"] += r["seconds"]
+            out[r["status"] if r["status"] in ("startup", "busy", "idle", "profile") else "cold"] += r["seconds"]
     return out
 
 

@@ -143,6 +143,10 @@ class EpochSummary(BaseModel):
     """The slowest worker's compute + sync seconds: the epoch's wall time minus this is overhead."""
     worker_pids: dict = Field(default_factory=dict)
     """Rank -> process id of the worker that completed it (warm workers keep theirs)."""
+    overhead_s: Optional[float] = None
+    """Wall time beyond the epoch's steps: dispatch, data, validation, checkpoint."""
+    replan: dict = Field(default_factory=dict)
+    """After this epoch: the calibration fitted, whether the plan changed, and why."""
 
 
 class RunSummary(BaseModel):

@@ -7,15 +7,19 @@ with predicted iteration time, epoch time and cost, travel with the plan to the 
 from __future__ import annotations
 
 import dataclasses
+import time
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from planners.calibration import Calibration, calibrated
 from planners.pipeline_time import TransferCosts
 from planners.plan import Plan
+from planners.run_prediction import predict_run, with_run_prediction
 from planners.strategy import StrategyInputs, choose
 from tasks.context import RunContext
 from tasks.retry import task_options
+from tasks.run_terms import load_terms
 from training.errors import ZooidValueError
 
 
@@ -32,19 +36,14 @@ LAYER_FIELDS = ("forward_s", "backward_s", "output_bytes", "param_bytes", "forwa
 
 
 def strategy_inputs(ctx: RunContext, profile: dict, workers: int) -> StrategyInputs:
-    """The planner's view of the job, its measured profile and its target: the contract's
-    store bandwidth and latency, and where the profile has them, a worker's measured put
-    and get costs and the store collective's fitted link (`tasks.profile`). The hand-off
-    delay timed between two worker processes, when the collective probe ran, replaces the
-    one timed between two threads of the coordinator. On a target whose workers share
-    this machine, the measured co-run slowdown and the machine's cores (`profile["corun"]`)
-    slow each plan's compute by how many worker processes it runs at once."""
+    """The planner's view of the job, its profile (taken on the target, `tasks.profile`)
+    and its target: the store's contract bandwidth and latency, a worker's measured put
+    and get costs, the sync checkpoint write and a step right after it. Where the workers
+    share this machine, a plan of more worker processes than cores time-shares them."""
+    from training.profiler import cpu_count
+
     job, target = ctx.job, ctx.resolved.target
-    corun = profile.get("corun") if target.kind in SHARED_HOST_KINDS else None
     transfer = profile.get("store_transfer")
-    sync = profile.get("store_sync") or {}
-    if transfer and sync.get("handoff_s") is not None:
-        transfer = {**transfer, "handoff_s": sync["handoff_s"]}
     return StrategyInputs(
         layers=tuple({k: l[k] for k in LAYER_FIELDS if k in l} for l in profile.get("layers", ())),
         profile_batch=profile.get("microbatch_size") or profile["batch_size"], step_s=profile["step_s"],
@@ -56,26 +55,99 @@ def strategy_inputs(ctx: RunContext, profile: dict, workers: int) -> StrategyInp
         worker_vcpu=target.worker_vcpu, worker_memory_gb=target.worker_memory_gb,
         worker_gpu=target.worker_gpu, optimizer_step_s=profile.get("optimizer_step_s", 0.0),
         transfer=TransferCosts(**transfer) if transfer else None,
-        sync_bandwidth=sync.get("bandwidth_bytes_per_s"), sync_latency=sync.get("latency_s"),
         checkpoint_s=profile.get("checkpoint_s"), synced_step_s=profile.get("synced_step_s"),
         contention=profile.get("contention") or 1.0,
-        host_cores=corun["host_cores"] if corun else None, corun=corun["factor"] if corun else 1.0,
-        transfer_wake_s=(corun.get("transfer_extra_s") or 0.0) if corun else 0.0,
-        peer_synced_step_s=sync.get("synced_step_s") if corun else None)
+        host_cores=cpu_count() if target.kind in SHARED_HOST_KINDS else None)
 
 
-def make_plan(ctx: RunContext, profile: dict, workers: int) -> Plan:
-    """The plan for the job's strategy with `workers` replicas, refused (ZooidValueError
-    naming `memory`, with the numbers per stage) when a stage does not fit its worker."""
-    x = strategy_inputs(ctx, profile, workers)
+def make_plan(ctx: RunContext, profile: dict, workers: int, calibration: Calibration | None = None,
+              epochs_left: int | None = None) -> Plan:
+    """The plan for the job's strategy with `workers` replicas, its inputs calibrated by
+    the epochs measured so far, with its epoch and run predicted start-up aware
+    (`with_run`); refused (ZooidValueError naming `memory`, with the numbers per stage)
+    when a stage does not fit its worker."""
+    x = calibrated(strategy_inputs(ctx, profile, workers), calibration or Calibration())
     try:
         chosen = choose(x, ctx.job.strategy)
     except ValueError as exc:
         raise ZooidValueError("strategy", str(exc).removeprefix("strategy: ")) from None
     if chosen.stages > 1:
-        return pick_schedule(ctx, profile, x, chosen)
-    check_memory(ctx, profile, chosen)
-    return chosen
+        chosen = pick_schedule(ctx, profile, x, chosen)
+    else:
+        check_memory(ctx, profile, chosen)
+    return with_run(ctx, chosen, calibration, epochs_left)
+
+
+def with_run(ctx: RunContext, chosen: Plan, calibration: Calibration | None, epochs_left: int | None) -> Plan:
+    """`chosen` and its alternatives with each epoch's overhead and the run's time and bill
+    (`planners.run_prediction`), from the target's measured terms (`tasks.run_terms`)."""
+    from tasks.cost import total_usd
+    from tasks.record_cost import rows_now
+
+    terms = load_terms(ctx, calibration.overhead_s if calibration else None)
+    launched = [w.launched_at for w in ctx.warm.workers.values()] if ctx.warm is not None else []
+    kwargs = dict(epochs=ctx.job.epochs if epochs_left is None else epochs_left, warm=ctx.job.warm,
+                  workers_launched_s=time.time() - min(launched) if launched else None,
+                  billed_usd=0.0 if ctx.dry_run else total_usd(rows_now(ctx)),
+                  coordinator_price_per_s=ctx.price_per_worker_s)
+    alternatives = []
+    for a in chosen.alternatives:
+        compute = a.get("predicted_compute_epoch_s", a["predicted_epoch_s"])
+        alt = Plan(strategy=a["strategy"], data_parallel=a["data_parallel"], stages=a["stages"],
+                   price_per_worker_s=chosen.price_per_worker_s, predicted_compute_epoch_s=compute)
+        p = predict_run(alt, terms, **kwargs)
+        alternatives.append({**a, "predicted_compute_epoch_s": compute, "predicted_epoch_s": p.epoch_s,
+                             "predicted_cost_per_epoch_usd": p.epoch_s * alt.workers * alt.price_per_worker_s,
+                             "predicted_run_s": p.run_s, "predicted_run_cost_usd": p.cost_usd})
+    return with_run_prediction(dataclasses.replace(chosen, alternatives=tuple(alternatives)), terms, **kwargs)
+
+
+def shape(plan: Plan) -> tuple:
+    """What the workers run: two plans of one shape need no change of workers."""
+    return (plan.strategy, plan.data_parallel, plan.stages, tuple(plan.cuts), plan.microbatches,
+            plan.pipeline_schedule)
+
+
+def replan(ctx: RunContext, profile: dict, current: Plan, calibration: Calibration,
+           epochs_left: int, budget: int, gain: float = 0.10) -> tuple[Plan, dict]:
+    """After an epoch: the plan in force predicted again from the calibrated inputs, and the
+    planner's choice for the same worker budget (`budget`, what the plan in force was
+    planned for); the choice replaces it when it is at least `gain` faster, or `gain`
+    cheaper while no more than 5 % slower. Returns the plan for the next epoch and the
+    decision (for the epoch history)."""
+    same = make_same(ctx, profile, current, calibration, epochs_left)
+    try:
+        best = make_plan(ctx, profile, budget, calibration, epochs_left)
+    except ZooidValueError as exc:
+        best, why = None, str(exc)
+    decision = {"calibration": calibration.to_dict(), "predicted_epoch_s": same.predicted_epoch_s,
+                "switched": False}
+    if best is None or shape(best) == shape(same):
+        decision["reason"] = (f"the plan in force is still the best for {current.workers} worker(s)"
+                              if best is not None else f"no other plan: {why}")
+        return same, decision
+    faster = best.predicted_epoch_s <= (1 - gain) * same.predicted_epoch_s
+    cheaper = (best.predicted_cost_per_epoch_usd <= (1 - gain) * same.predicted_cost_per_epoch_usd
+               and best.predicted_epoch_s <= 1.05 * same.predicted_epoch_s)
+    summary = (f"{best.strategy} D={best.data_parallel} M={best.stages}: {best.predicted_epoch_s:.3g} s, "
+               f"${best.predicted_cost_per_epoch_usd:.3g} per epoch vs {same.predicted_epoch_s:.3g} s, "
+               f"${same.predicted_cost_per_epoch_usd:.3g}")
+    if faster or cheaper:
+        decision.update(switched=True, reason=f"{'faster' if faster else 'cheaper'}: {summary}",
+                        to={"strategy": best.strategy, "data_parallel": best.data_parallel, "stages": best.stages})
+        return best, decision
+    decision["reason"] = f"kept: the best other plan gains less than {gain:.0%} ({summary})"
+    return same, decision
+
+
+def make_same(ctx: RunContext, profile: dict, current: Plan, calibration: Calibration, epochs_left: int) -> Plan:
+    """The plan in force (its shape unchanged) predicted again from calibrated inputs."""
+    from planners.strategy import local_sgd, predicted
+
+    x = calibrated(strategy_inputs(ctx, profile, current.data_parallel), calibration)
+    again = local_sgd(x, current.data_parallel) if current.stages == 1 else predicted(x, current)
+    again = dataclasses.replace(again, alternatives=current.alternatives)
+    return with_run(ctx, again, calibration, epochs_left)
 
 
 def pick_schedule(ctx: RunContext, profile: dict, x, plan: Plan) -> Plan:
@@ -125,6 +197,17 @@ def check_memory(ctx: RunContext, profile: dict, plan: Plan) -> None:
 
 
 @task(name="plan", cache_policy=NO_CACHE, **task_options(retries=1, timeout_s=300))
-def plan(ctx: RunContext, profile: dict, workers: int | None = None) -> Plan:
-    """Plan the parallelism for `workers` replicas (default: the job's)."""
-    return make_plan(ctx, profile, workers or ctx.job.workers)
+def plan(ctx: RunContext, profile: dict, workers: int | None = None, calibration: Calibration | None = None,
+         epochs_left: int | None = None) -> Plan:
+    """Plan the parallelism for `workers` replicas (default: the job's), calibrated by the
+    epochs measured so far, for `epochs_left` more epochs (default: the job's)."""
+    return make_plan(ctx, profile, workers or ctx.job.workers, calibration, epochs_left)
+
+
+@task(name="replan", cache_policy=NO_CACHE, **task_options(retries=1, timeout_s=300))
+def replan_task(ctx: RunContext, profile: dict, current: Plan, calibration: Calibration, epochs_left: int,
+                budget: int) -> tuple[Plan, dict]:
+    """`replan` as a step of the flow: the decision shows in the UI and the epoch history."""
+    chosen, decision = replan(ctx, profile, current, calibration, epochs_left, budget)
+    print(f"zooid re-plan after {calibration.epochs} epoch(s): {decision['reason']}")
+    return chosen, decision

@@ -1,83 +1,39 @@
-"""The `profile` step: measure the model on this hardware and the store it will sync through.
+"""The `profile` step: the model and the store, measured where the workers run, and cached.
 
-The model profile is cached by Prefect, keyed on model, input shape, batch size and hardware,
-so a second run of the same job does not profile again; the store probe is cheap and always
-measured, since a store's speed depends on where it is. The store collective (Local-SGD's
-average, timed among real worker processes) costs seconds of process start-up, so it is
-cached for a day per kind of store, hardware and size. Where the workers will share this
-machine (the `inline` and local `process` targets), the step is also timed in two worker
-processes at once (`training.corun`), cached the same way: the slowdown a plan's compute
-pays for its neighbours.
+The coordinator never times a model whose workers run elsewhere: a worker on the target
+measures it (`training.profile_job`), on its device and at its thread count, with the store
+seen from where it runs. That worker is the run's first warm worker, or, for a cold run or a
+dry run, a one-off worker on the same pool and offer, stopped once it answered (and billed).
+
+Results are cached in the durable store, so a second run profiles nothing on any machine
+that reads that store (`profile_cache`):
+
+- `cache/targets/<key>.json`: what a target's workers are (device, threads, torch version),
+  keyed by the target's launch settings; it tells a later run the model key to look up
+  before any worker starts;
+- `cache/profiles/<key>.json`: the model's profile, keyed by model identity (registry name,
+  or import path plus a hash of the module's source), input shape, classes, batch size,
+  micro-batch size, optimizer, device name, threads and torch version;
+- `cache/stores/<key>.json`: the store probe, keyed by the model key and where the store is,
+  kept for a day (a store's speed drifts; the epochs recalibrate anyway).
+
+The run log says what was measured, what came from the cache and how long it took.
 """
 from __future__ import annotations
 
-import hashlib
-import json
-from datetime import timedelta
-from urllib.parse import urlsplit
+import time
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from tasks.context import RunContext
-from tasks.plan import SHARED_HOST_KINDS
+from tasks.launchers import worker_threads
+from tasks.profile_cache import ProfileCache, model_key, store_key, target_key
 from tasks.retry import task_options
+from training.errors import ZooidValueError
+from training.profile_job import ProfileRequest
 
-
-def _hardware() -> str:
-    from training.profiler import hardware_fingerprint
-
-    return hardware_fingerprint(threads=1)  # the tasks measure at one thread, as workers run
-
-
-def _profile_cache_key(context, params) -> str:
-    key = {k: params[k] for k in ("model", "input_shape", "classes", "batch_size", "optimizer")}
-    key["hardware"] = _hardware()
-    key["version"] = 4  # 4: allocator pinned (training.malloc), anchors sampled >= 0.3 s
-    return "zooid-profile-" + hashlib.sha256(json.dumps(key, sort_keys=True, default=list).encode()).hexdigest()[:32]
-
-
-@task(name="profile-model", cache_key_fn=_profile_cache_key, persist_result=True,
-      result_serializer="json", retries=1, retry_delay_seconds=2, timeout_seconds=600)
-def profile_model(model: str, input_shape: list[int], classes: int, batch_size: int, seed: int = 0,
-                  optimizer: str = "sgd") -> dict:
-    """Per-layer and per-step timings of `model` at `batch_size` (JSON-able dict)."""
-    from training.models import build_model
-    from training.profiler import profile_model as measure
-
-    import torch
-
-    torch.set_num_threads(1)  # workers run one thread each; profile what they will see
-    net = build_model(model, seed)
-    return measure(net, model, tuple(input_shape), classes, batch_size, optimizer=optimizer).to_dict()
-
-
-@task(name="probe-store", cache_policy=NO_CACHE, **task_options(retries=2, timeout_s=120))
-def probe_store(ctx: RunContext, max_bytes: float = 0, activation_bytes: float = 0) -> dict:
-    """The store's fitted bandwidth (bytes/s) and latency (s) in the contract's form, a
-    worker's put and get costs up to `max_bytes` (`training.links.profile_transfers`), the
-    seconds of the sync checkpoint rank 0 writes (the job's model and optimizer) and of a
-    step right after it, and, with `activation_bytes` (a pipeline may be planned), the
-    contention factor: compute at the micro-batch slowed by transfers of that size
-    (FuncPipe's beta). One torch thread, as a worker runs."""
-    import torch
-
-    from training.links import probe_store_side
-    from training.models import build_model
-    from training.optimizers import build_optimizer
-
-    job, r = ctx.job, ctx.resolved
-    net = build_model(job.model, job.seed)
-    gen = torch.Generator().manual_seed(job.seed)
-    x = torch.randn(job.batch_size, *r.input_shape, generator=gen)
-    y = torch.randint(0, r.classes, (job.batch_size,), generator=gen)
-    store = ctx.open_store()
-    try:
-        return probe_store_side(store, ctx.prefix("probe"), net, build_optimizer(job.optimizer, net, job.lr),
-                                x, y, r.classes, max_bytes=max_bytes, microbatch_size=microbatch_size(job),
-                                activation_bytes=activation_bytes)
-    finally:
-        store.close()
+STORE_PROBE_TTL_S = 24 * 3600.0
 
 
 def microbatch_size(job) -> int:
@@ -96,73 +52,6 @@ def typical_activation_bytes(prof: dict, job) -> float:
     return outputs[len(outputs) // 2] * microbatch_size(job) / (prof.get("microbatch_size") or prof["batch_size"])
 
 
-def _collective_cache_key(context, params) -> str:
-    parts = urlsplit(params["store_ref"])
-    # the kind of store and where it is, not the run's folder; hashed: a URL may hold a password
-    where = hashlib.sha256(f"{parts.scheme}://{parts.netloc}".encode()).hexdigest()[:16]
-    key = {"where": where, "model": params["model"], "optimizer": params["optimizer"],
-           "worlds": list(params["worlds"]), "step": params.get("step"), "hardware": _hardware(), "version": 4}
-    return "zooid-collective-" + hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
-
-
-@task(name="time-store-collective", cache_key_fn=_collective_cache_key, persist_result=True,
-      result_serializer="json", cache_expiration=timedelta(days=1), retries=1, retry_delay_seconds=2,
-      timeout_seconds=600)
-def time_collective(store_ref: str, run_prefix: str, model: str, optimizer: str, worlds: list[int],
-                    step: dict | None = None) -> dict:
-    """Local-SGD's store allreduce of `model`'s replica state timed among `worlds` worker
-    processes, the effective bandwidth and latency of the scatter-reduce model fitted to
-    it, and the hand-off delay between two of those processes (what a pipeline stage
-    waiting for its neighbour's tensor pays); with `step` (input_shape, classes, batch_size),
-    a training step timed right after each sync in both processes."""
-    from training.links import fit_scatter_reduce, time_store_collective
-
-    timing = time_store_collective(store_ref, run_prefix, model=model, optimizer=optimizer,
-                                   worlds=tuple(worlds), opener="blocks.store:open_store_ref", step=step)
-    bw, lat = fit_scatter_reduce(timing.samples)
-    return {"samples": [list(s) for s in timing.samples], "bandwidth_bytes_per_s": bw, "latency_s": lat,
-            "handoff_s": timing.handoff_s, "synced_step_s": timing.synced_step_s}
-
-
-def _corun_cache_key(context, params) -> str:
-    key = {k: params[k] for k in ("model", "input_shape", "classes", "batch_size", "optimizer", "transfer_bytes")}
-    key["hardware"] = _hardware()
-    key["version"] = 2
-    return "zooid-corun-" + hashlib.sha256(json.dumps(key, sort_keys=True, default=list).encode()).hexdigest()[:32]
-
-
-@task(name="time-corun", cache_key_fn=_corun_cache_key, persist_result=True, result_serializer="json",
-      cache_expiration=timedelta(days=1), retries=1, retry_delay_seconds=2, timeout_seconds=300)
-def time_corun(model: str, input_shape: list[int], classes: int, batch_size: int, optimizer: str,
-               seed: int = 0, transfer_bytes: int = 0) -> dict:
-    """The training step of `model` timed in one worker process alone and in two at once on
-    this machine (`training.corun`), with the machine's cores: how much a plan's compute
-    slows when its worker processes share the machine (`inline` and local targets); with
-    `transfer_bytes` (a pipeline may be planned), also what a stage's put and get of that
-    size pay beyond the profile's timing while the machine computes."""
-    from training.corun import measure_corun
-    from training.profiler import cpu_count
-
-    measured = measure_corun(model, tuple(input_shape), classes, batch_size, optimizer=optimizer, seed=seed,
-                             transfer_bytes=transfer_bytes)
-    return {**measured.to_dict(), "host_cores": cpu_count()}
-
-
-def allreduce_fit(samples, store_bandwidth: float) -> dict:
-    """The hybrid contract's ring allreduce alpha and beta (the profile's
-    `allreduce_alpha_s_per_byte`, `allreduce_beta_s`), fitted to the timed store allreduce
-    `samples` beyond the store's bandwidth; zeros when they cannot be told apart (fewer than
-    two sizes)."""
-    from planners.errors import PlannerInputError
-    from training.links import fit_allreduce_samples
-
-    try:
-        alpha, beta, _ = fit_allreduce_samples([tuple(s) for s in samples], store_bandwidth)
-    except PlannerInputError:
-        alpha = beta = 0.0
-    return {"allreduce_alpha_s_per_byte": alpha, "allreduce_beta_s": beta}
-
-
 def sync_bytes(prof: dict, optimizer: str) -> float:
     """Bytes one Local-SGD average moves: the parameters and the optimizer's moments."""
     from tasks.plan import optimizer_copies
@@ -170,32 +59,131 @@ def sync_bytes(prof: dict, optimizer: str) -> float:
     return prof["param_bytes"] * (1 + optimizer_copies(optimizer))
 
 
-def profile(ctx: RunContext) -> dict:
-    """The profile step: model profile (cached), store probe and, when a plan may have
-    several workers, the store collective and, on a shared machine, the co-run slowdown
-    (both cached)."""
-    r, job = ctx.resolved, ctx.job
-    prof = dict(profile_model(job.model, list(r.input_shape), r.classes, job.batch_size, job.seed,
-                              job.optimizer))
-    nbytes = sync_bytes(prof, job.optimizer)
-    largest = max([nbytes] + [l["output_bytes"] for l in prof.get("layers", ())])
-    # a pipeline may be planned: the probes time transfers of its typical activation
+def profile_request(ctx: RunContext, *, model_profile: bool, probe: dict | None) -> ProfileRequest:
+    """What the target's worker is asked to measure (`probe`: the store probe's sizes, None:
+    no store probe)."""
+    from tasks.warm_pool import provisional_plan
+
+    job, r = ctx.job, ctx.resolved
+    return ProfileRequest(
+        model=job.model, input_shape=tuple(r.input_shape), classes=r.classes, batch_size=job.batch_size,
+        microbatch_size=microbatch_size(job), optimizer=job.optimizer, lr=job.lr, seed=job.seed,
+        threads=worker_threads(r.target.kind, provisional_plan(ctx)),
+        device="cuda" if r.target.worker_gpu > 0 else "auto", model_profile=model_profile,
+        store_url=ctx.store_ref if probe is not None else "", probe_prefix=ctx.prefix("probe"),
+        max_bytes=(probe or {}).get("max_bytes", 0.0), activation_bytes=(probe or {}).get("activation_bytes", 0.0))
+
+
+def check_device(identity: dict, worker_gpu: int) -> None:
+    """A job whose workers have GPUs is never planned from a CPU profile."""
+    if worker_gpu > 0 and identity.get("device") != "cuda":
+        raise ZooidValueError("worker_gpu", f"the target's workers have {worker_gpu} GPU(s) but the profile was "
+                                            f"taken on {identity.get('device')} ({identity.get('device_name')}); "
+                                            "a GPU job is planned only from a profile taken on its GPU")
+
+
+class TargetProfiler:
+    """Sends profile requests to a worker on the target: the run's first warm worker, or one
+    one-off worker on the same pool and offer, started at the first request and stopped
+    (its keys deleted, its time billed like any worker's) when the profile step ends."""
+
+    def __init__(self, ctx: RunContext):
+        self.ctx, self.one_off = ctx, None
+
+    def measure(self, request: ProfileRequest) -> dict:
+        from tasks.warm_pool import WarmPool, provisional_plan
+
+        ctx = self.ctx
+        pool = ctx.warm
+        if pool is None:
+            pool = self.one_off = self.one_off or WarmPool(ctx)
+        return pool.profile(provisional_plan(ctx), request.to_dict(), ctx.job.worker_timeout_s)
+
+    def close(self) -> None:
+        if self.one_off is not None:
+            from training.warm import warm_prefix
+
+            self.one_off.stop_all("the profile is taken")
+            store = self.ctx.open_durable()
+            try:
+                store.delete_prefix(warm_prefix(self.ctx.run_id) + "/")
+            finally:
+                store.close()
+            self.one_off = None
+
+
+def _store_probe_sizes(ctx: RunContext, prof: dict) -> dict:
+    job = ctx.job
+    largest = max([sync_bytes(prof, job.optimizer)] + [l["output_bytes"] for l in prof.get("layers", ())])
     activation = typical_activation_bytes(prof, job) if job.strategy != "local_sgd" else 0.0
-    probe = probe_store(ctx, largest, activation)
-    prof["store_bandwidth_bytes_per_s"] = probe["bandwidth_bytes_per_s"]
-    prof["store_latency_s"] = probe["latency_s"]
-    prof["store_transfer"] = probe["transfer"]
-    prof["checkpoint_s"] = probe["checkpoint_s"]
-    prof["synced_step_s"] = probe["synced_step_s"]
-    prof["contention"] = probe["contention"]
-    prof["store_sync"] = None
-    if job.max_workers > 1 and job.collective == "store":
-        step = {"input_shape": list(r.input_shape), "classes": r.classes, "batch_size": job.batch_size}
-        prof["store_sync"] = time_collective(ctx.store_ref, ctx.prefix("probe"), job.model, job.optimizer, [2],
-                                             step if ctx.resolved.target.kind in SHARED_HOST_KINDS else None)
-        prof.update(allreduce_fit(prof["store_sync"]["samples"], prof["store_bandwidth_bytes_per_s"]))
-    prof["corun"] = None
-    if job.max_workers > 1 and ctx.resolved.target.kind in SHARED_HOST_KINDS:
-        prof["corun"] = time_corun(job.model, list(r.input_shape), r.classes, job.batch_size, job.optimizer,
-                                   job.seed, int(activation))
+    return {"max_bytes": float(largest), "activation_bytes": float(activation)}
+
+
+def _profile(ctx: RunContext) -> dict:
+    """The model profile and store probe for `ctx`'s job, from the cache where it has them."""
+    began = time.perf_counter()
+    job, target = ctx.job, ctx.resolved.target
+    cache = ProfileCache(ctx.open_durable)
+    tkey = target_key(ctx, profile_request(ctx, model_profile=True, probe=None).threads)
+    identity = cache.target_identity(tkey)
+    prof = store = None
+    target_profiler = TargetProfiler(ctx)
+    if identity is not None:
+        mkey = model_key(ctx, identity, microbatch_size(job))
+        prof = cache.get("profiles", mkey)
+        store = cache.get("stores", store_key(mkey, ctx.store_ref), max_age_s=STORE_PROBE_TTL_S)
+    sources, seconds = {"model": "cache", "store": "cache"}, {}
+    try:
+        if prof is None:
+            answer = target_profiler.measure(profile_request(ctx, model_profile=True, probe=None))
+            identity = answer["identity"]
+            check_device(identity, target.worker_gpu)
+            cache.put_target_identity(tkey, identity)
+            mkey = model_key(ctx, identity, microbatch_size(job))
+            prof, sources["model"], seconds["model_s"] = answer["model"], "measured", answer["model_s"]
+            cache.put("profiles", mkey, prof)
+            store = cache.get("stores", store_key(mkey, ctx.store_ref), max_age_s=STORE_PROBE_TTL_S)
+        if store is None:  # its sizes follow from the model: the largest tensor, a stage's activation
+            answer = target_profiler.measure(profile_request(ctx, model_profile=False,
+                                                             probe=_store_probe_sizes(ctx, prof)))
+            store, sources["store"], seconds["store_s"] = answer["store"], "measured", answer["store_s"]
+            cache.put("stores", store_key(mkey, ctx.store_ref), store)
+    finally:
+        target_profiler.close()
+    check_device(identity, target.worker_gpu)
+    out = dict(prof)
+    out.update(identity=identity, device=identity["device"], device_name=identity["device_name"],
+               threads=identity["threads"], torch=identity["torch"],
+               store_bandwidth_bytes_per_s=store["bandwidth_bytes_per_s"], store_latency_s=store["latency_s"],
+               store_transfer=store["transfer"], checkpoint_s=store["checkpoint_s"],
+               synced_step_s=store["synced_step_s"], contention=store["contention"],
+               profile_sources=sources, profile_s=time.perf_counter() - began)
+    measured = ", ".join(f"{k} {'measured in ' + format(seconds[k + '_s'], '.1f') + ' s' if v == 'measured' else 'from the cache'}"
+                         for k, v in sources.items())
+    print(f"zooid profile of {job.model} on {identity['device']} ({identity['device_name']}, "
+          f"{identity['threads']} thread(s), torch {identity['torch']}): {measured}; "
+          f"{out['profile_s']:.1f} s in all")
+    return out
+
+
+def profile(ctx: RunContext) -> dict:
+    """Profile the job's model and store on the target (`tasks.profile` module docs).
+
+    Not a task itself: a worker it starts holds a paid-worker slot for its life, and a slot
+    taken inside a task run is let go when the task ends; `show_profile` records the
+    result as the run's `profile` task."""
+    try:
+        prof = _profile(ctx)
+    except RuntimeError as exc:  # the profiling worker died or hung: once more, on a new one
+        print(f"zooid: profiling failed ({exc}); once more on a new worker")
+        prof = _profile(ctx)
+    show_profile(prof)
     return prof
+
+
+@task(name="profile", cache_policy=NO_CACHE, **task_options(retries=0, timeout_s=60))
+def show_profile(prof: dict) -> dict:
+    """Where the profile was taken and what it says (the UI's view of the profile step)."""
+    keys = ("device", "device_name", "threads", "torch", "profile_sources", "profile_s", "step_s", "param_bytes",
+            "peak_memory_bytes", "store_bandwidth_bytes_per_s", "store_latency_s", "checkpoint_s")
+    return {k: prof.get(k) for k in keys}

@@ -10,11 +10,18 @@ from tasks.context import RunContext
 from tasks.cost import coordinator_record, total_usd, write_ledger
 
 
-def record_cost_now(ctx: RunContext, final: bool = True) -> dict:
-    """Write the ledger with the coordinator's interval up to now; returns the ledger doc."""
+def rows_now(ctx: RunContext) -> list:
+    """The bill up to now: the ledger, the live warm workers' open intervals and the
+    coordinator's interval so far."""
     rows = list(ctx.ledger) + (ctx.warm.open_rows() if ctx.warm is not None else [])
     rows.append(coordinator_record(ctx.run_id, ctx.started_at, time.time(), ctx.resolved.offer,
                                    ctx.price_per_worker_s))
+    return rows
+
+
+def record_cost_now(ctx: RunContext, final: bool = True) -> dict:
+    """Write the ledger with the coordinator's interval up to now; returns the ledger doc."""
+    rows = rows_now(ctx)
     store = ctx.open_durable()
     try:
         write_ledger(store, ctx.run_id, rows)

@@ -45,6 +45,7 @@ def epoch_table(epochs: list[dict]) -> list[dict]:
              "train_loss": round(e["train_loss"], 5), "val_loss": e.get("val_loss") and round(e["val_loss"], 5),
              "val_accuracy": e.get("val_accuracy") and round(e["val_accuracy"], 4),
              "seconds": round(e["seconds"], 2), "samples_per_s": round(e["samples_per_s"], 1),
+             "predicted_s": e.get("predicted_epoch_s") and float(f"{e['predicted_epoch_s']:.3g}"),
              "predicted_iter_s": e.get("predicted_iteration_s") and round(e["predicted_iteration_s"], 5),
              "measured_iter_s": e.get("measured_iteration_s") and round(e["measured_iteration_s"], 5),
              "cost_usd": round(e["cost_usd"], 6)} for e in epochs]
@@ -57,18 +58,22 @@ def text_report(summary: RunSummary, ledger: dict | None = None) -> str:
              f"plan: {p.get('strategy')} D={p.get('data_parallel')} M={p.get('stages')} "
              f"k={p.get('sync_period') or 'epoch'} steps/epoch={p.get('steps_per_epoch')} "
              f"batch={p.get('batch_size')} offer={p.get('offer')} "
-             f"predicted {_fmt(p.get('predicted_epoch_s'), '.2f')} s/epoch, "
-             f"${_fmt(p.get('predicted_cost_per_epoch_usd'), '.6f')}/epoch",
+             f"predicted {_fmt(p.get('predicted_epoch_s'), '.3g')} s/epoch, "
+             f"${_fmt(p.get('predicted_cost_per_epoch_usd'), '.3g')}/epoch; "
+             f"run {_fmt(p.get('predicted_run_s'), '.3g')} s, ${_fmt(p.get('predicted_run_cost_usd'), '.3g')}",
              "", f"{'epoch':>5} {'workers':>7} {'train_loss':>10} {'val_loss':>9} {'val_acc':>8} "
-             f"{'seconds':>8} {'samples/s':>10} {'cost_usd':>10}"]
+             f"{'seconds':>8} {'predicted':>9} {'samples/s':>10} {'cost_usd':>10}"]
     for e in summary.epochs:
         lines.append(f"{e.epoch:>5} {e.workers:>7} {e.train_loss:>10.4f} {_fmt(e.val_loss):>9} "
-                     f"{_fmt(e.val_accuracy):>8} {e.seconds:>8.2f} {e.samples_per_s:>10.1f} {e.cost_usd:>10.6f}")
+                     f"{_fmt(e.val_accuracy):>8} {e.seconds:>8.3g} {_fmt(e.predicted_epoch_s, '.3g'):>9} "
+                     f"{e.samples_per_s:>10.1f} {e.cost_usd:>10.3g}")
+        if (e.replan or {}).get("switched"):
+            lines.append(f"      re-planned after epoch {e.epoch}: {e.replan.get('reason')}")
     ws = summary.worker_seconds
     if ws:
         lines += ["", "worker-seconds billed: " + ", ".join(f"{k} {v:.1f}" for k, v in ws.items() if v)]
     lines += ["", f"final loss {_fmt(summary.final_loss)}, final accuracy {_fmt(summary.final_accuracy)}",
-              f"total cost ${summary.total_cost_usd:.6f}"
+              f"total cost ${summary.total_cost_usd:.3g} (predicted ${_fmt(p.get('predicted_run_cost_usd'), '.3g')})"
               + (f" ({len(ledger['rows'])} ledger rows)" if ledger else "")]
     if summary.error:
         lines.append(f"error: {summary.error}")
@@ -82,13 +87,22 @@ def markdown_report(summary: RunSummary, ledger_rows: list[dict], png: bytes | N
           "## Plan", "", "| field | value |", "|---|---|"]
     for k in ("strategy", "data_parallel", "stages", "sync_period", "steps_per_epoch", "batch_size",
               "offer", "worker_vcpu", "worker_memory_gb", "worker_gpu", "predicted_iteration_s",
-              "predicted_epoch_s", "predicted_cost_per_epoch_usd"):
-        md.append(f"| {k} | {p.get(k)} |")
+              "predicted_epoch_s", "predicted_first_epoch_s", "predicted_cost_per_epoch_usd", "predicted_run_s",
+              "predicted_run_cost_usd"):
+        v = p.get(k)
+        md.append(f"| {k} | {format(v, '.3g') if isinstance(v, float) else v} |")
+    if p.get("run_terms"):
+        t = p["run_terms"]
+        md.append("| run terms | " + ", ".join(f"{k} {t[k]:.3g} s ({'measured' if t['measured'].get(k) else 'assumed'})"
+                                           for k in t if k != "measured") + " |")
     if p.get("alternatives"):
-        md += ["", "### Alternatives considered", "", "| strategy | workers | iteration s | epoch s | $/epoch | chosen |", "|---|---|---|---|---|---|"]
+        md += ["", "### Alternatives considered", "", "| strategy | workers | iteration s | epoch s | $/epoch | "
+               "run s | run $ | chosen |", "|---|---|---|---|---|---|---|---|"]
         for a in p["alternatives"]:
-            md.append(f"| {a.get('strategy')} | {a.get('workers')} | {_fmt(a.get('predicted_iteration_s'), '.5f')} | "
-                      f"{_fmt(a.get('predicted_epoch_s'), '.3f')} | {_fmt(a.get('predicted_cost_per_epoch_usd'), '.6f')} | {a.get('chosen', '')} |")
+            md.append(f"| {a.get('strategy')} | {a.get('workers')} | {_fmt(a.get('predicted_iteration_s'), '.3g')} | "
+                      f"{_fmt(a.get('predicted_epoch_s'), '.3g')} | {_fmt(a.get('predicted_cost_per_epoch_usd'), '.3g')} | "
+                      f"{_fmt(a.get('predicted_run_s'), '.3g')} | {_fmt(a.get('predicted_run_cost_usd'), '.3g')} | "
+                      f"{a.get('chosen', '')} |")
     md += ["", "## Epochs", "", "| epoch | workers | train loss | val loss | val acc | s | predicted s | samples/s | "
            "predicted iter s | measured iter s | $ |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in summary.epochs:
@@ -109,7 +123,17 @@ def markdown_report(summary: RunSummary, ledger_rows: list[dict], png: bytes | N
     for r in ledger_rows:
         md.append(f"| {r['resource']} | {r['kind']} | {r.get('status', '')} | {_fmt(r.get('epoch'), 'd')} | "
                   f"{r['offer']} | {r['seconds']:.2f} | {r['unit_price_per_s']:.3e} | {r['usd']:.6f} |")
-    md += ["", f"**Total: ${summary.total_cost_usd:.6f}**"]
+    md += ["", f"**Total: ${summary.total_cost_usd:.3g}** (predicted before the first epoch: "
+           f"${_fmt(p.get('predicted_run_cost_usd'), '.3g')})"]
+    replans = [e for e in summary.epochs if e.replan]
+    if replans:
+        md += ["", "## Re-planning", "", "| after epoch | step x | layer x | sync x | transfer x | switched | why |",
+               "|---|---|---|---|---|---|---|"]
+        for e in replans:
+            c = e.replan.get("calibration") or {}
+            md.append(f"| {e.epoch} | {_fmt(c.get('step_scale'), '.3g')} | {_fmt(c.get('layer_scale'), '.3g')} | "
+                      f"{_fmt(c.get('sync_scale'), '.3g')} | "
+                      f"{_fmt(c.get('transfer_scale'), '.3g')} | {e.replan.get('switched')} | {e.replan.get('reason')} |")
     if png:
         md += ["", f"![loss, accuracy and cost per epoch](data:image/png;base64,{base64.b64encode(png).decode()})"]
     return "\n".join(md)

@@ -7,7 +7,8 @@ specs, waits for the replies while it watches the workers, replaces a worker tha
 stops making progress with a cold one, and retires the ones a smaller plan no longer needs.
 
 The bill: each worker's life, launch to stop, is cut into ledger rows by what it did:
-`startup` (launch to ready), `busy` (an epoch), `idle` (ready and waiting: for the first
+`startup` (launch to ready), `busy` (an epoch), `profile` (measuring the model and the
+store for the plan, `training.profile_job`), `idle` (ready and waiting: for the first
 command, or between epochs while the coordinator checkpoints and plans), and
 `failed_attempt` (the epoch it was in when it died). The rows of one worker add up to its
 whole interval. Rows close as the replies come; `open_rows` bills what is still open, so
@@ -184,6 +185,45 @@ class WarmPool:
                 self._start(rank, plan, epoch, launcher, launch_identity(launcher))
                 started.append(rank)
         return started
+
+    def profile(self, plan, request: dict, timeout_s: float, poll_s: float = 0.05) -> dict:
+        """Have rank 0's worker (started now, sized as `plan`'s, if the pool has none) measure
+        `request` (`training.profile_job.ProfileRequest` as a dict) on its own device and
+        threads; return its answer. Billed as start-up, idle and `profile` rows. Raises
+        RuntimeError when the worker dies, fails the profile or shows nothing for `timeout_s`."""
+        self._open()
+        w = self.workers.get(0)
+        if w is None or not w.alive:
+            if w is not None:
+                self.retire(0, "it stopped")
+            launcher = make_launcher(self.ctx, plan)
+            w = self._start(0, plan, 0, launcher, launch_identity(launcher))
+        seq, sent = w.seq, time.time()
+        self.store.put(command_key(self.ctx.run_id, w.name, seq),
+                       json.dumps({"op": "profile", "request": request}).encode())
+        w.seq += 1
+        while True:
+            reply = read_json(self.store, reply_key(self.ctx.run_id, w.name, seq))
+            now = time.time()
+            if reply is not None:
+                if w.ready_at is None:
+                    w.ready_at = min(float(reply.get("ready_at") or w.billed_to), now)
+                    self._row(w, "startup", w.ready_at, None)
+                    self.ctx.startup_samples.append(w.ready_at - w.launched_at)
+                self._row(w, "idle", min(float(reply.get("began_at") or now), now), None)
+                self._row(w, "profile", min(float(reply.get("ended_at") or now), now), None)
+                if not reply.get("ok"):
+                    raise RuntimeError(f"profiling on worker {w.name} failed: {reply.get('error')}: "
+                                       f"{reply.get('message', '')}")
+                return reply["profile"]
+            w.launcher._poll()
+            if not w.alive:
+                self.retire(0, "it died while profiling")
+                raise RuntimeError(f"worker {w.name} exited while profiling: {w.process.error or w.process.status}")
+            if now - sent > timeout_s:
+                self.retire(0, f"no profile within {timeout_s:.0f} s")
+                raise RuntimeError(f"worker {w.name} gave no profile within {timeout_s:.0f} s")
+            time.sleep(poll_s)
 
     def retire(self, rank: int, reason: str, grace_s: float = 10.0) -> None:
         """Stop the worker of `rank` (asked through the store, then stopped by its launcher

@@ -15,7 +15,7 @@ from torch import nn
 from training.errors import ZooidValueError
 from training.memory import GB, check_plan_memory, stage_bounds, stage_memory
 from training.models import build_model
-from training.links import fit_allreduce_samples, measure_contention, profile_store
+from training.links import measure_contention, profile_store
 from training.profiler import (ModelProfile, fit_serial_fraction, hardware_fingerprint,
                                measure_base_memory, profile_layers, profile_model,
                                to_planner_layers, vcpu_factor)
@@ -119,12 +119,17 @@ def test_hardware_fingerprint_is_stable_and_names_torch_and_threads():
     assert "/3t/" in hardware_fingerprint(3) and torch.__version__ in hardware_fingerprint(3)
 
 
-def test_base_memory_is_measured_once_in_a_fresh_process():
+def test_base_memory_is_measured_once_in_a_fresh_process(monkeypatch):
+    import subprocess
+
     s0 = measure_base_memory()
     assert 50 << 20 < s0 < 4 << 30  # torch alone is tens of MB resident
-    t0 = time.perf_counter()
+
+    def no_second_process(*args, **kwargs):
+        raise AssertionError("measured again instead of cached")
+
+    monkeypatch.setattr(subprocess, "run", no_second_process)
     assert measure_base_memory() == s0
-    assert time.perf_counter() - t0 < 0.01  # cached, no second subprocess
 
 
 def test_vcpu_scaling_fit_is_amdahl():
@@ -154,23 +159,6 @@ def test_contention_factor_compares_compute_alone_and_under_transfers(tmp_path):
     assert r.alone_s > 0 and r.loaded_s > 0 and r.bytes_moved >= 2 << 20
     assert r.factor == max(1.0, r.loaded_s / r.alone_s) >= 1.0
     assert store.list("runs/") == []
-
-
-def test_allreduce_alpha_beta_are_fitted_beyond_the_store_bandwidth():
-    from tasks.profile import allreduce_fit
-
-    # T = 2 (A - 1) (P / (A bw) + alpha P / A + beta), as the collective probe's world of 2
-    # gives it at two sizes (and a third world for good measure)
-    bw, alpha, beta = 4e8, 2e-9, 3e-4
-    ring = lambda p, a: 2 * (a - 1) * (p / (a * bw) + alpha * p / a + beta)  # noqa: E731
-    samples = [[p, a, ring(p, a)] for p, a in ((1 << 18, 2), (1 << 22, 2), (1 << 22, 3))]
-    fit = allreduce_fit(samples, bw)
-    assert fit["allreduce_alpha_s_per_byte"] == pytest.approx(alpha, rel=1e-6)
-    assert fit["allreduce_beta_s"] == pytest.approx(beta, rel=1e-6)
-    got_alpha, got_beta, rmse = fit_allreduce_samples([tuple(s) for s in samples], bw)
-    assert (got_alpha, got_beta) == pytest.approx((alpha, beta), rel=1e-6) and rmse < 1e-12
-    # one size cannot separate alpha from beta: the profile keeps zeros rather than guess
-    assert allreduce_fit(samples[:1], bw) == {"allreduce_alpha_s_per_byte": 0.0, "allreduce_beta_s": 0.0}
 
 
 def test_planner_layers_are_accepted_by_the_planners(cnn_profile):
@@ -244,39 +232,29 @@ def test_per_offer_step_time_and_activations_scale(cnn_profile):
     assert p.layer_activation_bytes(64) == [2 * layer.activation_bytes for layer in p.layers]
 
 
-def test_the_allreduce_fit_lands_in_the_model_profile(cnn_profile):
-    from tasks.profile import allreduce_fit
+def test_sampling_runs_for_a_least_duration_and_stops_when_stable(monkeypatch):
+    import training.profiler as profiler
 
-    fitted = allreduce_fit([[1 << 18, 2, 0.002], [1 << 22, 2, 0.02]], 1e9)
-    assert fitted["allreduce_alpha_s_per_byte"] > 0 and fitted["allreduce_beta_s"] >= 0
-    p = ModelProfile.from_dict({**cnn_profile.to_dict(), **fitted})
-    assert (p.allreduce_alpha_s_per_byte, p.allreduce_beta_s) == (
-        fitted["allreduce_alpha_s_per_byte"], fitted["allreduce_beta_s"])
+    clock = [0.0]
+    monkeypatch.setattr(profiler.time, "perf_counter", lambda: clock[0])
 
+    def timed(durations):
+        calls = []
 
-def test_anchor_timings_sample_for_a_least_duration():
-    from training.profiler import _median_time
+        def fn():
+            clock[0] += durations(len(calls))
+            calls.append(1)
+        return fn, calls
 
-    calls = []
-
-    def nap():
-        calls.append(1)
-        time.sleep(0.004)
-
-    _median_time(nap, 3, torch.device("cpu"), warmup=1)
-    assert len(calls) == 4  # warm-up + repeats, when no least duration is asked
-    calls.clear()
-    began = time.perf_counter()
-    median = _median_time(nap, 3, torch.device("cpu"), warmup=1, min_time_s=0.06)
-    elapsed = time.perf_counter() - began
-    # sampled until their total reached 0.06 s (a sleep only overshoots, by how much this
-    # machine's load decides): warm-up plus at least 0.06 s of samples, and no more than
-    # the 15 naps of 4 ms that 0.06 s can need
-    assert elapsed >= 0.004 + 0.06
-    assert 1 + 3 <= len(calls) <= 1 + 15
-    assert median >= 0.004
-
-
+    steady, calls = timed(lambda i: 0.004)
+    assert profiler._median_time(steady, 3, torch.device("cpu"), warmup=1) == pytest.approx(0.004)
+    assert len(calls) == 1 + 3 + 3  # warm-up, a round, and one more that moved nothing
+    steady, calls = timed(lambda i: 0.004)
+    profiler._median_time(steady, 3, torch.device("cpu"), warmup=1, min_time_s=0.06)
+    assert len(calls) == 1 + 15 + 3  # sampled until 0.06 s, then one round to see it stable
+    drifting, calls = timed(lambda i: 0.004 * 1.5 ** i)
+    profiler._median_time(drifting, 3, torch.device("cpu"), warmup=1, max_rounds=4)
+    assert len(calls) == 1 + 3 * 4  # never stable: stops at the most rounds
 def test_malloc_thresholds_are_pinned_where_workers_and_profiles_run():
     import platform
 

@@ -150,108 +150,45 @@ def test_contention_slows_a_pipeline_stage_compute_by_its_transfer_duty_not_loca
     assert local_sgd(replace(x, contention=1.5)).predicted_iteration_s == local_sgd(x).predicted_iteration_s
 
 
-def test_workers_sharing_one_machine_compute_slower_by_the_corun_factor_and_time_sharing():
+def test_workers_sharing_one_machine_time_share_its_cores():
     from planners.pipeline_time import TransferCosts
     from planners.strategy import local_sgd, pipeline_prediction
 
     free = TransferCosts(0.0, 1e30, 0.0, 1e30, 0.0)
     x = _inputs(stages=2, transfer=free)
-    shared = replace(x, host_cores=2, corun=1.25)
-    assert [shared.compute_slowdown(n) for n in (1, 2, 3, 4)] == pytest.approx([1.0, 1.25, 1.875, 2.5])
-    assert replace(x, corun=1.25).compute_slowdown(4) == 1.0  # a machine each: nothing shared
+    shared = replace(x, host_cores=2)
+    assert [shared.compute_slowdown(n) for n in (1, 2, 3, 4)] == pytest.approx([1.0, 1.0, 1.5, 2.0])
+    assert x.compute_slowdown(4) == 1.0  # a machine each: nothing shared
     plan = choose(x, "pipeline")
     assert plan.workers == 2
-    # free transfers, no optimizer step: the period is all forward and backward
-    assert pipeline_prediction(shared, plan).period_s == pytest.approx(1.25 * pipeline_prediction(x, plan).period_s)
-    # Local-SGD: the step slows, the sync as timed among processes does not
-    for workers, factor in ((1, 1.0), (2, 1.25), (4, 2.5)):
+    # two processes on two cores: each has its core (the profile was taken at its thread count)
+    assert pipeline_prediction(shared, plan).period_s == pytest.approx(pipeline_prediction(x, plan).period_s)
+    for workers, factor in ((1, 1.0), (2, 1.0), (4, 2.0)):
         gap = local_sgd(shared, workers).predicted_iteration_s - local_sgd(x, workers).predicted_iteration_s
         assert gap == pytest.approx((factor - 1) * x.step_s)
 
 
-def test_a_shared_machine_adds_the_measured_wake_cost_to_each_pipeline_put_and_get():
-    from planners.pipeline_time import TransferCosts
-    from planners.strategy import local_sgd, pipeline_prediction
-
-    costs = TransferCosts(0.001, 1e9, 0.0005, 2e9, 0.0)
-    x = _inputs(stages=2, transfer=costs)
-    plan = choose(x, "pipeline")
-    woken = replace(x, transfer=replace(costs, put_latency_s=0.0013, get_latency_s=0.0008))
-    shared = replace(x, host_cores=2, transfer_wake_s=0.0003)
-    assert pipeline_prediction(shared, plan).period_s == pytest.approx(pipeline_prediction(woken, plan).period_s)
-    assert pipeline_prediction(shared, plan).period_s > pipeline_prediction(x, plan).period_s
-    # a machine each: nothing shared; Local-SGD moves no activations
-    assert pipeline_prediction(replace(x, transfer_wake_s=0.0003), plan).period_s == \
-        pipeline_prediction(x, plan).period_s
-    assert local_sgd(shared, 2).predicted_iteration_s == local_sgd(x, 2).predicted_iteration_s
-
-
-def test_local_sgd_peers_on_a_shared_machine_step_after_a_sync_at_the_pace_timed_beside_a_peer():
-    from planners.strategy import local_sgd, local_sgd_step_s
-
-    x = _inputs(synced_step_s=0.15, host_cores=2, corun=1.1, peer_synced_step_s=0.2, sync_period=2)
-    assert local_sgd_step_s(x, 1) == pytest.approx((0.15 + 0.12) / 2)  # alone: after its checkpoint
-    assert local_sgd_step_s(x, 2) == pytest.approx((0.2 + 0.12 * 1.1) / 2)  # co-run already in the 0.2
-    assert local_sgd_step_s(x, 4) == pytest.approx((0.2 * 2 + 0.12 * 2.2) / 2)  # time-shared 2 x
-    # a machine each: the peer's timing does not apply
-    assert local_sgd_step_s(replace(x, host_cores=None), 4) == pytest.approx((0.15 + 0.12) / 2)
-    assert local_sgd(x, 2).predicted_iteration_s - local_sgd(replace(x, peer_synced_step_s=None), 2) \
-        .predicted_iteration_s == pytest.approx((0.2 - 0.15 * 1.1) / 2)
-
-
-def test_the_plan_step_applies_the_corun_factor_only_where_workers_share_the_machine():
+def test_the_plan_step_counts_this_machines_cores_only_where_workers_share_it():
     from types import SimpleNamespace
 
     from tasks.plan import strategy_inputs
+    from training.profiler import cpu_count
 
     job = SimpleNamespace(optimizer="sgd", batch_size=32, stages=None, microbatches=4, sync_period=1)
     layer = dict(forward_s=0.01, backward_s=0.02, output_bytes=4096, param_bytes=1024)
+    transfer = dict(put_latency_s=0.001, put_bandwidth=1e9, get_latency_s=0.0005, get_bandwidth=2e9,
+                    handoff_s=0.0013)
     profile = {"layers": [layer, layer], "batch_size": 32, "step_s": 0.06, "param_bytes": 2048,
-               "store_bandwidth_bytes_per_s": 1e9, "store_latency_s": 0.001,
-               "corun": {"processes": 2, "alone_s": 0.05, "together_s": 0.06, "factor": 1.2, "host_cores": 2,
-                         "transfer_extra_s": 0.0004}}
-    got, wake = {}, {}
+               "store_bandwidth_bytes_per_s": 1e9, "store_latency_s": 0.001, "store_transfer": transfer}
+    cores = {}
     for kind in ("inline", "process", "ecs", "aci", "k8s"):
         ctx = SimpleNamespace(job=job, price_per_worker_s=0.0, resolved=SimpleNamespace(
             target=SimpleNamespace(kind=kind, worker_vcpu=1.0, worker_memory_gb=2.0, worker_gpu=0), n_train=512,
             offer=SimpleNamespace(name="local")))
         x = strategy_inputs(ctx, profile, 4)
-        got[kind], wake[kind] = x.compute_slowdown(4), (x.host_cores, x.transfer_wake_s)
-    assert got == pytest.approx({"inline": 2.4, "process": 2.4, "ecs": 1.0, "aci": 1.0, "k8s": 1.0})
-    assert wake == {"inline": (2, 0.0004), "process": (2, 0.0004), "ecs": (None, 0.0), "aci": (None, 0.0),
-                    "k8s": (None, 0.0)}
-    profile["store_sync"] = {"bandwidth_bytes_per_s": 5e8, "latency_s": 0.002, "handoff_s": None,
-                             "synced_step_s": 0.07}
-    peer = {}
-    for kind in ("process", "ecs"):
-        ctx = SimpleNamespace(job=job, price_per_worker_s=0.0, resolved=SimpleNamespace(
-            target=SimpleNamespace(kind=kind, worker_vcpu=1.0, worker_memory_gb=2.0, worker_gpu=0), n_train=512,
-            offer=SimpleNamespace(name="local")))
-        peer[kind] = strategy_inputs(ctx, profile, 2).peer_synced_step_s
-    assert peer == {"process": 0.07, "ecs": None}
-
-
-def test_the_plan_step_takes_the_handoff_timed_between_worker_processes():
-    from types import SimpleNamespace
-
-    from tasks.plan import strategy_inputs
-
-    job = SimpleNamespace(optimizer="sgd", batch_size=32, stages=2, microbatches=4, sync_period=1)
-    ctx = SimpleNamespace(job=job, price_per_worker_s=0.0, resolved=SimpleNamespace(
-        target=SimpleNamespace(kind="process", worker_vcpu=1.0, worker_memory_gb=2.0, worker_gpu=0), n_train=512,
-        offer=SimpleNamespace(name="local")))
-    transfer = dict(put_latency_s=0.001, put_bandwidth=1e9, get_latency_s=0.0005, get_bandwidth=2e9,
-                    handoff_s=0.0013)
-    layer = dict(forward_s=0.01, backward_s=0.02, output_bytes=4096, param_bytes=1024)
-    profile = {"layers": [layer, layer], "batch_size": 32, "step_s": 0.06, "param_bytes": 2048,
-               "store_bandwidth_bytes_per_s": 1e9, "store_latency_s": 0.001, "store_transfer": transfer}
-    assert strategy_inputs(ctx, profile, 2).transfer_costs.handoff_s == 0.0013  # the threads' probe
-    profile["store_sync"] = {"bandwidth_bytes_per_s": 5e8, "latency_s": 0.002, "handoff_s": 0.0009}
-    x = strategy_inputs(ctx, profile, 2)
-    assert x.transfer_costs.handoff_s == 0.0009  # the processes' probe wins
-    assert (x.transfer_costs.put_latency_s, x.sync_link) == (0.001, (5e8, 0.002))
-    profile["store_sync"]["handoff_s"] = None  # a collective timed without a world of 2
-    assert strategy_inputs(ctx, profile, 2).transfer_costs.handoff_s == 0.0013
+        cores[kind] = x.host_cores
+        assert x.transfer_costs.handoff_s == 0.0013  # the worker's own probe
+    assert cores == {"inline": cpu_count(), "process": cpu_count(), "ecs": None, "aci": None, "k8s": None}
 
 
 def test_schedule_choice_prefers_the_fastest_and_within_one_percent_the_one_holding_less():

@@ -160,22 +160,39 @@ short model's few repeats would catch one window; a median over 0.3 s or more va
 about 3 % (measured here)."""
 
 
+STABLE_WITHIN = 0.03
+"""Sampling stops once another round of samples moves the median by less than this share."""
+
+
 def _median_time(fn: Callable[[], object], repeats: int, device: torch.device,
                  warmup: int = 1, setup: Callable[[], object] | None = None,
-                 min_time_s: float = 0.0) -> float:
+                 min_time_s: float = 0.0, max_rounds: int = 4) -> float:
     """Median seconds of `fn(setup())` (or `fn()`), after `warmup` untimed calls: `repeats`
-    samples, and more while their total is under `min_time_s` (at most 100 x `repeats`)."""
+    samples, and more while their total is under `min_time_s` (at most 100 x `repeats`);
+    then rounds of `repeats` more while a round moves the median by more than
+    `STABLE_WITHIN` (at most `max_rounds` rounds): sampling stops when the estimate is stable."""
     samples, total, i = [], 0.0, 0
-    while i < warmup + repeats or (total < min_time_s and len(samples) < 100 * repeats):
+
+    def sample() -> None:
+        nonlocal total
         arg = setup() if setup else None
         _sync(device)
         t0 = time.perf_counter()
         fn(arg) if setup else fn()
         _sync(device)
-        if i >= warmup:
-            samples.append(time.perf_counter() - t0)
-            total += samples[-1]
-        i += 1
+        samples.append(time.perf_counter() - t0)
+        total += samples[-1]
+
+    for _ in range(warmup):
+        fn(setup()) if setup else fn()
+    while len(samples) < repeats or (total < min_time_s and len(samples) < 100 * repeats):
+        sample()
+    for _ in range(max_rounds - 1):
+        before = statistics.median(samples)
+        for _ in range(repeats):
+            sample()
+        if abs(statistics.median(samples) - before) <= STABLE_WITHIN * before:
+            break
     return statistics.median(samples)
 
 

@@ -13,8 +13,8 @@ teardown deletes them):
 | key | written by | what |
 |---|---|---|
 | `lease` | coordinator | `{"seq", "at"}`, renewed every `lease_s / 4` seconds |
-| `<worker>/cmd-<n>.json` | coordinator | the worker's n-th command: `{"op": "epoch", "spec": WorkerSpec}` or `{"op": "stop"}` |
-| `<worker>/reply-<n>.json` | worker | `{"ok", "result": WorkerResult, "began_at", "ended_at", "ready_at"}` or the error |
+| `<worker>/cmd-<n>.json` | coordinator | the worker's n-th command: `{"op": "epoch", "spec": WorkerSpec}`, `{"op": "profile", "request": ProfileRequest}` or `{"op": "stop"}` |
+| `<worker>/reply-<n>.json` | worker | `{"ok", "result": WorkerResult` (or `"profile"`)`, "began_at", "ended_at", "ready_at"}` or the error |
 | `<worker>/status.json` | worker | once a second: state (`idle`, `busy`), pid, steps done this epoch, last beat |
 
 `<worker>` is `r<rank>-w<serial>-<coordinator>`: a replacement of a dead worker has a new
@@ -187,18 +187,21 @@ class _Watch(threading.Thread):
 
 
 def serve(spec: WorkerSpec, store: Store, execute: Callable[[WorkerSpec], WorkerResult],
-          store_factory: Callable[[], Store], log: Callable[[str], None] = print) -> str:
+          store_factory: Callable[[], Store], log: Callable[[str], None] = print,
+          open_ref: Callable[[str], Store] | None = None) -> str:
     """Serve the run's commands until told to stop; return why it stopped (`stopped`).
 
     `spec` is the launch spec (run id, rank, `extra["warm"]`); `store` holds the commands;
     `execute(spec)` trains one epoch; `store_factory()` opens a second client of the same
-    store for the watch thread. Raises `LeaseExpired` when the lease runs out, and whatever
+    store for the watch thread; `open_ref(url)` opens the store a `profile` command probes
+    (default `training.store.open_store`). Raises `LeaseExpired` when the lease runs out, and whatever
     `execute` raised after posting it as the reply."""
     from training.datasets import keep_subsets
     from training.models import keep_models
 
     settings = WarmSettings.from_extra(spec.extra)
     started = time.time()
+    base_memory = _rss_bytes()  # before any model: s0 of the memory model (`training.profile_job`)
     keep_models()
     keep_subsets()
     watch = _Watch(store_factory, spec.run_id, settings, started, log)
@@ -210,7 +213,7 @@ def serve(spec: WorkerSpec, store: Store, execute: Callable[[WorkerSpec], Worker
 
     heartbeat.set_guard(guard)
     ready_at = time.time()
-    watch.doc.update(state="idle", ready_at=ready_at)
+    watch.doc.update(state="idle", ready_at=ready_at, base_memory_bytes=base_memory)
     log(f"zooid warm worker {settings.worker} ready in {ready_at - started:.2f} s (pid {os.getpid()})")
     seq = 0
     try:
@@ -223,8 +226,12 @@ def serve(spec: WorkerSpec, store: Store, execute: Callable[[WorkerSpec], Worker
                 log(f"zooid warm worker {settings.worker}: stopped by the coordinator "
                     f"({command.get('reason', 'no reason given')})")
                 return "stopped"
+            if op == "profile":
+                _serve_profile(store, spec, settings, seq, command, open_ref, watch, ready_at, log)
+                seq += 1
+                continue
             if op != "epoch":
-                raise ZooidValueError("command.op", f"must be 'epoch' or 'stop', got {op!r}")
+                raise ZooidValueError("command.op", f"must be 'epoch', 'profile' or 'stop', got {op!r}")
             job = WorkerSpec.from_dict(command["spec"])
             began = time.time()
             heartbeat.reset_steps()
@@ -250,6 +257,41 @@ def serve(spec: WorkerSpec, store: Store, execute: Callable[[WorkerSpec], Worker
         heartbeat.set_guard(None)
         watch.stopped.set()
         watch.join(timeout=5)
+
+
+def _serve_profile(store: Store, spec: WorkerSpec, settings: WarmSettings, seq: int, command: dict,
+                   open_ref: Callable[[str], Store] | None, watch: "_Watch", ready_at: float,
+                   log: Callable[[str], None]) -> None:
+    """Answer a `profile` command (`training.profile_job`): measured here, on this worker's
+    device and threads, with the store seen from here. A profile that fails is reported and
+    the worker stays: nothing of a run's state was touched."""
+    from training.profile_job import ProfileRequest, run_profile
+    from training.store import open_store
+
+    began = time.time()
+    watch.busy_since = began
+    watch.doc.update(state="busy", seq=seq, epoch=None)
+    reply: dict = {"began_at": began, "ready_at": ready_at}
+    try:
+        request = ProfileRequest.from_dict(command.get("request") or {})
+        reply.update(ok=True, profile=run_profile(request, open_ref or open_store,
+                                                  base_memory_bytes=int(watch.doc.get("base_memory_bytes") or 0)))
+        log(f"zooid warm worker {settings.worker}: profiled {request.model} in {time.time() - began:.2f} s")
+    except Exception as exc:
+        reply.update(ok=False, error=type(exc).__name__, message=str(exc)[-2000:])
+        log(f"zooid warm worker {settings.worker}: profile failed: {type(exc).__name__}: {exc}")
+    reply["ended_at"] = time.time()
+    store.put(reply_key(spec.run_id, settings.worker, seq), json.dumps(reply).encode())
+    watch.busy_since = None
+    watch.doc.update(state="idle", seq=seq + 1)
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _next_command(store: Store, run_id: str, settings: WarmSettings, seq: int, watch: _Watch) -> dict:

@@ -1,0 +1,101 @@
+"""What a run will take and cost, start-up included: the plan's epoch as the sum of its parts.
+
+The strategy planners predict the workers' compute and communication per epoch (the
+plan's `predicted_compute_epoch_s`). A user pays for more: the workers' start-up (cold, or
+once when they stay warm), the per-epoch overhead around the compute (sending the epoch,
+loading data, validating, writing the checkpoint, collecting replies), the coordinator's
+time between epochs, before the first and after the last, and the coordinator itself,
+billed like one worker. `RunTerms` holds those figures, measured on the target and offer
+(cached from earlier runs, `tasks.run_terms`) or assumed until measured; `predict_run`
+turns a plan and the terms into the epoch's wall time and the whole run's time and bill.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from planners.plan import Plan
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunTerms:
+    """Per target and offer: seconds a run spends outside the workers' compute."""
+
+    startup_s: float
+    """A worker's launch to ready (imports, model, CUDA context)."""
+    epoch_overhead_s: float
+    """Epoch wall time beyond the slowest worker's compute and sync: dispatch, data,
+    validation, checkpoint, replies."""
+    gap_s: float
+    """Coordinator seconds between two epochs (checkpoint, rescale, history, bill)."""
+    provision_s: float
+    """Coordinator seconds from the plan to the first epoch sent."""
+    teardown_s: float
+    """Coordinator seconds after the last epoch (workers stopped, ledger, report)."""
+    stop_s: float = 1.0
+    """A worker's seconds from the last epoch's end to its stop."""
+    warmup_s: float = 0.0
+    """What a worker's first epoch adds: building the model, reading its data, first calls."""
+    measured: dict = field(default_factory=dict)
+    """Term name -> True where measured on this target and offer, False where assumed."""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunPrediction:
+    epoch_s: float
+    """A steady-state epoch's wall time (what `EpochSummary.seconds` measures)."""
+    first_epoch_s: float
+    """The first epoch, with the start-up it cannot hide."""
+    run_s: float
+    """From now to the run's end."""
+    worker_s: float
+    """Worker-seconds billed from now on."""
+    cost_usd: float
+    """The whole run's bill: what is already billed plus workers and coordinator from now on."""
+
+
+def predict_run(plan: Plan, terms: RunTerms, *, epochs: int, warm: bool, workers_launched_s: float | None,
+                billed_usd: float = 0.0, coordinator_price_per_s: float | None = None) -> RunPrediction:
+    """The run's time and bill for `epochs` more epochs of `plan`, from now.
+
+    Warm: the workers (launched `workers_launched_s` seconds ago; None: launched at the
+    plan) are ready after `startup_s`; the first epoch is sent after `provision_s` and
+    waits for what start-up is left; each worker is billed until `stop_s` after the last
+    epoch. Cold: every epoch starts its workers again, each billed for its start-up and the
+    epoch. The coordinator is billed over the whole run like one worker
+    (`coordinator_price_per_s`, default the plan's worker price). `billed_usd` is what the
+    run has used up to now (the ledger, open worker intervals, the coordinator so far): the
+    prediction adds what is to come."""
+    if epochs < 0:
+        raise ValueError(f"epochs: must be >= 0, got {epochs}")
+    price = plan.price_per_worker_s
+    coordinator_price = price if coordinator_price_per_s is None else coordinator_price_per_s
+    epoch_s = plan.predicted_compute_epoch_s + terms.epoch_overhead_s
+    gaps = terms.gap_s * max(0, epochs - 1)
+    if warm:
+        launched = 0.0 if workers_launched_s is None else workers_launched_s
+        exposed = max(0.0, terms.startup_s - launched - terms.provision_s)
+        first = epoch_s + exposed + terms.warmup_s
+        training_s = (first + epoch_s * (epochs - 1) + gaps) if epochs else 0.0
+        run_s = terms.provision_s + training_s + terms.teardown_s
+        worker_s = plan.workers * (terms.provision_s + training_s + terms.stop_s)
+    else:
+        first = epoch_s + terms.startup_s + terms.warmup_s
+        epoch_s = first
+        training_s = epoch_s * epochs + gaps
+        run_s = terms.provision_s + training_s + terms.teardown_s
+        worker_s = plan.workers * epochs * epoch_s
+    cost = billed_usd + worker_s * price + run_s * coordinator_price
+    return RunPrediction(epoch_s=epoch_s, first_epoch_s=first, run_s=run_s, worker_s=worker_s, cost_usd=cost)
+
+
+def with_run_prediction(plan: Plan, terms: RunTerms, **kwargs) -> Plan:
+    """`plan` with its epoch and run predictions start-up aware (`predict_run`)."""
+    p = predict_run(plan, terms, **kwargs)
+    return dataclasses.replace(plan, predicted_epoch_s=p.epoch_s,
+                               predicted_cost_per_epoch_usd=p.epoch_s * plan.workers * plan.price_per_worker_s,
+                               predicted_run_s=p.run_s, predicted_run_cost_usd=p.cost_usd,
+                               predicted_first_epoch_s=p.first_epoch_s, run_terms=terms.to_dict())

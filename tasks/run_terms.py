@@ -1,0 +1,97 @@
+"""The run's time outside the workers' compute, measured per target and offer and cached.
+
+`planners.run_prediction.RunTerms` needs a worker's start-up, the per-epoch overhead and
+the coordinator's provision, gap and teardown seconds. Each run measures them
+(`RunClock`) and adds them to `cache/timings/<target key>.json` in the durable store (the
+last `KEEP` samples of each); the next run's plan predicts from their medians. A term never
+measured on this target and offer is assumed (`ASSUMED`) and the plan says so.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from planners.run_prediction import RunTerms
+from tasks.profile_cache import ProfileCache, target_key
+
+KEEP = 20
+
+ASSUMED = {"startup_s": {"inline": 3.0, "process": 8.0, "cloud": 60.0}, "epoch_overhead_s": 0.5,
+           "gap_s": 0.5, "provision_s": 1.0, "teardown_s": 3.0, "stop_s": 1.0, "warmup_s": 1.0}
+"""What a term is taken to be until this target and offer measured it (seconds)."""
+
+TERMS = ("startup_s", "epoch_overhead_s", "gap_s", "provision_s", "teardown_s", "stop_s", "warmup_s")
+
+
+def timings_key(ctx) -> str:
+    return target_key(ctx, threads=0)
+
+
+def _assumed(ctx, name: str) -> float:
+    value = ASSUMED[name]
+    if isinstance(value, dict):
+        kind = ctx.resolved.target.kind
+        return value.get(kind, value["cloud"])
+    return value
+
+
+def load_terms(ctx, overhead_s: float | None = None) -> RunTerms:
+    """The run terms for `ctx`'s target and offer: medians of the cached samples, this run's
+    own start-up samples first; `overhead_s` (an epoch of this run measured it) replaces the
+    cached per-epoch overhead."""
+    cached = ProfileCache(ctx.open_durable).get("timings", timings_key(ctx)) or {}
+    values, measured = {}, {}
+    for name in TERMS:
+        samples = list(cached.get(name) or ())
+        if name == "startup_s" and ctx.startup_samples:
+            samples = list(ctx.startup_samples)
+        if name == "epoch_overhead_s" and overhead_s is not None:
+            samples = [overhead_s]
+        values[name] = statistics.median(samples) if samples else _assumed(ctx, name)
+        measured[name] = bool(samples)
+    return RunTerms(**values, measured=measured)
+
+
+@dataclass
+class RunClock:
+    """The coordinator's marks of one run, turned into term samples at its end."""
+
+    planned_at: float | None = None
+    epochs: list = field(default_factory=list)
+    """(sent, done) of each epoch the coordinator ran."""
+    teardown_at: float | None = None
+    first_epoch_fresh: bool = True
+    """The run's first epoch was its workers' first (not a resumed run's)."""
+
+    def epoch(self, sent: float, done: float) -> None:
+        self.epochs.append((sent, done))
+
+    def samples(self, ctx, history: list[dict], ended_at: float) -> dict:
+        out = {"startup_s": list(ctx.startup_samples)}
+        if self.planned_at is not None and self.epochs:
+            out["provision_s"] = [max(0.0, self.epochs[0][0] - self.planned_at)]
+        out["gap_s"] = [max(0.0, b[0] - a[1]) for a, b in zip(self.epochs, self.epochs[1:])]
+        if self.teardown_at is not None:
+            out["teardown_s"] = [max(0.0, ended_at - self.teardown_at)]
+        overheads = [e["overhead_s"] for e in history if e.get("overhead_s") is not None]
+        if ctx.job.warm and len(overheads) >= 2:  # a cold epoch's overhead holds a worker's first epoch
+            steady = statistics.median(overheads[1:])
+            out["epoch_overhead_s"] = overheads[1:]
+            if self.first_epoch_fresh:
+                out["warmup_s"] = [max(0.0, overheads[0] - steady)]
+        return out
+
+
+def record_terms(ctx, clock: RunClock, history: list[dict]) -> None:
+    """Add this run's measured terms to the target's cached samples (best effort: a cache
+    that cannot be written costs a later run its accuracy, not this run its result)."""
+    try:
+        cache = ProfileCache(ctx.open_durable)
+        key = timings_key(ctx)
+        doc = cache.get("timings", key) or {}
+        for name, values in clock.samples(ctx, history, time.time()).items():
+            doc[name] = (list(doc.get(name) or []) + [float(v) for v in values])[-KEEP:]
+        cache.put("timings", key, doc)
+    except Exception as exc:
+        print(f"zooid: could not cache this run's timings: {type(exc).__name__}: {exc}")

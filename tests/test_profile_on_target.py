@@ -1,0 +1,220 @@
+"""Issue 15: the profile is taken on the target, cached by what makes it hold, and the plan
+predicts the run's time and bill and is calibrated by its epochs."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from planners.calibration import Calibration, calibrated, epoch_overhead, fit
+from planners.plan import Plan
+from planners.run_prediction import RunTerms, predict_run
+from tasks.job import TrainJob
+from training.errors import ZooidValueError
+
+
+def _ctx(job: TrainJob):
+    from tasks.context import RunContext
+    from tasks.validate import validate_job
+
+    return RunContext(run_id="zprof" + str(abs(hash(job.model)) % 10**6), job=job, resolved=validate_job(job))
+
+
+# --- pure: calibration and run prediction ---------------------------------------------------
+
+
+def _plan(**kw) -> Plan:
+    base = dict(strategy="local_sgd", data_parallel=2, steps_per_epoch=10, batch_size=16, price_per_worker_s=1e-5,
+                predicted_iteration_s=0.02, predicted_compute_s=0.015, predicted_compute_epoch_s=0.2)
+    return Plan(**{**base, **kw})
+
+
+def test_calibration_refits_compute_sync_and_overhead_from_an_epoch():
+    plan = _plan()
+    # measured: compute 0.03 s a step (2x), the rest 0.01 s (2x the predicted 0.005), 0.5 s beyond the steps
+    measured = {"seconds": 10 * 0.04 + 0.5, "measured_iteration_s": 0.04, "compute_s": 0.3,
+                "startup": {"mode": "warm", "exposed_s": 0.0}}
+    c = fit(plan, measured)
+    assert (c.step_scale, c.layer_scale, c.sync_scale, c.transfer_scale) == pytest.approx((2.0, 1.0, 2.0, 1.0))
+    assert c.overhead_s == pytest.approx(0.5) and c.epochs == 1
+    # a later epoch refines the ratios relative to the raw profile, not to the last plan
+    again = fit(_plan(predicted_compute_s=0.03, predicted_iteration_s=0.04), measured, c)
+    assert (again.step_scale, again.sync_scale) == pytest.approx((2.0, 2.0))
+    # the first epoch of a worker set built models and read data: no steady overhead from it
+    assert fit(plan, measured, first=True).overhead_s is None
+    # start-up the epoch exposed is not overhead
+    assert epoch_overhead(plan, {**measured, "startup": {"exposed_s": 0.2}}) == pytest.approx(0.3)
+
+
+def test_a_pipeline_epoch_calibrates_transfers_and_leaves_the_sync_alone():
+    c = fit(_plan(strategy="pipeline", data_parallel=1, stages=2),
+            {"seconds": 1.0, "measured_iteration_s": 0.06, "compute_s": 0.15})
+    assert (c.layer_scale, c.step_scale, c.transfer_scale, c.sync_scale) == pytest.approx((1.0, 1.0, 9.0, 1.0))
+
+
+def test_calibrated_inputs_predict_what_was_measured():
+    from dataclasses import replace
+
+    from planners.strategy import local_sgd
+    from tests.test_strategy import _inputs
+
+    x = _inputs(sync_period=2)
+    before = local_sgd(x, 2)
+    steps = before.steps_per_epoch
+    measured = {"seconds": steps * 3 * before.predicted_iteration_s,
+                "measured_iteration_s": 3 * before.predicted_iteration_s,
+                "compute_s": steps * 3 * before.predicted_compute_s}
+    after = local_sgd(calibrated(x, fit(before, measured)), 2)
+    assert after.predicted_iteration_s == pytest.approx(3 * before.predicted_iteration_s, rel=1e-6)
+    assert calibrated(x, Calibration()) is x
+    assert replace(x).step_s == x.step_s
+
+
+def test_run_prediction_adds_startup_idle_gaps_and_the_coordinator():
+    plan = _plan(data_parallel=2, predicted_compute_epoch_s=2.0, price_per_worker_s=1.0)
+    terms = RunTerms(startup_s=5.0, epoch_overhead_s=0.5, gap_s=0.3, provision_s=1.0, teardown_s=2.0,
+                     stop_s=1.0, warmup_s=0.7)
+    warm = predict_run(plan, terms, epochs=3, warm=True, workers_launched_s=None, billed_usd=0.25)
+    assert warm.epoch_s == pytest.approx(2.5)
+    assert warm.first_epoch_s == pytest.approx(2.5 + (5.0 - 1.0) + 0.7)  # waits for what start-up is left
+    training = warm.first_epoch_s + 2 * 2.5 + 2 * 0.3
+    assert warm.run_s == pytest.approx(1.0 + training + 2.0)
+    assert warm.worker_s == pytest.approx(2 * (1.0 + training + 1.0))
+    assert warm.cost_usd == pytest.approx(0.25 + warm.worker_s + warm.run_s)
+    # workers launched 10 s ago (before the profile) are ready: nothing exposed
+    assert predict_run(plan, terms, epochs=3, warm=True, workers_launched_s=10.0).first_epoch_s == \
+        pytest.approx(2.5 + 0.7)
+    cold = predict_run(plan, terms, epochs=3, warm=False, workers_launched_s=None)
+    assert cold.epoch_s == pytest.approx(2.5 + 5.0 + 0.7)  # every epoch starts its workers again
+    assert cold.worker_s == pytest.approx(2 * 3 * cold.epoch_s)
+
+
+def test_a_gpu_job_is_never_planned_from_a_cpu_profile():
+    from tasks.profile import check_device
+
+    check_device({"device": "cuda", "device_name": "H100"}, worker_gpu=1)
+    check_device({"device": "cpu", "device_name": "EPYC"}, worker_gpu=0)
+    with pytest.raises(ZooidValueError, match="^worker_gpu: .*cpu"):
+        check_device({"device": "cpu", "device_name": "EPYC"}, worker_gpu=1)
+
+
+def test_model_identity_hashes_the_source_of_a_model_given_by_import_path(tmp_path, monkeypatch):
+    from tasks.profile_cache import model_identity
+
+    (tmp_path / "idmodel.py").write_text("from torch import nn\ndef net():\n    return nn.Linear(64, 10)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    first = model_identity("idmodel:net")
+    assert first.startswith("idmodel:net@") and model_identity("idmodel:net") == first
+    (tmp_path / "idmodel.py").write_text("from torch import nn\ndef net():\n    return nn.Linear(64, 10)  # v2\n")
+    assert model_identity("idmodel:net") != first
+    assert model_identity("digits_mlp") == "digits_mlp"
+
+
+# --- on a real worker ------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_the_profile_is_taken_by_a_worker_and_says_where(tmp_path):
+    from tasks.launchers import worker_threads
+    from tasks.profile import _profile
+    from tasks.sweep import tagged_pids
+    from tasks.warm_pool import provisional_plan
+
+    ctx = _ctx(TrainJob(model="digits_mlp", workers=2, store=f"file://{tmp_path}/store", warm=False))
+    prof = _profile(ctx)
+    assert prof["device"] == "cpu" and prof["torch"] == torch.__version__
+    assert prof["threads"] == worker_threads("inline", provisional_plan(ctx))
+    assert prof["identity"]["hardware"].endswith(f"/{prof['threads']}t/torch{torch.__version__}/nogpu")
+    assert prof["profile_sources"] == {"model": "measured", "store": "measured"}
+    assert prof["layers"] and prof["step_s"] > 0 and prof["base_memory_bytes"] > 0
+    # measured by a one-off worker, billed, stopped, its keys gone
+    statuses = [r.status for r in ctx.ledger]
+    assert "profile" in statuses and "startup" in statuses
+    assert all(r.usd > 0 for r in ctx.ledger if r.status == "profile")
+    assert tagged_pids(ctx.run_id) == []
+    store = ctx.open_durable()
+    try:
+        assert store.list(f"runs/{ctx.run_id}/warm/") == []
+    finally:
+        store.close()
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_the_cache_hits_on_a_second_run_and_misses_when_the_models_source_changes(tmp_path, monkeypatch):
+    from tasks.profile import _profile
+
+    source = tmp_path / "cachedmodel.py"
+    source.write_text("from torch import nn\ndef net():\n    return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), "
+                      "nn.Linear(32, 10))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path) + ":" + ":".join(p for p in sys.path if p))
+    store = f"file://{tmp_path}/store"
+    job = TrainJob(model="cachedmodel:net", workers=2, store=store, warm=False)
+    first = _ctx(job)
+    assert _profile(first)["profile_sources"] == {"model": "measured", "store": "measured"}
+    second = _ctx(job)
+    assert _profile(second)["profile_sources"] == {"model": "cache", "store": "cache"}
+    assert second.ledger == []  # nothing measured: no worker started
+    source.write_text(source.read_text() + "# edited\n")
+    third = _ctx(job)
+    assert _profile(third)["profile_sources"]["model"] == "measured"
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_a_gpu_target_without_a_gpu_is_refused_by_its_profile(tmp_path, monkeypatch):
+    import dataclasses
+
+    from tasks.profile import _profile
+
+    ctx = _ctx(TrainJob(model="digits_mlp", workers=1, store=f"file://{tmp_path}/store", warm=False))
+    target = ctx.resolved.target.model_copy(update={"worker_gpu": 1})
+    ctx.resolved = dataclasses.replace(ctx.resolved, target=target)
+    if torch.cuda.is_available():
+        assert _profile(ctx)["device"] == "cuda"
+        return
+    with pytest.raises(RuntimeError, match="CUDA was asked for but this worker has no GPU"):
+        _profile(ctx)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("prefect_api")
+def test_a_gpu_worker_profiles_on_its_gpu(tmp_path):
+    from tasks.profile import _profile
+
+    ctx = _ctx(TrainJob(model="digits_cnn", workers=1, store=f"file://{tmp_path}/store", warm=False))
+    prof = _profile(ctx)
+    assert prof["device"] == "cuda" and prof["device_name"] == torch.cuda.get_device_name(0)
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_replanning_after_the_first_epoch_leaves_a_plan_its_measurements_refute(tmp_path):
+    """A profile that says activations cross the store for free and averaging the model
+    through it is slow makes a pipeline the plan. The first epoch measures the transfers,
+    and the re-plan moves to Local-SGD, which averages a few kilobytes once an epoch."""
+    from flows.train import train
+    from tasks.profile import _profile
+    from tasks.profile_cache import ProfileCache, model_key, store_key
+
+    store = f"file://{tmp_path}/store"
+    job = TrainJob(model="digits_mlp", workers=2, epochs=3, batch_size=16, microbatches=8, optimizer="sgd",
+                   store=store, prestart=False)
+    ctx = _ctx(job)
+    prof = _profile(ctx)  # the true profile, cached; then made wrong in the cache
+    cache = ProfileCache(ctx.open_durable)
+    key = store_key(model_key(ctx, prof["identity"], prof["microbatch_size"]), ctx.store_ref)
+    probe = cache.get("stores", key)
+    probe.update(bandwidth_bytes_per_s=1e5, latency_s=0.05, checkpoint_s=0.2, contention=1.0,
+                 transfer={"put_latency_s": 1e-7, "put_bandwidth": 1e13, "get_latency_s": 1e-7,
+                           "get_bandwidth": 1e13, "handoff_s": 0.0})
+    cache.put("stores", key, probe)
+
+    summary = train(job)
+    assert summary.status == "completed"
+    first, second = summary.epochs[0], summary.epochs[1]
+    assert summary.plan["strategy"] == "pipeline"  # what the wrong profile chose
+    assert first.replan["switched"] and first.replan["reason"].startswith("faster")
+    assert first.replan["calibration"]["transfer_scale"] > 100
+    assert first.replan["to"]["strategy"] == "local_sgd"
+    assert (second.stages, second.workers) == (1, 2)  # Local-SGD on the same worker budget
+    assert second.seconds < first.seconds
