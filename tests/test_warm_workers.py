@@ -170,12 +170,14 @@ def test_warm_run_keeps_one_process_per_rank_and_bills_its_whole_life(tmp_path):
     assert len(lives) == 2
     for rows in lives.values():
         # start-up, then idle/busy alternating, back to back: the rows are the worker's life
+        # (rank 0 also took the profile)
         assert rows[0]["status"] == "startup"
         assert sum(r["status"] == "busy" for r in rows) == 3
         for before, after in zip(rows, rows[1:]):
             assert after["start"] == pytest.approx(before["stop"], abs=1e-6)
         assert sum(r["seconds"] for r in rows) == pytest.approx(rows[-1]["stop"] - rows[0]["start"], abs=1e-3)
-        assert all(r["status"] in ("startup", "busy", "idle") for r in rows)
+        assert all(r["status"] in ("startup", "busy", "idle", "profile") for r in rows)
+    assert sum(r["status"] == "profile" for r in ledger["rows"]) == 2  # the model, then the store
     assert tagged_pids(summary.run_id) == []
     assert store.list(f"runs/{summary.run_id}/warm/") == []
     # the last two epoch checkpoints stay; the finished epochs' sync checkpoints are gone
@@ -299,7 +301,7 @@ def test_workers_of_a_killed_coordinator_exit_within_their_lease(tmp_path):
         deadline = time.monotonic() + 300
         replies = []
         while time.monotonic() < deadline and not replies:  # a warm worker finished an epoch
-            replies = list(runs.glob("*/warm/*/reply-00001.json")) if runs.exists() else []
+            replies = _epoch_replies(runs)
             assert coordinator.poll() is None, "the coordinator ended early"
             time.sleep(0.2)
         assert replies, "no warm worker replied"
@@ -357,7 +359,7 @@ def test_sigterm_to_the_command_line_tears_down_and_bills_before_exiting(tmp_pat
         deadline = time.monotonic() + 300
         replies = []
         while time.monotonic() < deadline and not replies:
-            replies = list(runs.glob("*/warm/*/reply-00001.json")) if runs.exists() else []
+            replies = _epoch_replies(runs)
             assert coordinator.poll() is None, coordinator.stderr.read()[-2000:]
             time.sleep(0.2)
         assert replies, "no warm worker replied"
@@ -379,3 +381,10 @@ def test_sigterm_to_the_command_line_tears_down_and_bills_before_exiting(tmp_pat
     port = int(log.stem.split("-")[1])
     with socket.socket() as s:  # the temporary server is gone
         assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def _epoch_replies(runs) -> list:
+    """Warm workers' replies to an epoch command (not to a profile command)."""
+    if not runs.exists():
+        return []
+    return [r for r in runs.glob("*/warm/*/reply-*.json") if b'"result"' in r.read_bytes()]
