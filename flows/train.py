@@ -161,6 +161,8 @@ def run_training(job: TrainJob) -> RunSummary:
             sent = time.time()
             metrics = run_epoch(ctx, current, epoch, init, lr, resuming, on_tick=lambda: [t() for t in ticks])
             clock.epoch(sent, time.time())
+            if epoch == first_epoch and current.predicted_first_epoch_s:  # start-up and warm-up in force
+                metrics["predicted_epoch_s"] = current.predicted_first_epoch_s
             init = checkpoint(ctx, epoch, metrics["checkpoint_key"], metrics)
             calibration = fit(current, metrics, calibration, first=epoch == first_epoch,
                               inputs=strategy_inputs(ctx, prof, workers))

@@ -131,7 +131,7 @@ def _profile(ctx: RunContext) -> dict:
     if identity is not None:
         mkey = model_key(ctx, identity, microbatch_size(job))
         prof = cache.get("profiles", mkey)
-        store = cache.get("stores", store_key(mkey, ctx.store_ref), max_age_s=STORE_PROBE_TTL_S)
+        store = cache.get("stores", store_key(mkey, ctx.store_ref, job.strategy != "local_sgd"), max_age_s=STORE_PROBE_TTL_S)
     sources, seconds = {"model": "cache", "store": "cache"}, {}
     try:
         if prof is None:
@@ -142,12 +142,12 @@ def _profile(ctx: RunContext) -> dict:
             mkey = model_key(ctx, identity, microbatch_size(job))
             prof, sources["model"], seconds["model_s"] = answer["model"], "measured", answer["model_s"]
             cache.put("profiles", mkey, prof)
-            store = cache.get("stores", store_key(mkey, ctx.store_ref), max_age_s=STORE_PROBE_TTL_S)
+            store = cache.get("stores", store_key(mkey, ctx.store_ref, job.strategy != "local_sgd"), max_age_s=STORE_PROBE_TTL_S)
         if store is None:  # its sizes follow from the model: the largest tensor, a stage's activation
             answer = target_profiler.measure(profile_request(ctx, model_profile=False,
                                                              probe=_store_probe_sizes(ctx, prof)))
             store, sources["store"], seconds["store_s"] = answer["store"], "measured", answer["store_s"]
-            cache.put("stores", store_key(mkey, ctx.store_ref), store)
+            cache.put("stores", store_key(mkey, ctx.store_ref, job.strategy != "local_sgd"), store)
     finally:
         target_profiler.close()
     check_device(identity, target.worker_gpu)

@@ -64,11 +64,11 @@ def model_key(ctx, identity: dict, microbatch_size: int) -> str:
                     "torch": identity["torch"]})
 
 
-def store_key(model_key_: str, store_ref: str) -> str:
-    """The store probe's key: the model it timed checkpoints of, and where the store is
-    (hashed: a URL may hold a password)."""
+def store_key(model_key_: str, store_ref: str, pipeline: bool) -> str:
+    """The store probe's key: the model it timed checkpoints of, where the store is (hashed:
+    a URL may hold a password), and whether a pipeline's transfers were probed too."""
     parts = urlsplit(store_ref)
-    return _digest({"model": model_key_, "where": f"{parts.scheme}://{parts.netloc}"})
+    return _digest({"model": model_key_, "where": f"{parts.scheme}://{parts.netloc}", "pipeline": pipeline})
 
 
 class ProfileCache:

@@ -202,7 +202,7 @@ def test_replanning_after_the_first_epoch_leaves_a_plan_its_measurements_refute(
     ctx = _ctx(job)
     prof = _profile(ctx)  # the true profile, cached; then made wrong in the cache
     cache = ProfileCache(ctx.open_durable)
-    key = store_key(model_key(ctx, prof["identity"], prof["microbatch_size"]), ctx.store_ref)
+    key = store_key(model_key(ctx, prof["identity"], prof["microbatch_size"]), ctx.store_ref, pipeline=True)
     probe = cache.get("stores", key)
     probe.update(bandwidth_bytes_per_s=1e5, latency_s=0.05, checkpoint_s=0.2, contention=1.0,
                  transfer={"put_latency_s": 1e-7, "put_bandwidth": 1e13, "get_latency_s": 1e-7,
