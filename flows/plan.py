@@ -41,7 +41,7 @@ def plan_report(job: TrainJob, chosen: dict) -> str:
                     f"{'-' if tpd is None else f'{tpd:.3g}'} | {'yes' if a['chosen'] else ''} |")
     terms = chosen.get("run_terms") or {}
     basis = ", ".join(f"{k} {terms[k]:.3g} s{'' if terms['measured'].get(k) else ' (assumed)'}"
-                      for k in terms if k != "measured")
+                      for k in terms if k != "measured" and terms[k] is not None)
     return "\n".join([f"# Zooid plan for `{job.model}` on `{job.dataset}` ({job.workers} workers, {job.target})", "",
                       *rows, "", f"Chosen: **{chosen['strategy']}**, D={chosen['data_parallel']}, "
                       f"M={chosen['stages']}; predicted {chosen['predicted_epoch_s']:.3g} s and "

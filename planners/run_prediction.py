@@ -36,6 +36,9 @@ class RunTerms:
     """A worker's seconds from the last epoch's end to its stop."""
     warmup_s: float = 0.0
     """What a worker's first epoch adds: building the model, reading its data, first calls."""
+    exposed_s: float | None = None
+    """Start-up the first epoch waited for, as measured by earlier runs on this target (None:
+    not measured; `startup_s` less what the plan and provisioning hide is taken instead)."""
     measured: dict = field(default_factory=dict)
     """Term name -> True where measured on this target and offer, False where assumed."""
 
@@ -77,7 +80,8 @@ def predict_run(plan: Plan, terms: RunTerms, *, epochs: int, warm: bool, workers
     gaps = terms.gap_s * max(0, epochs - 1)
     if warm:
         launched = 0.0 if workers_launched_s is None else workers_launched_s
-        exposed = max(0.0, terms.startup_s - launched - terms.provision_s)
+        exposed = (terms.exposed_s if terms.exposed_s is not None
+                   else max(0.0, terms.startup_s - launched - terms.provision_s))
         first = epoch_s + exposed + terms.warmup_s
         training_s = (first + epoch_s * (epochs - 1) + gaps) if epochs else 0.0
         run_s = terms.provision_s + training_s + terms.teardown_s

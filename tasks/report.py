@@ -94,7 +94,7 @@ def markdown_report(summary: RunSummary, ledger_rows: list[dict], png: bytes | N
     if p.get("run_terms"):
         t = p["run_terms"]
         md.append("| run terms | " + ", ".join(f"{k} {t[k]:.3g} s ({'measured' if t['measured'].get(k) else 'assumed'})"
-                                           for k in t if k != "measured") + " |")
+                                           for k in t if k != "measured" and t[k] is not None) + " |")
     if p.get("alternatives"):
         md += ["", "### Alternatives considered", "", "| strategy | workers | iteration s | epoch s | $/epoch | "
                "run s | run $ | chosen |", "|---|---|---|---|---|---|---|---|"]

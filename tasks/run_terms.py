@@ -4,7 +4,9 @@
 the coordinator's provision, gap and teardown seconds. Each run measures them
 (`RunClock`) and adds them to `cache/timings/<target key>.json` in the durable store (the
 last `KEEP` samples of each); the next run's plan predicts from their medians. A term never
-measured on this target and offer is assumed (`ASSUMED`) and the plan says so.
+measured on this target and offer is assumed (`ASSUMED`) and the plan says so. Where the
+workers share the coordinator's machine they start after the plan, so the start-up the first
+epoch waits for is about the same each run: it is measured and cached too (`exposed_s`).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from planners.run_prediction import RunTerms
+from tasks.launchers import SHARED_HOST_KINDS
 from tasks.profile_cache import ProfileCache, target_key
 
 KEEP = 20
@@ -42,6 +45,9 @@ def load_terms(ctx, overhead_s: float | None = None) -> RunTerms:
     cached per-epoch overhead."""
     cached = ProfileCache(ctx.open_durable).get("timings", timings_key(ctx)) or {}
     values, measured = {}, {}
+    exposed = list(cached.get("exposed_s") or ())
+    values["exposed_s"] = statistics.median(exposed) if exposed and ctx.job.warm else None
+    measured["exposed_s"] = values["exposed_s"] is not None
     for name in TERMS:
         samples = list(cached.get(name) or ())
         if name == "startup_s" and ctx.startup_samples:
@@ -80,6 +86,9 @@ class RunClock:
             out["epoch_overhead_s"] = overheads[1:]
             if self.first_epoch_fresh:
                 out["warmup_s"] = [max(0.0, overheads[0] - steady)]
+        if ctx.job.warm and self.first_epoch_fresh and history and ctx.resolved.target.kind in SHARED_HOST_KINDS:
+            # where workers start after the plan, the first epoch waits for them by a like amount each run
+            out["exposed_s"] = [float((history[0].get("startup") or {}).get("exposed_s") or 0.0)]
         return out
 
 
