@@ -1,4 +1,4 @@
-"""Cloud store blocks, composed from the integrations' own blocks, and the cloud bootstrap.
+"""Cloud store blocks, composed from the integrations' own blocks.
 
 - `ZooidS3Store` holds a prefect-aws `S3Bucket` (which holds `AwsCredentials`) and a prefix.
 - `ZooidRedisStore` holds a prefect-redis `RedisDatabase` (password as `SecretStr`), e.g.
@@ -9,14 +9,13 @@ Secrets never travel as parameters, job variables or log lines: a worker receive
 API, and `worker_environment` holds only what is not secret (region, endpoint). In the cloud,
 prefer no keys at all: an ECS task role or an ACI managed identity.
 
-`bootstrap_cloud(target, ...)` runs the lead's `deployments.bootstrap.bootstrap(target)` and
-then points the pool's template defaults at the cloud account: credentials blocks by
-reference (`{"$ref": {"block_document_id": ...}}`), cluster, resource group, namespace.
+Pointing a work pool at the cloud account (`bootstrap_cloud`) lives in `deployments.bootstrap`
+(`python -m deployments.bootstrap --target ecs --cluster ...`): deployments import blocks,
+never the other way round.
 """
 from __future__ import annotations
 
-import os
-from typing import Any, Optional
+from typing import Optional
 from urllib.parse import quote
 
 from prefect.blocks.core import Block
@@ -115,103 +114,6 @@ def open_block_store(ref: str):
     return Block.load(ref[len(BLOCK_REF):]).open()
 
 
-def block_reference(block_document_id) -> dict:
-    """A job-template default that points at a saved block (how the UI stores one)."""
-    return {"$ref": {"block_document_id": str(block_document_id)}}
-
-
-def with_variable_defaults(base_job_template: dict, defaults: dict[str, Any]) -> dict:
-    """A copy of a base job template with new defaults for some variables; unknown names are an error."""
-    import copy
-
-    out = copy.deepcopy(base_job_template)
-    props = out["variables"]["properties"]
-    unknown = sorted(set(defaults) - set(props))
-    if unknown:
-        raise ValueError(f"defaults: not variables of this template: {', '.join(unknown)}")
-    for name, value in defaults.items():
-        if value is not None:
-            props[name]["default"] = value
-    return out
-
-
-def _credentials_block(target: str):
-    """A credentials block from the standard environment variables, or None when they are unset."""
-    if target == "ecs" and os.environ.get("AWS_ACCESS_KEY_ID"):
-        return "zooid-aws", AwsCredentials(aws_access_key_id=os.environ["AWS_ACCESS_KEY_ID"],
-                                           aws_secret_access_key=os.environ.get("AWS_SECRET_ACCESS_KEY"),
-                                           region_name=os.environ.get("AWS_DEFAULT_REGION"))
-    if target == "aci" and os.environ.get("AZURE_CLIENT_ID"):
-        from prefect_azure import AzureContainerInstanceCredentials
-
-        return "zooid-azure", AzureContainerInstanceCredentials(
-            client_id=os.environ["AZURE_CLIENT_ID"], tenant_id=os.environ.get("AZURE_TENANT_ID"),
-            client_secret=os.environ.get("AZURE_CLIENT_SECRET"))
-    return None
-
-
-def bootstrap_cloud(target: str, *, cluster: str | None = None, resource_group: str | None = None,
-                    subscription_id: str | None = None, namespace: str | None = None,
-                    paid_worker_limit: int = 16) -> dict:
-    """Bootstrap a cloud target (`ecs`, `aci`, `k8s`) idempotently; returns what was set, no secrets.
-
-    The credentials block is created from AWS_* / AZURE_* variables when they are set (else the
-    workers use their role or identity), and the pool's template defaults then reference it.
-    """
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import WorkPoolUpdate
-
-    from deployments.bootstrap import bootstrap
-
-    if target not in ("ecs", "aci", "k8s"):
-        raise ValueError(f"target: must be ecs, aci or k8s, got {target!r}")
-    if target == "aci" and not (resource_group and subscription_id):
-        raise ValueError("resource_group: ACI needs resource_group and subscription_id")
-    done = bootstrap(target, paid_worker_limit)
-    for cls in STORE_BLOCKS:
-        cls.register_type_and_schema()
-    defaults: dict[str, Any] = {"cluster": cluster} if target == "ecs" else {}
-    if target == "aci":
-        defaults.update(resource_group_name=resource_group, subscription_id=subscription_id)
-    if target == "k8s":
-        defaults["namespace"] = namespace
-    creds = _credentials_block(target)
-    if creds is not None:
-        name, block = creds
-        block_id = block.save(name, overwrite=True)
-        defaults["aws_credentials" if target == "ecs" else "aci_credentials"] = block_reference(block_id)
-        done["credentials_block"] = name
-    with get_client(sync_client=True) as client:
-        pool = client.read_work_pool(done["work_pool"])
-        client.update_work_pool(done["work_pool"], WorkPoolUpdate(
-            base_job_template=with_variable_defaults(pool.base_job_template, defaults)))
-    done["defaults"] = sorted(k for k, v in defaults.items() if v is not None)
-    return done
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m blocks.cloud --target ecs|aci|k8s [...]`: `bootstrap_cloud` from a shell."""
-    import argparse
-    import json
-
-    parser = argparse.ArgumentParser(prog="python -m blocks.cloud", description=bootstrap_cloud.__doc__.splitlines()[0])
-    parser.add_argument("--target", required=True, choices=["ecs", "aci", "k8s"])
-    parser.add_argument("--cluster", help="ECS cluster name or ARN")
-    parser.add_argument("--resource-group", help="Azure resource group (ACI)")
-    parser.add_argument("--subscription-id", help="Azure subscription id (ACI)")
-    parser.add_argument("--namespace", help="Kubernetes namespace")
-    parser.add_argument("--paid-worker-limit", type=int, default=16)
-    args = parser.parse_args(argv)
-    try:
-        done = bootstrap_cloud(args.target, cluster=args.cluster, resource_group=args.resource_group,
-                               subscription_id=args.subscription_id, namespace=args.namespace,
-                               paid_worker_limit=args.paid_worker_limit)
-    except ValueError as exc:
-        print(f"error: {exc}")
-        return 2
-    print(json.dumps(done))
-    return 0
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit("python -m blocks.cloud moved: run `python -m deployments.bootstrap --cloud --target "
+                     "ecs|aci|k8s [--cluster ...] [--resource-group ... --subscription-id ...] [--namespace ...]`")

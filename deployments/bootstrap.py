@@ -6,13 +6,22 @@
 - the Zooid block types (Store, Compute Target) and a Compute Target block for the target;
 - a global concurrency limit `zooid-paid-workers` that caps paid workers across runs.
 Running it twice changes nothing the second time.
+
+`python -m deployments.bootstrap --target ecs|aci|k8s --cloud [--cluster ...]
+[--resource-group ... --subscription-id ...] [--namespace ...]` (any of those options implies
+`--cloud`) then runs `bootstrap_cloud`: it also registers the cloud store blocks and points the
+pool's template defaults at the cloud account: credentials blocks by reference
+(`{"$ref": {"block_document_id": ...}}`), cluster, resource group, namespace.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from blocks.compute import BUILTIN, ComputeTarget
 from blocks.store import ZooidStore
@@ -90,12 +99,103 @@ def bootstrap(target: str, paid_worker_limit: int = 16) -> dict:
             "compute_target_block": f"zooid-{target}", "concurrency_limit": CONCURRENCY_LIMIT}
 
 
+def block_reference(block_document_id) -> dict:
+    """A job-template default that points at a saved block (how the UI stores one)."""
+    return {"$ref": {"block_document_id": str(block_document_id)}}
+
+
+def with_variable_defaults(base_job_template: dict, defaults: dict[str, Any]) -> dict:
+    """A copy of a base job template with new defaults for some variables; unknown names are an error."""
+    out = copy.deepcopy(base_job_template)
+    props = out["variables"]["properties"]
+    unknown = sorted(set(defaults) - set(props))
+    if unknown:
+        raise ValueError(f"defaults: not variables of this template: {', '.join(unknown)}")
+    for name, value in defaults.items():
+        if value is not None:
+            props[name]["default"] = value
+    return out
+
+
+def _credentials_block(target: str):
+    """A credentials block from the standard environment variables, or None when they are unset."""
+    if target == "ecs" and os.environ.get("AWS_ACCESS_KEY_ID"):
+        from prefect_aws import AwsCredentials
+
+        return "zooid-aws", AwsCredentials(aws_access_key_id=os.environ["AWS_ACCESS_KEY_ID"],
+                                           aws_secret_access_key=os.environ.get("AWS_SECRET_ACCESS_KEY"),
+                                           region_name=os.environ.get("AWS_DEFAULT_REGION"))
+    if target == "aci" and os.environ.get("AZURE_CLIENT_ID"):
+        from prefect_azure import AzureContainerInstanceCredentials
+
+        return "zooid-azure", AzureContainerInstanceCredentials(
+            client_id=os.environ["AZURE_CLIENT_ID"], tenant_id=os.environ.get("AZURE_TENANT_ID"),
+            client_secret=os.environ.get("AZURE_CLIENT_SECRET"))
+    return None
+
+
+def bootstrap_cloud(target: str, *, cluster: str | None = None, resource_group: str | None = None,
+                    subscription_id: str | None = None, namespace: str | None = None,
+                    paid_worker_limit: int = 16) -> dict:
+    """Bootstrap a cloud target (`ecs`, `aci`, `k8s`) idempotently; returns what was set, no secrets.
+
+    The credentials block is created from AWS_* / AZURE_* variables when they are set (else the
+    workers use their role or identity), and the pool's template defaults then reference it.
+    """
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolUpdate
+
+    from blocks.cloud import STORE_BLOCKS
+
+    if target not in ("ecs", "aci", "k8s"):
+        raise ValueError(f"target: must be ecs, aci or k8s, got {target!r}")
+    if target == "aci" and not (resource_group and subscription_id):
+        raise ValueError("resource_group: ACI needs resource_group and subscription_id")
+    done = bootstrap(target, paid_worker_limit)
+    for cls in STORE_BLOCKS:
+        cls.register_type_and_schema()
+    defaults: dict[str, Any] = {"cluster": cluster} if target == "ecs" else {}
+    if target == "aci":
+        defaults.update(resource_group_name=resource_group, subscription_id=subscription_id)
+    if target == "k8s":
+        defaults["namespace"] = namespace
+    creds = _credentials_block(target)
+    if creds is not None:
+        name, block = creds
+        block_id = block.save(name, overwrite=True)
+        defaults["aws_credentials" if target == "ecs" else "aci_credentials"] = block_reference(block_id)
+        done["credentials_block"] = name
+    with get_client(sync_client=True) as client:
+        pool = client.read_work_pool(done["work_pool"])
+        client.update_work_pool(done["work_pool"], WorkPoolUpdate(
+            base_job_template=with_variable_defaults(pool.base_job_template, defaults)))
+    done["defaults"] = sorted(k for k, v in defaults.items() if v is not None)
+    return done
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m deployments.bootstrap", description=__doc__.splitlines()[0])
     parser.add_argument("--target", required=True, choices=sorted(POOL_TYPES))
     parser.add_argument("--paid-worker-limit", type=int, default=16)
+    cloud = parser.add_argument_group("cloud targets (ecs, aci, k8s)", bootstrap_cloud.__doc__.splitlines()[0])
+    cloud.add_argument("--cloud", action="store_true",
+                       help="also point the pool at the cloud account (implied by any option below)")
+    cloud.add_argument("--cluster", help="ECS cluster name or ARN")
+    cloud.add_argument("--resource-group", help="Azure resource group (ACI)")
+    cloud.add_argument("--subscription-id", help="Azure subscription id (ACI)")
+    cloud.add_argument("--namespace", help="Kubernetes namespace")
     args = parser.parse_args(argv)
-    print(json.dumps(bootstrap(args.target, args.paid_worker_limit)))
+    if not (args.cloud or args.cluster or args.resource_group or args.subscription_id or args.namespace):
+        print(json.dumps(bootstrap(args.target, args.paid_worker_limit)))
+        return 0
+    try:
+        done = bootstrap_cloud(args.target, cluster=args.cluster, resource_group=args.resource_group,
+                               subscription_id=args.subscription_id, namespace=args.namespace,
+                               paid_worker_limit=args.paid_worker_limit)
+    except ValueError as exc:
+        print(f"error: {exc}")
+        return 2
+    print(json.dumps(done))
     return 0
 
 

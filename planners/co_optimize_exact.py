@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from planners.co_optimize import MEMORY_SLACK, CoOptProblem, Plan
+from planners.co_optimize_problem import MEMORY_SLACK, CoOptProblem, Plan
 
 _PRUNE_SLACK = 1e-9   # keep labels whose bound ties the incumbent up to rounding
 _HEURISTIC_BEAM = 8

@@ -46,7 +46,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from planners.co_optimize import CoOptProblem, Plan, Solved, plan_fits
+from planners.co_optimize_problem import CoOptProblem, Plan, Solved, plan_fits
 
 LICENCE_ERROR = 10010
 _TOLERANCE = 1e-9

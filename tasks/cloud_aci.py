@@ -20,7 +20,7 @@ import re
 from datetime import datetime
 from typing import Iterable
 
-from tasks.cloud_runs import CloudInterval
+from tasks.cloud_types import CloudInterval
 
 RUN_TAG = "zooid-run"
 _UUID_SUFFIX = re.compile(r"([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})$")
@@ -123,7 +123,7 @@ def aci_session(work_pool: str, job_variables: dict | None = None):
     """(ContainerInstanceManagementClient, resource group) as the pool's workers see them."""
     from prefect_azure.workers.container_instance import AzureContainerJobConfiguration
 
-    from tasks.cloud_runs import pool_job_configuration
+    from tasks.cloud_types import pool_job_configuration
 
     cfg = pool_job_configuration(AzureContainerJobConfiguration, work_pool, job_variables)
     client = cfg.aci_credentials.get_container_client(cfg.subscription_id.get_secret_value())

@@ -15,7 +15,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Iterable
 
-from tasks.cloud_runs import FLOW_RUN_ID_LABEL, CloudInterval
+from tasks.cloud_types import FLOW_RUN_ID_LABEL, CloudInterval
 
 RUN_TAG = "zooid-run"
 _DESCRIBE_BATCH = 100  # DescribeTasks accepts at most 100 tasks per call
@@ -115,7 +115,7 @@ def ecs_session(work_pool: str, job_variables: dict | None = None):
     """(ECS client, cluster) as the pool's workers see them (its credentials block, its cluster)."""
     from prefect_aws.workers.ecs_worker import ECSJobConfiguration
 
-    from tasks.cloud_runs import pool_job_configuration
+    from tasks.cloud_types import pool_job_configuration
 
     cfg = pool_job_configuration(ECSJobConfiguration, work_pool, job_variables)
     return cfg.aws_credentials.get_client("ecs"), cfg.cluster or "default"

@@ -20,7 +20,7 @@ from contextlib import asynccontextmanager
 from datetime import datetime
 from typing import Iterable
 
-from tasks.cloud_runs import FLOW_RUN_ID_LABEL, CloudInterval
+from tasks.cloud_types import FLOW_RUN_ID_LABEL, CloudInterval
 
 RUN_LABEL = "zooid-run"
 
@@ -137,7 +137,7 @@ async def k8s_session(work_pool: str, job_variables: dict | None = None):
     from kubernetes_asyncio.client import ApiClient
     from prefect_kubernetes.worker import KubernetesWorkerJobConfiguration
 
-    from tasks.cloud_runs import read_pool_job_configuration
+    from tasks.cloud_types import read_pool_job_configuration
 
     cfg = await read_pool_job_configuration(KubernetesWorkerJobConfiguration, work_pool, job_variables)
     if cfg.cluster_config:

@@ -1,5 +1,5 @@
-"""What the ECS, ACI and Kubernetes modules share: a worker's life on the cloud's clock, its
-ledger rows, and the worker pool's job configuration.
+"""A worker's ledger rows on the cloud's clock, and the one dispatcher over the ECS, ACI and
+Kubernetes modules (sweep, stop, read intervals) for a `ComputeTarget`.
 
 Each cloud module turns its API's view of one worker's infrastructure (an ECS task, an ACI
 container group, a pod) into a `CloudInterval`: when the cloud started billing, when it
@@ -7,46 +7,19 @@ stopped, and whether the worker was ever placed. `cloud_records` prices the inte
 the catalog into `CostRecord` rows, one per attempt (a retried epoch is billed for every
 attempt), with placements that never started listed separately as `failed_placement` at
 zero dollars. `replace_measured` swaps the coordinator's launch-to-exit estimates for the
-cloud's own numbers where the cloud reported them.
+cloud's own numbers where the cloud reported them. The shared types (`CloudInterval`, the
+flow-run label, the pool's job configuration) live in `tasks.cloud_types`.
 """
 from __future__ import annotations
 
 import re
 import time
-from dataclasses import dataclass
 from typing import Iterable
 
+from tasks.cloud_types import CloudInterval
 from tasks.cost import CostRecord
 
-FLOW_RUN_ID_LABEL = "prefect.io/flow-run-id"
 _ATTEMPT_NAME = re.compile(r"-e(?P<epoch>\d+)-r(?P<rank>\d+)-a(?P<attempt>\d+)$")
-
-
-@dataclass(frozen=True, kw_only=True)
-class CloudInterval:
-    """One worker's infrastructure as its cloud reported it (epoch seconds, UTC)."""
-
-    resource: str
-    """Task ARN, container group name or pod name."""
-    flow_run_id: str | None
-    """The worker flow run it carried (from the `prefect.io/flow-run-id` tag, label or name)."""
-    billed_from: float | None
-    """When billing began: image pull start on Fargate and ACI, container start on Kubernetes."""
-    stopped: float | None
-    """When it stopped (None: still running)."""
-    status: str
-    """`completed`, `failed`, `running` or `failed_placement` (never started)."""
-    created: float | None = None
-    started: float | None = None
-    """When the worker's container started running (after the pull)."""
-    reason: str = ""
-
-    @property
-    def startup_s(self) -> float | None:
-        """Seconds from creation to a running container (the pre-start planner's input)."""
-        if self.created is None or self.started is None:
-            return None
-        return max(0.0, self.started - self.created)
 
 
 def attempt_of(flow_run_name: str | None) -> tuple[int, int, int] | None:
@@ -95,27 +68,6 @@ def replace_measured(rows: list[CostRecord], cloud_rows: list[CostRecord]) -> li
     kept = [r for r in rows if r.kind not in ("worker", "failed_attempt")
             or ((r.epoch, r.rank, r.attempt) not in reported and not (r.worker and r.worker in workers))]
     return kept + list(cloud_rows)
-
-
-async def read_pool_job_configuration(config_cls, work_pool: str, job_variables: dict | None = None):
-    """The job configuration a worker of `work_pool` would build for `job_variables`.
-
-    This is how the sweep and the cost collector reach the same account, cluster, resource
-    group or namespace as the workers, with the credentials block the pool names, and no
-    secret passed as a parameter.
-    """
-    from prefect.client.orchestration import get_client
-
-    async with get_client() as api:
-        pool = await api.read_work_pool(work_pool)
-        return await config_cls.from_template_and_values(pool.base_job_template, job_variables or {}, client=api)
-
-
-def pool_job_configuration(config_cls, work_pool: str, job_variables: dict | None = None):
-    """`read_pool_job_configuration` from synchronous code."""
-    from prefect.utilities.asyncutils import run_coro_as_sync
-
-    return run_coro_as_sync(read_pool_job_configuration(config_cls, work_pool, job_variables))
 
 
 def sweep_target(target, run_id: str) -> list[str]:

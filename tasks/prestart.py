@@ -45,7 +45,7 @@ class PrestartWatch:
     def launch_next(self) -> None:
         from tasks.provision import epoch_key
         from tasks.launchers import make_launcher
-        from tasks.run_epoch import next_attempt, worker_specs
+        from tasks.specs import next_attempt, worker_specs
 
         nxt = self.epoch + 1
         launcher = make_launcher(self.ctx, self.plan)

@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from blocks.cloud import ZooidRedisStore, ZooidS3Store, with_variable_defaults
+from blocks.cloud import ZooidRedisStore, ZooidS3Store
+from deployments.bootstrap import with_variable_defaults
 from tests.cloud_fixtures import template
 
 

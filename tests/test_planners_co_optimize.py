@@ -11,9 +11,8 @@ import sys
 import numpy as np
 import pytest
 
-from planners.co_optimize import (
-    Plan, co_optimize, evaluate, expand_cuts, merge_layers, parse_problem, plan_fits, recommend,
-)
+from planners.co_optimize import co_optimize, evaluate, expand_cuts, merge_layers, parse_problem, recommend
+from planners.co_optimize_problem import Plan, plan_fits
 from planners.co_optimize_exact import solve_exact
 from planners.co_optimize_miqp import model_size, solve_miqp
 from planners.errors import PlannerInputError

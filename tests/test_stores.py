@@ -92,7 +92,7 @@ def test_get_times_out_when_nothing_comes(store):
 def test_a_waiting_get_polls_fast_first_then_backs_off(store, monkeypatch):
     """The sleeps between a waiting get's reads: the store's first pause, growing by half
     each time up to its longest (a neighbour's activation usually lands within a ms)."""
-    import training.store as store_module
+    import training.store_base as store_module
 
     reads, pauses = [], []
     monkeypatch.setattr(type(store), "_read", lambda self, key: reads.append(key) or (b"v" if len(reads) > 9 else None))

@@ -16,7 +16,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from training.errors import StoreError, ZooidValueError
-from training.store import Store, StoreKeyError
+from training.store_base import Store, StoreKeyError
 
 TMP_DIR = ".zooid-tmp"
 

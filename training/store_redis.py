@@ -31,7 +31,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from training.errors import StoreError, ZooidValueError
-from training.store import Store
+from training.store_base import Store
 
 MAGIC = b"\x00zooid-chunked-v1\n"
 MANIFEST_MAX = 4096  # bytes of a manifest, read back in the swap transaction

@@ -19,7 +19,7 @@ from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 
 from training.errors import StoreError, ZooidValueError
-from training.store import Store
+from training.store_base import Store
 
 MULTIPART_THRESHOLD = 64 * 1024 * 1024
 MULTIPART_CHUNK = 16 * 1024 * 1024

@@ -1,0 +1,63 @@
+"""The workers of one epoch: one `WorkerSpec` per replica (or per stage of each replica), the
+attempt numbers that tell their tries apart, and the ring allreduce's worker settings.
+
+`tasks.run_epoch` launches these specs and `tasks.prestart` launches the next epoch's early;
+both import them from here, so neither depends on the other for them.
+"""
+from __future__ import annotations
+
+from planners.plan import Plan
+from tasks.context import RunContext
+from tasks.provision import epoch_key
+from training.specs import WorkerSpec
+
+
+def ring_settings(ctx: RunContext) -> dict:
+    """Worker settings of the direct ring allreduce (workers on other hosts publish their
+    resolved address; local ones stay on 127.0.0.1)."""
+    if ctx.job.collective != "ring":
+        return {}
+    cloud = ctx.resolved.target.kind in ("ecs", "aci", "k8s")
+    return {"collective": "ring", "ring_host": "auto" if cloud else "127.0.0.1",
+            "ring_timeout_s": 120.0}
+
+
+def next_attempt(ctx: RunContext, epoch: int, rank: int) -> int:
+    """A fresh attempt number for (epoch, rank), unique across relaunches and task retries."""
+    key = (epoch, rank)
+    ctx.attempts[key] = ctx.attempts.get(key, -1) + 1
+    return ctx.attempts[key]
+
+
+def worker_specs(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, attempt: int) -> list[WorkerSpec]:
+    """One spec per replica: its data subsets, step count and the keys to read and write."""
+    from training.datasets import assign_subsets
+
+    job = ctx.job
+    shards = assign_subsets(ctx.dataset["n_subsets"], plan.data_parallel, epoch, job.seed)
+    # survivors wait at a sync long enough for a failed peer to be detected and relaunched
+    timeout = job.worker_timeout_s + (300.0 if ctx.resolved.target.remote else 120.0)
+    if plan.strategy in ("pipeline", "hybrid"):
+        from training.pipeline_executor import pipeline_worker_specs
+
+        # a stage reads data and checkpoints from its one store: the durable one
+        base = WorkerSpec(run_id=ctx.run_id, epoch=epoch, rank=0, world=plan.workers,
+                          store_url=ctx.durable_ref, model=job.model, dataset=job.dataset,
+                          subsets=(), steps=plan.steps_per_epoch, batch_size=plan.batch_size, lr=lr,
+                          optimizer=job.optimizer, seed=job.seed, init_key=init,
+                          out_key=epoch_key(ctx, epoch), sync_timeout_s=timeout, attempt=attempt,
+                          extra={"strategy": plan.strategy, "pipeline_schedule": plan.pipeline_schedule})
+        # a planner cut i splits after layer i; the executor's cut is where a stage begins
+        ring = ring_settings(ctx)
+        return pipeline_worker_specs(base, cuts=[c + 1 for c in plan.cuts], microbatches=plan.microbatches,
+                                     replica_subsets=shards, sync="ring" if ring else "pipelined",
+                                     **{k: v for k, v in ring.items() if k == "ring_host"})
+    return [WorkerSpec(run_id=ctx.run_id, epoch=epoch, rank=rank, world=plan.data_parallel,
+                       store_url=ctx.store_ref, model=job.model, dataset=job.dataset,
+                       subsets=tuple(shards[rank]), steps=plan.steps_per_epoch,
+                       batch_size=plan.batch_size, lr=lr, optimizer=job.optimizer,
+                       sync_period=job.sync_period, seed=job.seed, init_key=init,
+                       out_key=epoch_key(ctx, epoch), sync_timeout_s=timeout, evaluate=True,
+                       attempt=attempt, extra={"strategy": plan.strategy, "checkpoint_store": ctx.durable_ref,
+                                               **ring_settings(ctx)})
+            for rank in range(plan.data_parallel)]

@@ -1,0 +1,230 @@
+"""The layout's arrows point one way (DESIGN.md, docs/ARCHITECTURE.md).
+
+The project's import graph is read from the source with `ast`, without importing anything:
+every `import` and `from ... import` of every .py file under the project folders, at module
+level and inside functions alike (a lazy import is an arrow too), with relative imports
+resolved and `from x import y` taken as an import of module `x.y` when `x/y.py` (or a
+package `x/y/`) exists. Calls to `importlib.import_module` are not followed.
+
+- no import circles among the project's modules;
+- `training/` (the engine inside a worker) imports neither Prefect nor the layers above it.
+
+A purity check for another folder is one more line with `layer_violations`, e.g. for
+planners (numpy and stdlib only):
+`assert not layer_violations("planners", ("prefect", "torch", "boto3", "redis", "training", ...))`.
+"""
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("blocks", "deployments", "flows", "planners", "tasks", "training", "benchmarks")
+
+
+@dataclass(frozen=True)
+class Import:
+    """One import statement's target as written (dotted, relative imports resolved)."""
+
+    source: str
+    """The importing module, e.g. `tasks.run_epoch`."""
+    target: str
+    """The imported name, e.g. `prefect.task` or `tasks.prestart`."""
+    path: str
+    line: int
+
+
+def module_name(path: Path) -> str:
+    """`tasks/run_epoch.py` -> `tasks.run_epoch`; `tasks/__init__.py` -> `tasks`."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+@lru_cache(maxsize=None)
+def project_files() -> dict[str, Path]:
+    """Every project module (by dotted name) and its file."""
+    files = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if "__pycache__" not in path.parts:
+                files[module_name(path)] = path
+    return files
+
+
+def _resolve_relative(module: str, is_package: bool, level: int, name: str | None) -> str:
+    """The absolute module of `from <level dots><name> import ...` written in `module`."""
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    if level > 1:
+        base = base[:len(base) - (level - 1)]
+    return ".".join(base + ([name] if name else []))
+
+
+@lru_cache(maxsize=None)
+def all_imports() -> tuple[Import, ...]:
+    """Every import of every project module, module-level and function-level."""
+    modules = project_files()
+    found = []
+    for module, path in modules.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        rel = str(path.relative_to(ROOT))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                found += [Import(module, alias.name, rel, node.lineno) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = _resolve_relative(module, path.name == "__init__.py", node.level, node.module)
+                for alias in node.names:
+                    candidate = f"{base}.{alias.name}" if base else alias.name
+                    # `from x import y`: the module x.y when there is one, else a name from x
+                    target = candidate if alias.name != "*" and candidate in modules else base
+                    found.append(Import(module, target, rel, node.lineno))
+    return tuple(found)
+
+
+def _project_module(target: str) -> str | None:
+    """The project module an import lands in (the longest dotted prefix that is one), or None."""
+    modules = project_files()
+    parts = target.split(".")
+    for end in range(len(parts), 0, -1):
+        name = ".".join(parts[:end])
+        if name in modules:
+            return name
+    return None
+
+
+def import_graph() -> dict[str, dict[str, list[Import]]]:
+    """module -> imported project module -> the imports that make that arrow."""
+    graph: dict[str, dict[str, list[Import]]] = {m: {} for m in project_files()}
+    for imp in all_imports():
+        dest = _project_module(imp.target)
+        if dest is not None and dest != imp.source:
+            graph[imp.source].setdefault(dest, []).append(imp)
+    return graph
+
+
+def import_circles(graph: dict[str, dict[str, list[Import]]]) -> list[list[str]]:
+    """One circle (a closed path of modules) for every strongly connected group of modules."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[list[str]] = []
+    counter = 0
+
+    def connect(root: str) -> None:  # Tarjan's algorithm, iterative (no recursion limit)
+        nonlocal counter
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+            if low[node] == index[node]:
+                group = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.append(member)
+                    if member == node:
+                        break
+                if len(group) > 1:
+                    groups.append(sorted(group))
+
+    for module in sorted(graph):
+        if module not in index:
+            connect(module)
+    return sorted(_cycle_in(graph, set(group)) for group in groups)
+
+
+def _cycle_in(graph: dict[str, dict[str, list[Import]]], group: set[str]) -> list[str]:
+    """A shortest closed path through the group's first module, staying inside the group."""
+    start = min(group)
+    came_from = {start: None}
+    frontier = [start]
+    while frontier:
+        following = []
+        for node in frontier:
+            for child in sorted(graph[node]):
+                if child == start:
+                    path = [node]
+                    while came_from[path[-1]] is not None:
+                        path.append(came_from[path[-1]])
+                    return path[::-1] + [start]
+                if child in group and child not in came_from:
+                    came_from[child] = node
+                    following.append(child)
+        frontier = following
+    raise AssertionError(f"no cycle through {start} in {sorted(group)}")  # cannot happen for an SCC
+
+
+def describe_circle(graph: dict[str, dict[str, list[Import]]], circle: list[str]) -> str:
+    lines = [" -> ".join(circle)]
+    for a, b in zip(circle, circle[1:]):
+        where = ", ".join(dict.fromkeys(f"{i.path}:{i.line}" for i in graph[a][b]))
+        lines.append(f"    {a} -> {b} ({where})")
+    return "\n".join(lines)
+
+
+def layer_violations(folder: str, banned: tuple[str, ...]) -> list[str]:
+    """Imports (module- or function-level) in `folder` of any package in `banned` or below it."""
+    def is_banned(target: str) -> bool:
+        return any(target == b or target.startswith(b + ".") for b in banned)
+
+    return list(dict.fromkeys(f"{i.path}:{i.line}: {i.source} imports {i.target}" for i in all_imports()
+                              if (i.source == folder or i.source.startswith(folder + ".")) and is_banned(i.target)))
+
+
+# ----------------------------------------------------------------------------- the rules
+
+def test_the_reader_sees_the_project():
+    """The graph has the arrows we know are there (a reader that sees nothing passes nothing)."""
+    graph = import_graph()
+    assert len(graph) > 50
+    assert "training.store_base" in graph["training.store_dir"]
+    assert "tasks.cloud_ecs" in graph["tasks.cloud_runs"]  # a function-level import
+    assert "training.heartbeat" in graph["training.store_base"]  # `from training import heartbeat`
+
+
+def test_the_circle_finder_finds_circles():
+    def imp(a, b):
+        return [Import(a, b, f"{a}.py", 1)]
+
+    graph = {"a": {"b": imp("a", "b")}, "b": {"c": imp("b", "c")}, "c": {"a": imp("c", "a"), "d": imp("c", "d")},
+             "d": {}, "e": {"e2": imp("e", "e2")}, "e2": {"e": imp("e2", "e")}}
+    assert import_circles(graph) == [["a", "b", "c", "a"], ["e", "e2", "e"]]
+    assert "c -> a (c.py:1)" in describe_circle(graph, ["a", "b", "c", "a"])
+
+
+def test_no_import_circles():
+    graph = import_graph()
+    circles = import_circles(graph)
+    assert not circles, ("import circles (one per tangle of modules that reach each other):\n"
+                         + "\n".join(describe_circle(graph, c) for c in circles))
+
+
+def test_training_imports_neither_prefect_nor_the_layers_above():
+    """The engine runs inside a worker: no Prefect, no flows, tasks, deployments or blocks."""
+    bad = layer_violations("training", ("prefect", "prefect_aws", "prefect_azure", "prefect_redis", "prefect_kubernetes",
+                                        "flows", "tasks", "deployments", "blocks"))
+    assert not bad, "training/ must not import these:\n" + "\n".join(bad)
