@@ -1,124 +1,630 @@
-"""Predicted vs measured iteration time under Local-SGD, pipeline and hybrid plans, in one run.
+"""Profiling and prediction as a user sees them: epoch wall and run cost, predicted vs measured.
 
-For `digits_cnn` (digits), a `resnet18`-shaped model (width 16) and a `vgg11`-shaped model
-(hidden 128), both on synthetic 3x32x32 images, this does what `strategy=auto` does and then
-checks it:
+One run brings up a local stack (`deployments.stack.up` on a free port in a scratch home, so
+the durable store and its caches start empty) and runs `train/local` on the `zooid-local`
+process pool (`benchmarks.bench_orchestration.run_pool`) for every configuration:
 
-1. profile, as the flow's `profile` step does on a pool (`tasks.profile`), in a fresh process
-   like the run's workers (`--profile`): `profile_model` at the job's
-   batch with one torch thread (layers timed at the batch and at a quarter of it, calibrated
-   to a pass through the whole chain; step and optimizer step), the store probe, a worker's
-   put and get costs (`training.links.profile_transfers`), the sync checkpoint write, the
-   store allreduce timed among 2 worker processes on the model's replica state, the
-   contention factor at a typical activation, and the co-run slowdown of a step while a
-   second worker process computes beside it (`training.corun`; the local pool's workers
-   share this machine);
-2. plan (predict): the profile dict goes through the coordinator's own
-   `tasks.plan.strategy_inputs` into `planners.strategy.local_sgd` / `candidates`: Local-SGD
-   is step + fitted scatter-reduce + checkpoint write; a pipeline or hybrid is the replay of
-   its GPipe action lists on each stage's compute, upload and download threads
-   (`planners.pipeline_time`);
-3. measure: a short epoch (at least `--steps` iterations, and enough that the steady state
-   lasts `--min-seconds` at the predicted pace) with every worker its own process
-   (`python -m benchmarks.bench_prediction --worker`, one torch thread each, as the
-   `inline` target starts them), against a directory store in a temporary folder (the
-   embedded default: fsync per put).
+- models: `digits_mlp` and `digits_cnn` (registry names) and
+  `benchmarks.prediction_models:wide_mlp` (known only by its import path), on `digits`;
+  batch 16 per replica, SGD momentum 0.9, lr 0.05, seed 0, warm workers, static scaling
+  (`bench_orchestration.job_params`), `--epochs` epochs (default 5);
+- plans: Local-SGD 2x1 (`strategy=local_sgd`, 2 workers, averaged once per epoch) and
+  pipeline 1x2 (`strategy=pipeline`, 1 replica, `stages=2`, the planner's micro-batches and
+  schedule): two worker processes on the machine's two cores;
+- each configuration runs 1 + `--repeats` times back to back. The first run of a model
+  profiles it (a worker measures the model and the store; `cache/profiles`, `cache/stores`);
+  every later run reads the cache. The run terms (start-up, per-epoch overhead, gaps,
+  provision, teardown; `cache/timings`) are kept per target and offer, so every model
+  shares them and only the benchmark's very first run plans with assumed terms.
 
-Measured iteration time is the steady state: each worker timestamps the end of every
-iteration (a small wrapper around `LocalSGD.after_step` / the stage loop's iteration,
-installed only in the benchmark's worker processes); the first two iterations (warm-up)
-are dropped, the median of the rest is taken per worker and the slowest worker counts.
-Beside it stands the flow's own figure (`run_epoch.summarise`): the slowest worker's
-`WorkerResult.iteration_s`, which each worker measures the same way
-(`training.iteration_clock`), stamping after its sync where the benchmark stamps inside it.
+Per run, from the run's own summary (`RunSummary`, what the report shows):
 
-Each error is split into terms so a miss can be named: compute (Local-SGD: the measured
-step without its sync vs the profiled step; pipelines: the same replay fed with the stage
-workers' measured forward/backward times and no transfers vs fed with the profile), sync
-(measured time in the gradient/parameter sync vs the model) and transfer (the rest:
-activation uploads, downloads, waits for a key). "Model fed with measured times" replays
-with every measured duration: the model's own error, without the profile's.
+- epoch wall: the median over epochs 1.. of |predicted_epoch_s - seconds| / seconds, where
+  `predicted_epoch_s` is the prediction in force for that epoch (calibrated after every
+  epoch, `planners.calibration`). Goal <= 15 %;
+- run cost: |plan.predicted_run_cost_usd - total_cost_usd| / total_cost_usd, the first
+  plan's whole-run bill (made after the profile) against the ledger. Goal <= 20 %;
+- the first epoch, predicted (`predicted_first_epoch_s`: start-up it cannot hide, warm-up)
+  vs measured, and what the difference costs at the plan's price (its workers and the
+  coordinator, billed like one more worker), beside the bill's own miss;
+- epoch 0's iteration: the profile's predicted iteration (nothing calibrated yet) vs the
+  measured one, the quantity the benchmark before 858a312 measured;
+- the profile: the coordinator's `zooid profile of ...` log line, read back from the flow
+  run's logs: measured (seconds for the model, the store and in all) or from the cache.
 
-Runs are grouped by whether worker processes outnumber the cores: with more processes than
-cores a worker's compute is time-shared, which no term of the model knows about.
+Noise floor: per configuration, the repeats' run-to-run difference |a - b| / mean(a, b) of
+the measured median epoch wall (epochs 1..) and of the bill, over consecutive repeats.
 
-Noise floor: each configuration whose workers fit the cores runs `--repeats` times back to
-back with the same profile, plan, code and iteration count; the later runs change nothing but
-the column "measured again", and the summary gives how far the repeat's period lies from the
-first run's. No prediction made before a run can be expected to come closer to it, in the
-median, than the run comes to its own repeat.
+Before: the result file of the previous benchmark, from git (`git show
+cabc397:benchmarks/results/prediction.md`), its command and summary quoted verbatim.
 
-Timing on these shared machines drifts: the same resnet18 pipeline ran at a 72 ms and a
-98 ms period in two identical runs a minute apart, and one conv's median over 0.1 s windows
-wanders by -11..+25 %, so a single run's errors carry that noise. One script timing four
-resnet18 forward/backward passes at 8 rows in a fresh process took 113 ms, and 77 ms when
-run again minutes later (no steal time reported either time). Part of what looked like
-drift was our own processes: glibc's dynamic mmap threshold made a deep conv's backward
-take 7-16.5 ms by what the process had allocated before; every worker and profile now pins
-it (`training.malloc`).
+GPU (`--gpu`, on a CUDA machine): adds resnet18 and vgg11 on `synthetic:3x32x32:10:4096`,
+batch 64, Local-SGD with 1 worker on the same pool (workers train on CUDA where they see it).
 
-    .venv/bin/python -m benchmarks.bench_prediction [--steps 14] [--min-seconds 3] [--trials 1] [--repeats 2] [--models ...]
+    .venv/bin/python -m benchmarks.bench_prediction [--models M ...] [--epochs 5] [--repeats 2]
+        [--gpu] [--out PATH] [--keep]
 
-Writes markdown with the command to `benchmarks/results/prediction.md`.
+The end of this module keeps the instrumented worker entry (`install_timers`,
+`worker_main`, `run_workers`) that `benchmarks.bench_bubble` times pipeline stages with.
 """
 from __future__ import annotations
 
-import argparse
 import json
-import math
 import os
-import platform
-import shutil
+import re
 import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from dataclasses import dataclass, replace
 from pathlib import Path
-from types import SimpleNamespace
 
 from benchmarks.output import write_result
-from training.iteration_clock import WARMUP, steady_gaps
-from training.subprocess_env import one_thread_env
+from training.iteration_clock import WARMUP
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "prediction.md"
+TITLE = "# Profiling and prediction: epoch wall and run cost, predicted vs measured"
 WARMUP_ITERATIONS = WARMUP  # as the workers' own clocks
 
+CPU_MODELS = ("digits_mlp", "digits_cnn", "benchmarks.prediction_models:wide_mlp")
+GPU_MODELS = ("resnet18", "vgg11")
+GPU_DATASET, GPU_BATCH = "synthetic:3x32x32:10:4096", 64
+DEFAULT_EPOCHS, DEFAULT_REPEATS = 5, 2
+GOAL_EPOCH, GOAL_COST = 0.15, 0.20
+BEFORE_COMMIT, BEFORE_PATH = "cabc397", "benchmarks/results/prediction.md"
+DELETING_COMMIT = "858a312"
 
-@dataclass(frozen=True)
-class ModelCase:
-    """One model of the sweep and the data it trains on."""
-
-    model: str
-    dataset: str
-    batch: int
-    model_kwargs: tuple = ()
-
-    @property
-    def kwargs(self) -> dict:
-        return dict(self.model_kwargs)
+PROFILE_LINE = re.compile(
+    r"zooid profile of (?P<model>\S+) on (?P<where>.*?): model (?:measured in (?P<model_s>[\d.]+) s|from the cache), "
+    r"store (?:measured in (?P<store_s>[\d.]+) s|from the cache); (?P<all_s>[\d.]+) s in all")
 
 
-MODELS = {
-    "digits_cnn": ModelCase("digits_cnn", "digits", 32),
-    "resnet18": ModelCase("resnet18", "synthetic:3x32x32:10:512:64", 32, (("width", 16),)),
-    "vgg11": ModelCase("vgg11", "synthetic:3x32x32:10:512:64", 16, (("hidden", 128),)),
-}
-# (strategy, D replicas, S stages): D x S worker processes each
-PLANS = (("local_sgd", 1, 1), ("local_sgd", 2, 1), ("pipeline", 1, 2),
-         ("local_sgd", 4, 1), ("pipeline", 1, 4), ("hybrid", 2, 2))
-MICROBATCHES, LR, SEED, OPTIMIZER = 4, 0.05, 0, "sgd"
+# --- configurations ----------------------------------------------------------------------
+
+def configurations(models: list[str], gpu: bool, epochs: int) -> list[dict]:
+    """Each model as Local-SGD 2x1 and pipeline 1x2 (CPU), or Local-SGD 1x1 (GPU)."""
+    from benchmarks.bench_orchestration import job_params
+
+    out = []
+    for model in models:
+        out.append({"model": model, "plan": "local_sgd 2x1", "device": "cpu",
+                    "params": job_params(2, epochs, True, model=model)})
+        out.append({"model": model, "plan": "pipeline 1x2", "device": "cpu",
+                    "params": job_params(1, epochs, True, model=model, strategy="pipeline", stages=2)})
+    if gpu:
+        for model in GPU_MODELS:
+            out.append({"model": model, "plan": "local_sgd 1x1", "device": "cuda",
+                        "params": job_params(1, epochs, True, model=model, dataset=GPU_DATASET,
+                                             batch_size=GPU_BATCH)})
+    return out
 
 
-# --- the worker process: the engine, with timestamps -----------------------------------
+# --- per run -------------------------------------------------------------------------------
+
+def _rel(predicted: float | None, measured: float | None) -> float | None:
+    """predicted / measured - 1 (signed; None where either is missing or measured is 0)."""
+    if predicted is None or not measured:
+        return None
+    return predicted / measured - 1
+
+
+def run_record(cfg: dict, index: int, summary: dict) -> dict:
+    """The figures of one run (see the module docstring)."""
+    epochs = sorted(summary["epochs"], key=lambda e: e["epoch"])
+    plan = summary["plan"]
+    later = [e for e in epochs if e["epoch"] >= 1 and e.get("predicted_epoch_s") is not None]
+    epoch_errors = [abs(_rel(e["predicted_epoch_s"], e["seconds"])) for e in later]
+    e0 = epochs[0] if epochs else {}
+    billed = float(summary["total_cost_usd"])
+    price = float(plan.get("price_per_worker_s") or 0.0)
+    first_pred, first_meas = plan.get("predicted_first_epoch_s"), e0.get("seconds")
+    terms = plan.get("run_terms") or {}
+    flow_s = (summary["flow_end_at"] - summary["flow_start_at"]
+              if summary.get("flow_start_at") and summary.get("flow_end_at") else None)
+    return {
+        "model": cfg["model"], "plan": cfg["plan"], "device": cfg["device"], "run": index,
+        "run_id": summary["run_id"], "status": summary["status"], "planned": f"{plan.get('strategy')} "
+        f"{plan.get('data_parallel')}x{plan.get('stages')}" + (f" {plan.get('pipeline_schedule')} M={plan.get('microbatches')}"
+                                                               if plan.get("stages", 1) > 1 else ""),
+        "epoch_error": statistics.median(epoch_errors) if epoch_errors else None,
+        "wall_s": statistics.median(e["seconds"] for e in later) if later else None,
+        "predicted_cost": plan.get("predicted_run_cost_usd"), "billed": billed,
+        "cost_error": _rel(plan.get("predicted_run_cost_usd"), billed),
+        "first_pred_s": first_pred, "first_meas_s": first_meas,
+        "first_exposed_s": (e0.get("startup") or {}).get("exposed_s"),
+        "predicted_exposed_s": max(0.0, first_pred - float(plan.get("predicted_epoch_s") or 0.0)
+                                   - float(terms.get("warmup_s") or 0.0)) if first_pred is not None else None,
+        "startups": [],  # each worker's start-up seconds, from the ledger
+        "first_miss_usd": (first_meas - first_pred) * (int(plan.get("workers") or 0) + 1) * price
+        if first_pred is not None and first_meas is not None else None,
+        "iteration0_error": _rel(e0.get("predicted_iteration_s"), e0.get("measured_iteration_s")),
+        "iteration_error": _median(abs(x) for x in (_rel(e.get("predicted_iteration_s"), e.get("measured_iteration_s"))
+                                                    for e in later) if x is not None),
+        "predicted_run_s": plan.get("predicted_run_s"), "flow_s": flow_s,
+        "terms": {k: terms.get(k) for k in ("startup_s", "provision_s", "warmup_s", "epoch_overhead_s",
+                                             "gap_s", "teardown_s", "stop_s")},
+        "assumed": sorted(k for k, v in (terms.get("measured") or {}).items() if not v),
+        "worker_seconds": summary.get("worker_seconds") or {},
+        "switched": sum(bool((e.get("replan") or {}).get("switched")) for e in epochs),
+        "epochs": [{"epoch": e["epoch"], "seconds": e["seconds"], "predicted_epoch_s": e.get("predicted_epoch_s"),
+                    "overhead_s": e.get("overhead_s"), "critical_busy_s": e.get("critical_busy_s"),
+                    "predicted_iteration_s": e.get("predicted_iteration_s"),
+                    "measured_iteration_s": e.get("measured_iteration_s"),
+                    "exposed_s": (e.get("startup") or {}).get("exposed_s"),
+                    "replan": (e.get("replan") or {}).get("reason", "")} for e in epochs],
+        "profile": None,
+    }
+
+
+def ledger_startups(run_id: str) -> list[float]:
+    """Each worker's billed start-up seconds (launch to ready) from the run's ledger in the
+    durable store (`runs/<run_id>/cost.json`), by rank; the stack's environment must be set
+    (`run_pool` sets it)."""
+    from tasks.validate import resolve_durable_ref, resolve_store_ref
+    from training.store import open_store
+
+    store = open_store(resolve_durable_ref("", resolve_store_ref("")))
+    try:
+        rows = json.loads(store.get(f"runs/{run_id}/cost.json", timeout=10))["rows"]
+    finally:
+        store.close()
+    per: dict[str, list] = {}
+    for row in rows:
+        if row.get("kind") == "worker" and row.get("status") == "startup":
+            entry = per.setdefault(row.get("worker") or row.get("resource"), [row.get("rank") or 0, 0.0])
+            entry[1] += float(row["seconds"])
+    return [v for _, v in sorted(per.values())]
+
+
+def profile_lines(api_url: str, run_ids: list[str]) -> dict[str, dict]:
+    """Run id -> the last `zooid profile of ...` line its coordinator logged, parsed
+    (`source`: measured or cache; `model_s`, `store_s`, `all_s`; `line`: the text)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName, LogFilter, LogFilterFlowRunId
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.hooks import run_id_for
+
+    found: dict[str, dict] = {}
+    with temporary_settings(updates={PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["train"])), limit=200)
+        ids = {run_id_for(fr.id): fr.id for fr in runs}
+        for run_id in run_ids:
+            if run_id not in ids:
+                continue
+            logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[ids[run_id]])),
+                                    limit=200)
+            for log in logs:
+                m = PROFILE_LINE.search(log.message or "")
+                if m:
+                    found[run_id] = {"line": m.group(0), "all_s": float(m.group("all_s")),
+                                     "model_s": float(m.group("model_s")) if m.group("model_s") else None,
+                                     "store_s": float(m.group("store_s")) if m.group("store_s") else None,
+                                     "source": "measured" if m.group("model_s") or m.group("store_s") else "cache"}
+    return found
+
+
+# --- summary -------------------------------------------------------------------------------
+
+def _median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def goal_stats(records: list[dict], key: str, goal: float) -> dict:
+    """Median and worst |error| over runs and how many are within `goal`."""
+    errors = [abs(r[key]) for r in records if r.get(key) is not None]
+    return {"n": len(errors), "median": _median(errors), "max": max(errors) if errors else None,
+            "within": sum(e <= goal for e in errors)}
+
+
+def noise_floor(records: list[dict]) -> list[dict]:
+    """Per configuration: |a - b| / mean(a, b) of the median epoch wall and of the bill over
+    consecutive repeats (runs 1..; run 0 filled the caches)."""
+    out = []
+    for cfg in dict.fromkeys((r["model"], r["plan"]) for r in records):
+        reps = [r for r in records if (r["model"], r["plan"]) == cfg and r["run"] >= 1 and r["wall_s"] is not None]
+        pairs = list(zip(reps, reps[1:]))
+        if not pairs:
+            continue
+        d = lambda a, b: abs(a - b) / ((a + b) / 2) if a + b > 0 else None
+        out.append({"model": cfg[0], "plan": cfg[1], "pairs": len(pairs),
+                    "wall": _median(d(a["wall_s"], b["wall_s"]) for a, b in pairs),
+                    "bill": _median(d(a["billed"], b["billed"]) for a, b in pairs),
+                    "walls": [r["wall_s"] for r in reps], "bills": [r["billed"] for r in reps]})
+    return out
+
+
+# --- before: the previous benchmark's figures, from git ----------------------------------
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout
+
+
+CORE = ("flows", "tasks", "planners", "training", "blocks", "deployments")
+
+
+def code_state() -> dict:
+    """The commit the runs executed, the core files changed beside it in the working tree, and
+    each core file's content hash (workers and coordinators import the working tree at each
+    run, so a file edited during the benchmark changes what later runs measure)."""
+    import hashlib
+
+    try:
+        head = _git("rev-parse", "--short", "HEAD").strip()
+        dirty = _git("status", "--porcelain", "--", *CORE).splitlines()
+        files = _git("ls-files", "-co", "--exclude-standard", "--", *CORE).split()
+    except (subprocess.CalledProcessError, OSError):
+        return {"head": "?", "dirty": [], "hashes": {}}
+    hashes = {}
+    for f in files:
+        try:
+            hashes[f] = hashlib.sha256((REPO / f).read_bytes()).hexdigest()
+        except OSError:
+            hashes[f] = None
+    return {"head": head, "dirty": sorted(l[3:] for l in dirty), "hashes": hashes}
+
+
+def code_line(before: dict, after: dict) -> str:
+    """Which code the runs measured, and whether any core file changed while they ran."""
+    changed = sorted(f for f in set(before["hashes"]) | set(after["hashes"])
+                     if before["hashes"].get(f) != after["hashes"].get(f))
+    where = (f"`{after['head']}`" if before["head"] == after["head"]
+             else f"`{before['head']}` at the start, `{after['head']}` at the end (committed during the run)")
+    dirty = (f", with uncommitted changes to {len(after['dirty'])} core file(s): "
+             f"{', '.join(f'`{d}`' for d in after['dirty'])}" if after["dirty"] else "")
+    if changed:
+        return (f"Code: {where}{dirty}. **Core files changed while the runs went on** (each run imports the working "
+                f"tree): {', '.join(f'`{f}`' for f in changed)}.")
+    return f"Code: {where}{dirty}; no core file (under {', '.join(CORE)}) changed while the runs went on."
+
+
+def before_section() -> list[str]:
+    """The previous result file's command and summary lines, quoted verbatim with where
+    they come from, and what 858a312 deleted (from git)."""
+    source = f"git show {BEFORE_COMMIT}:{BEFORE_PATH}"
+    try:
+        text = _git("show", f"{BEFORE_COMMIT}:{BEFORE_PATH}")
+    except (subprocess.CalledProcessError, OSError) as exc:
+        return [f"Before: `{source}` could not be read ({type(exc).__name__})."]
+    lines = text.splitlines()
+    picked = []  # (line number, text)
+    for i, line in enumerate(lines, 1):
+        if i == 1 or line.strip().startswith(".venv/bin/python -m benchmarks.bench_prediction"):
+            picked.append((i, line.strip()))
+    in_summary = False
+    for i, line in enumerate(lines, 1):
+        if line.startswith("## "):
+            in_summary = line.strip() == "## Summary"
+            continue
+        if in_summary and line.lstrip().startswith("- "):
+            picked.append((i, line))
+    picked.sort()
+    out = [f"Quoted verbatim from `{source}` (each line after its line number), the results of "
+           "the benchmark as it was before the shared-host corrections were deleted: per-iteration "
+           "period predicted from the profile with the co-run slowdown, wake costs and the store "
+           "collective probe, vs the steady-state period measured in instrumented worker processes "
+           "(no Prefect, no epoch overhead):", ""]
+    out += ["```text"] + [f"{i}: {l}" for i, l in picked] + ["```"]  # `N:` keeps a quoted `# title` no heading
+    try:
+        numstat = _git("show", "--numstat", "--format=", DELETING_COMMIT)
+        deleted = _git("show", "--diff-filter=D", "--name-only", "--format=", DELETING_COMMIT).split()
+        rows = [l.split("\t") for l in numstat.splitlines() if l.count("\t") == 2]
+        removed = {p: int(d) for a, d, p in rows if d.isdigit()}
+        added_all = sum(int(a) for a, d, p in rows if a.isdigit())
+        removed_all = sum(removed.values())
+        out += ["", f"What `{DELETING_COMMIT}` deleted in their favour of per-epoch calibration (`git show --numstat "
+                f"{DELETING_COMMIT}`): the files {', '.join(f'`{p}` ({removed.get(p, 0)} lines)' for p in deleted)}; "
+                f"`training/links.py` lost {removed.get('training/links.py', 0)} lines (the store collective "
+                f"timed among spawned processes); the commit added {added_all} and removed {removed_all} lines in all."]
+    except (subprocess.CalledProcessError, OSError):
+        pass
+    return out
+
+
+# --- report --------------------------------------------------------------------------------
+
+def _f(x, fmt: str = "{:.2f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def _pct(x, signed: bool = False) -> str:
+    return "-" if x is None else (f"{100 * x:+.1f} %" if signed else f"{100 * x:.1f} %")
+
+
+def _usd(x) -> str:
+    return "-" if x is None else f"${x:.3g}"
+
+
+def _profile_cell(p: dict | None, prefix: bool = True) -> str:
+    if p is None:
+        return "no log line"
+    if p["source"] == "cache":
+        return f"cached, {p['all_s']:.1f} s"
+    parts = [f"{name} {p[name + '_s']:.1f} s" if p[name + "_s"] is not None else f"{name} cached"
+             for name in ("model", "store")]
+    return ("measured: " if prefix else "") + f"{', '.join(parts)} ({p['all_s']:.1f} s in all)"
+
+
+def _goal_line(name: str, stats: dict, goal: float, after: dict) -> str:
+    if stats["median"] is None:
+        return f"- {name} (goal <= {100 * goal:.0f} %): not measured."
+    ok = stats["median"] <= goal
+    return (f"- {name} (goal <= {100 * goal:.0f} %, median over runs): **{'met' if ok else 'not met'}**, "
+            f"{_pct(stats['median'])} over {stats['n']} runs (worst {_pct(stats['max'])}; {stats['within']} of "
+            f"{stats['n']} runs within the goal); runs after the first of each configuration (caches filled): "
+            f"{_pct(after['median'])}, {after['within']} of {after['n']} within.")
+
+
+def render(records: list[dict], failures: list[dict], command: str, machine: str, elapsed_s: float,
+           epochs: int, repeats: int, gpu: bool, before: list[str], code: str = "") -> str:
+    epoch_all, cost_all = goal_stats(records, "epoch_error", GOAL_EPOCH), goal_stats(records, "cost_error", GOAL_COST)
+    later = [r for r in records if r["run"] >= 1]
+    epoch_later, cost_later = goal_stats(later, "epoch_error", GOAL_EPOCH), goal_stats(later, "cost_error", GOAL_COST)
+    noise = noise_floor(records)
+    lines = [TITLE, "", f"Command: `{command}`  ", f"Machine: {machine}. Whole benchmark: {elapsed_s:.0f} s.  ", code, "",
+             "What a user sees, per run of `train/local` on the `zooid-local` process pool of a fresh local stack "
+             "(empty durable store, so the first run of each model profiles it on a worker and the later ones read "
+             f"the cache): digits, batch 16 per replica, SGD momentum 0.9, lr 0.05, warm workers, {epochs} epochs; "
+             "Local-SGD 2x1 (averaged once per epoch) and pipeline 1x2 (stages=2, the planner's micro-batches and "
+             f"schedule); each configuration runs {1 + repeats} times back to back (run 0 fills the caches, the later "
+             "runs repeat it). Epoch wall error = per run, the median over epochs 1.. of |predicted_epoch_s - seconds| / "
+             "seconds (the prediction in force for that epoch, recalibrated after every epoch). Bill error = "
+             "plan.predicted_run_cost_usd (the first plan, made after the profile) / total_cost_usd (the ledger) - 1. "
+             "Method: the module docstring of `benchmarks/bench_prediction.py`.", "",
+             "## Summary", ""]
+    lines.append(_goal_line("Epoch wall, predicted vs measured", epoch_all, GOAL_EPOCH, epoch_later))
+    lines.append(_goal_line("Run cost, predicted vs billed", cost_all, GOAL_COST, cost_later))
+    if noise:
+        lines.append(f"- Noise floor, the same run repeated (consecutive runs after the first of each configuration): the measured median "
+                     f"epoch wall differs by a median {_pct(_median(n['wall'] for n in noise))} (max "
+                     f"{_pct(max(n['wall'] for n in noise))}) and the bill by {_pct(_median(n['bill'] for n in noise))} "
+                     f"(max {_pct(max(n['bill'] for n in noise))}) over {len(noise)} configurations.")
+    signed = [r["cost_error"] for r in records if r["cost_error"] is not None]
+    if signed:
+        low = _median(signed) < 0
+        lines.append(f"- The bill is predicted {'low' if low else 'high'} in {sum((x < 0) == low for x in signed)} of "
+                     f"{len(signed)} runs (median {_pct(_median(signed), True)}). The first epoch is predicted at a "
+                     f"median {_f(_median(r['first_pred_s'] for r in records))} s and measured at "
+                     f"{_f(_median(r['first_meas_s'] for r in records))} s; that miss, at the plan's price for its "
+                     f"workers and the coordinator, is a median {_usd(_median(r['first_miss_usd'] for r in records))} "
+                     f"per run against a median bill miss of "
+                     f"{_usd(_median(r['billed'] - r['predicted_cost'] for r in records if r['predicted_cost'] is not None))}. "
+                     "The first epoch's start-up exposed (the epoch waits for its last worker), predicted "
+                     "(predicted_first_epoch_s - predicted_epoch_s - warm-up term) vs measured:")
+        for label, group in (("runs that measured a profile (a worker was started for it before the plan)",
+                              [r for r in records if r["profile"] and r["profile"]["source"] == "measured"]),
+                             ("runs that read the profile from the cache (no worker before the plan)",
+                              [r for r in records if r["profile"] and r["profile"]["source"] == "cache"])):
+            if not group:
+                continue
+            slowest = [max(r["startups"]) for r in group if r["startups"]]
+            lines.append(f"  - {label}: {_f(_median(r['predicted_exposed_s'] for r in group))} s predicted, "
+                         f"{_f(_median(r['first_exposed_s'] for r in group))} s measured (medians over {len(group)} "
+                         f"runs); the slowest worker's start-up (ledger) a median {_f(_median(slowest))} s against "
+                         f"the plan's start-up term {_f(_median(r['terms'].get('startup_s') for r in group))} s.")
+    it0 = goal_stats(records, "iteration0_error", GOAL_EPOCH)
+    it = goal_stats(records, "iteration_error", GOAL_EPOCH)
+    if it0["n"]:
+        lines.append(f"- Per iteration, the quantity the benchmark before measured (see the last section): epoch 0's "
+                     f"iteration predicted from the profile alone (taken on the target, no shared-host corrections, "
+                     f"nothing calibrated yet) vs measured: median |error| {_pct(it0['median'])} over {it0['n']} runs "
+                     f"(max {_pct(it0['max'])}); epochs 1.., calibrated by the epochs before: median "
+                     f"{_pct(it['median'])} (per run, the median over its epochs; max {_pct(it['max'])}; each epoch's "
+                     "prediction is calibrated to the epoch before, so this is mostly how much the iteration moves "
+                     "from one epoch to the next). Epoch 0's iteration includes the workers' first steps.")
+    profiles = _profile_summary(records)
+    for p in profiles:
+        lines.append(f"- Profile of `{p['model']}`: measured ({p['fresh']}); from the cache {p['cached']}.")
+    if failures:
+        lines.append(f"- {len(failures)} run(s) failed: " + "; ".join(f"{f['model']} {f['plan']} run {f['run']}: "
+                                                                     f"{f['error']}" for f in failures))
+    if profiles:
+        lines.append("  (in all = the coordinator's profile step, from asking to answer: for a measured profile it "
+                     "includes starting the worker that measures it, as the local pool starts workers only after "
+                     "the profile where they share the coordinator's machine)")
+    if not gpu:
+        lines.append("- GPU figures (resnet18, vgg11, 1 worker) are still to be taken: no CUDA device in this run; "
+                     "`--gpu` on a CUDA machine adds them.")
+    lines += ["", "## Every run", "",
+              "profile = the coordinator's `zooid profile of ...` log line; planned = the first plan's shape; "
+              "epoch err = median over epochs 1..; wall = measured median epoch wall (epochs 1..); first epoch = "
+              "predicted_first_epoch_s / measured (start-up exposed: predicted / measured); start-ups = each worker's "
+              "billed start-up (ledger), by rank; first miss = (measured - predicted first "
+              "epoch) x (workers + coordinator) x price; it0 err = epoch 0's predicted iteration (profile, "
+              "uncalibrated) / measured - 1; run s = predicted_run_s (from the plan) / the flow run's start -> end "
+              "(from before the profile); worker-s = billed start-up / busy / idle / profile; assumed = run terms "
+              "not yet measured on this target at the plan.", "",
+              "| model | plan | run | profile | planned | epoch err | wall s | bill predicted | billed | bill err | "
+              "first epoch s | start-ups s | first miss | it0 err | run s | worker-s | assumed | re-plans |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        ws = r["worker_seconds"]
+        lines.append(
+            f"| {r['model']} | {r['plan']} | {r['run']} | {_profile_cell(r['profile'])} | {r['planned']} | "
+            f"{_pct(r['epoch_error'])} | {_f(r['wall_s'], '{:.3f}')} | {_usd(r['predicted_cost'])} | {_usd(r['billed'])} | "
+            f"{_pct(r['cost_error'], True)} | {_f(r['first_pred_s'])} / {_f(r['first_meas_s'])} "
+            f"({_f(r['predicted_exposed_s'])} / {_f(r['first_exposed_s'])}) | "
+            f"{', '.join(f'{x:.1f}' for x in r['startups']) or '-'} | {_usd(r['first_miss_usd'])} | {_pct(r['iteration0_error'], True)} | "
+            f"{_f(r['predicted_run_s'], '{:.1f}')} / {_f(r['flow_s'], '{:.1f}')} | "
+            f"{' / '.join(_f(ws.get(k), '{:.1f}') for k in ('startup', 'busy', 'idle', 'profile'))} | "
+            f"{', '.join(r['assumed']) or '-'} | {r['switched']} |")
+    if noise:
+        lines += ["", "## Noise floor", "",
+                  "| model | plan | median epoch wall s (runs 1..) | difference | bill (runs 1..) | difference |",
+                  "|---|---|---|---|---|---|"]
+        for n in noise:
+            lines.append(f"| {n['model']} | {n['plan']} | {', '.join(_f(w, '{:.3f}') for w in n['walls'])} | "
+                         f"{_pct(n['wall'])} | {', '.join(_usd(b) for b in n['bills'])} | {_pct(n['bill'])} |")
+    lines += ["", "## Run terms of the first plan", "",
+              "Seconds; the plan's `run_terms` (medians of the target's cached samples, or assumed where not yet "
+              "measured).", "",
+              "| model | plan | run | start-up | provision | warm-up | epoch overhead | gap | teardown | stop |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        t = r["terms"]
+        lines.append(f"| {r['model']} | {r['plan']} | {r['run']} | " + " | ".join(
+            _f(t.get(k)) for k in ("startup_s", "provision_s", "warmup_s", "epoch_overhead_s", "gap_s",
+                                   "teardown_s", "stop_s")) + " |")
+    lines += ["", "## Every epoch", "",
+              "predicted = `predicted_epoch_s` in force for the epoch; iteration = predicted / measured ms per step; "
+              "exposed = start-up the epoch waited for; re-plan = the decision taken after the epoch.", "",
+              "| model | plan | run | epoch | measured s | predicted s | error | overhead s | iteration ms | exposed s | re-plan |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        for e in r["epochs"]:
+            lines.append(
+                f"| {r['model']} | {r['plan']} | {r['run']} | {e['epoch']} | {e['seconds']:.3f} | "
+                f"{_f(e['predicted_epoch_s'], '{:.3f}')} | {_pct(_rel(e['predicted_epoch_s'], e['seconds']), True)} | "
+                f"{_f(e['overhead_s'], '{:.3f}')} | {_f(_ms(e['predicted_iteration_s']), '{:.2f}')} / "
+                f"{_f(_ms(e['measured_iteration_s']), '{:.2f}')} | {_f(e['exposed_s'])} | "
+                f"{e['replan'].replace('|', '/') or '-'} |")
+    lines += ["", "## Before: the benchmark this one replaces", ""] + before
+    return "\n".join(lines) + "\n"
+
+
+def _ms(x):
+    return None if x is None else 1000 * x
+
+
+def _profile_summary(records: list[dict]) -> list[dict]:
+    """Per model: the runs that measured something (the model's first run; a pipeline's first
+    run probes the store again with its transfers) and the cached ones."""
+    out = []
+    for model in dict.fromkeys(r["model"] for r in records):
+        runs = [r for r in records if r["model"] == model and r["profile"]]
+        fresh = [r for r in runs if r["profile"]["source"] == "measured"]
+        cached = [r["profile"]["all_s"] for r in runs if r["profile"]["source"] == "cache"]
+        out.append({"model": model,
+                    "fresh": "; ".join(f"{r['plan']} run {r['run']}: {_profile_cell(r['profile'], False)}" for r in fresh)
+                             or "not seen",
+                    "cached": (f"{_median(cached):.1f} s in all (median of {len(cached)} runs, max {max(cached):.1f} s; "
+                               "the log line gives 0.1 s)" if cached else "not seen")})
+    return out
+
+
+def machine_note() -> str:
+    import platform
+
+    import torch
+
+    load = os.getloadavg()
+    cuda = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return (f"{os.cpu_count()} CPU cores ({platform.machine()}), {cuda}, torch {torch.__version__}, shared with other "
+            f"jobs (load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} over 1 / 5 / 15 min at the end)")
+
+
+def _print_run(r: dict) -> None:
+    print(f"{r['model']:40s} {r['plan']:13s} run {r['run']}: epoch err {_pct(r['epoch_error'])}, bill "
+          f"{_usd(r['predicted_cost'])} predicted vs {_usd(r['billed'])} billed ({_pct(r['cost_error'], True)}), "
+          f"first epoch {_f(r['first_pred_s'])} / {_f(r['first_meas_s'])} s, epochs "
+          + ", ".join(f"{e['seconds']:.3f}/{_f(e['predicted_epoch_s'], '{:.3f}')}" for e in r["epochs"]), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_prediction", description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="*", default=list(CPU_MODELS),
+                        help="CPU models (registry names or package.module:factory); none: GPU only")
+    parser.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS)
+    parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
+                        help="runs of each configuration after its first (the noise floor needs 2)")
+    parser.add_argument("--gpu", action="store_true", help="also resnet18 and vgg11, 1 worker, on CUDA")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--keep", action="store_true", help="keep the scratch folder (stack, store, logs)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # the instrumented worker entry: --worker SPEC --out JSON
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker_main(args.worker, str(args.out))
+        return 0
+    if args.epochs < 2:
+        parser.error("--epochs must be at least 2 (epoch 0 starts the workers)")
+    if args.gpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--gpu: this machine has no CUDA device")
+
+    import shutil
+    import socket
+    import tempfile
+
+    from benchmarks.bench_orchestration import run_pool
+    from deployments.stack import down, up
+
+    began = time.monotonic()
+    code_before = code_state()
+    base = Path(tempfile.mkdtemp(prefix="zooid-bench-pred-"))
+    home = base / "stack"
+    records, failures = [], []
+    with socket.socket() as s:  # any free port, never the stack's preferred 4200
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    state = up(home=home, port=port)
+    try:
+        for cfg in configurations(args.models, args.gpu, args.epochs):
+            for i in range(1 + args.repeats):
+                try:
+                    summary = run_pool(cfg["params"], home)
+                except (RuntimeError, TimeoutError) as exc:
+                    failures.append({"model": cfg["model"], "plan": cfg["plan"], "run": i,
+                                     "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+                    print(f"{cfg['model']} {cfg['plan']} run {i} failed: {exc}", flush=True)
+                    continue
+                records.append(run_record(cfg, i, summary))
+                try:
+                    records[-1]["startups"] = ledger_startups(summary["run_id"])
+                except (KeyError, ValueError, OSError) as exc:
+                    print(f"no ledger for {summary['run_id']}: {type(exc).__name__}: {exc}", flush=True)
+                _print_run(records[-1])
+        try:
+            lines = profile_lines(state["api_url"], [r["run_id"] for r in records])
+        except Exception as exc:  # the figures stand without it; the table says "no log line"
+            print(f"could not read the profile log lines: {type(exc).__name__}: {exc}", flush=True)
+            lines = {}
+        for r in records:
+            r["profile"] = lines.get(r["run_id"])
+    finally:
+        down(home)
+    command = ".venv/bin/python -m benchmarks.bench_prediction"
+    if args.models != list(CPU_MODELS):
+        command += " --models" + "".join(f" {m}" for m in args.models)
+    if args.epochs != DEFAULT_EPOCHS:
+        command += f" --epochs {args.epochs}"
+    if args.repeats != DEFAULT_REPEATS:
+        command += f" --repeats {args.repeats}"
+    if args.gpu:
+        command += " --gpu"
+    if args.out.resolve() != RESULTS:
+        command += f" --out {args.out}"
+    if args.keep:
+        command += " --keep"
+    text = render(records, failures, command, machine_note(), time.monotonic() - began, args.epochs, args.repeats, args.gpu,
+                  before_section(), code_line(code_before, code_state()))
+    write_result(args.out, text, echo=True)
+    (base / "records.json").write_text(json.dumps(records, indent=1))
+    if args.keep:
+        print(f"scratch kept in {base}")
+    else:
+        shutil.rmtree(base, ignore_errors=True)
+    return 0 if not failures else 1
+
+
+# --- the instrumented worker entry, shared with benchmarks.bench_bubble --------------------
 
 
 def _now() -> float:
     # CLOCK_MONOTONIC on Linux: one clock for every process, so stages' stamps compare.
     return time.perf_counter()
+
+
+def one_thread_env() -> dict[str, str]:
+    """This process's environment with one OpenMP/MKL thread, as workers run, and the
+    repository importable."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
 
 
 def install_timers(t: dict) -> None:
@@ -127,7 +633,7 @@ def install_timers(t: dict) -> None:
     inside the sync), `iterations`, `F`, `B`, `sync`, `put`, `read` (the read that found an
     activation's key) and `fetch` (a download thread's whole get: waiting, reading,
     deleting, decoding) of a pipeline stage worker, the last three with their keys. Only
-    the benchmark's worker processes call this."""
+    the benchmarks' worker processes call this."""
     import torch
 
     from training import local_sgd, pipeline_executor
@@ -249,8 +755,7 @@ def run_workers(specs, scratch: Path, timeout_s: float = 300.0,
                 module: str = "benchmarks.bench_prediction") -> list[dict]:
     """Start one worker process per spec (own process group, one torch thread), wait for all;
     return each one's {"result", "timings"} in spec order. A failure stops the others.
-    `module` is the entry point each runs (`python -m <module> --worker SPEC --out JSON`):
-    this module's `worker_main` unless a benchmark brings its own instrumented one."""
+    `module` is the entry point each runs (`python -m <module> --worker SPEC --out JSON`)."""
     env = one_thread_env()
     procs, outs = [], []
     for i, spec in enumerate(specs):
@@ -281,490 +786,5 @@ def run_workers(specs, scratch: Path, timeout_s: float = 300.0,
     return [json.loads(o.read_text()) for o in outs]
 
 
-# --- profile and plan --------------------------------------------------------------------
-
-
-def profile(case: ModelCase, store, url: str, run_id: str, classes: int) -> dict:
-    """The profile dict the `profile` step would produce (`tasks.profile.profile`: one torch
-    thread, layers at the job's batch with their per-call parts fitted, the store probe, a
-    worker's put and get costs, the sync checkpoint write and a step right after it, the
-    store collective timed among 2 worker processes, the contention factor at a typical
-    activation), plus the layers re-timed at the micro-batch size (a diagnostic only)."""
-    import torch
-
-    from tasks.profile import microbatch_size, sync_bytes, typical_activation_bytes
-    from training.corun import measure_corun
-    from training.links import fit_scatter_reduce, probe_store_side, time_store_collective
-    from training.models import build_model, input_shape
-    from training.optimizers import build_optimizer
-    from training.profiler import cpu_count, profile_layers, profile_model
-
-    torch.set_num_threads(1)
-    shape = input_shape(case.model, case.dataset)
-    net = build_model(case.model, SEED, **case.kwargs)
-    prof = profile_model(net, case.model, shape, classes, case.batch, base_memory=False,
-                         thread_counts=(1,)).to_dict()
-    prefix = f"runs/{run_id}/probe"
-    nbytes = sync_bytes(prof, OPTIMIZER)
-    largest = max([nbytes] + [l["output_bytes"] for l in prof["layers"]])
-    gen = torch.Generator().manual_seed(SEED)
-    xb = torch.randn(case.batch, *shape, generator=gen)
-    yb = torch.randint(0, classes, (case.batch,), generator=gen)
-    job = SimpleNamespace(batch_size=case.batch, microbatches=MICROBATCHES)
-    activation = typical_activation_bytes(prof, job)
-    probe = probe_store_side(store, prefix, net, build_optimizer(OPTIMIZER, net, LR), xb, yb, classes,
-                             max_bytes=largest, microbatch_size=microbatch_size(job),
-                             activation_bytes=activation)
-    timing = time_store_collective(url, prefix, model=case.model, model_kwargs=case.kwargs,
-                                   optimizer=OPTIMIZER, worlds=(2,),
-                                   step={"input_shape": list(shape), "classes": classes, "batch_size": case.batch})
-    sync_bw, sync_lat = fit_scatter_reduce(timing.samples)
-    prof.update(store_bandwidth_bytes_per_s=probe["bandwidth_bytes_per_s"], store_latency_s=probe["latency_s"],
-                store_transfer=probe["transfer"], synced_step_s=probe["synced_step_s"],
-                checkpoint_s=probe["checkpoint_s"], contention=probe["contention"],
-                store_sync={"samples": timing.samples, "bandwidth_bytes_per_s": sync_bw, "latency_s": sync_lat,
-                            "handoff_s": timing.handoff_s, "synced_step_s": timing.synced_step_s})
-    prof["corun"] = {**measure_corun(case.model, shape, classes, case.batch, model_kwargs=case.kwargs,
-                                     optimizer=OPTIMIZER, seed=SEED,
-                                     transfer_bytes=int(activation)).to_dict(),
-                     "host_cores": cpu_count()}
-    x = torch.randn(case.batch // MICROBATCHES, *shape, generator=torch.Generator().manual_seed(0))
-    prof["layers_at_microbatch"] = [vars(l) for l in profile_layers(net, x)]
-    return prof
-
-
-def profile_main(args_path: str, out_path: str) -> None:
-    """The profile of one model in this (fresh) process, as a pool worker runs the
-    `profile` step; writes the profile dict as JSON."""
-    from training.store import open_store
-
-    a = json.loads(Path(args_path).read_text())
-    store = open_store(a["url"])
-    try:
-        prof = profile(MODELS[a["model"]], store, a["url"], a["run_id"], a["classes"])
-    finally:
-        store.close()
-    Path(out_path).write_text(json.dumps(prof))
-
-
-def profile_in_fresh_process(case: ModelCase, url: str, run_id: str, classes: int, scratch: Path) -> dict:
-    """`profile` in a new process with one torch thread, like the run's workers: the
-    benchmark's own long-lived process has allocated, threaded and timed other models
-    before, which a pool's profile worker has not."""
-    scratch.mkdir(parents=True, exist_ok=True)
-    args_file, out_file = scratch / "profile-args.json", scratch / "profile.json"
-    args_file.write_text(json.dumps({"model": case.model, "url": url, "run_id": run_id, "classes": classes}))
-    with open(scratch / "profile.log", "w") as log:
-        proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_prediction", "--profile", str(args_file),
-                               "--out", str(out_file)], cwd=REPO, env=one_thread_env(), stdout=log,
-                              stderr=subprocess.STDOUT, start_new_session=True, timeout=900)
-    if proc.returncode != 0:
-        raise RuntimeError(f"profile of {case.model} exited {proc.returncode}:\n"
-                           + (scratch / "profile.log").read_text()[-1500:])
-    return json.loads(out_file.read_text())
-
-
-def strategy_inputs_for(case: ModelCase, prof: dict, n_train: int, workers: int, stages: int):
-    """`tasks.plan.strategy_inputs` itself, given the few job and target fields it reads."""
-    from tasks.plan import strategy_inputs
-
-    job = SimpleNamespace(optimizer=OPTIMIZER, batch_size=case.batch, stages=stages,
-                          microbatches=MICROBATCHES, sync_period=1)
-    target = SimpleNamespace(kind="process", worker_vcpu=1.0, worker_memory_gb=2.0, worker_gpu=0)
-    ctx = SimpleNamespace(job=job, resolved=SimpleNamespace(
-        target=target, n_train=n_train, offer=SimpleNamespace(name="local")),
-        price_per_worker_s=0.0)
-    return strategy_inputs(ctx, prof, workers)
-
-
-FREE = dict(put_latency_s=0.0, put_bandwidth=1e30, get_latency_s=0.0, get_bandwidth=1e30, handoff_s=0.0)
-
-
-def predict(x, strategy: str, replicas: int, stages: int):
-    """(plan, predicted terms {compute, transfer, sync}) for one configuration. A pipeline's
-    terms come from the same model run three times: free transfers and a free sync
-    (compute, bubble and optimizer step), real transfers, then the real sync too."""
-    from planners.pipeline_time import TransferCosts
-    from planners.strategy import candidates, local_sgd, local_sgd_step_s, pipeline_prediction
-
-    if strategy == "local_sgd":
-        plan = local_sgd(x, replicas)
-        step = local_sgd_step_s(x, replicas)  # k = 1: every step follows a sync
-        return plan, {"compute": step, "transfer": 0.0, "sync": plan.predicted_iteration_s - step}
-    [plan] = candidates(replace(x, workers=replicas, stages=stages, microbatches=MICROBATCHES),
-                        "pipeline" if replicas == 1 else "hybrid")
-    free_sync = dict(sync_bandwidth=1e30, sync_latency=0.0)
-    compute = pipeline_prediction(replace(x, transfer=TransferCosts(**FREE), **free_sync), plan).period_s
-    with_transfer = pipeline_prediction(replace(x, **free_sync), plan).period_s
-    return plan, {"compute": compute, "transfer": with_transfer - compute,
-                  "sync": plan.predicted_iteration_s - with_transfer}
-
-
-def predicted_at_microbatch(x, prof: dict, plan) -> float:
-    """The pipeline prediction with every layer timed at the plan's micro-batch instead of
-    scaled to it (a diagnostic of the per-call fit)."""
-    from planners.strategy import pipeline_prediction
-
-    layers = tuple({k: l[k] for k in ("forward_s", "backward_s", "output_bytes", "param_bytes")}
-                   for l in prof["layers_at_microbatch"])
-    return pipeline_prediction(replace(x, layers=layers, profile_batch=x.batch_size // MICROBATCHES),
-                               plan).period_s
-
-
-# --- measure -----------------------------------------------------------------------------
-
-
-def steady(stamps: list, warmup: int = WARMUP_ITERATIONS) -> list[float]:
-    """Iteration periods end-to-end after the first `warmup` iterations (the workers' own
-    rule, `training.iteration_clock.steady_gaps`, on the benchmark's stamps)."""
-    return steady_gaps([s[-1] if isinstance(s, (list, tuple)) else s for s in stamps], warmup)
-
-
-def measured_terms(strategy: str, outs: list[dict], stages: int, handoff_s: float = 0.0,
-                   optimizer_s=()) -> dict:
-    """Measured iteration time (steady state, slowest worker), the flow's figure, and the
-    same three terms as the prediction."""
-    flow = max(o["result"]["iteration_s"] for o in outs)  # what run_epoch.summarise records
-    if strategy == "local_sgd":
-        per_worker = []
-        for o in outs:
-            s = o["timings"]["steps"]
-            periods = steady(s)
-            compute = [s[i][0] - s[i - 1][1] for i in range(WARMUP_ITERATIONS, len(s))]
-            sync = [b - a for a, b in s[WARMUP_ITERATIONS:]]
-            per_worker.append((statistics.median(periods), statistics.median(compute),
-                               statistics.median(sync)))
-        total, compute, sync = max(per_worker)
-        ckpt = [b - a for o in outs for a, b in o["timings"]["ckpt"][WARMUP_ITERATIONS:]]
-        return {"iteration": total, "flow": flow, "compute": compute, "sync": sync,
-                "transfer": total - compute - sync, "model_runtime": compute,
-                "sync_checkpoint": statistics.median(ckpt) if ckpt else 0.0}
-    total = max(statistics.median(steady(o["timings"]["iterations"])) for o in outs)
-    fwd, bwd, sync = [0.0] * stages, [0.0] * stages, 0.0
-    # Means, not medians: the replay sums these actions along its critical path, and their
-    # times have right tails in a run (compute 5-15 %, puts 10-40 % above the median).
-    for o in outs:  # replica r's stage s is rank r * stages + s
-        s = o["result"]["rank"] % stages
-        t = o["timings"]
-        fwd[s] = max(fwd[s], statistics.fmean(b - a for a, b in t["F"]))
-        bwd[s] = max(bwd[s], statistics.fmean(b - a for a, b in t["B"]))
-        if t["sync"]:
-            sync = max(sync, statistics.median(b - a for a, b in t["sync"][WARMUP_ITERATIONS:]))
-    # the prediction's model fed with each stage's measured F, B, put, get and sync times
-    from planners.pipeline_time import TransferCosts, pipeline_iteration
-
-    puts = [b - a for o in outs for a, b, *_ in o["timings"]["put"]]
-    # a get's own part: from the read that found the key to the decoded tensor (the wait
-    # before it is the hand-off, which the replay adds where a reader waits)
-    gets = []
-    for o in outs:
-        found = {r[3]: r[0] for r in o["timings"]["read"]}
-        gets += [end - found[key] for _, end, key in o["timings"]["fetch"] if key in found]
-    stage_rows = [{"forward_s": fwd[s], "backward_s": bwd[s], "out_bytes": 0.0} for s in range(stages)]
-    costs = TransferCosts(statistics.fmean(puts) if puts else 0.0, 1e30,
-                          statistics.fmean(gets) if gets else 0.0, 1e30, handoff_s)
-    fed = pipeline_iteration(stage_rows, MICROBATCHES, costs, sync_s=[sync] * stages if sync else (),
-                             optimizer_s=optimizer_s).period_s
-    compute = pipeline_iteration(stage_rows, MICROBATCHES, TransferCosts(**FREE),
-                                 optimizer_s=optimizer_s).period_s
-    return {"iteration": total, "flow": flow, "compute": compute, "sync": sync,
-            "transfer": total - compute - sync, "model_runtime": fed}
-
-
-def worker_specs(case: ModelCase, strategy: str, replicas: int, plan, url: str, run_id: str,
-                 epoch: int, n_subsets: int, steps: int):
-    """The WorkerSpecs `run_epoch.worker_specs` would build for this plan (short epoch)."""
-    from training.datasets import assign_subsets
-    from training.pipeline_executor import pipeline_worker_specs
-    from training.specs import WorkerSpec
-
-    shards = assign_subsets(n_subsets, replicas, epoch, SEED)
-    base = WorkerSpec(run_id=run_id, epoch=epoch, rank=0, world=replicas, store_url=url,
-                      model=case.model, dataset=case.dataset, subsets=(), steps=steps,
-                      batch_size=case.batch, lr=LR, optimizer=OPTIMIZER, sync_period=1, seed=SEED,
-                      init_key=f"runs/{run_id}/init", out_key=f"runs/{run_id}/out-e{epoch}",
-                      sync_timeout_s=300.0, evaluate=False,
-                      extra={"strategy": strategy, "model_kwargs": case.kwargs})
-    if strategy == "local_sgd":
-        return [replace(base, rank=r, subsets=tuple(shards[r])) for r in range(replicas)]
-    # a planner cut i splits after layer i; the executor's cut is where a stage begins
-    return pipeline_worker_specs(base, cuts=[c + 1 for c in plan.cuts], microbatches=MICROBATCHES,
-                                 replica_subsets=shards)
-
-
-@dataclass
-class Row:
-    """One configuration's prediction next to its measurement (None: the run failed)."""
-
-    model: str
-    strategy: str
-    replicas: int
-    stages: int
-    cuts: tuple
-    predicted: dict
-    measured: dict | None
-    predicted_at_microbatch: float | None
-    load: tuple
-    note: str = ""
-    trial: int = 0
-    steps: int = 0
-    again: tuple = ()  # iteration periods of the same run repeated right after (noise floor)
-
-    @property
-    def workers(self) -> int:
-        return self.replicas * self.stages
-
-    @property
-    def error(self) -> float | None:
-        """Signed relative error of the prediction, (predicted - measured) / measured."""
-        if self.measured is None:
-            return None
-        return self.predicted["iteration"] / self.measured["iteration"] - 1
-
-    @property
-    def fed(self) -> float | None:
-        """The model's formula fed with this run's measured compute (and, for pipelines,
-        activation upload and read) times, plus the modelled sync: the formula's own error,
-        without the profile's."""
-        return None if self.measured is None else self.measured["model_runtime"] + self.predicted["sync"]
-
-    @property
-    def drift(self) -> float | None:
-        """How far the first repeat's period lies from this run's: what the machine alone
-        moves a measurement, with the same code, plan and profile."""
-        if self.measured is None or not self.again:
-            return None
-        return self.again[0] / self.measured["iteration"] - 1
-
-    def worst_term(self) -> str:
-        """The term whose predicted - measured gap is the largest in absolute seconds."""
-        if self.measured is None:
-            return "-"
-        gaps = {k: self.predicted[k] - self.measured[k] for k in ("compute", "transfer", "sync")}
-        k = max(gaps, key=lambda k: abs(gaps[k]))
-        return f"{k} {gaps[k] * 1e3:+.1f} ms"
-
-
-def steps_for(predicted_s: float, steps: int, min_seconds: float, cap: int = 5000) -> int:
-    """Iterations of a run: at least `steps`, and enough that the steady state (after the
-    warm-up) lasts `min_seconds` at the predicted pace: a period measured over a fraction of
-    a second catches one moment of the machine's wandering speed."""
-    wanted = WARMUP_ITERATIONS + 1 + math.ceil(min_seconds / max(predicted_s, 1e-4))
-    return max(steps, min(cap, wanted))
-
-
-def measure_plan(case: ModelCase, prof: dict, x, strategy: str, replicas: int, stages: int,
-                 plan, terms: dict, *, url: str, run_id: str, epoch: int, manifest, steps: int,
-                 root: Path, note: str = "") -> Row:
-    """Run one plan's short epoch and return its row (a failed run keeps its error as note)."""
-    from planners.pipeline_time import stage_times
-    from planners.strategy import optimizer_shares
-
-    at_mb = handoff_s = None
-    optimizer_s = ()
-    if strategy != "local_sgd":
-        at_mb = predicted_at_microbatch(x, prof, plan)
-        handoff_s = x.transfer_costs.handoff_s
-        optimizer_s = optimizer_shares(x.optimizer_step_s, [st["param_bytes"] for st in
-                                                            stage_times(x.layers, plan.cuts, 1, x.profile_batch)])
-    specs = worker_specs(case, strategy, replicas, plan, url, run_id, epoch, manifest.n_subsets, steps)
-    scratch = root / f"e{epoch}"
-    scratch.mkdir()
-    before = os.getloadavg()[0]
-    measured = None
-    try:
-        measured = measured_terms(strategy, run_workers(specs, scratch), stages, handoff_s or 0.0,
-                                  optimizer_s)
-    except RuntimeError as exc:
-        note = "run failed: " + str(exc).strip().splitlines()[-1][:160]
-    return Row(case.model, strategy, replicas, stages, tuple(plan.cuts),
-               {"iteration": plan.predicted_iteration_s, **terms}, measured, at_mb,
-               (before, os.getloadavg()[0]), note, steps=steps)
-
-
-def run_model(case: ModelCase, root: Path, steps: int, log, min_seconds: float = 0.0,
-              repeats: int = 1, cores: int = 1) -> list[Row]:
-    """Profile, plan and measure every configuration of PLANS for one model; a configuration
-    whose worker processes fit the cores runs `repeats` times back to back (the later runs
-    only give the row its `again` periods)."""
-    from training.checkpoint import initial_checkpoint
-    from training.datasets import publish_dataset
-    from training.store import open_store
-
-    run_id = f"pred-{case.model}"
-    url = (root / "store").as_uri()
-    store = open_store(url)
-    manifest = publish_dataset(store, run_id, case.dataset, subset_size=64)
-    initial_checkpoint(store, f"runs/{run_id}/init", case.model, OPTIMIZER, LR, SEED, case.kwargs)
-    t0 = time.perf_counter()
-    prof = profile_in_fresh_process(case, url, run_id, manifest.classes, root / "profile")
-    log(f"{case.model}: profiled in {time.perf_counter() - t0:.1f} s (step {prof['step_s'] * 1e3:.1f} ms, "
-        f"store {prof['store_bandwidth_bytes_per_s'] / 1e6:.0f} MB/s + {prof['store_latency_s'] * 1e3:.2f} ms, "
-        f"contention {prof['contention']:.2f}, co-run {prof['corun']['factor']:.2f}, "
-        f"transfer wake {prof['corun']['transfer_extra_s'] * 1e3:.2f} ms)")
-    rows, epoch = [], 0
-    for strategy, replicas, stages in PLANS:
-        x = strategy_inputs_for(case, prof, manifest.n_train, replicas, stages if stages > 1 else None)
-        plan, terms = predict(x, strategy, replicas, stages)
-        for p, t, note in [(plan, terms, "")]:
-            t0 = time.perf_counter()
-            row = measure_plan(case, prof, x, strategy, replicas, stages, p, t, url=url, run_id=run_id,
-                               epoch=epoch, manifest=manifest, root=root, note=note,
-                               steps=steps_for(p.predicted_iteration_s, steps, min_seconds))
-            epoch += 1
-            again = []
-            for _ in range(repeats - 1 if row.measured is not None and row.workers <= cores else 0):
-                rerun = measure_plan(case, prof, x, strategy, replicas, stages, p, t, url=url, run_id=run_id,
-                                     epoch=epoch, manifest=manifest, root=root, steps=row.steps)
-                epoch += 1
-                if rerun.measured is not None:
-                    again.append(rerun.measured["iteration"])
-            row = replace(row, again=tuple(again))
-            rows.append(row)
-            what = row.note if row.measured is None else \
-                f"measured {row.measured['iteration'] * 1e3:.1f} ms ({row.error:+.1%})" + (
-                    "" if row.drift is None else f", again {row.again[0] * 1e3:.1f} ms ({row.drift:+.1%})")
-            log(f"  {strategy} {replicas}x{stages} cuts {list(p.cuts)}, {row.steps} steps: predicted "
-                f"{row.predicted['iteration'] * 1e3:.1f} ms, {what}, {time.perf_counter() - t0:.1f} s, "
-                f"load {row.load[0]:.1f}")
-    store.close()
-    return rows
-
-
-# --- report ------------------------------------------------------------------------------
-
-
-def _ms(v: float | None) -> str:
-    return "-" if v is None else f"{v * 1e3:.1f}"
-
-
-def table(rows: list[Row]) -> list[str]:
-    """Markdown rows: prediction, measurement, error and the terms of each."""
-    out = ["| model | plan | workers | cuts | steps | predicted ms | measured ms | error | flow's measured_iteration_s ms | "
-           "pred. compute / transfer / sync ms | meas. compute / transfer+rest / sync ms | "
-           "largest gap (pred - meas) | pred. with layers timed at the micro-batch ms | "
-           "model fed with measured times ms | measured again ms | load avg |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        p, m = r.predicted, r.measured
-        head = (f"| {r.model} | {r.strategy} {r.replicas}x{r.stages} | {r.workers} | "
-                f"{list(r.cuts) or '-'} | {r.steps} | {_ms(p['iteration'])} |")
-        pred_terms = f"{_ms(p['compute'])} / {_ms(p['transfer'])} / {_ms(p['sync'])}"
-        if m is None:
-            out.append(f"{head} - | - | - | {pred_terms} | - | - | - | - | - | {r.load[0]:.1f}-{r.load[1]:.1f} |")
-            continue
-        ckpt = f" (ckpt {_ms(m['sync_checkpoint'])})" if m.get("sync_checkpoint") else ""
-        again = ", ".join(f"{_ms(a)} ({a / m['iteration'] - 1:+.0%})" for a in r.again) or "-"
-        at_mb = "-" if r.predicted_at_microbatch is None else \
-            f"{_ms(r.predicted_at_microbatch)} ({r.predicted_at_microbatch / m['iteration'] - 1:+.0%})"
-        out.append(
-            f"{head} {_ms(m['iteration'])} | {r.error:+.1%} | {_ms(m['flow'])} | {pred_terms} | "
-            f"{_ms(m['compute'])} / {_ms(m['transfer'])} / {_ms(m['sync'])}{ckpt} | {r.worst_term()} | "
-            f"{at_mb} | {_ms(r.fed)} ({r.fed / m['iteration'] - 1:+.0%}) | {again} | {r.load[0]:.1f}-{r.load[1]:.1f} |")
-    notes = [f"- {r.model} {r.strategy} {r.replicas}x{r.stages} {list(r.cuts)}: {r.note}"
-             for r in rows if r.note]
-    return out + ([""] + notes if notes else [])
-
-
-def summary(rows: list[Row], cores: int) -> list[str]:
-    """Median absolute error within and beyond the core count (and per trial when several)."""
-    lines = []
-    for label, keep in (("worker processes <= cores", lambda r: r.workers <= cores),
-                        ("worker processes > cores", lambda r: r.workers > cores)):
-        done = [r for r in rows if keep(r) and r.measured is not None]
-        if done:
-            errs = [abs(r.error) for r in done]
-            fed = [abs(r.fed / r.measured["iteration"] - 1) for r in done]
-            trials = sorted({r.trial for r in done})
-            per_trial = "" if len(trials) < 2 else "; per trial " + ", ".join(
-                f"{statistics.median(abs(r.error) for r in done if r.trial == t):.1%}" for t in trials)
-            lines.append(f"- {label} ({cores} cores): median |error| of the prediction "
-                         f"**{statistics.median(errs):.1%}** over {len(errs)} runs (min {min(errs):.1%}, "
-                         f"max {max(errs):.1%}{per_trial}); of the model fed with the run's measured times "
-                         f"{statistics.median(fed):.1%}")
-            drifts = [abs(r.drift) for r in done if r.drift is not None]
-            if drifts:
-                again = [abs(r.predicted["iteration"] / a - 1) for r in done for a in r.again]
-                lines.append(f"  - the same run repeated right after it (same profile, plan and code): its period "
-                             f"differs from the first run's by a median **{statistics.median(drifts):.1%}** "
-                             f"(max {max(drifts):.1%}, {len(drifts)} pairs); the prediction's median |error| "
-                             f"against the repeats is {statistics.median(again):.1%}")
-    return lines
-
-
-def write_report(rows: list[Row], args, seconds: float, cores: int) -> None:
-    """benchmarks/results/prediction.md with the command that produced it."""
-    command = "    .venv/bin/python -m benchmarks.bench_prediction " + " ".join(
-        ["--steps", str(args.steps), "--min-seconds", f"{args.min_seconds:g}", "--trials", str(args.trials),
-         "--repeats", str(args.repeats),
-         "--models", *args.models])
-    within = [r for r in rows if r.workers <= cores]
-    beyond = [r for r in rows if r.workers > cores]
-    md = ["# Predicted vs measured iteration time", "",
-          f"Command (run from the repository root; {seconds:.0f} s on {cores} cores, "
-          f"{platform.processor() or platform.machine()}, torch threads 1 per worker):", "", command, "",
-          "Method: see the module docstring of `benchmarks/bench_prediction.py`. Predicted = what "
-          "`planners.strategy` gives for the profile (one torch thread, layers timed at the job's "
-          "batch and at a quarter of it and interpolated to the micro-batch, as `strategy=auto` "
-          "does); measured = steady-state "
-          f"iteration period of the slowest worker over the run's iterations (at least {args.steps}, "
-          f"and enough for {args.min_seconds:g} s at the predicted pace; column `steps`) minus "
-          f"{WARMUP_ITERATIONS} warm-up ones; error = predicted / measured - 1. Local-SGD syncs "
-          f"every step (k = 1); pipelines use {MICROBATCHES} micro-batches; the directory store "
-          "is the embedded default in a temporary folder. `load avg` is the machine's 1-minute "
-          "load before and after the run (the run's own worker processes included).", "",
-          "## Summary", "", *summary(rows, cores), "",
-          f"## Worker processes <= cores ({cores})", "", *table(within), "",
-          f"## Worker processes > cores ({cores})", "", *table(beyond), ""]
-    write_result(RESULTS, "\n".join(md) + "\n")
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run the sweep (or, with --worker, one instrumented worker) and write the report."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_prediction", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=14, help="least iterations per run (>= 4)")
-    parser.add_argument("--min-seconds", type=float, default=3.0,
-                        help="least steady-state seconds per run at the predicted pace (more iterations for fast plans)")
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--trials", type=int, default=1,
-                        help="profile-plan-measure each model this many times (rows of every trial count)")
-    parser.add_argument("--repeats", type=int, default=2,
-                        help="runs of each configuration whose workers fit the cores, back to back; the "
-                             "first is the measurement, the others show how far the machine alone moves it")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--profile", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.worker:
-        worker_main(args.worker, args.out)
-        return 0
-    if args.profile:
-        profile_main(args.profile, args.out)
-        return 0
-    if args.steps < WARMUP_ITERATIONS + 2:
-        parser.error(f"--steps must be at least {WARMUP_ITERATIONS + 2}")
-    if args.repeats < 1:
-        parser.error("--repeats must be at least 1")
-    cores = os.cpu_count() or 1
-    t0 = time.perf_counter()
-    rows = []
-    for trial in range(args.trials):
-        # trial after trial, not model after model: a drift in the machine's speed then
-        # touches every model instead of one
-        for name in args.models:
-            root = Path(tempfile.mkdtemp(prefix=f"zooid-pred-{name}-"))
-            try:
-                rows += [replace(r, trial=trial) for r in
-                         run_model(MODELS[name], root, args.steps, lambda s: print(s, flush=True),
-                                   args.min_seconds, args.repeats, cores)]
-            finally:
-                shutil.rmtree(root, ignore_errors=True)
-    write_report(rows, args, time.perf_counter() - t0, cores)
-    print("\n".join(summary(rows, cores)))
-    print(f"wrote {RESULTS}")
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -22,7 +22,7 @@ SECTIONS = [
     ("Planners: partition, hybrid, provision", "bench_planners", "planners_partition_provision"),
     ("Planners: co-optimisation (exact vs SCIP vs gurobipy)", "bench_co_optimize", "co_optimize"),
     ("Pipeline: pipelined vs plain scatter-reduce", "bench_scatter_reduce", "scatter_reduce"),
-    ("Pipeline: predicted vs measured iteration time", "bench_prediction", "prediction"),
+    ("Profiling and prediction: epoch wall and run cost, predicted vs measured", "bench_prediction", "prediction"),
     ("Pipeline: bubble and activation memory per schedule", "bench_bubble", "bubble"),
     ("Cloud targets: pre-start on the local process pool", "bench_prestart", "prestart"),
     ("Elastic training: dynamic scaling in miniature", "bench_scaling", "scaling"),
