@@ -144,12 +144,15 @@ def temporary_server(home: Path | None = None):
     its API URL. It runs in a session of its own, so the Ctrl-C or SIGTERM that stops the
     run does not stop the API that the run's teardown and bill still need (Prefect's
     temporary server is a child in the run's process group, and dies with it); it is stopped
-    by pid when the run is over."""
+    by pid when the run is over, and by its guard (`deployments.orphan_guard`) if the run is
+    killed outright."""
     home = home or zooid_home()
     port = free_port(0)
     api_url = f"http://127.0.0.1:{port}/api"
     env = {**stack_env(home, ""), "PREFECT_API_URL": ""}
-    pid = _spawn([_bin("prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)], env,
+    # its guard stops it should this process die without reaching the `finally` below
+    pid = _spawn([sys.executable, "-m", "deployments.orphan_guard", str(os.getpid()), "--", _bin("prefect"),
+                  "server", "start", "--host", "127.0.0.1", "--port", str(port)], env,
                  home / "logs" / f"server-{port}.log")
     try:
         _wait_healthy(api_url)

@@ -132,6 +132,7 @@ def run_training(job: TrainJob) -> RunSummary:
         if ctx.warm is not None and starts_before_profile(ctx):  # their start-up hides behind profile + plan
             ctx.warm.ensure(provisional_plan(ctx), resume.next_epoch if resume else 0)
         prof = ctx.profile = profile(ctx)
+        clock.profiled = "measured" in prof.get("profile_sources", {}).values()
         first_epoch, init, lr, workers = 0, init_key(ctx), job.lr, job.workers
         if resume is not None:
             first_epoch, init, lr, workers = resume.next_epoch, resume.init_key, resume.lr, resume.workers

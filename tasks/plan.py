@@ -86,8 +86,12 @@ def with_run(ctx: RunContext, chosen: Plan, calibration: Calibration | None, epo
 
     terms = load_terms(ctx, calibration.overhead_s if calibration else None)
     launched = [w.launched_at for w in ctx.warm.workers.values()] if ctx.warm is not None else []
+    since = None  # no worker yet: all start at the plan, and wait as long as earlier such runs did
+    if launched:  # some started before the plan (to profile, or while it ran): the youngest decides
+        since = time.time() - max(launched) if len(launched) >= chosen.workers else 0.0
+        terms = dataclasses.replace(terms, exposed_s=None)
     kwargs = dict(epochs=ctx.job.epochs if epochs_left is None else epochs_left, warm=ctx.job.warm,
-                  workers_launched_s=time.time() - min(launched) if launched else None,
+                  workers_launched_s=since,
                   billed_usd=0.0 if ctx.dry_run else total_usd(rows_now(ctx)),
                   coordinator_price_per_s=ctx.price_per_worker_s)
     alternatives = []
@@ -127,11 +131,14 @@ def replan(ctx: RunContext, profile: dict, current: Plan, calibration: Calibrati
                               if best is not None else f"no other plan: {why}")
         return same, decision
     faster = best.predicted_epoch_s <= (1 - gain) * same.predicted_epoch_s
+    def name(p: Plan) -> str:
+        return (f"{p.strategy} D={p.data_parallel} M={p.stages}" + (f" cuts={list(p.cuts)} micro-batches="
+                f"{p.microbatches} {p.pipeline_schedule}" if p.stages > 1 else ""))
+
     cheaper = (best.predicted_cost_per_epoch_usd <= (1 - gain) * same.predicted_cost_per_epoch_usd
                and best.predicted_epoch_s <= 1.05 * same.predicted_epoch_s)
-    summary = (f"{best.strategy} D={best.data_parallel} M={best.stages}: {best.predicted_epoch_s:.3g} s, "
-               f"${best.predicted_cost_per_epoch_usd:.3g} per epoch vs {same.predicted_epoch_s:.3g} s, "
-               f"${same.predicted_cost_per_epoch_usd:.3g}")
+    summary = (f"{name(best)}: {best.predicted_epoch_s:.3g} s, ${best.predicted_cost_per_epoch_usd:.3g} per epoch "
+               f"vs {name(same)}: {same.predicted_epoch_s:.3g} s, ${same.predicted_cost_per_epoch_usd:.3g}")
     if faster or cheaper:
         decision.update(switched=True, reason=f"{'faster' if faster else 'cheaper'}: {summary}",
                         to={"strategy": best.strategy, "data_parallel": best.data_parallel, "stages": best.stages})
@@ -152,17 +159,76 @@ def make_same(ctx: RunContext, profile: dict, current: Plan, calibration: Calibr
 
 def pick_schedule(ctx: RunContext, profile: dict, x, plan: Plan) -> Plan:
     """The pipeline `plan` under the job's schedule, or for `auto` the fastest predicted of
-    1F1B and GPipe whose stages fit their workers (1F1B holds min(k - s, M) micro-batches of
-    activations on stage s, GPipe all M; within 1 % of the fastest, the one holding less);
-    the schedules compared join the plan's alternatives."""
+    1F1B, GPipe and interleaved 1F1B (v = 2; considered when M is a multiple of the p
+    workers and the profile has p x 2 layers with parameters, and dropped when the planner
+    cannot predict it) whose workers fit their memory (1F1B holds min(k - s, M)
+    micro-batches of activations on stage s, GPipe all M, interleaved min(W_w + 1, 2M)
+    half-stage sets on worker w); within 1 % of the fastest, the one holding fewer
+    stage-sized sets on worker 0. The schedules compared join the plan's alternatives."""
     from planners.strategy import choose_schedule, describe, with_schedule
+    from training.pipeline_schedule import ideal_peak_in_flight
 
+    chunks = 2
     names = ["1f1b", "gpipe"] if ctx.job.pipeline_schedule == "auto" else [ctx.job.pipeline_schedule]
-    options, errors = [with_schedule(x, plan, name) for name in names], []
+    with_params = sum(1 for l in profile.get("layers", ()) if l.get("param_bytes", 0) > 0)
+    if ctx.job.pipeline_schedule == "auto" and plan.microbatches % plan.stages == 0 \
+            and with_params >= plan.stages * chunks:
+        names.append("interleaved")
+
+    def held(name: str) -> float:  # stage-sized activation sets worker 0 holds at its peak
+        v = chunks if name == "interleaved" else 1
+        return ideal_peak_in_flight(name, plan.stages, plan.microbatches, 0, v) / v
+
+    options, errors = [], []
+    for name in sorted(names, key=held):
+        try:
+            options.append(with_schedule(x, plan, name) if name != "interleaved"
+                           else with_schedule(x, plan, name, chunks=chunks))
+        except ValueError as exc:
+            if ctx.job.pipeline_schedule != "auto":
+                raise
+            errors.append(f"{name}: not predicted ({exc})")
+    def check_workers(option: Plan) -> None:
+        """`check_memory` for several model stages per worker: the worker's peak of the
+        activations its row holds at once (walking the schedule, each model stage's own
+        bytes per micro-batch), its stages' parameters with gradients, sync buffers and
+        optimizer state, its base memory once."""
+        from training.memory import format_bytes, stage_memory
+        from training.pipeline_schedule import Kind, build_schedule
+        from training.profiler import ModelProfile
+
+        prof = ModelProfile.from_dict(profile)
+        if not prof.layers:
+            return
+        p, m = option.stages, option.microbatches
+        available = ctx.resolved.target.worker_memory_gb * 2**30
+        one_set = stage_memory(  # per model stage: one micro-batch's activations, the parameters
+            activation_bytes=prof.layer_activation_bytes(max(1, option.batch_size // m)),
+            param_bytes=[l.param_bytes for l in prof.layers], cuts=[c + 1 for c in option.cuts], microbatches=m,
+            available_bytes=available, optimizer_state_factor=optimizer_copies(ctx.job.optimizer),
+            data_parallel=option.data_parallel, in_flight=[1] * (len(option.cuts) + 1))
+        over = []
+        for w, row in enumerate(build_schedule("interleaved", p, m, option.chunks)):
+            held = peak = 0.0
+            for a in row:
+                held += one_set[a.stage].activation_bytes * ((a.kind is Kind.F) - (a.kind is Kind.B))
+                peak = max(peak, held)
+            own = one_set[w::p]
+            need = peak + sum(s.parameter_bytes for s in own) + (prof.base_memory_bytes or 0.0)
+            if need > available:
+                over.append(f"worker {w} (model stages {', '.join(str(s.stage) for s in own)}) needs "
+                            f"{format_bytes(need)} (activations {format_bytes(peak)}), worker has "
+                            f"{format_bytes(available)}")
+        if over:
+            raise ZooidValueError("memory", "; ".join(over))
+
     fitting = []
     for option in options:
         try:
-            check_memory(ctx, profile, option)
+            if option.chunks == 1:
+                check_memory(ctx, profile, option)
+            else:
+                check_workers(option)
             fitting.append(option)
         except ZooidValueError as exc:
             errors.append(f"{option.pipeline_schedule}: {str(exc).removeprefix('memory: ')}")

@@ -69,6 +69,8 @@ class RunClock:
     teardown_at: float | None = None
     first_epoch_fresh: bool = True
     """The run's first epoch was its workers' first (not a resumed run's)."""
+    profiled: bool = False
+    """A worker was started before the plan to take the profile (its start-up was hidden)."""
 
     def epoch(self, sent: float, done: float) -> None:
         self.epochs.append((sent, done))
@@ -86,7 +88,8 @@ class RunClock:
             out["epoch_overhead_s"] = overheads[1:]
             if self.first_epoch_fresh:
                 out["warmup_s"] = [max(0.0, overheads[0] - steady)]
-        if ctx.job.warm and self.first_epoch_fresh and history and ctx.resolved.target.kind in SHARED_HOST_KINDS:
+        if (ctx.job.warm and self.first_epoch_fresh and not self.profiled and history
+                and ctx.resolved.target.kind in SHARED_HOST_KINDS):
             # where workers start after the plan, the first epoch waits for them by a like amount each run
             out["exposed_s"] = [float((history[0].get("startup") or {}).get("exposed_s") or 0.0)]
         return out

@@ -50,26 +50,37 @@ def test_steps_between_checkpoint_writes_are_timed_and_leave_no_trace(tmp_path):
     assert opt.state_dict()["state"] == {}  # and the optimizer as it was
 
 
-class _FixedCost(nn.Module):
-    """A layer whose forward costs a fixed wait (a sleep: no CPU to be preempted from)
-    plus real per-row work."""
+def test_layer_times_split_into_per_call_and_per_row_parts(monkeypatch):
+    """On a clock the layer itself moves (forward 4 ms a call + 10 us a row, backward 2 ms +
+    5 us a row), the fit recovers the per-call parts exactly; one size fits none."""
+    from types import SimpleNamespace
 
-    def __init__(self, fixed_s: float):
-        super().__init__()
-        self.fixed_s, self.lin = fixed_s, nn.Linear(256, 256)
+    import training.profiler as profiler
 
-    def forward(self, x):
-        import time
+    clock = [0.0]
+    monkeypatch.setattr(profiler, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
 
-        time.sleep(self.fixed_s)
-        return self.lin(x)
+    def advance(seconds: float) -> None:
+        clock[0] += seconds
 
+    class Affine(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(256, 256)
 
-def test_layer_times_split_into_per_call_and_per_row_parts():
+        def forward(self, x):
+            advance(0.004 + 1e-5 * len(x))
+            out = self.lin(x)
+            if out.requires_grad:
+                out.register_hook(lambda g: advance(0.002 + 5e-6 * len(g)))
+            return out
+
     torch.manual_seed(0)
-    model = nn.Sequential(_FixedCost(0.004), nn.ReLU())
+    model = nn.Sequential(Affine(), nn.ReLU())
     [first, _] = profile_layers(model, torch.randn(64, 256), repeats=5, fit_rows=8)
-    assert first.forward_fixed_s == pytest.approx(0.004, abs=0.0015)
+    assert first.forward_fixed_s == pytest.approx(0.004, rel=1e-6)
+    assert first.backward_fixed_s == pytest.approx(0.002, rel=1e-6)
+    assert first.forward_s == pytest.approx(0.004 + 64e-5, rel=1e-6)
     [plain, _] = profile_layers(model, torch.randn(64, 256), repeats=3)
     assert plain.forward_fixed_s == plain.backward_fixed_s == 0.0
 

@@ -235,8 +235,10 @@ def test_per_offer_step_time_and_activations_scale(cnn_profile):
 def test_sampling_runs_for_a_least_duration_and_stops_when_stable(monkeypatch):
     import training.profiler as profiler
 
+    from types import SimpleNamespace
+
     clock = [0.0]
-    monkeypatch.setattr(profiler.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(profiler, "time", SimpleNamespace(perf_counter=lambda: clock[0]))  # this module's clock only
 
     def timed(durations):
         calls = []

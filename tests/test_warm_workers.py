@@ -308,13 +308,16 @@ def test_workers_of_a_killed_coordinator_exit_within_their_lease(tmp_path):
         run_id = replies[0].relative_to(runs).parts[0]
         workers = tagged_pids(run_id)
         assert len(workers) == 2
+        guards = _children_running(coordinator.pid, "deployments.orphan_guard")
+        assert len(guards) == 1  # the temporary Prefect server's guard
     finally:
         os.killpg(coordinator.pid, signal.SIGKILL)
         coordinator.wait()
     deadline = time.monotonic() + 120
-    while tagged_pids(run_id) and time.monotonic() < deadline:
+    while (tagged_pids(run_id) or any(_alive(p) for p in guards)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert tagged_pids(run_id) == []
+    assert not any(_alive(p) for p in guards)  # nor does its temporary Prefect server outlive it
     logs = list((home / "logs" / run_id).glob("*.log"))
     assert len(logs) == 2 and all("lease was not renewed" in p.read_text() for p in logs)
 
@@ -328,8 +331,9 @@ def test_workers_a_known_rescale_adds_are_started_during_the_epoch_before(tmp_pa
     from training.store import open_store
 
     store_url = f"file://{tmp_path}/store"
+    # epoch 0 trains long enough (500 steps) for the launch to land inside it
     summary = train(TrainJob(workers=1, max_workers=2, epochs=2, scaling="adabatch", scale_every_epochs=1,
-                             store=store_url, batch_size=32, target="inline"))
+                             dataset="synthetic:64:10:20000", store=store_url, batch_size=32, target="inline"))
     assert [e.workers for e in summary.epochs] == [1, 2]
     rows = read_ledger(open_store(store_url), summary.run_id)["rows"]
     lives = _lives(rows)
@@ -388,3 +392,30 @@ def _epoch_replies(runs) -> list:
     if not runs.exists():
         return []
     return [r for r in runs.glob("*/warm/*/reply-*.json") if b'"result"' in r.read_bytes()]
+
+
+def _children_running(parent: int, marker: str) -> list[int]:
+    """Pids of `parent`'s children whose command line holds `marker`."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent and marker in cmd:
+            out.append(int(entry))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
