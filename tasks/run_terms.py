@@ -3,7 +3,8 @@
 `planners.run_prediction.RunTerms` needs a worker's start-up, the per-epoch overhead and
 the coordinator's provision, gap and teardown seconds. Each run measures them
 (`RunClock`) and adds them to `cache/timings/<target key>.json` in the durable store (the
-last `KEEP` samples of each); the next run's plan predicts from their medians. A term never
+last `KEEP` samples of each); the next run's plan predicts from their medians (start-up: the 90th percentile, since an
+epoch waits for the slowest of the workers starting together). A term never
 measured on this target and offer is assumed (`ASSUMED`) and the plan says so. Where the
 workers share the coordinator's machine they start after the plan, so the start-up the first
 epoch waits for is about the same each run: it is measured and cached too (`exposed_s`).
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import statistics
 import time
+
+import numpy as np
 from dataclasses import dataclass, field
 
 from planners.run_prediction import RunTerms
@@ -54,7 +57,10 @@ def load_terms(ctx, overhead_s: float | None = None) -> RunTerms:
             samples = list(ctx.startup_samples)
         if name == "epoch_overhead_s" and overhead_s is not None:
             samples = [overhead_s]
-        values[name] = statistics.median(samples) if samples else _assumed(ctx, name)
+        if name == "startup_s" and samples:  # an epoch waits for the slowest of the workers starting together
+            values[name] = float(np.quantile(samples, 0.9, method="higher"))
+        else:
+            values[name] = statistics.median(samples) if samples else _assumed(ctx, name)
         measured[name] = bool(samples)
     return RunTerms(**values, measured=measured)
 
