@@ -10,12 +10,12 @@ temporary folder, with the schedule named in the worker specs' `pipeline_schedul
 Runs: for every k in `--stages` and M in `--microbatches`, each schedule of `--schedules`
 (`gpipe`, `1f1b`, `interleaved`; in that order for each (k, M), so a drift of the machine
 touches all of them). `interleaved` has k stage workers and v = `--chunks` chunks per
-worker: the model is cut into k * v stages (model stage s on worker s % k) and it runs only
-for M a multiple of k. Whether the executor runs it is found out by trying: if building
-its worker specs or running them raises, the row says "not runnable by the executor" with
-the error, and the schedule is simulated only, with chunk durations taken from the 1F1B run
-of the same k and M (model stage s of the k * v holds the blocks of 1F1B stage s // v, so
-its F and B are that stage's divided by v; the transfers are the same size).
+worker: the model is cut into k * v stages (model stage s on worker s % k, the worker specs'
+`chunks` = v) and it runs only for M a multiple of k. The executor runs it like the others;
+should building its worker specs or running them raise, the row says "not runnable by the
+executor" with the error, and the schedule is simulated only, with chunk durations taken
+from the 1F1B run of the same k and M (model stage s of the k * v holds the blocks of 1F1B
+stage s // v, so its F and B are that stage's divided by v; the transfers are the same size).
 
 Timing. `WorkerResult` reports a stage's summed compute time, not when each action ran, so
 the benchmark starts its own worker processes (`python -m benchmarks.bench_bubble --worker`,
@@ -35,7 +35,10 @@ Beside them: the schedule's ideal (`ideal_bubble`: equal stage times, free trans
 `training.pipeline_schedule.simulate` replaying `lower(build_schedule(...))` with the
 measured median durations: compute only (F and B per model stage; a worker's i-th F stamp
 in an iteration is the i-th F of its row, which tells an interleaved worker's chunks apart)
-and with transfers (plus the median upload and the median read of an activation). A run is
+and with transfers (plus the median upload and the median read of an activation, and the
+median hand-off: from a put's end to the start of the read that found the key, over the
+keys whose reader was already waiting, the directory store's polling delay, which `simulate`
+charges to a receive whose download thread waits, as `planners.pipeline_time` does). A run is
 "within 10 %" when on every stage worker |measured - simulated| <= 10 % of the simulated
 idle share with transfers (relative, not percentage points: a 2-point miss on an 11 % ideal
 is a 20 % longer wait than modelled).
@@ -281,6 +284,8 @@ class Row:
     most stage workers that fit the cores (same M), split per block (`split_durations`)."""
     fitting_stages: int = 0
     """That run's k."""
+    handoff_ms: float = 0.0
+    """Median delay from a put's end to the read that found the key, where the reader waited."""
 
     @property
     def within(self) -> bool | None:
@@ -314,15 +319,16 @@ def _mean(values) -> float:
 
 
 def simulate_shares(name: str, stages: int, microbatches: int, chunks: int, fwd, bwd, put: float,
-                    read: float) -> tuple[list[float], list[float]]:
+                    read: float, handoff: float = 0.0) -> tuple[list[float], list[float]]:
     """Idle share per stage worker of the lowered schedule replayed with these durations:
-    compute only, and with transfers."""
+    compute only, and with transfers (and `handoff` paid by a receive that waits)."""
     from training.pipeline_schedule import build_schedule, lower, simulate
 
     schedule = lower(build_schedule(name, stages, microbatches, chunks), sync=True)
     compute_only = {**{f"{s}F": f for s, f in enumerate(fwd)}, **{f"{s}B": b for s, b in enumerate(bwd)}}
     with_transfers = {**compute_only, "SEND_F": put, "SEND_B": put, "RECV_F": read, "RECV_B": read}
-    return simulate(schedule, compute_only).bubble, simulate(schedule, with_transfers).bubble
+    return (simulate(schedule, compute_only).bubble,
+            simulate(schedule, with_transfers, handoff_s=handoff).bubble)
 
 
 def _peak_after_warmup(values: list) -> float | None:
@@ -372,7 +378,9 @@ def analyse(name: str, stages: int, microbatches: int, chunks: int, outs: list[d
     bwd = [_median(d) for d in per_stage[Kind.B]]
     put = _median(p[1] - p[0] for o in by_worker for p in o["timings"]["put"])
     read = _median(r[1] - r[0] for o in by_worker for r in o["timings"]["read"])
-    compute_only, with_transfers = simulate_shares(name, stages, microbatches, chunks, fwd, bwd, put, read)
+    handoff = _median(handoffs(by_worker))
+    compute_only, with_transfers = simulate_shares(name, stages, microbatches, chunks, fwd, bwd, put, read,
+                                                   handoff)
     memory = [{"distinct": _peak_after_warmup(o["memory"]["saved_distinct"]),
                "summed": _peak_after_warmup(o["memory"]["saved_summed"]),
                "cuda": _peak_after_warmup(o["memory"]["cuda"]),
@@ -381,7 +389,17 @@ def analyse(name: str, stages: int, microbatches: int, chunks: int, outs: list[d
                [statistics.median(m) for m in measured], [statistics.median(m) for m in of_period],
                compute_only, with_transfers, [f * 1e3 for f in fwd], [b * 1e3 for b in bwd],
                put * 1e3, read * 1e3, statistics.median(spans) * 1e3, statistics.median(periods) * 1e3,
-               load, seconds, memory)
+               load, seconds, memory, handoff_ms=handoff * 1e3)
+
+
+def handoffs(outs: list[dict]) -> list[float]:
+    """Per activation or gradient key whose reader's fetch began before the writer's put
+    ended (the reader waited): seconds from the put's end to the start of the read that
+    found the key. Keys are unique within a run and the stamps share one clock."""
+    put_end = {p[3]: p[1] for o in outs for p in o["timings"]["put"]}
+    fetch_start = {f[2]: f[0] for o in outs for f in o["timings"]["fetch"]}
+    return [max(0.0, r[0] - put_end[r[3]]) for o in outs for r in o["timings"]["read"]
+            if r[3] in put_end and r[3] in fetch_start and fetch_start[r[3]] < put_end[r[3]]]
 
 
 def split_durations(source: Row, model_stages: int) -> tuple[list[float], list[float]] | None:
@@ -411,7 +429,7 @@ def simulated_only(name: str, stages: int, microbatches: int, chunks: int, sourc
                    None, None, None, 0.0, None, "not simulated: no 1F1B or GPipe run of this k and M", error)
     fwd, bwd = split_durations(source, stages * chunks)
     compute_only, with_transfers = simulate_shares(name, stages, microbatches, chunks, fwd, bwd,
-                                                   source.put_ms, source.read_ms)
+                                                   source.put_ms, source.read_ms, source.handoff_ms)
     memory = None
     if source.memory:
         per_set = _mean([source.peak_bytes(w) / ideal_peak_in_flight(source.schedule, stages, microbatches, w)
@@ -420,7 +438,8 @@ def simulated_only(name: str, stages: int, microbatches: int, chunks: int, sourc
                   for w in range(stages)]
     return Row(name, stages, microbatches, chunks, ideal, None, None, compute_only, with_transfers, fwd, bwd,
                source.put_ms, source.read_ms, None, None, None, 0.0, memory,
-               f"simulated from the {TITLES[source.schedule]} run's durations", error)
+               f"simulated from the {TITLES[source.schedule]} run's durations", error,
+               handoff_ms=source.handoff_ms)
 
 
 # --- running -------------------------------------------------------------------------------
@@ -478,7 +497,7 @@ def table(rows: list[Row]) -> list[str]:
              if fitting else "")
     out = ["| k | M | ideal | measured idle share per stage | idle share of the period | "
            "simulated: measured F/B only | simulated: F/B + transfers | measured / simulated - 1 | "
-           f"within 10 % | {extra}F ms per model stage | B ms per model stage | put / read ms | span / period ms | "
+           f"within 10 % | {extra}F ms per model stage | B ms per model stage | put / read / hand-off ms | span / period ms | "
            "load avg | source |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if fitting else "")]
     for r in rows:
@@ -491,7 +510,8 @@ def table(rows: list[Row]) -> list[str]:
             f"| {r.stages} | {r.microbatches} | {r.ideal:.0%} | {_pct(r.measured)} | {_pct(r.of_period)} | "
             f"{_pct(r.simulated_compute)} | {_pct(r.simulated_transfers)} | {deviation} | {within} | "
             + (f"{_pct(r.simulated_fitting)} | " if fitting else "")
-            + f"{_ms(r.forward_ms)} | {_ms(r.backward_ms)} | {r.put_ms:.1f} / {r.read_ms:.1f} | {span} | "
+            + f"{_ms(r.forward_ms)} | {_ms(r.backward_ms)} | {r.put_ms:.1f} / {r.read_ms:.1f} / {r.handoff_ms:.1f} | "
+            f"{span} | "
             f"{load} | {r.source} |")
     return out
 
@@ -551,7 +571,7 @@ def add_fitting_simulations(rows: list[Row], cores: int) -> None:
         source = fitting[-1]
         fwd, bwd = split_durations(source, r.stages * r.chunks)
         _, r.simulated_fitting = simulate_shares(r.schedule, r.stages, r.microbatches, r.chunks, fwd, bwd,
-                                                 source.put_ms, source.read_ms)
+                                                 source.put_ms, source.read_ms, source.handoff_ms)
         r.fitting_stages = source.stages
 
 

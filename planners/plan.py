@@ -27,7 +27,11 @@ class Plan:
     cuts: tuple[int, ...] = ()
     microbatches: int = 1
     pipeline_schedule: str = "gpipe"
-    """The pipeline's schedule (`training.pipeline_schedule.build_schedule`): `gpipe` or `1f1b`."""
+    """The pipeline's schedule (`training.pipeline_schedule.build_schedule`): `gpipe`, `1f1b`
+    or `interleaved`."""
+    chunks: int = 1
+    """v, model stages per stage worker: 1, or >= 2 for `interleaved`, whose `cuts` then cut
+    the model into `stages` x v model stages, worker w holding stages w, w + stages, ..."""
     sync_period: int | None = None
     """Local-SGD period k in steps (None: once per epoch)."""
     steps_per_epoch: int = 0

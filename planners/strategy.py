@@ -249,15 +249,43 @@ def pipeline_prediction(x: StrategyInputs, plan: Plan) -> PipelineTime:
                               schedule=plan.pipeline_schedule)
 
 
-def with_schedule(x: StrategyInputs, plan: Plan, schedule: str) -> Plan:
-    """`plan` run with another pipeline schedule, its time and cost predicted again."""
-    return predicted(x, replace(plan, pipeline_schedule=schedule))
+def with_schedule(x: StrategyInputs, plan: Plan, schedule: str, chunks: int = 1) -> Plan:
+    """`plan` (one model stage per worker, as `choose` makes them) run with another pipeline
+    schedule, its time and cost predicted again.
+
+    `interleaved` with v = `chunks` >= 2 cuts the model again, into `plan.stages` x v model
+    stages (worker w then holds stages w, w + p, ...): the partition of the merged layers
+    (`merge_parameter_free`, so no model stage is without parameters) that the contract's
+    runtime model (`planners.partition.plan_partition`, store transport) finds best for that
+    many stages, at the plan's micro-batch. Raises ValueError when the micro-batches are not
+    a multiple of the p workers or the model has fewer than p x v layers with parameters."""
+    if schedule != "interleaved":
+        return predicted(x, replace(plan, pipeline_schedule=schedule))
+    from planners.partition import PartitionProblem, PipelineLayer, plan_partition
+
+    stages = plan.stages * chunks
+    if chunks < 2 or plan.microbatches % plan.stages:
+        raise ValueError(f"chunks: interleaved needs v >= 2 chunks (got {chunks}) and micro-batches that are "
+                         f"a multiple of the {plan.stages} workers (got {plan.microbatches})")
+    layers, last = merge_parameter_free(_microbatch_layers(x, max(1, plan.batch_size // plan.microbatches)))
+    if len(layers) < stages:
+        raise ValueError(f"chunks: {plan.stages} workers x {chunks} chunks need {stages} layers with "
+                         f"parameters, the model has {len(layers)}")
+    problem = PartitionProblem(
+        layers=tuple(PipelineLayer(forward_s=l["forward_s"], backward_s=l["backward_s"],
+                                   output_bytes=l["output_bytes"], param_bytes=l["param_bytes"]) for l in layers),
+        bandwidth_bytes_per_s=x.bandwidth, latency_s=x.latency, microbatches=plan.microbatches,
+        max_stages=stages, transport="store")
+    cuts = tuple(last[i] for i in plan_partition(problem)[stages].cuts)
+    return predicted(x, replace(plan, pipeline_schedule="interleaved", chunks=chunks, cuts=cuts))
 
 
 def choose_schedule(options: list[Plan]) -> Plan:
     """Among the same pipeline under several schedules (each fitting its workers, listed from
     the least activation memory held to the most), the fastest predicted; a schedule listed
-    earlier wins when it is within 1 % of that."""
+    earlier wins when it is within 1 % of that. `interleaved` holds the most activation sets
+    on worker 0 (p + (p - 1)/v stage-sized sets against 1F1B's p) but runs a bubble about v
+    times smaller, so listed after 1F1B it is chosen when it is more than 1 % faster."""
     fastest = min(p.predicted_iteration_s for p in options)
     return next(p for p in options if p.predicted_iteration_s <= fastest * 1.01)
 

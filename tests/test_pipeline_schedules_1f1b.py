@@ -6,7 +6,7 @@ import pytest
 
 from training.errors import ZooidValueError
 from training.pipeline_schedule import (
-    Action, Kind, ScheduleError, build_schedule, format_grid, format_schedule, gpipe,
+    Action, Kind, Layout, ScheduleError, build_schedule, forward_only, format_grid, format_schedule, gpipe,
     ideal_bubble, ideal_peak_in_flight, interleaved, layout, lower, one_f_one_b,
     parse_schedule, peak_in_flight, simulate, stage_actions, validate, worker_actions,
     worker_of, worker_peak_in_flight,
@@ -63,6 +63,17 @@ def test_chunks_on_one_worker_hand_over_in_memory():
     validate(lowered)
     with pytest.raises(ScheduleError, match="0SEND_F0 is not a transfer: stages 0 and 1 share worker 0"):
         validate(parse_schedule(["0F0 0SEND_F0 1RECV_F0 1F0 1B0 0B0"]))
+
+
+def test_forward_only_with_chunks_runs_each_workers_stages_in_turn():
+    """Validation through an interleaved pipeline: worker w forwards every micro-batch
+    through its first chunk, then its next; with one chunk it is the one-stage-per-row form."""
+    assert format_schedule(forward_only(2, 2, chunks=2)) == ["0F0 0F1 2F0 2F1", "1F0 1F1 3F0 3F1"]
+    assert forward_only(3, 2, chunks=1) == forward_only(3, 2) == [[Action(s, Kind.F, m) for m in range(2)]
+                                                                   for s in range(3)]
+    for p, v, m in [(2, 2, 3), (3, 2, 1), (1, 3, 2), (4, 2, 5)]:
+        validate(lower(forward_only(p, m, chunks=v), sync=False))
+    assert Layout(2, 6).stages_of(1) == [1, 3, 5] and Layout(3, 3).stages_of(2) == [2]
 
 
 # --- the data model with several stages per row ---------------------------------------

@@ -129,6 +129,10 @@ class Layout:
     def worker_of(self, stage: int) -> int:
         return worker_of(stage, self.workers)
 
+    def stages_of(self, worker: int) -> list[int]:
+        """The model stages `worker` runs, in model order: worker, worker + p, ..."""
+        return list(range(worker, self.stages, self.workers))
+
     def remote(self, stage: int, other: int) -> bool:
         """Whether a tensor between the two stages crosses workers (needs SEND/RECV)."""
         return self.worker_of(stage) != self.worker_of(other)
@@ -268,10 +272,15 @@ def _check_request(name: str, stages: int, microbatches: int, chunks: int) -> No
                               f"puts several chunks on a worker), got {chunks}")
 
 
-def forward_only(stages: int, microbatches: int) -> Schedule:
-    """Forwards only (validation through the pipeline)."""
-    _check_positive(stages=stages, microbatches=microbatches)
-    return [[Action(s, Kind.F, m) for m in range(microbatches)] for s in range(stages)]
+def forward_only(stages: int, microbatches: int, chunks: int = 1) -> Schedule:
+    """Forwards only (validation through the pipeline), one row per stage worker. With
+    `chunks` = v the model has stages * v stages placed as `interleaved` places them, and
+    row w runs its model stages w, w + p, ... one after the other, each over every
+    micro-batch (every forward a later stage needs was issued before it, so no deadlock)."""
+    _check_positive(stages=stages, microbatches=microbatches, chunks=chunks)
+    lay = Layout(stages, stages * chunks)
+    return [[Action(s, Kind.F, m) for s in lay.stages_of(w) for m in range(microbatches)]
+            for w in range(stages)]
 
 
 def lower(schedule: Schedule, sync: bool = True) -> Schedule:
