@@ -119,9 +119,12 @@ def stage_times(layers: Sequence[Mapping[str, float]], cuts: Sequence[int], micr
 
 def pipeline_iteration(stages: Sequence[Mapping[str, float]], microbatches: int,
                        costs: TransferCosts, *, sync_s: Sequence[float] = (),
-                       optimizer_s: Sequence[float] = (), schedule: str = "gpipe") -> PipelineTime:
-    """Replay one iteration of `schedule` (`gpipe` or `1f1b`) over `stages` (from
-    `stage_times`) with `microbatches` micro-batches and return its steady-state period.
+                       optimizer_s: Sequence[float] = (), schedule: str = "gpipe",
+                       chunks: int = 1) -> PipelineTime:
+    """Replay one iteration of `schedule` (`gpipe`, `1f1b`, or `interleaved` with `chunks`
+    model stages per worker: worker w holds stages w, w + p, ...) over `stages` (from
+    `stage_times`, one per model stage) with `microbatches` micro-batches and return its
+    steady-state period. The timelines, cycles and bubbles are per worker.
 
     Durations: F / B per stage; stage s puts its activation (`out_bytes[s]`) and the
     gradient of its input (`out_bytes[s - 1]`), its neighbours get them; `sync_s[s]` is the
@@ -141,7 +144,10 @@ def pipeline_iteration(stages: Sequence[Mapping[str, float]], microbatches: int,
                 Kind.SEND_F: lambda s: costs.put_s(out[s]), Kind.SEND_B: lambda s: costs.put_s(out[s - 1]),
                 Kind.RECV_F: lambda s: costs.get_s(out[s - 1]), Kind.RECV_B: lambda s: costs.get_s(out[s]),
                 Kind.SYNC: lambda s: sync_s[s]}
-    rows = lower(build_schedule(schedule, n, microbatches), sync=bool(sync_s))
+    if not (isinstance(chunks, int) and chunks >= 1 and n % chunks == 0):
+        raise PlannerInputError("chunks", f"must divide the {n} stages, got {chunks!r}")
+    workers = n // chunks
+    rows = lower(build_schedule(schedule, workers, microbatches, chunks), sync=bool(sync_s))
     sim = simulate(rows, lambda a: float(duration[a.kind](a.stage)), handoff_s=costs.handoff_s,
                    sync_waits_for_uploads=False)
 
@@ -150,8 +156,9 @@ def pipeline_iteration(stages: Sequence[Mapping[str, float]], microbatches: int,
         first = min(i.start for i in row if i.action.kind is Kind.F)
         # the next iteration's prefetch starts after the optimizer step, and its first
         # forward needs that download even when the key is long there
-        refill = costs.get_s(out[s - 1]) if s > 0 else 0.0
-        cycles.append(max(i.end for i in row) - first + (optimizer_s[s] if optimizer_s else 0.0) + refill)
+        refill = costs.get_s(out[s - 1]) if s > 0 else 0.0  # worker s's first model stage is s
+        optimizer = sum(optimizer_s[t] for t in range(s, n, workers)) if optimizer_s else 0.0
+        cycles.append(max(i.end for i in row) - first + optimizer + refill)
     period = max(cycles)
     # in the steady state every stage runs at the slowest stage's pace
     busy = [sum(i.end - i.start for i in row if i.action.kind in (Kind.F, Kind.B)) for row in sim.timelines]

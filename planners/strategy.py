@@ -246,7 +246,7 @@ def pipeline_prediction(x: StrategyInputs, plan: Plan) -> PipelineTime:
               for st in stages]
     optimizer_s = optimizer_shares(x.optimizer_step_s * shared, [st["param_bytes"] for st in stages])
     return pipeline_iteration(stages, plan.microbatches, costs, sync_s=sync_s, optimizer_s=optimizer_s,
-                              schedule=plan.pipeline_schedule)
+                              schedule=plan.pipeline_schedule, chunks=plan.chunks)
 
 
 def with_schedule(x: StrategyInputs, plan: Plan, schedule: str, chunks: int = 1) -> Plan:
@@ -324,6 +324,7 @@ def describe(plan: Plan, chosen: bool = False) -> dict:
     return {"strategy": plan.strategy, "data_parallel": plan.data_parallel, "stages": plan.stages,
             "workers": plan.workers, "cuts": list(plan.cuts), "microbatches": plan.microbatches,
             "pipeline_schedule": plan.pipeline_schedule if plan.stages > 1 else None,
+            "chunks": plan.chunks,
             "predicted_iteration_s": plan.predicted_iteration_s,
             "predicted_epoch_s": plan.predicted_epoch_s,
             "predicted_cost_per_epoch_usd": per_epoch,

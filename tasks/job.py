@@ -36,11 +36,12 @@ class TrainJob(BaseModel):
     workers: int = Field(4, gt=0, title="Workers", description="Data-parallel replicas in the first epoch.")
     stages: Optional[int] = Field(None, gt=0, title="Pipeline stages", description="Stages per replica (pipeline/hybrid); null lets the planner choose.")
     microbatches: Optional[int] = Field(None, gt=0, title="Micro-batches", description="Micro-batches per iteration (pipeline/hybrid).")
-    pipeline_schedule: Literal["auto", "gpipe", "1f1b"] = Field(
+    pipeline_schedule: Literal["auto", "gpipe", "1f1b", "interleaved"] = Field(
         "auto", title="Pipeline schedule",
         description="`gpipe` (all forwards, then all backwards: every micro-batch's activations held), `1f1b` "
-                    "(one forward, one backward: stage s holds at most stages - s), or `auto`: the fastest "
-                    "predicted of those whose stages fit the worker's memory.")
+                    "(one forward, one backward: stage s holds at most stages - s), `interleaved` (1F1B over "
+                    "2 model chunks per worker: a smaller bubble, more transfers; micro-batches a multiple of "
+                    "the stages), or `auto`: the fastest predicted of those whose stages fit the worker's memory.")
     sync_period: Optional[int] = Field(None, gt=0, title="Local-SGD period k",
                                        description="Steps between model averages; null averages once per epoch.")
     collective: Literal["store", "ring"] = Field(

@@ -109,7 +109,7 @@ def with_run(ctx: RunContext, chosen: Plan, calibration: Calibration | None, epo
 def shape(plan: Plan) -> tuple:
     """What the workers run: two plans of one shape need no change of workers."""
     return (plan.strategy, plan.data_parallel, plan.stages, tuple(plan.cuts), plan.microbatches,
-            plan.pipeline_schedule)
+            plan.pipeline_schedule, plan.chunks)
 
 
 def replan(ctx: RunContext, profile: dict, current: Plan, calibration: Calibration,

@@ -46,7 +46,8 @@ def worker_specs(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, 
                           subsets=(), steps=plan.steps_per_epoch, batch_size=plan.batch_size, lr=lr,
                           optimizer=job.optimizer, seed=job.seed, init_key=init,
                           out_key=epoch_key(ctx, epoch), sync_timeout_s=timeout, attempt=attempt,
-                          extra={"strategy": plan.strategy, "pipeline_schedule": plan.pipeline_schedule})
+                          extra={"strategy": plan.strategy, "pipeline_schedule": plan.pipeline_schedule,
+                                 **({"chunks": plan.chunks} if plan.chunks > 1 else {})})
         # a planner cut i splits after layer i; the executor's cut is where a stage begins
         ring = ring_settings(ctx)
         return pipeline_worker_specs(base, cuts=[c + 1 for c in plan.cuts], microbatches=plan.microbatches,

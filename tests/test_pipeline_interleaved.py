@@ -281,3 +281,33 @@ def test_with_schedule_cuts_the_model_into_p_times_v_stages_with_parameters(monk
         with_schedule(x, replace(plan, stages=3, microbatches=6, batch_size=12), "interleaved", chunks=2)
     with pytest.raises(ValueError, match="multiple of the 2 workers"):
         with_schedule(x, replace(plan, microbatches=3, batch_size=9), "interleaved", chunks=2)
+
+
+def test_the_time_model_replays_interleaved_per_worker_with_a_smaller_bubble():
+    from planners.pipeline_time import TransferCosts, pipeline_iteration
+
+    free = TransferCosts(0.0, 1e30, 0.0, 1e30, 0.0)
+    stage = {"forward_s": 1.0, "backward_s": 2.0, "out_bytes": 0.0, "param_bytes": 1.0}
+    one_f_one_b = pipeline_iteration([stage] * 2, 4, free, schedule="1f1b")
+    halves = [{**stage, "forward_s": 0.5, "backward_s": 1.0}] * 4  # the same model in 4 chunks
+    interleaved = pipeline_iteration(halves, 4, free, schedule="interleaved", chunks=2)
+    assert len(interleaved.bubble) == 2  # one timeline per worker
+    # ideal bubbles: 1F1B (p - 1)/(M + p - 1) = 1/5, interleaved (p - 1)/(v M + p - 1) = 1/9
+    assert one_f_one_b.period_s == pytest.approx(4 * 3.0 / (1 - 1 / 5))
+    assert interleaved.period_s == pytest.approx(4 * 3.0 / (1 - 1 / 9))
+    with pytest.raises(ValueError, match="chunks"):
+        pipeline_iteration(halves, 4, free, schedule="interleaved", chunks=3)
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_an_interleaved_job_runs_through_the_flow(tmp_path):
+    from flows.train import train
+    from tasks.job import TrainJob
+
+    summary = train(TrainJob(model="digits_cnn", strategy="pipeline", stages=2, microbatches=4,
+                             pipeline_schedule="interleaved", epochs=2, workers=2,
+                             store=f"file://{tmp_path}/store"))
+    assert summary.status == "completed"
+    assert (summary.plan["pipeline_schedule"], summary.plan["chunks"], summary.plan["workers"]) == ("interleaved", 2, 2)
+    assert len(summary.plan["cuts"]) == 3  # 2 workers x 2 chunks = 4 model stages
+    assert all(e.workers == 2 for e in summary.epochs) and summary.epochs[-1].val_accuracy > 0.5
