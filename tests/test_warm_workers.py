@@ -331,9 +331,9 @@ def test_workers_a_known_rescale_adds_are_started_during_the_epoch_before(tmp_pa
     from training.store import open_store
 
     store_url = f"file://{tmp_path}/store"
-    # epoch 0 trains long enough (500 steps) for the launch to land inside it
+    # epoch 0 trains long enough (6250 steps, seconds) for the launch to land inside it
     summary = train(TrainJob(workers=1, max_workers=2, epochs=2, scaling="adabatch", scale_every_epochs=1,
-                             dataset="synthetic:64:10:20000", store=store_url, batch_size=32, target="inline"))
+                             dataset="synthetic:64:10:200000", store=store_url, batch_size=32, target="inline"))
     assert [e.workers for e in summary.epochs] == [1, 2]
     rows = read_ledger(open_store(store_url), summary.run_id)["rows"]
     lives = _lives(rows)
