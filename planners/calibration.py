@@ -148,11 +148,10 @@ def calibrated(x, c: Calibration):
                              get_latency_s=tc.get_latency_s * t, get_bandwidth=tc.get_bandwidth / t,
                              handoff_s=tc.handoff_s * t)
     sync_bandwidth, sync_latency = x.sync_link
-    checkpoint_s = x.checkpoint_s
-    if checkpoint_s is None:  # what `local_sgd` would take: one put of the synchronised bytes
-        checkpoint_s = tc.put_s(x.param_bytes * (1 + x.optimizer_copies))
+    from planners.strategy import sync_checkpoint_s
+
     return replace(x, layers=layers, step_s=x.step_s * w, optimizer_step_s=x.optimizer_step_s * k,
                    synced_step_s=None if x.synced_step_s is None else x.synced_step_s * w,
                    transfer=transfer, bandwidth=x.bandwidth / t, latency=x.latency * t,
                    sync_bandwidth=sync_bandwidth / s, sync_latency=sync_latency * s,
-                   checkpoint_s=checkpoint_s * s)
+                   checkpoint_s=sync_checkpoint_s(x) * s)

@@ -107,10 +107,7 @@ def local_sgd(x: StrategyInputs, workers: int | None = None) -> Plan:
     """The Local-SGD plan for `workers` (default: the job's) replicas: the scatter-reduce at
     the collectives' fitted link, plus the sync checkpoint write (measured, or one put)."""
     sync_bytes = x.param_bytes * (1 + x.optimizer_copies)
-    checkpoint_s = x.checkpoint_s
-    if checkpoint_s is None:
-        checkpoint_s = (x.transfer.put_s(sync_bytes) if x.transfer is not None
-                        else sync_bytes / x.bandwidth + x.latency)
+    checkpoint_s = sync_checkpoint_s(x)
     bandwidth, latency = x.sync_link
     workers = workers or x.workers
     return plan_local_sgd(
@@ -119,6 +116,14 @@ def local_sgd(x: StrategyInputs, workers: int | None = None) -> Plan:
         latency=latency, worker_vcpu=x.worker_vcpu, worker_memory_gb=x.worker_memory_gb,
         worker_gpu=x.worker_gpu, offer=x.offer, price_per_worker_s=x.price_per_worker_s,
         checkpoint_s=checkpoint_s)
+
+
+def sync_checkpoint_s(x: StrategyInputs) -> float:
+    """The sync checkpoint rank 0 writes at every Local-SGD sync: measured, or one put of the
+    synchronised bytes (parameters and optimizer state)."""
+    if x.checkpoint_s is not None:
+        return x.checkpoint_s
+    return x.transfer_costs.put_s(x.param_bytes * (1 + x.optimizer_copies))
 
 
 def local_sgd_step_s(x: StrategyInputs, workers: int) -> float:

@@ -59,16 +59,21 @@ def sync_bytes(prof: dict, optimizer: str) -> float:
     return prof["param_bytes"] * (1 + optimizer_copies(optimizer))
 
 
+def profile_threads(ctx: RunContext) -> int:
+    """Torch threads the profiling worker runs: those of a worker of the job's first plan."""
+    from tasks.warm_pool import provisional_plan
+
+    return worker_threads(ctx.resolved.target.kind, provisional_plan(ctx))
+
+
 def profile_request(ctx: RunContext, *, model_profile: bool, probe: dict | None) -> ProfileRequest:
     """What the target's worker is asked to measure (`probe`: the store probe's sizes, None:
     no store probe)."""
-    from tasks.warm_pool import provisional_plan
-
     job, r = ctx.job, ctx.resolved
     return ProfileRequest(
         model=job.model, input_shape=tuple(r.input_shape), classes=r.classes, batch_size=job.batch_size,
         microbatch_size=microbatch_size(job), optimizer=job.optimizer, lr=job.lr, seed=job.seed,
-        threads=worker_threads(r.target.kind, provisional_plan(ctx)),
+        threads=profile_threads(ctx),
         device="cuda" if r.target.worker_gpu > 0 else "auto", model_profile=model_profile,
         store_url=ctx.store_ref if probe is not None else "", probe_prefix=ctx.prefix("probe"),
         max_bytes=(probe or {}).get("max_bytes", 0.0), activation_bytes=(probe or {}).get("activation_bytes", 0.0))
@@ -124,7 +129,7 @@ def _profile(ctx: RunContext) -> dict:
     began = time.perf_counter()
     job, target = ctx.job, ctx.resolved.target
     cache = ProfileCache(ctx.open_durable)
-    tkey = target_key(ctx, profile_request(ctx, model_profile=True, probe=None).threads)
+    tkey = target_key(ctx, profile_threads(ctx))
     identity = cache.target_identity(tkey)
     prof = store = None
     target_profiler = TargetProfiler(ctx)

@@ -206,12 +206,7 @@ class WarmPool:
             reply = read_json(self.store, reply_key(self.ctx.run_id, w.name, seq))
             now = time.time()
             if reply is not None:
-                if w.ready_at is None:
-                    w.ready_at = min(float(reply.get("ready_at") or w.billed_to), now)
-                    self._row(w, "startup", w.ready_at, None)
-                    self.ctx.startup_samples.append(w.ready_at - w.launched_at)
-                self._row(w, "idle", min(float(reply.get("began_at") or now), now), None)
-                self._row(w, "profile", min(float(reply.get("ended_at") or now), now), None)
+                self._bill_reply(w, reply, now, status="profile")
                 if not reply.get("ok"):
                     raise RuntimeError(f"profiling on worker {w.name} failed: {reply.get('error')}: "
                                        f"{reply.get('message', '')}")
@@ -338,7 +333,7 @@ class WarmPool:
                 raise RuntimeError(f"{w.name} answered epoch {got.get('epoch')} rank {got.get('rank')} "
                                    f"to a command for epoch {cmd.spec.epoch} rank {cmd.spec.rank}")
             cmd.outcome.result, cmd.outcome.status, cmd.outcome.stopped_at = reply["result"], "completed", now
-            self._bill_reply(w, reply, now)
+            self._bill_reply(w, reply, now, epoch=cmd.spec.epoch, attempt=cmd.spec.attempt)
             w.command, w.seq = None, w.seq + 1
             return
         if reply is not None:  # the epoch raised; the worker exits with its status
@@ -398,17 +393,18 @@ class WarmPool:
                           epoch=epoch, rank=w.rank, attempt=attempt,
                           worker=w.process.ref if ctx.resolved.target.kind in ("ecs", "aci", "k8s") else w.name)
 
-    def _bill_reply(self, w: WarmWorker, reply: dict, now: float) -> None:
-        """startup (first reply), idle, then busy, from the worker's own times (clamped)."""
-        spec = w.command.spec
+    def _bill_reply(self, w: WarmWorker, reply: dict, now: float, status: str = "busy",
+                    epoch: int | None = None, attempt: int | None = None) -> None:
+        """startup (first reply), idle, then the command's own row (`status`: an epoch is
+        `busy`, a profile `profile`), from the worker's own times (clamped)."""
         if w.ready_at is None:
             w.ready_at = min(float(reply.get("ready_at") or w.billed_to), now)
-            self._row(w, "startup", w.ready_at, spec.epoch)
+            self._row(w, "startup", w.ready_at, epoch)
             self.ctx.startup_samples.append(w.ready_at - w.launched_at)
         began = min(float(reply.get("began_at") or now), now)
         ended = min(float(reply.get("ended_at") or now), now)
-        self._row(w, "idle", began, spec.epoch)
-        self._row(w, "busy", ended, spec.epoch, spec.attempt)
+        self._row(w, "idle", began, epoch)
+        self._row(w, status, ended, epoch, attempt)
 
     def _bill_end(self, w: WarmWorker) -> None:
         """Close the worker's bill at its stop (what was open is start-up, idle, or the epoch

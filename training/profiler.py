@@ -243,7 +243,7 @@ def _children(model: nn.Module) -> list[tuple[str, nn.Module]]:
         return [("model", model)]
 
 
-def _rss_bytes() -> int:
+def rss_bytes() -> int:
     """Current resident set size (Linux /proc; elsewhere the peak, the best there is)."""
     try:
         with open("/proc/self/statm") as f:
@@ -418,7 +418,7 @@ def measure_peak_memory(model: nn.Module, opt: torch.optim.Optimizer, x, y) -> t
         step()
         torch.cuda.synchronize(x.device)
         return int(torch.cuda.max_memory_allocated(x.device)), "cuda_max_allocated", 0, state_bytes
-    before = _rss_bytes()
+    before = rss_bytes()
     growth = 0
     if _reset_peak_rss():
         step()

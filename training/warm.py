@@ -198,10 +198,11 @@ def serve(spec: WorkerSpec, store: Store, execute: Callable[[WorkerSpec], Worker
     `execute` raised after posting it as the reply."""
     from training.datasets import keep_subsets
     from training.models import keep_models
+    from training.profiler import rss_bytes
 
     settings = WarmSettings.from_extra(spec.extra)
     started = time.time()
-    base_memory = _rss_bytes()  # before any model: s0 of the memory model (`training.profile_job`)
+    base_memory = rss_bytes()  # before any model: s0 of the memory model (`training.profile_job`)
     keep_models()
     keep_subsets()
     watch = _Watch(store_factory, spec.run_id, settings, started, log)
@@ -284,14 +285,6 @@ def _serve_profile(store: Store, spec: WorkerSpec, settings: WarmSettings, seq: 
     store.put(reply_key(spec.run_id, settings.worker, seq), json.dumps(reply).encode())
     watch.busy_since = None
     watch.doc.update(state="idle", seq=seq + 1)
-
-
-def _rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 def _next_command(store: Store, run_id: str, settings: WarmSettings, seq: int, watch: _Watch) -> dict:
