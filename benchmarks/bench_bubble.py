@@ -4,7 +4,7 @@ The model is a chain of equal blocks (`uniform_mlp`: Linear(W, W) + ReLU, W = 10
 blocks, then a classifier) cut into equal stages, so the ideals' assumption of equal stage
 times holds as well as hardware allows. Each run trains `--steps` iterations of a 256-row
 batch split into M micro-batches, every stage worker its own process (one torch thread)
-running the real executor (`training.pipeline_executor`) against a directory store in a
+running the real executor (`engine.pipeline_executor`) against a directory store in a
 temporary folder, with the schedule named in the worker specs' `pipeline_schedule`.
 
 Runs: for every k in `--stages` and M in `--microbatches`, each schedule of `--schedules`
@@ -32,7 +32,7 @@ first two (warm-up):
   charges the optimizer step, the upload drain and the next iteration's first wait.
 
 Beside them: the schedule's ideal (`ideal_bubble`: equal stage times, free transfers), and
-`training.pipeline_schedule.simulate` replaying `lower(build_schedule(...))` with the
+`core.schedules.simulate` replaying `lower(build_schedule(...))` with the
 measured median durations: compute only (F and B per model stage; a worker's i-th F stamp
 in an iteration is the i-th F of its row, which tells an interleaved worker's chunks apart)
 and with transfers (plus the median upload and the median read of an activation, and the
@@ -202,7 +202,7 @@ def install_memory_tracker(mem: dict) -> None:
     graph was freed), and on CUDA `cuda` = max_memory_allocated - allocated at its start."""
     import torch
 
-    from training import pipeline_executor
+    from engine import pipeline_executor
 
     held = _Held()
     for name in ("saved_distinct", "saved_summed", "left", "cuda"):
@@ -322,7 +322,7 @@ def simulate_shares(name: str, stages: int, microbatches: int, chunks: int, fwd,
                     read: float, handoff: float = 0.0) -> tuple[list[float], list[float]]:
     """Idle share per stage worker of the lowered schedule replayed with these durations:
     compute only, and with transfers (and `handoff` paid by a receive that waits)."""
-    from training.pipeline_schedule import build_schedule, lower, simulate
+    from core.schedules import build_schedule, lower, simulate
 
     schedule = lower(build_schedule(name, stages, microbatches, chunks), sync=True)
     compute_only = {**{f"{s}F": f for s, f in enumerate(fwd)}, **{f"{s}B": b for s, b in enumerate(bwd)}}
@@ -342,7 +342,7 @@ def analyse(name: str, stages: int, microbatches: int, chunks: int, outs: list[d
             seconds: float) -> Row:
     """Idle shares from the stage workers' stamps, the simulator fed their durations, and
     the workers' peak activation bytes."""
-    from training.pipeline_schedule import Kind, build_schedule, ideal_bubble
+    from core.schedules import Kind, build_schedule, ideal_bubble
 
     rows = build_schedule(name, stages, microbatches, chunks)
     by_worker = sorted(outs, key=lambda o: o["result"]["rank"])
@@ -421,7 +421,7 @@ def simulated_only(name: str, stages: int, microbatches: int, chunks: int, sourc
     1F1B run of the same k and M), model stage s taking stage s // v's F and B divided by v;
     peak bytes estimated as the schedule's ideal in-flight chunk sets times `source`'s bytes
     per in-flight stage set (mean over its stages) divided by v."""
-    from training.pipeline_schedule import ideal_bubble, ideal_peak_in_flight
+    from core.schedules import ideal_bubble, ideal_peak_in_flight
 
     ideal = ideal_bubble(name, stages, microbatches, chunks)
     if source is None:
@@ -448,8 +448,8 @@ def simulated_only(name: str, stages: int, microbatches: int, chunks: int, sourc
 def run_one(name: str, stages: int, microbatches: int, chunks: int, url: str, epoch: int, n_subsets: int,
             steps: int, scratch: Path) -> Row:
     """One pipeline of `stages` stage workers running schedule `name`, measured."""
-    from training.pipeline_executor import pipeline_worker_specs
-    from training.specs import WorkerSpec
+    from core.specs import WorkerSpec
+    from engine.pipeline_executor import pipeline_worker_specs
 
     base = WorkerSpec(run_id="bubble", epoch=epoch, rank=0, world=stages, store_url=url, model=MODEL,
                       dataset=DATASET, subsets=(), steps=steps, batch_size=BATCH, lr=LR,
@@ -518,7 +518,7 @@ def table(rows: list[Row]) -> list[str]:
 
 def memory_table(rows: list[Row]) -> list[str]:
     """Markdown: per run the ideal in-flight sets and the measured peak bytes per stage worker."""
-    from training.pipeline_schedule import ideal_peak_in_flight
+    from core.schedules import ideal_peak_in_flight
 
     cuda = any(m.get("cuda") is not None for r in rows for m in r.memory or [])
     out = ["| schedule | k | M | ideal in-flight sets per stage | peak activation MiB per stage "
@@ -723,9 +723,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--chunks must be at least 2")
     out = Path(args.out) if args.out else RESULTS
 
-    from training.checkpoint import initial_checkpoint
-    from training.datasets import publish_dataset
-    from training.store import open_store
+    from comm.store import open_store
+    from engine.checkpoint import initial_checkpoint
+    from engine.datasets import publish_dataset
 
     cores = os.cpu_count() or 1
     t0 = time.perf_counter()

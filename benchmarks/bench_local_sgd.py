@@ -1,7 +1,7 @@
 """Local-SGD at 4 workers on digits, k = 1, 4 and once per epoch, next to plain PyTorch: epochs,
 wall time and bytes synchronised until 95 % validation accuracy, measured in one run.
 
-Local-SGD runs the engine itself, `training.local_sgd.run_local_sgd_epoch`, with the four
+Local-SGD runs the engine itself, `engine.local_sgd.run_local_sgd_epoch`, with the four
 replicas as threads of this process against a directory store in a temporary folder (the
 embedded default; it fsyncs checkpoints, not the sync rounds' scratch keys), as `run_epoch`
 would drive them minus the process launches (bench_orchestration measures those): the
@@ -42,13 +42,13 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.output import write_result
-from training.checkpoint import initial_checkpoint
-from training.datasets import assign_subsets, load_dataset, publish_dataset
-from training.local_sgd import batch_seed, batch_stream, evaluate, run_local_sgd_epoch, steps_per_epoch
-from training.models import build_model
-from training.optimizers import build_optimizer
-from training.specs import WorkerSpec
-from training.store_dir import DirectoryStore
+from comm.store_dir import DirectoryStore
+from core.specs import WorkerSpec
+from engine.checkpoint import initial_checkpoint
+from engine.datasets import assign_subsets, load_dataset, publish_dataset
+from engine.local_sgd import batch_seed, batch_stream, evaluate, run_local_sgd_epoch, steps_per_epoch
+from engine.models import build_model
+from engine.optimizers import build_optimizer
 
 RESULTS = Path(__file__).resolve().parent / "results" / "local_sgd.md"
 MODEL, DATASET, OPTIMIZER, LR = "digits_mlp", "digits", "momentum", 0.05

@@ -139,7 +139,7 @@ def run_pool(params: dict, home: Path, timeout_s: float = 900) -> dict:
     Returns the run's summary (from the store) plus timings: `submitted_at` (just before
     `run_deployment`), `seen_final_at` (the first poll, every 0.1 s, that found the flow run
     final), and the flow run's own `flow_start_at` / `flow_end_at` from Prefect."""
-    from deployments.stack import run_and_wait, read_state
+    from deployments.stack import read_state, run_and_wait
 
     state = read_state(home)
     if state is None:
@@ -205,8 +205,8 @@ def plain_pytorch(epochs: int, batch_size: int, lr: float, seed: int = 0) -> dic
     import torch
     import torch.nn.functional as F
 
-    from training.datasets import load_dataset
-    from training.models import build_model
+    from engine.datasets import load_dataset
+    from engine.models import build_model
 
     began = time.perf_counter()
     data = load_dataset("digits")

@@ -60,7 +60,7 @@ import time
 from pathlib import Path
 
 from benchmarks.output import write_result
-from training.iteration_clock import WARMUP
+from engine.iteration_clock import WARMUP
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "prediction.md"
@@ -161,8 +161,8 @@ def ledger_startups(run_id: str) -> list[float]:
     """Each worker's billed start-up seconds (launch to ready) from the run's ledger in the
     durable store (`runs/<run_id>/cost.json`), by rank; the stack's environment must be set
     (`run_pool` sets it)."""
+    from comm.store import open_store
     from tasks.validate import resolve_durable_ref, resolve_store_ref
-    from training.store import open_store
 
     store = open_store(resolve_durable_ref("", resolve_store_ref("")))
     try:
@@ -184,7 +184,7 @@ def profile_lines(api_url: str, run_ids: list[str]) -> dict[str, dict]:
     from prefect.client.schemas.filters import FlowFilter, FlowFilterName, LogFilter, LogFilterFlowRunId
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from flows.hooks import run_id_for
+    from tasks.context import run_id_for
 
     found: dict[str, dict] = {}
     with temporary_settings(updates={PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
@@ -316,7 +316,7 @@ def before_section() -> list[str]:
         removed_all = sum(removed.values())
         out += ["", f"What `{DELETING_COMMIT}` deleted in their favour of per-epoch calibration (`git show --numstat "
                 f"{DELETING_COMMIT}`): the files {', '.join(f'`{p}` ({removed.get(p, 0)} lines)' for p in deleted)}; "
-                f"`training/links.py` lost {removed.get('training/links.py', 0)} lines (the store collective "
+                f"`profiling/store_probe.py` lost {removed.get('profiling/store_probe.py', 0)} lines (the store collective "
                 f"timed among spawned processes); the commit added {added_all} and removed {removed_all} lines in all."]
     except (subprocess.CalledProcessError, OSError):
         pass
@@ -636,7 +636,7 @@ def install_timers(t: dict) -> None:
     the benchmarks' worker processes call this."""
     import torch
 
-    from training import local_sgd, pipeline_executor
+    from engine import local_sgd, pipeline_executor
 
     for name in ("steps", "ckpt", "iterations", "F", "B", "sync", "put", "read", "fetch"):
         t.setdefault(name, [])
@@ -732,9 +732,9 @@ def worker_main(spec_path: str, out_path: str, probes: dict | None = None) -> No
     `probes` (name -> installer filling a dict, e.g. a memory counter); write JSON."""
     import torch
 
-    from training.run_spec import run_spec
-    from training.specs import WorkerSpec
-    from training.store import open_store
+    from comm.store import open_store
+    from core.specs import WorkerSpec
+    from runtime.run_spec import run_spec
 
     torch.set_num_threads(1)
     timings: dict = {}

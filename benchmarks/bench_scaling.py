@@ -139,7 +139,7 @@ def cli_args(config: Config) -> list[str]:
 def worker_results(home: Path, store, run_id: str, epoch: int) -> list[dict]:
     """The `WorkerResult` of each rank's attempt that completed `epoch`: the history names
     the completed attempts, the log's last line holds what that attempt reported."""
-    from training.local_sgd import read_epoch_history
+    from engine.local_sgd import read_epoch_history
 
     latest: dict[int, int] = {}
     for record in read_epoch_history(store, run_id, epoch):
@@ -153,8 +153,8 @@ def worker_results(home: Path, store, run_id: str, epoch: int) -> list[dict]:
 
 def collect(home: Path, config: Config, repeat: int, summary: dict, run_wall_s: float) -> Outcome:
     """Join the run's summary, worker logs and ledger into per-epoch rows."""
+    from comm.store_dir import DirectoryStore
     from tasks.cost import read_ledger
-    from training.store_dir import DirectoryStore
 
     store = DirectoryStore(home / "store")
     run_id = summary["run_id"]

@@ -8,7 +8,7 @@ model, Eq. 1 (plain: 3 s/w - 2 s/(n w) + 4 t_lat) and Eq. 2 (pipelined: 2 s/w + 
 t_lat), with w the emulated per-direction bandwidth and t_lat a measured small put/get.
 
 Emulated links: each rank's client paces uploads and downloads with independent token
-buckets (`training.bandwidth`), but with `causal_link`, so that a key is visible only once
+buckets (`comm.bandwidth`), but with `causal_link`, so that a key is visible only once
 its emulated upload has ended (see there why the store's own pacing is not used as is).
 
 Why emulated sizes are scaled: the model holds while each worker's link, not the store,
@@ -95,7 +95,7 @@ def model_times(size: float, bandwidth: float, ranks: int, latency: float) -> tu
 # --- one rank ----------------------------------------------------------------------------
 
 def causal_link(bandwidth: float | None):
-    """A `training.bandwidth.Link` whose uploads become visible only when the emulated
+    """A `comm.bandwidth.Link` whose uploads become visible only when the emulated
     transfer ends.
 
     The store's own `Link.upload` writes the bytes first and then sleeps out the emulated
@@ -105,7 +105,7 @@ def causal_link(bandwidth: float | None):
     Here the write happens at the deadline instead (its real loopback time, milliseconds,
     comes on top).
     """
-    from training.bandwidth import Link, sleep_until
+    from comm.bandwidth import Link, sleep_until
 
     class CausalLink(Link):
         def upload(self, nbytes, transfer) -> None:
@@ -124,9 +124,9 @@ def rank_main(rank: int, ranks: int, url: str, bandwidth, plan, barrier, results
     report the seconds; check the result once per call."""
     import torch
 
-    from training.collectives import release_group
-    from training.scatter_reduce import allreduce_for
-    from training.store import open_store
+    from comm.collectives import release_group
+    from comm.scatter_reduce import allreduce_for
+    from comm.store import open_store
 
     store = open_store(url)
     store.link = causal_link(bandwidth)
@@ -189,7 +189,7 @@ def run_sweep_point(url: str, ranks: int, sizes: list[int], bandwidth, repeats: 
 
 def measure_latency(url: str) -> float:
     """Median of (put + get of 1 kB) / 2 on an unpaced client: the per-request t_lat."""
-    from training.store import open_store
+    from comm.store import open_store
 
     store = open_store(url)
     samples = []
@@ -206,7 +206,7 @@ def measure_latency(url: str) -> float:
 def measure_bandwidth(url: str, size: int) -> float:
     """One unpaced client's put+get bandwidth (bytes/s) for `size` bytes: the w the model
     gets for the unemulated rows (it ignores that n clients share one store)."""
-    from training.store import open_store
+    from comm.store import open_store
 
     store = open_store(url)
     blob = os.urandom(size)

@@ -32,11 +32,11 @@ from pathlib import Path
 import torch
 
 from benchmarks.output import write_result
-from training.store import Store
-from training.store_dir import DirectoryStore
-from training.store_redis import RedisStore
-from training.store_s3 import S3Store
-from training.tensor_codec import decode_tensors, encode_tensors
+from comm.store import Store
+from comm.store_dir import DirectoryStore
+from comm.store_redis import RedisStore
+from comm.store_s3 import S3Store
+from comm.tensor_codec import decode_tensors, encode_tensors
 
 MB = 1_000_000
 RESULTS = Path(__file__).resolve().parent / "results" / "stores.md"

@@ -53,7 +53,7 @@ class ZooidS3Store(Block):
 
     def open(self):
         """Open the store in this process, with the credentials block's keys when it has any."""
-        from training.store import open_store
+        from comm.store import open_store
 
         creds = self.bucket.credentials
         if isinstance(creds, AwsCredentials):  # the block's keys reach boto3 as arguments, never the environment
@@ -81,7 +81,7 @@ class ZooidRedisStore(Block):
 
     def open(self):
         """Open the store with the password filled in (the URL with it is never returned or logged)."""
-        from training.store import open_store
+        from comm.store import open_store
 
         db = self.database
         if db.connection_url is not None:

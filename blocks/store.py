@@ -41,7 +41,7 @@ class ZooidStore(Block):
     def open(self):
         """Open the store this block describes; an S3 store gets the block's keys through its
         own boto3 Session (never the process environment)."""
-        from training.store import open_store
+        from comm.store import open_store
 
         if self.url.startswith("s3://"):
             import boto3
@@ -65,7 +65,7 @@ def is_store_url(value: str) -> bool:
 
 def open_store_ref(ref: str):
     """Open a store from a URL or `block:<name>` (what workers receive)."""
-    from training.store import open_store
+    from comm.store import open_store
 
     if ref.startswith(BLOCK_PREFIX):
         if "/" in ref[len(BLOCK_PREFIX):]:  # block:<type slug>/<name>: an S3 or Redis store block

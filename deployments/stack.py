@@ -12,75 +12,16 @@ Everything binds to 127.0.0.1, runs in its own process group, and lives under `$
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from deployments.server import ROOT, alive, bin_path, free_port, spawn, stack_env, stop_groups, wait_healthy, zooid_home
+
 POOL = "zooid-local"
-
-
-def zooid_home() -> Path:
-    return Path(os.environ.get("ZOOID_HOME", ROOT / ".zooid")).resolve()
-
-
-def free_port(preferred: int = 4200) -> int:
-    """`preferred` when it is free on 127.0.0.1, else any free port."""
-    for port in (preferred, 0):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-                return s.getsockname()[1]
-            except OSError:
-                continue
-    raise RuntimeError("no free port")
-
-
-def stack_env(home: Path, api_url: str) -> dict[str, str]:
-    """The variables every process of the stack (and a user's shell) needs."""
-    return {
-        "PREFECT_API_URL": api_url,
-        "PREFECT_HOME": str(home / "prefect"),
-        "PREFECT_LOCAL_STORAGE_PATH": str(home / "results"),
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "DO_NOT_TRACK": "1",
-        "PREFECT_WORKER_QUERY_SECONDS": "1",
-        "PREFECT_RUNNER_POLL_FREQUENCY": "1",
-        "ZOOID_HOME": str(home),
-        "ZOOID_ROOT": str(ROOT),
-    }
-
-
-def _bin(name: str) -> str:
-    return str(Path(sys.executable).with_name(name))
-
-
-def _spawn(args: list[str], env: dict, log: Path) -> int:
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(args, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True, cwd=ROOT)
-    return proc.pid
-
-
-def _wait_healthy(api_url: str, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"{api_url}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"Prefect server at {api_url} did not become healthy in {timeout_s:.0f} s")
 
 
 def _run(args: list[str], env: dict) -> None:
@@ -96,19 +37,11 @@ def read_state(home: Path) -> dict | None:
     return json.loads(f.read_text()) if f.exists() else None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except OSError:
-        return False
-
-
 def up(home: Path | None = None, port: int | None = None) -> dict:
     """Start the stack (no-op when it is already up); return its state."""
     home = home or zooid_home()
     state = read_state(home)
-    if state and all(_alive(p) for p in state["pids"].values()):
+    if state and all(alive(p) for p in state["pids"].values()):
         return state
     if state:
         down(home)
@@ -116,19 +49,19 @@ def up(home: Path | None = None, port: int | None = None) -> dict:
     port = port or free_port()
     api_url = f"http://127.0.0.1:{port}/api"
     env = stack_env(home, api_url)
-    pids = {"server": _spawn([_bin("prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+    pids = {"server": spawn([bin_path("prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                              {**env, "PREFECT_API_URL": ""}, home / "logs" / "server.log")}
     state = {"api_url": api_url, "pids": pids, "env": env}
     state_file(home).write_text(json.dumps(state, indent=1))
     try:
-        _wait_healthy(api_url)
+        wait_healthy(api_url)
         time.sleep(1.0)
-        if not _alive(pids["server"]):  # the port was taken: another server answered
+        if not alive(pids["server"]):  # the port was taken: another server answered
             raise RuntimeError(f"the Prefect server on port {port} did not start "
                                f"(see {home / 'logs' / 'server.log'}); is the port in use?")
         _run([sys.executable, "-m", "deployments.bootstrap", "--target", "local"], env)
-        _run([_bin("prefect"), "--no-prompt", "deploy", "--name", "local", "--name", "nightly"], env)
-        pids["worker"] = _spawn([_bin("prefect"), "worker", "start", "--pool", POOL, "--type", "process"],
+        _run([bin_path("prefect"), "--no-prompt", "deploy", "--name", "local", "--name", "nightly"], env)
+        pids["worker"] = spawn([bin_path("prefect"), "worker", "start", "--pool", POOL, "--type", "process"],
                                 env, home / "logs" / "worker.log")
         state_file(home).write_text(json.dumps(state, indent=1))
     except BaseException:
@@ -138,29 +71,6 @@ def up(home: Path | None = None, port: int | None = None) -> dict:
     return state
 
 
-@contextlib.contextmanager
-def temporary_server(home: Path | None = None):
-    """A Prefect server (SQLite under `$ZOOID_HOME/prefect`) for one command-line run, yielding
-    its API URL. It runs in a session of its own, so the Ctrl-C or SIGTERM that stops the
-    run does not stop the API that the run's teardown and bill still need (Prefect's
-    temporary server is a child in the run's process group, and dies with it); it is stopped
-    by pid when the run is over, and by its guard (`deployments.orphan_guard`) if the run is
-    killed outright."""
-    home = home or zooid_home()
-    port = free_port(0)
-    api_url = f"http://127.0.0.1:{port}/api"
-    env = {**stack_env(home, ""), "PREFECT_API_URL": ""}
-    # its guard stops it should this process die without reaching the `finally` below
-    pid = _spawn([sys.executable, "-m", "deployments.orphan_guard", str(os.getpid()), "--", _bin("prefect"),
-                  "server", "start", "--host", "127.0.0.1", "--port", str(port)], env,
-                 home / "logs" / f"server-{port}.log")
-    try:
-        _wait_healthy(api_url)
-        yield api_url
-    finally:
-        _stop_groups([pid])
-
-
 def down(home: Path | None = None) -> list[int]:
     """Stop what `up` started, by pid (process groups), and forget it."""
     home = home or zooid_home()
@@ -168,30 +78,10 @@ def down(home: Path | None = None) -> list[int]:
     if not state:
         return []
     pids = list(state["pids"].values())
-    _stop_groups(pids)
+    stop_groups(pids)
     state_file(home).unlink(missing_ok=True)
     (home / "env").unlink(missing_ok=True)
     return pids
-
-
-def _stop_groups(pids: list[int]) -> None:
-    """SIGTERM the process groups these pids lead, then SIGKILL what is left after 10 s."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in pids:
-            try:
-                os.killpg(pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(_alive(p) for p in pids):
-            time.sleep(0.2)
-            for pid in pids:  # reap our own children if we started them
-                try:
-                    os.waitpid(pid, os.WNOHANG)
-                except ChildProcessError:
-                    pass
-        if not any(_alive(p) for p in pids):
-            break
 
 
 def run_deployed(params: dict, home: Path | None = None, timeout_s: float = 1800) -> dict:
@@ -211,9 +101,9 @@ def run_and_wait(params: dict, timeout_s: float, poll_s: float = 1.0) -> dict:
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
 
-    from flows.hooks import run_id_for
+    from comm.store import open_store
+    from tasks.context import run_id_for
     from tasks.validate import resolve_durable_ref, resolve_store_ref
-    from training.store import open_store
 
     submitted = time.time()
     flow_run = run_deployment("train/local", parameters=params, timeout=0)

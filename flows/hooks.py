@@ -11,12 +11,7 @@ from __future__ import annotations
 import json
 import time
 
-RUN_PREFIX = "z"
-
-
-def run_id_for(flow_run_id) -> str:
-    """The run id of a coordinator flow run: short, stable, and derivable by a hook."""
-    return RUN_PREFIX + str(flow_run_id).replace("-", "")[:12]
+from tasks.context import run_id_for
 
 
 def _job_from_parameters(parameters: dict):
@@ -31,6 +26,7 @@ def _job_from_parameters(parameters: dict):
 
 def _rebuild_and_clean(flow_run, state) -> None:
     from blocks.compute import resolve_target
+    from clouds.registry import adapter_for
     from planners.catalog import get_offer
     from tasks.cost import CostRecord, coordinator_record, ledger_key, write_ledger
     from tasks.sweep import sweep_run
@@ -49,10 +45,9 @@ def _rebuild_and_clean(flow_run, state) -> None:
         pass
     job = _job_from_parameters(flow_run.parameters)
     target = resolve_target(job.target)
-    if target.kind in ("ecs", "aci", "k8s"):
-        from tasks.cloud_runs import sweep_target
-
-        sweep_target(target, run_id)
+    adapter = adapter_for(target)
+    if adapter is not None:
+        adapter.sweep(run_id)
     offer = get_offer(job.offer or target.offer)
     price = offer.price_per_s(target.worker_vcpu, target.worker_memory_gb, target.worker_gpu)
     scratch_ref = resolve_store_ref(job.store)

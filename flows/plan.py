@@ -15,9 +15,8 @@ import uuid
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
-from flows.hooks import run_id_for
 from flows.params import job_fields_flow, job_fields_from_args
-from tasks.context import RunContext
+from tasks.context import RunContext, run_id_for
 from tasks.job import TrainJob
 from tasks.plan import plan as plan_task
 from tasks.profile import profile

@@ -21,27 +21,27 @@ import uuid
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 
+from core.plan import Plan
+from flows.hooks import on_abnormal_end
+from flows.params import job_fields_flow, job_fields_from_args
 from planners.calibration import Calibration, epoch_overhead, fit
-from planners.plan import Plan
 from tasks.checkpoint import checkpoint
-from tasks.context import ACTIVE, RunContext
+from tasks.context import ACTIVE, RunContext, run_id_for
 from tasks.cost import worker_seconds
 from tasks.job import EpochSummary, RunSummary, TrainJob
 from tasks.plan import plan, replan_task, strategy_inputs
+from tasks.prestart import WarmPrestart
 from tasks.profile import profile
 from tasks.provision import init_key, provision
 from tasks.record_cost import record_cost
 from tasks.report import artifact_key, markdown_report, plot_curves
-from tasks.resume import find_resume_point
 from tasks.rescale import forecast_workers, rescale
-from tasks.prestart import WarmPrestart
+from tasks.resume import find_resume_point
 from tasks.run_epoch import run_epoch
 from tasks.run_terms import RunClock, record_terms
 from tasks.teardown import teardown
 from tasks.validate import validate_job
 from tasks.warm_pool import WarmPool, provisional_plan, starts_before_profile
-from flows.hooks import on_abnormal_end, run_id_for
-from flows.params import job_fields_flow, job_fields_from_args
 
 
 def guardrail(job: TrainJob, ctx: RunContext, plan_, history: list[dict]) -> str | None:
@@ -231,7 +231,7 @@ train_with_params = job_fields_flow(run_training, name="train", result_serialize
 @contextlib.contextmanager
 def prefect_api():
     """The Prefect API for a command-line run: the configured one, or a temporary server of
-    our own that outlives a Ctrl-C (`deployments.stack.temporary_server`); SIGTERM is turned
+    our own that outlives a Ctrl-C (`deployments.server.temporary_server`); SIGTERM is turned
     into KeyboardInterrupt, so either one runs the flow's teardown and bill before exiting."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -243,7 +243,7 @@ def prefect_api():
         if PREFECT_API_URL.value():
             yield
             return
-        from deployments.stack import temporary_server
+        from deployments.server import temporary_server
 
         with temporary_server() as url, temporary_settings(updates={PREFECT_API_URL: url}):
             try:
@@ -264,9 +264,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from pydantic import ValidationError
 
+    from core.errors import ZooidValueError
     from tasks.job import format_validation_error
     from tasks.report import text_report
-    from training.errors import ZooidValueError
 
     parser = argparse.ArgumentParser(prog="python -m flows.train", description=__doc__.splitlines()[0])
     parser.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",

@@ -4,7 +4,7 @@ It receives a `WorkerSpec` as a JSON dict. A cold worker (the default spec) trai
 epoch and returns its `WorkerResult` dict: metrics, timings and store keys, never tensors,
 persisted as JSON (not pickle) in result storage that the coordinator can read.
 
-A warm worker (`spec.extra["warm"]`, `training.warm`) lives across epochs: the flow run
+A warm worker (`spec.extra["warm"]`, `runtime.warm`) lives across epochs: the flow run
 serves the coordinator's commands from the store until it is stopped or its lease expires,
 and every epoch it trains is a `train_epoch` task run of this flow run, with its own state
 and logs in the UI. A lease that expires fails the flow run with the reason.
@@ -18,8 +18,8 @@ from prefect.cache_policies import NO_CACHE
 def run_worker(spec_dict: dict) -> dict:
     """Run one WorkerSpec against its store and return the WorkerResult as a dict."""
     from blocks.store import open_store_ref
-    from training.specs import WorkerSpec
-    from training.run_spec import run_spec
+    from core.specs import WorkerSpec
+    from runtime.run_spec import run_spec
 
     spec = WorkerSpec.from_dict(spec_dict)
     store = open_store_ref(spec.store_url)
@@ -39,8 +39,8 @@ def train_epoch(spec: dict) -> dict:
 def serve_warm(spec_dict: dict) -> dict:
     """Serve the run's epochs until the coordinator stops this worker."""
     from blocks.store import open_store_ref
-    from training.specs import WorkerResult, WorkerSpec
-    from training.warm import serve
+    from core.specs import WorkerResult, WorkerSpec
+    from runtime.warm import serve
 
     spec = WorkerSpec.from_dict(spec_dict)
     store = open_store_ref(spec.store_url)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, replace
 
-from planners.plan import Plan
+from core.plan import Plan
 from planners.pipeline_time import TransferCosts
 
 RATIO_BOUNDS = (1e-6, 1e6)

@@ -12,7 +12,7 @@ import math
 import sys
 from typing import Callable, Sequence, TextIO
 
-from planners.errors import PlannerInputError
+from core.errors import PlannerInputError
 
 USAGE = "usage: python -m planners partition|hybrid|co-optimize|provision|sync-time FILE"
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from core.errors import PlannerInputError
 from planners import validate as v
 from planners.co_optimize_problem import CoOptProblem, Plan, Solved, check_plan, stage_bounds
-from planners.errors import PlannerInputError
 
 SOLVERS = ("exact", "gurobi", "scip")
 DELTA_THRESHOLD = 0.8

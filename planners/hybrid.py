@@ -25,11 +25,10 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from core.errors import PlannerInputError
 from planners import validate as v
 from planners.bottleneck_partition import MaxTerm, solve_chain
-from planners.errors import PlannerInputError
-from planners.partition import PartitionProblem, parse_partition, pipeline_runtime, runtime_terms, \
-    stage_bounds
+from planners.partition import PartitionProblem, parse_partition, pipeline_runtime, runtime_terms, stage_bounds
 from planners.sync_time import STORE_ALGORITHMS, ring_allreduce, store_sync
 
 SYNCS = ("ring",) + STORE_ALGORITHMS

@@ -24,9 +24,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from core.errors import PlannerInputError
 from planners import validate as v
 from planners.bottleneck_partition import MaxTerm, interval_sums, solve_chain
-from planners.errors import PlannerInputError
 
 TRANSPORTS = ("direct", "store")
 

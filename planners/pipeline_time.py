@@ -4,7 +4,7 @@
 the partition and hybrid solvers optimise: it treats a store hop c = 2 latency + bytes /
 bandwidth as one more pipeline stage, so with M micro-batches the hop is paid about M - 1
 times, and it scales layer times linearly with the micro-batch. Both assumptions are far
-from `training.pipeline_executor` (20-100 % on the measured benchmarks):
+from `engine.pipeline_executor` (20-100 % on the measured benchmarks):
 
 - layer times are affine in the rows, t(n) = fixed + n * per_row, so small micro-batches
   cost more per sample than linear scaling says (the profile may carry the fixed part);
@@ -16,7 +16,7 @@ from `training.pipeline_executor` (20-100 % on the measured benchmarks):
   2 (S - 1) times), not once per micro-batch, while put and get times occupy their link
   once per tensor, as the single upload and download threads do.
 
-This module replays the GPipe schedule (`training.pipeline_schedule.gpipe` + `lower`) on
+This module replays the GPipe schedule (`core.schedules.gpipe` + `lower`) on
 those three resources per stage (`simulate`, with the hand-off rule above), and derives the steady-state
 period: a stage cannot start its next iteration before its uploads have drained and its
 optimizer has stepped. Pure python; the contract formula stays the solvers' objective, and
@@ -28,8 +28,9 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from planners.errors import PlannerInputError
-from training.pipeline_schedule import Kind, Simulation, build_schedule, lower, simulate
+from core.errors import PlannerInputError
+from core.schedules import Kind, Simulation, build_schedule, lower, simulate
+
 
 @dataclass(frozen=True)
 class TransferCosts:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from planners.plan import Plan
+from core.plan import Plan
 
 
 @dataclass(frozen=True, kw_only=True)

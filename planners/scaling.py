@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from planners.errors import PlannerInputError
+from core.errors import PlannerInputError
 from planners.provision import parse_provision, plan_provision
 
 

@@ -24,10 +24,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from core.plan import Plan
 from planners.hybrid import hybrid
 from planners.pipeline_time import PipelineTime, TransferCosts, pipeline_iteration, stage_times
-from planners.plan import Plan, plan_local_sgd
-from planners.sync_time import pipelined_scatter_reduce
+from planners.sync_time import pipelined_scatter_reduce, scatter_reduce
 
 STRATEGIES = ("local_sgd", "pipeline", "hybrid")
 
@@ -381,3 +381,33 @@ def choose(x: StrategyInputs, strategy: str) -> Plan:
     near = [p for p in wanted if throughput(p) >= best_throughput / 1.05]
     best = min(near, key=lambda p: (p.predicted_cost_per_epoch_usd, p.predicted_iteration_s))
     return replace(best, alternatives=tuple(describe(p, p is best) for p in wanted))
+
+
+def plan_local_sgd(*, workers: int, train_samples: int, batch_size: int, sync_period: int | None,
+                   step_s: float, sync_bytes: float, bandwidth: float, latency: float,
+                   worker_vcpu: float, worker_memory_gb: float, worker_gpu: int,
+                   offer: str, price_per_worker_s: float, checkpoint_s: float | None = None) -> Plan:
+    """The Local-SGD plan for `workers` replicas and its predicted step time and epoch cost.
+
+    Each replica takes ceil(samples / (workers * batch)) steps, and averages
+    `sync_bytes` every `sync_period` steps (once per epoch when None); each sync also writes
+    the sync checkpoint (`sync_bytes` once): `checkpoint_s` seconds when measured, else
+    one put at `bandwidth` and `latency`."""
+    if workers < 1:
+        raise ValueError(f"workers: must be >= 1, got {workers}")
+    steps = max(1, math.ceil(train_samples / (workers * batch_size)))
+    syncs = 1 if sync_period is None else math.ceil(steps / sync_period)
+    # the decentralised average is a scatter-reduce then all-gather (FuncPipe Eq. 1), and at
+    # every sync rank 0 writes the averaged state as the sync checkpoint (one put) before the
+    # next round can complete
+    if checkpoint_s is None:
+        checkpoint_s = sync_bytes / bandwidth + latency
+    sync_s = (scatter_reduce(sync_bytes, workers, bandwidth, latency) + checkpoint_s) * syncs
+    epoch_s = steps * step_s + sync_s
+    return Plan(strategy="local_sgd", data_parallel=workers, sync_period=sync_period,
+                steps_per_epoch=steps, batch_size=batch_size, worker_vcpu=worker_vcpu,
+                worker_memory_gb=worker_memory_gb, worker_gpu=worker_gpu, offer=offer,
+                price_per_worker_s=price_per_worker_s,
+                predicted_iteration_s=epoch_s / steps, predicted_epoch_s=epoch_s,
+                predicted_compute_epoch_s=epoch_s, predicted_compute_s=step_s,
+                predicted_cost_per_epoch_usd=epoch_s * workers * price_per_worker_s)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from planners.errors import PlannerInputError
+from core.errors import PlannerInputError
 
 _MISSING = object()
 

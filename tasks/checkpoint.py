@@ -63,7 +63,7 @@ def prune_checkpoints(store, run_id: str, latest_epoch: int, keep: int, best: di
 @task(name="checkpoint", cache_policy=NO_CACHE, **task_options(retries=2, timeout_s=300))
 def checkpoint(ctx: RunContext, epoch: int, key: str, metrics: dict) -> str:
     """Verify `key` decodes as a checkpoint, record it as the latest, prune; return the key."""
-    from training.tensor_codec import read_header
+    from comm.tensor_codec import read_header
 
     job = ctx.job
     store = ctx.open_durable()

@@ -15,6 +15,14 @@ from tasks.cost import CostRecord
 from tasks.job import TrainJob
 from tasks.validate import ResolvedJob
 
+RUN_PREFIX = "z"
+
+
+def run_id_for(flow_run_id) -> str:
+    """The run id of a coordinator flow run: short, stable, and derivable by a hook."""
+    return RUN_PREFIX + str(flow_run_id).replace("-", "")[:12]
+
+
 ACTIVE: dict[str, "RunContext"] = {}
 """Contexts of runs in progress in this process, by flow run id."""
 
@@ -81,7 +89,7 @@ class RunContext:
         return open_store_ref(self.durable_ref)
 
     def log_dir(self) -> Path:
-        from training.store_dir import zooid_home
+        from comm.store_dir import zooid_home
 
         return zooid_home() / "logs" / self.run_id
 

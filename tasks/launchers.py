@@ -3,7 +3,7 @@
 Two launchers with one interface (`launch(spec)`, `wait(timeout_s, on_failure)`, `stop()`):
 
 - `InlineLauncher`: plain processes started by the coordinator (`python -m
-  training.worker_main`), each in its own process group and tagged with the run id.
+  runtime.worker_main`), each in its own process group and tagged with the run id.
 - `PoolLauncher`: one `worker` flow run per worker through `run_deployment` on a work pool
   (local process pool, ECS, ACI, Kubernetes), polled with the sync client until final.
 
@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from clouds.registry import is_cloud
+from comm import heartbeat
+from core.specs import WorkerResult, WorkerSpec
 from tasks.sweep import COORDINATOR_VAR, TAG_VAR, stop_pids
-from training import heartbeat
-from training.specs import WorkerResult, WorkerSpec
 
 PAID_WORKERS_LIMIT = "zooid-paid-workers"
 """Global concurrency limit (Prefect) that caps paid workers across all runs: a cold worker
@@ -164,7 +165,7 @@ class InlineLauncher(_Launcher):
         env = {**os.environ, **self.env, TAG_VAR: self.run_id, COORDINATOR_VAR: str(os.getpid()),
                heartbeat.ENV: str(beat)}
         with open(log, "wb") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "training.worker_main", "--spec-json",
+            proc = subprocess.Popen([sys.executable, "-m", "runtime.worker_main", "--spec-json",
                                      json.dumps(spec.to_dict())],
                                     stdout=out, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True)
@@ -290,8 +291,8 @@ def make_launcher(ctx, plan) -> _Launcher:
     env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     if not target.remote:
         return InlineLauncher(ctx.run_id, ctx.log_dir(), env=env)
-    if target.kind in ("ecs", "aci", "k8s"):
-        from deployments.job_variables import job_variables as cloud_job_variables, resources_from_plan
+    if is_cloud(target):
+        from clouds.job_variables import job_variables as cloud_job_variables, resources_from_plan
 
         peak = ctx.profile.get("peak_memory_bytes") if ctx.profile else None
         resources = resources_from_plan(plan, profiled_memory_gb=peak / 2**30 if peak else None,

@@ -12,15 +12,15 @@ import time
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from core.errors import ZooidValueError
+from core.plan import Plan
 from planners.calibration import Calibration, calibrated
 from planners.pipeline_time import TransferCosts
-from planners.plan import Plan
 from planners.run_prediction import predict_run, with_run_prediction
 from planners.strategy import StrategyInputs, choose
 from tasks.context import RunContext
 from tasks.retry import task_options
 from tasks.run_terms import load_terms
-from training.errors import ZooidValueError
 
 
 def optimizer_copies(optimizer: str) -> int:
@@ -40,7 +40,7 @@ def strategy_inputs(ctx: RunContext, profile: dict, workers: int) -> StrategyInp
     and its target: the store's contract bandwidth and latency, a worker's measured put
     and get costs, the sync checkpoint write and a step right after it. Where the workers
     share this machine, a plan of more worker processes than cores time-shares them."""
-    from training.profiler import cpu_count
+    from profiling.profiler import cpu_count
 
     job, target = ctx.job, ctx.resolved.target
     transfer = profile.get("store_transfer")
@@ -165,8 +165,8 @@ def pick_schedule(ctx: RunContext, profile: dict, x, plan: Plan) -> Plan:
     micro-batches of activations on stage s, GPipe all M, interleaved min(W_w + 1, 2M)
     half-stage sets on worker w); within 1 % of the fastest, the one holding fewer
     stage-sized sets on worker 0. The schedules compared join the plan's alternatives."""
+    from core.schedules import ideal_peak_in_flight
     from planners.strategy import choose_schedule, describe, with_schedule
-    from training.pipeline_schedule import ideal_peak_in_flight
 
     chunks = 2
     names = ["1f1b", "gpipe"] if ctx.job.pipeline_schedule == "auto" else [ctx.job.pipeline_schedule]
@@ -193,9 +193,9 @@ def pick_schedule(ctx: RunContext, profile: dict, x, plan: Plan) -> Plan:
         activations its row holds at once (walking the schedule, each model stage's own
         bytes per micro-batch), its stages' parameters with gradients, sync buffers and
         optimizer state, its base memory once."""
-        from training.memory import format_bytes, stage_memory
-        from training.pipeline_schedule import Kind, build_schedule
-        from training.profiler import ModelProfile
+        from core.schedules import Kind, build_schedule
+        from core.stage_memory import format_bytes, stage_memory
+        from profiling.profiler import ModelProfile
 
         prof = ModelProfile.from_dict(profile)
         if not prof.layers:
@@ -242,13 +242,13 @@ def pick_schedule(ctx: RunContext, profile: dict, x, plan: Plan) -> Plan:
 def check_memory(ctx: RunContext, profile: dict, plan: Plan) -> None:
     """Every stage's activations, parameters, gradients, optimizer state and the worker
     process's base memory must fit the worker's memory."""
-    from training.memory import check_plan_memory
-    from training.profiler import ModelProfile
+    from core.stage_memory import check_plan_memory
+    from profiling.profiler import ModelProfile
 
     prof = ModelProfile.from_dict(profile)
     if not prof.layers:
         return
-    from training.pipeline_schedule import ideal_peak_in_flight
+    from core.schedules import ideal_peak_in_flight
 
     micro = max(1, plan.batch_size // max(1, plan.microbatches))
     in_flight = [ideal_peak_in_flight(plan.pipeline_schedule, plan.stages, plan.microbatches, worker=s)

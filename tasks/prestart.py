@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from planners.plan import Plan
+from core.plan import Plan
 from tasks.context import RunContext
 
 
@@ -43,8 +43,8 @@ class PrestartWatch:
             self.launch_next()
 
     def launch_next(self) -> None:
-        from tasks.provision import epoch_key
         from tasks.launchers import make_launcher
+        from tasks.provision import epoch_key
         from tasks.specs import next_attempt, worker_specs
 
         nxt = self.epoch + 1

@@ -1,7 +1,7 @@
 """The `profile` step: the model and the store, measured where the workers run, and cached.
 
 The coordinator never times a model whose workers run elsewhere: a worker on the target
-measures it (`training.profile_job`), on its device and at its thread count, with the store
+measures it (`profiling.profile_job`), on its device and at its thread count, with the store
 seen from where it runs. That worker is the run's first warm worker, or, for a cold run or a
 dry run, a one-off worker on the same pool and offer, stopped once it answered (and billed).
 
@@ -26,12 +26,12 @@ import time
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from core.errors import ZooidValueError
+from profiling.profile_job import ProfileRequest
 from tasks.context import RunContext
 from tasks.launchers import worker_threads
 from tasks.profile_cache import ProfileCache, model_key, store_key, target_key
 from tasks.retry import task_options
-from training.errors import ZooidValueError
-from training.profile_job import ProfileRequest
 
 STORE_PROBE_TTL_S = 24 * 3600.0
 
@@ -106,7 +106,7 @@ class TargetProfiler:
 
     def close(self) -> None:
         if self.one_off is not None:
-            from training.warm import warm_prefix
+            from runtime.warm import warm_prefix
 
             self.one_off.stop_all("the profile is taken")
             store = self.ctx.open_durable()

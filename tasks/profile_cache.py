@@ -16,7 +16,7 @@ import time
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
-from training.profile_job import PROFILE_VERSION
+from profiling.profile_job import PROFILE_VERSION
 
 CACHE_ROOT = "cache"
 

@@ -12,10 +12,10 @@ import time
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from planners.plan import Plan
+from core.errors import ZooidValueError
+from core.plan import Plan
 from tasks.context import RunContext
 from tasks.retry import task_options
-from training.errors import ZooidValueError
 
 SUBSET_SIZE = 64
 """Samples per published data subset (KubeML's fixed-size subsets)."""
@@ -50,9 +50,8 @@ def check_deployment(name: str) -> None:
 def provision(ctx: RunContext, plan: Plan, fresh: bool = True) -> dict:
     """Publish the dataset subsets and the initial checkpoint (a resumed run republishes the
     data only if teardown removed it, and keeps its checkpoints); return the dataset manifest."""
-    from training.checkpoint import initial_checkpoint
-    from training.datasets import publish_dataset
-
+    from engine.checkpoint import initial_checkpoint
+    from engine.datasets import publish_dataset
     from tasks.sweep import sweep_orphans
 
     sweep_orphans()  # workers of coordinators that died earlier must not train on
@@ -61,7 +60,7 @@ def provision(ctx: RunContext, plan: Plan, fresh: bool = True) -> dict:
         check_deployment(target.worker_deployment)
     store = ctx.open_durable()
     try:
-        from training.datasets import read_manifest
+        from engine.datasets import read_manifest
 
         if not fresh and store.exists(f"runs/{ctx.run_id}/data/manifest.json"):
             manifest = read_manifest(store, ctx.run_id)

@@ -12,9 +12,9 @@ import json
 import re
 from dataclasses import dataclass, field
 
+from core.errors import ZooidValueError
 from tasks.context import RunContext
 from tasks.cost import CostRecord, ledger_key
-from training.errors import ZooidValueError
 
 
 @dataclass
@@ -51,8 +51,8 @@ def _json(store, key: str):
 def find_resume_point(ctx: RunContext, *, required: bool) -> ResumePoint | None:
     """The resume point of `ctx.run_id`, or None when the run has not started (an error
     naming `resume` when `required`)."""
+    from engine.checkpoint import sync_checkpoint_key
     from tasks.provision import init_key
-    from training.checkpoint import sync_checkpoint_key
 
     store = ctx.open_durable()
     try:

@@ -5,7 +5,7 @@ the same way (or spend money twice), so `retry_transient` refuses those.
 """
 from __future__ import annotations
 
-from training.errors import OutOfMemory, ZooidValueError
+from core.errors import OutOfMemory, ZooidValueError
 
 BACKOFF_S = [2.0, 8.0, 30.0]
 """Delays before the first, second and third retry (exponential-ish)."""

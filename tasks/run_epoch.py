@@ -10,32 +10,30 @@ import dataclasses
 import time
 
 from prefect import task
-from prefect.concurrency.sync import concurrency
 from prefect.cache_policies import NO_CACHE
+from prefect.concurrency.sync import concurrency
 
-from planners.plan import Plan
+from clouds.registry import adapter_for
+from core.plan import Plan
+from core.specs import WorkerSpec
 from tasks.context import RunContext
 from tasks.cost import worker_records
 from tasks.launchers import PAID_WORKERS_LIMIT, make_launcher, worker_threads
 from tasks.prestart import PrestartWatch, should_prestart, startup_report
 from tasks.retry import task_options
 from tasks.specs import next_attempt, worker_specs
-from training.specs import WorkerSpec
-
 
 
 def bill_from_cloud_clock(ctx: RunContext, outcomes, epoch: int) -> None:
     """On ECS, ACI and Kubernetes, replace the coordinator's intervals with the cloud's own
     start/stop times (collected every epoch: AWS forgets stopped tasks after about an hour)."""
-    target = ctx.resolved.target
-    if target.kind not in ("ecs", "aci", "k8s"):
+    adapter = adapter_for(ctx.resolved.target)
+    if adapter is None:
         return
-    from tasks.cloud_runs import cloud_records, replace_measured, target_intervals
-
     for o in outcomes:
         ctx.cloud_attempts[o.ref] = (epoch, o.rank, o.attempt)
     try:
-        intervals = [i for i in target_intervals(target, ctx.run_id) if i.flow_run_id in ctx.cloud_attempts]
+        intervals = [i for i in adapter.intervals(ctx.run_id) if i.flow_run_id in ctx.cloud_attempts]
     except Exception as exc:  # the bill keeps the coordinator's intervals; say why
         print(f"zooid: cloud intervals unavailable, billing measured intervals: {exc}")
         return
@@ -49,9 +47,9 @@ def relaunch_policy(ctx: RunContext, plan: Plan, max_relaunches: int = 2):
     sync) unless the failure cannot be retried (out of memory, bad input) or the worker
     already failed `max_relaunches` times. A pipeline stage has no mid-epoch resume: its
     failure fails the attempt, and the task's retry reruns the epoch."""
-    from training.chaos import read_fault_marker
-    from training.errors import OutOfMemory, ZooidValueError
-    from training.failures import FailureKind, classify_failure
+    from core.errors import OutOfMemory, ZooidValueError
+    from engine.chaos import read_fault_marker
+    from tasks.failures import FailureKind, classify_failure
 
     relaunched: dict[int, int] = {}
 
@@ -153,8 +151,8 @@ def run_epoch(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, res
     checkpoint). `on_tick()` is called while the workers train (progress)."""
     from prefect.runtime import task_run
 
-    from training.local_sgd import sync_group
-    from training.pipeline_executor import activation_prefix
+    from engine.local_sgd import sync_group
+    from engine.pipeline_executor import activation_prefix
 
     attempt = max(0, (task_run.run_count or 1) - 1)  # > 0: workers resume from the sync checkpoint
     store = ctx.open_store()

@@ -6,10 +6,11 @@ both import them from here, so neither depends on the other for them.
 """
 from __future__ import annotations
 
-from planners.plan import Plan
+from clouds.registry import is_cloud
+from core.plan import Plan
+from core.specs import WorkerSpec
 from tasks.context import RunContext
 from tasks.provision import epoch_key
-from training.specs import WorkerSpec
 
 
 def ring_settings(ctx: RunContext) -> dict:
@@ -17,7 +18,7 @@ def ring_settings(ctx: RunContext) -> dict:
     resolved address; local ones stay on 127.0.0.1)."""
     if ctx.job.collective != "ring":
         return {}
-    cloud = ctx.resolved.target.kind in ("ecs", "aci", "k8s")
+    cloud = is_cloud(ctx.resolved.target)
     return {"collective": "ring", "ring_host": "auto" if cloud else "127.0.0.1",
             "ring_timeout_s": 120.0}
 
@@ -31,14 +32,14 @@ def next_attempt(ctx: RunContext, epoch: int, rank: int) -> int:
 
 def worker_specs(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, attempt: int) -> list[WorkerSpec]:
     """One spec per replica: its data subsets, step count and the keys to read and write."""
-    from training.datasets import assign_subsets
+    from engine.datasets import assign_subsets
 
     job = ctx.job
     shards = assign_subsets(ctx.dataset["n_subsets"], plan.data_parallel, epoch, job.seed)
     # survivors wait at a sync long enough for a failed peer to be detected and relaunched
     timeout = job.worker_timeout_s + (300.0 if ctx.resolved.target.remote else 120.0)
     if plan.strategy in ("pipeline", "hybrid"):
-        from training.pipeline_executor import pipeline_worker_specs
+        from engine.pipeline_executor import pipeline_worker_specs
 
         # a stage reads data and checkpoints from its one store: the durable one
         base = WorkerSpec(run_id=ctx.run_id, epoch=epoch, rank=0, world=plan.workers,

@@ -12,6 +12,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from blocks.store import open_store_ref
+from clouds.registry import adapter_for
 from tasks.context import RunContext
 from tasks.sweep import sweep_run
 
@@ -66,15 +67,14 @@ def teardown_run(ctx: RunContext) -> dict:
         try:
             cancelled = cancel_flow_runs(ctx.run_id)
             report["cancelled_flow_runs"] = len(cancelled)
-            if target.kind in ("ecs", "aci", "k8s"):
-                from tasks.cloud_runs import stop_flow_run_infrastructure, sweep_target
-
-                stop_flow_run_infrastructure(target, cancelled)
+            adapter = adapter_for(target)
+            if adapter is not None:
+                adapter.stop(cancelled)
                 # ACI's sweep deletes container groups: read their clock first
                 from tasks.run_epoch import bill_from_cloud_clock
 
                 bill_from_cloud_clock(ctx, [], -1)
-                report["swept"] = sweep_target(target, ctx.run_id)
+                report["swept"] = adapter.sweep(ctx.run_id)
         except Exception as exc:  # the API may be gone when the run crashed with it
             report["cancel_error"] = str(exc)
     report["stopped_pids"] = sweep_run(ctx.run_id)

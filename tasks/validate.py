@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 from blocks.compute import ComputeTarget, resolve_target
 from blocks.store import BLOCK_PREFIX, ZooidStore, is_store_url
+from core.errors import StoreError, ZooidValueError
 from planners.catalog import Offer, get_offer
 from tasks.job import TrainJob
-from training.errors import StoreError, ZooidValueError
 
 SUPPORTED_STRATEGIES = ("auto", "local_sgd", "pipeline", "hybrid")
 
@@ -38,7 +38,7 @@ class ResolvedJob:
 
 def resolve_store_ref(store: str) -> str:
     """The store reference workers receive: an absolute URL, or `block:<name>`."""
-    from training.store_dir import default_store_url, path_from_url
+    from comm.store_dir import default_store_url, path_from_url
 
     if not store:
         return default_store_url()
@@ -52,7 +52,7 @@ def resolve_store_ref(store: str) -> str:
 def resolve_durable_ref(durable_store: str, store_ref: str) -> str:
     """The durable store: as given; else the run's store, unless that is Redis (scratch that
     a restart may empty), in which case the local directory store."""
-    from training.store_dir import default_store_url
+    from comm.store_dir import default_store_url
 
     if durable_store:
         return resolve_store_ref(durable_store)
@@ -84,8 +84,8 @@ def open_checked_store(store_ref: str):
 def check_pipeline_shape(job: TrainJob) -> None:
     """A pipeline needs a model of at least `stages` top-level layers and a batch that splits
     into whole micro-batches."""
-    from training.models import build_model
-    from training.stages import sequential_children
+    from engine.models import build_model
+    from engine.stages import sequential_children
 
     children = sequential_children(build_model(job.model, job.seed))  # names the model if unsplittable
     if job.stages is not None and not 2 <= job.stages <= len(children):
@@ -97,8 +97,8 @@ def check_pipeline_shape(job: TrainJob) -> None:
 
 def validate_job(job: TrainJob, *, check_store: bool = True) -> ResolvedJob:
     """Check everything about `job` that pydantic cannot; raise ZooidValueError naming the field."""
-    from training.datasets import load_dataset, validate_dataset
-    from training.models import resolve_model
+    from engine.datasets import load_dataset, validate_dataset
+    from engine.models import resolve_model
 
     resolve_model(job.model)
     validate_dataset(job.dataset)

@@ -1,5 +1,5 @@
 """Warm workers, the coordinator's side: one long-lived worker per rank, each epoch sent as
-commands through the store (`training.warm` is the worker's side).
+commands through the store (`runtime.warm` is the worker's side).
 
 `WarmPool` starts the workers through the target's launcher (an inline process, or one
 `worker` flow run per rank on a work pool), renews the run's lease, sends each epoch's
@@ -8,7 +8,7 @@ stops making progress with a cold one, and retires the ones a smaller plan no lo
 
 The bill: each worker's life, launch to stop, is cut into ledger rows by what it did:
 `startup` (launch to ready), `busy` (an epoch), `profile` (measuring the model and the
-store for the plan, `training.profile_job`), `idle` (ready and waiting: for the first
+store for the plan, `profiling.profile_job`), `idle` (ready and waiting: for the first
 command, or between epochs while the coordinator checkpoints and plans), and
 `failed_attempt` (the epoch it was in when it died). The rows of one worker add up to its
 whole interval. Rows close as the replies come; `open_rows` bills what is still open, so
@@ -27,11 +27,12 @@ from typing import Any, Callable
 
 from prefect.concurrency.sync import concurrency
 
+from clouds.registry import is_cloud
+from core.specs import WorkerSpec
+from runtime.warm import (WarmSettings, command_key, lease_key, read_json, reply_key, status_key, warm_prefix,
+                          worker_name)
 from tasks.cost import CostRecord
-from tasks.launchers import PAID_WORKERS_LIMIT, FAILED, WorkerOutcome, WorkersFailed, launch_identity, make_launcher
-from training.specs import WorkerSpec
-from training.warm import (WarmSettings, command_key, lease_key, read_json, reply_key, status_key,
-                           warm_prefix, worker_name)
+from tasks.launchers import FAILED, PAID_WORKERS_LIMIT, WorkerOutcome, WorkersFailed, launch_identity, make_launcher
 
 
 class LeaseRenewer(threading.Thread):
@@ -167,7 +168,7 @@ class WarmPool:
                                        strict=False))
         outcome = launcher.launch(spec)
         ctx.launchers.append(launcher)
-        if ctx.resolved.target.kind in ("ecs", "aci", "k8s"):
+        if is_cloud(ctx.resolved.target):
             ctx.cloud_attempts[outcome.ref] = (None, rank, None)  # billed by the cloud's clock
         worker = WarmWorker(rank=rank, name=name, launcher=launcher, identity=identity,
                             launched_at=outcome.started_at, billed_to=outcome.started_at, slot=slot)
@@ -188,7 +189,7 @@ class WarmPool:
 
     def profile(self, plan, request: dict, timeout_s: float, poll_s: float = 0.05) -> dict:
         """Have rank 0's worker (started now, sized as `plan`'s, if the pool has none) measure
-        `request` (`training.profile_job.ProfileRequest` as a dict) on its own device and
+        `request` (`profiling.profile_job.ProfileRequest` as a dict) on its own device and
         threads; return its answer. Billed as start-up, idle and `profile` rows. Raises
         RuntimeError when the worker dies, fails the profile or shows nothing for `timeout_s`."""
         self._open()
@@ -391,7 +392,7 @@ class WarmPool:
         return CostRecord(run_id=ctx.run_id, resource=f"worker {w.name}", kind=kind, offer=ctx.resolved.offer.name,
                           start=start, stop=stop, unit_price_per_s=ctx.price_per_worker_s, status=status,
                           epoch=epoch, rank=w.rank, attempt=attempt,
-                          worker=w.process.ref if ctx.resolved.target.kind in ("ecs", "aci", "k8s") else w.name)
+                          worker=w.process.ref if is_cloud(ctx.resolved.target) else w.name)
 
     def _bill_reply(self, w: WarmWorker, reply: dict, now: float, status: str = "busy",
                     epoch: int | None = None, attempt: int | None = None) -> None:
@@ -458,7 +459,7 @@ def starts_before_profile(ctx) -> bool:
 def provisional_plan(ctx):
     """The job's worker count and the target's worker size, before any plan: what the first
     warm workers are started with (the plan then adds, retires or resizes them)."""
-    from planners.plan import Plan
+    from core.plan import Plan
 
     job, target = ctx.job, ctx.resolved.target
     stages = job.stages or 1 if job.strategy in ("pipeline", "hybrid") else 1

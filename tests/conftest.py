@@ -165,7 +165,7 @@ def s3_server():
 @pytest.fixture
 def dir_store(tmp_path):
     """A fresh directory store under the test's tmp_path."""
-    from training.store_dir import DirectoryStore
+    from comm.store_dir import DirectoryStore
 
     store = DirectoryStore(tmp_path / "store")
     yield store

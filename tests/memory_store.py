@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import threading
 
-from training.store import Store
+from comm.store import Store
 
 
 class MemoryStore(Store):

@@ -7,21 +7,22 @@ resolved and `from x import y` taken as an import of module `x.y` when `x/y.py` 
 package `x/y/`) exists. Calls to `importlib.import_module` are not followed.
 
 - no import circles among the project's modules;
-- `training/` (the engine inside a worker) imports neither Prefect nor the layers above it.
-
-A purity check for another folder is one more line with `layer_violations`, e.g. for
-planners (numpy and stdlib only):
-`assert not layer_violations("planners", ("prefect", "torch", "boto3", "redis", "training", ...))`.
+- each folder is one layer and imports only the layers below it (`LAYERS`);
+- core/ is the standard library only; planners/ add numpy and the solvers, nothing else;
+- the worker side (core, comm, engine, profiling, runtime) and planners never import Prefect;
+- no import by string of the project's own modules (user models by import path excepted).
 """
 from __future__ import annotations
 
 import ast
+import sys
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("blocks", "deployments", "flows", "planners", "tasks", "training", "benchmarks")
+PACKAGES = ("blocks", "deployments", "flows", "planners", "tasks", "core", "comm", "engine", "profiling", "runtime",
+            "clouds", "benchmarks")
 
 
 @dataclass(frozen=True)
@@ -201,9 +202,9 @@ def test_the_reader_sees_the_project():
     """The graph has the arrows we know are there (a reader that sees nothing passes nothing)."""
     graph = import_graph()
     assert len(graph) > 50
-    assert "training.store_base" in graph["training.store_dir"]
-    assert "tasks.cloud_ecs" in graph["tasks.cloud_runs"]  # a function-level import
-    assert "training.heartbeat" in graph["training.store_base"]  # `from training import heartbeat`
+    assert "comm.store_base" in graph["comm.store_dir"]
+    assert "clouds.ecs" in graph["clouds.registry"]  # a function-level import
+    assert "comm.heartbeat" in graph["comm.store_base"]  # `from comm import heartbeat`
 
 
 def test_the_circle_finder_finds_circles():
@@ -223,8 +224,88 @@ def test_no_import_circles():
                          + "\n".join(describe_circle(graph, c) for c in circles))
 
 
-def test_training_imports_neither_prefect_nor_the_layers_above():
-    """The engine runs inside a worker: no Prefect, no flows, tasks, deployments or blocks."""
-    bad = layer_violations("training", ("prefect", "prefect_aws", "prefect_azure", "prefect_redis", "prefect_kubernetes",
-                                        "flows", "tasks", "deployments", "blocks"))
-    assert not bad, "training/ must not import these:\n" + "\n".join(bad)
+PREFECT = ("prefect", "prefect_aws", "prefect_azure", "prefect_redis", "prefect_kubernetes")
+
+LAYERS = {
+    "core": (),
+    "comm": ("core",),
+    "engine": ("core", "comm"),
+    "profiling": ("core", "comm", "engine"),
+    "runtime": ("core", "comm", "engine", "profiling"),
+    "planners": ("core",),
+    "clouds": ("core",),
+    "blocks": ("core", "comm"),
+    "tasks": ("core", "comm", "engine", "profiling", "runtime", "planners", "clouds", "blocks"),
+    "deployments": ("core", "comm", "engine", "profiling", "runtime", "planners", "clouds", "blocks", "tasks"),
+    "flows": ("core", "comm", "engine", "profiling", "runtime", "planners", "clouds", "blocks", "tasks",
+              "deployments"),
+}
+"""Each folder (one layer) and the project folders it may import: arrows point down only."""
+
+
+def test_every_folder_is_a_layer():
+    assert set(LAYERS) == set(PACKAGES) - {"benchmarks"}
+
+
+def test_arrows_point_down_only():
+    """No folder imports a folder above it (docs/ARCHITECTURE.md draws the same picture)."""
+    bad = []
+    for folder, allowed in LAYERS.items():
+        banned = tuple(f for f in LAYERS if f != folder and f not in allowed) + ("benchmarks",)
+        bad += layer_violations(folder, banned)
+    assert not bad, "imports against the layers:\n" + "\n".join(bad)
+
+
+def test_the_core_is_the_standard_library_only():
+    """Typed specs and formulas: nothing to install, importable anywhere."""
+    bad = [f"{i.path}:{i.line}: {i.target}" for i in all_imports()
+           if i.source.split(".")[0] == "core" and _project_module(i.target) is None
+           and i.target.split(".")[0] not in sys.stdlib_module_names]
+    assert not bad, "core/ imports beyond the standard library:\n" + "\n".join(bad)
+
+
+def test_planners_are_pure():
+    """Planners take and return plain data: numpy and the solvers, never torch, a store client
+    or Prefect (every planner runs and is tested without a server or torch)."""
+    bad = [f"{i.path}:{i.line}: {i.target}" for i in all_imports()
+           if i.source.split(".")[0] == "planners" and _project_module(i.target) is None
+           and i.target.split(".")[0] not in sys.stdlib_module_names
+           and i.target.split(".")[0] not in ("numpy", "gurobipy", "pyscipopt")]
+    assert not bad, "planners/ imports beyond numpy and the solvers:\n" + "\n".join(bad)
+
+
+def test_the_worker_side_never_imports_prefect():
+    """A worker image needs Prefect only for its flow entry point (flows/worker.py)."""
+    bad = []
+    for folder in ("core", "comm", "engine", "profiling", "runtime", "planners"):
+        bad += layer_violations(folder, PREFECT)
+    assert not bad, "worker-side code importing Prefect:\n" + "\n".join(bad)
+
+
+def _imports_by_string() -> list[str]:
+    """Calls of importlib.import_module / __import__ whose name is a project module literal, and
+    `python -c` scripts that import project modules."""
+    found = []
+    packages = tuple(LAYERS)
+    for module, path in project_files().items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            fn = node.func
+            name = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", "")
+            if name in ("import_module", "__import__") and node.args:
+                arg = node.args[0]
+                if not isinstance(arg, ast.Constant) or str(arg.value).split(".")[0] in packages:
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_import_by_string_of_the_projects_own_modules():
+    """Only user models and datasets given by import path are imported by name (engine.models,
+    engine.datasets, and the worker's base-memory probe); each of those calls takes a variable."""
+    found = _imports_by_string()
+    allowed = ("engine/models.py", "engine/datasets.py", "profiling/base_memory.py")
+    bad = [f for f in found if not f.startswith(allowed)]
+    assert not bad, "imports by string:\n" + "\n".join(bad)
+    assert {f.split(":")[0] for f in found} == set(allowed)  # the reader sees the calls it allows

@@ -13,8 +13,8 @@ JOB = dict(workers=2, epochs=1, optimizer="sgd", lr=0.1, sync_period=4, batch_si
 
 
 def _final_weights(store_url: str, key: str) -> dict[str, torch.Tensor]:
-    from training.store import open_store
-    from training.tensor_codec import decode_tensors
+    from comm.store import open_store
+    from comm.tensor_codec import decode_tensors
 
     tensors, _ = decode_tensors(open_store(store_url).get(key))
     return {k: v for k, v in tensors.items() if k.startswith("model/")}
@@ -30,9 +30,9 @@ def fault_free(tmp_path_factory):
 
 
 def test_worker_killed_at_a_sync_point_is_relaunched_and_ends_equal(tmp_path, monkeypatch, fault_free):
+    from comm.store import open_store
     from flows.train import train
     from tasks.cost import read_ledger
-    from training.store import open_store
 
     clean, clean_weights = fault_free
     monkeypatch.setenv("ZOOID_CHAOS", "kill_worker:epoch=0:rank=1:step=8:at=sync")
@@ -52,9 +52,9 @@ def test_worker_killed_at_a_sync_point_is_relaunched_and_ends_equal(tmp_path, mo
 
 
 def test_hung_worker_times_out_and_is_relaunched(tmp_path, monkeypatch, fault_free):
+    from comm.store import open_store
     from flows.train import train
     from tasks.cost import read_ledger
-    from training.store import open_store
 
     clean, _ = fault_free
     monkeypatch.setenv("ZOOID_CHAOS", "hang_worker:epoch=0:rank=0:step=4")
@@ -75,10 +75,10 @@ def test_redis_restarted_mid_epoch_loses_only_scratch(tmp_path, redis_server, fa
     import threading
     import time
 
+    from comm.store import open_store
+    from engine.checkpoint import sync_checkpoint_key
     from flows.train import train
     from tasks.cost import read_ledger
-    from training.checkpoint import sync_checkpoint_key
-    from training.store import open_store
 
     clean, clean_weights = fault_free
     durable = tmp_path / "durable"

@@ -16,8 +16,8 @@ import pytest
 import requests
 import urllib3
 
-from deployments.job_variables import WorkerResources, job_variables
-from tasks import cloud_aci
+from clouds import aci as cloud_aci
+from clouds.job_variables import WorkerResources, job_variables
 from tests.cloud_fixtures import flow_run, render, template
 
 pytestmark = pytest.mark.timeout(60)
@@ -212,7 +212,7 @@ def test_create_cancel_and_sweep_through_the_sdk():
 
 def test_cost_from_container_group_events():
     from planners.catalog import get_offer
-    from tasks.cloud_runs import cloud_records
+    from tasks.cloud_bill import cloud_records
 
     ids = [str(uuid.uuid4()) for _ in range(3)]
     arm = FakeArm()

@@ -11,8 +11,8 @@ import uuid
 
 import pytest
 
-from deployments.job_variables import WorkerResources, job_variables
-from tasks import cloud_k8s
+from clouds import kubernetes as cloud_k8s
+from clouds.job_variables import WorkerResources, job_variables
 from tests.cloud_fixtures import flow_run, render, render_async, template
 
 pytestmark = pytest.mark.timeout(60)
@@ -218,7 +218,7 @@ def test_cost_from_pod_start_and_finish():
     from kubernetes_asyncio import config
 
     from planners.catalog import get_offer
-    from tasks.cloud_runs import cloud_records
+    from tasks.cloud_bill import cloud_records
 
     ids = [str(uuid.uuid4()) for _ in range(3)]
     fake = FakeKubernetes()

@@ -6,9 +6,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from comm.collectives import SyncStats, allreduce_mean, allreduce_sum, release_group
+from core.errors import StoreTimeout, ZooidValueError
 from tests.memory_store import MemoryStore
-from training.collectives import SyncStats, allreduce_mean, allreduce_sum, release_group
-from training.errors import StoreTimeout, ZooidValueError
 
 SHAPES = {"a": (3, 5), "b": (7,), "c": (1,), "d": (2, 3, 4), "e": ()}
 

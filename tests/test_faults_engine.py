@@ -20,18 +20,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from comm.collectives import allreduce_mean, release_group
+from comm.store_dir import DirectoryStore
+from comm.store_redis import RedisStore
+from core.errors import StoreTimeout, ZooidValueError
+from core.specs import WorkerSpec
+from engine.chaos import ChaosError, Fault, fault_marker_key, parse_chaos, read_fault_marker
+from engine.checkpoint import initial_checkpoint, load_checkpoint, read_checkpoint_meta, sync_checkpoint_key
+from engine.datasets import assign_subsets, publish_dataset
+from engine.local_sgd import read_epoch_history, run_local_sgd_epoch
+from engine.models import build_model
+from tasks.failures import FailureKind, MemoryEvents, classify_failure, read_memory_events
 from tests.memory_store import MemoryStore
-from training.chaos import ChaosError, Fault, fault_marker_key, parse_chaos, read_fault_marker
-from training.checkpoint import initial_checkpoint, load_checkpoint, read_checkpoint_meta, sync_checkpoint_key
-from training.collectives import allreduce_mean, release_group
-from training.datasets import assign_subsets, publish_dataset
-from training.errors import StoreTimeout, ZooidValueError
-from training.failures import FailureKind, MemoryEvents, classify_failure, read_memory_events
-from training.local_sgd import read_epoch_history, run_local_sgd_epoch
-from training.models import build_model
-from training.specs import WorkerSpec
-from training.store_dir import DirectoryStore
-from training.store_redis import RedisStore
 
 REPO = Path(__file__).resolve().parents[1]
 WORLD, STEPS, PERIOD, BATCH = 2, 9, 3, 16
@@ -87,7 +87,7 @@ class Coordinator:
         env = {**os.environ, **WORKER_ENV, "ZOOID_CHAOS": self.chaos}
         with open(self.logs / f"r{spec.rank}-a{spec.attempt}.log", "wb") as out:
             self.procs[spec.rank, spec.attempt] = subprocess.Popen(
-                [sys.executable, "-m", "training.worker_main", "--spec-json", json.dumps(spec.to_dict())],
+                [sys.executable, "-m", "runtime.worker_main", "--spec-json", json.dumps(spec.to_dict())],
                 cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait(self, rank: int, attempt: int) -> int:
@@ -347,7 +347,7 @@ def test_injected_oom_worker_exits_with_the_oom_status_and_a_marker(tmp_path):
     store = DirectoryStore(tmp_path / "store")
     [spec, _] = specs(store.url, "o", [(0,), (1,)])
     env = {**os.environ, **WORKER_ENV, "ZOOID_CHAOS": "oom_worker:epoch=0:rank=0"}
-    out = subprocess.run([sys.executable, "-m", "training.worker_main", "--spec-json", json.dumps(spec.to_dict())],
+    out = subprocess.run([sys.executable, "-m", "runtime.worker_main", "--spec-json", json.dumps(spec.to_dict())],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 4, out.stderr
     assert "MemoryError" in json.loads(out.stdout.strip().splitlines()[-1])["message"]

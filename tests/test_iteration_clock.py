@@ -1,5 +1,5 @@
 """The steady-state period a worker reports for each epoch."""
-from training.iteration_clock import IterationClock
+from engine.iteration_clock import IterationClock
 
 
 def test_period_is_the_median_gap_after_the_warm_up_iterations():

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from deployments.job_variables import (JobVariablesError, WorkerResources, fargate_size, job_variables)
+from clouds.job_variables import (JobVariablesError, WorkerResources, fargate_size, job_variables)
 from tests.cloud_fixtures import template
 
 

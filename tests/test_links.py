@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from training.links import fit_endpoints, profile_transfers, time_steps_between_checkpoints, transfer_sizes
-from training.profiler import profile_layers
-from training.store import open_store
+from comm.store import open_store
+from profiling.profiler import profile_layers
+from profiling.store_probe import fit_endpoints, profile_transfers, time_steps_between_checkpoints, transfer_sizes
 
 
 def test_relative_fit_recovers_latency_and_bandwidth_exactly():
@@ -35,8 +35,8 @@ def test_put_and_get_fits_recover_emulated_links_per_direction(tmp_path):
 
 
 def test_steps_between_checkpoint_writes_are_timed_and_leave_no_trace(tmp_path):
-    from training.models import build_model
-    from training.optimizers import build_optimizer
+    from engine.models import build_model
+    from engine.optimizers import build_optimizer
 
     store = open_store(str(tmp_path))
     net = build_model("digits_mlp", 0)
@@ -55,7 +55,7 @@ def test_layer_times_split_into_per_call_and_per_row_parts(monkeypatch):
     5 us a row), the fit recovers the per-call parts exactly; one size fits none."""
     from types import SimpleNamespace
 
-    import training.profiler as profiler
+    import profiling.profiler as profiler
 
     clock = [0.0]
     monkeypatch.setattr(profiler, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
@@ -86,7 +86,7 @@ def test_layer_times_split_into_per_call_and_per_row_parts(monkeypatch):
 
 
 def test_thread_handoff_probe_measures_a_delay_and_leaves_no_keys(tmp_path):
-    from training.links import measure_handoff
+    from profiling.store_probe import measure_handoff
 
     store = open_store(str(tmp_path))
     assert measure_handoff(store, "runs/h/probe") >= 0.0  # a notice delay, never negative

@@ -11,17 +11,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from comm.store_dir import DirectoryStore
+from core.errors import ZooidValueError
+from core.specs import WorkerResult, WorkerSpec
+from engine.checkpoint import initial_checkpoint, load_checkpoint, save_checkpoint
+from engine.datasets import assign_subsets, publish_dataset, read_subsets
+from engine.local_sgd import LocalSGD, batch_seed, batch_stream, run_local_sgd_epoch, steps_per_epoch
+from engine.models import build_model
+from engine.optimizers import build_optimizer, optimizer_state_tensors
+from runtime import worker_main
 from tests.memory_store import MemoryStore
 from tests.test_collectives import run_ranks
-from training import worker_main
-from training.checkpoint import initial_checkpoint, load_checkpoint, save_checkpoint
-from training.datasets import assign_subsets, publish_dataset, read_subsets
-from training.errors import ZooidValueError
-from training.local_sgd import LocalSGD, batch_seed, batch_stream, run_local_sgd_epoch, steps_per_epoch
-from training.models import build_model
-from training.optimizers import build_optimizer, optimizer_state_tensors
-from training.specs import WorkerResult, WorkerSpec
-from training.store_dir import DirectoryStore
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -127,7 +127,7 @@ def test_worker_main_prints_the_result_json(tmp_path):
     spec = WorkerSpec(run_id="wm", epoch=0, rank=0, world=1, store_url=store.url, model="digits_mlp",
                       dataset="digits", subsets=(0, 1), steps=3, batch_size=32, lr=0.1,
                       init_key="runs/wm/ckpt/init", out_key="runs/wm/ckpt/e0")
-    out = subprocess.run([sys.executable, "-m", "training.worker_main", "--spec-json", json.dumps(spec.to_dict())],
+    out = subprocess.run([sys.executable, "-m", "runtime.worker_main", "--spec-json", json.dumps(spec.to_dict())],
                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     result = WorkerResult.from_dict(json.loads(out.stdout.strip().splitlines()[-1]))

@@ -63,7 +63,7 @@ def test_cancelling_a_training_run_stops_its_workers_and_bills_it(tmp_path):
     import time
 
     from deployments import stack
-    from flows.hooks import run_id_for
+    from tasks.context import run_id_for
     from tasks.sweep import tagged_pids
 
     home = tmp_path / "zooid"

@@ -5,13 +5,11 @@ import pytest
 import torch
 from torch import nn
 
+from core.errors import ZooidValueError
+from engine.datasets import (assign_subsets, load_dataset, parse_synthetic, publish_dataset, read_manifest,
+                             read_subsets, validate_dataset)
+from engine.models import REGISTRY, build_model, input_shape, resolve_model
 from tests.memory_store import MemoryStore
-from training.datasets import (
-    assign_subsets, load_dataset, parse_synthetic, publish_dataset, read_manifest,
-    read_subsets, validate_dataset,
-)
-from training.errors import ZooidValueError
-from training.models import REGISTRY, build_model, input_shape, resolve_model
 
 NOT_CALLABLE = 42
 

@@ -13,16 +13,14 @@ import threading
 import pytest
 import torch
 
-from training.checkpoint import initial_checkpoint
-from training.datasets import assign_subsets, publish_dataset
-from training.errors import StoreTimeout, ZooidValueError
-from training.local_sgd import run_local_sgd_epoch
-from training.pipeline_executor import (
-    PipelineSettings, activation_prefix, pipeline_worker_specs, run_pipeline_worker,
-)
-from training.specs import WorkerSpec
-from training.store import open_store
-from training.tensor_codec import decode_tensors
+from comm.store import open_store
+from comm.tensor_codec import decode_tensors
+from core.errors import StoreTimeout, ZooidValueError
+from core.specs import WorkerSpec
+from engine.checkpoint import initial_checkpoint
+from engine.datasets import assign_subsets, publish_dataset
+from engine.local_sgd import run_local_sgd_epoch
+from engine.pipeline_executor import PipelineSettings, activation_prefix, pipeline_worker_specs, run_pipeline_worker
 
 RUN = "eq"
 STEPS, BATCH, LR = 12, 32, 0.2
@@ -158,7 +156,7 @@ def test_bad_settings_name_the_field(extra, field):
 def test_activations_and_sync_rounds_are_scratch_puts_and_the_checkpoint_is_durable(staged, monkeypatch):
     """The directory store fsyncs only what must outlive a crash of the machine: the epoch's
     checkpoint, not the activations and sync rounds a live peer reads and deletes."""
-    from training.store_dir import DirectoryStore
+    from comm.store_dir import DirectoryStore
 
     url, manifest = staged
     written, lock, write = [], threading.Lock(), DirectoryStore._write

@@ -15,16 +15,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from comm.store import open_store
+from comm.tensor_codec import decode_tensors, read_header
+from core.errors import ZooidValueError
+from core.specs import WorkerSpec
+from engine.checkpoint import initial_checkpoint
+from engine.datasets import assign_subsets, publish_dataset
+from engine.pipeline_executor import PipelineSettings, activation_prefix, pipeline_worker_specs, run_pipeline_worker
 from tests.test_pipeline_equivalence import run_threads, weights
-from training.checkpoint import initial_checkpoint
-from training.datasets import assign_subsets, publish_dataset
-from training.errors import ZooidValueError
-from training.pipeline_executor import (
-    PipelineSettings, activation_prefix, pipeline_worker_specs, run_pipeline_worker,
-)
-from training.specs import WorkerSpec
-from training.store import open_store
-from training.tensor_codec import decode_tensors, read_header
 
 RUN = "il"
 STEPS, BATCH, LR = 6, 32, 0.1
@@ -210,7 +208,7 @@ def _fake_predictions(monkeypatch, times: dict) -> list:
 
 def test_auto_considers_interleaved_and_takes_it_when_fastest_and_fitting(monkeypatch):
     import tasks.plan
-    from planners.plan import Plan
+    from core.plan import Plan
 
     calls = _fake_predictions(monkeypatch, {"gpipe": 1.0, "1f1b": 1.0, "interleaved": 0.8})
     plan = Plan(strategy="pipeline", data_parallel=1, stages=2, cuts=(3,), microbatches=8, batch_size=16)
@@ -224,7 +222,7 @@ def test_auto_considers_interleaved_and_takes_it_when_fastest_and_fitting(monkey
 
 def test_auto_keeps_1f1b_within_one_percent_and_skips_interleaved_where_it_cannot_run(monkeypatch):
     import tasks.plan
-    from planners.plan import Plan
+    from core.plan import Plan
 
     calls = _fake_predictions(monkeypatch, {"gpipe": 1.0, "1f1b": 1.0, "interleaved": 0.995})
     plan = Plan(strategy="pipeline", data_parallel=1, stages=2, cuts=(3,), microbatches=8, batch_size=16)
@@ -246,7 +244,7 @@ def test_interleaved_that_does_not_fit_its_workers_is_not_chosen(monkeypatch):
     interleaved's worker 0 holds all 4 chunk sets (1.2 GB); 1F1B's stage 1 (layers 1-3 here)
     one set of 0.9 GB; GPipe's stage 1 two (1.8 GB)."""
     import tasks.plan
-    from planners.plan import Plan
+    from core.plan import Plan
 
     _fake_predictions(monkeypatch, {"gpipe": 1.0, "1f1b": 1.0, "interleaved": 0.5})
     plan = Plan(strategy="pipeline", data_parallel=1, stages=2, cuts=(0,), microbatches=2, batch_size=4)
@@ -262,7 +260,7 @@ def test_interleaved_that_does_not_fit_its_workers_is_not_chosen(monkeypatch):
 
 def test_with_schedule_cuts_the_model_into_p_times_v_stages_with_parameters(monkeypatch):
     import planners.strategy
-    from planners.plan import Plan
+    from core.plan import Plan
     from planners.strategy import StrategyInputs, with_schedule
 
     monkeypatch.setattr(planners.strategy, "predicted", lambda x, plan: plan)

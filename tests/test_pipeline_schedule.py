@@ -4,13 +4,10 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from training.errors import ZooidValueError
-from training.pipeline_schedule import (
-    Action, Kind, ScheduleError, format_grid, format_schedule, forward_only, gpipe,
-    gpipe_bubble, lower, parse_schedule, simulate, validate,
-)
-from training.stages import assemble_full_state, slice_full_state, split_stages, stage_state_dicts
-
+from core.errors import ZooidValueError
+from core.schedules import (Action, Kind, ScheduleError, format_grid, format_schedule, forward_only, gpipe,
+                            gpipe_bubble, lower, parse_schedule, simulate, validate)
+from engine.stages import assemble_full_state, slice_full_state, split_stages, stage_state_dicts
 
 # --- actions and golden schedules -------------------------------------------------------
 

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from training.errors import ZooidValueError
-from training.pipeline_schedule import (
-    Action, Kind, Layout, ScheduleError, build_schedule, forward_only, format_grid, format_schedule, gpipe,
-    ideal_bubble, ideal_peak_in_flight, interleaved, layout, lower, one_f_one_b,
-    parse_schedule, peak_in_flight, simulate, stage_actions, validate, worker_actions,
-    worker_of, worker_peak_in_flight,
-)
+from core.errors import ZooidValueError
+from core.schedules import (Action, Kind, Layout, ScheduleError, build_schedule, format_grid, format_schedule,
+                            forward_only, gpipe, ideal_bubble, ideal_peak_in_flight, interleaved, layout, lower,
+                            one_f_one_b, parse_schedule, peak_in_flight, simulate, stage_actions, validate,
+                            worker_actions, worker_of, worker_peak_in_flight)
 
 EQUAL = {"F": 1.0, "B": 1.0}
 DOUBLE_B = {"F": 1.0, "B": 2.0}

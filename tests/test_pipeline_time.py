@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from planners.errors import PlannerInputError
+from core.errors import PlannerInputError
 from planners.pipeline_time import TransferCosts, pipeline_iteration, stage_times
 
 FREE = TransferCosts(0.0, 1e30, 0.0, 1e30, 0.0)

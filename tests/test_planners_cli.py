@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from core.errors import PlannerInputError
 from planners.cli import run
-from planners.errors import PlannerInputError
 from planners.hybrid import hybrid
 from planners.partition import partition
 from planners.provision import provision

@@ -11,11 +11,11 @@ import sys
 import numpy as np
 import pytest
 
+from core.errors import PlannerInputError
 from planners.co_optimize import co_optimize, evaluate, expand_cuts, merge_layers, parse_problem, recommend
-from planners.co_optimize_problem import Plan, plan_fits
 from planners.co_optimize_exact import solve_exact
 from planners.co_optimize_miqp import model_size, solve_miqp
-from planners.errors import PlannerInputError
+from planners.co_optimize_problem import Plan, plan_fits
 
 REL = 1e-9
 

@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from planners.errors import PlannerInputError
+from core.errors import PlannerInputError
 from planners.hybrid import fit_allreduce, hybrid, hybrid_time, microbatch_count, parse_hybrid
 from planners.partition import pipeline_runtime, stage_bounds
 from planners.sync_time import ring_allreduce

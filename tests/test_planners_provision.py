@@ -7,9 +7,8 @@ import random
 import numpy as np
 import pytest
 
-from planners.errors import PlannerInputError
-from planners.provision import (evaluate, fit_loss_curve, parse_provision, plan_provision,
-                                provision)
+from core.errors import PlannerInputError
+from planners.provision import evaluate, fit_loss_curve, parse_provision, plan_provision, provision
 
 
 def random_doc(rng: random.Random, *, max_workers: int | None) -> dict:

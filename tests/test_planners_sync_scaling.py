@@ -5,12 +5,10 @@ import random
 
 import pytest
 
-from planners.errors import PlannerInputError
+from core.errors import PlannerInputError
 from planners.provision import parse_provision, plan_provision
 from planners.scaling import EpochRecord, ScalingSettings, decide
-from planners.sync_time import (parameter_server, pipelined_scatter_reduce, ring_allreduce,
-                                scatter_reduce, sync_time)
-
+from planners.sync_time import parameter_server, pipelined_scatter_reduce, ring_allreduce, scatter_reduce, sync_time
 
 # --- sync-time -----------------------------------------------------------------------------
 

@@ -7,11 +7,11 @@ import sys
 import pytest
 import torch
 
+from core.errors import ZooidValueError
+from core.plan import Plan
 from planners.calibration import Calibration, calibrated, epoch_overhead, fit
-from planners.plan import Plan
 from planners.run_prediction import RunTerms, predict_run
 from tasks.job import TrainJob
-from training.errors import ZooidValueError
 
 
 def _ctx(job: TrainJob):

@@ -12,14 +12,13 @@ import pytest
 import torch
 from torch import nn
 
-from training.errors import ZooidValueError
-from training.memory import GB, check_plan_memory, stage_bounds, stage_memory
-from training.models import build_model
-from training.links import measure_contention, profile_store
-from training.profiler import (ModelProfile, fit_serial_fraction, hardware_fingerprint,
-                               measure_base_memory, profile_layers, profile_model,
-                               to_planner_layers, vcpu_factor)
-from training.store import open_store
+from comm.store import open_store
+from core.errors import ZooidValueError
+from core.stage_memory import GB, check_plan_memory, stage_bounds, stage_memory
+from engine.models import build_model
+from profiling.profiler import (ModelProfile, fit_serial_fraction, hardware_fingerprint, measure_base_memory,
+                                profile_layers, profile_model, to_planner_layers, vcpu_factor)
+from profiling.store_probe import measure_contention, profile_store
 
 F32 = 4
 
@@ -233,9 +232,9 @@ def test_per_offer_step_time_and_activations_scale(cnn_profile):
 
 
 def test_sampling_runs_for_a_least_duration_and_stops_when_stable(monkeypatch):
-    import training.profiler as profiler
-
     from types import SimpleNamespace
+
+    import profiling.profiler as profiler
 
     clock = [0.0]
     monkeypatch.setattr(profiler, "time", SimpleNamespace(perf_counter=lambda: clock[0]))  # this module's clock only
@@ -260,7 +259,7 @@ def test_sampling_runs_for_a_least_duration_and_stops_when_stable(monkeypatch):
 def test_malloc_thresholds_are_pinned_where_workers_and_profiles_run():
     import platform
 
-    from training import malloc
+    from engine import malloc
 
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("mallopt is glibc's")

@@ -22,17 +22,17 @@ JOB = dict(workers=2, optimizer="momentum", lr=0.05, sync_period=4, batch_size=3
 
 
 def _weights(url: str, key: str) -> dict[str, torch.Tensor]:
-    from training.store import open_store
-    from training.tensor_codec import decode_tensors
+    from comm.store import open_store
+    from comm.tensor_codec import decode_tensors
 
     tensors, _ = decode_tensors(open_store(url).get(key))
     return {k: v for k, v in tensors.items() if k.startswith("model/")}
 
 
 def test_resume_continues_from_the_last_checkpoint_and_ends_equal(tmp_path):
+    from comm.store import open_store
     from flows.train import train
     from tasks.cost import read_ledger
-    from training.store import open_store
 
     clean_url = f"file://{tmp_path}/clean"
     clean = train(TrainJob(store=clean_url, epochs=2, **JOB))
@@ -59,9 +59,9 @@ def test_resume_of_an_unknown_run_is_refused(tmp_path):
 def test_killed_coordinator_is_swept_and_its_epoch_resumes_from_the_sync_point(tmp_path):
     from prefect.settings import PREFECT_API_URL
 
+    from engine.checkpoint import sync_checkpoint_key
     from flows.train import train
     from tasks.sweep import orphan_pids, tagged_pids
-    from training.checkpoint import sync_checkpoint_key
 
     store_dir = tmp_path / "store"
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(),

@@ -13,20 +13,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from comm.collectives import SyncStats
+from comm.ring_allreduce import RingError, RingTimeout, open_ring, ring_address_key, ring_bytes
+from comm.scatter_reduce import allreduce_for
+from comm.store_dir import DirectoryStore
+from comm.tensor_codec import decode_tensors, encode_tensors
+from core.errors import StoreTimeout, ZooidValueError
+from core.specs import WorkerResult, WorkerSpec
+from engine.checkpoint import initial_checkpoint, load_checkpoint
+from engine.datasets import publish_dataset
+from engine.local_sgd import run_local_sgd_epoch
+from engine.models import build_model
+from engine.optimizers import build_optimizer
 from tests.conftest import free_port, stop_process_group
-from training.checkpoint import initial_checkpoint, load_checkpoint
-from training.collectives import SyncStats
-from training.datasets import publish_dataset
-from training.errors import StoreTimeout, ZooidValueError
-from training.local_sgd import run_local_sgd_epoch
-from training.models import build_model
-from training.optimizers import build_optimizer
-from training.ring_allreduce import (RingError, RingTimeout, open_ring, ring_address_key,
-                                     ring_bytes)
-from training.scatter_reduce import allreduce_for
-from training.specs import WorkerResult, WorkerSpec
-from training.store_dir import DirectoryStore
-from training.tensor_codec import decode_tensors, encode_tensors
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -136,7 +135,7 @@ def test_local_sgd_with_ring_equals_local_sgd_with_store_collective(tmp_path):
     for spec, log in zip(ring_specs, logs):
         with open(log, "wb") as out:
             procs.append(subprocess.Popen(
-                [PYTHON, "-m", "training.worker_main", "--spec-json", json.dumps(spec.to_dict())],
+                [PYTHON, "-m", "runtime.worker_main", "--spec-json", json.dumps(spec.to_dict())],
                 cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                 env={**os.environ, "OMP_NUM_THREADS": "1"}))
     wait_all(procs, logs, timeout=60)
@@ -194,8 +193,8 @@ def test_a_peer_that_dies_fails_the_survivor_fast_instead_of_hanging(tmp_path):
     group = "runs/t/sync/e0"
     log = tmp_path / "peer.log"
     # The peer joins the ring, then dies before the first sync.
-    peer = start_python("import os; from training.ring_allreduce import open_ring; "
-                        "from training.store_dir import DirectoryStore; "
+    peer = start_python("import os; from comm.ring_allreduce import open_ring; "
+                        "from comm.store_dir import DirectoryStore; "
                         f"open_ring(DirectoryStore({str(store.root)!r}), {group!r}, 1, 2, timeout=30); "
                         "os._exit(1)", log)
     try:

@@ -11,15 +11,10 @@ import uuid
 import pytest
 import torch
 
-from training.collectives import SyncStats, release_group
-from training.errors import StoreTimeout, ZooidValueError
-from training.scatter_reduce import (
-    allreduce_for,
-    pipelined_allreduce_mean,
-    pipelined_allreduce_sum,
-    plain_allreduce_mean,
-)
-from training.store import open_store
+from comm.collectives import SyncStats, release_group
+from comm.scatter_reduce import allreduce_for, pipelined_allreduce_mean, pipelined_allreduce_sum, plain_allreduce_mean
+from comm.store import open_store
+from core.errors import StoreTimeout, ZooidValueError
 
 
 @pytest.fixture(params=["dir", "redis", "s3"])

@@ -10,14 +10,14 @@ import uuid
 import pytest
 import torch
 
+from comm.bandwidth import TokenBucket
+from comm.store import Store, open_store
+from comm.store_dir import DirectoryStore, default_store_url
+from comm.store_redis import RedisStore
+from comm.store_s3 import S3Store
+from comm.tensor_codec import decode_json, decode_tensors, encode_json, encode_tensors
+from core.errors import StoreError, StoreTimeout
 from tests.conftest import free_port
-from training.bandwidth import TokenBucket
-from training.errors import StoreError, StoreTimeout
-from training.store import Store, open_store
-from training.store_dir import DirectoryStore, default_store_url
-from training.store_redis import RedisStore
-from training.store_s3 import S3Store
-from training.tensor_codec import decode_json, decode_tensors, encode_json, encode_tensors
 
 MB = 1_000_000
 # Small chunk and multipart sizes, so ~20 MB values take the chunked / multipart paths.
@@ -92,7 +92,7 @@ def test_get_times_out_when_nothing_comes(store):
 def test_a_waiting_get_polls_fast_first_then_backs_off(store, monkeypatch):
     """The sleeps between a waiting get's reads: the store's first pause, growing by half
     each time up to its longest (a neighbour's activation usually lands within a ms)."""
-    import training.store_base as store_module
+    import comm.store_base as store_module
 
     reads, pauses = [], []
     monkeypatch.setattr(type(store), "_read", lambda self, key: reads.append(key) or (b"v" if len(reads) > 9 else None))
@@ -205,7 +205,7 @@ def test_redis_chunks_large_values_and_cleans_them_up(redis_server):
     assert store.client.dbsize() == 1
     assert store.get("runs/r1/big") == b"small"
     # A small value that looks like a manifest is stored chunked, so it reads back as itself.
-    from training.store_redis import MAGIC
+    from comm.store_redis import MAGIC
     store.put("runs/r1/tricky", MAGIC + b"{}")
     assert store.get("runs/r1/tricky") == MAGIC + b"{}"
     assert store.list("runs/") == ["runs/r1/big", "runs/r1/tricky"]
@@ -361,7 +361,7 @@ def test_a_scratch_put_is_as_atomic_but_skips_the_fsync_of_the_directory_store(d
 
     synced = []
     real_fsync = os_module.fsync
-    monkeypatch.setattr("training.store_dir.os.fsync", lambda fd: synced.append(fd) or real_fsync(fd))
+    monkeypatch.setattr("comm.store_dir.os.fsync", lambda fd: synced.append(fd) or real_fsync(fd))
     dir_store.put("runs/r1/ckpt", b"durable")
     assert len(synced) == 1
     dir_store.put("runs/r1/act/it0/f0m0", b"scratch", scratch=True)

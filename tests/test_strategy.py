@@ -171,8 +171,8 @@ def test_workers_sharing_one_machine_time_share_its_cores():
 def test_the_plan_step_counts_this_machines_cores_only_where_workers_share_it():
     from types import SimpleNamespace
 
+    from profiling.profiler import cpu_count
     from tasks.plan import strategy_inputs
-    from training.profiler import cpu_count
 
     job = SimpleNamespace(optimizer="sgd", batch_size=32, stages=None, microbatches=4, sync_period=1)
     layer = dict(forward_s=0.01, backward_s=0.02, output_bytes=4096, param_bytes=1024)
@@ -194,7 +194,7 @@ def test_the_plan_step_counts_this_machines_cores_only_where_workers_share_it():
 def test_schedule_choice_prefers_the_fastest_and_within_one_percent_the_one_holding_less():
     from dataclasses import replace
 
-    from planners.plan import Plan
+    from core.plan import Plan
     from planners.strategy import choose_schedule
 
     base = Plan(strategy="pipeline", data_parallel=1, stages=4, cuts=(1, 2, 3), microbatches=8)
@@ -208,8 +208,8 @@ def test_schedule_choice_prefers_the_fastest_and_within_one_percent_the_one_hold
 def test_1f1b_fits_a_worker_gpipe_does_not():
     """Stage memory by the micro-batches each schedule holds: GPipe all M on every stage,
     1F1B min(k - s, M) on stage s, so a size too small for GPipe's stage 0 fits 1F1B's."""
-    from training.memory import stage_memory
-    from training.pipeline_schedule import ideal_peak_in_flight
+    from core.schedules import ideal_peak_in_flight
+    from core.stage_memory import stage_memory
 
     acts, params = [100.0] * 4, [10.0] * 4  # per layer: activation bytes per micro-batch, parameter bytes
     k, m = 4, 8
@@ -228,9 +228,9 @@ def test_pick_schedule_keeps_the_one_that_fits_and_lists_both(monkeypatch):
 
     import planners.strategy
     import tasks.plan
-    from planners.plan import Plan
+    from core.errors import ZooidValueError
+    from core.plan import Plan
     from tasks.job import TrainJob
-    from training.errors import ZooidValueError
 
     times = {"gpipe": 1.0, "1f1b": 1.2}
     monkeypatch.setattr(planners.strategy, "with_schedule",

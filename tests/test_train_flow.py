@@ -11,17 +11,17 @@ pytestmark = pytest.mark.usefixtures("prefect_api")
 
 
 def _store_root() -> str:
-    from training.store_dir import default_store_url, path_from_url
+    from comm.store_dir import default_store_url, path_from_url
 
     return str(path_from_url(default_store_url()))
 
 
 @pytest.mark.parametrize("warm", [True, False])
 def test_train_flow_trains_bills_and_cleans_up(tmp_path, warm):
+    from comm.store import open_store
     from flows.train import train
     from tasks.cost import read_ledger
     from tasks.sweep import tagged_pids
-    from training.store import open_store
 
     store_url = f"file://{tmp_path}/store"
     summary = train(TrainJob(workers=2, epochs=2, store=store_url, batch_size=16, warm=warm))
@@ -65,10 +65,10 @@ def test_budget_stops_before_spending_it(tmp_path):
 
 
 def test_a_deadline_the_first_epoch_would_pass_stops_the_run_cleanly(tmp_path):
+    from comm.store import open_store
     from flows.train import train
     from tasks.cost import read_ledger
     from tasks.sweep import tagged_pids
-    from training.store import open_store
 
     url = f"file://{tmp_path}/s"
     summary = train(TrainJob(workers=2, epochs=4, deadline_s=1e-3, store=url))
@@ -124,10 +124,10 @@ def test_guardrail_stops_before_the_budget_is_spent():
 
 
 def test_out_of_memory_is_not_retried_and_teardown_leaves_nothing(tmp_path, monkeypatch):
+    from comm.store import open_store
     from flows.train import train
     from tasks.cost import read_ledger
     from tasks.sweep import tagged_pids
-    from training.store import open_store
 
     monkeypatch.setenv("ZOOID_CHAOS", "oom_worker:epoch=0:rank=1:mode=kill")
     store_url = f"file://{tmp_path}/store"

@@ -1,6 +1,6 @@
 """Warm workers: one worker per rank lives across epochs, commanded through the store.
 
-Engine-level tests run a real warm worker process (`python -m training.worker_main`) on a
+Engine-level tests run a real warm worker process (`python -m runtime.worker_main`) on a
 directory store; flow-level tests run the `train` flow against a real Prefect API with the
 inline target. Waits are for events (a reply, a process exit), bounded only as a safety net.
 """
@@ -17,11 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from core.errors import ZooidValueError
+from core.specs import WorkerSpec
+from runtime.warm import LEASE_EXIT, LeaseClock, WarmSettings, command_key, read_json, reply_key, status_key
 from tasks.job import TrainJob
-from training.errors import ZooidValueError
-from training.specs import WorkerSpec
-from training.warm import (LEASE_EXIT, LeaseClock, WarmSettings, command_key, read_json, reply_key,
-                           status_key)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,8 +61,8 @@ def test_warm_settings_refuse_bad_values(raw, field):
 
 
 def _publish_run(store, run_id: str) -> dict:
-    from training.checkpoint import initial_checkpoint
-    from training.datasets import publish_dataset
+    from engine.checkpoint import initial_checkpoint
+    from engine.datasets import publish_dataset
 
     manifest = publish_dataset(store, run_id, "digits", 64)
     initial_checkpoint(store, f"runs/{run_id}/ckpt/init.safetensors", "digits_mlp", "sgd", 0.05, seed=0,
@@ -76,7 +75,7 @@ def _launch(store_url: str, run_id: str, worker: str, log: Path, lease_s: float 
                       dataset="digits", subsets=(), steps=0, batch_size=16, lr=0.05,
                       extra={"warm": {"worker": worker, "lease_s": lease_s, "check_s": 0.2}})
     with open(log, "wb") as out:
-        return subprocess.Popen([sys.executable, "-m", "training.worker_main", "--spec-json",
+        return subprocess.Popen([sys.executable, "-m", "runtime.worker_main", "--spec-json",
                                  json.dumps(spec.to_dict())], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
 
@@ -93,8 +92,8 @@ def _await_reply(store, run_id, worker, seq, proc, limit_s=120.0) -> dict:
 
 
 def test_a_warm_worker_trains_epoch_after_epoch_in_one_process_then_stops(dir_store, tmp_path):
+    from engine.datasets import assign_subsets
     from tasks.warm_pool import LeaseRenewer
-    from training.datasets import assign_subsets
 
     run_id = "warmengine"
     manifest = _publish_run(dir_store, run_id)
@@ -153,10 +152,10 @@ def _lives(rows: list[dict]) -> dict[str, list[dict]]:
 
 @pytest.mark.usefixtures("prefect_api")
 def test_warm_run_keeps_one_process_per_rank_and_bills_its_whole_life(tmp_path):
+    from comm.store import open_store
     from flows.train import train
     from tasks.cost import read_ledger
     from tasks.sweep import tagged_pids
-    from training.store import open_store
 
     store_url = f"file://{tmp_path}/store"
     summary = train(TrainJob(workers=2, epochs=3, store=store_url, batch_size=32, target="inline",
@@ -223,8 +222,8 @@ def test_progress_moves_within_an_epoch_by_the_steps_workers_report(monkeypatch)
 
 
 def _final_weights(store_url: str, summary) -> dict[str, torch.Tensor]:
-    from training.store import open_store
-    from training.tensor_codec import decode_tensors
+    from comm.store import open_store
+    from comm.tensor_codec import decode_tensors
 
     store = open_store(store_url)
     tensors, _ = decode_tensors(store.get(summary.checkpoint_key))
@@ -261,10 +260,10 @@ def test_rescaling_warm_workers_up_and_down_trains_as_the_cold_path(tmp_path, mo
 
 @pytest.mark.usefixtures("prefect_api")
 def test_a_warm_worker_killed_mid_epoch_is_replaced_and_the_epoch_completes(tmp_path, monkeypatch):
+    from comm.store import open_store
     from flows.train import train
     from tasks.cost import read_ledger
     from tasks.sweep import tagged_pids
-    from training.store import open_store
 
     monkeypatch.setenv("ZOOID_CHAOS", "kill_worker:epoch=1:rank=1:step=3")
     store_url = f"file://{tmp_path}/store"
@@ -326,9 +325,9 @@ def test_workers_of_a_killed_coordinator_exit_within_their_lease(tmp_path):
 def test_workers_a_known_rescale_adds_are_started_during_the_epoch_before(tmp_path):
     """adabatch doubles 1 -> 2 workers after epoch 0, which is known before epoch 0 ends: the
     second worker is launched while epoch 0 trains, and epoch 1 starts on it warm."""
+    from comm.store import open_store
     from flows.train import train
     from tasks.cost import read_ledger
-    from training.store import open_store
 
     store_url = f"file://{tmp_path}/store"
     # epoch 0 trains long enough (6250 steps, seconds) for the launch to land inside it

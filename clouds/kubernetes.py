@@ -1,0 +1,188 @@
+"""Kubernetes workers: their cost on the cluster's clock, the sweep that removes stragglers, and
+the job of a flow run.
+
+Every worker's Job and pod carry the label `zooid-run=<run_id>` (the job template sets it
+from `zooid_run_id` and the `labels` job variable), and the pod carries Prefect's
+`prefect.io/flow-run-id` label. The flow run's `infrastructure_pid` is `<namespace>:<job>`.
+
+A pod is billed from `status.startTime` (the kubelet accepted it, so the image pull counts,
+as on Fargate and ACI) to its container's `finishedAt`. A pod the scheduler could not place
+(`PodScheduled=False`, reason `Unschedulable`: no node with a free `nvidia.com/gpu`) or that
+failed before its container ever ran is a failed placement: listed, not billed.
+
+The functions are coroutines over a `kubernetes_asyncio` `ApiClient` (what the Kubernetes
+worker uses); `run_sync` runs one from synchronous code and `k8s_session` opens a client
+from the work pool's cluster config block.
+"""
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from datetime import datetime
+from typing import Iterable
+
+from clouds.adapter import FLOW_RUN_ID_LABEL, CloudAdapter, CloudInterval
+
+RUN_LABEL = "zooid-run"
+
+
+def _ts(value) -> float | None:
+    return value.timestamp() if isinstance(value, datetime) else None
+
+
+def _unschedulable(pod) -> bool:
+    return any(c.type == "PodScheduled" and c.status == "False" and c.reason == "Unschedulable"
+               for c in (pod.status.conditions or []))
+
+
+def pod_interval(pod) -> CloudInterval:
+    """One pod as a `CloudInterval`."""
+    status = pod.status
+    containers = status.container_statuses or []
+    running = [c.state.running for c in containers if c.state and c.state.running]
+    terminated = [c.state.terminated for c in containers if c.state and c.state.terminated]
+    started_at = [_ts(s.started_at) for s in running + terminated if s.started_at]
+    started = min(started_at) if started_at else None
+    finished = max((_ts(t.finished_at) for t in terminated if t.finished_at), default=None)
+    phase = status.phase
+    if phase == "Succeeded":
+        state = "completed"
+    elif phase == "Failed":
+        state = "failed" if started is not None else "failed_placement"
+    elif phase == "Pending" and _unschedulable(pod):
+        state = "failed_placement"
+    else:
+        state = "running"
+    reason = next((c.message or c.reason or "" for c in (status.conditions or []) if c.status == "False"), "")
+    return CloudInterval(resource=pod.metadata.name, flow_run_id=(pod.metadata.labels or {}).get(FLOW_RUN_ID_LABEL),
+                         billed_from=_ts(status.start_time), stopped=finished if state != "running" else None,
+                         status=state, created=_ts(pod.metadata.creation_timestamp), started=started,
+                         reason=status.reason or reason)
+
+
+async def list_run_pods(api_client, namespace: str, run_id: str) -> list:
+    """The run's pods (label `zooid-run=<run_id>`)."""
+    from kubernetes_asyncio.client import CoreV1Api
+
+    pods = await CoreV1Api(api_client).list_namespaced_pod(namespace, label_selector=f"{RUN_LABEL}={run_id}")
+    return list(pods.items)
+
+
+async def run_intervals(api_client, namespace: str, run_id: str) -> list[CloudInterval]:
+    """Every pod of the run the cluster still lists, on the cluster's clock."""
+    return [pod_interval(p) for p in await list_run_pods(api_client, namespace, run_id)]
+
+
+async def delete_jobs(api_client, namespace: str, names: Iterable[str]) -> list[str]:
+    """Delete Jobs and, through background propagation, their pods; a Job already gone is skipped."""
+    from kubernetes_asyncio.client import BatchV1Api
+    from kubernetes_asyncio.client.exceptions import ApiException
+
+    batch, deleted = BatchV1Api(api_client), []
+    for name in names:
+        try:
+            await batch.delete_namespaced_job(name, namespace, propagation_policy="Background",
+                                              grace_period_seconds=0)
+        except ApiException as exc:
+            if exc.status == 404:
+                continue
+            raise
+        deleted.append(name)
+    return deleted
+
+
+async def sweep(api_client, namespace: str, run_id: str) -> dict[str, list[str]]:
+    """Delete every Job of the run and any of its pods still alive (a pod whose Job is gone)."""
+    from kubernetes_asyncio.client import BatchV1Api, CoreV1Api
+    from kubernetes_asyncio.client.exceptions import ApiException
+
+    jobs = await BatchV1Api(api_client).list_namespaced_job(namespace, label_selector=f"{RUN_LABEL}={run_id}")
+    deleted_jobs = await delete_jobs(api_client, namespace, [j.metadata.name for j in jobs.items])
+    core, deleted_pods = CoreV1Api(api_client), []
+    for pod in await list_run_pods(api_client, namespace, run_id):
+        if pod.status.phase in ("Succeeded", "Failed") or pod.metadata.deletion_timestamp is not None:
+            continue
+        try:
+            await core.delete_namespaced_pod(pod.metadata.name, namespace, grace_period_seconds=0)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            continue
+        deleted_pods.append(pod.metadata.name)
+    return {"jobs": deleted_jobs, "pods": deleted_pods}
+
+
+def job_of_flow_run(flow_run) -> tuple[str, str] | None:
+    """(namespace, job name) of a worker flow run, from its `infrastructure_pid` `<namespace>:<job>`."""
+    pid = getattr(flow_run, "infrastructure_pid", None) or ""
+    namespace, sep, job = pid.partition(":")
+    return (namespace, job) if sep and namespace and job and ":" not in job else None
+
+
+async def delete_flow_run_jobs(api_client, flow_runs: Iterable) -> list[str]:
+    """Delete the Job behind each flow run directly, without waiting for a worker to see the
+    cancellation."""
+    deleted = []
+    for fr in flow_runs:
+        found = job_of_flow_run(fr)
+        if found is not None:
+            deleted += await delete_jobs(api_client, found[0], [found[1]])
+    return deleted
+
+
+@asynccontextmanager
+async def k8s_session(work_pool: str, job_variables: dict | None = None):
+    """(ApiClient, namespace) as the pool's workers see them (its cluster config block, or the
+    in-cluster / local kubeconfig when the pool names none)."""
+    from kubernetes_asyncio import config
+    from kubernetes_asyncio.client import ApiClient
+    from prefect_kubernetes.worker import KubernetesWorkerJobConfiguration
+
+    from clouds.adapter import read_pool_job_configuration
+
+    cfg = await read_pool_job_configuration(KubernetesWorkerJobConfiguration, work_pool, job_variables)
+    if cfg.cluster_config:
+        client = await config.new_client_from_config_dict(config_dict=cfg.cluster_config.config,
+                                                          context=cfg.cluster_config.context_name)
+    else:
+        try:
+            config.load_incluster_config()
+            client = ApiClient()
+        except config.ConfigException:
+            client = await config.new_client_from_config()
+    try:
+        yield client, cfg.namespace
+    finally:
+        await client.close()
+
+
+def run_sync(coro):
+    """Run one of these coroutines from synchronous code (a Prefect task, a hook)."""
+    from prefect.utilities.asyncutils import run_coro_as_sync
+
+    return run_coro_as_sync(coro)
+
+
+class KubernetesAdapter(CloudAdapter):
+    """Kubernetes behind the adapter interface (the coroutines run to completion here)."""
+
+    def intervals(self, run_id: str) -> list[CloudInterval]:
+        async def _read():
+            async with k8s_session(self.work_pool, self.job_variables) as (client, namespace):
+                return await run_intervals(client, namespace, run_id)
+
+        return run_sync(_read())
+
+    def stop(self, flow_runs: Iterable) -> list[str]:
+        async def _stop():
+            async with k8s_session(self.work_pool, self.job_variables) as (client, _):
+                return await delete_flow_run_jobs(client, flow_runs)
+
+        return run_sync(_stop())
+
+    def sweep(self, run_id: str) -> list[str]:
+        async def _sweep():
+            async with k8s_session(self.work_pool, self.job_variables) as (client, namespace):
+                done = await sweep(client, namespace, run_id)
+                return done["jobs"] + done["pods"]
+
+        return run_sync(_sweep())

@@ -1,0 +1,33 @@
+"""Which cloud adapter serves a compute target: the one place that maps a target's kind to its
+provider module. Local targets (inline processes, the process pool) have no cloud clock, no
+cloud resources to stop and nothing to sweep there; the process sweep (`tasks.sweep`) covers
+them.
+"""
+from __future__ import annotations
+
+from clouds.adapter import CloudAdapter
+
+CLOUD_KINDS = ("ecs", "aci", "k8s")
+"""Target kinds run by a cloud provider (the rest run on this machine)."""
+
+
+def is_cloud(target) -> bool:
+    """Whether `target` (a `ComputeTarget`) runs its workers on a cloud provider."""
+    return target.kind in CLOUD_KINDS
+
+
+def adapter_for(target) -> CloudAdapter | None:
+    """The provider adapter for `target`'s work pool, or None for a local target."""
+    if target.kind == "ecs":
+        from clouds.ecs import EcsAdapter
+
+        return EcsAdapter(target.work_pool, target.job_variables)
+    if target.kind == "aci":
+        from clouds.aci import AciAdapter
+
+        return AciAdapter(target.work_pool, target.job_variables)
+    if target.kind == "k8s":
+        from clouds.kubernetes import KubernetesAdapter
+
+        return KubernetesAdapter(target.work_pool, target.job_variables)
+    return None

@@ -1,0 +1,334 @@
+"""Allreduce through a store: scatter-reduce, then all-gather, with no coordinator.
+
+The tensors of a call are flattened (per dtype) into one vector and cut into `world`
+slices. Rank i uploads slice j of its vector for rank j (keeping its own slice j = i in
+memory); rank j downloads the other world - 1 contributions to its slice, reduces them,
+uploads the reduced slice; every rank then downloads the world - 1 reduced slices it does
+not own. A rank uploads one model size and downloads 2 (world - 1) / world of one, and
+never holds more than one model's worth of contributions.
+
+Keys of one call live under `prefix` (e.g. `runs/<id>/sync/e3/r7`):
+`{prefix}/part/{j}/{i}` (rank i's piece of slice j) and `{prefix}/mean/{j}` (slice j reduced).
+
+Every key of a call is idempotent: it is written by one rank, from state every attempt of
+that rank computes alike, so a relaunched rank may post it again. Three rules make a call
+safe to rejoin by a rank that died in it and was relaunched from an earlier state:
+
+- `mean/j` is the round's result for slice j. When it is already there, a replaying rank j
+  (`replay=True`: a relaunch) adopts it
+  instead of reducing again (its first life got that far), and no rank posts a piece of
+  slice j any more (its reader no longer needs one);
+- a part key has one reader, rank j, which deletes its parts only *after* it posted
+  `mean/j`: a rank that dies half-way through reading finds every piece again;
+- `mean/j` is read by every rank. With `previous_prefix` rank j deletes it during the next
+  call of the group, once it holds all of that call's parts (a peer that posted a part of
+  call r + 1 has finished reading call r). Without it the results stay until the caller
+  deletes the call's prefix: Local-SGD (`engine.local_sgd`) deletes round r - 1 only
+  once the checkpoint of round r exists, because a relaunched replica restarts from that
+  checkpoint and must be able to replay every later round;
+- after the last call, `release_group` lets every rank post `{group}/done/{rank}`; rank 0
+  waits for all of them and deletes the whole group prefix, the calls before the done keys
+  (so a relaunched rank 0 that finds no call keys knows the release already happened).
+  While it waits, call keys that are gone mean the store lost the group (only rank 0
+  deletes them): the done keys posted before the loss are gone too, so it stops waiting
+  instead of sitting out the whole timeout (`sync_timeout_s`, 17 minutes by default).
+
+Lost scratch keys (a Redis restarted without persistence). A `PostLog` remembers what this
+rank posted in the current and the previous call. While a wait stalls for `repost_s`
+seconds, the rank posts again every logged key that is gone (skipping pieces whose
+`mean/j` exists): every key a peer can still be waiting for is held by its writer, since a
+peer waits at most on the call its writer is in or the one before. So the round completes
+after the restart; only when a wait reaches `timeout` does the call raise `StoreTimeout`,
+and the coordinator then relaunches the epoch from the last sync checkpoint.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from comm.store import Store
+from comm.tensor_codec import decode_tensors, encode_tensors
+from core.errors import StoreTimeout, ZooidValueError
+
+
+@dataclass
+class SyncStats:
+    """Traffic and time a rank spent in collectives (accumulated over calls)."""
+
+    bytes_up: int = 0
+    bytes_down: int = 0
+    upload_s: float = 0.0
+    download_s: float = 0.0
+    seconds: float = 0.0
+    calls: int = 0
+    reposts: int = 0
+    """Keys posted again because the store had lost them."""
+
+    @property
+    def bytes_total(self) -> int:
+        """Bytes uploaded plus downloaded."""
+        return self.bytes_up + self.bytes_down
+
+
+@dataclass
+class _Post:
+    key: str
+    blob: bytes
+    unless: str | None
+    """Skip re-posting while this key exists (the piece's reader is past needing it)."""
+
+
+class PostLog:
+    """What one rank posted in its current and previous call of a group, so that it can
+    post the keys again after the scratch store lost them (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.current: list[_Post] = []
+        self.previous: list[_Post] = []
+
+    def start_call(self) -> None:
+        """Forget the call before the previous one: no peer can still wait for it."""
+        self.previous, self.current = self.current, []
+
+    def add(self, key: str, blob: bytes, unless: str | None = None) -> None:
+        """Remember a key this rank posted in the current call."""
+        self.current.append(_Post(key, blob, unless))
+
+    def repost_missing(self, store: Store) -> int:
+        """Post again every remembered key that is gone; return how many were posted."""
+        n = 0
+        for post in self.previous + self.current:
+            if store.exists(post.key) or (post.unless and store.exists(post.unless)):
+                continue
+            store.put(post.key, post.blob, scratch=True)
+            n += 1
+        return n
+
+
+class _Traffic:
+    """Store access that counts bytes and seconds, names the missing key on a timeout and,
+    with a PostLog, re-posts this rank's lost keys whenever a wait stalls."""
+
+    def __init__(self, store: Store, rank: int, timeout: float, stats: SyncStats,
+                 log: PostLog | None = None, repost_s: float | None = None):
+        self.store, self.rank, self.timeout, self.stats = store, rank, timeout, stats
+        self.log, self.repost_s = log, repost_s
+
+    def put(self, key: str, tensors: dict[str, torch.Tensor], unless: str | None = None) -> None:
+        t0 = time.perf_counter()
+        blob = encode_tensors(tensors)
+        self.store.put(key, blob, scratch=True)
+        if self.log is not None:
+            self.log.add(key, blob, unless)
+        self.stats.upload_s += time.perf_counter() - t0
+        self.stats.bytes_up += len(blob)
+
+    def _wait(self, key: str) -> bytes:
+        deadline = time.monotonic() + self.timeout
+        while True:
+            left = deadline - time.monotonic()
+            stall = left if self.log is None or not self.repost_s else min(left, self.repost_s)
+            try:
+                return self.store.get(key, timeout=max(0.0, stall))
+            except (StoreTimeout, KeyError):
+                if time.monotonic() >= deadline:
+                    raise StoreTimeout(
+                        f"rank {self.rank} waited {self.timeout:g}s for {key}; a peer is missing or slow"
+                    ) from None
+            # Stalled: if the store lost our keys, a peer may be waiting for them as we wait.
+            self.stats.reposts += self.log.repost_missing(self.store)
+
+    def get(self, key: str) -> dict[str, torch.Tensor]:
+        t0 = time.perf_counter()
+        blob = self._wait(key)
+        tensors, _ = decode_tensors(blob)
+        self.stats.download_s += time.perf_counter() - t0
+        self.stats.bytes_down += len(blob)
+        return tensors
+
+
+def _flatten(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One flat CPU vector per dtype, the tensors concatenated in sorted-name order."""
+    groups: dict[str, list[torch.Tensor]] = {}
+    for name in sorted(tensors):
+        t = tensors[name]
+        groups.setdefault(str(t.dtype).removeprefix("torch."), []).append(t.detach().to("cpu").reshape(-1))
+    return {dtype: torch.cat(parts) for dtype, parts in groups.items()}
+
+
+def _unflatten(flat: dict[str, torch.Tensor], like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    offsets = {dtype: 0 for dtype in flat}
+    out = {}
+    for name in sorted(like):
+        t = like[name]
+        dtype = str(t.dtype).removeprefix("torch.")
+        start = offsets[dtype]
+        out[name] = flat[dtype][start : start + t.numel()].reshape(t.shape).clone()
+        offsets[dtype] = start + t.numel()
+    return out
+
+
+def _slice(flat: dict[str, torch.Tensor], j: int, world: int) -> dict[str, torch.Tensor]:
+    return {dtype: torch.tensor_split(v, world)[j].contiguous() for dtype, v in flat.items()}
+
+
+def _allreduce(
+    store: Store,
+    prefix: str,
+    rank: int,
+    world: int,
+    tensors: dict[str, torch.Tensor],
+    timeout: float,
+    reduce: Callable[[torch.Tensor], torch.Tensor],
+    stats: SyncStats | None,
+    previous_prefix: str | None,
+    log: PostLog | None = None,
+    repost_s: float | None = None,
+    replay: bool = False,
+) -> dict[str, torch.Tensor]:
+    if world == 1:
+        return tensors
+    stats = stats if stats is not None else SyncStats()
+    t0 = time.perf_counter()
+    if log is not None:
+        log.start_call()
+    io = _Traffic(store, rank, timeout, stats, log, repost_s)
+    flat = _flatten(tensors)
+
+    # Scatter: my piece of every other rank's slice, unless that slice is already reduced
+    # (this rank is a relaunch replaying a round its peers got further in). Only a replay
+    # can find results of a round it has not contributed to, so only it pays the lookups.
+    reduced_already = (lambda key: store.exists(key)) if replay else (lambda key: False)
+    for j in range(world):
+        if j != rank and not reduced_already(f"{prefix}/mean/{j}"):
+            io.put(f"{prefix}/part/{j}/{rank}", _slice(flat, j, world), unless=f"{prefix}/mean/{j}")
+    mine_key = f"{prefix}/mean/{rank}"
+    if reduced_already(mine_key):
+        mine = io.get(mine_key)  # reduced by this rank's previous life: adopt it
+        if log is not None:
+            log.add(mine_key, encode_tensors(mine))
+    else:
+        # Reduce my slice from every rank's piece, in rank order so every run sums alike.
+        pieces = [_slice(flat, rank, world) if i == rank else io.get(f"{prefix}/part/{rank}/{i}")
+                  for i in range(world)]
+        mine = {dtype: reduce(torch.stack([p[dtype] for p in pieces])) for dtype in flat}
+        del pieces
+        io.put(mine_key, mine)
+    out = _release_and_gather(store, io, prefix, rank, world, flat, mine, tensors, previous_prefix)
+    stats.seconds += time.perf_counter() - t0
+    stats.calls += 1
+    return out
+
+
+def _release_and_gather(store: Store, io: "_Traffic", prefix: str, rank: int, world: int,
+                        flat: dict[str, torch.Tensor], mine: dict[str, torch.Tensor],
+                        tensors: dict[str, torch.Tensor], previous_prefix: str | None) -> dict[str, torch.Tensor]:
+    """The end of a round once this rank has posted its reduced slice (`mean/<rank>`), shared
+    by the plain and the pipelined scatter-reduce: delete the pieces of the slice (only now,
+    so a rank that died before posting finds them all when relaunched) and the previous
+    call's result (every peer posted a part of this call, so all have read it), then gather
+    every reduced slice in rank order."""
+    for i in range(world):
+        if i != rank:
+            store.delete(f"{prefix}/part/{rank}/{i}")
+    if previous_prefix is not None:
+        store.delete(f"{previous_prefix}/mean/{rank}")
+    reduced = {dtype: [] for dtype in flat}
+    for j in range(world):
+        part = mine if j == rank else io.get(f"{prefix}/mean/{j}")
+        for dtype in flat:
+            reduced[dtype].append(part[dtype])
+    return _unflatten({d: torch.cat(v) for d, v in reduced.items()}, tensors)
+
+
+def allreduce_mean(
+    store: Store,
+    prefix: str,
+    rank: int,
+    world: int,
+    tensors: dict[str, torch.Tensor],
+    timeout: float,
+    *,
+    stats: SyncStats | None = None,
+    previous_prefix: str | None = None,
+    log: PostLog | None = None,
+    repost_s: float | None = None,
+    replay: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Elementwise mean of `tensors` over the `world` ranks (every rank passes the same names
+    and shapes), reduced in each tensor's own dtype. world == 1 returns `tensors` untouched
+    without store traffic. A peer that posts nothing within `timeout` raises StoreTimeout
+    naming the key. `previous_prefix` is this group's previous call, whose results this call
+    cleans up; `log` (kept across the group's calls) and `repost_s` re-post lost keys while
+    a wait stalls; `replay` (a relaunched rank) adopts results already in the store (see
+    the module docstring)."""
+    for name, t in tensors.items():
+        if not t.is_floating_point():
+            raise ZooidValueError("tensors", f"{name!r} is {t.dtype}; a mean needs floating tensors")
+    return _allreduce(store, prefix, rank, world, tensors, timeout, lambda s: s.mean(0), stats,
+                      previous_prefix, log, repost_s, replay)
+
+
+def allreduce_sum(
+    store: Store,
+    prefix: str,
+    rank: int,
+    world: int,
+    tensors: dict[str, torch.Tensor],
+    timeout: float,
+    *,
+    stats: SyncStats | None = None,
+    previous_prefix: str | None = None,
+    log: PostLog | None = None,
+    repost_s: float | None = None,
+    replay: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Elementwise sum of `tensors` over the ranks; otherwise as `allreduce_mean`."""
+    return _allreduce(store, prefix, rank, world, tensors, timeout, lambda s: s.sum(0), stats,
+                      previous_prefix, log, repost_s, replay)
+
+
+def release_group(
+    store: Store, group: str, rank: int, world: int, timeout: float, *,
+    stats: SyncStats | None = None, resumed: bool = False,
+) -> None:
+    """End a group of calls under prefix `group`: every rank says it is done; rank 0 waits
+    for all ranks and deletes everything under `group`. No-op for world == 1.
+
+    `resumed`: this rank is a relaunch that may have released the group in a previous life.
+    If no call keys (`{group}/r...`) are left, the release already happened: a relaunched
+    rank then posts nothing. Rank 0 stops waiting for done keys whenever the call keys
+    are gone: released in a previous life, or lost by a scratch store that restarted (the
+    done keys posted before it are lost with them; one posted later is scratch that
+    the coordinator deletes with the epoch's group)."""
+    if world == 1:
+        return
+    t0 = time.perf_counter()
+    calls_left = lambda: bool(store.list(f"{group}/r"))  # noqa: E731 - used twice below
+    if resumed and not calls_left():
+        if rank == 0:
+            store.delete_prefix(f"{group}/")  # done keys a previous life left behind
+        return
+    store.put(f"{group}/done/{rank}", b"1", scratch=True)
+    if rank != 0:
+        return
+    for i in range(1, world):
+        key = f"{group}/done/{i}"
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                store.get(key, timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+                break
+            except (StoreTimeout, KeyError):
+                if not calls_left():
+                    break  # released by our previous life, or lost by the store: nothing to wait for
+                if time.monotonic() >= deadline:
+                    raise StoreTimeout(f"rank 0 waited {timeout:g}s for {key}; a peer is missing") from None
+    # Calls first, done keys last: see `resumed` above.
+    store.delete_prefix(f"{group}/r")
+    store.delete_prefix(f"{group}/")
+    if stats is not None:
+        stats.seconds += time.perf_counter() - t0

@@ -1,0 +1,47 @@
+"""Open a store from a URL: `open_store(url)` picks one of the implementations.
+
+The interface (`Store`, `StoreKeyError`, `check_key`) lives in `comm.store_base`; the
+implementations (`store_dir`, `store_redis`, `store_s3`) import it from there, and this
+module imports them only when a URL asks for one. `Store` and `StoreKeyError` can still be
+imported from here.
+
+- `file:///abs/path` or a plain path: a directory (the embedded default, `.zooid/store`)
+- `redis://host:port/db`: Redis
+- `s3://bucket/prefix` (endpoint from `?endpoint=...`, `ZOOID_S3_ENDPOINT` or
+  `AWS_ENDPOINT_URL`): S3
+"""
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+from comm.store_base import Store, StoreKeyError, check_key
+from core.errors import ZooidValueError
+
+__all__ = ["Store", "StoreKeyError", "check_key", "open_store"]
+
+
+def open_store(url: str, *, upload_bytes_per_s: float | None = None,
+               download_bytes_per_s: float | None = None, s3_session=None) -> Store:
+    """Open the store a URL names (see the module docstring).
+
+    `upload_bytes_per_s` / `download_bytes_per_s` emulate a link of that bandwidth per
+    direction (e.g. 70e6 for an AWS Lambda function); None leaves a direction unpaced.
+    `s3_session`: the boto3 Session an S3 store uses (its credentials, from a block); None:
+    boto3's default chain (a task role, the instance profile, the standard variables).
+    """
+    if not isinstance(url, str) or not url.strip():
+        raise ZooidValueError("store", f"must be a store URL or a path, got {url!r}")
+    rates = dict(upload_bytes_per_s=upload_bytes_per_s, download_bytes_per_s=download_bytes_per_s)
+    scheme = urlsplit(url).scheme.lower()
+    # Imports are local so that a worker using one store needs only that client library.
+    if scheme in ("", "file") or (len(scheme) == 1 and url[1:2] == ":"):
+        from comm.store_dir import DirectoryStore
+        return DirectoryStore.from_url(url, **rates)
+    if scheme in ("redis", "rediss", "unix"):
+        from comm.store_redis import RedisStore
+        return RedisStore.from_url(url, **rates)
+    if scheme == "s3":
+        from comm.store_s3 import S3Store
+        return S3Store.from_url(url, session=s3_session, **rates)
+    raise ZooidValueError(
+        "store", f"unknown scheme {scheme!r} in {url!r}; use file://, redis:// or s3://")

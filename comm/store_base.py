@@ -1,0 +1,180 @@
+"""The store interface: bytes under keys, all of them below `runs/<run_id>/`.
+
+A reader never sees half an object: every `put` is atomic. Values are raw bytes; tensors
+are encoded by `comm.tensor_codec` (safetensors), never pickled.
+
+`Store` does what all implementations share: key validation, the wait-with-backoff of `get`,
+bandwidth emulation and transfer accounting (`store.stats`). An implementation supplies
+the raw operations (`_write`, `_read`, `_exists`, `_list`, `_delete_prefix`, `_delete`).
+The implementations (`store_dir`, `store_redis`, `store_s3`) import this module, and
+`comm.store.open_store` picks one of them from a URL.
+"""
+from __future__ import annotations
+
+import abc
+import time
+
+from comm import heartbeat
+from comm.bandwidth import Link, TransferStats
+from core.errors import StoreTimeout, ZooidValueError
+
+
+class StoreKeyError(ZooidValueError):
+    """A key that no store accepts (absolute, `..`, empty segment, control characters)."""
+
+
+def check_key(key: str, *, field: str = "key", prefix: bool = False) -> str:
+    """Return `key` if it is a valid relative key (or key prefix), else raise StoreKeyError.
+
+    Keys are `/`-separated relative paths: no leading `/`, no `.` or `..` segments, no
+    empty segments, no backslashes or control characters. A prefix may be empty and
+    may end in `/` or in the middle of a segment.
+    """
+    if not isinstance(key, str):
+        raise StoreKeyError(field, f"must be a string, got {type(key).__name__}")
+    if not key:
+        if prefix:
+            return key
+        raise StoreKeyError(field, "must not be empty")
+    if key.startswith("/"):
+        raise StoreKeyError(field, f"must be relative (no leading '/'), got {key!r}")
+    if "\\" in key or any(ord(c) < 32 or ord(c) == 127 for c in key):
+        raise StoreKeyError(field, f"must not contain backslashes or control characters: {key!r}")
+    parts = key.split("/")
+    if prefix and parts[-1] == "":
+        parts = parts[:-1]
+    for part in parts:
+        if part in ("", ".", ".."):
+            raise StoreKeyError(field, f"must not contain empty, '.' or '..' segments: {key!r}")
+    return key
+
+
+# Polling schedule of `get` while a key is absent: start fast (a pipeline stage waits for
+# its neighbour's activations), back off so that a long wait costs few requests.
+POLL_GROWTH = 1.5
+
+
+class Store(abc.ABC):
+    """Bytes under string keys with atomic puts and a blocking get."""
+
+    url: str
+    """A URL that `open_store` turns back into an equivalent store (workers reopen it)."""
+    poll_first_s: float = 0.002
+    """First sleep of a waiting `get`; each next one is `POLL_GROWTH` times longer."""
+    poll_max_s: float = 0.05
+    """Longest sleep between two checks while `get` waits for a key."""
+
+    def __init__(self, *, upload_bytes_per_s: float | None = None,
+                 download_bytes_per_s: float | None = None):
+        self.link = Link(upload_bytes_per_s, download_bytes_per_s)
+
+    @property
+    def stats(self) -> TransferStats:
+        """Bytes and seconds moved so far in each direction by this client."""
+        return self.link.stats
+
+    # --- the interface -------------------------------------------------------------
+
+    def put(self, key: str, data: bytes, *, scratch: bool = False) -> None:
+        """Store `data` under `key` atomically (readers see all of it or nothing).
+
+        `scratch`: the key is read by a live peer and deleted (an activation, a sync round's
+        part, a barrier mark), so a store may skip what only guards it against a crash of
+        the machine, which would lose the epoch anyway (the directory store's fsync)."""
+        check_key(key)
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise ZooidValueError("data", f"must be bytes, got {type(data).__name__}")
+        data = bytes(data) if not isinstance(data, bytes) else data
+        write = self._write_scratch if scratch else self._write
+        self.link.upload(len(data), lambda: write(key, data))
+
+    def get(self, key: str, timeout: float | None = None) -> bytes:
+        """Return the bytes under `key`; wait up to `timeout` seconds for it to appear
+        (None: do not wait). Raises `StoreTimeout` (or KeyError when not waiting)."""
+        check_key(key)
+        if timeout is not None and not timeout >= 0:
+            raise ZooidValueError("timeout", f"must be >= 0 seconds or None, got {timeout!r}")
+        began = time.monotonic()
+        pause = self.poll_first_s
+        while True:
+            start = time.monotonic()
+            data = self._read(key)
+            if data is not None:
+                self.link.waited(start - began)
+                self.link.download(start, len(data))
+                return data
+            if timeout is None:
+                raise KeyError(key)
+            left = began + timeout - time.monotonic()
+            if left <= 0:
+                self.link.waited(time.monotonic() - began)
+                raise StoreTimeout(f"key {key!r} did not appear in {self.url} within {timeout:g} s")
+            heartbeat.beat()  # waiting on a peer is not hanging
+            time.sleep(min(pause, left))
+            pause = min(pause * POLL_GROWTH, self.poll_max_s)
+
+    def exists(self, key: str) -> bool:
+        """Whether `key` is present."""
+        return self._exists(check_key(key))
+
+    def list(self, prefix: str) -> list[str]:
+        """Every key that starts with `prefix`, sorted."""
+        return sorted(self._list(check_key(prefix, field="prefix", prefix=True)))
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every key under `prefix`; return how many were deleted.
+
+        An empty prefix is refused: wiping a whole store is never what a run means.
+        """
+        if not prefix:
+            raise StoreKeyError("prefix", "must not be empty (refusing to delete every key)")
+        return self._delete_prefix(check_key(prefix, field="prefix", prefix=True))
+
+    def delete(self, key: str) -> None:
+        """Delete one key (no error when absent)."""
+        self._delete(check_key(key))
+
+    def ping(self) -> None:
+        """Raise `StoreError` when the store cannot be reached (checked before a run)."""
+
+    def close(self) -> None:
+        """Release connections."""
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+    # --- what an implementation supplies -------------------------------------------
+
+    @abc.abstractmethod
+    def _write(self, key: str, data: bytes) -> None:
+        """Atomically replace the value under a validated key."""
+
+    def _write_scratch(self, key: str, data: bytes) -> None:
+        """`_write` for a scratch key (see `put`); the same unless a store can do less."""
+        self._write(key, data)
+
+    @abc.abstractmethod
+    def _read(self, key: str) -> bytes | None:
+        """The whole value under a validated key, or None when absent (never partial)."""
+
+    @abc.abstractmethod
+    def _exists(self, key: str) -> bool:
+        """Whether a validated key is present."""
+
+    @abc.abstractmethod
+    def _list(self, prefix: str) -> list[str]:
+        """Keys starting with a validated prefix, any order."""
+
+    @abc.abstractmethod
+    def _delete_prefix(self, prefix: str) -> int:
+        """Delete keys under a validated, non-empty prefix; return the count."""
+
+    @abc.abstractmethod
+    def _delete(self, key: str) -> None:
+        """Delete a validated key if present."""

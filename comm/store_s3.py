@@ -1,0 +1,165 @@
+"""The S3 store: boto3 against AWS or any S3-compatible endpoint (moto, MinIO).
+
+`s3://bucket/prefix` puts every key under `prefix/`. The endpoint comes from the URL
+query (`?endpoint=http://127.0.0.1:9000`), else `ZOOID_S3_ENDPOINT`, else
+`AWS_ENDPOINT_URL`, else AWS itself; `?region=` sets the region. A single PutObject is
+atomic in S3 (readers see the old object or the new one), and so is a multipart upload,
+which becomes visible only at CompleteMultipartUpload; large values go multipart through
+boto3's transfer manager so parts upload in parallel.
+"""
+from __future__ import annotations
+
+import io
+import os
+from urllib.parse import parse_qs, urlsplit
+
+import boto3
+import botocore.exceptions
+from boto3.s3.transfer import TransferConfig
+from botocore.config import Config
+
+from comm.store_base import Store
+from core.errors import StoreError, ZooidValueError
+
+MULTIPART_THRESHOLD = 64 * 1024 * 1024
+MULTIPART_CHUNK = 16 * 1024 * 1024
+_ERRORS = (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError)
+
+
+def _code(e: Exception) -> str:
+    """The S3 error code of a ClientError ('' for other errors)."""
+    return getattr(e, "response", {}).get("Error", {}).get("Code", "")
+
+
+class S3Store(Store):
+    """Objects in one bucket below a prefix; puts are single or multipart uploads."""
+
+    poll_max_s = 0.1  # every poll is a billed request on real S3
+
+    def __init__(self, bucket: str, prefix: str = "", *, endpoint: str | None = None,
+                 region: str | None = None, url: str | None = None,
+                 multipart_threshold: int = MULTIPART_THRESHOLD, session=None, **rates):
+        super().__init__(**rates)
+        if not bucket:
+            raise ZooidValueError("store", "an S3 store needs a bucket: s3://bucket/prefix")
+        self.bucket = bucket
+        prefix = prefix.strip("/")
+        self.prefix = prefix + "/" if prefix else ""
+        self.endpoint = endpoint or os.environ.get("ZOOID_S3_ENDPOINT") or os.environ.get(
+            "AWS_ENDPOINT_URL") or None
+        self.region = (region or (session.region_name if session is not None else None)
+                       or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1")
+        # A URL that reopens this very store, endpoint included, for workers elsewhere.
+        self.url = url or f"s3://{bucket}/{prefix}" + (f"?endpoint={endpoint}" if endpoint else "")
+        session = session or boto3.session.Session()  # credentials: the caller's, else boto3's chain
+        self.client = session.client(
+            "s3", endpoint_url=self.endpoint, region_name=self.region,
+            config=Config(connect_timeout=2, read_timeout=60, max_pool_connections=32,
+                          retries={"mode": "standard", "total_max_attempts": 4}))
+        self._session = session
+        self._ping_client = None  # made on first ping: creating a client costs ~0.3 s
+        self.transfer = TransferConfig(multipart_threshold=multipart_threshold,
+                                       multipart_chunksize=MULTIPART_CHUNK, max_concurrency=4)
+
+    @classmethod
+    def from_url(cls, url: str, session=None, **rates) -> "S3Store":
+        """Open `s3://bucket/prefix[?endpoint=URL&region=R]`."""
+        parts = urlsplit(url)
+        query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+        unknown = set(query) - {"endpoint", "region"}
+        if unknown:
+            raise ZooidValueError("store", f"unknown S3 URL parameter(s) {sorted(unknown)} in {url!r}")
+        return cls(parts.netloc, parts.path, endpoint=query.get("endpoint"),
+                   region=query.get("region"), url=url, session=session, **rates)
+
+    def _fail(self, what: str, key: str, e: Exception) -> StoreError:
+        return StoreError(f"S3 {what} of {key!r} in {self.url} failed: {e}")
+
+    def _write(self, key: str, data: bytes) -> None:
+        try:
+            if len(data) < self.transfer.multipart_threshold:
+                self.client.put_object(Bucket=self.bucket, Key=self.prefix + key, Body=data)
+            else:
+                self.client.upload_fileobj(io.BytesIO(data), self.bucket, self.prefix + key,
+                                           Config=self.transfer)
+        except _ERRORS as e:
+            raise self._fail("put", key, e) from e
+
+    def _read(self, key: str) -> bytes | None:
+        try:
+            response = self.client.get_object(Bucket=self.bucket, Key=self.prefix + key)
+            return response["Body"].read()
+        except botocore.exceptions.ClientError as e:
+            if _code(e) in ("NoSuchKey", "404"):
+                return None
+            raise self._fail("get", key, e) from e
+        except botocore.exceptions.BotoCoreError as e:
+            raise self._fail("get", key, e) from e
+
+    def _exists(self, key: str) -> bool:
+        try:
+            self.client.head_object(Bucket=self.bucket, Key=self.prefix + key)
+            return True
+        except botocore.exceptions.ClientError as e:
+            if _code(e) in ("NoSuchKey", "404", "NotFound"):
+                return False
+            raise self._fail("head", key, e) from e
+        except botocore.exceptions.BotoCoreError as e:
+            raise self._fail("head", key, e) from e
+
+    def _pages(self, prefix: str):
+        """Yield lists of full object keys under `prefix`, one list per page of up to 1000."""
+        paginator = self.client.get_paginator("list_objects_v2")
+        try:
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix + prefix):
+                yield [obj["Key"] for obj in page.get("Contents", [])]
+        except _ERRORS as e:
+            raise self._fail("list", prefix, e) from e
+
+    def _list(self, prefix: str) -> list[str]:
+        return [k[len(self.prefix):] for page in self._pages(prefix) for k in page]
+
+    def _delete_prefix(self, prefix: str) -> int:
+        count = 0
+        # Collect first: deleting while paginating would shift the pages under us.
+        pages = list(self._pages(prefix))
+        for page in pages:
+            if not page:
+                continue
+            try:
+                response = self.client.delete_objects(
+                    Bucket=self.bucket,
+                    Delete={"Objects": [{"Key": k} for k in page], "Quiet": False})
+            except _ERRORS as e:
+                raise self._fail("delete", prefix, e) from e
+            if response.get("Errors"):
+                raise StoreError(f"S3 delete under {prefix!r} in {self.url} failed for "
+                                 f"{len(response['Errors'])} keys: {response['Errors'][0]}")
+            count += len(response.get("Deleted", []))
+        return count
+
+    def _delete(self, key: str) -> None:
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=self.prefix + key)
+        except _ERRORS as e:
+            raise self._fail("delete", key, e) from e
+
+    def ping(self) -> None:
+        """Raise StoreError within about two seconds unless the bucket is reachable."""
+        if self._ping_client is None:
+            # One attempt with short timeouts, so an unreachable store answers in ~2 s.
+            self._ping_client = self._session.client(
+                "s3", endpoint_url=self.endpoint, region_name=self.region,
+                config=Config(connect_timeout=1, read_timeout=1,
+                              retries={"mode": "standard", "total_max_attempts": 1}))
+        try:
+            self._ping_client.head_bucket(Bucket=self.bucket)
+        except _ERRORS as e:
+            raise StoreError(f"S3 bucket {self.bucket!r} at "
+                             f"{self.endpoint or 'AWS'} unreachable: {e}") from e
+
+    def close(self) -> None:
+        """Close the HTTP connection pools."""
+        self.client.close()
+        if self._ping_client is not None:
+            self._ping_client.close()

@@ -1,0 +1,82 @@
+"""A plan is data: the strategy, the degrees of parallelism, worker sizes and predictions.
+
+Every planner (`planners.strategy` for Local-SGD, `partition`, `hybrid`, `co_optimize` for
+pipelines) returns this one `Plan`; the coordinator runs it and the report shows it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """What the coordinator provisions and runs for one epoch."""
+
+    strategy: str
+    """`local_sgd`, `pipeline` or `hybrid`."""
+    data_parallel: int
+    """D: replicas."""
+    stages: int = 1
+    """M: pipeline stages per replica."""
+    cuts: tuple[int, ...] = ()
+    microbatches: int = 1
+    pipeline_schedule: str = "gpipe"
+    """The pipeline's schedule (`core.schedules.build_schedule`): `gpipe`, `1f1b`
+    or `interleaved`."""
+    chunks: int = 1
+    """v, model stages per stage worker: 1, or >= 2 for `interleaved`, whose `cuts` then cut
+    the model into `stages` x v model stages, worker w holding stages w, w + stages, ..."""
+    sync_period: int | None = None
+    """Local-SGD period k in steps (None: once per epoch)."""
+    steps_per_epoch: int = 0
+    """Optimizer steps each replica takes per epoch."""
+    batch_size: int = 0
+    """Samples per step per replica."""
+    worker_vcpu: float = 1.0
+    worker_memory_gb: float = 2.0
+    worker_gpu: int = 0
+    offer: str = ""
+    price_per_worker_s: float = 0.0
+    predicted_iteration_s: float = 0.0
+    """Predicted seconds per optimizer step, synchronisation amortised."""
+    predicted_epoch_s: float = 0.0
+    """A steady-state epoch's wall time: the workers' compute and sync, plus the run's
+    per-epoch overhead once `planners.run_prediction` added it."""
+    predicted_cost_per_epoch_usd: float = 0.0
+    predicted_compute_epoch_s: float = 0.0
+    """The workers' part of an epoch: steps x iteration (what the strategy planners predict)."""
+    predicted_compute_s: float = 0.0
+    """The busiest worker's compute per iteration, the rest of `predicted_iteration_s` being
+    communication (transfers, sync): the split the first epoch's measurements calibrate."""
+    predicted_first_epoch_s: float = 0.0
+    predicted_run_s: float = 0.0
+    """From the plan to the run's end, start-up, gaps and teardown included."""
+    predicted_run_cost_usd: float = 0.0
+    """The whole run's bill (workers, start-up, idle and the coordinator), made at the plan."""
+    run_terms: dict = field(default_factory=dict)
+    """The `planners.run_prediction.RunTerms` the run predictions used."""
+    planner_objective_s: float = 0.0
+    """The contract formula's iteration time the partition solver minimised (pipelines; 0
+    where no solver ran), kept beside the prediction for the report."""
+    alternatives: tuple[dict, ...] = field(default_factory=tuple)
+    """Other plans considered, each with its predicted iteration time and cost."""
+
+    @property
+    def workers(self) -> int:
+        """Worker processes per epoch (D x M)."""
+        return self.data_parallel * self.stages
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["workers"] = self.workers
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Plan":
+        names = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: v for k, v in d.items() if k in names}
+        kw["cuts"] = tuple(kw.get("cuts", ()))
+        kw["alternatives"] = tuple(kw.get("alternatives", ()))
+        return cls(**kw)

@@ -1,0 +1,130 @@
+"""A Prefect server process on 127.0.0.1, the pieces the local stack and the command line share.
+
+`temporary_server` is the command line's own API for one run (`python -m flows.train`
+without `PREFECT_API_URL`); `deployments.stack` builds the long-lived local stack from the
+same pieces. Every process starts in a session of its own and is stopped by pid.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def zooid_home() -> Path:
+    return Path(os.environ.get("ZOOID_HOME", ROOT / ".zooid")).resolve()
+
+
+def free_port(preferred: int = 4200) -> int:
+    """`preferred` when it is free on 127.0.0.1, else any free port."""
+    for port in (preferred, 0):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return s.getsockname()[1]
+            except OSError:
+                continue
+    raise RuntimeError("no free port")
+
+
+def stack_env(home: Path, api_url: str) -> dict[str, str]:
+    """The variables every process of the stack (and a user's shell) needs."""
+    return {
+        "PREFECT_API_URL": api_url,
+        "PREFECT_HOME": str(home / "prefect"),
+        "PREFECT_LOCAL_STORAGE_PATH": str(home / "results"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "DO_NOT_TRACK": "1",
+        "PREFECT_WORKER_QUERY_SECONDS": "1",
+        "PREFECT_RUNNER_POLL_FREQUENCY": "1",
+        "ZOOID_HOME": str(home),
+        "ZOOID_ROOT": str(ROOT),
+    }
+
+
+def bin_path(name: str) -> str:
+    """A console script of this interpreter's environment (`prefect`)."""
+    return str(Path(sys.executable).with_name(name))
+
+
+def spawn(args: list[str], env: dict, log: Path) -> int:
+    """Start `args` in a session of its own, output to `log`; its pid."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(args, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True, cwd=ROOT)
+    return proc.pid
+
+
+def wait_healthy(api_url: str, timeout_s: float = 120.0) -> None:
+    """Wait for the Prefect API at `api_url` to answer its health check."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{api_url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"Prefect server at {api_url} did not become healthy in {timeout_s:.0f} s")
+
+
+def alive(pid: int) -> bool:
+    """Whether a process with this pid exists."""
+    try:
+        os.kill(pid, 0)
+        return True
+    except OSError:
+        return False
+
+
+def stop_groups(pids: list[int]) -> None:
+    """SIGTERM the process groups these pids lead, then SIGKILL what is left after 10 s."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.killpg(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(alive(p) for p in pids):
+            time.sleep(0.2)
+            for pid in pids:  # reap our own children if we started them
+                try:
+                    os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    pass
+        if not any(alive(p) for p in pids):
+            break
+
+
+@contextlib.contextmanager
+def temporary_server(home: Path | None = None):
+    """A Prefect server (SQLite under `$ZOOID_HOME/prefect`) for one command-line run, yielding
+    its API URL. It runs in a session of its own, so the Ctrl-C or SIGTERM that stops the
+    run does not stop the API that the run's teardown and bill still need (Prefect's
+    temporary server is a child in the run's process group, and dies with it); it is stopped
+    by pid when the run is over, and by its guard (`deployments.orphan_guard`) if the run is
+    killed outright."""
+    home = home or zooid_home()
+    port = free_port(0)
+    api_url = f"http://127.0.0.1:{port}/api"
+    env = {**stack_env(home, ""), "PREFECT_API_URL": ""}
+    # its guard stops it should this process die without reaching the `finally` below
+    pid = spawn([sys.executable, "-m", "deployments.orphan_guard", str(os.getpid()), "--", bin_path("prefect"),
+                  "server", "start", "--host", "127.0.0.1", "--port", str(port)], env,
+                 home / "logs" / f"server-{port}.log")
+    try:
+        wait_healthy(api_url)
+        yield api_url
+    finally:
+        stop_groups([pid])

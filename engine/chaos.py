@@ -1,0 +1,208 @@
+"""Fault injection for tests and drills: off unless `ZOOID_CHAOS` is set.
+
+`ZOOID_CHAOS` holds comma-separated faults, each `KIND[:key=value]...`:
+
+| kind | what the worker does |
+|---|---|
+| `kill_worker` | SIGKILLs itself (exit -9, 137 in a shell): a lost container |
+| `crash_worker` | `os._exit(17)`: dies without cleanup or result |
+| `hang_worker` | sleeps forever, so the coordinator's worker timeout has to fire |
+| `oom_worker` | `mode=alloc` (default): caps its address space and allocates until a real `MemoryError`, reported as `OutOfMemory` (exit 4); `mode=kill`: SIGKILLs itself as the kernel's OOM killer would |
+| `slow_worker` | sleeps `seconds=S` (default 2) and goes on: a straggler, not a failure |
+
+Keys select where it fires: `epoch=E`, `rank=R` (default: any), `attempt=A` or `attempt=any`
+(default 0, so a relaunch succeeds; `crash_worker` keeps its original meaning, every
+attempt, unless `attempt=` is given), `step=S` (fire before optimizer step S, 0-based,
+that is after S steps; default: at worker start) and `at=sync` (fire right after the
+first sync point at or after step S, once its checkpoint is written). Example:
+`ZOOID_CHAOS=kill_worker:epoch=1:rank=0:step=5,hang_worker:epoch=2:rank=1:at=sync`.
+
+Before a fault that ends the worker fires, it writes a marker
+`runs/<run_id>/faults/e<epoch>-r<rank>-a<attempt>.json` = `{kind, step, time, ...}` to the
+store, so the coordinator can tell an injected failure from a real one
+(`read_fault_marker`). Faults act on the whole process: run workers as processes
+(`python -m runtime.worker_main`) when injecting them.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import time
+from dataclasses import dataclass
+
+from comm.store import Store
+from core.errors import OutOfMemory, ZooidValueError
+from core.specs import WorkerSpec
+
+ENV = "ZOOID_CHAOS"
+KINDS = ("kill_worker", "crash_worker", "hang_worker", "oom_worker", "slow_worker")
+CRASH_EXIT = 17
+"""Exit status of an injected `crash_worker`."""
+
+
+class ChaosError(ZooidValueError):
+    """A `ZOOID_CHAOS` value that does not parse."""
+
+    def __init__(self, message: str):
+        super().__init__(ENV, message)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fault:
+    """One parsed fault of `ZOOID_CHAOS`."""
+
+    kind: str
+    epoch: int | None = None
+    """Epoch it fires in; None: any."""
+    rank: int | None = None
+    """Rank it fires on; None: any."""
+    attempt: int | None = 0
+    """Attempt it fires on; None: every attempt."""
+    step: int | None = None
+    """Fire before this 0-based step (or at the first sync at or after it); None: at start."""
+    at: str = "step"
+    """`step` or `sync`."""
+    mode: str = "alloc"
+    """`oom_worker` only: `alloc` (a real MemoryError) or `kill` (SIGKILL)."""
+    seconds: float = 2.0
+    """`slow_worker` only: how long to stall."""
+
+    def matches(self, spec: WorkerSpec) -> bool:
+        """Whether this fault targets `spec`'s epoch, rank and attempt."""
+        return all(want is None or want == have for want, have in
+                   ((self.epoch, spec.epoch), (self.rank, spec.rank), (self.attempt, spec.attempt)))
+
+
+def _int(key: str, value: str, item: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise ChaosError(f"{key}={value!r} in {item!r} is not an integer") from None
+    if number < 0:
+        raise ChaosError(f"{key}={value!r} in {item!r} must be >= 0")
+    return number
+
+
+def parse_chaos(text: str) -> list[Fault]:
+    """Parse a `ZOOID_CHAOS` value (see the module docstring); '' gives no faults."""
+    faults = []
+    for item in filter(None, (part.strip() for part in (text or "").split(","))):
+        kind, *pairs = item.split(":")
+        if kind not in KINDS:
+            raise ChaosError(f"unknown fault {kind!r} in {item!r}; use one of {', '.join(KINDS)}")
+        fields: dict = {"kind": kind, "attempt": None if kind == "crash_worker" else 0}
+        for pair in pairs:
+            key, sep, value = pair.partition("=")
+            if not sep:
+                raise ChaosError(f"{pair!r} in {item!r} is not key=value")
+            if key in ("epoch", "rank", "step"):
+                fields[key] = _int(key, value, item)
+            elif key == "attempt":
+                fields[key] = None if value in ("any", "*") else _int(key, value, item)
+            elif key == "at" and value in ("step", "sync"):
+                fields[key] = value
+            elif key == "mode" and kind == "oom_worker" and value in ("alloc", "kill"):
+                fields[key] = value
+            elif key == "seconds" and kind == "slow_worker":
+                try:
+                    fields[key] = float(value)
+                except ValueError:
+                    raise ChaosError(f"seconds={value!r} in {item!r} is not a number") from None
+            else:
+                raise ChaosError(f"{pair!r} is not a valid setting of {kind} in {item!r}")
+        faults.append(Fault(**fields))
+    return faults
+
+
+def fault_marker_key(run_id: str, epoch: int, rank: int, attempt: int) -> str:
+    """Where a worker records the fault injected into it before it dies."""
+    return f"runs/{run_id}/faults/e{epoch}-r{rank}-a{attempt}.json"
+
+
+def read_fault_marker(store: Store, run_id: str, epoch: int, rank: int, attempt: int) -> dict | None:
+    """The marker of an injected fault of that worker attempt, or None when it was not injected."""
+    try:
+        return json.loads(store.get(fault_marker_key(run_id, epoch, rank, attempt)))
+    except KeyError:
+        return None
+
+
+class Chaos:
+    """The faults aimed at one worker, with hooks the engine calls at start, before each
+    step and after each sync. With `ZOOID_CHAOS` unset every hook is a no-op."""
+
+    def __init__(self, spec: WorkerSpec, store: Store | None, faults: list[Fault]):
+        self.spec, self.store = spec, store
+        self.pending = [f for f in faults if f.matches(spec)]
+
+    def at_start(self) -> None:
+        """Fire the faults that have no step."""
+        for f in [f for f in self.pending if f.step is None and f.at == "step"]:
+            self._fire(f, 0)
+
+    def before_step(self, step: int) -> None:
+        """Fire the faults due before 0-based step `step`."""
+        for f in [f for f in self.pending if f.at == "step" and f.step == step]:
+            self._fire(f, step)
+
+    def after_sync(self, step: int) -> None:
+        """Fire the `at=sync` faults due at a sync reached after `step` steps."""
+        for f in [f for f in self.pending if f.at == "sync" and (f.step or 0) <= step]:
+            self._fire(f, step)
+
+    def _fire(self, fault: Fault, step: int) -> None:
+        self.pending.remove(fault)
+        if fault.kind == "slow_worker":
+            time.sleep(fault.seconds)
+            return
+        self._mark(fault, step)
+        if fault.kind == "kill_worker" or (fault.kind == "oom_worker" and fault.mode == "kill"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if fault.kind == "crash_worker":
+            os._exit(CRASH_EXIT)
+        if fault.kind == "hang_worker":
+            while True:
+                time.sleep(3600)
+        exhaust_memory()
+
+    def _mark(self, fault: Fault, step: int) -> None:
+        if self.store is None:
+            return
+        s = self.spec
+        marker = {"kind": fault.kind, "step": step, "time": time.time(), "run_id": s.run_id,
+                  "epoch": s.epoch, "rank": s.rank, "attempt": s.attempt, "pid": os.getpid()}
+        self.store.put(fault_marker_key(s.run_id, s.epoch, s.rank, s.attempt),
+                       json.dumps(marker).encode())
+
+
+def exhaust_memory(headroom_bytes: int = 256 << 20) -> None:
+    """Cap this process's address space a little above its current size, allocate until a
+    real MemoryError, and raise it as `OutOfMemory`. Capping first keeps the fault from
+    starving other processes on the machine."""
+    with open("/proc/self/status") as f:
+        vm_kb = next(int(line.split()[1]) for line in f if line.startswith("VmSize:"))
+    saved = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (vm_kb * 1024 + headroom_bytes, saved[1]))
+    hoard = []
+    try:
+        while True:
+            hoard.append(bytearray(16 << 20))
+    except MemoryError as exc:
+        n = len(hoard)
+        hoard.clear()
+        raise OutOfMemory(f"MemoryError after {n} x 16 MiB (injected oom_worker): {exc!r}") from None
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, saved)
+
+
+def chaos_for(spec: WorkerSpec, store: Store | None = None) -> Chaos:
+    """The faults `ZOOID_CHAOS` aims at this worker (raises ChaosError if it does not parse)."""
+    return Chaos(spec, store, parse_chaos(os.environ.get(ENV, "")))
+
+
+def chaos_requested(spec: WorkerSpec) -> str | None:
+    """The kind of the first fault `ZOOID_CHAOS` aims at this worker, if any."""
+    chaos = chaos_for(spec)
+    return chaos.pending[0].kind if chaos.pending else None

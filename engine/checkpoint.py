@@ -1,0 +1,108 @@
+"""Checkpoints in the store: model state_dict and optimizer state as named tensors plus JSON
+metadata, written in one put (atomic) through `tensor_codec`; never pickled.
+
+Tensor names are `model/<state_dict key>` and `optim/<param name>.<state key>`. The metadata
+carries what the caller passes (epoch, step, run id...) and the model and optimizer names.
+
+Two kinds of checkpoint, both durable: the epoch checkpoint (`WorkerSpec.out_key`, written
+by rank 0 at the end of an epoch) and the sync checkpoint `sync_checkpoint_key(run, epoch)`,
+overwritten in place (one atomic put) by rank 0 at every Local-SGD sync of the epoch with
+the averaged state and the data position (step, sync round); a relaunched replica resumes
+from it (`engine.local_sgd`).
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+from torch import nn
+
+from comm.store import Store
+from comm.tensor_codec import decode_tensors, encode_tensors, read_header
+from core.errors import ZooidValueError
+from engine.models import build_model
+from engine.optimizers import build_optimizer, load_optimizer_state, optimizer_state_tensors
+
+FORMAT = "zooid-checkpoint-1"
+
+
+def save_checkpoint(
+    store: Store,
+    key: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    meta: dict[str, Any] | None = None,
+) -> int:
+    """Write `model` (and `optimizer`'s state) under `key` in one put; return the bytes written."""
+    tensors = {f"model/{k}": v.detach().contiguous() for k, v in model.state_dict().items()}
+    if optimizer is not None:
+        for k, v in optimizer_state_tensors(model, optimizer).items():
+            tensors[f"optim/{k}"] = v.detach().contiguous()
+    # safetensors metadata is str -> str: the caller's metadata travels as one JSON string.
+    blob = encode_tensors(tensors, metadata={"format": FORMAT, "meta": json.dumps(meta or {})})
+    store.put(key, blob)
+    return len(blob)
+
+
+def load_checkpoint(
+    store: Store,
+    key: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    timeout: float | None = None,
+) -> dict[str, Any]:
+    """Load the checkpoint under `key` into `model` (strictly) and `optimizer`; return its
+    metadata. Waits up to `timeout` seconds for the key."""
+    tensors, header = decode_tensors(store.get(key, timeout=timeout))
+    if header.get("format") != FORMAT:
+        raise ZooidValueError("checkpoint", f"{key} is not a Zooid checkpoint")
+    meta = json.loads(header.get("meta", "{}"))
+    state = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        raise ZooidValueError("checkpoint", f"{key} does not fit the model: {exc}") from None
+    if optimizer is not None:
+        optimizer.state.clear()
+        load_optimizer_state(
+            model, optimizer,
+            {k.removeprefix("optim/"): v for k, v in tensors.items() if k.startswith("optim/")},
+        )
+    return meta
+
+
+def initial_checkpoint(
+    store: Store,
+    key: str,
+    model: str,
+    optimizer: str,
+    lr: float,
+    seed: int = 0,
+    model_kwargs: dict[str, Any] | None = None,
+    meta: dict[str, Any] | None = None,
+) -> int:
+    """Write the reference checkpoint an epoch-0 worker starts from: model `model` built from
+    `seed`, empty optimizer state. Return the bytes written."""
+    net = build_model(model, seed, **(model_kwargs or {}))
+    opt = build_optimizer(optimizer, net, lr)
+    base = {"model": model, "optimizer": optimizer, "seed": seed, "epoch": -1, "step": 0}
+    return save_checkpoint(store, key, net, opt, {**base, **(meta or {})})
+
+
+def sync_checkpoint_key(run_id: str, epoch: int) -> str:
+    """Durable key of epoch `epoch`'s sync checkpoint (the latest sync point's state)."""
+    return f"runs/{run_id}/ckpt/sync-e{epoch}.safetensors"
+
+
+def read_checkpoint_meta(store: Store, key: str) -> dict[str, Any] | None:
+    """The metadata of the checkpoint under `key` without loading its tensors, or None when
+    there is no checkpoint there."""
+    try:
+        header = read_header(store.get(key))
+    except KeyError:
+        return None
+    metadata = header.get("__metadata__") or {}
+    if metadata.get("format") != FORMAT:
+        raise ZooidValueError("checkpoint", f"{key} is not a Zooid checkpoint")
+    return json.loads(metadata.get("meta", "{}"))

@@ -1,0 +1,285 @@
+"""Datasets by name, and their staging in the store as fixed-size subsets (KubeML Sec. 3.4.5).
+
+Names:
+
+- `digits`: scikit-learn's bundled 8x8 digits, features scaled to [0, 1] float32 as flat
+  64-vectors, labels int64; a fixed seeded split of 1437 training and 360 validation rows.
+- `synthetic[:SHAPE[:CLASSES[:N_TRAIN[:N_VAL]]]]`: seeded Gaussian inputs of SHAPE (`64`,
+  `3x32x32`), labelled by a fixed random linear teacher so they are learnable. Defaults:
+  `64`, 10 classes, 1024 training rows, N_TRAIN // 4 validation rows. Example:
+  `synthetic:3x32x32:10:2048`.
+- `package.module:function`: a function of no arguments returning `(train, val)`, each an
+  `(x, y)` pair of tensors or a map-style dataset of `(x, y)` items.
+
+Staging: `publish_dataset` writes the training set as subsets of `subset_size` rows under
+`runs/<run_id>/data/train/<i>` and the validation set under `runs/<run_id>/data/val/<i>`,
+plus `runs/<run_id>/data/manifest.json`. A worker reads only the subsets it is assigned
+(`assign_subsets`), so it needs no local copy of the data.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import sys
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from comm.store import Store
+from comm.tensor_codec import decode_tensors, encode_tensors
+from core.errors import ZooidValueError
+
+DIGITS_VAL_FRACTION = 0.2
+SPLIT_SEED = 0
+
+
+class DatasetSplit(NamedTuple):
+    """A dataset in memory: training and validation inputs and integer labels."""
+
+    train_x: torch.Tensor
+    train_y: torch.Tensor
+    val_x: torch.Tensor
+    val_y: torch.Tensor
+
+
+@dataclass(frozen=True)
+class SyntheticSpec:
+    """Parsed `synthetic:SHAPE:CLASSES:N_TRAIN:N_VAL`."""
+
+    shape: tuple[int, ...] = (64,)
+    classes: int = 10
+    n_train: int = 1024
+    n_val: int = 256
+
+
+def parse_synthetic(name: str) -> SyntheticSpec:
+    """Parse a `synthetic[:SHAPE[:CLASSES[:N_TRAIN[:N_VAL]]]]` name (see module docstring)."""
+    parts = name.split(":")
+    if parts[0] != "synthetic" or len(parts) > 5:
+        raise ZooidValueError("dataset", f"{name!r} is not synthetic[:SHAPE[:CLASSES[:N_TRAIN[:N_VAL]]]]")
+    try:
+        shape = tuple(int(d) for d in parts[1].split("x")) if len(parts) > 1 else (64,)
+        classes = int(parts[2]) if len(parts) > 2 else 10
+        n_train = int(parts[3]) if len(parts) > 3 else 1024
+        n_val = int(parts[4]) if len(parts) > 4 else max(1, n_train // 4)
+    except ValueError:
+        raise ZooidValueError("dataset", f"{name!r}: SHAPE is like 3x32x32, the rest are integers") from None
+    if not shape or min(shape) < 1 or classes < 2 or n_train < 1 or n_val < 1:
+        raise ZooidValueError("dataset", f"{name!r}: sizes must be positive and classes >= 2")
+    return SyntheticSpec(shape, classes, n_train, n_val)
+
+
+def _digits() -> DatasetSplit:
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    x = torch.from_numpy((bunch.data / 16.0).astype(np.float32))
+    y = torch.from_numpy(bunch.target.astype(np.int64))
+    order = torch.from_numpy(np.random.RandomState(SPLIT_SEED).permutation(len(y)))
+    n_val = int(np.ceil(len(y) * DIGITS_VAL_FRACTION))
+    val, train = order[:n_val], order[n_val:]
+    return DatasetSplit(x[train], y[train], x[val], y[val])
+
+
+def _synthetic(spec: SyntheticSpec) -> DatasetSplit:
+    g = torch.Generator().manual_seed(SPLIT_SEED)
+    n = spec.n_train + spec.n_val
+    x = torch.randn((n, *spec.shape), generator=g)
+    teacher = torch.randn(int(np.prod(spec.shape)), spec.classes, generator=g)
+    y = (x.reshape(n, -1) @ teacher).argmax(1)
+    return DatasetSplit(x[: spec.n_train], y[: spec.n_train], x[spec.n_train :], y[spec.n_train :])
+
+
+def _as_tensors(part: Any, which: str, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(part, (tuple, list)) and len(part) == 2 and all(isinstance(t, torch.Tensor) for t in part):
+        x, y = part
+    elif hasattr(part, "__len__") and hasattr(part, "__getitem__"):
+        items = [part[i] for i in range(len(part))]
+        x = torch.stack([torch.as_tensor(it[0]) for it in items])
+        y = torch.as_tensor([int(it[1]) for it in items])
+    else:
+        raise ZooidValueError("dataset", f"{name!r}: {which} is neither (x, y) tensors nor a dataset")
+    if len(x) != len(y) or len(x) == 0:
+        raise ZooidValueError("dataset", f"{name!r}: {which} x and y must be non-empty and equally long")
+    return x.float() if not x.is_floating_point() else x, y.long()
+
+
+def _imported(name: str) -> DatasetSplit:
+    fn = _import_loader(name)
+    try:
+        out = fn()
+    except Exception as exc:  # a user's loader may fail any way; that is bad input
+        raise ZooidValueError("dataset", f"{name!r} failed when called: {exc}") from None
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise ZooidValueError("dataset", f"{name!r} must return (train, val)")
+    (tx, ty), (vx, vy) = _as_tensors(out[0], "train", name), _as_tensors(out[1], "val", name)
+    return DatasetSplit(tx, ty, vx, vy)
+
+
+def _import_loader(name: str):
+    module_name, _, attr = name.partition(":")
+    if not module_name or not attr or module_name.split(".")[0] in sys.stdlib_module_names:
+        raise ZooidValueError("dataset", f"{name!r} is not a `package.module:function` loader")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr, None)
+    except ImportError as exc:
+        raise ZooidValueError("dataset", f"cannot import {module_name!r}: {exc}") from None
+    if not callable(fn):
+        raise ZooidValueError("dataset", f"{name!r} is not a callable loader")
+    return fn
+
+
+def validate_dataset(name: str) -> None:
+    """Raise ZooidValueError("dataset", ...) unless `name` is a dataset this module can load
+    (import paths are imported and checked to be callable, not called)."""
+    if not isinstance(name, str) or not name:
+        raise ZooidValueError("dataset", f"expected a dataset name, got {name!r}")
+    if name == "digits":
+        return
+    if name.split(":")[0] == "synthetic":
+        parse_synthetic(name)
+        return
+    if ":" in name:
+        _import_loader(name)
+        return
+    raise ZooidValueError(
+        "dataset", f"unknown dataset {name!r}; valid: digits, synthetic[:SHAPE:CLASSES:N], package.module:function"
+    )
+
+
+def load_dataset(name: str) -> DatasetSplit:
+    """Load dataset `name` (see the module docstring) into memory."""
+    validate_dataset(name)
+    if name == "digits":
+        return _digits()
+    if name.split(":")[0] == "synthetic":
+        return _synthetic(parse_synthetic(name))
+    return _imported(name)
+
+
+def dataset_input_shape(name: str) -> tuple[int, ...]:
+    """Per-sample input shape of dataset `name`, without loading it where that is avoidable."""
+    validate_dataset(name)
+    if name == "digits":
+        return (64,)
+    if name.split(":")[0] == "synthetic":
+        return parse_synthetic(name).shape
+    return tuple(load_dataset(name).train_x.shape[1:])
+
+
+# --- staging in the store --------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class DatasetManifest:
+    """What `publish_dataset` wrote: sizes and subset counts, JSON-able."""
+
+    name: str
+    subset_size: int
+    n_train: int
+    n_val: int
+    n_subsets: int
+    n_val_subsets: int
+    input_shape: tuple[int, ...]
+    classes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "DatasetManifest":
+        """Inverse of `to_dict`."""
+        return cls(**{**d, "input_shape": tuple(d["input_shape"])})
+
+
+def data_prefix(run_id: str) -> str:
+    """Key prefix of a run's staged data."""
+    return f"runs/{run_id}/data"
+
+
+def _write_subsets(store: Store, prefix: str, x: torch.Tensor, y: torch.Tensor, size: int) -> int:
+    n = 0
+    for n, start in enumerate(range(0, len(y), size), start=1):
+        blob = encode_tensors({"x": x[start : start + size].contiguous(), "y": y[start : start + size].contiguous()})
+        store.put(f"{prefix}/{n - 1}", blob)
+    return n
+
+
+def publish_dataset(store: Store, run_id: str, name: str, subset_size: int = 64) -> DatasetManifest:
+    """Load `name` and write it to the store as subsets of `subset_size` rows (the last may be
+    shorter), training and validation, plus a JSON manifest; return the manifest."""
+    if not isinstance(subset_size, int) or subset_size < 1:
+        raise ZooidValueError("subset_size", f"must be a positive integer, got {subset_size!r}")
+    data = load_dataset(name)
+    prefix = data_prefix(run_id)
+    n_sub = _write_subsets(store, f"{prefix}/train", data.train_x, data.train_y, subset_size)
+    n_val_sub = _write_subsets(store, f"{prefix}/val", data.val_x, data.val_y, subset_size)
+    manifest = DatasetManifest(
+        name=name,
+        subset_size=subset_size,
+        n_train=len(data.train_y),
+        n_val=len(data.val_y),
+        n_subsets=n_sub,
+        n_val_subsets=n_val_sub,
+        input_shape=tuple(data.train_x.shape[1:]),
+        classes=int(max(data.train_y.max(), data.val_y.max())) + 1,
+    )
+    # The manifest goes last: its presence means every subset is already readable.
+    store.put(f"{prefix}/manifest.json", json.dumps(manifest.to_dict()).encode())
+    return manifest
+
+
+def read_manifest(store: Store, run_id: str, timeout: float | None = None) -> DatasetManifest:
+    """The manifest `publish_dataset` wrote for `run_id`."""
+    raw = store.get(f"{data_prefix(run_id)}/manifest.json", timeout=timeout)
+    return DatasetManifest.from_dict(json.loads(raw))
+
+
+_SUBSETS: dict | None = None
+"""Decoded subsets by (store URL, key), kept by a warm worker (`keep_subsets`); None: off."""
+
+
+def keep_subsets() -> None:
+    """Keep every subset this process reads in memory: a warm worker reads each once per run
+    (a run's subsets never change once published)."""
+    global _SUBSETS
+    if _SUBSETS is None:
+        _SUBSETS = {}
+
+
+def read_subsets(
+    store: Store, run_id: str, indices, split: str = "train", timeout: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Concatenate the (x, y) of subsets `indices` of `split` ("train" or "val"), in order."""
+    if split not in ("train", "val"):
+        raise ZooidValueError("split", f"must be 'train' or 'val', got {split!r}")
+    xs, ys = [], []
+    for i in indices:
+        key = f"{data_prefix(run_id)}/{split}/{int(i)}"
+        cached = _SUBSETS.get((store.url, key)) if _SUBSETS is not None else None
+        if cached is None:
+            tensors, _ = decode_tensors(store.get(key, timeout=timeout))
+            cached = (tensors["x"], tensors["y"])
+            if _SUBSETS is not None:
+                _SUBSETS[(store.url, key)] = cached
+        xs.append(cached[0])
+        ys.append(cached[1])
+    if not xs:
+        raise ZooidValueError("subsets", "no subsets given")
+    return torch.cat(xs), torch.cat(ys)
+
+
+def assign_subsets(n_subsets: int, world: int, epoch: int, seed: int = 0) -> list[tuple[int, ...]]:
+    """Deal `n_subsets` subsets to `world` workers for `epoch`: a permutation seeded by
+    (seed, epoch), cut into `world` runs whose lengths differ by at most one. Every subset
+    goes to exactly one worker; each worker's tuple is sorted."""
+    if world < 1:
+        raise ZooidValueError("workers", f"must be at least 1, got {world}")
+    if n_subsets < world:
+        raise ZooidValueError("workers", f"{world} workers but only {n_subsets} data subsets")
+    order = np.random.default_rng([seed, epoch]).permutation(n_subsets)
+    return [tuple(sorted(int(i) for i in part)) for part in np.array_split(order, world)]

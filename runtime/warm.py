@@ -1,0 +1,300 @@
+"""A warm worker: one process that serves a run's epochs, one command at a time, through the store.
+
+A cold worker lives for one epoch: it imports torch, builds the model, reads its data,
+trains a fraction of a second and exits. A warm worker is started once per rank and then
+waits for the coordinator's commands, so it imports once, builds the model once
+(`models.keep_models`), reads each data subset once (`datasets.keep_subsets`) and keeps its
+CUDA context. The coordinator side is `tasks.warm_pool`.
+
+Keys, all under `runs/<run_id>/warm/` of the run's durable store (a scratch store that
+restarts, such as Redis without persistence, would lose a command or a reply in flight;
+teardown deletes them):
+
+| key | written by | what |
+|---|---|---|
+| `lease` | coordinator | `{"seq", "at"}`, renewed every `lease_s / 4` seconds |
+| `<worker>/cmd-<n>.json` | coordinator | the worker's n-th command: `{"op": "epoch", "spec": WorkerSpec}`, `{"op": "profile", "request": ProfileRequest}` or `{"op": "stop"}` |
+| `<worker>/reply-<n>.json` | worker | `{"ok", "result": WorkerResult` (or `"profile"`)`, "began_at", "ended_at", "ready_at"}` or the error |
+| `<worker>/status.json` | worker | once a second: state (`idle`, `busy`), pid, steps done this epoch, last beat |
+
+`<worker>` is `r<rank>-w<serial>-<coordinator>`: a replacement of a dead worker has a new
+serial, and a resumed run's coordinator a new mark, so no worker reads a command meant for
+another.
+
+The lease keeps paid workers from outliving their run. A worker reads the lease every
+`check_s` seconds and counts its age on its own monotonic clock from the last time the
+value changed (no clock is shared with the coordinator); once older than `lease_s` the
+worker stops: while idle at once, while training at the next heartbeat of its training
+thread (`LeaseExpired`), and if that thread does not beat for `grace_s` more, by exiting
+the process (`LEASE_EXIT`).
+
+A command that raises ends the worker after its error reply: the coordinator replaces it
+with a cold one (a process after a failed epoch may hold half-released resources), and the
+exit status is the one a cold worker would have had.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from comm import heartbeat
+from comm.store import Store
+from core.errors import LeaseExpired, ZooidValueError
+from core.specs import WorkerResult, WorkerSpec
+
+LEASE_EXIT = 5
+"""Exit status of a warm worker whose lease expired while its training thread was stuck."""
+
+
+def warm_prefix(run_id: str) -> str:
+    return f"runs/{run_id}/warm"
+
+
+def lease_key(run_id: str) -> str:
+    return f"{warm_prefix(run_id)}/lease"
+
+
+def worker_name(rank: int, serial: int, coordinator: str = "") -> str:
+    """The name of one warm worker process: its rank, a serial unique within its coordinator,
+    and the coordinator's mark (a resumed run's new coordinator never reuses a name)."""
+    return f"r{rank}-w{serial}" + (f"-{coordinator}" if coordinator else "")
+
+
+def command_key(run_id: str, worker: str, seq: int) -> str:
+    return f"{warm_prefix(run_id)}/{worker}/cmd-{seq:05d}.json"
+
+
+def reply_key(run_id: str, worker: str, seq: int) -> str:
+    return f"{warm_prefix(run_id)}/{worker}/reply-{seq:05d}.json"
+
+
+def status_key(run_id: str, worker: str) -> str:
+    return f"{warm_prefix(run_id)}/{worker}/status.json"
+
+
+def read_json(store: Store, key: str) -> dict | None:
+    """The JSON document under `key`, or None when absent."""
+    try:
+        return json.loads(store.get(key))
+    except KeyError:
+        return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class WarmSettings:
+    """What a warm worker is told at launch (`WorkerSpec.extra["warm"]`)."""
+
+    worker: str
+    """Its name, `r<rank>-w<serial>`."""
+    lease_s: float = 60.0
+    """Stop when the lease has not changed for this long."""
+    check_s: float = 1.0
+    """Seconds between two reads of the lease (and two status writes)."""
+    grace_s: float = 30.0
+    """After expiry, how long a busy training thread may go without a heartbeat before the
+    process exits on its own."""
+
+    @classmethod
+    def from_extra(cls, extra: dict) -> "WarmSettings":
+        raw = extra.get("warm")
+        if not isinstance(raw, dict) or not isinstance(raw.get("worker"), str):
+            raise ZooidValueError("extra.warm", f"must be a dict naming the worker, got {raw!r}")
+        settings = cls(**{k: raw[k] for k in ("worker", "lease_s", "check_s", "grace_s") if k in raw})
+        for name in ("lease_s", "check_s", "grace_s"):
+            value = getattr(settings, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ZooidValueError(f"extra.warm.{name}", f"must be seconds > 0, got {value!r}")
+        return settings
+
+    def to_extra(self) -> dict:
+        return {"worker": self.worker, "lease_s": self.lease_s, "check_s": self.check_s,
+                "grace_s": self.grace_s}
+
+
+class LeaseClock:
+    """The age of a lease as one reader sees it: seconds since its value last changed, on the
+    reader's clock. A lease never seen is as old as the reader."""
+
+    def __init__(self, lease_s: float, clock: Callable[[], float] = time.monotonic):
+        self.lease_s, self.clock = lease_s, clock
+        self.value: bytes | None = None
+        self.changed_at = clock()
+
+    def observe(self, value: bytes | None) -> None:
+        if value is not None and value != self.value:
+            self.value, self.changed_at = value, self.clock()
+
+    @property
+    def age_s(self) -> float:
+        return self.clock() - self.changed_at
+
+    @property
+    def expired(self) -> bool:
+        return self.age_s > self.lease_s
+
+
+class _Watch(threading.Thread):
+    """The worker's second thread: reads the lease and publishes the worker's status."""
+
+    def __init__(self, store_factory: Callable[[], Store], run_id: str, settings: WarmSettings,
+                 started_at: float, log: Callable[[str], None]):
+        super().__init__(name="warm-watch", daemon=True)
+        self.store_factory, self.run_id, self.settings, self.log = store_factory, run_id, settings, log
+        self.lease = LeaseClock(settings.lease_s)
+        self.expired = threading.Event()
+        self.stopped = threading.Event()
+        self.doc = {"pid": os.getpid(), "host": socket.gethostname(), "started_at": started_at,
+                    "state": "starting", "seq": 0, "epoch": None}
+        self.busy_since: float | None = None
+
+    def run(self) -> None:
+        store = self.store_factory()
+        try:
+            while not self.stopped.is_set():
+                try:
+                    self.lease.observe(store.get(lease_key(self.run_id)))
+                except KeyError:
+                    pass
+                except Exception as exc:  # a store that blips is not a lost coordinator
+                    self.log(f"zooid warm worker: lease read failed ({type(exc).__name__}: {exc})")
+                if self.lease.expired and not self.expired.is_set():
+                    self.log(f"zooid warm worker {self.settings.worker}: the coordinator's lease was not "
+                             f"renewed for {self.lease.age_s:.0f} s (worker_lease_s={self.settings.lease_s:g}); "
+                             "stopping: no paid worker outlives its run")
+                    self.expired.set()
+                self._publish(store)
+                if self.expired.is_set() and self.busy_since is not None:
+                    steps, beat_at = heartbeat.progress()
+                    if time.time() - beat_at > self.settings.grace_s:
+                        self.log("zooid warm worker: the training thread did not stop; exiting")
+                        os._exit(LEASE_EXIT)
+                self.stopped.wait(self.settings.check_s)
+        finally:
+            store.close()
+
+    def _publish(self, store: Store) -> None:
+        steps, beat_at = heartbeat.progress()
+        doc = {**self.doc, "steps": steps, "beat_at": beat_at, "written_at": time.time()}
+        try:
+            store.put(status_key(self.run_id, self.settings.worker), json.dumps(doc).encode(), scratch=True)
+        except Exception:
+            pass
+
+
+def serve(spec: WorkerSpec, store: Store, execute: Callable[[WorkerSpec], WorkerResult],
+          store_factory: Callable[[], Store], log: Callable[[str], None] = print,
+          open_ref: Callable[[str], Store] | None = None) -> str:
+    """Serve the run's commands until told to stop; return why it stopped (`stopped`).
+
+    `spec` is the launch spec (run id, rank, `extra["warm"]`); `store` holds the commands;
+    `execute(spec)` trains one epoch; `store_factory()` opens a second client of the same
+    store for the watch thread; `open_ref(url)` opens the store a `profile` command probes
+    (default `comm.store.open_store`). Raises `LeaseExpired` when the lease runs out, and whatever
+    `execute` raised after posting it as the reply."""
+    from engine.datasets import keep_subsets
+    from engine.models import keep_models
+    from profiling.profiler import rss_bytes
+
+    settings = WarmSettings.from_extra(spec.extra)
+    started = time.time()
+    base_memory = rss_bytes()  # before any model: s0 of the memory model (`profiling.profile_job`)
+    keep_models()
+    keep_subsets()
+    watch = _Watch(store_factory, spec.run_id, settings, started, log)
+    watch.start()
+
+    def guard() -> None:
+        if watch.expired.is_set():
+            raise LeaseExpired(f"lease not renewed for {watch.lease.age_s:.0f} s")
+
+    heartbeat.set_guard(guard)
+    ready_at = time.time()
+    watch.doc.update(state="idle", ready_at=ready_at, base_memory_bytes=base_memory)
+    log(f"zooid warm worker {settings.worker} ready in {ready_at - started:.2f} s (pid {os.getpid()})")
+    seq = 0
+    try:
+        while True:
+            command = _next_command(store, spec.run_id, settings, seq, watch)
+            op = command.get("op")
+            if op == "stop":
+                store.put(reply_key(spec.run_id, settings.worker, seq),
+                          json.dumps({"ok": True, "stopped": True, "at": time.time()}).encode())
+                log(f"zooid warm worker {settings.worker}: stopped by the coordinator "
+                    f"({command.get('reason', 'no reason given')})")
+                return "stopped"
+            if op == "profile":
+                _serve_profile(store, spec, settings, seq, command, open_ref, watch, ready_at, log)
+                seq += 1
+                continue
+            if op != "epoch":
+                raise ZooidValueError("command.op", f"must be 'epoch', 'profile' or 'stop', got {op!r}")
+            job = WorkerSpec.from_dict(command["spec"])
+            began = time.time()
+            heartbeat.reset_steps()
+            watch.busy_since = began
+            watch.doc.update(state="busy", seq=seq, epoch=job.epoch)
+            try:
+                result = execute(job)
+            except BaseException as exc:
+                store.put(reply_key(spec.run_id, settings.worker, seq), json.dumps(
+                    {"ok": False, "error": type(exc).__name__, "message": str(exc)[-2000:],
+                     "began_at": began, "ended_at": time.time(), "ready_at": ready_at}).encode())
+                raise
+            ended = time.time()
+            store.put(reply_key(spec.run_id, settings.worker, seq), json.dumps(
+                {"ok": True, "result": result.to_dict(), "began_at": began, "ended_at": ended,
+                 "ready_at": ready_at}).encode())
+            watch.busy_since = None
+            watch.doc.update(state="idle", seq=seq + 1)
+            log(f"zooid warm worker {settings.worker}: epoch {job.epoch} rank {job.rank} "
+                f"attempt {job.attempt} done in {ended - began:.2f} s")
+            seq += 1
+    finally:
+        heartbeat.set_guard(None)
+        watch.stopped.set()
+        watch.join(timeout=5)
+
+
+def _serve_profile(store: Store, spec: WorkerSpec, settings: WarmSettings, seq: int, command: dict,
+                   open_ref: Callable[[str], Store] | None, watch: "_Watch", ready_at: float,
+                   log: Callable[[str], None]) -> None:
+    """Answer a `profile` command (`profiling.profile_job`): measured here, on this worker's
+    device and threads, with the store seen from here. A profile that fails is reported and
+    the worker stays: nothing of a run's state was touched."""
+    from comm.store import open_store
+    from profiling.profile_job import ProfileRequest, run_profile
+
+    began = time.time()
+    watch.busy_since = began
+    watch.doc.update(state="busy", seq=seq, epoch=None)
+    reply: dict = {"began_at": began, "ready_at": ready_at}
+    try:
+        request = ProfileRequest.from_dict(command.get("request") or {})
+        reply.update(ok=True, profile=run_profile(request, open_ref or open_store,
+                                                  base_memory_bytes=int(watch.doc.get("base_memory_bytes") or 0)))
+        log(f"zooid warm worker {settings.worker}: profiled {request.model} in {time.time() - began:.2f} s")
+    except Exception as exc:
+        reply.update(ok=False, error=type(exc).__name__, message=str(exc)[-2000:])
+        log(f"zooid warm worker {settings.worker}: profile failed: {type(exc).__name__}: {exc}")
+    reply["ended_at"] = time.time()
+    store.put(reply_key(spec.run_id, settings.worker, seq), json.dumps(reply).encode())
+    watch.busy_since = None
+    watch.doc.update(state="idle", seq=seq + 1)
+
+
+def _next_command(store: Store, run_id: str, settings: WarmSettings, seq: int, watch: _Watch) -> dict:
+    """Wait for command `seq`, checking the lease between waits."""
+    key = command_key(run_id, settings.worker, seq)
+    while True:
+        if watch.expired.is_set():
+            raise LeaseExpired(f"{settings.worker}: lease not renewed for {watch.lease.age_s:.0f} s "
+                               f"while waiting for a command")
+        try:
+            return json.loads(store.get(key, timeout=settings.check_s))
+        except TimeoutError:
+            continue

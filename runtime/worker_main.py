@@ -1,0 +1,73 @@
+"""`python -m runtime.worker_main --spec-json '<json>'`: run one worker as a process.
+
+The spec's `extra["strategy"]` picks the engine (`runtime.run_spec`: a Local-SGD replica
+by default, or a pipeline stage). The `inline` target starts workers this way. The last
+line on stdout is JSON: the WorkerResult (`WorkerResult.from_dict` reads it back), or on
+failure `{"error": <class name>, "message": ...}` with a non-zero exit status: 2 for bad
+input (ZooidValueError), 3 for a store timeout, 4 for out-of-memory (OutOfMemory or a
+MemoryError), 5 for a warm worker whose lease expired, 1 for anything else.
+
+A spec with `extra["warm"]` starts a warm worker (`runtime.warm`): it serves the run's
+epochs from the store until the coordinator stops it or its lease expires, and prints its
+log lines; it exits 0 when stopped. `tasks.failures.classify_failure` reads these back.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from comm.store import open_store
+from core.errors import LeaseExpired, OutOfMemory, StoreTimeout, ZooidValueError
+from core.specs import WorkerSpec
+from runtime.run_spec import run_spec
+
+EXIT_CODES = ((ZooidValueError, 2), (StoreTimeout, 3), (OutOfMemory, 4), (MemoryError, 4), (LeaseExpired, 5))
+
+
+def _run_job(spec: WorkerSpec, warm_store):
+    """One epoch of a warm worker: on its command store, or another one the spec names."""
+    if spec.store_url == warm_store.url:
+        return run_spec(spec, warm_store)
+    store = open_store(spec.store_url)
+    try:
+        return run_spec(spec, store)
+    finally:
+        store.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the spec, run the worker, print the result JSON; return the exit status."""
+    parser = argparse.ArgumentParser(prog="python -m runtime.worker_main", description=__doc__)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--spec-json", help="the WorkerSpec as a JSON object")
+    source.add_argument("--spec-file", help="a file holding the WorkerSpec JSON")
+    args = parser.parse_args(argv)
+    try:
+        text = args.spec_json if args.spec_json is not None else open(args.spec_file).read()
+        try:
+            spec = WorkerSpec.from_dict(json.loads(text))
+        except (json.JSONDecodeError, TypeError) as exc:
+            raise ZooidValueError("spec", f"not a WorkerSpec JSON object: {exc}") from None
+        store = open_store(spec.store_url)
+        try:
+            if spec.extra.get("warm"):
+                from runtime.warm import serve
+
+                serve(spec, store, lambda job: _run_job(job, store), lambda: open_store(spec.store_url),
+                      log=lambda line: print(line, flush=True))
+                return 0
+            result = run_spec(spec, store)
+        finally:
+            store.close()
+    except Exception as exc:  # reported as data on the last line, for the coordinator
+        code = next((c for cls, c in EXIT_CODES if isinstance(exc, cls)), 1)
+        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        print(json.dumps({"error": type(exc).__name__, "message": str(exc)}), flush=True)
+        return code
+    print(json.dumps(result.to_dict()), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
