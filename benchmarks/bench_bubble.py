@@ -32,7 +32,7 @@ first two (warm-up):
   charges the optimizer step, the upload drain and the next iteration's first wait.
 
 Beside them: the schedule's ideal (`ideal_bubble`: equal stage times, free transfers), and
-`core.schedules.simulate` replaying `lower(build_schedule(...))` with the
+`core.schedule_costs.simulate` replaying `lower(build_schedule(...))` with the
 measured median durations: compute only (F and B per model stage; a worker's i-th F stamp
 in an iteration is the i-th F of its row, which tells an interleaved worker's chunks apart)
 and with transfers (plus the median upload and the median read of an activation, and the
@@ -322,7 +322,8 @@ def simulate_shares(name: str, stages: int, microbatches: int, chunks: int, fwd,
                     read: float, handoff: float = 0.0) -> tuple[list[float], list[float]]:
     """Idle share per stage worker of the lowered schedule replayed with these durations:
     compute only, and with transfers (and `handoff` paid by a receive that waits)."""
-    from core.schedules import build_schedule, lower, simulate
+    from core.schedule_costs import simulate
+    from core.schedules import build_schedule, lower
 
     schedule = lower(build_schedule(name, stages, microbatches, chunks), sync=True)
     compute_only = {**{f"{s}F": f for s, f in enumerate(fwd)}, **{f"{s}B": b for s, b in enumerate(bwd)}}
@@ -342,7 +343,8 @@ def analyse(name: str, stages: int, microbatches: int, chunks: int, outs: list[d
             seconds: float) -> Row:
     """Idle shares from the stage workers' stamps, the simulator fed their durations, and
     the workers' peak activation bytes."""
-    from core.schedules import Kind, build_schedule, ideal_bubble
+    from core.schedule_costs import ideal_bubble
+    from core.schedules import Kind, build_schedule
 
     rows = build_schedule(name, stages, microbatches, chunks)
     by_worker = sorted(outs, key=lambda o: o["result"]["rank"])
@@ -421,7 +423,7 @@ def simulated_only(name: str, stages: int, microbatches: int, chunks: int, sourc
     1F1B run of the same k and M), model stage s taking stage s // v's F and B divided by v;
     peak bytes estimated as the schedule's ideal in-flight chunk sets times `source`'s bytes
     per in-flight stage set (mean over its stages) divided by v."""
-    from core.schedules import ideal_bubble, ideal_peak_in_flight
+    from core.schedule_costs import ideal_bubble, ideal_peak_in_flight
 
     ideal = ideal_bubble(name, stages, microbatches, chunks)
     if source is None:
@@ -518,7 +520,7 @@ def table(rows: list[Row]) -> list[str]:
 
 def memory_table(rows: list[Row]) -> list[str]:
     """Markdown: per run the ideal in-flight sets and the measured peak bytes per stage worker."""
-    from core.schedules import ideal_peak_in_flight
+    from core.schedule_costs import ideal_peak_in_flight
 
     cuda = any(m.get("cuda") is not None for r in rows for m in r.memory or [])
     out = ["| schedule | k | M | ideal in-flight sets per stage | peak activation MiB per stage "

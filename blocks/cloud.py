@@ -1,13 +1,15 @@
-"""Cloud store blocks, composed from the integrations' own blocks.
+"""Cloud store blocks, composed from the integrations' own blocks; both are `StoreBlock`s
+(`blocks.store_block`: `url()`, `open()`, `worker_environment()`, `ref()`).
 
 - `ZooidS3Store` holds a prefect-aws `S3Bucket` (which holds `AwsCredentials`) and a prefix.
 - `ZooidRedisStore` holds a prefect-redis `RedisDatabase` (password as `SecretStr`), e.g.
   Azure Cache for Redis or ElastiCache.
 
 Secrets never travel as parameters, job variables or log lines: a worker receives
-`block:<type slug>/<name>` (`worker_store_ref`) and loads the block itself from the Prefect
-API, and `worker_environment` holds only what is not secret (region, endpoint). In the cloud,
-prefer no keys at all: an ECS task role or an ACI managed identity.
+`block:<type slug>/<name>` (`StoreBlock.ref`) and opens it with `blocks.store.open_store_ref`,
+which loads the block itself from the Prefect API; `worker_environment` holds only what is
+not secret (region). In the cloud, prefer no keys at all: an ECS task role or an ACI managed
+identity.
 
 Pointing a work pool at the cloud account (`bootstrap_cloud`) lives in `deployments.bootstrap`
 (`python -m deployments.bootstrap --target ecs --cluster ...`): deployments import blocks,
@@ -18,16 +20,15 @@ from __future__ import annotations
 from typing import Optional
 from urllib.parse import quote
 
-from prefect.blocks.core import Block
 from prefect_aws import AwsCredentials
 from prefect_aws.s3 import S3Bucket
 from prefect_redis.blocks import RedisDatabase
 from pydantic import Field
 
-BLOCK_REF = "block:"
+from blocks.store_block import StoreBlock
 
 
-class ZooidS3Store(Block):
+class ZooidS3Store(StoreBlock):
     """Tensors, subsets, checkpoints and ledgers in an S3 bucket (FuncPipe's storage-based exchange)."""
 
     _block_type_name = "Zooid S3 Store"
@@ -61,7 +62,7 @@ class ZooidS3Store(Block):
         return open_store(self.url())
 
 
-class ZooidRedisStore(Block):
+class ZooidRedisStore(StoreBlock):
     """Scratch tensors in Redis (KubeML's model averaging through Redis)."""
 
     _block_type_name = "Zooid Redis Store"
@@ -74,10 +75,6 @@ class ZooidRedisStore(Block):
         """`redis[s]://host:port/db` without the password (safe to log)."""
         scheme = "rediss" if self.database.ssl else "redis"
         return f"{scheme}://{self.database.host}:{self.database.port}/{self.database.db}"
-
-    def worker_environment(self) -> dict[str, str]:
-        """Nothing: the password stays in the block."""
-        return {}
 
     def open(self):
         """Open the store with the password filled in (the URL with it is never returned or logged)."""
@@ -92,26 +89,6 @@ class ZooidRedisStore(Block):
             auth = f"{quote(user, safe='')}:{quote(db.password.get_secret_value(), safe='')}@"
         scheme = "rediss" if db.ssl else "redis"
         return open_store(f"{scheme}://{auth}{db.host}:{db.port}/{db.db}")
-
-
-STORE_BLOCKS = (ZooidS3Store, ZooidRedisStore)
-
-
-def worker_store_ref(block: Block) -> str:
-    """What a worker receives for a saved store block: `block:<type slug>/<name>`."""
-    name = getattr(block, "_block_document_name", None)
-    if not name:
-        raise ValueError("store: save the block before handing it to workers (it has no name)")
-    return f"{BLOCK_REF}{block.get_block_type_slug()}/{name}"
-
-
-def open_block_store(ref: str):
-    """Open `block:<type slug>/<name>` (any Zooid store block) in a worker."""
-    if not ref.startswith(BLOCK_REF) or "/" not in ref:
-        raise ValueError(f"store: expected block:<type slug>/<name>, got {ref!r}")
-    for cls in STORE_BLOCKS:  # register the types so Block.load can build them
-        cls.get_block_type_slug()
-    return Block.load(ref[len(BLOCK_REF):]).open()
 
 
 if __name__ == "__main__":

@@ -5,10 +5,11 @@ block; any other name loads a saved block of this type.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Literal, Optional
 
 from prefect.blocks.core import Block
-from pydantic import Field
+from pydantic import Field, field_validator
 
 Kind = Literal["inline", "process", "ecs", "aci", "k8s"]
 
@@ -27,16 +28,44 @@ class ComputeTarget(Block):
     worker_vcpu: float = Field(1.0, gt=0, title="vCPU per worker")
     worker_memory_gb: float = Field(2.0, gt=0, title="Memory per worker (GB)")
     worker_gpu: int = Field(0, ge=0, title="GPUs per worker")
+    worker_memory_options_gb: list[float] = Field(
+        default_factory=list, title="Memory sizes a worker may take (GB)",
+        description="Memory tiers of the offer (e.g. [1, 2, 4, 8]); with two or more the plan chooses one "
+                    "per pipeline stage with the co-optimiser. Empty: every worker is `worker_memory_gb`.")
     image: Optional[str] = Field(None, title="Worker image")
     region: Optional[str] = Field(None, title="Region")
     max_paid_workers: int = Field(16, gt=0, title="Global cap on paid workers")
     job_variables: dict[str, Any] = Field(default_factory=dict, title="Extra job variables")
     startup_s: float = Field(0.0, ge=0, title="Expected worker start-up (s)")
 
+    @field_validator("worker_memory_options_gb")
+    @classmethod
+    def _memory_options(cls, values: list[float]) -> list[float]:
+        problem = memory_options_problem(values)
+        if problem:
+            raise ValueError(problem)
+        return values
+
+    def memory_options(self) -> tuple[float, ...]:
+        """The worker sizes (GB) the plan may choose among, ascending, without repeats:
+        `worker_memory_options_gb`, or `worker_memory_gb` alone when it is empty."""
+        return tuple(sorted(set(self.worker_memory_options_gb))) or (self.worker_memory_gb,)
+
     @property
     def remote(self) -> bool:
         """Whether workers run outside the coordinator's process tree (through a work pool)."""
         return self.kind != "inline"
+
+
+def memory_options_problem(values) -> str:
+    """What is wrong with a `worker_memory_options_gb` value, in one line ("" when nothing)."""
+    if not isinstance(values, (list, tuple)):
+        return f"worker_memory_options_gb: must be a list of sizes in GB, got {values!r}"
+    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, (int, float))
+           or not math.isfinite(v) or v <= 0]
+    if bad:
+        return f"worker_memory_options_gb: every size must be a finite number of GB > 0, got {list(values)}"
+    return ""
 
 
 BUILTIN = {

@@ -1,8 +1,11 @@
-"""The `Zooid Store` block: where tensors, data subsets, checkpoints and ledgers live.
+"""The `Zooid Store` block (a store by URL, with its secrets beside it) and `open_store_ref`,
+the one opener of every store reference: a URL or `block:<type slug>/<name>`.
 
-A block holds the URL and the secrets (a Redis password, AWS keys) as `SecretStr`, so a job
-names the block and no secret ever travels as a flow parameter, a log line or an artifact.
-Workers receive `block:<name>` and load the block themselves.
+`ZooidStore` is the `StoreBlock` (`blocks.store_block`) for any store `comm.store.open_store`
+opens by URL: a directory, Redis or S3. It holds the URL and the secrets (a Redis password,
+AWS keys) as `SecretStr`. The URL is saved under the field name `url`, as blocks saved before
+`StoreBlock` have it; in Python it is `location`, because `url()` is the interface's
+safe-to-log URL.
 """
 from __future__ import annotations
 
@@ -12,38 +15,58 @@ from urllib.parse import quote, urlsplit, urlunsplit
 from prefect.blocks.core import Block
 from pydantic import Field, SecretStr
 
-BLOCK_PREFIX = "block:"
+from blocks.store_block import BLOCK_PREFIX, DEFAULT_BLOCK_TYPE, StoreBlock, parse_block_ref
+from core.errors import ZooidValueError
 
 
-class ZooidStore(Block):
+class ZooidStore(StoreBlock):
     """A directory, Redis or S3 store for one or more training runs."""
 
     _block_type_name = "Zooid Store"
-    _block_type_slug = "zooid-store"
+    _block_type_slug = DEFAULT_BLOCK_TYPE
     _description = "Where Zooid keeps tensors in flight, dataset subsets, checkpoints and ledgers."
 
-    url: str = Field(..., title="URL", description="file:///path, redis://host:port/db or s3://bucket/prefix.")
+    location: str = Field(..., alias="url", title="URL",
+                          description="file:///path, redis://host:port/db or s3://bucket/prefix.")
     password: Optional[SecretStr] = Field(None, title="Redis password")
     aws_access_key_id: Optional[str] = Field(None, title="AWS access key id")
     aws_secret_access_key: Optional[SecretStr] = Field(None, title="AWS secret access key")
     region_name: Optional[str] = Field(None, title="AWS region")
     endpoint_url: Optional[str] = Field(None, title="S3 endpoint URL", description="For S3-compatible services; empty for AWS.")
 
-    def resolved_url(self) -> str:
-        """The URL with the Redis password filled in (never log this)."""
-        if self.password is not None and self.url.startswith(("redis://", "rediss://")):
-            parts = urlsplit(self.url)
+    def _is_s3(self) -> bool:
+        return self.location.startswith("s3://")
+
+    def url(self) -> str:
+        """The store's URL without a password (an S3 one with `endpoint=` when it has one)."""
+        parts = urlsplit(self.location)
+        url = self.location
+        if "@" in parts.netloc:
+            user = f"{parts.username}@" if parts.username else ""
+            url = urlunsplit(parts._replace(netloc=user + parts.netloc.rsplit("@", 1)[-1]))
+        if self._is_s3() and self.endpoint_url and "endpoint=" not in url:
+            url += ("&" if "?" in url else "?") + f"endpoint={quote(self.endpoint_url, safe=':/')}"
+        return url
+
+    def _url_with_password(self) -> str:
+        """The Redis URL with the block's password filled in (never log this)."""
+        if self.password is not None and self.location.startswith(("redis://", "rediss://")):
+            parts = urlsplit(self.location)
             host = parts.netloc.rsplit("@", 1)[-1]
             netloc = f":{quote(self.password.get_secret_value(), safe='')}@{host}"
             return urlunsplit(parts._replace(netloc=netloc))
-        return self.url
+        return self.location
+
+    def worker_environment(self) -> dict[str, str]:
+        """The AWS region of an S3 store when the block names one (its keys stay in the block)."""
+        return {"AWS_DEFAULT_REGION": self.region_name} if self._is_s3() and self.region_name else {}
 
     def open(self):
         """Open the store this block describes; an S3 store gets the block's keys through its
         own boto3 Session (never the process environment)."""
         from comm.store import open_store
 
-        if self.url.startswith("s3://"):
+        if self._is_s3():
             import boto3
 
             session = boto3.session.Session(
@@ -51,26 +74,38 @@ class ZooidStore(Block):
                 aws_secret_access_key=(self.aws_secret_access_key.get_secret_value()
                                        if self.aws_secret_access_key is not None else None),
                 region_name=self.region_name or None)
-            url = self.resolved_url()
-            if self.endpoint_url and "endpoint=" not in url:
-                url += ("&" if "?" in url else "?") + f"endpoint={quote(self.endpoint_url, safe=':/')}"
-            return open_store(url, s3_session=session)
-        return open_store(self.resolved_url())
+            return open_store(self.url(), s3_session=session)
+        return open_store(self._url_with_password())
+
+
+def store_block_types() -> tuple[type[StoreBlock], ...]:
+    """Every store block type. Importing them is what lets `Block.load` build any of them."""
+    from blocks.cloud import ZooidRedisStore, ZooidS3Store
+
+    return ZooidStore, ZooidS3Store, ZooidRedisStore
 
 
 def is_store_url(value: str) -> bool:
-    """Whether `value` is a URL (or path) rather than a block name."""
+    """Whether `value` is a URL (or path) rather than a block name or reference."""
     return "://" in value or value.startswith(("/", ".")) or value == ""
 
 
+def load_store_block(ref: str) -> StoreBlock:
+    """The saved store block `block:<type slug>/<name>` (or the older `block:<name>`) names,
+    loaded from the Prefect API."""
+    slug, name = parse_block_ref(ref)
+    if slug != DEFAULT_BLOCK_TYPE:
+        store_block_types()  # the cloud blocks' module (prefect-aws, prefect-redis) only when named
+    block = Block.load(f"{slug}/{name}")
+    if not isinstance(block, StoreBlock):
+        raise ZooidValueError("store", f"block {slug}/{name} is a {type(block).__name__}, not a Zooid store block")
+    return block
+
+
 def open_store_ref(ref: str):
-    """Open a store from a URL or `block:<name>` (what workers receive)."""
+    """Open a store from a URL or a store block reference (what workers receive)."""
     from comm.store import open_store
 
     if ref.startswith(BLOCK_PREFIX):
-        if "/" in ref[len(BLOCK_PREFIX):]:  # block:<type slug>/<name>: an S3 or Redis store block
-            from blocks.cloud import open_block_store
-
-            return open_block_store(ref)
-        return ZooidStore.load(ref[len(BLOCK_PREFIX):]).open()
+        return load_store_block(ref).open()
     return open_store(ref)

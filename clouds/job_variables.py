@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from core.errors import ZooidValueError
+
 KINDS = ("ecs", "aci", "k8s")
 RUN_LABEL = "zooid-run"
 
@@ -38,8 +40,8 @@ K8S_GPU_PRODUCTS = {"T4": "Tesla-T4", "V100": "Tesla-V100-SXM2-16GB", "A10G": "N
                     "K80": "Tesla-K80", "P100": "Tesla-P100-PCIE-16GB", "A100": "NVIDIA-A100-SXM4-40GB"}
 
 
-class JobVariablesError(ValueError):
-    """A worker size or target kind that no job template can express."""
+class JobVariablesError(ZooidValueError):
+    """A worker size or target kind that no job template can express (names the field)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -63,15 +65,15 @@ class WorkerResources:
         for name in ("vcpu", "memory_gb"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise JobVariablesError(f"{name}: must be a finite number > 0, got {value!r}")
+                raise JobVariablesError(name, f"must be a finite number > 0, got {value!r}")
         if not isinstance(self.gpu, int) or self.gpu < 0:
-            raise JobVariablesError(f"gpu: must be an integer >= 0, got {self.gpu!r}")
+            raise JobVariablesError("gpu", f"must be an integer >= 0, got {self.gpu!r}")
         if self.gpu and not self.gpu_type:
-            raise JobVariablesError("gpu_type: required when gpu > 0 (e.g. K80, T4, V100)")
+            raise JobVariablesError("gpu_type", "required when gpu > 0 (e.g. K80, T4, V100)")
         if not (math.isfinite(self.headroom) and self.headroom >= 0):
-            raise JobVariablesError(f"headroom: must be >= 0, got {self.headroom!r}")
+            raise JobVariablesError("headroom", f"must be >= 0, got {self.headroom!r}")
         if not (math.isfinite(self.base_memory_gb) and self.base_memory_gb >= 0):
-            raise JobVariablesError(f"base_memory_gb: must be >= 0, got {self.base_memory_gb!r}")
+            raise JobVariablesError("base_memory_gb", f"must be >= 0, got {self.base_memory_gb!r}")
 
     @property
     def requested_memory_gb(self) -> float:
@@ -96,7 +98,7 @@ def fargate_size(vcpu: float, memory_gb: float) -> tuple[int, int]:
         fits = [m for m in memories if m >= mib]
         if fits:
             return cpu, fits[0]
-    raise JobVariablesError(f"memory_gb: {memory_gb:g} GB with {vcpu:g} vCPU exceeds the largest Fargate "
+    raise JobVariablesError("memory_gb", f"{memory_gb:g} GB with {vcpu:g} vCPU exceeds the largest Fargate "
                             "task (16 vCPU, 120 GB); use an EC2 capacity provider")
 
 
@@ -126,7 +128,7 @@ def aci_job_variables(res: WorkerResources, run_id: str) -> dict:
     if res.gpu:
         sku = (res.gpu_type or "").upper()
         if sku not in ACI_GPU_SKUS:
-            raise JobVariablesError(f"gpu_type: ACI offers {', '.join(ACI_GPU_SKUS)}, got {res.gpu_type!r}")
+            raise JobVariablesError("gpu_type", f"ACI offers {', '.join(ACI_GPU_SKUS)}, got {res.gpu_type!r}")
         out["gpu"] = {"count": res.gpu, "sku": sku}
     return out
 
@@ -155,9 +157,9 @@ def job_variables(kind: str, res: WorkerResources, run_id: str, *, image: str | 
     """
     builders = {"ecs": ecs_job_variables, "aci": aci_job_variables, "k8s": k8s_job_variables}
     if kind not in builders:
-        raise JobVariablesError(f"kind: must be one of {', '.join(KINDS)}, got {kind!r}")
+        raise JobVariablesError("kind", f"must be one of {', '.join(KINDS)}, got {kind!r}")
     if not run_id:
-        raise JobVariablesError("run_id: must not be empty")
+        raise JobVariablesError("run_id", "must not be empty")
     sized = builders[kind](res, run_id, **options)
     out = {**(extra or {}), **sized}
     out["labels"] = {**(extra or {}).get("labels", {}), **sized["labels"]}

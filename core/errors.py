@@ -4,7 +4,21 @@ JSON path) in one line."""
 
 
 class ZooidError(Exception):
-    """Base class of every error Zooid raises on purpose."""
+    """Base class of every error Zooid raises on purpose.
+
+    Pickles whatever a subclass's `__init__` takes (Prefect may persist a failed task's
+    exception): it is rebuilt from its `args` and attributes without calling `__init__`."""
+
+    def __reduce__(self):
+        return _rebuild, (type(self), self.args, self.__dict__)
+
+
+def _rebuild(cls: type, args: tuple, state: dict) -> "ZooidError":
+    """A pickled `ZooidError` back, as it was, without running its class's `__init__`."""
+    error = cls.__new__(cls, *args)
+    error.args = args
+    error.__dict__.update(state)
+    return error
 
 
 class ZooidValueError(ZooidError, ValueError):

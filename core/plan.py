@@ -1,7 +1,8 @@
 """A plan is data: the strategy, the degrees of parallelism, worker sizes and predictions.
 
-Every planner (`planners.strategy` for Local-SGD, `partition`, `hybrid`, `co_optimize` for
-pipelines) returns this one `Plan`; the coordinator runs it and the report shows it.
+Every planner (`planners.strategy` for Local-SGD, `partition`, `hybrid`; `co_optimize`'s
+`CoOptSolution` through `tasks.co_plan`) ends in this one `Plan`; the coordinator runs it and
+the report shows it. Per-stage worker sizes (the co-optimiser's) travel in `stage_memory_gb`.
 """
 from __future__ import annotations
 
@@ -36,7 +37,11 @@ class Plan:
     """Samples per step per replica."""
     worker_vcpu: float = 1.0
     worker_memory_gb: float = 2.0
+    """The size every worker is launched with (with per-stage sizes: the largest of them)."""
     worker_gpu: int = 0
+    stage_memory_gb: tuple[float, ...] = ()
+    """Memory chosen for each pipeline stage (GB, one per stage) by the co-optimiser; empty:
+    every stage is `worker_memory_gb`."""
     offer: str = ""
     price_per_worker_s: float = 0.0
     predicted_iteration_s: float = 0.0
@@ -62,6 +67,9 @@ class Plan:
     where no solver ran), kept beside the prediction for the report."""
     alternatives: tuple[dict, ...] = field(default_factory=tuple)
     """Other plans considered, each with its predicted iteration time and cost."""
+    co_optimizer: dict = field(default_factory=dict)
+    """Whether the co-optimiser chose this plan (`used`), and why not, or what it compared:
+    the sizes considered, the uniform plan, the co-optimised one, the frontier."""
 
     @property
     def workers(self) -> int:
@@ -79,4 +87,5 @@ class Plan:
         kw = {k: v for k, v in d.items() if k in names}
         kw["cuts"] = tuple(kw.get("cuts", ()))
         kw["alternatives"] = tuple(kw.get("alternatives", ()))
+        kw["stage_memory_gb"] = tuple(float(g) for g in kw.get("stage_memory_gb") or ())
         return cls(**kw)

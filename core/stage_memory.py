@@ -20,6 +20,7 @@ Sizes are bytes; the messages print GB = 2^30 bytes, as the catalog's `memory_gb
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -71,10 +72,14 @@ def format_bytes(n: float) -> str:
 
 def stage_bounds(cuts: Sequence[int], num_layers: int) -> list[tuple[int, int]]:
     """(first, last) layer of each stage for stage-start `cuts` over `num_layers` layers;
-    ZooidValueError naming `cuts` unless they are strictly increasing within 1..L-1."""
+    ZooidValueError naming `cuts` unless they are strictly increasing within 1..L-1.
+
+    The project's one stage-bounds function. A planner whose cut i means "after layer i"
+    passes `[i + 1 for i in cuts]`. Integers of any kind (numpy's too) are accepted."""
     cuts = list(cuts)
-    if any(not isinstance(c, int) or isinstance(c, bool) for c in cuts):
+    if any(not isinstance(c, numbers.Integral) or isinstance(c, bool) for c in cuts):
         raise ZooidValueError("cuts", f"must be integers, got {cuts}")
+    cuts = [int(c) for c in cuts]
     if any(b <= a for a, b in zip(cuts, cuts[1:])) or (cuts and not 1 <= cuts[0]) \
             or (cuts and not cuts[-1] <= num_layers - 1):
         raise ZooidValueError("cuts", f"must increase strictly within 1..{num_layers - 1} "
@@ -82,6 +87,22 @@ def stage_bounds(cuts: Sequence[int], num_layers: int) -> list[tuple[int, int]]:
     starts = [0] + cuts
     ends = cuts + [num_layers]
     return [(a, b - 1) for a, b in zip(starts, ends)]
+
+
+def parameter_copies(data_parallel: int, optimizer_state_factor: float = 0.0) -> float:
+    """4 - 2 [D = 1] + f: how many model-sized copies of a stage's parameters its worker
+    holds (weights and gradients, the two sync buffers when D > 1, f optimizer copies)."""
+    return 4 - 2 * (data_parallel == 1) + optimizer_state_factor
+
+
+def stage_need_bytes(*, activation_bytes, param_bytes, in_flight, copies, base_bytes=0.0):
+    """The module's formula for one stage: in_flight x activation_bytes + copies x
+    param_bytes + base_bytes.
+
+    `activation_bytes` is the stage's activations per micro-batch, `param_bytes` its
+    parameter bytes (a caller whose bytes already count every copy passes copies=1).
+    Plain arithmetic, so numpy arrays (one entry per candidate stage) work elementwise."""
+    return in_flight * activation_bytes + copies * param_bytes + base_bytes
 
 
 def stage_memory(*, activation_bytes: Sequence[float], param_bytes: Sequence[float],
@@ -93,7 +114,7 @@ def stage_memory(*, activation_bytes: Sequence[float], param_bytes: Sequence[flo
     `activation_bytes` and `param_bytes` are per layer (activations per micro-batch);
     `microbatches` is mu, the micro-batches one replica keeps in flight;
     `in_flight`, per stage, overrides it with what the schedule holds at its peak (1F1B:
-    min(k - s, mu) on stage s; `core.schedules.ideal_peak_in_flight`);
+    min(k - s, mu) on stage s; `core.schedule_costs.ideal_peak_in_flight`);
     `available_bytes` is one worker size for every stage or one per stage."""
     n = len(activation_bytes)
     if n == 0:
@@ -121,10 +142,15 @@ def stage_memory(*, activation_bytes: Sequence[float], param_bytes: Sequence[flo
     if len(held) != len(bounds) or any(not (isinstance(h, int) and 1 <= h <= microbatches) for h in held):
         raise ZooidValueError("in_flight", f"must be one count in 1..{microbatches} per stage "
                                            f"({len(bounds)}), got {in_flight!r}")
-    factor = 4 - 2 * (data_parallel == 1) + optimizer_state_factor
+    copies = parameter_copies(data_parallel, optimizer_state_factor)
+    # the breakdown's three parts are stage_need_bytes's three terms
     return [StageMemory(stage=k, first_layer=a, last_layer=b,
-                        activation_bytes=held[k] * float(sum(activation_bytes[a:b + 1])),
-                        parameter_bytes=factor * float(sum(param_bytes[a:b + 1])),
+                        activation_bytes=stage_need_bytes(
+                            activation_bytes=float(sum(activation_bytes[a:b + 1])), param_bytes=0.0,
+                            in_flight=held[k], copies=0.0),
+                        parameter_bytes=stage_need_bytes(
+                            activation_bytes=0.0, param_bytes=float(sum(param_bytes[a:b + 1])),
+                            in_flight=0, copies=copies),
                         base_bytes=float(base_memory_bytes), available_bytes=available[k])
             for k, (a, b) in enumerate(bounds)]
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from blocks.compute import BUILTIN, ComputeTarget
-from blocks.store import ZooidStore
+from blocks.store import ZooidStore, store_block_types
 
 POOL_TYPES = {"local": "process", "ecs": "ecs", "aci": "azure-container-instance", "k8s": "kubernetes"}
 TEMPLATES = Path(__file__).with_name("templates")
@@ -145,15 +145,13 @@ def bootstrap_cloud(target: str, *, cluster: str | None = None, resource_group: 
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolUpdate
 
-    from blocks.cloud import STORE_BLOCKS
-
     if target not in ("ecs", "aci", "k8s"):
         raise ValueError(f"target: must be ecs, aci or k8s, got {target!r}")
     if target == "aci" and not (resource_group and subscription_id):
         raise ValueError("resource_group: ACI needs resource_group and subscription_id")
     done = bootstrap(target, paid_worker_limit)
-    for cls in STORE_BLOCKS:
-        cls.register_type_and_schema()
+    for cls in store_block_types():
+        register(cls)
     defaults: dict[str, Any] = {"cluster": cluster} if target == "ecs" else {}
     if target == "aci":
         defaults.update(resource_group_name=resource_group, subscription_id=subscription_id)

@@ -75,8 +75,9 @@ from comm.scatter_reduce import COLLECTIVES, allreduce_for
 from comm.store import Store
 from comm.tensor_codec import decode_json, decode_tensors, encode_json, encode_tensors
 from core.errors import OutOfMemory, StoreTimeout, ZooidValueError
+from core.schedule_validation import validate
 from core.schedules import (SCHEDULES, TRANSFER, Action, Kind, Layout, ScheduleError, build_schedule, forward_only,
-                            layout, lower, parse_schedule, validate)
+                            layout, lower, parse_schedule)
 from core.specs import WorkerResult, WorkerSpec
 from engine.checkpoint import FORMAT as CHECKPOINT_FORMAT
 from engine.datasets import read_manifest, read_subsets

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from core.errors import ZooidValueError
+from core.stage_memory import stage_bounds
 
 
 def split_stages(model: nn.Module, cuts: Sequence[int]) -> list[nn.Module]:
@@ -29,8 +30,12 @@ def split_stages(model: nn.Module, cuts: Sequence[int]) -> list[nn.Module]:
     model when its children do not run in order, or naming `cuts` when they are invalid.
     """
     children = sequential_children(model)
-    bounds = _stage_bounds(cuts, len(children), type(model).__name__)
-    return [nn.Sequential(OrderedDict(children[lo:hi])) for lo, hi in bounds]
+    try:
+        bounds = stage_bounds(cuts, len(children))
+    except ZooidValueError as exc:  # the same check, its message naming the model
+        raise ZooidValueError("cuts", f"{type(model).__name__} has {len(children)} children: "
+                                      f"{str(exc).removeprefix('cuts: ')}") from None
+    return [nn.Sequential(OrderedDict(children[first:last + 1])) for first, last in bounds]
 
 
 def sequential_children(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -85,21 +90,6 @@ def _traced_chain(model: nn.Module) -> list[str]:
     if list(nodes[-1].args) != [previous]:
         return []
     return order
-
-
-def _stage_bounds(cuts: Sequence[int], n_children: int, model_name: str) -> list[tuple[int, int]]:
-    """Half-open child ranges of the stages; validates `cuts`."""
-    cuts = list(cuts)
-    if any(not isinstance(c, int) or isinstance(c, bool) for c in cuts):
-        raise ZooidValueError("cuts", f"must be integers, got {cuts}")
-    if cuts and n_children < 2:
-        raise ZooidValueError("cuts", f"{model_name} has one child and cannot be cut, got {cuts}")
-    if cuts != sorted(set(cuts)) or any(c <= 0 or c >= n_children for c in cuts):
-        raise ZooidValueError(
-            "cuts", f"must be strictly increasing child indices in 1..{n_children - 1} "
-            f"for {model_name} ({n_children} children), got {cuts}")
-    edges = [0, *cuts, n_children]
-    return list(zip(edges[:-1], edges[1:]))
 
 
 def stage_state_dicts(stages: Sequence[nn.Module]) -> list[dict[str, torch.Tensor]]:

@@ -88,9 +88,9 @@ def on_abnormal_end(flow, flow_run, state) -> None:
     ctx = ACTIVE.get(str(flow_run.id))
     try:
         if ctx is not None:
-            if not ctx.torn_down:
+            if not ctx.state.torn_down:
                 teardown_run(ctx)
-            if not ctx.cost_recorded:
+            if not ctx.state.cost_recorded:
                 record_cost_now(ctx)
             return
         _rebuild_and_clean(flow_run, state)

@@ -5,7 +5,8 @@ strategy would cost, without provisioning anything.
 
 For each candidate (Local-SGD, pipeline, hybrid D x M at the job's worker budget) it reports
 the predicted iteration time, epoch time, cost per epoch and throughput per dollar, and which
-one the planner would choose.
+one the planner would choose; where the target offers several worker sizes, what the
+co-optimiser compared (or, with one size, why it was not needed).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from tasks.context import RunContext, run_id_for
 from tasks.job import TrainJob
 from tasks.plan import plan as plan_task
 from tasks.profile import profile
-from tasks.report import artifact_key
+from tasks.report import artifact_key, co_optimizer_lines
 from tasks.validate import validate_job
 
 
@@ -33,7 +34,9 @@ def plan_report(job: TrainJob, chosen: dict) -> str:
         schedule = a.get("pipeline_schedule") or "-"
         if a.get("compared") == "schedule":  # the chosen pipeline under each schedule
             schedule += "" if a.get("fits") else " (does not fit)"
-        rows.append(f"| {a['strategy']} | {a['data_parallel']} | {a['stages']} | {a['workers']} | {a['cuts']} | "
+        strategy = a["strategy"] + (f" ({'/'.join(f'{g:g}' for g in a['stage_memory_gb'])} GB per stage)"
+                                    if a.get("stage_memory_gb") else "")
+        rows.append(f"| {strategy} | {a['data_parallel']} | {a['stages']} | {a['workers']} | {a['cuts']} | "
                     f"{a['microbatches']} | {schedule} | {a['predicted_iteration_s']:.3g} | "
                     f"{a['predicted_epoch_s']:.3g} | {a['predicted_cost_per_epoch_usd']:.3g} | "
                     f"{a.get('predicted_run_s', 0):.3g} | {a.get('predicted_run_cost_usd', 0):.3g} | "
@@ -47,7 +50,8 @@ def plan_report(job: TrainJob, chosen: dict) -> str:
                       f"${chosen['predicted_cost_per_epoch_usd']:.3g} per epoch; the run of {job.epochs} epochs "
                       f"{chosen['predicted_run_s']:.3g} s and ${chosen['predicted_run_cost_usd']:.3g} (first epoch "
                       f"{chosen['predicted_first_epoch_s']:.3g} s; start-up, idle workers and the coordinator "
-                      f"included).", "", f"Outside the workers' compute: {basis}."])
+                      f"included).", "", f"Outside the workers' compute: {basis}.",
+                      *([""] + co_optimizer_lines(chosen["co_optimizer"]) if chosen.get("co_optimizer") else [])])
 
 
 def dry_run(job: TrainJob) -> dict:
@@ -56,7 +60,7 @@ def dry_run(job: TrainJob) -> dict:
 
     resolved = validate_job(job)
     ctx = RunContext(run_id=run_id_for(flow_run.id or uuid.uuid4().hex), job=job, resolved=resolved, dry_run=True)
-    prof = ctx.profile = profile(ctx)
+    prof = ctx.state.profile = profile(ctx)
     chosen = plan_task(ctx, prof).to_dict()
     markdown = plan_report(job, chosen)
     create_markdown_artifact(key=artifact_key(ctx.run_id, "plan"), markdown=markdown,

@@ -50,7 +50,7 @@ def guardrail(job: TrainJob, ctx: RunContext, plan_, history: list[dict]) -> str
     last = history[-1] if history else None
     next_s = max(plan_.predicted_epoch_s, last["seconds"] if last else 0.0)
     next_usd = max(plan_.predicted_cost_per_epoch_usd, last["cost_usd"] if last else 0.0)
-    spent = sum(r.usd for r in ctx.ledger) + (time.time() - ctx.started_at) * ctx.price_per_worker_s
+    spent = sum(r.usd for r in ctx.state.ledger) + (time.time() - ctx.started_at) * ctx.price_per_worker_s
     if job.budget_usd is not None and spent + next_usd > job.budget_usd:
         return "budget_exhausted"
     if job.deadline_s is not None and (time.time() - ctx.started_at) + next_s > job.deadline_s:
@@ -70,10 +70,10 @@ def epoch_progress_tick(ctx: RunContext, progress_id, done: int, every_s: float 
     last = [time.time()]
 
     def tick() -> None:
-        if progress_id is None or ctx.warm is None or time.time() - last[0] < every_s:
+        if progress_id is None or ctx.state.warm is None or time.time() - last[0] < every_s:
             return
         last[0] = time.time()
-        steps, total = ctx.warm.progress()
+        steps, total = ctx.state.warm.progress()
         if total:
             update_progress_artifact(progress_id, 100.0 * (done + steps / total) / ctx.job.epochs)
 
@@ -124,21 +124,21 @@ def run_training(job: TrainJob) -> RunSummary:
                      flow_run_id=str(fr_id))
     resume = find_resume_point(ctx, required=job.resume is not None)
     ACTIVE[ctx.flow_run_id] = ctx
-    progress_id = ctx.progress_id = create_progress_artifact(0.0, description=f"Epochs of run {ctx.run_id}")
+    progress_id = ctx.state.progress_id = create_progress_artifact(0.0, description=f"Epochs of run {ctx.run_id}")
     status, error, history, plan_dict = "failed", None, [], {}
     clock = RunClock(first_epoch_fresh=job.resume is None)
-    ctx.warm = WarmPool(ctx) if job.warm else None
+    ctx.state.warm = WarmPool(ctx) if job.warm else None
     try:
-        if ctx.warm is not None and starts_before_profile(ctx):  # their start-up hides behind profile + plan
-            ctx.warm.ensure(provisional_plan(ctx), resume.next_epoch if resume else 0)
-        prof = ctx.profile = profile(ctx)
+        if ctx.state.warm is not None and starts_before_profile(ctx):  # their start-up hides behind profile + plan
+            ctx.state.warm.ensure(provisional_plan(ctx), resume.next_epoch if resume else 0)
+        prof = ctx.state.profile = profile(ctx)
         clock.profiled = "measured" in prof.get("profile_sources", {}).values()
         first_epoch, init, lr, workers = 0, init_key(ctx), job.lr, job.workers
         if resume is not None:
             first_epoch, init, lr, workers = resume.next_epoch, resume.init_key, resume.lr, resume.workers
-            history, ctx.ledger = list(resume.history), list(resume.ledger) + ctx.ledger  # + the profile's worker
+            history, ctx.state.ledger = list(resume.history), list(resume.ledger) + ctx.state.ledger  # + the profile's worker
             for rank in range(job.max_workers):  # attempt numbers stay unique across coordinators
-                ctx.attempts[(first_epoch, rank)] = resume.max_attempt
+                ctx.state.attempts[(first_epoch, rank)] = resume.max_attempt
         calibration = Calibration.from_dict((history[-1].get("replan") or {}).get("calibration") if history else None)
         if resume is not None and resume.plan and resume.plan.get("data_parallel") == workers:
             current = Plan.from_dict(resume.plan)  # the same plan, so a started epoch can go on
@@ -146,8 +146,8 @@ def run_training(job: TrainJob) -> RunSummary:
             current = plan(ctx, prof, workers, calibration, job.epochs - first_epoch)
         plan_dict = current.to_dict()
         clock.planned_at = time.time()
-        if ctx.warm is not None:  # start-up overlaps provisioning
-            ctx.warm.ensure(current, first_epoch)
+        if ctx.state.warm is not None:  # start-up overlaps provisioning
+            ctx.state.warm.ensure(current, first_epoch)
         provision(ctx, current, fresh=resume is None)
         status = "completed"
         for epoch in range(first_epoch, job.epochs):
@@ -156,7 +156,7 @@ def run_training(job: TrainJob) -> RunSummary:
                 break
             resuming = resume is not None and resume.mid_epoch and epoch == first_epoch
             ticks = [epoch_progress_tick(ctx, progress_id, len(history))]
-            if ctx.warm is not None and epoch + 1 < job.epochs and \
+            if ctx.state.warm is not None and epoch + 1 < job.epochs and \
                     (upcoming := forecast_workers(ctx, prof, history, current.data_parallel, lr)):
                 ticks.append(WarmPrestart(ctx, current, epoch, upcoming).tick)  # hides the next start-up
             sent = time.time()

@@ -43,6 +43,8 @@ from typing import Sequence
 
 import numpy as np
 
+from core.stage_memory import stage_bounds
+
 _BEAM = 4  # labels per state in the upper-bound pass
 
 
@@ -158,8 +160,7 @@ def _balanced_cuts(chain: _Chain, k: int) -> tuple[int, ...] | None:
         cuts.append(cut)
         prev = cut
     if chain.allowed is not None:
-        starts, ends = [0] + [c + 1 for c in cuts], cuts + [n - 1]
-        if not all(chain.allowed[a, b] for a, b in zip(starts, ends)):
+        if not all(chain.allowed[a, b] for a, b in stage_bounds([c + 1 for c in cuts], n)):
             return None
     return tuple(cuts)
 
@@ -167,8 +168,7 @@ def _balanced_cuts(chain: _Chain, k: int) -> tuple[int, ...] | None:
 def _score(chain: _Chain, cuts: tuple[int, ...]) -> float:
     """The score of one partition (the objective without constants)."""
     n = chain.n
-    starts = np.array([0] + [c + 1 for c in cuts])
-    ends = np.array(list(cuts) + [n - 1])
+    starts, ends = np.array(stage_bounds([c + 1 for c in cuts], n)).T  # cut c: after layer c
     cut_vals = chain.cut[list(cuts)] if cuts else np.zeros(0)
     total = chain.w_c * float(cut_vals.sum())
     for d in range(len(chain.weights)):

@@ -1,7 +1,7 @@
 """FuncPipe co-optimisation: partition + per-stage memory + data-parallel degree (Sec. 3.4, App. B).
 
 The contract is the "co-optimize" section of PLANNER_SPEC.md. The shared data (`CoOptProblem`,
-`Plan`, `Solved`, the memory checks) lives in `planners.co_optimize_problem`, which the solvers
+`CoOptSolution`, `Solved`, the memory checks) lives in `planners.co_optimize_problem`, which the solvers
 import too. This module owns:
 
 - `parse_problem`: the validated input as a `CoOptProblem` (errors name the JSON field);
@@ -19,8 +19,9 @@ import math
 from dataclasses import replace
 
 from core.errors import PlannerInputError
+from core.stage_memory import stage_bounds
 from planners import validate as v
-from planners.co_optimize_problem import CoOptProblem, Plan, Solved, check_plan, stage_bounds
+from planners.co_optimize_problem import CoOptProblem, CoOptSolution, Solved, check_plan
 
 SOLVERS = ("exact", "gurobi", "scip")
 DELTA_THRESHOLD = 0.8
@@ -106,12 +107,12 @@ def parse_pareto(value) -> list[tuple[float, float]] | str | None:
 
 def evaluate(problem: CoOptProblem, cuts, d: int, options) -> tuple[float, float, float]:
     """(t_iter, c_iter, objective) of a plan under the contract's model (memory not checked)."""
-    plan = Plan(tuple(cuts), int(d), tuple(options))
+    plan = CoOptSolution(tuple(cuts), int(d), tuple(options))
     check_plan(problem, plan)
     mu = problem.microbatches // d
     beta, lat = problem.contention, problem.latency_s
     W = problem.bandwidth_bytes_per_s
-    bounds = stage_bounds(problem.num_layers, plan.cuts)
+    bounds = stage_bounds([c + 1 for c in plan.cuts], problem.num_layers)   # stage starts
     k = len(bounds)
     fc, bc, sync = [], [], []
     for (a, b), j in zip(bounds, plan.options):
@@ -223,7 +224,7 @@ def solve(problem: CoOptProblem, solver: str = "exact", time_limit_s: float | No
     return solve_miqp(problem, backend=solver, time_limit_s=time_limit_s)
 
 
-def describe(problem: CoOptProblem, plan: Plan, groups=None) -> dict:
+def describe(problem: CoOptProblem, plan: CoOptSolution, groups=None) -> dict:
     """The contract's JSON answer for one plan, scored by `evaluate`."""
     t_iter, c_iter, objective = evaluate(problem, plan.cuts, plan.d, plan.options)
     cuts = expand_cuts(groups, plan.cuts) if groups else list(plan.cuts)

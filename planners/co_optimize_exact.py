@@ -33,12 +33,17 @@ from stages of work <= caps[g+1] only, and it is credited a lag of at least
 (mu - 1) * caps[g]. A heuristic pass (the same DP keeping few labels per state) supplies the
 first upper bound, and a whole degree is skipped when its bound cannot beat it. Ties keep
 one optimum. Exactness is checked against brute force in tests/test_planners_co_optimize.py.
+
+Stage limits (`stages(d) = (low, high)`) add components k and -k, so a label dominates only
+labels of as many stages; a stage is placed while k <= high, a complete label counts when
+k >= low; the bounds ignore k (a relaxation). `frontier_exact` searches by dominance alone:
+the complete labels then hold the exact (time, cost) Pareto frontier.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from planners.co_optimize_problem import MEMORY_SLACK, CoOptProblem, Plan
+from planners.co_optimize_problem import MEMORY_SLACK, CoOptProblem, CoOptSolution
 
 _PRUNE_SLACK = 1e-9   # keep labels whose bound ties the incumbent up to rounding
 _HEURISTIC_BEAM = 8
@@ -47,21 +52,31 @@ _NO_PLAN = 1e300      # hull padding
 _SMALL = 8            # up to this many layers, skip the beam pass and use fewer classes
 
 
-def solve_exact(problem: CoOptProblem) -> Plan | None:
-    """The plan of least objective, or None when no plan fits memory at any valid degree."""
-    tables = {d: _Tables(problem, d) for d in problem.valid_degrees()}
-    incumbent: tuple[float, Plan] | None = None
+_COLUMNS = 8   # F, Xf, SB, MB, Tb, R, k, -k
+
+
+def solve_exact(problem: CoOptProblem, stages=None) -> CoOptSolution | None:
+    """The plan of least objective, or None when no plan fits memory at any valid degree.
+
+    `stages`: None, or a function d -> (low, high) stage counts allowed at degree d (high
+    < low: no solution at that degree)."""
+    tables = {d: _Tables(problem, d, stages(d) if stages else None) for d in problem.valid_degrees()}
+    incumbent: tuple[float, CoOptSolution] | None = None
     # A cheap beam pass over every degree gives a first bound, then each degree is solved
     # exactly, most promising first.
     heuristic = {d: 0.0 for d in tables}
     for d, tab in tables.items():
         if problem.num_layers <= _SMALL:
             break       # small problems: the exact passes are cheaper than the beam pass
+        if tab.stage_range[0] > tab.stage_range[1]:
+            continue
         found = _search(tab, upper=np.inf, beam=_HEURISTIC_BEAM)
         heuristic[d] = found[0] if found else np.inf
         if found and (incumbent is None or found[0] < incumbent[0]):
             incumbent = found
     for d in sorted(tables, key=lambda d: heuristic[d]):
+        if tables[d].stage_range[0] > tables[d].stage_range[1]:
+            continue
         upper = incumbent[0] if incumbent else np.inf
         if tables[d].whole_model_bound() > upper * (1 + _PRUNE_SLACK):
             continue
@@ -71,12 +86,36 @@ def solve_exact(problem: CoOptProblem) -> Plan | None:
     return incumbent[1] if incumbent else None
 
 
+def frontier_exact(problem: CoOptProblem, stages=None) -> list[tuple[float, float, CoOptSolution]]:
+    """Every Pareto-optimal (t_iter, c_iter, solution) over the valid degrees, fastest first
+    (`stages` as in `solve_exact`); callers re-score with `planners.co_optimize.evaluate`."""
+    from dataclasses import replace
+
+    scored = replace(problem, weights=(1.0, 1.0))   # alpha1 > 0: the rate is a label component
+    points = []
+    for d in scored.valid_degrees():
+        tab = _Tables(scored, d, stages(d) if stages else None)
+        if tab.stage_range[0] > tab.stage_range[1]:
+            continue
+        labels = _labels(tab, upper=np.inf, beam=None)
+        lag = float(tab.mu - 1)
+        for j, (vals, _) in enumerate(labels[0]):
+            for k in np.nonzero(_complete(tab, vals))[0]:
+                t_iter = float(vals[k, 0] + lag * vals[k, 1] + vals[k, 4])
+                points.append((t_iter, t_iter * d * float(vals[k, 5]), _trace(tab, labels, j, int(k))))
+    points.sort(key=lambda p: (p[0], p[1]))
+    least = np.minimum.accumulate([np.inf] + [p[1] for p in points])
+    return [p for p, before in zip(points, least[:-1]) if p[1] < before]
+
+
 class _Tables:
     """Per-degree arrays: stage compute, sync and fit for every [a, b] and option, cut transfers."""
 
-    def __init__(self, p: CoOptProblem, d: int):
+    def __init__(self, p: CoOptProblem, d: int, stage_range: tuple[int, int] | None = None):
         L, J = p.num_layers, p.num_options
         self.problem, self.d, self.L, self.J = p, d, L, J
+        self.limit_stages = stage_range is not None
+        self.stage_range = tuple(stage_range) if stage_range is not None else (1, L)
         self.mu = p.microbatches // d
         beta, lat = p.contention, p.latency_s
         W = np.asarray(p.bandwidth_bytes_per_s, dtype=float)
@@ -202,12 +241,18 @@ def _lower_hull(points: np.ndarray) -> np.ndarray:
     return np.array(chain)
 
 
-def _search(tab: _Tables, upper: float, beam: int | None) -> tuple[float, Plan] | None:
+def _search(tab: _Tables, upper: float, beam: int | None) -> tuple[float, CoOptSolution] | None:
     """Best (objective, plan) for one degree, pruning labels whose bound exceeds `upper`."""
+    return _best_complete(tab, _labels(tab, upper, beam), float(tab.mu - 1))
+
+
+def _labels(tab: _Tables, upper: float, beam: int | None) -> dict:
+    """The labels of every state (a, j), built from the last layer back."""
     L, J, mu = tab.L, tab.J, tab.mu
     lag = float(mu - 1)
     limit = upper * (1 + _PRUNE_SLACK) if np.isfinite(upper) else np.inf
-    labels: dict[int, list] = {}   # a -> per option j: (vals [n, 6], back [n, 3])
+    labels: dict[int, list] = {}   # a -> per option j: (vals [n, _COLUMNS], back [n, 3])
+    one = 1.0 if tab.limit_stages else 0.0
     pool_vals, pool_a, pool_j, pool_idx = [], [], [], []   # every label of states a' > a
     for a in range(L - 1, -1, -1):
         cand_vals = [[] for _ in range(J)]
@@ -217,7 +262,7 @@ def _search(tab: _Tables, upper: float, beam: int | None) -> tuple[float, Plan] 
             if tab.fit[a, L - 1, j]:
                 fc, bc, sy = tab.fc[a, L - 1, j], tab.bc[a, L - 1, j], tab.sync[a, L - 1, j]
                 vals = np.array([[fc, fc * (mu > 1), bc, bc * (mu > 1), bc + lag * bc + sy,
-                                  tab.rate[j] * tab.use_rate]])
+                                  tab.rate[j] * tab.use_rate, one, -one]])
                 cand_vals[j].append(vals)
                 cand_back[j].append(np.array([[-1, -1, -1]]))
         if pool_vals:
@@ -226,7 +271,7 @@ def _search(tab: _Tables, upper: float, beam: int | None) -> tuple[float, Plan] 
         labels[a] = []
         for j in range(J):
             if not cand_vals[j]:
-                labels[a].append((np.empty((0, 6)), np.empty((0, 3), dtype=int)))
+                labels[a].append((np.empty((0, _COLUMNS)), np.empty((0, 3), dtype=int)))
                 continue
             vals, back = np.concatenate(cand_vals[j]), np.concatenate(cand_back[j])
             if beam is not None:
@@ -247,7 +292,7 @@ def _search(tab: _Tables, upper: float, beam: int | None) -> tuple[float, Plan] 
                 pool_a.append(np.full(len(vals), a))
                 pool_j.append(np.full(len(vals), j))
                 pool_idx.append(np.arange(len(vals)))
-    return _best_complete(tab, labels, lag)
+    return labels
 
 
 def _shortlist(vals, back, score, count):
@@ -267,7 +312,11 @@ def _extend(tab, a, lag, vals, src_a, src_j, src_idx, cand_vals, cand_back):
     down_f = tab.down_f[last, src_j][:, None]      # the suffix stage downloads it  [n, 1]
     up_b = tab.up_b[last, src_j][:, None]          # the suffix stage uploads the gradient
     down_b = tab.down_b[last, :]                   # the new stage downloads it     [n, J]
-    F, Xf, SB, MB, Tb, R = (vals[:, k:k + 1] for k in range(6))
+    F, Xf, SB, MB, Tb, R, K, NK = (vals[:, k:k + 1] for k in range(_COLUMNS))
+    if tab.limit_stages:   # one more stage: drop the labels that would exceed the most allowed
+        room = (K[:, 0] + 1 <= tab.stage_range[1])
+        fit = fit & room[:, None]
+        K, NK = K + 1, NK - 1
     new_f = F + fc + up_f + down_f
     new_sb = SB + bc + up_b + down_b
     if lag > 0:
@@ -278,7 +327,7 @@ def _extend(tab, a, lag, vals, src_a, src_j, src_idx, cand_vals, cand_back):
         new_mb = np.zeros_like(new_f)
     new_tb = np.maximum(Tb, new_sb + lag * new_mb + sy)
     new_r = R + tab.rate[None, :] * tab.use_rate
-    stacked = np.stack(np.broadcast_arrays(new_f, new_xf, new_sb, new_mb, new_tb, new_r), axis=2)
+    stacked = np.stack(np.broadcast_arrays(new_f, new_xf, new_sb, new_mb, new_tb, new_r, K, NK), axis=2)
     for j in range(tab.J):
         rows = np.nonzero(fit[:, j])[0]
         if len(rows):
@@ -334,19 +383,32 @@ def _pareto(vals: np.ndarray) -> np.ndarray:
     return mask
 
 
-def _best_complete(tab, labels, lag) -> tuple[float, Plan] | None:
+def _best_complete(tab, labels, lag) -> tuple[float, CoOptSolution] | None:
     """The least-objective complete label (a = 0) and its plan, traced back through states."""
     best = None
     for j, (vals, _) in enumerate(labels[0]):
-        if len(vals):
+        ok = _complete(tab, vals)
+        if ok.any():
             obj = (vals[:, 0] + lag * vals[:, 1] + vals[:, 4])
-            obj = obj * (tab.time_w + tab.cost_w * vals[:, 5])
+            obj = np.where(ok, obj * (tab.time_w + tab.cost_w * vals[:, 5]), np.inf)
             k = int(np.argmin(obj))
             if best is None or obj[k] < best[0]:
                 best = (float(obj[k]), j, k)
     if best is None:
         return None
     objective, j, k = best
+    return objective, _trace(tab, labels, j, k)
+
+
+def _complete(tab: _Tables, vals: np.ndarray) -> np.ndarray:
+    """Mask of complete labels (a = 0) with at least the fewest stages allowed."""
+    if not tab.limit_stages:
+        return np.ones(len(vals), dtype=bool)
+    return vals[:, 6] >= tab.stage_range[0]
+
+
+def _trace(tab: _Tables, labels: dict, j: int, k: int) -> CoOptSolution:
+    """The solution of complete label k of state (0, j), traced back through the states."""
     cuts, options, a = [], [], 0
     while True:
         options.append(j)
@@ -355,4 +417,4 @@ def _best_complete(tab, labels, lag) -> tuple[float, Plan] | None:
             break
         cuts.append(int(next_a) - 1)
         a, j, k = int(next_a), int(next_j), int(next_k)
-    return objective, Plan(tuple(cuts), tab.d, tuple(options))
+    return CoOptSolution(tuple(cuts), tab.d, tuple(options))

@@ -46,7 +46,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from planners.co_optimize_problem import CoOptProblem, Plan, Solved, plan_fits
+from core.stage_memory import stage_bounds
+from planners.co_optimize_problem import CoOptProblem, CoOptSolution, Solved, plan_fits
 
 LICENCE_ERROR = 10010
 _TOLERANCE = 1e-9
@@ -251,13 +252,13 @@ def _accumulate_constant(m: _Model, x: list, values: list, name: str):
     return acc, total
 
 
-def _plan_from(values: list, index: dict, L: int) -> Plan:
+def _plan_from(values: list, index: dict, L: int) -> CoOptSolution:
     cuts = tuple(c for c, v in enumerate(index["x"]) if values[v] > 0.5)
     d = next(index["degrees"][k] for k, v in enumerate(index["y"]) if values[v] > 0.5)
-    firsts = [0] + [c + 1 for c in cuts]
+    firsts = [first for first, _ in stage_bounds([c + 1 for c in cuts], L)]
     options = tuple(max(range(len(index["z"][i])), key=lambda j: values[index["z"][i][j]])
                     for i in firsts)
-    return Plan(cuts, d, options)
+    return CoOptSolution(cuts, d, options)
 
 
 # ----------------------------------------------------------------------------- backends

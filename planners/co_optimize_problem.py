@@ -1,15 +1,20 @@
-"""The co-optimisation's shared data: the problem, a plan, a solver's answer, and memory fit.
+"""The co-optimisation's shared data: the problem, a solution, a solver's answer, and memory fit.
 
 `planners.co_optimize` (parsing, scoring, dispatch, Pareto sweep) and the solvers
 (`planners.co_optimize_exact`, `planners.co_optimize_miqp`) all import from here, so the
 dispatcher depends on the solvers and the solvers never depend on the dispatcher.
 
-Plans are `(cuts, d, options)`: sorted cut positions (a cut i splits layers i and i+1), the
-data-parallel degree and one memory-option index per stage.
+Solutions are `CoOptSolution(cuts, d, options)`: sorted cut positions (a cut i splits layers
+i and i+1, the planners' convention and `core.plan.Plan.cuts`), the data-parallel degree and
+one memory-option index per stage. The flow's plan is `core.plan.Plan`; `tasks.co_plan` turns
+a solution into one (`Plan.stage_memory_gb` carries the per-stage sizes). Stage bounds and
+stage memory are `core.stage_memory`'s, the same arithmetic the flow's memory check uses.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from core.stage_memory import stage_memory
 
 # Memory checks allow this relative slack so a solver's rounding cannot flip feasibility.
 MEMORY_SLACK = 1e-9
@@ -65,39 +70,26 @@ class CoOptProblem:
 
 
 @dataclass(frozen=True)
-class Plan:
-    """A decision: cuts, data-parallel degree d, one memory-option index per stage."""
+class CoOptSolution:
+    """One decision of the co-optimisation, not a runnable plan: cuts (after layer i), the
+    data-parallel degree d and one memory-option index per stage. `tasks.co_plan` turns it
+    into the flow's `core.plan.Plan`."""
 
     cuts: tuple[int, ...]
     d: int
     options: tuple[int, ...]
 
 
-def stage_bounds(num_layers: int, cuts) -> list[tuple[int, int]]:
-    """(first, last) layer of every stage for sorted, distinct cuts in [0, L-2]."""
-    bounds, first = [], 0
-    for c in cuts:
-        bounds.append((first, c))
-        first = c + 1
-    bounds.append((first, num_layers - 1))
-    return bounds
+def stage_needs(problem: CoOptProblem, cuts, d: int, available) -> list:
+    """`core.stage_memory.stage_memory` of the stages for cuts after layer i at degree d, with
+    mu = M / d micro-batches of activations held (the co-optimiser's GPipe model)."""
+    return stage_memory(activation_bytes=problem.activation_bytes, param_bytes=problem.param_bytes,
+                        cuts=[int(c) + 1 for c in cuts], microbatches=problem.microbatches // d,
+                        available_bytes=available, base_memory_bytes=problem.base_memory_bytes,
+                        optimizer_state_factor=problem.optimizer_state_factor, data_parallel=d)
 
 
-def stage_memory_bytes(problem: CoOptProblem, first: int, last: int, d: int) -> float:
-    """Memory a worker of stage [first, last] needs: mu * sum a + (4 - 2[d=1] + f) * sum s + s0."""
-    mu = problem.microbatches // d
-    acts = sum(problem.activation_bytes[first:last + 1])
-    params = sum(problem.param_bytes[first:last + 1])
-    return mu * acts + problem.memory_factor(d) * params + problem.base_memory_bytes
-
-
-def fits(problem: CoOptProblem, first: int, last: int, d: int, option: int) -> bool:
-    """Whether stage [first, last] fits in memory option `option` at degree d."""
-    need = stage_memory_bytes(problem, first, last, d)
-    return need <= problem.memory_options_bytes[option] * (1 + MEMORY_SLACK)
-
-
-def check_plan(problem: CoOptProblem, plan: Plan) -> None:
+def check_plan(problem: CoOptProblem, plan: CoOptSolution) -> None:
     """Raise ValueError if `plan` is not a well-formed decision for `problem`."""
     L = problem.num_layers
     cuts = list(plan.cuts)
@@ -111,17 +103,18 @@ def check_plan(problem: CoOptProblem, plan: Plan) -> None:
         raise ValueError(f"d must divide microbatches ({problem.microbatches}), got {plan.d}")
 
 
-def plan_fits(problem: CoOptProblem, plan: Plan) -> bool:
-    """Whether every stage of a well-formed plan fits its memory option."""
-    return all(fits(problem, a, b, plan.d, j)
-               for (a, b), j in zip(stage_bounds(problem.num_layers, plan.cuts), plan.options))
+def plan_fits(problem: CoOptProblem, plan: CoOptSolution) -> bool:
+    """Whether every stage of a well-formed solution fits its memory option."""
+    sizes = [problem.memory_options_bytes[j] for j in plan.options]
+    return all(s.needed_bytes <= s.available_bytes * (1 + MEMORY_SLACK)
+               for s in stage_needs(problem, plan.cuts, plan.d, sizes))
 
 
 @dataclass(frozen=True)
 class Solved:
-    """A solver's answer: the plan (None: infeasible), which solver produced it, and notes."""
+    """A solver's answer: the solution (None: infeasible), which solver produced it, and notes."""
 
-    plan: Plan | None
+    plan: CoOptSolution | None
     solver: str
     reason: str = ""
     """Why no plan exists, when plan is None."""

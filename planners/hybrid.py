@@ -26,9 +26,10 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from core.errors import PlannerInputError
+from core.stage_memory import stage_bounds
 from planners import validate as v
 from planners.bottleneck_partition import MaxTerm, solve_chain
-from planners.partition import PartitionProblem, parse_partition, pipeline_runtime, runtime_terms, stage_bounds
+from planners.partition import PartitionProblem, parse_partition, pipeline_runtime, runtime_terms
 from planners.sync_time import STORE_ALGORITHMS, ring_allreduce, store_sync
 
 SYNCS = ("ring",) + STORE_ALGORITHMS
@@ -98,8 +99,14 @@ def stage_sync_s(problem: HybridProblem, param_bytes: float, replicas: int) -> f
     return store_sync(problem.sync, param_bytes, replicas, p.bandwidth_bytes_per_s, p.latency_s)
 
 
-def microbatch_count(problem: HybridProblem, replicas: int) -> int | None:
-    """M for `replicas` replicas, or None when the global batch does not split evenly."""
+def microbatches_per_replica(problem: HybridProblem, replicas: int) -> int | None:
+    """M = global_batch / (replicas x microbatch_size): the micro-batches each replica
+    pipelines when the micro-batch size is fixed and the global batch is shared by
+    `replicas`; None when that is not a whole number.
+
+    Not `planners.strategy.job_microbatches`, which chooses the count for one replica's
+    batch (the job's request, else a small divisor) before any micro-batch size exists;
+    this derives it from a fixed size, for every replica count the search tries."""
     per_replica = problem.microbatch_size * replicas
     if problem.global_batch % per_replica:
         return None
@@ -108,12 +115,12 @@ def microbatch_count(problem: HybridProblem, replicas: int) -> int | None:
 
 def hybrid_time(problem: HybridProblem, replicas: int, cuts: Sequence[int]) -> float:
     """T for one strategy and partition: pipeline runtime plus the slowest stage's sync."""
-    m = microbatch_count(problem, replicas)
+    m = microbatches_per_replica(problem, replicas)
     if m is None:
         raise ValueError(f"data_parallel: {replicas} replicas do not split the global batch")
     params = [layer.param_bytes for layer in problem.pipeline.layers]
     sync = max(stage_sync_s(problem, sum(params[a:b + 1]), replicas)
-               for a, b in stage_bounds(cuts, len(params)))
+               for a, b in stage_bounds([c + 1 for c in cuts], len(params)))  # cut c: after layer c
     return pipeline_runtime(problem.pipeline, cuts, m) + sync
 
 
@@ -124,7 +131,7 @@ def plan_hybrid(problem: HybridProblem) -> list[HybridCandidate]:
     params = np.array([layer.param_bytes for layer in pipe.layers], dtype=float)
     out = []
     for a in range(1, problem.cluster_size + 1):
-        m = microbatch_count(problem, a)
+        m = microbatches_per_replica(problem, a)
         top = min(problem.cluster_size // a, n_layers, pipe.max_stages)
         if m is None or top < 1:
             continue

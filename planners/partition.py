@@ -25,6 +25,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from core.errors import PlannerInputError
+from core.stage_memory import stage_bounds, stage_need_bytes
 from planners import validate as v
 from planners.bottleneck_partition import MaxTerm, interval_sums, solve_chain
 
@@ -74,20 +75,13 @@ def cut_times(problem: PartitionProblem) -> np.ndarray:
     return 2.0 * hop if problem.transport == "store" else hop
 
 
-def stage_bounds(cuts: Sequence[int], n_layers: int) -> list[tuple[int, int]]:
-    """(first, last) layer of every stage for sorted `cuts`."""
-    starts = [0] + [c + 1 for c in cuts]
-    ends = list(cuts) + [n_layers - 1]
-    return list(zip(starts, ends))
-
-
 def pipeline_runtime(problem: PartitionProblem, cuts: Sequence[int],
                      microbatches: int | None = None) -> float:
     """The contract's runtime of one mini-batch for the partition given by `cuts`."""
     m = problem.microbatches if microbatches is None else microbatches
     fwd = [layer.forward_s for layer in problem.layers]
     bwd = [layer.backward_s for layer in problem.layers]
-    spans = stage_bounds(cuts, len(problem.layers))
+    spans = stage_bounds([c + 1 for c in cuts], len(problem.layers))  # cut c is after layer c
     f = [sum(fwd[a:b + 1]) for a, b in spans]
     b_ = [sum(bwd[a:b + 1]) for a, b in spans]
     c = [float(x) for x in cut_times(problem)[list(cuts)]] if cuts else []
@@ -207,23 +201,30 @@ class MicrobatchPlan:
 def stage_memory_fits(layers: Sequence[LayerMemoryProfile], size: int, count: int,
                       memory_bytes: float, base_bytes: float = 0.0) -> np.ndarray:
     """allowed[a, b]: a stage of layers a..b fits one worker with `count` micro-batches of
-    `size` samples in flight."""
+    `size` samples in flight (`core.stage_memory.stage_need_bytes` for every span at once;
+    resident bytes already count every copy of the parameters, so copies=1)."""
     resident = interval_sums(np.array([x.resident_bytes for x in layers], dtype=float))
     act = interval_sums(np.array([x.activation_bytes_per_sample for x in layers], dtype=float))
     upper = np.triu(np.ones((len(layers), len(layers)), dtype=bool))
-    return upper & (base_bytes + resident + count * size * act <= memory_bytes)
+    need = stage_need_bytes(activation_bytes=size * act, param_bytes=resident, in_flight=count,
+                            copies=1, base_bytes=base_bytes)
+    return upper & (need <= memory_bytes)
 
 
 def _fits_in(layers, size, count, memory_bytes, base_bytes, max_stages) -> bool:
     """Whether some partition into at most `max_stages` stages fits (greedy packing is
     optimal for the fewest stages because stage memory grows with the span)."""
-    stages, used_res, used_act = 1, base_bytes, 0.0
+    def fits(act: float, res: float) -> bool:
+        return stage_need_bytes(activation_bytes=act, param_bytes=res, in_flight=count, copies=1,
+                                base_bytes=base_bytes) <= memory_bytes
+
+    stages, used_res, used_act = 1, 0.0, 0.0
     for x in layers:
-        res, act = x.resident_bytes, x.activation_bytes_per_sample * size * count
-        if base_bytes + res + act > memory_bytes:
+        res, act = x.resident_bytes, x.activation_bytes_per_sample * size
+        if not fits(act, res):
             return False
-        if used_res + res + used_act + act > memory_bytes:
-            stages, used_res, used_act = stages + 1, base_bytes, 0.0
+        if not fits(used_act + act, used_res + res):
+            stages, used_res, used_act = stages + 1, 0.0, 0.0
         used_res += res
         used_act += act
     return stages <= max_stages

@@ -29,7 +29,9 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from core.errors import PlannerInputError
-from core.schedules import Kind, Simulation, build_schedule, lower, simulate
+from core.schedule_costs import Simulation, simulate
+from core.schedules import Kind, build_schedule, lower
+from core.stage_memory import stage_bounds
 
 
 @dataclass(frozen=True)
@@ -110,7 +112,7 @@ def stage_times(layers: Sequence[Mapping[str, float]], cuts: Sequence[int], micr
         # small micro-batch's time negative
         return max(0.0, fixed + (layer[f"{key}_s"] - fixed) * scale)
 
-    bounds = zip([0] + [c + 1 for c in cuts], cuts + [len(layers) - 1])
+    bounds = stage_bounds([c + 1 for c in cuts], len(layers))  # cut c: after layer c
     return [{"forward_s": sum(at_microbatch(l, "forward") for l in layers[a:b + 1]),
              "backward_s": sum(at_microbatch(l, "backward") for l in layers[a:b + 1]),
              "out_bytes": layers[b]["output_bytes"] * scale,

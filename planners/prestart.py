@@ -27,14 +27,16 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from core.errors import ZooidValueError
 
-class PrestartError(ValueError):
+
+class PrestartError(ZooidValueError):
     """Invalid input to the pre-start model (names the parameter)."""
 
 
 def _nonneg(name: str, value: float) -> float:
     if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-        raise PrestartError(f"{name}: must be a finite number >= 0, got {value!r}")
+        raise PrestartError(name, f"must be a finite number >= 0, got {value!r}")
     return float(value)
 
 
@@ -43,7 +45,7 @@ def startup_estimate(samples: Sequence[float], prior_s: float = 0.0, quantile: f
     when there are none (e.g. the target's configured `startup_s`)."""
     prior_s = _nonneg("prior_s", prior_s)
     if not 0.0 < quantile <= 1.0:
-        raise PrestartError(f"quantile: must lie in (0, 1], got {quantile!r}")
+        raise PrestartError("quantile", f"must lie in (0, 1], got {quantile!r}")
     values = [_nonneg("samples", s) for s in samples]
     if not values:
         return prior_s
@@ -57,7 +59,7 @@ def remaining_epoch_s(elapsed_s: float, predicted_epoch_s: float, progress: floa
     predicted_epoch_s = _nonneg("predicted_epoch_s", predicted_epoch_s)
     if progress is not None:
         if not (math.isfinite(progress) and 0.0 <= progress <= 1.0):
-            raise PrestartError(f"progress: must lie in [0, 1], got {progress!r}")
+            raise PrestartError("progress", f"must lie in [0, 1], got {progress!r}")
         if progress > 0.0:
             return elapsed_s * (1.0 - progress) / progress
     return max(0.0, predicted_epoch_s - elapsed_s)
@@ -115,7 +117,7 @@ def startup_split(workers: Iterable[tuple[float, float]], previous_end: float | 
     hidden = exposed = idle = critical = 0.0
     for launched, ready in workers:
         if not (math.isfinite(launched) and math.isfinite(ready)) or ready < launched:
-            raise PrestartError(f"workers: need finite launched <= ready, got ({launched!r}, {ready!r})")
+            raise PrestartError("workers", f"need finite launched <= ready, got ({launched!r}, {ready!r})")
         end = launched if previous_end is None else previous_end
         h = max(0.0, min(ready, end) - launched)
         x = max(0.0, ready - max(launched, end))

@@ -339,8 +339,13 @@ def describe(plan: Plan, chosen: bool = False) -> dict:
             "chosen": chosen}
 
 
-def microbatch_count(batch_size: int, microbatches: int | None) -> int:
-    """Micro-batches per iteration: the job's, or the most of 4, 2, 1 that divides the batch."""
+def job_microbatches(batch_size: int, microbatches: int | None) -> int:
+    """The micro-batches one replica splits its `batch_size` into: the job's request, or the
+    most of 4, 2, 1 that divides the batch.
+
+    A choice made from the job before planning, which fixes the micro-batch size
+    (batch_size // count). Not `planners.hybrid.microbatches_per_replica`, which derives
+    the count from that fixed size for each replica count (global batch / (A x size))."""
     return microbatches or next((m for m in (4, 2, 1) if batch_size % m == 0), 1)
 
 
@@ -351,7 +356,7 @@ def candidates(x: StrategyInputs, strategy: str) -> list[Plan]:
     counts when None) at the job's batch. `hybrid`: D = workers replicas of it. `auto`: every
     plan of at most `workers` worker processes at the same global batch (workers x
     batch_size): Local-SGD, and each A x B pipeline with A * B <= workers."""
-    mb = microbatch_count(x.batch_size, x.microbatches)
+    mb = job_microbatches(x.batch_size, x.microbatches)
     if strategy == "local_sgd":
         return [local_sgd(x)]
     if strategy in ("pipeline", "hybrid"):

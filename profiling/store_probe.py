@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from profiling.profiler import ANCHOR_MIN_S, _median_time
+from profiling.timing import ANCHOR_MIN_S, _median_time
 
 
 @dataclass(frozen=True)

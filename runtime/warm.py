@@ -198,7 +198,7 @@ def serve(spec: WorkerSpec, store: Store, execute: Callable[[WorkerSpec], Worker
     `execute` raised after posting it as the reply."""
     from engine.datasets import keep_subsets
     from engine.models import keep_models
-    from profiling.profiler import rss_bytes
+    from profiling.memory import rss_bytes
 
     settings = WarmSettings.from_extra(spec.extra)
     started = time.time()

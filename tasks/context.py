@@ -1,8 +1,9 @@
 """The coordinator's state for one run, shared by its tasks and its failure hooks.
 
-Tasks run in the coordinator's process, so they share one `RunContext`: the resolved job,
-the ledger so far, the launchers whose workers may still be running. The flow's hooks find
-the context of a crashed or cancelled run through `ACTIVE`, keyed by flow run id.
+Tasks run in the coordinator's process and share one `RunContext`: the run id and the
+resolved job, immutable once validated, and a `RunState` holding what the run changes (the
+ledger so far, the launchers whose workers may still be running, attempt numbers). The
+flow's hooks find the context of a crashed or cancelled run through `ACTIVE`.
 """
 from __future__ import annotations
 
@@ -24,19 +25,20 @@ def run_id_for(flow_run_id) -> str:
 
 
 ACTIVE: dict[str, "RunContext"] = {}
-"""Contexts of runs in progress in this process, by flow run id."""
+"""The one registry: contexts of runs in progress in this process, by flow run id. Only the
+flow's failure hooks read it (`flows.hooks.on_abnormal_end`): Prefect calls a hook with the
+flow run alone, so this is how a hook in the coordinator's process finds the run's workers
+and ledger. `flows.train.run_training` adds its context and removes it when the run ends."""
 
 
 @dataclass
-class RunContext:
-    """Everything the steps of one run share."""
+class RunState:
+    """What one run changes as it goes: the bill so far, the workers it started, attempt
+    numbers, what it measured. Owned by the run's `RunContext` and changed only by its steps."""
 
-    run_id: str
-    job: TrainJob
-    resolved: ResolvedJob
-    started_at: float = field(default_factory=time.time)
     ledger: list[CostRecord] = field(default_factory=list)
     launchers: list[Any] = field(default_factory=list)
+    """Launchers whose workers may still be running (teardown stops them)."""
     prestarted: dict = field(default_factory=dict)
     """Epoch -> launcher whose workers were started during the previous epoch."""
     startup_samples: list = field(default_factory=list)
@@ -48,9 +50,9 @@ class RunContext:
     attempts: dict = field(default_factory=dict)
     """Last attempt number per (epoch, rank)."""
     dataset: dict = field(default_factory=dict)
+    """The published dataset's manifest."""
     profile: dict = field(default_factory=dict)
     """The measured profile (peak memory sizes cloud workers)."""
-    """The published dataset's manifest."""
     warm: Any = None
     """The run's warm workers (`tasks.warm_pool.WarmPool`) when the job keeps them."""
     progress_id: Any = None
@@ -58,9 +60,20 @@ class RunContext:
     provisioned: bool = False
     torn_down: bool = False
     cost_recorded: bool = False
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """One run: its resolved configuration, fixed once validated, and its mutable `state`."""
+
+    run_id: str
+    job: TrainJob
+    resolved: ResolvedJob
     flow_run_id: str = ""
     dry_run: bool = False
     """A plan without a run (`flows.plan`): what it spent profiling is no part of a run's bill."""
+    started_at: float = field(default_factory=time.time)
+    state: RunState = field(default_factory=RunState)
 
     @property
     def store_ref(self) -> str:

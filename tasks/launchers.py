@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 from clouds.registry import is_cloud
 from comm import heartbeat
+from core.errors import ZooidError
 from core.specs import WorkerResult, WorkerSpec
 from tasks.sweep import COORDINATOR_VAR, TAG_VAR, stop_pids
 
@@ -58,7 +59,7 @@ class WorkerOutcome:
         return dataclasses.asdict(self)
 
 
-class WorkersFailed(RuntimeError):
+class WorkersFailed(ZooidError, RuntimeError):
     """Some worker of the epoch did not complete and was not relaunched."""
 
     def __init__(self, outcomes: list[WorkerOutcome], reason: str = ""):
@@ -294,7 +295,7 @@ def make_launcher(ctx, plan) -> _Launcher:
     if is_cloud(target):
         from clouds.job_variables import job_variables as cloud_job_variables, resources_from_plan
 
-        peak = ctx.profile.get("peak_memory_bytes") if ctx.profile else None
+        peak = ctx.state.profile.get("peak_memory_bytes") if ctx.state.profile else None
         resources = resources_from_plan(plan, profiled_memory_gb=peak / 2**30 if peak else None,
                                         gpu_type=ctx.resolved.offer.gpu_type)
         job_variables = cloud_job_variables(target.kind, resources, ctx.run_id, image=target.image,

@@ -3,6 +3,9 @@
 The measured profile goes to the planners (`planners.strategy`, which calls `hybrid` with
 store transport and the store collectives' sync model); the alternatives they considered,
 with predicted iteration time, epoch time and cost, travel with the plan to the report.
+Where the target offers several worker sizes, the co-optimiser (`tasks.co_plan`) chooses the
+partition, each stage's size and D together; `plan.co_optimizer` says what it compared, or
+why it was not needed.
 """
 from __future__ import annotations
 
@@ -40,7 +43,7 @@ def strategy_inputs(ctx: RunContext, profile: dict, workers: int) -> StrategyInp
     and its target: the store's contract bandwidth and latency, a worker's measured put
     and get costs, the sync checkpoint write and a step right after it. Where the workers
     share this machine, a plan of more worker processes than cores time-shares them."""
-    from profiling.profiler import cpu_count
+    from profiling.timing import cpu_count
 
     job, target = ctx.job, ctx.resolved.target
     transfer = profile.get("store_transfer")
@@ -66,16 +69,32 @@ def make_plan(ctx: RunContext, profile: dict, workers: int, calibration: Calibra
     the epochs measured so far, with its epoch and run predicted start-up aware
     (`with_run`); refused (ZooidValueError naming `memory`, with the numbers per stage)
     when a stage does not fit its worker."""
+    from tasks.co_plan import co_optimized
+
     x = calibrated(strategy_inputs(ctx, profile, workers), calibration or Calibration())
+    several = len(ctx.resolved.target.memory_options()) > 1
+    uniform, why = None, ""
+    try:
+        uniform = uniform_plan(ctx, profile, x)
+    except ZooidValueError as exc:
+        if not several or exc.field != "memory":
+            raise
+        why = str(exc)  # at the target's size it does not fit: a larger size for some stage may
+    chosen = co_optimized(ctx, profile, x, uniform, workers, why_uniform=why,
+                          check_memory=lambda p: check_memory(ctx, profile, p))
+    return with_run(ctx, chosen, calibration, epochs_left)
+
+
+def uniform_plan(ctx: RunContext, profile: dict, x) -> Plan:
+    """The job strategy's plan with every worker at the target's size, memory checked."""
     try:
         chosen = choose(x, ctx.job.strategy)
     except ValueError as exc:
         raise ZooidValueError("strategy", str(exc).removeprefix("strategy: ")) from None
     if chosen.stages > 1:
-        chosen = pick_schedule(ctx, profile, x, chosen)
-    else:
-        check_memory(ctx, profile, chosen)
-    return with_run(ctx, chosen, calibration, epochs_left)
+        return pick_schedule(ctx, profile, x, chosen)
+    check_memory(ctx, profile, chosen)
+    return chosen
 
 
 def with_run(ctx: RunContext, chosen: Plan, calibration: Calibration | None, epochs_left: int | None) -> Plan:
@@ -85,7 +104,7 @@ def with_run(ctx: RunContext, chosen: Plan, calibration: Calibration | None, epo
     from tasks.record_cost import rows_now
 
     terms = load_terms(ctx, calibration.overhead_s if calibration else None)
-    launched = [w.launched_at for w in ctx.warm.workers.values()] if ctx.warm is not None else []
+    launched = [w.launched_at for w in ctx.state.warm.workers.values()] if ctx.state.warm is not None else []
     since = None  # no worker yet: all start at the plan, and wait as long as earlier such runs did
     if launched:  # some started before the plan (to profile, or while it ran): the youngest decides
         since = time.time() - max(launched) if len(launched) >= chosen.workers else 0.0
@@ -98,7 +117,8 @@ def with_run(ctx: RunContext, chosen: Plan, calibration: Calibration | None, epo
     for a in chosen.alternatives:
         compute = a.get("predicted_compute_epoch_s", a["predicted_epoch_s"])
         alt = Plan(strategy=a["strategy"], data_parallel=a["data_parallel"], stages=a["stages"],
-                   price_per_worker_s=chosen.price_per_worker_s, predicted_compute_epoch_s=compute)
+                   price_per_worker_s=a.get("price_per_worker_s", chosen.price_per_worker_s),
+                   predicted_compute_epoch_s=compute)
         p = predict_run(alt, terms, **kwargs)
         alternatives.append({**a, "predicted_compute_epoch_s": compute, "predicted_epoch_s": p.epoch_s,
                              "predicted_cost_per_epoch_usd": p.epoch_s * alt.workers * alt.price_per_worker_s,
@@ -109,7 +129,7 @@ def with_run(ctx: RunContext, chosen: Plan, calibration: Calibration | None, epo
 def shape(plan: Plan) -> tuple:
     """What the workers run: two plans of one shape need no change of workers."""
     return (plan.strategy, plan.data_parallel, plan.stages, tuple(plan.cuts), plan.microbatches,
-            plan.pipeline_schedule, plan.chunks)
+            plan.pipeline_schedule, plan.chunks, tuple(plan.stage_memory_gb))
 
 
 def replan(ctx: RunContext, profile: dict, current: Plan, calibration: Calibration,
@@ -150,10 +170,12 @@ def replan(ctx: RunContext, profile: dict, current: Plan, calibration: Calibrati
 def make_same(ctx: RunContext, profile: dict, current: Plan, calibration: Calibration, epochs_left: int) -> Plan:
     """The plan in force (its shape unchanged) predicted again from calibrated inputs."""
     from planners.strategy import local_sgd, predicted
+    from tasks.co_plan import launched_inputs
 
     x = calibrated(strategy_inputs(ctx, profile, current.data_parallel), calibration)
+    x = launched_inputs(ctx, x, current, profile)  # a co-optimised plan runs at its largest size
     again = local_sgd(x, current.data_parallel) if current.stages == 1 else predicted(x, current)
-    again = dataclasses.replace(again, alternatives=current.alternatives)
+    again = dataclasses.replace(again, alternatives=current.alternatives, co_optimizer=current.co_optimizer)
     return with_run(ctx, again, calibration, epochs_left)
 
 
@@ -165,7 +187,7 @@ def pick_schedule(ctx: RunContext, profile: dict, x, plan: Plan) -> Plan:
     micro-batches of activations on stage s, GPipe all M, interleaved min(W_w + 1, 2M)
     half-stage sets on worker w); within 1 % of the fastest, the one holding fewer
     stage-sized sets on worker 0. The schedules compared join the plan's alternatives."""
-    from core.schedules import ideal_peak_in_flight
+    from core.schedule_costs import ideal_peak_in_flight
     from planners.strategy import choose_schedule, describe, with_schedule
 
     chunks = 2
@@ -241,14 +263,15 @@ def pick_schedule(ctx: RunContext, profile: dict, x, plan: Plan) -> Plan:
 
 def check_memory(ctx: RunContext, profile: dict, plan: Plan) -> None:
     """Every stage's activations, parameters, gradients, optimizer state and the worker
-    process's base memory must fit the worker's memory."""
+    process's base memory must fit the worker's memory (each stage's own size where the
+    co-optimiser chose them, `plan.stage_memory_gb`)."""
     from core.stage_memory import check_plan_memory
     from profiling.profiler import ModelProfile
 
     prof = ModelProfile.from_dict(profile)
     if not prof.layers:
         return
-    from core.schedules import ideal_peak_in_flight
+    from core.schedule_costs import ideal_peak_in_flight
 
     micro = max(1, plan.batch_size // max(1, plan.microbatches))
     in_flight = [ideal_peak_in_flight(plan.pipeline_schedule, plan.stages, plan.microbatches, worker=s)
@@ -256,7 +279,8 @@ def check_memory(ctx: RunContext, profile: dict, plan: Plan) -> None:
     check_plan_memory(activation_bytes=prof.layer_activation_bytes(micro), in_flight=in_flight,
                       param_bytes=[l.param_bytes for l in prof.layers],
                       cuts=[c + 1 for c in plan.cuts], microbatches=plan.microbatches,
-                      available_bytes=ctx.resolved.target.worker_memory_gb * 2**30,
+                      available_bytes=([g * 2**30 for g in plan.stage_memory_gb] if plan.stage_memory_gb
+                                       else ctx.resolved.target.worker_memory_gb * 2**30),
                       base_memory_bytes=prof.base_memory_bytes or 0.0,
                       optimizer_state_factor=optimizer_copies(ctx.job.optimizer),
                       data_parallel=plan.data_parallel)

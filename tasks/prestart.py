@@ -20,7 +20,7 @@ def should_prestart(ctx: RunContext, plan: Plan, epoch: int) -> bool:
     """Whether epoch `epoch + 1` can be launched during `epoch`."""
     job = ctx.job
     return (job.prestart and job.scaling == "static" and plan.strategy == "local_sgd"
-            and epoch + 1 < job.epochs and bool(ctx.startup_samples) and ctx.last_epoch_s > 0)
+            and epoch + 1 < job.epochs and bool(ctx.state.startup_samples) and ctx.state.last_epoch_s > 0)
 
 
 class PrestartWatch:
@@ -36,8 +36,8 @@ class PrestartWatch:
         if self.launched:
             return
         decision = decide_prestart(elapsed_s=time.time() - self.epoch_start,
-                                   predicted_epoch_s=self.ctx.last_epoch_s,
-                                   startup_samples=self.ctx.startup_samples,
+                                   predicted_epoch_s=self.ctx.state.last_epoch_s,
+                                   startup_samples=self.ctx.state.startup_samples,
                                    prior_startup_s=self.ctx.resolved.target.startup_s)
         if decision.launch_in_s <= 0:
             self.launch_next()
@@ -51,8 +51,8 @@ class PrestartWatch:
         launcher = make_launcher(self.ctx, self.plan)
         for spec in worker_specs(self.ctx, self.plan, nxt, epoch_key(self.ctx, self.epoch), self.lr, 0):
             launcher.launch(dataclasses.replace(spec, attempt=next_attempt(self.ctx, nxt, spec.rank)))
-        self.ctx.launchers.append(launcher)
-        self.ctx.prestarted[nxt] = launcher
+        self.ctx.state.launchers.append(launcher)
+        self.ctx.state.prestarted[nxt] = launcher
         self.launched = True
 
 
@@ -71,11 +71,11 @@ class WarmPrestart:
         if self.launched:
             return
         decision = decide_prestart(elapsed_s=time.time() - self.epoch_start,
-                                   predicted_epoch_s=self.ctx.last_epoch_s or self.plan.predicted_epoch_s,
-                                   startup_samples=self.ctx.startup_samples,
+                                   predicted_epoch_s=self.ctx.state.last_epoch_s or self.plan.predicted_epoch_s,
+                                   startup_samples=self.ctx.state.startup_samples,
                                    prior_startup_s=self.ctx.resolved.target.startup_s)
         if decision.launch_in_s <= 0:
-            self.ctx.warm.prestart(self.next_workers, self.plan, self.epoch + 1)
+            self.ctx.state.warm.prestart(self.next_workers, self.plan, self.epoch + 1)
             self.launched = True
 
 

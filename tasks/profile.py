@@ -38,9 +38,9 @@ STORE_PROBE_TTL_S = 24 * 3600.0
 
 def microbatch_size(job) -> int:
     """Rows per micro-batch of a pipeline of this job (the planner's default split)."""
-    from planners.strategy import microbatch_count
+    from planners.strategy import job_microbatches
 
-    return max(1, job.batch_size // microbatch_count(job.batch_size, job.microbatches))
+    return max(1, job.batch_size // job_microbatches(job.batch_size, job.microbatches))
 
 
 def typical_activation_bytes(prof: dict, job) -> float:
@@ -99,7 +99,7 @@ class TargetProfiler:
         from tasks.warm_pool import WarmPool, provisional_plan
 
         ctx = self.ctx
-        pool = ctx.warm
+        pool = ctx.state.warm
         if pool is None:
             pool = self.one_off = self.one_off or WarmPool(ctx)
         return pool.profile(provisional_plan(ctx), request.to_dict(), ctx.job.worker_timeout_s)

@@ -67,16 +67,16 @@ def provision(ctx: RunContext, plan: Plan, fresh: bool = True) -> dict:
         else:  # the split is deterministic, so a republished subset i is the same subset i
             manifest = publish_dataset(store, ctx.run_id, ctx.job.dataset,
                                        subset_size(ctx.resolved.n_train, ctx.job.max_workers))
-        ctx.dataset = manifest.to_dict()
+        ctx.state.dataset = manifest.to_dict()
         if fresh or not store.exists(init_key(ctx)):
             initial_checkpoint(store, init_key(ctx), ctx.job.model, ctx.job.optimizer, ctx.job.lr,
                                seed=ctx.job.seed, meta={"run_id": ctx.run_id})
         run_doc = {"run_id": ctx.run_id, "flow_run_id": ctx.flow_run_id, "job": ctx.job.model_dump(),
-                   "plan": plan.to_dict(), "target": ctx.job.target, "dataset": ctx.dataset,
+                   "plan": plan.to_dict(), "target": ctx.job.target, "dataset": ctx.state.dataset,
                    "started_at": ctx.started_at, "provisioned_at": time.time()}
         if fresh or not store.exists(ctx.prefix("run.json")):
             store.put(ctx.prefix("run.json"), json.dumps(run_doc, indent=1).encode())
     finally:
         store.close()
-    ctx.provisioned = True
-    return ctx.dataset
+    ctx.state.provisioned = True
+    return ctx.state.dataset

@@ -13,7 +13,7 @@ from tasks.cost import coordinator_record, total_usd, write_ledger
 def rows_now(ctx: RunContext) -> list:
     """The bill up to now: the ledger, the live warm workers' open intervals and the
     coordinator's interval so far."""
-    rows = list(ctx.ledger) + (ctx.warm.open_rows() if ctx.warm is not None else [])
+    rows = list(ctx.state.ledger) + (ctx.state.warm.open_rows() if ctx.state.warm is not None else [])
     rows.append(coordinator_record(ctx.run_id, ctx.started_at, time.time(), ctx.resolved.offer,
                                    ctx.price_per_worker_s))
     return rows
@@ -28,7 +28,7 @@ def record_cost_now(ctx: RunContext, final: bool = True) -> dict:
     finally:
         store.close()
     if final:
-        ctx.cost_recorded = True
+        ctx.state.cost_recorded = True
     return {"run_id": ctx.run_id, "total_usd": total_usd(rows), "rows": [r.to_dict() for r in rows]}
 
 

@@ -51,6 +51,39 @@ def epoch_table(epochs: list[dict]) -> list[dict]:
              "cost_usd": round(e["cost_usd"], 6)} for e in epochs]
 
 
+def co_optimizer_lines(co: dict) -> list[str]:
+    """What the co-optimiser compared (or why it was not needed), as markdown lines."""
+    if not co:
+        return []
+    if "sizes_gb" not in co:
+        return [f"Co-optimiser not used: {co.get('reason')}."]
+
+    def gb(sizes) -> str:
+        return "/".join(f"{g:g}" for g in sizes) + " GB"
+
+    lines = [f"Co-optimiser ({co.get('solver')}, worker sizes {gb(co['sizes_gb'])}; {co.get('assumption')}): "
+             f"{'used' if co.get('used') else 'not used'}, {co.get('reason')}.", "",
+             "| compared | D | stages | cuts | stage sizes | iteration s | $ / iteration | epoch s | $ / epoch |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    rows = [("co-optimised", co.get("co_optimised"))] + [(f"best uniform at {u['memory_gb']:g} GB", u)
+                                                          for u in co.get("uniform_by_size", ())]
+    for name, r in rows:
+        if not r or "t_iter_s" not in r:
+            lines.append(f"| {name} | - | - | - | does not fit | - | - | - | - |")
+            continue
+        lines.append(f"| {name} | {r['data_parallel']} | {r['stages']} | {r['cuts']} | {gb(r['stage_memory_gb'])} | "
+                     f"{r['t_iter_s']:.3g} | {r['c_iter_usd']:.3g} | {r['epoch_s']:.3g} | {r['cost_per_epoch_usd']:.3g} |")
+    u, c = co.get("uniform"), co.get("co_optimised")
+    if u:
+        lines += ["", f"The uniform plan it would otherwise run: {u['strategy']} D={u['data_parallel']} "
+                      f"M={u['stages']} at {u['worker_memory_gb']:g} GB, {u['predicted_epoch_s']:.3g} s and "
+                      f"${u['predicted_cost_per_epoch_usd']:.3g} per epoch (workers' compute)."]
+    if c and "predicted_epoch_s" in c:
+        lines += [f"The co-optimised plan as launched (every worker at {c['worker_memory_gb']:g} GB, the largest "
+                  f"stage size): {c['predicted_epoch_s']:.3g} s and ${c['predicted_cost_per_epoch_usd']:.3g} per epoch."]
+    return lines
+
+
 def text_report(summary: RunSummary, ledger: dict | None = None) -> str:
     """The report printed at the end of `make run` and `python -m flows.train`."""
     p = summary.plan
@@ -61,6 +94,8 @@ def text_report(summary: RunSummary, ledger: dict | None = None) -> str:
              f"predicted {_fmt(p.get('predicted_epoch_s'), '.3g')} s/epoch, "
              f"${_fmt(p.get('predicted_cost_per_epoch_usd'), '.3g')}/epoch; "
              f"run {_fmt(p.get('predicted_run_s'), '.3g')} s, ${_fmt(p.get('predicted_run_cost_usd'), '.3g')}",
+             *([f"stage sizes: {'/'.join(f'{g:g}' for g in p['stage_memory_gb'])} GB (co-optimiser: "
+                f"{(p.get('co_optimizer') or {}).get('reason')})"] if p.get("stage_memory_gb") else []),
              "", f"{'epoch':>5} {'workers':>7} {'train_loss':>10} {'val_loss':>9} {'val_acc':>8} "
              f"{'seconds':>8} {'predicted':>9} {'samples/s':>10} {'cost_usd':>10}"]
     for e in summary.epochs:
@@ -86,7 +121,7 @@ def markdown_report(summary: RunSummary, ledger_rows: list[dict], png: bytes | N
     md = [f"# Zooid run `{summary.run_id}`: {summary.status}", "",
           "## Plan", "", "| field | value |", "|---|---|"]
     for k in ("strategy", "data_parallel", "stages", "sync_period", "steps_per_epoch", "batch_size",
-              "offer", "worker_vcpu", "worker_memory_gb", "worker_gpu", "predicted_iteration_s",
+              "offer", "worker_vcpu", "worker_memory_gb", "stage_memory_gb", "worker_gpu", "predicted_iteration_s",
               "predicted_epoch_s", "predicted_first_epoch_s", "predicted_cost_per_epoch_usd", "predicted_run_s",
               "predicted_run_cost_usd"):
         v = p.get(k)
@@ -95,6 +130,8 @@ def markdown_report(summary: RunSummary, ledger_rows: list[dict], png: bytes | N
         t = p["run_terms"]
         md.append("| run terms | " + ", ".join(f"{k} {t[k]:.3g} s ({'measured' if t['measured'].get(k) else 'assumed'})"
                                            for k in t if k != "measured" and t[k] is not None) + " |")
+    if p.get("co_optimizer"):
+        md += ["", "### Co-optimiser", "", *co_optimizer_lines(p["co_optimizer"])]
     if p.get("alternatives"):
         md += ["", "### Alternatives considered", "", "| strategy | workers | iteration s | epoch s | $/epoch | "
                "run s | run $ | chosen |", "|---|---|---|---|---|---|---|---|"]

@@ -77,7 +77,7 @@ def decide_next(ctx: RunContext, profile: dict, history: list[dict], workers: in
                                provision=provision or {})
     decision = decide(job.scaling, epoch_records(history, job.batch_size), settings)
     # every replica needs at least one data subset
-    most = max(1, min(job.max_workers, ctx.dataset.get("n_subsets", workers)))
+    most = max(1, min(job.max_workers, ctx.state.dataset.get("n_subsets", workers)))
     return {"workers": max(job.min_workers, min(most, decision.workers)), "lr": decision.lr,
             "reason": decision.reason}
 

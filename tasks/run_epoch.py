@@ -31,13 +31,13 @@ def bill_from_cloud_clock(ctx: RunContext, outcomes, epoch: int) -> None:
     if adapter is None:
         return
     for o in outcomes:
-        ctx.cloud_attempts[o.ref] = (epoch, o.rank, o.attempt)
+        ctx.state.cloud_attempts[o.ref] = (epoch, o.rank, o.attempt)
     try:
-        intervals = [i for i in adapter.intervals(ctx.run_id) if i.flow_run_id in ctx.cloud_attempts]
+        intervals = [i for i in adapter.intervals(ctx.run_id) if i.flow_run_id in ctx.state.cloud_attempts]
     except Exception as exc:  # the bill keeps the coordinator's intervals; say why
         print(f"zooid: cloud intervals unavailable, billing measured intervals: {exc}")
         return
-    ctx.ledger[:] = replace_measured(ctx.ledger, cloud_records(ctx.run_id, intervals, ctx.cloud_attempts,
+    ctx.state.ledger[:] = replace_measured(ctx.state.ledger, cloud_records(ctx.run_id, intervals, ctx.state.cloud_attempts,
                                                                ctx.resolved.offer, ctx.price_per_worker_s))
 
 
@@ -124,7 +124,7 @@ def epoch_specs(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, a
 def warm_epoch(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, resume: bool, attempt: int,
                on_tick=None) -> dict:
     """One epoch on the run's warm workers (started or retired to fit `plan` first)."""
-    pool = ctx.warm
+    pool = ctx.state.warm
     started = pool.ensure(plan, epoch)
     sent = time.time()
     final, attempts = pool.run_epoch(plan, epoch_specs(ctx, plan, epoch, init, lr, attempt, resume),
@@ -138,7 +138,7 @@ def warm_epoch(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, re
     summary["relaunches"] = [{"rank": o.rank, "attempt": o.attempt, "status": o.status,
                               "failure": o.extra.get("failure")} for o in attempts if o.status != "completed"]
     summary["worker_pids"] = {str(o.rank): o.result.get("pid") for o in final if o.result}
-    ctx.last_epoch_s, ctx.last_epoch_end = max(0.05, ended - sent), ended
+    ctx.state.last_epoch_s, ctx.state.last_epoch_end = max(0.05, ended - sent), ended
     bill_from_cloud_clock(ctx, [], epoch)
     return summary
 
@@ -164,20 +164,20 @@ def run_epoch(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, res
     if ctx.job.warm:  # each warm worker holds its paid-worker slot from its start to its stop
         summary = warm_epoch(ctx, plan, epoch, init, lr, resume, attempt, on_tick)
         summary.update(epoch=epoch, workers=plan.workers, stages=plan.stages, lr=lr, attempt=attempt,
-                       cost_usd=sum(r.usd for r in ctx.ledger if r.epoch == epoch),
+                       cost_usd=sum(r.usd for r in ctx.state.ledger if r.epoch == epoch),
                        predicted_iteration_s=plan.predicted_iteration_s, predicted_epoch_s=plan.predicted_epoch_s)
         return summary
-    launcher = ctx.prestarted.pop(epoch, None)  # started during the previous epoch
+    launcher = ctx.state.prestarted.pop(epoch, None)  # started during the previous epoch
     if launcher is not None and (attempt > 0 or resume or any(o.status != "running" for o in launcher.outcomes)):
         launcher.stop("pre-started workers replaced")  # a retried epoch starts afresh
-        ctx.launchers.remove(launcher)
-        ctx.ledger.extend(worker_records(ctx.run_id, epoch, [o.to_dict() for o in launcher.outcomes],
+        ctx.state.launchers.remove(launcher)
+        ctx.state.ledger.extend(worker_records(ctx.run_id, epoch, [o.to_dict() for o in launcher.outcomes],
                                          ctx.resolved.offer, ctx.price_per_worker_s))
         launcher = None
     prestarted = launcher is not None
     if launcher is None:
         launcher = make_launcher(ctx, plan)
-        ctx.launchers.append(launcher)
+        ctx.state.launchers.append(launcher)
     # one slot of the global paid-worker limit per worker, held for the epoch (no-op when the
     # limit does not exist; `python -m deployments.bootstrap` creates it)
     with concurrency(PAID_WORKERS_LIMIT, occupy=plan.workers, timeout_seconds=ctx.job.worker_timeout_s,
@@ -188,30 +188,30 @@ def run_epoch(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, res
                 for spec in epoch_specs(ctx, plan, epoch, init, lr, attempt, resume):
                     launcher.launch(spec)
             else:  # the epoch really starts when the previous one ended
-                started = max(min(o.started_at for o in launcher.outcomes), ctx.last_epoch_end or 0.0)
+                started = max(min(o.started_at for o in launcher.outcomes), ctx.state.last_epoch_end or 0.0)
             watch = PrestartWatch(ctx, plan, epoch, lr, started) if should_prestart(ctx, plan, epoch) else None
             ticks = [t for t in (watch.tick if watch else None, on_tick) if t is not None]
             final = launcher.wait(ctx.job.worker_timeout_s, relaunch_policy(ctx, plan),
                                   on_tick=(lambda: [t() for t in ticks]) if ticks else None)
         finally:
             launcher.stop("epoch over")
-            ctx.launchers.remove(launcher)
+            ctx.state.launchers.remove(launcher)
             outcomes = launcher.outcomes
-            ctx.ledger.extend(worker_records(ctx.run_id, epoch, [o.to_dict() for o in outcomes],
+            ctx.state.ledger.extend(worker_records(ctx.run_id, epoch, [o.to_dict() for o in outcomes],
                                              ctx.resolved.offer, ctx.price_per_worker_s))
             bill_from_cloud_clock(ctx, outcomes, epoch)
     ended = max(o.stopped_at or started for o in outcomes)
     wall = ended - started
     summary = summarise(plan, [o.to_dict() for o in final], wall)
-    summary["startup"] = startup_report(final, ctx.last_epoch_end)
+    summary["startup"] = startup_report(final, ctx.state.last_epoch_end)
     summary["prestarted"] = prestarted
-    ctx.startup_samples += [max(0.0, o.result["started_at"] - o.started_at) for o in final if o.result]
+    ctx.state.startup_samples += [max(0.0, o.result["started_at"] - o.started_at) for o in final if o.result]
     # the next epoch's length is this one's training, not the start-up it exposed
-    ctx.last_epoch_s = max(0.05, wall - summary["startup"].get("critical_exposed_s", 0.0))
-    ctx.last_epoch_end = ended
+    ctx.state.last_epoch_s = max(0.05, wall - summary["startup"].get("critical_exposed_s", 0.0))
+    ctx.state.last_epoch_end = ended
     summary["relaunches"] = [{"rank": o.rank, "attempt": o.attempt, "status": o.status,
                               "failure": o.extra.get("failure")} for o in outcomes if o.status != "completed"]
     summary.update(epoch=epoch, workers=plan.workers, stages=plan.stages, lr=lr, attempt=attempt,
-                   cost_usd=sum(r.usd for r in ctx.ledger if r.epoch == epoch),
+                   cost_usd=sum(r.usd for r in ctx.state.ledger if r.epoch == epoch),
                    predicted_iteration_s=plan.predicted_iteration_s, predicted_epoch_s=plan.predicted_epoch_s)
     return summary

@@ -53,8 +53,8 @@ def load_terms(ctx, overhead_s: float | None = None) -> RunTerms:
     measured["exposed_s"] = values["exposed_s"] is not None
     for name in TERMS:
         samples = list(cached.get(name) or ())
-        if name == "startup_s" and ctx.startup_samples:
-            samples = list(ctx.startup_samples)
+        if name == "startup_s" and ctx.state.startup_samples:
+            samples = list(ctx.state.startup_samples)
         if name == "epoch_overhead_s" and overhead_s is not None:
             samples = [overhead_s]
         if name == "startup_s" and samples:  # an epoch waits for the slowest of the workers starting together
@@ -82,7 +82,7 @@ class RunClock:
         self.epochs.append((sent, done))
 
     def samples(self, ctx, history: list[dict], ended_at: float) -> dict:
-        out = {"startup_s": list(ctx.startup_samples)}
+        out = {"startup_s": list(ctx.state.startup_samples)}
         if self.planned_at is not None and self.epochs:
             out["provision_s"] = [max(0.0, self.epochs[0][0] - self.planned_at)]
         out["gap_s"] = [max(0.0, b[0] - a[1]) for a, b in zip(self.epochs, self.epochs[1:])]

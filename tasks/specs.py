@@ -26,8 +26,8 @@ def ring_settings(ctx: RunContext) -> dict:
 def next_attempt(ctx: RunContext, epoch: int, rank: int) -> int:
     """A fresh attempt number for (epoch, rank), unique across relaunches and task retries."""
     key = (epoch, rank)
-    ctx.attempts[key] = ctx.attempts.get(key, -1) + 1
-    return ctx.attempts[key]
+    ctx.state.attempts[key] = ctx.state.attempts.get(key, -1) + 1
+    return ctx.state.attempts[key]
 
 
 def worker_specs(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, attempt: int) -> list[WorkerSpec]:
@@ -35,7 +35,7 @@ def worker_specs(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, 
     from engine.datasets import assign_subsets
 
     job = ctx.job
-    shards = assign_subsets(ctx.dataset["n_subsets"], plan.data_parallel, epoch, job.seed)
+    shards = assign_subsets(ctx.state.dataset["n_subsets"], plan.data_parallel, epoch, job.seed)
     # survivors wait at a sync long enough for a failed peer to be detected and relaunched
     timeout = job.worker_timeout_s + (300.0 if ctx.resolved.target.remote else 120.0)
     if plan.strategy in ("pipeline", "hybrid"):

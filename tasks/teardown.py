@@ -57,11 +57,11 @@ def delete_scratch(store, run_id: str) -> int:
 def teardown_run(ctx: RunContext) -> dict:
     """Stop workers, cancel worker flow runs, delete scratch keys. Safe to call twice."""
     report = {"stopped_pids": [], "cancelled_flow_runs": 0, "deleted_keys": 0}
-    if ctx.warm is not None:
-        ctx.warm.stop_all("run torn down")
-    for launcher in list(ctx.launchers):
+    if ctx.state.warm is not None:
+        ctx.state.warm.stop_all("run torn down")
+    for launcher in list(ctx.state.launchers):
         launcher.stop("run torn down")
-    ctx.launchers.clear()
+    ctx.state.launchers.clear()
     target = ctx.resolved.target
     if target.remote:
         try:
@@ -83,14 +83,14 @@ def teardown_run(ctx: RunContext) -> dict:
             finish_cancelled(cancelled)
         except Exception as exc:
             report["cancel_error"] = str(exc)
-    if ctx.provisioned:
+    if ctx.state.provisioned:
         for ref in dict.fromkeys((ctx.store_ref, ctx.durable_ref)):  # data lives on the durable one
             store = open_store_ref(ref)
             try:
                 report["deleted_keys"] += delete_scratch(store, ctx.run_id)
             finally:
                 store.close()
-    ctx.torn_down = True
+    ctx.state.torn_down = True
     return report
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from blocks.compute import ComputeTarget, resolve_target
-from blocks.store import BLOCK_PREFIX, ZooidStore, is_store_url
+from blocks.store import is_store_url, load_store_block, open_store_ref
+from blocks.store_block import BLOCK_PREFIX, block_ref
 from core.errors import StoreError, ZooidValueError
 from planners.catalog import Offer, get_offer
 from tasks.job import TrainJob
@@ -24,7 +25,7 @@ class ResolvedJob:
 
     job: TrainJob
     store_ref: str
-    """A store URL, or `block:<name>` (workers load the block, so secrets stay in it)."""
+    """A store URL, or `block:<type slug>/<name>` (workers load the block, so secrets stay in it)."""
     durable_ref: str
     """Where checkpoints, data subsets, history, ledger and summary live."""
     target_name: str
@@ -37,7 +38,8 @@ class ResolvedJob:
 
 
 def resolve_store_ref(store: str) -> str:
-    """The store reference workers receive: an absolute URL, or `block:<name>`."""
+    """The store reference workers receive: an absolute URL, or `block:<type slug>/<name>` for
+    a block named `<name>` (a `zooid-store`), `<type slug>/<name>` or already a reference."""
     from comm.store_dir import default_store_url, path_from_url
 
     if not store:
@@ -46,7 +48,7 @@ def resolve_store_ref(store: str) -> str:
         if store.startswith("file://") or "://" not in store:
             return "file://" + str(path_from_url(store).resolve())
         return store
-    return BLOCK_PREFIX + store
+    return block_ref(store)
 
 
 def resolve_durable_ref(durable_store: str, store_ref: str) -> str:
@@ -63,12 +65,10 @@ def resolve_durable_ref(durable_store: str, store_ref: str) -> str:
 
 def open_checked_store(store_ref: str):
     """Open the store and ping it; unreachable or unknown -> ZooidValueError("store")."""
-    from blocks.store import open_store_ref
-
     try:
         if store_ref.startswith(BLOCK_PREFIX):
             try:
-                ZooidStore.load(store_ref[len(BLOCK_PREFIX):])
+                load_store_block(store_ref)
             except Exception as exc:
                 raise ZooidValueError("store", f"no store block named {store_ref[len(BLOCK_PREFIX):]!r} "
                                       f"and not a URL (file://, redis://, s3://): {type(exc).__name__}") from None
@@ -93,6 +93,23 @@ def check_pipeline_shape(job: TrainJob) -> None:
                               f"({len(children)} top-level layers), got {job.stages}")
     if job.microbatches is not None and job.batch_size % job.microbatches:
         raise ZooidValueError("microbatches", f"{job.microbatches} does not divide batch_size {job.batch_size}")
+
+
+def check_worker_sizes(target: ComputeTarget, offer: Offer) -> tuple[float, ...]:
+    """The worker sizes the plan may choose among (`ComputeTarget.memory_options`); a
+    ZooidValueError naming `worker_memory_options_gb` for a size that is not a positive
+    finite number, or for several sizes of an offer billed per whole instance (a VM has one
+    size)."""
+    from blocks.compute import memory_options_problem
+
+    problem = memory_options_problem(target.worker_memory_options_gb)
+    if problem:
+        raise ZooidValueError("worker_memory_options_gb", problem.removeprefix("worker_memory_options_gb: "))
+    sizes = target.memory_options()
+    if len(sizes) > 1 and "instance_hour" in offer.unit_prices:
+        raise ZooidValueError("worker_memory_options_gb", f"offer {offer.name} is billed per whole instance "
+                              f"({offer.memory_gb:g} GB); memory tiers need a container or function offer")
+    return sizes
 
 
 def validate_job(job: TrainJob, *, check_store: bool = True) -> ResolvedJob:
@@ -125,6 +142,7 @@ def validate_job(job: TrainJob, *, check_store: bool = True) -> ResolvedJob:
         offer = get_offer(job.offer or target.offer)
     except ValueError as exc:
         raise ZooidValueError("offer", str(exc).removeprefix("offer: ")) from None
+    check_worker_sizes(target, offer)
     store_ref = resolve_store_ref(job.store)
     durable_ref = resolve_durable_ref(job.durable_store, store_ref)
     if check_store:

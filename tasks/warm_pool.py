@@ -167,9 +167,9 @@ class WarmPool:
         slot.enter_context(concurrency(PAID_WORKERS_LIMIT, occupy=1, timeout_seconds=job.worker_timeout_s,
                                        strict=False))
         outcome = launcher.launch(spec)
-        ctx.launchers.append(launcher)
+        ctx.state.launchers.append(launcher)
         if is_cloud(ctx.resolved.target):
-            ctx.cloud_attempts[outcome.ref] = (None, rank, None)  # billed by the cloud's clock
+            ctx.state.cloud_attempts[outcome.ref] = (None, rank, None)  # billed by the cloud's clock
         worker = WarmWorker(rank=rank, name=name, launcher=launcher, identity=identity,
                             launched_at=outcome.started_at, billed_to=outcome.started_at, slot=slot)
         self.workers[rank] = worker
@@ -258,8 +258,8 @@ class WarmPool:
         for w in workers:
             if w.alive:
                 w.launcher.stop(f"warm worker stopped: {reason}")
-            if w.launcher in self.ctx.launchers:
-                self.ctx.launchers.remove(w.launcher)
+            if w.launcher in self.ctx.state.launchers:
+                self.ctx.state.launchers.remove(w.launcher)
             self._bill_end(w)
 
     # --- one epoch ------------------------------------------------------------------
@@ -365,8 +365,8 @@ class WarmPool:
             w.launcher.stop("its epoch failed")
         if self.workers.get(w.rank) is w:
             del self.workers[w.rank]
-        if w.launcher in self.ctx.launchers:
-            self.ctx.launchers.remove(w.launcher)
+        if w.launcher in self.ctx.state.launchers:
+            self.ctx.state.launchers.remove(w.launcher)
         self._bill_end(w)
 
     def _abort(self, reason: str) -> None:
@@ -384,7 +384,7 @@ class WarmPool:
         start = w.billed_to
         stop = max(start, stop)
         if stop > start or attempt is not None:  # an epoch's row stays, however short
-            self.ctx.ledger.append(self._record(w, status, start, stop, epoch, attempt, kind))
+            self.ctx.state.ledger.append(self._record(w, status, start, stop, epoch, attempt, kind))
         w.billed_to = stop
 
     def _record(self, w: WarmWorker, status: str, start: float, stop: float, epoch, attempt, kind) -> CostRecord:
@@ -401,7 +401,7 @@ class WarmPool:
         if w.ready_at is None:
             w.ready_at = min(float(reply.get("ready_at") or w.billed_to), now)
             self._row(w, "startup", w.ready_at, epoch)
-            self.ctx.startup_samples.append(w.ready_at - w.launched_at)
+            self.ctx.state.startup_samples.append(w.ready_at - w.launched_at)
         began = min(float(reply.get("began_at") or now), now)
         ended = min(float(reply.get("ended_at") or now), now)
         self._row(w, "idle", began, epoch)

@@ -309,3 +309,60 @@ def test_no_import_by_string_of_the_projects_own_modules():
     bad = [f for f in found if not f.startswith(allowed)]
     assert not bad, "imports by string:\n" + "\n".join(bad)
     assert {f.split(":")[0] for f in found} == set(allowed)  # the reader sees the calls it allows
+
+
+
+def _registries() -> list[str]:
+    """Module-level dicts, lists and sets changed from inside functions (`NAME[...] = `,
+    `NAME.append(...)`, ..., also where NAME was imported), and `global NAME` statements:
+    state kept in modules rather than passed."""
+    mutators = {"append", "extend", "add", "update", "pop", "setdefault", "clear", "remove", "discard"}
+    trees = {m: ast.parse(p.read_text(), filename=str(p)) for m, p in project_files().items()}
+    defined = {}  # module -> its module-level containers
+    for module, tree in trees.items():
+        defined[module] = {t.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+                           for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                           if isinstance(t, ast.Name) and isinstance(node.value, (ast.Dict, ast.List, ast.Set))}
+    found = set()
+    for module, tree in trees.items():
+        names = {n: f"{module}.{n}" for n in defined[module]}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module in defined:
+                names.update({a.asname or a.name: f"{node.module}.{a.name}" for a in node.names
+                              if a.name in defined[node.module]})
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                target = None
+                if isinstance(node, ast.Global):
+                    found.update(f"{module}.{n}" for n in node.names)
+                elif isinstance(node, ast.Subscript) and isinstance(node.ctx, (ast.Store, ast.Del)):
+                    target = node.value
+                elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                        and node.func.attr in mutators:
+                    target = node.func.value
+                if isinstance(target, ast.Name) and target.id in names:
+                    found.add(names[target.id])
+    return sorted(found)
+
+
+def test_a_runs_configuration_is_immutable_and_its_state_is_one_object():
+    import dataclasses
+
+    from tasks.context import RunContext, RunState
+    from tasks.job import TrainJob
+    from tasks.validate import ResolvedJob
+
+    assert RunContext.__dataclass_params__.frozen and ResolvedJob.__dataclass_params__.frozen
+    assert TrainJob.model_config.get("frozen")
+    assert {f.name for f in dataclasses.fields(RunContext)} == {
+        "run_id", "job", "resolved", "flow_run_id", "dry_run", "started_at", "state"}
+    assert {"ledger", "launchers", "attempts", "warm"} <= {f.name for f in dataclasses.fields(RunState)}
+
+
+def test_the_coordinator_keeps_one_registry_the_failure_hooks():
+    """tasks/ and flows/ keep no state in modules except `tasks.context.ACTIVE`, which the
+    flow's failure hooks need (Prefect hands a hook the flow run alone)."""
+    found = _registries()
+    assert [r for r in found if r.split(".")[0] in ("tasks", "flows")] == ["tasks.context.ACTIVE"], found

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from comm.store import open_store
-from profiling.profiler import profile_layers
+from profiling.timing import profile_layers
 from profiling.store_probe import fit_endpoints, profile_transfers, time_steps_between_checkpoints, transfer_sizes
 
 
@@ -55,10 +55,10 @@ def test_layer_times_split_into_per_call_and_per_row_parts(monkeypatch):
     5 us a row), the fit recovers the per-call parts exactly; one size fits none."""
     from types import SimpleNamespace
 
-    import profiling.profiler as profiler
+    import profiling.timing as timing
 
     clock = [0.0]
-    monkeypatch.setattr(profiler, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
 
     def advance(seconds: float) -> None:
         clock[0] += seconds

@@ -5,8 +5,10 @@ import pytest
 from torch import nn
 
 from core.errors import ZooidValueError
-from core.schedules import (Action, Kind, ScheduleError, format_grid, format_schedule, forward_only, gpipe,
-                            gpipe_bubble, lower, parse_schedule, simulate, validate)
+from core.schedule_costs import gpipe_bubble, simulate
+from core.schedule_validation import validate
+from core.schedules import (Action, Kind, ScheduleError, format_grid, format_schedule, forward_only, gpipe, lower,
+                            parse_schedule)
 from engine.stages import assemble_full_state, slice_full_state, split_stages, stage_state_dicts
 
 # --- actions and golden schedules -------------------------------------------------------

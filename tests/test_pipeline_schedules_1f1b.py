@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 
 from core.errors import ZooidValueError
+from core.schedule_costs import ideal_bubble, ideal_peak_in_flight, peak_in_flight, simulate, worker_peak_in_flight
+from core.schedule_validation import validate
 from core.schedules import (Action, Kind, Layout, ScheduleError, build_schedule, format_grid, format_schedule,
-                            forward_only, gpipe, ideal_bubble, ideal_peak_in_flight, interleaved, layout, lower,
-                            one_f_one_b, parse_schedule, peak_in_flight, simulate, stage_actions, validate,
-                            worker_actions, worker_of, worker_peak_in_flight)
+                            forward_only, gpipe, interleaved, layout, lower, one_f_one_b, parse_schedule,
+                            stage_actions, worker_actions, worker_of)
 
 EQUAL = {"F": 1.0, "B": 1.0}
 DOUBLE_B = {"F": 1.0, "B": 2.0}

@@ -15,7 +15,7 @@ from core.errors import PlannerInputError
 from planners.co_optimize import co_optimize, evaluate, expand_cuts, merge_layers, parse_problem, recommend
 from planners.co_optimize_exact import solve_exact
 from planners.co_optimize_miqp import model_size, solve_miqp
-from planners.co_optimize_problem import Plan, plan_fits
+from planners.co_optimize_problem import CoOptSolution, plan_fits
 
 REL = 1e-9
 
@@ -64,7 +64,7 @@ def all_plans(problem):
         for mask in range(2 ** (L - 1)):
             cuts = tuple(i for i in range(L - 1) if mask >> i & 1)
             for options in itertools.product(range(J), repeat=len(cuts) + 1):
-                plan = Plan(cuts, d, options)
+                plan = CoOptSolution(cuts, d, options)
                 if plan_fits(problem, plan):
                     t_iter, c_iter, _ = evaluate(problem, cuts, d, options)
                     plans.append(plan)
@@ -123,7 +123,7 @@ def test_exact_solver_matches_brute_force(seed):
             continue
         assert answer["feasible"] is True
         assert close(answer["objective"], brute_best(t, c, problem.weights))
-        plan = Plan(tuple(answer["cuts"]), answer["data_parallel"],
+        plan = CoOptSolution(tuple(answer["cuts"]), answer["data_parallel"],
                     tuple(problem.memory_options_bytes.index(m) for m in answer["stage_memory_bytes"]))
         assert plan_fits(problem, plan)
         if "pareto" in doc:

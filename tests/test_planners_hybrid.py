@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from core.errors import PlannerInputError
-from planners.hybrid import fit_allreduce, hybrid, hybrid_time, microbatch_count, parse_hybrid
-from planners.partition import pipeline_runtime, stage_bounds
+from core.stage_memory import stage_bounds
+from planners.hybrid import fit_allreduce, hybrid, hybrid_time, microbatches_per_replica, parse_hybrid
+from planners.partition import pipeline_runtime
 from planners.sync_time import ring_allreduce
 
 
@@ -45,7 +46,7 @@ def brute_force(doc: dict) -> dict[tuple[int, int], float]:
     n = len(problem.pipeline.layers)
     best = {}
     for a in range(1, problem.cluster_size + 1):
-        if microbatch_count(problem, a) is None:
+        if microbatches_per_replica(problem, a) is None:
             continue
         for b in range(1, min(problem.cluster_size // a, n, problem.pipeline.max_stages) + 1):
             best[(a, b)] = min(hybrid_time(problem, a, cuts)
@@ -162,5 +163,5 @@ def test_fit_allreduce_refuses_bad_samples(samples, field):
 
 
 def test_stage_bounds_cover_the_chain():
-    assert stage_bounds([1, 3], 6) == [(0, 1), (2, 3), (4, 5)]
+    assert stage_bounds([c + 1 for c in [1, 3]], 6) == [(0, 1), (2, 3), (4, 5)]  # cuts after layers 1, 3
     assert stage_bounds([], 3) == [(0, 2)]

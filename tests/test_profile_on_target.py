@@ -129,9 +129,9 @@ def test_the_profile_is_taken_by_a_worker_and_says_where(tmp_path):
     assert prof["profile_sources"] == {"model": "measured", "store": "measured"}
     assert prof["layers"] and prof["step_s"] > 0 and prof["base_memory_bytes"] > 0
     # measured by a one-off worker, billed, stopped, its keys gone
-    statuses = [r.status for r in ctx.ledger]
+    statuses = [r.status for r in ctx.state.ledger]
     assert "profile" in statuses and "startup" in statuses
-    assert all(r.usd > 0 for r in ctx.ledger if r.status == "profile")
+    assert all(r.usd > 0 for r in ctx.state.ledger if r.status == "profile")
     assert tagged_pids(ctx.run_id) == []
     store = ctx.open_durable()
     try:
@@ -155,7 +155,7 @@ def test_the_cache_hits_on_a_second_run_and_misses_when_the_models_source_change
     assert _profile(first)["profile_sources"] == {"model": "measured", "store": "measured"}
     second = _ctx(job)
     assert _profile(second)["profile_sources"] == {"model": "cache", "store": "cache"}
-    assert second.ledger == []  # nothing measured: no worker started
+    assert second.state.ledger == []  # nothing measured: no worker started
     source.write_text(source.read_text() + "# edited\n")
     third = _ctx(job)
     assert _profile(third)["profile_sources"]["model"] == "measured"
@@ -169,7 +169,7 @@ def test_a_gpu_target_without_a_gpu_is_refused_by_its_profile(tmp_path, monkeypa
 
     ctx = _ctx(TrainJob(model="digits_mlp", workers=1, store=f"file://{tmp_path}/store", warm=False))
     target = ctx.resolved.target.model_copy(update={"worker_gpu": 1})
-    ctx.resolved = dataclasses.replace(ctx.resolved, target=target)
+    ctx = dataclasses.replace(ctx, resolved=dataclasses.replace(ctx.resolved, target=target))
     if torch.cuda.is_available():
         assert _profile(ctx)["device"] == "cuda"
         return

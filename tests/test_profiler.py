@@ -16,8 +16,9 @@ from comm.store import open_store
 from core.errors import ZooidValueError
 from core.stage_memory import GB, check_plan_memory, stage_bounds, stage_memory
 from engine.models import build_model
-from profiling.profiler import (ModelProfile, fit_serial_fraction, hardware_fingerprint, measure_base_memory,
-                                profile_layers, profile_model, to_planner_layers, vcpu_factor)
+from profiling.memory import measure_base_memory
+from profiling.profiler import ModelProfile, hardware_fingerprint, profile_model, to_planner_layers
+from profiling.timing import fit_serial_fraction, profile_layers, vcpu_factor
 from profiling.store_probe import measure_contention, profile_store
 
 F32 = 4
@@ -234,10 +235,10 @@ def test_per_offer_step_time_and_activations_scale(cnn_profile):
 def test_sampling_runs_for_a_least_duration_and_stops_when_stable(monkeypatch):
     from types import SimpleNamespace
 
-    import profiling.profiler as profiler
+    import profiling.timing as timing
 
     clock = [0.0]
-    monkeypatch.setattr(profiler, "time", SimpleNamespace(perf_counter=lambda: clock[0]))  # this module's clock only
+    monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=lambda: clock[0]))  # this module's clock only
 
     def timed(durations):
         calls = []
@@ -248,13 +249,13 @@ def test_sampling_runs_for_a_least_duration_and_stops_when_stable(monkeypatch):
         return fn, calls
 
     steady, calls = timed(lambda i: 0.004)
-    assert profiler._median_time(steady, 3, torch.device("cpu"), warmup=1) == pytest.approx(0.004)
+    assert timing._median_time(steady, 3, torch.device("cpu"), warmup=1) == pytest.approx(0.004)
     assert len(calls) == 1 + 3 + 3  # warm-up, a round, and one more that moved nothing
     steady, calls = timed(lambda i: 0.004)
-    profiler._median_time(steady, 3, torch.device("cpu"), warmup=1, min_time_s=0.06)
+    timing._median_time(steady, 3, torch.device("cpu"), warmup=1, min_time_s=0.06)
     assert len(calls) == 1 + 15 + 3  # sampled until 0.06 s, then one round to see it stable
     drifting, calls = timed(lambda i: 0.004 * 1.5 ** i)
-    profiler._median_time(drifting, 3, torch.device("cpu"), warmup=1, max_rounds=4)
+    timing._median_time(drifting, 3, torch.device("cpu"), warmup=1, max_rounds=4)
     assert len(calls) == 1 + 3 * 4  # never stable: stops at the most rounds
 def test_malloc_thresholds_are_pinned_where_workers_and_profiles_run():
     import platform

@@ -171,7 +171,7 @@ def test_workers_sharing_one_machine_time_share_its_cores():
 def test_the_plan_step_counts_this_machines_cores_only_where_workers_share_it():
     from types import SimpleNamespace
 
-    from profiling.profiler import cpu_count
+    from profiling.timing import cpu_count
     from tasks.plan import strategy_inputs
 
     job = SimpleNamespace(optimizer="sgd", batch_size=32, stages=None, microbatches=4, sync_period=1)
@@ -208,7 +208,7 @@ def test_schedule_choice_prefers_the_fastest_and_within_one_percent_the_one_hold
 def test_1f1b_fits_a_worker_gpipe_does_not():
     """Stage memory by the micro-batches each schedule holds: GPipe all M on every stage,
     1F1B min(k - s, M) on stage s, so a size too small for GPipe's stage 0 fits 1F1B's."""
-    from core.schedules import ideal_peak_in_flight
+    from core.schedule_costs import ideal_peak_in_flight
     from core.stage_memory import stage_memory
 
     acts, params = [100.0] * 4, [10.0] * 4  # per layer: activation bytes per micro-batch, parameter bytes

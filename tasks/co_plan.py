@@ -1,0 +1,220 @@
+"""The plan step's co-optimiser: where a target offers several worker sizes, choose the
+partition, each stage's size and the data-parallel degree together (`planners.co_optimize_flow`).
+
+Inputs from the profile (taken on the target at its `worker_memory_gb`), calibrated like the
+rest of the plan (`tasks.plan.make_plan`'s `StrategyInputs`):
+
+- per-layer forward and backward seconds per micro-batch at the profiled size, the layers
+  without parameters folded into their neighbour (`planners.strategy.merge_parameter_free`);
+  output, activation and parameter bytes; the base memory of a worker process;
+- per size: the compute time factor. Assumption, per billing: a container offer (billed per
+  vCPU and GB) keeps the target's vCPU at every memory tier, so times are the profiled ones;
+  a function offer (billed per GB-s) gets CPU in proportion to its memory (the offer's vCPU
+  per GB), so times scale by the Amdahl ratio of the vCPUs (`profiling.profiler.vcpu_factor`
+  with the profile's serial fraction);
+- the store's bandwidth and latency the profile's probe measured, the same at every size
+  (one size was probed);
+- the price of a worker of each size (`planners.catalog.Offer.price_per_s`);
+- the degrees and stage counts the job's worker budget allows (`pipeline`: D = 1, `hybrid`:
+  D = workers, `auto`: D x stages <= workers; the job's `stages` when it fixes them);
+- the objective from the job: `budget_usd` -> the fastest within it, `deadline_s` -> the
+  cheapest within it (both divided over the job's epochs and steps, the workers' compute
+  alone; start-up and the coordinator are predicted after), else the fastest and within 5 %
+  the cheapest.
+
+Launch: one launcher sizes every worker of a plan alike (`tasks.launchers.make_launcher`,
+`clouds.job_variables.resources_from_plan` read `Plan.worker_memory_gb`), so per-stage sizes
+cannot reach the workers yet. The plan keeps the chosen sizes in `stage_memory_gb`, launches
+every worker at the largest of them (`worker_memory_gb`, with that size's vCPU) and predicts
+its time and bill at that size; the co-optimiser's own figures (billed per stage, as a
+launcher with per-stage sizes would) are in `plan.co_optimizer`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+from core.plan import Plan
+from core.stage_memory import GB, stage_bounds
+from planners.co_optimize_flow import SizeOption, build_problem, describe_point, frontier, only_size, select
+from planners.strategy import StrategyInputs, job_microbatches, merge_parameter_free, predicted
+
+MAX_LAYERS = 12
+"""Layers given to the co-optimiser at most (adjacent ones merged by balanced compute)."""
+_TIME_KEYS = ("forward_s", "backward_s", "forward_fixed_s", "backward_fixed_s")
+
+
+def not_needed(plan: Plan, reason: str) -> Plan:
+    """`plan` with the reason the co-optimiser did not choose it."""
+    return dataclasses.replace(plan, co_optimizer={"used": False, "reason": reason})
+
+
+def size_options(ctx, x: StrategyInputs, sizes: tuple[float, ...], profile: dict) -> list[SizeOption]:
+    """Each size's vCPU, time factor, bandwidth and price (module docstring)."""
+    from profiling.profiler import vcpu_factor
+
+    target, offer = ctx.resolved.target, ctx.resolved.offer
+    per_memory = offer.kind == "function" and offer.memory_gb > 0
+    serial = float(profile.get("serial_fraction", 1.0))
+
+    def vcpu(gb: float) -> float:
+        return offer.vcpu * gb / offer.memory_gb if per_memory else target.worker_vcpu
+
+    ref = vcpu(target.worker_memory_gb)
+    return [SizeOption(memory_gb=gb, vcpu=vcpu(gb), bandwidth_bytes_per_s=x.bandwidth,
+                       time_factor=vcpu_factor(vcpu(gb), serial) / vcpu_factor(ref, serial) if per_memory else 1.0,
+                       price_per_s=offer.price_per_s(vcpu(gb), gb, target.worker_gpu)) for gb in sizes]
+
+
+def problem_layers(x: StrategyInputs, profile: dict, microbatch_size: int) -> tuple[list[dict], list[int]]:
+    """Layers at `microbatch_size` rows for the co-optimiser, and per layer the original index
+    of its last layer (a co-optimiser cut i is the plan's cut `last[i]`)."""
+    from planners.pipeline_time import stage_times
+    from profiling.profiler import ModelProfile
+
+    acts = ModelProfile.from_dict(profile).layer_activation_bytes(microbatch_size)
+    times = stage_times(x.layers, range(len(x.layers) - 1), microbatch_size, x.profile_batch)
+    layers = [{"forward_s": st["forward_s"], "backward_s": st["backward_s"], "output_bytes": st["out_bytes"],
+               "param_bytes": l["param_bytes"]} for st, l in zip(times, x.layers)]
+    merged, last = merge_parameter_free(layers)
+    for m, (a, b) in zip(merged, stage_bounds([i + 1 for i in last[:-1]], len(layers))):
+        m["activation_bytes"] = float(sum(acts[a:b + 1]))
+    return merged, last
+
+
+def degrees_and_stages(job, workers: int, num_layers: int):
+    """(degrees, stages(d) -> (fewest, most)) the job's strategy and worker budget allow."""
+    low, high = (job.stages, job.stages) if job.stages else (2, num_layers)
+    if job.strategy == "pipeline":
+        return [1], lambda d: (low, high)
+    if job.strategy == "hybrid":
+        return [workers], lambda d: (low, high)
+    return list(range(1, workers + 1)), lambda d: (low, min(high, workers // d))
+
+
+def co_optimized(ctx, profile: dict, x: StrategyInputs, uniform: Plan | None, workers: int, *,
+                 check_memory: Callable[[Plan], None], why_uniform: str = "") -> Plan | None:
+    """The co-optimised plan (its `co_optimizer` lists what was compared), or `uniform` with
+    the reason the co-optimiser was not used; None when neither exists. `uniform` is the plan
+    at the target's size (None: it does not fit, `why_uniform` says why); `check_memory`
+    refuses a plan whose stage does not fit its size (`tasks.plan.check_memory`)."""
+    from core.errors import ZooidValueError
+
+    job, target = ctx.job, ctx.resolved.target
+    sizes = target.memory_options()
+    if len(sizes) < 2:
+        return uniform and not_needed(uniform, f"the target offers one worker size ({sizes[0]:g} GB)")
+    if job.strategy == "local_sgd":
+        return uniform and not_needed(uniform, "the job's strategy is local_sgd; the co-optimiser plans "
+                                               "pipelines (partition, per-stage size, D)")
+    mb = job_microbatches(x.batch_size, x.microbatches)
+    micro = max(1, x.batch_size // mb)
+    layers, last = problem_layers(x, profile, micro)
+    if len(layers) < 2:
+        return uniform and not_needed(uniform, "the model has fewer than two layers with parameters to split")
+    replicas = 1 if job.strategy == "pipeline" else workers
+    total = replicas * mb                      # micro-batches per iteration, all replicas together
+    degrees, stages = degrees_and_stages(job, workers, len(layers))
+    options = size_options(ctx, x, sizes, profile)
+    problem = build_problem(layers, options, latency_s=x.latency, contention=x.contention,
+                            base_memory_bytes=float(profile.get("base_memory_bytes") or 0.0),
+                            optimizer_state_factor=x.optimizer_copies,
+                            microbatches=total, dp_degrees=degrees)
+    if problem.num_layers > MAX_LAYERS:
+        from planners.co_optimize import merge_layers
+
+        problem, groups = merge_layers(problem, MAX_LAYERS)
+        last = [last[b] for _, b in groups]
+    steps = math.ceil(ctx.resolved.n_train / (total * micro))
+    iterations = steps * job.epochs
+    points = frontier(problem, stages)
+    point, rule = select(points, max_cost=job.budget_usd / iterations if job.budget_usd else None,
+                         max_time=job.deadline_s / iterations if job.deadline_s else None)
+    record = {"used": False, "sizes_gb": list(sizes), "solver": "exact", "rule": rule,
+              "assumption": ("CPU in proportion to memory (function offer)" if options[0].time_factor != 1.0
+                             or options[-1].time_factor != 1.0 else "the same speed at every size "
+                             "(the size changes memory only)"),
+              "frontier": [describe_point(problem, p, steps, [last[c] for c in p.solution.cuts]) for p in points[:12]]}
+    uniform_best = []
+    for j, gb in enumerate(sizes):
+        best, _ = select(frontier(only_size(problem, j), stages), max_cost=None, max_time=None)
+        uniform_best.append({"memory_gb": gb, **(describe_point(only_size(problem, j), best, steps,
+                             [last[c] for c in best.solution.cuts]) if best else {"fits": False})})
+    record["uniform_by_size"] = uniform_best
+    if uniform is not None:
+        record["uniform"] = _summary(uniform)
+    if point is None:
+        if uniform is None:
+            raise ZooidValueError("memory", f"{why_uniform}; and no stage assignment fits any of "
+                                            f"{', '.join(f'{g:g}' for g in sizes)} GB")
+        return dataclasses.replace(uniform, co_optimizer={**record, "reason": "no co-optimised plan fits"})
+    chosen = to_plan(ctx, x, problem, point, options, [last[c] for c in point.solution.cuts], total, micro, steps)
+    check_memory(chosen)
+    record["co_optimised"] = {**describe_point(problem, point, steps, chosen.cuts), **_summary(chosen)}
+    if uniform is not None and uniform.stages == 1 and not _better(chosen, uniform, job):
+        record["reason"] = f"the uniform {uniform.strategy} plan predicts better than the co-optimised pipeline"
+        return dataclasses.replace(uniform, co_optimizer=record)
+    record.update(used=True, reason=f"{len(sizes)} worker sizes: {rule}")
+    rows = tuple({**a, "chosen": False, "price_per_worker_s": a.get("price_per_worker_s", uniform.price_per_worker_s)}
+                 for a in (uniform.alternatives if uniform else ()))
+    from planners.strategy import describe
+
+    rows += ({**describe(chosen, True), "compared": "co-optimiser", "stage_memory_gb": list(chosen.stage_memory_gb),
+              "price_per_worker_s": chosen.price_per_worker_s},)
+    return dataclasses.replace(chosen, co_optimizer=record, alternatives=rows)
+
+
+def to_plan(ctx, x: StrategyInputs, problem, point, options: list[SizeOption], cuts: list[int],
+            total: int, micro: int, steps: int) -> Plan:
+    """The solution as the flow's plan: its cuts on the profile's layers, per-stage sizes, D,
+    micro-batches per replica; launched and predicted at the largest chosen size."""
+    s = point.solution
+    chosen = [options[j] for j in s.options]
+    big = max(chosen, key=lambda o: o.memory_gb)
+    launch = dataclasses.replace(x, layers=tuple({k: (v * big.time_factor if k in _TIME_KEYS else v)
+                                                  for k, v in l.items()} for l in x.layers),
+                                 price_per_worker_s=big.price_per_s, worker_memory_gb=big.memory_gb,
+                                 worker_vcpu=big.vcpu)
+    schedule = ctx.job.pipeline_schedule if ctx.job.pipeline_schedule in ("gpipe", "1f1b") else "gpipe"
+    plan = Plan(strategy="hybrid" if s.d > 1 else "pipeline", data_parallel=s.d, stages=len(s.options),
+                cuts=tuple(cuts), microbatches=total // s.d, pipeline_schedule=schedule, sync_period=1,
+                steps_per_epoch=steps, batch_size=total // s.d * micro, worker_vcpu=big.vcpu,
+                worker_memory_gb=big.memory_gb, worker_gpu=x.worker_gpu, offer=x.offer,
+                price_per_worker_s=big.price_per_s, planner_objective_s=point.t_iter_s,
+                stage_memory_gb=tuple(o.memory_gb for o in chosen))
+    return predicted(launch, plan)
+
+
+def launched_inputs(ctx, x: StrategyInputs, plan: Plan, profile: dict) -> StrategyInputs:
+    """`x` for a plan launched at `plan.worker_memory_gb` (re-planning a co-optimised plan)."""
+    if not plan.stage_memory_gb:
+        return x
+    big = size_options(ctx, x, (plan.worker_memory_gb,), profile)[0]
+    return dataclasses.replace(x, layers=tuple({k: (v * big.time_factor if k in _TIME_KEYS else v)
+                                                for k, v in l.items()} for l in x.layers),
+                               price_per_worker_s=big.price_per_s, worker_memory_gb=big.memory_gb,
+                               worker_vcpu=big.vcpu)
+
+
+def _summary(plan: Plan) -> dict:
+    return {"strategy": plan.strategy, "data_parallel": plan.data_parallel, "stages": plan.stages,
+            "cuts": list(plan.cuts), "worker_memory_gb": plan.worker_memory_gb,
+            "stage_memory_gb": list(plan.stage_memory_gb), "predicted_epoch_s": plan.predicted_epoch_s,
+            "predicted_cost_per_epoch_usd": plan.predicted_cost_per_epoch_usd}
+
+
+def _better(a: Plan, b: Plan, job) -> bool:
+    """Whether `a` beats `b` by the job's rule on the flow's predictions (per epoch)."""
+    n = job.epochs
+    ok = lambda p: ((not job.budget_usd or p.predicted_cost_per_epoch_usd * n <= job.budget_usd)
+                    and (not job.deadline_s or p.predicted_epoch_s * n <= job.deadline_s))
+    if ok(a) != ok(b):
+        return ok(a)
+    if not job.budget_usd and not job.deadline_s:  # as planners.strategy.choose: fastest, within 5 % cheapest
+        if a.predicted_epoch_s <= 1.05 * b.predicted_epoch_s and b.predicted_epoch_s <= 1.05 * a.predicted_epoch_s:
+            return a.predicted_cost_per_epoch_usd < b.predicted_cost_per_epoch_usd
+        return a.predicted_epoch_s < b.predicted_epoch_s
+    if job.budget_usd:
+        return (a.predicted_epoch_s, a.predicted_cost_per_epoch_usd) < (b.predicted_epoch_s, b.predicted_cost_per_epoch_usd)
+    return (a.predicted_cost_per_epoch_usd, a.predicted_epoch_s) < (b.predicted_cost_per_epoch_usd, b.predicted_epoch_s)

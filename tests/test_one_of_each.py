@@ -1,0 +1,301 @@
+"""One of each concept: each lives in one place, the others call it.
+
+One test per concept. Each checks that the one implementation gives the right answer where
+its callers use it, and, by reading the project's source with `ast`, that no second
+definition has come back:
+
+1. stage bounds: `core.stage_memory.stage_bounds`;
+2. a stage's memory: `core.stage_memory` (`stage_memory`, through `stage_need_bytes`);
+3. micro-batch counts: `planners.strategy.job_microbatches` and
+   `planners.hybrid.microbatches_per_replica`, two different computations named apart;
+4. errors: every project exception derives from `core.errors.ZooidError`;
+5. store blocks: one base (`blocks.store_block.StoreBlock`), one reference format
+   (`block:<type slug>/<name>`), one opener (`blocks.store.open_store_ref`).
+
+The co-optimiser (`planners/co_optimize*.py`) still has its own `stage_bounds` and stage
+memory: its owner switches it to core; until then its files are the ones these checks leave
+out.
+"""
+from __future__ import annotations
+
+import ast
+import os
+import pickle
+import random
+import re
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@lru_cache(maxsize=None)
+def sources() -> dict[str, ast.Module]:
+    """Every project module outside tests/ and benchmarks/, by path relative to the root."""
+    out = {}
+    for folder in sorted(ROOT.iterdir()):
+        if not (folder / "__init__.py").exists() or folder.name in ("tests", "benchmarks"):
+            continue
+        for path in sorted(folder.rglob("*.py")):
+            rel = str(path.relative_to(ROOT))
+            out[rel] = ast.parse(path.read_text(), filename=rel)
+    return out
+
+
+def definitions(name: str) -> list[str]:
+    """The modules that define a function, class or module-level name called `name`."""
+    found = []
+    for rel, tree in sources().items():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
+                found.append(rel)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+                    found.append(rel)
+    return found
+
+
+def function(rel: str, name: str) -> ast.FunctionDef:
+    """The function `name` defined in module `rel`."""
+    return next(n for n in ast.walk(sources()[rel]) if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+def called_names(node: ast.AST) -> set[str]:
+    """Names of everything called inside `node`."""
+    return {c.func.id if isinstance(c.func, ast.Name) else getattr(c.func, "attr", "")
+            for c in ast.walk(node) if isinstance(c, ast.Call)}
+
+
+def test_stage_bounds_live_in_core_only():
+    from torch import nn
+
+    from core.stage_memory import stage_bounds
+    from engine.stages import split_stages
+    from planners.partition import PartitionProblem, PipelineLayer, pipeline_runtime
+    from planners.pipeline_time import stage_times
+
+    rng = random.Random(7)
+    for _ in range(50):
+        n = rng.randint(1, 9)
+        cuts = sorted(rng.sample(range(1, n), rng.randint(0, n - 1)))
+        bounds = stage_bounds(cuts, n)
+        # contiguous, non-empty, covering every layer, each stage starting at its cut
+        assert [a for a, _ in bounds] == [0] + cuts
+        assert all(a <= b for a, b in bounds) and bounds[-1][1] == n - 1
+        assert all(b + 1 == a for (_, b), (a, _) in zip(bounds, bounds[1:]))
+        # the engine splits a model along them
+        model = nn.Sequential(*[nn.Linear(1, 1) for _ in range(n)])
+        assert [len(s) for s in split_stages(model, cuts)] == [b - a + 1 for a, b in bounds]
+        # planners (cut c after layer c) group layers along them
+        params = [rng.randint(0, 100) for _ in range(n)]
+        layers = [{"forward_s": 1.0, "backward_s": 1.0, "output_bytes": 1.0, "param_bytes": p} for p in params]
+        after = [c - 1 for c in cuts]
+        assert [s["param_bytes"] for s in stage_times(layers, after, 1, 1)] == [sum(params[a:b + 1]) for a, b in bounds]
+        fwd = [rng.random() for _ in range(n)]
+        problem = PartitionProblem(layers=tuple(PipelineLayer(forward_s=f, backward_s=0.0, output_bytes=0.0) for f in fwd),
+                                   bandwidth_bytes_per_s=1.0, microbatches=1, max_stages=n)
+        assert pipeline_runtime(problem, after) == pytest.approx(sum(fwd))
+    with pytest.raises(ValueError, match="^cuts: "):
+        split_stages(nn.Sequential(nn.ReLU(), nn.ReLU()), [2])
+
+    assert definitions("stage_bounds") == ["core/stage_memory.py"]
+    assert definitions("_stage_bounds") == []
+    inline = re.compile(r"\[0\]\s*\+\s*\[?\s*\w+\s*\+\s*1\s+for|\[0,\s*\*cuts")  # starts built by hand
+    hand_made = [rel for rel in sources() if rel != "core/stage_memory.py"
+                 and inline.search((ROOT / rel).read_text())]
+    assert hand_made == []
+
+
+def test_stage_memory_is_computed_by_core_only():
+    from core.stage_memory import check_plan_memory, stage_memory
+    from planners.partition import LayerMemoryProfile, search_microbatching, stage_memory_fits
+
+    rng = random.Random(11)
+    for _ in range(40):
+        n = rng.randint(1, 7)
+        layers = [LayerMemoryProfile(forward_s_per_sample=rng.random(), backward_s_per_sample=rng.random(),
+                                     output_bytes_per_sample=rng.randint(1, 50),
+                                     activation_bytes_per_sample=rng.randint(0, 100),
+                                     resident_bytes=2 * rng.randint(0, 300)) for _ in range(n)]
+        size, count = rng.randint(1, 4), rng.randint(1, 4)
+        memory, base = rng.randint(100, 3000), rng.randint(0, 200)
+        allowed = stage_memory_fits(layers, size, count, memory, base)
+        for a in range(n):
+            for b in range(a, n):
+                span = layers[a:b + 1]
+                # resident bytes are weights and gradients of resident / 2 parameter bytes at D = 1
+                (one,) = stage_memory(activation_bytes=[x.activation_bytes_per_sample * size for x in span],
+                                      param_bytes=[x.resident_bytes / 2 for x in span], cuts=[],
+                                      microbatches=count, available_bytes=memory, base_memory_bytes=base)
+                assert allowed[a, b] == one.fits, (a, b)
+        plan = search_microbatching(layers, memory_bytes=memory, bandwidth_bytes_per_s=10.0, max_stages=n,
+                                    base_memory_bytes=base)
+        if plan is not None:  # the chosen partition fits by core's own check
+            check_plan_memory(activation_bytes=[x.activation_bytes_per_sample * plan.microbatch_size for x in layers],
+                              param_bytes=[x.resident_bytes / 2 for x in layers],
+                              cuts=[c + 1 for c in plan.partition.cuts], microbatches=plan.microbatches,
+                              available_bytes=memory, base_memory_bytes=base)
+
+    for name in ("stage_memory_fits", "_fits_in"):
+        assert "stage_need_bytes" in called_names(function("planners/partition.py", name)), name
+    # no planner adds up a stage's memory by hand
+    for rel in ("planners/partition.py", "planners/hybrid.py", "planners/strategy.py", "planners/pipeline_time.py"):
+        for node in ast.walk(sources()[rel]):
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+                text = ast.unparse(node)
+                assert not re.search(r"resident|activation|memory_factor", text), f"{rel}: {text}"
+    for name in ("stage_memory", "stage_need_bytes", "parameter_copies", "check_plan_memory"):
+        assert definitions(name) == ["core/stage_memory.py"], name
+
+
+def test_microbatch_counts_are_two_named_computations():
+    from planners.hybrid import HybridProblem, microbatches_per_replica
+    from planners.partition import PartitionProblem, PipelineLayer
+    from planners.strategy import job_microbatches
+
+    for batch in range(1, 40):
+        chosen = job_microbatches(batch, None)
+        assert batch % chosen == 0
+        assert all(batch % m for m in (4, 2, 1) if m > chosen)
+        for asked in (1, 3, 8):
+            assert job_microbatches(batch, asked) == asked
+    pipe = PartitionProblem(layers=(PipelineLayer(forward_s=1.0, backward_s=1.0, output_bytes=1.0),),
+                            bandwidth_bytes_per_s=1.0, microbatches=1, max_stages=1)
+    for global_batch in (12, 30, 64):
+        for size in (1, 2, 3, 4):
+            problem = HybridProblem(pipeline=pipe, cluster_size=8, global_batch=global_batch, microbatch_size=size)
+            for replicas in range(1, 9):
+                m = microbatches_per_replica(problem, replicas)
+                if global_batch % (replicas * size):
+                    assert m is None
+                else:
+                    assert m * replicas * size == global_batch
+
+    assert definitions("microbatch_count") == []
+    assert definitions("job_microbatches") == ["planners/strategy.py"]
+    assert definitions("microbatches_per_replica") == ["planners/hybrid.py"]
+    # each docstring says how it differs from the other
+    assert "microbatches_per_replica" in job_microbatches.__doc__
+    assert "job_microbatches" in microbatches_per_replica.__doc__
+
+
+def exception_classes() -> dict[str, tuple[str, ast.ClassDef]]:
+    """Every class in the project's source that derives from an exception, by name."""
+    import builtins
+
+    classes = {node.name: (rel, node) for rel, tree in sources().items()
+               for node in ast.walk(tree) if isinstance(node, ast.ClassDef)}
+
+    def base_names(node: ast.ClassDef) -> list[str]:
+        return [b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases]
+
+    def is_exception(name: str, seen=()) -> bool:
+        builtin = getattr(builtins, name, None)
+        if isinstance(builtin, type) and issubclass(builtin, BaseException):
+            return True
+        if name in classes and name not in seen:
+            return any(is_exception(b, seen + (name,)) for b in base_names(classes[name][1]))
+        return False
+
+    return {name: (rel, node) for name, (rel, node) in classes.items()
+            if any(is_exception(b) for b in base_names(node))}
+
+
+def test_every_project_exception_is_a_zooid_error():
+    from clouds.job_variables import JobVariablesError, WorkerResources
+    from core.errors import ZooidError, ZooidValueError
+    from planners.prestart import PrestartError, startup_estimate
+    from tasks.launchers import WorkerOutcome, WorkersFailed
+
+    found = exception_classes()
+    assert {"WorkersFailed", "JobVariablesError", "PrestartError"} <= set(found)
+    outside = []
+    for name, (rel, node) in found.items():
+        module = __import__(rel[:-3].replace("/", "."), fromlist=[name])
+        cls = getattr(module, name)
+        if issubclass(cls, ZooidError):
+            continue
+        # a private exception is allowed only when documented and never seen outside its module
+        used_elsewhere = [r for r in sources() if r != rel and name in (ROOT / r).read_text()]
+        if not (name.startswith("_") and ast.get_docstring(node) and not used_elsewhere):
+            outside.append(f"{rel}:{name}")
+    assert outside == []
+
+    # each still is the builtin its callers catch, and names the field like any ZooidValueError
+    with pytest.raises(ValueError) as err:
+        WorkerResources(vcpu=0, memory_gb=1.0)
+    assert isinstance(err.value, JobVariablesError) and isinstance(err.value, ZooidValueError)
+    assert err.value.field == "vcpu"
+    with pytest.raises(ValueError) as err:
+        startup_estimate([1.0], quantile=2.0)
+    assert isinstance(err.value, PrestartError) and err.value.field == "quantile"
+    failed = WorkersFailed([WorkerOutcome(rank=0, attempt=1, started_at=0.0, status="failed", error="boom")], "rank 0 failed")
+    assert isinstance(failed, RuntimeError) and isinstance(failed, ZooidError)
+    # and survives a pickle round trip (Prefect may persist a failed task's exception)
+    for error in (err.value, failed):
+        again = pickle.loads(pickle.dumps(error))
+        assert type(again) is type(error) and str(again) == str(error)
+        assert again.__dict__.keys() == error.__dict__.keys()
+
+
+def test_store_blocks_are_one_family_with_one_reference_and_one_opener(prefect_api, tmp_path):
+    from prefect_aws import AwsCredentials
+    from prefect_aws.s3 import S3Bucket
+    from prefect_redis.blocks import RedisDatabase
+    from pydantic import SecretStr
+
+    from blocks.store import ZooidStore, load_store_block, open_store_ref, store_block_types
+    from blocks.store_block import BLOCK_PREFIX, StoreBlock, block_ref, parse_block_ref
+
+    secret = "s3cr3t-one-of-each"
+    blocks = {
+        "zooid-store": ZooidStore(url="redis://h:1/0", password=SecretStr(secret)),
+        "zooid-s3-store": store_block_types()[1](
+            bucket=S3Bucket(bucket_name="b", credentials=AwsCredentials(
+                aws_access_key_id="AKIAONE", aws_secret_access_key=secret, region_name="eu-west-1"))),
+        "zooid-redis-store": store_block_types()[2](database=RedisDatabase(host="h", port=1, password=secret)),
+    }
+    # every store block type is a StoreBlock with the one interface, and none leaks its secret
+    assert {cls.get_block_type_slug() for cls in store_block_types()} == set(blocks)
+    for slug, block in blocks.items():
+        assert isinstance(block, StoreBlock) and block.get_block_type_slug() == slug
+        shown = block.url() + repr(block) + str(block.worker_environment())
+        assert secret not in shown, slug
+    assert secret not in ZooidStore(url=f"redis://user:{secret}@h:1/0").url()  # a password typed into the URL
+    store_classes = [(rel, node.name) for rel, tree in sources().items() for node in ast.walk(tree)
+                     if isinstance(node, ast.ClassDef) and node.name.endswith("Store") and rel.startswith("blocks/")]
+    assert sorted(name for _, name in store_classes) == sorted(c.__name__ for c in store_block_types())
+
+    # one reference format; the older block:<name> means a zooid-store block
+    for name in ("runs", "zooid-s3-store/runs", "block:runs", "block:zooid-redis-store/runs"):
+        slug, block_name = parse_block_ref(block_ref(name))
+        assert block_ref(name) == f"{BLOCK_PREFIX}{slug}/{block_name}" and block_name == "runs"
+    assert parse_block_ref("block:runs") == ("zooid-store", "runs")
+    with pytest.raises(ValueError, match="^store: "):
+        parse_block_ref("runs")
+
+    # one opener: a saved block opens from its ref and from the older form, with no env change
+    env = dict(os.environ)
+    saved = ZooidStore(url=f"file://{tmp_path}/store")
+    saved.save("one-of-each", overwrite=True)
+    assert saved.ref() == "block:zooid-store/one-of-each"
+    assert isinstance(load_store_block("block:one-of-each"), ZooidStore)
+    writer, reader = open_store_ref(saved.ref()), open_store_ref("block:one-of-each")
+    try:
+        writer.put("runs/r1/x", b"\x01\x02")
+        assert reader.get("runs/r1/x") == b"\x01\x02"
+    finally:
+        writer.close()
+        reader.close()
+    assert dict(os.environ) == env
+
+    for gone in ("BLOCK_REF", "STORE_BLOCKS", "worker_store_ref", "open_block_store", "resolved_url"):
+        assert definitions(gone) == [], gone
+    for one in ("open_store_ref", "load_store_block", "StoreBlock", "BLOCK_PREFIX", "parse_block_ref"):
+        assert len(definitions(one)) == 1, one
+    literal = [rel for rel, tree in sources().items() for node in ast.walk(tree)
+               if isinstance(node, ast.Constant) and node.value == BLOCK_PREFIX]
+    assert literal == ["blocks/store_block.py"]
