@@ -82,10 +82,10 @@ class WorkerResources:
 
 
 def resources_from_plan(plan, profiled_memory_gb: float | None = None, gpu_type: str | None = None,
-                        headroom: float = 0.25) -> WorkerResources:
+                        headroom: float = 0.25, base_memory_gb: float = 0.5) -> WorkerResources:
     """`WorkerResources` of a `core.plan.Plan`; the plan's memory is used when nothing was profiled."""
     return WorkerResources(vcpu=plan.worker_vcpu, memory_gb=profiled_memory_gb or plan.worker_memory_gb,
-                           gpu=plan.worker_gpu, gpu_type=gpu_type, headroom=headroom)
+                           gpu=plan.worker_gpu, gpu_type=gpu_type, headroom=headroom, base_memory_gb=base_memory_gb)
 
 
 def fargate_size(vcpu: float, memory_gb: float) -> tuple[int, int]:

@@ -37,7 +37,8 @@ class Plan:
     """Samples per step per replica."""
     worker_vcpu: float = 1.0
     worker_memory_gb: float = 2.0
-    """The size every worker is launched with (with per-stage sizes: the largest of them)."""
+    """The size every worker is launched with; with per-stage sizes the largest of them (a
+    stage's worker gets its own, `memory_gb_of`)."""
     worker_gpu: int = 0
     stage_memory_gb: tuple[float, ...] = ()
     """Memory chosen for each pipeline stage (GB, one per stage) by the co-optimiser; empty:
@@ -75,6 +76,13 @@ class Plan:
     def workers(self) -> int:
         """Worker processes per epoch (D x M)."""
         return self.data_parallel * self.stages
+
+    def memory_gb_of(self, rank: int) -> float:
+        """The memory worker `rank` is launched with: its stage's size (rank r * stages + s is
+        stage s of replica r) where the co-optimiser chose per-stage sizes, else the plan's."""
+        if self.stage_memory_gb:
+            return self.stage_memory_gb[rank % self.stages]
+        return self.worker_memory_gb
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -26,18 +26,21 @@ def attempt_of(flow_run_name: str | None) -> tuple[int, int, int] | None:
     return (int(m["epoch"]), int(m["rank"]), int(m["attempt"])) if m else None
 
 
-def cloud_records(run_id: str, intervals: Iterable[CloudInterval], attempts: dict[str, tuple[int, int, int]],
+def cloud_records(run_id: str, intervals: Iterable[CloudInterval], attempts: dict[str, tuple],
                   offer, price_per_s: float, now: float | None = None) -> list[CostRecord]:
     """Ledger rows from the cloud's clock.
 
-    `attempts` maps a worker flow run id to its (epoch, rank, attempt), as the launcher knows
-    it; intervals of unknown flow runs (a straggler found by the sweep) are billed too, with
-    no epoch. A worker still running is billed up to `now`.
+    `attempts` maps a worker flow run id to its (epoch, rank, attempt[, price per second]), as
+    the launcher knows it (the price of the size it launched, where a plan sizes its stages
+    apart); intervals of unknown flow runs (a straggler found by the sweep) are billed too,
+    with no epoch, at `price_per_s`. A worker still running is billed up to `now`.
     """
     now = time.time() if now is None else now
     rows = []
     for iv in intervals:
-        epoch, rank, attempt = attempts.get(iv.flow_run_id or "", (None, None, None))
+        known = attempts.get(iv.flow_run_id or "", (None, None, None))
+        epoch, rank, attempt = known[:3]
+        price = known[3] if len(known) > 3 else price_per_s
         label = f"e{epoch} r{rank} a{attempt}" if epoch is not None else iv.resource.rsplit("/", 1)[-1]
         if iv.status == "failed_placement":
             at = iv.created or iv.stopped or now
@@ -49,7 +52,7 @@ def cloud_records(run_id: str, intervals: Iterable[CloudInterval], attempts: dic
         kind = "failed_attempt" if iv.status == "failed" else "worker"  # running: billed up to now
         rows.append(CostRecord(run_id=run_id, resource=f"worker {label}", kind=kind, offer=offer.name,
                                start=start, stop=iv.stopped if iv.stopped is not None else now,
-                               unit_price_per_s=price_per_s, status=iv.status, epoch=epoch, rank=rank,
+                               unit_price_per_s=price, status=iv.status, epoch=epoch, rank=rank,
                                attempt=attempt, worker=iv.flow_run_id or ""))
     return rows
 

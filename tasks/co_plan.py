@@ -22,12 +22,11 @@ rest of the plan (`tasks.plan.make_plan`'s `StrategyInputs`):
   alone; start-up and the coordinator are predicted after), else the fastest and within 5 %
   the cheapest.
 
-Launch: one launcher sizes every worker of a plan alike (`tasks.launchers.make_launcher`,
-`clouds.job_variables.resources_from_plan` read `Plan.worker_memory_gb`), so per-stage sizes
-cannot reach the workers yet. The plan keeps the chosen sizes in `stage_memory_gb`, launches
-every worker at the largest of them (`worker_memory_gb`, with that size's vCPU) and predicts
-its time and bill at that size; the co-optimiser's own figures (billed per stage, as a
-launcher with per-stage sizes would) are in `plan.co_optimizer`.
+Launch: the plan keeps the chosen sizes in `stage_memory_gb`; on a cloud target each stage's
+worker asks for its own size (`tasks.launchers.make_launcher`, `Plan.memory_gb_of`), and each
+worker is billed at its size (`tasks.context.RunContext.price_of`). The plan's time and bill
+are predicted the same way (`sized_inputs`); the co-optimiser's own figures are in
+`plan.co_optimizer`.
 """
 from __future__ import annotations
 
@@ -168,33 +167,39 @@ def co_optimized(ctx, profile: dict, x: StrategyInputs, uniform: Plan | None, wo
 def to_plan(ctx, x: StrategyInputs, problem, point, options: list[SizeOption], cuts: list[int],
             total: int, micro: int, steps: int) -> Plan:
     """The solution as the flow's plan: its cuts on the profile's layers, per-stage sizes, D,
-    micro-batches per replica; launched and predicted at the largest chosen size."""
+    micro-batches per replica, predicted with each stage's worker at its own size."""
     s = point.solution
     chosen = [options[j] for j in s.options]
-    big = max(chosen, key=lambda o: o.memory_gb)
-    launch = dataclasses.replace(x, layers=tuple({k: (v * big.time_factor if k in _TIME_KEYS else v)
-                                                  for k, v in l.items()} for l in x.layers),
-                                 price_per_worker_s=big.price_per_s, worker_memory_gb=big.memory_gb,
-                                 worker_vcpu=big.vcpu)
+    launch = sized_inputs(x, cuts, chosen)
     schedule = ctx.job.pipeline_schedule if ctx.job.pipeline_schedule in ("gpipe", "1f1b") else "gpipe"
     plan = Plan(strategy="hybrid" if s.d > 1 else "pipeline", data_parallel=s.d, stages=len(s.options),
                 cuts=tuple(cuts), microbatches=total // s.d, pipeline_schedule=schedule, sync_period=1,
-                steps_per_epoch=steps, batch_size=total // s.d * micro, worker_vcpu=big.vcpu,
-                worker_memory_gb=big.memory_gb, worker_gpu=x.worker_gpu, offer=x.offer,
-                price_per_worker_s=big.price_per_s, planner_objective_s=point.t_iter_s,
+                steps_per_epoch=steps, batch_size=total // s.d * micro, worker_vcpu=launch.worker_vcpu,
+                worker_memory_gb=launch.worker_memory_gb, worker_gpu=x.worker_gpu, offer=x.offer,
+                price_per_worker_s=launch.price_per_worker_s, planner_objective_s=point.t_iter_s,
                 stage_memory_gb=tuple(o.memory_gb for o in chosen))
     return predicted(launch, plan)
 
 
+def sized_inputs(x: StrategyInputs, cuts, stage_options: list[SizeOption]) -> StrategyInputs:
+    """`x` for a pipeline whose stage i runs on a worker of `stage_options[i]` (cuts after
+    profile layer c): each layer at its stage's speed, the price per worker the mean over the
+    stages (so workers x price is the plan's bill per second), the launch size the largest."""
+    bounds = stage_bounds([c + 1 for c in cuts], len(x.layers))
+    factor = [stage_options[i].time_factor for i, (a, b) in enumerate(bounds) for _ in range(a, b + 1)]
+    big = max(stage_options, key=lambda o: o.memory_gb)
+    return dataclasses.replace(x, layers=tuple({k: (v * f if k in _TIME_KEYS else v) for k, v in l.items()}
+                                               for l, f in zip(x.layers, factor)),
+                               price_per_worker_s=sum(o.price_per_s for o in stage_options) / len(stage_options),
+                               worker_memory_gb=big.memory_gb, worker_vcpu=big.vcpu)
+
+
 def launched_inputs(ctx, x: StrategyInputs, plan: Plan, profile: dict) -> StrategyInputs:
-    """`x` for a plan launched at `plan.worker_memory_gb` (re-planning a co-optimised plan)."""
+    """`x` for the sizes `plan`'s stages are launched with (re-planning a co-optimised plan)."""
     if not plan.stage_memory_gb:
         return x
-    big = size_options(ctx, x, (plan.worker_memory_gb,), profile)[0]
-    return dataclasses.replace(x, layers=tuple({k: (v * big.time_factor if k in _TIME_KEYS else v)
-                                                for k, v in l.items()} for l in x.layers),
-                               price_per_worker_s=big.price_per_s, worker_memory_gb=big.memory_gb,
-                               worker_vcpu=big.vcpu)
+    by_size = {o.memory_gb: o for o in size_options(ctx, x, sorted(set(plan.stage_memory_gb)), profile)}
+    return sized_inputs(x, plan.cuts, [by_size[gb] for gb in plan.stage_memory_gb])
 
 
 def _summary(plan: Plan) -> dict:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from tasks.cost import CostRecord
 from tasks.job import TrainJob
@@ -81,8 +81,19 @@ class RunContext:
 
     @property
     def price_per_worker_s(self) -> float:
+        """Dollars per second of one worker of the target's size (and of the coordinator)."""
         t = self.resolved.target
         return self.resolved.offer.price_per_s(t.worker_vcpu, t.worker_memory_gb, t.worker_gpu)
+
+    def price_of(self, plan) -> Callable[[int | None], float]:
+        """Dollars per second of worker `rank` of `plan`: its stage's size where the plan has
+        per-stage sizes (`Plan.memory_gb_of`), else the target's; an unknown rank (a straggler
+        found by a sweep) pays the largest."""
+        if not getattr(plan, "stage_memory_gb", ()):
+            return lambda rank: self.price_per_worker_s
+        t, offer = self.resolved.target, self.resolved.offer
+        return lambda rank: offer.price_per_s(t.worker_vcpu, plan.worker_memory_gb if rank is None
+                                              else plan.memory_gb_of(rank), t.worker_gpu)
 
     @property
     def durable_ref(self) -> str:

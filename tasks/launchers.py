@@ -209,20 +209,28 @@ class PoolLauncher(_Launcher):
 
     poll_s = 0.5
 
-    def __init__(self, run_id: str, deployment: str, job_variables: dict | None = None):
+    def __init__(self, run_id: str, deployment: str, job_variables: dict | None = None,
+                 rank_job_variables: Callable[[int], dict] | None = None):
         super().__init__()
         self.run_id = run_id
         self.deployment = deployment
         self.job_variables = job_variables or {}
+        self.rank_job_variables = rank_job_variables
+        """Job variables of worker `rank` where ranks differ (per-stage sizes), else None."""
+
+    def variables_of(self, rank: int) -> dict:
+        """The job variables worker `rank` is launched with."""
+        return self.rank_job_variables(rank) if self.rank_job_variables else self.job_variables
 
     def _start(self, spec: WorkerSpec):
         from prefect.deployments import run_deployment
 
-        env = {**self.job_variables.get("env", {}), TAG_VAR: self.run_id}
+        variables = self.variables_of(spec.rank)
+        env = {**variables.get("env", {}), TAG_VAR: self.run_id}
         flow_run = run_deployment(
             self.deployment, parameters={"spec": spec.to_dict()}, timeout=0,
             tags=[f"zooid-run:{self.run_id}", f"epoch:{spec.epoch}", f"rank:{spec.rank}"],
-            job_variables={**self.job_variables, "env": env},
+            job_variables={**variables, "env": env},
             flow_run_name=(f"{self.run_id}-warm-{spec.extra['warm']['worker']}" if spec.extra.get("warm")
                            else f"{self.run_id}-e{spec.epoch}-r{spec.rank}-a{spec.attempt}"))
         return flow_run.id, WorkerOutcome(rank=spec.rank, attempt=spec.attempt,
@@ -296,18 +304,27 @@ def make_launcher(ctx, plan) -> _Launcher:
         from clouds.job_variables import job_variables as cloud_job_variables, resources_from_plan
 
         peak = ctx.state.profile.get("peak_memory_bytes") if ctx.state.profile else None
-        resources = resources_from_plan(plan, profiled_memory_gb=peak / 2**30 if peak else None,
-                                        gpu_type=ctx.resolved.offer.gpu_type)
-        job_variables = cloud_job_variables(target.kind, resources, ctx.run_id, image=target.image,
-                                            env=env, extra=target.job_variables)
+
+        def variables(memory_gb: float | None, **headroom) -> dict:
+            resources = resources_from_plan(plan, profiled_memory_gb=memory_gb, gpu_type=ctx.resolved.offer.gpu_type,
+                                            **headroom)
+            return cloud_job_variables(target.kind, resources, ctx.run_id, image=target.image,
+                                       env=env, extra=target.job_variables)
+
+        if plan.stage_memory_gb:  # the co-optimiser sized each stage: its worker asks for that size
+            by_size = {gb: variables(gb, headroom=0.0, base_memory_gb=0.0)  # a tier, not a peak
+                       for gb in set(plan.stage_memory_gb)}
+            return PoolLauncher(ctx.run_id, target.worker_deployment, job_variables=by_size[plan.worker_memory_gb],
+                                rank_job_variables=lambda rank: by_size[plan.memory_gb_of(rank)])
+        job_variables = variables(peak / 2**30 if peak else None)
     else:
         job_variables = {**target.job_variables, "env": {**target.job_variables.get("env", {}), **env}}
     return PoolLauncher(ctx.run_id, target.worker_deployment, job_variables=job_variables)
 
 
-def launch_identity(launcher: _Launcher) -> str:
-    """What a worker's launch depends on besides the run: its size and image (job variables
-    without the environment, whose thread counts an epoch sets itself). Two plans whose
-    launchers share it can keep the same warm workers."""
-    variables = getattr(launcher, "job_variables", {}) or {}
+def launch_identity(launcher: _Launcher, rank: int = 0) -> str:
+    """What worker `rank`'s launch depends on besides the run: its size and image (job
+    variables without the environment, whose thread counts an epoch sets itself). Two plans
+    whose launchers share it for a rank can keep that rank's warm worker."""
+    variables = launcher.variables_of(rank) if isinstance(launcher, PoolLauncher) else {}
     return json.dumps({k: v for k, v in variables.items() if k != "env"}, sort_keys=True, default=str)

@@ -173,7 +173,7 @@ def make_same(ctx: RunContext, profile: dict, current: Plan, calibration: Calibr
     from tasks.co_plan import launched_inputs
 
     x = calibrated(strategy_inputs(ctx, profile, current.data_parallel), calibration)
-    x = launched_inputs(ctx, x, current, profile)  # a co-optimised plan runs at its largest size
+    x = launched_inputs(ctx, x, current, profile)  # a co-optimised plan's stages run at their sizes
     again = local_sgd(x, current.data_parallel) if current.stages == 1 else predicted(x, current)
     again = dataclasses.replace(again, alternatives=current.alternatives, co_optimizer=current.co_optimizer)
     return with_run(ctx, again, calibration, epochs_left)

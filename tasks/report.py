@@ -79,8 +79,9 @@ def co_optimizer_lines(co: dict) -> list[str]:
                       f"M={u['stages']} at {u['worker_memory_gb']:g} GB, {u['predicted_epoch_s']:.3g} s and "
                       f"${u['predicted_cost_per_epoch_usd']:.3g} per epoch (workers' compute)."]
     if c and "predicted_epoch_s" in c:
-        lines += [f"The co-optimised plan as launched (every worker at {c['worker_memory_gb']:g} GB, the largest "
-                  f"stage size): {c['predicted_epoch_s']:.3g} s and ${c['predicted_cost_per_epoch_usd']:.3g} per epoch."]
+        sizes = ", ".join(f"{g:g}" for g in c.get("stage_memory_gb") or [c["worker_memory_gb"]])
+        lines += [f"The co-optimised plan as launched (stage sizes {sizes} GB): {c['predicted_epoch_s']:.3g} s and "
+                  f"${c['predicted_cost_per_epoch_usd']:.3g} per epoch."]
     return lines
 
 

@@ -24,14 +24,14 @@ from tasks.retry import task_options
 from tasks.specs import next_attempt, worker_specs
 
 
-def bill_from_cloud_clock(ctx: RunContext, outcomes, epoch: int) -> None:
+def bill_from_cloud_clock(ctx: RunContext, outcomes, epoch: int, plan: Plan | None = None) -> None:
     """On ECS, ACI and Kubernetes, replace the coordinator's intervals with the cloud's own
     start/stop times (collected every epoch: AWS forgets stopped tasks after about an hour)."""
     adapter = adapter_for(ctx.resolved.target)
     if adapter is None:
         return
     for o in outcomes:
-        ctx.state.cloud_attempts[o.ref] = (epoch, o.rank, o.attempt)
+        ctx.state.cloud_attempts[o.ref] = (epoch, o.rank, o.attempt, ctx.price_of(plan)(o.rank))
     try:
         intervals = [i for i in adapter.intervals(ctx.run_id) if i.flow_run_id in ctx.state.cloud_attempts]
     except Exception as exc:  # the bill keeps the coordinator's intervals; say why
@@ -139,7 +139,7 @@ def warm_epoch(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, re
                               "failure": o.extra.get("failure")} for o in attempts if o.status != "completed"]
     summary["worker_pids"] = {str(o.rank): o.result.get("pid") for o in final if o.result}
     ctx.state.last_epoch_s, ctx.state.last_epoch_end = max(0.05, ended - sent), ended
-    bill_from_cloud_clock(ctx, [], epoch)
+    bill_from_cloud_clock(ctx, [], epoch, plan)
     return summary
 
 
@@ -172,7 +172,7 @@ def run_epoch(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, res
         launcher.stop("pre-started workers replaced")  # a retried epoch starts afresh
         ctx.state.launchers.remove(launcher)
         ctx.state.ledger.extend(worker_records(ctx.run_id, epoch, [o.to_dict() for o in launcher.outcomes],
-                                         ctx.resolved.offer, ctx.price_per_worker_s))
+                                         ctx.resolved.offer, ctx.price_of(plan)))
         launcher = None
     prestarted = launcher is not None
     if launcher is None:
@@ -198,8 +198,8 @@ def run_epoch(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, res
             ctx.state.launchers.remove(launcher)
             outcomes = launcher.outcomes
             ctx.state.ledger.extend(worker_records(ctx.run_id, epoch, [o.to_dict() for o in outcomes],
-                                             ctx.resolved.offer, ctx.price_per_worker_s))
-            bill_from_cloud_clock(ctx, outcomes, epoch)
+                                             ctx.resolved.offer, ctx.price_of(plan)))
+            bill_from_cloud_clock(ctx, outcomes, epoch, plan)
     ended = max(o.stopped_at or started for o in outcomes)
     wall = ended - started
     summary = summarise(plan, [o.to_dict() for o in final], wall)

@@ -95,6 +95,8 @@ class WarmWorker:
     status_read_at: float = 0.0
     slot: Any = None
     """Its paid-worker concurrency slot, released when it stops."""
+    price_per_s: float = 0.0
+    """What it costs per second, at the size it was launched with."""
 
     @property
     def process(self) -> WorkerOutcome:
@@ -138,12 +140,12 @@ class WarmPool:
         launch no longer fits the plan: another size or image), retire the rest. Returns the
         ranks started."""
         self._open()
-        identity = launch_identity(make_launcher(self.ctx, plan))
+        launcher = make_launcher(self.ctx, plan)
         for rank in [r for r in self.workers if r >= plan.workers]:
             self.retire(rank, "the plan needs fewer workers")
         started = []
         for rank in range(plan.workers):
-            w = self.workers.get(rank)
+            w, identity = self.workers.get(rank), launch_identity(launcher, rank)
             if w is not None and w.alive and w.identity == identity:
                 continue
             if w is not None:
@@ -168,10 +170,12 @@ class WarmPool:
                                        strict=False))
         outcome = launcher.launch(spec)
         ctx.state.launchers.append(launcher)
+        price = ctx.price_of(plan)(rank)
         if is_cloud(ctx.resolved.target):
-            ctx.state.cloud_attempts[outcome.ref] = (None, rank, None)  # billed by the cloud's clock
+            ctx.state.cloud_attempts[outcome.ref] = (None, rank, None, price)  # billed by the cloud's clock
         worker = WarmWorker(rank=rank, name=name, launcher=launcher, identity=identity,
-                            launched_at=outcome.started_at, billed_to=outcome.started_at, slot=slot)
+                            launched_at=outcome.started_at, billed_to=outcome.started_at, slot=slot,
+                            price_per_s=price)
         self.workers[rank] = worker
         return worker
 
@@ -183,7 +187,7 @@ class WarmPool:
         for rank in range(plan.workers, workers):
             if rank not in self.workers:
                 launcher = make_launcher(self.ctx, plan)
-                self._start(rank, plan, epoch, launcher, launch_identity(launcher))
+                self._start(rank, plan, epoch, launcher, launch_identity(launcher, rank))
                 started.append(rank)
         return started
 
@@ -198,7 +202,7 @@ class WarmPool:
             if w is not None:
                 self.retire(0, "it stopped")
             launcher = make_launcher(self.ctx, plan)
-            w = self._start(0, plan, 0, launcher, launch_identity(launcher))
+            w = self._start(0, plan, 0, launcher, launch_identity(launcher, 0))
         seq, sent = w.seq, time.time()
         self.store.put(command_key(self.ctx.run_id, w.name, seq),
                        json.dumps({"op": "profile", "request": request}).encode())
@@ -297,7 +301,7 @@ class WarmPool:
                     self._abort("another worker failed")
                     raise WorkersFailed(attempts, f"rank {failed.rank} {failed.status}")
                 launcher = make_launcher(self.ctx, plan)
-                self._start(spec.rank, plan, spec.epoch, launcher, launch_identity(launcher))
+                self._start(spec.rank, plan, spec.epoch, launcher, launch_identity(launcher, spec.rank))
                 attempts.append(self._send(self.workers[spec.rank], retry))
                 last_relaunch = time.time()
             latest = {o.rank: o for o in attempts}
@@ -390,7 +394,7 @@ class WarmPool:
     def _record(self, w: WarmWorker, status: str, start: float, stop: float, epoch, attempt, kind) -> CostRecord:
         ctx = self.ctx
         return CostRecord(run_id=ctx.run_id, resource=f"worker {w.name}", kind=kind, offer=ctx.resolved.offer.name,
-                          start=start, stop=stop, unit_price_per_s=ctx.price_per_worker_s, status=status,
+                          start=start, stop=stop, unit_price_per_s=w.price_per_s, status=status,
                           epoch=epoch, rank=w.rank, attempt=attempt,
                           worker=w.process.ref if is_cloud(ctx.resolved.target) else w.name)
 

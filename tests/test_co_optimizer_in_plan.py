@@ -246,3 +246,34 @@ def test_the_dry_run_report_lists_what_the_co_optimiser_compared():
     one = make(job, ComputeTarget(kind="aci", offer="aci-cpu")).to_dict()
     assert "Co-optimiser not used: the target offers one worker size (2 GB)." in plan_report(job, one)
     assert co_optimizer_lines({}) == []
+
+
+def test_each_stage_is_launched_predicted_and_billed_at_its_own_size():
+    """The co-optimised 4 GB + 1 GB pipeline, as hybrid D = 2: a worker asks the cloud for its
+    stage's size, the ledger bills it at that size, and the prediction prices the same mix."""
+    from tasks.context import RunContext
+    from tasks.cost import worker_records
+    from tasks.launchers import launch_identity, make_launcher
+
+    layers = [dict(LAYERS[0], param_bytes=400 * MB)] + LAYERS[1:]
+    job = TrainJob(strategy="hybrid", workers=2, batch_size=8, microbatches=2, stages=2)
+    target = ComputeTarget(kind="aci", offer="aci-cpu", worker_memory_gb=1.0, worker_memory_options_gb=[1.0, 4.0])
+    plan = make(job, target, layers)
+    assert plan.co_optimizer["used"] and plan.stage_memory_gb == (4.0, 1.0) and plan.data_parallel == 2
+    assert [plan.memory_gb_of(rank) for rank in range(plan.workers)] == [4.0, 1.0, 4.0, 1.0]
+
+    offer = get_offer(target.offer)
+    ctx = RunContext(run_id="zsizes", job=job, resolved=SimpleNamespace(target=target, offer=offer))
+    launcher = make_launcher(ctx, plan)
+    assert [launcher.variables_of(rank)["memory"] for rank in range(plan.workers)] == [4.0, 1.0, 4.0, 1.0]
+    assert launch_identity(launcher, 0) == launch_identity(launcher, 2) != launch_identity(launcher, 1)
+
+    price = {gb: offer.price_per_s(target.worker_vcpu, gb, 0) for gb in (1.0, 4.0)}
+    outcomes = [dict(rank=r, attempt=0, status="completed", started_at=10.0, stopped_at=20.0) for r in range(4)]
+    rows = worker_records("zsizes", 0, outcomes, offer, ctx.price_of(plan))
+    assert [r.unit_price_per_s for r in rows] == [price[4.0], price[1.0], price[4.0], price[1.0]]
+    assert plan.predicted_cost_per_epoch_usd == pytest.approx(plan.predicted_epoch_s * 2 * (price[4.0] + price[1.0]))
+
+    uniform = dataclasses.replace(plan, stage_memory_gb=())  # no per-stage sizes: the target's size, as before
+    assert {r.unit_price_per_s for r in worker_records("zsizes", 0, outcomes, offer, ctx.price_of(uniform))} \
+        == {ctx.price_per_worker_s}
