@@ -9,6 +9,7 @@
 | `hang_worker` | sleeps forever, so the coordinator's worker timeout has to fire |
 | `oom_worker` | `mode=alloc` (default): caps its address space and allocates until a real `MemoryError`, reported as `OutOfMemory` (exit 4); `mode=kill`: SIGKILLs itself as the kernel's OOM killer would |
 | `slow_worker` | sleeps `seconds=S` (default 2) and goes on: a straggler, not a failure |
+| `hold_worker` | waits until a key under `runs/<run_id>/` starting with `until=PREFIX` exists in its store (at most `seconds=S`, default 600), then goes on: an epoch held open until an event elsewhere, e.g. `until=warm/r1-` (a warm worker of rank 1 has started) |
 
 Keys select where it fires: `epoch=E`, `rank=R` (default: any), `attempt=A` or `attempt=any`
 (default 0, so a relaunch succeeds; `crash_worker` keeps its original meaning, every
@@ -32,12 +33,13 @@ import signal
 import time
 from dataclasses import dataclass
 
+from comm import heartbeat
 from comm.store import Store
 from core.errors import OutOfMemory, ZooidValueError
 from core.specs import WorkerSpec
 
 ENV = "ZOOID_CHAOS"
-KINDS = ("kill_worker", "crash_worker", "hang_worker", "oom_worker", "slow_worker")
+KINDS = ("kill_worker", "crash_worker", "hang_worker", "oom_worker", "slow_worker", "hold_worker")
 CRASH_EXIT = 17
 """Exit status of an injected `crash_worker`."""
 
@@ -67,7 +69,9 @@ class Fault:
     mode: str = "alloc"
     """`oom_worker` only: `alloc` (a real MemoryError) or `kill` (SIGKILL)."""
     seconds: float = 2.0
-    """`slow_worker` only: how long to stall."""
+    """`slow_worker`: how long to stall; `hold_worker`: the longest it waits."""
+    until: str = ""
+    """`hold_worker` only: the key prefix (below `runs/<run_id>/`) whose appearance releases it."""
 
     def matches(self, spec: WorkerSpec) -> bool:
         """Whether this fault targets `spec`'s epoch, rank and attempt."""
@@ -105,13 +109,18 @@ def parse_chaos(text: str) -> list[Fault]:
                 fields[key] = value
             elif key == "mode" and kind == "oom_worker" and value in ("alloc", "kill"):
                 fields[key] = value
-            elif key == "seconds" and kind == "slow_worker":
+            elif key == "until" and kind == "hold_worker" and value:
+                fields[key] = value
+            elif key == "seconds" and kind in ("slow_worker", "hold_worker"):
                 try:
                     fields[key] = float(value)
                 except ValueError:
                     raise ChaosError(f"seconds={value!r} in {item!r} is not a number") from None
             else:
                 raise ChaosError(f"{pair!r} is not a valid setting of {kind} in {item!r}")
+        if kind == "hold_worker" and "until" not in fields:
+            raise ChaosError(f"hold_worker needs until=PREFIX in {item!r}")
+        fields.setdefault("seconds", 600.0 if kind == "hold_worker" else 2.0)
         faults.append(Fault(**fields))
     return faults
 
@@ -157,6 +166,9 @@ class Chaos:
         if fault.kind == "slow_worker":
             time.sleep(fault.seconds)
             return
+        if fault.kind == "hold_worker":
+            self._hold(fault)
+            return
         self._mark(fault, step)
         if fault.kind == "kill_worker" or (fault.kind == "oom_worker" and fault.mode == "kill"):
             os.kill(os.getpid(), signal.SIGKILL)
@@ -166,6 +178,16 @@ class Chaos:
             while True:
                 time.sleep(3600)
         exhaust_memory()
+
+    def _hold(self, fault: Fault, poll_s: float = 0.05) -> None:
+        """Wait for a key starting with `runs/<run_id>/<until>` (polling the store), at most
+        `fault.seconds`."""
+        if self.store is None:
+            raise ChaosError("hold_worker needs the worker's store")
+        prefix, give_up = f"runs/{self.spec.run_id}/{fault.until}", time.monotonic() + fault.seconds
+        while not self.store.list(prefix) and time.monotonic() < give_up:
+            heartbeat.beat()  # held on purpose, not hanging
+            time.sleep(poll_s)
 
     def _mark(self, fault: Fault, step: int) -> None:
         if self.store is None:

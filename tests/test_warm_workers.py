@@ -322,7 +322,7 @@ def test_workers_of_a_killed_coordinator_exit_within_their_lease(tmp_path):
 
 
 @pytest.mark.usefixtures("prefect_api")
-def test_workers_a_known_rescale_adds_are_started_during_the_epoch_before(tmp_path):
+def test_workers_a_known_rescale_adds_are_started_during_the_epoch_before(tmp_path, monkeypatch):
     """adabatch doubles 1 -> 2 workers after epoch 0, which is known before epoch 0 ends: the
     second worker is launched while epoch 0 trains, and epoch 1 starts on it warm."""
     from comm.store import open_store
@@ -330,9 +330,11 @@ def test_workers_a_known_rescale_adds_are_started_during_the_epoch_before(tmp_pa
     from tasks.cost import read_ledger
 
     store_url = f"file://{tmp_path}/store"
-    # epoch 0 trains long enough (6250 steps, seconds) for the launch to land inside it
+    # epoch 0's worker holds before its step 5 until a warm worker of rank 1 exists, however
+    # loaded the machine: the pre-start is ordered by that event, not by the epoch's length
+    monkeypatch.setenv("ZOOID_CHAOS", "hold_worker:epoch=0:rank=0:step=5:until=warm/r1-")
     summary = train(TrainJob(workers=1, max_workers=2, epochs=2, scaling="adabatch", scale_every_epochs=1,
-                             dataset="synthetic:64:10:200000", store=store_url, batch_size=32, target="inline"))
+                             dataset="synthetic:64:10:8000", store=store_url, batch_size=32, target="inline"))
     assert [e.workers for e in summary.epochs] == [1, 2]
     rows = read_ledger(open_store(store_url), summary.run_id)["rows"]
     lives = _lives(rows)
