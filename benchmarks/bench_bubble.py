@@ -202,7 +202,7 @@ def install_memory_tracker(mem: dict) -> None:
     graph was freed), and on CUDA `cuda` = max_memory_allocated - allocated at its start."""
     import torch
 
-    from engine import pipeline_executor
+    from engine import pipeline_stage_worker
 
     held = _Held()
     for name in ("saved_distinct", "saved_summed", "left", "cuda"):
@@ -215,7 +215,7 @@ def install_memory_tracker(mem: dict) -> None:
     def unpack(packed):
         return packed if isinstance(packed, torch.Tensor) else packed.tensor
 
-    worker = pipeline_executor._StageWorker
+    worker = pipeline_stage_worker.StageWorker
     iteration = worker._iteration
 
     def tracked_iteration(self, *args, **kwargs):
@@ -456,11 +456,9 @@ def run_one(name: str, stages: int, microbatches: int, chunks: int, url: str, ep
     base = WorkerSpec(run_id="bubble", epoch=epoch, rank=0, world=stages, store_url=url, model=MODEL,
                       dataset=DATASET, subsets=(), steps=steps, batch_size=BATCH, lr=LR,
                       optimizer="sgd", seed=SEED, init_key="runs/bubble/init",
-                      out_key=f"runs/bubble/out-e{epoch}", sync_timeout_s=300.0, evaluate=False,
-                      extra={"strategy": "pipeline"})
-    extra = {"pipeline_schedule": name, **({"chunks": chunks} if chunks > 1 else {})}
+                      out_key=f"runs/bubble/out-e{epoch}", sync_timeout_s=300.0, evaluate=False)
     specs = pipeline_worker_specs(base, cuts=equal_cuts(stages * chunks), microbatches=microbatches,
-                                  replica_subsets=[tuple(range(n_subsets))], **extra)
+                                  replica_subsets=[tuple(range(n_subsets))], schedule=name, chunks=chunks)
     if len(specs) != stages:
         raise RuntimeError(f"pipeline_worker_specs gave {len(specs)} worker specs for {stages} stage workers")
     scratch.mkdir()

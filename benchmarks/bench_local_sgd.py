@@ -1,7 +1,7 @@
 """Local-SGD at 4 workers on digits, k = 1, 4 and once per epoch, next to plain PyTorch: epochs,
 wall time and bytes synchronised until 95 % validation accuracy, measured in one run.
 
-Local-SGD runs the engine itself, `engine.local_sgd.run_local_sgd_epoch`, with the four
+Local-SGD runs the engine itself, `engine.local_sgd_epoch.run_local_sgd_epoch`, with the four
 replicas as threads of this process against a directory store in a temporary folder (the
 embedded default; it fsyncs checkpoints, not the sync rounds' scratch keys), as `run_epoch`
 would drive them minus the process launches (bench_orchestration measures those): the
@@ -43,10 +43,11 @@ import torch.nn.functional as F
 
 from benchmarks.output import write_result
 from comm.store_dir import DirectoryStore
-from core.specs import WorkerSpec
+from core.specs import ComputeSpec, WorkerSpec
 from engine.checkpoint import initial_checkpoint
 from engine.datasets import assign_subsets, load_dataset, publish_dataset
-from engine.local_sgd import batch_seed, batch_stream, evaluate, run_local_sgd_epoch, steps_per_epoch
+from engine.local_sgd import batch_seed, batch_stream, evaluate, steps_per_epoch
+from engine.local_sgd_epoch import run_local_sgd_epoch
 from engine.models import build_model
 from engine.optimizers import build_optimizer
 
@@ -93,7 +94,7 @@ def run_local_sgd(root: Path, seed: int, period: int | None, max_epochs: int, ta
                                 model=MODEL, dataset=DATASET, subsets=shards[r], steps=steps,
                                 batch_size=BATCH, lr=LR, optimizer=OPTIMIZER, sync_period=period,
                                 seed=seed, init_key=init, out_key=out, evaluate=True,
-                                extra={"device": "cpu"})
+                                compute=ComputeSpec(device="cpu"))
                      for r in range(WORKERS)]
             t0 = time.perf_counter()
             results = list(pool.map(lambda s: run_local_sgd_epoch(s, store), specs))

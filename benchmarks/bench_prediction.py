@@ -636,7 +636,7 @@ def install_timers(t: dict) -> None:
     the benchmarks' worker processes call this."""
     import torch
 
-    from engine import local_sgd, pipeline_executor
+    from engine import local_sgd, local_sgd_epoch, pipeline_stage_worker
 
     for name in ("steps", "ckpt", "iterations", "F", "B", "sync", "put", "read", "fetch"):
         t.setdefault(name, [])
@@ -650,7 +650,7 @@ def install_timers(t: dict) -> None:
         t["steps"].append((t0, _now()))
 
     local_sgd.LocalSGD.after_step = timed_after_step
-    save_checkpoint = local_sgd.save_checkpoint
+    save_checkpoint = local_sgd_epoch.save_checkpoint
 
     def timed_save_checkpoint(*args, **kwargs):
         t0 = _now()
@@ -658,9 +658,9 @@ def install_timers(t: dict) -> None:
         t["ckpt"].append((t0, _now()))
         return written
 
-    local_sgd.save_checkpoint = timed_save_checkpoint  # the sync checkpoint rank 0 writes
+    local_sgd_epoch.save_checkpoint = timed_save_checkpoint  # the sync checkpoint rank 0 writes
 
-    worker = pipeline_executor._StageWorker
+    worker = pipeline_stage_worker.StageWorker
     init, iteration, sync, put = worker.__init__, worker._iteration, worker._sync_gradients, worker._put
     fetch = worker._fetch
 

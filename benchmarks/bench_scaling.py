@@ -139,7 +139,7 @@ def cli_args(config: Config) -> list[str]:
 def worker_results(home: Path, store, run_id: str, epoch: int) -> list[dict]:
     """The `WorkerResult` of each rank's attempt that completed `epoch`: the history names
     the completed attempts, the log's last line holds what that attempt reported."""
-    from engine.local_sgd import read_epoch_history
+    from engine.local_sgd_epoch import read_epoch_history
 
     latest: dict[int, int] = {}
     for record in read_epoch_history(store, run_id, epoch):

@@ -213,7 +213,7 @@ def open_ring(store: Store, group: str, rank: int, world: int, timeout: float, *
     if not isinstance(timeout, (int, float)) or timeout <= 0:
         raise ZooidValueError("timeout", f"must be seconds > 0, got {timeout!r}")
     if not isinstance(host, str):
-        raise ZooidValueError("extra.ring_host", f"must be an address string, got {host!r}")
+        raise ZooidValueError("sync.ring_host", f"must be an address string, got {host!r}")
     device = torch.device(device)
     if device.type not in ("cpu", "cuda"):
         raise ZooidValueError("device", f"the ring runs on cpu (gloo) or cuda (nccl), got {device}")
@@ -244,7 +244,7 @@ def _host_rendezvous(store: Store, group: str, world: int, host: str, limit: dat
         listener.listen(128)
     except OSError as exc:
         listener.close()
-        raise ZooidValueError("extra.ring_host", f"cannot listen on {bind!r}: {exc}") from None
+        raise ZooidValueError("sync.ring_host", f"cannot listen on {bind!r}: {exc}") from None
     port = listener.getsockname()[1]
     # The TCPStore server takes the descriptor over (and closes it when it stops).
     tcp_store = dist.TCPStore(bind, port, world, True, timeout=limit, wait_for_workers=False,

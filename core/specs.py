@@ -1,33 +1,278 @@
 """Plain data that crosses process boundaries: what a worker is asked to do and what it reports.
 
 Everything here is a frozen dataclass of JSON-able fields (`to_dict` / `from_dict`), so it
-travels as Prefect parameters and results without pickle. No tensors: workers exchange
-tensors through the store and report keys.
+travels as Prefect parameters, store commands and results without pickle. No tensors:
+workers exchange tensors through the store and report keys.
+
+A `WorkerSpec` is the common part of one worker's epoch plus small typed groups: `stage`
+(`StageSpec`: which pipeline stage worker it is; None for a Local-SGD replica), `sync`
+(`SyncSpec`: the collective and its knobs), `compute` (`ComputeSpec`: device, dtype,
+threads, model arguments) and `warm` (`WarmSpec`: set only on a warm worker's launch spec).
+`WorkerSpec.from_dict` refuses a key it does not know, naming it, so a typo (or a spec from
+another Zooid version) fails at the worker's door instead of silently training something
+else. `WorkerResult.from_dict` drops unknown keys on purpose: a result is read, not obeyed,
+and a newer worker's extra metric must not fail an epoch that trained.
 """
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from core.errors import ZooidValueError
 
-def _from_dict(cls, d: dict[str, Any]):
-    names = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items() if k in names})
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    """The resolved field annotations of a dataclass (cached)."""
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def _members(tp: Any) -> tuple[Any, ...]:
+    """The alternatives of `X | Y`, or (tp,)."""
+    return typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+
+
+def _matches(value: Any, tp: Any) -> bool:
+    """Whether `value` is a `tp` (the annotation forms these specs use)."""
+    if len(_members(tp)) > 1:
+        return any(_matches(value, t) for t in _members(tp))
+    if tp is type(None):
+        return value is None
+    if typing.get_origin(tp) is tuple:
+        return isinstance(value, tuple) and all(_matches(v, typing.get_args(tp)[0]) for v in value)
+    if tp is dict or typing.get_origin(tp) is dict:
+        return isinstance(value, dict)
+    if tp in (int, float):  # a bool is no count, and an int is a fine float
+        return isinstance(value, (int, tp)) and not isinstance(value, bool)
+    return isinstance(value, tp)
+
+
+def _check_types(obj: Any, prefix: str, names: tuple[str, ...] | None = None) -> None:
+    """Raise ZooidValueError naming `<prefix>.<field>` for the first field of `obj` whose
+    value is not of its annotated type."""
+    hints = _hints(type(obj))
+    for f in dataclasses.fields(obj):
+        if names is None or f.name in names:
+            value = getattr(obj, f.name)
+            if not _matches(value, hints[f.name]):
+                raise ZooidValueError(f"{prefix}{f.name}", f"must be {hints[f.name]}, got {value!r}")
+
+
+def _positive(obj: Any, prefix: str, names: tuple[str, ...], *, zero_ok: bool = False) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and (value < 0 if zero_ok else value <= 0):
+            raise ZooidValueError(f"{prefix}{name}", f"must be {'>= 0' if zero_ok else '> 0'}, got {value!r}")
+
+
+def _decode(tp: Any, value: Any, path: str) -> Any:
+    """A JSON value as the annotated type: objects become nested specs, lists tuples."""
+    if value is None:
+        return None
+    kinds = [t for t in _members(tp) if t is not type(None)]
+    target = kinds[0] if len(kinds) == 1 else None
+    if target is not None and dataclasses.is_dataclass(target):
+        if not isinstance(value, dict):
+            raise ZooidValueError(path, f"must be an object of {target.__name__} fields, got {value!r}")
+        return _from_dict(target, value, f"{path}.")
+    if target is not None and typing.get_origin(target) is tuple and isinstance(value, list):
+        return tuple(value)
+    return value
+
+
+def _from_dict(cls, d: dict[str, Any], prefix: str = "", strict: bool = True):
+    """`cls` from its JSON dict; `strict` refuses unknown keys, naming the first."""
+    if not isinstance(d, dict):
+        raise ZooidValueError(prefix.rstrip(".") or cls.__name__, f"must be a JSON object, got {d!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    if strict:
+        unknown = next((k for k in d if k not in fields), None)
+        if unknown is not None:
+            raise ZooidValueError(f"{prefix}{unknown}", f"unknown field of {cls.__name__} "
+                                  f"(a typo, or a spec from another Zooid version)")
+    for name, f in fields.items() if strict else ():
+        if name not in d and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ZooidValueError(f"{prefix}{name}", f"is required in a {cls.__name__}")
+    hints = _hints(cls)
+    return cls(**{k: _decode(hints[k], v, f"{prefix}{k}") for k, v in d.items() if k in fields})
+
+
+def _plain(value: Any) -> Any:
+    """`dataclasses.asdict` output as plain JSON types (tuples as lists)."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _to_dict(obj: Any) -> dict[str, Any]:
+    return _plain(dataclasses.asdict(obj))
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageSpec:
+    """One stage worker of a D x p pipeline (`engine.pipeline_executor`): which worker of
+    which replica it is, and the pipeline's shape, the same on every worker of the epoch."""
+
+    index: int
+    """This stage worker's index w, 0..workers-1 (its model stage when chunks = 1)."""
+    cuts: tuple[int, ...]
+    """Child indices where model stages 1..p*v-1 begin (`engine.stages.split_stages`)."""
+    microbatches: int
+    """Micro-batches per iteration; the iteration's batch is `WorkerSpec.batch_size` rows."""
+    replica: int = 0
+    """This worker's pipeline replica, 0..replicas-1 (selects its data and sync rank)."""
+    replicas: int = 1
+    """D: replicas of the whole pipeline; each model stage's replicas sync every iteration."""
+    chunks: int = 1
+    """v: model stages per worker (>= 2 for `interleaved`, 1 for `gpipe` and `1f1b`); worker
+    w holds model stages w, w + p, ..., so `len(cuts) + 1` must be a multiple of it."""
+    schedule: str = "gpipe"
+    """The named schedule (`gpipe`, `1f1b`, `interleaved`; `core.schedules`) run when
+    `actions` is empty."""
+    actions: tuple[str, ...] = ()
+    """One action line per stage worker for one iteration (`core.schedules.parse_schedule`);
+    empty = the lowered `schedule`."""
+    val_chunk: int = 256
+    """Validation rows per micro-batch."""
+
+    @property
+    def stages(self) -> int:
+        """The number of model stages, p * v."""
+        return len(self.cuts) + 1
+
+    @property
+    def workers(self) -> int:
+        """p, the stage workers of one replica."""
+        return self.stages // self.chunks
+
+    def __post_init__(self):
+        _check_types(self, "stage.")
+        if self.chunks < 1 or self.stages % self.chunks:
+            raise ZooidValueError("stage.chunks", f"must be >= 1 and divide the {self.stages} model "
+                                  f"stages (len(cuts) + 1), got {self.chunks}")
+        if not 0 <= self.index < self.workers:
+            raise ZooidValueError("stage.index", f"must be in 0..{self.workers - 1}, got {self.index}")
+        if self.microbatches < 1 or self.val_chunk < 1 or self.replicas < 1:
+            raise ZooidValueError("stage.microbatches", "microbatches, val_chunk and replicas must be >= 1")
+        if not 0 <= self.replica < self.replicas:
+            raise ZooidValueError("stage.replica", f"must be in 0..{self.replicas - 1}, got {self.replica}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_dict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "StageSpec":
+        return _from_dict(cls, d, "stage.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncSpec:
+    """How replicas average: the collective and its knobs (`engine.local_sgd`; a pipeline
+    stage uses `collective` and `ring_host`)."""
+
+    collective: str | None = None
+    """`plain` (`comm.collectives`), `pipelined` (`comm.scatter_reduce`) or `ring` (direct
+    torch.distributed ring, `comm.ring_allreduce`). None: the engine's default, `plain`
+    for a Local-SGD replica, `pipelined` for a pipeline stage."""
+    ring_host: str = "127.0.0.1"
+    """Where rank 0 of a ring listens; `auto` publishes the worker's resolved address."""
+    ring_timeout_s: float | None = None
+    """Seconds for a Local-SGD ring's rendezvous and each sync; None: `sync_timeout_s`."""
+    repost_s: float = 5.0
+    """Re-post this round's and the previous round's pieces when a wait stalls this long
+    (lost scratch keys); 0: never re-post."""
+    checkpoint_every: int = 1
+    """Write the Local-SGD sync checkpoint every n rounds (the last round always); 0: off,
+    and with it single-replica relaunch."""
+    group: str = ""
+    """Store prefix of the Local-SGD syncs; empty: `runs/<run>/sync/e<epoch>`."""
+
+    def __post_init__(self):
+        _check_types(self, "sync.")
+        _positive(self, "sync.", ("ring_timeout_s",))
+        _positive(self, "sync.", ("repost_s", "checkpoint_every"), zero_ok=True)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_dict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "SyncSpec":
+        return _from_dict(cls, d, "sync.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ComputeSpec:
+    """Where and how a worker computes."""
+
+    device: str = ""
+    """torch device; empty: the GPU when there is one, else the CPU."""
+    dtype: str = "float32"
+    """Floating dtype of the model and inputs (tests train in float64 to compare exactly)."""
+    threads: int | None = None
+    """torch threads, set per epoch (the worker's own vCPUs); None: torch's default."""
+    model_kwargs: dict = field(default_factory=dict)
+    """Keyword arguments of the model factory (`engine.models.build_model`)."""
+
+    def __post_init__(self):
+        _check_types(self, "compute.")
+        if self.threads is not None and self.threads < 1:
+            raise ZooidValueError("compute.threads", f"must be a thread count >= 1, got {self.threads!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_dict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ComputeSpec":
+        return _from_dict(cls, d, "compute.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WarmSpec:
+    """What a warm worker is told at launch (`runtime.warm`)."""
+
+    worker: str
+    """Its name, `r<rank>-w<serial>`."""
+    lease_s: float = 60.0
+    """Stop when the lease has not changed for this long."""
+    check_s: float = 1.0
+    """Seconds between two reads of the lease (and two status writes)."""
+    grace_s: float = 30.0
+    """After expiry, how long a busy training thread may go without a heartbeat before the
+    process exits on its own."""
+
+    def __post_init__(self):
+        _check_types(self, "warm.")
+        _positive(self, "warm.", ("lease_s", "check_s", "grace_s"))
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_dict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "WarmSpec":
+        return _from_dict(cls, d, "warm.")
 
 
 @dataclass(frozen=True, kw_only=True)
 class WorkerSpec:
-    """One worker's share of one epoch (Local-SGD replica `rank` of `world`)."""
+    """One worker's share of one epoch: Local-SGD replica `rank` of `world`, or (with
+    `stage`) one stage worker of a pipeline replica."""
 
     run_id: str
     """Run the worker belongs to; every key it touches lives under runs/<run_id>/."""
     epoch: int
     """0-based epoch index."""
     rank: int
-    """Replica index, 0..world-1."""
+    """Replica index, 0..world-1 (a pipeline's: replica * p + stage worker)."""
     world: int
-    """Number of replicas in this epoch."""
+    """Number of replicas in this epoch (a pipeline's: D * p)."""
     store_url: str
     """Store URL (file://, redis://, s3://)."""
     model: str
@@ -56,11 +301,26 @@ class WorkerSpec:
     """Whether rank 0 evaluates the averaged model on the validation set."""
     attempt: int = 0
     """Relaunch attempt of this worker within the epoch (0 = first)."""
-    extra: dict = field(default_factory=dict)
-    """Strategy-specific settings (pipeline stage, cuts, micro-batches...)."""
+    resume: bool = False
+    """Continue from the epoch's sync checkpoint even on attempt 0 (the coordinator resuming
+    an epoch); a relaunch (`attempt > 0`) always tries to."""
+    checkpoint_store: str = ""
+    """Durable store URL for checkpoints and data when `store_url` is scratch-only; empty:
+    `store_url`."""
+    stage: StageSpec | None = None
+    """The pipeline stage this worker runs; None: a Local-SGD replica."""
+    sync: SyncSpec = field(default_factory=SyncSpec)
+    """The collective among replicas."""
+    compute: ComputeSpec = field(default_factory=ComputeSpec)
+    """Device, dtype, threads, model arguments."""
+    warm: WarmSpec | None = None
+    """Set on a warm worker's launch spec: serve the run's epochs (`runtime.warm`)."""
+
+    def __post_init__(self):
+        _check_types(self, "", ("resume", "checkpoint_store", "stage", "sync", "compute", "warm"))
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return _to_dict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "WorkerSpec":
@@ -96,8 +356,9 @@ class WorkerResult:
     """Steady-state seconds per iteration (`engine.iteration_clock`; 0 when too few ran)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return _to_dict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "WorkerResult":
-        return _from_dict(cls, d)
+        """Unknown keys are dropped (see the module docstring)."""
+        return _from_dict(cls, d, strict=False)

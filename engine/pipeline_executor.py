@@ -1,12 +1,12 @@
 """One stage worker of a D x M pipeline for one epoch: an interpreter over its action list.
 
-`run_pipeline_worker(spec, store)` runs stage worker `extra["stage"]` of replica
-`extra["replica"]`. With `extra["chunks"]` = v (1 unless the schedule is `interleaved`)
+`run_pipeline_worker(spec, store)` runs stage worker `spec.stage.index` of replica
+`spec.stage.replica`. With `spec.stage.chunks` = v (1 unless the schedule is `interleaved`)
 the model is cut into p * v model stages (`len(cuts) + 1`) for p stage workers, and worker
 w holds the v non-adjacent model stages w, w + p, ..., w + (v - 1) p
 (`core.schedules.worker_of`); with v = 1 worker and model stage coincide.
 Each iteration it runs its row of the lowered schedule (`core.schedules`:
-GPipe, 1F1B or interleaved 1F1B with `extra["pipeline_schedule"]`) on three threads, as
+GPipe, 1F1B or interleaved 1F1B with `spec.stage.schedule`) on three threads, as
 FuncPipe's task executor (Sec. 4) and Hydrozoa's prefetching workers (Sec. 3.2) do:
 
 - compute (the calling thread): F and B in schedule order, each dispatched to the model
@@ -40,11 +40,12 @@ Store keys (all scratch, each deleted by its one reader):
 (activations, gradients), `.../val/f<model stage>m<chunk>`, `.../loss/s<worker>`,
 `.../ckpt/s<model stage>`; gradient syncs use `runs/<run>/sync/e<epoch>/s<model stage>/r<step>`.
 
-`spec.extra` keys (`PipelineSettings`): `stage`, `cuts`, `microbatches`, `replica`,
-`replicas`; optional `chunks`, `sync` (`pipelined`/`plain`/`ring`), `pipeline_schedule`
-(`gpipe`, `1f1b`, `interleaved`), `schedule` (one action line per stage worker; default the
-lowered `pipeline_schedule`), `val_chunk`, `dtype`, `device`, `model_kwargs`. `spec.rank` and
+The spec's `stage` (`core.specs.StageSpec`) says which worker this is and the pipeline's
+shape (cuts, micro-batches, replicas, chunks, schedule or explicit action lines);
+`sync.collective` is the stage's gradient sync (`pipelined` by default, `plain`, `ring` on
+`sync.ring_host`), `compute` its device, dtype and model arguments. `spec.rank` and
 `spec.world` are not used: `pipeline_worker_specs` fills them as replica * p + worker, D * p.
+The worker itself is `engine.pipeline_stage_worker.StageWorker`.
 
 Reporting: every worker reports its replica's mean training loss (the last model stage's
 worker sends it to the others) and `samples` = rows its replica trained on, so throughput
@@ -57,522 +58,82 @@ neighbour to post). Replica 0's worker of the last model stage reports validatio
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import socket
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-from comm import heartbeat
-from comm.collectives import SyncStats, release_group
-from comm.scatter_reduce import COLLECTIVES, allreduce_for
+from comm.scatter_reduce import COLLECTIVES
 from comm.store import Store
-from comm.tensor_codec import decode_json, decode_tensors, encode_json, encode_tensors
-from core.errors import OutOfMemory, StoreTimeout, ZooidValueError
+from core.errors import OutOfMemory, ZooidValueError
 from core.schedule_validation import validate
-from core.schedules import (SCHEDULES, TRANSFER, Action, Kind, Layout, ScheduleError, build_schedule, forward_only,
-                            layout, lower, parse_schedule)
-from core.specs import WorkerResult, WorkerSpec
-from engine.checkpoint import FORMAT as CHECKPOINT_FORMAT
-from engine.datasets import read_manifest, read_subsets
-from engine.iteration_clock import IterationClock
-from engine.local_sgd import batch_seed, batch_stream
-from engine.models import build_model
-from engine.optimizers import build_optimizer, load_optimizer_state, optimizer_state_tensors
-from engine.stages import slice_full_state, split_stages
+from core.schedules import SCHEDULES, TRANSFER, Action, Kind, Layout, ScheduleError, build_schedule, layout, \
+    lower, parse_schedule
+from core.specs import StageSpec, WorkerResult, WorkerSpec
+from engine.devices import torch_dtype
+from engine.pipeline_stage_worker import DEFAULT_COLLECTIVE, StageWorker
 
 
-@dataclass(frozen=True, kw_only=True)
-class PipelineSettings:
-    """The pipeline part of a WorkerSpec, read from `spec.extra`."""
-
-    stage: int
-    """This stage worker's index w, 0..workers-1 (its model stage when chunks = 1)."""
-    cuts: tuple[int, ...]
-    """Child indices where model stages 1..p*v-1 begin (`engine.stages.split_stages`)."""
-    microbatches: int
-    """Micro-batches per iteration; the iteration's batch is `spec.batch_size` rows."""
-    replica: int = 0
-    """This worker's replica, 0..replicas-1 (selects its data and sync rank)."""
-    replicas: int = 1
-    """D: replicas of the whole pipeline; each stage's replicas sync every iteration."""
-    sync: str = "pipelined"
-    """Gradient sync among a stage's replicas: `pipelined` or `plain` scatter-reduce."""
-    chunks: int = 1
-    """v: model stages per worker (>= 2 for `interleaved`, 1 for `gpipe` and `1f1b`); worker
-    w holds model stages w, w + p, ..., so `len(cuts) + 1` must be a multiple of it."""
-    pipeline_schedule: str = "gpipe"
-    """The named schedule (`gpipe`, `1f1b`, `interleaved`) run when `schedule` gives no
-    action lines."""
-    schedule: tuple[str, ...] = ()
-    """One action line per stage worker for one iteration; empty = the lowered
-    `pipeline_schedule`."""
-    val_chunk: int = 256
-    """Validation rows per micro-batch."""
-    dtype: str = "float32"
-    device: str = ""
-    """Empty: the GPU when there is one, else the CPU."""
-    model_kwargs: dict = field(default_factory=dict)
-
-    @property
-    def stages(self) -> int:
-        """The number of model stages, p * v."""
-        return len(self.cuts) + 1
-
-    @property
-    def workers(self) -> int:
-        """p, the stage workers of one replica."""
-        return self.stages // self.chunks
-
-    @property
-    def layout(self) -> Layout:
-        """Which worker holds which model stage."""
-        return Layout(self.workers, self.stages)
-
-    def __post_init__(self):
-        for name in ("stage", "microbatches", "replica", "replicas", "val_chunk", "chunks"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ZooidValueError(f"extra.{name}", f"must be an integer, got {value!r}")
-        if self.chunks < 1 or self.stages % self.chunks:
-            raise ZooidValueError("extra.chunks", f"must be >= 1 and divide the {self.stages} model "
-                                  f"stages (len(cuts) + 1), got {self.chunks}")
-        if not 0 <= self.stage < self.workers:
-            raise ZooidValueError("extra.stage", f"must be in 0..{self.workers - 1}, got {self.stage}")
-        if self.microbatches < 1 or self.val_chunk < 1 or self.replicas < 1:
-            raise ZooidValueError("extra.microbatches", "microbatches, val_chunk and replicas must be >= 1")
-        if not 0 <= self.replica < self.replicas:
-            raise ZooidValueError("extra.replica", f"must be in 0..{self.replicas - 1}, got {self.replica}")
-        if self.sync not in COLLECTIVES:
-            raise ZooidValueError("extra.sync", f"must be one of {', '.join(COLLECTIVES)}, got {self.sync!r}")
-        dtype = getattr(torch, self.dtype, None)
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise ZooidValueError("extra.dtype", f"must name a floating dtype, got {self.dtype!r}")
-
-    @classmethod
-    def from_extra(cls, extra: dict[str, Any]) -> "PipelineSettings":
-        """Read the settings from `spec.extra`, ignoring keys meant for others."""
-        missing = [k for k in ("stage", "cuts", "microbatches") if k not in extra]
-        if missing:
-            raise ZooidValueError(f"extra.{missing[0]}", "is required for a pipeline worker")
-        names = {f.name for f in dataclasses.fields(cls)}
-        values = {k: v for k, v in extra.items() if k in names}
-        values["cuts"] = tuple(values["cuts"])
-        values["schedule"] = tuple(values.get("schedule", ()))
-        return cls(**values)
-
-    def iteration_schedule(self) -> list[Action]:
-        """This worker's validated action list for one training iteration."""
-        if self.pipeline_schedule not in SCHEDULES:
-            raise ZooidValueError("extra.pipeline_schedule", f"must be one of {', '.join(SCHEDULES)}, "
-                                  f"got {self.pipeline_schedule!r}")
-        rows = (parse_schedule(self.schedule) if self.schedule
-                else build_schedule(self.pipeline_schedule, self.workers, self.microbatches, self.chunks))
-        if len(rows) != self.workers:
-            raise ScheduleError(f"has {len(rows)} rows for {self.workers} stage workers")
-        if layout(rows).stages != self.stages:
-            raise ScheduleError(f"names model stages 0..{layout(rows).stages - 1} for a model cut into "
-                                f"{self.stages} stages on {self.workers} workers")
-        if not any(a.kind in TRANSFER or a.kind is Kind.SYNC for row in rows for a in row):
-            rows = lower(rows, sync=True)  # a compute-only schedule: add what it implies
-        validate(rows)
-        synced = {a.stage for a in rows[self.stage] if a.kind is Kind.SYNC}
-        if self.replicas > 1 and synced != set(self.layout.stages_of(self.stage)):
-            raise ScheduleError(f"worker {self.stage} has {self.replicas} replicas but model stages "
-                                f"{sorted(set(self.layout.stages_of(self.stage)) - synced)} never SYNC")
-        return rows[self.stage]
+def iteration_schedule(stage: StageSpec) -> list[Action]:
+    """Stage worker `stage.index`'s validated action list for one training iteration."""
+    if stage.schedule not in SCHEDULES:
+        raise ZooidValueError("stage.schedule", f"must be one of {', '.join(SCHEDULES)}, got {stage.schedule!r}")
+    rows = (parse_schedule(stage.actions) if stage.actions
+            else build_schedule(stage.schedule, stage.workers, stage.microbatches, stage.chunks))
+    if len(rows) != stage.workers:
+        raise ScheduleError(f"has {len(rows)} rows for {stage.workers} stage workers")
+    if layout(rows).stages != stage.stages:
+        raise ScheduleError(f"names model stages 0..{layout(rows).stages - 1} for a model cut into "
+                            f"{stage.stages} stages on {stage.workers} workers")
+    if not any(a.kind in TRANSFER or a.kind is Kind.SYNC for row in rows for a in row):
+        rows = lower(rows, sync=True)  # a compute-only schedule: add what it implies
+    validate(rows)
+    synced = {a.stage for a in rows[stage.index] if a.kind is Kind.SYNC}
+    own = Layout(stage.workers, stage.stages).stages_of(stage.index)
+    if stage.replicas > 1 and synced != set(own):
+        raise ScheduleError(f"worker {stage.index} has {stage.replicas} replicas but model stages "
+                            f"{sorted(set(own) - synced)} never SYNC")
+    return rows[stage.index]
 
 
-def pipeline_worker_specs(base: WorkerSpec, *, cuts, microbatches: int,
-                          replica_subsets: list[tuple[int, ...]], sync: str = "pipelined",
-                          **extra: Any) -> list[WorkerSpec]:
-    """The D x p worker specs of one epoch: replica r's workers read `replica_subsets[r]`.
-    p = (len(cuts) + 1) / chunks, with `chunks` (v) from `extra` or `base.extra` (default 1)."""
+def _check_worker(spec: WorkerSpec) -> None:
+    """What a stage worker needs beyond its `StageSpec`'s own checks."""
+    if spec.stage is None:
+        raise ZooidValueError("stage", "is required for a pipeline worker")
+    collective = spec.sync.collective or DEFAULT_COLLECTIVE
+    if collective not in COLLECTIVES:
+        raise ZooidValueError("sync.collective", f"must be one of {', '.join(COLLECTIVES)}, got {collective!r}")
+    torch_dtype(spec.compute)
+
+
+def pipeline_worker_specs(base: WorkerSpec, *, cuts, microbatches: int, replica_subsets: list[tuple[int, ...]],
+                          schedule: str = "gpipe", chunks: int = 1, actions: tuple[str, ...] = (),
+                          val_chunk: int = 256) -> list[WorkerSpec]:
+    """The D x p worker specs of one epoch: replica r's workers read `replica_subsets[r]`;
+    p = (len(cuts) + 1) / chunks. `base` gives everything else, its `sync.collective`
+    included (None: `pipelined`, written into the specs)."""
     replicas = len(replica_subsets)
-    specs = []
-    for r, subsets in enumerate(replica_subsets):
-        settings = {**base.extra, **extra, "stage": 0, "cuts": list(cuts), "microbatches": microbatches,
-                    "replica": r, "replicas": replicas, "sync": sync}
-        workers = PipelineSettings.from_extra(settings).workers
-        for w in range(workers):
-            settings = {**settings, "stage": w}
-            checked = PipelineSettings.from_extra(settings)  # fail here, not in a worker
-            if r == 0 and w == 0:
-                checked.iteration_schedule()  # the schedule is the same for every worker
-            specs.append(dataclasses.replace(base, rank=r * workers + w, world=replicas * workers,
-                                             subsets=tuple(subsets), extra=settings))
-    return specs
-
-
-def activation_prefix(run_id: str, epoch: int) -> str:
-    """Scratch prefix of an epoch's inter-stage tensors (delete it before relaunching)."""
-    return f"runs/{run_id}/act/e{epoch}"
+    shape = StageSpec(index=0, cuts=tuple(cuts), microbatches=microbatches, replicas=replicas, chunks=chunks,
+                      schedule=schedule, actions=tuple(actions), val_chunk=val_chunk)
+    base = dataclasses.replace(base, sync=dataclasses.replace(
+        base.sync, collective=base.sync.collective or DEFAULT_COLLECTIVE), stage=shape)
+    _check_worker(base)  # fail here, not in a worker
+    iteration_schedule(shape)  # the schedule is the same for every worker
+    p = shape.workers
+    return [dataclasses.replace(base, rank=r * p + w, world=replicas * p, subsets=tuple(subsets),
+                                stage=dataclasses.replace(shape, index=w, replica=r))
+            for r, subsets in enumerate(replica_subsets) for w in range(p)]
 
 
 def run_pipeline_worker(spec: WorkerSpec, store: Store) -> WorkerResult:
     """Run one stage worker of one replica for one epoch (see the module docstring)."""
     started = time.time()
-    settings = PipelineSettings.from_extra(spec.extra)
+    _check_worker(spec)
     if not spec.init_key or not spec.out_key:
         raise ZooidValueError("init_key", "a pipeline worker needs init_key and out_key")
-    worker = _StageWorker(spec, settings, store)
+    worker = StageWorker(spec, store, iteration_schedule(spec.stage))
     try:
         return worker.run(started)
     except torch.OutOfMemoryError as exc:
-        raise OutOfMemory(f"stage {settings.stage} of {spec.model}, batch {spec.batch_size}: {exc}") from None
+        raise OutOfMemory(f"stage {spec.stage.index} of {spec.model}, batch {spec.batch_size}: {exc}") from None
     finally:
         worker.close()
-
-
-class _ChunkSet(nn.Module):
-    """A worker's model stages as one module. Its children are the stages' layers under the
-    unsplit model's names (as `split_stages` keeps them), so its `state_dict`, parameter names
-    and optimizer state are the canonical checkpoint's keys for those layers, whichever
-    stages the worker holds; `module(x, stage)` runs model stage `stage`'s layers only."""
-
-    def __init__(self, parts: dict[int, nn.Module]):
-        super().__init__()
-        names = {stage: [name for name, _ in part.named_children()] for stage, part in parts.items()}
-        for stage, part in sorted(parts.items()):
-            for name, child in part.named_children():
-                self.add_module(name, child)
-        self._stage_layers = names
-
-    def forward(self, x: torch.Tensor, stage: int) -> torch.Tensor:
-        for name in self._stage_layers[stage]:
-            x = self._modules[name](x)
-        return x
-
-    def stage_parameters(self, stage: int) -> dict[str, nn.Parameter]:
-        """Model stage `stage`'s parameters by their full-model names."""
-        return {f"{name}.{pname}": p for name in self._stage_layers[stage]
-                for pname, p in self._modules[name].named_parameters()}
-
-    def stage_state_dict(self, stage: int) -> dict[str, torch.Tensor]:
-        """Model stage `stage`'s entries of `state_dict()`, in its order."""
-        out: dict[str, torch.Tensor] = {}
-        for name in self._stage_layers[stage]:
-            out.update(self._modules[name].state_dict(prefix=f"{name}."))
-        return out
-
-
-class _StageWorker:
-    """State of one stage worker: its model stages (one module), optimizer, data and
-    transfer threads."""
-
-    def __init__(self, spec: WorkerSpec, settings: PipelineSettings, store: Store):
-        self.spec, self.cfg, self.store = spec, settings, store
-        self.layout = settings.layout
-        self.last = settings.stages - 1
-        """The last model stage (the loss)."""
-        self.own_stages = self.layout.stages_of(settings.stage)
-        """The model stages this worker holds, in model order."""
-        self.last_worker = self.layout.worker_of(self.last)
-        self.device = torch.device(settings.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.dtype = getattr(torch, settings.dtype)
-        self.actions = settings.iteration_schedule()
-        if spec.batch_size < settings.microbatches:
-            raise ZooidValueError("extra.microbatches", f"{settings.microbatches} micro-batches "
-                                  f"exceed the batch of {spec.batch_size} rows")
-        model = build_model(spec.model, spec.seed, **settings.model_kwargs)
-        parts = split_stages(model, settings.cuts)
-        self.module = _ChunkSet({s: parts[s] for s in self.own_stages}).to(self.device, self.dtype)
-        del model, parts  # the other workers' layers are not this worker's to keep
-        # one optimizer over every chunk: each parameter's update reads only its own state
-        self.optimizer = build_optimizer(spec.optimizer, self.module, spec.lr)
-        self.uploads = ThreadPoolExecutor(1, thread_name_prefix=f"upload-s{settings.stage}")
-        self.downloads = ThreadPoolExecutor(1, thread_name_prefix=f"download-s{settings.stage}")
-        self.sync_stats = SyncStats()
-        self.upload_s = self.download_s = self.compute_s = 0.0
-        self.pending: list[Future] = []
-        self.rings: dict[int, Any] = {}
-        """Per model stage, its direct ring among its replicas (sync `ring`), opened at its first sync."""
-        self.prefix = f"{activation_prefix(spec.run_id, spec.epoch)}/r{settings.replica}"
-
-    def close(self) -> None:
-        for ring in self.rings.values():
-            ring.close()
-        self.uploads.shutdown(wait=True)
-        self.downloads.shutdown(wait=True, cancel_futures=True)
-
-    def _group(self, stage: int) -> str:
-        """The store prefix of model stage `stage`'s gradient syncs this epoch."""
-        return f"runs/{self.spec.run_id}/sync/e{self.spec.epoch}/s{stage}"
-
-    # --- the epoch ------------------------------------------------------------------
-
-    def run(self, started: float) -> WorkerResult:
-        spec, cfg = self.spec, self.cfg
-        init_meta = self._load_initial_state()
-        x, y = self._read_data("train", spec.subsets)
-        generator = torch.Generator().manual_seed(batch_seed(spec.seed, spec.epoch, cfg.replica))
-        loss_sum = 0.0
-        self.module.train()
-        clock = IterationClock()
-        for step, idx in enumerate(self._batches(x, y, generator)):
-            loss_sum += self._iteration(step, idx, x, y)
-            clock.tick()
-            heartbeat.step()
-        if cfg.replicas > 1:
-            for stage in self.own_stages:
-                release_group(self.store, self._group(stage), cfg.replica, cfg.replicas, spec.sync_timeout_s,
-                              stats=self.sync_stats)
-        train_loss = self._share_train_loss(loss_sum / max(1, spec.steps))
-
-        val_loss = val_acc = None
-        checkpoint_key = ""
-        if cfg.replica == 0:
-            if spec.evaluate:
-                val_loss, val_acc = self._validate()
-            checkpoint_key = self._checkpoint(init_meta)
-        stats = self.sync_stats
-        return WorkerResult(
-            run_id=spec.run_id, epoch=spec.epoch, rank=spec.rank,
-            started_at=started, stopped_at=time.time(),
-            train_loss=train_loss, samples=spec.steps * spec.batch_size,
-            compute_s=self.compute_s, sync_s=stats.seconds,
-            upload_s=self.upload_s, download_s=self.download_s, bytes_synced=stats.bytes_total,
-            val_loss=val_loss, val_accuracy=val_acc, checkpoint_key=checkpoint_key,
-            pid=os.getpid(), host=socket.gethostname(), iteration_s=clock.period_s(),
-        )
-
-    def _batches(self, x, y, generator: torch.Generator):
-        """Local-SGD's index batches on the workers that hold data; None on the others,
-        which only need to know that an iteration happens."""
-        rows = x if x is not None else y
-        if rows is None:
-            return [None] * self.spec.steps
-        return batch_stream(len(rows), self.spec.batch_size, self.spec.steps, generator)
-
-    def _iteration(self, step: int, idx: torch.Tensor, x, y) -> float:
-        """Run this worker's actions for one batch; return the batch's mean loss (on the
-        worker of the last model stage)."""
-        cfg = self.cfg
-        chunks = torch.tensor_split(idx, cfg.microbatches) if idx is not None else None
-        base = f"{self.prefix}/it{step}"
-        received = self._prefetch(base, self.actions)
-        # keyed by (model stage, micro-batch): an interleaved worker holds several stages
-        inputs: dict[tuple[int, int], torch.Tensor] = {}
-        outputs: dict[tuple[int, int], torch.Tensor] = {}
-        loss_total = 0.0
-        for a in self.actions:
-            s, m = a.stage, a.microbatch
-            if a.kind in (Kind.F, Kind.B):
-                # Waiting for a neighbour's tensor is idle time, not compute.
-                arrived = received[a].result() if a in received else None
-                began = time.perf_counter()
-                if a.kind is Kind.F:
-                    if s == 0:
-                        inp = x[chunks[m]]
-                    elif arrived is not None:
-                        inp = arrived.requires_grad_(True)
-                    else:  # the previous model stage is on this worker (p = 1): hand over in memory
-                        inp = outputs[(s - 1, m)].detach().requires_grad_(True)
-                    out = self.module(inp, s)
-                    if s == self.last:
-                        # Scaled by the micro-batch's share: the sum is the batch's mean loss.
-                        out = F.cross_entropy(out, y[chunks[m]]) * (len(chunks[m]) / len(idx))
-                        loss_total += out.item()
-                    inputs[(s, m)], outputs[(s, m)] = inp, out
-                else:
-                    if s == self.last:
-                        grad = None  # d loss = 1
-                    elif arrived is not None:
-                        grad = arrived
-                    else:  # the next model stage is on this worker: its input's gradient
-                        grad = inputs.pop((s + 1, m)).grad
-                    outputs.pop((s, m)).backward(grad)
-                self.compute_s += time.perf_counter() - began
-            elif a.kind is Kind.SEND_F:
-                self._send(f"{base}/f{s}m{m}", outputs[(s, m)].detach())
-            elif a.kind is Kind.SEND_B:
-                self._send(f"{base}/b{s}m{m}", inputs.pop((s, m)).grad)
-            elif a.kind is Kind.SYNC:
-                self._sync_gradients(s, step)
-            # RECV actions were queued by _prefetch; their consumer waits for them.
-        self._drain_uploads()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return loss_total
-
-    def _sync_gradients(self, stage: int, step: int) -> None:
-        """Average model stage `stage`'s gradients with the same stage of the other replicas."""
-        cfg = self.cfg
-        if cfg.replicas == 1:
-            return
-        group = self._group(stage)
-        grads = {n: p.grad for n, p in self.module.stage_parameters(stage).items() if p.grad is not None}
-        if cfg.sync == "ring" and stage not in self.rings:
-            from comm.ring_allreduce import open_ring
-
-            self.rings[stage] = open_ring(self.store, group, cfg.replica, cfg.replicas, self.spec.sync_timeout_s,
-                                          host=self.spec.extra.get("ring_host", "127.0.0.1"))
-        allreduce = allreduce_for(cfg.sync, "mean", ring=self.rings.get(stage))
-        mean = allreduce(self.store, f"{group}/r{step}", cfg.replica, cfg.replicas, grads,
-                         self.spec.sync_timeout_s, stats=self.sync_stats,
-                         previous_prefix=f"{group}/r{step - 1}" if step else None)
-        for name, g in grads.items():
-            g.copy_(mean[name].to(g.device))
-
-    # --- transfers --------------------------------------------------------------------
-
-    def _prefetch(self, base: str, actions: list[Action]) -> dict[Action, Future]:
-        """Queue every RECV in schedule order; map each consuming F/B to its future."""
-        futures = {}
-        for a in actions:
-            if a.kind is Kind.RECV_F:
-                key = f"{base}/f{a.stage - 1}m{a.microbatch}"
-                futures[Action(a.stage, Kind.F, a.microbatch)] = self.downloads.submit(self._fetch, key)
-            elif a.kind is Kind.RECV_B:
-                key = f"{base}/b{a.stage + 1}m{a.microbatch}"
-                futures[Action(a.stage, Kind.B, a.microbatch)] = self.downloads.submit(self._fetch, key)
-        return futures
-
-    def _fetch(self, key: str) -> torch.Tensor:
-        t0 = time.perf_counter()
-        try:
-            blob = self.store.get(key, timeout=self.spec.sync_timeout_s)
-        except (StoreTimeout, KeyError):
-            raise StoreTimeout(f"stage {self.cfg.stage} of replica {self.cfg.replica} waited "
-                               f"{self.spec.sync_timeout_s:g}s for {key}; a neighbour is missing or slow") from None
-        self.store.delete(key)  # the only reader: the scratch key is done
-        tensors, _ = decode_tensors(blob)
-        self.download_s += time.perf_counter() - t0
-        return tensors["t"].to(self.device)
-
-    def _send(self, key: str, tensor: torch.Tensor) -> None:
-        self.pending.append(self.uploads.submit(self._put, key, tensor))
-
-    def _put(self, key: str, tensor: torch.Tensor) -> None:
-        t0 = time.perf_counter()
-        self.store.put(key, encode_tensors({"t": tensor}), scratch=True)
-        self.upload_s += time.perf_counter() - t0
-
-    def _drain_uploads(self) -> None:
-        pending, self.pending = self.pending, []
-        for f in pending:
-            f.result()  # re-raises a failed upload here, in the compute thread
-
-    # --- data, state, validation, checkpoint ------------------------------------------
-
-    def _read_data(self, split: str, subsets) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Inputs for the worker of model stage 0, labels for the worker of the last (a
-        one-worker pipeline needs both)."""
-        first, last = 0 in self.own_stages, self.last in self.own_stages
-        if not (first or last):
-            return None, None
-        x, y = read_subsets(self.store, self.spec.run_id, subsets, split=split,
-                            timeout=self.spec.sync_timeout_s)
-        x = x.to(self.device, self.dtype if x.is_floating_point() else x.dtype)
-        return (x if first else None, y.to(self.device) if last else None)
-
-    def _load_initial_state(self) -> dict[str, Any]:
-        """Load this worker's slice of the full-model checkpoint at `spec.init_key`."""
-        blob = self.store.get(self.spec.init_key, timeout=self.spec.sync_timeout_s)
-        tensors, header = decode_tensors(blob)
-        if header.get("format") != CHECKPOINT_FORMAT:
-            raise ZooidValueError("init_key", f"{self.spec.init_key} is not a Zooid checkpoint")
-        full = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
-        self.module.load_state_dict(slice_full_state(full, self.module), strict=True)
-        names = {n for n, _ in self.module.named_parameters()}
-        optim = {k.removeprefix("optim/"): v for k, v in tensors.items()
-                 if k.startswith("optim/") and k.removeprefix("optim/").rpartition(".")[0] in names}
-        load_optimizer_state(self.module, self.optimizer, optim)
-        return json.loads(header.get("meta", "{}"))
-
-    def _share_train_loss(self, mean_loss: float) -> float:
-        """The last model stage's worker knows the loss; it sends it to the replica's others."""
-        if self.cfg.workers == 1:
-            return mean_loss
-        if self.cfg.stage == self.last_worker:
-            for w in range(self.cfg.workers):
-                if w != self.last_worker:
-                    self.store.put(f"{self.prefix}/loss/s{w}", encode_json({"loss": mean_loss}), scratch=True)
-            return mean_loss
-        key = f"{self.prefix}/loss/s{self.cfg.stage}"
-        value = decode_json(self.store.get(key, timeout=self.spec.sync_timeout_s))["loss"]
-        self.store.delete(key)
-        return float(value)
-
-    @torch.no_grad()
-    def _validate(self) -> tuple[float | None, float | None]:
-        """Forward-only pass of replica 0 over the validation set; the last model stage's
-        worker scores it."""
-        cfg = self.cfg
-        manifest = read_manifest(self.store, self.spec.run_id, timeout=self.spec.sync_timeout_s)
-        x, y = self._read_data("val", range(manifest.n_val_subsets))
-        n = manifest.n_val
-        chunks = torch.tensor_split(torch.arange(n), -(-n // cfg.val_chunk))
-        actions = lower(forward_only(cfg.workers, len(chunks), cfg.chunks), sync=False)[cfg.stage]
-        base = f"{self.prefix}/val"
-        received = self._prefetch(base, actions)
-        self.module.eval()
-        loss_sum, correct = 0.0, 0
-        outputs: dict[tuple[int, int], torch.Tensor] = {}
-        for a in actions:
-            s, m = a.stage, a.microbatch
-            if a.kind is Kind.F:
-                if s == 0:
-                    inp = x[chunks[m]]
-                elif a in received:
-                    inp = received[a].result()
-                else:  # the previous model stage is on this worker
-                    inp = outputs.pop((s - 1, m))
-                outputs[(s, m)] = self.module(inp, s)
-                if s == self.last:
-                    logits = outputs.pop((s, m))
-                    loss_sum += F.cross_entropy(logits, y[chunks[m]], reduction="sum").item()
-                    correct += int((logits.argmax(1) == y[chunks[m]]).sum().item())
-            elif a.kind is Kind.SEND_F:
-                self._send(f"{base}/f{s}m{m}", outputs.pop((s, m)))
-        self._drain_uploads()
-        self.module.train()
-        if self.last not in self.own_stages:
-            return None, None
-        return loss_sum / n, correct / n
-
-    def _stage_tensors(self, stage: int) -> dict[str, torch.Tensor]:
-        """Model stage `stage`'s weights and optimizer state under the checkpoint's keys."""
-        params = self.module.stage_parameters(stage)
-        out = {f"model/{k}": v.detach() for k, v in self.module.stage_state_dict(stage).items()}
-        out.update({f"optim/{k}": v.detach()
-                    for k, v in optimizer_state_tensors(self.module, self.optimizer).items()
-                    if k.rpartition(".")[0] in params})
-        return out
-
-    def _checkpoint(self, init_meta: dict[str, Any]) -> str:
-        """Send the weights and optimizer state of this worker's model stages to the last
-        model stage's worker, which assembles them in model-stage order and writes the
-        canonical full-model checkpoint; return its key there, else ""."""
-        if self.cfg.stage != self.last_worker:
-            for stage in self.own_stages:
-                self.store.put(f"{self.prefix}/ckpt/s{stage}", encode_tensors(self._stage_tensors(stage)),
-                               scratch=True)
-            return ""
-        full: dict[str, torch.Tensor] = {}
-        for stage in range(self.cfg.stages):
-            if stage in self.own_stages:
-                full.update(self._stage_tensors(stage))
-                continue
-            key = f"{self.prefix}/ckpt/s{stage}"
-            part, _ = decode_tensors(self.store.get(key, timeout=self.spec.sync_timeout_s))
-            self.store.delete(key)
-            full.update(part)
-        spec = self.spec
-        meta = {"run_id": spec.run_id, "epoch": spec.epoch, "epoch_complete": True,
-                "steps": spec.steps,
-                "global_step": int(init_meta.get("global_step", 0)) + spec.steps,
-                "world": self.cfg.replicas, "model": spec.model, "optimizer": spec.optimizer,
-                "strategy": "pipeline", "cuts": list(self.cfg.cuts)}
-        if self.cfg.chunks > 1:  # the cuts are model stages, v of them per worker
-            meta["chunks"] = self.cfg.chunks
-        blob = encode_tensors({k: v.contiguous() for k, v in full.items()},
-                              metadata={"format": CHECKPOINT_FORMAT, "meta": json.dumps(meta)})
-        self.store.put(spec.out_key, blob)
-        return spec.out_key

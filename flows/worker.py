@@ -4,7 +4,7 @@ It receives a `WorkerSpec` as a JSON dict. A cold worker (the default spec) trai
 epoch and returns its `WorkerResult` dict: metrics, timings and store keys, never tensors,
 persisted as JSON (not pickle) in result storage that the coordinator can read.
 
-A warm worker (`spec.extra["warm"]`, `runtime.warm`) lives across epochs: the flow run
+A warm worker (`spec["warm"]` set, `runtime.warm`) lives across epochs: the flow run
 serves the coordinator's commands from the store until it is stopped or its lease expires,
 and every epoch it trains is a `train_epoch` task run of this flow run, with its own state
 and logs in the UI. A lease that expires fails the flow run with the reason.
@@ -55,6 +55,6 @@ def serve_warm(spec_dict: dict) -> dict:
 @flow(name="worker", persist_result=True, result_serializer="json", log_prints=True)
 def worker(spec: dict) -> dict:
     """Train one replica (or stage): one epoch, or every epoch the coordinator sends (warm)."""
-    if spec.get("extra", {}).get("warm"):
+    if spec.get("warm"):
         return serve_warm(spec)
     return run_worker(spec)

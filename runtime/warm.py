@@ -39,13 +39,12 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 from comm import heartbeat
 from comm.store import Store
 from core.errors import LeaseExpired, ZooidValueError
-from core.specs import WorkerResult, WorkerSpec
+from core.specs import WarmSpec, WorkerResult, WorkerSpec
 
 LEASE_EXIT = 5
 """Exit status of a warm worker whose lease expired while its training thread was stuck."""
@@ -85,37 +84,6 @@ def read_json(store: Store, key: str) -> dict | None:
         return None
 
 
-@dataclass(frozen=True, kw_only=True)
-class WarmSettings:
-    """What a warm worker is told at launch (`WorkerSpec.extra["warm"]`)."""
-
-    worker: str
-    """Its name, `r<rank>-w<serial>`."""
-    lease_s: float = 60.0
-    """Stop when the lease has not changed for this long."""
-    check_s: float = 1.0
-    """Seconds between two reads of the lease (and two status writes)."""
-    grace_s: float = 30.0
-    """After expiry, how long a busy training thread may go without a heartbeat before the
-    process exits on its own."""
-
-    @classmethod
-    def from_extra(cls, extra: dict) -> "WarmSettings":
-        raw = extra.get("warm")
-        if not isinstance(raw, dict) or not isinstance(raw.get("worker"), str):
-            raise ZooidValueError("extra.warm", f"must be a dict naming the worker, got {raw!r}")
-        settings = cls(**{k: raw[k] for k in ("worker", "lease_s", "check_s", "grace_s") if k in raw})
-        for name in ("lease_s", "check_s", "grace_s"):
-            value = getattr(settings, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ZooidValueError(f"extra.warm.{name}", f"must be seconds > 0, got {value!r}")
-        return settings
-
-    def to_extra(self) -> dict:
-        return {"worker": self.worker, "lease_s": self.lease_s, "check_s": self.check_s,
-                "grace_s": self.grace_s}
-
-
 class LeaseClock:
     """The age of a lease as one reader sees it: seconds since its value last changed, on the
     reader's clock. A lease never seen is as old as the reader."""
@@ -141,7 +109,7 @@ class LeaseClock:
 class _Watch(threading.Thread):
     """The worker's second thread: reads the lease and publishes the worker's status."""
 
-    def __init__(self, store_factory: Callable[[], Store], run_id: str, settings: WarmSettings,
+    def __init__(self, store_factory: Callable[[], Store], run_id: str, settings: WarmSpec,
                  started_at: float, log: Callable[[str], None]):
         super().__init__(name="warm-watch", daemon=True)
         self.store_factory, self.run_id, self.settings, self.log = store_factory, run_id, settings, log
@@ -191,7 +159,7 @@ def serve(spec: WorkerSpec, store: Store, execute: Callable[[WorkerSpec], Worker
           open_ref: Callable[[str], Store] | None = None) -> str:
     """Serve the run's commands until told to stop; return why it stopped (`stopped`).
 
-    `spec` is the launch spec (run id, rank, `extra["warm"]`); `store` holds the commands;
+    `spec` is the launch spec (run id, rank, `warm`); `store` holds the commands;
     `execute(spec)` trains one epoch; `store_factory()` opens a second client of the same
     store for the watch thread; `open_ref(url)` opens the store a `profile` command probes
     (default `comm.store.open_store`). Raises `LeaseExpired` when the lease runs out, and whatever
@@ -200,7 +168,9 @@ def serve(spec: WorkerSpec, store: Store, execute: Callable[[WorkerSpec], Worker
     from engine.models import keep_models
     from profiling.memory import rss_bytes
 
-    settings = WarmSettings.from_extra(spec.extra)
+    settings = spec.warm
+    if settings is None:
+        raise ZooidValueError("warm", "a warm worker's launch spec needs its WarmSpec")
     started = time.time()
     base_memory = rss_bytes()  # before any model: s0 of the memory model (`profiling.profile_job`)
     keep_models()
@@ -260,7 +230,7 @@ def serve(spec: WorkerSpec, store: Store, execute: Callable[[WorkerSpec], Worker
         watch.join(timeout=5)
 
 
-def _serve_profile(store: Store, spec: WorkerSpec, settings: WarmSettings, seq: int, command: dict,
+def _serve_profile(store: Store, spec: WorkerSpec, settings: WarmSpec, seq: int, command: dict,
                    open_ref: Callable[[str], Store] | None, watch: "_Watch", ready_at: float,
                    log: Callable[[str], None]) -> None:
     """Answer a `profile` command (`profiling.profile_job`): measured here, on this worker's
@@ -287,7 +257,7 @@ def _serve_profile(store: Store, spec: WorkerSpec, settings: WarmSettings, seq: 
     watch.doc.update(state="idle", seq=seq + 1)
 
 
-def _next_command(store: Store, run_id: str, settings: WarmSettings, seq: int, watch: _Watch) -> dict:
+def _next_command(store: Store, run_id: str, settings: WarmSpec, seq: int, watch: _Watch) -> dict:
     """Wait for command `seq`, checking the lease between waits."""
     key = command_key(run_id, settings.worker, seq)
     while True:

@@ -1,13 +1,13 @@
 """`python -m runtime.worker_main --spec-json '<json>'`: run one worker as a process.
 
-The spec's `extra["strategy"]` picks the engine (`runtime.run_spec`: a Local-SGD replica
-by default, or a pipeline stage). The `inline` target starts workers this way. The last
+The spec picks the engine (`runtime.run_spec`: a pipeline stage worker when `stage` is set,
+else a Local-SGD replica). The `inline` target starts workers this way. The last
 line on stdout is JSON: the WorkerResult (`WorkerResult.from_dict` reads it back), or on
 failure `{"error": <class name>, "message": ...}` with a non-zero exit status: 2 for bad
 input (ZooidValueError), 3 for a store timeout, 4 for out-of-memory (OutOfMemory or a
 MemoryError), 5 for a warm worker whose lease expired, 1 for anything else.
 
-A spec with `extra["warm"]` starts a warm worker (`runtime.warm`): it serves the run's
+A spec with `warm` set starts a warm worker (`runtime.warm`): it serves the run's
 epochs from the store until the coordinator stops it or its lease expires, and prints its
 log lines; it exits 0 when stopped. `tasks.failures.classify_failure` reads these back.
 """
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ZooidValueError("spec", f"not a WorkerSpec JSON object: {exc}") from None
         store = open_store(spec.store_url)
         try:
-            if spec.extra.get("warm"):
+            if spec.warm is not None:
                 from runtime.warm import serve
 
                 serve(spec, store, lambda job: _run_job(job, store), lambda: open_store(spec.store_url),

@@ -231,7 +231,7 @@ class PoolLauncher(_Launcher):
             self.deployment, parameters={"spec": spec.to_dict()}, timeout=0,
             tags=[f"zooid-run:{self.run_id}", f"epoch:{spec.epoch}", f"rank:{spec.rank}"],
             job_variables={**variables, "env": env},
-            flow_run_name=(f"{self.run_id}-warm-{spec.extra['warm']['worker']}" if spec.extra.get("warm")
+            flow_run_name=(f"{self.run_id}-warm-{spec.warm.worker}" if spec.warm is not None
                            else f"{self.run_id}-e{spec.epoch}-r{spec.rank}-a{spec.attempt}"))
         return flow_run.id, WorkerOutcome(rank=spec.rank, attempt=spec.attempt,
                                           started_at=time.time(), ref=str(flow_run.id))

@@ -68,7 +68,7 @@ def relaunch_policy(ctx: RunContext, plan: Plan, max_relaunches: int = 2):
                               f"({failure.reason}); re-plan with more memory per worker or a smaller batch")
         if failure.kind is FailureKind.BAD_INPUT:
             raise ZooidValueError("job", f"worker {spec.rank} refused its input: {failure.reason}")
-        if (plan.strategy != "local_sgd" or spec.extra.get("collective") == "ring"  # a ring cannot take a new rank
+        if (plan.strategy != "local_sgd" or spec.sync.collective == "ring"  # a ring cannot take a new rank
                 or relaunched.get(spec.rank, 0) >= max_relaunches):
             return None
         relaunched[spec.rank] = relaunched.get(spec.rank, 0) + 1
@@ -116,8 +116,8 @@ def epoch_specs(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, a
                 resume: bool) -> list[WorkerSpec]:
     """The epoch's specs with fresh attempt numbers and the workers' thread count."""
     threads = worker_threads(ctx.resolved.target.kind, plan)
-    return [dataclasses.replace(spec, attempt=next_attempt(ctx, epoch, spec.rank),
-                                extra={**spec.extra, "threads": threads, **({"resume": True} if resume else {})})
+    return [dataclasses.replace(spec, attempt=next_attempt(ctx, epoch, spec.rank), resume=resume,
+                                compute=dataclasses.replace(spec.compute, threads=threads))
             for spec in worker_specs(ctx, plan, epoch, init, lr, attempt)]
 
 
@@ -152,7 +152,7 @@ def run_epoch(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, res
     from prefect.runtime import task_run
 
     from engine.local_sgd import sync_group
-    from engine.pipeline_executor import activation_prefix
+    from engine.pipeline_stage_worker import activation_prefix
 
     attempt = max(0, (task_run.run_count or 1) - 1)  # > 0: workers resume from the sync checkpoint
     store = ctx.open_store()

@@ -1,5 +1,5 @@
 """The workers of one epoch: one `WorkerSpec` per replica (or per stage of each replica), the
-attempt numbers that tell their tries apart, and the ring allreduce's worker settings.
+attempt numbers that tell their tries apart, and where a direct ring allreduce listens.
 
 `tasks.run_epoch` launches these specs and `tasks.prestart` launches the next epoch's early;
 both import them from here, so neither depends on the other for them.
@@ -8,19 +8,15 @@ from __future__ import annotations
 
 from clouds.registry import is_cloud
 from core.plan import Plan
-from core.specs import WorkerSpec
+from core.specs import SyncSpec, WorkerSpec
 from tasks.context import RunContext
 from tasks.provision import epoch_key
 
 
-def ring_settings(ctx: RunContext) -> dict:
-    """Worker settings of the direct ring allreduce (workers on other hosts publish their
-    resolved address; local ones stay on 127.0.0.1)."""
-    if ctx.job.collective != "ring":
-        return {}
-    cloud = is_cloud(ctx.resolved.target)
-    return {"collective": "ring", "ring_host": "auto" if cloud else "127.0.0.1",
-            "ring_timeout_s": 120.0}
+def ring_host(ctx: RunContext) -> str:
+    """Where rank 0 of a direct ring listens: workers on other hosts publish their resolved
+    address; local ones stay on 127.0.0.1."""
+    return "auto" if is_cloud(ctx.resolved.target) else "127.0.0.1"
 
 
 def next_attempt(ctx: RunContext, epoch: int, rank: int) -> int:
@@ -47,19 +43,18 @@ def worker_specs(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, 
                           subsets=(), steps=plan.steps_per_epoch, batch_size=plan.batch_size, lr=lr,
                           optimizer=job.optimizer, seed=job.seed, init_key=init,
                           out_key=epoch_key(ctx, epoch), sync_timeout_s=timeout, attempt=attempt,
-                          extra={"strategy": plan.strategy, "pipeline_schedule": plan.pipeline_schedule,
-                                 **({"chunks": plan.chunks} if plan.chunks > 1 else {})})
+                          sync=SyncSpec(collective="ring", ring_host=ring_host(ctx)) if job.collective == "ring"
+                          else SyncSpec(collective="pipelined"))
         # a planner cut i splits after layer i; the executor's cut is where a stage begins
-        ring = ring_settings(ctx)
         return pipeline_worker_specs(base, cuts=[c + 1 for c in plan.cuts], microbatches=plan.microbatches,
-                                     replica_subsets=shards, sync="ring" if ring else "pipelined",
-                                     **{k: v for k, v in ring.items() if k == "ring_host"})
+                                     replica_subsets=shards, schedule=plan.pipeline_schedule, chunks=plan.chunks)
+    sync = (SyncSpec(collective="ring", ring_host=ring_host(ctx), ring_timeout_s=120.0)
+            if job.collective == "ring" else SyncSpec())
     return [WorkerSpec(run_id=ctx.run_id, epoch=epoch, rank=rank, world=plan.data_parallel,
                        store_url=ctx.store_ref, model=job.model, dataset=job.dataset,
                        subsets=tuple(shards[rank]), steps=plan.steps_per_epoch,
                        batch_size=plan.batch_size, lr=lr, optimizer=job.optimizer,
                        sync_period=job.sync_period, seed=job.seed, init_key=init,
                        out_key=epoch_key(ctx, epoch), sync_timeout_s=timeout, evaluate=True,
-                       attempt=attempt, extra={"strategy": plan.strategy, "checkpoint_store": ctx.durable_ref,
-                                               **ring_settings(ctx)})
+                       attempt=attempt, checkpoint_store=ctx.durable_ref, sync=sync)
             for rank in range(plan.data_parallel)]

@@ -28,8 +28,8 @@ from typing import Any, Callable
 from prefect.concurrency.sync import concurrency
 
 from clouds.registry import is_cloud
-from core.specs import WorkerSpec
-from runtime.warm import (WarmSettings, command_key, lease_key, read_json, reply_key, status_key, warm_prefix,
+from core.specs import WarmSpec, WorkerSpec
+from runtime.warm import (command_key, lease_key, read_json, reply_key, status_key, warm_prefix,
                           worker_name)
 from tasks.cost import CostRecord
 from tasks.launchers import FAILED, PAID_WORKERS_LIMIT, WorkerOutcome, WorkersFailed, launch_identity, make_launcher
@@ -157,13 +157,12 @@ class WarmPool:
     def _start(self, rank: int, plan, epoch: int, launcher, identity: str) -> WarmWorker:
         ctx, job = self.ctx, self.ctx.job
         name = worker_name(rank, self.serial, self.token)
-        settings = WarmSettings(worker=name, lease_s=job.worker_lease_s,
-                                check_s=min(1.0, job.worker_lease_s / 4))
+        warm = WarmSpec(worker=name, lease_s=job.worker_lease_s, check_s=min(1.0, job.worker_lease_s / 4))
         spec = WorkerSpec(run_id=ctx.run_id, epoch=epoch, rank=rank, world=plan.workers,
                           store_url=ctx.durable_ref, model=job.model, dataset=job.dataset, subsets=(),
                           steps=0, batch_size=plan.batch_size or job.batch_size, lr=job.lr,
                           optimizer=job.optimizer, seed=job.seed, attempt=self.serial,
-                          extra={"warm": settings.to_extra()})
+                          warm=warm)
         self.serial += 1
         slot = contextlib.ExitStack()  # no-op when the limit does not exist (deployments.bootstrap makes it)
         slot.enter_context(concurrency(PAID_WORKERS_LIMIT, occupy=1, timeout_seconds=job.worker_timeout_s,
@@ -449,7 +448,7 @@ def _size(path: str) -> int:
 
 def warm_epoch_specs(specs: list[WorkerSpec], threads: int) -> list[WorkerSpec]:
     """The epoch's specs as commands: each carries the worker's thread count."""
-    return [dataclasses.replace(s, extra={**s.extra, "threads": threads}) for s in specs]
+    return [dataclasses.replace(s, compute=dataclasses.replace(s.compute, threads=threads)) for s in specs]
 
 
 def starts_before_profile(ctx) -> bool:

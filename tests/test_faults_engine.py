@@ -24,11 +24,11 @@ from comm.collectives import allreduce_mean, release_group
 from comm.store_dir import DirectoryStore
 from comm.store_redis import RedisStore
 from core.errors import StoreTimeout, ZooidValueError
-from core.specs import WorkerSpec
+from core.specs import ComputeSpec, SyncSpec, WorkerSpec
 from engine.chaos import ChaosError, Fault, fault_marker_key, parse_chaos, read_fault_marker
 from engine.checkpoint import initial_checkpoint, load_checkpoint, read_checkpoint_meta, sync_checkpoint_key
 from engine.datasets import assign_subsets, publish_dataset
-from engine.local_sgd import read_epoch_history, run_local_sgd_epoch
+from engine.local_sgd_epoch import read_epoch_history, run_local_sgd_epoch
 from engine.models import build_model
 from tasks.failures import FailureKind, MemoryEvents, classify_failure, read_memory_events
 from tests.memory_store import MemoryStore
@@ -46,13 +46,13 @@ def stage(store, run_id: str) -> list[tuple[int, ...]]:
     return assign_subsets(manifest.n_subsets, WORLD, 0, seed=3)
 
 
-def specs(store_url: str, run_id: str, subsets, **extra) -> list[WorkerSpec]:
+def specs(store_url: str, run_id: str, subsets, **fields) -> list[WorkerSpec]:
     """Float64 plain-SGD replicas of epoch 0, every rank with an out_key."""
     return [WorkerSpec(run_id=run_id, epoch=0, rank=r, world=WORLD, store_url=store_url,
                        model="digits_mlp", dataset="digits", subsets=tuple(subsets[r]), steps=STEPS,
                        batch_size=BATCH, lr=0.1, sync_period=PERIOD, seed=3,
                        init_key=f"runs/{run_id}/ckpt/init", out_key=f"runs/{run_id}/ckpt/e0",
-                       sync_timeout_s=60, evaluate=False, extra={"dtype": "float64", **extra})
+                       sync_timeout_s=60, evaluate=False, compute=ComputeSpec(dtype="float64"), **fields)
             for r in range(WORLD)]
 
 
@@ -192,7 +192,7 @@ def test_redis_restart_mid_round_loses_scratch_keys_and_the_round_completes(tmp_
     restarter = threading.Thread(target=restart_when_rank0_waits)
     restarter.start()
     try:
-        run_threads(scratch, specs(scratch.url, "rr", subsets, checkpoint_store=durable.url, sync_repost_s=0.3))
+        run_threads(scratch, specs(scratch.url, "rr", subsets, checkpoint_store=durable.url, sync=SyncSpec(repost_s=0.3)))
     finally:
         restarter.join()
     assert not scratch.exists("runs/rr/data/manifest.json")  # the restart really lost the keys

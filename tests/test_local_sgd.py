@@ -13,10 +13,11 @@ import torch.nn.functional as F
 
 from comm.store_dir import DirectoryStore
 from core.errors import ZooidValueError
-from core.specs import WorkerResult, WorkerSpec
+from core.specs import ComputeSpec, WorkerResult, WorkerSpec
 from engine.checkpoint import initial_checkpoint, load_checkpoint, save_checkpoint
 from engine.datasets import assign_subsets, publish_dataset, read_subsets
-from engine.local_sgd import LocalSGD, batch_seed, batch_stream, run_local_sgd_epoch, steps_per_epoch
+from engine.local_sgd import LocalSGD, batch_seed, batch_stream, steps_per_epoch
+from engine.local_sgd_epoch import run_local_sgd_epoch
 from engine.models import build_model
 from engine.optimizers import build_optimizer, optimizer_state_tensors
 from runtime import worker_main
@@ -45,7 +46,7 @@ def test_replicas_synced_every_step_equal_one_process_on_the_concatenated_batch(
         store, 2, run_id="eq", epoch=0, model="digits_mlp", dataset="digits", subsets=subsets,
         steps=steps, batch_size=batch, lr=0.2, optimizer=optimizer, sync_period=1, seed=1,
         init_key="runs/eq/ckpt/init", out_key="runs/eq/ckpt/e0", evaluate=False,
-        extra={"dtype": "float64"},
+        compute=ComputeSpec(dtype="float64"),
     )
     # One process, same start, each step on the two replicas' batches concatenated.
     model = build_model("digits_mlp", 1).double()

@@ -16,11 +16,12 @@ import torch
 from comm.store import open_store
 from comm.tensor_codec import decode_tensors
 from core.errors import StoreTimeout, ZooidValueError
-from core.specs import WorkerSpec
+from core.specs import ComputeSpec, StageSpec, SyncSpec, WorkerSpec
 from engine.checkpoint import initial_checkpoint
 from engine.datasets import assign_subsets, publish_dataset
-from engine.local_sgd import run_local_sgd_epoch
-from engine.pipeline_executor import PipelineSettings, activation_prefix, pipeline_worker_specs, run_pipeline_worker
+from engine.local_sgd_epoch import run_local_sgd_epoch
+from engine.pipeline_executor import iteration_schedule, pipeline_worker_specs, run_pipeline_worker
+from engine.pipeline_stage_worker import activation_prefix
 
 RUN = "eq"
 STEPS, BATCH, LR = 12, 32, 0.2
@@ -41,7 +42,7 @@ def base_spec(url: str, world: int, subsets, out: str) -> WorkerSpec:
                       model="digits_mlp", dataset="digits", subsets=tuple(subsets),
                       steps=STEPS, batch_size=BATCH, lr=LR, optimizer="sgd", sync_period=1,
                       seed=3, init_key=f"runs/{RUN}/init", out_key=out, sync_timeout_s=30.0,
-                      extra={"dtype": "float64"})
+                      compute=ComputeSpec(dtype="float64"))
 
 
 def run_threads(specs, runner):
@@ -112,9 +113,9 @@ def test_hybrid_two_by_two_equals_local_sgd_averaging_every_step(staged):
 
     for sync in ("pipelined", "plain"):
         out = f"runs/{RUN}/hybrid-{sync}"
-        specs = pipeline_worker_specs(base_spec(url, 2, (), out), cuts=[1], microbatches=2,
-                                      replica_subsets=shards, sync=sync)
-        assert [(s.extra["replica"], s.extra["stage"], s.rank, s.world) for s in specs] == [
+        base = dataclasses.replace(base_spec(url, 2, (), out), sync=SyncSpec(collective=sync))
+        specs = pipeline_worker_specs(base, cuts=[1], microbatches=2, replica_subsets=shards)
+        assert [(s.stage.replica, s.stage.index, s.rank, s.world) for s in specs] == [
             (0, 0, 0, 4), (0, 1, 1, 4), (1, 0, 2, 4), (1, 1, 3, 4)]
         results = run_threads(specs, run_pipeline_worker)
         assert_same_weights(weights(url, out), weights(url, f"runs/{RUN}/lsgd"))
@@ -132,25 +133,32 @@ def test_a_missing_neighbour_times_out_naming_the_key(staged):
         dataclasses.replace(base_spec(url, 1, range(manifest.n_subsets), f"runs/{RUN}/lonely"),
                             run_id=RUN, sync_timeout_s=0.5),
         cuts=[2], microbatches=2, replica_subsets=[tuple(range(manifest.n_subsets))])
-        if s.extra["stage"] == 1]
+        if s.stage.index == 1]
     with pytest.raises(StoreTimeout, match=r"act/e0/r0/it0/f0m0"):
         run_threads([spec], run_pipeline_worker)
 
 
-@pytest.mark.parametrize("extra, field", [
-    ({"cuts": [2], "microbatches": 2}, "extra.stage"),
-    ({"stage": 2, "cuts": [2], "microbatches": 2}, "extra.stage"),
-    ({"stage": 0, "cuts": [2], "microbatches": 2, "sync": "telepathy"}, "extra.sync"),
-    ({"stage": 0, "cuts": [2], "microbatches": 2, "replica": 2, "replicas": 2}, "extra.replica"),
-    ({"stage": 0, "cuts": [2], "microbatches": 1, "schedule": ["0F0 0B0", "1B0 1F0"]}, "schedule"),
-    ({"stage": 0, "cuts": [2], "microbatches": 1, "replicas": 2,
-      "schedule": ["0F0 0SEND_F0 0RECV_B0 0B0", "1RECV_F0 1F0 1B0 1SEND_B0"]}, "schedule"),
+@pytest.mark.parametrize("stage, field", [
+    ({"cuts": [2], "microbatches": 2}, "stage.index"),
+    ({"index": 2, "cuts": [2], "microbatches": 2}, "stage.index"),
+    ({"index": 0, "cuts": [2], "microbatches": 2, "replica": 2, "replicas": 2}, "stage.replica"),
+    ({"index": 0, "cuts": [2], "microbatches": 2, "sync": "plain"}, "stage.sync"),
+    ({"index": 0, "cuts": [2], "microbatches": 1, "actions": ["0F0 0B0", "1B0 1F0"]}, "schedule"),
+    ({"index": 0, "cuts": [2], "microbatches": 1, "replicas": 2,
+      "actions": ["0F0 0SEND_F0 0RECV_B0 0B0", "1RECV_F0 1F0 1B0 1SEND_B0"]}, "schedule"),
 ])
-def test_bad_settings_name_the_field(extra, field):
+def test_bad_settings_name_the_field(stage, field):
     """Refused before any worker starts (the last: replicas that would never sync)."""
     with pytest.raises(ZooidValueError) as info:
-        PipelineSettings.from_extra(extra).iteration_schedule()
+        iteration_schedule(StageSpec.from_dict(stage))
     assert info.value.field == field
+
+
+def test_an_unknown_collective_is_refused_before_any_worker_starts(staged):
+    url, manifest = staged
+    base = dataclasses.replace(base_spec(url, 2, (), "o"), sync=SyncSpec(collective="telepathy"))
+    with pytest.raises(ZooidValueError, match="^sync.collective: must be one of"):
+        pipeline_worker_specs(base, cuts=[1], microbatches=2, replica_subsets=[(0,), (1,)])
 
 
 def test_activations_and_sync_rounds_are_scratch_puts_and_the_checkpoint_is_durable(staged, monkeypatch):
@@ -186,8 +194,8 @@ def test_three_stage_pipeline_equals_single_process_under_each_schedule(staged, 
     run_threads([single], run_local_sgd_epoch)
     out = f"runs/{RUN}/pipe3-{schedule}"
     specs = pipeline_worker_specs(base_spec(url, 1, everything, out), cuts=[1, 2], microbatches=4,
-                                  replica_subsets=[tuple(everything)], pipeline_schedule=schedule)
-    assert all(s.extra["pipeline_schedule"] == schedule for s in specs)
+                                  replica_subsets=[tuple(everything)], schedule=schedule)
+    assert all(s.stage.schedule == schedule for s in specs)
     run_threads(specs, run_pipeline_worker)
     assert_same_weights(weights(url, out), weights(url, f"runs/{RUN}/single3"))
 
@@ -199,6 +207,6 @@ def test_hybrid_under_1f1b_equals_local_sgd_averaging_every_step(staged):
     run_threads(local, run_local_sgd_epoch)
     out = f"runs/{RUN}/hybrid-1f1b"
     specs = pipeline_worker_specs(base_spec(url, 2, (), out), cuts=[1, 2], microbatches=4,
-                                  replica_subsets=shards, pipeline_schedule="1f1b")
+                                  replica_subsets=shards, schedule="1f1b")
     run_threads(specs, run_pipeline_worker)
     assert_same_weights(weights(url, out), weights(url, f"runs/{RUN}/lsgd1f1b"))

@@ -18,10 +18,11 @@ import torch
 from comm.store import open_store
 from comm.tensor_codec import decode_tensors, read_header
 from core.errors import ZooidValueError
-from core.specs import WorkerSpec
+from core.specs import ComputeSpec, StageSpec, SyncSpec, WorkerSpec
 from engine.checkpoint import initial_checkpoint
 from engine.datasets import assign_subsets, publish_dataset
-from engine.pipeline_executor import PipelineSettings, activation_prefix, pipeline_worker_specs, run_pipeline_worker
+from engine.pipeline_executor import iteration_schedule, pipeline_worker_specs, run_pipeline_worker
+from engine.pipeline_stage_worker import activation_prefix
 from tests.test_pipeline_equivalence import run_threads, weights
 
 RUN = "il"
@@ -46,15 +47,15 @@ def base_spec(url: str, out: str, *, epoch: int = 0, optimizer: str = "sgd", ini
     return WorkerSpec(run_id=RUN, epoch=epoch, rank=0, world=1, store_url=url, model="digits_cnn",
                       dataset="digits", subsets=(), steps=STEPS, batch_size=BATCH, lr=LR, optimizer=optimizer,
                       sync_period=1, seed=5, init_key=init or f"runs/{RUN}/init-{optimizer}", out_key=out,
-                      sync_timeout_s=30.0, extra={"dtype": "float64"})
+                      sync_timeout_s=30.0, compute=ComputeSpec(dtype="float64"))
 
 
 def train(url: str, out: str, schedule: str, shards, *, microbatches: int = 4, cuts=CUTS, **kwargs):
     """One epoch of a pipeline (one shard) or hybrid (several) under `schedule`; interleaved
     with v = 2, the others with one model stage per worker."""
-    extra = {"pipeline_schedule": schedule, **({"chunks": 2} if schedule == "interleaved" else {})}
     specs = pipeline_worker_specs(base_spec(url, out, **kwargs), cuts=cuts, microbatches=microbatches,
-                                  replica_subsets=shards, **extra)
+                                  replica_subsets=shards, schedule=schedule,
+                                  chunks=2 if schedule == "interleaved" else 1)
     return specs, run_threads(specs, run_pipeline_worker)
 
 
@@ -73,7 +74,7 @@ def test_two_workers_with_two_chunks_train_gpipes_weights(staged):
     _, ref = train(url, f"runs/{RUN}/gpipe", "gpipe", every_subset(manifest))
     specs, results = train(url, f"runs/{RUN}/interleaved", "interleaved", every_subset(manifest))
 
-    assert [(s.extra["stage"], s.rank, s.world, s.extra["chunks"]) for s in specs] == [(0, 0, 2, 2), (1, 1, 2, 2)]
+    assert [(s.stage.index, s.rank, s.world, s.stage.chunks) for s in specs] == [(0, 0, 2, 2), (1, 1, 2, 2)]
     assert_close_weights(weights(url, f"runs/{RUN}/interleaved"), weights(url, f"runs/{RUN}/gpipe"))
     assert results[1].checkpoint_key == f"runs/{RUN}/interleaved"  # worker 1 holds the last model stage
     assert results[0].checkpoint_key == ""
@@ -103,10 +104,10 @@ def test_hybrid_two_replicas_of_two_workers_with_two_chunks_train_gpipes_weights
     _, ref = train(url, f"runs/{RUN}/hybrid-gpipe", "gpipe", shards)
     for sync in ("pipelined", "plain"):
         out = f"runs/{RUN}/hybrid-interleaved-{sync}"
-        extra = {"pipeline_schedule": "interleaved", "chunks": 2}
-        specs = pipeline_worker_specs(base_spec(url, out), cuts=CUTS, microbatches=4, replica_subsets=shards,
-                                      sync=sync, **extra)
-        assert [(s.extra["replica"], s.extra["stage"], s.rank, s.world) for s in specs] == [
+        base = replace(base_spec(url, out), sync=SyncSpec(collective=sync))
+        specs = pipeline_worker_specs(base, cuts=CUTS, microbatches=4, replica_subsets=shards,
+                                      schedule="interleaved", chunks=2)
+        assert [(s.stage.replica, s.stage.index, s.rank, s.world) for s in specs] == [
             (0, 0, 0, 4), (0, 1, 1, 4), (1, 0, 2, 4), (1, 1, 3, 4)]
         results = run_threads(specs, run_pipeline_worker)
         assert_close_weights(weights(url, out), weights(url, f"runs/{RUN}/hybrid-gpipe"))
@@ -145,22 +146,22 @@ def test_resume_from_a_mid_run_checkpoint_under_interleaved(staged, first):
     assert results[1].val_accuracy is not None
 
 
-@pytest.mark.parametrize("extra, field", [
-    ({"stage": 0, "cuts": CUTS, "microbatches": 4, "chunks": 3}, "extra.chunks"),
-    ({"stage": 2, "cuts": CUTS, "microbatches": 4, "chunks": 2, "pipeline_schedule": "interleaved"}, "extra.stage"),
-    ({"stage": 0, "cuts": CUTS, "microbatches": 4, "pipeline_schedule": "interleaved"}, "chunks"),
-    ({"stage": 0, "cuts": CUTS, "microbatches": 3, "chunks": 2, "pipeline_schedule": "interleaved"}, "microbatches"),
-    ({"stage": 0, "cuts": CUTS, "microbatches": 4, "chunks": 2}, "chunks"),  # gpipe puts one stage on a worker
-    ({"stage": 0, "cuts": CUTS, "microbatches": 4, "pipeline_schedule": "zero-bubble"}, "extra.pipeline_schedule"),
-    ({"stage": 0, "cuts": CUTS, "microbatches": 1, "chunks": 2, "schedule": ["0F0 0B0", "1F0 1B0"]}, "schedule"),
-    ({"stage": 0, "cuts": CUTS, "microbatches": 1, "chunks": 2, "replicas": 2,
-      "schedule": ["0F0 2F0 2B0 0B0 2SYNC", "1F0 3F0 3B0 1B0 3SYNC 1SYNC"]}, "schedule"),
+@pytest.mark.parametrize("stage, field", [
+    ({"index": 0, "cuts": CUTS, "microbatches": 4, "chunks": 3}, "stage.chunks"),
+    ({"index": 2, "cuts": CUTS, "microbatches": 4, "chunks": 2, "schedule": "interleaved"}, "stage.index"),
+    ({"index": 0, "cuts": CUTS, "microbatches": 4, "schedule": "interleaved"}, "chunks"),
+    ({"index": 0, "cuts": CUTS, "microbatches": 3, "chunks": 2, "schedule": "interleaved"}, "microbatches"),
+    ({"index": 0, "cuts": CUTS, "microbatches": 4, "chunks": 2}, "chunks"),  # gpipe puts one stage on a worker
+    ({"index": 0, "cuts": CUTS, "microbatches": 4, "schedule": "zero-bubble"}, "stage.schedule"),
+    ({"index": 0, "cuts": CUTS, "microbatches": 1, "chunks": 2, "actions": ["0F0 0B0", "1F0 1B0"]}, "schedule"),
+    ({"index": 0, "cuts": CUTS, "microbatches": 1, "chunks": 2, "replicas": 2,
+      "actions": ["0F0 2F0 2B0 0B0 2SYNC", "1F0 3F0 3B0 1B0 3SYNC 1SYNC"]}, "schedule"),
 ])
-def test_bad_interleaved_settings_name_the_field(extra, field):
+def test_bad_interleaved_settings_name_the_field(stage, field):
     """Refused before any worker starts (the last two: a schedule naming 2 of the 4 model
     stages, and replicas whose stage 0 would never sync)."""
     with pytest.raises(ZooidValueError) as info:
-        PipelineSettings.from_extra(extra).iteration_schedule()
+        iteration_schedule(StageSpec.from_dict(stage))
     assert info.value.field == field
 
 
@@ -170,7 +171,7 @@ def test_worker_specs_refuse_a_schedule_before_any_worker_starts():
                       init_key="i", out_key="o")
     with pytest.raises(ZooidValueError, match="^microbatches: must be a multiple of the 2"):
         pipeline_worker_specs(base, cuts=CUTS, microbatches=3, replica_subsets=[(0,)],
-                              pipeline_schedule="interleaved", chunks=2)
+                              schedule="interleaved", chunks=2)
 
 
 # --- the planner ------------------------------------------------------------------------------

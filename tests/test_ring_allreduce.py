@@ -19,10 +19,10 @@ from comm.scatter_reduce import allreduce_for
 from comm.store_dir import DirectoryStore
 from comm.tensor_codec import decode_tensors, encode_tensors
 from core.errors import StoreTimeout, ZooidValueError
-from core.specs import WorkerResult, WorkerSpec
+from core.specs import ComputeSpec, SyncSpec, WorkerResult, WorkerSpec
 from engine.checkpoint import initial_checkpoint, load_checkpoint
 from engine.datasets import publish_dataset
-from engine.local_sgd import run_local_sgd_epoch
+from engine.local_sgd_epoch import run_local_sgd_epoch
 from engine.models import build_model
 from engine.optimizers import build_optimizer
 from tests.conftest import free_port, stop_process_group
@@ -106,11 +106,11 @@ def test_ring_mean_equals_stacked_mean_for_worlds_1_to_4(tmp_path):
     assert ring_bytes(1000, 4) == 1500 and ring_bytes(1000, 1) == 0
 
 
-def local_sgd_fields(run_id: str, extra: dict) -> dict:
+def local_sgd_fields(run_id: str, sync: SyncSpec) -> dict:
     return dict(run_id=run_id, epoch=0, world=2, model="digits_mlp", dataset="digits", steps=5,
                 batch_size=8, lr=0.2, optimizer="sgd", sync_period=1, seed=1,
                 init_key=f"runs/{run_id}/ckpt/init", out_key=f"runs/{run_id}/ckpt/e0",
-                evaluate=False, sync_timeout_s=60.0, extra={"dtype": "float64", **extra})
+                evaluate=False, sync_timeout_s=60.0, compute=ComputeSpec(dtype="float64"), sync=sync)
 
 
 def test_local_sgd_with_ring_equals_local_sgd_with_store_collective(tmp_path):
@@ -121,7 +121,7 @@ def test_local_sgd_with_ring_equals_local_sgd_with_store_collective(tmp_path):
         initial_checkpoint(store, f"runs/{run_id}/ckpt/init", "digits_mlp", "sgd", lr=0.2, seed=1)
 
     # The store collective: replicas as threads in this process.
-    plain = [WorkerSpec(rank=r, store_url=store.url, subsets=subsets[r], **local_sgd_fields("plain", {}))
+    plain = [WorkerSpec(rank=r, store_url=store.url, subsets=subsets[r], **local_sgd_fields("plain", SyncSpec()))
              for r in range(2)]
     threads = [threading.Thread(target=run_local_sgd_epoch, args=(s, store)) for s in plain]
     [t.start() for t in threads]
@@ -129,7 +129,7 @@ def test_local_sgd_with_ring_equals_local_sgd_with_store_collective(tmp_path):
 
     # The ring: replicas as worker processes, as the inline target starts them.
     ring_specs = [WorkerSpec(rank=r, store_url=store.url, subsets=subsets[r],
-                             **local_sgd_fields("ring", {"collective": "ring"})) for r in range(2)]
+                             **local_sgd_fields("ring", SyncSpec(collective="ring"))) for r in range(2)]
     logs = [tmp_path / f"worker{r}.log" for r in range(2)]
     procs = []
     for spec, log in zip(ring_specs, logs):
@@ -228,12 +228,13 @@ def test_store_signature_and_bad_settings(tmp_path):
         open_ring(store, "runs/t/sync/e0", 2, 2, timeout=1)
     with pytest.raises(ZooidValueError, match="timeout: must be seconds > 0"):
         open_ring(store, "runs/t/sync/e0", 0, 2, timeout=0)
-    base = local_sgd_fields("bad", {})
-    for extra, field in (({"collective": "mpi"}, "extra.collective"), ({"ring_host": 7}, "extra.ring_host"),
-                         ({"ring_timeout_s": -1}, "extra.ring_timeout_s")):
-        spec = WorkerSpec(rank=0, store_url=store.url, subsets=(0,), **{**base, "extra": extra})
+    spec = WorkerSpec(rank=0, store_url=store.url, subsets=(0,),
+                      **local_sgd_fields("bad", SyncSpec(collective="mpi")))
+    with pytest.raises(ZooidValueError, match="sync.collective"):
+        run_local_sgd_epoch(spec, store)
+    for bad, field in (({"ring_host": 7}, "sync.ring_host"), ({"ring_timeout_s": -1}, "sync.ring_timeout_s")):
         with pytest.raises(ZooidValueError, match=field):
-            run_local_sgd_epoch(spec, store)
+            SyncSpec(**bad)
 
 
 @pytest.mark.gpu

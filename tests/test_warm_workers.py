@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from core.errors import ZooidValueError
-from core.specs import WorkerSpec
-from runtime.warm import LEASE_EXIT, LeaseClock, WarmSettings, command_key, read_json, reply_key, status_key
+from core.specs import ComputeSpec, WarmSpec, WorkerSpec
+from runtime.warm import LEASE_EXIT, LeaseClock, command_key, read_json, reply_key, status_key
 from tasks.job import TrainJob
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,12 +49,14 @@ def test_lease_ages_from_its_last_change_on_the_readers_clock():
     assert lease.expired
 
 
-@pytest.mark.parametrize("raw, field", [(None, "extra.warm"), ({"lease_s": 3}, "extra.warm"),
-                                        ({"worker": "r0-w0", "lease_s": 0}, "extra.warm.lease_s"),
-                                        ({"worker": "r0-w0", "check_s": True}, "extra.warm.check_s")])
+@pytest.mark.parametrize("raw, field", [("r0-w0", "warm"), ({"lease_s": 3}, "warm.worker"),
+                                        ({"worker": "r0-w0", "lease_s": 0}, "warm.lease_s"),
+                                        ({"worker": "r0-w0", "check_s": True}, "warm.check_s")])
 def test_warm_settings_refuse_bad_values(raw, field):
-    with pytest.raises(ZooidValueError, match=f"^{field}"):
-        WarmSettings.from_extra({"warm": raw})
+    spec = WorkerSpec(run_id="r", epoch=0, rank=0, world=1, store_url="file:///x", model="digits_mlp",
+                      dataset="digits", subsets=(), steps=0, batch_size=16, lr=0.05)
+    with pytest.raises(ZooidValueError, match=f"^{field}:"):
+        WorkerSpec.from_dict({**spec.to_dict(), "warm": raw})
 
 
 # --- one warm worker process, no Prefect ---------------------------------------------------
@@ -73,7 +75,7 @@ def _publish_run(store, run_id: str) -> dict:
 def _launch(store_url: str, run_id: str, worker: str, log: Path, lease_s: float = 30.0):
     spec = WorkerSpec(run_id=run_id, epoch=0, rank=0, world=1, store_url=store_url, model="digits_mlp",
                       dataset="digits", subsets=(), steps=0, batch_size=16, lr=0.05,
-                      extra={"warm": {"worker": worker, "lease_s": lease_s, "check_s": 0.2}})
+                      warm=WarmSpec(worker=worker, lease_s=lease_s, check_s=0.2))
     with open(log, "wb") as out:
         return subprocess.Popen([sys.executable, "-m", "runtime.worker_main", "--spec-json",
                                  json.dumps(spec.to_dict())], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
@@ -107,7 +109,8 @@ def test_a_warm_worker_trains_epoch_after_epoch_in_one_process_then_stops(dir_st
                               model="digits_mlp", dataset="digits",
                               subsets=assign_subsets(manifest["n_subsets"], 1, epoch)[0], steps=5,
                               batch_size=16, lr=0.05, optimizer="sgd", init_key=init,
-                              out_key=f"runs/{run_id}/ckpt/epoch-{epoch}.safetensors", extra={"threads": 1})
+                              out_key=f"runs/{run_id}/ckpt/epoch-{epoch}.safetensors",
+                              compute=ComputeSpec(threads=1))
             dir_store.put(command_key(run_id, "r0-w0", epoch), json.dumps({"op": "epoch", "spec": spec.to_dict()}).encode())
             reply = _await_reply(dir_store, run_id, "r0-w0", epoch, proc)
             assert reply["ok"] and reply["result"]["epoch"] == epoch and reply["result"]["samples"] == 80
@@ -212,7 +215,7 @@ def test_progress_moves_within_an_epoch_by_the_steps_workers_report(monkeypatch)
     moved = []
     monkeypatch.setattr(flows.train, "update_progress_artifact", lambda pid, value: moved.append((pid, value)))
     steps = [(0, 40)]
-    ctx = SimpleNamespace(job=TrainJob(epochs=4), warm=SimpleNamespace(progress=lambda: steps[-1]))
+    ctx = SimpleNamespace(job=TrainJob(epochs=4), state=SimpleNamespace(warm=SimpleNamespace(progress=lambda: steps[-1])))
     tick = flows.train.epoch_progress_tick(ctx, "artifact-id", done=1, every_s=0.0)
     steps.append((20, 40))
     tick()

@@ -1,0 +1,280 @@
+"""One Local-SGD replica's epoch as a worker runs it (`engine.local_sgd` is the algorithm).
+
+The replica trains `spec.steps` steps on its subsets with `LocalSGD` and rank 0 writes the
+averaged reference checkpoint for the next epoch at `spec.out_key`.
+
+Resuming inside an epoch (the relaunch protocol)
+------------------------------------------------
+Sync round r of epoch e uses scratch keys under `runs/<id>/sync/e<e>/r<r>/`.
+
+1. After round r, rank 0 writes the averaged state (weights, optimizer state) and the data
+   position (epoch, step, round) in one atomic put to the durable sync checkpoint
+   `runs/<id>/ckpt/sync-e<e>.safetensors`, *before* it posts anything for round r + 1;
+   then it deletes round r - 1's keys. (Every rank has finished round r - 1 by then: each
+   posted its round-r pieces, which it does only after reading all of round r - 1.)
+2. A relaunched replica (`attempt > 0`, or `spec.resume`)
+   loads the sync checkpoint when it belongs to this run, epoch, world, period, step
+   count, batch size, seed and init key; otherwise it starts from `init_key`. From step s
+   of round c it draws and discards the first s batches of its deterministic stream
+   (`batch_stream` seeded by (seed, epoch, rank)), trains steps s.., and joins round c + 1
+   with the same state and data as its dead predecessor, so its contributions are the
+   same numbers (bit-identical when both run with the same threads and kernels).
+3. The replica rejoins without deadlock: its peers wait in round c + 1 or c + 2 at most
+   (they need its contributions to get further, and round c + 2 cannot finish before
+   checkpoint c + 1 exists, which the relaunch would have found). Rounds >= c + 1 are
+   still in the store: rank 0 deletes round r - 1 only after checkpoint r, and checkpoint
+   c + 2 needs this replica's round c + 2 result. Within a round the collective is
+   idempotent (`comm.collectives`): a reduced slice already posted is adopted, pieces
+   stay until their reader posted its result, and pieces nobody needs are not sent again.
+4. The release at the end is idempotent too (`release_group(resumed=True)`), and rank 0
+   rewrites the epoch checkpoint from the final sync checkpoint when it is the relaunch.
+
+The collective (`spec.sync.collective`): `plain` (default, `comm.collectives`),
+`pipelined` (`comm.scatter_reduce`), or `ring`: a direct ring allreduce over
+torch.distributed (`comm.ring_allreduce`) for targets whose workers reach each other,
+rank 0 listening on `sync.ring_host` (default 127.0.0.1), with
+`sync.ring_timeout_s` (default `sync_timeout_s`) for the rendezvous and each sync. A
+torch.distributed group cannot take a relaunched rank, so with the ring a worker failure
+fails the epoch attempt: the survivors raise `RingError` (a peer died) or `RingTimeout`
+(a peer never came or stopped calling) instead of waiting, and the coordinator reruns the
+epoch, every rank resuming from the sync checkpoint (steps 1 and 2 above; 3 does not apply).
+
+`sync.checkpoint_every` = n writes the sync checkpoint every n rounds (default 1;
+the last round always) and keeps n rounds of results in the store; 0 turns sync
+checkpoints off, and with them single-replica relaunch (each round then deletes the one
+before, as without faults).
+
+Work lost to a kill is therefore at most the steps since the last sync point, redone from
+identical inputs; nothing is repeated or skipped beyond that interval. Every attempt
+records what it trained in `runs/<id>/history/e<e>/r<rank>-a<attempt>.json`
+(`read_epoch_history`).
+
+Lost scratch keys (Redis restarted without persistence): each rank keeps what it posted in
+the current and previous round and posts it again when a wait stalls for
+`sync.repost_s` seconds (default 5); a wait that still reaches `sync_timeout_s`
+raises `StoreTimeout` (exit 3), after which the coordinator resumes the epoch from the sync
+checkpoint. Checkpoints and data go to `spec.checkpoint_store` (a durable store URL) when the
+worker's store is scratch-only, otherwise to the worker's store.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from comm.ring_allreduce import RingGroup, open_ring
+from comm.scatter_reduce import COLLECTIVES, allreduce_for
+from comm.store import Store, open_store
+from core.errors import OutOfMemory, ZooidValueError
+from core.specs import WorkerResult, WorkerSpec
+from engine.chaos import chaos_for
+from engine.checkpoint import load_checkpoint, save_checkpoint, sync_checkpoint_key
+from engine.datasets import read_manifest, read_subsets
+from engine.devices import torch_device, torch_dtype
+from engine.iteration_clock import IterationClock
+from engine.local_sgd import LocalSGD, batch_seed, batch_stream, evaluate, sync_group
+from engine.models import build_model
+from engine.optimizers import build_optimizer
+
+DEFAULT_COLLECTIVE = "plain"
+"""A replica's collective when `spec.sync.collective` is None."""
+
+
+def worker_history_key(run_id: str, epoch: int, rank: int, attempt: int) -> str:
+    """Durable record of what one worker attempt trained."""
+    return f"runs/{run_id}/history/e{epoch}/r{rank}-a{attempt}.json"
+
+
+def read_epoch_history(store: Store, run_id: str, epoch: int) -> list[dict]:
+    """Every completed attempt's record for `epoch`, by rank then attempt."""
+    records = [json.loads(store.get(k)) for k in store.list(f"runs/{run_id}/history/e{epoch}/")]
+    return sorted(records, key=lambda r: (r["rank"], r["attempt"]))
+
+
+def _validate(spec: WorkerSpec) -> None:
+    if spec.world < 1 or not 0 <= spec.rank < spec.world:
+        raise ZooidValueError("rank", f"must be in 0..world-1 with world >= 1, got {spec.rank}/{spec.world}")
+    if spec.steps < 0 or spec.batch_size < 1:
+        raise ZooidValueError("steps", f"steps >= 0 and batch_size >= 1 required, got {spec.steps}, {spec.batch_size}")
+    if not spec.init_key or (spec.rank == 0 and not spec.out_key):
+        raise ZooidValueError("init_key", "a worker needs init_key, and rank 0 an out_key")
+    collective = spec.sync.collective or DEFAULT_COLLECTIVE
+    if collective not in COLLECTIVES:
+        raise ZooidValueError("sync.collective", f"must be one of {', '.join(COLLECTIVES)}, got {collective!r}")
+
+
+def wants_resume(spec: WorkerSpec) -> bool:
+    """Whether this worker should continue from the epoch's sync checkpoint: a relaunch
+    (`attempt > 0`) or an explicit `spec.resume`."""
+    return spec.attempt > 0 or spec.resume
+
+
+def _position_identity(spec: WorkerSpec) -> dict:
+    """What a sync checkpoint must share with a spec to be a point of the same epoch."""
+    return {"run_id": spec.run_id, "epoch": spec.epoch, "world": spec.world, "steps": spec.steps,
+            "sync_period": spec.sync_period, "batch_size": spec.batch_size, "seed": spec.seed,
+            "init_key": spec.init_key}
+
+
+@dataclass(frozen=True)
+class StartPoint:
+    """Where in its epoch a replica starts."""
+
+    step: int
+    """Optimizer steps already covered (batches to skip)."""
+    round: int
+    """Index of the next sync round."""
+    global_step_before: int
+    """Global step at the start of the epoch (for the epoch checkpoint)."""
+    from_sync_checkpoint: bool
+
+
+def load_start_point(spec: WorkerSpec, ckpt_store: Store, model: nn.Module,
+                     optimizer: torch.optim.Optimizer) -> StartPoint:
+    """Load the state this replica starts from into `model` and `optimizer`: the epoch's
+    sync checkpoint when resuming and it matches, else `spec.init_key`."""
+    key = sync_checkpoint_key(spec.run_id, spec.epoch)
+    if wants_resume(spec):
+        try:
+            # One read: the checkpoint may be overwritten meanwhile, so the meta must come
+            # from the same blob as the tensors.
+            meta = load_checkpoint(ckpt_store, key, model, optimizer)
+        except KeyError:
+            meta = None
+        if meta is not None and all(meta.get(k) == v for k, v in _position_identity(spec).items()):
+            return StartPoint(int(meta["step"]), int(meta["round"]) + 1,
+                              int(meta.get("global_step_before", 0)), True)
+    elif spec.rank == 0:
+        ckpt_store.delete(key)  # an abandoned attempt's point must not be resumed by a relaunch
+    init_meta = load_checkpoint(ckpt_store, spec.init_key, model, optimizer, timeout=spec.sync_timeout_s)
+    return StartPoint(0, 0, int(init_meta.get("global_step", 0)), False)
+
+
+def run_local_sgd_epoch(spec: WorkerSpec, store: Store) -> WorkerResult:
+    """Run replica `spec.rank` of one Local-SGD epoch against `store` (see module docstring)."""
+    started = time.time()
+    _validate(spec)
+    url = spec.checkpoint_store
+    ckpt_store = open_store(url) if url and url != store.url else store
+    ring = None
+    try:
+        ring = _open_ring(spec, store)
+        return _run(spec, store, ckpt_store, started, ring)
+    except (torch.OutOfMemoryError, MemoryError) as exc:
+        raise OutOfMemory(f"rank {spec.rank} of {spec.model}, batch {spec.batch_size}: "
+                          f"{type(exc).__name__}: {exc}") from None
+    finally:
+        if ring is not None:
+            ring.close()
+        if ckpt_store is not store:
+            ckpt_store.close()
+
+
+def _group(spec: WorkerSpec) -> str:
+    return spec.sync.group or sync_group(spec.run_id, spec.epoch)
+
+
+def _open_ring(spec: WorkerSpec, store: Store) -> RingGroup | None:
+    """The epoch's ring when `spec.sync.collective` is `ring`, else None. Opened before
+    training, so a missing peer fails the attempt before any work is done."""
+    if spec.sync.collective != "ring":
+        return None
+    timeout = float(spec.sync.ring_timeout_s or spec.sync_timeout_s)
+    return open_ring(store, _group(spec), spec.rank, spec.world, timeout,
+                     host=spec.sync.ring_host, device=torch_device(spec.compute))
+
+
+def _run(spec: WorkerSpec, store: Store, ckpt_store: Store, started: float,
+         ring: RingGroup | None = None) -> WorkerResult:
+    device, dtype = torch_device(spec.compute), torch_dtype(spec.compute)
+    chaos = chaos_for(spec, store)
+    model = build_model(spec.model, spec.seed, **spec.compute.model_kwargs)
+    model = model.to(device=device, dtype=dtype)
+    optimizer = build_optimizer(spec.optimizer, model, spec.lr)
+    start = load_start_point(spec, ckpt_store, model, optimizer)
+    # data subsets are durable: they live beside the checkpoints, not in the scratch store
+    x, y = read_subsets(ckpt_store, spec.run_id, spec.subsets, timeout=spec.sync_timeout_s)
+    x, y = x.to(device=device, dtype=dtype if x.is_floating_point() else x.dtype), y.to(device)
+
+    group = _group(spec)
+    every = spec.sync.checkpoint_every
+    sync_key = sync_checkpoint_key(spec.run_id, spec.epoch)
+    position = {**_position_identity(spec), "kind": "sync", "global_step_before": start.global_step_before,
+                "model": spec.model, "optimizer": spec.optimizer}
+
+    def on_sync(round_: int, step: int) -> None:
+        final = step >= spec.steps
+        if spec.rank == 0 and every and ((round_ + 1) % every == 0 or final):
+            save_checkpoint(ckpt_store, sync_key, model, optimizer, {**position, "step": step, "round": round_})
+            averaging.drop_rounds_before(round_)
+        chaos.after_sync(step)
+
+    averaging = LocalSGD(model, optimizer, store, group, spec.rank, spec.world, spec.sync_period,
+                         spec.sync_timeout_s, replayable=bool(every),
+                         repost_s=float(spec.sync.repost_s) or None,
+                         on_sync=on_sync, start_round=start.round, start_step=start.step,
+                         replay=wants_resume(spec),
+                         allreduce=allreduce_for(spec.sync.collective or DEFAULT_COLLECTIVE, "mean", ring=ring))
+    generator = torch.Generator().manual_seed(batch_seed(spec.seed, spec.epoch, spec.rank))
+    stream = batch_stream(len(y), spec.batch_size, spec.steps, generator)
+    for _ in range(start.step):
+        next(stream)  # batches the checkpointed state already covers
+    loss_sum = torch.zeros((), device=device)
+    model.train()
+    clock = IterationClock()
+    t0 = time.perf_counter()
+    for step, idx in enumerate(stream, start=start.step):
+        chaos.before_step(step)
+        idx = idx.to(device)
+        loss = F.cross_entropy(model(x[idx]), y[idx])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        loss_sum += loss.detach()
+        averaging.after_step()
+        clock.tick()
+    averaging.flush()
+    trained = spec.steps - start.step
+    checkpoint_key = ""
+    if spec.rank == 0:
+        # Written before the release: a relaunched rank 0 that finds the group released
+        # knows this checkpoint is already there (it rewrites it anyway, same bytes).
+        meta = {
+            "run_id": spec.run_id, "epoch": spec.epoch, "epoch_complete": True,
+            "steps": spec.steps, "global_step": start.global_step_before + spec.steps,
+            "world": spec.world, "model": spec.model, "optimizer": spec.optimizer,
+        }
+        save_checkpoint(ckpt_store, spec.out_key, model, optimizer, meta)
+        checkpoint_key = spec.out_key
+    averaging.release(resumed=wants_resume(spec))
+    train_loss = loss_sum.item() / max(1, trained)
+    loop_s = time.perf_counter() - t0
+
+    val_loss = val_acc = None
+    if spec.rank == 0 and spec.evaluate:
+        manifest = read_manifest(ckpt_store, spec.run_id, timeout=spec.sync_timeout_s)
+        vx, vy = read_subsets(ckpt_store, spec.run_id, range(manifest.n_val_subsets), split="val")
+        val_loss, val_acc = evaluate(model, vx.to(dtype), vy)
+    record = {"run_id": spec.run_id, "epoch": spec.epoch, "rank": spec.rank, "attempt": spec.attempt,
+              "subsets": list(spec.subsets), "start_step": start.step, "end_step": spec.steps,
+              "steps_trained": trained, "samples": trained * spec.batch_size,
+              "start_round": start.round, "end_round": averaging.rounds,
+              "from_sync_checkpoint": start.from_sync_checkpoint, "reposts": averaging.stats.reposts}
+    ckpt_store.put(worker_history_key(spec.run_id, spec.epoch, spec.rank, spec.attempt),
+                   json.dumps(record).encode())
+    stats = averaging.stats
+    return WorkerResult(
+        run_id=spec.run_id, epoch=spec.epoch, rank=spec.rank,
+        started_at=started, stopped_at=time.time(),
+        train_loss=train_loss, samples=trained * spec.batch_size,
+        compute_s=max(0.0, loop_s - stats.seconds), sync_s=stats.seconds,
+        upload_s=stats.upload_s, download_s=stats.download_s, bytes_synced=stats.bytes_total,
+        val_loss=val_loss, val_accuracy=val_acc, checkpoint_key=checkpoint_key,
+        pid=os.getpid(), host=socket.gethostname(), iteration_s=clock.period_s(),
+    )

@@ -1,0 +1,394 @@
+"""The state and interpreter of one pipeline stage worker (`engine.pipeline_executor` runs
+it): its model stages as one module (`ChunkSet`), its optimizer, data and transfer threads,
+and the epoch it runs action by action: F and B on the calling thread, every RECV prefetched
+on a download thread, every SEND put by an upload thread, SYNC averaging one model stage's
+gradients with its replicas; then the loss shared, validation and the canonical checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from comm import heartbeat
+from comm.collectives import SyncStats, release_group
+from comm.scatter_reduce import allreduce_for
+from comm.store import Store
+from comm.tensor_codec import decode_json, decode_tensors, encode_json, encode_tensors
+from core.errors import StoreTimeout, ZooidValueError
+from core.schedules import Action, Kind, Layout, forward_only, lower
+from core.specs import WorkerResult, WorkerSpec
+from engine.checkpoint import FORMAT as CHECKPOINT_FORMAT
+from engine.datasets import read_manifest, read_subsets
+from engine.devices import torch_device, torch_dtype
+from engine.iteration_clock import IterationClock
+from engine.local_sgd import batch_seed, batch_stream
+from engine.models import build_model
+from engine.optimizers import build_optimizer, load_optimizer_state, optimizer_state_tensors
+from engine.stages import slice_full_state, split_stages
+
+DEFAULT_COLLECTIVE = "pipelined"
+"""A stage's gradient sync when `spec.sync.collective` is None."""
+
+
+def activation_prefix(run_id: str, epoch: int) -> str:
+    """Scratch prefix of an epoch's inter-stage tensors (delete it before relaunching)."""
+    return f"runs/{run_id}/act/e{epoch}"
+
+
+class ChunkSet(nn.Module):
+    """A worker's model stages as one module. Its children are the stages' layers under the
+    unsplit model's names (as `split_stages` keeps them), so its `state_dict`, parameter names
+    and optimizer state are the canonical checkpoint's keys for those layers, whichever
+    stages the worker holds; `module(x, stage)` runs model stage `stage`'s layers only."""
+
+    def __init__(self, parts: dict[int, nn.Module]):
+        super().__init__()
+        names = {stage: [name for name, _ in part.named_children()] for stage, part in parts.items()}
+        for stage, part in sorted(parts.items()):
+            for name, child in part.named_children():
+                self.add_module(name, child)
+        self._stage_layers = names
+
+    def forward(self, x: torch.Tensor, stage: int) -> torch.Tensor:
+        for name in self._stage_layers[stage]:
+            x = self._modules[name](x)
+        return x
+
+    def stage_parameters(self, stage: int) -> dict[str, nn.Parameter]:
+        """Model stage `stage`'s parameters by their full-model names."""
+        return {f"{name}.{pname}": p for name in self._stage_layers[stage]
+                for pname, p in self._modules[name].named_parameters()}
+
+    def stage_state_dict(self, stage: int) -> dict[str, torch.Tensor]:
+        """Model stage `stage`'s entries of `state_dict()`, in its order."""
+        out: dict[str, torch.Tensor] = {}
+        for name in self._stage_layers[stage]:
+            out.update(self._modules[name].state_dict(prefix=f"{name}."))
+        return out
+
+
+class StageWorker:
+    """State of one stage worker: its model stages (one module), optimizer, data and
+    transfer threads."""
+
+    def __init__(self, spec: WorkerSpec, store: Store, actions: list[Action]):
+        """`spec.stage` says which worker this is; `actions` is its validated row of the
+        iteration's schedule (`engine.pipeline_executor.iteration_schedule`)."""
+        settings = spec.stage
+        self.spec, self.cfg, self.store, self.actions = spec, settings, store, actions
+        self.layout = Layout(settings.workers, settings.stages)
+        self.last = settings.stages - 1
+        """The last model stage (the loss)."""
+        self.own_stages = self.layout.stages_of(settings.index)
+        """The model stages this worker holds, in model order."""
+        self.last_worker = self.layout.worker_of(self.last)
+        self.device = torch_device(spec.compute)
+        self.dtype = torch_dtype(spec.compute)
+        self.collective = spec.sync.collective or DEFAULT_COLLECTIVE
+        if spec.batch_size < settings.microbatches:
+            raise ZooidValueError("stage.microbatches", f"{settings.microbatches} micro-batches "
+                                  f"exceed the batch of {spec.batch_size} rows")
+        model = build_model(spec.model, spec.seed, **spec.compute.model_kwargs)
+        parts = split_stages(model, settings.cuts)
+        self.module = ChunkSet({s: parts[s] for s in self.own_stages}).to(self.device, self.dtype)
+        del model, parts  # the other workers' layers are not this worker's to keep
+        # one optimizer over every chunk: each parameter's update reads only its own state
+        self.optimizer = build_optimizer(spec.optimizer, self.module, spec.lr)
+        self.uploads = ThreadPoolExecutor(1, thread_name_prefix=f"upload-s{settings.index}")
+        self.downloads = ThreadPoolExecutor(1, thread_name_prefix=f"download-s{settings.index}")
+        self.sync_stats = SyncStats()
+        self.upload_s = self.download_s = self.compute_s = 0.0
+        self.pending: list[Future] = []
+        self.rings: dict[int, Any] = {}
+        """Per model stage, its direct ring among its replicas (collective `ring`), opened at its first sync."""
+        self.prefix = f"{activation_prefix(spec.run_id, spec.epoch)}/r{settings.replica}"
+
+    def close(self) -> None:
+        for ring in self.rings.values():
+            ring.close()
+        self.uploads.shutdown(wait=True)
+        self.downloads.shutdown(wait=True, cancel_futures=True)
+
+    def _group(self, stage: int) -> str:
+        """The store prefix of model stage `stage`'s gradient syncs this epoch."""
+        return f"runs/{self.spec.run_id}/sync/e{self.spec.epoch}/s{stage}"
+
+    # --- the epoch ------------------------------------------------------------------
+
+    def run(self, started: float) -> WorkerResult:
+        spec, cfg = self.spec, self.cfg
+        init_meta = self._load_initial_state()
+        x, y = self._read_data("train", spec.subsets)
+        generator = torch.Generator().manual_seed(batch_seed(spec.seed, spec.epoch, cfg.replica))
+        loss_sum = 0.0
+        self.module.train()
+        clock = IterationClock()
+        for step, idx in enumerate(self._batches(x, y, generator)):
+            loss_sum += self._iteration(step, idx, x, y)
+            clock.tick()
+            heartbeat.step()
+        if cfg.replicas > 1:
+            for stage in self.own_stages:
+                release_group(self.store, self._group(stage), cfg.replica, cfg.replicas, spec.sync_timeout_s,
+                              stats=self.sync_stats)
+        train_loss = self._share_train_loss(loss_sum / max(1, spec.steps))
+
+        val_loss = val_acc = None
+        checkpoint_key = ""
+        if cfg.replica == 0:
+            if spec.evaluate:
+                val_loss, val_acc = self._validate()
+            checkpoint_key = self._checkpoint(init_meta)
+        stats = self.sync_stats
+        return WorkerResult(
+            run_id=spec.run_id, epoch=spec.epoch, rank=spec.rank,
+            started_at=started, stopped_at=time.time(),
+            train_loss=train_loss, samples=spec.steps * spec.batch_size,
+            compute_s=self.compute_s, sync_s=stats.seconds,
+            upload_s=self.upload_s, download_s=self.download_s, bytes_synced=stats.bytes_total,
+            val_loss=val_loss, val_accuracy=val_acc, checkpoint_key=checkpoint_key,
+            pid=os.getpid(), host=socket.gethostname(), iteration_s=clock.period_s(),
+        )
+
+    def _batches(self, x, y, generator: torch.Generator):
+        """Local-SGD's index batches on the workers that hold data; None on the others,
+        which only need to know that an iteration happens."""
+        rows = x if x is not None else y
+        if rows is None:
+            return [None] * self.spec.steps
+        return batch_stream(len(rows), self.spec.batch_size, self.spec.steps, generator)
+
+    def _iteration(self, step: int, idx: torch.Tensor, x, y) -> float:
+        """Run this worker's actions for one batch; return the batch's mean loss (on the
+        worker of the last model stage)."""
+        cfg = self.cfg
+        chunks = torch.tensor_split(idx, cfg.microbatches) if idx is not None else None
+        base = f"{self.prefix}/it{step}"
+        received = self._prefetch(base, self.actions)
+        # keyed by (model stage, micro-batch): an interleaved worker holds several stages
+        inputs: dict[tuple[int, int], torch.Tensor] = {}
+        outputs: dict[tuple[int, int], torch.Tensor] = {}
+        loss_total = 0.0
+        for a in self.actions:
+            s, m = a.stage, a.microbatch
+            if a.kind in (Kind.F, Kind.B):
+                # Waiting for a neighbour's tensor is idle time, not compute.
+                arrived = received[a].result() if a in received else None
+                began = time.perf_counter()
+                if a.kind is Kind.F:
+                    if s == 0:
+                        inp = x[chunks[m]]
+                    elif arrived is not None:
+                        inp = arrived.requires_grad_(True)
+                    else:  # the previous model stage is on this worker (p = 1): hand over in memory
+                        inp = outputs[(s - 1, m)].detach().requires_grad_(True)
+                    out = self.module(inp, s)
+                    if s == self.last:
+                        # Scaled by the micro-batch's share: the sum is the batch's mean loss.
+                        out = F.cross_entropy(out, y[chunks[m]]) * (len(chunks[m]) / len(idx))
+                        loss_total += out.item()
+                    inputs[(s, m)], outputs[(s, m)] = inp, out
+                else:
+                    if s == self.last:
+                        grad = None  # d loss = 1
+                    elif arrived is not None:
+                        grad = arrived
+                    else:  # the next model stage is on this worker: its input's gradient
+                        grad = inputs.pop((s + 1, m)).grad
+                    outputs.pop((s, m)).backward(grad)
+                self.compute_s += time.perf_counter() - began
+            elif a.kind is Kind.SEND_F:
+                self._send(f"{base}/f{s}m{m}", outputs[(s, m)].detach())
+            elif a.kind is Kind.SEND_B:
+                self._send(f"{base}/b{s}m{m}", inputs.pop((s, m)).grad)
+            elif a.kind is Kind.SYNC:
+                self._sync_gradients(s, step)
+            # RECV actions were queued by _prefetch; their consumer waits for them.
+        self._drain_uploads()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_total
+
+    def _sync_gradients(self, stage: int, step: int) -> None:
+        """Average model stage `stage`'s gradients with the same stage of the other replicas."""
+        cfg = self.cfg
+        if cfg.replicas == 1:
+            return
+        group = self._group(stage)
+        grads = {n: p.grad for n, p in self.module.stage_parameters(stage).items() if p.grad is not None}
+        if self.collective == "ring" and stage not in self.rings:
+            from comm.ring_allreduce import open_ring
+
+            self.rings[stage] = open_ring(self.store, group, cfg.replica, cfg.replicas, self.spec.sync_timeout_s,
+                                          host=self.spec.sync.ring_host)
+        allreduce = allreduce_for(self.collective, "mean", ring=self.rings.get(stage))
+        mean = allreduce(self.store, f"{group}/r{step}", cfg.replica, cfg.replicas, grads,
+                         self.spec.sync_timeout_s, stats=self.sync_stats,
+                         previous_prefix=f"{group}/r{step - 1}" if step else None)
+        for name, g in grads.items():
+            g.copy_(mean[name].to(g.device))
+
+    # --- transfers --------------------------------------------------------------------
+
+    def _prefetch(self, base: str, actions: list[Action]) -> dict[Action, Future]:
+        """Queue every RECV in schedule order; map each consuming F/B to its future."""
+        futures = {}
+        for a in actions:
+            if a.kind is Kind.RECV_F:
+                key = f"{base}/f{a.stage - 1}m{a.microbatch}"
+                futures[Action(a.stage, Kind.F, a.microbatch)] = self.downloads.submit(self._fetch, key)
+            elif a.kind is Kind.RECV_B:
+                key = f"{base}/b{a.stage + 1}m{a.microbatch}"
+                futures[Action(a.stage, Kind.B, a.microbatch)] = self.downloads.submit(self._fetch, key)
+        return futures
+
+    def _fetch(self, key: str) -> torch.Tensor:
+        t0 = time.perf_counter()
+        try:
+            blob = self.store.get(key, timeout=self.spec.sync_timeout_s)
+        except (StoreTimeout, KeyError):
+            raise StoreTimeout(f"stage {self.cfg.index} of replica {self.cfg.replica} waited "
+                               f"{self.spec.sync_timeout_s:g}s for {key}; a neighbour is missing or slow") from None
+        self.store.delete(key)  # the only reader: the scratch key is done
+        tensors, _ = decode_tensors(blob)
+        self.download_s += time.perf_counter() - t0
+        return tensors["t"].to(self.device)
+
+    def _send(self, key: str, tensor: torch.Tensor) -> None:
+        self.pending.append(self.uploads.submit(self._put, key, tensor))
+
+    def _put(self, key: str, tensor: torch.Tensor) -> None:
+        t0 = time.perf_counter()
+        self.store.put(key, encode_tensors({"t": tensor}), scratch=True)
+        self.upload_s += time.perf_counter() - t0
+
+    def _drain_uploads(self) -> None:
+        pending, self.pending = self.pending, []
+        for f in pending:
+            f.result()  # re-raises a failed upload here, in the compute thread
+
+    # --- data, state, validation, checkpoint ------------------------------------------
+
+    def _read_data(self, split: str, subsets) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Inputs for the worker of model stage 0, labels for the worker of the last (a
+        one-worker pipeline needs both)."""
+        first, last = 0 in self.own_stages, self.last in self.own_stages
+        if not (first or last):
+            return None, None
+        x, y = read_subsets(self.store, self.spec.run_id, subsets, split=split,
+                            timeout=self.spec.sync_timeout_s)
+        x = x.to(self.device, self.dtype if x.is_floating_point() else x.dtype)
+        return (x if first else None, y.to(self.device) if last else None)
+
+    def _load_initial_state(self) -> dict[str, Any]:
+        """Load this worker's slice of the full-model checkpoint at `spec.init_key`."""
+        blob = self.store.get(self.spec.init_key, timeout=self.spec.sync_timeout_s)
+        tensors, header = decode_tensors(blob)
+        if header.get("format") != CHECKPOINT_FORMAT:
+            raise ZooidValueError("init_key", f"{self.spec.init_key} is not a Zooid checkpoint")
+        full = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
+        self.module.load_state_dict(slice_full_state(full, self.module), strict=True)
+        names = {n for n, _ in self.module.named_parameters()}
+        optim = {k.removeprefix("optim/"): v for k, v in tensors.items()
+                 if k.startswith("optim/") and k.removeprefix("optim/").rpartition(".")[0] in names}
+        load_optimizer_state(self.module, self.optimizer, optim)
+        return json.loads(header.get("meta", "{}"))
+
+    def _share_train_loss(self, mean_loss: float) -> float:
+        """The last model stage's worker knows the loss; it sends it to the replica's others."""
+        if self.cfg.workers == 1:
+            return mean_loss
+        if self.cfg.index == self.last_worker:
+            for w in range(self.cfg.workers):
+                if w != self.last_worker:
+                    self.store.put(f"{self.prefix}/loss/s{w}", encode_json({"loss": mean_loss}), scratch=True)
+            return mean_loss
+        key = f"{self.prefix}/loss/s{self.cfg.index}"
+        value = decode_json(self.store.get(key, timeout=self.spec.sync_timeout_s))["loss"]
+        self.store.delete(key)
+        return float(value)
+
+    @torch.no_grad()
+    def _validate(self) -> tuple[float | None, float | None]:
+        """Forward-only pass of replica 0 over the validation set; the last model stage's
+        worker scores it."""
+        cfg = self.cfg
+        manifest = read_manifest(self.store, self.spec.run_id, timeout=self.spec.sync_timeout_s)
+        x, y = self._read_data("val", range(manifest.n_val_subsets))
+        n = manifest.n_val
+        chunks = torch.tensor_split(torch.arange(n), -(-n // cfg.val_chunk))
+        actions = lower(forward_only(cfg.workers, len(chunks), cfg.chunks), sync=False)[cfg.index]
+        base = f"{self.prefix}/val"
+        received = self._prefetch(base, actions)
+        self.module.eval()
+        loss_sum, correct = 0.0, 0
+        outputs: dict[tuple[int, int], torch.Tensor] = {}
+        for a in actions:
+            s, m = a.stage, a.microbatch
+            if a.kind is Kind.F:
+                if s == 0:
+                    inp = x[chunks[m]]
+                elif a in received:
+                    inp = received[a].result()
+                else:  # the previous model stage is on this worker
+                    inp = outputs.pop((s - 1, m))
+                outputs[(s, m)] = self.module(inp, s)
+                if s == self.last:
+                    logits = outputs.pop((s, m))
+                    loss_sum += F.cross_entropy(logits, y[chunks[m]], reduction="sum").item()
+                    correct += int((logits.argmax(1) == y[chunks[m]]).sum().item())
+            elif a.kind is Kind.SEND_F:
+                self._send(f"{base}/f{s}m{m}", outputs.pop((s, m)))
+        self._drain_uploads()
+        self.module.train()
+        if self.last not in self.own_stages:
+            return None, None
+        return loss_sum / n, correct / n
+
+    def _stage_tensors(self, stage: int) -> dict[str, torch.Tensor]:
+        """Model stage `stage`'s weights and optimizer state under the checkpoint's keys."""
+        params = self.module.stage_parameters(stage)
+        out = {f"model/{k}": v.detach() for k, v in self.module.stage_state_dict(stage).items()}
+        out.update({f"optim/{k}": v.detach()
+                    for k, v in optimizer_state_tensors(self.module, self.optimizer).items()
+                    if k.rpartition(".")[0] in params})
+        return out
+
+    def _checkpoint(self, init_meta: dict[str, Any]) -> str:
+        """Send the weights and optimizer state of this worker's model stages to the last
+        model stage's worker, which assembles them in model-stage order and writes the
+        canonical full-model checkpoint; return its key there, else ""."""
+        if self.cfg.index != self.last_worker:
+            for stage in self.own_stages:
+                self.store.put(f"{self.prefix}/ckpt/s{stage}", encode_tensors(self._stage_tensors(stage)),
+                               scratch=True)
+            return ""
+        full: dict[str, torch.Tensor] = {}
+        for stage in range(self.cfg.stages):
+            if stage in self.own_stages:
+                full.update(self._stage_tensors(stage))
+                continue
+            key = f"{self.prefix}/ckpt/s{stage}"
+            part, _ = decode_tensors(self.store.get(key, timeout=self.spec.sync_timeout_s))
+            self.store.delete(key)
+            full.update(part)
+        spec = self.spec
+        meta = {"run_id": spec.run_id, "epoch": spec.epoch, "epoch_complete": True,
+                "steps": spec.steps,
+                "global_step": int(init_meta.get("global_step", 0)) + spec.steps,
+                "world": self.cfg.replicas, "model": spec.model, "optimizer": spec.optimizer,
+                "strategy": "pipeline", "cuts": list(self.cfg.cuts)}
+        if self.cfg.chunks > 1:  # the cuts are model stages, v of them per worker
+            meta["chunks"] = self.cfg.chunks
+        blob = encode_tensors({k: v.contiguous() for k, v in full.items()},
+                              metadata={"format": CHECKPOINT_FORMAT, "meta": json.dumps(meta)})
+        self.store.put(spec.out_key, blob)
+        return spec.out_key
