@@ -1,11 +1,14 @@
 """Pipeline bubble and activation memory per schedule: GPipe, 1F1B and interleaved 1F1B.
 
-The model is a chain of equal blocks (`uniform_mlp`: Linear(W, W) + ReLU, W = 1024, 8
-blocks, then a classifier) cut into equal stages, so the ideals' assumption of equal stage
-times holds as well as hardware allows. Each run trains `--steps` iterations of a 256-row
-batch split into M micro-batches, every stage worker its own process (one torch thread)
-running the real executor (`engine.pipeline_executor`) against a directory store in a
-temporary folder, with the schedule named in the worker specs' `pipeline_schedule`.
+The model is a chain of equal blocks (`uniform_mlp`: Linear(W, W) + ReLU, W = `--width`,
+default 1024, 8 blocks, then a classifier) cut into equal stages, so the ideals' assumption
+of equal stage times holds as well as hardware allows. Each run trains `--steps` iterations
+of a `--batch`-row batch (default 256) split into M micro-batches, every stage worker its own
+process (one torch thread) running the real executor (`engine.pipeline_executor`) against a
+directory store in a temporary folder, with the schedule named in the worker specs'
+`stage.schedule`. A block's compute grows with W squared and its activation with W, so a
+wider model makes the store's fixed per-transfer costs (the hand-off's polling delay) a
+smaller part of a chunk: the regime the interleaved schedule is for.
 
 Runs: for every k in `--stages` and M in `--microbatches`, each schedule of `--schedules`
 (`gpipe`, `1f1b`, `interleaved`; in that order for each (k, M), so a drift of the machine
@@ -96,7 +99,12 @@ from benchmarks.output import write_result
 RESULTS = REPO / "benchmarks" / "results" / "bubble.md"
 MODEL = "benchmarks.bench_bubble:uniform_mlp"
 WIDTH, BLOCKS, BATCH, LR, SEED = 1024, 8, 256, 0.01, 0
-DATASET = f"synthetic:{WIDTH}:10:2048:64"
+"""Defaults; `--width` and `--batch` change the block width and the batch."""
+
+
+def dataset_name(width: int, batch: int) -> str:
+    """Synthetic rows of `width` features, 10 classes, enough training rows for two batches."""
+    return f"synthetic:{width}:10:{max(2048, 2 * batch)}:64"
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 TITLES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved 1F1B"}
 TOLERANCE = 0.10  # measured vs simulated idle share, relative to the simulated one
@@ -448,13 +456,14 @@ def simulated_only(name: str, stages: int, microbatches: int, chunks: int, sourc
 
 
 def run_one(name: str, stages: int, microbatches: int, chunks: int, url: str, epoch: int, n_subsets: int,
-            steps: int, scratch: Path) -> Row:
+            steps: int, scratch: Path, width: int = WIDTH, batch: int = BATCH) -> Row:
     """One pipeline of `stages` stage workers running schedule `name`, measured."""
-    from core.specs import WorkerSpec
+    from core.specs import ComputeSpec, WorkerSpec
     from engine.pipeline_executor import pipeline_worker_specs
 
     base = WorkerSpec(run_id="bubble", epoch=epoch, rank=0, world=stages, store_url=url, model=MODEL,
-                      dataset=DATASET, subsets=(), steps=steps, batch_size=BATCH, lr=LR,
+                      dataset=dataset_name(width, batch), subsets=(), steps=steps, batch_size=batch, lr=LR,
+                      compute=ComputeSpec(model_kwargs={"width": width}),
                       optimizer="sgd", seed=SEED, init_key="runs/bubble/init",
                       out_key=f"runs/bubble/out-e{epoch}", sync_timeout_s=300.0, evaluate=False)
     specs = pipeline_worker_specs(base, cuts=equal_cuts(stages * chunks), microbatches=microbatches,
@@ -651,7 +660,9 @@ def command_line(args) -> str:
                + " --schedules " + " ".join(args.schedules)
                + " --stages " + " ".join(map(str, args.stages))
                + " --microbatches " + " ".join(map(str, args.microbatches))
-               + " --chunks " + str(args.chunks))
+               + " --chunks " + str(args.chunks)
+               + (f" --width {args.width}" if args.width != WIDTH else "")
+               + (f" --batch {args.batch}" if args.batch != BATCH else ""))
     return command + (f" --out {args.out}" if args.out else "")
 
 
@@ -660,9 +671,9 @@ def write_report(rows: list[Row], skipped: list[str], args, seconds: float, core
     md = ["# Pipeline bubble and activation memory per schedule: GPipe, 1F1B, interleaved", "",
           f"Command (run from the repository root; {seconds:.0f} s on {cores} cores, one torch "
           "thread per stage worker):", "", command_line(args), "",
-          f"Model: `uniform_mlp` ({BLOCKS} blocks of Linear({WIDTH}, {WIDTH}) + ReLU, then a "
+          f"Model: `uniform_mlp` ({BLOCKS} blocks of Linear({args.width}, {args.width}) + ReLU, then a "
           f"classifier) cut into k equal stages (k * v for interleaved, model stage s on worker s % k); "
-          f"batch {BATCH} rows split into M micro-batches; each schedule lowered with sends, receives "
+          f"batch {args.batch} rows split into M micro-batches; each schedule lowered with sends, receives "
           "and sync and run by the executor; directory store in a temporary folder. Shares are "
           f"medians over the iterations after {WARMUP_ITERATIONS} warm-up ones, peaks the maximum over "
           "them; per-stage values are listed stage worker 0 first. Method, definitions and what the "
@@ -705,6 +716,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--chunks", type=int, default=2, help="v, chunks per worker for interleaved (>= 2)")
+    parser.add_argument("--width", type=int, default=WIDTH, help="features of each Linear(W, W) block")
+    parser.add_argument("--batch", type=int, default=BATCH, help="rows per iteration, split into M micro-batches")
     parser.add_argument("--out", help=f"where the markdown goes (default {RESULTS.relative_to(REPO)}); "
                                       "with --worker, the worker's JSON")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -717,8 +730,10 @@ def main(argv: list[str] | None = None) -> int:
     for k in args.stages:
         if k < 2 or BLOCKS % k:
             parser.error(f"--stages: each must be >= 2 and divide {BLOCKS}, got {k}")
-    if any(m < 1 or BATCH % m for m in args.microbatches):
-        parser.error(f"--microbatches: each must be >= 1 and divide the batch of {BATCH}")
+    if args.width < 1:
+        parser.error("--width must be at least 1")
+    if args.batch < 1 or any(m < 1 or args.batch % m for m in args.microbatches):
+        parser.error(f"--microbatches: each must be >= 1 and divide the batch of {args.batch}")
     if args.chunks < 2:
         parser.error("--chunks must be at least 2")
     out = Path(args.out) if args.out else RESULTS
@@ -735,8 +750,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         url = (root / "store").as_uri()
         store = open_store(url)
-        manifest = publish_dataset(store, "bubble", DATASET, subset_size=64)
-        initial_checkpoint(store, "runs/bubble/init", MODEL, "sgd", LR, SEED)
+        manifest = publish_dataset(store, "bubble", dataset_name(args.width, args.batch), subset_size=64)
+        initial_checkpoint(store, "runs/bubble/init", MODEL, "sgd", LR, SEED, model_kwargs={"width": args.width})
         store.close()
         epoch = 0
         for k in args.stages:
@@ -751,7 +766,7 @@ def main(argv: list[str] | None = None) -> int:
                     began = time.perf_counter()
                     try:
                         row = run_one(name, k, m, v, url, epoch, manifest.n_subsets, args.steps,
-                                      root / f"e{epoch}")
+                                      root / f"e{epoch}", args.width, args.batch)
                     except Exception as exc:
                         if name != "interleaved":
                             raise

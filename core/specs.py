@@ -19,7 +19,7 @@ import dataclasses
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from core.errors import ZooidValueError
 
@@ -116,10 +116,28 @@ def _to_dict(obj: Any) -> dict[str, Any]:
     return _plain(dataclasses.asdict(obj))
 
 
+class JsonSpec:
+    """Plain-JSON round trip of a spec dataclass: `to_dict` and `from_dict`, the nested groups
+    rebuilt, unknown or missing keys refused with their JSON path (`PATH`: the group's prefix,
+    e.g. `stage.`); `STRICT = False` drops unknown keys instead."""
+
+    PATH: ClassVar[str] = ""
+    STRICT: ClassVar[bool] = True
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_dict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]):
+        return _from_dict(cls, d, cls.PATH, strict=cls.STRICT)
+
+
 @dataclass(frozen=True, kw_only=True)
-class StageSpec:
+class StageSpec(JsonSpec):
     """One stage worker of a D x p pipeline (`engine.pipeline_executor`): which worker of
     which replica it is, and the pipeline's shape, the same on every worker of the epoch."""
+
+    PATH = "stage."
 
     index: int
     """This stage worker's index w, 0..workers-1 (its model stage when chunks = 1)."""
@@ -165,18 +183,14 @@ class StageSpec:
         if not 0 <= self.replica < self.replicas:
             raise ZooidValueError("stage.replica", f"must be in 0..{self.replicas - 1}, got {self.replica}")
 
-    def to_dict(self) -> dict[str, Any]:
-        return _to_dict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "StageSpec":
-        return _from_dict(cls, d, "stage.")
 
 
 @dataclass(frozen=True, kw_only=True)
-class SyncSpec:
+class SyncSpec(JsonSpec):
     """How replicas average: the collective and its knobs (`engine.local_sgd`; a pipeline
     stage uses `collective` and `ring_host`)."""
+
+    PATH = "sync."
 
     collective: str | None = None
     """`plain` (`comm.collectives`), `pipelined` (`comm.scatter_reduce`) or `ring` (direct
@@ -200,17 +214,13 @@ class SyncSpec:
         _positive(self, "sync.", ("ring_timeout_s",))
         _positive(self, "sync.", ("repost_s", "checkpoint_every"), zero_ok=True)
 
-    def to_dict(self) -> dict[str, Any]:
-        return _to_dict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "SyncSpec":
-        return _from_dict(cls, d, "sync.")
 
 
 @dataclass(frozen=True, kw_only=True)
-class ComputeSpec:
+class ComputeSpec(JsonSpec):
     """Where and how a worker computes."""
+
+    PATH = "compute."
 
     device: str = ""
     """torch device; empty: the GPU when there is one, else the CPU."""
@@ -226,17 +236,13 @@ class ComputeSpec:
         if self.threads is not None and self.threads < 1:
             raise ZooidValueError("compute.threads", f"must be a thread count >= 1, got {self.threads!r}")
 
-    def to_dict(self) -> dict[str, Any]:
-        return _to_dict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ComputeSpec":
-        return _from_dict(cls, d, "compute.")
 
 
 @dataclass(frozen=True, kw_only=True)
-class WarmSpec:
+class WarmSpec(JsonSpec):
     """What a warm worker is told at launch (`runtime.warm`)."""
+
+    PATH = "warm."
 
     worker: str
     """Its name, `r<rank>-w<serial>`."""
@@ -252,16 +258,10 @@ class WarmSpec:
         _check_types(self, "warm.")
         _positive(self, "warm.", ("lease_s", "check_s", "grace_s"))
 
-    def to_dict(self) -> dict[str, Any]:
-        return _to_dict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "WarmSpec":
-        return _from_dict(cls, d, "warm.")
 
 
 @dataclass(frozen=True, kw_only=True)
-class WorkerSpec:
+class WorkerSpec(JsonSpec):
     """One worker's share of one epoch: Local-SGD replica `rank` of `world`, or (with
     `stage`) one stage worker of a pipeline replica."""
 
@@ -319,17 +319,13 @@ class WorkerSpec:
     def __post_init__(self):
         _check_types(self, "", ("resume", "checkpoint_store", "stage", "sync", "compute", "warm"))
 
-    def to_dict(self) -> dict[str, Any]:
-        return _to_dict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "WorkerSpec":
-        return _from_dict(cls, d)
 
 
 @dataclass(frozen=True, kw_only=True)
-class WorkerResult:
+class WorkerResult(JsonSpec):
     """What a worker reports back: metrics, timings and keys, never tensors."""
+
+    STRICT = False  # unknown keys are dropped (see the module docstring)
 
     run_id: str
     epoch: int
@@ -355,10 +351,3 @@ class WorkerResult:
     iteration_s: float = 0.0
     """Steady-state seconds per iteration (`engine.iteration_clock`; 0 when too few ran)."""
 
-    def to_dict(self) -> dict[str, Any]:
-        return _to_dict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "WorkerResult":
-        """Unknown keys are dropped (see the module docstring)."""
-        return _from_dict(cls, d, strict=False)

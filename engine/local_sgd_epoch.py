@@ -63,6 +63,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -156,12 +157,13 @@ def load_start_point(spec: WorkerSpec, ckpt_store: Store, model: nn.Module,
     return StartPoint(0, 0, int(init_meta.get("global_step", 0)), False)
 
 
-def run_local_sgd_epoch(spec: WorkerSpec, store: Store) -> WorkerResult:
-    """Run replica `spec.rank` of one Local-SGD epoch against `store` (see module docstring)."""
+def run_local_sgd_epoch(spec: WorkerSpec, store: Store, open_ref: Callable[[str], Store] = open_store) -> WorkerResult:
+    """Run replica `spec.rank` of one Local-SGD epoch against `store` (see module docstring);
+    `open_ref` opens `spec.checkpoint_store` when it is another store."""
     started = time.time()
     _validate(spec)
     url = spec.checkpoint_store
-    ckpt_store = open_store(url) if url and url != store.url else store
+    ckpt_store = open_ref(url) if url and url != store.url else store
     ring = None
     try:
         ring = _open_ring(spec, store)

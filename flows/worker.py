@@ -24,7 +24,7 @@ def run_worker(spec_dict: dict) -> dict:
     spec = WorkerSpec.from_dict(spec_dict)
     store = open_store_ref(spec.store_url)
     try:
-        return run_spec(spec, store).to_dict()
+        return run_spec(spec, store, open_store_ref).to_dict()
     finally:
         store.close()
 
@@ -58,3 +58,21 @@ def worker(spec: dict) -> dict:
     if spec.get("warm"):
         return serve_warm(spec)
     return run_worker(spec)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m flows.worker --spec-json '<json>'`: `runtime.worker_main` for a worker
+    process whose store is a saved block (`block:<type slug>/<name>`): the process loads the
+    block from the Prefect API itself, so its secret never travels in the spec, an argument
+    or the environment. The inline launcher starts this entry only for block stores (the
+    plain one does not import Prefect)."""
+    from blocks.store import open_store_ref
+    from runtime.worker_main import main as worker_main
+
+    return worker_main(argv, open_ref=open_store_ref)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

@@ -2,14 +2,17 @@
 set, else a Local-SGD replica."""
 from __future__ import annotations
 
-from comm.store import Store
+from typing import Callable
+
+from comm.store import Store, open_store
 from core.specs import WorkerResult, WorkerSpec
 from engine.chaos import chaos_for, chaos_requested  # noqa: F401 - chaos_requested kept for callers
 from engine.malloc import pin_malloc_thresholds
 
 
-def run_spec(spec: WorkerSpec, store: Store) -> WorkerResult:
-    """Dispatch on `spec.stage` (None: Local-SGD)."""
+def run_spec(spec: WorkerSpec, store: Store, open_ref: Callable[[str], Store] = open_store) -> WorkerResult:
+    """Dispatch on `spec.stage` (None: Local-SGD); `open_ref` opens any other store the spec
+    names (a Local-SGD replica's `checkpoint_store`)."""
     pin_malloc_thresholds()  # the allocator the profile measured with (engine.malloc)
     # Injected faults (ZOOID_CHAOS, off when unset) that fire at worker start, for every
     # strategy; the Local-SGD loop fires the step and sync ones.
@@ -21,7 +24,7 @@ def run_spec(spec: WorkerSpec, store: Store) -> WorkerResult:
     if spec.stage is None:
         from engine.local_sgd_epoch import run_local_sgd_epoch
 
-        return run_local_sgd_epoch(spec, store)
+        return run_local_sgd_epoch(spec, store, open_ref)
     from engine.pipeline_executor import run_pipeline_worker
 
     return run_pipeline_worker(spec, store)

@@ -16,8 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Callable
 
-from comm.store import open_store
+from comm.store import Store, open_store
 from core.errors import LeaseExpired, OutOfMemory, StoreTimeout, ZooidValueError
 from core.specs import WorkerSpec
 from runtime.run_spec import run_spec
@@ -25,19 +26,21 @@ from runtime.run_spec import run_spec
 EXIT_CODES = ((ZooidValueError, 2), (StoreTimeout, 3), (OutOfMemory, 4), (MemoryError, 4), (LeaseExpired, 5))
 
 
-def _run_job(spec: WorkerSpec, warm_store):
+def _run_job(spec: WorkerSpec, warm_store, open_ref=open_store):
     """One epoch of a warm worker: on its command store, or another one the spec names."""
     if spec.store_url == warm_store.url:
-        return run_spec(spec, warm_store)
-    store = open_store(spec.store_url)
+        return run_spec(spec, warm_store, open_ref)
+    store = open_ref(spec.store_url)
     try:
-        return run_spec(spec, store)
+        return run_spec(spec, store, open_ref)
     finally:
         store.close()
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse the spec, run the worker, print the result JSON; return the exit status."""
+def main(argv: list[str] | None = None, open_ref: Callable[[str], Store] = open_store) -> int:
+    """Parse the spec, run the worker, print the result JSON; return the exit status.
+    `open_ref` opens the spec's stores (`flows.worker.main` passes one that loads store
+    blocks from the Prefect API; here, URLs only)."""
     parser = argparse.ArgumentParser(prog="python -m runtime.worker_main", description=__doc__)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--spec-json", help="the WorkerSpec as a JSON object")
@@ -49,15 +52,15 @@ def main(argv: list[str] | None = None) -> int:
             spec = WorkerSpec.from_dict(json.loads(text))
         except (json.JSONDecodeError, TypeError) as exc:
             raise ZooidValueError("spec", f"not a WorkerSpec JSON object: {exc}") from None
-        store = open_store(spec.store_url)
+        store = open_ref(spec.store_url)
         try:
             if spec.warm is not None:
                 from runtime.warm import serve
 
-                serve(spec, store, lambda job: _run_job(job, store), lambda: open_store(spec.store_url),
-                      log=lambda line: print(line, flush=True))
+                serve(spec, store, lambda job: _run_job(job, store, open_ref), lambda: open_ref(spec.store_url),
+                      log=lambda line: print(line, flush=True), open_ref=open_ref)
                 return 0
-            result = run_spec(spec, store)
+            result = run_spec(spec, store, open_ref)
         finally:
             store.close()
     except Exception as exc:  # reported as data on the last line, for the coordinator

@@ -28,6 +28,7 @@ from clouds.registry import is_cloud
 from comm import heartbeat
 from core.errors import ZooidError
 from core.specs import WorkerResult, WorkerSpec
+from blocks.store_block import BLOCK_PREFIX
 from tasks.sweep import COORDINATOR_VAR, TAG_VAR, stop_pids
 
 PAID_WORKERS_LIMIT = "zooid-paid-workers"
@@ -165,9 +166,14 @@ class InlineLauncher(_Launcher):
         beat = log.with_suffix(".heartbeat")
         env = {**os.environ, **self.env, TAG_VAR: self.run_id, COORDINATOR_VAR: str(os.getpid()),
                heartbeat.ENV: str(beat)}
+        entry = "runtime.worker_main"
+        if any(ref.startswith(BLOCK_PREFIX) for ref in (spec.store_url, spec.checkpoint_store)):
+            from prefect.settings import PREFECT_API_URL
+
+            entry = "flows.worker"  # loads the store block from the API: the secret stays in it
+            env.setdefault("PREFECT_API_URL", PREFECT_API_URL.value() or "")
         with open(log, "wb") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "runtime.worker_main", "--spec-json",
-                                     json.dumps(spec.to_dict())],
+            proc = subprocess.Popen([sys.executable, "-m", entry, "--spec-json", json.dumps(spec.to_dict())],
                                     stdout=out, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True)
         outcome = WorkerOutcome(rank=spec.rank, attempt=spec.attempt, started_at=time.time(),

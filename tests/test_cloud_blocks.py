@@ -77,3 +77,48 @@ def test_pool_defaults_point_at_the_cloud_account():
     assert json.dumps(base, sort_keys=True) == before  # the input is not mutated
     with pytest.raises(ValueError, match="defaults"):
         with_variable_defaults(template("ecs"), {"resource_group_name": "rg"})
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_a_run_on_a_secret_store_block_leaks_the_secret_nowhere(s3_server, tmp_path, monkeypatch):
+    """A whole run whose store is a saved block with an AWS secret key: the secret reaches no
+    environment (the coordinator's, a worker's), no flow or task log, no artifact, no worker
+    log file and nothing the run wrote to its store; the run worked through the block."""
+    import asyncio
+
+    from pydantic import SecretStr
+
+    from blocks.store import ZooidStore
+    from comm.store_dir import zooid_home
+    from flows.train import train
+    from tasks.job import TrainJob
+
+    secret, key_id = "s3cr3t-Zooid-9f31c", "AKIAZOOIDRUN"
+    monkeypatch.setenv("ZOOID_HOME", str(tmp_path / "home"))
+    bucket = s3_server.create_bucket("zooid-secret-run")
+    ZooidStore(url=f"s3://{bucket}/runs", aws_access_key_id=key_id, aws_secret_access_key=SecretStr(secret),
+               region_name="us-east-1", endpoint_url=s3_server.endpoint).save("secret-run-store", overwrite=True)
+    summary = train(TrainJob(workers=2, epochs=1, batch_size=64, store="secret-run-store", warm=False))
+    assert summary.status == "completed" and summary.total_cost_usd > 0
+
+    async def logs_and_artifacts() -> str:
+        from prefect.client.orchestration import get_client
+        from prefect.client.schemas.filters import LogFilter
+
+        async with get_client() as client:
+            logs = await client.read_logs(log_filter=LogFilter(), limit=200)
+            artifacts = await client.read_artifacts(limit=200)
+            runs = await client.read_flow_runs(limit=200)
+        return "\n".join([l.message for l in logs] + [json.dumps(a.data, default=str) + str(a.description)
+                                                      for a in artifacts] + [json.dumps(r.parameters) for r in runs])
+
+    seen = asyncio.run(logs_and_artifacts())
+    assert summary.run_id in seen  # the logs and artifacts of this run were read
+    files = [p.read_text(errors="replace") for p in (zooid_home() / "logs" / summary.run_id).glob("*.log")]
+    assert files  # the workers' own logs
+    s3 = s3_server.client()
+    written = [s3.get_object(Bucket=bucket, Key=o["Key"])["Body"].read().decode(errors="replace")
+               for o in s3.list_objects_v2(Bucket=bucket).get("Contents", []) if o["Key"].endswith(".json")]
+    assert written  # the ledger, history and summary
+    for text in [seen, *files, *written, *os.environ.values()]:
+        assert secret not in text and key_id not in text

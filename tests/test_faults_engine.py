@@ -303,6 +303,37 @@ def test_chaos_parsing():
     assert fault_marker_key("r", 1, 2, 3) == "runs/r/faults/e1-r2-a3.json"
 
 
+def test_a_held_worker_goes_on_when_its_key_appears():
+    """`hold_worker` waits for a key under its run, written here by another thread once the
+    worker is known to be waiting (an event, not a sleep), and then returns."""
+    import threading
+
+    from engine.chaos import Chaos
+
+    (hold,) = parse_chaos("hold_worker:epoch=0:rank=0:step=3:until=warm/r1-")
+    assert (hold.until, hold.seconds, hold.step) == ("warm/r1-", 600.0, 3)
+    for bad in ("hold_worker:epoch=0", "hold_worker:until="):
+        with pytest.raises(ChaosError, match="until"):
+            parse_chaos(bad)
+    spec = WorkerSpec(run_id="held", epoch=0, rank=0, world=1, store_url="", model="m", dataset="d",
+                      subsets=(0,), steps=5, batch_size=1, lr=0.1)
+    store, waiting, released = MemoryStore(), threading.Event(), threading.Event()
+    listed = store.list
+
+    def list_and_tell(prefix):
+        waiting.set()  # the worker has looked for its key at least once
+        return listed(prefix)
+
+    store.list = list_and_tell
+    chaos = Chaos(spec, store, [hold])
+    worker = threading.Thread(target=lambda: (chaos.before_step(3), released.set()))
+    worker.start()
+    assert waiting.wait(60) and not released.is_set()
+    store.put("runs/held/warm/r1-w0/status.json", b"{}")
+    worker.join(60)
+    assert released.is_set() and chaos.pending == []
+
+
 @pytest.mark.parametrize("code, output, extra, kind", [
     (-9, "", {}, FailureKind.CRASH),  # SIGKILL without memory evidence
     (137, "", {"events_before": MemoryEvents(0, 0), "events_after": MemoryEvents(1, 1)}, FailureKind.OOM),
