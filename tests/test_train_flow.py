@@ -85,9 +85,11 @@ class _Ctx:
     def __init__(self, started_at, spent_usd=0.0, price=0.0):
         from tasks.cost import CostRecord
 
+        from tasks.context import RunState
+
         self.started_at, self.price_per_worker_s = started_at, price
-        self.ledger = [CostRecord(run_id="r", resource="w", kind="worker", offer="o", start=0.0, stop=1.0,
-                                  unit_price_per_s=spent_usd)]
+        self.state = RunState(ledger=[CostRecord(run_id="r", resource="w", kind="worker", offer="o", start=0.0,
+                                                 stop=1.0, unit_price_per_s=spent_usd)])
 
 
 @pytest.mark.parametrize("elapsed, predicted_s, last_s, deadline, expected", [
