@@ -36,7 +36,7 @@ from typing import Callable
 
 from core.plan import Plan
 from core.stage_memory import GB, stage_bounds
-from planners.co_optimize_flow import SizeOption, build_problem, describe_point, frontier, only_size, select
+from planners.co_optimize_flow import Point, SizeOption, build_problem, describe_point, frontier, only_size, select
 from planners.strategy import StrategyInputs, job_microbatches, merge_parameter_free, predicted
 
 MAX_LAYERS = 12
@@ -210,16 +210,10 @@ def _summary(plan: Plan) -> dict:
 
 
 def _better(a: Plan, b: Plan, job) -> bool:
-    """Whether `a` beats `b` by the job's rule on the flow's predictions (per epoch)."""
+    """Whether `a` beats `b` by the job's rule (`planners.co_optimize_flow.select`, the rule
+    the co-optimiser chose by) on the flow's predictions per epoch; a tie keeps `b`."""
     n = job.epochs
-    ok = lambda p: ((not job.budget_usd or p.predicted_cost_per_epoch_usd * n <= job.budget_usd)
-                    and (not job.deadline_s or p.predicted_epoch_s * n <= job.deadline_s))
-    if ok(a) != ok(b):
-        return ok(a)
-    if not job.budget_usd and not job.deadline_s:  # as planners.strategy.choose: fastest, within 5 % cheapest
-        if a.predicted_epoch_s <= 1.05 * b.predicted_epoch_s and b.predicted_epoch_s <= 1.05 * a.predicted_epoch_s:
-            return a.predicted_cost_per_epoch_usd < b.predicted_cost_per_epoch_usd
-        return a.predicted_epoch_s < b.predicted_epoch_s
-    if job.budget_usd:
-        return (a.predicted_epoch_s, a.predicted_cost_per_epoch_usd) < (b.predicted_epoch_s, b.predicted_cost_per_epoch_usd)
-    return (a.predicted_cost_per_epoch_usd, a.predicted_epoch_s) < (b.predicted_cost_per_epoch_usd, b.predicted_epoch_s)
+    chosen, _ = select([Point(p.predicted_epoch_s, p.predicted_cost_per_epoch_usd, p) for p in (b, a)],
+                       max_cost=job.budget_usd / n if job.budget_usd else None,
+                       max_time=job.deadline_s / n if job.deadline_s else None)
+    return chosen.solution is a

@@ -85,15 +85,13 @@ class RunContext:
         t = self.resolved.target
         return self.resolved.offer.price_per_s(t.worker_vcpu, t.worker_memory_gb, t.worker_gpu)
 
-    def price_of(self, plan) -> Callable[[int | None], float]:
+    def price_of(self, plan) -> Callable[[int], float]:
         """Dollars per second of worker `rank` of `plan`: its stage's size where the plan has
-        per-stage sizes (`Plan.memory_gb_of`), else the target's; an unknown rank (a straggler
-        found by a sweep) pays the largest."""
+        per-stage sizes (`Plan.memory_gb_of`), else the target's."""
         if not getattr(plan, "stage_memory_gb", ()):
             return lambda rank: self.price_per_worker_s
         t, offer = self.resolved.target, self.resolved.offer
-        return lambda rank: offer.price_per_s(t.worker_vcpu, plan.worker_memory_gb if rank is None
-                                              else plan.memory_gb_of(rank), t.worker_gpu)
+        return lambda rank: offer.price_per_s(t.worker_vcpu, plan.memory_gb_of(rank), t.worker_gpu)
 
     @property
     def durable_ref(self) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 from planners.catalog import Offer
 
@@ -52,16 +52,10 @@ class CostRecord:
         return d
 
 
-def unit_price(price_per_s, rank: int | None) -> float:
-    """Dollars per second of worker `rank`: `price_per_s` is one price for every worker, or a
-    function of the rank (`tasks.context.RunContext.price_of`, per-stage sizes)."""
-    return float(price_per_s(rank) if callable(price_per_s) else price_per_s)
-
-
 def worker_records(run_id: str, epoch: int, outcomes: Iterable[dict], offer: Offer,
-                   price_per_s) -> list[CostRecord]:
-    """Ledger rows for one epoch's worker attempts (dicts of `WorkerOutcome.to_dict()`);
-    `price_per_s` as in `unit_price`."""
+                   price_of: Callable[[int], float]) -> list[CostRecord]:
+    """Ledger rows for one epoch's worker attempts (dicts of `WorkerOutcome.to_dict()`), each
+    priced by its rank (`tasks.context.RunContext.price_of`: per-stage sizes)."""
     rows = []
     for o in outcomes:
         stop = o.get("stopped_at") or o["started_at"]
@@ -70,7 +64,7 @@ def worker_records(run_id: str, epoch: int, outcomes: Iterable[dict], offer: Off
         status = o["status"] if not failure else f"{o['status']}:{failure['kind']}"
         rows.append(CostRecord(run_id=run_id, resource=f"worker e{epoch} r{o['rank']} a{o['attempt']}",
                                kind=kind, offer=offer.name, start=o["started_at"], stop=stop,
-                               unit_price_per_s=unit_price(price_per_s, o["rank"]), status=status, epoch=epoch,
+                               unit_price_per_s=price_of(o["rank"]), status=status, epoch=epoch,
                                rank=o["rank"], attempt=o["attempt"]))
     return rows
 

@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from blocks.store_block import BLOCK_PREFIX
 from clouds.registry import is_cloud
 from comm import heartbeat
 from core.errors import ZooidError
 from core.specs import WorkerResult, WorkerSpec
-from blocks.store_block import BLOCK_PREFIX
 from tasks.sweep import COORDINATOR_VAR, TAG_VAR, stop_pids
 
 PAID_WORKERS_LIMIT = "zooid-paid-workers"
@@ -311,9 +311,9 @@ def make_launcher(ctx, plan) -> _Launcher:
 
         peak = ctx.state.profile.get("peak_memory_bytes") if ctx.state.profile else None
 
-        def variables(memory_gb: float | None, **headroom) -> dict:
+        def variables(memory_gb: float | None, **margins) -> dict:
             resources = resources_from_plan(plan, profiled_memory_gb=memory_gb, gpu_type=ctx.resolved.offer.gpu_type,
-                                            **headroom)
+                                            **margins)
             return cloud_job_variables(target.kind, resources, ctx.run_id, image=target.image,
                                        env=env, extra=target.job_variables)
 
