@@ -1,6 +1,6 @@
 """The `Zooid Compute Target` block: where workers run and what they cost.
 
-Built-in names (`inline`, `local`, `ecs`, `aci`, `k8s`) resolve to defaults without a saved
+Built-in names (`inline`, `local`, `docker`, `ecs`, `aci`, `k8s`) resolve to defaults without a saved
 block; any other name loads a saved block of this type.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any, Literal, Optional
 from prefect.blocks.core import Block
 from pydantic import Field, field_validator
 
-Kind = Literal["inline", "process", "ecs", "aci", "k8s"]
+Kind = Literal["inline", "process", "ecs", "aci", "k8s", "docker"]
 
 
 class ComputeTarget(Block):
@@ -21,7 +21,7 @@ class ComputeTarget(Block):
     _block_type_slug = "zooid-compute-target"
     _description = "Where Zooid's workers run, how big each is, and the offer they are billed as."
 
-    kind: Kind = Field("process", title="Kind", description="inline, process, ecs, aci or k8s.")
+    kind: Kind = Field("process", title="Kind", description="inline, process, ecs, aci, k8s or docker.")
     work_pool: Optional[str] = Field(None, title="Work pool", description="Pool the worker deployment runs on.")
     worker_deployment: Optional[str] = Field(None, title="Worker deployment", description="e.g. worker/local.")
     offer: str = Field("aci-cpu", title="Billing offer", description="Price-catalog offer each worker is billed as.")
@@ -72,6 +72,12 @@ BUILTIN = {
     "inline": dict(kind="inline", offer="aci-cpu", worker_vcpu=1.0, worker_memory_gb=2.0),
     "local": dict(kind="process", work_pool="zooid-local", worker_deployment="worker/local",
                   offer="aci-cpu", worker_vcpu=1.0, worker_memory_gb=2.0),
+    # containers on a Docker-API engine (podman here), billed as the Fargate task they stand in for
+    # (the container's Prefect home is its own, not the host path the pool's worker has)
+    "docker": dict(kind="docker", work_pool="zooid-docker", worker_deployment="worker/docker",
+                   offer="fargate-cpu", worker_vcpu=1.0, worker_memory_gb=2.0,
+                   job_variables={"env": {"PREFECT_HOME": "/tmp/prefect",
+                                          "PREFECT_LOCAL_STORAGE_PATH": "/tmp/prefect/storage"}}),
     "ecs": dict(kind="ecs", work_pool="zooid-ecs", worker_deployment="worker/ecs",
                 offer="fargate-cpu", worker_vcpu=1.0, worker_memory_gb=2.0),
     "aci": dict(kind="aci", work_pool="zooid-aci", worker_deployment="worker/aci",

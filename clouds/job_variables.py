@@ -11,6 +11,8 @@ right-sized containers) instead of the pool's default:
 - ACI workers carry cpu, memory and, for GPUs, `{"count", "sku"}` in the ARM template, and
   keep their container group after exit so its events can be billed (the sweep deletes it);
 - Kubernetes workers get requests = limits and an `nvidia.com/gpu` limit;
+- Docker-API containers (the `docker` target) get a memory limit without extra swap and a
+  CPU quota (`nano_cpus`), and, for GPUs, a device request;
 - every worker carries the run id (`zooid_run_id`, and the `zooid-run` label/tag).
 """
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 
 from core.errors import ZooidValueError
 
-KINDS = ("ecs", "aci", "k8s")
+KINDS = ("ecs", "aci", "k8s", "docker")
 RUN_LABEL = "zooid-run"
 
 # Fargate's valid (CPU units, allowed memory MiB) pairs, smallest first.
@@ -148,14 +150,26 @@ def k8s_job_variables(res: WorkerResources, run_id: str) -> dict:
     return out
 
 
+def docker_job_variables(res: WorkerResources, run_id: str) -> dict:
+    """A Docker-API container: `mem_limit` (MiB, no swap beyond it) and a CPU quota in
+    `nano_cpus`; GPUs through a device request (Docker's `--gpus`)."""
+    memory = f"{math.ceil(res.requested_memory_gb * 1024 - 1e-9)}m"
+    create = {"nano_cpus": math.ceil(res.vcpu * 1e9 - 1e-9)}
+    if res.gpu:
+        create["device_requests"] = [{"driver": "nvidia", "count": res.gpu, "capabilities": [["gpu"]]}]
+    return {"mem_limit": memory, "memswap_limit": memory, "container_create_kwargs": create,
+            "zooid_run_id": run_id, "labels": _labels(run_id)}
+
+
 def job_variables(kind: str, res: WorkerResources, run_id: str, *, image: str | None = None,
                   env: dict[str, str] | None = None, extra: dict | None = None, **options) -> dict:
-    """The `job_variables` for one worker on target `kind` (`ecs`, `aci` or `k8s`).
+    """The `job_variables` for one worker on target `kind` (`ecs`, `aci`, `k8s` or `docker`).
 
     `extra` (e.g. the ComputeTarget block's own job variables: cluster, subnets, resource group)
     is laid under the sized values, so the plan's size always wins; `env` is merged.
     """
-    builders = {"ecs": ecs_job_variables, "aci": aci_job_variables, "k8s": k8s_job_variables}
+    builders = {"ecs": ecs_job_variables, "aci": aci_job_variables, "k8s": k8s_job_variables,
+                "docker": docker_job_variables}
     if kind not in builders:
         raise JobVariablesError("kind", f"must be one of {', '.join(KINDS)}, got {kind!r}")
     if not run_id:
@@ -163,6 +177,9 @@ def job_variables(kind: str, res: WorkerResources, run_id: str, *, image: str | 
     sized = builders[kind](res, run_id, **options)
     out = {**(extra or {}), **sized}
     out["labels"] = {**(extra or {}).get("labels", {}), **sized["labels"]}
+    if "container_create_kwargs" in sized:  # the target's own create options stay beside the size
+        out["container_create_kwargs"] = {**(extra or {}).get("container_create_kwargs", {}),
+                                          **sized["container_create_kwargs"]}
     merged_env = {**(extra or {}).get("env", {}), **(env or {})}
     if merged_env:
         out["env"] = merged_env

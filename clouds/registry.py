@@ -7,12 +7,14 @@ from __future__ import annotations
 
 from clouds.adapter import CloudAdapter
 
-CLOUD_KINDS = ("ecs", "aci", "k8s")
-"""Target kinds run by a cloud provider (the rest run on this machine)."""
+CLOUD_KINDS = ("ecs", "aci", "k8s", "docker")
+"""Target kinds whose workers run in containers that a provider (or a Docker-API engine)
+starts and clocks; the rest run as this machine's processes."""
 
 
 def is_cloud(target) -> bool:
-    """Whether `target` (a `ComputeTarget`) runs its workers on a cloud provider."""
+    """Whether `target` (a `ComputeTarget`) runs its workers in containers on a provider's (or
+    a container engine's) clock."""
     return target.kind in CLOUD_KINDS
 
 
@@ -30,4 +32,8 @@ def adapter_for(target) -> CloudAdapter | None:
         from clouds.kubernetes import KubernetesAdapter
 
         return KubernetesAdapter(target.work_pool, target.job_variables)
+    if target.kind == "docker":
+        from clouds.docker import DockerAdapter
+
+        return DockerAdapter(target.work_pool, target.job_variables)
     return None

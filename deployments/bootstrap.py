@@ -1,10 +1,12 @@
 """Create or update what a target needs on the Prefect API, idempotently.
 
-`python -m deployments.bootstrap --target local|ecs|aci|k8s`:
+`python -m deployments.bootstrap --target local|docker|ecs|aci|k8s [--image REF]`:
 - the work pool (`zooid-<target>`), with the base job template from
   `deployments/templates/<type>.json` when there is one, else the worker type's default;
 - the Zooid block types (Store, Compute Target) and a Compute Target block for the target;
-- a global concurrency limit `zooid-paid-workers` that caps paid workers across runs.
+- a global concurrency limit `zooid-paid-workers` that caps paid workers across runs;
+- `--image`: the pool's default worker image (the `docker` target's is the image `make image`
+  built on the engine).
 Running it twice changes nothing the second time.
 
 `python -m deployments.bootstrap --target ecs|aci|k8s --cloud [--cluster ...]
@@ -26,7 +28,7 @@ from typing import Any
 from blocks.compute import BUILTIN, ComputeTarget
 from blocks.store import ZooidStore, store_block_types
 
-POOL_TYPES = {"local": "process", "ecs": "ecs", "aci": "azure-container-instance", "k8s": "kubernetes"}
+POOL_TYPES = {"local": "process", "docker": "docker", "ecs": "ecs", "aci": "azure-container-instance", "k8s": "kubernetes"}
 TEMPLATES = Path(__file__).with_name("templates")
 from tasks.launchers import PAID_WORKERS_LIMIT as CONCURRENCY_LIMIT
 
@@ -44,12 +46,13 @@ def base_job_template(pool_type: str) -> dict:
     return worker_cls.get_default_base_job_template()
 
 
-def ensure_pool(client, name: str, pool_type: str) -> str:
-    """Create the work pool or update its template; return 'created' or 'updated'."""
+def ensure_pool(client, name: str, pool_type: str, defaults: dict[str, Any] | None = None) -> str:
+    """Create the work pool or update its template (with `defaults` for some of its variables);
+    return 'created' or 'updated'."""
     from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
     from prefect.exceptions import ObjectNotFound
 
-    template = base_job_template(pool_type)
+    template = with_variable_defaults(base_job_template(pool_type), defaults or {})
     try:
         client.read_work_pool(name)
     except ObjectNotFound:
@@ -83,8 +86,9 @@ def register(block_type) -> None:
         block_type.register_type_and_schema()  # now an update of the existing type
 
 
-def bootstrap(target: str, paid_worker_limit: int = 16) -> dict:
-    """Set up `target` on the current Prefect API; return what was done."""
+def bootstrap(target: str, paid_worker_limit: int = 16, image: str | None = None) -> dict:
+    """Set up `target` on the current Prefect API (its pool's default image `image` when
+    given); return what was done."""
     from prefect.client.orchestration import get_client
 
     if target not in POOL_TYPES:
@@ -93,10 +97,13 @@ def bootstrap(target: str, paid_worker_limit: int = 16) -> dict:
         register(block_type)
     ComputeTarget(**BUILTIN[target]).save(f"zooid-{target}", overwrite=True)
     with get_client(sync_client=True) as client:
-        pool = ensure_pool(client, f"zooid-{target}", POOL_TYPES[target])
+        pool = ensure_pool(client, f"zooid-{target}", POOL_TYPES[target], {"image": image} if image else None)
         ensure_concurrency_limit(client, paid_worker_limit)
-    return {"target": target, "work_pool": f"zooid-{target}", "pool": pool,
+    done = {"target": target, "work_pool": f"zooid-{target}", "pool": pool,
             "compute_target_block": f"zooid-{target}", "concurrency_limit": CONCURRENCY_LIMIT}
+    if image:
+        done["image"] = image
+    return done
 
 
 def block_reference(block_document_id) -> dict:
@@ -175,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m deployments.bootstrap", description=__doc__.splitlines()[0])
     parser.add_argument("--target", required=True, choices=sorted(POOL_TYPES))
     parser.add_argument("--paid-worker-limit", type=int, default=16)
+    parser.add_argument("--image", help="the pool's default worker image (e.g. what `make image` built)")
     cloud = parser.add_argument_group("cloud targets (ecs, aci, k8s)", bootstrap_cloud.__doc__.splitlines()[0])
     cloud.add_argument("--cloud", action="store_true",
                        help="also point the pool at the cloud account (implied by any option below)")
@@ -184,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     cloud.add_argument("--namespace", help="Kubernetes namespace")
     args = parser.parse_args(argv)
     if not (args.cloud or args.cluster or args.resource_group or args.subscription_id or args.namespace):
-        print(json.dumps(bootstrap(args.target, args.paid_worker_limit)))
+        print(json.dumps(bootstrap(args.target, args.paid_worker_limit, args.image)))
         return 0
     try:
         done = bootstrap_cloud(args.target, cluster=args.cluster, resource_group=args.resource_group,

@@ -1,9 +1,13 @@
 """The local stack: a Prefect server on SQLite, the `zooid-local` process pool with one worker,
 and the `train/local` and `worker/local` deployments.
 
-    python -m deployments.stack up      # start, leave running; writes .zooid/env
+    python -m deployments.stack up [--docker]   # start, leave running; writes .zooid/env
     python -m deployments.stack run [--param name=value ...]   # up if needed, run train/local, report, down
     python -m deployments.stack down    # stop what `up` started (by pid)
+
+`--docker`, or a run with `target=docker`, adds the container half (`deployments.docker_stack`):
+the engine's API, the worker image, an S3 server and its store block, the `zooid-docker` pool
+and a Prefect Docker worker. A docker run without a `store` uses that S3 store.
 
 Everything binds to 127.0.0.1, runs in its own process group, and lives under `$ZOOID_HOME`
 (default `.zooid`): the Prefect home and database, results, logs, the store, and
@@ -37,18 +41,23 @@ def read_state(home: Path) -> dict | None:
     return json.loads(f.read_text()) if f.exists() else None
 
 
-def up(home: Path | None = None, port: int | None = None) -> dict:
-    """Start the stack (no-op when it is already up); return its state."""
+def up(home: Path | None = None, port: int | None = None, docker: bool = False) -> dict:
+    """Start the stack (no-op when it is already up; `docker`: with its container half);
+    return its state."""
     home = home or zooid_home()
     state = read_state(home)
     if state and all(alive(p) for p in state["pids"].values()):
+        if docker and "docker" not in state:
+            add_docker(home, state)
         return state
     if state:
         down(home)
     home.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
     api_url = f"http://127.0.0.1:{port}/api"
-    env = stack_env(home, api_url)
+    from deployments.docker_stack import docker_host
+
+    env = {**stack_env(home, api_url), "DOCKER_HOST": docker_host(home)}
     pids = {"server": spawn([bin_path("prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                              {**env, "PREFECT_API_URL": ""}, home / "logs" / "server.log")}
     state = {"api_url": api_url, "pids": pids, "env": env}
@@ -64,11 +73,24 @@ def up(home: Path | None = None, port: int | None = None) -> dict:
         pids["worker"] = spawn([bin_path("prefect"), "worker", "start", "--pool", POOL, "--type", "process"],
                                 env, home / "logs" / "worker.log")
         state_file(home).write_text(json.dumps(state, indent=1))
+        if docker:
+            add_docker(home, state)
     except BaseException:
         down(home)
         raise
     (home / "env").write_text("".join(f"{k}={v}\n" for k, v in env.items()))
     return state
+
+
+def add_docker(home: Path, state: dict) -> None:
+    """Start the container half on the running stack and record it in `state`."""
+    from deployments import docker_stack
+
+    env = {**state["env"], "DOCKER_HOST": state["env"].get("DOCKER_HOST") or docker_stack.docker_host(home)}
+    done = docker_stack.up(home, env, state["api_url"])
+    state["pids"].update(done.pop("pids"))
+    state["docker"] = done
+    state_file(home).write_text(json.dumps(state, indent=1))
 
 
 def down(home: Path | None = None) -> list[int]:
@@ -78,7 +100,12 @@ def down(home: Path | None = None) -> list[int]:
     if not state:
         return []
     pids = list(state["pids"].values())
-    stop_groups(pids)
+    engine = state["pids"].get("engine")
+    stop_groups([p for p in pids if p != engine])  # the engine last: its worker and containers first
+    if engine is not None:
+        from deployments.engine import down as engine_down
+
+        engine_down(home)
     state_file(home).unlink(missing_ok=True)
     (home / "env").unlink(missing_ok=True)
     return pids
@@ -101,7 +128,7 @@ def run_and_wait(params: dict, timeout_s: float, poll_s: float = 1.0) -> dict:
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
 
-    from comm.store import open_store
+    from blocks.store import open_store_ref
     from tasks.context import run_id_for
     from tasks.validate import resolve_durable_ref, resolve_store_ref
 
@@ -118,7 +145,7 @@ def run_and_wait(params: dict, timeout_s: float, poll_s: float = 1.0) -> dict:
                 raise TimeoutError(f"train/local run {flow_run.id} still running after {timeout_s:.0f} s")
             time.sleep(poll_s)
     run_id = run_id_for(flow_run.id)
-    store = open_store(resolve_durable_ref(params.get("durable_store", ""),
+    store = open_store_ref(resolve_durable_ref(params.get("durable_store", ""),
                                            resolve_store_ref(params.get("store", ""))))
     try:
         summary = json.loads(store.get(f"runs/{run_id}/summary.json", timeout=10))
@@ -137,9 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", choices=["up", "down", "run", "status"])
     parser.add_argument("--param", action="append", default=[], metavar="NAME=VALUE")
     parser.add_argument("--port", type=int)
+    parser.add_argument("--docker", action="store_true", help="also start the docker target's half")
     args = parser.parse_args(argv)
     if args.command == "up":
-        state = up(port=args.port)
+        state = up(port=args.port, docker=args.docker)
         print(f"Zooid stack up: Prefect UI at {state['api_url'].removesuffix('/api')}\n"
               f"  point a shell at it:  set -a; . {zooid_home() / 'env'}; set +a")
     elif args.command == "down":
@@ -152,7 +180,10 @@ def main(argv: list[str] | None = None) -> int:
 
         params = {k: parse_param_value(v) for k, _, v in (p.partition("=") for p in args.param)}
         started_here = read_state(zooid_home()) is None
-        up(port=args.port)
+        docker = params.get("target") == "docker"
+        state = up(port=args.port, docker=docker or args.docker)
+        if docker and not params.get("store"):  # containers reach the stack's S3 server, as on a cloud
+            params["store"] = state["docker"]["store"]
         try:
             summary = run_deployed(params)
         finally:

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 Strategy = Literal["auto", "local_sgd", "pipeline", "hybrid"]
 Optimizer = Literal["sgd", "momentum", "adam"]
 Scaling = Literal["static", "adabatch", "reactive", "deadline"]
-BUILTIN_TARGETS = ("inline", "local", "ecs", "aci", "k8s")
+BUILTIN_TARGETS = ("inline", "local", "docker", "ecs", "aci", "k8s")
 
 
 class TrainJob(BaseModel):
@@ -60,7 +60,7 @@ class TrainJob(BaseModel):
                                description="Where checkpoints, data subsets and ledgers live; empty: the store itself, "
                                            "or the local directory store when the store is Redis.")
     target: str = Field("inline", title="Compute target",
-                        description="`inline` (processes started by the coordinator), `local` (the process work pool), `ecs`, `aci`, `k8s`, or a ComputeTarget block name.")
+                        description="`inline` (processes started by the coordinator), `local` (the process work pool), `docker` (containers on a Docker-API engine: podman here), `ecs`, `aci`, `k8s`, or a ComputeTarget block name.")
     worker_vcpu: Optional[float] = Field(None, gt=0, allow_inf_nan=False, title="vCPU per worker",
                                          description="Overrides the compute target's worker size.")
     worker_memory_gb: Optional[float] = Field(None, gt=0, allow_inf_nan=False, title="Memory per worker (GB)",

@@ -246,7 +246,7 @@ class PoolLauncher(_Launcher):
         from prefect.client.orchestration import get_client
 
         with get_client(sync_client=True) as client:
-            for run_id, outcome, _ in self.attempts:
+            for run_id, outcome, spec in self.attempts:
                 if outcome.status != "running":
                     continue
                 fr = client.read_flow_run(run_id)
@@ -256,7 +256,9 @@ class PoolLauncher(_Launcher):
                 outcome.stopped_at = time.time()
                 outcome.extra["flow_run_start"] = fr.start_time.timestamp() if fr.start_time else None
                 outcome.extra["flow_run_end"] = fr.end_time.timestamp() if fr.end_time else None
-                if state.is_completed():
+                if state.is_completed() and spec.warm is not None:
+                    outcome.status = "completed"  # a warm worker answers through the store, not its result
+                elif state.is_completed():
                     try:
                         outcome.result = state.result()
                         outcome.status = "completed"

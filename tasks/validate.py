@@ -112,6 +112,20 @@ def check_worker_sizes(target: ComputeTarget, offer: Offer) -> tuple[float, ...]
     return sizes
 
 
+def check_reachable_from_workers(target: ComputeTarget, target_name: str, store_ref: str, durable_ref: str) -> None:
+    """Workers in containers (docker and the clouds) reach their stores over the network: a
+    directory on this machine is refused, naming `store` or `durable_store`."""
+    from clouds.registry import is_cloud
+
+    if not is_cloud(target):
+        return
+    for name, ref in (("store", store_ref), ("durable_store", durable_ref)):
+        if ref.startswith("file://"):
+            raise ZooidValueError(name, f"{ref} is a directory on this machine, which workers in containers "
+                                  f"(target {target_name!r}) cannot reach; use an S3 or Redis store "
+                                  "(a URL or a Zooid Store block)")
+
+
 def validate_job(job: TrainJob, *, check_store: bool = True) -> ResolvedJob:
     """Check everything about `job` that pydantic cannot; raise ZooidValueError naming the field."""
     from engine.datasets import load_dataset, validate_dataset
@@ -145,6 +159,7 @@ def validate_job(job: TrainJob, *, check_store: bool = True) -> ResolvedJob:
     check_worker_sizes(target, offer)
     store_ref = resolve_store_ref(job.store)
     durable_ref = resolve_durable_ref(job.durable_store, store_ref)
+    check_reachable_from_workers(target, job.target, store_ref, durable_ref)
     if check_store:
         open_checked_store(store_ref).close()
         if durable_ref != store_ref:

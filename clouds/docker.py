@@ -1,0 +1,155 @@
+"""Docker-API containers (podman's socket here, Docker elsewhere): workers' cost on the engine's
+clock, the sweep that removes stragglers, and the container of a flow run.
+
+The `docker` target runs each worker as a container of a Prefect Docker work pool
+(prefect-docker's worker). Every container carries the label `zooid-run=<run_id>` (the
+`labels` job variable) and Prefect's flow-run label, which prefect-docker writes in Docker's
+reverse-DNS form, `io.prefect.flow-run-id`. The flow run's `infrastructure_pid` is
+`<engine base URL>:<container id>`.
+
+A container is billed from `State.StartedAt` to `State.FinishedAt` (the engine's own clock;
+there is no pull to bill, the image is local). `FinishedAt` can read a few milliseconds before
+`StartedAt` for a very short container: the interval is then empty, never negative. A
+container that never started (created only, or a start that failed: a bad command, no such
+user) is a failed placement: listed, not billed. Containers are kept after they exit (`auto_remove` off in the
+pool's template) so their clock can be read after the epoch; the sweep removes them.
+
+The functions take a `docker.DockerClient`, so they run the same against a real engine or
+recorded API answers; `docker_client()` opens one at `DOCKER_HOST` (what the pool's worker
+uses too).
+"""
+from __future__ import annotations
+
+import os
+from datetime import datetime
+from typing import Iterable
+
+from clouds.adapter import CloudAdapter, CloudInterval
+
+RUN_LABEL = "zooid-run"
+FLOW_RUN_LABEL = "io.prefect.flow-run-id"
+"""Prefect's `prefect.io/flow-run-id` as prefect-docker labels a container."""
+_NEVER = "0001-01-01"
+
+
+def parse_time(value: str | None) -> float | None:
+    """An engine timestamp (RFC 3339, nanoseconds, `Z` or an offset) as epoch seconds; None for
+    the zero time an engine reports for "never"."""
+    if not value or value.startswith(_NEVER):
+        return None
+    text = value.strip().replace("Z", "+00:00")
+    date, _, rest = text.partition(".")
+    if rest:  # Python reads at most microseconds: cut the fraction to 6 digits
+        digits = len(rest) - len(rest.lstrip("0123456789"))
+        frac, tz = rest[:digits], rest[digits:]
+        text = f"{date}.{frac[:6].ljust(6, '0')}{tz}"
+    return datetime.fromisoformat(text).timestamp()
+
+
+def container_interval(attrs: dict) -> CloudInterval:
+    """One container's `inspect` answer as a `CloudInterval`."""
+    state = attrs.get("State") or {}
+    labels = (attrs.get("Config") or {}).get("Labels") or {}
+    created = parse_time(attrs.get("Created"))
+    started = parse_time(state.get("StartedAt"))
+    finished = parse_time(state.get("FinishedAt"))
+    status_word = state.get("Status", "")
+    if status_word in ("running", "paused", "restarting", "stopping"):
+        status, stopped = "running", None
+    elif started is None:  # created and never started (a start that failed leaves it so): costs nothing
+        status, stopped = "failed_placement", finished or created
+    else:
+        status = "completed" if state.get("ExitCode") == 0 and not state.get("OOMKilled") else "failed"
+        stopped = max(started, finished if finished is not None else started)
+    reason = state.get("Error") or ("out of memory" if state.get("OOMKilled") else "")
+    if not reason and status == "failed":
+        reason = f"exit code {state.get('ExitCode')}"
+    elif not reason and status == "failed_placement":
+        reason = "created, never started"
+    return CloudInterval(resource=attrs.get("Id", "")[:12], flow_run_id=labels.get(FLOW_RUN_LABEL),
+                         billed_from=started, stopped=stopped, status=status, created=created,
+                         started=started, reason=reason)
+
+
+def run_containers(client, run_id: str) -> list:
+    """The run's containers, running or exited (label `zooid-run=<run_id>`)."""
+    return client.containers.list(all=True, filters={"label": f"{RUN_LABEL}={run_id}"})
+
+
+def run_intervals(client, run_id: str) -> list[CloudInterval]:
+    """Every container of the run the engine still lists, on the engine's clock."""
+    return [container_interval(c.attrs) for c in run_containers(client, run_id)]
+
+
+def stop_containers(client, ids: Iterable[str], grace_s: int = 5) -> list[str]:
+    """Stop each container (SIGTERM, then SIGKILL after `grace_s`); one already gone is skipped."""
+    from docker.errors import APIError, NotFound
+
+    stopped = []
+    for cid in ids:
+        try:
+            client.containers.get(cid).stop(timeout=grace_s)
+        except NotFound:
+            continue
+        except APIError as exc:  # already exited: nothing to stop
+            if "not running" not in str(exc).lower():
+                raise
+        stopped.append(cid[:12])
+    return stopped
+
+
+def container_of_flow_run(flow_run) -> str | None:
+    """The container id of a worker flow run, from its `infrastructure_pid` `<base url>:<id>`."""
+    pid = getattr(flow_run, "infrastructure_pid", None) or ""
+    if ":" not in pid:
+        return None
+    return pid.rsplit(":", 1)[1] or None
+
+
+def sweep(client, run_id: str, grace_s: int = 5) -> list[str]:
+    """Stop every container of the run still running and remove all of them (their clock has
+    been read by then: `tasks.teardown` bills first). Returns the containers swept."""
+    from docker.errors import NotFound
+
+    swept = []
+    for container in run_containers(client, run_id):
+        try:
+            if container.status in ("running", "paused", "restarting", "created"):
+                container.stop(timeout=grace_s)
+            container.remove(force=True)
+        except NotFound:
+            continue
+        swept.append(container.id[:12])
+    return swept
+
+
+def docker_client(base_url: str | None = None, timeout_s: int = 30):
+    """A client of the engine at `base_url`, else `DOCKER_HOST` (as the pool's worker connects)."""
+    import docker
+
+    url = base_url or os.environ.get("DOCKER_HOST")
+    if url:
+        return docker.DockerClient(base_url=url, timeout=timeout_s)
+    return docker.from_env(timeout=timeout_s)
+
+
+class DockerAdapter(CloudAdapter):
+    """A Docker-API engine behind the adapter interface: the one at `DOCKER_HOST`, where the
+    pool's worker starts the containers."""
+
+    def _with_client(self, fn):
+        client = docker_client()
+        try:
+            return fn(client)
+        finally:
+            client.close()
+
+    def intervals(self, run_id: str) -> list[CloudInterval]:
+        return self._with_client(lambda c: run_intervals(c, run_id))
+
+    def stop(self, flow_runs: Iterable) -> list[str]:
+        ids = [cid for cid in map(container_of_flow_run, flow_runs) if cid]
+        return self._with_client(lambda c: stop_containers(c, ids)) if ids else []
+
+    def sweep(self, run_id: str) -> list[str]:
+        return self._with_client(lambda c: sweep(c, run_id))

@@ -1,0 +1,189 @@
+"""The docker target's adapter on the engine's recorded answers (tests/data/docker/, recorded from
+podman's Docker API by record.py there), its job variables, template and registration."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from clouds.docker import (FLOW_RUN_LABEL, RUN_LABEL, DockerAdapter, container_interval,
+                           container_of_flow_run, parse_time, run_intervals, stop_containers, sweep)
+from clouds.job_variables import WorkerResources, job_variables
+
+DATA = Path(__file__).resolve().parent / "data" / "docker"
+
+
+def answer(name: str) -> dict:
+    return json.loads((DATA / f"{name}.json").read_text())
+
+
+class FakeContainer:
+    """A container as docker-py shows it, from a recorded `inspect` answer; records calls."""
+
+    def __init__(self, attrs: dict, calls: list):
+        self.attrs, self.calls = attrs, calls
+        self.id = attrs["Id"]
+        self.status = attrs["State"]["Status"]
+
+    def stop(self, timeout=None):
+        self.calls.append(("stop", self.id[:12]))
+
+    def remove(self, force=False):
+        self.calls.append(("remove", self.id[:12]))
+
+
+class FakeContainers:
+    def __init__(self, containers: list[FakeContainer]):
+        self.containers = containers
+        self.filters = []
+
+    def list(self, all=False, filters=None):
+        self.filters.append((all, filters))
+        label = (filters or {}).get("label", "")
+        key, _, value = label.partition("=")
+        return [c for c in self.containers if c.attrs["Config"]["Labels"].get(key) == value]
+
+    def get(self, cid):
+        from docker.errors import NotFound
+
+        for c in self.containers:
+            if c.id.startswith(cid):
+                return c
+        raise NotFound(f"no container {cid}")
+
+
+class FakeClient:
+    def __init__(self, names: list[str]):
+        self.calls: list = []
+        self.containers = FakeContainers([FakeContainer(answer(n), self.calls) for n in names])
+        self.closed = False
+
+    def close(self):
+        self.closed = True
+
+
+ALL = ["completed", "failed", "killed", "running", "created", "never_started"]
+
+
+def test_engine_timestamps_parse_with_nanoseconds_and_zero_means_never():
+    assert parse_time("2026-11-25T13:54:01.00740713Z") == pytest.approx(parse_time("2026-11-25T13:54:01Z") + 0.007407,
+                                                                         abs=1e-6)
+    assert parse_time("2026-11-25T13:54:01.5+01:00") == pytest.approx(parse_time("2026-11-25T12:54:01.5Z"))
+    assert parse_time("0001-01-01T00:00:00Z") is None and parse_time(None) is None
+
+
+def test_each_recorded_container_state_is_billed_on_the_engines_clock():
+    by = {name: container_interval(answer(name)) for name in ALL}
+    done = by["completed"]
+    state = answer("completed")["State"]
+    assert done.status == "completed" and done.billed_from == parse_time(state["StartedAt"])
+    assert done.stopped == parse_time(state["FinishedAt"]) and done.created == parse_time(answer("completed")["Created"])
+    assert done.flow_run_id == answer("completed")["Config"]["Labels"][FLOW_RUN_LABEL]
+    assert done.resource == answer("completed")["Id"][:12]
+    killed = by["killed"]
+    assert killed.status == "failed" and killed.reason == "exit code 137"
+    assert killed.stopped - killed.billed_from > 1.0  # it slept until killed
+    # podman stamps a short container's FinishedAt before its StartedAt: an empty interval, never negative
+    failed = answer("failed")["State"]
+    assert parse_time(failed["FinishedAt"]) < parse_time(failed["StartedAt"])
+    assert by["failed"].status == "failed" and by["failed"].stopped == by["failed"].billed_from
+    assert by["running"].status == "running" and by["running"].stopped is None
+    for name in ("created", "never_started"):  # never ran: listed, never billed
+        assert by[name].status == "failed_placement" and by[name].billed_from is None
+
+
+def test_cloud_records_price_each_container_from_start_to_finish():
+    from planners.catalog import get_offer
+    from tasks.cloud_bill import cloud_records
+
+    intervals = [container_interval(answer(n)) for n in ("completed", "killed", "never_started")]
+    attempts = {intervals[0].flow_run_id: (0, 0, 0, 2.0), intervals[1].flow_run_id: (0, 1, 0, 2.0)}
+    rows = cloud_records("rec-run", intervals, attempts, get_offer("fargate-cpu"), price_per_s=1.0)
+    by_kind = {r.kind: r for r in rows}
+    assert by_kind["worker"].start == intervals[0].billed_from and by_kind["worker"].stop == intervals[0].stopped
+    assert by_kind["worker"].usd == pytest.approx((intervals[0].stopped - intervals[0].billed_from) * 2.0)
+    assert by_kind["failed_attempt"].usd == pytest.approx((intervals[1].stopped - intervals[1].billed_from) * 2.0)
+    assert by_kind["failed_placement"].usd == 0.0
+
+
+def test_intervals_stop_and_sweep_through_the_adapter(monkeypatch):
+    client = FakeClient(ALL)
+    monkeypatch.setattr("clouds.docker.docker_client", lambda *a, **k: client)
+    adapter = DockerAdapter("zooid-docker")
+    got = adapter.intervals("rec-run")
+    assert len(got) == len(ALL) and client.containers.filters[-1] == (True, {"label": f"{RUN_LABEL}=rec-run"})
+    assert adapter.intervals("another-run") == []
+
+    running = answer("running")["Id"]
+
+    class FlowRun:
+        infrastructure_pid = f"unix:///run/podman.sock:{running}"
+
+    assert container_of_flow_run(FlowRun) == running
+    assert adapter.stop([FlowRun]) == [running[:12]]
+    assert client.calls == [("stop", running[:12])]
+    client.calls.clear()
+    swept = adapter.sweep("rec-run")
+    assert sorted(swept) == sorted(answer(n)["Id"][:12] for n in ALL)
+    stopped = {cid for op, cid in client.calls if op == "stop"}
+    removed = {cid for op, cid in client.calls if op == "remove"}
+    assert stopped == {answer(n)["Id"][:12] for n in ("running", "created", "never_started")}
+    assert removed == set(swept) and client.closed
+
+
+def test_stopping_a_container_that_is_gone_is_not_an_error():
+    client = FakeClient(["completed"])
+    assert stop_containers(client, ["deadbeef0000"]) == []
+    assert run_intervals(client, "rec-run")[0].status == "completed"
+    assert sweep(client, "other") == []
+
+
+def test_docker_job_variables_size_the_container_and_label_the_run():
+    res = WorkerResources(vcpu=1.5, memory_gb=1.0)
+    out = job_variables("docker", res, "run-1", image="localhost/zooid-worker:cpu", env={"A": "1"},
+                        extra={"env": {"PREFECT_HOME": "/tmp/prefect"}, "container_create_kwargs": {"shm_size": "1g"}})
+    mib = 1.0 * 1.25 * 1024 + 512
+    assert out["mem_limit"] == f"{int(mib)}m" and out["memswap_limit"] == out["mem_limit"]
+    assert out["container_create_kwargs"] == {"shm_size": "1g", "nano_cpus": 1_500_000_000}
+    assert out["labels"] == {"zooid-run": "run-1"} and out["zooid_run_id"] == "run-1"
+    assert out["env"] == {"PREFECT_HOME": "/tmp/prefect", "A": "1"} and out["image"] == "localhost/zooid-worker:cpu"
+    gpu = job_variables("docker", WorkerResources(vcpu=4, memory_gb=8, gpu=1, gpu_type="T4"), "r")
+    assert gpu["container_create_kwargs"]["device_requests"] == [{"driver": "nvidia", "count": 1,
+                                                                  "capabilities": [["gpu"]]}]
+    # docker-py takes the request as written
+    from docker.types import DeviceRequest
+
+    assert DeviceRequest(**gpu["container_create_kwargs"]["device_requests"][0])["Count"] == 1
+
+
+def test_the_docker_template_extends_prefect_dockers_default():
+    from prefect_docker.worker import DockerWorker
+
+    from tests.cloud_fixtures import template
+
+    default = DockerWorker.get_default_base_job_template()
+    ours = template("docker")
+    assert set(default["variables"]["properties"]) <= set(ours["variables"]["properties"])
+    assert set(default["job_configuration"]) <= set(ours["job_configuration"])
+    props = ours["variables"]["properties"]
+    assert props["image_pull_policy"]["default"] == "Never"  # the image is built on the engine
+    assert props["auto_remove"]["default"] is False  # the clock is read after exit; the sweep removes
+    for name, prop in props.items():
+        assert prop.get("title") and prop.get("description"), name
+
+
+def test_the_docker_target_is_registered_once_and_refuses_a_local_directory_store(tmp_path):
+    from blocks.compute import resolve_target
+    from clouds.registry import adapter_for, is_cloud
+    from core.errors import ZooidValueError
+    from tasks.job import TrainJob
+    from tasks.validate import validate_job
+
+    target = resolve_target("docker")
+    assert target.kind == "docker" and is_cloud(target) and isinstance(adapter_for(target), DockerAdapter)
+    assert target.work_pool == "zooid-docker" and target.worker_deployment == "worker/docker"
+    with pytest.raises(ZooidValueError, match=r"^store: file://.*cannot reach.*S3 or Redis"):
+        validate_job(TrainJob(target="docker", store=f"file://{tmp_path}"), check_store=False)
+    with pytest.raises(ZooidValueError, match=r"^durable_store: "):
+        validate_job(TrainJob(target="docker", store="redis://127.0.0.1:1/0"), check_store=False)
