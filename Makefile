@@ -4,12 +4,13 @@ PY := .venv/bin/python
 PIP := .venv/bin/pip
 STAMP := .venv/.installed
 
-.PHONY: install run up down test bench clean redis
+.PHONY: install run up down test lint bench clean redis
 
-$(STAMP): requirements.txt requirements.lock pyproject.toml
+$(STAMP): requirements.txt requirements-dev.txt requirements.lock pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -r requirements.txt -c requirements.lock
+	$(PIP) install -q -r requirements-dev.txt
 	$(PIP) install -q --no-deps -e .
 	touch $(STAMP)
 
@@ -31,8 +32,12 @@ redis:
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq redis-server; \
 	  else sudo apt-get update -qq && sudo apt-get install -y -qq redis-server; fi; }
 
-## test: install (redis-server included) and run the whole suite
-test: install redis
+## lint: pyflakes' checks (undefined names, unused imports and variables, ...) over the whole tree
+lint: install
+	$(PY) -m ruff check --select F --output-format concise .
+
+## test: install (redis-server included), lint, and run the whole suite
+test: install redis lint
 	$(PY) -m pytest -q -p no:cacheprovider --timeout=600 $(PYTEST_ARGS)
 
 bench: install redis

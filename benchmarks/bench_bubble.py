@@ -87,7 +87,6 @@ Writes markdown with the command to `benchmarks/results/bubble.md` (or `--out`).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -98,7 +97,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.bench_prediction import REPO, WARMUP_ITERATIONS, install_timers, run_workers
+from benchmarks.bench_prediction import REPO, WARMUP_ITERATIONS, run_workers
 from benchmarks.output import write_result
 
 RESULTS = REPO / "benchmarks" / "results" / "bubble.md"
@@ -801,7 +800,7 @@ def main(argv: list[str] | None = None) -> int:
                     v = args.chunks if name == "interleaved" else 1
                     if name == "interleaved" and (m % k or BLOCKS % (k * v)):
                         skipped.append(f"interleaved k = {k}, M = {m} ("
-                                       + (f"M not a multiple of k" if m % k else
+                                       + ("M not a multiple of k" if m % k else
                                           f"{BLOCKS} blocks do not cut into {k * v} stages") + ")")
                         continue
                     began = time.perf_counter()

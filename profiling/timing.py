@@ -55,7 +55,7 @@ def _median_time(fn: Callable[[], object], repeats: int, device: torch.device,
     samples, and more while their total is under `min_time_s` (at most 100 x `repeats`);
     then rounds of `repeats` more while a round moves the median by more than
     `STABLE_WITHIN` (at most `max_rounds` rounds): sampling stops when the estimate is stable."""
-    samples, total, i = [], 0.0, 0
+    samples, total = [], 0.0
 
     def sample() -> None:
         nonlocal total

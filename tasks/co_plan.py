@@ -35,7 +35,7 @@ import math
 from typing import Callable
 
 from core.plan import Plan
-from core.stage_memory import GB, stage_bounds
+from core.stage_memory import stage_bounds
 from planners.co_optimize_flow import Point, SizeOption, build_problem, describe_point, frontier, only_size, select
 from planners.strategy import StrategyInputs, job_microbatches, merge_parameter_free, predicted
 

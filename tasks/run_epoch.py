@@ -16,6 +16,7 @@ from prefect.concurrency.sync import concurrency
 from clouds.registry import adapter_for
 from core.plan import Plan
 from core.specs import WorkerSpec
+from tasks.cloud_bill import cloud_records, replace_measured
 from tasks.context import RunContext
 from tasks.cost import worker_records
 from tasks.launchers import PAID_WORKERS_LIMIT, make_launcher, worker_threads
@@ -37,8 +38,9 @@ def bill_from_cloud_clock(ctx: RunContext, outcomes, epoch: int, plan: Plan | No
     except Exception as exc:  # the bill keeps the coordinator's intervals; say why
         print(f"zooid: cloud intervals unavailable, billing measured intervals: {exc}")
         return
-    ctx.state.ledger[:] = replace_measured(ctx.state.ledger, cloud_records(ctx.run_id, intervals, ctx.state.cloud_attempts,
-                                                               ctx.resolved.offer, ctx.price_per_worker_s))
+    cloud_rows = cloud_records(ctx.run_id, intervals, ctx.state.cloud_attempts, ctx.resolved.offer,
+                               ctx.price_per_worker_s)
+    ctx.state.ledger[:] = replace_measured(ctx.state.ledger, cloud_rows)
 
 
 def relaunch_policy(ctx: RunContext, plan: Plan, max_relaunches: int = 2):

@@ -54,35 +54,53 @@ def delete_scratch(store, run_id: str) -> int:
     return sum(store.delete_prefix(f"runs/{run_id}/{p}/") for p in SCRATCH)
 
 
+def _step(report: dict, name: str, fn):
+    """Run one teardown step: its failure is reported under `report["errors"][name]` and
+    printed on one line, and the next step runs all the same. Returns `fn()`, or None."""
+    try:
+        return fn()
+    except Exception as exc:  # the API may be gone when the run crashed with it
+        report["errors"][name] = f"{type(exc).__name__}: {exc}"
+        print(f"zooid: teardown {name} failed: {type(exc).__name__}: {exc}")
+        return None
+
+
+def _bill(ctx: RunContext) -> None:
+    from tasks.run_epoch import bill_from_cloud_clock
+
+    bill_from_cloud_clock(ctx, [], -1)
+
+
 def teardown_run(ctx: RunContext) -> dict:
-    """Stop workers, cancel worker flow runs, delete scratch keys. Safe to call twice."""
-    report = {"stopped_pids": [], "cancelled_flow_runs": 0, "deleted_keys": 0}
+    """Stop workers, cancel worker flow runs, delete scratch keys. Safe to call twice.
+
+    On a cloud target the steps cancel, stop, bill and sweep each run even when an earlier
+    one failed (a billing error must not leak the run's cloud resources); each failure is in
+    `report["errors"]` under its step's name."""
+    report = {"stopped_pids": [], "cancelled_flow_runs": 0, "deleted_keys": 0, "errors": {}}
     if ctx.state.warm is not None:
         ctx.state.warm.stop_all("run torn down")
     for launcher in list(ctx.state.launchers):
         launcher.stop("run torn down")
     ctx.state.launchers.clear()
     target = ctx.resolved.target
+    cancelled = []
     if target.remote:
-        try:
-            cancelled = cancel_flow_runs(ctx.run_id)
-            report["cancelled_flow_runs"] = len(cancelled)
-            adapter = adapter_for(target)
-            if adapter is not None:
-                adapter.stop(cancelled)
-                # ACI's sweep deletes container groups: read their clock first
-                from tasks.run_epoch import bill_from_cloud_clock
-
-                bill_from_cloud_clock(ctx, [], -1)
-                report["swept"] = adapter.sweep(ctx.run_id)
-        except Exception as exc:  # the API may be gone when the run crashed with it
-            report["cancel_error"] = str(exc)
+        cancelled = _step(report, "cancel", lambda: cancel_flow_runs(ctx.run_id)) or []
+        report["cancelled_flow_runs"] = len(cancelled)
+        adapter = adapter_for(target)
+        if adapter is not None:
+            report["stopped"] = _step(report, "stop", lambda: adapter.stop(cancelled)) or []
+            _step(report, "bill", lambda: _bill(ctx))  # ACI's sweep deletes container groups: read their clock first
+            swept = _step(report, "sweep", lambda: adapter.sweep(ctx.run_id))
+            if swept is not None:
+                report["swept"] = swept
     report["stopped_pids"] = sweep_run(ctx.run_id)
-    if target.kind == "process" and report.get("cancelled_flow_runs"):
-        try:
-            finish_cancelled(cancelled)
-        except Exception as exc:
-            report["cancel_error"] = str(exc)
+    if target.kind == "process" and cancelled:
+        _step(report, "finish_cancelled", lambda: finish_cancelled(cancelled))
+    cancel_errors = [report["errors"][k] for k in ("cancel", "finish_cancelled") if k in report["errors"]]
+    if cancel_errors:
+        report["cancel_error"] = cancel_errors[0]
     if ctx.state.provisioned:
         for ref in dict.fromkeys((ctx.store_ref, ctx.durable_ref)):  # data lives on the durable one
             store = open_store_ref(ref)

@@ -7,7 +7,6 @@ threads, each with its own client of one directory store (`test_pipeline_equival
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import replace
 from types import SimpleNamespace

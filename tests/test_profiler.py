@@ -6,7 +6,6 @@ consistency and what a generous factor allows, since the machine is shared.
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import torch
