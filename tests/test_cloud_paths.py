@@ -571,4 +571,4 @@ def test_a_failed_placement_is_listed_once_however_often_the_run_is_billed(cloud
     clock.now = cloud.teardown_now
     run_epoch_mod.bill_from_cloud_clock(ctx, [], 1, _plan())  # the next epoch's bill re-reads epoch 0's attempts
 
-    assert [r.resource for r in ctx.state.ledger if r.kind == "failed_placement"] == ["placement e0 r1 a0"]
+    assert [(r.epoch, r.rank, r.attempt) for r in ctx.state.ledger if r.kind == "failed_placement"] == [(0, 1, 0)]
