@@ -73,11 +73,8 @@ BUILTIN = {
     "local": dict(kind="process", work_pool="zooid-local", worker_deployment="worker/local",
                   offer="aci-cpu", worker_vcpu=1.0, worker_memory_gb=2.0),
     # containers on a Docker-API engine (podman here), billed as the Fargate task they stand in for
-    # (the container's Prefect home is its own, not the host path the pool's worker has)
     "docker": dict(kind="docker", work_pool="zooid-docker", worker_deployment="worker/docker",
-                   offer="fargate-cpu", worker_vcpu=1.0, worker_memory_gb=2.0,
-                   job_variables={"env": {"PREFECT_HOME": "/tmp/prefect",
-                                          "PREFECT_LOCAL_STORAGE_PATH": "/tmp/prefect/storage"}}),
+                   offer="fargate-cpu", worker_vcpu=1.0, worker_memory_gb=2.0),
     "ecs": dict(kind="ecs", work_pool="zooid-ecs", worker_deployment="worker/ecs",
                 offer="fargate-cpu", worker_vcpu=1.0, worker_memory_gb=2.0),
     "aci": dict(kind="aci", work_pool="zooid-aci", worker_deployment="worker/aci",

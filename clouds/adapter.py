@@ -9,7 +9,8 @@ differs per provider is what the cloud itself says and does, and that is an adap
 
 - `intervals(run_id)`: every worker of the run on the cloud's billing clock;
 - `stop(flow_runs)`: stop the infrastructure behind worker flow runs at once;
-- `sweep(run_id)`: stop everything the run still has running.
+- `sweep(run_id)`: stop everything the run still has running;
+- `preflight(image)`: refuse, before anything is paid, a target that cannot start a worker.
 
 One module per provider (`clouds.ecs`, `clouds.aci`, `clouds.kubernetes`) implements it;
 `clouds.registry.adapter_for(target)` picks one for a `ComputeTarget`, so `tasks/` never
@@ -91,3 +92,7 @@ class CloudAdapter(ABC):
     @abstractmethod
     def sweep(self, run_id: str) -> list[str]:
         """Stop (or delete) every resource of the run still running; the resources swept."""
+
+    def preflight(self, image: str | None) -> None:
+        """Raise `core.errors.ZooidValueError` (naming `target` or `image`) when no worker of
+        `image` could start; a cloud whose API only answers with a launch checks nothing here."""

@@ -153,3 +153,28 @@ class DockerAdapter(CloudAdapter):
 
     def sweep(self, run_id: str) -> list[str]:
         return self._with_client(lambda c: sweep(c, run_id))
+
+    def preflight(self, image: str | None) -> None:
+        """The engine answers and holds `image` (the pool pulls nothing: `Never`)."""
+        from core.errors import ZooidValueError
+
+        url = os.environ.get("DOCKER_HOST") or "the default socket"
+        try:
+            client = docker_client(timeout_s=10)
+            client.ping()
+        except Exception as exc:
+            raise ZooidValueError("target", f"no container engine answers at DOCKER_HOST={url} "
+                                  f"({type(exc).__name__}); start one with `python -m deployments.engine up`") from None
+        try:
+            if not image:
+                raise ZooidValueError("image", "the docker target has no worker image: set the target's `image` "
+                                      "or bootstrap its pool with `--image` (`make image` builds one)")
+            from docker.errors import ImageNotFound
+
+            try:
+                client.images.get(image)
+            except ImageNotFound:
+                raise ZooidValueError("image", f"{image!r} is not on the engine at {url}; `make image` builds "
+                                      "the worker image (the pool never pulls)") from None
+        finally:
+            client.close()

@@ -6,7 +6,8 @@
 - the Zooid block types (Store, Compute Target) and a Compute Target block for the target;
 - a global concurrency limit `zooid-paid-workers` that caps paid workers across runs;
 - `--image`: the pool's default worker image (the `docker` target's is the image `make image`
-  built on the engine).
+  built on the engine); `--env NAME=VALUE`: the pool's default environment for every worker
+  (the launcher keeps it under each worker's own variables).
 Running it twice changes nothing the second time.
 
 `python -m deployments.bootstrap --target ecs|aci|k8s --cloud [--cluster ...]
@@ -86,9 +87,10 @@ def register(block_type) -> None:
         block_type.register_type_and_schema()  # now an update of the existing type
 
 
-def bootstrap(target: str, paid_worker_limit: int = 16, image: str | None = None) -> dict:
-    """Set up `target` on the current Prefect API (its pool's default image `image` when
-    given); return what was done."""
+def bootstrap(target: str, paid_worker_limit: int = 16, image: str | None = None,
+              env: dict[str, str] | None = None) -> dict:
+    """Set up `target` on the current Prefect API (its pool's default image `image` and
+    environment `env` when given); return what was done."""
     from prefect.client.orchestration import get_client
 
     if target not in POOL_TYPES:
@@ -97,7 +99,8 @@ def bootstrap(target: str, paid_worker_limit: int = 16, image: str | None = None
         register(block_type)
     ComputeTarget(**BUILTIN[target]).save(f"zooid-{target}", overwrite=True)
     with get_client(sync_client=True) as client:
-        pool = ensure_pool(client, f"zooid-{target}", POOL_TYPES[target], {"image": image} if image else None)
+        defaults = {"image": image, "env": env or None}
+        pool = ensure_pool(client, f"zooid-{target}", POOL_TYPES[target], {k: v for k, v in defaults.items() if v})
         ensure_concurrency_limit(client, paid_worker_limit)
     done = {"target": target, "work_pool": f"zooid-{target}", "pool": pool,
             "compute_target_block": f"zooid-{target}", "concurrency_limit": CONCURRENCY_LIMIT}
@@ -183,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", required=True, choices=sorted(POOL_TYPES))
     parser.add_argument("--paid-worker-limit", type=int, default=16)
     parser.add_argument("--image", help="the pool's default worker image (e.g. what `make image` built)")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="the pool's default environment for every worker (repeatable)")
     cloud = parser.add_argument_group("cloud targets (ecs, aci, k8s)", bootstrap_cloud.__doc__.splitlines()[0])
     cloud.add_argument("--cloud", action="store_true",
                        help="also point the pool at the cloud account (implied by any option below)")
@@ -192,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     cloud.add_argument("--namespace", help="Kubernetes namespace")
     args = parser.parse_args(argv)
     if not (args.cloud or args.cluster or args.resource_group or args.subscription_id or args.namespace):
-        print(json.dumps(bootstrap(args.target, args.paid_worker_limit, args.image)))
+        env = dict(item.split("=", 1) for item in args.env)
+        print(json.dumps(bootstrap(args.target, args.paid_worker_limit, args.image, env)))
         return 0
     try:
         done = bootstrap_cloud(args.target, cluster=args.cluster, resource_group=args.resource_group,

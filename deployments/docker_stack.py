@@ -5,7 +5,9 @@ the process pool.
   already at `DOCKER_HOST`);
 - the worker image (`deployments.images`: built offline, rebuilt only when its inputs change);
 - an S3 server (moto in server mode, on 127.0.0.1) and a `Zooid Store` block for it, so the
-  containers reach the store over the network as on a cloud, with the block's keys;
+  containers reach the store over the network as on a cloud, with the block's keys; an
+  `s3-bucket` block on the same server is the containers' result storage (a cold worker's
+  result is read back from there, as on ECS);
 - the `zooid-docker` pool (its template's default image is the one just built), the
   `worker/docker` and `train/docker` deployments, and a Prefect Docker worker polling the pool.
 
@@ -24,6 +26,7 @@ from deployments.server import ROOT, bin_path, free_port, spawn
 
 POOL = "zooid-docker"
 STORE_BLOCK = "zooid-docker-s3"
+RESULTS_BLOCK = "zooid-docker-results"
 BUCKET = "zooid"
 S3_KEYS = {"aws_access_key_id": "zooid-local", "aws_secret_access_key": "zooid-local-secret"}
 """moto accepts any key; these live in the store block only, never in an environment."""
@@ -55,8 +58,11 @@ def start_s3(home: Path) -> tuple[int, str]:
 
 
 def save_store_block(endpoint: str) -> str:
-    """Create the bucket and save the `Zooid Store` block the docker target's runs use; its name."""
+    """Create the bucket, save the `Zooid Store` block the docker target's runs use and the
+    containers' result storage block; the store block's name."""
     import boto3
+    from prefect_aws import AwsCredentials, S3Bucket
+    from prefect_aws.client_parameters import AwsClientParameters
 
     from blocks.store import ZooidStore
 
@@ -68,7 +74,18 @@ def save_store_block(endpoint: str) -> str:
     ZooidStore(url=f"s3://{BUCKET}/zooid", endpoint_url=endpoint, region_name="us-east-1",
                aws_access_key_id=S3_KEYS["aws_access_key_id"],
                aws_secret_access_key=S3_KEYS["aws_secret_access_key"]).save(STORE_BLOCK, overwrite=True)
+    credentials = AwsCredentials(region_name="us-east-1", **S3_KEYS,
+                                 aws_client_parameters=AwsClientParameters(endpoint_url=endpoint))
+    S3Bucket(bucket_name=BUCKET, bucket_folder="prefect-results", credentials=credentials).save(
+        RESULTS_BLOCK, overwrite=True)
     return STORE_BLOCK
+
+
+def container_env() -> dict[str, str]:
+    """The pool's default environment for every container: a Prefect home of its own (not the
+    host path the pool's worker has) and results on the S3 server, by block name."""
+    return {"PREFECT_HOME": "/tmp/prefect", "PREFECT_LOCAL_STORAGE_PATH": "/tmp/prefect/storage",
+            "PREFECT_DEFAULT_RESULT_STORAGE_BLOCK": f"s3-bucket/{RESULTS_BLOCK}"}
 
 
 def up(home: Path, env: dict[str, str], api_url: str) -> dict:
@@ -92,8 +109,8 @@ def up(home: Path, env: dict[str, str], api_url: str) -> dict:
         with temporary_settings(updates={PREFECT_API_URL: api_url}):
             store = save_store_block(endpoint)
         run = dict(env={**os.environ, **env}, cwd=ROOT, check=True, stdin=subprocess.DEVNULL)
-        subprocess.run([sys.executable, "-m", "deployments.bootstrap", "--target", "docker", "--image", image],
-                       stdout=subprocess.DEVNULL, **run)
+        subprocess.run([sys.executable, "-m", "deployments.bootstrap", "--target", "docker", "--image", image,
+                        *[f"--env={k}={v}" for k, v in container_env().items()]], stdout=subprocess.DEVNULL, **run)
         subprocess.run([bin_path("prefect"), "--no-prompt", "deploy", "--name", "train/docker",
                         "--name", "worker/docker"], stdout=subprocess.DEVNULL, **run)
         pids["docker_worker"] = spawn([bin_path("prefect"), "worker", "start", "--pool", POOL, "--type", "docker"],

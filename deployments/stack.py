@@ -124,7 +124,8 @@ def run_deployed(params: dict, home: Path | None = None, timeout_s: float = 1800
 
 def run_and_wait(params: dict, timeout_s: float, poll_s: float = 1.0) -> dict:
     """Submit `train/local` with `params`, wait until its flow run is final, and return the
-    run's summary from the store, with the flow run's state and times added."""
+    run's summary from the store, with the flow run's state and times and its ledger
+    (`ledger`: cost.json) added."""
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
 
@@ -149,6 +150,8 @@ def run_and_wait(params: dict, timeout_s: float, poll_s: float = 1.0) -> dict:
                                            resolve_store_ref(params.get("store", ""))))
     try:
         summary = json.loads(store.get(f"runs/{run_id}/summary.json", timeout=10))
+        ledger = f"runs/{run_id}/cost.json"
+        summary["ledger"] = json.loads(store.get(ledger, timeout=10)) if store.exists(ledger) else None
     finally:
         store.close()
     summary.update(flow_run_state=fr.state.type.value, submitted_at=submitted, seen_final_at=seen,
@@ -190,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
             if started_here:
                 down()
         state = summary.pop("flow_run_state")
-        print(text_report(RunSummary(**summary)))
+        ledger = summary.pop("ledger")
+        print(text_report(RunSummary(**{k: v for k, v in summary.items() if k in RunSummary.model_fields}), ledger))
         return 0 if state == "COMPLETED" and summary["status"] != "failed" else 1
     return 0
 

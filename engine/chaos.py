@@ -9,7 +9,7 @@
 | `hang_worker` | sleeps forever, so the coordinator's worker timeout has to fire |
 | `oom_worker` | `mode=alloc` (default): caps its address space and allocates until a real `MemoryError`, reported as `OutOfMemory` (exit 4); `mode=kill`: SIGKILLs itself as the kernel's OOM killer would |
 | `slow_worker` | sleeps `seconds=S` (default 2) and goes on: a straggler, not a failure |
-| `hold_worker` | waits until a key under `runs/<run_id>/` starting with `until=PREFIX` exists in its store (at most `seconds=S`, default 600), then goes on: an epoch held open until an event elsewhere, e.g. `until=warm/r1-` (a warm worker of rank 1 has started) |
+| `hold_worker` | waits until a key under `runs/<run_id>/` starting with `until=PREFIX` exists in its store (at most `seconds=S`, default 600), then goes on: an epoch held open until an event elsewhere, e.g. `until=warm/r1-` (a warm worker of rank 1 has started); it first writes `runs/<run_id>/faults/held-e<epoch>-r<rank>-a<attempt>.json`, an event a test can wait on |
 
 Keys select where it fires: `epoch=E`, `rank=R` (default: any), `attempt=A` or `attempt=any`
 (default 0, so a relaunch succeeds; `crash_worker` keeps its original meaning, every
@@ -184,7 +184,11 @@ class Chaos:
         `fault.seconds`."""
         if self.store is None:
             raise ChaosError("hold_worker needs the worker's store")
-        prefix, give_up = f"runs/{self.spec.run_id}/{fault.until}", time.monotonic() + fault.seconds
+        s = self.spec
+        self.store.put(f"runs/{s.run_id}/faults/held-e{s.epoch}-r{s.rank}-a{s.attempt}.json",  # an event to wait on
+                       json.dumps({"kind": fault.kind, "until": fault.until, "time": time.time(),
+                                   "pid": os.getpid()}).encode())
+        prefix, give_up = f"runs/{s.run_id}/{fault.until}", time.monotonic() + fault.seconds
         while not self.store.list(prefix) and time.monotonic() < give_up:
             heartbeat.beat()  # held on purpose, not hanging
             time.sleep(poll_s)

@@ -22,7 +22,7 @@ from tasks.job import TrainJob
 from tasks.plan import plan as plan_task
 from tasks.profile import profile
 from tasks.report import artifact_key, co_optimizer_lines
-from tasks.validate import validate_job
+from tasks.validate import check_target_ready, validate_job
 
 
 def plan_report(job: TrainJob, chosen: dict) -> str:
@@ -59,6 +59,7 @@ def dry_run(job: TrainJob) -> dict:
     from prefect.runtime import flow_run
 
     resolved = validate_job(job)
+    check_target_ready(resolved)
     ctx = RunContext(run_id=run_id_for(flow_run.id or uuid.uuid4().hex), job=job, resolved=resolved, dry_run=True)
     prof = ctx.state.profile = profile(ctx)
     chosen = plan_task(ctx, prof).to_dict()

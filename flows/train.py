@@ -40,7 +40,7 @@ from tasks.resume import find_resume_point
 from tasks.run_epoch import run_epoch
 from tasks.run_terms import RunClock, record_terms
 from tasks.teardown import teardown
-from tasks.validate import validate_job
+from tasks.validate import check_target_ready, validate_job
 from tasks.warm_pool import WarmPool, provisional_plan, starts_before_profile
 
 
@@ -119,6 +119,7 @@ def run_training(job: TrainJob) -> RunSummary:
     from prefect.runtime import flow_run
 
     resolved = validate_job(job)  # bad input stops here: nothing provisioned, nothing billed
+    check_target_ready(resolved)  # so does a target that is not set up or cannot start a worker
     fr_id = flow_run.id or uuid.uuid4().hex
     ctx = RunContext(run_id=job.resume or run_id_for(fr_id), job=job, resolved=resolved,
                      flow_run_id=str(fr_id))

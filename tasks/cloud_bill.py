@@ -3,7 +3,8 @@
 Each cloud adapter (`clouds.registry.adapter_for`) turns its API's view of one worker's infrastructure (an ECS task, an ACI
 container group, a pod) into a `CloudInterval`: when the cloud started billing, when it
 stopped, and whether the worker was ever placed. `cloud_records` prices the intervals with
-the catalog into `CostRecord` rows, one per attempt (a retried epoch is billed for every
+the catalog into `CostRecord` rows (each names its infrastructure id: `worker e0 r1 a0 on <id>`),
+one per attempt (a retried epoch is billed for every
 attempt), with placements that never started listed separately as `failed_placement` at
 zero dollars. `replace_measured` swaps the coordinator's launch-to-exit estimates for the
 cloud's own numbers where the cloud reported them. `CloudInterval` lives in `clouds.adapter`.
@@ -41,7 +42,11 @@ def cloud_records(run_id: str, intervals: Iterable[CloudInterval], attempts: dic
         known = attempts.get(iv.flow_run_id or "", (None, None, None))
         epoch, rank, attempt = known[:3]
         price = known[3] if len(known) > 3 else price_per_s
-        label = f"e{epoch} r{rank} a{attempt}" if epoch is not None else iv.resource.rsplit("/", 1)[-1]
+        infra = iv.resource.rsplit("/", 1)[-1]  # task, container group, pod or container id
+        label = (f"e{epoch} r{rank} a{attempt}" if epoch is not None
+                 else f"r{rank} on {infra}" if rank is not None else infra)
+        if epoch is not None:
+            label += f" on {infra}"
         if iv.status == "failed_placement":
             at = iv.created or iv.stopped or now
             rows.append(CostRecord(run_id=run_id, resource=f"placement {label}", kind="failed_placement",
@@ -60,12 +65,16 @@ def cloud_records(run_id: str, intervals: Iterable[CloudInterval], attempts: dic
 def replace_measured(rows: list[CostRecord], cloud_rows: list[CostRecord]) -> list[CostRecord]:
     """The ledger with each worker attempt the cloud reported billed on the cloud's clock.
 
-    Rows of the same (epoch, rank, attempt) measured by the coordinator, and every row of a
-    warm worker whose flow run the cloud reported, are dropped in favour of the cloud's; every
-    other row (coordinator, attempts the cloud no longer lists) is kept.
+    Rows of the same (epoch, rank, attempt) measured by the coordinator, every row of a warm
+    worker whose flow run the cloud reported, and the rows an earlier reading made of the same
+    resource (a failed placement is listed once, however often the run is billed) are dropped
+    in favour of the cloud's; every other row (coordinator, attempts the cloud no longer lists)
+    is kept.
     """
     reported = {(r.epoch, r.rank, r.attempt) for r in cloud_rows if r.epoch is not None}
     workers = {r.worker for r in cloud_rows if r.worker}  # a warm worker: every row of its life
-    kept = [r for r in rows if r.kind not in ("worker", "failed_attempt")
-            or ((r.epoch, r.rank, r.attempt) not in reported and not (r.worker and r.worker in workers))]
+    resources = {r.resource for r in cloud_rows}  # the cloud's own rows of an earlier reading
+    kept = [r for r in rows if r.resource not in resources and (
+            r.kind not in ("worker", "failed_attempt")
+            or ((r.epoch, r.rank, r.attempt) not in reported and not (r.worker and r.worker in workers)))]
     return kept + list(cloud_rows)

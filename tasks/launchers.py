@@ -301,6 +301,22 @@ def worker_threads(kind: str, plan) -> int:
     return max(1, int(plan.worker_vcpu + 1e-9))
 
 
+def pool_default_env(work_pool: str | None) -> dict[str, str]:
+    """The default `env` of the pool's base job template (e.g. where a container keeps its
+    Prefect home and results); empty when the pool has none or cannot be read."""
+    from prefect.client.orchestration import get_client
+
+    if not work_pool:
+        return {}
+    try:
+        with get_client(sync_client=True) as client:
+            template = client.read_work_pool(work_pool).base_job_template or {}
+    except Exception:  # no pool yet: the launch itself says so
+        return {}
+    default = template.get("variables", {}).get("properties", {}).get("env", {}).get("default")
+    return dict(default) if isinstance(default, dict) else {}
+
+
 def make_launcher(ctx, plan) -> _Launcher:
     """The launcher for the run's compute target (`ctx`: the run's `tasks.context.RunContext`)."""
     target = ctx.resolved.target
@@ -310,6 +326,9 @@ def make_launcher(ctx, plan) -> _Launcher:
         return InlineLauncher(ctx.run_id, ctx.log_dir(), env=env)
     if is_cloud(target):
         from clouds.job_variables import job_variables as cloud_job_variables, resources_from_plan
+
+        # a worker's `env` replaces the pool's default one: keep the pool's under ours
+        env = {**pool_default_env(target.work_pool), **target.job_variables.get("env", {}), **env}
 
         peak = ctx.state.profile.get("peak_memory_bytes") if ctx.state.profile else None
 

@@ -85,6 +85,13 @@ def co_optimizer_lines(co: dict) -> list[str]:
     return lines
 
 
+def infrastructure_ids(rows: list[dict]) -> list[str]:
+    """Each worker's infrastructure id (task, container group, pod or container) as the
+    cloud-clock rows name it (`worker ... on <id>`), in the order they were billed."""
+    return list(dict.fromkeys(r["resource"].rsplit(" on ", 1)[1] for r in rows
+                              if r["kind"] in ("worker", "failed_attempt") and " on " in r["resource"]))
+
+
 def text_report(summary: RunSummary, ledger: dict | None = None) -> str:
     """The report printed at the end of `make run` and `python -m flows.train`."""
     p = summary.plan
@@ -105,6 +112,9 @@ def text_report(summary: RunSummary, ledger: dict | None = None) -> str:
                      f"{e.samples_per_s:>10.1f} {e.cost_usd:>10.3g}")
         if (e.replan or {}).get("switched"):
             lines.append(f"      re-planned after epoch {e.epoch}: {e.replan.get('reason')}")
+    infra = infrastructure_ids(ledger["rows"]) if ledger else []
+    if infra:
+        lines += ["", "workers ran on: " + ", ".join(infra)]
     ws = summary.worker_seconds
     if ws:
         lines += ["", "worker-seconds billed: " + ", ".join(f"{k} {v:.1f}" for k, v in ws.items() if v)]

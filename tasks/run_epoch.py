@@ -26,15 +26,19 @@ from tasks.specs import next_attempt, worker_specs
 
 
 def bill_from_cloud_clock(ctx: RunContext, outcomes, epoch: int, plan: Plan | None = None) -> None:
-    """On ECS, ACI and Kubernetes, replace the coordinator's intervals with the cloud's own
-    start/stop times (collected every epoch: AWS forgets stopped tasks after about an hour)."""
+    """On a container target (docker, ECS, ACI, Kubernetes), replace the coordinator's
+    intervals with the provider's own start/stop times (collected every epoch: AWS forgets
+    stopped tasks after about an hour). A resource of the run that no launcher knows and no
+    ledger row names (a straggler the sweep will find) is billed too."""
     adapter = adapter_for(ctx.resolved.target)
     if adapter is None:
         return
     for o in outcomes:
         ctx.state.cloud_attempts[o.ref] = (epoch, o.rank, o.attempt, ctx.price_of(plan)(o.rank))
     try:
-        intervals = [i for i in adapter.intervals(ctx.run_id) if i.flow_run_id in ctx.state.cloud_attempts]
+        billed = {r.worker for r in ctx.state.ledger if r.worker}  # e.g. a profiling worker's own rows
+        intervals = [i for i in adapter.intervals(ctx.run_id)
+                     if i.flow_run_id in ctx.state.cloud_attempts or i.flow_run_id not in billed]
     except Exception as exc:  # the bill keeps the coordinator's intervals; say why
         print(f"zooid: cloud intervals unavailable, billing measured intervals: {exc}")
         return

@@ -126,6 +126,46 @@ def check_reachable_from_workers(target: ComputeTarget, target_name: str, store_
                                   "(a URL or a Zooid Store block)")
 
 
+def worker_image(target: ComputeTarget, pool) -> str | None:
+    """The image a worker of `target` runs: the target's, else its pool's default."""
+    image = target.job_variables.get("image") or target.image
+    if image:
+        return image
+    props = (pool.base_job_template or {}).get("variables", {}).get("properties", {})
+    return props.get("image", {}).get("default")
+
+
+def check_target_ready(resolved: "ResolvedJob") -> None:
+    """Before anything is rented: a pool target's worker deployment and pool exist, and the
+    provider can start a worker (`CloudAdapter.preflight`: e.g. the engine answers and holds the
+    image). One line naming `target` (or `image`) and the command that sets it up."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    from clouds.registry import adapter_for
+
+    target, name = resolved.target, resolved.target_name
+    if not target.remote:
+        return
+    setup = ("`python -m deployments.stack up --docker`" if target.kind == "docker" else
+             f"`python -m deployments.bootstrap --target {target.kind if target.kind != 'process' else 'local'}` "
+             "and `prefect deploy`")
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_deployment_by_name(target.worker_deployment or "")
+        except (ObjectNotFound, ValueError):
+            raise ZooidValueError("target", f"{name!r} is not set up: no worker deployment "
+                                  f"{target.worker_deployment!r}; {setup} creates it") from None
+        try:
+            pool = client.read_work_pool(target.work_pool or "")
+        except (ObjectNotFound, ValueError):
+            raise ZooidValueError("target", f"{name!r} is not set up: no work pool {target.work_pool!r}; "
+                                  f"{setup} creates it") from None
+    adapter = adapter_for(target)
+    if adapter is not None:
+        adapter.preflight(worker_image(target, pool))
+
+
 def validate_job(job: TrainJob, *, check_store: bool = True) -> ResolvedJob:
     """Check everything about `job` that pydantic cannot; raise ZooidValueError naming the field."""
     from engine.datasets import load_dataset, validate_dataset

@@ -3,7 +3,8 @@
 `ComputeTarget` of the provider's kind), with the cloud faked at its HTTP boundary by recorded
 answers: ECS through botocore (wire JSON, parsed by botocore), ACI through the Azure SDK's
 transport (`tests.test_cloud_aci.FakeArm`), Kubernetes through kubernetes_asyncio against a
-fake API server (`tests.test_cloud_k8s.FakeKubernetes`). Only the session factory of each
+fake API server (`tests.test_cloud_k8s.FakeKubernetes`), docker through docker-py against a
+fake engine (`tests.fake_docker_engine.FakeEngine`). Only the session factory of each
 adapter is replaced, so the adapters' own listing, parsing, stopping and sweeping run.
 
 One scenario for every provider, epoch 0 of a run with three ranks:
@@ -15,8 +16,9 @@ One scenario for every provider, epoch 0 of a run with three ranks:
 - `leaked`    rank 2 attempt 0, still running, though its flow run is already final (the
               coordinator crashed): only the sweep finds it.
 
-Each provider is one row of `CLOUDS` (a `CloudCase`): a row for another adapter (e.g.
-`docker`) is one more subclass there.
+Each provider is one row of `CLOUDS` (a `CloudCase`); docker's engine is
+`tests.fake_docker_engine.FakeEngine`, a Docker API over HTTP answering from podman's recorded
+`inspect` documents.
 """
 from __future__ import annotations
 
@@ -380,7 +382,64 @@ class K8sCase(CloudCase):
         return sorted(jobs + pods)
 
 
-CLOUDS = [EcsCase, AciCase, K8sCase]
+# ----------------------------------------------------------------------------- docker
+
+DOCKER_T0 = 1_790_000_000.0
+
+
+class DockerCase(CloudCase):
+    kind, offer, run_id = "docker", "fargate-cpu", "zpathsdocker1"
+    epoch_end_now, teardown_now = DOCKER_T0 + 700.0, DOCKER_T0 + 800.0
+    # the engine's clock: StartedAt to FinishedAt; a container that never started costs nothing.
+    # The fake engine stops a container at +760 s (exit 143).
+    at_epoch_end = {"done": ("worker", DOCKER_T0 + 2.0, DOCKER_T0 + 600.0),
+                    "never": ("failed_placement", DOCKER_T0 + 1.5, DOCKER_T0 + 1.5),
+                    "cancelled": ("worker", DOCKER_T0 + 3.0, NOW),
+                    "leaked": ("worker", DOCKER_T0 + 4.0, NOW)}
+    after_teardown = {**at_epoch_end, "cancelled": ("failed_attempt", DOCKER_T0 + 3.0, DOCKER_T0 + 760.0)}
+    # the sweep stops what still runs and removes every container of the run, once the bill has read them
+    stopped, swept = ["cancelled"], ["done", "never", "cancelled", "leaked"]
+    swept_without_cancel = swept
+
+    def start(self, monkeypatch):
+        from clouds import docker as cloud_docker
+        from tests.fake_docker_engine import FakeEngine, container, stamp
+
+        self.ids = {w: str(uuid.uuid4()) for w in WORKERS}
+        self.cids = {w: uuid.uuid4().hex + uuid.uuid4().hex for w in WORKERS}
+
+        def labels(worker, run_id=self.run_id):
+            return {"zooid-run": run_id, "io.prefect.flow-run-id": self.ids[worker]}
+
+        t = lambda s: stamp(DOCKER_T0 + s)  # noqa: E731
+        docs = {
+            "done": container("completed", self.cids["done"], labels("done"),
+                              StartedAt=t(2.0), FinishedAt=t(600.0), ExitCode=0),
+            "never": container("never_started", self.cids["never"], labels("never")),
+            "cancelled": container("running", self.cids["cancelled"], labels("cancelled"), StartedAt=t(3.0)),
+            "leaked": container("running", self.cids["leaked"], labels("leaked"), StartedAt=t(4.0)),
+        }
+        docs["done"]["Created"], docs["never"]["Created"] = t(1.0), t(1.5)
+        docs["cancelled"]["Created"], docs["leaked"]["Created"] = t(2.5), t(3.5)
+        other = container("running", "f" * 64, {"zooid-run": "zotherrun"}, StartedAt=t(3.0))
+        self.engine = FakeEngine({d["Id"]: d for d in [*docs.values(), other]}, stop_at=DOCKER_T0 + 760.0)
+        monkeypatch.setattr(cloud_docker, "docker_client", lambda *a, **k: self.engine.client())
+
+    def close(self):
+        self.engine.close()
+
+    def resource(self, worker):
+        return self.cids[worker][:12]
+
+    def infrastructure_pid(self, worker):
+        return f"{self.engine.url}:{self.cids[worker]}"
+
+    def left_running(self):
+        return sorted(cid[:12] for cid, doc in self.engine.containers.items()
+                      if doc["Config"]["Labels"].get("zooid-run") == self.run_id)
+
+
+CLOUDS = [EcsCase, AciCase, K8sCase, DockerCase]
 """The table: one row per cloud adapter."""
 
 
@@ -563,8 +622,6 @@ def test_a_cancel_error_still_bills_and_sweeps(cloud, clock, monkeypatch, capsys
     _assert_billed(cloud, _worker_rows(ctx), cloud.at_epoch_end, cloud.teardown_now)
 
 
-@pytest.mark.xfail(strict=True, reason="tasks.cloud_bill.replace_measured replaces only `worker` and "
-                   "`failed_attempt` rows, so every later bill appends the same failed placement again")
 def test_a_failed_placement_is_listed_once_however_often_the_run_is_billed(cloud, clock):
     ctx = _context(cloud)
     _bill_epoch_end(cloud, ctx, clock)
