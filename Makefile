@@ -43,5 +43,10 @@ test: install redis lint
 bench: install redis
 	$(PY) -m benchmarks.run_all
 
+## image: build the CPU worker image here (mmdebstrap base, local wheelhouse, no registry); a no-op when current
+.PHONY: image
+image: install
+	$(PY) -m deployments.images build
+
 clean: down
 	rm -rf .zooid
