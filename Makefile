@@ -36,8 +36,8 @@ redis:
 lint: install
 	$(PY) -m ruff check --select F --output-format concise .
 
-## test: install (redis-server included), lint, and run the whole suite
-test: install redis lint
+## test: install (redis-server, the container engine and the worker image included), lint, run the whole suite
+test: install redis lint image
 	$(PY) -m pytest -q -p no:cacheprovider --timeout=600 $(PYTEST_ARGS)
 
 bench: install redis

@@ -53,12 +53,18 @@ def ensure_pool(client, name: str, pool_type: str, defaults: dict[str, Any] | No
     from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
     from prefect.exceptions import ObjectNotFound
 
-    template = with_variable_defaults(base_job_template(pool_type), defaults or {})
+    template = base_job_template(pool_type)
     try:
-        client.read_work_pool(name)
+        existing = client.read_work_pool(name)
     except ObjectNotFound:
+        template = with_variable_defaults(template, defaults or {})
         client.create_work_pool(WorkPoolCreate(name=name, type=pool_type, base_job_template=template))
         return "created"
+    # an update keeps the defaults an earlier bootstrap (or the UI) set, unless given anew
+    ours = template["variables"]["properties"]
+    kept = {k: v["default"] for k, v in (existing.base_job_template or {}).get("variables", {}).get(
+        "properties", {}).items() if k in ours and "default" in v and v["default"] != ours[k].get("default")}
+    template = with_variable_defaults(template, {**kept, **(defaults or {})})
     client.update_work_pool(name, WorkPoolUpdate(base_job_template=template))
     return "updated"
 
@@ -146,7 +152,8 @@ def _credentials_block(target: str):
 
 def bootstrap_cloud(target: str, *, cluster: str | None = None, resource_group: str | None = None,
                     subscription_id: str | None = None, namespace: str | None = None,
-                    paid_worker_limit: int = 16) -> dict:
+                    paid_worker_limit: int = 16, image: str | None = None,
+                    env: dict[str, str] | None = None) -> dict:
     """Bootstrap a cloud target (`ecs`, `aci`, `k8s`) idempotently; returns what was set, no secrets.
 
     The credentials block is created from AWS_* / AZURE_* variables when they are set (else the
@@ -159,7 +166,7 @@ def bootstrap_cloud(target: str, *, cluster: str | None = None, resource_group: 
         raise ValueError(f"target: must be ecs, aci or k8s, got {target!r}")
     if target == "aci" and not (resource_group and subscription_id):
         raise ValueError("resource_group: ACI needs resource_group and subscription_id")
-    done = bootstrap(target, paid_worker_limit)
+    done = bootstrap(target, paid_worker_limit, image, env)
     for cls in store_block_types():
         register(cls)
     defaults: dict[str, Any] = {"cluster": cluster} if target == "ecs" else {}
@@ -196,14 +203,14 @@ def main(argv: list[str] | None = None) -> int:
     cloud.add_argument("--subscription-id", help="Azure subscription id (ACI)")
     cloud.add_argument("--namespace", help="Kubernetes namespace")
     args = parser.parse_args(argv)
+    env = dict(item.split("=", 1) for item in args.env)
     if not (args.cloud or args.cluster or args.resource_group or args.subscription_id or args.namespace):
-        env = dict(item.split("=", 1) for item in args.env)
         print(json.dumps(bootstrap(args.target, args.paid_worker_limit, args.image, env)))
         return 0
     try:
         done = bootstrap_cloud(args.target, cluster=args.cluster, resource_group=args.resource_group,
                                subscription_id=args.subscription_id, namespace=args.namespace,
-                               paid_worker_limit=args.paid_worker_limit)
+                               paid_worker_limit=args.paid_worker_limit, image=args.image, env=env)
     except ValueError as exc:
         print(f"error: {exc}")
         return 2

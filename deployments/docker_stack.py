@@ -93,7 +93,7 @@ def up(home: Path, env: dict[str, str], api_url: str) -> dict:
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from deployments import engine
-    from deployments.images import ensure_image
+    from deployments.images import worker_image
 
     pids: dict[str, int] = {}
     url = env["DOCKER_HOST"]
@@ -104,15 +104,16 @@ def up(home: Path, env: dict[str, str], api_url: str) -> dict:
     elif not engine.ping(url):
         raise engine.EngineError("target", f"no container engine answers at DOCKER_HOST={url}")
     try:
-        image = ensure_image()
+        image = worker_image(home=home)
         pids["s3"], endpoint = start_s3(home)
         with temporary_settings(updates={PREFECT_API_URL: api_url}):
             store = save_store_block(endpoint)
         run = dict(env={**os.environ, **env}, cwd=ROOT, check=True, stdin=subprocess.DEVNULL)
         subprocess.run([sys.executable, "-m", "deployments.bootstrap", "--target", "docker", "--image", image,
                         *[f"--env={k}={v}" for k, v in container_env().items()]], stdout=subprocess.DEVNULL, **run)
-        subprocess.run([bin_path("prefect"), "--no-prompt", "deploy", "--name", "train/docker",
-                        "--name", "worker/docker"], stdout=subprocess.DEVNULL, **run)
+        # both deployments named `docker` (train/docker, worker/docker)
+        subprocess.run([bin_path("prefect"), "--no-prompt", "deploy", "--name", "docker"],
+                       stdout=subprocess.DEVNULL, **run)
         pids["docker_worker"] = spawn([bin_path("prefect"), "worker", "start", "--pool", POOL, "--type", "docker"],
                                       env, home / "logs" / "docker-worker.log")
     except BaseException:

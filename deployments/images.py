@@ -37,6 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from core.errors import ZooidError
 from deployments.engine import engine_dir, ensure_installed, podman, podman_env
 from deployments.server import ROOT
 
@@ -66,7 +67,7 @@ WHEEL_PLATFORMS = tuple(f"manylinux_2_{minor}_x86_64" for minor in range(36, 4, 
 STAMP = ".stamp"
 
 
-class ImageBuildError(RuntimeError):
+class ImageBuildError(ZooidError, RuntimeError):
     """A step of the image build failed; the message names the step, its log and its output's tail."""
 
 

@@ -143,7 +143,7 @@ def test_docker_job_variables_size_the_container_and_label_the_run():
     res = WorkerResources(vcpu=1.5, memory_gb=1.0)
     out = job_variables("docker", res, "run-1", image="localhost/zooid-worker:cpu", env={"A": "1"},
                         extra={"env": {"PREFECT_HOME": "/tmp/prefect"}, "container_create_kwargs": {"shm_size": "1g"}})
-    mib = 1.0 * 1.25 * 1024 + 512
+    mib = 1.0 * 1.25 * 1024 + 1024
     assert out["mem_limit"] == f"{int(mib)}m" and out["memswap_limit"] == out["mem_limit"]
     assert out["container_create_kwargs"] == {"shm_size": "1g", "nano_cpus": 1_500_000_000}
     assert out["labels"] == {"zooid-run": "run-1"} and out["zooid_run_id"] == "run-1"

@@ -74,8 +74,8 @@ def test_worker_registers_and_runs_tagged_fargate_tasks(aws):
         assert cloud_ecs.ecs_interval(task).flow_run_id in {str(f.id) for f, _, _ in launched}
         assert task["launchType"] == "FARGATE"
     taskdef = ecs.describe_task_definition(taskDefinition=tasks[0]["taskDefinitionArn"])["taskDefinition"]
-    # 1.2 GB profiled * 1.25 + 0.5 GB = 2.0 GB: the smallest Fargate size with 1 vCPU holds it.
-    assert (taskdef["cpu"], taskdef["memory"]) == ("1024", "2048")
+    # 1.2 GB profiled * 1.25 + 1 GB = 2.5 GB: 3 GB is the smallest Fargate size with 1 vCPU that holds it.
+    assert (taskdef["cpu"], taskdef["memory"]) == ("1024", "3072")
     assert "FARGATE" in taskdef["requiresCompatibilities"]
     assert taskdef["containerDefinitions"][0]["image"] == "zooid-worker:cpu-0.1.0"
     assert "resourceRequirements" not in taskdef["containerDefinitions"][0]
@@ -132,8 +132,8 @@ def test_gpu_worker_registers_gpu_reservation_on_ec2_capacity_provider(aws):
     registered = ecs.describe_task_definition(taskDefinition=arn)["taskDefinition"]
     container = registered["containerDefinitions"][0]
     assert container["resourceRequirements"] == [{"type": "GPU", "value": "1"}]
-    # EC2 reservations: 4 vCPU = 4096 units, 10 GB * 1.25 + 0.5 GB = 13 GB = 13312 MiB.
-    assert (container["cpu"], container["memory"]) == (4096, 13312)
+    # EC2 reservations: 4 vCPU = 4096 units, 10 GB * 1.25 + 1 GB = 13.5 GB = 13824 MiB.
+    assert (container["cpu"], container["memory"]) == (4096, 13824)
     request = worker._prepare_task_run_request(cfg, registered, arn, True)
     assert "launchType" not in request and request["startedBy"] == "zrungpu"
 

@@ -165,9 +165,9 @@ def test_gpu_pod_manifest_carries_nvidia_gpu_limit_and_run_label():
     cfg.prepare_for_flow_run(fr)
     pod = cfg.job_manifest["spec"]["template"]
     resources = pod["spec"]["containers"][0]["resources"]
-    # 10 GB * 1.25 + 0.5 GB = 13 GB = 13312 Mi; requests equal limits.
-    assert resources["limits"] == {"cpu": "4000m", "memory": "13312Mi", "nvidia.com/gpu": 1}
-    assert resources["requests"] == {"cpu": "4000m", "memory": "13312Mi"}
+    # 10 GB * 1.25 + 1 GB = 13.5 GB = 13824 Mi; requests equal limits.
+    assert resources["limits"] == {"cpu": "4000m", "memory": "13824Mi", "nvidia.com/gpu": 1}
+    assert resources["requests"] == {"cpu": "4000m", "memory": "13824Mi"}
     assert pod["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": "Tesla-T4"}
     assert pod["metadata"]["labels"]["zooid-run"] == "zrunk8sa"
     assert pod["metadata"]["labels"]["prefect.io/flow-run-id"] == str(fr.id)
@@ -176,7 +176,7 @@ def test_gpu_pod_manifest_carries_nvidia_gpu_limit_and_run_label():
 def test_cpu_pod_manifest_has_no_gpu_limit():
     cfg = _configuration("zrunk8sb", WorkerResources(vcpu=0.5, memory_gb=1))
     spec = cfg.job_manifest["spec"]["template"]["spec"]
-    assert spec["containers"][0]["resources"]["limits"] == {"cpu": "500m", "memory": "1792Mi"}
+    assert spec["containers"][0]["resources"]["limits"] == {"cpu": "500m", "memory": "2304Mi"}
     assert "nodeSelector" not in spec and "tolerations" not in spec
 
 

@@ -38,7 +38,7 @@ def test_fargate_size_rounds_up_to_a_valid_pair():
 
 def test_memory_is_profiled_peak_plus_headroom_and_extra_never_overrides_size():
     res = WorkerResources(vcpu=2, memory_gb=2.0)
-    assert res.requested_memory_gb == 3.0
+    assert res.requested_memory_gb == 3.5
     jv = job_variables("ecs", res, "zrun", extra={"cpu": 256, "cluster": "c", "env": {"A": "1"}},
                        env={"B": "2"})
     assert (jv["cpu"], jv["memory"], jv["cluster"], jv["env"]) == (2048, 4096, "c", {"A": "1", "B": "2"})

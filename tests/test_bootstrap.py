@@ -1,0 +1,42 @@
+"""`deployments.bootstrap` against a real Prefect API: idempotent, and a second bootstrap keeps
+what an earlier one (or the UI) set in the pool's template unless it is given anew."""
+from __future__ import annotations
+
+import pytest
+
+from deployments.bootstrap import bootstrap, bootstrap_cloud, main
+
+
+def _defaults(pool: str) -> dict:
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        props = client.read_work_pool(pool).base_job_template["variables"]["properties"]
+    return {k: v.get("default") for k, v in props.items()}
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_the_docker_pool_gets_its_image_and_environment_and_keeps_them():
+    env = {"PREFECT_HOME": "/tmp/prefect", "PREFECT_DEFAULT_RESULT_STORAGE_BLOCK": "s3-bucket/results"}
+    first = bootstrap("docker", image="localhost/zooid-worker:cpu-abc", env=env)
+    assert first["work_pool"] == "zooid-docker" and first["image"] == "localhost/zooid-worker:cpu-abc"
+    got = _defaults("zooid-docker")
+    assert got["image"] == "localhost/zooid-worker:cpu-abc" and got["env"] == env
+    assert got["image_pull_policy"] == "Never" and got["auto_remove"] is False
+    again = bootstrap("docker")  # nothing given anew: the image and environment stay
+    assert again["pool"] == "updated" and _defaults("zooid-docker") == got
+    assert main(["--target", "docker", "--image", "localhost/zooid-worker:cpu-def", "--env", "A=1"]) == 0
+    now = _defaults("zooid-docker")
+    assert now["image"] == "localhost/zooid-worker:cpu-def" and now["env"] == {"A": "1"}
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_a_cloud_bootstrap_takes_the_environment_and_a_later_one_keeps_the_cluster(monkeypatch):
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    done = bootstrap_cloud("ecs", cluster="zooid-cluster", env={"PREFECT_DEFAULT_RESULT_STORAGE_BLOCK": "s3-bucket/r"})
+    assert done["defaults"] == ["cluster"]
+    got = _defaults("zooid-ecs")
+    assert got["cluster"] == "zooid-cluster" and got["env"] == {"PREFECT_DEFAULT_RESULT_STORAGE_BLOCK": "s3-bucket/r"}
+    bootstrap("ecs")
+    assert _defaults("zooid-ecs") == got
