@@ -25,6 +25,7 @@ SECTIONS = [
     ("Profiling and prediction: epoch wall and run cost, predicted vs measured", "bench_prediction", "prediction"),
     ("Pipeline: bubble and activation memory per schedule", "bench_bubble", "bubble"),
     ("Cloud targets: pre-start on the local process pool", "bench_prestart", "prestart"),
+    ("Containers: the docker target against the process pool", "bench_containers", "containers"),
     ("Elastic training: dynamic scaling in miniature", "bench_scaling", "scaling"),
 ]
 

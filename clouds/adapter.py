@@ -10,6 +10,8 @@ differs per provider is what the cloud itself says and does, and that is an adap
 - `intervals(run_id)`: every worker of the run on the cloud's billing clock;
 - `stop(flow_runs)`: stop the infrastructure behind worker flow runs at once;
 - `sweep(run_id)`: stop everything the run still has running;
+- `settle(run_id)`: before the last bill, wait for workers told to stop to have stopped;
+- `ended(infrastructure_pid)`: whether a worker's infrastructure died under a running flow run;
 - `preflight(image)`: refuse, before anything is paid, a target that cannot start a worker.
 
 One module per provider (`clouds.ecs`, `clouds.aci`, `clouds.kubernetes`) implements it;
@@ -92,6 +94,19 @@ class CloudAdapter(ABC):
     @abstractmethod
     def sweep(self, run_id: str) -> list[str]:
         """Stop (or delete) every resource of the run still running; the resources swept."""
+
+    def settle(self, run_id: str, timeout_s: float = 20.0) -> list[str]:
+        """Wait (at most `timeout_s`) until the run's workers, told to stop, have stopped, and
+        stop what still runs, so the bill that follows reads a stop time for each; the
+        resources stopped here. A cloud that records the stop on its own waits for nothing."""
+        return []
+
+    def ended(self, infrastructure_pid: str) -> dict | None:
+        """What ended the infrastructure behind a flow run Prefect still shows running
+        (`{"exit_code", "reason"}`), or None while it runs or where the cloud's own worker
+        reports the end. A container killed outright leaves its flow run Running until
+        someone looks."""
+        return None
 
     def preflight(self, image: str | None) -> None:
         """Raise `core.errors.ZooidValueError` (naming `target` or `image`) when no worker of

@@ -30,6 +30,8 @@ RUN_LABEL = "zooid-run"
 FLOW_RUN_LABEL = "io.prefect.flow-run-id"
 """Prefect's `prefect.io/flow-run-id` as prefect-docker labels a container."""
 _NEVER = "0001-01-01"
+SETTLE_S = 15.0
+"""How long the teardown waits for the run's containers to exit by themselves before stopping them."""
 
 
 def parse_time(value: str | None) -> float | None:
@@ -153,6 +155,47 @@ class DockerAdapter(CloudAdapter):
 
     def sweep(self, run_id: str) -> list[str]:
         return self._with_client(lambda c: sweep(c, run_id))
+
+    def ended(self, infrastructure_pid: str) -> dict | None:
+        """The container's exit when it is no longer running (killed, out of memory, gone)."""
+        from docker.errors import NotFound
+
+        cid = container_of_flow_run(type("FlowRun", (), {"infrastructure_pid": infrastructure_pid}))
+        if cid is None:
+            return None
+        client = docker_client(timeout_s=10)
+        try:
+            try:
+                attrs = client.containers.get(cid).attrs
+            except NotFound:
+                return {"exit_code": None, "reason": f"container {cid[:12]} is gone"}
+        finally:
+            client.close()
+        interval = container_interval(attrs)
+        if interval.status == "running":
+            return None
+        return {"exit_code": (attrs.get("State") or {}).get("ExitCode"),
+                "reason": f"container {cid[:12]} {interval.status}: {interval.reason}".rstrip(": ")}
+
+    def settle(self, run_id: str, timeout_s: float | None = None, poll_s: float = 0.2) -> list[str]:
+        """Wait for the run's containers to exit (a warm worker told to stop exits a moment
+        after its flow run completes), then stop the ones still running: each then has a
+        `FinishedAt` for the bill."""
+        import time
+
+        def running(client):
+            return [c.id for c in run_containers(client, run_id) if c.status in ("running", "paused", "restarting")]
+
+        client = docker_client()
+        try:
+            deadline = time.monotonic() + (SETTLE_S if timeout_s is None else timeout_s)
+            left = running(client)
+            while left and time.monotonic() < deadline:
+                time.sleep(poll_s)
+                left = running(client)
+            return stop_containers(client, left) if left else []
+        finally:
+            client.close()
 
     def preflight(self, image: str | None) -> None:
         """The engine answers and holds `image` (the pool pulls nothing: `Never`)."""

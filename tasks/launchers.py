@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from blocks.store_block import BLOCK_PREFIX
-from clouds.registry import is_cloud
+from clouds.registry import adapter_for, is_cloud
 from comm import heartbeat
 from core.errors import ZooidError
 from core.specs import WorkerResult, WorkerSpec
@@ -215,9 +215,16 @@ class PoolLauncher(_Launcher):
 
     poll_s = 0.5
 
+    infra_check_s = 2.0
+    """How often a running flow run's infrastructure is looked at (where an adapter can)."""
+
     def __init__(self, run_id: str, deployment: str, job_variables: dict | None = None,
-                 rank_job_variables: Callable[[int], dict] | None = None):
+                 rank_job_variables: Callable[[int], dict] | None = None, adapter=None):
         super().__init__()
+        self.adapter = adapter
+        """The target's `clouds.adapter.CloudAdapter`: tells a worker whose container died
+        under a flow run Prefect still shows running (None: Prefect's view only)."""
+        self._infra_checked = 0.0
         self.run_id = run_id
         self.deployment = deployment
         self.job_variables = job_variables or {}
@@ -245,12 +252,18 @@ class PoolLauncher(_Launcher):
     def _poll(self) -> None:
         from prefect.client.orchestration import get_client
 
+        check_infra = self.adapter is not None and time.time() - self._infra_checked >= self.infra_check_s
+        if check_infra:
+            self._infra_checked = time.time()
         with get_client(sync_client=True) as client:
             for run_id, outcome, spec in self.attempts:
                 if outcome.status != "running":
                     continue
                 fr = client.read_flow_run(run_id)
                 state = fr.state
+                if check_infra and state is not None and not state.is_final() and fr.infrastructure_pid:
+                    self._check_infrastructure(client, fr, outcome)
+                    continue
                 if state is None or not state.is_final():
                     continue
                 outcome.stopped_at = time.time()
@@ -270,6 +283,26 @@ class PoolLauncher(_Launcher):
                     outcome.status, outcome.error = "crashed", state.message
                 else:
                     outcome.status, outcome.error = "failed", state.message
+
+    def _check_infrastructure(self, client, fr, outcome: WorkerOutcome) -> None:
+        """A flow run Prefect shows running whose container has ended is crashed: say so, in
+        the outcome and in Prefect (nobody else will: the container cannot)."""
+        from prefect.states import Crashed
+
+        try:
+            ended = self.adapter.ended(fr.infrastructure_pid)
+        except Exception as exc:  # the engine blinked: look again next time
+            print(f"zooid: could not read the infrastructure of {fr.name}: {type(exc).__name__}: {exc}")
+            return
+        if ended is None:
+            return
+        outcome.stopped_at = time.time()
+        outcome.status, outcome.error = "crashed", ended["reason"]
+        outcome.extra["exit_code"] = ended.get("exit_code")
+        try:
+            client.set_flow_run_state(fr.id, Crashed(message=ended["reason"]), force=True)
+        except Exception:
+            pass
 
     def _stop_one(self, run_id, outcome: WorkerOutcome, status: str, reason: str) -> None:
         from prefect.client.orchestration import get_client
@@ -342,10 +375,11 @@ def make_launcher(ctx, plan) -> _Launcher:
             by_size = {gb: variables(gb, headroom=0.0, base_memory_gb=0.0)  # a tier, not a peak
                        for gb in set(plan.stage_memory_gb)}
             return PoolLauncher(ctx.run_id, target.worker_deployment, job_variables=by_size[plan.worker_memory_gb],
-                                rank_job_variables=lambda rank: by_size[plan.memory_gb_of(rank)])
-        job_variables = variables(peak / 2**30 if peak else None)
-    else:
-        job_variables = {**target.job_variables, "env": {**target.job_variables.get("env", {}), **env}}
+                                rank_job_variables=lambda rank: by_size[plan.memory_gb_of(rank)],
+                                adapter=adapter_for(target))
+        return PoolLauncher(ctx.run_id, target.worker_deployment, job_variables=variables(peak / 2**30 if peak else None),
+                            adapter=adapter_for(target))
+    job_variables = {**target.job_variables, "env": {**target.job_variables.get("env", {}), **env}}
     return PoolLauncher(ctx.run_id, target.worker_deployment, job_variables=job_variables)
 
 

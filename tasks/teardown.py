@@ -91,6 +91,7 @@ def teardown_run(ctx: RunContext) -> dict:
         adapter = adapter_for(target)
         if adapter is not None:
             report["stopped"] = _step(report, "stop", lambda: adapter.stop(cancelled)) or []
+            report["stopped"] += _step(report, "settle", lambda: adapter.settle(ctx.run_id)) or []
             _step(report, "bill", lambda: _bill(ctx))  # ACI's sweep deletes container groups: read their clock first
             swept = _step(report, "sweep", lambda: adapter.sweep(ctx.run_id))
             if swept is not None:

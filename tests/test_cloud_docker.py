@@ -169,6 +169,7 @@ def test_the_docker_template_extends_prefect_dockers_default():
     props = ours["variables"]["properties"]
     assert props["image_pull_policy"]["default"] == "Never"  # the image is built on the engine
     assert props["auto_remove"]["default"] is False  # the clock is read after exit; the sweep removes
+    assert props["stream_output"]["default"] is True  # follow the log, not podman's polling wait
     for name, prop in props.items():
         assert prop.get("title") and prop.get("description"), name
 
@@ -187,3 +188,22 @@ def test_the_docker_target_is_registered_once_and_refuses_a_local_directory_stor
         validate_job(TrainJob(target="docker", store=f"file://{tmp_path}"), check_store=False)
     with pytest.raises(ZooidValueError, match=r"^durable_store: "):
         validate_job(TrainJob(target="docker", store="redis://127.0.0.1:1/0"), check_store=False)
+
+
+def test_ended_tells_a_dead_container_under_a_running_flow_run(monkeypatch):
+    """A container killed outright leaves its flow run Running: `ended` is what the launcher asks."""
+    from tests.fake_docker_engine import FakeEngine
+
+    docs = {answer(n)["Id"]: answer(n) for n in ("running", "killed")}
+    engine = FakeEngine(docs, stop_at=0.0)
+    try:
+        monkeypatch.setattr("clouds.docker.docker_client", lambda *a, **k: engine.client())
+        adapter = DockerAdapter("zooid-docker")
+        assert adapter.ended(f"{engine.url}:{answer('running')['Id']}") is None
+        killed = adapter.ended(f"{engine.url}:{answer('killed')['Id']}")
+        assert killed == {"exit_code": 137, "reason": f"container {answer('killed')['Id'][:12]} failed: exit code 137"}
+        gone = adapter.ended(f"{engine.url}:{'0' * 64}")
+        assert gone == {"exit_code": None, "reason": f"container {'0' * 12} is gone"}
+        assert adapter.ended("not-a-pid") is None
+    finally:
+        engine.close()

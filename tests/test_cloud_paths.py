@@ -84,6 +84,12 @@ class CloudCase:
     """Workers whose infrastructure the sweep stops or deletes after `stop`."""
     swept_without_cancel: list
     """The same when cancelling failed (so `stop` had no flow run to stop)."""
+    settled: list = []
+    """Workers the `settle` step stops (still running once the others stopped), after `stop`."""
+    settled_without_cancel: list = []
+    """The same when cancelling failed."""
+    after_teardown_without_cancel: dict | None = None
+    """Worker -> row after a teardown whose cancel failed (None: as at the epoch end)."""
 
     def start(self, monkeypatch) -> None:
         """Load the recorded answers and point the adapter's session factory at them."""
@@ -396,9 +402,13 @@ class DockerCase(CloudCase):
                     "never": ("failed_placement", DOCKER_T0 + 1.5, DOCKER_T0 + 1.5),
                     "cancelled": ("worker", DOCKER_T0 + 3.0, NOW),
                     "leaked": ("worker", DOCKER_T0 + 4.0, NOW)}
-    after_teardown = {**at_epoch_end, "cancelled": ("failed_attempt", DOCKER_T0 + 3.0, DOCKER_T0 + 760.0)}
-    # the sweep stops what still runs and removes every container of the run, once the bill has read them
-    stopped, swept = ["cancelled"], ["done", "never", "cancelled", "leaked"]
+    # before the last bill the teardown stops what still runs (settle), so each container has a FinishedAt
+    after_teardown = {**at_epoch_end, "cancelled": ("failed_attempt", DOCKER_T0 + 3.0, DOCKER_T0 + 760.0),
+                      "leaked": ("failed_attempt", DOCKER_T0 + 4.0, DOCKER_T0 + 760.0)}
+    after_teardown_without_cancel = after_teardown
+    stopped, settled, settled_without_cancel = ["cancelled"], ["leaked"], ["cancelled", "leaked"]
+    # the sweep removes every container of the run, once the bill has read them
+    swept = ["done", "never", "cancelled", "leaked"]
     swept_without_cancel = swept
 
     def start(self, monkeypatch):
@@ -424,6 +434,7 @@ class DockerCase(CloudCase):
         other = container("running", "f" * 64, {"zooid-run": "zotherrun"}, StartedAt=t(3.0))
         self.engine = FakeEngine({d["Id"]: d for d in [*docs.values(), other]}, stop_at=DOCKER_T0 + 760.0)
         monkeypatch.setattr(cloud_docker, "docker_client", lambda *a, **k: self.engine.client())
+        monkeypatch.setattr(cloud_docker, "SETTLE_S", 0.0)  # nothing exits by itself here: stop at once
 
     def close(self):
         self.engine.close()
@@ -574,7 +585,7 @@ def test_teardown_stops_bills_then_sweeps(cloud, clock, monkeypatch, capsys):
 
     assert report["errors"] == {} and "cancel_error" not in report
     assert report["cancelled_flow_runs"] == 1
-    assert report["stopped"] == [cloud.resource(w) for w in cloud.stopped]
+    assert report["stopped"] == [cloud.resource(w) for w in cloud.stopped + cloud.settled]
     assert sorted(report["swept"]) == sorted(cloud.resource(w) for w in cloud.swept)
     assert cloud.left_running() == []
     _assert_billed(cloud, _worker_rows(ctx), cloud.after_teardown, cloud.teardown_now, epoch_end_rows)
@@ -597,7 +608,7 @@ def test_a_billing_error_still_sweeps_and_is_reported(cloud, clock, monkeypatch,
 
     assert report["errors"] == {"bill": "RuntimeError: price catalog unreadable"}
     assert "zooid: teardown bill failed: RuntimeError: price catalog unreadable\n" in capsys.readouterr().out
-    assert report["stopped"] == [cloud.resource(w) for w in cloud.stopped]
+    assert report["stopped"] == [cloud.resource(w) for w in cloud.stopped + cloud.settled]
     assert sorted(report["swept"]) == sorted(cloud.resource(w) for w in cloud.swept)
     assert cloud.left_running() == []
     assert ctx.state.ledger == ledger  # the epoch-end bill stands
@@ -616,10 +627,12 @@ def test_a_cancel_error_still_bills_and_sweeps(cloud, clock, monkeypatch, capsys
     assert report["errors"] == {"cancel": "ConnectionError: API unreachable"}
     assert report["cancel_error"] == "ConnectionError: API unreachable"
     assert "zooid: teardown cancel failed: ConnectionError: API unreachable\n" in capsys.readouterr().out
-    assert (report["cancelled_flow_runs"], report["stopped"]) == (0, [])
+    assert report["cancelled_flow_runs"] == 0
+    assert report["stopped"] == [cloud.resource(w) for w in cloud.settled_without_cancel]
     assert sorted(report["swept"]) == sorted(cloud.resource(w) for w in cloud.swept_without_cancel)
     assert cloud.left_running() == []
-    _assert_billed(cloud, _worker_rows(ctx), cloud.at_epoch_end, cloud.teardown_now)
+    _assert_billed(cloud, _worker_rows(ctx), cloud.after_teardown_without_cancel or cloud.at_epoch_end,
+                   cloud.teardown_now)
 
 
 def test_a_failed_placement_is_listed_once_however_often_the_run_is_billed(cloud, clock):
