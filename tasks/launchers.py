@@ -321,17 +321,20 @@ def worker_result(outcome: WorkerOutcome) -> WorkerResult:
     return WorkerResult.from_dict(outcome.result or {})
 
 
-SHARED_HOST_KINDS = ("inline", "process")
-"""Targets whose workers run on the coordinator's machine and share its cores."""
+SHARED_HOST_KINDS = ("inline", "process", "docker")
+"""Targets whose workers run on the coordinator's machine and share its cores (docker's
+containers too, each under a CPU quota of its vCPU)."""
 
 
 def worker_threads(kind: str, plan) -> int:
     """Torch threads per worker: the worker's own vCPU on a cloud target (a 4-vCPU container
     runs 4 threads), or this machine's cores divided among the plan's workers where they
-    share it."""
+    share it (never more than a container's CPU quota)."""
+    own = max(1, int(plan.worker_vcpu + 1e-9))
     if kind in SHARED_HOST_KINDS:
-        return max(1, (os.cpu_count() or 1) // max(1, plan.workers))
-    return max(1, int(plan.worker_vcpu + 1e-9))
+        shared = max(1, (os.cpu_count() or 1) // max(1, plan.workers))
+        return min(shared, own) if kind == "docker" else shared
+    return own
 
 
 def pool_default_env(work_pool: str | None) -> dict[str, str]:
@@ -377,8 +380,11 @@ def make_launcher(ctx, plan) -> _Launcher:
             return PoolLauncher(ctx.run_id, target.worker_deployment, job_variables=by_size[plan.worker_memory_gb],
                                 rank_job_variables=lambda rank: by_size[plan.memory_gb_of(rank)],
                                 adapter=adapter_for(target))
-        return PoolLauncher(ctx.run_id, target.worker_deployment, job_variables=variables(peak / 2**30 if peak else None),
-                            adapter=adapter_for(target))
+        if target.kind == "docker":  # a container on this machine is exactly the size it is billed as
+            sized = variables(plan.worker_memory_gb, headroom=0.0, base_memory_gb=0.0)
+        else:  # a cloud container is right-sized to the profiled peak
+            sized = variables(peak / 2**30 if peak else None)
+        return PoolLauncher(ctx.run_id, target.worker_deployment, job_variables=sized, adapter=adapter_for(target))
     job_variables = {**target.job_variables, "env": {**target.job_variables.get("env", {}), **env}}
     return PoolLauncher(ctx.run_id, target.worker_deployment, job_variables=job_variables)
 

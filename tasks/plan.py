@@ -22,6 +22,7 @@ from planners.pipeline_time import TransferCosts
 from planners.run_prediction import predict_run, with_run_prediction
 from planners.strategy import StrategyInputs, choose
 from tasks.context import RunContext
+from tasks.launchers import SHARED_HOST_KINDS
 from tasks.retry import task_options
 from tasks.run_terms import load_terms
 
@@ -31,8 +32,6 @@ def optimizer_copies(optimizer: str) -> int:
     return {"sgd": 0, "momentum": 1, "adam": 2}[optimizer]
 
 
-SHARED_HOST_KINDS = ("inline", "process")
-"""Targets whose worker processes all run on the coordinator's machine."""
 
 LAYER_FIELDS = ("forward_s", "backward_s", "output_bytes", "param_bytes", "forward_fixed_s",
                 "backward_fixed_s")

@@ -143,6 +143,18 @@ def _save_target(name: str, **changes) -> str:
     return name
 
 
+def _held_run(stack, epoch: int, rank: int, epochs: int):
+    """Submit a 2-worker Local-SGD run whose rank `rank` holds at the start of `epoch` until the
+    key `release` exists; return (flow run id, run id, its store) once the hold began."""
+    target = _save_target(f"docker-hold-e{epoch}r{rank}", job_variables={"env": {
+        "ZOOID_CHAOS": f"hold_worker:epoch={epoch}:rank={rank}:until=release"}})
+    flow_run_id = _submit(stack, strategy="local_sgd", workers=2, epochs=epochs, target=target)
+    run_id = _run_id(flow_run_id)
+    store = _store(stack)
+    _wait_key(store, f"runs/{run_id}/faults/held-e{epoch}-r{rank}-")
+    return flow_run_id, run_id, store
+
+
 def _container_ids(rows: list[dict]) -> set[str]:
     return {r["resource"].split()[-1] for r in rows if r["kind"] in ("worker", "failed_attempt")}
 
@@ -183,13 +195,8 @@ def test_training_on_containers_completes_warm_and_is_billed_on_the_engines_cloc
 
 def test_a_killed_worker_container_is_replaced_and_its_attempt_billed(stack):
     """`podman kill` the rank-1 container while epoch 1 holds it (an event: the held marker)."""
-    target = _save_target("docker-hold-e1r1", job_variables={"env": {
-        "ZOOID_CHAOS": "hold_worker:epoch=1:rank=1:until=release"}})
-    flow_run_id = _submit(stack, strategy="local_sgd", workers=2, epochs=2, target=target)
-    run_id = _run_id(flow_run_id)
-    store = _store(stack)
+    flow_run_id, run_id, store = _held_run(stack, epoch=1, rank=1, epochs=2)
     try:
-        _wait_key(store, f"runs/{run_id}/faults/held-e1-r1-")
         flow_runs = {c.labels.get("io.prefect.flow-run-name", ""): c for c in _containers(run_id, running_only=True)}
         victim = next(c for name, c in flow_runs.items() if "-warm-r1-" in name)
         subprocess.run(["podman", "kill", victim.id], check=True, capture_output=True,
@@ -254,13 +261,8 @@ def test_cancelling_the_flow_run_leaves_no_container(stack):
     from prefect.client.orchestration import get_client
     from prefect.states import Cancelling
 
-    target = _save_target("docker-hold-e1r0", job_variables={"env": {
-        "ZOOID_CHAOS": "hold_worker:epoch=1:rank=0:until=release"}})
-    flow_run_id = _submit(stack, strategy="local_sgd", workers=2, epochs=3, target=target)
-    run_id = _run_id(flow_run_id)
-    store = _store(stack)
+    flow_run_id, run_id, store = _held_run(stack, epoch=1, rank=0, epochs=3)
     try:
-        _wait_key(store, f"runs/{run_id}/faults/held-e1-r0-")
         assert len(_containers(run_id, running_only=True)) == 2
         with get_client(sync_client=True) as client:  # what the UI's Cancel does
             client.set_flow_run_state(flow_run_id, Cancelling(message="cancelled by the test"), force=True)
