@@ -231,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     home = Path(tempfile.mkdtemp(prefix="zooid-bench-containers-"))
     os.environ["ZOOID_HOME"] = str(home)
     state = stack.up(home=home, docker=True)
+    from deployments.images import ensure_image
+
+    image = ensure_image(home=home)  # the stack's image (a no-op check): its reference and size
     runs = []
     try:
         os.environ.update(state["env"])
@@ -246,9 +249,6 @@ def main(argv: list[str] | None = None) -> int:
                           f"workers {run['workers']}", flush=True)
     finally:
         stack.down(home)
-    from deployments.images import record_path
-
-    image = json.loads(record_path().read_text()) if record_path().exists() else {}
     command = "python -m benchmarks.bench_containers " + " ".join(argv if argv is not None else sys.argv[1:])
     write_result(args.out, render(runs, image, command.strip(), time.time() - began, args.epochs), echo=True)
     return 0
