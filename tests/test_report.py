@@ -1,0 +1,320 @@
+"""The report a person reads (`tasks.report`): golden files for a Local-SGD run, a pipeline run
+whose plan compared schedules and the co-optimiser, and a cancelled run, in text and markdown;
+and the rules every rendering keeps: no Python reprs, text lines of at most 120 characters,
+money and times in one format, alternatives each once with one chosen, and a cost curve over
+the whole ledger that ends at its total.
+
+`ZOOID_UPDATE_GOLDEN=1 pytest tests/test_report.py` rewrites the golden files from the
+current renderings (read the diff before committing it)."""
+from __future__ import annotations
+
+import itertools
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from core.plan import Plan
+from tasks.job import EpochSummary, RunSummary
+from tasks.report import (
+    MAX_WIDTH,
+    alternatives,
+    alternatives_table,
+    cost_curve,
+    duration,
+    markdown_report,
+    money,
+    plot_cost,
+    plot_curves,
+    text_report,
+)
+
+GOLDEN = Path(__file__).parent / "golden"
+T0 = 1_700_000_000.0
+PRICE = 1.2e-5  # $ per worker-second (about an ACI container of 1 vCPU, 2 GB)
+TERMS = {"startup_s": 4.5, "epoch_overhead_s": 0.31, "gap_s": 0.12, "provision_s": 1.0, "teardown_s": 2.0,
+         "stop_s": 1.0, "warmup_s": 0.4, "exposed_s": None,
+         "measured": {"startup_s": True, "epoch_overhead_s": True, "gap_s": False, "provision_s": False,
+                      "teardown_s": False, "stop_s": False, "warmup_s": False}}
+
+
+def row(resource, kind, start, stop, *, status="completed", epoch=None, price=PRICE, offer="aci-cpu"):
+    """One ledger row as `CostRecord.to_dict` writes it."""
+    return {"run_id": "r", "resource": resource, "kind": kind, "offer": offer, "start": T0 + start,
+            "stop": T0 + stop, "unit_price_per_s": price, "status": status, "epoch": epoch, "rank": None,
+            "attempt": None, "worker": "", "seconds": round(stop - start, 6), "usd": (stop - start) * price}
+
+
+def ledger(rows):
+    return {"run_id": "r", "total_usd": sum(r["usd"] for r in rows), "rows": rows}
+
+
+def epoch(i, workers, loss, acc, seconds, cost, **kw):
+    return EpochSummary(epoch=i, workers=workers, train_loss=loss, val_loss=loss * 1.1, val_accuracy=acc,
+                        seconds=seconds, samples_per_s=1437 / seconds, cost_usd=cost, predicted_epoch_s=1.1,
+                        predicted_iteration_s=0.021, measured_iteration_s=0.024, **kw)
+
+
+def local_sgd_run():
+    alts = ({"strategy": "local_sgd", "data_parallel": 2, "stages": 1, "workers": 2, "cuts": [], "microbatches": 4,
+             "pipeline_schedule": None, "chunks": 1, "predicted_iteration_s": 0.0211, "predicted_epoch_s": 1.12,
+             "predicted_cost_per_epoch_usd": 2.69e-5, "predicted_run_s": 14.2, "predicted_run_cost_usd": 0.000571,
+             "chosen": True},
+            {"strategy": "pipeline", "data_parallel": 1, "stages": 2, "workers": 2, "cuts": [1], "microbatches": 4,
+             "pipeline_schedule": "gpipe", "chunks": 1, "predicted_iteration_s": 0.0405, "predicted_epoch_s": 3.9,
+             "predicted_cost_per_epoch_usd": 9.36e-5, "predicted_run_s": 25.8, "predicted_run_cost_usd": 0.00102,
+             "chosen": False})
+    plan = Plan(strategy="local_sgd", data_parallel=2, sync_period=None, steps_per_epoch=45, batch_size=16,
+                microbatches=4, offer="aci-cpu", price_per_worker_s=PRICE, predicted_iteration_s=0.0211,
+                predicted_epoch_s=1.12, predicted_cost_per_epoch_usd=2.69e-5, predicted_first_epoch_s=5.9,
+                predicted_run_s=14.2, predicted_run_cost_usd=0.000571, run_terms=TERMS, alternatives=alts,
+                co_optimizer={"used": False, "reason": "the target offers one worker size (2 GB)"}).to_dict()
+    rows = [row("coordinator", "coordinator", 0, 15.3)]
+    for r in (0, 1):
+        rows += [row(f"worker r{r} (warm)", "worker", 1.0, 5.6, status="startup", epoch=0),
+                 row(f"worker r{r} (warm)", "worker", 5.6, 10.1, status="busy", epoch=0),
+                 row(f"worker r{r} (warm)", "worker", 10.1, 10.4, status="idle", epoch=1),
+                 row(f"worker r{r} (warm)", "worker", 10.4, 11.6, status="busy", epoch=1),
+                 row(f"worker r{r} (warm)", "worker", 11.6, 12.6, status="idle")]
+    summary = RunSummary(run_id="run-localsgd-01", status="completed", final_loss=0.241, final_accuracy=0.9312,
+                         total_cost_usd=sum(r["usd"] for r in rows), plan=plan, store_url="file:///tmp/zooid/store",
+                         epochs=[epoch(0, 2, 0.812, 0.874, 4.49, 0.000108, prestarted=False,
+                                       startup={"hidden_s": 0.0, "exposed_s": 4.6, "idle_s": 0.0},
+                                       worker_pids={"0": 101, "1": 102}),
+                                 epoch(1, 2, 0.219, 0.9312, 1.21, 2.9e-5, prestarted=True,
+                                       startup={"hidden_s": 0.0, "exposed_s": 0.0, "idle_s": 0.3},
+                                       worker_pids={"0": 101, "1": 102},
+                                       replan={"calibration": {"step_scale": 1.14, "layer_scale": None,
+                                                               "sync_scale": 0.9, "transfer_scale": None},
+                                               "switched": False, "reason": "the plan in force is still the best"})],
+                         worker_seconds={"startup": 9.2, "busy": 11.4, "idle": 2.6, "profile": 0.0, "cold": 0.0,
+                                         "failed": 0.0})
+    return summary, ledger(rows)
+
+
+def pipeline_run():
+    """A 2-stage pipeline the co-optimiser chose (1/4 GB stages) over a uniform Local-SGD plan;
+    the schedule comparison repeats the chosen gpipe row (the planner's own list holds it too)."""
+    common = {"data_parallel": 1, "stages": 2, "workers": 2, "cuts": [2], "microbatches": 4, "chunks": 1}
+    alts = ({**common, "strategy": "pipeline", "pipeline_schedule": "gpipe", "predicted_iteration_s": 0.0312,
+             "predicted_epoch_s": 0.71, "predicted_cost_per_epoch_usd": 1.7e-5, "predicted_run_s": 12.1,
+             "predicted_run_cost_usd": 0.00043, "chosen": True},
+            {"strategy": "local_sgd", "data_parallel": 4, "stages": 1, "workers": 4, "cuts": [], "microbatches": 4,
+             "pipeline_schedule": None, "chunks": 1, "predicted_iteration_s": 0.0229, "predicted_epoch_s": 0.55,
+             "predicted_cost_per_epoch_usd": 2.64e-5, "predicted_run_s": 11.0, "predicted_run_cost_usd": 0.00061,
+             "chosen": False},
+            {**common, "strategy": "pipeline", "pipeline_schedule": "1f1b", "compared": "schedule", "fits": True,
+             "predicted_iteration_s": 0.0321, "predicted_epoch_s": 0.73, "predicted_cost_per_epoch_usd": 1.75e-5,
+             "predicted_run_s": 12.3, "predicted_run_cost_usd": 0.000441, "chosen": False},
+            {**common, "strategy": "pipeline", "pipeline_schedule": "interleaved", "chunks": 2,
+             "compared": "schedule", "fits": False, "predicted_iteration_s": 0.0298, "predicted_epoch_s": 0.69,
+             "predicted_cost_per_epoch_usd": 1.66e-5, "predicted_run_s": 11.9, "predicted_run_cost_usd": 0.000425,
+             "chosen": False},
+            {**common, "strategy": "pipeline", "pipeline_schedule": "gpipe", "compared": "co-optimiser",
+             "stage_memory_gb": [1.0, 4.0], "predicted_iteration_s": 0.0303, "predicted_epoch_s": 0.303,
+             "predicted_cost_per_epoch_usd": 1.51e-5, "predicted_run_s": 9.8, "predicted_run_cost_usd": 0.000392,
+             "chosen": True},
+            {**common, "strategy": "pipeline", "pipeline_schedule": "gpipe", "compared": "schedule", "fits": True,
+             "predicted_iteration_s": 0.0312, "predicted_epoch_s": 0.71, "predicted_cost_per_epoch_usd": 1.7e-5,
+             "predicted_run_s": 12.1, "predicted_run_cost_usd": 0.00043, "chosen": True})
+    co = {"used": True, "sizes_gb": [1.0, 2.0, 4.0, 8.0], "solver": "exact",
+          "rule": "the fastest, and within 5% of it the cheapest",
+          "assumption": "CPU in proportion to memory (function offer)",
+          "reason": "4 worker sizes: the fastest, and within 5% of it the cheapest",
+          "uniform": {"strategy": "local_sgd", "data_parallel": 4, "stages": 1, "cuts": [], "worker_memory_gb": 2.0,
+                      "stage_memory_gb": [], "predicted_epoch_s": 0.542, "predicted_cost_per_epoch_usd": 2.97e-5},
+          "co_optimised": {"strategy": "pipeline", "data_parallel": 1, "stages": 2, "cuts": [2], "worker_memory_gb": 4.0,
+                           "stage_memory_gb": [1.0, 4.0], "predicted_epoch_s": 0.303,
+                           "predicted_cost_per_epoch_usd": 1.51e-5, "t_iter_s": 0.0281, "c_iter_usd": 1.3e-7,
+                           "epoch_s": 0.281, "cost_per_epoch_usd": 1.3e-5},
+          "uniform_by_size": [{"memory_gb": 1.0, "fits": False}]}
+    plan = Plan(strategy="pipeline", data_parallel=1, stages=2, cuts=(2,), microbatches=4, pipeline_schedule="gpipe",
+                steps_per_epoch=90, batch_size=16, worker_memory_gb=4.0, stage_memory_gb=(1.0, 4.0),
+                offer="lambda-1gb", price_per_worker_s=1.7e-5, predicted_iteration_s=0.0303, predicted_epoch_s=0.303,
+                predicted_cost_per_epoch_usd=1.51e-5, predicted_first_epoch_s=4.1, predicted_run_s=9.8,
+                predicted_run_cost_usd=0.000392, run_terms=TERMS, alternatives=alts, co_optimizer=co).to_dict()
+    rows = [row("coordinator", "coordinator", 0, 11.0, price=1.7e-5, offer="lambda-1gb")]
+    for r in (0, 1):
+        rows += [row(f"worker e0 r{r} a0", "worker", 1.2, 6.0 + r, status="completed", epoch=0, price=1.7e-5,
+                     offer="lambda-1gb"),
+                 row(f"worker e1 r{r} a0", "worker", 6.1, 7.0 + r, status="completed", epoch=1, price=1.7e-5,
+                     offer="lambda-1gb")]
+    rows.append(row("worker e1 r1 a1", "failed_attempt", 6.0, 6.4, status="failed:oom", epoch=1, price=1.7e-5,
+                    offer="lambda-1gb"))
+    summary = RunSummary(run_id="run-pipeline-02", status="target_reached", final_loss=0.35, final_accuracy=0.905,
+                         total_cost_usd=sum(r["usd"] for r in rows), plan=plan, store_url="s3://zooid/runs",
+                         epochs=[epoch(0, 2, 0.9, 0.81, 4.8, 0.000166, stages=2),
+                                 epoch(1, 2, 0.33, 0.905, 0.98, 5.6e-5, stages=2,
+                                       relaunches=[{"rank": 1, "kind": "oom"}])],
+                         worker_seconds={"cold": 13.6, "failed": 0.4})
+    return summary, ledger(rows)
+
+
+def cancelled_run():
+    """Cancelled in its second epoch: one epoch done, a cancelled attempt and start-up billed."""
+    plan = Plan(strategy="local_sgd", data_parallel=4, sync_period=8, steps_per_epoch=23, batch_size=16,
+                offer="aci-cpu", price_per_worker_s=PRICE, predicted_iteration_s=0.024, predicted_epoch_s=0.9,
+                predicted_cost_per_epoch_usd=4.32e-5, predicted_first_epoch_s=5.4, predicted_run_s=130.0,
+                predicted_run_cost_usd=0.0061, run_terms=TERMS).to_dict()
+    rows = [row("coordinator", "coordinator", 0, 9.7)]
+    for r in range(4):
+        rows += [row(f"worker r{r} (warm)", "worker", 0.8, 5.3, status="startup", epoch=0),
+                 row(f"worker r{r} (warm)", "worker", 5.3, 6.4, status="busy", epoch=0),
+                 row(f"worker r{r} (warm)", "worker", 6.4, 8.1, status="cancelled", epoch=1)]
+    summary = RunSummary(run_id="run-cancelled-03", status="cancelled", final_loss=1.02, final_accuracy=None,
+                         total_cost_usd=sum(r["usd"] for r in rows), plan=plan, store_url="file:///tmp/zooid/store",
+                         epochs=[EpochSummary(epoch=0, workers=4, train_loss=1.02, seconds=1.1, samples_per_s=1306.0,
+                                              cost_usd=5.3e-5, predicted_epoch_s=0.9)],
+                         error="cancelled from the UI during epoch 1", worker_seconds={"startup": 18.0, "busy": 4.4})
+    return summary, ledger(rows)
+
+
+RUNS = {"local_sgd": local_sgd_run, "pipeline": pipeline_run, "cancelled": cancelled_run}
+
+
+def renderings(name: str) -> dict[str, str]:
+    summary, led = RUNS[name]()
+    return {f"{name}.txt": text_report(summary, led) + "\n",
+            f"{name}.md": markdown_report(summary, led["rows"], None, cost_plot=False) + "\n"}
+
+
+def check_golden(filename: str, actual: str) -> None:
+    """Compare with tests/golden/<filename>; with ZOOID_UPDATE_GOLDEN=1, rewrite it instead."""
+    path = GOLDEN / filename
+    if os.environ.get("ZOOID_UPDATE_GOLDEN") == "1":
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(actual)
+    assert path.exists(), f"{path} missing: run with ZOOID_UPDATE_GOLDEN=1 to write it"
+    assert actual == path.read_text(), f"{filename} differs from its golden file (ZOOID_UPDATE_GOLDEN=1 rewrites it)"
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_reports_match_their_golden_files(name):
+    for filename, actual in renderings(name).items():
+        check_golden(filename, actual)
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_no_python_reprs_and_text_fits_the_pane(name):
+    for filename, out in renderings(name).items():
+        for repr_ in ("None", "()", "[]", "{}", "True", "False", "nan"):
+            assert repr_ not in out, f"{filename}: {repr_!r} in\n{out}"
+        assert not re.search(r"\de[-+]?\d", out), f"{filename}: a number in scientific notation"
+        if filename.endswith(".txt"):
+            assert all(len(line) <= MAX_WIDTH for line in out.splitlines()), \
+                max(out.splitlines(), key=len)
+        else:  # a markdown table's row: its cells and separators no wider than the pane
+            rows = [line for line in out.splitlines() if line.startswith("| ") and "data:image" not in line]
+            assert all(len(line) <= MAX_WIDTH for line in rows), max(rows, key=len)
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_the_headline_comes_first_and_the_title_says_the_status(name):
+    summary, led = RUNS[name]()
+    txt, md = text_report(summary, led).splitlines(), markdown_report(summary, led["rows"], None, cost_plot=False)
+    assert txt[0] == f"Zooid run {summary.run_id}: {summary.status}"
+    assert txt[1].startswith(summary.status + ": ")
+    assert "predicted" in txt[2] and money(summary.total_cost_usd) in txt[2] and "wall time" in txt[2]
+    assert md.splitlines()[0] == f"# Zooid run `{summary.run_id}`: {summary.status}"
+    assert "workers ran on" not in "\n".join(txt)  # no cloud clock rows here
+
+
+def test_a_cancelled_run_is_titled_cancelled_and_its_wall_time_comes_from_the_coordinator():
+    summary, led = cancelled_run()
+    out = text_report(summary, led)
+    assert out.splitlines()[0].endswith(": cancelled") and "failed" not in out.splitlines()[0]
+    assert "wall time 9.70 s (predicted 2.17 min)" in out
+
+
+@pytest.mark.parametrize("usd, shown", [(0.000592, "$0.000592"), (1.234, "$1.23"), (0.0, "$0"), (None, "-"),
+                                        (4.682360755e-08, "$0.0000000468"), (12.345, "$12.3"), (0.0009996, "$0.00100"),
+                                        (1234.5, "$1,230"), (-0.5, "-$0.500")])
+def test_money_is_dollars_to_three_significant_digits(usd, shown):
+    assert money(usd) == shown
+
+
+@pytest.mark.parametrize("seconds, shown", [(0.000592, "0.592 ms"), (0.5421, "542 ms"), (0.9996, "1.00 s"),
+                                            (54.23, "54.2 s"), (120.0, "120 s"), (150.0, "2.50 min"),
+                                            (7300.0, "2.03 h"), (0, "0 s"), (None, "-")])
+def test_times_carry_their_unit(seconds, shown):
+    assert duration(seconds) == shown
+
+
+def test_alternatives_are_each_shown_once_and_exactly_one_is_chosen():
+    summary, _ = pipeline_run()
+    rows = alternatives(summary.plan)
+    keys = [(a["strategy"], a.get("pipeline_schedule"), a.get("chunks"), a["data_parallel"], a["stages"],
+             tuple(a.get("stage_memory_gb") or ())) for a in rows]
+    assert len(keys) == len(set(keys)) == 5  # the repeated gpipe row once
+    assert [a.get("stage_memory_gb") for a in rows if a["chosen"]] == [[1.0, 4.0]]
+    gpipe = [a for a in rows if a.get("pipeline_schedule") == "gpipe" and not a.get("stage_memory_gb")]
+    assert len(gpipe) == 1 and gpipe[0]["chosen"] is False
+    assert all(s in text_report(summary) for s in ("gpipe", "1f1b", "interleaved x2 (does not fit)"))
+    table = alternatives_table(summary.plan, markdown=True)
+    tables = sum(1 for line in table if line.startswith("|  | strategy |"))  # a wide table splits in two
+    assert tables >= 1 and sum(1 for line in table if line.startswith("| chosen |")) == tables
+
+
+def test_a_plan_missing_from_its_alternatives_is_added_as_the_chosen_row():
+    summary, _ = local_sgd_run()
+    plan = {**summary.plan, "alternatives": [{**a, "chosen": False} for a in summary.plan["alternatives"][1:]]}
+    rows = alternatives(plan)
+    assert [a["strategy"] for a in rows if a["chosen"]] == ["local_sgd"] and len(rows) == 2
+
+
+def test_the_co_optimiser_verdict_follows_from_its_numbers():
+    summary, _ = pipeline_run()
+    out = " ".join(text_report(summary).split())  # lines wrapped at 120 characters joined
+    assert "Verdict: the co-optimised plan is 44% faster and 49% cheaper per epoch than the uniform one" in out
+    assert "so the run used the co-optimised plan." in out
+    co = {**summary.plan["co_optimizer"], "used": False}
+    out = " ".join(text_report(summary.model_copy(update={"plan": {**summary.plan, "co_optimizer": co}})).split())
+    assert "by the rule the co-optimised plan wins, yet the run used the uniform plan" in out
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_the_cost_curve_covers_the_whole_ledger_from_zero_to_its_total(name):
+    _, led = RUNS[name]()
+    points = cost_curve(led["rows"])
+    assert points[0] == (0.0, 0.0)
+    assert points[-1][1] == pytest.approx(led["total_usd"], rel=1e-12)
+    assert points[-1][0] == pytest.approx(max(r["stop"] for r in led["rows"]) - T0)
+    assert all(b[0] >= a[0] and b[1] >= a[1] for a, b in itertools.pairwise(points))  # time and bill only grow
+    # the coordinator alone is more than the epochs' cost: the curve is not the epochs' sum
+    assert points[-1][1] > sum(e.cost_usd for e in RUNS[name]()[0].epochs)
+
+
+def test_the_plots_are_pngs():
+    summary, led = local_sgd_run()
+    epochs = [e.model_dump() for e in summary.epochs]
+    for png in (plot_curves(epochs), plot_curves(epochs, led["rows"]), plot_cost(led["rows"])):
+        assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    md = markdown_report(summary, led["rows"], plot_curves(epochs))
+    assert len(re.findall(r"!\[[^]]*\]\(data:image/png;base64,", md)) == 2
+
+
+def test_the_readme_documents_every_job_field():
+    from tasks.job import TrainJob
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    table = readme.split("| parameter | default | meaning |", 1)[1].split("\n\n", 1)[0]
+    documented = {name for line in table.splitlines()[2:] for name in re.findall(r"`(\w+)`", line.split(" | ")[0])}
+    assert documented == set(TrainJob.model_fields)
+    assert "package.module:function" not in readme and "package.module:factory" in table
+
+
+def test_a_run_that_failed_before_its_plan_still_reads_cleanly():
+    summary = RunSummary(run_id="run-failed-04", status="failed", error="profile: mat1 and mat2 shapes cannot be "
+                         "multiplied (16x192 and 64x128) " + "x" * 150)
+    led = ledger([row("coordinator", "coordinator", 0, 3.2), row("worker r0 a0", "failed_attempt", 0.5, 2.5,
+                                                                 status="failed:profile")])
+    summary = summary.model_copy(update={"total_cost_usd": led["total_usd"]})
+    out = text_report(summary, led)
+    md = markdown_report(summary, led["rows"], None, cost_plot=False)
+    assert out.splitlines()[:3] == ["Zooid run run-failed-04: failed", "failed: no epoch completed",
+                                    "wall time 3.20 s (predicted -); total cost $0.0000624 (predicted -)"]
+    assert "No plan was made." in out and "No plan was made." in md
+    for rendering in (out, md):
+        assert not any(r in rendering for r in ("None", "()", "[]", "True", "False"))
+    assert all(len(line) <= MAX_WIDTH for line in out.splitlines())
