@@ -25,13 +25,13 @@ def _max_overlap(intervals: list[tuple[float, float]]) -> int:
 
 def test_three_concurrent_runs_are_isolated_and_capped(tmp_path):
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
     from prefect.settings import PREFECT_API_URL
 
+    from deployments.bootstrap import ensure_concurrency_limit
     from tasks.launchers import PAID_WORKERS_LIMIT
 
-    with get_client(sync_client=True) as client:
-        client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=PAID_WORKERS_LIMIT, limit=4))
+    with get_client(sync_client=True) as client:  # another test of the session may have made it: resize it
+        ensure_concurrency_limit(client, 4)
     try:
         store = tmp_path / "store"
         env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
