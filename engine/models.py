@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import importlib
 import inspect
+import math
 import sys
 import threading
 from typing import Any, Callable
@@ -217,3 +218,82 @@ def input_shape(model_name: str, dataset: str | None = None, **kwargs: Any) -> t
         size = kwargs.get("image_size", 32)
         return (kwargs.get("in_channels", 3), size, size)
     raise ZooidValueError("dataset", f"give a dataset to know the input shape of {model_name!r}")
+
+
+# --- does a model fit a dataset? (checked on the coordinator before anything is rented) ----------
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def expected_input(model: nn.Module) -> str | None:
+    """The per-sample input the model's first layer takes, where it says (`64`, `3xHxW`); None
+    where it does not (its first layer is neither a Linear nor a convolution)."""
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            return str(module.in_features)
+        if isinstance(module, nn.Conv1d):
+            return f"{module.in_channels}xL"
+        if isinstance(module, nn.Conv2d):
+            return f"{module.in_channels}xHxW"
+        if isinstance(module, nn.Conv3d):
+            return f"{module.in_channels}xDxHxW"
+        if isinstance(module, nn.Unflatten) and module.dim == 1:  # flat rows, reshaped by the model
+            return str(math.prod(module.unflattened_size))
+    return None
+
+
+META_ABOVE_ELEMENTS = 16384
+"""Samples larger than this are checked on the `meta` device (shapes only, no arithmetic; its
+first use imports about a second of torch); smaller ones by one real forward on the CPU."""
+
+
+def _output_shape(model: nn.Module, x: torch.Tensor) -> tuple[int, ...]:
+    model.eval()  # BatchNorm on one row, dropout off
+    with torch.no_grad():
+        out = model(x)
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"the model returned {type(out).__name__}, not a tensor of class scores")
+    return tuple(out.shape)
+
+
+def model_fit(name: str, sample: torch.Tensor, classes: int, seed: int = 0) -> tuple[str | None, str | None]:
+    """Whether model `name` takes `sample` (one dataset row, batched: `1 x shape`) and scores at
+    least `classes` classes, cheaply: the model is built on the `meta` device (no weights drawn),
+    then given the row on the CPU with uninitialised weights under `torch.no_grad` (a large row:
+    on `meta`, shapes only). A model given by import path that cannot be built or run that way is
+    built on the CPU and run once on the row. Returns `(problem, expected)`: `problem` None when
+    it fits, else one line; `expected` the input its first layer takes, where it says."""
+    factory = resolve_model(name)
+    rows, expected = len(sample), None
+    device = "meta" if sample[0].numel() > META_ABOVE_ELEMENTS else "cpu"
+    try:
+        with _SEED_LOCK, torch.random.fork_rng(devices=[]), torch.device("meta"):
+            model = factory()
+        expected = expected_input(model)
+        if device == "cpu":
+            model = model.to_empty(device="cpu")
+        shape = _output_shape(model, sample if device == "cpu" else torch.empty(sample.shape, dtype=sample.dtype,
+                                                                              device="meta"))
+    except Exception as exc:
+        if ":" not in name:  # the registry's models build and run this way: the shape is at fault
+            return _first_line(exc), expected
+        try:  # a user's model may need real weights: built for real, one forward on the CPU
+            model = build_model(name, seed)
+            expected = expected or expected_input(model)
+            shape = _output_shape(model, sample)
+        except Exception as exc2:  # a user's model can fail any way; that is the mismatch
+            return _first_line(exc2), expected
+    if len(shape) != 2 or shape[0] != rows:
+        return (f"gives outputs of shape {'x'.join(map(str, shape)) or 'scalar'} for {rows} row(s), "
+                f"not {rows} x classes"), expected
+    if shape[-1] < classes:
+        return f"scores {shape[-1]} classes, the dataset has {classes}", expected
+    return None, expected
+
+
+def models_that_fit(sample: torch.Tensor, classes: int) -> list[str]:
+    """The registry models that take `sample` and score at least `classes` classes."""
+    return [name for name in REGISTRY if model_fit(name, sample, classes)[0] is None]

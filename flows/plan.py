@@ -2,6 +2,13 @@
 strategy would cost, without provisioning anything.
 
     python -m flows.plan --param model=digits_cnn --param workers=4
+    python -m flows.plan --param model=digits_cnn --param rent=false
+
+To measure the profile it rents one worker on the target (unless the profile is cached), and says
+so before it starts, with what that is predicted to cost. With `rent=false` it rents nothing: it
+plans from a cached profile of the same device class and says where and when that was taken, or
+stops with one line naming `rent` when there is none (planning from the catalog's figures alone
+is not done yet).
 
 For each candidate (Local-SGD, pipeline, hybrid D x M at the job's worker budget) it reports
 the predicted iteration time, epoch time, cost per epoch and throughput per dollar, and which
@@ -10,17 +17,25 @@ co-optimiser compared (or, with one size, why it was not needed).
 """
 from __future__ import annotations
 
+import inspect
 import sys
 import uuid
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
+from core.errors import ZooidValueError
 from flows.params import job_fields_flow, job_fields_from_args
 from tasks.context import RunContext, run_id_for
 from tasks.job import TrainJob
 from tasks.plan import plan as plan_task
-from tasks.profile import profile
+from tasks.profile import (
+    cached_profile,
+    profile,
+    profile_estimate,
+    show_profile,
+    will_rent,
+)
 from tasks.report import artifact_key, co_optimizer_lines
 from tasks.validate import check_target_ready, validate_job
 
@@ -54,14 +69,53 @@ def plan_report(job: TrainJob, chosen: dict) -> str:
                       *([""] + co_optimizer_lines(chosen["co_optimizer"]) if chosen.get("co_optimizer") else [])])
 
 
-def dry_run(job: TrainJob) -> dict:
-    """Profile and plan `job` without provisioning; return the chosen plan and its alternatives."""
+def _seconds(est: dict, name: str) -> str:
+    return f"{est[name]:.3g} s{'' if est['measured'][name] else ' (assumed)'}"
+
+
+def rent_notice(ctx: RunContext) -> str:
+    """The line the dry run says before it starts: what it will rent and what that is predicted to cost."""
+    r = ctx.resolved
+    if not will_rent(ctx):
+        return (f"zooid dry run: the profile of {ctx.job.model} on target {r.target_name!r} is cached; "
+                "nothing will be rented")
+    est = profile_estimate(ctx)
+    return (f"zooid dry run: will rent one profiling worker on target {r.target_name!r} (offer {r.offer.name}, "
+            f"{r.target.worker_vcpu:g} vCPU, {r.target.worker_memory_gb:g} GB"
+            f"{f', {r.target.worker_gpu} GPU' if r.target.worker_gpu else ''}) to measure {ctx.job.model} and the "
+            f"store, then stop it: estimated ${est['usd']:.3g} (start-up {_seconds(est, 'startup_s')} + profile "
+            f"{_seconds(est, 'profile_s')} + stop {_seconds(est, 'stop_s')} at ${est['price_per_s']:.3g}/s; an "
+            "estimate: the bill is measured); rent=false rents nothing and plans from a cached profile")
+
+
+def _rent_flag(rent) -> bool:
+    if isinstance(rent, str):
+        if rent.strip().lower() in ("true", "1", "yes"):
+            return True
+        if rent.strip().lower() in ("false", "0", "no"):
+            return False
+        raise ZooidValueError("rent", f"must be true or false, got {rent!r}")
+    return bool(rent)
+
+
+def dry_run(job: TrainJob, rent: bool = True) -> dict:
+    """Profile and plan `job` without provisioning; return the chosen plan and its alternatives.
+    `rent` False: rent nothing, plan from a cached profile (`tasks.profile.cached_profile`)."""
     from prefect.runtime import flow_run
 
+    rent = _rent_flag(rent)
     resolved = validate_job(job)
-    check_target_ready(resolved)
+    if rent:
+        check_target_ready(resolved)
     ctx = RunContext(run_id=run_id_for(flow_run.id or uuid.uuid4().hex), job=job, resolved=resolved, dry_run=True)
-    prof = ctx.state.profile = profile(ctx)
+    if rent:
+        print(rent_notice(ctx))
+        prof = ctx.state.profile = profile(ctx)
+    else:
+        prof, note = cached_profile(ctx)
+        ctx.state.profile = prof
+        print(note)
+        show_profile(prof)
     chosen = plan_task(ctx, prof).to_dict()
     markdown = plan_report(job, chosen)
     create_markdown_artifact(key=artifact_key(ctx.run_id, "plan"), markdown=markdown,
@@ -71,13 +125,35 @@ def dry_run(job: TrainJob) -> dict:
 
 
 @flow(name="plan", result_serializer="json", log_prints=True)
-def plan(job: TrainJob = TrainJob()) -> dict:
-    """Profile and plan `job` without provisioning; return the chosen plan and its alternatives."""
-    return dry_run(job)
+def plan(job: TrainJob = TrainJob(), rent: bool = True) -> dict:
+    """Profile and plan `job` without provisioning; return the chosen plan and its alternatives.
+    `rent` false: rent no profiling worker, plan from a cached profile of the same device class."""
+    return dry_run(job, rent)
 
 
-plan_with_params = job_fields_flow(dry_run, name="plan", result_serializer="json", log_prints=True,
-                                   description="Dry run: profile and plan a Zooid job, provision nothing.")
+RENT_DESCRIPTION = ("Rent one worker on the target to take the profile when it is not cached; false: rent "
+                    "nothing, plan from a cached profile of the same device class")
+
+
+def _with_rent(fields_flow):
+    """The job-fields flow `fields_flow` (`flows.params.job_fields_flow`) plus a `rent` parameter
+    (default true) passed to `dry_run`."""
+    base = inspect.signature(fields_flow.fn)
+
+    def run(rent: bool = True, **fields):
+        return dry_run(TrainJob(**fields), rent)
+
+    run.__name__ = fields_flow.fn.__name__
+    run.__signature__ = base.replace(parameters=[
+        *base.parameters.values(), inspect.Parameter("rent", inspect.Parameter.KEYWORD_ONLY, default=True,
+                                                     annotation=bool)])
+    run.__doc__ = f"{fields_flow.fn.__doc__}\n    rent: {RENT_DESCRIPTION}"
+    return flow(name=fields_flow.name, description=fields_flow.description, validate_parameters=False,
+                result_serializer="json", log_prints=True)(run)
+
+
+plan_with_params = _with_rent(job_fields_flow(dry_run, name="plan", result_serializer="json", log_prints=True,
+                                              description="Dry run: profile and plan a Zooid job, provision nothing."))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,7 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--param", action="append", default=[], metavar="NAME=VALUE")
     args = parser.parse_args(argv)
     try:
-        plan(TrainJob(**job_fields_from_args(args.param)))
+        fields = job_fields_from_args(args.param)
+        rent = fields.pop("rent", True)
+        plan(TrainJob(**fields), _rent_flag(rent))
     except ValidationError as exc:
         print(f"error: {format_validation_error(exc)}", file=sys.stderr)
         return 2

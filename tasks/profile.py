@@ -21,7 +21,11 @@ The run log says what was measured, what came from the cache and how long it too
 """
 from __future__ import annotations
 
+import json
+import re
+import statistics
 import time
+from datetime import UTC, datetime
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -30,7 +34,7 @@ from core.errors import ZooidValueError
 from profiling.profile_job import ProfileRequest
 from tasks.context import RunContext
 from tasks.launchers import worker_threads
-from tasks.profile_cache import ProfileCache, model_key, store_key, target_key
+from tasks.profile_cache import CACHE_ROOT, ProfileCache, model_key, store_key, target_key
 from tasks.retry import task_options
 
 STORE_PROBE_TTL_S = 24 * 3600.0
@@ -124,19 +128,41 @@ def _store_probe_sizes(ctx: RunContext, prof: dict) -> dict:
     return {"max_bytes": float(largest), "activation_bytes": float(activation)}
 
 
+def _lookup(ctx: RunContext, cache: ProfileCache, tkey: str, store_max_age_s: float | None = STORE_PROBE_TTL_S):
+    """What the cache holds for `ctx`'s job on the target of key `tkey`: (identity, model profile,
+    store probe), each None where absent (the store probe also when older than `store_max_age_s`)."""
+    job = ctx.job
+    identity = cache.target_identity(tkey)
+    prof = store = None
+    if identity is not None:
+        mkey = model_key(ctx, identity, microbatch_size(job))
+        prof = cache.get("profiles", mkey)
+        store = cache.get("stores", store_key(mkey, ctx.store_ref, job.strategy != "local_sgd"), max_age_s=store_max_age_s)
+    return identity, prof, store
+
+
+def _assemble(identity: dict, prof: dict, store: dict, sources: dict, began: float) -> dict:
+    """The profile the planner reads: the model's, the store probe's figures and where they were taken."""
+    out = dict(prof)
+    out.update(identity=identity, device=identity["device"], device_name=identity["device_name"],
+               threads=identity["threads"], torch=identity["torch"],
+               store_bandwidth_bytes_per_s=store["bandwidth_bytes_per_s"], store_latency_s=store["latency_s"],
+               store_transfer=store["transfer"], checkpoint_s=store["checkpoint_s"],
+               synced_step_s=store["synced_step_s"], contention=store["contention"],
+               profile_sources=sources, profile_s=time.perf_counter() - began)
+    return out
+
+
 def _profile(ctx: RunContext) -> dict:
     """The model profile and store probe for `ctx`'s job, from the cache where it has them."""
     began = time.perf_counter()
     job, target = ctx.job, ctx.resolved.target
     cache = ProfileCache(ctx.open_durable)
     tkey = target_key(ctx, profile_threads(ctx))
-    identity = cache.target_identity(tkey)
-    prof = store = None
-    target_profiler = TargetProfiler(ctx)
+    identity, prof, store = _lookup(ctx, cache, tkey)
     if identity is not None:
         mkey = model_key(ctx, identity, microbatch_size(job))
-        prof = cache.get("profiles", mkey)
-        store = cache.get("stores", store_key(mkey, ctx.store_ref, job.strategy != "local_sgd"), max_age_s=STORE_PROBE_TTL_S)
+    target_profiler = TargetProfiler(ctx)
     sources, seconds = {"model": "cache", "store": "cache"}, {}
     try:
         if prof is None:
@@ -156,13 +182,9 @@ def _profile(ctx: RunContext) -> dict:
     finally:
         target_profiler.close()
     check_device(identity, target.worker_gpu)
-    out = dict(prof)
-    out.update(identity=identity, device=identity["device"], device_name=identity["device_name"],
-               threads=identity["threads"], torch=identity["torch"],
-               store_bandwidth_bytes_per_s=store["bandwidth_bytes_per_s"], store_latency_s=store["latency_s"],
-               store_transfer=store["transfer"], checkpoint_s=store["checkpoint_s"],
-               synced_step_s=store["synced_step_s"], contention=store["contention"],
-               profile_sources=sources, profile_s=time.perf_counter() - began)
+    out = _assemble(identity, prof, store, sources, began)
+    if seconds:
+        _record_profile_seconds(ctx, out["profile_s"])
     measured = ", ".join(f"{k} {'measured in ' + format(seconds[k + '_s'], '.1f') + ' s' if v == 'measured' else 'from the cache'}"
                          for k, v in sources.items())
     print(f"zooid profile of {job.model} on {identity['device']} ({identity['device_name']}, "
@@ -171,8 +193,38 @@ def _profile(ctx: RunContext) -> dict:
     return out
 
 
+# --- failures no retry fixes ------------------------------------------------------------------
+
+UNFIXABLE_ERRORS = frozenset({"ZooidValueError", "PlannerInputError", "ValueError", "TypeError", "IndexError",
+                              "AttributeError", "ImportError", "ModuleNotFoundError", "NotImplementedError"})
+"""Exceptions a profiling worker reports that a second worker would raise again: bad input."""
+
+SHAPE_ERROR = re.compile(r"shapes cannot be multiplied|size mismatch|must match the size|expected input|"
+                         r"Expected \d+D|to have \d+ channels|same reduction dim|unflatten|out of bounds|"
+                         r"dimension out of range|Given groups=|is invalid for input of size", re.IGNORECASE)
+"""A `RuntimeError` from torch that says the model does not take the data it was given."""
+
+
+def unfixable_reason(exc: BaseException) -> str | None:
+    """`ErrorType: first line` when the profiling worker failed for a reason no retry can fix
+    (the model does not take the data, bad input); None when a new worker may succeed (it died,
+    hung, or the store failed)."""
+    match = re.search(r"failed: (\w+): (.*)", str(exc), re.DOTALL)
+    if match is None:
+        return None
+    kind, lines = match.group(1), match.group(2).strip().splitlines()
+    first = lines[0].strip() if lines else ""
+    if kind in UNFIXABLE_ERRORS or (kind == "RuntimeError" and SHAPE_ERROR.search(first)):
+        return f"{kind}: {first}".rstrip(": ")
+    return None
+
+
 def profile(ctx: RunContext) -> dict:
     """Profile the job's model and store on the target (`tasks.profile` module docs).
+
+    A worker that died or hung is replaced once; a failure no retry can fix (`unfixable_reason`:
+    the model does not take the data, bad input) stops at once, as a `ZooidValueError` of one
+    line, with no second worker rented.
 
     Not a task itself: a worker it starts holds a paid-worker slot for its life, and a slot
     taken inside a task run is let go when the task ends; `show_profile` records the
@@ -180,10 +232,135 @@ def profile(ctx: RunContext) -> dict:
     try:
         prof = _profile(ctx)
     except RuntimeError as exc:  # the profiling worker died or hung: once more, on a new one
+        reason = unfixable_reason(exc)
+        if reason is not None:
+            raise _unfixable(ctx, reason) from None
         print(f"zooid: profiling failed ({exc}); once more on a new worker")
         prof = _profile(ctx)
     show_profile(prof)
     return prof
+
+
+def _unfixable(ctx: RunContext, reason: str) -> ZooidValueError:
+    """The one line of a profiling failure no retry fixes, naming the field at fault."""
+    job, r = ctx.job, ctx.resolved
+    data = f"dataset {job.dataset} (a sample is {'x'.join(map(str, r.input_shape))}, {r.classes} classes)"
+    kind, _, message = reason.partition(": ")
+    field, sep, rest = message.partition(": ")
+    if kind in ("ZooidValueError", "PlannerInputError") and sep and " " not in field:
+        return ZooidValueError(field, f"{rest} (found by the profiling worker, {job.model} on {data}; "
+                                      "not retried, no second worker rented)")
+    return ZooidValueError("model", f"{job.model} failed on the profiling worker with {data}: {reason}; "
+                                    "not retried (no retry can fix it), no second worker rented")
+
+
+# --- what the dry run rents, or plans from without renting ------------------------------------
+
+PROFILE_ASSUMED_S = {"inline": 6.0, "process": 8.0, "cloud": 20.0}
+"""Seconds a worker takes to profile a model and probe the store (after its start-up), until
+this target and offer measured one."""
+
+
+def _record_profile_seconds(ctx: RunContext, seconds: float) -> None:
+    """Add a measured profile's seconds to the target's samples (best effort, like the run terms)."""
+    from tasks.run_terms import KEEP, timings_key
+
+    try:
+        cache = ProfileCache(ctx.open_durable)
+        doc = cache.get("profile_times", timings_key(ctx)) or {}
+        cache.put("profile_times", timings_key(ctx), {"profile_s": (list(doc.get("profile_s") or []) + [seconds])[-KEEP:]})
+    except Exception as exc:
+        print(f"zooid: could not cache the profile's time: {type(exc).__name__}: {exc}")
+
+
+def profile_estimate(ctx: RunContext) -> dict:
+    """What renting one worker on the target to take the profile is predicted to cost: the
+    offer's price per second x (start-up + profile + stop), each the median this target and
+    offer measured before (`tasks.run_terms`), else assumed. An estimate: the bill is measured."""
+    from tasks.run_terms import load_terms, timings_key
+
+    terms = load_terms(ctx)
+    samples = (ProfileCache(ctx.open_durable).get("profile_times", timings_key(ctx)) or {}).get("profile_s") or []
+    kind = ctx.resolved.target.kind
+    profile_s = statistics.median(samples) if samples else PROFILE_ASSUMED_S.get(kind, PROFILE_ASSUMED_S["cloud"])
+    seconds = terms.startup_s + profile_s + terms.stop_s
+    price = ctx.price_per_worker_s
+    return {"startup_s": terms.startup_s, "profile_s": profile_s, "stop_s": terms.stop_s, "seconds": seconds,
+            "price_per_s": price, "usd": price * seconds,
+            "measured": {"startup_s": bool(terms.measured.get("startup_s")), "profile_s": bool(samples),
+                         "stop_s": bool(terms.measured.get("stop_s"))}}
+
+
+def will_rent(ctx: RunContext) -> bool:
+    """Whether `profile(ctx)` starts a worker: the cache lacks this target's profile of the
+    job's model or a store probe younger than a day."""
+    cache = ProfileCache(ctx.open_durable)
+    _, prof, store = _lookup(ctx, cache, target_key(ctx, profile_threads(ctx)))
+    return prof is None or store is None
+
+
+def _cached_doc(ctx: RunContext, kind: str, key: str) -> tuple[dict | None, float]:
+    """A cache document's value and when it was measured (seconds since the epoch)."""
+    store = ctx.open_durable()
+    try:
+        doc = json.loads(store.get(f"{CACHE_ROOT}/{kind}/{key}.json"))
+    except (KeyError, ValueError):
+        return None, 0.0
+    finally:
+        store.close()
+    return doc.get("value"), float(doc.get("measured_at") or 0.0)
+
+
+def _when(at: float) -> str:
+    return datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def cached_profile(ctx: RunContext) -> tuple[dict, str]:
+    """The job's profile from the cache, renting nothing (the dry run's `rent=false`): taken on
+    this target's workers if it was (its store probe however old), else on another target's
+    workers of the same device class (`cuda` for a target with GPUs, else `cpu`), newest first.
+    Returns the profile and one line saying where and when it was taken and how far to trust the
+    plan; a ZooidValueError naming `rent` when the cache has none."""
+    began = time.perf_counter()
+    job, target = ctx.job, ctx.resolved.target
+    device = "cuda" if target.worker_gpu > 0 else "cpu"
+    own_key = target_key(ctx, profile_threads(ctx))
+    store = ctx.open_durable()
+    try:
+        keys = [k for k in store.list(f"{CACHE_ROOT}/targets/") if k.endswith(".json")]
+    finally:
+        store.close()
+    own = f"{CACHE_ROOT}/targets/{own_key}.json"
+    candidates = []
+    for key in sorted(keys, key=lambda k: k != own):  # this target's own first
+        identity, at = _cached_doc(ctx, "targets", key[len(CACHE_ROOT) + len("/targets/"):-len(".json")])
+        if identity and (key == own or identity.get("device") == device):
+            candidates.append((key != own, -at, identity))
+    for other, _, identity in sorted(candidates, key=lambda c: c[:2]):
+        mkey = model_key(ctx, identity, microbatch_size(job))
+        prof, prof_at = _cached_doc(ctx, "profiles", mkey)
+        probe, probe_at = _cached_doc(ctx, "stores", store_key(mkey, ctx.store_ref, job.strategy != "local_sgd"))
+        if prof is None or probe is None:
+            continue
+        check_device(identity, target.worker_gpu)
+        out = _assemble(identity, prof, probe, {"model": "cache", "store": "cache"}, began)
+        age_h = (time.time() - probe_at) / 3600
+        trust = ("on this target's own workers: epoch times as good as a fresh profile's" if not other else
+                 f"on another target's {identity['device']} workers ({identity['threads']} thread(s)), not this "
+                 f"target's ({profile_threads(ctx)} thread(s)): epoch times are uncertain by the "
+                 "difference between the two machines, until the first epoch calibrates them")
+        note = (f"zooid dry run: planned from a cached profile of {job.model} on {identity['device']} "
+                f"({identity['device_name']}, torch {identity['torch']}) taken {_when(prof_at)}, {trust}; "
+                f"store figures from {_when(probe_at)}" + (f" ({age_h:.0f} h old: the store's speed may have "
+                                                             "drifted)" if age_h > STORE_PROBE_TTL_S / 3600 else "")
+                + "; nothing rented")
+        return out, note
+    est = profile_estimate(ctx)
+    raise ZooidValueError("rent", f"is false and no profile of {job.model} (this batch and optimizer) is cached for a "
+                          f"{device} worker in {ctx.durable_ref.split('@')[-1]}; with rent=true the dry run rents one "
+                          f"profiling worker on target {ctx.resolved.target_name!r} (estimated ${est['usd']:.3g}), "
+                          "or train once, and later dry runs rent nothing (a plan from the catalog's figures alone "
+                          "is not available yet)")
 
 
 @task(name="profile", cache_policy=NO_CACHE, **task_options(retries=0, timeout_s=60))

@@ -2,7 +2,8 @@
 
 Pydantic already refused wrong types, non-positive sizes and NaN; this step checks what needs
 the registries, the dataset and the network: the model factory, the dataset and its size
-against the batch, the strategy, the compute target, the billing offer and the store (pinged).
+against the batch, whether the model takes the dataset's samples and scores its classes (built
+without weights, no training step), the strategy, the compute target, the billing offer and the store (pinged).
 Every failure is a `ZooidValueError` naming the field. Nothing is written anywhere.
 """
 from __future__ import annotations
@@ -95,6 +96,28 @@ def check_pipeline_shape(job: TrainJob) -> None:
         raise ZooidValueError("microbatches", f"{job.microbatches} does not divide batch_size {job.batch_size}")
 
 
+def _shape_text(shape) -> str:
+    return "x".join(str(d) for d in shape) or "a scalar"
+
+
+def check_model_fits(job: TrainJob, data, classes: int) -> None:
+    """The model takes the dataset's samples and scores all its classes: built without its
+    weights (`engine.models.model_fit`: the `meta` device, one row on the CPU, no gradients),
+    on this machine, before anything is rented. A mismatch is one line naming `model` and
+    `dataset`, their shapes, and the registry models that fit the dataset."""
+    from engine.models import model_fit, models_that_fit
+
+    sample = data.train_x[:1]
+    problem, expected = model_fit(job.model, sample, classes, job.seed)
+    if problem is None:
+        return
+    fit = [m for m in models_that_fit(sample, classes) if m != job.model]
+    takes = f"; {job.model} takes {expected}" if expected else ""
+    raise ZooidValueError("model", f"{job.model} does not fit dataset {job.dataset} (a sample is "
+                          f"{_shape_text(sample.shape[1:])}, {classes} classes{takes}): {problem}; registry "
+                          f"models that fit {job.dataset}: {', '.join(fit) if fit else 'none'}")
+
+
 def check_worker_sizes(target: ComputeTarget, offer: Offer) -> tuple[float, ...]:
     """The worker sizes the plan may choose among (`ComputeTarget.memory_options`); a
     ZooidValueError naming `worker_memory_options_gb` for a size that is not a positive
@@ -175,6 +198,8 @@ def validate_job(job: TrainJob, *, check_store: bool = True) -> ResolvedJob:
     validate_dataset(job.dataset)
     data = load_dataset(job.dataset)
     n_train, n_val = len(data.train_y), len(data.val_y)
+    classes = int(max(data.train_y.max(), data.val_y.max())) + 1
+    check_model_fits(job, data, classes)  # a model that cannot take the data is refused before anything is rented
     if job.batch_size > n_train:
         raise ZooidValueError("batch_size", f"{job.batch_size} is larger than the training set ({n_train} samples)")
     if job.workers * job.batch_size > n_train:
@@ -207,7 +232,6 @@ def validate_job(job: TrainJob, *, check_store: bool = True) -> ResolvedJob:
                 open_checked_store(durable_ref).close()
             except ZooidValueError as exc:
                 raise ZooidValueError("durable_store", str(exc).removeprefix("store: ")) from None
-    classes = int(max(data.train_y.max(), data.val_y.max())) + 1
     return ResolvedJob(job=job, store_ref=store_ref, durable_ref=durable_ref, target_name=job.target, target=target,
                        offer=offer, n_train=n_train, n_val=n_val,
                        input_shape=tuple(data.train_x.shape[1:]), classes=classes)

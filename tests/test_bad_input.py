@@ -27,6 +27,9 @@ CASES = [
     (["workers=two"], "workers"),
     (["optimizer=lbfgs"], "optimizer"),
     (["colour=blue"], "colour"),
+    (["dataset=synthetic:3x32:10"], "model"),  # the model does not take the data: refused before renting
+    (["model=resnet18"], "model"),
+    (["dataset=synthetic:64:20"], "model"),  # 20 classes, the model scores 10
 ]
 
 
@@ -59,3 +62,12 @@ def test_plan_that_does_not_fit_memory_is_refused_with_the_numbers(tmp_path, cap
     assert err.startswith("error: memory: stage 0") and "worker has 51.2 MB" in err
     runs = list((store / "runs").glob("*")) if (store / "runs").exists() else []
     assert all(not (r / "ckpt").exists() and not (r / "data").exists() for r in runs)
+
+
+def test_a_model_that_does_not_fit_the_data_names_both_and_what_fits(tmp_path, capsys):
+    store = tmp_path / "store"
+    assert main(["--param", f"store=file://{store}", "--param", "model=resnet18"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: model: resnet18 does not fit dataset digits"), err
+    assert "a sample is 64" in err[0] and "registry models that fit digits: digits_mlp, digits_cnn" in err[0]
+    assert not (store / "runs").exists()
