@@ -32,6 +32,50 @@ def _run(args: list[str], env: dict) -> None:
     subprocess.run(args, env={**os.environ, **env}, cwd=ROOT, check=True, stdin=subprocess.DEVNULL)
 
 
+def _quiet(args: list[str], env: dict, log: Path) -> str:
+    """Run `args` with its output kept in `log`, not on the terminal (`prefect deploy` ends
+    each deployment with "start a worker in a separate terminal", which the stack already
+    did); on failure, the output's tail is in the error. Returns the output."""
+    done = subprocess.run(args, env={**os.environ, **env}, cwd=ROOT, stdin=subprocess.DEVNULL,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "a") as fh:
+        fh.write(done.stdout)
+    if done.returncode != 0:
+        tail = "\n".join(done.stdout.strip().splitlines()[-15:])
+        raise RuntimeError(f"{' '.join(args[1:3])} failed (exit {done.returncode}; all of it in {log}):\n{tail}")
+    return done.stdout
+
+
+DEPLOYMENTS = ("local", "nightly")
+"""The deployments `up` deploys from prefect.yaml."""
+
+
+def _deployed(env: dict) -> list[str]:
+    """`flow/name on pool` of each deployment of the stack's API, read back after `prefect deploy`."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: env["PREFECT_API_URL"]}):
+        with get_client(sync_client=True) as client:
+            flows = {f.id: f.name for f in client.read_flows()}
+            return sorted(f"{flows.get(d.flow_id, '?')}/{d.name} on pool {d.work_pool_name}"
+                          for d in client.read_deployments())
+
+
+def _check_concurrency_limit(env: dict) -> int:
+    """The paid-workers limit the flows take slots of (`tasks.launchers.PAID_WORKERS_LIMIT`),
+    read back from the stack's API: `deployments.bootstrap` creates it."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from tasks.launchers import PAID_WORKERS_LIMIT
+
+    with temporary_settings(updates={PREFECT_API_URL: env["PREFECT_API_URL"]}):
+        with get_client(sync_client=True) as client:
+            return client.read_global_concurrency_limit_by_name(PAID_WORKERS_LIMIT).limit
+
+
 def state_file(home: Path) -> Path:
     return home / "stack.json"
 
@@ -68,8 +112,16 @@ def up(home: Path | None = None, port: int | None = None, docker: bool = False) 
         if not alive(pids["server"]):  # the port was taken: another server answered
             raise RuntimeError(f"the Prefect server on port {port} did not start "
                                f"(see {home / 'logs' / 'server.log'}); is the port in use?")
-        _run([sys.executable, "-m", "deployments.bootstrap", "--target", "local"], env)
-        _run([bin_path("prefect"), "--no-prompt", "deploy", "--name", "local", "--name", "nightly"], env)
+        log = home / "logs" / "up.log"
+        boot = json.loads(_quiet([sys.executable, "-m", "deployments.bootstrap", "--target", "local"], env, log)
+                          .strip().splitlines()[-1])
+        limit = _check_concurrency_limit(env)
+        print(f"work pool {boot['work_pool']} {boot['pool']}; concurrency limit {boot['concurrency_limit']}: "
+              f"{limit} paid worker(s)")
+        names = [a for n in DEPLOYMENTS for a in ("--name", n)]
+        _quiet([bin_path("prefect"), "--no-prompt", "deploy", *names], env, log)
+        for deployment in _deployed(env):
+            print(f"deployed {deployment}")
         pids["worker"] = spawn([bin_path("prefect"), "worker", "start", "--pool", POOL, "--type", "process"],
                                 env, home / "logs" / "worker.log")
         state_file(home).write_text(json.dumps(state, indent=1))

@@ -4,7 +4,8 @@ When the hook runs in the coordinator's process, the run's context is still in m
 normal teardown and cost steps are reused. When it runs elsewhere (Prefect runs cancellation
 hooks of a deployment run in the runner process), the run is rebuilt from what is durable:
 the run id derives from the flow run id, the job from the flow run's parameters, and the
-ledger so far from the store.
+ledger so far from the store. A ledger the coordinator already wrote as final (before its
+report) is never rewritten, so the report and cost.json agree whatever ended the run.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def _rebuild_and_clean(flow_run, state) -> None:
     from blocks.compute import resolve_target
     from clouds.registry import adapter_for
     from planners.catalog import get_offer
-    from tasks.cost import CostRecord, coordinator_record, ledger_key, write_ledger
+    from tasks.cost import CostRecord, coordinator_record, is_final, ledger_key, write_ledger
     from tasks.sweep import sweep_run
     from tasks.teardown import cancel_flow_runs, delete_scratch, finish_cancelled
     from tasks.validate import open_checked_store, resolve_durable_ref, resolve_store_ref
@@ -60,23 +61,34 @@ def _rebuild_and_clean(flow_run, state) -> None:
             scratch.close()
     store = open_checked_store(durable_ref)
     try:
+        if not cancelled and not store.list(f"runs/{run_id}/"):  # refused before anything was provisioned
+            return
         delete_scratch(store, run_id)
+        doc = json.loads(store.get(ledger_key(run_id))) if store.exists(ledger_key(run_id)) else None
+        if is_final(doc):  # the coordinator billed itself and rendered its report: leave both as they are
+            return
         rows = []
-        if store.exists(ledger_key(run_id)):
-            doc = json.loads(store.get(ledger_key(run_id)))
+        if doc is not None:
             fields = CostRecord.__dataclass_fields__
             rows = [CostRecord(**{k: v for k, v in r.items() if k in fields})
                     for r in doc["rows"] if r["kind"] != "coordinator"]
         start = flow_run.start_time.timestamp() if flow_run.start_time else time.time()
         rows.append(coordinator_record(run_id, start, time.time(), offer, price))
-        write_ledger(store, run_id, rows)
+        write_ledger(store, run_id, rows, final=True)
         summary_key = f"runs/{run_id}/summary.json"
         if not store.exists(summary_key):
-            store.put(summary_key, json.dumps({"run_id": run_id, "status": state.type.value.lower(),
+            store.put(summary_key, json.dumps({"run_id": run_id, "status": end_status(state),
                                                "error": state.message, "epochs": [],
                                                "total_cost_usd": sum(r.usd for r in rows)}).encode())
     finally:
         store.close()
+
+
+def end_status(state) -> str:
+    """A run's status for a Prefect end state: `cancelled` for Cancelling and Cancelled (the
+    runner hands its cancellation hooks the Cancelling state), else `failed`."""
+    kind = getattr(getattr(state, "type", None), "value", "")
+    return "cancelled" if kind in ("CANCELLING", "CANCELLED") else "failed"
 
 
 def on_abnormal_end(flow, flow_run, state) -> None:

@@ -9,6 +9,12 @@ plan in force, unless a re-plan found one at least 10 % faster or cheaper (`task
 parameter per `TrainJob` field, which is what deployments run, so that
 `prefect deployment run train/local --param workers=3` works and the UI shows a flat form.
 From a shell: `python -m flows.train --param workers=2 --param epochs=3 [--summary-out PATH]`.
+
+The coordinator logs one line per epoch through the flow's logger (the UI's log and
+`prefect deployment run --watch` show it). A run cancelled through Prefect ends `cancelled`
+(summary.json, the report, the log's last line). A command line stopped by SIGTERM or Ctrl-C
+tears the run down, bills it, prints three lines (torn down, bill, how to resume) and exits
+143 or 130. In every end state the ledger is final before the report renders it.
 """
 from __future__ import annotations
 
@@ -80,15 +86,81 @@ def epoch_progress_tick(ctx: RunContext, progress_id, done: int, every_s: float 
     return tick
 
 
-def _epoch_progress(ctx: RunContext, progress_id, history: list[dict]) -> None:
+def _epoch_progress(ctx: RunContext, progress_id, history: list[dict], predicted_run_cost_usd: float | None) -> None:
     from prefect.artifacts import create_table_artifact
 
     from tasks.report import epoch_table
 
+    log_epoch(ctx, history[-1], predicted_run_cost_usd)
     if progress_id is not None:
         update_progress_artifact(progress_id, 100.0 * len(history) / ctx.job.epochs)
     create_table_artifact(key=artifact_key(ctx.run_id, "epochs"), table=epoch_table(history),
                           description=f"Per-epoch history of run {ctx.run_id}")
+
+
+def log_epoch(ctx: RunContext, metrics: dict, predicted_run_cost_usd: float | None = None) -> str:
+    """The coordinator's line for a finished epoch, through the flow's logger (so the UI's log
+    and `prefect deployment run --watch` show it): epoch i/N, workers, loss, accuracy, seconds
+    against predicted, the bill so far against the run's prediction."""
+    from prefect.logging import get_run_logger
+
+    from tasks.cost import total_usd
+    from tasks.progress import epoch_line
+    from tasks.record_cost import rows_now
+
+    line = epoch_line(metrics, ctx.job.epochs, total_usd(rows_now(ctx)), predicted_run_cost_usd)
+    try:
+        get_run_logger().info(line)
+    except Exception:  # a progress line never stops a run
+        pass
+    return line
+
+
+def end_state(exc: BaseException, ctx: RunContext) -> str:
+    """`cancelled` when `exc` is how a cancellation reached the flow (Prefect's runner asks
+    with the `cancel` intent, then sends SIGTERM, which Prefect raises as `TerminationSignal`;
+    or the flow run was already set Cancelling when the signal came), else `failed`."""
+    from prefect.exceptions import TerminationSignal
+
+    if not isinstance(exc, TerminationSignal) or COMMAND_LINE.active:
+        return "failed"  # a command line stopped by its user is reported by `main`
+    try:
+        from prefect._internal.control_listener import get_intent
+
+        if get_intent() == "cancel":
+            return "cancelled"
+    except ImportError:
+        pass
+    try:
+        from prefect.client.orchestration import get_client
+
+        with get_client(sync_client=True) as client:
+            state = client.read_flow_run(ctx.flow_run_id).state
+        if state is not None and (state.is_cancelling() or state.is_cancelled()):
+            return "cancelled"
+    except Exception:  # no API, or not a flow run it knows
+        pass
+    return "failed"
+
+
+def _log_cancelled(ctx: RunContext, ledger: dict) -> None:
+    """The cancelled run's last lines: what it left and cost, and the flow run's state set to
+    Cancelled here too, so the engine's closing "Finished in state ..." line says Cancelled
+    (a runner that owns the cancellation sets it on the server; the engine's copy would still
+    read Running)."""
+    from prefect.context import FlowRunContext
+    from prefect.logging import get_run_logger
+    from prefect.states import Cancelled
+
+    from tasks.progress import money
+
+    message = f"run {ctx.run_id} cancelled: its workers were stopped, bill {money(ledger['total_usd'])}"
+    get_run_logger().info(f"zooid {message}; resume with --param resume={ctx.run_id}")
+    flow_ctx = FlowRunContext.get()
+    if flow_ctx is not None and flow_ctx.flow_run is not None:
+        current = flow_ctx.flow_run.state
+        if current is None or not current.is_final():
+            flow_ctx.flow_run.state = Cancelled(message=message)
 
 
 def _finish(ctx: RunContext, status: str, history: list[dict], plan_dict: dict, ledger: dict,
@@ -116,6 +188,14 @@ def _finish(ctx: RunContext, status: str, history: list[dict], plan_dict: dict, 
 
 def run_training(job: TrainJob) -> RunSummary:
     """The recipe; each step is a retried Prefect task."""
+    restore = COMMAND_LINE.watch_sigterm()
+    try:
+        return _run_training(job)
+    finally:
+        restore()
+
+
+def _run_training(job: TrainJob) -> RunSummary:
     from prefect.runtime import flow_run
 
     resolved = validate_job(job)  # bad input stops here: nothing provisioned, nothing billed
@@ -125,6 +205,7 @@ def run_training(job: TrainJob) -> RunSummary:
                      flow_run_id=str(fr_id))
     resume = find_resume_point(ctx, required=job.resume is not None)
     ACTIVE[ctx.flow_run_id] = ctx
+    COMMAND_LINE.run = {"run_id": ctx.run_id}
     progress_id = ctx.state.progress_id = create_progress_artifact(0.0, description=f"Epochs of run {ctx.run_id}")
     status, error, history, plan_dict = "failed", None, [], {}
     clock = RunClock(first_epoch_fresh=job.resume is None)
@@ -170,7 +251,7 @@ def run_training(job: TrainJob) -> RunSummary:
                               inputs=strategy_inputs(ctx, prof, workers))
             metrics["overhead_s"] = epoch_overhead(current, metrics)
             history.append(metrics)
-            _epoch_progress(ctx, progress_id, history)
+            _epoch_progress(ctx, progress_id, history, plan_dict.get("predicted_run_cost_usd"))
             if target_reached(job, metrics):
                 status = "target_reached"
                 break
@@ -190,16 +271,45 @@ def run_training(job: TrainJob) -> RunSummary:
             metrics["plan"] = current.to_dict()
             save_progress(ctx, history)
     except BaseException as exc:
-        status, error = "failed", f"{type(exc).__name__}: {exc}"
+        status = end_state(exc, ctx)
+        error = ("cancelled through Prefect (UI or API)" if status == "cancelled"
+                 else f"interrupted by {signal.Signals(COMMAND_LINE.signal).name} on the command line"
+                 if COMMAND_LINE.active and COMMAND_LINE.signal is not None
+                 else f"{type(exc).__name__}: {exc}")
         raise
     finally:
         clock.teardown_at = time.time()
+        live = _live_workers(ctx)
         teardown(ctx)
-        ledger = record_cost(ctx)
+        ledger = record_cost(ctx)  # final before the report renders it; nothing rewrites it
         summary = _finish(ctx, status, history, plan_dict, ledger, error)
         record_terms(ctx, clock, history)  # the next plan on this target predicts from them
         ACTIVE.pop(ctx.flow_run_id, None)
+        COMMAND_LINE.run.update(workers=live, bill_usd=ledger["total_usd"], ledger_at=_ledger_at(ctx))
+        if status == "cancelled":
+            with contextlib.suppress(Exception):  # the run's own end goes on whatever happens here
+                _log_cancelled(ctx, ledger)
     return summary
+
+
+def _live_workers(ctx: RunContext) -> int:
+    """Worker processes or flow runs of the run still alive before its teardown."""
+    from tasks.sweep import tagged_pids
+
+    try:
+        return len(tagged_pids(ctx.run_id)) or len(ctx.state.warm.workers if ctx.state.warm is not None else [])
+    except Exception:
+        return 0
+
+
+def _ledger_at(ctx: RunContext) -> str:
+    """Where the run's ledger is, as a path for a directory store."""
+    from tasks.cost import ledger_key
+
+    ref = ctx.durable_ref
+    if ref.startswith("file://"):
+        return f"{ref.removeprefix('file://').rstrip('/')}/{ledger_key(ctx.run_id)}"
+    return f"{ref} {ledger_key(ctx.run_id)}"
 
 
 def save_progress(ctx: RunContext, history: list[dict]) -> None:
@@ -213,6 +323,71 @@ def save_progress(ctx: RunContext, history: list[dict]) -> None:
     finally:
         store.close()
     record_cost_now(ctx, final=False)
+
+
+def _quiet_console() -> None:
+    """Nothing more reaches the terminal from loggers (Prefect's console handler, prints the
+    flow logs) or warnings; the API's log handler still gets every line for the UI."""
+    import logging
+    import warnings
+
+    loggers = [logging.getLogger()] + [lg for lg in logging.root.manager.loggerDict.values()
+                                       if isinstance(lg, logging.Logger)]
+    streams = (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
+    for lg in loggers:
+        for handler in lg.handlers:
+            if isinstance(handler, logging.StreamHandler) and getattr(handler, "stream", None) in streams:
+                handler.setLevel(logging.CRITICAL + 1)
+    warnings.simplefilter("ignore")
+
+
+class CommandLine:
+    """A `python -m flows.train` run (`active`): the signal that stopped it and what its run
+    left (`run`: run id, workers alive at teardown, bill, ledger), for `main`'s last lines.
+
+    The first SIGTERM or SIGINT quiets the console, then stops the flow as before (Prefect's
+    SIGTERM handler raises `TerminationSignal`, SIGINT `KeyboardInterrupt`), so the teardown
+    and the bill run without a screen of crash reports; a later signal is ignored, so a second
+    Ctrl-C does not cut the teardown short."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.signal: int | None = None
+        self.run: dict = {}
+
+    def reset(self, active: bool) -> None:
+        self.active, self.signal, self.run = active, None, {}
+
+    def stop(self, signum: int) -> bool:
+        """Note the first stop signal and quiet the console; False for a later one."""
+        if self.signal is not None:
+            return False
+        self.signal = signum
+        _quiet_console()
+        return True
+
+    def watch_sigterm(self):
+        """Inside the flow (where Prefect's engine owns SIGTERM), on a command line: chain a
+        handler that notes the signal before Prefect's raises. Returns the undo."""
+        if not self.active:
+            return lambda: None
+        try:
+            inner = signal.getsignal(signal.SIGTERM)
+        except ValueError:  # not the main thread
+            return lambda: None
+
+        def on_sigterm(signum, frame):
+            if not self.stop(signum):
+                return
+            if callable(inner):
+                inner(signum, frame)
+            raise KeyboardInterrupt(f"signal {signum}")
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+        return lambda: signal.signal(signal.SIGTERM, inner)
+
+
+COMMAND_LINE = CommandLine()
 
 
 _HOOKS = dict(on_failure=[on_abnormal_end], on_crashed=[on_abnormal_end], on_cancellation=[on_abnormal_end])
@@ -232,14 +407,18 @@ train_with_params = job_fields_flow(run_training, name="train", result_serialize
 @contextlib.contextmanager
 def prefect_api():
     """The Prefect API for a command-line run: the configured one, or a temporary server of
-    our own that outlives a Ctrl-C (`deployments.server.temporary_server`); SIGTERM is turned
-    into KeyboardInterrupt, so either one runs the flow's teardown and bill before exiting."""
+    our own that outlives a Ctrl-C (`deployments.server.temporary_server`, with the paid-workers
+    limit a bootstrapped API has). SIGTERM and SIGINT are noted (`COMMAND_LINE`: the console
+    goes quiet) and raised as KeyboardInterrupt (inside the flow, Prefect's TerminationSignal),
+    so either one runs the flow's teardown and bill before exiting."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     def interrupt(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
+        if COMMAND_LINE.stop(signum):
+            raise KeyboardInterrupt(f"signal {signum}")
 
     previous = signal.signal(signal.SIGTERM, interrupt)
+    previous_int = signal.signal(signal.SIGINT, interrupt)
     try:
         if PREFECT_API_URL.value():
             yield
@@ -247,6 +426,7 @@ def prefect_api():
         from deployments.server import temporary_server
 
         with temporary_server() as url, temporary_settings(updates={PREFECT_API_URL: url}):
+            _ensure_paid_workers_limit()
             try:
                 yield
             finally:  # the run's logs and events reach the server before it stops
@@ -257,6 +437,21 @@ def prefect_api():
                     service.drain_all(timeout=5, at_exit=False)
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
+
+
+def _ensure_paid_workers_limit() -> None:
+    """The paid-workers limit the flows take slots of, on a temporary server as on a
+    bootstrapped one (else Prefect warns that it does not exist at every launch)."""
+    from prefect.client.orchestration import get_client
+
+    from deployments.bootstrap import ensure_concurrency_limit
+
+    try:
+        with get_client(sync_client=True) as client:
+            ensure_concurrency_limit(client, 16)
+    except Exception:  # only a warning is at stake
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -289,24 +484,45 @@ def main(argv: list[str] | None = None) -> int:
     except ZooidValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    COMMAND_LINE.reset(active=True)
     try:
         with prefect_api():
             summary = train(job)
-    except ZooidValueError as exc:  # found once measured, e.g. a stage that does not fit memory
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("error: interrupted: the run's workers were stopped and its bill recorded", file=sys.stderr)
-        return 130
-    except Exception as exc:
+    except BaseException as exc:
+        if COMMAND_LINE.signal is not None or isinstance(exc, KeyboardInterrupt):
+            return _interrupted(args.param)
+        if isinstance(exc, ZooidValueError):  # found once measured, e.g. a stage that does not fit memory
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        if not isinstance(exc, Exception):
+            raise
         print(f"error: run failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
               file=sys.stderr)
         return 1
+    finally:
+        COMMAND_LINE.active = False
     print(text_report(summary))
     if args.summary_out:
         with open(args.summary_out, "w") as fh:
             fh.write(summary.model_dump_json(indent=1))
     return 0 if summary.status != "failed" else 1
+
+
+def _interrupted(params: list[str]) -> int:
+    """A command-line run stopped by SIGTERM or Ctrl-C: at most three lines (what was torn
+    down, the bill so far, how to resume), exit 128 + the signal (130 SIGINT, 143 SIGTERM)."""
+    import shlex
+
+    from tasks.progress import interrupted_lines
+
+    signum = COMMAND_LINE.signal or signal.SIGINT
+    run = COMMAND_LINE.run
+    kept = "".join(f"--param {shlex.quote(p)} " for p in params if not p.startswith("resume="))
+    torn_down = {"workers": run["workers"]} if "workers" in run else None
+    for line in interrupted_lines(signal.Signals(signum).name, run.get("run_id"), torn_down,
+                                  run.get("bill_usd"), run.get("ledger_at"), kept):
+        print(line, file=sys.stderr)
+    return 128 + int(signum)
 
 
 if __name__ == "__main__":

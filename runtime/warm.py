@@ -49,6 +49,23 @@ from core.specs import WarmSpec, WorkerResult, WorkerSpec
 LEASE_EXIT = 5
 """Exit status of a warm worker whose lease expired while its training thread was stuck."""
 
+_IMPORTED_AT = time.time()
+"""When this module was imported: the start of the process's clock where /proc cannot tell."""
+
+
+def process_started_at() -> tuple[float, str]:
+    """When this process started (wall clock), and from what: the kernel's start time of the
+    process (/proc/self/stat, so the interpreter's start-up and every import count), or, where
+    /proc is missing, the import of this module."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime_s = float(f.read().split()[0])
+        return time.time() - (uptime_s - start_ticks / os.sysconf("SC_CLK_TCK")), "process start"
+    except (OSError, ValueError, IndexError):
+        return _IMPORTED_AT, "runtime.warm import"
+
 
 def warm_prefix(run_id: str) -> str:
     return f"runs/{run_id}/warm"
@@ -185,7 +202,10 @@ def serve(spec: WorkerSpec, store: Store, execute: Callable[[WorkerSpec], Worker
     heartbeat.set_guard(guard)
     ready_at = time.time()
     watch.doc.update(state="idle", ready_at=ready_at, base_memory_bytes=base_memory)
-    log(f"zooid warm worker {settings.worker} ready in {ready_at - started:.2f} s (pid {os.getpid()})")
+    began_at, since = process_started_at()
+    log(f"zooid warm worker {settings.worker} ready {max(0.0, ready_at - began_at):.2f} s after its {since} "
+        f"(interpreter, imports of torch and the store client, the store's connection, the lease watch; "
+        f"pid {os.getpid()})")
     seq = 0
     try:
         while True:
@@ -247,7 +267,7 @@ def _serve_profile(store: Store, spec: WorkerSpec, settings: WarmSpec, seq: int,
         request = ProfileRequest.from_dict(command.get("request") or {})
         reply.update(ok=True, profile=run_profile(request, open_ref or open_store,
                                                   base_memory_bytes=int(watch.doc.get("base_memory_bytes") or 0)))
-        log(f"zooid warm worker {settings.worker}: profiled {request.model} in {time.time() - began:.2f} s")
+        log(f"zooid warm worker {settings.worker}: {_profiled(request.model, reply['profile'], time.time() - began)}")
     except Exception as exc:
         reply.update(ok=False, error=type(exc).__name__, message=str(exc)[-2000:])
         log(f"zooid warm worker {settings.worker}: profile failed: {type(exc).__name__}: {exc}")
@@ -255,6 +275,17 @@ def _serve_profile(store: Store, spec: WorkerSpec, settings: WarmSpec, seq: int,
     store.put(reply_key(spec.run_id, settings.worker, seq), json.dumps(reply).encode())
     watch.busy_since = None
     watch.doc.update(state="idle", seq=seq + 1)
+
+
+def _profiled(model: str, profile: dict, took_s: float) -> str:
+    """What a `profile` command measured and how long each part took: the model (layers,
+    step, memory) and the store probe (the run's store, timed from here)."""
+    parts = []
+    if "model_s" in profile:
+        parts.append(f"profiled {model} in {profile['model_s']:.2f} s")
+    if "store_s" in profile:
+        parts.append(f"probed the store in {profile['store_s']:.2f} s")
+    return (" and ".join(parts) or "profile answered") + f" ({took_s:.2f} s in all)"
 
 
 def _next_command(store: Store, run_id: str, settings: WarmSpec, seq: int, watch: _Watch) -> dict:

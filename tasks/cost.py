@@ -3,7 +3,8 @@
 Cost comes from measured intervals (a worker's launch to its exit, failed and cancelled
 attempts included, and the coordinator's whole run) times the offer's unit price.
 The ledger lives at `runs/<run_id>/cost.json` and is rewritten after every epoch, so a run
-that dies still leaves a bill up to its last epoch.
+that dies still leaves a bill up to its last epoch. The run's last write (`final`) comes
+before its report is rendered, and nothing rewrites it: the report and cost.json agree.
 """
 from __future__ import annotations
 
@@ -98,13 +99,20 @@ def ledger_key(run_id: str) -> str:
     return f"runs/{run_id}/cost.json"
 
 
-def write_ledger(store, run_id: str, rows: list[CostRecord]) -> str:
-    """Write the ledger (rows and total) atomically; return its key."""
-    doc = {"run_id": run_id, "currency": "USD", "total_usd": total_usd(rows),
+def write_ledger(store, run_id: str, rows: list[CostRecord], final: bool = False) -> str:
+    """Write the ledger (rows and total) atomically; return its key. `final`: the run's last
+    bill, the one its report shows; nothing rewrites a final ledger (`is_final`)."""
+    doc = {"run_id": run_id, "currency": "USD", "total_usd": total_usd(rows), "final": final,
            "rows": [r.to_dict() for r in rows]}
     key = ledger_key(run_id)
     store.put(key, json.dumps(doc, indent=1).encode())
     return key
+
+
+def is_final(doc: dict | None) -> bool:
+    """Whether a ledger document is a run's last bill (written by `record_cost` before its
+    report): a failure or cancellation hook that runs afterwards leaves it as it is."""
+    return bool(doc and doc.get("final"))
 
 
 def read_ledger(store, run_id: str) -> dict:

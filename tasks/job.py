@@ -155,7 +155,7 @@ class RunSummary(BaseModel):
 
     run_id: str
     status: str
-    """`completed`, `target_reached`, `budget_exhausted`, `deadline_reached` or `failed`."""
+    """`completed`, `target_reached`, `budget_exhausted`, `deadline_reached`, `failed` or `cancelled`."""
     final_loss: Optional[float] = None
     final_accuracy: Optional[float] = None
     total_cost_usd: float = 0.0

@@ -242,7 +242,7 @@ class PoolLauncher(_Launcher):
         env = {**variables.get("env", {}), TAG_VAR: self.run_id}
         flow_run = run_deployment(
             self.deployment, parameters={"spec": spec.to_dict()}, timeout=0,
-            tags=[f"zooid-run:{self.run_id}", f"epoch:{spec.epoch}", f"rank:{spec.rank}"],
+            tags=run_tags(self.run_id, spec),
             job_variables={**variables, "env": env},
             flow_run_name=(f"{self.run_id}-warm-{spec.warm.worker}" if spec.warm is not None
                            else f"{self.run_id}-e{spec.epoch}-r{spec.rank}-a{spec.attempt}"))
@@ -387,6 +387,15 @@ def make_launcher(ctx, plan) -> _Launcher:
         return PoolLauncher(ctx.run_id, target.worker_deployment, job_variables=sized, adapter=adapter_for(target))
     job_variables = {**target.job_variables, "env": {**target.job_variables.get("env", {}), **env}}
     return PoolLauncher(ctx.run_id, target.worker_deployment, job_variables=job_variables)
+
+
+def run_tags(run_id: str, spec: WorkerSpec) -> list[str]:
+    """A worker flow run's tags: `zooid-run:<id>` (teardown finds the run's flow runs by it) and
+    `rank:<r>`; a cold worker runs one epoch, `epoch:<e>`, while a warm one serves every epoch
+    it is sent, so it is tagged `warm` and each epoch it trains is a task run named after it
+    (`flows.worker.train_epoch`: "epoch 3 rank 1 attempt 0")."""
+    tags = [f"zooid-run:{run_id}", f"rank:{spec.rank}"]
+    return tags + (["warm"] if spec.warm is not None else [f"epoch:{spec.epoch}"])
 
 
 def launch_identity(launcher: _Launcher, rank: int = 0) -> str:

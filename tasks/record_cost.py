@@ -20,27 +20,30 @@ def rows_now(ctx: RunContext) -> list:
 
 
 def record_cost_now(ctx: RunContext, final: bool = True) -> dict:
-    """Write the ledger with the coordinator's interval up to now; returns the ledger doc."""
+    """Write the ledger with the coordinator's interval up to now; returns the ledger doc.
+    `final`: the run's last bill (its coordinator interval closes here); written once."""
     rows = rows_now(ctx)
     store = ctx.open_durable()
     try:
-        write_ledger(store, ctx.run_id, rows)
+        write_ledger(store, ctx.run_id, rows, final=final)
     finally:
         store.close()
     if final:
         ctx.state.cost_recorded = True
-    return {"run_id": ctx.run_id, "total_usd": total_usd(rows), "rows": [r.to_dict() for r in rows]}
+    return {"run_id": ctx.run_id, "total_usd": total_usd(rows), "final": final,
+            "rows": [r.to_dict() for r in rows]}
 
 
 @task(name="record_cost", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2, timeout_seconds=120)
 def record_cost(ctx: RunContext) -> dict:
-    """Write the final ledger and a table artifact of it."""
+    """Write the final ledger and a table artifact of it (before the report, which shows it)."""
     from prefect.artifacts import create_table_artifact
 
+    from tasks.progress import money
     from tasks.report import artifact_key
 
     ledger = record_cost_now(ctx)
     create_table_artifact(key=artifact_key(ctx.run_id, "ledger"), table=[
         {k: r[k] for k in ("resource", "kind", "offer", "status", "seconds", "unit_price_per_s", "usd")}
-        for r in ledger["rows"]], description=f"Cost ledger of run {ctx.run_id}: ${ledger['total_usd']:.6f}")
+        for r in ledger["rows"]], description=f"Cost ledger of run {ctx.run_id}: {money(ledger['total_usd'])}")
     return ledger

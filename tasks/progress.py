@@ -1,0 +1,76 @@
+"""What a person watching a run reads: one line per epoch in the coordinator's log, and the
+few lines a command-line run prints when it is stopped.
+
+Pure formatting: money in dollars to 3 significant digits ($0.000592, $1.23), times with
+their unit; no Prefect, no store.
+"""
+from __future__ import annotations
+
+import math
+from decimal import Decimal
+
+
+def money(usd: float | None) -> str:
+    """Dollars to 3 significant digits, never in exponent form: `$0.000592`, `$1.20`, `$1230`."""
+    if usd is None or not math.isfinite(usd):
+        return "$?"
+    if usd == 0:
+        return "$0"
+    return "$" + format(Decimal(f"{usd:#.3g}"), "f")
+
+
+def seconds(s: float | None) -> str:
+    """A duration with its unit: `850 ms`, `1.23 s`, `12.3 s`, `4.2 min`."""
+    if s is None or not math.isfinite(s):
+        return "?"
+    if s < 1:
+        return f"{s * 1000:.0f} ms"
+    if s < 100:
+        return f"{s:.3g} s"
+    if s < 3600:
+        return f"{s / 60:.1f} min"
+    return f"{s / 3600:.1f} h"
+
+
+def epoch_line(metrics: dict, epochs: int, cost_so_far_usd: float, predicted_run_cost_usd: float | None) -> str:
+    """The coordinator's line for one finished epoch: epoch i/N, workers, loss, accuracy,
+    seconds against the plan's prediction, and the bill so far against the run's prediction."""
+    head = f"epoch {metrics['epoch'] + 1}/{epochs}:"
+    parts = []
+    workers = metrics.get("workers")
+    if workers is not None:
+        stages = metrics.get("stages") or 1
+        parts.append(f"{workers} worker(s)" + (f" x {stages} stage(s)" if stages > 1 else ""))
+    loss = metrics.get("val_loss", metrics.get("train_loss"))
+    if loss is not None:
+        parts.append(f"loss {loss:.4g}")
+    if metrics.get("val_accuracy") is not None:
+        parts.append(f"accuracy {100 * metrics['val_accuracy']:.1f}%")
+    took = seconds(metrics.get("seconds"))
+    if metrics.get("predicted_epoch_s"):
+        took += f" (predicted {seconds(metrics['predicted_epoch_s'])})"
+    parts.append(took)
+    cost = f"cost so far {money(cost_so_far_usd)}"
+    if predicted_run_cost_usd:
+        cost += f" of {money(predicted_run_cost_usd)} predicted for the run"
+    parts.append(cost)
+    return head + " " + ", ".join(parts)
+
+
+def interrupted_lines(signal_name: str, run_id: str | None, torn_down: dict | None, bill_usd: float | None,
+                      ledger_at: str | None, resume_args: str) -> list[str]:
+    """At most three lines for a command-line run stopped by a signal: what was torn down,
+    the bill so far, and how to resume."""
+    if run_id is None:  # stopped before the run began: nothing was rented
+        return [f"{signal_name}: stopped before the run began; nothing was started or billed"]
+    torn_down = torn_down or {}
+    stopped = torn_down.get("workers")
+    what = (f"{stopped} worker(s) and the coordinator stopped" if stopped is not None
+            else "the run's workers and the coordinator stopped")
+    lines = [f"{signal_name}: run {run_id} torn down: {what}, scratch keys deleted, nothing left running"]
+    if bill_usd is not None:
+        lines.append(f"bill so far: {money(bill_usd)}" + (f" (ledger: {ledger_at})" if ledger_at else ""))
+    else:
+        lines.append("bill so far: not recorded (the store could not be written)")
+    lines.append(f"resume with: python -m flows.train {resume_args}--param resume={run_id}".replace("  ", " "))
+    return lines

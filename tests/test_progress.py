@@ -1,0 +1,128 @@
+"""Progress you can watch: the coordinator's line per epoch (in the flow's log, so the UI and
+`prefect deployment run --watch` show it), worker logs that say what they measured, worker
+flow runs tagged with what they ran."""
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+
+from tasks.job import TrainJob
+
+
+# --- formatting, pure -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("usd, text", [
+    (0.000592, "$0.000592"), (0.0005924, "$0.000592"), (1.2, "$1.20"), (1.234, "$1.23"), (1230.4, "$1230"),
+    (4.68236075e-08, "$0.0000000468"), (0.0009996, "$0.00100"), (0.0, "$0"), (None, "$?"),
+])
+def test_money_is_dollars_to_three_significant_digits_never_in_exponent_form(usd, text):
+    from tasks.progress import money
+
+    assert money(usd) == text
+
+
+@pytest.mark.parametrize("s, text", [(0.85, "850 ms"), (1.234, "1.23 s"), (12.34, "12.3 s"), (250.0, "4.2 min")])
+def test_times_carry_their_unit(s, text):
+    from tasks.progress import seconds
+
+    assert seconds(s) == text
+
+
+def test_the_epoch_line_names_epoch_workers_loss_accuracy_time_and_cost_against_predictions():
+    from tasks.progress import epoch_line
+
+    line = epoch_line({"epoch": 1, "workers": 2, "val_loss": 0.41234, "val_accuracy": 0.873, "seconds": 1.23,
+                       "predicted_epoch_s": 1.1}, 5, 0.000215, 0.000592)
+    assert line == ("epoch 2/5: 2 worker(s), loss 0.4123, accuracy 87.3%, 1.23 s (predicted 1.1 s), "
+                    "cost so far $0.000215 of $0.000592 predicted for the run")
+
+
+def test_a_stopped_command_line_says_three_lines_at_most():
+    from tasks.progress import interrupted_lines
+
+    lines = interrupted_lines("SIGTERM", "zabc", {"workers": 2}, 0.00012, "/s/runs/zabc/cost.json",
+                              "--param workers=2 ")
+    assert len(lines) == 3
+    assert "2 worker(s)" in lines[0] and "$0.000120" in lines[1]
+    assert lines[2] == "resume with: python -m flows.train --param workers=2 --param resume=zabc"
+    assert len(interrupted_lines("SIGINT", None, None, None, None, "")) == 1  # stopped before the run began
+
+
+# --- worker logs and tags -------------------------------------------------------------------
+
+
+def test_a_worker_measures_its_start_up_from_its_process_start():
+    import runtime.warm as warm
+
+    started, since = warm.process_started_at()
+    assert since == "process start"
+    assert started < warm._IMPORTED_AT  # the interpreter and the imports before this module count
+
+
+def test_the_profile_line_says_what_each_part_measured():
+    from runtime.warm import _profiled
+
+    assert _profiled("digits_mlp", {"model_s": 1.2, "store_s": 0.7}, 2.0) == \
+        "profiled digits_mlp in 1.20 s and probed the store in 0.70 s (2.00 s in all)"
+    assert _profiled("digits_mlp", {"store_s": 1.63}, 1.7) == "probed the store in 1.63 s (1.70 s in all)"
+
+
+def test_a_warm_worker_flow_run_is_not_tagged_with_one_epoch():
+    from types import SimpleNamespace
+
+    from core.specs import WarmSpec
+    from tasks.launchers import run_tags
+
+    cold = SimpleNamespace(epoch=3, rank=1, warm=None)
+    assert run_tags("z1", cold) == ["zooid-run:z1", "rank:1", "epoch:3"]
+    warm = SimpleNamespace(epoch=0, rank=1, warm=WarmSpec(worker="r1-w0-c", lease_s=30.0))
+    tags = run_tags("z1", warm)
+    assert tags == ["zooid-run:z1", "rank:1", "warm"] and not any(t.startswith("epoch:") for t in tags)
+
+
+# --- the coordinator's line per epoch, in the flow's log -------------------------------------
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_the_coordinator_logs_one_line_per_epoch_through_the_flow_logger(tmp_path, request):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags, LogFilter, LogFilterFlowRunId
+    from prefect.client.schemas.sorting import LogSort
+    from prefect.logging.handlers import APILogWorker
+
+    from comm.store import open_store
+    from comm.store_dir import zooid_home
+    from flows.train import train
+    from tasks.cost import read_ledger
+    from tasks.progress import money
+
+    flow_logger = logging.getLogger("prefect.flow_runs")  # the suite logs warnings only
+    request.addfinalizer(lambda level=flow_logger.level: flow_logger.setLevel(level))
+    flow_logger.setLevel(logging.INFO)  # setLevel, not .level: it clears the loggers' cached answers
+    url = f"file://{tmp_path}/store"
+    state = train(TrainJob(workers=2, epochs=2, store=url, batch_size=32), return_state=True)
+    summary = state.result()
+    APILogWorker.drain_all(timeout=10)
+    with get_client(sync_client=True) as client:
+        flow_run_id = state.state_details.flow_run_id
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])),
+                                sort=LogSort.TIMESTAMP_ASC)
+        workers = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            tags=FlowRunFilterTags(all_=[f"zooid-run:{summary.run_id}"])))
+    lines = [log.message for log in logs if re.match(r"epoch \d+/2: ", log.message)]
+    assert [line.split(":")[0] for line in lines] == ["epoch 1/2", "epoch 2/2"]
+    for line, epoch in zip(lines, summary.epochs):
+        assert f"{epoch.workers} worker(s)" in line and f"accuracy {100 * epoch.val_accuracy:.1f}%" in line
+        assert "predicted" in line and re.search(r"cost so far \$0\.\d+ of \$0\.\d+ predicted for the run", line)
+    # the bill so far never exceeds the final one
+    total = read_ledger(open_store(url), summary.run_id)["total_usd"]
+    so_far = [float(re.search(r"cost so far \$([0-9.]+)", line).group(1)) for line in lines]
+    assert so_far == sorted(so_far) and so_far[-1] <= float(money(total)[1:]) * 1.01
+    # warm workers (inline target: processes, no flow runs) log their real start-up
+    ready = [m for p in (zooid_home() / "logs" / summary.run_id).glob("*.log")
+             for m in re.findall(r"ready ([0-9.]+) s after its process start", p.read_text())]
+    assert len(ready) == 2 and all(float(s) > 0.0 for s in ready)
+    assert workers == []
