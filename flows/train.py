@@ -312,6 +312,21 @@ def _ledger_at(ctx: RunContext) -> str:
     return f"{ref} {ledger_key(ctx.run_id)}"
 
 
+def _ledger_of(summary: RunSummary) -> dict | None:
+    """The ledger the run wrote beside its summary (the report's wall time and infrastructure)."""
+    from blocks.store import open_store_ref
+    from tasks.cost import read_ledger
+
+    try:
+        store = open_store_ref(summary.store_url)
+        try:
+            return read_ledger(store, summary.run_id)
+        finally:
+            store.close()
+    except Exception:  # the report without it still says what ran
+        return None
+
+
 def save_progress(ctx: RunContext, history: list[dict]) -> None:
     """History and the bill so far, so a killed coordinator leaves both behind."""
     from tasks.record_cost import record_cost_now
@@ -501,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         COMMAND_LINE.active = False
-    print(text_report(summary))
+    print(text_report(summary, _ledger_of(summary)))
     if args.summary_out:
         with open(args.summary_out, "w") as fh:
             fh.write(summary.model_dump_json(indent=1))

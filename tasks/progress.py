@@ -6,30 +6,7 @@ their unit; no Prefect, no store.
 """
 from __future__ import annotations
 
-import math
-from decimal import Decimal
-
-
-def money(usd: float | None) -> str:
-    """Dollars to 3 significant digits, never in exponent form: `$0.000592`, `$1.20`, `$1230`."""
-    if usd is None or not math.isfinite(usd):
-        return "$?"
-    if usd == 0:
-        return "$0"
-    return "$" + format(Decimal(f"{usd:#.3g}"), "f")
-
-
-def seconds(s: float | None) -> str:
-    """A duration with its unit: `850 ms`, `1.23 s`, `12.3 s`, `4.2 min`."""
-    if s is None or not math.isfinite(s):
-        return "?"
-    if s < 1:
-        return f"{s * 1000:.0f} ms"
-    if s < 100:
-        return f"{s:.3g} s"
-    if s < 3600:
-        return f"{s / 60:.1f} min"
-    return f"{s / 3600:.1f} h"
+from tasks.report import duration as seconds, money  # the report's formats: one of each
 
 
 def epoch_line(metrics: dict, epochs: int, cost_so_far_usd: float, predicted_run_cost_usd: float | None) -> str:

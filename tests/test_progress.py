@@ -14,29 +14,12 @@ from tasks.job import TrainJob
 # --- formatting, pure -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("usd, text", [
-    (0.000592, "$0.000592"), (0.0005924, "$0.000592"), (1.2, "$1.20"), (1.234, "$1.23"), (1230.4, "$1230"),
-    (4.68236075e-08, "$0.0000000468"), (0.0009996, "$0.00100"), (0.0, "$0"), (None, "$?"),
-])
-def test_money_is_dollars_to_three_significant_digits_never_in_exponent_form(usd, text):
-    from tasks.progress import money
-
-    assert money(usd) == text
-
-
-@pytest.mark.parametrize("s, text", [(0.85, "850 ms"), (1.234, "1.23 s"), (12.34, "12.3 s"), (250.0, "4.2 min")])
-def test_times_carry_their_unit(s, text):
-    from tasks.progress import seconds
-
-    assert seconds(s) == text
-
-
 def test_the_epoch_line_names_epoch_workers_loss_accuracy_time_and_cost_against_predictions():
     from tasks.progress import epoch_line
 
     line = epoch_line({"epoch": 1, "workers": 2, "val_loss": 0.41234, "val_accuracy": 0.873, "seconds": 1.23,
                        "predicted_epoch_s": 1.1}, 5, 0.000215, 0.000592)
-    assert line == ("epoch 2/5: 2 worker(s), loss 0.4123, accuracy 87.3%, 1.23 s (predicted 1.1 s), "
+    assert line == ("epoch 2/5: 2 worker(s), loss 0.4123, accuracy 87.3%, 1.23 s (predicted 1.10 s), "
                     "cost so far $0.000215 of $0.000592 predicted for the run")
 
 
