@@ -95,8 +95,8 @@ class CloudAdapter(ABC):
     def sweep(self, run_id: str) -> list[str]:
         """Stop (or delete) every resource of the run still running; the resources swept."""
 
-    def settle(self, run_id: str, timeout_s: float = 20.0) -> list[str]:
-        """Wait (at most `timeout_s`) until the run's workers, told to stop, have stopped, and
+    def settle(self, run_id: str, timeout_s: float | None = None) -> list[str]:
+        """Wait (at most `timeout_s`, None: the provider's own bound) until the run's workers, told to stop, have stopped, and
         stop what still runs, so the bill that follows reads a stop time for each; the
         resources stopped here. A cloud that records the stop on its own waits for nothing."""
         return []

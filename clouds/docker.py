@@ -30,6 +30,8 @@ RUN_LABEL = "zooid-run"
 FLOW_RUN_LABEL = "io.prefect.flow-run-id"
 """Prefect's `prefect.io/flow-run-id` as prefect-docker labels a container."""
 _NEVER = "0001-01-01"
+RUNNING = ("running", "paused", "restarting")
+"""Engine states of a container that has started and not exited."""
 SETTLE_S = 15.0
 """How long the teardown waits for the run's containers to exit by themselves before stopping them."""
 
@@ -56,7 +58,7 @@ def container_interval(attrs: dict) -> CloudInterval:
     started = parse_time(state.get("StartedAt"))
     finished = parse_time(state.get("FinishedAt"))
     status_word = state.get("Status", "")
-    if status_word in ("running", "paused", "restarting", "stopping"):
+    if status_word in RUNNING + ("stopping",):
         status, stopped = "running", None
     elif started is None:  # created and never started (a start that failed leaves it so): costs nothing
         status, stopped = "failed_placement", finished or created
@@ -100,12 +102,17 @@ def stop_containers(client, ids: Iterable[str], grace_s: int = 5) -> list[str]:
     return stopped
 
 
-def container_of_flow_run(flow_run) -> str | None:
-    """The container id of a worker flow run, from its `infrastructure_pid` `<base url>:<id>`."""
-    pid = getattr(flow_run, "infrastructure_pid", None) or ""
+def container_id(infrastructure_pid: str | None) -> str | None:
+    """The container id in a flow run's `infrastructure_pid` `<engine base URL>:<id>`."""
+    pid = infrastructure_pid or ""
     if ":" not in pid:
         return None
     return pid.rsplit(":", 1)[1] or None
+
+
+def container_of_flow_run(flow_run) -> str | None:
+    """The container id of a worker flow run."""
+    return container_id(getattr(flow_run, "infrastructure_pid", None))
 
 
 def sweep(client, run_id: str, grace_s: int = 5) -> list[str]:
@@ -116,7 +123,7 @@ def sweep(client, run_id: str, grace_s: int = 5) -> list[str]:
     swept = []
     for container in run_containers(client, run_id):
         try:
-            if container.status in ("running", "paused", "restarting", "created"):
+            if container.status in RUNNING + ("created",):
                 container.stop(timeout=grace_s)
             container.remove(force=True)
         except NotFound:
@@ -160,7 +167,7 @@ class DockerAdapter(CloudAdapter):
         """The container's exit when it is no longer running (killed, out of memory, gone)."""
         from docker.errors import NotFound
 
-        cid = container_of_flow_run(type("FlowRun", (), {"infrastructure_pid": infrastructure_pid}))
+        cid = container_id(infrastructure_pid)
         if cid is None:
             return None
         client = docker_client(timeout_s=10)
@@ -184,7 +191,7 @@ class DockerAdapter(CloudAdapter):
         import time
 
         def running(client):
-            return [c.id for c in run_containers(client, run_id) if c.status in ("running", "paused", "restarting")]
+            return [c.id for c in run_containers(client, run_id) if c.status in RUNNING]
 
         client = docker_client()
         try:

@@ -57,6 +57,8 @@ class RunState:
     """The run's warm workers (`tasks.warm_pool.WarmPool`) when the job keeps them."""
     progress_id: Any = None
     """The run's progress artifact."""
+    pool_env: dict | None = None
+    """The target pool's default worker environment, read from the API once per run."""
     provisioned: bool = False
     torn_down: bool = False
     cost_recorded: bool = False

@@ -363,8 +363,11 @@ def make_launcher(ctx, plan) -> _Launcher:
     if is_cloud(target):
         from clouds.job_variables import job_variables as cloud_job_variables, resources_from_plan
 
-        # a worker's `env` replaces the pool's default one: keep the pool's under ours
-        env = {**pool_default_env(target.work_pool), **target.job_variables.get("env", {}), **env}
+        # a worker's `env` replaces the pool's default one: keep the pool's under ours (read once a
+        # run: a launcher is made every epoch)
+        if ctx.state.pool_env is None:
+            ctx.state.pool_env = pool_default_env(target.work_pool)
+        env = {**ctx.state.pool_env, **target.job_variables.get("env", {}), **env}
 
         peak = ctx.state.profile.get("peak_memory_bytes") if ctx.state.profile else None
 
