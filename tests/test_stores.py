@@ -1,4 +1,4 @@
-"""The three stores against real servers: one suite, parametrised over directory, Redis, S3."""
+"""The stores against real servers: one suite, parametrised over directory, Redis, S3, Azure Blob."""
 from __future__ import annotations
 
 import hashlib
@@ -6,6 +6,7 @@ import pickle
 import threading
 import time
 import uuid
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,9 +24,10 @@ MB = 1_000_000
 # Small chunk and multipart sizes, so ~20 MB values take the chunked / multipart paths.
 REDIS_CHUNK = 4 * MB
 S3_MULTIPART = 8 * 1024 * 1024
+AZURE_SINGLE_PUT = 8 * 1024 * 1024
 
 
-@pytest.fixture(params=["dir", "redis", "s3"])
+@pytest.fixture(params=["dir", "redis", "s3", "azure"])
 def store(request, tmp_path) -> Store:
     """A fresh, empty store of each kind."""
     if request.param == "dir":
@@ -34,10 +36,17 @@ def store(request, tmp_path) -> Store:
         server = request.getfixturevalue("redis_server")
         s = open_store(f"{server.url}?chunk_bytes={REDIS_CHUNK}")
         s.client.flushdb()
-    else:
+    elif request.param == "s3":
         server = request.getfixturevalue("s3_server")
         bucket = server.create_bucket(f"zooid-{uuid.uuid4().hex[:12]}")
         s = S3Store(bucket, "tenant", endpoint=server.endpoint, multipart_threshold=S3_MULTIPART)
+    else:
+        from comm.store_azure import AzureBlobStore
+
+        server = request.getfixturevalue("azurite")
+        container = server.create_container(f"zooid-{uuid.uuid4().hex[:12]}")
+        s = AzureBlobStore(container, "tenant", connection_string=server.connection_string(),
+                           single_put_bytes=AZURE_SINGLE_PUT)
     yield s
     s.close()
 
@@ -70,23 +79,64 @@ def test_overwrite_then_delete(store):
         store.get("runs/r1/k")
 
 
-def test_get_waits_for_a_later_put(store):
-    timer = threading.Timer(0.3, store.put, args=("runs/r1/late", b"arrived"))
-    start = time.monotonic()
-    timer.start()
-    try:
-        assert store.get("runs/r1/late", timeout=10) == b"arrived"
-    finally:
-        timer.join()
-    assert time.monotonic() - start >= 0.29
-    assert store.stats.seconds_waiting >= 0.2
+class FakeClock:
+    """A monotonic clock the test moves: `sleep` advances it by its argument, `sleep_until`
+    jumps to the deadline (never back), so paced or waiting code runs at once and exactly."""
+
+    def __init__(self, now: float = 1000.0):
+        self.now, self.sleeps, self.deadlines = now, [], []
+        self.on_sleep = None  # called with the number of sleeps so far: an event inside a wait
+        self._lock = threading.Lock()
+
+    def monotonic(self) -> float:
+        return self.now
+
+    perf_counter = monotonic
+
+    def sleep(self, seconds: float) -> None:
+        with self._lock:
+            self.sleeps.append(seconds)
+            self.now += seconds
+        if self.on_sleep is not None:
+            self.on_sleep(len(self.sleeps))
+
+    def sleep_until(self, deadline: float) -> None:
+        with self._lock:
+            self.deadlines.append(deadline)
+            self.now = max(self.now, deadline)
 
 
-def test_get_times_out_when_nothing_comes(store):
-    start = time.monotonic()
+@pytest.fixture
+def clock(monkeypatch) -> FakeClock:
+    """The stores' and links' clock, under the test's control (real I/O, no real waiting)."""
+    import comm.bandwidth
+    import comm.store_base
+
+    fake = FakeClock()
+    monkeypatch.setattr(comm.store_base, "time", fake)
+    monkeypatch.setattr(comm.bandwidth, "time", fake)
+    monkeypatch.setattr(comm.bandwidth, "sleep_until", fake.sleep_until)
+    return fake
+
+
+def test_get_waits_for_a_later_put(store, clock):
+    """The put lands while the get waits (inside its third pause): the get returns it and
+    counts exactly the pauses it slept as waiting."""
+    clock.on_sleep = lambda n: n == 3 and store.put("runs/r1/late", b"arrived")
+    start = clock.now
+    assert store.get("runs/r1/late", timeout=10) == b"arrived"
+    assert len(clock.sleeps) == 3  # it missed three times, then read the value
+    assert clock.now - start == pytest.approx(sum(clock.sleeps))
+    assert store.stats.seconds_waiting == pytest.approx(sum(clock.sleeps))
+
+
+def test_get_times_out_when_nothing_comes(store, clock):
+    start = clock.now
     with pytest.raises(StoreTimeout):
         store.get("runs/r1/never", timeout=0.3)
-    assert 0.3 <= time.monotonic() - start < 1.5
+    assert clock.now - start == pytest.approx(0.3)  # the last pause is cut to what was left
+    assert max(clock.sleeps) <= store.poll_max_s
+    assert store.stats.seconds_waiting == pytest.approx(0.3)
 
 
 def test_a_waiting_get_polls_fast_first_then_backs_off(store, monkeypatch):
@@ -148,7 +198,7 @@ def test_delete_prefix_refuses_the_empty_prefix(store):
 
 def test_reader_never_sees_a_partial_value(store):
     """A reader polls while a writer overwrites with large values of distinct content."""
-    size = 9 * MB  # > Redis chunk size and > S3 multipart threshold: the hard paths
+    size = 9 * MB  # > Redis chunk size, > S3 multipart and Azure single-put thresholds: the hard paths
     key = "runs/r1/hot"
 
     def value(i: int) -> bytes:
@@ -181,17 +231,34 @@ def test_reader_never_sees_a_partial_value(store):
 
 # --- store-specific behaviour -----------------------------------------------------------
 
-def test_redis_survives_a_server_restart(redis_server):
+@pytest.mark.timeout(120)
+def test_redis_survives_a_server_restart(redis_server, monkeypatch):
+    """A put while the server is down fails, waits and retries, and lands once the server
+    is back: the server is started again only after the store has retried (an event)."""
+    import comm.store_redis
+
     store = open_store(redis_server.url)
     store.put("runs/r1/before", b"x")
-    restart = threading.Thread(target=redis_server.restart, kwargs={"down_s": 0.7})
+    retrying, real_sleep = threading.Event(), time.sleep
+
+    def pause(seconds: float) -> None:  # the store's pause after a failed try
+        retrying.set()
+        real_sleep(seconds)
+
+    monkeypatch.setattr(comm.store_redis, "time", SimpleNamespace(monotonic=time.monotonic, sleep=pause))
+    redis_server.stop()
+    restart = threading.Thread(target=lambda: retrying.wait(60) and redis_server.start())
     restart.start()
     try:
-        time.sleep(0.2)  # the server is down now: these calls must wait and retry
         store.put("runs/r1/after", b"written across the restart")
+        assert retrying.is_set()  # the put did meet the server down
         assert store.get("runs/r1/after", timeout=5) == b"written across the restart"
+        assert not store.exists("runs/r1/before")  # a restart without persistence: it really went down
     finally:
+        retrying.set()
         restart.join()
+        if redis_server.proc is None:
+            redis_server.start()
     store.ping()
     store.close()
 
@@ -237,17 +304,29 @@ def test_open_store_reads_urls(tmp_path, redis_server, s3_server, monkeypatch):
     assert default_store_url() == (tmp_path / "home" / "store").as_uri()
 
 
-def test_unreachable_stores_fail_ping_fast(tmp_path, s3_server):
+@pytest.mark.timeout(60)
+def test_unreachable_stores_fail_ping_with_one_short_attempt(tmp_path, s3_server):
+    """`ping` makes one attempt with a short connect timeout (redis: 1 s, no retry; S3: 1 s
+    connect and read, one attempt), so an unreachable store fails the check fast."""
     closed = free_port()
     candidates = [open_store("redis://127.0.0.1:1"),
                   open_store(f"redis://127.0.0.1:{closed}/0"),
                   open_store(f"s3://bucket?endpoint=http://127.0.0.1:{closed}"),
                   open_store(f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}?endpoint={s3_server.endpoint}")]
     for store in candidates:
-        start = time.monotonic()
         with pytest.raises(StoreError):
             store.ping()
-        assert time.monotonic() - start < 2.5, store
+        if isinstance(store, RedisStore):
+            kwargs = store.client.connection_pool.connection_kwargs
+            assert kwargs["socket_connect_timeout"] <= 1.0 and kwargs["retry"].get_retries() == 0, store
+        else:
+            config, sent = store._ping_client.meta.config, []
+            assert (config.connect_timeout, config.read_timeout) == (1, 1), store
+            assert config.retries["total_max_attempts"] == 1, store
+            store._ping_client.meta.events.register("before-send.s3.HeadBucket", lambda **kw: sent.append(1))
+            with pytest.raises(StoreError):
+                store.ping()
+            assert sent == [1], store  # one request, no retry
     (tmp_path / "file").write_bytes(b"")
     with pytest.raises(StoreError):
         DirectoryStore(tmp_path / "file" / "store")
@@ -255,50 +334,59 @@ def test_unreachable_stores_fail_ping_fast(tmp_path, s3_server):
 
 # --- bandwidth emulation ----------------------------------------------------------------
 
-def test_emulated_bandwidth_paces_each_direction(tmp_path):
-    store = open_store(str(tmp_path), upload_bytes_per_s=20 * MB, download_bytes_per_s=20 * MB)
-    data = bytes(4 * MB)
-    start = time.monotonic()
+def test_emulated_bandwidth_paces_each_direction(tmp_path, clock):
+    """On the test's clock: each direction takes exactly its bytes (less the bucket's small
+    burst) over its rate, and an upload and a download at once take as long as one."""
+    rate = 20 * MB
+    store = open_store(str(tmp_path), upload_bytes_per_s=rate, download_bytes_per_s=rate)
+    burst, data = store.link.up.burst, bytes(4 * MB)
+    assert 0 < burst < 0.02 * len(data)
+    start = clock.now
     store.put("runs/r/a", data)
-    up = time.monotonic() - start
-    start = time.monotonic()
+    up = clock.now - start
+    start = clock.now
     store.get("runs/r/a")
-    down = time.monotonic() - start
-    assert 0.19 <= up < 0.45 and 0.19 <= down < 0.45, (up, down)
+    down = clock.now - start
+    assert up == pytest.approx((4 * MB - burst) / rate) and down == pytest.approx((4 * MB - burst) / rate)
     assert store.stats.bytes_up == store.stats.bytes_down == 4 * MB
-    assert store.stats.seconds_up >= 0.19 and store.stats.seconds_down >= 0.19
+    assert store.stats.seconds_up == pytest.approx(up) and store.stats.seconds_down == pytest.approx(down)
 
-    # Upload and download at once take as long as one: the directions are independent.
+    # Upload and download at once take as long as one: the directions are independent
+    # (one shared link would take both transfers' time, 0.4 s).
     store.put("runs/r/b", data)
-    start = time.monotonic()
+    start = clock.now
     threads = [threading.Thread(target=store.put, args=("runs/r/c", data)),
                threading.Thread(target=store.get, args=("runs/r/b",))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    both = time.monotonic() - start
-    assert 0.19 <= both < 0.36, both
+    assert clock.now - start == pytest.approx(4 * MB / rate)
 
 
-def test_token_bucket_is_shared_by_concurrent_transfers():
+def test_token_bucket_is_shared_by_concurrent_transfers(clock):
     bucket = TokenBucket(10 * MB, burst=0)
-    start = time.monotonic()
+    start = clock.now
     threads = [threading.Thread(target=bucket.consume, args=(MB,)) for _ in range(3)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert 0.29 <= time.monotonic() - start < 0.45
+    # Three transfers queue behind each other on the one bucket: they end 0.1, 0.2, 0.3 s on.
+    assert sorted(d - start for d in clock.deadlines) == pytest.approx([0.1, 0.2, 0.3])
+    assert clock.now - start == pytest.approx(0.3)
     with pytest.raises(ValueError, match="bytes_per_s"):
         TokenBucket(0)
 
 
-def test_unlimited_store_is_not_paced(tmp_path):
+def test_unlimited_store_is_not_paced(tmp_path, clock):
     store = open_store(str(tmp_path))
-    start = time.monotonic()
+    assert store.link.up is None and store.link.down is None
+    start = clock.now
     store.put("runs/r/a", bytes(4 * MB))
-    assert time.monotonic() - start < 0.15
+    store.get("runs/r/a")
+    assert clock.now == start and all(d <= start for d in clock.deadlines)  # no wait at all
+    assert store.stats.seconds_up == 0 and store.stats.seconds_down == 0
 
 
 # --- tensor codec -------------------------------------------------------------------------
