@@ -4,7 +4,7 @@ PY := .venv/bin/python
 PIP := .venv/bin/pip
 STAMP := .venv/.installed
 
-.PHONY: install run up down test lint bench clean redis
+.PHONY: install run up down test lint bench clean redis azurite
 
 $(STAMP): requirements.txt requirements-dev.txt requirements.lock pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -32,15 +32,21 @@ redis:
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq redis-server; \
 	  else sudo apt-get update -qq && sudo apt-get install -y -qq redis-server; fi; }
 
+## azurite: Azure's Blob API emulator (npm package azurite) in .azurite/, for the Azure Blob store's tests
+AZURITE := .azurite/node_modules/.bin/azurite-blob
+azurite: $(AZURITE)
+$(AZURITE):
+	npm install --prefix .azurite --no-audit --no-fund --loglevel=error azurite@3.35.0
+
 ## lint: pyflakes' checks (undefined names, unused imports and variables, ...) over the whole tree
 lint: install
 	$(PY) -m ruff check --select F --output-format concise .
 
-## test: install (redis-server, the container engine and the worker image included), lint, run the whole suite
-test: install redis lint image
+## test: install (redis-server, Azurite, the container engine and the worker image included), lint, run the whole suite
+test: install redis azurite lint image
 	$(PY) -m pytest -q -p no:cacheprovider --timeout=600 $(PYTEST_ARGS)
 
-bench: install redis
+bench: install redis azurite
 	$(PY) -m benchmarks.run_all
 
 ## image: build the CPU worker image here (mmdebstrap base, local wheelhouse, no registry); a no-op when current

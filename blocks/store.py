@@ -81,8 +81,9 @@ class ZooidStore(StoreBlock):
 def store_block_types() -> tuple[type[StoreBlock], ...]:
     """Every store block type. Importing them is what lets `Block.load` build any of them."""
     from blocks.cloud import ZooidRedisStore, ZooidS3Store
+    from blocks.store_azure import ZooidAzureBlobStore
 
-    return ZooidStore, ZooidS3Store, ZooidRedisStore
+    return ZooidStore, ZooidS3Store, ZooidRedisStore, ZooidAzureBlobStore
 
 
 def is_store_url(value: str) -> bool:
@@ -95,7 +96,7 @@ def load_store_block(ref: str) -> StoreBlock:
     loaded from the Prefect API."""
     slug, name = parse_block_ref(ref)
     if slug != DEFAULT_BLOCK_TYPE:
-        store_block_types()  # the cloud blocks' module (prefect-aws, prefect-redis) only when named
+        store_block_types()  # the cloud blocks' modules (prefect-aws, prefect-redis, prefect-azure) only when named
     block = Block.load(f"{slug}/{name}")
     if not isinstance(block, StoreBlock):
         raise ZooidValueError("store", f"block {slug}/{name} is a {type(block).__name__}, not a Zooid store block")

@@ -1,4 +1,5 @@
-"""Shared fixtures: a real redis-server, a real S3 API (moto in server mode), a directory store.
+"""Shared fixtures: a real redis-server, a real S3 API (moto in server mode), a real Azure Blob
+API (Azurite), a directory store.
 
 Servers bind to 127.0.0.1 on free ports, run in their own process group and are stopped
 by pid, because several people run tests on the same machine at once.
@@ -160,6 +161,80 @@ def s3_server():
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+AZURITE_BIN = Path(__file__).resolve().parent.parent / ".azurite" / "node_modules" / ".bin" / "azurite-blob"
+
+
+@dataclass
+class AzuriteServer:
+    """Azurite's Blob API on 127.0.0.1, data on disk in `workdir`; `restart()` keeps port and data.
+
+    The account is Azurite's documented development account (`devstoreaccount1` and its
+    published key), so a client with any other key is refused."""
+
+    workdir: Path
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen | None = None
+    account: str = "devstoreaccount1"
+    account_key: str = ("Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/"
+                        "K1SZFPTOtr/KBHBeksoGMGw==")
+
+    @property
+    def endpoint(self) -> str:
+        """The account's blob endpoint, `http://127.0.0.1:<port>/devstoreaccount1`."""
+        return f"http://127.0.0.1:{self.port}/{self.account}"
+
+    def connection_string(self, key: str | None = None) -> str:
+        """The account's connection string (with `key` instead of the account's, if given)."""
+        return (f"DefaultEndpointsProtocol=http;AccountName={self.account};"
+                f"AccountKey={key or self.account_key};BlobEndpoint={self.endpoint};")
+
+    def create_container(self, name: str) -> str:
+        """Create container `name` (idempotent) and return its name."""
+        from azure.core.exceptions import ResourceExistsError
+        from azure.storage.blob import BlobServiceClient
+
+        with BlobServiceClient.from_connection_string(self.connection_string()) as client:
+            try:
+                client.create_container(name)
+            except ResourceExistsError:
+                pass
+        return name
+
+    def start(self) -> None:
+        """Start Azurite and wait until it accepts connections."""
+        log = open(self.workdir / "azurite.log", "ab")
+        self.proc = subprocess.Popen(
+            [str(AZURITE_BIN), "--blobHost", "127.0.0.1", "--blobPort", str(self.port),
+             "--location", str(self.workdir / "data"), "--skipApiVersionCheck", "--disableTelemetry",
+             "--silent"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        wait_for_port(self.port, timeout=30)
+
+    def stop(self) -> None:
+        """Stop Azurite (its data stays on disk)."""
+        if self.proc is not None:
+            stop_process_group(self.proc)
+            self.proc = None
+
+    def restart(self) -> None:
+        """Stop, then start again on the same port with the same data."""
+        self.stop()
+        self.start()
+
+
+@pytest.fixture(scope="session")
+def azurite(tmp_path_factory):
+    """A real Azurite Blob API for the whole session (`make azurite` installs it)."""
+    if not AZURITE_BIN.exists():
+        pytest.skip(f"Azurite is not installed at {AZURITE_BIN} (make azurite)")
+    server = AzuriteServer(tmp_path_factory.mktemp("azurite"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture

@@ -244,6 +244,7 @@ def test_every_project_exception_is_a_zooid_error():
 def test_store_blocks_are_one_family_with_one_reference_and_one_opener(prefect_api, tmp_path):
     from prefect_aws import AwsCredentials
     from prefect_aws.s3 import S3Bucket
+    from prefect_azure.credentials import AzureBlobStorageCredentials
     from prefect_redis.blocks import RedisDatabase
     from pydantic import SecretStr
 
@@ -257,6 +258,8 @@ def test_store_blocks_are_one_family_with_one_reference_and_one_opener(prefect_a
             bucket=S3Bucket(bucket_name="b", credentials=AwsCredentials(
                 aws_access_key_id="AKIAONE", aws_secret_access_key=secret, region_name="eu-west-1"))),
         "zooid-redis-store": store_block_types()[2](database=RedisDatabase(host="h", port=1, password=secret)),
+        "zooid-azure-blob-store": store_block_types()[3](container="c0n", credentials=AzureBlobStorageCredentials(
+            connection_string=f"AccountName=a;AccountKey={secret};BlobEndpoint=http://h:1/a")),
     }
     # every store block type is a StoreBlock with the one interface, and none leaks its secret
     assert {cls.get_block_type_slug() for cls in store_block_types()} == set(blocks)
