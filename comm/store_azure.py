@@ -43,7 +43,8 @@ def _redacted(text: str) -> str:
 
 def _code(e: Exception) -> str:
     """The storage error code of a service error ('' for others)."""
-    return getattr(e, "error_code", None) or ""
+    code = getattr(e, "error_code", None) or ""
+    return str(getattr(code, "value", code))
 
 
 def _reason(e: Exception) -> str:

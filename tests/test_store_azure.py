@@ -1,0 +1,154 @@
+"""The Azure Blob store's own behaviour against a real Blob API (Azurite): its URL forms, large
+values as staged blocks, errors that name container and key but never the credential, the
+block that hands its key to the client, and a restart survived. The Store contract itself is
+`tests/test_stores.py`, parametrised over every store."""
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+
+import pytest
+from azure.storage.blob import BlobServiceClient
+
+from blocks.store_azure import ZooidAzureBlobStore
+from comm.store import open_store
+from comm.store_azure import AzureBlobStore
+from core.errors import StoreError, ZooidValueError
+from tests.conftest import free_port
+
+MIB = 1024 * 1024
+WRONG_KEY = "V3Jvbmcta2V5LW5vdC10aGUtYWNjb3VudHMtb3duLWtleS0wMDAwMDAwMDAwMDA="
+
+
+def _container(azurite) -> str:
+    return azurite.create_container(f"zooid-{uuid.uuid4().hex[:12]}")
+
+
+def _block(azurite, container: str, key: str | None = None) -> ZooidAzureBlobStore:
+    from prefect_azure.credentials import AzureBlobStorageCredentials
+
+    creds = AzureBlobStorageCredentials(connection_string=azurite.connection_string(key))
+    return ZooidAzureBlobStore(credentials=creds, container=container, prefix="runs-test")
+
+
+def test_open_store_reads_az_urls(azurite, monkeypatch):
+    container = _container(azurite)
+    store = open_store(f"az://{container}/pre/fix", azure_account={"connection_string": azurite.connection_string()})
+    assert isinstance(store, AzureBlobStore) and store.prefix == "pre/fix/" and store.url == f"az://{container}/pre/fix"
+    store.ping()
+    store.put("runs/r/k", b"v")
+    raw = BlobServiceClient.from_connection_string(azurite.connection_string())
+    assert raw.get_blob_client(container, "pre/fix/runs/r/k").download_blob().readall() == b"v"
+    # from the command line: the SDK's documented variable, read when the URL names no account
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite.connection_string())
+    assert open_store(f"az://{container}/pre/fix").get("runs/r/k") == b"v"
+    monkeypatch.delenv("AZURE_STORAGE_CONNECTION_STRING")
+    with pytest.raises(ZooidValueError, match=r"^store: az://.* needs a storage account"):
+        open_store(f"az://{container}/pre/fix")
+    with pytest.raises(ZooidValueError, match=r"^store: unknown Azure Blob URL parameter"):
+        open_store(f"az://{container}/p?endpoint=x", azure_account={"connection_string": azurite.connection_string()})
+    with pytest.raises(ZooidValueError, match=r"^store: an Azure Blob store needs a container"):
+        open_store("az:///p", azure_account={"connection_string": azurite.connection_string()})
+
+
+def test_a_large_value_is_uploaded_as_staged_blocks_and_committed_at_once(azurite):
+    container = _container(azurite)
+    store = AzureBlobStore(container, "p", connection_string=azurite.connection_string(), single_put_bytes=MIB)
+    data = os.urandom(20 * MIB + 5)
+    store.put("runs/r/ckpt", data)
+    committed, uncommitted = store.blobs.get_blob_client("p/runs/r/ckpt").get_block_list("all")
+    assert [b.size for b in committed] == [8 * MIB, 8 * MIB, 4 * MIB + 5] and not uncommitted
+    assert store.get("runs/r/ckpt") == data
+    store.put("runs/r/small", b"x" * 1000)  # below the threshold: one Put Blob, no blocks
+    assert store.blobs.get_blob_client("p/runs/r/small").get_block_list("all") == ([], [])
+    store.close()
+
+
+def test_server_errors_name_container_and_key_never_the_credential(azurite):
+    container = _container(azurite)
+    wrong = AzureBlobStore(container, "p", connection_string=azurite.connection_string(WRONG_KEY))
+    with pytest.raises(StoreError) as refused:
+        wrong.put("runs/r/k", b"v")
+    message = str(refused.value)
+    assert container in message and "runs/r/k" in message and "AuthorizationFailure" in message
+    missing = AzureBlobStore(f"no-such-{uuid.uuid4().hex[:8]}", "p", connection_string=azurite.connection_string())
+    with pytest.raises(StoreError) as absent:
+        missing.get("runs/r/k")
+    assert "ContainerNotFound" in str(absent.value) and missing.container in str(absent.value)
+    with pytest.raises(StoreError, match="ContainerNotFound"):
+        missing.ping()
+    for text in (message, str(absent.value), repr(wrong)):
+        assert WRONG_KEY not in text and azurite.account_key not in text
+
+
+def test_ping_makes_one_short_attempt_at_an_unreachable_account(azurite):
+    closed = free_port()
+    store = AzureBlobStore("zooid", connection_string=azurite.connection_string().replace(
+        f":{azurite.port}/", f":{closed}/"))
+    with pytest.raises(StoreError, match="unreachable"):
+        store.ping()
+    policy = store._ping_blobs._pipeline._impl_policies  # the ping client's retry policy: none
+    retry = next(p for p in policy if type(p).__name__ == "LinearRetry")
+    assert retry.total_retries == 0 and retry.connect_retries == 0
+
+
+def test_the_block_hands_its_key_to_the_client_and_a_wrong_key_is_refused(azurite):
+    container = _container(azurite)
+    env = dict(os.environ)
+    block = _block(azurite, container)
+    assert block.url() == f"az://{container}/runs-test"
+    shown = block.url() + repr(block) + str(block.worker_environment())
+    assert azurite.account_key not in shown
+    store = block.open()
+    try:
+        store.put("runs/z1/probe/x", b"\x00\x01")
+        assert store.get("runs/z1/probe/x") == b"\x00\x01"
+        assert store.client.credential.account_key == azurite.account_key  # the block's key signed it
+    finally:
+        store.close()
+    wrong = _block(azurite, container, WRONG_KEY).open()
+    with pytest.raises(StoreError, match="AuthorizationFailure"):
+        wrong.ping()  # Azurite checks the signature: only the account's key gets in
+    assert dict(os.environ) == env  # nothing was put into the environment
+
+
+def test_the_block_of_an_account_url_names_it_without_a_secret():
+    from prefect_azure.credentials import AzureBlobStorageCredentials
+
+    block = ZooidAzureBlobStore(container="c0n", credentials=AzureBlobStorageCredentials(
+        account_url="https://acct.blob.core.windows.net", client_id="i", tenant_id="t", client_secret="sp-s3cr3t"))
+    assert block.url() == "az://c0n/zooid?account_url=https://acct.blob.core.windows.net"
+    assert "sp-s3cr3t" not in block.url() + repr(block)
+
+
+def test_a_store_survives_an_azurite_restart(azurite, monkeypatch):
+    """A put while Azurite is down fails, backs off and retries; Azurite starts again only
+    after the store has retried (an event), and the put lands with nothing lost."""
+    from azure.storage.blob._shared.policies import StorageRetryPolicy
+
+    container = _container(azurite)
+    store = AzureBlobStore(container, "p", connection_string=azurite.connection_string())
+    store.put("runs/r1/before", b"kept")
+    retrying, real_sleep = threading.Event(), StorageRetryPolicy.sleep
+
+    def sleep(policy, settings, transport):  # the client's pause after a failed try
+        retrying.set()
+        real_sleep(policy, settings, transport)
+
+    monkeypatch.setattr(StorageRetryPolicy, "sleep", sleep)
+    azurite.stop()
+    restart = threading.Thread(target=lambda: retrying.wait(60) and azurite.start())
+    restart.start()
+    try:
+        store.put("runs/r1/after", b"written across the restart")
+        assert retrying.is_set()  # the put did meet Azurite down
+    finally:
+        retrying.set()
+        restart.join()
+        if azurite.proc is None:
+            azurite.start()
+    assert store.get("runs/r1/after") == b"written across the restart"
+    assert store.get("runs/r1/before") == b"kept"  # what was there before is still there
+    store.ping()
+    store.close()
