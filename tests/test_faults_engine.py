@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import comm.collectives as collectives
+import comm.store_base as store_base
 from comm.collectives import allreduce_mean, release_group
 from comm.store_dir import DirectoryStore
 from comm.store_redis import RedisStore
@@ -106,10 +108,8 @@ class Coordinator:
 def wait_for_sync_checkpoint(store, run_id: str, step: int) -> None:
     """Block until the epoch's sync checkpoint is at `step` (rank 0 writes it right after
     the sync; waiting makes the relaunch's starting point deterministic)."""
-    deadline = time.monotonic() + 30
     while step and (read_checkpoint_meta(store, sync_checkpoint_key(run_id, 0)) or {}).get("step") != step:
-        assert time.monotonic() < deadline, f"no sync checkpoint at step {step}"
-        time.sleep(0.02)
+        time.sleep(0.02)  # a hang here is caught by the callers' pytest timeout
 
 
 def kill_and_relaunch(tmp_path, chaos: str, victim: int, resume_step: int):
@@ -136,6 +136,7 @@ def kill_and_relaunch(tmp_path, chaos: str, victim: int, resume_step: int):
     return store, failure, marker
 
 
+@pytest.mark.timeout(300)
 def test_replica_killed_at_a_sync_point_ends_equal_to_the_fault_free_run(tmp_path, reference):
     store, failure, marker = kill_and_relaunch(
         tmp_path, "kill_worker:epoch=0:rank=1:step=3:at=sync", victim=1, resume_step=3)
@@ -150,6 +151,7 @@ def test_replica_killed_at_a_sync_point_ends_equal_to_the_fault_free_run(tmp_pat
     assert store.list("runs/k/sync/") == []
 
 
+@pytest.mark.timeout(300)
 def test_replica_killed_at_a_random_step_covers_every_batch_once(tmp_path, reference):
     step = random.Random(11).choice([s for s in range(1, STEPS) if s % PERIOD])  # not a sync point
     last_sync = step // PERIOD * PERIOD
@@ -173,6 +175,7 @@ def test_replica_killed_at_a_random_step_covers_every_batch_once(tmp_path, refer
     assert (meta["step"], meta["round"], meta["epoch"]) == (STEPS, STEPS // PERIOD - 1, 0)
 
 
+@pytest.mark.timeout(300)
 def test_redis_restart_mid_round_loses_scratch_keys_and_the_round_completes(tmp_path, redis_server, reference,
                                                                           monkeypatch):
     durable = DirectoryStore(tmp_path / "durable")
@@ -183,18 +186,24 @@ def test_redis_restart_mid_round_loses_scratch_keys_and_the_round_completes(tmp_
     monkeypatch.setenv("ZOOID_CHAOS", f"slow_worker:epoch=0:rank=1:step={PERIOD}:seconds=2")
     piece = "runs/rr/sync/e0/r1/part/1/0"
 
-    def restart_when_rank0_waits():
-        deadline = time.monotonic() + 30
-        while not scratch.exists(piece) and time.monotonic() < deadline:
+    finished, restarted = threading.Event(), threading.Event()
+
+    def restart_when_rank0_waits():  # the piece appearing is the event: rank 0 is in round 1
+        while not scratch.exists(piece):
+            if finished.is_set():
+                return
             time.sleep(0.01)
         redis_server.restart(down_s=0.2)
+        restarted.set()
 
     restarter = threading.Thread(target=restart_when_rank0_waits)
     restarter.start()
     try:
         run_threads(scratch, specs(scratch.url, "rr", subsets, checkpoint_store=durable.url, sync=SyncSpec(repost_s=0.3)))
     finally:
+        finished.set()
         restarter.join()
+    assert restarted.is_set()  # the restart came while rank 0 waited inside round 1
     assert not scratch.exists("runs/rr/data/manifest.json")  # the restart really lost the keys
     for name, expected in reference.items():
         torch.testing.assert_close(final_weights(durable, "runs/rr/ckpt/e0")[name], expected, rtol=1e-12, atol=1e-12)
@@ -255,13 +264,28 @@ def test_a_rank_relaunched_inside_a_round_completes_it_with_the_survivors(dies):
     assert store.list("runs/") == []
 
 
+class FakeClock:
+    """`time` for the module under test: `sleep` moves the clock, nothing really waits."""
+
+    def __init__(self):
+        self.now = self.start = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    perf_counter = monotonic
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
 def test_a_relaunched_rank_0_after_the_release_returns_at_once():
     store = MemoryStore()
     release_group(store, "runs/t/sync/e0", 0, 2, 0.5, resumed=True)  # no call keys left: released
     assert store.list("runs/") == []
 
 
-def test_rank_0_stops_waiting_for_done_keys_a_restarted_store_lost():
+def test_rank_0_stops_waiting_for_done_keys_a_restarted_store_lost(monkeypatch):
     """The scratch store restarts (Redis without persistence) after rank 1 posted its done
     key: rank 0, releasing, finds the call keys gone too and returns within a stall or two
     instead of waiting out the sync timeout (the chaos run once hung here for 600 s)."""
@@ -272,16 +296,20 @@ def test_rank_0_stops_waiting_for_done_keys_a_restarted_store_lost():
     release_group(store, "runs/t/sync/e0", 1, world, 20)
     assert store.list("runs/t/sync/e0/done/") == ["runs/t/sync/e0/done/1"]
     store.delete_prefix("runs/")  # the restart: every scratch key is gone
-    began = time.monotonic()
+    with ThreadPoolExecutor(world) as pool:  # the next group's calls, done, before the fake clock
+        list(pool.map(lambda r: allreduce_mean(store, "runs/t/sync/e1/r0", r, world, inputs[r], 20), range(world)))
+    clock = FakeClock()
+    monkeypatch.setattr(collectives, "time", clock)
+    monkeypatch.setattr(store_base, "time", clock)
     release_group(store, "runs/t/sync/e0", 0, world, 60)
-    assert time.monotonic() - began < 5
-    assert store.list("runs/") == []
+    assert clock.now - clock.start == pytest.approx(1.0)  # one stall of a 1 s get, not the 60 s timeout
+    assert store.list("runs/t/sync/e0/") == []
 
     # with the call keys still there a missing done key is waited for, up to the timeout
-    with ThreadPoolExecutor(world) as pool:
-        list(pool.map(lambda r: allreduce_mean(store, "runs/t/sync/e1/r0", r, world, inputs[r], 20), range(world)))
+    clock.start = clock.now
     with pytest.raises(StoreTimeout, match="done/1"):
         release_group(store, "runs/t/sync/e1", 0, world, 1.5)
+    assert clock.now - clock.start == pytest.approx(1.5)
 
 
 def test_chaos_parsing():
