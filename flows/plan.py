@@ -6,9 +6,9 @@ strategy would cost, without provisioning anything.
 
 To measure the profile it rents one worker on the target (unless the profile is cached), and says
 so before it starts, with what that is predicted to cost. With `rent=false` it rents nothing: it
-plans from a cached profile of the same device class and says where and when that was taken, or
-stops with one line naming `rent` when there is none (planning from the catalog's figures alone
-is not done yet).
+plans from a cached profile of the same device class and says where and when that was taken, or,
+with none cached, from the catalog's figures (the model's flops and bytes at the target device's
+assumed rates, `tasks.profile.catalog_profile`) and says how uncertain that plan is.
 
 For each candidate (Local-SGD, pipeline, hybrid D x M at the job's worker budget) it reports
 the predicted iteration time, epoch time, cost per epoch and throughput per dollar, and which
@@ -36,37 +36,32 @@ from tasks.profile import (
     show_profile,
     will_rent,
 )
-from tasks.report import artifact_key, co_optimizer_lines
+from tasks.report import (
+    alternatives_table,
+    artifact_key,
+    co_optimizer_lines,
+    duration,
+    money,
+    plan_in_words,
+    run_terms_text,
+)
 from tasks.validate import check_target_ready, validate_job
 
 
 def plan_report(job: TrainJob, chosen: dict) -> str:
-    """The dry run's markdown: one row per candidate."""
-    rows = ["| strategy | D | M | workers | cuts | micro-batches | schedule | iteration s | epoch s | $ / epoch | "
-            "run s | run $ | samples/s per $/h | chosen |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for a in chosen["alternatives"]:
-        tpd = a.get("throughput_per_dollar")
-        schedule = a.get("pipeline_schedule") or "-"
-        if a.get("compared") == "schedule":  # the chosen pipeline under each schedule
-            schedule += "" if a.get("fits") else " (does not fit)"
-        strategy = a["strategy"] + (f" ({'/'.join(f'{g:g}' for g in a['stage_memory_gb'])} GB per stage)"
-                                    if a.get("stage_memory_gb") else "")
-        rows.append(f"| {strategy} | {a['data_parallel']} | {a['stages']} | {a['workers']} | {a['cuts']} | "
-                    f"{a['microbatches']} | {schedule} | {a['predicted_iteration_s']:.3g} | "
-                    f"{a['predicted_epoch_s']:.3g} | {a['predicted_cost_per_epoch_usd']:.3g} | "
-                    f"{a.get('predicted_run_s', 0):.3g} | {a.get('predicted_run_cost_usd', 0):.3g} | "
-                    f"{'-' if tpd is None else f'{tpd:.3g}'} | {'yes' if a['chosen'] else ''} |")
-    terms = chosen.get("run_terms") or {}
-    basis = ", ".join(f"{k} {terms[k]:.3g} s{'' if terms['measured'].get(k) else ' (assumed)'}"
-                      for k in terms if k != "measured" and terms[k] is not None)
-    return "\n".join([f"# Zooid plan for `{job.model}` on `{job.dataset}` ({job.workers} workers, {job.target})", "",
-                      *rows, "", f"Chosen: **{chosen['strategy']}**, D={chosen['data_parallel']}, "
-                      f"M={chosen['stages']}; predicted {chosen['predicted_epoch_s']:.3g} s and "
-                      f"${chosen['predicted_cost_per_epoch_usd']:.3g} per epoch; the run of {job.epochs} epochs "
-                      f"{chosen['predicted_run_s']:.3g} s and ${chosen['predicted_run_cost_usd']:.3g} (first epoch "
-                      f"{chosen['predicted_first_epoch_s']:.3g} s; start-up, idle workers and the coordinator "
-                      f"included).", "", f"Outside the workers' compute: {basis}.",
-                      *([""] + co_optimizer_lines(chosen["co_optimizer"]) if chosen.get("co_optimizer") else [])])
+    """The dry run's markdown: the plan in words and its prediction, every alternative once
+    (the report's table), the terms outside the workers' compute, the co-optimiser's verdict."""
+    terms = run_terms_text(chosen.get("run_terms") or {})
+    return "\n".join([
+        f"# Zooid plan for `{job.model}` on `{job.dataset}` ({job.workers} workers, target `{job.target}`)", "",
+        plan_in_words(chosen), "",
+        f"Predicted: {duration(chosen['predicted_epoch_s'])} and {money(chosen['predicted_cost_per_epoch_usd'])} per "
+        f"epoch; the run of {job.epochs} epochs {duration(chosen['predicted_run_s'])} and "
+        f"{money(chosen['predicted_run_cost_usd'])} (first epoch {duration(chosen['predicted_first_epoch_s'])}; "
+        "start-up, idle workers and the coordinator included).", "",
+        "## Alternatives considered", "", *alternatives_table(chosen, markdown=True),
+        *(["", f"Outside the workers' compute: {terms}."] if terms else []),
+        *([""] + co_optimizer_lines(chosen["co_optimizer"]) if chosen.get("co_optimizer") else [])])
 
 
 def _seconds(est: dict, name: str) -> str:
@@ -85,7 +80,8 @@ def rent_notice(ctx: RunContext) -> str:
             f"{f', {r.target.worker_gpu} GPU' if r.target.worker_gpu else ''}) to measure {ctx.job.model} and the "
             f"store, then stop it: estimated ${est['usd']:.3g} (start-up {_seconds(est, 'startup_s')} + profile "
             f"{_seconds(est, 'profile_s')} + stop {_seconds(est, 'stop_s')} at ${est['price_per_s']:.3g}/s; an "
-            "estimate: the bill is measured); rent=false rents nothing and plans from a cached profile")
+            "estimate: the bill is measured); rent=false rents nothing and plans from a cached profile or "
+            "the catalog's figures")
 
 
 def _rent_flag(rent) -> bool:
@@ -100,7 +96,8 @@ def _rent_flag(rent) -> bool:
 
 def dry_run(job: TrainJob, rent: bool = True) -> dict:
     """Profile and plan `job` without provisioning; return the chosen plan and its alternatives.
-    `rent` False: rent nothing, plan from a cached profile (`tasks.profile.cached_profile`)."""
+    `rent` False: rent nothing, plan from a cached profile or the catalog's figures
+    (`tasks.profile.cached_profile`)."""
     from prefect.runtime import flow_run
 
     rent = _rent_flag(rent)
@@ -127,12 +124,13 @@ def dry_run(job: TrainJob, rent: bool = True) -> dict:
 @flow(name="plan", result_serializer="json", log_prints=True)
 def plan(job: TrainJob = TrainJob(), rent: bool = True) -> dict:
     """Profile and plan `job` without provisioning; return the chosen plan and its alternatives.
-    `rent` false: rent no profiling worker, plan from a cached profile of the same device class."""
+    `rent` false: rent no profiling worker, plan from a cached profile of the same device class
+    or, with none, from the catalog's figures."""
     return dry_run(job, rent)
 
 
 RENT_DESCRIPTION = ("Rent one worker on the target to take the profile when it is not cached; false: rent "
-                    "nothing, plan from a cached profile of the same device class")
+                    "nothing, plan from a cached profile of the same device class, else from the catalog's figures")
 
 
 def _with_rent(fields_flow):

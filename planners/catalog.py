@@ -77,3 +77,29 @@ def request_price(name: str) -> float:
         if r["name"] == name:
             return float(r["price_per_request"])
     raise ValueError(f"request: unknown request price {name!r}")
+
+
+def device_figures(gpu_type: str | None, vcpu: float) -> dict:
+    """What one worker's device is assumed to do per second (a plan with no profile to go on,
+    `profiling.estimate`): the catalog's figures for `gpu_type`, else for a CPU of `vcpu`
+    vCPUs (rates per vCPU times `vcpu`). ValueError naming the GPU types it knows otherwise."""
+    rows = {d["name"]: d for d in _load()["devices"]}
+    name = gpu_type or "cpu"
+    if name not in rows:
+        known = ", ".join(sorted(n for n in rows if n != "cpu"))
+        raise ValueError(f"gpu_type: no figures for {name!r} in the catalog; it has {known}")
+    row = dict(rows[name])
+    if row.pop("per") == "vcpu":
+        row["flops_per_s"] *= max(vcpu, 1.0)
+        row["bytes_per_s"] *= max(vcpu, 1.0)
+    return row
+
+
+def store_figures(scheme: str, network_bytes_per_s: float = 0.0) -> dict:
+    """A store's assumed bandwidth and latency by URL scheme (`file`, `redis`, `s3`, `az`), the
+    bandwidth no more than the worker's network (`network_bytes_per_s`, 0: unbounded)."""
+    rows = {s["scheme"]: s for s in _load()["stores"]}
+    row = dict(rows.get({"rediss": "redis"}.get(scheme, scheme)) or rows["s3"])
+    if network_bytes_per_s:
+        row["bandwidth_bytes_per_s"] = min(row["bandwidth_bytes_per_s"], network_bytes_per_s)
+    return row

@@ -324,6 +324,18 @@ def plan_in_words(p: dict) -> str:
     return what + (f"; {steps}." if steps else ".")
 
 
+TERM_NAMES = {"startup_s": "start-up", "epoch_overhead_s": "epoch overhead", "gap_s": "gap between epochs",
+              "provision_s": "provisioning", "teardown_s": "teardown", "stop_s": "stop", "warmup_s": "warm-up",
+              "exposed_s": "exposed start-up"}
+
+
+def run_terms_text(terms: dict) -> str:
+    """The run's terms outside the workers' compute, each marked when assumed, not measured."""
+    measured = terms.get("measured") or {}
+    return ", ".join(f"{TERM_NAMES.get(k, k)} {duration(v)}{'' if measured.get(k) else ' (assumed)'}"
+                     for k, v in terms.items() if k != "measured" and v is not None)
+
+
 def plan_details(summary: RunSummary) -> list[tuple[str, str]]:
     """The plan, field by field, in words and units."""
     p = summary.plan
@@ -338,13 +350,7 @@ def plan_details(summary: RunSummary) -> list[tuple[str, str]]:
     offer = text(p.get("offer")) + (f" ({money(price * 3600)} per worker-hour)" if price else "")
     offer += ("; " + p["offer_reason"]) if p.get("offer_reason") else \
         "; the target's billing offer unless the job names one (`offer`)"
-    terms = p.get("run_terms") or {}
-    measured = terms.get("measured") or {}
-    term_names = {"startup_s": "start-up", "epoch_overhead_s": "epoch overhead", "gap_s": "gap between epochs",
-                  "provision_s": "provisioning", "teardown_s": "teardown", "stop_s": "stop", "warmup_s": "warm-up",
-                  "exposed_s": "exposed start-up"}
-    term_text = ", ".join(f"{term_names.get(k, k)} {duration(v)}{'' if measured.get(k) else ' (assumed)'}"
-                          for k, v in terms.items() if k != "measured" and v is not None)
+    term_text = run_terms_text(p.get("run_terms") or {})
     rows = [("strategy", f"{strategy_name(p.get('strategy'))}, D={d} replica{'s' if d != 1 else ''} x "
                          f"{m} stage{'s' if m != 1 else ''}"),
             ("workers x size", f"{workers} x {_vcpu(p.get('worker_vcpu'))} vCPU, {_size(p)}"
