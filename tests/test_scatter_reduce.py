@@ -5,7 +5,6 @@ Ranks are threads, each with its own store client, as separate workers would be.
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 
 import pytest
@@ -142,19 +141,61 @@ def test_keys_are_cleaned_across_calls_and_by_release(tmp_path):
     assert open_store(url).list("runs/") == []
 
 
-def test_missing_peer_times_out_naming_the_key(tmp_path):
-    """Rank 2 of 3 never uploads: ranks 0 and 1 fail within the timeout instead of hanging."""
+class ThreadClock:
+    """`time` for the modules under test, one clock per thread (a rank): `sleep` moves the
+    calling thread's clock, nothing really waits."""
+
+    def __init__(self):
+        self._local = threading.local()
+        self.gate = None  # called before a sleep moves the clock: what must happen first
+
+
+    def monotonic(self) -> float:
+        return getattr(self._local, "now", 1000.0)
+
+    perf_counter = monotonic
+
+    def sleep(self, seconds: float) -> None:
+        if self.gate is not None:
+            self.gate()
+        self._local.now = self.monotonic() + seconds
+
+
+@pytest.fixture
+def clock(monkeypatch) -> ThreadClock:
+    import comm.bandwidth
+    import comm.collectives
+    import comm.scatter_reduce
+    import comm.store_base
+
+    fake = ThreadClock()
+    for module in (comm.bandwidth, comm.collectives, comm.scatter_reduce, comm.store_base):
+        monkeypatch.setattr(module, "time", fake)
+    return fake
+
+
+@pytest.mark.timeout(60)
+def test_missing_peer_times_out_naming_the_key(tmp_path, clock):
+    """Rank 2 of 3 never uploads: ranks 0 and 1 fail when their own 0.5 s are up (on a clock
+    the test controls) instead of hanging."""
     url = (tmp_path / "store").as_uri()
+    posted = [tmp_path / "store" / "runs/t/missing/part/1/0", tmp_path / "store" / "runs/t/missing/part/0/1"]
+
+    def both_ranks_posted() -> None:  # no clock moves before ranks 0 and 1 have sent each other their parts
+        while not all(p.exists() for p in posted):
+            threading.Event().wait(0.005)
+
+    clock.gate = both_ranks_posted
 
     def work(rank):
         store = open_store(url)
-        began = time.monotonic()
+        began = clock.monotonic()
         with pytest.raises(StoreTimeout, match=r"runs/t/missing/part/\d/2"):
             pipelined_allreduce_mean(store, "runs/t/missing", rank, 3, {"g": torch.ones(6)}, 0.5)
-        return time.monotonic() - began
+        return clock.monotonic() - began
 
-    waited = run_ranks(2, work)
-    assert all(0.5 <= w < 5.0 for w in waited)
+    # Each waited its 0.5 s for rank 2's part (rank 1 at most one first pause more, for rank 0's).
+    assert run_ranks(2, work) == pytest.approx([0.5, 0.5], abs=0.005)
 
 
 def test_bad_arguments_name_the_parameter(dir_store):
@@ -167,14 +208,19 @@ def test_bad_arguments_name_the_parameter(dir_store):
     assert allreduce_for("pipelined", "sum") is pipelined_allreduce_sum
 
 
-def test_a_relaunched_rank_replays_a_finished_call_from_the_posted_results(tmp_path):
+def test_a_relaunched_rank_replays_a_finished_call_from_the_posted_results(tmp_path, monkeypatch):
     """Rank 1 died after the call completed for everyone; its relaunch (replay=True) adopts
     the reduced slices instead of waiting for pieces nobody will post again."""
     url, world = (tmp_path / "store").as_uri(), 3
     data = contributions(world)
     _, outs = reduce_all(url, world, pipelined_allreduce_mean, "runs/t/replay", data)
     store = open_store(url)
-    began = time.monotonic()
+    import comm.collectives
+    import comm.store_base
+
+    clock = ThreadClock()  # a wait for a key would move it; the replay reads what is posted
+    monkeypatch.setattr(comm.collectives, "time", clock)
+    monkeypatch.setattr(comm.store_base, "time", clock)
     again = pipelined_allreduce_mean(store, "runs/t/replay", 1, world, data[1], 5.0, replay=True)
-    assert time.monotonic() - began < 2.0
+    assert clock.monotonic() == 1000.0  # it never waited
     assert all(torch.equal(again[k], outs[1][k]) for k in again)
