@@ -4,21 +4,26 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
+
+import pytest
 
 from tasks.sweep import COORDINATOR_VAR, TAG_VAR, orphan_pids, sweep_orphans, sweep_run, tagged_pids
 
 
 def _spawn(env_extra: dict) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
-                            env={**os.environ, **env_extra}, start_new_session=True)
+    """A tagged process that idles; returns once it runs Python with its environment
+    (it says so on stdout: an event, not a sleep)."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"],
+                            env={**os.environ, **env_extra}, start_new_session=True, stdout=subprocess.PIPE)
+    assert proc.stdout.readline() == b"up\n"
+    return proc
 
 
+@pytest.mark.timeout(60)
 def test_sweep_by_run_id_stops_only_that_run():
     mine = [_spawn({TAG_VAR: "zsweep-a"}) for _ in range(2)]
     other = _spawn({TAG_VAR: "zsweep-b"})
     try:
-        time.sleep(0.3)
         assert tagged_pids("zsweep-a") == sorted(p.pid for p in mine)
         stopped = sweep_run("zsweep-a")
         assert sorted(stopped) == sorted(p.pid for p in mine)
@@ -31,13 +36,13 @@ def test_sweep_by_run_id_stops_only_that_run():
         other.wait()
 
 
+@pytest.mark.timeout(60)
 def test_orphans_of_a_dead_coordinator_are_swept():
     coordinator = subprocess.Popen([sys.executable, "-c", "pass"])
     coordinator.wait()  # a coordinator that died
     orphan = _spawn({TAG_VAR: "zsweep-c", COORDINATOR_VAR: str(coordinator.pid)})
     alive_parent = _spawn({TAG_VAR: "zsweep-d", COORDINATOR_VAR: str(os.getpid())})
     try:
-        time.sleep(0.3)
         assert orphan.pid in orphan_pids() and alive_parent.pid not in orphan_pids()
         sweep_orphans()
         assert orphan.wait(timeout=10) is not None
