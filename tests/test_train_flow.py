@@ -99,30 +99,37 @@ class _Ctx:
     (18.0, 1.0, 1.5, 20.0, None),
 ])
 def test_guardrail_judges_the_next_epoch_by_the_larger_of_plan_and_measure(elapsed, predicted_s, last_s,
-                                                                              deadline, expected):
-    import time
+                                                                              deadline, expected, monkeypatch):
     from types import SimpleNamespace
 
+    import flows.train
     from flows.train import guardrail
 
+    now = 1_000_000.0  # the flow's clock, fixed by the test: `elapsed` is exact
+    monkeypatch.setattr(flows.train, "time", SimpleNamespace(time=lambda: now))
     job = TrainJob(deadline_s=deadline)
     plan = SimpleNamespace(predicted_epoch_s=predicted_s, predicted_cost_per_epoch_usd=0.0)
     history = [{"seconds": last_s, "cost_usd": 0.0}] if last_s is not None else []
-    assert guardrail(job, _Ctx(time.time() - elapsed), plan, history) == expected
+    assert guardrail(job, _Ctx(now - elapsed), plan, history) == expected
 
 
-def test_guardrail_stops_before_the_budget_is_spent():
-    import time
+def test_guardrail_stops_before_the_budget_is_spent(monkeypatch):
     from types import SimpleNamespace
 
+    import flows.train
     from flows.train import guardrail
 
+    now = 1_000_000.0
+    monkeypatch.setattr(flows.train, "time", SimpleNamespace(time=lambda: now))
     plan = SimpleNamespace(predicted_epoch_s=1.0, predicted_cost_per_epoch_usd=0.4)
     job = TrainJob(budget_usd=1.0)
-    assert guardrail(job, _Ctx(time.time(), spent_usd=0.5), plan, []) is None
-    assert guardrail(job, _Ctx(time.time(), spent_usd=0.7), plan, []) == "budget_exhausted"
-    assert guardrail(job, _Ctx(time.time(), spent_usd=0.5), plan, [{"seconds": 1.0, "cost_usd": 0.6}]) \
+    assert guardrail(job, _Ctx(now, spent_usd=0.5), plan, []) is None
+    assert guardrail(job, _Ctx(now, spent_usd=0.7), plan, []) == "budget_exhausted"
+    assert guardrail(job, _Ctx(now, spent_usd=0.5), plan, [{"seconds": 1.0, "cost_usd": 0.6}]) \
         == "budget_exhausted"
+    # running workers bill by the second since the start: 0.5 + 0.4 + 100 s x $0.001 passes $1
+    assert guardrail(job, _Ctx(now - 99.0, spent_usd=0.5, price=0.001), plan, []) is None
+    assert guardrail(job, _Ctx(now - 101.0, spent_usd=0.5, price=0.001), plan, []) == "budget_exhausted"
 
 
 def test_out_of_memory_is_not_retried_and_teardown_leaves_nothing(tmp_path, monkeypatch):
