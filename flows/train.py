@@ -117,13 +117,16 @@ def log_epoch(ctx: RunContext, metrics: dict, predicted_run_cost_usd: float | No
 
 
 def end_state(exc: BaseException, ctx: RunContext) -> str:
-    """`cancelled` when `exc` is how a cancellation reached the flow (Prefect's runner asks
-    with the `cancel` intent, then sends SIGTERM, which Prefect raises as `TerminationSignal`;
-    or the flow run was already set Cancelling when the signal came), else `failed`."""
+    """`cancelled` when `exc` is how a cancellation reached the flow: a command line stopped by
+    its user (SIGTERM or Ctrl-C, noted by `COMMAND_LINE`), or Prefect's runner asking with the
+    `cancel` intent, then sending SIGTERM, which Prefect raises as `TerminationSignal` (or the
+    flow run already set Cancelling when the signal came); else `failed`."""
     from prefect.exceptions import TerminationSignal
 
-    if not isinstance(exc, TerminationSignal) or COMMAND_LINE.active:
-        return "failed"  # a command line stopped by its user is reported by `main`
+    if COMMAND_LINE.active:
+        return "cancelled" if COMMAND_LINE.signal is not None else "failed"
+    if not isinstance(exc, TerminationSignal):
+        return "failed"
     try:
         from prefect._internal.control_listener import get_intent
 
@@ -205,7 +208,7 @@ def _run_training(job: TrainJob) -> RunSummary:
                      flow_run_id=str(fr_id))
     resume = find_resume_point(ctx, required=job.resume is not None)
     ACTIVE[ctx.flow_run_id] = ctx
-    COMMAND_LINE.run = {"run_id": ctx.run_id}
+    COMMAND_LINE.run = {"run_id": ctx.run_id, "flow_run_id": ctx.flow_run_id}
     progress_id = ctx.state.progress_id = create_progress_artifact(0.0, description=f"Epochs of run {ctx.run_id}")
     status, error, history, plan_dict = "failed", None, [], {}
     clock = RunClock(first_epoch_fresh=job.resume is None)
@@ -272,9 +275,9 @@ def _run_training(job: TrainJob) -> RunSummary:
             save_progress(ctx, history)
     except BaseException as exc:
         status = end_state(exc, ctx)
-        error = ("cancelled through Prefect (UI or API)" if status == "cancelled"
-                 else f"interrupted by {signal.Signals(COMMAND_LINE.signal).name} on the command line"
+        error = (f"interrupted by {signal.Signals(COMMAND_LINE.signal).name} on the command line"
                  if COMMAND_LINE.active and COMMAND_LINE.signal is not None
+                 else "cancelled through Prefect (UI or API)" if status == "cancelled"
                  else f"{type(exc).__name__}: {exc}")
         raise
     finally:
@@ -502,7 +505,12 @@ def main(argv: list[str] | None = None) -> int:
     COMMAND_LINE.reset(active=True)
     try:
         with prefect_api():
-            summary = train(job)
+            try:
+                summary = train(job)
+            except BaseException:
+                if COMMAND_LINE.signal is not None:
+                    _set_cancelled(COMMAND_LINE.run.get("flow_run_id"))
+                raise
     except BaseException as exc:
         if COMMAND_LINE.signal is not None or isinstance(exc, KeyboardInterrupt):
             return _interrupted(args.param)
@@ -521,6 +529,19 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.summary_out, "w") as fh:
             fh.write(summary.model_dump_json(indent=1))
     return 0 if summary.status != "failed" else 1
+
+
+def _set_cancelled(flow_run_id: str | None) -> None:
+    """The flow run of a command line its user stopped ends Cancelled on the API, as one
+    cancelled from the UI does (the engine records the interrupt as a crash)."""
+    if not flow_run_id:
+        return
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelled
+
+    with contextlib.suppress(Exception):  # the run's own end goes on whatever happens here
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_state(flow_run_id, Cancelled(message="stopped on the command line"), force=True)
 
 
 def _interrupted(params: list[str]) -> int:

@@ -251,3 +251,6 @@ def test_a_command_line_run_stopped_by_a_signal_says_three_lines_and_exits_128_p
     assert any(f"--param resume={run_id}" in line for line in after), after
     assert ledger["final"] is True
     assert tagged_pids(run_id) == []
+    summary = json.loads((runs / run_id / "summary.json").read_text())  # stopped by its user: cancelled
+    assert summary["status"] == "cancelled" and summary["error"] == f"interrupted by {sig.name} on the command line"
+    assert summary["total_cost_usd"] == ledger["total_usd"]

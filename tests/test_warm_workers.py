@@ -383,7 +383,7 @@ def test_sigterm_to_the_command_line_tears_down_and_bills_before_exiting(tmp_pat
     ledger = json.loads((runs / run / "cost.json").read_text())
     assert any(r["kind"] == "coordinator" for r in ledger["rows"])
     assert not any(r["status"] == "open" for r in ledger["rows"])  # every worker billed to its stop
-    assert json.loads((runs / run / "summary.json").read_text())["status"] == "failed"
+    assert json.loads((runs / run / "summary.json").read_text())["status"] == "cancelled"
     assert not (runs / run / "warm").exists() or not any((runs / run / "warm").rglob("*.json"))
     [log] = (home / "logs").glob("server-*.log")
     port = int(log.stem.split("-")[1])
