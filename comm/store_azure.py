@@ -19,7 +19,7 @@ import os
 import re
 from urllib.parse import parse_qs, urlsplit
 
-from azure.core.exceptions import AzureError, ResourceModifiedError
+from azure.core.exceptions import AzureError, ResourceExistsError, ResourceModifiedError
 from azure.storage.blob import BlobServiceClient, LinearRetry
 
 from comm.store_base import Store
@@ -180,6 +180,16 @@ class AzureBlobStore(Store):
         except AzureError as e:
             if _code(e) != "BlobNotFound":
                 raise self._fail("delete", key, e) from e
+
+    def create_container(self) -> bool:
+        """Create the container; True when it was created, False when it was there already."""
+        try:
+            self.blobs.create_container()
+            return True
+        except ResourceExistsError:
+            return False
+        except AzureError as e:
+            raise StoreError(f"Azure Blob container {self.container!r} could not be created{_reason(e)}") from e
 
     def ping(self) -> None:
         """Raise StoreError within about two seconds unless the container answers."""

@@ -10,6 +10,11 @@
   (the launcher keeps it under each worker's own variables).
 Running it twice changes nothing the second time.
 
+`python -m deployments.bootstrap --target aci --blob-container NAME [--blob-prefix P]
+[--blob-credentials BLOCK | --blob-account-url URL]` also creates that Azure Blob container and
+the `zooid-azure-blob-store/zooid-aci` block on it (`deployments.azure_blob`), the store an ACI
+job names.
+
 `python -m deployments.bootstrap --target ecs|aci|k8s --cloud [--cluster ...]
 [--resource-group ... --subscription-id ...] [--namespace ...]` (any of those options implies
 `--cloud`) then runs `bootstrap_cloud`: it also registers the cloud store blocks and points the
@@ -28,6 +33,7 @@ from typing import Any
 
 from blocks.compute import BUILTIN, ComputeTarget
 from blocks.store import ZooidStore, store_block_types
+from core.errors import StoreError
 
 POOL_TYPES = {"local": "process", "docker": "docker", "ecs": "ecs", "aci": "azure-container-instance", "k8s": "kubernetes"}
 TEMPLATES = Path(__file__).with_name("templates")
@@ -202,16 +208,31 @@ def main(argv: list[str] | None = None) -> int:
     cloud.add_argument("--resource-group", help="Azure resource group (ACI)")
     cloud.add_argument("--subscription-id", help="Azure subscription id (ACI)")
     cloud.add_argument("--namespace", help="Kubernetes namespace")
+    blob = parser.add_argument_group("the ACI target's Azure Blob store")
+    blob.add_argument("--blob-container", help="create this container and the zooid-azure-blob-store/zooid-aci block")
+    blob.add_argument("--blob-prefix", default="zooid", help="the key prefix in the container")
+    blob.add_argument("--blob-credentials", help="a saved azure-blob-storage-credentials block "
+                      "(default: AZURE_STORAGE_CONNECTION_STRING, else --blob-account-url)")
+    blob.add_argument("--blob-account-url", help="https://<account>.blob.core.windows.net (a managed identity)")
     args = parser.parse_args(argv)
     env = dict(item.split("=", 1) for item in args.env)
-    if not (args.cloud or args.cluster or args.resource_group or args.subscription_id or args.namespace):
-        print(json.dumps(bootstrap(args.target, args.paid_worker_limit, args.image, env)))
-        return 0
     try:
-        done = bootstrap_cloud(args.target, cluster=args.cluster, resource_group=args.resource_group,
-                               subscription_id=args.subscription_id, namespace=args.namespace,
-                               paid_worker_limit=args.paid_worker_limit, image=args.image, env=env)
-    except ValueError as exc:
+        if args.blob_container and args.target != "aci":
+            raise ValueError(f"blob_container: only the aci target's store is an Azure Blob container, "
+                             f"not the {args.target} target's")
+        if not (args.cloud or args.cluster or args.resource_group or args.subscription_id or args.namespace):
+            done = bootstrap(args.target, args.paid_worker_limit, args.image, env)
+        else:
+            done = bootstrap_cloud(args.target, cluster=args.cluster, resource_group=args.resource_group,
+                                   subscription_id=args.subscription_id, namespace=args.namespace,
+                                   paid_worker_limit=args.paid_worker_limit, image=args.image, env=env)
+        if args.blob_container:
+            from deployments.azure_blob import bootstrap_blob_store
+
+            done.update(bootstrap_blob_store(args.blob_container, prefix=args.blob_prefix,
+                                             credentials_block=args.blob_credentials,
+                                             account_url=args.blob_account_url))
+    except (ValueError, StoreError) as exc:
         print(f"error: {exc}")
         return 2
     print(json.dumps(done))

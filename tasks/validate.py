@@ -72,7 +72,7 @@ def open_checked_store(store_ref: str):
                 load_store_block(store_ref)
             except Exception as exc:
                 raise ZooidValueError("store", f"no store block named {store_ref[len(BLOCK_PREFIX):]!r} "
-                                      f"and not a URL (file://, redis://, s3://): {type(exc).__name__}") from None
+                                      f"and not a URL (file://, redis://, s3://, az://): {type(exc).__name__}") from None
         store = open_store_ref(store_ref)
         store.ping()
     except ZooidValueError:
@@ -135,18 +135,26 @@ def check_worker_sizes(target: ComputeTarget, offer: Offer) -> tuple[float, ...]
     return sizes
 
 
+STORE_SUGGESTIONS = {
+    "aci": "an Azure Blob store (a zooid-azure-blob-store block on az://<container>/<prefix>; "
+           "`python -m deployments.bootstrap --target aci --blob-container <name>` creates both)",
+}
+"""The store a worker of a target kind should use, where it is not the default below."""
+
+
 def check_reachable_from_workers(target: ComputeTarget, target_name: str, store_ref: str, durable_ref: str) -> None:
     """Workers in containers (docker and the clouds) reach their stores over the network: a
-    directory on this machine is refused, naming `store` or `durable_store`."""
+    directory on this machine is refused, naming `store` or `durable_store` and the store the
+    target's workers should use (ACI: Azure Blob; the others: S3 or Redis)."""
     from clouds.registry import is_cloud
 
     if not is_cloud(target):
         return
+    suggestion = STORE_SUGGESTIONS.get(target.kind, "an S3 or Redis store (a URL or a Zooid Store block)")
     for name, ref in (("store", store_ref), ("durable_store", durable_ref)):
         if ref.startswith("file://"):
             raise ZooidValueError(name, f"{ref} is a directory on this machine, which workers in containers "
-                                  f"(target {target_name!r}) cannot reach; use an S3 or Redis store "
-                                  "(a URL or a Zooid Store block)")
+                                  f"(target {target_name!r}) cannot reach; use {suggestion}")
 
 
 def worker_image(target: ComputeTarget, pool) -> str | None:

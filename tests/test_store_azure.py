@@ -152,3 +152,45 @@ def test_a_store_survives_an_azurite_restart(azurite, monkeypatch):
     assert store.get("runs/r1/before") == b"kept"  # what was there before is still there
     store.ping()
     store.close()
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_an_aci_job_without_a_store_is_pointed_at_azure_blob(capsys):
+    """The validation error and the dry run of an ACI job with no store suggest Azure Blob,
+    not S3 (a docker job is still pointed at S3 or Redis)."""
+    from flows.plan import main
+    from tasks.job import TrainJob
+    from tasks.validate import validate_job
+
+    with pytest.raises(ZooidValueError, match=r"^store: .*target 'aci'.*use an Azure Blob store") as refused:
+        validate_job(TrainJob(target="aci"), check_store=False)
+    assert "S3" not in str(refused.value) and "zooid-azure-blob-store" in str(refused.value)
+    assert main(["--param", "target=aci", "--param", "rent=false"]) == 2
+    err = capsys.readouterr().err
+    assert "Azure Blob store" in err and "S3" not in err and len(err.strip().splitlines()) == 1
+    with pytest.raises(ZooidValueError, match=r"S3 or Redis"):
+        validate_job(TrainJob(target="docker"), check_store=False)
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_bootstrap_creates_the_aci_container_and_block(azurite, monkeypatch, capsys):
+    """What `deployments.bootstrap --target aci --blob-container NAME` adds to the pool's setup."""
+    from blocks.store import open_store_ref
+    from deployments.azure_blob import bootstrap_blob_store
+    from deployments.bootstrap import main
+
+    container = f"zooid-boot-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite.connection_string())
+    for created in (True, False):  # the second run finds both and changes nothing
+        done = bootstrap_blob_store(container)
+        assert done == {"azure_blob_store": "zooid-azure-blob-store/zooid-aci", "url": f"az://{container}/zooid",
+                        "container_created": created, "credentials_block": "zooid-azure-blob"}
+    monkeypatch.delenv("AZURE_STORAGE_CONNECTION_STRING")
+    with open_store_ref("block:zooid-azure-blob-store/zooid-aci") as store:  # workers open it by reference
+        store.put("runs/b/k", b"v")
+    raw = BlobServiceClient.from_connection_string(azurite.connection_string())
+    assert raw.get_blob_client(container, "zooid/runs/b/k").download_blob().readall() == b"v"
+    with pytest.raises(ZooidValueError, match="^blob_container: needs a storage account"):
+        bootstrap_blob_store(container)
+    assert main(["--target", "ecs", "--blob-container", container]) == 2
+    assert capsys.readouterr().out.startswith("error: blob_container: ")
