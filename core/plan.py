@@ -61,6 +61,9 @@ class Plan:
     """From the plan to the run's end, start-up, gaps and teardown included."""
     predicted_run_cost_usd: float = 0.0
     """The whole run's bill (workers, start-up, idle and the coordinator), made at the plan."""
+    predicted_cost_by_epoch_usd: tuple[float, ...] = ()
+    """The bill predicted at the end of each epoch from the plan on (the ledger before it
+    included): what the coordinator's per-epoch line holds the bill so far against."""
     run_terms: dict = field(default_factory=dict)
     """The `planners.run_prediction.RunTerms` the run predictions used."""
     planner_objective_s: float = 0.0
@@ -96,4 +99,5 @@ class Plan:
         kw["cuts"] = tuple(kw.get("cuts", ()))
         kw["alternatives"] = tuple(kw.get("alternatives", ()))
         kw["stage_memory_gb"] = tuple(float(g) for g in kw.get("stage_memory_gb") or ())
+        kw["predicted_cost_by_epoch_usd"] = tuple(kw.get("predicted_cost_by_epoch_usd") or ())
         return cls(**kw)

@@ -86,6 +86,12 @@ def epoch_progress_tick(ctx: RunContext, progress_id, done: int, every_s: float 
     return tick
 
 
+def predicted_cost_at(plan_: Plan, index: int) -> float | None:
+    """The bill `plan_` predicted at the end of its `index`-th epoch (None: not predicted)."""
+    by_epoch = plan_.predicted_cost_by_epoch_usd
+    return by_epoch[index] if 0 <= index < len(by_epoch) else None
+
+
 def _epoch_progress(ctx: RunContext, progress_id, history: list[dict], predicted_run_cost_usd: float | None) -> None:
     from prefect.artifacts import create_table_artifact
 
@@ -235,7 +241,10 @@ def _run_training(job: TrainJob) -> RunSummary:
             ctx.state.warm.ensure(current, first_epoch)
         provision(ctx, current, fresh=resume is None)
         status = "completed"
+        in_force = (current, first_epoch)  # the plan whose predictions hold, and its first epoch
         for epoch in range(first_epoch, job.epochs):
+            if current is not in_force[0]:  # re-planned (or rescaled) after the last epoch
+                in_force = (current, epoch)
             if (stop := guardrail(job, ctx, current, history)) is not None:
                 status = stop
                 break
@@ -249,6 +258,7 @@ def _run_training(job: TrainJob) -> RunSummary:
             clock.epoch(sent, time.time())
             if epoch == first_epoch and current.predicted_first_epoch_s:  # start-up and warm-up in force
                 metrics["predicted_epoch_s"] = current.predicted_first_epoch_s
+            metrics["predicted_cost_so_far_usd"] = predicted_cost_at(current, epoch - in_force[1])
             init = checkpoint(ctx, epoch, metrics["checkpoint_key"], metrics)
             calibration = fit(current, metrics, calibration, first=epoch == first_epoch,
                               inputs=strategy_inputs(ctx, prof, workers))

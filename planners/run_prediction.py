@@ -58,6 +58,9 @@ class RunPrediction:
     """Worker-seconds billed from now on."""
     cost_usd: float
     """The whole run's bill: what is already billed plus workers and coordinator from now on."""
+    cost_by_epoch_usd: tuple[float, ...] = ()
+    """The bill at the end of each of the epochs (before teardown): what is already billed plus
+    workers and coordinator up to that epoch's end."""
 
 
 def predict_run(plan: Plan, terms: RunTerms, *, epochs: int, warm: bool, workers_launched_s: float | None,
@@ -83,17 +86,23 @@ def predict_run(plan: Plan, terms: RunTerms, *, epochs: int, warm: bool, workers
         exposed = (terms.exposed_s if terms.exposed_s is not None
                    else max(0.0, terms.startup_s - launched - terms.provision_s))
         first = epoch_s + exposed + terms.warmup_s
+        ends = [terms.provision_s + first + (epoch_s + terms.gap_s) * i for i in range(epochs)]
         training_s = (first + epoch_s * (epochs - 1) + gaps) if epochs else 0.0
         run_s = terms.provision_s + training_s + terms.teardown_s
         worker_s = plan.workers * (terms.provision_s + training_s + terms.stop_s)
+        by_epoch = [plan.workers * t for t in ends]  # warm workers are billed from the plan on
     else:
         first = epoch_s + terms.startup_s + terms.warmup_s
         epoch_s = first
+        ends = [terms.provision_s + epoch_s * (i + 1) + terms.gap_s * i for i in range(epochs)]
         training_s = epoch_s * epochs + gaps
         run_s = terms.provision_s + training_s + terms.teardown_s
         worker_s = plan.workers * epochs * epoch_s
+        by_epoch = [plan.workers * epoch_s * (i + 1) for i in range(epochs)]  # cold: billed per epoch
     cost = billed_usd + worker_s * price + run_s * coordinator_price
-    return RunPrediction(epoch_s=epoch_s, first_epoch_s=first, run_s=run_s, worker_s=worker_s, cost_usd=cost)
+    cost_by_epoch = tuple(billed_usd + w * price + t * coordinator_price for w, t in zip(by_epoch, ends))
+    return RunPrediction(epoch_s=epoch_s, first_epoch_s=first, run_s=run_s, worker_s=worker_s, cost_usd=cost,
+                         cost_by_epoch_usd=cost_by_epoch)
 
 
 def with_run_prediction(plan: Plan, terms: RunTerms, **kwargs) -> Plan:
@@ -102,4 +111,5 @@ def with_run_prediction(plan: Plan, terms: RunTerms, **kwargs) -> Plan:
     return dataclasses.replace(plan, predicted_epoch_s=p.epoch_s,
                                predicted_cost_per_epoch_usd=p.epoch_s * plan.workers * plan.price_per_worker_s,
                                predicted_run_s=p.run_s, predicted_run_cost_usd=p.cost_usd,
-                               predicted_first_epoch_s=p.first_epoch_s, run_terms=terms.to_dict())
+                               predicted_first_epoch_s=p.first_epoch_s,
+                               predicted_cost_by_epoch_usd=p.cost_by_epoch_usd, run_terms=terms.to_dict())

@@ -11,7 +11,8 @@ from tasks.report import duration as seconds, money  # the report's formats: one
 
 def epoch_line(metrics: dict, epochs: int, cost_so_far_usd: float, predicted_run_cost_usd: float | None) -> str:
     """The coordinator's line for one finished epoch: epoch i/N, workers, loss, accuracy,
-    seconds against the plan's prediction, and the bill so far against the run's prediction."""
+    seconds against the plan's prediction, and the bill so far against what the plan in force
+    predicted by the end of this epoch (`predicted_cost_so_far_usd`) and for the whole run."""
     head = f"epoch {metrics['epoch'] + 1}/{epochs}:"
     parts = []
     workers = metrics.get("workers")
@@ -28,8 +29,12 @@ def epoch_line(metrics: dict, epochs: int, cost_so_far_usd: float, predicted_run
         took += f" (predicted {seconds(metrics['predicted_epoch_s'])})"
     parts.append(took)
     cost = f"cost so far {money(cost_so_far_usd)}"
+    by_now = metrics.get("predicted_cost_so_far_usd")
+    said = [f"predicted {money(by_now)} by now"] if by_now else []
     if predicted_run_cost_usd:
-        cost += f" of {money(predicted_run_cost_usd)} predicted for the run"
+        said.append(f"{money(predicted_run_cost_usd)} for the run")
+    if said:
+        cost += f" ({'; '.join(said)})"
     parts.append(cost)
     return head + " " + ", ".join(parts)
 

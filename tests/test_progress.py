@@ -18,9 +18,29 @@ def test_the_epoch_line_names_epoch_workers_loss_accuracy_time_and_cost_against_
     from tasks.progress import epoch_line
 
     line = epoch_line({"epoch": 1, "workers": 2, "val_loss": 0.41234, "val_accuracy": 0.873, "seconds": 1.23,
-                       "predicted_epoch_s": 1.1}, 5, 0.000215, 0.000592)
+                       "predicted_epoch_s": 1.1, "predicted_cost_so_far_usd": 0.000201}, 5, 0.000215, 0.000592)
     assert line == ("epoch 2/5: 2 worker(s), loss 0.4123, accuracy 87.3%, 1.23 s (predicted 1.10 s), "
-                    "cost so far $0.000215 of $0.000592 predicted for the run")
+                    "cost so far $0.000215 (predicted $0.000201 by now; $0.000592 for the run)")
+
+
+def test_the_plan_predicts_the_bill_at_each_epochs_end():
+    """Cumulative: what is billed before the plan, then the workers and the coordinator up to
+    each epoch's end; the last epoch's bill is the run's less teardown and the workers' stop."""
+    from core.plan import Plan
+    from planners.run_prediction import RunTerms, predict_run
+
+    plan = Plan(strategy="local_sgd", data_parallel=2, stages=1, predicted_compute_epoch_s=2.0,
+                price_per_worker_s=0.01)
+    terms = RunTerms(startup_s=3.0, epoch_overhead_s=1.0, gap_s=0.5, provision_s=1.0, teardown_s=2.0,
+                     stop_s=1.0, warmup_s=0.0)
+    warm = predict_run(plan, terms, epochs=3, warm=True, workers_launched_s=None, billed_usd=0.1,
+                       coordinator_price_per_s=0.001)
+    # warm: first epoch 3 s + 2 s exposed start-up; ends at 1 + 5, + 3.5, + 3.5 s from the plan
+    ends = [6.0, 9.5, 13.0]
+    assert warm.cost_by_epoch_usd == pytest.approx([0.1 + 2 * t * 0.01 + t * 0.001 for t in ends])
+    assert warm.cost_usd == pytest.approx(0.1 + 2 * (13.0 + 1.0) * 0.01 + 15.0 * 0.001)
+    cold = predict_run(plan, terms, epochs=2, warm=False, workers_launched_s=None, coordinator_price_per_s=0.0)
+    assert cold.cost_by_epoch_usd == pytest.approx([2 * 6.0 * 0.01, 2 * 12.0 * 0.01])
 
 
 def test_a_stopped_command_line_says_three_lines_at_most():
@@ -99,7 +119,7 @@ def test_the_coordinator_logs_one_line_per_epoch_through_the_flow_logger(tmp_pat
     assert [line.split(":")[0] for line in lines] == ["epoch 1/2", "epoch 2/2"]
     for line, epoch in zip(lines, summary.epochs):
         assert f"{epoch.workers} worker(s)" in line and f"accuracy {100 * epoch.val_accuracy:.1f}%" in line
-        assert "predicted" in line and re.search(r"cost so far \$0\.\d+ of \$0\.\d+ predicted for the run", line)
+        assert re.search(r"cost so far \$0\.\d+ \(predicted \$0\.\d+ by now; \$0\.\d+ for the run\)", line), line
     # the bill so far never exceeds the final one
     total = read_ledger(open_store(url), summary.run_id)["total_usd"]
     so_far = [float(re.search(r"cost so far \$([0-9.]+)", line).group(1)) for line in lines]
