@@ -1,16 +1,18 @@
 """Store throughput: Zooid's stores next to the bare medium, measured in one run.
 
 For 1 MB and 100 MB float32 tensors, times put and get through each store (directory,
-Redis, S3 on moto) three ways, all in the same process and run:
+Redis, S3 on moto, Azure Blob on Azurite) three ways, all in the same process and run:
 
 - raw: the medium with nothing of Zooid (shutil copying bytes to and from a file; a bare
-  redis-py SET/GET; a bare boto3 put_object/get_object),
+  redis-py SET/GET; a bare boto3 put_object/get_object; the Azure SDK's plain
+  upload_blob/download_blob with its default settings),
 - store: `Store.put` / `Store.get` of the same bytes (key checks, atomic write, chunking,
   multipart, accounting),
 - store+codec: `encode_tensors` + put, and get + `decode_tensors` (what a worker does).
 
-It starts its own redis-server and moto server on free 127.0.0.1 ports and stops them.
-Writes a markdown table and the command to `benchmarks/results/stores.md`.
+It starts its own redis-server, moto server and Azurite (`make azurite`) on free 127.0.0.1
+ports and stops them. Writes a markdown table, the command and the commit measured to
+`benchmarks/results/stores.md`.
 
     .venv/bin/python -m benchmarks.bench_stores [--repeats-small 50] [--repeats-large 3]
 """
@@ -31,15 +33,20 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.bench_containers import code_commit
 from benchmarks.output import write_result
 from comm.store import Store
+from comm.store_azure import AzureBlobStore
 from comm.store_dir import DirectoryStore
 from comm.store_redis import RedisStore
 from comm.store_s3 import S3Store
 from comm.tensor_codec import decode_tensors, encode_tensors
 
 MB = 1_000_000
-RESULTS = Path(__file__).resolve().parent / "results" / "stores.md"
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results" / "stores.md"
+AZURITE = ROOT / ".azurite" / "node_modules" / ".bin" / "azurite-blob"
+AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
 
 
 # --- servers (own process groups, free ports, stopped by pid) ---------------------------
@@ -118,7 +125,7 @@ def raw_ops(medium: str, handle, data: bytes):
 
         def get():
             return handle.get("raw")
-    else:
+    elif medium == "s3":
         client, bucket = handle
 
         def put():
@@ -126,6 +133,12 @@ def raw_ops(medium: str, handle, data: bytes):
 
         def get():
             return client.get_object(Bucket=bucket, Key="raw")["Body"].read()
+    else:
+        def put():
+            handle.upload_blob("raw", data, overwrite=True)
+
+        def get():
+            return handle.download_blob("raw").readall()
     return put, get
 
 
@@ -170,12 +183,13 @@ def main(argv: list[str] | None = None) -> None:
 
     import boto3
     import redis
+    from azure.storage.blob import BlobServiceClient
 
     work = Path(tempfile.mkdtemp(prefix="zooid-bench-stores-"))
     env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
            "AWS_DEFAULT_REGION": "us-east-1"}
     os.environ.update(env)
-    redis_port, moto_port = free_port(), free_port()
+    redis_port, moto_port, azurite_port = free_port(), free_port(), free_port()
     servers = []
     try:
         servers.append(start_server(
@@ -188,16 +202,23 @@ def main(argv: list[str] | None = None) -> None:
         endpoint = f"http://127.0.0.1:{moto_port}"
         s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
         s3.create_bucket(Bucket="bench")
+        servers.append(start_server([str(AZURITE), "--blobHost", "127.0.0.1", "--blobPort", str(azurite_port),
+                                     "--location", str(work / "azurite"), "--skipApiVersionCheck",
+                                     "--disableTelemetry", "--silent"], azurite_port, work / "azurite.log"))
+        azure = (f"DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;AccountKey={AZURITE_KEY};"
+                 f"BlobEndpoint=http://127.0.0.1:{azurite_port}/devstoreaccount1;")
+        container = BlobServiceClient.from_connection_string(azure).create_container("bench")
         media = [
             ("directory", DirectoryStore(work / "store"), work),
             ("redis", RedisStore(f"redis://127.0.0.1:{redis_port}/0"),
              redis.Redis(port=redis_port, socket_timeout=120)),
             ("s3 (moto)", S3Store("bench", "zooid", endpoint=endpoint), (s3, "bench")),
+            ("azure blob (Azurite)", AzureBlobStore("bench", "zooid", connection_string=azure), container),
         ]
         rows = []
         for size, repeats in ((1 * MB, args.repeats_small), (100 * MB, args.repeats_large)):
             for medium, store, handle in media:
-                kind = medium.split()[0] if medium != "s3 (moto)" else "s3"
+                kind = medium.split()[0]
                 print(f"{medium} {size // MB} MB ...", file=sys.stderr, flush=True)
                 rows.append((medium, size, measure(kind, store, handle, size, repeats)))
     finally:
@@ -211,6 +232,7 @@ def main(argv: list[str] | None = None) -> None:
         "# Store throughput: Zooid's stores next to the bare medium",
         "",
         f"Command: `{command}`  ",
+        f"Code: {code_commit()}  ",
         f"Median of {args.repeats_small} (1 MB) / {args.repeats_large} (100 MB) interleaved "
         f"rounds after a warm-up, float32 tensors, all servers on 127.0.0.1 ({os.cpu_count()} cores, shared). "
         "raw = the medium alone (shutil file copy; bare redis-py SET/GET; bare boto3 "
@@ -218,7 +240,9 @@ def main(argv: list[str] | None = None) -> None:
         "adds `encode_tensors`/`decode_tensors` (safetensors). The directory store fsyncs "
         "every durable put (the raw copy does not; scratch puts of activations and sync rounds "
         "skip it); the raw directory get copies twice (into a BytesIO, then out of it), the "
-        "store reads once. S3 puts of 64 MB and more go multipart.",
+        "store reads once. S3 puts of 64 MB and more go multipart; Azure Blob puts of 64 MiB and more "
+        "go as 8 MiB blocks staged 4 at a time and committed at once, its gets of more than 32 MiB in "
+        "8 MiB ranges 4 at a time (the raw SDK calls: 4 MiB blocks, one at a time).",
         "",
         table(rows),
         "",
