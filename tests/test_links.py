@@ -24,27 +24,70 @@ def test_probe_sizes_reach_the_largest_tensor_within_bounds():
     assert transfer_sizes(1e12)[-1] == 64 << 20
 
 
-def test_put_and_get_fits_recover_emulated_links_per_direction(tmp_path):
+class FakeClock:
+    """`time` for the modules under test: `sleep` and `advance` move it, `sleep_until` jumps to
+    the deadline; nothing really waits."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    perf_counter = monotonic
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    def sleep_until(self, deadline: float) -> None:
+        self.now = max(self.now, deadline)
+
+
+@pytest.fixture
+def clock(monkeypatch) -> FakeClock:
+    """One clock for the emulated links, the stores' waits and the probes that time them."""
+    import comm.bandwidth
+    import comm.store_base
+    import profiling.store_probe
+
+    fake = FakeClock()
+    for module in (comm.bandwidth, comm.store_base, profiling.store_probe):
+        monkeypatch.setattr(module, "time", fake)
+    monkeypatch.setattr(comm.bandwidth, "sleep_until", fake.sleep_until)
+    return fake
+
+
+def test_put_and_get_fits_recover_emulated_links_per_direction(tmp_path, clock):
+    """On the test's clock a transfer takes exactly what the emulated link charges: the fits
+    find each direction's rate (within the bucket's small burst and the codec's header) and
+    no latency (the link has none)."""
     up, down = 30e6, 60e6
     store = open_store(str(tmp_path), upload_bytes_per_s=up, download_bytes_per_s=down)
-    t = profile_transfers(store, "runs/t/probe", max_bytes=2 << 20, repeats=2)
-    assert abs(t.put_bandwidth - up) / up < 0.3
-    assert abs(t.get_bandwidth - down) / down < 0.3
-    assert 0 < t.put_latency_s < 0.05 and 0 < t.get_latency_s < 0.05 and t.handoff_s >= 0
+    t = profile_transfers(store, "runs/t/probe", max_bytes=2 << 20, repeats=2, handoff_s=0.0)
+    assert t.put_bandwidth == pytest.approx(up, rel=0.05) and t.get_bandwidth == pytest.approx(down, rel=0.05)
+    assert t.put_latency_s < 1e-5 and t.get_latency_s < 1e-5
     assert store.list("runs/") == []
 
 
-def test_steps_between_checkpoint_writes_are_timed_and_leave_no_trace(tmp_path):
+def test_steps_between_checkpoint_writes_are_timed_and_leave_no_trace(tmp_path, clock):
+    """On the test's clock a step's forward takes 3 ms and a checkpoint's put 7 ms: the probe
+    reports exactly those, and restores the model and optimizer."""
     from engine.models import build_model
     from engine.optimizers import build_optimizer
 
     store = open_store(str(tmp_path))
+    real_put = store.put
+    store.put = lambda *args, **kwargs: (clock.advance(0.007), real_put(*args, **kwargs))[1]
     net = build_model("digits_mlp", 0)
+    net.register_forward_pre_hook(lambda module, args: clock.advance(0.003))
     opt = build_optimizer("adam", net, 0.01)
     before = {k: v.clone() for k, v in net.state_dict().items()}
     x, y = torch.randn(16, 64), torch.randint(0, 10, (16,))
     step_s, write_s = time_steps_between_checkpoints(store, "runs/k/probe", net, opt, x, y, repeats=2)
-    assert 0 < step_s < 5 and 0 < write_s < 5
+    assert step_s == pytest.approx(0.003) and write_s == pytest.approx(0.007)
     assert store.list("runs/") == []
     assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())  # weights restored
     assert opt.state_dict()["state"] == {}  # and the optimizer as it was
@@ -85,9 +128,54 @@ def test_layer_times_split_into_per_call_and_per_row_parts(monkeypatch):
     assert plain.forward_fixed_s == plain.backward_fixed_s == 0.0
 
 
-def test_thread_handoff_probe_measures_a_delay_and_leaves_no_keys(tmp_path):
+def test_thread_handoff_probe_measures_the_notice_delay_and_leaves_no_keys(tmp_path, monkeypatch):
+    """On a clock the test moves: a reader already waiting sees each put a known delay after
+    the writer finished it (1, 2, ... 12 ms); the probe reports their mean exactly."""
+    import threading
+    from types import SimpleNamespace
+
+    import profiling.store_probe as store_probe
     from profiling.store_probe import measure_handoff
 
-    store = open_store(str(tmp_path))
-    assert measure_handoff(store, "runs/h/probe") >= 0.0  # a notice delay, never negative
-    assert store.list("runs/") == []  # the probe's keys are gone
+    notices = [0.001 * (i + 1) for i in range(12)]
+    clock = SimpleNamespace(now=100.0)
+    written, recorded = threading.Event(), threading.Event()
+
+    def perf_counter() -> float:
+        if threading.current_thread() is not threading.main_thread():
+            recorded.set()  # the writer has taken the time its put finished
+        return clock.now
+
+    def sleep(seconds: float) -> None:
+        clock.now += seconds
+
+    class NoticingStore:  # a reader in `get` notices a put `notices[i]` after it finished
+        poll_max_s = 0.05
+
+        def __init__(self):
+            self.keys, self.waits = {}, iter(notices)
+
+        def put(self, key, data, scratch=False):
+            self.keys[key] = data
+            written.set()
+
+        def get(self, key, timeout=None):
+            assert written.wait(10) and recorded.wait(10)
+            written.clear(), recorded.clear()
+            clock.now += next(self.waits)
+            return self.keys[key]
+
+        def delete_prefix(self, prefix):
+            doomed = [k for k in self.keys if k.startswith(prefix)]
+            for k in doomed:
+                del self.keys[k]
+            return len(doomed)
+
+    monkeypatch.setattr(store_probe, "time", SimpleNamespace(perf_counter=perf_counter, sleep=sleep))
+    fake = NoticingStore()
+    assert measure_handoff(fake, "runs/h/probe", repeats=12) == pytest.approx(sum(notices) / 12)
+    assert fake.keys == {}
+    monkeypatch.undo()
+    store = open_store(str(tmp_path))  # a real store: the probe's keys are gone afterwards
+    measure_handoff(store, "runs/h/probe", repeats=3)
+    assert store.list("runs/") == []
