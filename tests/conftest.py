@@ -65,6 +65,15 @@ def stop_process_group(proc: subprocess.Popen, timeout: float = 5.0) -> None:
         pass
 
 
+def serving(server):
+    """Start `server`, yield it, stop it (a fixture's body)."""
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 @dataclass
 class RedisServer:
     """A redis-server on 127.0.0.1 without persistence; `restart()` keeps the port."""
@@ -107,12 +116,7 @@ def redis_server(tmp_path_factory):
     """A real redis-server for the whole session (skips only if it is not installed)."""
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed (apt-get install redis-server)")
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
+    yield from serving(RedisServer(tmp_path_factory.mktemp("redis")))
 
 
 @dataclass
@@ -229,12 +233,7 @@ def azurite(tmp_path_factory):
     """A real Azurite Blob API for the whole session (`make azurite` installs it)."""
     if not AZURITE_BIN.exists():
         pytest.skip(f"Azurite is not installed at {AZURITE_BIN} (make azurite)")
-    server = AzuriteServer(tmp_path_factory.mktemp("azurite"))
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
+    yield from serving(AzuriteServer(tmp_path_factory.mktemp("azurite")))
 
 
 @pytest.fixture
