@@ -236,7 +236,7 @@ def _run_training(job: TrainJob) -> RunSummary:
         else:
             current = plan(ctx, prof, workers, calibration, job.epochs - first_epoch)
         plan_dict = current.to_dict()
-        clock.planned_at = time.time()
+        clock.planned_at = plan_dict["planned_at"] = time.time()  # its run prediction counts from here
         if ctx.state.warm is not None:  # start-up overlaps provisioning
             ctx.state.warm.ensure(current, first_epoch)
         provision(ctx, current, fresh=resume is None)

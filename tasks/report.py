@@ -542,9 +542,22 @@ def headline(summary: RunSummary, ledger_rows: list[dict] | None) -> list[str]:
         result = "no epoch completed"
     seconds, basis = run_seconds(summary, ledger_rows)
     epochs = len(summary.epochs)
+    after = seconds_after_plan(p, ledger_rows)
+    predicted = duration(p.get("predicted_run_s"))
+    timing = (f"{basis} {duration(seconds)}, of which {duration(after)} after the plan (predicted {predicted})"
+              if after is not None else f"{basis} {duration(seconds)} (predicted {predicted}"
+              + (" from the plan on)" if p.get("predicted_run_s") else ")"))
     return [f"{summary.status}: {result}" + (f" after {epochs} epoch{'s' if epochs != 1 else ''}" if epochs else ""),
-            f"{basis} {duration(seconds)} (predicted {duration(p.get('predicted_run_s'))}); "
-            f"total cost {money(summary.total_cost_usd)} (predicted {money(p.get('predicted_run_cost_usd'))})"]
+            f"{timing}; total cost {money(summary.total_cost_usd)} (predicted {money(p.get('predicted_run_cost_usd'))})"]
+
+
+def seconds_after_plan(plan: dict, ledger_rows: list[dict] | None) -> float | None:
+    """From the plan to the run's end (the coordinator's stop): what the plan's run time
+    predicts (the profile and everything before the plan are already behind it)."""
+    stops = [r["stop"] for r in ledger_rows or () if r.get("kind") == "coordinator"]
+    if not plan.get("planned_at") or not stops:
+        return None
+    return max(0.0, max(stops) - plan["planned_at"])
 
 
 def epoch_rows(summary: RunSummary) -> tuple[list[str], list[list[str]]]:
