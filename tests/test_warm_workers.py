@@ -332,6 +332,16 @@ def test_workers_a_known_rescale_adds_are_started_during_the_epoch_before(tmp_pa
     from flows.train import train
     from tasks.cost import read_ledger
 
+    import tasks.launchers
+
+    launched, real_start = [], tasks.launchers.InlineLauncher._start
+
+    def record(self, spec):  # every worker process started, in order: (rank, pid)
+        proc, outcome = real_start(self, spec)
+        launched.append((spec.rank, proc.pid))
+        return proc, outcome
+
+    monkeypatch.setattr(tasks.launchers.InlineLauncher, "_start", record)
     store_url = f"file://{tmp_path}/store"
     # epoch 0's worker holds before its step 5 until a warm worker of rank 1 exists, however
     # loaded the machine: the pre-start is ordered by that event, not by the epoch's length
@@ -344,7 +354,12 @@ def test_workers_a_known_rescale_adds_are_started_during_the_epoch_before(tmp_pa
     first_busy = next(r for r in rows if r["status"] == "busy" and r["epoch"] == 0)
     second = next(rs for rs in lives.values() if rs[0]["rank"] == 1)
     assert second[0]["status"] == "startup" and second[0]["start"] < first_busy["stop"]
-    assert summary.epochs[1].worker_pids["0"] == summary.epochs[0].worker_pids["0"]
+    # epoch 1 runs on the two processes already up: rank 0's of epoch 0 and the one rank-1
+    # process ever started (the pre-started one), each warm, no process started after
+    [rank1] = [pid for rank, pid in launched if rank == 1]
+    pids0, pids1 = summary.epochs[0].worker_pids, summary.epochs[1].worker_pids
+    assert {k: int(v) for k, v in pids1.items()} == {"0": int(pids0["0"]), "1": rank1}
+    assert launched[-1] == (1, rank1)
 
 
 def test_sigterm_to_the_command_line_tears_down_and_bills_before_exiting(tmp_path):
