@@ -40,3 +40,21 @@ def test_a_cloud_bootstrap_takes_the_environment_and_a_later_one_keeps_the_clust
     assert got["cluster"] == "zooid-cluster" and got["env"] == {"PREFECT_DEFAULT_RESULT_STORAGE_BLOCK": "s3-bucket/r"}
     bootstrap("ecs")
     assert _defaults("zooid-ecs") == got
+
+
+@pytest.mark.usefixtures("prefect_api")
+@pytest.mark.parametrize("target", ["local", "docker", "ecs", "aci", "k8s"])
+def test_every_targets_pool_is_accepted_by_the_api(target):
+    """The server validates a pool's template (every placeholder a declared variable): each
+    target's pool is created with the template Zooid ships, and reads back with it."""
+    from prefect.client.orchestration import get_client
+
+    from deployments.bootstrap import POOL_TYPES, base_job_template
+
+    done = bootstrap(target)
+    assert done["work_pool"] == f"zooid-{target}"
+    with get_client(sync_client=True) as client:
+        pool = client.read_work_pool(f"zooid-{target}")
+    assert pool.type == POOL_TYPES[target]
+    shipped = base_job_template(POOL_TYPES[target])
+    assert pool.base_job_template["job_configuration"] == shipped["job_configuration"]
