@@ -6,18 +6,17 @@ is merged by balanced compute time to L = 4 ... 32 layers. Every solver's plan i
 with `planners.co_optimize.evaluate`. gurobipy runs only where its bundled size-limited
 licence accepts the model (at most 200 variables with a quadratic objective).
 
-    python -m benchmarks.bench_co_optimize [--scip-time-limit 60] [--out benchmarks/results/co_optimize.md]
+    .venv/bin/python -m benchmarks.bench_co_optimize [--scip-time-limit 60] [--sizes 4 8 ...] [--out PATH]
 """
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import statistics
-import sys
 import time
+from pathlib import Path
 
-from benchmarks.output import write_result
+from benchmarks.output import command_for, provenance, write_result
 from planners.co_optimize import CoOptProblem, evaluate, merge_layers, parse_problem
 from planners.co_optimize_exact import solve_exact
 from planners.co_optimize_miqp import model_size, solve_miqp
@@ -28,6 +27,7 @@ BANDWIDTH_MB_PER_S = [40, 60, 80, 90, 100, 110, 115, 120]
 SIZES = [4, 8, 12, 16, 24, 32]
 DEGREES = [1, 2, 4, 8, 16, 32]
 WEIGHTS = [1.0, 5e-4]          # dollars per iteration + 5e-4 dollars per second of iteration
+RESULTS = Path(__file__).resolve().parent / "results" / "co_optimize.md"
 GUROBI_QUADRATIC_LIMIT = 200
 
 
@@ -84,8 +84,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scip-time-limit", type=float, default=60.0)
     parser.add_argument("--sizes", type=int, nargs="*", default=SIZES)
-    parser.add_argument("--out", default="benchmarks/results/co_optimize.md")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    prov = provenance()
     base = parse_problem(model_doc())
     rows = []
     for L in args.sizes:
@@ -104,27 +105,22 @@ def main(argv=None) -> int:
                     f"d={plan.d}, {len(plan.cuts) + 1} stages | {scip_cell} | {scip.status} | "
                     f"{scip.gap:.3g} | {speedup} | {gurobi_cell} |")
         print(rows[-1], flush=True)
-    command = "python -m benchmarks.bench_co_optimize " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = command_for("benchmarks.bench_co_optimize", argv)
     text = "\n".join([
-        "# co-optimize: exact combinatorial solver vs SCIP vs gurobipy",
-        "",
-        f"Command: `{command.strip()}`",
-        "",
         f"Synthetic 96-layer model merged by balanced compute time to L layers; J = 8 memory options "
         f"({MEMORY_MB[0]} MB to {MEMORY_MB[-1]} MB), K = {len(DEGREES)} data-parallel degrees {DEGREES}, "
         f"M = 32 micro-batches, weights {WEIGHTS} (dollars + dollars per second). Every objective is the "
         f"plan re-scored by `planners.co_optimize.evaluate`. Exact time: median of 3. SCIP time limit "
         f"{args.scip_time_limit:.0f} s; gap is SCIP's final relative gap. Speed-up = SCIP time / exact "
         f"time where SCIP proved optimality. gurobipy runs where its bundled licence accepts the model "
-        f"(at most {GUROBI_QUADRATIC_LIMIT} variables with a quadratic objective). Shared 2-core machine "
-        f"(load average at the end {os.getloadavg()[0]:.1f}): wall times are inflated by other users' "
-        f"work; CPU time is the exact solver's own process time.",
+        f"(at most {GUROBI_QUADRATIC_LIMIT} variables with a quadratic objective).",
         "",
         "| L | MIQP vars / rows | exact time | exact objective | exact plan | SCIP time, objective "
         "| SCIP status | SCIP gap | speed-up | gurobipy |",
         "|---|---|---|---|---|---|---|---|---|---|",
         *rows, ""])
-    write_result(args.out, text)
+    write_result(args.out, "co-optimize: exact combinatorial solver vs SCIP vs gurobipy", command, prov, text,
+                 detail="wall times are inflated by other users' work; CPU time is the exact solver's own process time")
     return 0
 
 

@@ -28,18 +28,17 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-from benchmarks.bench_orchestration import epoch_rows, job_params, machine_note, summarise_rows
-from benchmarks.output import write_result
+from benchmarks.bench_orchestration import MACHINE_DETAIL, epoch_rows, job_params, summarise_rows
+from benchmarks.output import command_for, provenance, write_result
 
 RESULTS = Path(__file__).resolve().parent / "results" / "containers.md"
-TITLE = "# Workers in containers: docker target against the process pool"
+TITLE = "Workers in containers: docker target against the process pool"
 GOAL_DELTA_S = 0.2
 WORKERS = 2
 
@@ -157,19 +156,8 @@ def _f(x, fmt: str = "{:.2f}") -> str:
     return "-" if x is None else fmt.format(x)
 
 
-def code_commit() -> str:
-    """The commit measured, and whether the project's source had changes under way."""
-    from deployments.server import ROOT
-
-    sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True,
-                         text=True).stdout.strip() or "unknown"
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
-                            ":!benchmarks/results", ":!BENCHMARKS.md"], cwd=ROOT, capture_output=True,
-                           text=True).stdout.strip()
-    return sha + (" (with uncommitted changes)" if dirty else "")
-
-
-def render(runs: list[dict], image: dict, command: str, elapsed_s: float, epochs: int) -> str:
+def render(runs: list[dict], image: dict, epochs: int) -> str:
+    """The markdown below the header: the goal, medians per target, every run's epochs."""
     by_target: dict[str, dict] = {}
     for run in runs:
         agg = by_target.setdefault(run["target"], {"over": [], "wall": [], "epoch0": [], "launch": [],
@@ -187,9 +175,7 @@ def render(runs: list[dict], image: dict, command: str, elapsed_s: float, epochs
     delta = (_med(docker.get("over", [])) - _med(local.get("over", []))
              if _med(docker.get("over", [])) is not None and _med(local.get("over", [])) is not None else None)
     met = delta is not None and delta <= GOAL_DELTA_S
-    lines = [TITLE, "", f"Command: `{command}`  ", f"Code: {code_commit()}  ",
-             f"Machine: {machine_note()}. Whole benchmark: {elapsed_s:.0f} s.", "",
-             f"Job: digits, `digits_mlp`, Local-SGD once per epoch, {WORKERS} warm workers x batch 16, momentum, "
+    lines = [f"Job: digits, `digits_mlp`, Local-SGD once per epoch, {WORKERS} warm workers x batch 16, momentum, "
              f"lr 0.05, {epochs} epochs, the stack's S3 store (moto, 127.0.0.1) on both targets; runs alternate "
              "local, docker. local = the `zooid-local` process pool (a worker is a process); docker = the "
              "`zooid-docker` pool (a worker is a container of the worker image on podman's Docker API, host "
@@ -227,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from deployments import stack
 
-    began = time.time()
+    prov = provenance()
     home = Path(tempfile.mkdtemp(prefix="zooid-bench-containers-"))
     os.environ["ZOOID_HOME"] = str(home)
     state = stack.up(home=home, docker=True)
@@ -249,8 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                           f"workers {run['workers']}", flush=True)
     finally:
         stack.down(home)
-    command = "python -m benchmarks.bench_containers " + " ".join(argv if argv is not None else sys.argv[1:])
-    write_result(args.out, render(runs, image, command.strip(), time.time() - began, args.epochs), echo=True)
+    write_result(args.out, TITLE, command_for("benchmarks.bench_containers", argv), prov, render(runs, image, args.epochs), detail=MACHINE_DETAIL,
+                 echo=True)
     return 0
 
 

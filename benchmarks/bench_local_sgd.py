@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import platform
 import shutil
 import statistics
 import tempfile
@@ -41,7 +39,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.output import write_result
+from benchmarks.output import command_for, provenance, write_result
 from comm.store_dir import DirectoryStore
 from core.specs import ComputeSpec, WorkerSpec
 from engine.checkpoint import initial_checkpoint
@@ -142,16 +140,14 @@ def _cell(values: list[float], fmt: str) -> str:
     return fmt.format(statistics.median(values)) if values else "-"
 
 
-def render(traces: list[Trace], target: float, max_epochs: int, command: str, note: str,
-           elapsed_s: float) -> str:
-    """Markdown: one row per configuration (median over seeds), then every run."""
+def title(target: float) -> str:
+    return f"Local-SGD to {100 * target:.0f} % validation accuracy: 4 workers on digits vs plain PyTorch"
+
+
+def render(traces: list[Trace], target: float, max_epochs: int) -> str:
+    """Markdown below the header: one row per configuration (median over seeds), then every run."""
     names = list(dict.fromkeys(t.name for t in traces))
     lines = [
-        f"# Local-SGD to {100 * target:.0f} % validation accuracy: 4 workers on digits vs plain PyTorch",
-        "",
-        f"Command: `{command}`  ",
-        f"Machine: {note}. Benchmark time after imports: {elapsed_s:.0f} s.",
-        "",
         f"Setup: `{MODEL}`, SGD with momentum 0.9, lr {LR}, seeds {sorted({t.seed for t in traces})}; "
         f"Local-SGD: {WORKERS} replicas x batch {BATCH}, {steps_per_epoch(load_dataset(DATASET).train_y.numel(), WORKERS, BATCH)} "
         "steps per replica per epoch, optimizer state averaged with the weights, engine "
@@ -181,12 +177,9 @@ def render(traces: list[Trace], target: float, max_epochs: int, command: str, no
     return "\n".join(lines) + "\n"
 
 
-def machine_note() -> str:
-    """Cores and load: the replicas and other people's jobs share this machine's CPUs."""
-    load = os.getloadavg()[0]
-    return (f"{os.cpu_count()} CPU cores ({platform.machine()}), torch {torch.__version__} on CPU, "
-            f"intra-op threads: {torch.get_num_threads()}, shared with other jobs (load average {load:.1f} "
-            "at the end); the four replicas are threads of one process")
+def machine_detail() -> str:
+    """The replicas share this process's CPUs."""
+    return f"intra-op threads: {torch.get_num_threads()}; the four replicas are threads of one process"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     # One intra-op thread, as the inline target gives each of 4 workers on 2 cores
     # (tasks.run_epoch.make_launcher); a 64-wide MLP gains nothing from more.
     torch.set_num_threads(1)
-    began = time.monotonic()
+    prov = provenance()
     warm_up()
     root = Path(tempfile.mkdtemp(prefix="zooid-bench-lsgd-"))
     traces: list[Trace] = []
@@ -223,12 +216,11 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    command = ".venv/bin/python -m benchmarks.bench_local_sgd" + "".join(
-        f" {flag} {value}" for flag, value, default in (
-            ("--seeds", " ".join(map(str, args.seeds)), "0 1 2"), ("--max-epochs", args.max_epochs, 30),
-            ("--target", args.target, 0.95)) if str(value) != str(default))
-    text = render(traces, args.target, args.max_epochs, command, machine_note(), time.monotonic() - began)
-    write_result(args.out, text, echo=True)
+    command = command_for("benchmarks.bench_local_sgd", flags=[
+        ("--seeds", " ".join(map(str, args.seeds)), "0 1 2"), ("--max-epochs", args.max_epochs, 30),
+        ("--target", args.target, 0.95), ("--out", args.out.resolve(), RESULTS)])
+    write_result(args.out, title(args.target), command, prov, render(traces, args.target, args.max_epochs),
+                 detail=machine_detail(), echo=True)
     return 0
 
 

@@ -54,10 +54,11 @@ from pathlib import Path
 
 from torch import nn
 
-from benchmarks.output import write_result
+from benchmarks.output import provenance, write_result
 
 RESULTS = Path(__file__).resolve().parent / "results" / "orchestration.md"
-TITLE = "# Orchestration overhead per epoch: warm vs cold workers, inline and process pool"
+TITLE = "Orchestration overhead per epoch: warm vs cold workers, inline and process pool"
+MACHINE_DETAIL = "more workers than cores wait for CPU, which lands in both busy and overhead"
 
 DEFAULT_WORKERS = [1, 2, 4, 8]
 DEFAULT_EPOCHS = 3
@@ -264,11 +265,9 @@ def _pct(x) -> str:
 
 
 def render(rows: list[dict], long_rows: list[dict] | None, long_info: dict | None, whole: dict | None,
-           command: str, machine: str, elapsed_s: float, epochs: int) -> str:
-    """The markdown: goal lines, summary table, every epoch, the long epoch, the whole run."""
-    lines = [TITLE, "", f"Command: `{command}`  ",
-             f"Machine: {machine}. Whole benchmark: {elapsed_s:.0f} s.", "",
-             f"Job: digits, `digits_mlp`, Local-SGD averaged once per epoch, batch 16 per worker, SGD "
+           epochs: int) -> str:
+    """The markdown below the header: goal lines, summary table, every epoch, the long epoch, the whole run."""
+    lines = [f"Job: digits, `digits_mlp`, Local-SGD averaged once per epoch, batch 16 per worker, SGD "
              f"momentum 0.9, lr 0.05, {epochs} epochs per run; `warm=true` keeps one worker process per "
              "rank for the whole run, `warm=false` starts new workers every epoch (default pre-start on). "
              "inline = `python -m flows.train --param target=inline` (workers are plain processes); "
@@ -371,16 +370,6 @@ def _row(r: dict) -> str:
             f"{_f(r['new_procs'], '{}')} | {_f(r['val_accuracy'], '{:.3f}')} |")
 
 
-def machine_note() -> str:
-    """CPU count and load: the workers share these cores with each other and other jobs."""
-    import platform
-
-    load = os.getloadavg()
-    return (f"{os.cpu_count()} CPU cores ({platform.machine()}), shared with other jobs (load average "
-            f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} over 1 / 5 / 15 min at the end); more workers "
-            "than cores wait for CPU, which lands in both busy and overhead")
-
-
 def _print_rows(label: str, rows: list[dict]) -> None:
     print(f"{label}: " + ", ".join(f"e{r['epoch']} overhead {r['overhead_s']:.2f} s of {r['wall_s']:.2f} s"
                                    for r in rows), flush=True)
@@ -415,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from deployments.stack import down, up
 
-    began = time.monotonic()
+    prov = provenance()
     base = Path(tempfile.mkdtemp(prefix="zooid-bench-orch-"))
     stack_home, inline_home = base / "stack", base / "inline"
     inline_home.mkdir(parents=True)
@@ -465,9 +454,8 @@ def main(argv: list[str] | None = None) -> int:
         command += " --no-whole-run"
     if args.out.resolve() != RESULTS:
         command += f" --out {args.out}"
-    text = render(rows, long_rows, long_info, whole, command, machine_note(), time.monotonic() - began,
-                  args.epochs)
-    write_result(args.out, text, echo=True)
+    write_result(args.out, TITLE, command, prov, render(rows, long_rows, long_info, whole, args.epochs),
+                 detail=MACHINE_DETAIL, echo=True)
     if args.keep:
         print(f"scratch kept in {base}")
     else:

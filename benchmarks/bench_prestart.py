@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -44,7 +43,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.output import write_result
+from benchmarks.output import command_for, provenance, write_result
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results" / "prestart.md"
@@ -203,16 +202,17 @@ def _cell(key: str, value: float) -> str:
     return _money(value) if fmt is None else fmt.format(value)
 
 
-def render(outcomes: list[Outcome], args: argparse.Namespace, note: str, elapsed_s: float) -> str:
-    """Markdown: every run, the medians with the ratio on/off per target, then every epoch."""
+TITLE = "Pre-start on the local process pool: worker start-up hidden vs exposed"
+MACHINE_DETAIL = ("the Prefect server, the process worker, the coordinator and the training workers all run on "
+                  "those cores, so start-up (a Python process importing torch and Prefect) is slower than on an "
+                  "idle machine")
+
+
+def render(outcomes: list[Outcome], args: argparse.Namespace) -> str:
+    """Markdown below the header: every run, the medians with the ratio on/off per target, then every epoch."""
     groups = by_config(outcomes)
     head = "| " + " | ".join(h for _, h, _ in COLUMNS) + " |"
     lines = [
-        "# Pre-start on the local process pool: worker start-up hidden vs exposed",
-        "",
-        f"Command: `{command_line(args)}`  ",
-        f"Machine: {note}. Whole benchmark: {elapsed_s:.0f} s.",
-        "",
         f"Job: `{MODEL}` on digits, {args.workers} workers, {args.epochs} epochs, static scaling, Local-SGD "
         f"averaged once per epoch, batch {args.batch_size}, seed {args.seed}, directory store. Target "
         "`local` = the `train/local` deployment on the `zooid-local` process pool (each worker is a "
@@ -278,18 +278,10 @@ def findings(groups: dict[str, list[Outcome]]) -> list[str]:
 
 def command_line(args: argparse.Namespace) -> str:
     """The command that reproduces this run (non-default flags only)."""
-    flags = [("--repeats", args.repeats, 2), ("--epochs", args.epochs, 5), ("--workers", args.workers, 2),
-             ("--batch-size", args.batch_size, 16), ("--seed", args.seed, 0)]
-    return ".venv/bin/python -m benchmarks.bench_prestart" + "".join(
-        f" {flag} {value}" for flag, value, default in flags if value != default) + (" --inline" if args.inline else "")
-
-
-def machine_note(load_start: float) -> str:
-    """Cores and load: the stack, the workers and other people's jobs share these CPUs."""
-    return (f"{os.cpu_count()} CPU cores ({platform.machine()}), shared with other jobs (load average "
-            f"{load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end); the Prefect server, the "
-            "process worker, the coordinator and the training workers all run on those cores, so start-up "
-            "(a Python process importing torch and Prefect) is slower than on an idle machine")
+    return command_for("benchmarks.bench_prestart", flags=[
+        ("--repeats", args.repeats, 2), ("--epochs", args.epochs, 5), ("--workers", args.workers, 2),
+        ("--batch-size", args.batch_size, 16), ("--seed", args.seed, 0), ("--run-timeout", args.run_timeout, 600.0),
+        ("--out", args.out.resolve(), RESULTS), ("--inline", args.inline, False)])
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -320,9 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     from deployments import stack
 
     args = parse_args(argv)
-    load_start = os.getloadavg()[0]
+    prov = provenance()
     home = Path(tempfile.mkdtemp(prefix="zooid-bench-prestart-"))
-    began = time.monotonic()
     outcomes: list[Outcome] = []
     try:
         # any free port, not the stack's preferred 4200: other people's stacks come and go there
@@ -346,8 +337,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kept {home}")
         else:
             shutil.rmtree(home, ignore_errors=True)
-    text = render(outcomes, args, machine_note(load_start), time.monotonic() - began)
-    write_result(args.out, text, echo=True)
+    write_result(args.out, TITLE, command_line(args), prov, render(outcomes, args), detail=MACHINE_DETAIL, echo=True)
     return 0
 
 

@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import tempfile
@@ -54,7 +53,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.output import write_result
+from benchmarks.output import command_for, provenance, write_result
 
 RESULTS = Path(__file__).resolve().parent / "results" / "scaling.md"
 MODEL = "digits_cnn"
@@ -225,18 +224,21 @@ def by_config(outcomes: list[Outcome]) -> dict[str, list[Outcome]]:
     return groups
 
 
-def render(outcomes: list[Outcome], args: argparse.Namespace, note: str, elapsed_s: float) -> str:
-    """Markdown: the comparison to the target (medians over repeats), the goal check, each
-    repeat's timings, then every epoch."""
+MACHINE_DETAIL = ("up to 8 workers share those cores, so wall time and even cluster time (a worker waiting for "
+                  "CPU computes and syncs slower) are inflated against one core per worker")
+
+
+def title(target: float) -> str:
+    return f"Dynamic worker scaling in miniature: DP-1, DP-8 and adabatch DP-(1->8) to {100 * target:.0f} %"
+
+
+def render(outcomes: list[Outcome], args: argparse.Namespace) -> str:
+    """Markdown below the header: the comparison to the target (medians over repeats), the goal
+    check, each repeat's timings, then every epoch."""
     target, n = args.target, args.epochs
     price = outcomes[0].price_per_s
     groups = by_config(outcomes)
     lines = [
-        f"# Dynamic worker scaling in miniature: DP-1, DP-8 and adabatch DP-(1->8) to {100 * target:.0f} %",
-        "",
-        f"Command: `{command_line(args)}`  ",
-        f"Machine: {note}. Whole benchmark: {elapsed_s:.0f} s.",
-        "",
         f"Setup: `{MODEL}` on digits (1437 training rows), Local-SGD synchronised every step "
         f"(`sync_period=1`: D workers = one step on a global batch of D x {args.batch_size}), "
         f"batch {args.batch_size} per worker, SGD with momentum 0.9, lr {args.lr} (adabatch: x0.75 per "
@@ -313,19 +315,10 @@ def goal_lines(groups: dict[str, list[Outcome]], target: float) -> list[str]:
 
 def command_line(args: argparse.Namespace) -> str:
     """The command that reproduces this run (non-default flags only)."""
-    flags = [("--target", args.target, 0.93), ("--epochs", args.epochs, 4),
-             ("--dp8-max-epochs", args.dp8_max_epochs, 10), ("--batch-size", args.batch_size, 16),
-             ("--lr", args.lr, 0.05), ("--seed", args.seed, 0), ("--repeats", args.repeats, 2)]
-    return ".venv/bin/python -m benchmarks.bench_scaling" + "".join(
-        f" {flag} {value}" for flag, value, default in flags if value != default)
-
-
-def machine_note(load_start: float) -> str:
-    """Cores and load: the workers and other people's jobs share this machine's CPUs."""
-    return (f"{os.cpu_count()} CPU cores ({platform.machine()}), shared with other jobs (load average "
-            f"{load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end); up to 8 workers share "
-            "those cores, so wall time and even cluster time (a worker waiting for CPU computes and syncs "
-            "slower) are inflated against one core per worker")
+    return command_for("benchmarks.bench_scaling", flags=[
+        ("--target", args.target, 0.93), ("--epochs", args.epochs, 4), ("--dp8-max-epochs", args.dp8_max_epochs, 10),
+        ("--batch-size", args.batch_size, 16), ("--lr", args.lr, 0.05), ("--seed", args.seed, 0),
+        ("--repeats", args.repeats, 2), ("--out", args.out.resolve(), RESULTS)])
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -355,13 +348,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Run the three configurations `--repeats` times, interleaved, and write the markdown."""
     args = parse_args(argv)
-    load_start = os.getloadavg()[0]
+    prov = provenance()
     home = Path(tempfile.mkdtemp(prefix="zooid-bench-scaling-"))
     # Set before Prefect and the engine are imported: they read these once.
     os.environ.update(ZOOID_HOME=str(home), PREFECT_HOME=str(home / "prefect"), DO_NOT_TRACK="1",
                       PREFECT_SERVER_ANALYTICS_ENABLED="false")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-    began = time.monotonic()
     outcomes = []
     try:
         for repeat in range(args.repeats):
@@ -378,8 +370,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kept {home}")
         else:
             shutil.rmtree(home, ignore_errors=True)
-    text = render(outcomes, args, machine_note(load_start), time.monotonic() - began)
-    write_result(args.out, text, echo=True)
+    write_result(args.out, title(args.target), command_line(args), prov, render(outcomes, args),
+                 detail=MACHINE_DETAIL, echo=True)
     return 0
 
 

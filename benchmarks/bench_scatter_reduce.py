@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.bench_stores import free_port, start_server, stop_server
-from benchmarks.output import write_result
+from benchmarks.output import command_for, provenance, write_result
 
 MB = 1_000_000
 RESULTS = Path(__file__).resolve().parent / "results" / "scatter_reduce.md"
@@ -253,13 +253,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=2, help="rounds per algorithm and point")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    prov = provenance()
 
     os.environ.update(S3_ENV)
     work = Path(tempfile.mkdtemp(prefix="zooid-bench-sr-"))
     redis_port, moto_port = free_port(), free_port()
     servers = []
-    sections, sources, began = [], set(), time.time()
-    load_before = os.getloadavg()[0]
+    sections, sources = [], set()
     try:
         servers.append(start_server(
             [shutil.which("redis-server") or "redis-server", "--bind", "127.0.0.1", "--port",
@@ -293,13 +293,8 @@ def main(argv: list[str] | None = None) -> None:
             stop_server(proc)
         shutil.rmtree(work, ignore_errors=True)
 
-    command = ".venv/bin/python -m benchmarks.bench_scatter_reduce" + "".join(
-        f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    command = command_for("benchmarks.bench_scatter_reduce", argv)
     text = "\n".join([
-        "# Pipelined vs plain scatter-reduce through the store (FuncPipe Sec. 3.3)",
-        "",
-        f"Command: `{command}` ({(time.time() - began) / 60:.0f} min on {os.cpu_count()} shared cores; "
-        f"1-minute load average {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end)  ",
         f"Each rank is a process with its own store client; a round's time is the slowest "
         f"rank's, from a common barrier; median of {args.repeats} interleaved rounds. "
         f"'lower by' = 1 - pipelined / plain. Model: FuncPipe Eq. 1 and 2 ({'; '.join(sorted(sources))}). "
@@ -310,7 +305,8 @@ def main(argv: list[str] | None = None) -> None:
         "",
         *[s + "\n" for s in sections],
     ])
-    write_result(args.out, text, echo=True)
+    write_result(args.out, "Pipelined vs plain scatter-reduce through the store (FuncPipe Sec. 3.3)", command, prov,
+                 text, detail="every rank is a process; the stores' servers run on the same cores", echo=True)
 
 
 if __name__ == "__main__":

@@ -33,8 +33,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_containers import code_commit
-from benchmarks.output import write_result
+from benchmarks.output import provenance, write_result
 from comm.store import Store
 from comm.store_azure import AzureBlobStore
 from comm.store_dir import DirectoryStore
@@ -180,6 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats-large", type=int, default=3, help="repeats for 100 MB")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    prov = provenance()
 
     import boto3
     import redis
@@ -229,10 +229,6 @@ def main(argv: list[str] | None = None) -> None:
     command = ".venv/bin/python -m benchmarks.bench_stores" + "".join(
         f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
     text = "\n".join([
-        "# Store throughput: Zooid's stores next to the bare medium",
-        "",
-        f"Command: `{command}`  ",
-        f"Code: {code_commit()}  ",
         f"Median of {args.repeats_small} (1 MB) / {args.repeats_large} (100 MB) interleaved "
         f"rounds after a warm-up, float32 tensors, all servers on 127.0.0.1 ({os.cpu_count()} cores, shared). "
         "raw = the medium alone (shutil file copy; bare redis-py SET/GET; bare boto3 "
@@ -247,7 +243,8 @@ def main(argv: list[str] | None = None) -> None:
         table(rows),
         "",
     ])
-    write_result(args.out, text, echo=True)
+    write_result(args.out, "Store throughput: Zooid's stores next to the bare medium", command, prov, text,
+                 detail="all servers on 127.0.0.1", echo=True)
 
 
 if __name__ == "__main__":
