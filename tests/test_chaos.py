@@ -82,23 +82,42 @@ def test_redis_restarted_mid_epoch_loses_only_scratch(tmp_path, redis_server, fa
 
     clean, clean_weights = fault_free
     durable = tmp_path / "durable"
-    restarted = threading.Event()
+    restarted, finished = threading.Event(), threading.Event()
+    seen = {}
 
-    def restart_when_the_first_sync_is_done():
-        deadline = time.time() + 180
-        while time.time() < deadline:
-            runs = list((durable / "runs").glob("*")) if (durable / "runs").exists() else []
-            if runs and (durable / sync_checkpoint_key(runs[0].name, 0)).exists():
-                redis_server.restart()
-                restarted.set()
-                return
-            time.sleep(0.05)
+    def restart_when_the_first_sync_is_done():  # the sync checkpoint appearing is the event
+        scratch = open_store(redis_server.url)
+        try:
+            while not finished.is_set():
+                runs = list((durable / "runs").glob("*")) if (durable / "runs").exists() else []
+                if runs and (durable / sync_checkpoint_key(runs[0].name, 0)).exists():
+                    run = runs[0].name
+                    seen["scratch"] = scratch.list(f"runs/{run}/")  # what is in flight in Redis
+                    seen["durable"] = sorted(str(p.relative_to(durable)) for p in durable.rglob("*") if p.is_file())
+                    scratch.put(f"runs/{run}/sentinel", b"scratch written before the restart", scratch=True)
+                    redis_server.restart()
+                    seen["sentinel_after"] = scratch.exists(f"runs/{run}/sentinel")
+                    restarted.set()
+                    return
+                time.sleep(0.05)
+        finally:
+            scratch.close()
 
     watcher = threading.Thread(target=restart_when_the_first_sync_is_done, daemon=True)
     watcher.start()
-    summary = train(TrainJob(store=redis_server.url, durable_store=f"file://{durable}", **JOB))
-    watcher.join(timeout=5)
+    try:
+        summary = train(TrainJob(store=redis_server.url, durable_store=f"file://{durable}", **JOB))
+    finally:
+        finished.set()
+        watcher.join(timeout=60)
     assert restarted.is_set()
+    # the restart lost the scratch store: Redis held the run's keys in flight, and lost them all
+    assert seen["scratch"] and seen["sentinel_after"] is False
+    # only scratch lived there: every key in Redis at the restart was a sync round's, while
+    # the data and the sync checkpoint the round resumes from were on the durable store
+    assert all("/sync/" in k for k in seen["scratch"]), seen["scratch"]
+    run = summary.run_id
+    assert {sync_checkpoint_key(run, 0), f"runs/{run}/data/manifest.json"} <= set(seen["durable"])
     assert summary.status == "completed"
     url = f"file://{durable}"
     weights = _final_weights(url, summary.checkpoint_key)
