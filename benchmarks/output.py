@@ -86,6 +86,14 @@ def code_state() -> CodeState:
     return CodeState(head=head, dirty=tuple(dirty), hashes=hashes)
 
 
+def _source_diff(a: str, b: str) -> bool:
+    """Whether any source file differs between commits `a` and `b` (True when git cannot tell)."""
+    try:
+        return bool(_git("diff", "--name-only", a, b, "--", *SOURCE).strip())
+    except (subprocess.CalledProcessError, OSError):
+        return True
+
+
 def provenance() -> Provenance:
     """Call when the benchmark starts, before anything is measured."""
     return Provenance(code=code_state(), load_start=os.getloadavg()[0], began=time.monotonic())
@@ -98,11 +106,14 @@ def _files(names) -> str:
 def code_line(before: CodeState, after: CodeState) -> str:
     """`Code: <sha>` and whether the project's source differed from it or changed during the run."""
     sha = before.head[:12]
-    where = (f"`{sha}`" if before.head == after.head
-             else f"`{sha}` at the start, `{after.head[:12]}` at the end (committed during the run)")
+    moved = before.head != after.head and _source_diff(before.head, after.head)
+    where = (f"`{sha}` at the start, `{after.head[:12]}` at the end (committed during the run)" if moved
+             else f"`{sha}`")
     changed = sorted(f for f in set(before.hashes) | set(after.hashes) if before.hashes.get(f) != after.hashes.get(f))
-    if not before.dirty and not changed and before.head == after.head:
-        return f"Code: {where}; no change to the project's source under way."
+    if not before.dirty and not changed and not moved:
+        later = (f" (`{after.head[:12]}`, committed during the run, changes no source file)"
+                 if before.head != after.head else "")
+        return f"Code: {where}; no change to the project's source under way{later}."
     parts = [f"Code: {where}"]
     if before.dirty:
         parts.append(f"with uncommitted changes to {len(before.dirty)} source file(s) at the start: "
