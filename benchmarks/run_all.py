@@ -59,9 +59,9 @@ SECTIONS = [
 
 HEADER = """# Zooid benchmarks
 
-Every number below was measured by the command printed with it, on the machine and at the
-commit (`Code:`) named beside it, while other work shared the cores, so absolute wall times are
-noisy; comparisons were measured side by side in one run. `make bench` reruns everything with
+Every number below was measured by the command printed with it, on the machine named beside
+it and, where a `Code:` line names one, at that commit, while other work shared the cores, so
+absolute wall times are noisy; comparisons were measured side by side in one run. `make bench` reruns everything with
 those commands and rebuilds this file (`python -m benchmarks.run_all`); each section is the
 result file `benchmarks/results/<name>.md` its script wrote.
 """
