@@ -13,11 +13,18 @@ def test_period_is_the_median_gap_after_the_warm_up_iterations():
     assert short.period_s() == 0.0  # no gap after the warm-up
 
 
-def test_ticks_measure_real_iterations():
-    import time
+def test_ticks_stamp_the_perf_counter(monkeypatch):
+    """Each tick stamps the clock the worker reads; on a clock the test moves (iterations of
+    10 s, 30 s, 20 s, 20 s, 20 s) the period is their steady median, exactly."""
+    from types import SimpleNamespace
 
+    import engine.iteration_clock
+
+    now = [100.0]
+    monkeypatch.setattr(engine.iteration_clock, "time", SimpleNamespace(perf_counter=lambda: now[0]))
     clock = IterationClock()
-    for _ in range(5):
-        time.sleep(0.01)
+    for gap in (10.0, 30.0, 20.0, 20.0, 20.0):
+        now[0] += gap
         clock.tick()
-    assert 0.009 < clock.period_s() < 0.1
+    assert clock.ends == [110.0, 140.0, 160.0, 180.0, 200.0]
+    assert clock.period_s() == 20.0
