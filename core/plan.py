@@ -64,6 +64,9 @@ class Plan:
     predicted_cost_by_epoch_usd: tuple[float, ...] = ()
     """The bill predicted at the end of each epoch from the plan on (the ledger before it
     included): what the coordinator's per-epoch line holds the bill so far against."""
+    predicted_workers_by_epoch: tuple[int, ...] = ()
+    """Workers of each epoch to come where the job's scaling policy decides them in advance and
+    changes them (adabatch); empty: the plan's workers throughout."""
     run_terms: dict = field(default_factory=dict)
     """The `planners.run_prediction.RunTerms` the run predictions used."""
     planner_objective_s: float = 0.0
@@ -100,4 +103,5 @@ class Plan:
         kw["alternatives"] = tuple(kw.get("alternatives", ()))
         kw["stage_memory_gb"] = tuple(float(g) for g in kw.get("stage_memory_gb") or ())
         kw["predicted_cost_by_epoch_usd"] = tuple(kw.get("predicted_cost_by_epoch_usd") or ())
+        kw["predicted_workers_by_epoch"] = tuple(kw.get("predicted_workers_by_epoch") or ())
         return cls(**kw)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from core.plan import Plan
 
@@ -64,7 +65,8 @@ class RunPrediction:
 
 
 def predict_run(plan: Plan, terms: RunTerms, *, epochs: int, warm: bool, workers_launched_s: float | None,
-                billed_usd: float = 0.0, coordinator_price_per_s: float | None = None) -> RunPrediction:
+                billed_usd: float = 0.0, coordinator_price_per_s: float | None = None,
+                per_epoch: Sequence[Plan] | None = None) -> RunPrediction:
     """The run's time and bill for `epochs` more epochs of `plan`, from now.
 
     Warm: the workers (launched `workers_launched_s` seconds ago; None: launched at the
@@ -74,34 +76,58 @@ def predict_run(plan: Plan, terms: RunTerms, *, epochs: int, warm: bool, workers
     epoch. The coordinator is billed over the whole run like one worker
     (`coordinator_price_per_s`, default the plan's worker price). `billed_usd` is what the
     run has used up to now (the ledger, open worker intervals, the coordinator so far): the
-    prediction adds what is to come."""
+    prediction adds what is to come.
+
+    `per_epoch`: the plan of each of the `epochs` epochs where a scaling policy decided in
+    advance (adabatch) changes the worker count (default: `plan` throughout). A warm run's
+    added workers are started during the epoch before theirs (pre-start: billed from their
+    launch, the start-up that epoch and its gap do not cover is waited for), pay the first
+    epoch's warm-up, and workers no longer needed stop after `stop_s`."""
     if epochs < 0:
         raise ValueError(f"epochs: must be >= 0, got {epochs}")
-    price = plan.price_per_worker_s
-    coordinator_price = price if coordinator_price_per_s is None else coordinator_price_per_s
-    epoch_s = plan.predicted_compute_epoch_s + terms.epoch_overhead_s
-    gaps = terms.gap_s * max(0, epochs - 1)
-    if warm:
-        launched = 0.0 if workers_launched_s is None else workers_launched_s
-        exposed = (terms.exposed_s if terms.exposed_s is not None
-                   else max(0.0, terms.startup_s - launched - terms.provision_s))
-        first = epoch_s + exposed + terms.warmup_s
-        ends = [terms.provision_s + first + (epoch_s + terms.gap_s) * i for i in range(epochs)]
-        training_s = (first + epoch_s * (epochs - 1) + gaps) if epochs else 0.0
-        run_s = terms.provision_s + training_s + terms.teardown_s
-        worker_s = plan.workers * (terms.provision_s + training_s + terms.stop_s)
-        by_epoch = [plan.workers * t for t in ends]  # warm workers are billed from the plan on
-    else:
-        first = epoch_s + terms.startup_s + terms.warmup_s
-        epoch_s = first
-        ends = [terms.provision_s + epoch_s * (i + 1) + terms.gap_s * i for i in range(epochs)]
-        training_s = epoch_s * epochs + gaps
-        run_s = terms.provision_s + training_s + terms.teardown_s
-        worker_s = plan.workers * epochs * epoch_s
-        by_epoch = [plan.workers * epoch_s * (i + 1) for i in range(epochs)]  # cold: billed per epoch
-    cost = billed_usd + worker_s * price + run_s * coordinator_price
-    cost_by_epoch = tuple(billed_usd + w * price + t * coordinator_price for w, t in zip(by_epoch, ends))
-    return RunPrediction(epoch_s=epoch_s, first_epoch_s=first, run_s=run_s, worker_s=worker_s, cost_usd=cost,
+    plans = list(per_epoch) if per_epoch is not None else [plan] * epochs
+    if len(plans) != epochs:
+        raise ValueError(f"per_epoch: must hold one plan per epoch ({epochs}), got {len(plans)}")
+    coordinator_price = plan.price_per_worker_s if coordinator_price_per_s is None else coordinator_price_per_s
+    t, usd, worker_s, prev_dur = terms.provision_s, 0.0, 0.0, 0.0
+    ends, workers_usd_by_epoch, durations = [], [], []
+    for i, p in enumerate(plans):
+        epoch_s = p.predicted_compute_epoch_s + terms.epoch_overhead_s
+        price = p.price_per_worker_s
+        if not warm:
+            dur, start = epoch_s + terms.startup_s + terms.warmup_s, t + (terms.gap_s if i else 0.0)
+            billed = p.workers * dur
+        elif i == 0:
+            launched = 0.0 if workers_launched_s is None else workers_launched_s
+            exposed = (terms.exposed_s if terms.exposed_s is not None
+                       else max(0.0, terms.startup_s - launched - terms.provision_s))
+            dur, start = epoch_s + exposed + terms.warmup_s, t
+            billed = p.workers * (t + dur)  # billed from the plan on
+        else:
+            before = plans[i - 1]
+            added, kept = max(0, p.workers - before.workers), min(p.workers, before.workers)
+            hidden = min(terms.startup_s, prev_dur + terms.gap_s) if added else 0.0
+            exposed = terms.startup_s - hidden if added else 0.0
+            dur, start = epoch_s + exposed + (terms.warmup_s if added else 0.0), t + terms.gap_s
+            billed = (kept * (terms.gap_s + dur) + added * (terms.startup_s - exposed + dur)
+                      + max(0, before.workers - p.workers) * terms.stop_s)
+        worker_s, usd = worker_s + billed, usd + billed * price
+        t, prev_dur = start + dur, dur
+        ends.append(t)
+        durations.append(dur)
+        workers_usd_by_epoch.append(usd)
+    if warm:  # the last workers stop after the last epoch (with no epoch: started, then stopped)
+        last = plans[-1] if plans else plan
+        tail = terms.stop_s + (0.0 if plans else terms.provision_s)
+        worker_s, usd = worker_s + last.workers * tail, usd + last.workers * tail * last.price_per_worker_s
+    run_s = (t + terms.teardown_s) if plans else terms.provision_s + terms.teardown_s
+    first = durations[0] if durations else plan.predicted_compute_epoch_s + terms.epoch_overhead_s + (
+        terms.warmup_s + (0.0 if warm else terms.startup_s))
+    steady = plan.predicted_compute_epoch_s + terms.epoch_overhead_s + (
+        0.0 if warm else terms.startup_s + terms.warmup_s)
+    cost = billed_usd + usd + run_s * coordinator_price
+    cost_by_epoch = tuple(billed_usd + w + e * coordinator_price for w, e in zip(workers_usd_by_epoch, ends))
+    return RunPrediction(epoch_s=steady, first_epoch_s=first, run_s=run_s, worker_s=worker_s, cost_usd=cost,
                          cost_by_epoch_usd=cost_by_epoch)
 
 

@@ -81,7 +81,30 @@ def make_plan(ctx: RunContext, profile: dict, workers: int, calibration: Calibra
         why = str(exc)  # at the target's size it does not fit: a larger size for some stage may
     chosen = co_optimized(ctx, profile, x, uniform, workers, why_uniform=why,
                           check_memory=lambda p: check_memory(ctx, profile, p))
-    return with_run(ctx, chosen, calibration, epochs_left)
+    return with_run(ctx, chosen, calibration, epochs_left,
+                    per_epoch=scaled_plans(ctx, profile, chosen, workers, calibration, epochs_left))
+
+
+def scaled_plans(ctx: RunContext, profile: dict, chosen: Plan, workers: int, calibration: Calibration | None,
+                 epochs_left: int | None) -> list[Plan] | None:
+    """The plan of each epoch to come where the job's scaling policy changes the worker budget
+    in advance (`tasks.rescale.worker_schedule`: adabatch), each budget planned as the flow will
+    plan it when it gets there; None where every epoch runs `chosen`."""
+    from tasks.rescale import worker_schedule
+
+    left = ctx.job.epochs if epochs_left is None else epochs_left
+    counts = worker_schedule(ctx, workers, left)
+    if not counts or set(counts) == {workers}:
+        return None
+    plans = {workers: chosen}
+    for count in counts:
+        if count not in plans:
+            try:
+                plans[count] = make_plan(ctx, profile, count, calibration, epochs_left=0)
+            except ZooidValueError:  # a budget the planner cannot use: the flow keeps the plan it has
+                plans[count] = plans[max(c for c in plans if c <= count)] if any(c <= count for c in plans) \
+                    else chosen
+    return [plans[c] for c in counts]
 
 
 def uniform_plan(ctx: RunContext, profile: dict, x) -> Plan:
@@ -96,7 +119,8 @@ def uniform_plan(ctx: RunContext, profile: dict, x) -> Plan:
     return chosen
 
 
-def with_run(ctx: RunContext, chosen: Plan, calibration: Calibration | None, epochs_left: int | None) -> Plan:
+def with_run(ctx: RunContext, chosen: Plan, calibration: Calibration | None, epochs_left: int | None,
+             per_epoch: list[Plan] | None = None) -> Plan:
     """`chosen` and its alternatives with each epoch's overhead and the run's time and bill
     (`planners.run_prediction`), from the target's measured terms (`tasks.run_terms`)."""
     from tasks.cost import total_usd
@@ -122,7 +146,14 @@ def with_run(ctx: RunContext, chosen: Plan, calibration: Calibration | None, epo
         alternatives.append({**a, "predicted_compute_epoch_s": compute, "predicted_epoch_s": p.epoch_s,
                              "predicted_cost_per_epoch_usd": p.epoch_s * alt.workers * alt.price_per_worker_s,
                              "predicted_run_s": p.run_s, "predicted_run_cost_usd": p.cost_usd})
-    return with_run_prediction(dataclasses.replace(chosen, alternatives=tuple(alternatives)), terms, **kwargs)
+    out = with_run_prediction(dataclasses.replace(chosen, alternatives=tuple(alternatives)), terms, **kwargs,
+                              per_epoch=per_epoch)
+    if per_epoch is None:
+        return out
+    # the chosen plan's row carries its run as the scaling policy will run it
+    run = {"predicted_run_s": out.predicted_run_s, "predicted_run_cost_usd": out.predicted_run_cost_usd}
+    return dataclasses.replace(out, predicted_workers_by_epoch=tuple(p.workers for p in per_epoch),
+                               alternatives=tuple({**a, **run} if a.get("chosen") else a for a in out.alternatives))
 
 
 def shape(plan: Plan) -> tuple:

@@ -312,8 +312,10 @@ def plan_in_words(p: dict) -> str:
     size = f"{_vcpu(p.get('worker_vcpu'))} vCPU and {_size(p)}"
     steps = (f"{p['steps_per_epoch']} steps of {p.get('batch_size')} samples per replica per epoch"
              if p.get("steps_per_epoch") else "")
-    if p.get("strategy") == "local_sgd":
-        what = (f"Local-SGD: {d} replica{'s' if d != 1 else ''}, one per worker ({size} each), "
+    if p.get("strategy") == "local_sgd" and d == 1:
+        what = f"Local-SGD on one worker ({size}): one replica, nothing to average"
+    elif p.get("strategy") == "local_sgd":
+        what = (f"Local-SGD: {d} replicas, one per worker ({size} each), "
                 f"averaging the model {_sync(p)}")
     else:
         pipe = (f"a {m}-stage pipeline ({text(p.get('pipeline_schedule'))} schedule, "
@@ -321,6 +323,9 @@ def plan_in_words(p: dict) -> str:
         what = (f"{pipe[0].upper()}{pipe[1:]} on {workers} workers ({size})" if d == 1 else
                 f"{strategy_name(p.get('strategy'))}: {d} replicas of {pipe}, {workers} workers ({size}), "
                 f"averaging the replicas {_sync(p)}")
+    scaled = p.get("predicted_workers_by_epoch")
+    if scaled:
+        what += f"; the scaling policy runs {', '.join(map(str, scaled))} workers in the epochs to come"
     return what + (f"; {steps}." if steps else ".")
 
 

@@ -62,6 +62,17 @@ def provision_document(ctx: RunContext, profile: dict, history: list[dict]) -> d
                                 "price_per_hour": ctx.price_per_worker_s * 3600}]}
 
 
+def n_subsets(ctx: RunContext) -> int:
+    """The training data's subsets: the provisioned manifest's, or before provisioning what it
+    will publish (`tasks.provision.subset_size` rows each)."""
+    from tasks.provision import subset_size
+
+    if "n_subsets" in ctx.state.dataset:
+        return ctx.state.dataset["n_subsets"]
+    n_train = ctx.resolved.n_train
+    return -(-n_train // subset_size(n_train, ctx.job.max_workers))
+
+
 def decide_next(ctx: RunContext, profile: dict, history: list[dict], workers: int, lr: float) -> dict:
     """`{"workers", "lr", "reason"}` for the next epoch, within min_workers..max_workers."""
     from planners.scaling import ScalingSettings, decide
@@ -77,7 +88,7 @@ def decide_next(ctx: RunContext, profile: dict, history: list[dict], workers: in
                                provision=provision or {})
     decision = decide(job.scaling, epoch_records(history, job.batch_size), settings)
     # every replica needs at least one data subset
-    most = max(1, min(job.max_workers, ctx.state.dataset.get("n_subsets", workers)))
+    most = max(1, min(job.max_workers, n_subsets(ctx)))
     return {"workers": max(job.min_workers, min(most, decision.workers)), "lr": decision.lr,
             "reason": decision.reason}
 
@@ -99,3 +110,28 @@ def forecast_workers(ctx: RunContext, profile: dict, history: list[dict], worker
     placeholder = {**last, "epoch": len(history), "workers": workers, "stages": 1, "val_loss": None,
                    "val_accuracy": None}
     return decide_next(ctx, profile, history + [placeholder], workers, lr)["workers"]
+
+
+def worker_schedule(ctx: RunContext, workers: int, epochs_left: int) -> list[int] | None:
+    """The worker budget of each of the next `epochs_left` epochs (the first at `workers`) where
+    the job's scaling policy decides them in advance (`static`, `adabatch`: they depend on how
+    many epochs ran, not on what they measured); None for a policy that reacts to measurements."""
+    from planners.scaling import known_in_advance
+
+    job = ctx.job
+    if job.scaling == "static":
+        return [workers] * epochs_left
+    if job.scaling != "adabatch" or epochs_left <= 0:
+        return None
+    done = max(0, job.epochs - epochs_left)
+    placeholder = {"seconds": 1.0, "samples_per_s": 1.0, "cost_usd": 0.0, "samples": 0, "stages": 1,
+                   "val_loss": None, "val_accuracy": None}
+    counts, lr = [workers], job.lr
+    for k in range(1, epochs_left):
+        assert known_in_advance(job.scaling, done + k)
+        history = [{**placeholder, "epoch": e, "workers": counts[-1]} for e in range(done + k)]
+        decision = decide_next(ctx, {}, history, counts[-1], lr)
+        counts.append(decision["workers"])
+        lr = decision["lr"]
+    return counts
+

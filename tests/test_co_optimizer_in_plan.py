@@ -50,7 +50,7 @@ def context(job: TrainJob, target: ComputeTarget, n_train: int = 64):
 def no_run_prediction(monkeypatch):
     import tasks.plan
 
-    monkeypatch.setattr(tasks.plan, "with_run", lambda ctx, chosen, calibration, epochs_left: chosen)
+    monkeypatch.setattr(tasks.plan, "with_run", lambda ctx, chosen, calibration, epochs_left, **kw: chosen)
 
 
 def make(job: TrainJob, target: ComputeTarget, layers=LAYERS) -> Plan:

@@ -221,3 +221,60 @@ def test_replanning_after_the_first_epoch_leaves_a_plan_its_measurements_refute(
     assert first.replan["to"]["strategy"] == "local_sgd"
     assert (second.stages, second.workers) == (1, 2)  # Local-SGD on the same worker budget
     assert second.seconds < first.seconds
+
+
+def test_a_run_that_adds_workers_in_advance_is_predicted_epoch_by_epoch():
+    """adabatch 1 -> 2 -> 4: each added worker starts during the epoch before its own (billed
+    from its launch, the start-up that epoch and its gap leave uncovered is waited for) and pays
+    the warm-up; a run that keeps its plan throughout is the one-plan prediction."""
+    one, two, four = (_plan(data_parallel=d, predicted_compute_epoch_s=c, price_per_worker_s=1.0)
+                      for d, c in ((1, 4.0), (2, 2.0), (4, 1.0)))
+    terms = RunTerms(startup_s=5.0, epoch_overhead_s=0.5, gap_s=0.3, provision_s=1.0, teardown_s=2.0,
+                     stop_s=1.0, warmup_s=0.7, exposed_s=0.0)
+    p = predict_run(one, terms, epochs=3, warm=True, workers_launched_s=None, per_epoch=[one, two, four],
+                    coordinator_price_per_s=0.0)
+    e0 = 4.5 + 0.7  # the first epoch: warm-up, no start-up left (exposed 0)
+    e1 = 2.5 + 0.0 + 0.7  # 1 added worker, started during e0 + gap (5.5 s > 5 s start-up): nothing waited
+    e2 = 1.5 + (5.0 - (e1 + 0.3)) + 0.7  # 2 added, started during e1 + gap (3.5 s): 1.5 s waited for
+    assert p.first_epoch_s == pytest.approx(e0)
+    assert p.run_s == pytest.approx(1.0 + e0 + 0.3 + e1 + 0.3 + e2 + 2.0)
+    worker_s = (1 * (1.0 + e0)                              # epoch 0: one worker, billed from the plan on
+                + 1 * (0.3 + e1) + 1 * (5.0 + e1)           # epoch 1: one kept, one added (launched 5 s early)
+                + 2 * (0.3 + e2) + 2 * (5.0 - 1.5 + e2)     # epoch 2: two kept, two added (3.5 s early)
+                + 4 * 1.0)                                  # all four stop
+    assert p.worker_s == pytest.approx(worker_s)
+    assert p.cost_usd == pytest.approx(worker_s)
+    assert list(p.cost_by_epoch_usd)[-1] == pytest.approx(worker_s - 4 * 1.0)
+    same = predict_run(two, terms, epochs=3, warm=True, workers_launched_s=None, per_epoch=[two] * 3)
+    assert same == predict_run(two, terms, epochs=3, warm=True, workers_launched_s=None)
+    with pytest.raises(ValueError, match="^per_epoch: must hold one plan per epoch"):
+        predict_run(one, terms, epochs=2, warm=True, workers_launched_s=None, per_epoch=[one])
+
+
+def test_an_adabatch_plan_predicts_each_budget_the_policy_will_run(tmp_path):
+    """The first plan of an adabatch job predicts the run as the policy will run it: the budget
+    doubles every epoch up to max_workers, each budget planned as the flow will plan it, and the
+    bill is the per-epoch prediction's (more than the same job kept at one worker)."""
+    from tasks.context import RunContext
+    from tasks.plan import make_plan
+    from tasks.profile import catalog_profile
+    from tasks.rescale import worker_schedule
+    from tasks.validate import validate_job
+
+    def context(scaling):
+        job = TrainJob(model="digits_mlp", workers=1, max_workers=4, scaling=scaling, scale_every_epochs=1,
+                       epochs=4, store=f"file://{tmp_path}/store")
+        return RunContext(run_id="zada", job=job, resolved=validate_job(job), dry_run=True)
+
+    ctx = context("adabatch")
+    prof, _ = catalog_profile(ctx)  # nothing rented: the catalog's figures
+    assert worker_schedule(ctx, 1, 4) == [1, 2, 4, 4] and worker_schedule(ctx, 2, 2) == [2, 4]
+    plan = make_plan(ctx, prof, 1, None, 4)
+    expected = [1] + [make_plan(ctx, prof, c, None, 0).workers for c in (2, 4, 4)]
+    assert list(plan.predicted_workers_by_epoch) == expected and expected[-1] > 1
+    [row] = [a for a in plan.alternatives if a.get("chosen")]
+    assert row["predicted_run_cost_usd"] == plan.predicted_run_cost_usd
+    static = context("static")
+    kept = make_plan(static, prof, 1, None, 4)
+    assert kept.predicted_workers_by_epoch == () and kept.predicted_run_cost_usd < plan.predicted_run_cost_usd
+    assert worker_schedule(context("reactive"), 1, 4) is None  # decided by what epochs measure
