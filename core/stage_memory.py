@@ -89,6 +89,12 @@ def stage_bounds(cuts: Sequence[int], num_layers: int) -> list[tuple[int, int]]:
     return [(a, b - 1) for a, b in zip(starts, ends)]
 
 
+def optimizer_copies(optimizer: str) -> int:
+    """Parameter-sized tensors the optimizer keeps as state (averaged with the parameters at
+    each sync): none for SGD, the momentum buffer, Adam's two moments."""
+    return {"sgd": 0, "momentum": 1, "adam": 2}[optimizer]
+
+
 def parameter_copies(data_parallel: int, optimizer_state_factor: float = 0.0) -> float:
     """4 - 2 [D = 1] + f: how many model-sized copies of a stage's parameters its worker
     holds (weights and gradients, the two sync buffers when D > 1, f optimizer copies)."""

@@ -17,6 +17,7 @@ from prefect.cache_policies import NO_CACHE
 
 from core.errors import ZooidValueError
 from core.plan import Plan
+from core.stage_memory import optimizer_copies
 from planners.calibration import Calibration, calibrated
 from planners.pipeline_time import TransferCosts
 from planners.run_prediction import predict_run, with_run_prediction
@@ -25,12 +26,6 @@ from tasks.context import RunContext
 from tasks.launchers import SHARED_HOST_KINDS
 from tasks.retry import task_options
 from tasks.run_terms import load_terms
-
-
-def optimizer_copies(optimizer: str) -> int:
-    """Copies of the parameters the optimizer state adds to each sync (averaged with them)."""
-    return {"sgd": 0, "momentum": 1, "adam": 2}[optimizer]
-
 
 
 LAYER_FIELDS = ("forward_s", "backward_s", "output_bytes", "param_bytes", "forward_fixed_s",

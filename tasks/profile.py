@@ -31,6 +31,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from core.errors import ZooidValueError
+from core.stage_memory import optimizer_copies
 from profiling.profile_job import ProfileRequest
 from tasks.context import RunContext
 from tasks.launchers import worker_threads
@@ -58,8 +59,6 @@ def typical_activation_bytes(prof: dict, job) -> float:
 
 def sync_bytes(prof: dict, optimizer: str) -> float:
     """Bytes one Local-SGD average moves: the parameters and the optimizer's moments."""
-    from tasks.plan import optimizer_copies
-
     return prof["param_bytes"] * (1 + optimizer_copies(optimizer))
 
 
@@ -378,8 +377,6 @@ def catalog_profile(ctx: RunContext) -> tuple[dict, str]:
     from engine.models import resolve_model
     from planners.catalog import device_figures, store_figures
     from profiling.estimate import DeviceFigures, estimate_profile
-    from tasks.plan import optimizer_copies
-
     began = time.perf_counter()
     job, r = ctx.job, ctx.resolved
     threads = profile_threads(ctx)

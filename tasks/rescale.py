@@ -19,6 +19,7 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from core.stage_memory import optimizer_copies
 from tasks.context import RunContext
 from tasks.retry import task_options
 
@@ -37,8 +38,6 @@ def epoch_records(history: list[dict], batch_size: int):
 def provision_document(ctx: RunContext, profile: dict, history: list[dict]) -> dict | None:
     """Cynthia's provisioning problem for the rest of this run (None until a loss model fits)."""
     from planners.provision import fit_loss_curve
-
-    from tasks.plan import optimizer_copies
 
     job, offer, target = ctx.job, ctx.resolved.offer, ctx.resolved.target
     done, points = 0, []
