@@ -11,11 +11,14 @@ process pool (`benchmarks.bench_orchestration.run_pool`) for every configuration
 - plans: Local-SGD 2x1 (`strategy=local_sgd`, 2 workers, averaged once per epoch) and
   pipeline 1x2 (`strategy=pipeline`, 1 replica, `stages=2`, the planner's micro-batches and
   schedule): two worker processes on the machine's two cores;
-- each configuration runs 1 + `--repeats` times back to back. The first run of a model
-  profiles it (a worker measures the model and the store; `cache/profiles`, `cache/stores`);
-  every later run reads the cache. The run terms (start-up, per-epoch overhead, gaps,
-  provision, teardown; `cache/timings`) are kept per target and offer, so every model
-  shares them and only the benchmark's very first run plans with assumed terms.
+- and `digits_cnn` under `scaling=adabatch` (1 -> 2 -> 4 replicas, doubling every epoch):
+  the first plan predicts each epoch at the count the policy will run;
+- each configuration runs 1 + `--repeats` times back to back. Run 0 is a first run: a
+  durable store of its own, nothing cached, so it profiles the model on a worker and plans
+  with the start-up that worker measured and the other run terms assumed. The later runs use
+  the stack's store: the first of them profiles the model there, the others read the cache
+  (`cache/profiles`, `cache/stores`), and the run terms (start-up, per-epoch overhead, gaps,
+  provision, teardown; `cache/timings`) are kept per target and offer, shared by every model.
 
 Per run, from the run's own summary (`RunSummary`, what the report shows):
 
@@ -59,12 +62,12 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.output import write_result
+from benchmarks.output import command_for, provenance, write_result
 from engine.iteration_clock import WARMUP
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "prediction.md"
-TITLE = "# Profiling and prediction: epoch wall and run cost, predicted vs measured"
+TITLE = "Profiling and prediction: epoch wall and run cost, predicted vs measured"
 WARMUP_ITERATIONS = WARMUP  # as the workers' own clocks
 
 CPU_MODELS = ("digits_mlp", "digits_cnn", "benchmarks.prediction_models:wide_mlp")
@@ -72,6 +75,7 @@ GPU_MODELS = ("resnet18", "vgg11")
 GPU_DATASET, GPU_BATCH = "synthetic:3x32x32:10:4096", 64
 DEFAULT_EPOCHS, DEFAULT_REPEATS = 5, 2
 GOAL_EPOCH, GOAL_COST = 0.15, 0.20
+ADABATCH_MODEL = "digits_cnn"
 BEFORE_COMMIT, BEFORE_PATH = "cabc397", "benchmarks/results/prediction.md"
 DELETING_COMMIT = "858a312"
 
@@ -92,6 +96,10 @@ def configurations(models: list[str], gpu: bool, epochs: int) -> list[dict]:
                     "params": job_params(2, epochs, True, model=model)})
         out.append({"model": model, "plan": "pipeline 1x2", "device": "cpu",
                     "params": job_params(1, epochs, True, model=model, strategy="pipeline", stages=2)})
+    if models:  # a policy that adds workers as it goes: 1 -> 2 -> 4 replicas
+        out.append({"model": ADABATCH_MODEL, "plan": "adabatch 1->4", "device": "cpu",
+                    "params": job_params(1, epochs, True, model=ADABATCH_MODEL, scaling="adabatch", max_workers=4,
+                                         scale_every_epochs=1)})
     if gpu:
         for model in GPU_MODELS:
             out.append({"model": model, "plan": "local_sgd 1x1", "device": "cuda",
@@ -242,44 +250,6 @@ def _git(*args: str) -> str:
     return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout
 
 
-CORE = ("flows", "tasks", "planners", "training", "blocks", "deployments")
-
-
-def code_state() -> dict:
-    """The commit the runs executed, the core files changed beside it in the working tree, and
-    each core file's content hash (workers and coordinators import the working tree at each
-    run, so a file edited during the benchmark changes what later runs measure)."""
-    import hashlib
-
-    try:
-        head = _git("rev-parse", "--short", "HEAD").strip()
-        dirty = _git("status", "--porcelain", "--", *CORE).splitlines()
-        files = _git("ls-files", "-co", "--exclude-standard", "--", *CORE).split()
-    except (subprocess.CalledProcessError, OSError):
-        return {"head": "?", "dirty": [], "hashes": {}}
-    hashes = {}
-    for f in files:
-        try:
-            hashes[f] = hashlib.sha256((REPO / f).read_bytes()).hexdigest()
-        except OSError:
-            hashes[f] = None
-    return {"head": head, "dirty": sorted(l[3:] for l in dirty), "hashes": hashes}
-
-
-def code_line(before: dict, after: dict) -> str:
-    """Which code the runs measured, and whether any core file changed while they ran."""
-    changed = sorted(f for f in set(before["hashes"]) | set(after["hashes"])
-                     if before["hashes"].get(f) != after["hashes"].get(f))
-    where = (f"`{after['head']}`" if before["head"] == after["head"]
-             else f"`{before['head']}` at the start, `{after['head']}` at the end (committed during the run)")
-    dirty = (f", with uncommitted changes to {len(after['dirty'])} core file(s): "
-             f"{', '.join(f'`{d}`' for d in after['dirty'])}" if after["dirty"] else "")
-    if changed:
-        return (f"Code: {where}{dirty}. **Core files changed while the runs went on** (each run imports the working "
-                f"tree): {', '.join(f'`{f}`' for f in changed)}.")
-    return f"Code: {where}{dirty}; no core file (under {', '.join(CORE)}) changed while the runs went on."
-
-
 def before_section() -> list[str]:
     """The previous result file's command and summary lines, quoted verbatim with where
     they come from, and what 858a312 deleted (from git)."""
@@ -357,25 +327,36 @@ def _goal_line(name: str, stats: dict, goal: float, after: dict) -> str:
             f"{_pct(after['median'])}, {after['within']} of {after['n']} within.")
 
 
-def render(records: list[dict], failures: list[dict], command: str, machine: str, elapsed_s: float,
-           epochs: int, repeats: int, gpu: bool, before: list[str], code: str = "") -> str:
+def render(records: list[dict], failures: list[dict], epochs: int, repeats: int, gpu: bool,
+           before: list[str]) -> str:
+    """The results file's body (its header: `benchmarks.output.write_result`)."""
     epoch_all, cost_all = goal_stats(records, "epoch_error", GOAL_EPOCH), goal_stats(records, "cost_error", GOAL_COST)
     later = [r for r in records if r["run"] >= 1]
     epoch_later, cost_later = goal_stats(later, "epoch_error", GOAL_EPOCH), goal_stats(later, "cost_error", GOAL_COST)
     noise = noise_floor(records)
-    lines = [TITLE, "", f"Command: `{command}`  ", f"Machine: {machine}. Whole benchmark: {elapsed_s:.0f} s.  ", code, "",
-             "What a user sees, per run of `train/local` on the `zooid-local` process pool of a fresh local stack "
+    lines = ["What a user sees, per run of `train/local` on the `zooid-local` process pool of a fresh local stack "
              "(empty durable store, so the first run of each model profiles it on a worker and the later ones read "
              f"the cache): digits, batch 16 per replica, SGD momentum 0.9, lr 0.05, warm workers, {epochs} epochs; "
              "Local-SGD 2x1 (averaged once per epoch) and pipeline 1x2 (stages=2, the planner's micro-batches and "
-             f"schedule); each configuration runs {1 + repeats} times back to back (run 0 fills the caches, the later "
-             "runs repeat it). Epoch wall error = per run, the median over epochs 1.. of |predicted_epoch_s - seconds| / "
+             f"schedule), and {ADABATCH_MODEL} under adabatch (1 -> 2 -> 4 replicas, doubling every epoch); each "
+             f"configuration runs {1 + repeats} times back to back: run 0 is a first run, on a fresh store of its "
+             "own (no profile, no run terms cached), the later runs use the stack's store (the first of them "
+             "profiles the model there, later ones read the cache). Epoch wall error = per run, the median over epochs 1.. of |predicted_epoch_s - seconds| / "
              "seconds (the prediction in force for that epoch, recalibrated after every epoch). Bill error = "
              "plan.predicted_run_cost_usd (the first plan, made after the profile) / total_cost_usd (the ledger) - 1. "
              "Method: the module docstring of `benchmarks/bench_prediction.py`.", "",
              "## Summary", ""]
     lines.append(_goal_line("Epoch wall, predicted vs measured", epoch_all, GOAL_EPOCH, epoch_later))
     lines.append(_goal_line("Run cost, predicted vs billed", cost_all, GOAL_COST, cost_later))
+    for label, group in (("First runs (run 0: a fresh store, nothing cached; the run measures its own profile "
+                          "and start-up, the other terms are assumed)", [r for r in records if r["run"] == 0]),
+                         (f"adabatch 1 -> 4 replicas ({ADABATCH_MODEL}, every run; the plan predicts each epoch at "
+                          "the count the policy will run)", [r for r in records if r["plan"].startswith("adabatch")])):
+        stats = goal_stats(group, "cost_error", GOAL_COST)
+        if stats["median"] is not None:
+            lines.append(f"- {label}: run cost **{'met' if stats['median'] <= GOAL_COST else 'not met'}**, median "
+                         f"{_pct(stats['median'])} over {stats['n']} runs (worst {_pct(stats['max'])}; "
+                         f"{stats['within']} within {100 * GOAL_COST:.0f} %).")
     if noise:
         lines.append(f"- Noise floor, the same run repeated (consecutive runs after the first of each configuration): the measured median "
                      f"epoch wall differs by a median {_pct(_median(n['wall'] for n in noise))} (max "
@@ -504,17 +485,6 @@ def _profile_summary(records: list[dict]) -> list[dict]:
     return out
 
 
-def machine_note() -> str:
-    import platform
-
-    import torch
-
-    load = os.getloadavg()
-    cuda = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return (f"{os.cpu_count()} CPU cores ({platform.machine()}), {cuda}, torch {torch.__version__}, shared with other "
-            f"jobs (load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} over 1 / 5 / 15 min at the end)")
-
-
 def _print_run(r: dict) -> None:
     print(f"{r['model']:40s} {r['plan']:13s} run {r['run']}: epoch err {_pct(r['epoch_error'])}, bill "
           f"{_usd(r['predicted_cost'])} predicted vs {_usd(r['billed'])} billed ({_pct(r['cost_error'], True)}), "
@@ -554,8 +524,7 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.bench_orchestration import run_pool
     from deployments.stack import down, up
 
-    began = time.monotonic()
-    code_before = code_state()
+    prov = provenance()
     base = Path(tempfile.mkdtemp(prefix="zooid-bench-pred-"))
     home = base / "stack"
     records, failures = [], []
@@ -566,8 +535,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for cfg in configurations(args.models, args.gpu, args.epochs):
             for i in range(1 + args.repeats):
+                # run 0: a first run, its own fresh store (no profile, no run terms cached); then the stack's
+                params = {**cfg["params"], "store": f"file://{base}/fresh-{len(records)}"} if i == 0 else cfg["params"]
                 try:
-                    summary = run_pool(cfg["params"], home)
+                    summary = run_pool(params, home)
                 except (RuntimeError, TimeoutError) as exc:
                     failures.append({"model": cfg["model"], "plan": cfg["plan"], "run": i,
                                      "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
@@ -588,22 +559,14 @@ def main(argv: list[str] | None = None) -> int:
             r["profile"] = lines.get(r["run_id"])
     finally:
         down(home)
-    command = ".venv/bin/python -m benchmarks.bench_prediction"
-    if args.models != list(CPU_MODELS):
-        command += " --models" + "".join(f" {m}" for m in args.models)
-    if args.epochs != DEFAULT_EPOCHS:
-        command += f" --epochs {args.epochs}"
-    if args.repeats != DEFAULT_REPEATS:
-        command += f" --repeats {args.repeats}"
-    if args.gpu:
-        command += " --gpu"
-    if args.out.resolve() != RESULTS:
-        command += f" --out {args.out}"
-    if args.keep:
-        command += " --keep"
-    text = render(records, failures, command, machine_note(), time.monotonic() - began, args.epochs, args.repeats, args.gpu,
-                  before_section(), code_line(code_before, code_state()))
-    write_result(args.out, text, echo=True)
+    command = command_for("benchmarks.bench_prediction", flags=(
+        ("--models", " ".join(args.models), " ".join(CPU_MODELS)), ("--epochs", args.epochs, DEFAULT_EPOCHS),
+        ("--repeats", args.repeats, DEFAULT_REPEATS), ("--gpu", args.gpu, False),
+        ("--out", args.out.resolve(), RESULTS), ("--keep", args.keep, False)))
+    write_result(args.out, TITLE, command, prov,
+                 render(records, failures, args.epochs, args.repeats, args.gpu, before_section()),
+                 detail="the Prefect server, the process worker, the coordinator and the training workers share "
+                        "these cores", echo=True)
     (base / "records.json").write_text(json.dumps(records, indent=1))
     if args.keep:
         print(f"scratch kept in {base}")
