@@ -33,6 +33,13 @@ safe to rejoin by a rank that died in it and was relaunched from an earlier stat
   deletes them): the done keys posted before the loss are gone too, so it stops waiting
   instead of sitting out the whole timeout (`sync_timeout_s`, 17 minutes by default).
 
+Compressed calls (`compressor=`, `comm.compression`): every piece and reduced slice travels
+in the compressor's wire dtype with its error feedback, and every rank uses the decoded
+reduced slices, its own included. The parts of a call then stay until the group's next
+call (`previous_prefix`) or the caller deletes the call's prefix, so that a relaunched rank
+j that finds `mean/j` already posted recomputes it from the same parts instead of adopting
+it: the residual its first life kept is rebuilt with it (adopted only if the parts are gone).
+
 Lost scratch keys (a Redis restarted without persistence). A `PostLog` remembers what this
 rank posted in the current and the previous call. While a wait stalls for `repost_s`
 seconds, the rank posts again every logged key that is gone (skipping pieces whose
@@ -49,6 +56,7 @@ from typing import Callable
 
 import torch
 
+from comm.compression import Compressor
 from comm.store import Store
 from comm.tensor_codec import decode_tensors, encode_tensors
 from core.errors import StoreTimeout, ZooidValueError
@@ -188,6 +196,7 @@ def _allreduce(
     log: PostLog | None = None,
     repost_s: float | None = None,
     replay: bool = False,
+    compressor: Compressor | None = None,
 ) -> dict[str, torch.Tensor]:
     if world == 1:
         return tensors
@@ -197,48 +206,89 @@ def _allreduce(
         log.start_call()
     io = _Traffic(store, rank, timeout, stats, log, repost_s)
     flat = _flatten(tensors)
+    wire = Wire(compressor, flat, world)
 
     # Scatter: my piece of every other rank's slice, unless that slice is already reduced
     # (this rank is a relaunch replaying a round its peers got further in). Only a replay
     # can find results of a round it has not contributed to, so only it pays the lookups.
     reduced_already = (lambda key: store.exists(key)) if replay else (lambda key: False)
     for j in range(world):
-        if j != rank and not reduced_already(f"{prefix}/mean/{j}"):
-            io.put(f"{prefix}/part/{j}/{rank}", _slice(flat, j, world), unless=f"{prefix}/mean/{j}")
+        if j != rank:
+            piece = wire.encode(_slice(flat, j, world), j)  # the residual moves even when not sent
+            if not reduced_already(f"{prefix}/mean/{j}"):
+                io.put(f"{prefix}/part/{j}/{rank}", piece, unless=f"{prefix}/mean/{j}")
     mine_key = f"{prefix}/mean/{rank}"
-    if reduced_already(mine_key):
-        mine = io.get(mine_key)  # reduced by this rank's previous life: adopt it
+    if reduced_already(mine_key) and not wire.recomputable(store, prefix, rank, world):
+        posted = io.get(mine_key)  # reduced by this rank's previous life: adopt it
+        mine = wire.decode(posted)
         if log is not None:
-            log.add(mine_key, encode_tensors(mine))
+            log.add(mine_key, encode_tensors(posted))
     else:
         # Reduce my slice from every rank's piece, in rank order so every run sums alike.
-        pieces = [_slice(flat, rank, world) if i == rank else io.get(f"{prefix}/part/{rank}/{i}")
+        pieces = [_slice(flat, rank, world) if i == rank else wire.decode(io.get(f"{prefix}/part/{rank}/{i}"))
                   for i in range(world)]
         mine = {dtype: reduce(torch.stack([p[dtype] for p in pieces])) for dtype in flat}
         del pieces
-        io.put(mine_key, mine)
-    out = _release_and_gather(store, io, prefix, rank, world, flat, mine, tensors, previous_prefix)
+        posted, mine = wire.result(mine, rank)
+        if not reduced_already(mine_key):
+            io.put(mine_key, posted)
+    out = _release_and_gather(store, io, prefix, rank, world, flat, mine, tensors, previous_prefix, wire)
     stats.seconds += time.perf_counter() - t0
     stats.calls += 1
     return out
 
 
+class Wire:
+    """A call's wire format: the compressor's when given, else the tensors as they are."""
+
+    def __init__(self, compressor: Compressor | None, flat: dict[str, torch.Tensor], world: int):
+        self.compressor = compressor if compressor is not None and compressor.lossy else None
+        if self.compressor is not None:
+            self.compressor.begin(flat, world)
+
+    @property
+    def keeps_parts(self) -> bool:
+        """Parts stay until the next call (see the module docstring)."""
+        return self.compressor is not None
+
+    def encode(self, piece: dict[str, torch.Tensor], j: int) -> dict[str, torch.Tensor]:
+        return piece if self.compressor is None else self.compressor.encode(piece, j)
+
+    def decode(self, wire: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return wire if self.compressor is None else self.compressor.decode(wire)
+
+    def result(self, mean: dict[str, torch.Tensor], rank: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(what to post, what every rank uses) for this rank's reduced slice."""
+        return (mean, mean) if self.compressor is None else self.compressor.result(mean, rank)
+
+    def recomputable(self, store: Store, prefix: str, rank: int, world: int) -> bool:
+        """Whether a compressed call's reduced slice can be rebuilt from its parts."""
+        return self.compressor is not None and all(
+            store.exists(f"{prefix}/part/{rank}/{i}") for i in range(world) if i != rank)
+
+
 def _release_and_gather(store: Store, io: "_Traffic", prefix: str, rank: int, world: int,
                         flat: dict[str, torch.Tensor], mine: dict[str, torch.Tensor],
-                        tensors: dict[str, torch.Tensor], previous_prefix: str | None) -> dict[str, torch.Tensor]:
+                        tensors: dict[str, torch.Tensor], previous_prefix: str | None,
+                        wire: Wire | None = None) -> dict[str, torch.Tensor]:
     """The end of a round once this rank has posted its reduced slice (`mean/<rank>`), shared
     by the plain and the pipelined scatter-reduce: delete the pieces of the slice (only now,
-    so a rank that died before posting finds them all when relaunched) and the previous
-    call's result (every peer posted a part of this call, so all have read it), then gather
-    every reduced slice in rank order."""
+    so a rank that died before posting finds them all when relaunched; a compressed call
+    deletes the previous call's instead) and the previous call's result (every peer posted
+    a part of this call, so all have read it), then gather every reduced slice in rank order."""
+    keep = wire is not None and wire.keeps_parts
     for i in range(world):
-        if i != rank:
+        if i != rank and not keep:
             store.delete(f"{prefix}/part/{rank}/{i}")
+        elif i != rank and previous_prefix is not None:
+            store.delete(f"{previous_prefix}/part/{rank}/{i}")
     if previous_prefix is not None:
         store.delete(f"{previous_prefix}/mean/{rank}")
     reduced = {dtype: [] for dtype in flat}
     for j in range(world):
         part = mine if j == rank else io.get(f"{prefix}/mean/{j}")
+        if j != rank and wire is not None:
+            part = wire.decode(part)
         for dtype in flat:
             reduced[dtype].append(part[dtype])
     return _unflatten({d: torch.cat(v) for d, v in reduced.items()}, tensors)
@@ -257,6 +307,7 @@ def allreduce_mean(
     log: PostLog | None = None,
     repost_s: float | None = None,
     replay: bool = False,
+    compressor: Compressor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Elementwise mean of `tensors` over the `world` ranks (every rank passes the same names
     and shapes), reduced in each tensor's own dtype. world == 1 returns `tensors` untouched
@@ -264,12 +315,12 @@ def allreduce_mean(
     naming the key. `previous_prefix` is this group's previous call, whose results this call
     cleans up; `log` (kept across the group's calls) and `repost_s` re-post lost keys while
     a wait stalls; `replay` (a relaunched rank) adopts results already in the store (see
-    the module docstring)."""
+    the module docstring); `compressor` sends the pieces compressed (`comm.compression`)."""
     for name, t in tensors.items():
         if not t.is_floating_point():
             raise ZooidValueError("tensors", f"{name!r} is {t.dtype}; a mean needs floating tensors")
     return _allreduce(store, prefix, rank, world, tensors, timeout, lambda s: s.mean(0), stats,
-                      previous_prefix, log, repost_s, replay)
+                      previous_prefix, log, repost_s, replay, compressor)
 
 
 def allreduce_sum(
@@ -285,10 +336,11 @@ def allreduce_sum(
     log: PostLog | None = None,
     repost_s: float | None = None,
     replay: bool = False,
+    compressor: Compressor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Elementwise sum of `tensors` over the ranks; otherwise as `allreduce_mean`."""
     return _allreduce(store, prefix, rank, world, tensors, timeout, lambda s: s.sum(0), stats,
-                      previous_prefix, log, repost_s, replay)
+                      previous_prefix, log, repost_s, replay, compressor)
 
 
 def release_group(

@@ -173,7 +173,10 @@ class RingGroup:
                       tensors: dict[str, torch.Tensor], timeout: float, *,
                       stats: SyncStats | None = None, previous_prefix: str | None = None,
                       log: PostLog | None = None, repost_s: float | None = None,
-                      replay: bool = False) -> dict[str, torch.Tensor]:
+                      replay: bool = False, compressor=None) -> dict[str, torch.Tensor]:
+            if compressor is not None and compressor.lossy:
+                raise ZooidValueError("sync_dtype", "the direct ring moves tensors in their own dtype; "
+                                      "compressed syncs go through the store (collective `store`)")
             if (rank, world) != (self.rank, self.world):
                 raise ZooidValueError("rank", f"the ring was opened as rank {self.rank} of "
                                       f"{self.world}, called as {rank} of {world}")

@@ -39,7 +39,8 @@ from comm import collectives
 # The plain version's store access (counting, timeouts naming the key, re-posting lost
 # keys) and its flat layout, reused so that both algorithms behave alike in every respect
 # but the overlap. Private to comm.collectives: see the report asking to publish them.
-from comm.collectives import PostLog, SyncStats, _flatten, _release_and_gather, _Traffic
+from comm.collectives import PostLog, SyncStats, Wire, _flatten, _release_and_gather, _Traffic
+from comm.compression import Compressor
 from comm.store import Store
 from comm.tensor_codec import encode_tensors
 from core.errors import ZooidValueError
@@ -58,13 +59,14 @@ class Allreduce(Protocol):
                  tensors: dict[str, torch.Tensor], timeout: float, *,
                  stats: SyncStats | None = None, previous_prefix: str | None = None,
                  log: PostLog | None = None, repost_s: float | None = None,
-                 replay: bool = False) -> dict[str, torch.Tensor]: ...
+                 replay: bool = False, compressor: Compressor | None = None) -> dict[str, torch.Tensor]: ...
 
 
 def pipelined_allreduce_mean(
     store: Store, prefix: str, rank: int, world: int, tensors: dict[str, torch.Tensor],
     timeout: float, *, stats: SyncStats | None = None, previous_prefix: str | None = None,
     log: PostLog | None = None, repost_s: float | None = None, replay: bool = False,
+    compressor: Compressor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Elementwise mean of `tensors` over `world` ranks by the pipelined scatter-reduce.
 
@@ -78,17 +80,18 @@ def pipelined_allreduce_mean(
         if not t.is_floating_point():
             raise ZooidValueError("tensors", f"{name!r} is {t.dtype}; a mean needs floating tensors")
     return _pipelined(store, prefix, rank, world, tensors, timeout, lambda s: s.mean(0),
-                      stats, previous_prefix, log, repost_s, replay)
+                      stats, previous_prefix, log, repost_s, replay, compressor)
 
 
 def pipelined_allreduce_sum(
     store: Store, prefix: str, rank: int, world: int, tensors: dict[str, torch.Tensor],
     timeout: float, *, stats: SyncStats | None = None, previous_prefix: str | None = None,
     log: PostLog | None = None, repost_s: float | None = None, replay: bool = False,
+    compressor: Compressor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Elementwise sum of `tensors` over `world` ranks; otherwise as the mean."""
     return _pipelined(store, prefix, rank, world, tensors, timeout, lambda s: s.sum(0),
-                      stats, previous_prefix, log, repost_s, replay)
+                      stats, previous_prefix, log, repost_s, replay, compressor)
 
 
 plain_allreduce_mean: Allreduce = collectives.allreduce_mean
@@ -127,6 +130,7 @@ def _pipelined(
     store: Store, prefix: str, rank: int, world: int, tensors: dict[str, torch.Tensor],
     timeout: float, reduce: Callable[[torch.Tensor], torch.Tensor], stats: SyncStats | None,
     previous_prefix: str | None, log: PostLog | None, repost_s: float | None, replay: bool,
+    compressor: Compressor | None = None,
 ) -> dict[str, torch.Tensor]:
     if not isinstance(world, int) or world < 1:
         raise ZooidValueError("world", f"must be a positive integer, got {world!r}")
@@ -143,32 +147,37 @@ def _pipelined(
     up = _Traffic(store, rank, timeout, up_stats, log, repost_s)
     down = _Traffic(store, rank, timeout, stats, log, repost_s)
     flat = _flatten(tensors)
+    wire = Wire(compressor, flat, world)
     slices = {dtype: torch.tensor_split(v, world) for dtype, v in flat.items()}
 
     def piece(j: int) -> Flat:
         return {dtype: parts[j].contiguous() for dtype, parts in slices.items()}
 
     # As in the plain version, a relaunched rank skips slices already reduced (see
-    # comm.collectives); only a replay pays for the lookups.
+    # comm.collectives); only a replay pays for the lookups. Encoded on this thread in
+    # slice order (the residual moves even for a piece not sent), uploaded on the other.
     reduced_already = (lambda key: store.exists(key)) if replay else (lambda key: False)
-    uploads = [j for j in ((rank + k) % world for k in range(1, world))
-               if not reduced_already(f"{prefix}/mean/{j}")]
-    uploader = _Uploader(up, [(f"{prefix}/part/{j}/{rank}", piece(j), f"{prefix}/mean/{j}")
+    order = [(rank + k) % world for k in range(1, world)]
+    encoded = {j: wire.encode(piece(j), j) for j in order}
+    uploads = [j for j in order if not reduced_already(f"{prefix}/mean/{j}")]
+    uploader = _Uploader(up, [(f"{prefix}/part/{j}/{rank}", encoded[j], f"{prefix}/mean/{j}")
                               for j in uploads])
     uploader.start()
     mine_key = f"{prefix}/mean/{rank}"
     mine = None
+    adopt = reduced_already(mine_key) and not wire.recomputable(store, prefix, rank, world)
     try:
-        if reduced_already(mine_key):
-            mine = down.get(mine_key)  # reduced by this rank's previous life: adopt it
+        if adopt:
+            posted = down.get(mine_key)  # reduced by this rank's previous life: adopt it
+            mine = wire.decode(posted)
             if log is not None:
-                log.add(mine_key, encode_tensors(mine))
+                log.add(mine_key, encode_tensors(posted))
         else:
             # Phases 1 and 2, pipelined: download step k waits for rank - k's upload step k.
             pieces = {rank: piece(rank)}
             for k in range(1, world):
                 source = (rank - k) % world
-                pieces[source] = down.get(f"{prefix}/part/{rank}/{source}")
+                pieces[source] = wire.decode(down.get(f"{prefix}/part/{rank}/{source}"))
     finally:
         uploader.join()
     uploader.raise_error()
@@ -177,9 +186,11 @@ def _pipelined(
         mine = {dtype: reduce(torch.stack([pieces[i][dtype] for i in range(world)]))
                 for dtype in flat}
         del pieces
-        down.put(mine_key, mine)
+        posted, mine = wire.result(mine, rank)
+        if not reduced_already(mine_key):
+            down.put(mine_key, posted)
     # Phase 3: release the parts, gather the other reduced slices (as the plain version).
-    out = _release_and_gather(store, down, prefix, rank, world, flat, mine, tensors, previous_prefix)
+    out = _release_and_gather(store, down, prefix, rank, world, flat, mine, tensors, previous_prefix, wire)
     for f in dataclasses.fields(SyncStats):
         if f.name not in ("seconds", "calls"):
             setattr(stats, f.name, getattr(stats, f.name) + getattr(up_stats, f.name))

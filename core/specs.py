@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from core.errors import ZooidValueError
+from core.outer_sync import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, OUTER_OPTIMIZERS, SYNC_DTYPES
 
 _HINTS: dict[type, dict[str, Any]] = {}
 
@@ -208,11 +209,25 @@ class SyncSpec(JsonSpec):
     and with it single-replica relaunch."""
     group: str = ""
     """Store prefix of the Local-SGD syncs; empty: `runs/<run>/sync/e<epoch>`."""
+    outer_optimizer: str = "average"
+    """A Local-SGD round's outer step (`core.outer_sync`): `average` (K-AVG) or `nesterov` (DiLoCo)."""
+    outer_lr: float = DEFAULT_OUTER_LR
+    outer_momentum: float = DEFAULT_OUTER_MOMENTUM
+    """The `nesterov` outer step's learning rate and momentum."""
+    sync_dtype: str = "float32"
+    """What a sync's pieces travel as: `float32`, `bfloat16` or `int8` (with error feedback)."""
 
     def __post_init__(self):
         _check_types(self, "sync.")
-        _positive(self, "sync.", ("ring_timeout_s",))
+        _positive(self, "sync.", ("ring_timeout_s", "outer_lr"))
         _positive(self, "sync.", ("repost_s", "checkpoint_every"), zero_ok=True)
+        if self.outer_optimizer not in OUTER_OPTIMIZERS:
+            raise ZooidValueError("sync.outer_optimizer", f"must be one of {', '.join(OUTER_OPTIMIZERS)}, "
+                                  f"got {self.outer_optimizer!r}")
+        if not 0 <= self.outer_momentum < 1:
+            raise ZooidValueError("sync.outer_momentum", f"must be in [0, 1), got {self.outer_momentum!r}")
+        if self.sync_dtype not in SYNC_DTYPES:
+            raise ZooidValueError("sync.sync_dtype", f"must be one of {', '.join(SYNC_DTYPES)}, got {self.sync_dtype!r}")
 
 
 

@@ -1,7 +1,8 @@
 """Checkpoints in the store: model state_dict and optimizer state as named tensors plus JSON
 metadata, written in one put (atomic) through `tensor_codec`; never pickled.
 
-Tensor names are `model/<state_dict key>` and `optim/<param name>.<state key>`. The metadata
+Tensor names are `model/<state_dict key>`, `optim/<param name>.<state key>` and, for the
+state of a Local-SGD outer optimizer (`engine.outer`), `outer/...`. The metadata
 carries what the caller passes (epoch, step, run id...) and the model and optimizer names.
 
 Two kinds of checkpoint, both durable: the epoch checkpoint (`WorkerSpec.out_key`, written
@@ -33,12 +34,18 @@ def save_checkpoint(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
     meta: dict[str, Any] | None = None,
+    extra: dict[str, torch.Tensor] | None = None,
 ) -> int:
-    """Write `model` (and `optimizer`'s state) under `key` in one put; return the bytes written."""
+    """Write `model` (and `optimizer`'s state, and `extra` tensors named `outer/...`) under
+    `key` in one put; return the bytes written."""
     tensors = {f"model/{k}": v.detach().contiguous() for k, v in model.state_dict().items()}
     if optimizer is not None:
         for k, v in optimizer_state_tensors(model, optimizer).items():
             tensors[f"optim/{k}"] = v.detach().contiguous()
+    for k, v in (extra or {}).items():
+        if not k.startswith("outer/"):
+            raise ZooidValueError("extra", f"checkpoint tensor {k!r} must be named outer/...")
+        tensors[k] = v.detach().contiguous()
     # safetensors metadata is str -> str: the caller's metadata travels as one JSON string.
     blob = encode_tensors(tensors, metadata={"format": FORMAT, "meta": json.dumps(meta or {})})
     store.put(key, blob)
@@ -51,13 +58,18 @@ def load_checkpoint(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     timeout: float | None = None,
+    extra: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, Any]:
     """Load the checkpoint under `key` into `model` (strictly) and `optimizer`; return its
-    metadata. Waits up to `timeout` seconds for the key."""
+    metadata, and fill `extra` (when given) with its `outer/...` tensors, from the same read.
+    Waits up to `timeout` seconds for the key."""
     tensors, header = decode_tensors(store.get(key, timeout=timeout))
     if header.get("format") != FORMAT:
         raise ZooidValueError("checkpoint", f"{key} is not a Zooid checkpoint")
     meta = json.loads(header.get("meta", "{}"))
+    if extra is not None:
+        extra.clear()
+        extra.update({k: v for k, v in tensors.items() if k.startswith("outer/")})
     state = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
     try:
         model.load_state_dict(state, strict=True)

@@ -32,10 +32,12 @@ from torch import nn
 
 from comm import heartbeat
 from comm.collectives import PostLog, SyncStats, allreduce_mean, release_group
+from comm.compression import Compressor
 from comm.scatter_reduce import Allreduce
 from comm.store import Store
 from core.errors import ZooidValueError
 from engine.optimizers import optimizer_state_tensors
+from engine.outer import OuterStep
 
 DEFAULT_REPOST_S = 5.0
 """Seconds a stalled wait lasts before a replica re-posts its pieces (`SyncSpec.repost_s`)."""
@@ -63,7 +65,9 @@ class LocalSGD:
     the previous one's. `on_sync(round, step)` runs after every sync. `start_round` and
     `start_step` place a resumed replica in the epoch; `replay` marks a relaunch, which
     may find results of rounds its previous life took part in. `allreduce` is the
-    collective (`scatter_reduce.allreduce_for`; the plain store one by default)."""
+    collective (`scatter_reduce.allreduce_for`; the plain store one by default). `outer`
+    is the round's outer step (`engine.outer`; None: K-AVG, the mean replaces the tensors)
+    and `compressor` the wire format of a compressed sync (`comm.compression`)."""
 
     def __init__(
         self,
@@ -83,6 +87,8 @@ class LocalSGD:
         start_step: int = 0,
         replay: bool = False,
         allreduce: Allreduce = allreduce_mean,
+        outer: OuterStep | None = None,
+        compressor: Compressor | None = None,
     ):
         if period is not None and period < 1:
             raise ZooidValueError("sync_period", f"must be a positive step count or None, got {period}")
@@ -96,6 +102,9 @@ class LocalSGD:
         self.rounds = self._dropped = start_round
         self.steps = start_step
         self._since_sync = 0
+        self.outer, self.compressor = outer, compressor
+        if outer is not None:
+            outer.start(self._shared_tensors())
 
     def _shared_tensors(self) -> dict[str, torch.Tensor]:
         """The live tensors every replica must agree on, by name."""
@@ -108,18 +117,24 @@ class LocalSGD:
         return out
 
     def sync(self) -> None:
-        """Average the shared tensors over the replicas now (in place)."""
+        """Average the shared tensors over the replicas now (in place), through the outer
+        step when there is one."""
         live = self._shared_tensors()
         previous = f"{self.group}/r{self.rounds - 1}" if self.rounds and not self.replayable else None
+        wire = {} if self.compressor is None else {"compressor": self.compressor}
         mean = self.allreduce(
-            self.store, f"{self.group}/r{self.rounds}", self.rank, self.world, live,
+            self.store, f"{self.group}/r{self.rounds}", self.rank, self.world,
+            live if self.outer is None else self.outer.payload(live),
             self.timeout, stats=self.stats, previous_prefix=previous, log=self.log,
-            repost_s=self.repost_s, replay=self.replay,
+            repost_s=self.repost_s, replay=self.replay, **wire,
         )
-        with torch.no_grad():
-            for name, t in live.items():
-                if mean[name] is not t:
-                    t.copy_(mean[name])
+        if self.outer is not None:
+            self.outer.apply(live, mean)
+        else:
+            with torch.no_grad():
+                for name, t in live.items():
+                    if mean[name] is not t:
+                        t.copy_(mean[name])
         self.rounds += 1
         self._since_sync = 0
         if self.on_sync is not None:

@@ -44,6 +44,14 @@ the last round always) and keeps n rounds of results in the store; 0 turns sync
 checkpoints off, and with them single-replica relaunch (each round then deletes the one
 before, as without faults).
 
+The outer step and the wire (`spec.sync.outer_optimizer`, `outer_lr`, `outer_momentum`,
+`sync_dtype`; `engine.outer`, `comm.compression`): the outer momentum travels in both
+checkpoints (`outer/...` tensors) and each rank's error-feedback residual in its own durable
+keys (`engine.residuals`), written at every round the sync checkpoint is, before the rank
+posts its reduced slice; so a relaunch at round c resumes both from round c as in step 2,
+and the epoch checkpoint names the residuals the next epoch continues from (its own per
+rank, or a world of another size its share of what is still owed).
+
 Work lost to a kill is therefore at most the steps since the last sync point, redone from
 identical inputs; nothing is repeated or skipped beyond that interval. Every attempt
 records what it trained in `runs/<id>/history/e<e>/r<rank>-a<attempt>.json`
@@ -62,17 +70,19 @@ import json
 import os
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from comm.compression import Compressor
 from comm.ring_allreduce import RingGroup, open_ring
 from comm.scatter_reduce import COLLECTIVES, allreduce_for
 from comm.store import Store, open_store
 from core.errors import OutOfMemory, ZooidValueError
+from core.outer_sync import is_default
 from core.specs import WorkerResult, WorkerSpec
 from engine.chaos import chaos_for
 from engine.checkpoint import load_checkpoint, save_checkpoint, sync_checkpoint_key
@@ -82,6 +92,8 @@ from engine.iteration_clock import IterationClock
 from engine.local_sgd import LocalSGD, batch_seed, batch_stream, evaluate, sync_group
 from engine.models import build_model
 from engine.optimizers import build_optimizer
+from engine.outer import OuterStep
+from engine.residuals import ResidualWriter, continue_residual, read_residual, residual_key
 
 DEFAULT_COLLECTIVE = "plain"
 """A replica's collective when `spec.sync.collective` is None."""
@@ -108,6 +120,8 @@ def _validate(spec: WorkerSpec) -> None:
     collective = spec.sync.collective or DEFAULT_COLLECTIVE
     if collective not in COLLECTIVES:
         raise ZooidValueError("sync.collective", f"must be one of {', '.join(COLLECTIVES)}, got {collective!r}")
+    if collective == "ring" and spec.sync.sync_dtype != "float32":
+        raise ZooidValueError("sync.sync_dtype", "compressed syncs go through the store; the ring moves float32")
 
 
 def wants_resume(spec: WorkerSpec) -> bool:
@@ -118,9 +132,12 @@ def wants_resume(spec: WorkerSpec) -> bool:
 
 def _position_identity(spec: WorkerSpec) -> dict:
     """What a sync checkpoint must share with a spec to be a point of the same epoch."""
-    return {"run_id": spec.run_id, "epoch": spec.epoch, "world": spec.world, "steps": spec.steps,
-            "sync_period": spec.sync_period, "batch_size": spec.batch_size, "seed": spec.seed,
-            "init_key": spec.init_key}
+    identity = {"run_id": spec.run_id, "epoch": spec.epoch, "world": spec.world, "steps": spec.steps,
+                "sync_period": spec.sync_period, "batch_size": spec.batch_size, "seed": spec.seed,
+                "init_key": spec.init_key}
+    if not is_default(spec.sync.outer_optimizer, spec.sync.sync_dtype):
+        identity.update(outer_optimizer=spec.sync.outer_optimizer, sync_dtype=spec.sync.sync_dtype)
+    return identity
 
 
 @dataclass(frozen=True)
@@ -134,27 +151,39 @@ class StartPoint:
     global_step_before: int
     """Global step at the start of the epoch (for the epoch checkpoint)."""
     from_sync_checkpoint: bool
+    outer_state: dict = field(default_factory=dict)
+    """The outer optimizer's checkpointed tensors (`outer/...`)."""
+    residual: dict = field(default_factory=dict)
+    """This rank's error-feedback residual to continue (empty: zeros)."""
 
 
 def load_start_point(spec: WorkerSpec, ckpt_store: Store, model: nn.Module,
                      optimizer: torch.optim.Optimizer) -> StartPoint:
     """Load the state this replica starts from into `model` and `optimizer`: the epoch's
-    sync checkpoint when resuming and it matches, else `spec.init_key`."""
+    sync checkpoint when resuming and it matches, else `spec.init_key`; with it the outer
+    state and, for a compressed sync, this rank's residual of the same point."""
     key = sync_checkpoint_key(spec.run_id, spec.epoch)
+    compressed = spec.sync.sync_dtype != "float32"
+    outer: dict = {}
     if wants_resume(spec):
         try:
             # One read: the checkpoint may be overwritten meanwhile, so the meta must come
             # from the same blob as the tensors.
-            meta = load_checkpoint(ckpt_store, key, model, optimizer)
+            meta = load_checkpoint(ckpt_store, key, model, optimizer, extra=outer)
         except KeyError:
             meta = None
         if meta is not None and all(meta.get(k) == v for k, v in _position_identity(spec).items()):
+            residual = (read_residual(ckpt_store, residual_key(spec.run_id, spec.epoch, spec.rank, int(meta["round"])))
+                        if compressed and spec.world > 1 else {})
             return StartPoint(int(meta["step"]), int(meta["round"]) + 1,
-                              int(meta.get("global_step_before", 0)), True)
+                              int(meta.get("global_step_before", 0)), True, outer, residual)
     elif spec.rank == 0:
         ckpt_store.delete(key)  # an abandoned attempt's point must not be resumed by a relaunch
-    init_meta = load_checkpoint(ckpt_store, spec.init_key, model, optimizer, timeout=spec.sync_timeout_s)
-    return StartPoint(0, 0, int(init_meta.get("global_step", 0)), False)
+    init_meta = load_checkpoint(ckpt_store, spec.init_key, model, optimizer, timeout=spec.sync_timeout_s,
+                                extra=outer)
+    residual = (continue_residual(ckpt_store, list(init_meta.get("residual_keys") or ()), spec.rank, spec.world)
+                if compressed else {})
+    return StartPoint(0, 0, int(init_meta.get("global_step", 0)), False, outer, residual)
 
 
 def run_local_sgd_epoch(spec: WorkerSpec, store: Store, open_ref: Callable[[str], Store] = open_store) -> WorkerResult:
@@ -176,6 +205,22 @@ def run_local_sgd_epoch(spec: WorkerSpec, store: Store, open_ref: Callable[[str]
             ring.close()
         if ckpt_store is not store:
             ckpt_store.close()
+
+
+def _outer_and_wire(spec: WorkerSpec, start: StartPoint, device: torch.device,
+                    ckpt_store: Store) -> tuple[OuterStep | None, Compressor | None, ResidualWriter | None]:
+    """The outer step (None: K-AVG on float32, today's arithmetic), the compressor and the
+    residual keys of a compressed sync, each continuing `start`."""
+    sync = spec.sync
+    if is_default(sync.outer_optimizer, sync.sync_dtype):
+        return None, None, None
+    outer = OuterStep(sync.outer_optimizer, sync.outer_lr, sync.outer_momentum,
+                      deltas=sync.sync_dtype != "float32")
+    outer.load_state_tensors(start.outer_state, device)
+    if sync.sync_dtype == "float32":
+        return outer, None, None
+    return (outer, Compressor(sync.sync_dtype, residual=start.residual),
+            ResidualWriter(ckpt_store, spec.run_id, spec.epoch, spec.rank))
 
 
 def _group(spec: WorkerSpec) -> str:
@@ -209,20 +254,31 @@ def _run(spec: WorkerSpec, store: Store, ckpt_store: Store, started: float,
     sync_key = sync_checkpoint_key(spec.run_id, spec.epoch)
     position = {**_position_identity(spec), "kind": "sync", "global_step_before": start.global_step_before,
                 "model": spec.model, "optimizer": spec.optimizer}
+    outer, compressor, residuals = _outer_and_wire(spec, start, device, ckpt_store)
+
+    def checkpoint_round(round_: int, step: int) -> bool:
+        return bool(every) and ((round_ + 1) % every == 0 or step >= spec.steps)
 
     def on_sync(round_: int, step: int) -> None:
-        final = step >= spec.steps
-        if spec.rank == 0 and every and ((round_ + 1) % every == 0 or final):
-            save_checkpoint(ckpt_store, sync_key, model, optimizer, {**position, "step": step, "round": round_})
+        if spec.rank == 0 and checkpoint_round(round_, step):
+            save_checkpoint(ckpt_store, sync_key, model, optimizer, {**position, "step": step, "round": round_},
+                            extra=outer.state_tensors() if outer else None)
             averaging.drop_rounds_before(round_)
         chaos.after_sync(step)
+
+    if compressor is not None:
+        # before this rank posts its reduced slice: see engine.residuals
+        compressor.before_result = lambda: (
+            residuals.write(averaging.rounds, compressor.residual)
+            if checkpoint_round(averaging.rounds, averaging.steps) or averaging.steps >= spec.steps else None)
 
     averaging = LocalSGD(model, optimizer, store, group, spec.rank, spec.world, spec.sync_period,
                          spec.sync_timeout_s, replayable=bool(every),
                          repost_s=float(spec.sync.repost_s) or None,
                          on_sync=on_sync, start_round=start.round, start_step=start.step,
                          replay=wants_resume(spec),
-                         allreduce=allreduce_for(spec.sync.collective or DEFAULT_COLLECTIVE, "mean", ring=ring))
+                         allreduce=allreduce_for(spec.sync.collective or DEFAULT_COLLECTIVE, "mean", ring=ring),
+                         outer=outer, compressor=compressor)
     generator = torch.Generator().manual_seed(batch_seed(spec.seed, spec.epoch, spec.rank))
     stream = batch_stream(len(y), spec.batch_size, spec.steps, generator)
     for _ in range(start.step):
@@ -243,6 +299,13 @@ def _run(spec: WorkerSpec, store: Store, ckpt_store: Store, started: float,
         clock.tick()
     averaging.flush()
     trained = spec.steps - start.step
+    residual_meta = {}
+    if compressor is not None:
+        last = averaging.rounds - 1
+        if spec.world == 1:  # no collective ran: the residual is the one this rank started with
+            residuals.write(last, compressor.residual)
+        residuals.finish(last)
+        residual_meta = {"residual_keys": [residual_key(spec.run_id, spec.epoch, r, last) for r in range(spec.world)]}
     checkpoint_key = ""
     if spec.rank == 0:
         # Written before the release: a relaunched rank 0 that finds the group released
@@ -251,8 +314,10 @@ def _run(spec: WorkerSpec, store: Store, ckpt_store: Store, started: float,
             "run_id": spec.run_id, "epoch": spec.epoch, "epoch_complete": True,
             "steps": spec.steps, "global_step": start.global_step_before + spec.steps,
             "world": spec.world, "model": spec.model, "optimizer": spec.optimizer,
+            "outer_optimizer": spec.sync.outer_optimizer, "sync_dtype": spec.sync.sync_dtype, **residual_meta,
         }
-        save_checkpoint(ckpt_store, spec.out_key, model, optimizer, meta)
+        save_checkpoint(ckpt_store, spec.out_key, model, optimizer, meta,
+                        extra=outer.state_tensors() if outer else None)
         checkpoint_key = spec.out_key
     averaging.release(resumed=wants_resume(spec))
     train_loss = loss_sum.item() / max(1, trained)

@@ -1,0 +1,160 @@
+"""Compressed store syncs: the wire form of a collective's pieces and one rank's
+error-feedback residual (`core.outer_sync` names the dtypes).
+
+A `Compressor` is handed to a store collective (`comm.collectives`, `comm.scatter_reduce`)
+as `compressor=`; every piece a rank uploads (its share of another rank's slice, and its
+own reduced slice) then travels as bfloat16, or as int8 with one scale per `INT8_BLOCK`
+values, and is decoded to the tensor's own dtype on arrival. Every rank decodes the same
+bytes, so the replicas still agree bit for bit.
+
+Error feedback: the rank keeps one residual vector per dtype, as long as the flat vector it
+syncs. Before a piece is encoded the residual's part of it is added, and what the encoding
+dropped is kept for the next call, so over a run no update is lost, only delayed. For slice
+j != rank the residual holds this rank's unsent share of its contribution; for its own slice
+it holds what rounding the reduced slice dropped. The update still owed to slice j is
+therefore `e_jj + (1/world) * sum_{i != j} e_ij` (`pending`), which `residual_for` hands
+to another world size unchanged (each new rank keeps its own slice of it).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from core.errors import ZooidValueError
+from core.outer_sync import INT8_BLOCK, SYNC_DTYPES
+
+Flat = dict[str, torch.Tensor]
+"""One flat vector per dtype name (`comm.collectives._flatten`)."""
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def quantize_int8(v: torch.Tensor, block: int = INT8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scales): `v` (1-D) in blocks of `block` values, each scaled by max|x| / 127
+    and rounded to int8 in -127..127; scales in `v`'s dtype, 0 for an all-zero block."""
+    n = v.numel()
+    blocks = F.pad(v, (0, (-n) % block)).view(-1, block)
+    scale = blocks.abs().amax(1) / 127
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round(blocks / safe[:, None]).clamp_(-127, 127).to(torch.int8)
+    return codes.view(-1)[:n].contiguous(), scale
+
+
+def dequantize_int8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                    block: int = INT8_BLOCK) -> torch.Tensor:
+    """The values `quantize_int8` encoded, in `dtype`."""
+    n = codes.numel()
+    blocks = F.pad(codes.to(dtype), (0, (-n) % block)).view(-1, block)
+    return (blocks * scale.to(dtype)[:, None]).view(-1)[:n]
+
+
+def encode_flat(flat: Flat, sync_dtype: str) -> Flat:
+    """The wire tensors of `flat` in `sync_dtype` (safetensors names `<dtype>` or
+    `<dtype>.q` / `<dtype>.s`)."""
+    if sync_dtype == "float32":
+        return flat
+    if sync_dtype == "bfloat16":
+        return {d: v.to(torch.bfloat16) for d, v in flat.items()}
+    out = {}
+    for d, v in flat.items():
+        out[f"{d}.q"], out[f"{d}.s"] = quantize_int8(v)
+    return out
+
+
+def decode_flat(wire: Flat, sync_dtype: str) -> Flat:
+    """`encode_flat`'s input back, as rounding left it, in each vector's own dtype."""
+    if sync_dtype == "float32":
+        return wire
+    if sync_dtype == "bfloat16":
+        return {d: v.to(_dtype(d)) for d, v in wire.items()}
+    return {name[:-2]: dequantize_int8(q, wire[f"{name[:-2]}.s"], _dtype(name[:-2]))
+            for name, q in wire.items() if name.endswith(".q")}
+
+
+class Compressor:
+    """One rank's wire format for a group of syncs and its error-feedback residual.
+
+    `residual` is `{dtype name: flat vector}` (empty: zeros). `before_result` runs after
+    the rank has computed its reduced slice (its residual is then final for the call) and
+    before it posts it: whoever must persist the residual does it there (see
+    `engine.local_sgd_epoch`)."""
+
+    def __init__(self, sync_dtype: str, residual: Flat | None = None,
+                 before_result: Callable[[], None] | None = None):
+        if sync_dtype not in SYNC_DTYPES:
+            raise ZooidValueError("sync_dtype", f"must be one of {', '.join(SYNC_DTYPES)}, got {sync_dtype!r}")
+        self.sync_dtype = sync_dtype
+        self.residual: Flat = dict(residual or {})
+        self.before_result = before_result
+        self._world = 1
+
+    @property
+    def lossy(self) -> bool:
+        """Whether the wire drops anything (everything but float32)."""
+        return self.sync_dtype != "float32"
+
+    def begin(self, flat: Flat, world: int) -> None:
+        """Start a call on `flat` among `world` ranks: a residual of another layout is zeros."""
+        self._world = world
+        for d, v in flat.items():
+            r = self.residual.get(d)
+            if r is None or r.shape != v.shape or r.dtype != v.dtype:
+                self.residual[d] = torch.zeros_like(v)
+
+    def _part(self, d: str, j: int) -> torch.Tensor:
+        return torch.tensor_split(self.residual[d], self._world)[j]
+
+    def encode(self, piece: Flat, j: int) -> Flat:
+        """The wire form of `piece` (slice `j` of the call's flat vector) with this rank's
+        residual of slice j added; the residual keeps what the encoding dropped."""
+        corrected = {d: v + self._part(d, j) for d, v in piece.items()}
+        wire = encode_flat(corrected, self.sync_dtype)
+        sent = self.decode(wire)
+        for d, v in corrected.items():
+            self._part(d, j).copy_(v - sent[d])
+        return wire
+
+    def decode(self, wire: Flat) -> Flat:
+        """The values a wire piece carries, in their own dtypes."""
+        return decode_flat(wire, self.sync_dtype)
+
+    def result(self, mean: Flat, rank: int) -> tuple[Flat, Flat]:
+        """(wire, values) of this rank's reduced slice: encoded with its residual, and what
+        every rank will read back from it (this rank uses the same values)."""
+        wire = self.encode(mean, rank)
+        if self.before_result is not None:
+            self.before_result()
+        return wire, self.decode(wire)
+
+
+def pending(residuals: list[Flat]) -> Flat:
+    """The update still owed per dtype by ranks 0..world-1 with these residuals (module
+    docstring): slice j gets rank j's own part plus the mean of the others' parts."""
+    world = len(residuals)
+    out = {}
+    for d in residuals[0]:
+        slices = []
+        for j in range(world):
+            parts = [torch.tensor_split(r[d], world)[j] for r in residuals]
+            slices.append(parts[j] + sum(p for i, p in enumerate(parts) if i != j) / world)
+        out[d] = torch.cat(slices)
+    return out
+
+
+def residual_for(residuals: list[Flat], rank: int, world: int) -> Flat:
+    """Rank `rank`'s residual in a group of `world` ranks that continues `residuals` (the
+    previous group's, by rank): the same world keeps each rank's own; another one gives
+    every rank its own slice of `pending`, zeros elsewhere, so the owed update is unchanged."""
+    if len(residuals) == world:
+        return {d: v.clone() for d, v in residuals[rank].items()}
+    owed = pending(residuals)
+    out = {}
+    for d, v in owed.items():
+        r = torch.zeros_like(v)
+        torch.tensor_split(r, world)[rank].copy_(torch.tensor_split(v, world)[rank])
+        out[d] = r
+    return out
