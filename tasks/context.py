@@ -43,6 +43,9 @@ class RunState:
     """Epoch -> launcher whose workers were started during the previous epoch."""
     startup_samples: list = field(default_factory=list)
     """Measured worker start-up latencies (launch to work), seconds."""
+    dispatch_samples: list = field(default_factory=list)
+    """A command's round trip to a ready worker and back through the store, less the worker's
+    own busy time (the profile's commands measure it), seconds."""
     last_epoch_s: float = 0.0
     last_epoch_end: float | None = None
     cloud_attempts: dict = field(default_factory=dict)

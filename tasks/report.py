@@ -337,7 +337,8 @@ TERM_NAMES = {"startup_s": "start-up", "epoch_overhead_s": "epoch overhead", "ga
 def run_terms_text(terms: dict) -> str:
     """The run's terms outside the workers' compute, each marked when assumed, not measured."""
     measured = terms.get("measured") or {}
-    return ", ".join(f"{TERM_NAMES.get(k, k)} {duration(v)}{'' if measured.get(k) else ' (assumed)'}"
+    how = {"profile": " (from the profile)", True: "", False: " (assumed)"}
+    return ", ".join(f"{TERM_NAMES.get(k, k)} {duration(v)}{how.get(measured.get(k) or False, '')}"
                      for k, v in terms.items() if k != "measured" and v is not None)
 
 

@@ -42,11 +42,30 @@ def _assumed(ctx, name: str) -> float:
     return value
 
 
+def profile_estimates(ctx) -> dict:
+    """What a first run on a target knows of its per-epoch overhead before any epoch ran, from
+    what its profile measured there (empty where it did not profile on a worker): a command's
+    round trip to a ready worker through the store (`RunState.dispatch_samples`), the
+    validation pass rank 0 runs (the profile's forward seconds per row x the validation rows)
+    and the epoch checkpoint's write (the store probe's). The warm-up is not estimated this
+    way: a fresh worker's first epoch also imports the training code and reads its data, which
+    the profile's own build of the model (milliseconds) does not show, so it stays assumed."""
+    prof, state = ctx.state.profile, ctx.state
+    if not prof or not state.dispatch_samples:
+        return {}
+    rows = prof.get("microbatch_size") or prof["batch_size"]
+    return {"epoch_overhead_s": statistics.median(state.dispatch_samples)
+            + float(prof.get("forward_s") or 0.0) / rows * ctx.resolved.n_val + float(prof.get("checkpoint_s") or 0.0)}
+
+
 def load_terms(ctx, overhead_s: float | None = None) -> RunTerms:
     """The run terms for `ctx`'s target and offer: medians of the cached samples, this run's
     own start-up samples first; `overhead_s` (an epoch of this run measured it) replaces the
-    cached per-epoch overhead."""
+    cached per-epoch overhead. A per-epoch overhead this target has not measured yet comes from
+    this run's profile where it took one (`profile_estimates`, marked `"profile"`), else is
+    assumed, as are the other terms until measured."""
     cached = ProfileCache(ctx.open_durable).get("timings", timings_key(ctx)) or {}
+    estimates = profile_estimates(ctx)
     values, measured = {}, {}
     exposed = list(cached.get("exposed_s") or ())
     values["exposed_s"] = statistics.median(exposed) if exposed and ctx.job.warm else None
@@ -59,9 +78,11 @@ def load_terms(ctx, overhead_s: float | None = None) -> RunTerms:
             samples = [overhead_s]
         if name == "startup_s" and samples:  # an epoch waits for the slowest of the workers starting together
             values[name] = float(np.quantile(samples, 0.9, method="higher"))
+        elif not samples and name in estimates:
+            values[name] = estimates[name]
         else:
             values[name] = statistics.median(samples) if samples else _assumed(ctx, name)
-        measured[name] = bool(samples)
+        measured[name] = bool(samples) or ("profile" if name in estimates else False)
     return RunTerms(**values, measured=measured)
 
 

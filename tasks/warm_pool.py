@@ -202,7 +202,7 @@ class WarmPool:
                 self.retire(0, "it stopped")
             launcher = make_launcher(self.ctx, plan)
             w = self._start(0, plan, 0, launcher, launch_identity(launcher, 0))
-        seq, sent = w.seq, time.time()
+        seq, sent, ready = w.seq, time.time(), w.ready_at is not None
         self.store.put(command_key(self.ctx.run_id, w.name, seq),
                        json.dumps({"op": "profile", "request": request}).encode())
         w.seq += 1
@@ -210,6 +210,9 @@ class WarmPool:
             reply = read_json(self.store, reply_key(self.ctx.run_id, w.name, seq))
             now = time.time()
             if reply is not None:
+                if ready and reply.get("began_at") and reply.get("ended_at"):  # a ready worker: the round trip
+                    busy = float(reply["ended_at"]) - float(reply["began_at"])  # (durations only: no clock skew)
+                    self.ctx.state.dispatch_samples.append(max(0.0, now - sent - busy))
                 self._bill_reply(w, reply, now, status="profile")
                 if not reply.get("ok"):
                     raise RuntimeError(f"profiling on worker {w.name} failed: {reply.get('error')}: "

@@ -278,3 +278,28 @@ def test_an_adabatch_plan_predicts_each_budget_the_policy_will_run(tmp_path):
     kept = make_plan(static, prof, 1, None, 4)
     assert kept.predicted_workers_by_epoch == () and kept.predicted_run_cost_usd < plan.predicted_run_cost_usd
     assert worker_schedule(context("reactive"), 1, 4) is None  # decided by what epochs measure
+
+
+def test_a_first_runs_epoch_overhead_comes_from_what_its_profile_measured(tmp_path):
+    """Before any epoch, the per-epoch overhead is the profile's command round trip to a ready
+    worker, rank 0's validation pass and the checkpoint write, marked as from the profile; a term
+    the target measured in earlier runs wins, and one nothing measured stays assumed."""
+    from tasks.context import RunContext
+    from tasks.profile_cache import ProfileCache
+    from tasks.report import run_terms_text
+    from tasks.run_terms import load_terms, timings_key
+    from tasks.validate import validate_job
+
+    job = TrainJob(model="digits_mlp", workers=2, store=f"file://{tmp_path}/store")
+    ctx = RunContext(run_id="zterms", job=job, resolved=validate_job(job))
+    assert load_terms(ctx).measured["epoch_overhead_s"] is False  # no profile taken: assumed
+    ctx.state.profile = {"batch_size": 16, "microbatch_size": 4, "forward_s": 0.002, "checkpoint_s": 0.01}
+    ctx.state.dispatch_samples = [0.3, 0.1, 0.2]
+    terms = load_terms(ctx)
+    assert terms.epoch_overhead_s == pytest.approx(0.2 + 0.002 / 4 * ctx.resolved.n_val + 0.01)
+    assert terms.measured["epoch_overhead_s"] == "profile" and terms.measured["warmup_s"] is False
+    text = run_terms_text(terms.to_dict())
+    assert "epoch overhead" in text and "(from the profile)" in text and "warm-up 1.00 s (assumed)" in text
+    ProfileCache(ctx.open_durable).put("timings", timings_key(ctx), {"epoch_overhead_s": [0.7, 0.9]})
+    again = load_terms(ctx)
+    assert again.epoch_overhead_s == pytest.approx(0.8) and again.measured["epoch_overhead_s"] is True

@@ -108,6 +108,8 @@ def test_the_coordinator_logs_one_line_per_epoch_through_the_flow_logger(tmp_pat
     url = f"file://{tmp_path}/store"
     state = train(TrainJob(workers=2, epochs=2, store=url, batch_size=32), return_state=True)
     summary = state.result()
+    # a first run on a fresh store: its plan's epoch overhead comes from the profile's round trips
+    assert summary.plan["run_terms"]["measured"]["epoch_overhead_s"] == "profile"
     APILogWorker.drain_all(timeout=10)
     with get_client(sync_client=True) as client:
         flow_run_id = state.state_details.flow_run_id
