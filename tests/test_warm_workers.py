@@ -82,17 +82,17 @@ def _launch(store_url: str, run_id: str, worker: str, log: Path, lease_s: float 
                                 start_new_session=True)
 
 
-def _await_reply(store, run_id, worker, seq, proc, limit_s=120.0) -> dict:
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
+def _await_reply(store, run_id, worker, seq, proc) -> dict:
+    """The worker's reply to command `seq`, once it appears (a hang is the test's timeout)."""
+    while True:
         reply = read_json(store, reply_key(run_id, worker, seq))
         if reply is not None:
             return reply
         assert proc.poll() is None, f"worker exited with {proc.returncode}"
         time.sleep(0.02)
-    raise AssertionError("no reply")
 
 
+@pytest.mark.timeout(300)
 def test_a_warm_worker_trains_epoch_after_epoch_in_one_process_then_stops(dir_store, tmp_path):
     from engine.datasets import assign_subsets
     from tasks.warm_pool import LeaseRenewer
@@ -286,6 +286,7 @@ def test_a_warm_worker_killed_mid_epoch_is_replaced_and_the_epoch_completes(tmp_
     assert tagged_pids(summary.run_id) == []
 
 
+@pytest.mark.timeout(480)
 def test_workers_of_a_killed_coordinator_exit_within_their_lease(tmp_path):
     """SIGKILL the whole coordinator (its process group: the flow and its temporary Prefect
     server) mid-run: its warm workers, in sessions of their own, stop once the lease is stale."""
@@ -300,13 +301,11 @@ def test_workers_of_a_killed_coordinator_exit_within_their_lease(tmp_path):
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         runs = home / "store" / "runs"
-        deadline = time.monotonic() + 300
         replies = []
-        while time.monotonic() < deadline and not replies:  # a warm worker finished an epoch
+        while not replies:  # the event: a warm worker finished an epoch
             replies = _epoch_replies(runs)
             assert coordinator.poll() is None, "the coordinator ended early"
             time.sleep(0.2)
-        assert replies, "no warm worker replied"
         run_id = replies[0].relative_to(runs).parts[0]
         workers = tagged_pids(run_id)
         assert len(workers) == 2
@@ -315,8 +314,7 @@ def test_workers_of_a_killed_coordinator_exit_within_their_lease(tmp_path):
     finally:
         os.killpg(coordinator.pid, signal.SIGKILL)
         coordinator.wait()
-    deadline = time.monotonic() + 120
-    while (tagged_pids(run_id) or any(_alive(p) for p in guards)) and time.monotonic() < deadline:
+    while tagged_pids(run_id) or any(_alive(p) for p in guards):  # until they are gone (or the test times out)
         time.sleep(0.2)
     assert tagged_pids(run_id) == []
     assert not any(_alive(p) for p in guards)  # nor does its temporary Prefect server outlive it
@@ -362,6 +360,7 @@ def test_workers_a_known_rescale_adds_are_started_during_the_epoch_before(tmp_pa
     assert launched[-1] == (1, rank1)
 
 
+@pytest.mark.timeout(600)
 def test_sigterm_to_the_command_line_tears_down_and_bills_before_exiting(tmp_path):
     """`python -m flows.train` without a Prefect API: its temporary server runs in a session of
     its own, so a SIGTERM to the run's process group still finds the API for teardown and the
@@ -379,13 +378,11 @@ def test_sigterm_to_the_command_line_tears_down_and_bills_before_exiting(tmp_pat
                                    text=True, start_new_session=True)
     runs = home / "store" / "runs"
     try:
-        deadline = time.monotonic() + 300
         replies = []
-        while time.monotonic() < deadline and not replies:
+        while not replies:  # the event: a warm worker finished an epoch
             replies = _epoch_replies(runs)
             assert coordinator.poll() is None, coordinator.stderr.read()[-2000:]
             time.sleep(0.2)
-        assert replies, "no warm worker replied"
         os.killpg(coordinator.pid, signal.SIGTERM)
         coordinator.wait(timeout=300)
     finally:
