@@ -65,14 +65,16 @@ def encode_flat(flat: Flat, sync_dtype: str) -> Flat:
     return out
 
 
-def decode_flat(wire: Flat, sync_dtype: str) -> Flat:
-    """`encode_flat`'s input back, as rounding left it, in each vector's own dtype."""
-    if sync_dtype == "float32":
-        return wire
-    if sync_dtype == "bfloat16":
-        return {d: v.to(_dtype(d)) for d, v in wire.items()}
-    return {name[:-2]: dequantize_int8(q, wire[f"{name[:-2]}.s"], _dtype(name[:-2]))
-            for name, q in wire.items() if name.endswith(".q")}
+def decode_flat(wire: Flat) -> Flat:
+    """`encode_flat`'s input back, as rounding left it, in each vector's own dtype (the
+    names say how each travelled)."""
+    out = {}
+    for name, v in wire.items():
+        if name.endswith(".q"):
+            out[name[:-2]] = dequantize_int8(v, wire[f"{name[:-2]}.s"], _dtype(name[:-2]))
+        elif not name.endswith(".s"):
+            out[name] = v.to(_dtype(name))
+    return out
 
 
 class Compressor:
@@ -90,6 +92,9 @@ class Compressor:
         self.sync_dtype = sync_dtype
         self.residual: Flat = dict(residual or {})
         self.before_result = before_result
+        self.flushing = False
+        """Send the next calls losslessly with the residual added: it ends at zero (a
+        group of syncs whose residual must not outlive it, `engine.pipeline_stage_worker`)."""
         self._world = 1
 
     @property
@@ -112,7 +117,7 @@ class Compressor:
         """The wire form of `piece` (slice `j` of the call's flat vector) with this rank's
         residual of slice j added; the residual keeps what the encoding dropped."""
         corrected = {d: v + self._part(d, j) for d, v in piece.items()}
-        wire = encode_flat(corrected, self.sync_dtype)
+        wire = encode_flat(corrected, "float32" if self.flushing else self.sync_dtype)
         sent = self.decode(wire)
         for d, v in corrected.items():
             self._part(d, j).copy_(v - sent[d])
@@ -120,7 +125,7 @@ class Compressor:
 
     def decode(self, wire: Flat) -> Flat:
         """The values a wire piece carries, in their own dtypes."""
-        return decode_flat(wire, self.sync_dtype)
+        return decode_flat(wire)
 
     def result(self, mean: Flat, rank: int) -> tuple[Flat, Flat]:
         """(wire, values) of this rank's reduced slice: encoded with its residual, and what

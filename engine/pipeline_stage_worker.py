@@ -19,6 +19,7 @@ from torch import nn
 
 from comm import heartbeat
 from comm.collectives import SyncStats, release_group
+from comm.compression import Compressor
 from comm.scatter_reduce import allreduce_for
 from comm.store import Store
 from comm.tensor_codec import decode_json, decode_tensors, encode_json, encode_tensors
@@ -107,6 +108,8 @@ class StageWorker:
         self.sync_stats = SyncStats()
         self.upload_s = self.download_s = self.compute_s = 0.0
         self.pending: list[Future] = []
+        self.compressors: dict[int, Compressor] = {}
+        """Per model stage, the wire of its compressed gradient syncs (`spec.sync.sync_dtype`)."""
         self.rings: dict[int, Any] = {}
         """Per model stage, its direct ring among its replicas (collective `ring`), opened at its first sync."""
         self.prefix = f"{activation_prefix(spec.run_id, spec.epoch)}/r{settings.replica}"
@@ -230,9 +233,18 @@ class StageWorker:
             self.rings[stage] = open_ring(self.store, group, cfg.replica, cfg.replicas, self.spec.sync_timeout_s,
                                           host=self.spec.sync.ring_host)
         allreduce = allreduce_for(self.collective, "mean", ring=self.rings.get(stage))
+        wire = {}
+        if self.spec.sync.sync_dtype != "float32":
+            # Error feedback within the epoch; the epoch's last sync sends the gradient plus
+            # the residual losslessly, so nothing is owed when the epoch (or its rerun) ends.
+            if stage not in self.compressors:
+                self.compressors[stage] = Compressor(self.spec.sync.sync_dtype)
+            compressor = self.compressors[stage]
+            compressor.flushing = step == self.spec.steps - 1
+            wire = {"compressor": compressor}
         mean = allreduce(self.store, f"{group}/r{step}", cfg.replica, cfg.replicas, grads,
                          self.spec.sync_timeout_s, stats=self.sync_stats,
-                         previous_prefix=f"{group}/r{step - 1}" if step else None)
+                         previous_prefix=f"{group}/r{step - 1}" if step else None, **wire)
         for name, g in grads.items():
             g.copy_(mean[name].to(g.device))
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from core.outer_sync import wire_bytes
 from core.plan import Plan
 from planners.hybrid import hybrid
 from planners.pipeline_time import PipelineTime, TransferCosts, pipeline_iteration, stage_times
@@ -82,6 +83,11 @@ class StrategyInputs:
     host_cores: int | None = None
     """Cores of the one machine all of a plan's worker processes share (the `inline` and
     local `process` targets); None: each worker has a machine or container of its own."""
+    sync_dtype: str = "float32"
+    """What the data-parallel syncs move (`core.outer_sync.wire_bytes`): Local-SGD's rounds and
+    a hybrid's gradient syncs."""
+    outer_optimizer: str = "average"
+    """`nesterov` adds its momentum buffer (one parameter copy) to the sync checkpoint."""
 
     def compute_slowdown(self, processes: int) -> float:
         """How much slower each of a plan's `processes` worker processes computes than the
@@ -103,11 +109,28 @@ class StrategyInputs:
                 self.sync_latency if self.sync_latency is not None else self.latency)
 
 
+def sync_wire_bytes(x: StrategyInputs) -> float:
+    """Bytes of one Local-SGD sync's tensors (parameters and optimizer state) as they travel
+    in the job's sync dtype: the size the collective moves."""
+    return wire_bytes(x.param_bytes * (1 + x.optimizer_copies), x.sync_dtype)
+
+
+def outer_state_s(x: StrategyInputs) -> float:
+    """Seconds a Local-SGD round adds for its outer state: a compressed sync's replicas each
+    write their float32 residual before posting their reduced slice (one put in parallel),
+    and `nesterov`'s momentum (one parameter copy) rides in the sync checkpoint."""
+    costs = x.transfer_costs
+    residual = costs.put_s(x.param_bytes * (1 + x.optimizer_copies)) if x.sync_dtype != "float32" else 0.0
+    momentum = x.param_bytes / costs.put_bandwidth if x.outer_optimizer == "nesterov" else 0.0
+    return residual + momentum
+
+
 def local_sgd(x: StrategyInputs, workers: int | None = None) -> Plan:
-    """The Local-SGD plan for `workers` (default: the job's) replicas: the scatter-reduce at
-    the collectives' fitted link, plus the sync checkpoint write (measured, or one put)."""
-    sync_bytes = x.param_bytes * (1 + x.optimizer_copies)
-    checkpoint_s = sync_checkpoint_s(x)
+    """The Local-SGD plan for `workers` (default: the job's) replicas: the scatter-reduce of
+    the sync's wire bytes at the collectives' fitted link, plus the sync checkpoint write
+    (measured, or one put) and the outer state's writes."""
+    sync_bytes = sync_wire_bytes(x)
+    checkpoint_s = sync_checkpoint_s(x) + outer_state_s(x)
     bandwidth, latency = x.sync_link
     workers = workers or x.workers
     return plan_local_sgd(
@@ -247,7 +270,8 @@ def pipeline_prediction(x: StrategyInputs, plan: Plan) -> PipelineTime:
         st["forward_s"] *= beta * shared
         st["backward_s"] *= beta * shared
     bandwidth, latency = x.sync_link
-    sync_s = [pipelined_scatter_reduce(st["param_bytes"], plan.data_parallel, bandwidth, latency)
+    sync_s = [pipelined_scatter_reduce(wire_bytes(st["param_bytes"], x.sync_dtype), plan.data_parallel,
+                                       bandwidth, latency)
               for st in stages]
     optimizer_s = optimizer_shares(x.optimizer_step_s * shared, [st["param_bytes"] for st in stages])
     return pipeline_iteration(stages, plan.microbatches, costs, sync_s=sync_s, optimizer_s=optimizer_s,

@@ -49,6 +49,18 @@ class TrainJob(BaseModel):
         description="How Local-SGD replicas average: `store` (scatter-reduce through the store; a dead "
                     "worker is relaunched alone) or `ring` (direct ring allreduce over torch.distributed, "
                     "gloo/NCCL, when workers can reach each other; a failure reruns the epoch).")
+    outer_optimizer: Literal["average", "nesterov"] = Field(
+        "average", title="Outer optimizer",
+        description="What a Local-SGD sync does with the replicas' weights: `average` (K-AVG) or `nesterov` "
+                    "(DiLoCo: the round's mean change is an outer gradient for a Nesterov step).")
+    outer_lr: float = Field(0.7, gt=0, allow_inf_nan=False, title="Outer learning rate",
+                            description="The `nesterov` outer step's learning rate (1 with momentum 0 is `average`).")
+    outer_momentum: float = Field(0.9, ge=0, lt=1, allow_inf_nan=False, title="Outer momentum",
+                                  description="The `nesterov` outer step's momentum.")
+    sync_dtype: Literal["float32", "bfloat16", "int8"] = Field(
+        "float32", title="Sync dtype",
+        description="What syncs move through the store: `float32`, `bfloat16`, or `int8` (per-block scaled); "
+                    "compressed syncs carry the rounding error to the next sync (error feedback).")
     scaling: Scaling = Field("static", title="Scaling policy", description="How the worker count changes between epochs.")
     scale_every_epochs: int = Field(1, gt=0, title="Epochs between doublings (adabatch)")
     min_workers: int = Field(1, gt=0, title="Minimum workers")
@@ -107,6 +119,11 @@ class TrainJob(BaseModel):
     def _worker_bounds(self) -> "TrainJob":
         if self.scaling == "deadline" and self.deadline_s is None:
             raise ValueError("deadline_s: required by scaling=deadline")
+        if self.outer_optimizer == "nesterov" and self.strategy in ("pipeline", "hybrid"):
+            raise ValueError(f"outer_optimizer: nesterov steps over Local-SGD rounds; strategy {self.strategy} "
+                             "averages gradients every step (use local_sgd or auto)")
+        if self.sync_dtype != "float32" and self.collective == "ring":
+            raise ValueError("sync_dtype: compressed syncs go through the store; collective ring moves float32")
         if self.min_workers > self.max_workers:
             raise ValueError(f"min_workers: {self.min_workers} must be <= max_workers ({self.max_workers})")
         if not self.min_workers <= self.workers <= self.max_workers:

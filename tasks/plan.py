@@ -54,7 +54,8 @@ def strategy_inputs(ctx: RunContext, profile: dict, workers: int) -> StrategyInp
         transfer=TransferCosts(**transfer) if transfer else None,
         checkpoint_s=profile.get("checkpoint_s"), synced_step_s=profile.get("synced_step_s"),
         contention=profile.get("contention") or 1.0,
-        host_cores=cpu_count() if target.kind in SHARED_HOST_KINDS else None)
+        host_cores=cpu_count() if target.kind in SHARED_HOST_KINDS else None,
+        sync_dtype=job.sync_dtype, outer_optimizer=job.outer_optimizer)
 
 
 def make_plan(ctx: RunContext, profile: dict, workers: int, calibration: Calibration | None = None,
@@ -105,7 +106,10 @@ def scaled_plans(ctx: RunContext, profile: dict, chosen: Plan, workers: int, cal
 def uniform_plan(ctx: RunContext, profile: dict, x) -> Plan:
     """The job strategy's plan with every worker at the target's size, memory checked."""
     try:
-        chosen = choose(x, ctx.job.strategy)
+        # DiLoCo's outer step runs over Local-SGD rounds: `auto` then plans Local-SGD only
+        strategy = "local_sgd" if ctx.job.outer_optimizer == "nesterov" and ctx.job.strategy == "auto" \
+            else ctx.job.strategy
+        chosen = choose(x, strategy)
     except ValueError as exc:
         raise ZooidValueError("strategy", str(exc).removeprefix("strategy: ")) from None
     if chosen.stages > 1:

@@ -44,12 +44,14 @@ def worker_specs(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, 
                           optimizer=job.optimizer, seed=job.seed, init_key=init,
                           out_key=epoch_key(ctx, epoch), sync_timeout_s=timeout, attempt=attempt,
                           sync=SyncSpec(collective="ring", ring_host=ring_host(ctx)) if job.collective == "ring"
-                          else SyncSpec(collective="pipelined"))
+                          else SyncSpec(collective="pipelined", sync_dtype=job.sync_dtype))
         # a planner cut i splits after layer i; the executor's cut is where a stage begins
         return pipeline_worker_specs(base, cuts=[c + 1 for c in plan.cuts], microbatches=plan.microbatches,
                                      replica_subsets=shards, schedule=plan.pipeline_schedule, chunks=plan.chunks)
-    sync = (SyncSpec(collective="ring", ring_host=ring_host(ctx), ring_timeout_s=120.0)
-            if job.collective == "ring" else SyncSpec())
+    outer = {"outer_optimizer": job.outer_optimizer, "outer_lr": job.outer_lr,
+             "outer_momentum": job.outer_momentum, "sync_dtype": job.sync_dtype}
+    sync = (SyncSpec(collective="ring", ring_host=ring_host(ctx), ring_timeout_s=120.0, **outer)
+            if job.collective == "ring" else SyncSpec(**outer))
     return [WorkerSpec(run_id=ctx.run_id, epoch=epoch, rank=rank, world=plan.data_parallel,
                        store_url=ctx.store_ref, model=job.model, dataset=job.dataset,
                        subsets=tuple(shards[rank]), steps=plan.steps_per_epoch,

@@ -389,3 +389,82 @@ def test_a_replaced_worker_leaves_weights_and_outer_state_as_without_the_fault(t
             torch.testing.assert_close(a[k], b[k], rtol=1e-12, atol=1e-12)
     for x, y in zip(clean[2], faulty[2]):
         torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
+
+
+def test_hybrid_compressed_gradient_syncs_owe_nothing_when_the_epoch_ends(tmp_path, monkeypatch):
+    """Hybrid 2 x 2 with int8 gradient syncs: fewer bytes, weights near the float32 run, and
+    every stage's residual exactly zero at the end (its last sync is lossless with the
+    residual added), so an epoch rerun after a failure starts as the first attempt did."""
+    import dataclasses
+
+    from comm.store import open_store
+    from engine.pipeline_executor import pipeline_worker_specs, run_pipeline_worker
+    from tests.test_pipeline_equivalence import RUN, base_spec, run_threads, weights
+
+    url = (tmp_path / "store").as_uri()
+    store = open_store(url)
+    manifest = publish_dataset(store, RUN, "digits", subset_size=64)
+    initial_checkpoint(store, f"runs/{RUN}/init", "digits_mlp", "sgd", 0.2, seed=3)
+    shards = assign_subsets(manifest.n_subsets, 2, epoch=0, seed=3)
+    made: list[Compressor] = []
+    init = Compressor.__init__
+
+    def record(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(Compressor, "__init__", record)
+    runs = {}
+    for sync_dtype in ("float32", "int8", "int8"):
+        out = f"runs/{RUN}/h-{sync_dtype}-{len(runs)}"
+        base = dataclasses.replace(base_spec(url, 2, (), out), sync=SyncSpec(collective="pipelined", sync_dtype=sync_dtype))
+        results = run_threads(pipeline_worker_specs(base, cuts=[1], microbatches=2, replica_subsets=shards),
+                              run_pipeline_worker)
+        runs[out] = (sync_dtype, sum(r.bytes_synced for r in results), weights(url, out))
+    (_, b32, w32), (_, b8, w8), (_, _, w8_again) = runs.values()
+    assert len(made) == 2 * 4  # two int8 runs of 4 workers, one stage each
+    assert all(float(v.abs().max()) == 0.0 for c in made for v in c.residual.values())
+    assert b8 < 0.25 * b32, (b8, b32)
+    for k in w32:
+        assert (w32[k] - w8[k]).abs().max() < 1e-2 and not torch.equal(w32[k], w8[k])
+        assert torch.equal(w8[k], w8_again[k])
+
+
+@pytest.mark.parametrize("fields,field", [
+    ({"outer_optimizer": "adam"}, "outer_optimizer"),
+    ({"outer_lr": 0}, "outer_lr"),
+    ({"outer_lr": float("nan")}, "outer_lr"),
+    ({"outer_momentum": 1.0}, "outer_momentum"),
+    ({"outer_momentum": -0.1}, "outer_momentum"),
+    ({"sync_dtype": "int4"}, "sync_dtype"),
+    ({"outer_optimizer": "nesterov", "strategy": "hybrid"}, "outer_optimizer"),
+    ({"sync_dtype": "int8", "collective": "ring"}, "sync_dtype"),
+])
+def test_a_job_with_bad_outer_settings_is_refused_in_one_line_naming_the_field(fields, field):
+    from pydantic import ValidationError
+
+    from tasks.job import TrainJob, format_validation_error
+
+    with pytest.raises(ValidationError) as err:
+        TrainJob(**fields)
+    line = format_validation_error(err.value)
+    assert line.startswith(f"{field}:") and "\n" not in line, line
+
+
+def test_a_job_s_outer_settings_reach_every_replica_s_spec():
+    from types import SimpleNamespace
+
+    from core.plan import Plan
+    from tasks.job import TrainJob
+    from tasks.specs import worker_specs
+
+    job = TrainJob(outer_optimizer="nesterov", outer_lr=0.5, outer_momentum=0.8, sync_dtype="bfloat16", workers=2)
+    ctx = SimpleNamespace(job=job, run_id="s", store_ref="file:///tmp/x", durable_ref="file:///tmp/x",
+                          resolved=SimpleNamespace(target=SimpleNamespace(remote=False)),
+                          state=SimpleNamespace(dataset={"n_subsets": 8}, attempts={}),
+                          prefix=lambda *parts: "runs/s/" + "/".join(parts))
+    plan = Plan(strategy="local_sgd", data_parallel=2, steps_per_epoch=3, batch_size=16)
+    specs = worker_specs(ctx, plan, 0, "init", 0.05, 0)
+    assert [(s.sync.outer_optimizer, s.sync.outer_lr, s.sync.outer_momentum, s.sync.sync_dtype) for s in specs] \
+        == [("nesterov", 0.5, 0.8, "bfloat16")] * 2
+    assert all(WorkerSpec.from_dict(s.to_dict()) == s for s in specs)

@@ -1,0 +1,72 @@
+"""The planner knows the sync dtype and the outer state: bytes per round, the strategy choice,
+the predicted epoch and bill, and the calibration refit (pure planners, no torch)."""
+from __future__ import annotations
+
+import pytest
+
+from core.outer_sync import INT8_BLOCK, wire_bytes
+from planners.calibration import calibrated, fit
+from planners.pipeline_time import TransferCosts
+from planners.strategy import choose, local_sgd, pipeline_prediction
+from planners.sync_time import pipelined_scatter_reduce, scatter_reduce
+from tests.test_strategy import _inputs
+
+
+def test_wire_bytes_per_dtype():
+    assert wire_bytes(16e6, "float32") == 16e6
+    assert wire_bytes(16e6, "bfloat16") == 8e6
+    values = 4e6
+    assert wire_bytes(16e6, "int8") == values + 4 * -(-values // INT8_BLOCK)
+    assert 0.25 < wire_bytes(16e6, "int8") / 16e6 < 0.251  # a float32 scale per 1024 values
+    with pytest.raises(ValueError, match="sync_dtype"):
+        wire_bytes(1.0, "int4")
+
+
+@pytest.mark.parametrize("sync_dtype,outer", [("float32", "average"), ("bfloat16", "average"),
+                                               ("int8", "average"), ("int8", "nesterov"), ("float32", "nesterov")])
+def test_a_local_sgd_round_moves_the_wire_bytes_and_writes_the_outer_state(sync_dtype, outer):
+    costs = TransferCosts(5e-3, 2e8, 1e-3, 3e8, 0.0)
+    x = _inputs(sync_bandwidth=4e8, sync_latency=2e-3, transfer=costs, sync_dtype=sync_dtype, outer_optimizer=outer)
+    plan = choose(x, "local_sgd")
+    steps = 4096 // (4 * 32)
+    sync = scatter_reduce(wire_bytes(16e6, sync_dtype), 4, 4e8, 2e-3) + costs.put_s(16e6)  # the sync checkpoint
+    if sync_dtype != "float32":
+        sync += costs.put_s(16e6)  # every rank's float32 residual, written before it posts its slice
+    if outer == "nesterov":
+        sync += 16e6 / 2e8  # the momentum buffer in the sync checkpoint
+    assert plan.predicted_epoch_s == pytest.approx(steps * (0.12 + sync))
+    assert plan.predicted_cost_per_epoch_usd == pytest.approx(plan.predicted_epoch_s * 4 * 1e-5)
+
+
+def test_a_hybrid_s_gradient_syncs_move_the_wire_bytes():
+    x = _inputs(stages=2, sync_bandwidth=4e8, sync_latency=2e-3, sync_dtype="bfloat16")
+    plan = choose(x, "hybrid")
+    syncs = [i.end - i.start for row in pipeline_prediction(x, plan).simulation.timelines
+             for i in row if i.resource == "sync"]
+    assert syncs == pytest.approx([pipelined_scatter_reduce(4e6, 4, 4e8, 2e-3)] * 2)  # 8 MB of float32 per stage
+
+
+def test_compressed_syncs_change_the_strategy_choice_and_lower_the_bill():
+    f32 = choose(_inputs(bandwidth=4e8, sync_period=4), "auto")
+    int8 = choose(_inputs(bandwidth=4e8, sync_period=4, sync_dtype="int8"), "auto")
+    assert (f32.strategy, int8.strategy) == ("pipeline", "local_sgd")
+    assert int8.predicted_epoch_s < f32.predicted_epoch_s
+    assert int8.predicted_cost_per_epoch_usd < f32.predicted_cost_per_epoch_usd
+
+
+def test_calibration_refits_the_sync_with_the_bytes_the_dtype_moves():
+    """An int8 epoch that ran exactly as its plan predicted refits to no change; read as if
+    it had moved float32 bytes, the same measurement would call the store 4x faster."""
+    x = _inputs(sync_bandwidth=4e8, sync_latency=1e-6, sync_dtype="int8", checkpoint_s=0.0,
+                transfer=TransferCosts(0.0, 1e12, 0.0, 1e12, 0.0))
+    plan = local_sgd(x)
+    measured = {"seconds": plan.predicted_epoch_s, "measured_iteration_s": plan.predicted_iteration_s,
+                "compute_s": plan.predicted_compute_s * plan.steps_per_epoch}
+    right = fit(plan, measured, inputs=x)
+    assert right.sync_scale == pytest.approx(1.0, rel=1e-6)
+    as_f32 = _inputs(sync_bandwidth=4e8, sync_latency=1e-6, checkpoint_s=0.0,
+                     transfer=TransferCosts(0.0, 1e12, 0.0, 1e12, 0.0))
+    wrong = fit(local_sgd(as_f32), measured, inputs=as_f32)
+    assert wrong.sync_scale < 0.3
+    # the refitted inputs keep the dtype: the next plan predicts the same epoch
+    assert local_sgd(calibrated(x, right)).predicted_epoch_s == pytest.approx(plan.predicted_epoch_s, rel=1e-6)
