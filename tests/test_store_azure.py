@@ -4,6 +4,8 @@ block that hands its key to the client, and a restart survived. The Store contra
 `tests/test_stores.py`, parametrised over every store."""
 from __future__ import annotations
 
+import json
+
 import os
 import threading
 import uuid
@@ -194,3 +196,9 @@ def test_bootstrap_creates_the_aci_container_and_block(azurite, monkeypatch, cap
         bootstrap_blob_store(container)
     assert main(["--target", "ecs", "--blob-container", container]) == 2
     assert capsys.readouterr().out.startswith("error: blob_container: ")
+    # the whole command: the ACI pool (its template accepted by the API), then the container and block
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite.connection_string())
+    fresh = f"zooid-cli-{uuid.uuid4().hex[:8]}"
+    assert main(["--target", "aci", "--blob-container", fresh]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["work_pool"] == "zooid-aci" and out["url"] == f"az://{fresh}/zooid" and out["container_created"]
