@@ -31,6 +31,13 @@ class Plan:
     the model into `stages` x v model stages, worker w holding stages w, w + stages, ..."""
     sync_period: int | None = None
     """Local-SGD period k in steps (None: once per epoch)."""
+    outer_optimizer: str = "average"
+    """A Local-SGD round's outer step (`core.outer_sync`): `average` (K-AVG) or `nesterov` (DiLoCo)."""
+    sync_dtype: str = "float32"
+    """What the data-parallel syncs move: `float32`, `bfloat16` or `int8`."""
+    sync_bytes: float = 0.0
+    """Bytes of the state one data-parallel sync reduces, as they travel in `sync_dtype`
+    (Local-SGD: parameters and optimizer state; hybrid: every stage's gradients); 0: unknown."""
     steps_per_epoch: int = 0
     """Optimizer steps each replica takes per epoch."""
     batch_size: int = 0

@@ -115,6 +115,20 @@ def sync_wire_bytes(x: StrategyInputs) -> float:
     return wire_bytes(x.param_bytes * (1 + x.optimizer_copies), x.sync_dtype)
 
 
+def with_sync(x: StrategyInputs, plan: Plan) -> Plan:
+    """`plan` naming its data-parallel sync: the outer step, the dtype and the bytes of state
+    one sync reduces as they travel (Local-SGD: parameters and optimizer state; a hybrid:
+    every stage's gradients; none for one replica)."""
+    if plan.data_parallel <= 1:
+        nbytes = 0.0
+    elif plan.strategy == "local_sgd":
+        nbytes = sync_wire_bytes(x)
+    else:
+        nbytes = wire_bytes(x.param_bytes, x.sync_dtype)
+    return replace(plan, outer_optimizer=x.outer_optimizer if plan.strategy == "local_sgd" else "average",
+                   sync_dtype=x.sync_dtype, sync_bytes=nbytes)
+
+
 def outer_state_s(x: StrategyInputs) -> float:
     """Seconds a Local-SGD round adds for its outer state: a compressed sync's replicas each
     write their float32 residual before posting their reduced slice (one put in parallel),

@@ -21,7 +21,7 @@ from core.stage_memory import optimizer_copies
 from planners.calibration import Calibration, calibrated
 from planners.pipeline_time import TransferCosts
 from planners.run_prediction import predict_run, with_run_prediction
-from planners.strategy import StrategyInputs, choose
+from planners.strategy import StrategyInputs, choose, with_sync
 from tasks.context import RunContext
 from tasks.launchers import SHARED_HOST_KINDS
 from tasks.retry import task_options
@@ -77,6 +77,7 @@ def make_plan(ctx: RunContext, profile: dict, workers: int, calibration: Calibra
         why = str(exc)  # at the target's size it does not fit: a larger size for some stage may
     chosen = co_optimized(ctx, profile, x, uniform, workers, why_uniform=why,
                           check_memory=lambda p: check_memory(ctx, profile, p))
+    chosen = with_sync(x, chosen)
     return with_run(ctx, chosen, calibration, epochs_left,
                     per_epoch=scaled_plans(ctx, profile, chosen, workers, calibration, epochs_left))
 

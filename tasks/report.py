@@ -16,6 +16,7 @@ import math
 import textwrap
 
 from tasks.job import RunSummary
+from tasks.sync_words import outer_sync_row, outer_sync_words
 
 MAX_WIDTH = 120
 """Characters a line of the text report, or a table's row, may take (a 1,000-pixel pane)."""
@@ -323,6 +324,8 @@ def plan_in_words(p: dict) -> str:
         what = (f"{pipe[0].upper()}{pipe[1:]} on {workers} workers ({size})" if d == 1 else
                 f"{strategy_name(p.get('strategy'))}: {d} replicas of {pipe}, {workers} workers ({size}), "
                 f"averaging the replicas {_sync(p)}")
+    if sync := outer_sync_words(p):
+        what += f"; {sync}"
     scaled = p.get("predicted_workers_by_epoch")
     if scaled:
         what += f"; the scaling policy runs {', '.join(map(str, scaled))} workers in the epochs to come"
@@ -363,6 +366,7 @@ def plan_details(summary: RunSummary) -> list[tuple[str, str]]:
                                + (f", {p['worker_gpu']} GPU" if p.get("worker_gpu") else "")),
             ("schedule", schedule),
             ("sync period", _sync(p)),
+            *outer_sync_row(p, summary.epochs),
             ("steps per epoch", f"{text(p.get('steps_per_epoch'))} x batch {text(p.get('batch_size'))}"),
             ("store", text(p.get("store") or summary.store_url)),
             *([("target", text(p["target"]))] if p.get("target") else []),

@@ -7,7 +7,7 @@ import pytest
 from core.outer_sync import INT8_BLOCK, wire_bytes
 from planners.calibration import calibrated, fit
 from planners.pipeline_time import TransferCosts
-from planners.strategy import choose, local_sgd, pipeline_prediction
+from planners.strategy import choose, local_sgd, pipeline_prediction, with_sync
 from planners.sync_time import pipelined_scatter_reduce, scatter_reduce
 from tests.test_strategy import _inputs
 
@@ -70,3 +70,46 @@ def test_calibration_refits_the_sync_with_the_bytes_the_dtype_moves():
     assert wrong.sync_scale < 0.3
     # the refitted inputs keep the dtype: the next plan predicts the same epoch
     assert local_sgd(calibrated(x, right)).predicted_epoch_s == pytest.approx(plan.predicted_epoch_s, rel=1e-6)
+
+
+def test_the_plan_names_its_sync_and_the_bytes_one_sync_reduces():
+    x = _inputs(sync_dtype="int8", outer_optimizer="nesterov", optimizer_copies=1)
+    plan = with_sync(x, choose(x, "local_sgd"))
+    assert (plan.outer_optimizer, plan.sync_dtype, plan.sync_bytes) == ("nesterov", "int8", wire_bytes(32e6, "int8"))
+    y = _inputs(stages=2, sync_dtype="bfloat16", outer_optimizer="nesterov")
+    hyb = with_sync(y, choose(y, "hybrid"))
+    assert (hyb.outer_optimizer, hyb.sync_bytes) == ("average", 8e6)  # a hybrid averages gradients
+
+
+def _summary(plan: dict, bytes_synced: int):
+    from tasks.job import EpochSummary, RunSummary
+
+    epoch = EpochSummary(epoch=0, workers=4, train_loss=1.0, seconds=10.0, samples_per_s=1.0, cost_usd=0.01,
+                         bytes_synced=bytes_synced)
+    return RunSummary(run_id="r", status="completed", plan=plan, epochs=[epoch, epoch])
+
+
+def test_the_report_and_the_dry_run_say_the_outer_optimizer_the_dtype_and_the_bytes_per_sync():
+    from flows.plan import plan_report
+    from tasks.job import TrainJob
+    from tasks.report import plan_details, plan_in_words
+
+    x = _inputs(sync_dtype="int8", outer_optimizer="nesterov", sync_period=8)
+    plan = with_run_fields(with_sync(x, choose(x, "local_sgd")))
+    p = plan.to_dict()
+    words = plan_in_words(p)
+    assert "outer optimizer nesterov, syncs in int8 (4.02 MB of state per sync)" in words
+    # 32 steps per epoch at k = 8: 4 syncs x 4 replicas x 2 epochs = 32 syncs moving 6.4 MB
+    rows = dict(plan_details(_summary(p, 3_200_000)))
+    assert rows["outer sync"].endswith("; 0.2 MB moved per replica per sync (measured)")
+    job = TrainJob(outer_optimizer="nesterov", sync_dtype="int8")
+    assert "outer optimizer nesterov, syncs in int8" in plan_report(job, p)
+    default = choose(_inputs(), "local_sgd").to_dict()
+    assert "outer" not in plan_in_words(default) and "outer sync" not in dict(plan_details(_summary(default, 1)))
+
+
+def with_run_fields(plan):
+    """The fields the dry run's text reads beside the planner's (`with_run` adds them)."""
+    from dataclasses import replace
+
+    return replace(plan, predicted_run_s=1.0, predicted_run_cost_usd=0.01, predicted_first_epoch_s=1.0)
