@@ -120,6 +120,9 @@ def _validate(spec: WorkerSpec) -> None:
     collective = spec.sync.collective or DEFAULT_COLLECTIVE
     if collective not in COLLECTIVES:
         raise ZooidValueError("sync.collective", f"must be one of {', '.join(COLLECTIVES)}, got {collective!r}")
+    if spec.sync.sync_dtype == "int8" and spec.optimizer == "adam":
+        raise ZooidValueError("sync.sync_dtype", "int8 rounds Adam's second moments on a per-block scale, "
+                              "which can turn them negative; use bfloat16 with adam")
     if collective == "ring" and spec.sync.sync_dtype != "float32":
         raise ZooidValueError("sync.sync_dtype", "compressed syncs go through the store; the ring moves float32")
 

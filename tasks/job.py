@@ -122,6 +122,9 @@ class TrainJob(BaseModel):
         if self.outer_optimizer == "nesterov" and self.strategy in ("pipeline", "hybrid"):
             raise ValueError(f"outer_optimizer: nesterov steps over Local-SGD rounds; strategy {self.strategy} "
                              "averages gradients every step (use local_sgd or auto)")
+        if self.sync_dtype == "int8" and self.optimizer == "adam":
+            raise ValueError("sync_dtype: int8 rounds Adam's second moments on a per-block scale, which can turn "
+                             "them negative; use bfloat16 with adam")
         if self.sync_dtype != "float32" and self.collective == "ring":
             raise ValueError("sync_dtype: compressed syncs go through the store; collective ring moves float32")
         if self.min_workers > self.max_workers:

@@ -439,6 +439,7 @@ def test_hybrid_compressed_gradient_syncs_owe_nothing_when_the_epoch_ends(tmp_pa
     ({"sync_dtype": "int4"}, "sync_dtype"),
     ({"outer_optimizer": "nesterov", "strategy": "hybrid"}, "outer_optimizer"),
     ({"sync_dtype": "int8", "collective": "ring"}, "sync_dtype"),
+    ({"sync_dtype": "int8", "optimizer": "adam"}, "sync_dtype"),
 ])
 def test_a_job_with_bad_outer_settings_is_refused_in_one_line_naming_the_field(fields, field):
     from pydantic import ValidationError
@@ -468,3 +469,13 @@ def test_a_job_s_outer_settings_reach_every_replica_s_spec():
     assert [(s.sync.outer_optimizer, s.sync.outer_lr, s.sync.outer_momentum, s.sync.sync_dtype) for s in specs] \
         == [("nesterov", 0.5, 0.8, "bfloat16")] * 2
     assert all(WorkerSpec.from_dict(s.to_dict()) == s for s in specs)
+
+
+def test_a_worker_refuses_int8_syncs_of_adam_before_training(tmp_path):
+    store = DirectoryStore(tmp_path)
+    spec = WorkerSpec(run_id="a", epoch=0, rank=0, world=2, store_url=store.url, model=MODEL, dataset="digits",
+                      subsets=(0,), steps=3, batch_size=BATCH, lr=LR, optimizer="adam", sync_period=1, seed=0,
+                      init_key="runs/a/ckpt/init", out_key="runs/a/ckpt/e0", sync=SyncSpec(sync_dtype="int8"))
+    with pytest.raises(ZooidValueError, match="sync.sync_dtype"):
+        run_local_sgd_epoch(spec, store)
+    assert store.list("runs/") == []
