@@ -23,6 +23,8 @@ from tasks.retry import task_options
 
 EPOCH_KEY = re.compile(r"/ckpt/epoch-(\d+)\.safetensors$")
 SYNC_KEY = re.compile(r"/ckpt/sync-e(\d+)\.safetensors$")
+RESIDUAL_KEY = re.compile(r"/ckpt/residual/e(\d+)/")
+"""A replica's error-feedback residual (`engine.residuals`): kept while its epoch's checkpoint is."""
 
 
 def latest_key(run_id: str) -> str:
@@ -45,13 +47,14 @@ def update_best(store, run_id: str, epoch: int, key: str, val_loss: float | None
 
 def prune_checkpoints(store, run_id: str, latest_epoch: int, keep: int, best: dict | None = None) -> list[str]:
     """Delete epoch checkpoints older than the last `keep` (up to `latest_epoch`), except the
-    best one, and the sync checkpoints of epochs up to `latest_epoch`; return the deleted keys."""
+    best one (with the error-feedback residuals each names), and the sync checkpoints of epochs
+    up to `latest_epoch`; return the deleted keys."""
     epochs = sorted(int(m.group(1)) for k in store.list(f"runs/{run_id}/ckpt/")
                     if (m := EPOCH_KEY.search(k)) and int(m.group(1)) <= latest_epoch)
     keep_epochs = set(epochs[-keep:]) | ({best["epoch"]} if best else set())
     deleted = []
     for k in store.list(f"runs/{run_id}/ckpt/"):
-        epoch_match, sync_match = EPOCH_KEY.search(k), SYNC_KEY.search(k)
+        epoch_match, sync_match = EPOCH_KEY.search(k) or RESIDUAL_KEY.search(k), SYNC_KEY.search(k)
         if ((epoch_match and int(epoch_match.group(1)) <= latest_epoch
              and int(epoch_match.group(1)) not in keep_epochs)
                 or (sync_match and int(sync_match.group(1)) <= latest_epoch)):

@@ -479,3 +479,18 @@ def test_a_worker_refuses_int8_syncs_of_adam_before_training(tmp_path):
     with pytest.raises(ZooidValueError, match="sync.sync_dtype"):
         run_local_sgd_epoch(spec, store)
     assert store.list("runs/") == []
+
+
+def test_pruning_keeps_the_residuals_of_the_checkpoints_it_keeps(tmp_path):
+    from tasks.checkpoint import prune_checkpoints
+
+    store, run = DirectoryStore(tmp_path), "prune"
+    for epoch in range(4):
+        store.put(f"runs/{run}/ckpt/epoch-{epoch:04d}.safetensors", b"x")
+        for rank in range(2):
+            store.put(f"runs/{run}/ckpt/residual/e{epoch}/r{rank}/round5.safetensors", b"x")
+    prune_checkpoints(store, run, latest_epoch=2, keep=1, best={"epoch": 0})
+    # epoch 2 (the last), 0 (the best) and 3 (still running) keep both ranks' residuals; 1 loses them
+    assert store.list(f"runs/{run}/ckpt/residual/") == [
+        f"runs/{run}/ckpt/residual/e{e}/r{r}/round5.safetensors" for e in (0, 2, 3) for r in (0, 1)]
+    assert not store.exists(f"runs/{run}/ckpt/epoch-0001.safetensors")
