@@ -114,9 +114,9 @@ def uniform_plan(ctx: RunContext, profile: dict, x) -> Plan:
     except ValueError as exc:
         raise ZooidValueError("strategy", str(exc).removeprefix("strategy: ")) from None
     if chosen.stages > 1:
-        return pick_schedule(ctx, profile, x, chosen)
+        return with_sync(x, pick_schedule(ctx, profile, x, chosen))
     check_memory(ctx, profile, chosen)
-    return chosen
+    return with_sync(x, chosen)
 
 
 def with_run(ctx: RunContext, chosen: Plan, calibration: Calibration | None, epochs_left: int | None,
