@@ -107,24 +107,40 @@ def stop_groups(pids: list[int]) -> None:
             break
 
 
+class TemporaryServer:
+    """A Prefect server (SQLite under `$ZOOID_HOME/prefect`) for one command-line run, started
+    at construction (so its start-up overlaps the caller's own work: imports, validation) and
+    stopped by pid with `stop` (idempotent). It runs in a session of its own, so the Ctrl-C or
+    SIGTERM that stops the run does not stop the API that the run's teardown and bill still
+    need (Prefect's temporary server is a child in the run's process group, and dies with it);
+    its guard (`deployments.orphan_guard`) stops it if the run is killed outright."""
+
+    def __init__(self, home: Path | None = None):
+        home = home or zooid_home()
+        port = free_port(0)
+        self.url = f"http://127.0.0.1:{port}/api"
+        env = {**stack_env(home, ""), "PREFECT_API_URL": ""}
+        self.pid: int | None = spawn([sys.executable, "-m", "deployments.orphan_guard", str(os.getpid()), "--",
+                                      bin_path("prefect"), "server", "start", "--host", "127.0.0.1", "--port",
+                                      str(port)], env, home / "logs" / f"server-{port}.log")
+
+    def wait(self) -> str:
+        """Block until the API answers; its URL."""
+        wait_healthy(self.url)
+        return self.url
+
+    def stop(self) -> None:
+        if self.pid is not None:
+            stop_groups([self.pid])
+            self.pid = None
+
+
 @contextlib.contextmanager
-def temporary_server(home: Path | None = None):
-    """A Prefect server (SQLite under `$ZOOID_HOME/prefect`) for one command-line run, yielding
-    its API URL. It runs in a session of its own, so the Ctrl-C or SIGTERM that stops the
-    run does not stop the API that the run's teardown and bill still need (Prefect's
-    temporary server is a child in the run's process group, and dies with it); it is stopped
-    by pid when the run is over, and by its guard (`deployments.orphan_guard`) if the run is
-    killed outright."""
-    home = home or zooid_home()
-    port = free_port(0)
-    api_url = f"http://127.0.0.1:{port}/api"
-    env = {**stack_env(home, ""), "PREFECT_API_URL": ""}
-    # its guard stops it should this process die without reaching the `finally` below
-    pid = spawn([sys.executable, "-m", "deployments.orphan_guard", str(os.getpid()), "--", bin_path("prefect"),
-                  "server", "start", "--host", "127.0.0.1", "--port", str(port)], env,
-                 home / "logs" / f"server-{port}.log")
+def temporary_server(home: Path | None = None, started: TemporaryServer | None = None):
+    """A `TemporaryServer` (`started`, or one started now) for the block: yields its API URL
+    once it answers, stops it after."""
+    server = started or TemporaryServer(home)
     try:
-        wait_healthy(api_url)
-        yield api_url
+        yield server.wait()
     finally:
-        stop_groups([pid])
+        server.stop()

@@ -18,9 +18,20 @@ tears the run down, bills it, prints three lines (torn down, bill, how to resume
 """
 from __future__ import annotations
 
+import os
+import sys
+
+if __name__ == "__main__" and not os.environ.get("PREFECT_API_URL") and "--help" not in sys.argv[1:]:
+    # the command line's own Prefect server boots (about 7 s on a fresh home) while the imports
+    # below (about 2 s) and the job's validation run; `main` stops it if the API is configured
+    from deployments.server import TemporaryServer
+
+    EARLY_SERVER: "TemporaryServer | None" = TemporaryServer()
+else:
+    EARLY_SERVER = None
+
 import contextlib
 import signal
-import sys
 import time
 import uuid
 
@@ -433,7 +444,7 @@ train_with_params = job_fields_flow(run_training, name="train", result_serialize
 
 
 @contextlib.contextmanager
-def prefect_api():
+def prefect_api(server=None):
     """The Prefect API for a command-line run: the configured one, or a temporary server of
     our own that outlives a Ctrl-C (`deployments.server.temporary_server`, with the paid-workers
     limit a bootstrapped API has). SIGTERM and SIGINT are noted (`COMMAND_LINE`: the console
@@ -453,7 +464,7 @@ def prefect_api():
             return
         from deployments.server import temporary_server
 
-        with temporary_server() as url, temporary_settings(updates={PREFECT_API_URL: url}):
+        with temporary_server(started=server) as url, temporary_settings(updates={PREFECT_API_URL: url}):
             _ensure_paid_workers_limit()
             try:
                 yield
@@ -486,12 +497,6 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m flows.train --param name=value ... [--summary-out PATH]`."""
     import argparse
 
-    from pydantic import ValidationError
-
-    from core.errors import ZooidValueError
-    from tasks.job import format_validation_error
-    from tasks.report import text_report
-
     parser = argparse.ArgumentParser(prog="python -m flows.train", description=__doc__.splitlines()[0])
     parser.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
                         help="a TrainJob field, e.g. workers=4 (repeat)")
@@ -503,6 +508,46 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     fields.setdefault("target", "inline")
+    server = early_server()  # its start-up overlaps the job's validation
+    try:
+        return _validated_run(args, fields, server)
+    finally:
+        if server is not None:
+            server.stop()  # (a no-op once the run's own teardown stopped it)
+
+
+def _main_stopping_the_early_server(argv: list[str] | None = None) -> int:
+    """`main`, and the server started before the imports stopped whatever way it ends."""
+    try:
+        return main(argv)
+    finally:
+        if EARLY_SERVER is not None:
+            EARLY_SERVER.stop()
+
+
+def early_server():
+    """The command line's temporary Prefect server when no API is configured: the one started
+    before the imports (`EARLY_SERVER`, under `python -m flows.train`), else one started now."""
+    from prefect.settings import PREFECT_API_URL
+
+    if PREFECT_API_URL.value():  # (configured in a Prefect profile: the early one is not needed)
+        if EARLY_SERVER is not None:
+            EARLY_SERVER.stop()
+        return None
+    if EARLY_SERVER is not None and EARLY_SERVER.pid is not None:
+        return EARLY_SERVER
+    from deployments.server import TemporaryServer
+
+    return TemporaryServer()
+
+
+def _validated_run(args, fields: dict, server) -> int:
+    from pydantic import ValidationError
+
+    from core.errors import ZooidValueError
+    from tasks.job import format_validation_error
+    from tasks.report import text_report
+
     try:
         job = TrainJob(**fields)
         validate_job(job)
@@ -514,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     COMMAND_LINE.reset(active=True)
     try:
-        with prefect_api():
+        with prefect_api(server):
             try:
                 summary = train(job)
             except BaseException:
@@ -572,4 +617,4 @@ def _interrupted(params: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_main_stopping_the_early_server())

@@ -381,3 +381,25 @@ def test_the_dry_run_says_what_it_rents_and_with_rent_false_plans_from_the_catal
     assert "is cached; nothing will be rented" in "\n".join(said)
     assert main(["--param", "model=digits_mlp", "--param", "workers=2", "--param", f"store={store}",
                  "--param", "rent=false"]) == 0
+
+
+def test_a_refused_command_line_leaves_no_server_behind(tmp_path):
+    """`python -m flows.train` starts its temporary Prefect server before its imports (its
+    start-up overlaps them and the validation); a job refused in validation stops it again: the
+    command says one line, exits 2, and nothing listens on the server's port."""
+    import os
+    import socket
+    import subprocess
+    from pathlib import Path
+
+    home = tmp_path / "zooid"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(ZOOID_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1")
+    done = subprocess.run([sys.executable, "-m", "flows.train", "--param", "model=resnet18", "--param", "dataset=digits"],
+                          cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert [line for line in done.stderr.splitlines() if line.strip()][-1].startswith("error: model: ")
+    [log] = (home / "logs").glob("server-*.log")  # the early server was started ...
+    with socket.socket() as s:  # ... and is gone
+        assert s.connect_ex(("127.0.0.1", int(log.stem.split("-")[1]))) != 0
