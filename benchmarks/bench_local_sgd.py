@@ -84,22 +84,32 @@ class Trace:
 def run_local_sgd(root: Path, seed: int, period: int | None, max_epochs: int, target: float) -> Trace:
     """4 replicas as threads, synced every `period` steps (None: once per epoch), until
     rank 0's validation accuracy reaches `target` or `max_epochs` pass."""
-    store = DirectoryStore(root / f"k{period or 'epoch'}-s{seed}")
+    return train_replicas(DirectoryStore(root / f"k{period or 'epoch'}-s{seed}"), MODEL, DATASET, BATCH,
+                          OPTIMIZER, LR, f"Local-SGD k={period or 'epoch'}", seed, period, max_epochs,
+                          stop_at=target)
+
+
+def train_replicas(store: DirectoryStore, model: str, dataset: str, batch: int, optimizer: str, lr: float,
+                   name: str, seed: int, period: int | None, epochs: int, *, sync: SyncSpec | None = None,
+                   stop_at: float | None = None) -> Trace:
+    """WORKERS replicas of `model` as threads, through `store`, for `epochs` epochs (or until rank
+    0's validation accuracy reaches `stop_at`), synced every `period` steps (None: once per
+    epoch) as `sync` says (default: K-AVG in float32)."""
     run_id = "bench"
-    manifest = publish_dataset(store, run_id, DATASET, subset_size=SUBSET_ROWS)
+    manifest = publish_dataset(store, run_id, dataset, subset_size=SUBSET_ROWS)
     init = f"runs/{run_id}/ckpt/init"
-    initial_checkpoint(store, init, MODEL, OPTIMIZER, LR, seed=seed)
-    steps = steps_per_epoch(manifest.n_train, WORKERS, BATCH)
-    trace = Trace(f"Local-SGD k={period or 'epoch'}", seed)
+    initial_checkpoint(store, init, model, optimizer, lr, seed=seed)
+    steps = steps_per_epoch(manifest.n_train, WORKERS, batch)
+    trace = Trace(name, seed)
     with ThreadPoolExecutor(WORKERS) as pool:
-        for epoch in range(max_epochs):
+        for epoch in range(epochs):
             shards = assign_subsets(manifest.n_subsets, WORKERS, epoch, seed)
             out = f"runs/{run_id}/ckpt/e{epoch}"
             specs = [WorkerSpec(run_id=run_id, epoch=epoch, rank=r, world=WORKERS, store_url=store.url,
-                                model=MODEL, dataset=DATASET, subsets=shards[r], steps=steps,
-                                batch_size=BATCH, lr=LR, optimizer=OPTIMIZER, sync_period=period,
+                                model=model, dataset=dataset, subsets=shards[r], steps=steps,
+                                batch_size=batch, lr=lr, optimizer=optimizer, sync_period=period,
                                 seed=seed, init_key=init, out_key=out, evaluate=True,
-                                compute=ComputeSpec(device="cpu"))
+                                compute=ComputeSpec(device="cpu"), sync=sync or SyncSpec())
                      for r in range(WORKERS)]
             t0 = time.perf_counter()
             results = list(pool.map(lambda s: run_local_sgd_epoch(s, store), specs))
@@ -107,7 +117,7 @@ def run_local_sgd(root: Path, seed: int, period: int | None, max_epochs: int, ta
             trace.accuracy.append(next(r.val_accuracy for r in results if r.rank == 0))
             trace.bytes_synced.append(sum(r.bytes_synced for r in results))
             init = out
-            if trace.accuracy[-1] >= target:
+            if stop_at is not None and trace.accuracy[-1] >= stop_at:
                 break
     return trace
 
@@ -251,30 +261,10 @@ def run_outer(root: Path, setup: Setup, config: tuple, seed: int, epochs: int) -
     period, outer optimizer and sync dtype."""
     name, period, outer, dtype = config
     store = DirectoryStore(root / f"{setup.model.rsplit(':', 1)[-1]}-{name.replace(' ', '_')}-s{seed}")
-    run_id = "bench"
-    manifest = publish_dataset(store, run_id, setup.dataset, subset_size=SUBSET_ROWS)
-    init = f"runs/{run_id}/ckpt/init"
-    initial_checkpoint(store, init, setup.model, setup.optimizer, setup.lr, seed=seed)
-    steps = steps_per_epoch(manifest.n_train, WORKERS, setup.batch)
     sync = SyncSpec(outer_optimizer=outer, outer_lr=setup.outer_lr, outer_momentum=setup.outer_momentum,
                     sync_dtype=dtype)
-    trace = Trace(name, seed)
-    with ThreadPoolExecutor(WORKERS) as pool:
-        for epoch in range(epochs):
-            shards = assign_subsets(manifest.n_subsets, WORKERS, epoch, seed)
-            out = f"runs/{run_id}/ckpt/e{epoch}"
-            specs = [WorkerSpec(run_id=run_id, epoch=epoch, rank=r, world=WORKERS, store_url=store.url,
-                                model=setup.model, dataset=setup.dataset, subsets=shards[r], steps=steps,
-                                batch_size=setup.batch, lr=setup.lr, optimizer=setup.optimizer, sync_period=period,
-                                seed=seed, init_key=init, out_key=out, evaluate=True,
-                                compute=ComputeSpec(device="cpu"), sync=sync)
-                     for r in range(WORKERS)]
-            t0 = time.perf_counter()
-            results = list(pool.map(lambda s: run_local_sgd_epoch(s, store), specs))
-            trace.seconds.append(time.perf_counter() - t0)
-            trace.accuracy.append(next(r.val_accuracy for r in results if r.rank == 0))
-            trace.bytes_synced.append(sum(r.bytes_synced for r in results))
-            init = out
+    trace = train_replicas(store, setup.model, setup.dataset, setup.batch, setup.optimizer, setup.lr, name, seed,
+                           period, epochs, sync=sync)
     shutil.rmtree(store.root, ignore_errors=True)
     return trace
 
