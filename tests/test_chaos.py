@@ -111,8 +111,10 @@ def test_redis_restarted_mid_epoch_loses_only_scratch(tmp_path, redis_server, fa
         finished.set()
         watcher.join(timeout=60)
     assert restarted.is_set()
-    # the restart lost the scratch store: Redis held the run's keys in flight, and lost them all
-    assert seen["scratch"] and seen["sentinel_after"] is False
+    # the restart lost the scratch store: a key written to it just before is gone after (whether
+    # a round's keys were in flight at that instant depends on the workers' timing: some runs find
+    # the round already reduced and its keys deleted)
+    assert seen["sentinel_after"] is False
     # only scratch lived there: every key in Redis at the restart was a sync round's, while
     # the data and the sync checkpoint the round resumes from were on the durable store
     assert all("/sync/" in k for k in seen["scratch"]), seen["scratch"]
