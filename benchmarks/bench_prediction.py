@@ -165,18 +165,12 @@ def run_record(cfg: dict, index: int, summary: dict) -> dict:
     }
 
 
-def ledger_startups(run_id: str) -> list[float]:
-    """Each worker's billed start-up seconds (launch to ready) from the run's ledger in the
-    durable store (`runs/<run_id>/cost.json`), by rank; the stack's environment must be set
-    (`run_pool` sets it)."""
-    from comm.store import open_store
-    from tasks.validate import resolve_durable_ref, resolve_store_ref
-
-    store = open_store(resolve_durable_ref("", resolve_store_ref("")))
-    try:
-        rows = json.loads(store.get(f"runs/{run_id}/cost.json", timeout=10))["rows"]
-    finally:
-        store.close()
+def ledger_startups(summary: dict) -> list[float]:
+    """Each worker's billed start-up seconds (launch to ready) from the run's ledger, by rank:
+    the `ledger` (cost.json) that `run_pool` read from the run's own durable store."""
+    rows = (summary.get("ledger") or {}).get("rows")
+    if rows is None:
+        raise KeyError(f"no ledger for {summary.get('run_id')}")
     per: dict[str, list] = {}
     for row in rows:
         if row.get("kind") == "worker" and row.get("status") == "startup":
@@ -546,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 records.append(run_record(cfg, i, summary))
                 try:
-                    records[-1]["startups"] = ledger_startups(summary["run_id"])
+                    records[-1]["startups"] = ledger_startups(summary)
                 except (KeyError, ValueError, OSError) as exc:
                     print(f"no ledger for {summary['run_id']}: {type(exc).__name__}: {exc}", flush=True)
                 _print_run(records[-1])
