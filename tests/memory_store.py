@@ -45,3 +45,31 @@ class MemoryStore(Store):
     def _delete(self, key: str) -> None:
         with self._lock:
             self._data.pop(key, None)
+
+
+class Died(Exception):
+    """Stands in for a SIGKILL of one rank's thread."""
+
+
+class DyingStore(MemoryStore):
+    """One rank's view of a shared MemoryStore (its keys and lock) that dies at the first put,
+    get or delete `when(op, key)` accepts."""
+
+    def __init__(self, shared: MemoryStore, when):
+        super().__init__()
+        self._data, self._lock, self.when = shared._data, shared._lock, when
+
+    def put(self, key, data, **kwargs):
+        if self.when("put", key):
+            raise Died(key)
+        super().put(key, data, **kwargs)
+
+    def get(self, key, timeout=None):
+        if self.when("get", key):
+            raise Died(key)
+        return super().get(key, timeout=timeout)
+
+    def delete(self, key):
+        if self.when("delete", key):
+            raise Died(key)
+        super().delete(key)

@@ -33,7 +33,7 @@ from engine.datasets import assign_subsets, publish_dataset
 from engine.local_sgd_epoch import read_epoch_history, run_local_sgd_epoch
 from engine.models import build_model
 from tasks.failures import FailureKind, MemoryEvents, classify_failure, read_memory_events
-from tests.memory_store import MemoryStore
+from tests.memory_store import Died, DyingStore, MemoryStore
 
 REPO = Path(__file__).resolve().parents[1]
 WORLD, STEPS, PERIOD, BATCH = 2, 9, 3, 16
@@ -211,28 +211,6 @@ def test_redis_restart_mid_round_loses_scratch_keys_and_the_round_completes(tmp_
     assert sum(h["reposts"] for h in history) >= 1
     assert scratch.list("runs/rr/sync/") == []
     scratch.close()
-
-
-class Died(Exception):
-    """Stands in for a SIGKILL of one rank's thread."""
-
-
-class DyingStore(MemoryStore):
-    """One rank's view of a shared MemoryStore that dies at the first operation `when` accepts."""
-
-    def __init__(self, shared: MemoryStore, when):
-        super().__init__()
-        self._data, self._lock, self.when = shared._data, shared._lock, when
-
-    def put(self, key, data, **kwargs):
-        if self.when("put", key):
-            raise Died(key)
-        super().put(key, data, **kwargs)
-
-    def delete(self, key):
-        if self.when("delete", key):
-            raise Died(key)
-        super().delete(key)
 
 
 @pytest.mark.parametrize("dies", ["before_its_mean", "after_its_mean"])

@@ -22,7 +22,7 @@ from engine.local_sgd_epoch import run_local_sgd_epoch
 from engine.models import build_model
 from engine.optimizers import build_optimizer, optimizer_state_tensors
 from engine.residuals import read_residual
-from tests.memory_store import MemoryStore
+from tests.memory_store import Died, DyingStore, MemoryStore
 
 MODEL, OPT, LR, SEED, BATCH = "digits_mlp", "momentum", 0.05, 4, 16
 
@@ -276,28 +276,6 @@ def test_bad_outer_settings_are_refused_naming_the_field():
         SyncSpec(outer_lr=0)
     with pytest.raises(ZooidValueError, match="sync_dtype"):
         Compressor("fp8")
-
-
-class Died(Exception):
-    pass
-
-
-class DyingStore(MemoryStore):
-    """Shares `shared`'s keys; raises Died on the first operation `when(op, key)` picks."""
-
-    def __init__(self, shared, when):
-        super().__init__()
-        self._data, self._lock, self.when = shared._data, shared._lock, when
-
-    def put(self, key, data, **kwargs):
-        if self.when("put", key):
-            raise Died(key)
-        super().put(key, data, **kwargs)
-
-    def get(self, key, timeout=None):
-        if self.when("get", key):
-            raise Died(key)
-        return super().get(key, timeout=timeout)
 
 
 @pytest.mark.parametrize("collective", [allreduce_mean, pipelined_allreduce_mean])
