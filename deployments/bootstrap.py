@@ -39,6 +39,9 @@ POOL_TYPES = {"local": "process", "docker": "docker", "ecs": "ecs", "aci": "azur
 TEMPLATES = Path(__file__).with_name("templates")
 from tasks.launchers import PAID_WORKERS_LIMIT as CONCURRENCY_LIMIT
 
+PAID_WORKERS = 16
+"""Workers the paid-workers limit lets run at once, unless `--paid-worker-limit` says otherwise."""
+
 
 def base_job_template(pool_type: str) -> dict:
     """The pool's base job template: ours where we ship one, else the worker's default."""
@@ -99,7 +102,7 @@ def register(block_type) -> None:
         block_type.register_type_and_schema()  # now an update of the existing type
 
 
-def bootstrap(target: str, paid_worker_limit: int = 16, image: str | None = None,
+def bootstrap(target: str, paid_worker_limit: int = PAID_WORKERS, image: str | None = None,
               env: dict[str, str] | None = None) -> dict:
     """Set up `target` on the current Prefect API (its pool's default image `image` and
     environment `env` when given); return what was done."""
@@ -158,7 +161,7 @@ def _credentials_block(target: str):
 
 def bootstrap_cloud(target: str, *, cluster: str | None = None, resource_group: str | None = None,
                     subscription_id: str | None = None, namespace: str | None = None,
-                    paid_worker_limit: int = 16, image: str | None = None,
+                    paid_worker_limit: int = PAID_WORKERS, image: str | None = None,
                     env: dict[str, str] | None = None) -> dict:
     """Bootstrap a cloud target (`ecs`, `aci`, `k8s`) idempotently; returns what was set, no secrets.
 
@@ -197,7 +200,7 @@ def bootstrap_cloud(target: str, *, cluster: str | None = None, resource_group: 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m deployments.bootstrap", description=__doc__.splitlines()[0])
     parser.add_argument("--target", required=True, choices=sorted(POOL_TYPES))
-    parser.add_argument("--paid-worker-limit", type=int, default=16)
+    parser.add_argument("--paid-worker-limit", type=int, default=PAID_WORKERS)
     parser.add_argument("--image", help="the pool's default worker image (e.g. what `make image` built)")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="the pool's default environment for every worker (repeatable)")

@@ -484,45 +484,40 @@ def _ensure_paid_workers_limit() -> None:
     bootstrapped one (else Prefect warns that it does not exist at every launch)."""
     from prefect.client.orchestration import get_client
 
-    from deployments.bootstrap import ensure_concurrency_limit
+    from deployments.bootstrap import PAID_WORKERS, ensure_concurrency_limit
 
     try:
         with get_client(sync_client=True) as client:
-            ensure_concurrency_limit(client, 16)
+            ensure_concurrency_limit(client, PAID_WORKERS)
     except Exception:  # only a warning is at stake
         pass
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m flows.train --param name=value ... [--summary-out PATH]`."""
+    """`python -m flows.train --param name=value ... [--summary-out PATH]`. The temporary Prefect
+    server it starts (before its imports, `EARLY_SERVER`, or for the run) is stopped however it
+    ends."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m flows.train", description=__doc__.splitlines()[0])
-    parser.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
-                        help="a TrainJob field, e.g. workers=4 (repeat)")
-    parser.add_argument("--summary-out", metavar="PATH", help="also write the summary JSON here")
-    args = parser.parse_args(argv)
+    server = None
     try:
-        fields = job_fields_from_args(args.param)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    fields.setdefault("target", "inline")
-    server = early_server()  # its start-up overlaps the job's validation
-    try:
+        parser = argparse.ArgumentParser(prog="python -m flows.train", description=__doc__.splitlines()[0])
+        parser.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
+                            help="a TrainJob field, e.g. workers=4 (repeat)")
+        parser.add_argument("--summary-out", metavar="PATH", help="also write the summary JSON here")
+        args = parser.parse_args(argv)
+        try:
+            fields = job_fields_from_args(args.param)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        fields.setdefault("target", "inline")
+        server = early_server()  # its start-up overlaps the job's validation
         return _validated_run(args, fields, server)
     finally:
-        if server is not None:
-            server.stop()  # (a no-op once the run's own teardown stopped it)
-
-
-def _main_stopping_the_early_server(argv: list[str] | None = None) -> int:
-    """`main`, and the server started before the imports stopped whatever way it ends."""
-    try:
-        return main(argv)
-    finally:
-        if EARLY_SERVER is not None:
-            EARLY_SERVER.stop()
+        for started in (server, EARLY_SERVER):
+            if started is not None:
+                started.stop()  # (idempotent: a no-op once the run's own teardown stopped it)
 
 
 def early_server():
@@ -530,9 +525,7 @@ def early_server():
     before the imports (`EARLY_SERVER`, under `python -m flows.train`), else one started now."""
     from prefect.settings import PREFECT_API_URL
 
-    if PREFECT_API_URL.value():  # (configured in a Prefect profile: the early one is not needed)
-        if EARLY_SERVER is not None:
-            EARLY_SERVER.stop()
+    if PREFECT_API_URL.value():  # configured in a Prefect profile: `main` stops the early one unused
         return None
     if EARLY_SERVER is not None and EARLY_SERVER.pid is not None:
         return EARLY_SERVER
@@ -617,4 +610,4 @@ def _interrupted(params: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_main_stopping_the_early_server())
+    sys.exit(main())
