@@ -99,8 +99,8 @@ def scaled_plans(ctx: RunContext, profile: dict, chosen: Plan, workers: int, cal
             try:
                 plans[count] = make_plan(ctx, profile, count, calibration, epochs_left=0)
             except ZooidValueError:  # a budget the planner cannot use: the flow keeps the plan it has
-                plans[count] = plans[max(c for c in plans if c <= count)] if any(c <= count for c in plans) \
-                    else chosen
+                smaller = [c for c in plans if c <= count]
+                plans[count] = plans[max(smaller)] if smaller else chosen
     return [plans[c] for c in counts]
 
 

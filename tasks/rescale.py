@@ -61,6 +61,10 @@ def provision_document(ctx: RunContext, profile: dict, history: list[dict]) -> d
                                 "price_per_hour": ctx.price_per_worker_s * 3600}]}
 
 
+UNMEASURED_EPOCH = {"seconds": 1.0, "samples_per_s": 1.0, "cost_usd": 0.0, "samples": 0}
+"""An epoch's measured figures where a policy decided in advance reads none of them."""
+
+
 def n_subsets(ctx: RunContext) -> int:
     """The training data's subsets: the provisioned manifest's, or before provisioning what it
     will publish (`tasks.provision.subset_size` rows each)."""
@@ -105,9 +109,8 @@ def forecast_workers(ctx: RunContext, profile: dict, history: list[dict], worker
 
     if not known_in_advance(ctx.job.scaling, len(history) + 1):
         return None
-    last = history[-1] if history else {"seconds": 1.0, "samples_per_s": 1.0, "cost_usd": 0.0, "samples": 0}
-    placeholder = {**last, "epoch": len(history), "workers": workers, "stages": 1, "val_loss": None,
-                   "val_accuracy": None}
+    placeholder = {**(history[-1] if history else UNMEASURED_EPOCH), "epoch": len(history), "workers": workers,
+                   "stages": 1, "val_loss": None, "val_accuracy": None}
     return decide_next(ctx, profile, history + [placeholder], workers, lr)["workers"]
 
 
@@ -115,22 +118,15 @@ def worker_schedule(ctx: RunContext, workers: int, epochs_left: int) -> list[int
     """The worker budget of each of the next `epochs_left` epochs (the first at `workers`) where
     the job's scaling policy decides them in advance (`static`, `adabatch`: they depend on how
     many epochs ran, not on what they measured); None for a policy that reacts to measurements."""
-    from planners.scaling import known_in_advance
-
     job = ctx.job
     if job.scaling == "static":
         return [workers] * epochs_left
     if job.scaling != "adabatch" or epochs_left <= 0:
         return None
     done = max(0, job.epochs - epochs_left)
-    placeholder = {"seconds": 1.0, "samples_per_s": 1.0, "cost_usd": 0.0, "samples": 0, "stages": 1,
-                   "val_loss": None, "val_accuracy": None}
-    counts, lr = [workers], job.lr
+    counts = [workers]
     for k in range(1, epochs_left):
-        assert known_in_advance(job.scaling, done + k)
-        history = [{**placeholder, "epoch": e, "workers": counts[-1]} for e in range(done + k)]
-        decision = decide_next(ctx, {}, history, counts[-1], lr)
-        counts.append(decision["workers"])
-        lr = decision["lr"]
+        history = [{**UNMEASURED_EPOCH, "epoch": e, "workers": counts[-1], "stages": 1, "val_loss": None,
+                    "val_accuracy": None} for e in range(done + k)]
+        counts.append(decide_next(ctx, {}, history, counts[-1], job.lr)["workers"])
     return counts
-
