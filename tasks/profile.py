@@ -21,7 +21,6 @@ The run log says what was measured, what came from the cache and how long it too
 """
 from __future__ import annotations
 
-import json
 import re
 import statistics
 import time
@@ -35,7 +34,7 @@ from core.stage_memory import optimizer_copies
 from profiling.profile_job import ProfileRequest
 from tasks.context import RunContext
 from tasks.launchers import worker_threads
-from tasks.profile_cache import CACHE_ROOT, ProfileCache, model_key, store_key, target_key
+from tasks.profile_cache import ProfileCache, model_key, store_key, target_key
 from tasks.retry import task_options
 
 STORE_PROBE_TTL_S = 24 * 3600.0
@@ -298,18 +297,6 @@ def will_rent(ctx: RunContext) -> bool:
     return prof is None or store is None
 
 
-def _cached_doc(ctx: RunContext, kind: str, key: str) -> tuple[dict | None, float]:
-    """A cache document's value and when it was measured (seconds since the epoch)."""
-    store = ctx.open_durable()
-    try:
-        doc = json.loads(store.get(f"{CACHE_ROOT}/{kind}/{key}.json"))
-    except (KeyError, ValueError):
-        return None, 0.0
-    finally:
-        store.close()
-    return doc.get("value"), float(doc.get("measured_at") or 0.0)
-
-
 def _when(at: float) -> str:
     return datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%d %H:%M UTC")
 
@@ -323,22 +310,17 @@ def cached_profile(ctx: RunContext) -> tuple[dict, str]:
     began = time.perf_counter()
     job, target = ctx.job, ctx.resolved.target
     device = "cuda" if target.worker_gpu > 0 else "cpu"
-    own_key = target_key(ctx, profile_threads(ctx))
-    store = ctx.open_durable()
-    try:
-        keys = [k for k in store.list(f"{CACHE_ROOT}/targets/") if k.endswith(".json")]
-    finally:
-        store.close()
-    own = f"{CACHE_ROOT}/targets/{own_key}.json"
+    own = target_key(ctx, profile_threads(ctx))
+    cache = ProfileCache(ctx.open_durable)
     candidates = []
-    for key in sorted(keys, key=lambda k: k != own):  # this target's own first
-        identity, at = _cached_doc(ctx, "targets", key[len(CACHE_ROOT) + len("/targets/"):-len(".json")])
+    for key in cache.keys("targets"):
+        identity, at = cache.get_dated("targets", key)
         if identity and (key == own or identity.get("device") == device):
-            candidates.append((key != own, -at, identity))
+            candidates.append((key != own, -at, identity))  # this target's own first, then the newest
     for other, _, identity in sorted(candidates, key=lambda c: c[:2]):
         mkey = model_key(ctx, identity, microbatch_size(job))
-        prof, prof_at = _cached_doc(ctx, "profiles", mkey)
-        probe, probe_at = _cached_doc(ctx, "stores", store_key(mkey, ctx.store_ref, job.strategy != "local_sgd"))
+        prof, prof_at = cache.get_dated("profiles", mkey)
+        probe, probe_at = cache.get_dated("stores", store_key(mkey, ctx.store_ref, job.strategy != "local_sgd"))
         if prof is None or probe is None:
             continue
         check_device(identity, target.worker_gpu)

@@ -82,16 +82,31 @@ class ProfileCache:
 
     def get(self, kind: str, key: str, max_age_s: float | None = None) -> dict | None:
         """The cached `value` under `kind/key`, or None when absent or older than `max_age_s`."""
+        value, measured_at = self.get_dated(kind, key)
+        if max_age_s is not None and time.time() - measured_at > max_age_s:
+            return None
+        return value
+
+    def get_dated(self, kind: str, key: str) -> tuple[dict | None, float]:
+        """The cached `value` under `kind/key` (None when absent) and when it was measured
+        (seconds since the epoch; 0 when absent)."""
         store = self.open_store()
         try:
             doc = json.loads(store.get(self._key(kind, key)))
         except (KeyError, ValueError):
-            return None
+            return None, 0.0
         finally:
             store.close()
-        if max_age_s is not None and time.time() - float(doc.get("measured_at", 0)) > max_age_s:
-            return None
-        return doc.get("value")
+        return doc.get("value"), float(doc.get("measured_at") or 0.0)
+
+    def keys(self, kind: str) -> list[str]:
+        """The keys cached under `kind`."""
+        prefix = f"{CACHE_ROOT}/{kind}/"
+        store = self.open_store()
+        try:
+            return [k[len(prefix):-len(".json")] for k in store.list(prefix) if k.endswith(".json")]
+        finally:
+            store.close()
 
     def put(self, kind: str, key: str, value: dict) -> None:
         store = self.open_store()
