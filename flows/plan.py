@@ -65,7 +65,7 @@ def plan_report(job: TrainJob, chosen: dict) -> str:
 
 
 def _seconds(est: dict, name: str) -> str:
-    return f"{est[name]:.3g} s{'' if est['measured'][name] else ' (assumed)'}"
+    return f"{duration(est[name])}{'' if est['measured'][name] else ' (assumed)'}"
 
 
 def rent_notice(ctx: RunContext) -> str:
@@ -78,8 +78,8 @@ def rent_notice(ctx: RunContext) -> str:
     return (f"zooid dry run: will rent one profiling worker on target {r.target_name!r} (offer {r.offer.name}, "
             f"{r.target.worker_vcpu:g} vCPU, {r.target.worker_memory_gb:g} GB"
             f"{f', {r.target.worker_gpu} GPU' if r.target.worker_gpu else ''}) to measure {ctx.job.model} and the "
-            f"store, then stop it: estimated ${est['usd']:.3g} (start-up {_seconds(est, 'startup_s')} + profile "
-            f"{_seconds(est, 'profile_s')} + stop {_seconds(est, 'stop_s')} at ${est['price_per_s']:.3g}/s; an "
+            f"store, then stop it: estimated {money(est['usd'])} (start-up {_seconds(est, 'startup_s')} + profile "
+            f"{_seconds(est, 'profile_s')} + stop {_seconds(est, 'stop_s')} at {money(est['price_per_s'])}/s; an "
             "estimate: the bill is measured); rent=false rents nothing and plans from a cached profile or "
             "the catalog's figures")
 
