@@ -90,7 +90,7 @@ def predict_run(plan: Plan, terms: RunTerms, *, epochs: int, warm: bool, workers
         raise ValueError(f"per_epoch: must hold one plan per epoch ({epochs}), got {len(plans)}")
     coordinator_price = plan.price_per_worker_s if coordinator_price_per_s is None else coordinator_price_per_s
     t, usd, worker_s, prev_dur = terms.provision_s, 0.0, 0.0, 0.0
-    ends, workers_usd_by_epoch, durations = [], [], []
+    ends, workers_usd_by_epoch, first = [], [], None
     for i, p in enumerate(plans):
         epoch_s = p.predicted_compute_epoch_s + terms.epoch_overhead_s
         price = p.price_per_worker_s
@@ -114,15 +114,16 @@ def predict_run(plan: Plan, terms: RunTerms, *, epochs: int, warm: bool, workers
         worker_s, usd = worker_s + billed, usd + billed * price
         t, prev_dur = start + dur, dur
         ends.append(t)
-        durations.append(dur)
+        first = dur if first is None else first
         workers_usd_by_epoch.append(usd)
     if warm:  # the last workers stop after the last epoch (with no epoch: started, then stopped)
         last = plans[-1] if plans else plan
         tail = terms.stop_s + (0.0 if plans else terms.provision_s)
         worker_s, usd = worker_s + last.workers * tail, usd + last.workers * tail * last.price_per_worker_s
-    run_s = (t + terms.teardown_s) if plans else terms.provision_s + terms.teardown_s
-    first = durations[0] if durations else plan.predicted_compute_epoch_s + terms.epoch_overhead_s + (
-        terms.warmup_s + (0.0 if warm else terms.startup_s))
+    run_s = t + terms.teardown_s  # (t: the last epoch's end, or the provisioning's with no epoch)
+    if first is None:
+        first = plan.predicted_compute_epoch_s + terms.epoch_overhead_s + (
+            terms.warmup_s + (0.0 if warm else terms.startup_s))
     steady = plan.predicted_compute_epoch_s + terms.epoch_overhead_s + (
         0.0 if warm else terms.startup_s + terms.warmup_s)
     cost = billed_usd + usd + run_s * coordinator_price
