@@ -174,6 +174,18 @@ def run_deployed(params: dict, home: Path | None = None, timeout_s: float = 1800
         return run_and_wait(params, timeout_s)
 
 
+def wait_final(client, flow_run_id, timeout_s: float, poll_s: float = 1.0):
+    """The flow run once its state is final (read every `poll_s`); TimeoutError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        fr = client.read_flow_run(flow_run_id)
+        if fr.state and fr.state.is_final():
+            return fr
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"flow run {flow_run_id} still running after {timeout_s:.0f} s")
+        time.sleep(poll_s)
+
+
 def run_and_wait(params: dict, timeout_s: float, poll_s: float = 1.0) -> dict:
     """Submit `train/local` with `params`, wait until its flow run is final, and return the
     run's summary from the store, with the flow run's state and times and its ledger
@@ -187,16 +199,9 @@ def run_and_wait(params: dict, timeout_s: float, poll_s: float = 1.0) -> dict:
 
     submitted = time.time()
     flow_run = run_deployment("train/local", parameters=params, timeout=0)
-    deadline = time.monotonic() + timeout_s
     with get_client(sync_client=True) as client:
-        while True:
-            fr = client.read_flow_run(flow_run.id)
-            if fr.state and fr.state.is_final():
-                seen = time.time()
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"train/local run {flow_run.id} still running after {timeout_s:.0f} s")
-            time.sleep(poll_s)
+        fr = wait_final(client, flow_run.id, timeout_s, poll_s)
+        seen = time.time()
     run_id = run_id_for(flow_run.id)
     store = open_store_ref(resolve_durable_ref(params.get("durable_store", ""),
                                            resolve_store_ref(params.get("store", ""))))

@@ -55,16 +55,6 @@ def shoot(browser: str, url: str, out: Path, width: int, height: int) -> None:
     print(f"{out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}: {url}")
 
 
-def wait_final(client, flow_run_id, timeout_s: float = 900):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        fr = client.read_flow_run(flow_run_id)
-        if fr.state is not None and fr.state.is_final():
-            return fr
-        time.sleep(1.0)
-    raise TimeoutError(f"flow run {flow_run_id} still running after {timeout_s:.0f} s")
-
-
 def first_epoch_done(store_root: Path, run_id: str, timeout_s: float = 600) -> None:
     """Block until the run's history holds an epoch (the cancel comes mid-run, after it)."""
     history = store_root / "runs" / run_id / "history.json"
@@ -85,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     home = Path(tempfile.mkdtemp(prefix="zooid-shots-"))
     os.environ["ZOOID_HOME"] = str(home)
-    from deployments.stack import down, up
+    from deployments.stack import down, up, wait_final
 
     state = up(home)
     try:
@@ -107,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                 if name == "cancelled":
                     first_epoch_done(home / "store", run_id)
                     client.set_flow_run_state(flow_run.id, Cancelling(message="cancelled for the screenshots"))
-                fr = wait_final(client, flow_run.id)
+                fr = wait_final(client, flow_run.id, timeout_s=900)
                 print(f"{name}: run {run_id} ended {fr.state.type.value}")
                 report = client.read_artifacts(artifact_filter=ArtifactFilter(
                     key=ArtifactFilterKey(any_=[artifact_key(run_id, "report")])))
