@@ -31,7 +31,6 @@ import statistics
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 from benchmarks.bench_orchestration import MACHINE_DETAIL, epoch_rows, job_params, summarise_rows
@@ -127,17 +126,11 @@ def _wait_summary(flow_run_id, store_ref: str, timeout_s: float) -> dict:
     from prefect.client.orchestration import get_client
 
     from blocks.store import open_store_ref
+    from deployments.stack import wait_final
     from tasks.context import run_id_for
 
-    deadline = time.monotonic() + timeout_s
     with get_client(sync_client=True) as api:
-        while True:
-            fr = api.read_flow_run(flow_run_id)
-            if fr.state and fr.state.is_final():
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"run {flow_run_id} not final after {timeout_s:.0f} s")
-            time.sleep(0.2)
+        fr = wait_final(api, flow_run_id, timeout_s, poll_s=0.2)
     if not fr.state.is_completed():
         raise RuntimeError(f"run {flow_run_id} ended {fr.state.type.value}: {fr.state.message}")
     store = open_store_ref(store_ref)

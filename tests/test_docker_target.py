@@ -93,14 +93,10 @@ def _submit(stack, **params) -> str:
 def _wait_final(flow_run_id: str, timeout_s: float = 600):
     from prefect.client.orchestration import get_client
 
-    deadline = time.monotonic() + timeout_s
+    from deployments.stack import wait_final
+
     with get_client(sync_client=True) as client:
-        while time.monotonic() < deadline:
-            fr = client.read_flow_run(flow_run_id)
-            if fr.state and fr.state.is_final():
-                return fr
-            time.sleep(0.5)
-    raise TimeoutError(f"flow run {flow_run_id} not final after {timeout_s:.0f} s")
+        return wait_final(client, flow_run_id, timeout_s, poll_s=0.5)
 
 
 def _wait_key(store, prefix: str, timeout_s: float = 600) -> list[str]:
