@@ -42,9 +42,11 @@ $(AZURITE):
 lint: install
 	$(PY) -m ruff check --select F --output-format concise .
 
-## test: install (redis-server, Azurite, the container engine and the worker image included), lint, run the whole suite
+## test: install (redis-server, Azurite, the container engine and the worker image included), lint, run the whole
+## suite in TEST_PROCS processes (whole files each, so a module's servers start once; TEST_PROCS=0: one process)
+TEST_PROCS ?= 3
 test: install redis azurite lint image
-	$(PY) -m pytest -q -p no:cacheprovider --timeout=600 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider --timeout=600 $(if $(filter 0,$(TEST_PROCS)),,-n $(TEST_PROCS) --dist loadfile) $(PYTEST_ARGS)
 
 bench: install redis azurite
 	$(PY) -m benchmarks.run_all

@@ -19,7 +19,13 @@ import pytest
 
 
 def pytest_collection_modifyitems(config, items):
-    """Skip tests marked `gpu` when CUDA is not available."""
+    """Run the files with the most `slow` tests first (so that, split over processes by file,
+    the long ones start at once rather than last), and skip tests marked `gpu` when CUDA is not
+    available."""
+    slow_in = {}
+    for item in items:
+        slow_in[item.fspath] = slow_in.get(item.fspath, 0) + ("slow" in item.keywords)
+    items.sort(key=lambda item: -slow_in[item.fspath])  # stable: a file's own order is kept
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items:
         return

@@ -318,6 +318,7 @@ def test_the_s3_proxy_refuses_any_key_but_the_blocks(s3_server):
         proxy.close()
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("prefect_api")
 @pytest.mark.timeout(600)
 def test_a_run_on_a_secret_store_block_leaks_the_secret_nowhere(secret_run):
@@ -337,6 +338,7 @@ def test_a_run_on_a_secret_store_block_leaks_the_secret_nowhere(secret_run):
     assert find_leaks(evidence, secret_run.secrets) == []
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("prefect_api")
 @pytest.mark.timeout(600)
 def test_the_leak_check_catches_planted_leaks(secret_run, monkeypatch):

@@ -154,6 +154,7 @@ def _flow_run_lines(flow_run_id) -> list[str]:
     return [log.message for log in logs]
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("prefect_api")
 @pytest.mark.parametrize("engine_owns", [True, False], ids=["in-process", "runner-owned"])
 def test_a_run_cancelled_through_prefect_is_cancelled_everywhere(tmp_path, monkeypatch, request, engine_owns):
@@ -207,6 +208,7 @@ def test_a_run_cancelled_through_prefect_is_cancelled_everywhere(tmp_path, monke
 # --- the command line stopped by a signal ---------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_command_line_run_stopped_by_a_signal_says_three_lines_and_exits_128_plus_it(tmp_path, sig):
     """`python -m flows.train` on the inline target with a long job, stopped once its first

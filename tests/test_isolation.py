@@ -24,6 +24,7 @@ def _max_overlap(intervals: list[tuple[float, float]]) -> int:
     return most
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_three_concurrent_runs_are_isolated_and_capped(tmp_path):
     """Each run's rank 0 is held at its first step until the test releases it, so workers stay

@@ -297,6 +297,7 @@ def test_the_time_model_replays_interleaved_per_worker_with_a_smaller_bubble():
         pipeline_iteration(halves, 4, free, schedule="interleaved", chunks=3)
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("prefect_api")
 def test_an_interleaved_job_runs_through_the_flow(tmp_path):
     from flows.train import train

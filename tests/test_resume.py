@@ -29,6 +29,7 @@ def _weights(url: str, key: str) -> dict[str, torch.Tensor]:
     return {k: v for k, v in tensors.items() if k.startswith("model/")}
 
 
+@pytest.mark.slow
 def test_resume_continues_from_the_last_checkpoint_and_ends_equal(tmp_path):
     from comm.store import open_store
     from flows.train import train
@@ -56,6 +57,7 @@ def test_resume_of_an_unknown_run_is_refused(tmp_path):
     assert main(["--param", f"store=file://{tmp_path}/s", "--param", "resume=znothere"]) != 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_killed_coordinator_is_swept_and_its_epoch_resumes_from_the_sync_point(tmp_path):
     from prefect.settings import PREFECT_API_URL

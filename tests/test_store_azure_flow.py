@@ -167,6 +167,7 @@ def test_the_account_key_is_in_no_environment_log_artifact_parameter_or_object(a
         wrong.get(run.summary.checkpoint_key)
 
 
+@pytest.mark.slow
 def test_an_azurite_restart_mid_run_loses_nothing(azurite, local_sgd_run):
     """Azurite stops and starts again once the first sync point's checkpoint is a blob: the
     workers' requests retry across it, and the run ends where the undisturbed run ends."""
@@ -206,6 +207,7 @@ def test_an_azurite_restart_mid_run_loses_nothing(azurite, local_sgd_run):
     assert list(blobs.list_blob_names(name_starts_with=f"zooid/runs/{summary.run_id}/ckpt/"))
 
 
+@pytest.mark.slow
 def test_a_two_stage_pipeline_trains_on_azure_blob(azurite):
     from flows.train import train
 

@@ -19,6 +19,7 @@ def _run(tmp_path, name: str, **kw):
     return train(TrainJob(store=f"file://{tmp_path}/{name}", **BASE, **kw))
 
 
+@pytest.mark.slow
 def test_pipeline_equals_one_process(tmp_path):
     pipe = _run(tmp_path, "pipe", strategy="pipeline", stages=2, microbatches=4)
     single = _run(tmp_path, "single", strategy="local_sgd", workers=1, min_workers=1)
@@ -27,6 +28,7 @@ def test_pipeline_equals_one_process(tmp_path):
     assert abs(pipe.final_accuracy - single.final_accuracy) <= 1 / 360 + 1e-12
 
 
+@pytest.mark.slow
 def test_hybrid_over_a_ring_equals_hybrid_through_the_store(tmp_path):
     store = _run(tmp_path, "store", strategy="hybrid", workers=2, stages=2, microbatches=4)
     ring = _run(tmp_path, "ring", strategy="hybrid", workers=2, stages=2, microbatches=4, collective="ring")

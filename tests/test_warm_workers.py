@@ -233,6 +233,7 @@ def _final_weights(store_url: str, summary) -> dict[str, torch.Tensor]:
     return {k: v for k, v in tensors.items() if k.startswith("model/")}
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("prefect_api")
 def test_rescaling_warm_workers_up_and_down_trains_as_the_cold_path(tmp_path, monkeypatch):
     """Workers 2 -> 3 -> 1 -> 2 under plain SGD: warm and cold end with the same weights; the
@@ -286,6 +287,7 @@ def test_a_warm_worker_killed_mid_epoch_is_replaced_and_the_epoch_completes(tmp_
     assert tagged_pids(summary.run_id) == []
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(480)
 def test_workers_of_a_killed_coordinator_exit_within_their_lease(tmp_path):
     """SIGKILL the whole coordinator (its process group: the flow and its temporary Prefect
@@ -297,7 +299,7 @@ def test_workers_of_a_killed_coordinator_exit_within_their_lease(tmp_path):
     env.update(ZOOID_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1")
     coordinator = subprocess.Popen(
         [sys.executable, "-m", "flows.train", "--param", "workers=2", "--param", "epochs=500",
-         "--param", "worker_lease_s=3", "--param", "batch_size=32"],
+         "--param", "worker_lease_s=5", "--param", "batch_size=32"],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         runs = home / "store" / "runs"
@@ -318,8 +320,10 @@ def test_workers_of_a_killed_coordinator_exit_within_their_lease(tmp_path):
         time.sleep(0.2)
     assert tagged_pids(run_id) == []
     assert not any(_alive(p) for p in guards)  # nor does its temporary Prefect server outlive it
-    logs = list((home / "logs" / run_id).glob("*.log"))
-    assert len(logs) == 2 and all("lease was not renewed" in p.read_text() for p in logs)
+    logs = {p.name: p.read_text() for p in (home / "logs" / run_id).glob("*.log")}
+    assert len(logs) == 2, sorted(logs)
+    quiet = {name: text[-1500:] for name, text in logs.items() if "lease was not renewed" not in text}
+    assert not quiet, quiet
 
 
 @pytest.mark.usefixtures("prefect_api")
@@ -360,6 +364,7 @@ def test_workers_a_known_rescale_adds_are_started_during_the_epoch_before(tmp_pa
     assert launched[-1] == (1, rank1)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_sigterm_to_the_command_line_tears_down_and_bills_before_exiting(tmp_path):
     """`python -m flows.train` without a Prefect API: its temporary server runs in a session of
