@@ -14,6 +14,11 @@ j != rank the residual holds this rank's unsent share of its contribution; for i
 it holds what rounding the reduced slice dropped. The update still owed to slice j is
 therefore `e_jj + (1/world) * sum_{i != j} e_ij` (`pending`), which `residual_for` hands
 to another world size unchanged (each new rank keeps its own slice of it).
+
+Exact positions (`Compressor.exact`, a model's buffers: batch-norm running statistics): a
+caller may mark positions of the flat vector that must not be rounded. They travel in their
+own dtype beside the rounded vector and owe no residual, so a running variance comes back as
+the mean of non-negative values (never below zero), whatever else shares its int8 block.
 """
 from __future__ import annotations
 
@@ -52,28 +57,56 @@ def dequantize_int8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
     return (blocks * scale.to(dtype)[:, None]).view(-1)[:n]
 
 
-def encode_flat(flat: Flat, sync_dtype: str) -> Flat:
+def encode_flat(flat: Flat, sync_dtype: str, exact: Flat | None = None) -> Flat:
     """The wire tensors of `flat` in `sync_dtype` (safetensors names `<dtype>` or
-    `<dtype>.q` / `<dtype>.s`)."""
+    `<dtype>.q` / `<dtype>.s`, and `<dtype>.x` / `<dtype>.i`).
+
+    `exact`: per dtype name, a bool mask over the vector of the positions that travel as
+    they are (a model's buffers): their values as `<dtype>.x` in their own dtype and their
+    positions as `<dtype>.i`; the rounded vector carries zeros there, so they neither come
+    back rounded nor widen an int8 block's scale."""
     if sync_dtype == "float32":
         return flat
-    if sync_dtype == "bfloat16":
-        return {d: v.to(torch.bfloat16) for d, v in flat.items()}
     out = {}
     for d, v in flat.items():
-        out[f"{d}.q"], out[f"{d}.s"] = quantize_int8(v)
+        mask = _mask_of(exact, d, v)
+        if mask is not None:
+            out[f"{d}.x"] = v[mask].contiguous()
+            where = torch.nonzero(mask).view(-1)
+            out[f"{d}.i"] = where.to(torch.int32) if v.numel() < 2**31 else where
+            v = torch.where(mask, torch.zeros_like(v), v)
+        if sync_dtype == "bfloat16":
+            out[d] = v.to(torch.bfloat16)
+        else:
+            out[f"{d}.q"], out[f"{d}.s"] = quantize_int8(v)
     return out
+
+
+def _mask_of(exact: Flat | None, d: str, v: torch.Tensor) -> torch.Tensor | None:
+    """The exact positions of vector `d` (None: none)."""
+    mask = None if exact is None else exact.get(d)
+    if mask is None or not bool(mask.any()):
+        return None
+    if mask.shape != v.shape:
+        raise ValueError(f"exact mask of {d} has {mask.numel()} values, the vector {v.numel()}")
+    return mask
 
 
 def decode_flat(wire: Flat) -> Flat:
     """`encode_flat`'s input back, as rounding left it, in each vector's own dtype (the
-    names say how each travelled)."""
+    names say how each travelled; exact positions come back as they were sent)."""
     out = {}
     for name, v in wire.items():
         if name.endswith(".q"):
             out[name[:-2]] = dequantize_int8(v, wire[f"{name[:-2]}.s"], _dtype(name[:-2]))
-        elif not name.endswith(".s"):
+        elif not name.endswith((".s", ".x", ".i")):
             out[name] = v.to(_dtype(name))
+    for name, v in wire.items():
+        if name.endswith(".x"):
+            d = name[:-2]
+            if d in wire and out[d].data_ptr() == wire[d].data_ptr():
+                out[d] = out[d].clone()   # never write into the wire's own tensor
+            out[d][wire[f"{d}.i"].long()] = v.to(_dtype(d))
     return out
 
 
@@ -95,6 +128,10 @@ class Compressor:
         self.flushing = False
         """Send the next calls losslessly with the residual added: it ends at zero (a
         group of syncs whose residual must not outlive it, `engine.pipeline_stage_worker`)."""
+        self.exact: Flat | None = None
+        """Per dtype name, a bool mask over the call's flat vector (`comm.collectives._flatten`
+        of the tensors the caller syncs) of the positions that travel exactly and owe no
+        residual: a model's buffers (`engine.local_sgd`); None: every position is rounded."""
         self._world = 1
 
     @property
@@ -103,21 +140,31 @@ class Compressor:
         return self.sync_dtype != "float32"
 
     def begin(self, flat: Flat, world: int) -> None:
-        """Start a call on `flat` among `world` ranks: a residual of another layout is zeros."""
+        """Start a call on `flat` among `world` ranks: a residual of another layout is zeros,
+        and so is its part at exact positions (nothing is owed there)."""
         self._world = world
         for d, v in flat.items():
             r = self.residual.get(d)
             if r is None or r.shape != v.shape or r.dtype != v.dtype:
                 self.residual[d] = torch.zeros_like(v)
+            mask = _mask_of(self.exact, d, v)
+            if mask is not None:
+                self.residual[d][mask] = 0
 
     def _part(self, d: str, j: int) -> torch.Tensor:
         return torch.tensor_split(self.residual[d], self._world)[j]
 
+    def _exact_part(self, j: int) -> Flat | None:
+        if self.exact is None:
+            return None
+        return {d: torch.tensor_split(m, self._world)[j] for d, m in self.exact.items()}
+
     def encode(self, piece: Flat, j: int) -> Flat:
         """The wire form of `piece` (slice `j` of the call's flat vector) with this rank's
-        residual of slice j added; the residual keeps what the encoding dropped."""
+        residual of slice j added; the residual keeps what the encoding dropped (nothing at
+        exact positions, which travel as they are)."""
         corrected = {d: v + self._part(d, j) for d, v in piece.items()}
-        wire = encode_flat(corrected, "float32" if self.flushing else self.sync_dtype)
+        wire = encode_flat(corrected, "float32" if self.flushing else self.sync_dtype, self._exact_part(j))
         sent = self.decode(wire)
         for d, v in corrected.items():
             self._part(d, j).copy_(v - sent[d])

@@ -31,13 +31,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from comm import heartbeat
-from comm.collectives import PostLog, SyncStats, allreduce_mean, release_group
+from comm.collectives import PostLog, SyncStats, _flatten, allreduce_mean, release_group
 from comm.compression import Compressor
 from comm.scatter_reduce import Allreduce
 from comm.store import Store
 from core.errors import ZooidValueError
 from engine.optimizers import optimizer_state_tensors
-from engine.outer import OuterStep
+from engine.outer import BUFFER_PREFIX, OuterStep
 
 DEFAULT_REPOST_S = 5.0
 """Seconds a stalled wait lasts before a replica re-posts its pieces (`SyncSpec.repost_s`)."""
@@ -103,13 +103,15 @@ class LocalSGD:
         self.steps = start_step
         self._since_sync = 0
         self.outer, self.compressor = outer, compressor
+        self._exact_layout: tuple | None = None
+        self._exact: dict[str, torch.Tensor] | None = None
         if outer is not None:
             outer.start(self._shared_tensors())
 
     def _shared_tensors(self) -> dict[str, torch.Tensor]:
         """The live tensors every replica must agree on, by name."""
         out = {f"param/{n}": p.data for n, p in self.model.named_parameters()}
-        out.update({f"buffer/{n}": b for n, b in self.model.named_buffers() if b.is_floating_point()})
+        out.update({f"{BUFFER_PREFIX}{n}": b for n, b in self.model.named_buffers() if b.is_floating_point()})
         for n, t in optimizer_state_tensors(self.model, self.optimizer).items():
             # Scalars are step counters, equal on every replica; only moments are averaged.
             if t.is_floating_point() and t.dim() > 0:
@@ -121,10 +123,13 @@ class LocalSGD:
         step when there is one."""
         live = self._shared_tensors()
         previous = f"{self.group}/r{self.rounds - 1}" if self.rounds and not self.replayable else None
-        wire = {} if self.compressor is None else {"compressor": self.compressor}
+        payload = live if self.outer is None else self.outer.payload(live)
+        wire = {}
+        if self.compressor is not None:
+            self.compressor.exact = self._exact_positions(payload)
+            wire = {"compressor": self.compressor}
         mean = self.allreduce(
-            self.store, f"{self.group}/r{self.rounds}", self.rank, self.world,
-            live if self.outer is None else self.outer.payload(live),
+            self.store, f"{self.group}/r{self.rounds}", self.rank, self.world, payload,
             self.timeout, stats=self.stats, previous_prefix=previous, log=self.log,
             repost_s=self.repost_s, replay=self.replay, **wire,
         )
@@ -139,6 +144,21 @@ class LocalSGD:
         self._since_sync = 0
         if self.on_sync is not None:
             self.on_sync(self.rounds - 1, self.steps)
+
+    def _exact_positions(self, payload: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """The buffers' positions in the collective's flat vectors (`Compressor.exact`): a
+        compressed sync rounds parameters and optimizer state, never batch-norm statistics
+        (an int8 block shared with large values could turn a running variance near zero
+        negative). None when the model has no float buffers."""
+        if not any(n.startswith(BUFFER_PREFIX) for n in payload):
+            return None
+        layout = tuple((n, t.dtype, tuple(t.shape)) for n, t in sorted(payload.items()))
+        if self._exact_layout != layout:
+            marks = {n: torch.full(t.shape, float(n.startswith(BUFFER_PREFIX)), dtype=t.dtype)
+                     for n, t in payload.items()}
+            self._exact_layout = layout
+            self._exact = {d: v != 0 for d, v in _flatten(marks).items()}
+        return self._exact
 
     def drop_rounds_before(self, round_: int) -> None:
         """Delete the scratch keys of every round before `round_` (a replayable group)."""

@@ -14,7 +14,10 @@ inner optimizer's state are averaged in both, as K-AVG always did.
 What a round sends: with `float32` syncs the live values (today's bytes and arithmetic, so
 `average` reproduces K-AVG bit for bit); a compressed sync (`comm.compression`) sends each
 replica's change since the round's start, θ_i − θ_global, which is small and rounds well,
-and the mean change is added back to θ_global.
+and the mean change is added back to θ_global. Buffers (names `buffer/`: batch-norm running
+means and variances) are sent as they are even then, and travel exactly
+(`engine.local_sgd` marks them for the compressor): their result is the plain mean of the
+replicas' values, so a running variance never comes back below zero.
 
 The outer state every replica holds alike, `momentum` (parameter name -> buffer), is
 checkpointed with the weights (`state_tensors` / `load_state_tensors`, names under
@@ -28,6 +31,8 @@ from core.errors import ZooidValueError
 from core.outer_sync import OUTER_OPTIMIZERS
 
 STATE_PREFIX = "outer/momentum/"
+BUFFER_PREFIX = "buffer/"
+"""Names of a model's buffers among the shared tensors (`engine.local_sgd.LocalSGD`)."""
 
 
 class OuterStep:
@@ -60,11 +65,16 @@ class OuterStep:
         # the inner optimizer's state appears at its first step: it started from zero
         return ref if ref is not None and ref.shape == like.shape else torch.zeros_like(like)
 
+    def _sends_delta(self, name: str) -> bool:
+        """Whether tensor `name` travels as its change since `start` (buffers never do)."""
+        return self.deltas and not name.startswith(BUFFER_PREFIX)
+
     def payload(self, live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """What this replica sends: the live values, or their change since `start`."""
+        """What this replica sends: the live values, or their change since `start` (the
+        buffers' live values)."""
         if not self.deltas:
             return live
-        return {n: t.detach() - self._ref(n, t) for n, t in live.items()}
+        return {n: t.detach() - self._ref(n, t) if self._sends_delta(n) else t.detach() for n, t in live.items()}
 
     def apply(self, live: dict[str, torch.Tensor], reduced: dict[str, torch.Tensor]) -> None:
         """Write the round's result into `live` from the mean of the payloads, and start the
@@ -72,7 +82,7 @@ class OuterStep:
         with torch.no_grad():
             for name, t in live.items():
                 mean = reduced[name].to(t.device)
-                if self.deltas:
+                if self._sends_delta(name):
                     mean = self._ref(name, t) + mean
                 if self.optimizer == "nesterov" and name.startswith("param/"):
                     ref = self._ref(name, t)

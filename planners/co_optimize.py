@@ -77,6 +77,7 @@ def parse_problem(doc: dict) -> CoOptProblem:
         price_per_byte_s=v.number(doc, "price_per_byte_s", non_negative=True),
         weights=weights, price_per_s=price_per_s,
         optimizer_state_factor=v.number(doc, "optimizer_state_factor", non_negative=True, default=0.0),
+        sync_bytes_factor=v.number(doc, "sync_bytes_factor", positive=True, default=1.0),
     )
 
 
@@ -119,7 +120,7 @@ def evaluate(problem: CoOptProblem, cuts, d: int, options) -> tuple[float, float
         fc.append(beta * sum(problem.forward_s[i][j] for i in range(a, b + 1)))
         bc.append(beta * sum(problem.backward_s[i][j] for i in range(a, b + 1)))
         params = sum(problem.param_bytes[a:b + 1])
-        sync.append(2 * params / W[j] + (2 + d) * lat if d > 1 else 0.0)
+        sync.append(2 * problem.sync_bytes(params) / W[j] + (2 + d) * lat if d > 1 else 0.0)
     # Communication of the cut after stage l (between stage l and l + 1).
     fwd_comm, bwd_comm = [], []
     for l in range(k - 1):
@@ -237,7 +238,10 @@ def co_optimize(doc: dict) -> dict:
     """The `co-optimize` command: validate, solve, and add the Pareto sweep when asked.
 
     Optional fields beyond the contract: `solver` ("exact", "gurobi", "scip"),
-    `time_limit_s` (MIQP solvers) and `max_layers` (merge layers first, see `merge_layers`).
+    `time_limit_s` (MIQP solvers), `max_layers` (merge layers first, see `merge_layers`) and
+    `sync_bytes_factor` (bytes a data-parallel sync moves per float32 parameter byte, > 0;
+    default 1.0, float32: every solver prices a stage's sync as 2 * factor * param_bytes / W
+    + (2 + d) * latency).
     """
     problem = parse_problem(doc)
     solver = v.choice(doc, "solver", SOLVERS, default="exact")

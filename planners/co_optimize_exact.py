@@ -136,7 +136,7 @@ class _Tables:
         upper = np.triu(np.ones((L, L), dtype=bool))
         self.fit = (need[:, :, None] <= memory[None, None, :] * (1 + MEMORY_SLACK)) & upper[:, :, None]
         if d > 1:
-            self.sync = 2 * params[:, :, None] / W[None, None, :] + (2 + d) * lat
+            self.sync = 2 * p.sync_bytes(params)[:, :, None] / W[None, None, :] + (2 + d) * lat
         else:
             self.sync = np.zeros((L, L, J))
         out = np.asarray(p.output_bytes, dtype=float)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
+from core.outer_sync import wire_bytes
 from core.stage_memory import GB
 from planners.co_optimize import evaluate
 from planners.co_optimize_exact import frontier_exact
@@ -52,11 +53,13 @@ class Point:
 
 def build_problem(layers: Sequence[dict], sizes: Sequence[SizeOption], *, latency_s: float,
                   contention: float, base_memory_bytes: float, optimizer_state_factor: float,
-                  microbatches: int, dp_degrees: Sequence[int]) -> CoOptProblem:
+                  microbatches: int, dp_degrees: Sequence[int],
+                  sync_bytes_factor: float = 1.0) -> CoOptProblem:
     """The co-optimisation of `layers` (per micro-batch at the profiled size: forward_s,
     backward_s, output_bytes, activation_bytes, param_bytes) over `sizes`. Billing is per
     worker-second of each size (`price_per_s`); the weights are placeholders, `frontier`
-    does not use them."""
+    does not use them. `sync_bytes_factor`: bytes a data-parallel sync moves per float32
+    parameter byte (the job's sync dtype: `dtype_sync_factor`)."""
     return CoOptProblem(
         forward_s=tuple(tuple(l["forward_s"] * s.time_factor for s in sizes) for l in layers),
         backward_s=tuple(tuple(l["backward_s"] * s.time_factor for s in sizes) for l in layers),
@@ -69,7 +72,15 @@ def build_problem(layers: Sequence[dict], sizes: Sequence[SizeOption], *, latenc
         latency_s=latency_s, contention=max(1.0, contention), base_memory_bytes=base_memory_bytes,
         dp_degrees=tuple(dp_degrees), microbatches=microbatches, price_per_byte_s=0.0,
         weights=(1.0, 1.0), price_per_s=tuple(s.price_per_s for s in sizes),
-        optimizer_state_factor=optimizer_state_factor)
+        optimizer_state_factor=optimizer_state_factor, sync_bytes_factor=sync_bytes_factor)
+
+
+def dtype_sync_factor(param_bytes: float, sync_dtype: str) -> float:
+    """Bytes a sync in `sync_dtype` moves per float32 byte of a model of `param_bytes`
+    float32 parameter bytes (`core.outer_sync.wire_bytes`; 1.0 for float32 or no parameters)."""
+    if param_bytes <= 0:
+        return 1.0
+    return wire_bytes(param_bytes, sync_dtype) / param_bytes
 
 
 def only_size(problem: CoOptProblem, j: int) -> CoOptProblem:

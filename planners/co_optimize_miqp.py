@@ -21,7 +21,8 @@ other side of App. C's Technique 2 and Technique 3's selector binaries are not n
     hat/tilde accumulations (App. C (1), as a recursion instead of r-dot products):
       u_hat_i >= u_i + u_hat_{i-1} - U x_{i-1},  u_hat_i >= u_i     for u = a, s and
       Fc_i = beta sum_j Tf_ij z_ij;  tilde (backward) likewise for Bc_i and the sync
-      bytes-over-bandwidth 2 s_i / W_j (sum_j ... z_ij), cut by x_i
+      bytes-over-bandwidth 2 phi s_i / W_j (sum_j ... z_ij), cut by x_i (phi: the sync's
+      bytes per float32 byte, `sync_bytes_factor`)
     transfers at cut c (App. C (2), Technique 2 with x_c):
       FU_c >= sum_j z_cj o_c / W_j + lat - U (1 - x_c); FD_c with z_{c+1,j};
       BU_c >= sum_j z_{c+1,j} g_{c+1} / W_j + lat - U (1 - x_c); BD_c with z_cj
@@ -130,7 +131,7 @@ def build_model(problem: CoOptProblem) -> tuple[_Model, dict]:
     s_hat, s_tot = _accumulate_constant(m, x, [s / mem_unit for s in p.param_bytes], "s")
     fc_terms = [{z[i][j]: beta * p.forward_s[i][j] for j in range(J)} for i in range(L)]
     bc_terms = [{z[i][j]: beta * p.backward_s[i][j] for j in range(J)} for i in range(L)]
-    sy_terms = [{z[i][j]: 2 * p.param_bytes[i] / W[j] for j in range(J)} for i in range(L)]
+    sy_terms = [{z[i][j]: 2 * p.sync_bytes(p.param_bytes[i]) / W[j] for j in range(J)} for i in range(L)]
     fc_hat, fc_tot = accumulate("Fc", fc_terms, True)
     bc_tilde, bc_tot = accumulate("Bc", bc_terms, False)
     sy_tilde, sy_tot = accumulate("Sb", sy_terms, False)

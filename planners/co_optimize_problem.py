@@ -12,8 +12,10 @@ stage memory are `core.stage_memory`'s, the same arithmetic the flow's memory ch
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from core.errors import PlannerInputError
 from core.stage_memory import stage_memory
 
 # Memory checks allow this relative slack so a solver's rounding cannot flip feasibility.
@@ -43,6 +45,14 @@ class CoOptProblem:
     weights: tuple[float, float]
     price_per_s: tuple[float, ...] | None = None
     optimizer_state_factor: float = 0.0
+    sync_bytes_factor: float = 1.0
+    """Bytes a data-parallel sync moves per float32 byte of parameters (1.0: float32; the
+    job's `sync_dtype` gives `core.outer_sync.wire_bytes(P, dtype) / P`)."""
+
+    def __post_init__(self):
+        f = self.sync_bytes_factor
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or f <= 0:
+            raise PlannerInputError("sync_bytes_factor", f"must be a finite number > 0, got {f!r}")
 
     @property
     def num_layers(self) -> int:
@@ -63,6 +73,10 @@ class CoOptProblem:
     def valid_degrees(self) -> tuple[int, ...]:
         """The degrees d in dp_degrees that divide microbatches."""
         return tuple(d for d in self.dp_degrees if self.microbatches % d == 0)
+
+    def sync_bytes(self, param_bytes):
+        """What one data-parallel sync of `param_bytes` float32 bytes moves (scalar or array)."""
+        return self.sync_bytes_factor * param_bytes
 
     def memory_factor(self, d: int) -> float:
         """Copies of the parameters held per worker: 4 - 2[d = 1] + f."""

@@ -14,6 +14,9 @@ rest of the plan (`tasks.plan.make_plan`'s `StrategyInputs`):
   with the profile's serial fraction);
 - the store's bandwidth and latency the profile's probe measured, the same at every size
   (one size was probed);
+- the bytes a data-parallel sync moves per float32 parameter byte, from the job's
+  `sync_dtype` (`core.outer_sync.wire_bytes(P, dtype) / P` for the model's P float32
+  parameter bytes: 1 for float32, 1/2 for bfloat16, about 1/4 for int8);
 - the price of a worker of each size (`planners.catalog.Offer.price_per_s`);
 - the degrees and stage counts the job's worker budget allows (`pipeline`: D = 1, `hybrid`:
   D = workers, `auto`: D x stages <= workers; the job's `stages` when it fixes them);
@@ -36,7 +39,8 @@ from typing import Callable
 
 from core.plan import Plan
 from core.stage_memory import stage_bounds
-from planners.co_optimize_flow import Point, SizeOption, build_problem, describe_point, frontier, only_size, select
+from planners.co_optimize_flow import (Point, SizeOption, build_problem, describe_point, frontier, only_size, select,
+                                       dtype_sync_factor)
 from planners.strategy import StrategyInputs, job_microbatches, merge_parameter_free, predicted
 
 MAX_LAYERS = 12
@@ -119,7 +123,8 @@ def co_optimized(ctx, profile: dict, x: StrategyInputs, uniform: Plan | None, wo
     problem = build_problem(layers, options, latency_s=x.latency, contention=x.contention,
                             base_memory_bytes=float(profile.get("base_memory_bytes") or 0.0),
                             optimizer_state_factor=x.optimizer_copies,
-                            microbatches=total, dp_degrees=degrees)
+                            microbatches=total, dp_degrees=degrees,
+                            sync_bytes_factor=dtype_sync_factor(x.param_bytes, x.sync_dtype))
     if problem.num_layers > MAX_LAYERS:
         from planners.co_optimize import merge_layers
 
@@ -131,6 +136,7 @@ def co_optimized(ctx, profile: dict, x: StrategyInputs, uniform: Plan | None, wo
     point, rule = select(points, max_cost=job.budget_usd / iterations if job.budget_usd else None,
                          max_time=job.deadline_s / iterations if job.deadline_s else None)
     record = {"used": False, "sizes_gb": list(sizes), "solver": "exact", "rule": rule,
+              "sync_dtype": x.sync_dtype, "sync_bytes_factor": problem.sync_bytes_factor,
               "assumption": ("CPU in proportion to memory (function offer)" if options[0].time_factor != 1.0
                              or options[-1].time_factor != 1.0 else "the same speed at every size "
                              "(the size changes memory only)"),

@@ -472,3 +472,83 @@ def test_pruning_keeps_the_residuals_of_the_checkpoints_it_keeps(tmp_path):
     assert store.list(f"runs/{run}/ckpt/residual/") == [
         f"runs/{run}/ckpt/residual/e{e}/r{r}/round5.safetensors" for e in (0, 2, 3) for r in (0, 1)]
     assert not store.exists(f"runs/{run}/ckpt/epoch-0001.safetensors")
+
+
+class _ConvBN(torch.nn.Module):
+    """Conv + BatchNorm + a linear head: parameters, float buffers and an int buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 8, 3)
+        self.bn = torch.nn.BatchNorm2d(8)
+        self.head = torch.nn.Linear(8 * 6 * 6, 10)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.bn(self.conv(x))).flatten(1))
+
+
+# running_var at the round's start and on each replica when it syncs: values near zero
+# beside large ones in one tensor (and one int8 block), the small ones falling towards zero
+_VAR_START = [5.0, 1e-6, 1000.0, 2.0, 0.5, 3e-4, 1.0, 7.0]
+_VAR_AT_SYNC = [[1e-3, 0.0, 2000.0, 1e-5, 0.0, 0.0, 1e-7, 3.0],
+                [2e-3, 1e-7, 1500.0, 0.0, 1e-6, 2e-7, 0.0, 4.0]]
+
+
+@pytest.mark.parametrize("collective", [allreduce_mean, pipelined_allreduce_mean])
+@pytest.mark.parametrize("sync_dtype,outer", [("int8", "average"), ("int8", "nesterov"), ("bfloat16", "average")])
+def test_compressed_syncs_send_batch_norm_buffers_exactly(collective, sync_dtype, outer):
+    """A compressed Local-SGD sync rounds parameters and optimizer state, never the
+    batch-norm statistics: running_var comes back as the exact mean of the replicas'
+    (so >= 0), num_batches_tracked keeps its dtype and value, and no residual is owed there."""
+    from engine.local_sgd import LocalSGD
+    from engine.outer import OuterStep
+
+    world, store = 2, MemoryStore()
+    models, syncs, at_sync = [], [], []
+    for rank in range(world):
+        torch.manual_seed(0)
+        model = _ConvBN()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        model(torch.randn(4, 1, 8, 8)).square().mean().backward()
+        opt.step()                                      # momentum buffers: optimizer state to sync
+        with torch.no_grad():
+            model.bn.running_var.copy_(torch.tensor(_VAR_START))
+            model.bn.num_batches_tracked.fill_(7)
+        # the engine's wiring of a compressed sync (engine.local_sgd_epoch._outer_and_wire)
+        outer_step = OuterStep(outer, 0.7 if outer == "nesterov" else 1.0, 0.9 if outer == "nesterov" else 0.0,
+                               deltas=True)
+        syncs.append(LocalSGD(model, opt, store, "g", rank, world, period=None, timeout=30, allreduce=collective,
+                              outer=outer_step, compressor=Compressor(sync_dtype)))
+        gen = torch.Generator().manual_seed(10 + rank)
+        with torch.no_grad():                           # the round's inner steps, as their result
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+            model.bn.running_var.copy_(torch.tensor(_VAR_AT_SYNC[rank]))
+            model.bn.running_mean.copy_(torch.randn(8, generator=gen) * 100)
+        at_sync.append({n: t.detach().clone() for n, t in model.state_dict().items()})
+        models.append(model)
+    with ThreadPoolExecutor(world) as pool:
+        list(pool.map(lambda s: s.sync(), syncs))
+
+    for model in models:
+        assert (model.bn.running_var >= 0).all(), model.bn.running_var
+    for name in ("bn.running_var", "bn.running_mean"):
+        exact = torch.stack([s[name] for s in at_sync]).mean(0)
+        for model in models:
+            assert torch.equal(model.state_dict()[name], exact), name   # travelled exactly
+    for model in models:
+        tracked = model.bn.num_batches_tracked
+        assert tracked.dtype == torch.int64 and int(tracked) == 7
+        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), models[0].state_dict().values()))
+    # the parameters still travelled compressed: rounded, and the rounding owed as residual
+    weight = torch.stack([s["conv.weight"] for s in at_sync]).mean(0)
+    if outer == "average":
+        assert not torch.equal(models[0].conv.weight.detach(), weight)
+        assert (models[0].conv.weight.detach() - weight).abs().max() < 0.05
+    for s in syncs:
+        mask, residual = s.compressor.exact["float32"], s.compressor.residual["float32"]
+        assert int(mask.sum()) == 16                    # running_mean and running_var
+        assert residual[mask].abs().max() == 0 and residual[~mask].abs().max() > 0
+    # in eval mode the model normalises with the synced statistics: finite outputs
+    models[0].eval()
+    assert torch.isfinite(models[0](torch.randn(2, 1, 8, 8))).all()

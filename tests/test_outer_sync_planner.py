@@ -113,3 +113,46 @@ def with_run_fields(plan):
     from dataclasses import replace
 
     return replace(plan, predicted_run_s=1.0, predicted_run_cost_usd=0.01, predicted_first_epoch_s=1.0)
+
+
+@pytest.mark.parametrize("sync_dtype", ["float32", "bfloat16", "int8"])
+def test_the_co_optimiser_prices_a_hybrid_s_syncs_in_the_job_s_dtype(monkeypatch, sync_dtype):
+    """A job offered several worker sizes: the problem the co-optimiser solves carries the
+    bytes a sync moves per float32 byte (wire_bytes(P) / P of the model's P), the plan's
+    record says so, and the choice is the brute-force optimum of that problem."""
+    from dataclasses import replace
+
+    import tasks.co_plan
+    import tasks.plan
+    from blocks.compute import ComputeTarget
+    from planners.co_optimize import evaluate
+    from planners.co_optimize_flow import Point
+    from tasks.job import TrainJob
+    from tests.test_co_optimizer_in_plan import (LAMBDA, LAYERS, assert_same_choice, brute_force_optimum,
+                                                 brute_points, make)
+
+    monkeypatch.setattr(tasks.plan, "with_run", lambda ctx, chosen, calibration, epochs_left, **kw: chosen)
+    solved = []
+    frontier = tasks.co_plan.frontier
+    monkeypatch.setattr(tasks.co_plan, "frontier", lambda problem, stages=None: solved.append(problem)
+                        or frontier(problem, stages))
+    job = TrainJob(strategy="hybrid", workers=2, max_workers=8, batch_size=8, microbatches=2, epochs=2,
+                   sync_dtype=sync_dtype)
+    target = ComputeTarget(**LAMBDA)
+    plan = make(job, target)
+    P = sum(layer["param_bytes"] for layer in LAYERS)
+    factor = wire_bytes(P, sync_dtype) / P
+    assert {p.sync_bytes_factor for p in solved} == {factor}
+    co = plan.co_optimizer
+    assert co["used"] and co["sync_dtype"] == sync_dtype and co["sync_bytes_factor"] == factor
+    problem, points = brute_points(job, target)     # float32's problem, written out by that test
+    problem = replace(problem, sync_bytes_factor=factor)
+    points = [Point(*evaluate(problem, p.solution.cuts, p.solution.d, p.solution.options)[:2], p.solution)
+              for p in points]
+    best = brute_force_optimum(points)
+    assert_same_choice(plan, problem, best)
+    assert co["co_optimised"]["t_iter_s"] == pytest.approx(best.t_iter_s, rel=1e-9)
+    if sync_dtype != "float32":   # the same choice priced with float32 syncs takes longer
+        f32 = replace(problem, sync_bytes_factor=1.0)
+        s = best.solution
+        assert evaluate(f32, s.cuts, s.d, s.options)[0] > best.t_iter_s

@@ -3,6 +3,7 @@ Pareto sweep and recommendation, layer merging, and invalid input naming the fie
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import json
 import random
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 from core.errors import PlannerInputError
+from core.outer_sync import wire_bytes
 from planners.co_optimize import co_optimize, evaluate, expand_cuts, merge_layers, parse_problem, recommend
 from planners.co_optimize_exact import solve_exact
 from planners.co_optimize_miqp import model_size, solve_miqp
@@ -333,3 +335,179 @@ def test_infeasible_answers_say_why():
     assert answer["feasible"] is False and "divides" in answer["reason"]
     answer = co_optimize({**doc, "memory_options_bytes": [1, 2]})
     assert answer["feasible"] is False and "fits" in answer["reason"]
+
+
+# ----------------------------------------------------------------------------- sync dtype
+
+INT8 = wire_bytes(1e8, "int8") / 1e8       # bytes an int8 sync moves per float32 byte
+
+
+def test_evaluate_prices_the_sync_at_the_sync_bytes_factor():
+    # The hand-computed plan above with a sync moving a quarter of the float32 bytes: each
+    # stage's sync is 2 * 0.25 * 20 / 10 + 4 * 0.5 = 3 instead of 6, so t = 10 + max(8, 13) + 3.
+    doc = {"layers": [
+        {"forward_s": [1.0], "backward_s": [2.0], "output_bytes": 10, "activation_bytes": 1, "param_bytes": 20},
+        {"forward_s": [2.0], "backward_s": [3.0], "output_bytes": 4, "activation_bytes": 1, "param_bytes": 10},
+        {"forward_s": [1.0], "backward_s": [1.0], "output_bytes": 0, "activation_bytes": 1, "param_bytes": 10}],
+        "memory_options_bytes": [1000], "bandwidth_bytes_per_s": [10], "latency_s": 0.5,
+        "contention": 1.0, "base_memory_bytes": 0, "dp_degrees": [2], "microbatches": 4,
+        "price_per_byte_s": 0.001, "weights": [1, 1]}
+    assert parse_problem(doc).sync_bytes_factor == 1.0        # absent: float32, as before
+    assert evaluate(parse_problem({**doc, "sync_bytes_factor": 1.0}), [0], 2, [0, 0])[0] == pytest.approx(29.0)
+    t_iter, c_iter, _ = evaluate(parse_problem({**doc, "sync_bytes_factor": 0.25}), [0], 2, [0, 0])
+    assert t_iter == pytest.approx(26.0)
+    assert c_iter == pytest.approx(26.0 * 2 * 2 * 1000 * 0.001)
+    assert evaluate(parse_problem({**doc, "sync_bytes_factor": 0.25, "dp_degrees": [1]}), [0], 1, [0, 0]) == \
+        evaluate(parse_problem({**doc, "dp_degrees": [1]}), [0], 1, [0, 0])   # one replica: no sync
+
+
+MB = 1e6
+FLIP_DOC = {  # float32 syncs make one replica the fastest plan; int8's make four replicas pay
+    "layers": [
+        {"forward_s": [0.10, 0.05], "backward_s": [0.20, 0.10], "output_bytes": 1 * MB,
+         "activation_bytes": 4 * MB, "param_bytes": 40 * MB},
+        {"forward_s": [0.20, 0.10], "backward_s": [0.40, 0.20], "output_bytes": 1 * MB,
+         "activation_bytes": 4 * MB, "param_bytes": 40 * MB},
+        {"forward_s": [0.10, 0.05], "backward_s": [0.20, 0.10], "output_bytes": 0.5 * MB,
+         "activation_bytes": 2 * MB, "param_bytes": 20 * MB}],
+    "memory_options_bytes": [1000 * MB, 2000 * MB], "bandwidth_bytes_per_s": [40 * MB, 40 * MB],
+    "latency_s": 0.01, "contention": 1.0, "base_memory_bytes": 100 * MB, "dp_degrees": [1, 2, 4],
+    "microbatches": 4, "price_per_byte_s": 1e-12, "weights": [1, 1]}
+
+
+def contract_score(doc, cuts, d, options, factor):
+    """(fits, t_iter, c_iter) of a plan, written out here from the co-optimize contract
+    (GPipe stages, cut transfers up and down, (mu - 1) lags, each stage's sync
+    2 * factor * params / W + (2 + d) * latency after its backward pass when d > 1)."""
+    layers, L = doc["layers"], len(doc["layers"])
+    W, lat, beta = doc["bandwidth_bytes_per_s"], doc["latency_s"], doc["contention"]
+    mu = doc["microbatches"] // d
+    starts, ends = [0] + [c + 1 for c in cuts], list(cuts) + [L - 1]
+    fc, bc, sync, fits = [], [], [], True
+    for a, b, j in zip(starts, ends, options):
+        fc.append(beta * sum(layers[i]["forward_s"][j] for i in range(a, b + 1)))
+        bc.append(beta * sum(layers[i]["backward_s"][j] for i in range(a, b + 1)))
+        params = sum(layers[i]["param_bytes"] for i in range(a, b + 1))
+        acts = sum(layers[i]["activation_bytes"] for i in range(a, b + 1))
+        sync.append(2 * factor * params / W[j] + (2 + d) * lat if d > 1 else 0.0)
+        need = mu * acts + (4 - (2 if d == 1 else 0)) * params + doc["base_memory_bytes"]
+        fits = fits and need <= doc["memory_options_bytes"][j]
+    fwd, bwd = [], []
+    for s in range(len(options) - 1):
+        o = layers[ends[s]]["output_bytes"]
+        g = layers[ends[s] + 1].get("grad_bytes", o)
+        fwd.append((o / W[options[s]] + lat, o / W[options[s + 1]] + lat))
+        bwd.append((g / W[options[s + 1]] + lat, g / W[options[s]] + lat))
+    t_f = sum(fc) + sum(u + v for u, v in fwd) + (mu - 1) * max(fc + [x for p in fwd for x in p])
+    t_b = [sum(bc[s:]) + sum(x for p in bwd[s:] for x in p)
+           + (mu - 1) * max(bc[s:] + [x for p in bwd[s:] for x in p]) + sync[s] for s in range(len(options))]
+    t_iter = t_f + max(t_b)
+    rate = sum(doc["price_per_byte_s"] * doc["memory_options_bytes"][j] for j in options)
+    return fits, t_iter, t_iter * d * rate
+
+
+def contract_optimum(doc, factor):
+    """The least objective over every (cuts, d, options) that fits, by enumeration."""
+    L, J = len(doc["layers"]), len(doc["memory_options_bytes"])
+    a1, a2 = doc["weights"]
+    best = None
+    for d in doc["dp_degrees"]:
+        if doc["microbatches"] % d:
+            continue
+        for mask in range(2 ** (L - 1)):
+            cuts = tuple(i for i in range(L - 1) if mask >> i & 1)
+            for options in itertools.product(range(J), repeat=len(cuts) + 1):
+                fits, t_iter, c_iter = contract_score(doc, cuts, d, options, factor)
+                if fits and (best is None or a1 * c_iter + a2 * t_iter < best[0]):
+                    best = (a1 * c_iter + a2 * t_iter, cuts, d, options)
+    return best
+
+
+def test_an_int8_sync_factor_turns_the_exact_optimum_data_parallel():
+    f32, int8 = contract_optimum(FLIP_DOC, 1.0), contract_optimum(FLIP_DOC, INT8)
+    assert f32[2] == 1 and int8[2] > 1           # the case is what it says
+    for factor, best in ((None, f32), (1.0, f32), (INT8, int8)):
+        doc = FLIP_DOC if factor is None else {**FLIP_DOC, "sync_bytes_factor": factor}
+        answer = co_optimize(doc)
+        assert close(answer["objective"], best[0])
+        assert (tuple(answer["cuts"]), answer["data_parallel"]) == best[1:3]
+        assert [FLIP_DOC["memory_options_bytes"].index(m) for m in answer["stage_memory_bytes"]] == list(best[3])
+    # the evaluator and the contract written out here score every plan alike
+    problem = parse_problem({**FLIP_DOC, "sync_bytes_factor": INT8})
+    plans, t, c = all_plans(problem)
+    for plan, t_iter, c_iter in zip(plans, t, c):
+        fits, want_t, want_c = contract_score(FLIP_DOC, plan.cuts, plan.d, plan.options, INT8)
+        assert fits and close(t_iter, want_t) and close(c_iter, want_c)
+
+
+def with_factor(problems, seed):
+    """The same problems with a sync factor drawn per problem (int8's, bfloat16's, larger)."""
+    rng = random.Random(seed)
+    return [dataclasses.replace(p, sync_bytes_factor=rng.choice([INT8, 0.5, 3.0])) for p in problems]
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_the_exact_solver_matches_brute_force_with_a_sync_bytes_factor(seed):
+    rng = random.Random(2000 + seed)
+    checked = 0
+    for _ in range(40):
+        doc = random_doc(rng, rng.randint(1, 5), rng.randint(1, 3), rng.randint(1, 3))
+        doc["sync_bytes_factor"] = rng.choice([INT8, 0.5, 3.0])
+        problem = parse_problem(doc)
+        plans, t, c = all_plans(problem)
+        answer = co_optimize(doc)
+        if not plans:
+            assert answer["feasible"] is False
+            continue
+        assert close(answer["objective"], brute_best(t, c, problem.weights))
+        checked += 1
+    assert checked > 20
+
+
+@pytest.mark.parametrize("backend", ["gurobi", "scip"])
+def test_heuristic_exact_and_miqp_agree_with_a_sync_bytes_factor(backend):
+    from planners.co_optimize_exact import _HEURISTIC_BEAM, _search, _Tables
+
+    problems = with_factor(small_instances(4, seed=21), seed=22) + [
+        parse_problem({**FLIP_DOC, "sync_bytes_factor": INT8})]
+    for problem in problems:
+        plan = solve_exact(problem)
+        solved = solve_miqp(problem, backend=backend)
+        assert solved.solver == backend and not solved.fallback
+        if plan is None:
+            assert solved.plan is None
+            continue
+        want = evaluate(problem, plan.cuts, plan.d, plan.options)[2]
+        got = evaluate(problem, solved.plan.cuts, solved.plan.d, solved.plan.options)[2]
+        assert solved.status == "optimal" and close(got, want, rel=1e-6)
+        # the exact solver's beam pass: its own score of its plan is the evaluator's
+        for d in problem.valid_degrees():
+            found = _search(_Tables(problem, d), upper=float("inf"), beam=_HEURISTIC_BEAM)
+            if found is not None:
+                objective, beam_plan = found
+                assert close(objective, evaluate(problem, beam_plan.cuts, d, beam_plan.options)[2], rel=1e-9)
+                assert objective >= want * (1 - 1e-9)
+
+
+@pytest.mark.parametrize("value", [0, -0.5, "int8", True, float("nan"), float("inf")])
+def test_a_bad_sync_bytes_factor_is_refused_naming_the_field(value):
+    doc = {**copy.deepcopy(base_doc()), "sync_bytes_factor": value}
+    with pytest.raises(PlannerInputError) as error:
+        co_optimize(doc)
+    assert error.value.field == "sync_bytes_factor" and "\n" not in str(error.value)
+    with pytest.raises(PlannerInputError, match="^sync_bytes_factor: "):
+        dataclasses.replace(parse_problem(base_doc()), sync_bytes_factor=value)
+
+
+def test_the_command_line_refuses_a_bad_sync_bytes_factor_in_one_line(tmp_path):
+    import io
+
+    from planners.cli import run
+
+    path = tmp_path / "doc.json"
+    path.write_text(json.dumps({**base_doc(), "sync_bytes_factor": 0}))
+    out, err = io.StringIO(), io.StringIO()
+    assert run(["co-optimize", str(path)], stdout=out, stderr=err) == 2
+    assert err.getvalue().startswith("sync_bytes_factor: ") and err.getvalue().count("\n") == 1
+    path.write_text(json.dumps({**base_doc(), "sync_bytes_factor": INT8}))
+    assert run(["co-optimize", str(path)], stdout=out, stderr=err) == 0
