@@ -46,7 +46,7 @@ lint: install
 ## suite in TEST_PROCS processes (whole files each, so a module's servers start once; TEST_PROCS=0: one process)
 TEST_PROCS ?= 3
 test: install redis azurite lint image
-	$(PY) -m pytest -q -p no:cacheprovider --timeout=600 $(if $(filter 0,$(TEST_PROCS)),,-n $(TEST_PROCS) --dist loadfile) $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider --timeout=600 $(if $(filter 0,$(TEST_PROCS)),,-n $(TEST_PROCS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
 
 bench: install redis azurite
 	$(PY) -m benchmarks.run_all
