@@ -194,6 +194,7 @@ def run_and_wait(params: dict, timeout_s: float, poll_s: float = 1.0) -> dict:
     from prefect.deployments import run_deployment
 
     from blocks.store import open_store_ref
+    from core.keys import ledger_key, summary_key
     from tasks.context import run_id_for
     from tasks.validate import resolve_durable_ref, resolve_store_ref
 
@@ -206,8 +207,8 @@ def run_and_wait(params: dict, timeout_s: float, poll_s: float = 1.0) -> dict:
     store = open_store_ref(resolve_durable_ref(params.get("durable_store", ""),
                                            resolve_store_ref(params.get("store", ""))))
     try:
-        summary = json.loads(store.get(f"runs/{run_id}/summary.json", timeout=10))
-        ledger = f"runs/{run_id}/cost.json"
+        summary = json.loads(store.get(summary_key(run_id), timeout=10))
+        ledger = ledger_key(run_id)
         summary["ledger"] = json.loads(store.get(ledger, timeout=10)) if store.exists(ledger) else None
     finally:
         store.close()

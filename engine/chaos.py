@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from comm import heartbeat
 from comm.store import Store
 from core.errors import OutOfMemory, ZooidValueError
+from core.keys import fault_marker_key, held_marker_key, run_key
 from core.specs import WorkerSpec
 
 ENV = "ZOOID_CHAOS"
@@ -125,11 +126,6 @@ def parse_chaos(text: str) -> list[Fault]:
     return faults
 
 
-def fault_marker_key(run_id: str, epoch: int, rank: int, attempt: int) -> str:
-    """Where a worker records the fault injected into it before it dies."""
-    return f"runs/{run_id}/faults/e{epoch}-r{rank}-a{attempt}.json"
-
-
 def read_fault_marker(store: Store, run_id: str, epoch: int, rank: int, attempt: int) -> dict | None:
     """The marker of an injected fault of that worker attempt, or None when it was not injected."""
     try:
@@ -185,10 +181,10 @@ class Chaos:
         if self.store is None:
             raise ChaosError("hold_worker needs the worker's store")
         s = self.spec
-        self.store.put(f"runs/{s.run_id}/faults/held-e{s.epoch}-r{s.rank}-a{s.attempt}.json",  # an event to wait on
+        self.store.put(held_marker_key(s.run_id, s.epoch, s.rank, s.attempt),  # an event to wait on
                        json.dumps({"kind": fault.kind, "until": fault.until, "time": time.time(),
                                    "pid": os.getpid()}).encode())
-        prefix, give_up = f"runs/{s.run_id}/{fault.until}", time.monotonic() + fault.seconds
+        prefix, give_up = run_key(s.run_id, fault.until), time.monotonic() + fault.seconds
         while not self.store.list(prefix) and time.monotonic() < give_up:
             heartbeat.beat()  # held on purpose, not hanging
             time.sleep(poll_s)

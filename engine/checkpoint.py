@@ -6,7 +6,7 @@ state of a Local-SGD outer optimizer (`engine.outer`), `outer/...`. The metadata
 carries what the caller passes (epoch, step, run id...) and the model and optimizer names.
 
 Two kinds of checkpoint, both durable: the epoch checkpoint (`WorkerSpec.out_key`, written
-by rank 0 at the end of an epoch) and the sync checkpoint `sync_checkpoint_key(run, epoch)`,
+by rank 0 at the end of an epoch) and the sync checkpoint `core.keys.sync_checkpoint_key(run, epoch)`,
 overwritten in place (one atomic put) by rank 0 at every Local-SGD sync of the epoch with
 the averaged state and the data position (step, sync round); a relaunched replica resumes
 from it (`engine.local_sgd`).
@@ -100,11 +100,6 @@ def initial_checkpoint(
     opt = build_optimizer(optimizer, net, lr)
     base = {"model": model, "optimizer": optimizer, "seed": seed, "epoch": -1, "step": 0}
     return save_checkpoint(store, key, net, opt, {**base, **(meta or {})})
-
-
-def sync_checkpoint_key(run_id: str, epoch: int) -> str:
-    """Durable key of epoch `epoch`'s sync checkpoint (the latest sync point's state)."""
-    return f"runs/{run_id}/ckpt/sync-e{epoch}.safetensors"
 
 
 def read_checkpoint_meta(store: Store, key: str) -> dict[str, Any] | None:

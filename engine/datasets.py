@@ -13,8 +13,9 @@ Names:
 
 Staging: `publish_dataset` writes the training set as subsets of `subset_size` rows under
 `runs/<run_id>/data/train/<i>` and the validation set under `runs/<run_id>/data/val/<i>`,
-plus `runs/<run_id>/data/manifest.json`. A worker reads only the subsets it is assigned
-(`assign_subsets`), so it needs no local copy of the data.
+plus `runs/<run_id>/data/manifest.json` (`core.keys.data_subset_key`, `data_manifest_key`).
+A worker reads only the subsets it is assigned (`assign_subsets`), so it needs no local copy
+of the data.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ import torch
 from comm.store import Store
 from comm.tensor_codec import decode_tensors, encode_tensors
 from core.errors import ZooidValueError
+from core.keys import data_manifest_key, data_subset_key
 
 DIGITS_VAL_FRACTION = 0.2
 SPLIT_SEED = 0
@@ -196,16 +198,11 @@ class DatasetManifest:
         return cls(**{**d, "input_shape": tuple(d["input_shape"])})
 
 
-def data_prefix(run_id: str) -> str:
-    """Key prefix of a run's staged data."""
-    return f"runs/{run_id}/data"
-
-
-def _write_subsets(store: Store, prefix: str, x: torch.Tensor, y: torch.Tensor, size: int) -> int:
+def _write_subsets(store: Store, run_id: str, split: str, x: torch.Tensor, y: torch.Tensor, size: int) -> int:
     n = 0
     for n, start in enumerate(range(0, len(y), size), start=1):
         blob = encode_tensors({"x": x[start : start + size].contiguous(), "y": y[start : start + size].contiguous()})
-        store.put(f"{prefix}/{n - 1}", blob)
+        store.put(data_subset_key(run_id, split, n - 1), blob)
     return n
 
 
@@ -215,9 +212,8 @@ def publish_dataset(store: Store, run_id: str, name: str, subset_size: int = 64)
     if not isinstance(subset_size, int) or subset_size < 1:
         raise ZooidValueError("subset_size", f"must be a positive integer, got {subset_size!r}")
     data = load_dataset(name)
-    prefix = data_prefix(run_id)
-    n_sub = _write_subsets(store, f"{prefix}/train", data.train_x, data.train_y, subset_size)
-    n_val_sub = _write_subsets(store, f"{prefix}/val", data.val_x, data.val_y, subset_size)
+    n_sub = _write_subsets(store, run_id, "train", data.train_x, data.train_y, subset_size)
+    n_val_sub = _write_subsets(store, run_id, "val", data.val_x, data.val_y, subset_size)
     manifest = DatasetManifest(
         name=name,
         subset_size=subset_size,
@@ -229,13 +225,13 @@ def publish_dataset(store: Store, run_id: str, name: str, subset_size: int = 64)
         classes=int(max(data.train_y.max(), data.val_y.max())) + 1,
     )
     # The manifest goes last: its presence means every subset is already readable.
-    store.put(f"{prefix}/manifest.json", json.dumps(manifest.to_dict()).encode())
+    store.put(data_manifest_key(run_id), json.dumps(manifest.to_dict()).encode())
     return manifest
 
 
 def read_manifest(store: Store, run_id: str, timeout: float | None = None) -> DatasetManifest:
     """The manifest `publish_dataset` wrote for `run_id`."""
-    raw = store.get(f"{data_prefix(run_id)}/manifest.json", timeout=timeout)
+    raw = store.get(data_manifest_key(run_id), timeout=timeout)
     return DatasetManifest.from_dict(json.loads(raw))
 
 
@@ -259,7 +255,7 @@ def read_subsets(
         raise ZooidValueError("split", f"must be 'train' or 'val', got {split!r}")
     xs, ys = [], []
     for i in indices:
-        key = f"{data_prefix(run_id)}/{split}/{int(i)}"
+        key = data_subset_key(run_id, split, i)
         cached = _SUBSETS.get((store.url, key)) if _SUBSETS is not None else None
         if cached is None:
             tensors, _ = decode_tensors(store.get(key, timeout=timeout))

@@ -43,13 +43,6 @@ DEFAULT_REPOST_S = 5.0
 """Seconds a stalled wait lasts before a replica re-posts its pieces (`SyncSpec.repost_s`)."""
 
 
-def sync_group(run_id: str, epoch: int) -> str:
-    """Key prefix of an epoch's Local-SGD syncs. Delete it before starting or resuming the
-    whole epoch; never while some of its replicas still run (see the module docstring)."""
-    return f"runs/{run_id}/sync/e{epoch}"
-
-
-
 def steps_per_epoch(n_train: int, world: int, batch_size: int) -> int:
     """Steps each replica takes so that together they see about `n_train` samples."""
     return max(1, math.ceil(n_train / (world * batch_size)))

@@ -82,31 +82,28 @@ from comm.ring_allreduce import RingGroup, open_ring
 from comm.scatter_reduce import COLLECTIVES, allreduce_for
 from comm.store import Store, open_store
 from core.errors import OutOfMemory, ZooidValueError
+from core.keys import (residual_key, sync_checkpoint_key, sync_prefix, worker_history_key,
+                       worker_history_prefix)
 from core.outer_sync import is_default
 from core.specs import WorkerResult, WorkerSpec
 from engine.chaos import chaos_for
-from engine.checkpoint import load_checkpoint, save_checkpoint, sync_checkpoint_key
+from engine.checkpoint import load_checkpoint, save_checkpoint
 from engine.datasets import read_manifest, read_subsets
 from engine.devices import torch_device, torch_dtype
 from engine.iteration_clock import IterationClock
-from engine.local_sgd import LocalSGD, batch_seed, batch_stream, evaluate, sync_group
+from engine.local_sgd import LocalSGD, batch_seed, batch_stream, evaluate
 from engine.models import build_model
 from engine.optimizers import build_optimizer
 from engine.outer import OuterStep
-from engine.residuals import ResidualWriter, continue_residual, read_residual, residual_key
+from engine.residuals import ResidualWriter, continue_residual, read_residual
 
 DEFAULT_COLLECTIVE = "plain"
 """A replica's collective when `spec.sync.collective` is None."""
 
 
-def worker_history_key(run_id: str, epoch: int, rank: int, attempt: int) -> str:
-    """Durable record of what one worker attempt trained."""
-    return f"runs/{run_id}/history/e{epoch}/r{rank}-a{attempt}.json"
-
-
 def read_epoch_history(store: Store, run_id: str, epoch: int) -> list[dict]:
     """Every completed attempt's record for `epoch`, by rank then attempt."""
-    records = [json.loads(store.get(k)) for k in store.list(f"runs/{run_id}/history/e{epoch}/")]
+    records = [json.loads(store.get(k)) for k in store.list(worker_history_prefix(run_id, epoch))]
     return sorted(records, key=lambda r: (r["rank"], r["attempt"]))
 
 
@@ -227,7 +224,7 @@ def _outer_and_wire(spec: WorkerSpec, start: StartPoint, device: torch.device,
 
 
 def _group(spec: WorkerSpec) -> str:
-    return spec.sync.group or sync_group(spec.run_id, spec.epoch)
+    return spec.sync.group or sync_prefix(spec.run_id, spec.epoch)
 
 
 def _open_ring(spec: WorkerSpec, store: Store) -> RingGroup | None:

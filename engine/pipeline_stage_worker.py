@@ -24,6 +24,7 @@ from comm.scatter_reduce import allreduce_for
 from comm.store import Store
 from comm.tensor_codec import decode_json, decode_tensors, encode_json, encode_tensors
 from core.errors import StoreTimeout, ZooidValueError
+from core.keys import activation_replica_prefix, stage_sync_prefix
 from core.schedules import Action, Kind, Layout, forward_only, lower
 from core.specs import WorkerResult, WorkerSpec
 from engine.checkpoint import FORMAT as CHECKPOINT_FORMAT
@@ -37,11 +38,6 @@ from engine.stages import slice_full_state, split_stages
 
 DEFAULT_COLLECTIVE = "pipelined"
 """A stage's gradient sync when `spec.sync.collective` is None."""
-
-
-def activation_prefix(run_id: str, epoch: int) -> str:
-    """Scratch prefix of an epoch's inter-stage tensors (delete it before relaunching)."""
-    return f"runs/{run_id}/act/e{epoch}"
 
 
 class ChunkSet(nn.Module):
@@ -112,7 +108,7 @@ class StageWorker:
         """Per model stage, the wire of its compressed gradient syncs (`spec.sync.sync_dtype`)."""
         self.rings: dict[int, Any] = {}
         """Per model stage, its direct ring among its replicas (collective `ring`), opened at its first sync."""
-        self.prefix = f"{activation_prefix(spec.run_id, spec.epoch)}/r{settings.replica}"
+        self.prefix = activation_replica_prefix(spec.run_id, spec.epoch, settings.replica)
 
     def close(self) -> None:
         for ring in self.rings.values():
@@ -122,7 +118,7 @@ class StageWorker:
 
     def _group(self, stage: int) -> str:
         """The store prefix of model stage `stage`'s gradient syncs this epoch."""
-        return f"runs/{self.spec.run_id}/sync/e{self.spec.epoch}/s{stage}"
+        return stage_sync_prefix(self.spec.run_id, self.spec.epoch, stage)
 
     # --- the epoch ------------------------------------------------------------------
 

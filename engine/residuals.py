@@ -17,18 +17,9 @@ from __future__ import annotations
 from comm.compression import Flat, residual_for
 from comm.store import Store
 from comm.tensor_codec import decode_tensors, encode_tensors
+from core.keys import residual_key, residual_prefix
 
 KEPT = 3
-
-
-def residual_prefix(run_id: str, epoch: int, rank: int) -> str:
-    """Durable prefix of one rank's residuals in one epoch."""
-    return f"runs/{run_id}/ckpt/residual/e{epoch}/r{rank}/"
-
-
-def residual_key(run_id: str, epoch: int, rank: int, round_: int) -> str:
-    """Durable key of rank `rank`'s residual after round `round_` of `epoch`."""
-    return f"{residual_prefix(run_id, epoch, rank)}round{round_}.safetensors"
 
 
 def save_residual(store: Store, key: str, residual: Flat) -> int:

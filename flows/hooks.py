@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import time
 
+from core.keys import ledger_key, run_prefix, summary_key
 from tasks.context import run_id_for
 
 
@@ -29,7 +30,7 @@ def _rebuild_and_clean(flow_run, state) -> None:
     from blocks.compute import resolve_target
     from clouds.registry import adapter_for
     from planners.catalog import get_offer
-    from tasks.cost import CostRecord, coordinator_record, is_final, ledger_key, write_ledger
+    from tasks.cost import CostRecord, coordinator_record, is_final, write_ledger
     from tasks.sweep import sweep_run
     from tasks.teardown import cancel_flow_runs, delete_scratch, finish_cancelled
     from tasks.validate import open_checked_store, resolve_durable_ref, resolve_store_ref
@@ -61,7 +62,7 @@ def _rebuild_and_clean(flow_run, state) -> None:
             scratch.close()
     store = open_checked_store(durable_ref)
     try:
-        if not cancelled and not store.list(f"runs/{run_id}/"):  # refused before anything was provisioned
+        if not cancelled and not store.list(run_prefix(run_id) + "/"):  # refused before anything was provisioned
             return
         delete_scratch(store, run_id)
         doc = json.loads(store.get(ledger_key(run_id))) if store.exists(ledger_key(run_id)) else None
@@ -75,9 +76,9 @@ def _rebuild_and_clean(flow_run, state) -> None:
         start = flow_run.start_time.timestamp() if flow_run.start_time else time.time()
         rows.append(coordinator_record(run_id, start, time.time(), offer, price))
         write_ledger(store, run_id, rows, final=True)
-        summary_key = f"runs/{run_id}/summary.json"
-        if not store.exists(summary_key):
-            store.put(summary_key, json.dumps({"run_id": run_id, "status": end_status(state),
+        summary = summary_key(run_id)
+        if not store.exists(summary):
+            store.put(summary, json.dumps({"run_id": run_id, "status": end_status(state),
                                                "error": state.message, "epochs": [],
                                                "total_cost_usd": sum(r.usd for r in rows)}).encode())
     finally:

@@ -38,6 +38,7 @@ import uuid
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 
+from core.keys import ledger_key, report_key, summary_key
 from core.plan import Plan
 from flows.hooks import on_abnormal_end
 from flows.params import job_fields_flow, job_fields_from_args
@@ -195,9 +196,9 @@ def _finish(ctx: RunContext, status: str, history: list[dict], plan_dict: dict, 
     png = plot_curves([e.model_dump() for e in summary.epochs]) if summary.epochs else None
     store = ctx.open_durable()
     try:
-        store.put(ctx.prefix("summary.json"), summary.model_dump_json(indent=1).encode())
+        store.put(summary_key(ctx.run_id), summary.model_dump_json(indent=1).encode())
         if png:
-            store.put(ctx.prefix("report", "curves.png"), png)
+            store.put(report_key(ctx.run_id, "curves.png"), png)
     finally:
         store.close()
     create_markdown_artifact(key=artifact_key(ctx.run_id, "report"),
@@ -328,8 +329,6 @@ def _live_workers(ctx: RunContext) -> int:
 
 def _ledger_at(ctx: RunContext) -> str:
     """Where the run's ledger is, as a path for a directory store."""
-    from tasks.cost import ledger_key
-
     ref = ctx.durable_ref
     if ref.startswith("file://"):
         return f"{ref.removeprefix('file://').rstrip('/')}/{ledger_key(ctx.run_id)}"

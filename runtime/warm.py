@@ -6,7 +6,7 @@ waits for the coordinator's commands, so it imports once, builds the model once
 (`models.keep_models`), reads each data subset once (`datasets.keep_subsets`) and keeps its
 CUDA context. The coordinator side is `tasks.warm_pool`.
 
-Keys, all under `runs/<run_id>/warm/` of the run's durable store (a scratch store that
+Keys (`core.keys`), all under `runs/<run_id>/warm/` of the run's durable store (a scratch store that
 restarts, such as Redis without persistence, would lose a command or a reply in flight;
 teardown deletes them):
 
@@ -44,6 +44,7 @@ from typing import Callable
 from comm import heartbeat
 from comm.store import Store
 from core.errors import LeaseExpired, ZooidValueError
+from core.keys import command_key, lease_key, reply_key, status_key
 from core.specs import WarmSpec, WorkerResult, WorkerSpec
 
 LEASE_EXIT = 5
@@ -67,30 +68,10 @@ def process_started_at() -> tuple[float, str]:
         return _IMPORTED_AT, "runtime.warm import"
 
 
-def warm_prefix(run_id: str) -> str:
-    return f"runs/{run_id}/warm"
-
-
-def lease_key(run_id: str) -> str:
-    return f"{warm_prefix(run_id)}/lease"
-
-
 def worker_name(rank: int, serial: int, coordinator: str = "") -> str:
     """The name of one warm worker process: its rank, a serial unique within its coordinator,
     and the coordinator's mark (a resumed run's new coordinator never reuses a name)."""
     return f"r{rank}-w{serial}" + (f"-{coordinator}" if coordinator else "")
-
-
-def command_key(run_id: str, worker: str, seq: int) -> str:
-    return f"{warm_prefix(run_id)}/{worker}/cmd-{seq:05d}.json"
-
-
-def reply_key(run_id: str, worker: str, seq: int) -> str:
-    return f"{warm_prefix(run_id)}/{worker}/reply-{seq:05d}.json"
-
-
-def status_key(run_id: str, worker: str) -> str:
-    return f"{warm_prefix(run_id)}/{worker}/status.json"
 
 
 def read_json(store: Store, key: str) -> dict | None:

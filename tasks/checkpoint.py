@@ -12,27 +12,14 @@ more checkpoints, never fewer.
 from __future__ import annotations
 
 import json
-import re
 import time
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from core.keys import EPOCH_CHECKPOINT, RESIDUAL, SYNC_CHECKPOINT, best_key, checkpoint_prefix, latest_key
 from tasks.context import RunContext
 from tasks.retry import task_options
-
-EPOCH_KEY = re.compile(r"/ckpt/epoch-(\d+)\.safetensors$")
-SYNC_KEY = re.compile(r"/ckpt/sync-e(\d+)\.safetensors$")
-RESIDUAL_KEY = re.compile(r"/ckpt/residual/e(\d+)/")
-"""A replica's error-feedback residual (`engine.residuals`): kept while its epoch's checkpoint is."""
-
-
-def latest_key(run_id: str) -> str:
-    return f"runs/{run_id}/ckpt/latest.json"
-
-
-def best_key(run_id: str) -> str:
-    return f"runs/{run_id}/ckpt/best.json"
 
 
 def update_best(store, run_id: str, epoch: int, key: str, val_loss: float | None) -> dict | None:
@@ -49,12 +36,13 @@ def prune_checkpoints(store, run_id: str, latest_epoch: int, keep: int, best: di
     """Delete epoch checkpoints older than the last `keep` (up to `latest_epoch`), except the
     best one (with the error-feedback residuals each names), and the sync checkpoints of epochs
     up to `latest_epoch`; return the deleted keys."""
-    epochs = sorted(int(m.group(1)) for k in store.list(f"runs/{run_id}/ckpt/")
-                    if (m := EPOCH_KEY.search(k)) and int(m.group(1)) <= latest_epoch)
+    epochs = sorted(int(m.group(1)) for k in store.list(checkpoint_prefix(run_id) + "/")
+                    if (m := EPOCH_CHECKPOINT.search(k)) and int(m.group(1)) <= latest_epoch)
     keep_epochs = set(epochs[-keep:]) | ({best["epoch"]} if best else set())
     deleted = []
-    for k in store.list(f"runs/{run_id}/ckpt/"):
-        epoch_match, sync_match = EPOCH_KEY.search(k) or RESIDUAL_KEY.search(k), SYNC_KEY.search(k)
+    for k in store.list(checkpoint_prefix(run_id) + "/"):
+        # a replica's error-feedback residuals (`engine.residuals`) are kept while their epoch's checkpoint is
+        epoch_match, sync_match = EPOCH_CHECKPOINT.search(k) or RESIDUAL.search(k), SYNC_CHECKPOINT.search(k)
         if ((epoch_match and int(epoch_match.group(1)) <= latest_epoch
              and int(epoch_match.group(1)) not in keep_epochs)
                 or (sync_match and int(sync_match.group(1)) <= latest_epoch)):

@@ -119,7 +119,3 @@ class RunContext:
         from comm.store_dir import zooid_home
 
         return zooid_home() / "logs" / self.run_id
-
-    def prefix(self, *parts: str) -> str:
-        """A key under `runs/<run_id>/`."""
-        return "/".join(("runs", self.run_id) + parts)

@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
+from core.keys import ledger_key
 from planners.catalog import Offer
 
 
@@ -93,10 +94,6 @@ def worker_seconds(rows: Iterable[dict]) -> dict[str, float]:
 def total_usd(rows: Iterable[CostRecord]) -> float:
     """Dollars of every row."""
     return sum(r.usd for r in rows)
-
-
-def ledger_key(run_id: str) -> str:
-    return f"runs/{run_id}/cost.json"
 
 
 def write_ledger(store, run_id: str, rows: list[CostRecord], final: bool = False) -> str:

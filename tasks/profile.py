@@ -30,6 +30,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from core.errors import ZooidValueError
+from core.keys import probe_prefix, warm_prefix
 from core.stage_memory import optimizer_copies
 from profiling.profile_job import ProfileRequest
 from tasks.context import RunContext
@@ -77,7 +78,7 @@ def profile_request(ctx: RunContext, *, model_profile: bool, probe: dict | None)
         microbatch_size=microbatch_size(job), optimizer=job.optimizer, lr=job.lr, seed=job.seed,
         threads=profile_threads(ctx),
         device="cuda" if r.target.worker_gpu > 0 else "auto", model_profile=model_profile,
-        store_url=ctx.store_ref if probe is not None else "", probe_prefix=ctx.prefix("probe"),
+        store_url=ctx.store_ref if probe is not None else "", probe_prefix=probe_prefix(ctx.run_id),
         max_bytes=(probe or {}).get("max_bytes", 0.0), activation_bytes=(probe or {}).get("activation_bytes", 0.0))
 
 
@@ -108,8 +109,6 @@ class TargetProfiler:
 
     def close(self) -> None:
         if self.one_off is not None:
-            from runtime.warm import warm_prefix
-
             self.one_off.stop_all("the profile is taken")
             store = self.ctx.open_durable()
             try:

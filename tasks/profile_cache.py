@@ -16,9 +16,8 @@ import time
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
+from core.keys import cache_key, cache_prefix
 from profiling.profile_job import PROFILE_VERSION
-
-CACHE_ROOT = "cache"
 
 
 def _digest(doc: Any) -> str:
@@ -77,9 +76,6 @@ class ProfileCache:
     def __init__(self, open_store: Callable[[], Any]):
         self.open_store = open_store
 
-    def _key(self, kind: str, key: str) -> str:
-        return f"{CACHE_ROOT}/{kind}/{key}.json"
-
     def get(self, kind: str, key: str, max_age_s: float | None = None) -> dict | None:
         """The cached `value` under `kind/key`, or None when absent or older than `max_age_s`."""
         value, measured_at = self.get_dated(kind, key)
@@ -92,7 +88,7 @@ class ProfileCache:
         (seconds since the epoch; 0 when absent)."""
         store = self.open_store()
         try:
-            doc = json.loads(store.get(self._key(kind, key)))
+            doc = json.loads(store.get(cache_key(kind, key)))
         except (KeyError, ValueError):
             return None, 0.0
         finally:
@@ -101,7 +97,7 @@ class ProfileCache:
 
     def keys(self, kind: str) -> list[str]:
         """The keys cached under `kind`."""
-        prefix = f"{CACHE_ROOT}/{kind}/"
+        prefix = cache_prefix(kind)
         store = self.open_store()
         try:
             return [k[len(prefix):-len(".json")] for k in store.list(prefix) if k.endswith(".json")]
@@ -111,7 +107,7 @@ class ProfileCache:
     def put(self, kind: str, key: str, value: dict) -> None:
         store = self.open_store()
         try:
-            store.put(self._key(kind, key), json.dumps({"measured_at": time.time(), "value": value}).encode())
+            store.put(cache_key(kind, key), json.dumps({"measured_at": time.time(), "value": value}).encode())
         finally:
             store.close()
 

@@ -2,7 +2,7 @@
 
 Local targets need nothing rented; pool targets need their worker deployment to exist (a
 clear error otherwise, before any worker is started). Every key written lives under
-`runs/<run_id>/`.
+`runs/<run_id>/` (`core.keys`).
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from core.errors import ZooidValueError
+from core.keys import checkpoint_key, data_manifest_key, init_checkpoint_key, run_doc_key
 from core.plan import Plan
 from tasks.context import RunContext
 from tasks.retry import task_options
@@ -27,11 +28,13 @@ def subset_size(n_train: int, max_workers: int) -> int:
 
 
 def init_key(ctx: RunContext) -> str:
-    return ctx.prefix("ckpt", "init.safetensors")
+    """The run's initial reference checkpoint (`core.keys.init_checkpoint_key`)."""
+    return init_checkpoint_key(ctx.run_id)
 
 
 def epoch_key(ctx: RunContext, epoch: int) -> str:
-    return ctx.prefix("ckpt", f"epoch-{epoch:04d}.safetensors")
+    """Epoch `epoch`'s reference checkpoint (`core.keys.checkpoint_key`)."""
+    return checkpoint_key(ctx.run_id, epoch)
 
 
 def check_deployment(name: str) -> None:
@@ -62,7 +65,7 @@ def provision(ctx: RunContext, plan: Plan, fresh: bool = True) -> dict:
     try:
         from engine.datasets import read_manifest
 
-        if not fresh and store.exists(f"runs/{ctx.run_id}/data/manifest.json"):
+        if not fresh and store.exists(data_manifest_key(ctx.run_id)):
             manifest = read_manifest(store, ctx.run_id)
         else:  # the split is deterministic, so a republished subset i is the same subset i
             manifest = publish_dataset(store, ctx.run_id, ctx.job.dataset,
@@ -74,8 +77,8 @@ def provision(ctx: RunContext, plan: Plan, fresh: bool = True) -> dict:
         run_doc = {"run_id": ctx.run_id, "flow_run_id": ctx.flow_run_id, "job": ctx.job.model_dump(),
                    "plan": plan.to_dict(), "target": ctx.job.target, "dataset": ctx.state.dataset,
                    "started_at": ctx.started_at, "provisioned_at": time.time()}
-        if fresh or not store.exists(ctx.prefix("run.json")):
-            store.put(ctx.prefix("run.json"), json.dumps(run_doc, indent=1).encode())
+        if fresh or not store.exists(run_doc_key(ctx.run_id)):
+            store.put(run_doc_key(ctx.run_id), json.dumps(run_doc, indent=1).encode())
     finally:
         store.close()
     ctx.state.provisioned = True

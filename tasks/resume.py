@@ -9,12 +9,13 @@ checkpoint (`ckpt/sync-e<E>`), so at most one sync interval of work is repeated.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 
 from core.errors import ZooidValueError
+from core.keys import (attempt_of, faults_prefix, history_key, latest_key, ledger_key, run_doc_key,
+                       sync_checkpoint_key, worker_history_prefix)
 from tasks.context import RunContext
-from tasks.cost import CostRecord, ledger_key
+from tasks.cost import CostRecord
 
 
 @dataclass
@@ -35,10 +36,6 @@ class ResumePoint:
     """The plan the run was using (a resumed epoch keeps it, so its sync checkpoint fits)."""
 
 
-def history_key(run_id: str) -> str:
-    return f"runs/{run_id}/history.json"
-
-
 def write_history(store, run_id: str, history: list[dict]) -> None:
     """The per-epoch history so far (rewritten atomically after every epoch)."""
     store.put(history_key(run_id), json.dumps(history, default=str).encode())
@@ -51,12 +48,11 @@ def _json(store, key: str):
 def find_resume_point(ctx: RunContext, *, required: bool) -> ResumePoint | None:
     """The resume point of `ctx.run_id`, or None when the run has not started (an error
     naming `resume` when `required`)."""
-    from engine.checkpoint import sync_checkpoint_key
     from tasks.provision import init_key
 
     store = ctx.open_durable()
     try:
-        run = _json(store, ctx.prefix("run.json"))
+        run = _json(store, run_doc_key(ctx.run_id))
         if run is None:
             if required:
                 raise ZooidValueError("resume", f"no run {ctx.run_id!r} in {ctx.store_ref.split('@')[-1]}")
@@ -66,7 +62,7 @@ def find_resume_point(ctx: RunContext, *, required: bool) -> ResumePoint | None:
             if old.get(name) != getattr(ctx.job, name):
                 raise ZooidValueError("resume", f"run {ctx.run_id} trained {name}={old.get(name)!r}, "
                                       f"this job asks {getattr(ctx.job, name)!r}")
-        latest = _json(store, ctx.prefix("ckpt", "latest.json")) or {"epoch": -1, "key": init_key(ctx)}
+        latest = _json(store, latest_key(ctx.run_id)) or {"epoch": -1, "key": init_key(ctx)}
         history = [e for e in (_json(store, history_key(ctx.run_id)) or []) if e["epoch"] <= latest["epoch"]]
         ledger = []
         doc = _json(store, ledger_key(ctx.run_id))
@@ -74,9 +70,8 @@ def find_resume_point(ctx: RunContext, *, required: bool) -> ResumePoint | None:
             fields = CostRecord.__dataclass_fields__
             ledger = [CostRecord(**{k: v for k, v in r.items() if k in fields}) for r in doc["rows"]]
         nxt = latest["epoch"] + 1
-        pattern = re.compile(rf"e{nxt}[-/]r\d+-a(\d+)\.json$")
-        attempts = [int(m.group(1)) for k in store.list(ctx.prefix("history") + "/") +
-                    store.list(ctx.prefix("faults") + "/") if (m := pattern.search(k))]
+        attempts = [a for k in store.list(worker_history_prefix(ctx.run_id, nxt)) +
+                    store.list(faults_prefix(ctx.run_id) + "/") if (a := attempt_of(k, nxt)) is not None]
         last = history[-1] if history else {}
         decision = last.get("rescale") or {}
         return ResumePoint(next_epoch=nxt, init_key=latest["key"], lr=decision.get("lr", ctx.job.lr),

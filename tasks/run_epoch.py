@@ -14,6 +14,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.concurrency.sync import concurrency
 
 from clouds.registry import adapter_for
+from core.keys import activation_prefix, sync_prefix
 from core.plan import Plan
 from core.specs import WorkerSpec
 from tasks.cloud_bill import cloud_records, replace_measured
@@ -157,13 +158,10 @@ def run_epoch(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, res
     checkpoint). `on_tick()` is called while the workers train (progress)."""
     from prefect.runtime import task_run
 
-    from engine.local_sgd import sync_group
-    from engine.pipeline_stage_worker import activation_prefix
-
     attempt = max(0, (task_run.run_count or 1) - 1)  # > 0: workers resume from the sync checkpoint
     store = ctx.open_store()
     try:  # no worker of this attempt may read a failed attempt's slices or activations
-        store.delete_prefix(sync_group(ctx.run_id, epoch) + "/")
+        store.delete_prefix(sync_prefix(ctx.run_id, epoch) + "/")
         store.delete_prefix(activation_prefix(ctx.run_id, epoch) + "/")
     finally:
         store.close()

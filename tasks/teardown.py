@@ -13,10 +13,9 @@ from prefect.cache_policies import NO_CACHE
 
 from blocks.store import open_store_ref
 from clouds.registry import adapter_for
+from core.keys import scratch_prefixes
 from tasks.context import RunContext
 from tasks.sweep import sweep_run
-
-SCRATCH = ("sync", "act", "data", "probe", "grad", "warm")
 
 
 def cancel_flow_runs(run_id: str) -> list:
@@ -50,8 +49,8 @@ def finish_cancelled(flow_runs: list) -> None:
 
 
 def delete_scratch(store, run_id: str) -> int:
-    """Delete the run's scratch keys; keep checkpoints, summary, ledger and report."""
-    return sum(store.delete_prefix(f"runs/{run_id}/{p}/") for p in SCRATCH)
+    """Delete the run's scratch keys (`core.keys.SCRATCH`); keep checkpoints, summary, ledger and report."""
+    return sum(store.delete_prefix(p) for p in scratch_prefixes(run_id))
 
 
 def _step(report: dict, name: str, fn):

@@ -28,9 +28,9 @@ from typing import Any, Callable
 from prefect.concurrency.sync import concurrency
 
 from clouds.registry import is_cloud
+from core.keys import command_key, lease_key, reply_key, status_key, warm_prefix
 from core.specs import WarmSpec, WorkerSpec
-from runtime.warm import (command_key, lease_key, read_json, reply_key, status_key, warm_prefix,
-                          worker_name)
+from runtime.warm import read_json, worker_name
 from tasks.cost import CostRecord
 from tasks.launchers import FAILED, PAID_WORKERS_LIMIT, WorkerOutcome, WorkersFailed, launch_identity, make_launcher
 

@@ -79,7 +79,7 @@ def test_redis_restarted_mid_epoch_loses_only_scratch(tmp_path, monkeypatch, red
     import threading
 
     from comm.store import open_store
-    from engine.checkpoint import sync_checkpoint_key
+    from core.keys import sync_checkpoint_key
     from flows.train import train
     from tasks.cost import read_ledger
 

@@ -26,9 +26,10 @@ from comm.collectives import allreduce_mean, release_group
 from comm.store_dir import DirectoryStore
 from comm.store_redis import RedisStore
 from core.errors import StoreTimeout, ZooidValueError
+from core.keys import sync_checkpoint_key
 from core.specs import ComputeSpec, SyncSpec, WorkerSpec
 from engine.chaos import ChaosError, Fault, fault_marker_key, parse_chaos, read_fault_marker
-from engine.checkpoint import initial_checkpoint, load_checkpoint, read_checkpoint_meta, sync_checkpoint_key
+from engine.checkpoint import initial_checkpoint, load_checkpoint, read_checkpoint_meta
 from engine.datasets import assign_subsets, publish_dataset
 from engine.local_sgd_epoch import read_epoch_history, run_local_sgd_epoch
 from engine.models import build_model

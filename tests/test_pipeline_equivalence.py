@@ -16,12 +16,12 @@ import torch
 from comm.store import open_store
 from comm.tensor_codec import decode_tensors
 from core.errors import StoreTimeout, ZooidValueError
+from core.keys import activation_prefix
 from core.specs import ComputeSpec, StageSpec, SyncSpec, WorkerSpec
 from engine.checkpoint import initial_checkpoint
 from engine.datasets import assign_subsets, publish_dataset
 from engine.local_sgd_epoch import run_local_sgd_epoch
 from engine.pipeline_executor import iteration_schedule, pipeline_worker_specs, run_pipeline_worker
-from engine.pipeline_stage_worker import activation_prefix
 
 RUN = "eq"
 STEPS, BATCH, LR = 12, 32, 0.2

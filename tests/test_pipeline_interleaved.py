@@ -17,11 +17,11 @@ import torch
 from comm.store import open_store
 from comm.tensor_codec import decode_tensors, read_header
 from core.errors import ZooidValueError
+from core.keys import activation_prefix
 from core.specs import ComputeSpec, StageSpec, SyncSpec, WorkerSpec
 from engine.checkpoint import initial_checkpoint
 from engine.datasets import assign_subsets, publish_dataset
 from engine.pipeline_executor import iteration_schedule, pipeline_worker_specs, run_pipeline_worker
-from engine.pipeline_stage_worker import activation_prefix
 from tests.test_pipeline_equivalence import run_threads, weights
 
 RUN = "il"

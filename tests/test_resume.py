@@ -63,7 +63,7 @@ def test_killed_coordinator_is_swept_and_its_epoch_resumes_from_the_sync_point(t
     from prefect.settings import PREFECT_API_URL
 
     from engine.chaos import fault_marker_key
-    from engine.checkpoint import sync_checkpoint_key
+    from core.keys import sync_checkpoint_key
     from flows.train import train
     from tasks.sweep import orphan_pids, tagged_pids
 

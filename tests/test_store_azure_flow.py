@@ -171,7 +171,7 @@ def test_the_account_key_is_in_no_environment_log_artifact_parameter_or_object(a
 def test_an_azurite_restart_mid_run_loses_nothing(azurite, local_sgd_run):
     """Azurite stops and starts again once the first sync point's checkpoint is a blob: the
     workers' requests retry across it, and the run ends where the undisturbed run ends."""
-    from engine.checkpoint import sync_checkpoint_key
+    from core.keys import sync_checkpoint_key
     from flows.train import train
 
     store_name, container = _save_block(azurite, "azure-restart")

@@ -1,0 +1,268 @@
+"""The store's key layout: the one module that spells where each key lives.
+
+Every key of a run lives under `runs/<run_id>/` (DESIGN.md, Rules of the road); the profile
+cache lives under `cache/` because it outlives runs. Every other module builds its keys with
+the functions here (`tests/test_keys.py` fails when another module spells `runs/`), so the
+layout changes in one place or not at all: stored runs are read back, and resumed, by these
+same strings.
+
+Prefixes are returned without a trailing `/` unless their name says otherwise; list or delete
+below one with `prefix + "/"`, so that `r1` never covers `r10`.
+
+| key | teardown | what |
+|---|---|---|
+| `runs/<run>/run.json` | keeps | the job, plan and dataset the run started with |
+| `runs/<run>/summary.json` | keeps | the run's `RunSummary` |
+| `runs/<run>/cost.json` | keeps | the ledger (`tasks.cost`) |
+| `runs/<run>/history.json` | keeps | the per-epoch history (`tasks.resume`) |
+| `runs/<run>/report/<name>` | keeps | report files (the curves' PNG) |
+| `runs/<run>/ckpt/init.safetensors` | keeps | the reference checkpoint epoch 0 starts from |
+| `runs/<run>/ckpt/epoch-<EEEE>.safetensors` | keeps | an epoch's checkpoint |
+| `runs/<run>/ckpt/sync-e<E>.safetensors` | keeps | the latest Local-SGD sync point of epoch E |
+| `runs/<run>/ckpt/latest.json`, `best.json` | keeps | pointers to epoch checkpoints |
+| `runs/<run>/ckpt/residual/e<E>/r<R>/round<N>.safetensors` | keeps | error-feedback residuals |
+| `runs/<run>/history/e<E>/r<R>-a<A>.json` | keeps | what one worker attempt trained |
+| `runs/<run>/faults/e<E>-r<R>-a<A>.json` | keeps | an injected fault's marker (`engine.chaos`) |
+| `runs/<run>/faults/held-e<E>-r<R>-a<A>.json` | keeps | a held worker's event |
+| `runs/<run>/sync/e<E>[/s<S>]/...` | deletes | Local-SGD syncs (per model stage in a pipeline) |
+| `runs/<run>/act/e<E>/r<replica>/...` | deletes | a pipeline's activations and gradients |
+| `runs/<run>/data/{train,val}/<i>`, `data/manifest.json` | deletes | the staged data subsets |
+| `runs/<run>/probe/...` | deletes | the store probe's transfers |
+| `runs/<run>/grad/...` | deletes | gradients in flight |
+| `runs/<run>/warm/lease`, `warm/<worker>/{cmd,reply}-<n>.json`, `status.json` | deletes | `runtime.warm` |
+| `cache/<kind>/<key>.json` | keeps | the profile cache (`tasks.profile_cache`) |
+
+Teardown deletes the `SCRATCH` kinds (`scratch_prefixes`) and keeps the rest. Keys below a
+prefix that one protocol owns alone (a collective's pieces under its group, a pipeline
+replica's tensors under its prefix, the store probe's samples) are spelt by that protocol,
+relative to the prefix it is given here.
+"""
+from __future__ import annotations
+
+import re
+
+RUNS = "runs"
+"""The top-level folder of every run's keys."""
+
+CACHE_ROOT = "cache"
+"""The top-level folder of the profile cache (not under a run: a cache outlives runs)."""
+
+SCRATCH = ("sync", "act", "data", "probe", "grad", "warm")
+"""The scratch kinds directly under a run: teardown deletes them, and keeps checkpoints,
+history, faults, summary, ledger and report."""
+
+# --- the run --------------------------------------------------------------------------
+
+
+def run_prefix(run_id: str) -> str:
+    """`runs/<run_id>`: every key of the run is below it."""
+    return f"{RUNS}/{run_id}"
+
+
+def run_key(run_id: str, *parts: str) -> str:
+    """`runs/<run_id>/<part>/<part>...`: a key below the run (`run_key(r)` is `run_prefix(r)`)."""
+    return "/".join((run_prefix(run_id),) + parts)
+
+
+def run_doc_key(run_id: str) -> str:
+    """The run's start document: job, plan, target, dataset (`tasks.provision`)."""
+    return run_key(run_id, "run.json")
+
+
+def summary_key(run_id: str) -> str:
+    """The run's summary (`RunSummary`, or the failure hooks' stand-in)."""
+    return run_key(run_id, "summary.json")
+
+
+def ledger_key(run_id: str) -> str:
+    """The run's ledger: cost rows and total (`tasks.cost`)."""
+    return run_key(run_id, "cost.json")
+
+
+def history_key(run_id: str) -> str:
+    """The run's per-epoch history (`tasks.resume.write_history`)."""
+    return run_key(run_id, "history.json")
+
+
+def report_key(run_id: str, name: str) -> str:
+    """A file of the run's report, e.g. `curves.png`."""
+    return run_key(run_id, "report", name)
+
+
+# --- checkpoints (durable) ------------------------------------------------------------
+
+
+def checkpoint_prefix(run_id: str) -> str:
+    """Every checkpoint of the run: epoch, sync and initial checkpoints, pointers, residuals."""
+    return run_key(run_id, "ckpt")
+
+
+def init_checkpoint_key(run_id: str) -> str:
+    """The reference checkpoint epoch 0 starts from."""
+    return run_key(run_id, "ckpt", "init.safetensors")
+
+
+def checkpoint_key(run_id: str, epoch: int) -> str:
+    """Epoch `epoch`'s reference checkpoint (written by rank 0 or the last model stage)."""
+    return run_key(run_id, "ckpt", f"epoch-{epoch:04d}.safetensors")
+
+
+def sync_checkpoint_key(run_id: str, epoch: int) -> str:
+    """Durable key of epoch `epoch`'s sync checkpoint (the latest sync point's state)."""
+    return run_key(run_id, "ckpt", f"sync-e{epoch}.safetensors")
+
+
+def latest_key(run_id: str) -> str:
+    """The pointer to the last complete epoch checkpoint (`{"epoch", "key", ...}`)."""
+    return run_key(run_id, "ckpt", "latest.json")
+
+
+def best_key(run_id: str) -> str:
+    """The pointer to the best epoch checkpoint by validation loss."""
+    return run_key(run_id, "ckpt", "best.json")
+
+
+def residual_prefix(run_id: str, epoch: int, rank: int) -> str:
+    """Durable prefix of one rank's error-feedback residuals in one epoch; ends with `/`."""
+    return run_key(run_id, "ckpt", "residual", f"e{epoch}", f"r{rank}") + "/"
+
+
+def residual_key(run_id: str, epoch: int, rank: int, round_: int) -> str:
+    """Durable key of rank `rank`'s residual after round `round_` of `epoch`."""
+    return f"{residual_prefix(run_id, epoch, rank)}round{round_}.safetensors"
+
+
+EPOCH_CHECKPOINT = re.compile(r"/ckpt/epoch-(\d+)\.safetensors$")
+"""Matches an epoch checkpoint's key (`checkpoint_key`); group 1: the epoch."""
+SYNC_CHECKPOINT = re.compile(r"/ckpt/sync-e(\d+)\.safetensors$")
+"""Matches a sync checkpoint's key (`sync_checkpoint_key`); group 1: the epoch."""
+RESIDUAL = re.compile(r"/ckpt/residual/e(\d+)/")
+"""Matches a residual's key (`residual_key`); group 1: the epoch."""
+
+
+# --- worker attempts (durable) ---------------------------------------------------------
+
+
+def worker_history_prefix(run_id: str, epoch: int) -> str:
+    """Every worker attempt's record of `epoch`; ends with `/`."""
+    return run_key(run_id, "history", f"e{epoch}") + "/"
+
+
+def worker_history_key(run_id: str, epoch: int, rank: int, attempt: int) -> str:
+    """Durable record of what one worker attempt trained."""
+    return f"{worker_history_prefix(run_id, epoch)}r{rank}-a{attempt}.json"
+
+
+def faults_prefix(run_id: str) -> str:
+    """The run's fault markers and held-worker events (`engine.chaos`)."""
+    return run_key(run_id, "faults")
+
+
+def fault_marker_key(run_id: str, epoch: int, rank: int, attempt: int) -> str:
+    """Where a worker records the fault injected into it before it dies."""
+    return run_key(run_id, "faults", f"e{epoch}-r{rank}-a{attempt}.json")
+
+
+def held_marker_key(run_id: str, epoch: int, rank: int, attempt: int) -> str:
+    """The event a `hold_worker` fault writes before it waits."""
+    return run_key(run_id, "faults", f"held-e{epoch}-r{rank}-a{attempt}.json")
+
+
+def attempt_of(key: str, epoch: int) -> int | None:
+    """The attempt number in a worker history record or a fault marker of `epoch`
+    (`worker_history_key`, `fault_marker_key`), or None for any other key."""
+    m = re.search(rf"e{epoch}[-/]r\d+-a(\d+)\.json$", key)
+    return int(m.group(1)) if m else None
+
+
+# --- scratch --------------------------------------------------------------------------
+
+
+def sync_prefix(run_id: str, epoch: int) -> str:
+    """Key prefix of an epoch's Local-SGD syncs (a replica's `spec.sync.group` when it names
+    none). Delete it before starting or resuming the whole epoch; never while some of its
+    replicas still run (`engine.local_sgd`)."""
+    return run_key(run_id, "sync", f"e{epoch}")
+
+
+def stage_sync_prefix(run_id: str, epoch: int, stage: int) -> str:
+    """Key prefix of one model stage's gradient syncs in a pipeline's epoch."""
+    return f"{sync_prefix(run_id, epoch)}/s{stage}"
+
+
+def activation_prefix(run_id: str, epoch: int) -> str:
+    """Scratch prefix of an epoch's inter-stage tensors (delete it before relaunching)."""
+    return run_key(run_id, "act", f"e{epoch}")
+
+
+def activation_replica_prefix(run_id: str, epoch: int, replica: int) -> str:
+    """Scratch prefix of one pipeline replica's tensors in an epoch."""
+    return f"{activation_prefix(run_id, epoch)}/r{replica}"
+
+
+def data_prefix(run_id: str) -> str:
+    """Key prefix of a run's staged data."""
+    return run_key(run_id, "data")
+
+
+def data_split_prefix(run_id: str, split: str) -> str:
+    """Key prefix of one split's subsets (`train` or `val`)."""
+    return f"{data_prefix(run_id)}/{split}"
+
+
+def data_subset_key(run_id: str, split: str, index: int) -> str:
+    """Subset `index` of `split`."""
+    return f"{data_split_prefix(run_id, split)}/{int(index)}"
+
+
+def data_manifest_key(run_id: str) -> str:
+    """The staged data's manifest (written last: its presence means every subset is readable)."""
+    return f"{data_prefix(run_id)}/manifest.json"
+
+
+def probe_prefix(run_id: str) -> str:
+    """Where the store probe of a run's profile puts (and deletes) its samples."""
+    return run_key(run_id, "probe")
+
+
+def warm_prefix(run_id: str) -> str:
+    """The warm workers' commands, replies, status and lease (`runtime.warm`)."""
+    return run_key(run_id, "warm")
+
+
+def lease_key(run_id: str) -> str:
+    """The coordinator's lease, renewed while the run lives."""
+    return f"{warm_prefix(run_id)}/lease"
+
+
+def command_key(run_id: str, worker: str, seq: int) -> str:
+    """Warm worker `worker`'s `seq`-th command."""
+    return f"{warm_prefix(run_id)}/{worker}/cmd-{seq:05d}.json"
+
+
+def reply_key(run_id: str, worker: str, seq: int) -> str:
+    """Warm worker `worker`'s reply to its `seq`-th command."""
+    return f"{warm_prefix(run_id)}/{worker}/reply-{seq:05d}.json"
+
+
+def status_key(run_id: str, worker: str) -> str:
+    """Warm worker `worker`'s status, rewritten once a second."""
+    return f"{warm_prefix(run_id)}/{worker}/status.json"
+
+
+def scratch_prefixes(run_id: str) -> tuple[str, ...]:
+    """The prefixes teardown deletes, each ending with `/` (one per `SCRATCH` kind)."""
+    return tuple(run_key(run_id, kind) + "/" for kind in SCRATCH)
+
+
+# --- the profile cache (durable, outside every run) ------------------------------------
+
+
+def cache_prefix(kind: str) -> str:
+    """Every cached document of `kind` (`targets`, `models`, ...); ends with `/`."""
+    return f"{CACHE_ROOT}/{kind}/"
+
+
+def cache_key(kind: str, key: str) -> str:
+    """The cached document `key` of `kind`."""
+    return f"{cache_prefix(kind)}{key}.json"
