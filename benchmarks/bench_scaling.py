@@ -19,11 +19,10 @@ share one temporary Prefect server:
 Per configuration, up to the first epoch whose validation accuracy (rank 0, end of epoch)
 reaches `--target`:
 
-- epochs and samples (the workers' `WorkerResult.samples`, summed);
+- epochs and samples (each worker's trained samples, summed);
 - cluster time: per epoch the slowest worker's `compute_s + sync_s`, what one core per worker
-  would see, summed; read from the last line of each worker's log under
-  `$ZOOID_HOME/logs/<run_id>/` (the `WorkerResult` JSON), for the attempts that completed
-  the epoch (`runs/<id>/history/`);
+  would see, summed; read from the history record of each attempt that completed the epoch
+  (`runs/<id>/history/e<epoch>/`, which warm and cold workers alike write);
 - epoch wall time (the flow's per-epoch `seconds`: first launch to last exit, process
   start-up included), with 8 workers sharing this machine's cores;
 - cost: worker-seconds billed in the ledger (`runs/<id>/cost.json`, failed attempts
@@ -135,23 +134,20 @@ def cli_args(config: Config) -> list[str]:
     return [f"--param={k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in config.params.items()]
 
 
-def worker_results(home: Path, store, run_id: str, epoch: int) -> list[dict]:
-    """The `WorkerResult` of each rank's attempt that completed `epoch`: the history names
-    the completed attempts, the log's last line holds what that attempt reported."""
+def worker_results(store, run_id: str, epoch: int) -> list[dict]:
+    """What each rank's attempt that completed `epoch` trained: its history record (samples,
+    compute and sync seconds), the latest attempt per rank."""
     from engine.local_sgd_epoch import read_epoch_history
 
-    latest: dict[int, int] = {}
+    latest: dict[int, dict] = {}
     for record in read_epoch_history(store, run_id, epoch):
-        latest[record["rank"]] = max(latest.get(record["rank"], -1), record["attempt"])
-    results = []
-    for rank, attempt in sorted(latest.items()):
-        log = home / "logs" / run_id / f"e{epoch}-r{rank}-a{attempt}.log"
-        results.append(json.loads(log.read_text().strip().splitlines()[-1]))
-    return results
+        if record["attempt"] >= latest.get(record["rank"], {}).get("attempt", -1):
+            latest[record["rank"]] = record
+    return [latest[rank] for rank in sorted(latest)]
 
 
 def collect(home: Path, config: Config, repeat: int, summary: dict, run_wall_s: float) -> Outcome:
-    """Join the run's summary, worker logs and ledger into per-epoch rows."""
+    """Join the run's summary, its workers' history records and ledger into per-epoch rows."""
     from comm.store_dir import DirectoryStore
     from tasks.cost import read_ledger
 
@@ -162,7 +158,7 @@ def collect(home: Path, config: Config, repeat: int, summary: dict, run_wall_s: 
     price = ledger["rows"][0]["unit_price_per_s"]
     outcome = Outcome(config, repeat, run_id, summary["status"], price, ledger["rows"][0]["offer"], run_wall_s)
     for e in summary["epochs"]:
-        results = worker_results(home, store, run_id, e["epoch"])
+        results = worker_results(store, run_id, e["epoch"])
         slowest = max(results, key=lambda r: r["compute_s"] + r["sync_s"])
         billed = [r for r in workers_rows if r["epoch"] == e["epoch"]]
         outcome.rows.append(EpochRow(

@@ -332,7 +332,8 @@ def _run(spec: WorkerSpec, store: Store, ckpt_store: Store, started: float,
               "subsets": list(spec.subsets), "start_step": start.step, "end_step": spec.steps,
               "steps_trained": trained, "samples": trained * spec.batch_size,
               "start_round": start.round, "end_round": averaging.rounds,
-              "from_sync_checkpoint": start.from_sync_checkpoint, "reposts": averaging.stats.reposts}
+              "from_sync_checkpoint": start.from_sync_checkpoint, "reposts": averaging.stats.reposts,
+              "compute_s": max(0.0, loop_s - averaging.stats.seconds), "sync_s": averaging.stats.seconds}
     ckpt_store.put(worker_history_key(spec.run_id, spec.epoch, spec.rank, spec.attempt),
                    json.dumps(record).encode())
     stats = averaging.stats

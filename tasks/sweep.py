@@ -2,7 +2,9 @@
 
 Every worker process Zooid starts (inline, or through the process work pool) carries
 `ZOOID_RUN_ID=<run_id>` in its environment; the sweep reads `/proc/<pid>/environ` and stops
-each matching process group by pid. Never by name.
+each matching process group by pid. Never by name. The orphan sweep stops only the orphans of
+this Zooid home (`ZOOID_HOME`, unset counting as one home of its own): another home's runs,
+another stack or another user's, are theirs to sweep.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 
 TAG_VAR = "ZOOID_RUN_ID"
 COORDINATOR_VAR = "ZOOID_COORDINATOR_PID"
+HOME_VAR = "ZOOID_HOME"
 
 
 def _tagged_processes() -> dict[int, dict[str, str]]:
@@ -31,7 +34,7 @@ def _tagged_processes() -> dict[int, dict[str, str]]:
             continue
         pairs = dict(item.split(b"=", 1) for item in env.split(b"\0") if b"=" in item)
         found[int(entry.name)] = {k.decode(): pairs[k].decode(errors="replace")
-                                  for k in (TAG_VAR.encode(), COORDINATOR_VAR.encode()) if k in pairs}
+                                  for k in (TAG_VAR.encode(), COORDINATOR_VAR.encode(), HOME_VAR.encode()) if k in pairs}
     return found
 
 
@@ -40,12 +43,14 @@ def tagged_pids(run_id: str) -> list[int]:
     return sorted(pid for pid, tags in _tagged_processes().items() if tags.get(TAG_VAR) == run_id)
 
 
-def orphan_pids() -> list[int]:
-    """Tagged worker processes whose coordinator process is gone."""
+def orphan_pids(home: str | None = None) -> list[int]:
+    """Tagged worker processes of Zooid home `home` (default: this process's `ZOOID_HOME`, ""
+    when unset) whose coordinator process is gone."""
+    home = os.environ.get(HOME_VAR, "") if home is None else home
     orphans = []
     for pid, tags in _tagged_processes().items():
         coordinator = tags.get(COORDINATOR_VAR, "")
-        if coordinator.isdigit() and not _alive(int(coordinator)):
+        if tags.get(HOME_VAR, "") == home and coordinator.isdigit() and not _alive(int(coordinator)):
             orphans.append(pid)
     return sorted(orphans)
 
@@ -87,7 +92,8 @@ def sweep_run(run_id: str) -> list[int]:
 
 
 def sweep_orphans() -> list[int]:
-    """Stop every worker whose coordinator died (run at the start of each run and by hand)."""
+    """Stop every worker of this Zooid home whose coordinator died (run at the start of each
+    run and by hand)."""
     return stop_pids(orphan_pids())
 
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tasks.sweep import COORDINATOR_VAR, TAG_VAR, orphan_pids, sweep_orphans, sweep_run, tagged_pids
+from tasks.sweep import COORDINATOR_VAR, HOME_VAR, TAG_VAR, orphan_pids, sweep_orphans, sweep_run, tagged_pids
 
 
 def _spawn(env_extra: dict) -> subprocess.Popen:
@@ -50,3 +50,23 @@ def test_orphans_of_a_dead_coordinator_are_swept():
     finally:
         alive_parent.kill()
         alive_parent.wait()
+
+
+@pytest.mark.timeout(60)
+def test_the_orphan_sweep_leaves_another_homes_orphans_alone():
+    """Two Zooid homes on one machine (two stacks, two users, two test processes): a run's
+    orphan sweep stops its own home's orphans only."""
+    coordinator = subprocess.Popen([sys.executable, "-c", "pass"])
+    coordinator.wait()
+    here = os.environ.get(HOME_VAR, "")
+    ours = _spawn({TAG_VAR: "zsweep-e", COORDINATOR_VAR: str(coordinator.pid), HOME_VAR: here})
+    theirs = _spawn({TAG_VAR: "zsweep-f", COORDINATOR_VAR: str(coordinator.pid), HOME_VAR: here + "-elsewhere"})
+    try:
+        assert ours.pid in orphan_pids() and theirs.pid not in orphan_pids()
+        assert theirs.pid in orphan_pids(home=here + "-elsewhere")
+        sweep_orphans()
+        assert ours.wait(timeout=10) is not None
+        assert theirs.poll() is None
+    finally:
+        theirs.kill()
+        theirs.wait()
