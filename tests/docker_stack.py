@@ -1,0 +1,154 @@
+"""The docker target's test stack and helpers, shared by `test_docker_target.py` and
+`test_docker_faults.py`: a real Prefect server, the process pool's coordinator, a Prefect Docker
+worker starting each Zooid worker as a container of the worker image on podman's Docker API, an
+S3 server the containers reach over the network, and the bill from the engine's clock.
+
+`stack` is module-scoped: each of the two files brings one up (`python -m deployments.stack up
+--docker` in a home of its own), so `make test` runs them side by side in two processes; `make
+test` builds the image first (`make image`), so a stack only finds it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+JOB = {"batch_size": 32, "dataset": "digits", "worker_lease_s": 20}
+
+
+def _engine_available() -> bool:
+    return bool(shutil.which("podman") or os.environ.get("DOCKER_HOST"))
+
+
+def up_for_the_module(tmp_path_factory):
+    """The local stack with its container half, up for a module; down (by pid) after it. Each
+    test file makes it its module-scoped `stack` fixture:
+    `stack = pytest.fixture(scope="module", name="stack")(up_for_the_module)`."""
+    if not _engine_available():
+        pytest.skip("no container engine (make test installs podman)")
+    home = tmp_path_factory.mktemp("docker-stack")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "DOCKER_HOST"))}
+    env.update(ZOOID_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1")
+    proc = subprocess.run([sys.executable, "-m", "deployments.stack", "up", "--docker"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    state_path = home / "stack.json"
+    try:
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+        state = json.loads(state_path.read_text())
+        saved = {k: os.environ.get(k) for k in state["env"]}
+        os.environ.update(state["env"])
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        with temporary_settings(updates={PREFECT_API_URL: state["api_url"]}):
+            yield {**state, "home": home, "env": {**env, **state["env"]}}
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    finally:
+        subprocess.run([sys.executable, "-m", "deployments.stack", "down"], cwd=ROOT, env=env,
+                       capture_output=True, timeout=120)
+
+
+def _client():
+    from clouds.docker import docker_client
+
+    return docker_client()
+
+
+def _containers(run_id: str, running_only: bool = False) -> list:
+    from clouds.docker import run_containers
+
+    client = _client()
+    try:
+        found = run_containers(client, run_id)
+        return [c for c in found if c.status == "running"] if running_only else found
+    finally:
+        client.close()
+
+
+def _store(stack):
+    from blocks.store import open_store_ref
+    from blocks.store_block import block_ref
+
+    return open_store_ref(block_ref(stack["docker"]["store"]))
+
+
+def _submit(stack, **params) -> str:
+    from prefect.deployments import run_deployment
+
+    params = {**JOB, "store": stack["docker"]["store"], **params}
+    return str(run_deployment("train/docker", parameters=params, timeout=0).id)
+
+
+def _wait_final(flow_run_id: str, timeout_s: float = 600):
+    from prefect.client.orchestration import get_client
+
+    from deployments.stack import wait_final
+
+    with get_client(sync_client=True) as client:
+        return wait_final(client, flow_run_id, timeout_s, poll_s=0.5)
+
+
+def _wait_key(store, prefix: str, timeout_s: float = 600) -> list[str]:
+    """Keys under `prefix` once one exists (an event the workers write)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        keys = store.list(prefix)
+        if keys:
+            return keys
+        time.sleep(0.2)
+    raise TimeoutError(f"nothing under {prefix} after {timeout_s:.0f} s")
+
+
+def _summary(stack, run_id: str) -> dict:
+    store = _store(stack)
+    try:
+        return json.loads(store.get(f"runs/{run_id}/summary.json", timeout=30))
+    finally:
+        store.close()
+
+
+def _ledger(stack, run_id: str) -> list[dict]:
+    store = _store(stack)
+    try:
+        return json.loads(store.get(f"runs/{run_id}/cost.json", timeout=30))["rows"]
+    finally:
+        store.close()
+
+
+def _run_id(flow_run_id: str) -> str:
+    from tasks.context import run_id_for
+
+    return run_id_for(flow_run_id)
+
+
+def _save_target(name: str, **changes) -> str:
+    from blocks.compute import BUILTIN, ComputeTarget
+
+    ComputeTarget(**{**BUILTIN["docker"], **changes}).save(name, overwrite=True)
+    return name
+
+
+def _held_run(stack, epoch: int, rank: int, epochs: int):
+    """Submit a 2-worker Local-SGD run whose rank `rank` holds at the start of `epoch` until the
+    key `release` exists; return (flow run id, run id, its store) once the hold began."""
+    target = _save_target(f"docker-hold-e{epoch}r{rank}", job_variables={"env": {
+        "ZOOID_CHAOS": f"hold_worker:epoch={epoch}:rank={rank}:until=release"}})
+    flow_run_id = _submit(stack, strategy="local_sgd", workers=2, epochs=epochs, target=target)
+    run_id = _run_id(flow_run_id)
+    store = _store(stack)
+    _wait_key(store, f"runs/{run_id}/faults/held-e{epoch}-r{rank}-")
+    return flow_run_id, run_id, store
+
+
+def _container_ids(rows: list[dict]) -> set[str]:
+    return {r["resource"].split()[-1] for r in rows if r["kind"] in ("worker", "failed_attempt")}

@@ -1,0 +1,130 @@
+"""The docker target under faults (`tests/docker_stack.py`'s stack): a killed worker container is
+replaced and its attempt billed, a SIGKILLed coordinator's containers stop within their lease, a
+cancelled flow run leaves no container, teardown sweeps a labelled straggler."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from tests.docker_stack import ROOT, _client, _containers, _held_run, _ledger, _store, _summary, _wait_final, up_for_the_module
+
+pytestmark = [pytest.mark.slow, pytest.mark.docker]
+stack = pytest.fixture(scope="module", name="stack")(up_for_the_module)
+
+
+def test_a_killed_worker_container_is_replaced_and_its_attempt_billed(stack):
+    """`podman kill` the rank-1 container while epoch 1 holds it (an event: the held marker)."""
+    flow_run_id, run_id, store = _held_run(stack, epoch=1, rank=1, epochs=2)
+    try:
+        flow_runs = {c.labels.get("io.prefect.flow-run-name", ""): c for c in _containers(run_id, running_only=True)}
+        victim = next(c for name, c in flow_runs.items() if "-warm-r1-" in name)
+        subprocess.run(["podman", "kill", victim.id], check=True, capture_output=True,
+                       env={**os.environ, "CONTAINERS_CONF": str(stack["home"] / "engine" / "containers.conf")})
+        fr = _wait_final(flow_run_id)
+        store.put(f"runs/{run_id}/release", b"1")  # nothing should be held by then; never hang
+    finally:
+        store.close()
+    assert fr.state.is_completed(), fr.state.message
+    summary = _summary(stack, run_id)
+    assert summary["status"] == "completed" and len(summary["epochs"]) == 2
+    assert any(r["rank"] == 1 for r in summary["epochs"][1]["relaunches"])
+    rows = _ledger(stack, run_id)
+    failed = [r for r in rows if r["kind"] == "failed_attempt"]
+    assert failed and failed[0]["resource"].endswith(victim.id[:12]) and failed[0]["usd"] > 0
+    assert _containers(run_id) == []
+
+
+def test_containers_of_a_sigkilled_coordinator_stop_within_their_lease(stack):
+    """SIGKILL a command-line coordinator mid-run: no one renews the lease, so each worker
+    container stops itself (the lease expires) and exits."""
+    env = {**stack["env"], "PREFECT_API_URL": stack["api_url"]}
+    coordinator = subprocess.Popen(
+        [sys.executable, "-m", "flows.train", "--param", "target=docker", "--param", "workers=2",
+         "--param", "epochs=200", "--param", "worker_lease_s=8", "--param", "batch_size=32",
+         "--param", f"store={stack['docker']['store']}"],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    store = _store(stack)
+    try:
+        before = set(store.list("runs/"))
+        deadline = time.monotonic() + 600
+        run_id = None
+        while run_id is None and time.monotonic() < deadline:  # a warm worker replied to an epoch
+            assert coordinator.poll() is None, "the coordinator ended early"
+            for key in set(store.list("runs/")) - before:
+                if "/warm/" in key and "/reply-" in key:
+                    run_id = key.split("/")[1]
+            time.sleep(0.3)
+        assert run_id, "no worker container replied"
+        assert len(_containers(run_id, running_only=True)) == 2
+    finally:
+        os.killpg(coordinator.pid, signal.SIGKILL)
+        coordinator.wait()
+        store.close()
+    deadline = time.monotonic() + 180
+    while _containers(run_id, running_only=True) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = _containers(run_id)
+    assert left and not [c for c in left if c.status == "running"]
+    logs = [c.logs().decode(errors="replace") for c in left]
+    assert all("lease was not renewed" in text for text in logs), logs[0][-2000:]
+    client = _client()
+    try:  # the run's leftovers (exited, nothing billed past their stop) are swept by label
+        from clouds.docker import sweep
+
+        sweep(client, run_id)
+    finally:
+        client.close()
+
+
+def test_cancelling_the_flow_run_leaves_no_container(stack):
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelling
+
+    flow_run_id, run_id, store = _held_run(stack, epoch=1, rank=0, epochs=3)
+    try:
+        assert len(_containers(run_id, running_only=True)) == 2
+        with get_client(sync_client=True) as client:  # what the UI's Cancel does
+            client.set_flow_run_state(flow_run_id, Cancelling(message="cancelled by the test"), force=True)
+        fr = _wait_final(flow_run_id)
+        deadline = time.monotonic() + 120
+        while _containers(run_id) and time.monotonic() < deadline:
+            time.sleep(0.5)
+    finally:
+        store.put(f"runs/{run_id}/release", b"1")
+        store.close()
+    assert fr.state.is_cancelled() or fr.state.is_failed() or fr.state.is_crashed()
+    assert _containers(run_id) == []
+
+
+def test_teardown_sweeps_a_container_left_behind_by_label(stack):
+    from types import SimpleNamespace
+
+    from blocks.compute import resolve_target
+    from planners.catalog import get_offer
+    from tasks.context import RunContext
+    from tasks.job import TrainJob
+    from tasks.teardown import teardown_run
+
+    run_id = f"left-{uuid.uuid4().hex[:8]}"
+    client = _client()
+    try:
+        left = client.containers.run(stack["docker"]["image"], ["sleep", "600"], detach=True,
+                                     labels={"zooid-run": run_id}, network_mode="host")
+    finally:
+        client.close()
+    assert [c.id for c in _containers(run_id, running_only=True)] == [left.id]
+    ctx = RunContext(run_id=run_id, job=TrainJob(target="docker"),
+                     resolved=SimpleNamespace(target=resolve_target("docker"), offer=get_offer("fargate-cpu"),
+                                              store_ref="", durable_ref=""))
+    report = teardown_run(ctx)
+    assert report.get("swept") == [left.id[:12]]
+    assert _containers(run_id) == []
+    # the straggler was billed from the engine's clock before it was removed
+    stragglers = [r for r in ctx.state.ledger if r.resource.endswith(left.id[:12])]
+    assert len(stragglers) == 1 and stragglers[0].stop > stragglers[0].start
