@@ -158,7 +158,7 @@ class _Traffic:
         return tensors
 
 
-def _flatten(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def flatten_by_dtype(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """One flat CPU vector per dtype, the tensors concatenated in sorted-name order."""
     groups: dict[str, list[torch.Tensor]] = {}
     for name in sorted(tensors):
@@ -205,7 +205,7 @@ def _allreduce(
     if log is not None:
         log.start_call()
     io = _Traffic(store, rank, timeout, stats, log, repost_s)
-    flat = _flatten(tensors)
+    flat = flatten_by_dtype(tensors)
     wire = Wire(compressor, flat, world)
 
     # Scatter: my piece of every other rank's slice, unless that slice is already reduced

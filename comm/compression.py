@@ -31,7 +31,7 @@ from core.errors import ZooidValueError
 from core.outer_sync import INT8_BLOCK, SYNC_DTYPES
 
 Flat = dict[str, torch.Tensor]
-"""One flat vector per dtype name (`comm.collectives._flatten`)."""
+"""One flat vector per dtype name (`comm.collectives.flatten_by_dtype`)."""
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -129,7 +129,7 @@ class Compressor:
         """Send the next calls losslessly with the residual added: it ends at zero (a
         group of syncs whose residual must not outlive it, `engine.pipeline_stage_worker`)."""
         self.exact: Flat | None = None
-        """Per dtype name, a bool mask over the call's flat vector (`comm.collectives._flatten`
+        """Per dtype name, a bool mask over the call's flat vector (`comm.collectives.flatten_by_dtype`
         of the tensors the caller syncs) of the positions that travel exactly and owe no
         residual: a model's buffers (`engine.local_sgd`); None: every position is rounded."""
         self._world = 1

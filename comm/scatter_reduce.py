@@ -39,7 +39,7 @@ from comm import collectives
 # The plain version's store access (counting, timeouts naming the key, re-posting lost
 # keys) and its flat layout, reused so that both algorithms behave alike in every respect
 # but the overlap. Private to comm.collectives: see the report asking to publish them.
-from comm.collectives import PostLog, SyncStats, Wire, _flatten, _release_and_gather, _Traffic
+from comm.collectives import PostLog, SyncStats, Wire, flatten_by_dtype, _release_and_gather, _Traffic
 from comm.compression import Compressor
 from comm.store import Store
 from comm.tensor_codec import encode_tensors
@@ -146,7 +146,7 @@ def _pipelined(
     up_stats = SyncStats()
     up = _Traffic(store, rank, timeout, up_stats, log, repost_s)
     down = _Traffic(store, rank, timeout, stats, log, repost_s)
-    flat = _flatten(tensors)
+    flat = flatten_by_dtype(tensors)
     wire = Wire(compressor, flat, world)
     slices = {dtype: torch.tensor_split(v, world) for dtype, v in flat.items()}
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from comm import heartbeat
-from comm.collectives import PostLog, SyncStats, _flatten, allreduce_mean, release_group
+from comm.collectives import PostLog, SyncStats, flatten_by_dtype, allreduce_mean, release_group
 from comm.compression import Compressor
 from comm.scatter_reduce import Allreduce
 from comm.store import Store
@@ -150,7 +150,7 @@ class LocalSGD:
             marks = {n: torch.full(t.shape, float(n.startswith(BUFFER_PREFIX)), dtype=t.dtype)
                      for n, t in payload.items()}
             self._exact_layout = layout
-            self._exact = {d: v != 0 for d, v in _flatten(marks).items()}
+            self._exact = {d: v != 0 for d, v in flatten_by_dtype(marks).items()}
         return self._exact
 
     def drop_rounds_before(self, round_: int) -> None:
