@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from deployments.server import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 JOB = {"batch_size": 32, "dataset": "digits", "worker_lease_s": 20}
 
@@ -36,7 +38,11 @@ def up_for_the_module(tmp_path_factory):
     home = tmp_path_factory.mktemp("docker-stack")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "DOCKER_HOST"))}
     env.update(ZOOID_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1")
-    proc = subprocess.run([sys.executable, "-m", "deployments.stack", "up", "--docker"], cwd=ROOT, env=env,
+    # a port of its own: the stacks of other test processes start at the same moment, and two
+    # asking for the preferred 4200 at once would both get it
+    port = str(free_port(0))
+    proc = subprocess.run([sys.executable, "-m", "deployments.stack", "up", "--docker", "--port", port],
+                          cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)
     state_path = home / "stack.json"
     try:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from deployments.server import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -18,7 +20,8 @@ def test_train_local_deployment_through_process_pool(tmp_path):
     home = tmp_path / "zooid"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(ZOOID_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1")
-    proc = subprocess.run([sys.executable, "-m", "deployments.stack", "run", "--param", "workers=3",
+    port = str(free_port(0))  # not the preferred 4200: other test processes start stacks too
+    proc = subprocess.run([sys.executable, "-m", "deployments.stack", "run", "--port", port, "--param", "workers=3",
                            "--param", "epochs=2", "--param", "batch_size=32"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -17,12 +17,13 @@ def test_cancelling_a_training_run_stops_its_workers_and_bills_it(tmp_path):
     import time
 
     from deployments import stack
+    from deployments.server import free_port
     from tasks.context import run_id_for
     from tasks.sweep import tagged_pids
 
     home = tmp_path / "zooid"
     saved = dict(os.environ)
-    state = stack.up(home=home)
+    state = stack.up(home=home, port=free_port(0))  # not the preferred 4200: other test processes start stacks too
     try:
         os.environ.update(state["env"])
         from prefect.client.orchestration import get_client
