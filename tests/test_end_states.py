@@ -115,17 +115,19 @@ def test_a_hook_after_the_coordinator_billed_itself_does_not_rewrite_the_bill(tm
 # --- cancelled ------------------------------------------------------------------------------
 
 
-def _cancel_when_history_appears(store: Path, flow_run_ids: list, done: threading.Event) -> threading.Thread:
+def _cancel_while_epoch_1_is_held(store: Path, flow_run_ids: list, done: threading.Event) -> threading.Thread:
     """What Prefect's runner does to cancel a run: the flow run is set Cancelling, the child is
     told the intent is `cancel` on its control channel, then it gets SIGTERM. Here it happens
-    once the run's first epoch is in its history."""
+    once rank 0 holds at the start of epoch 1 (`hold_worker`, set by the caller), so the flow
+    is inside its epoch task, not between tasks (a cancel landing as Prefect sets up a task run
+    fails that run with "Task run is not set" instead)."""
     from prefect._internal import control_listener
     from prefect.client.orchestration import get_client
     from prefect.states import Cancelling
 
     def cancel() -> None:
         try:
-            _wait_for("runs/*/history.json", store, time.monotonic() + 300)
+            _wait_for("runs/*/faults/held-e1-r0-*.json", store, time.monotonic() + 300)
             with get_client(sync_client=True) as client:
                 [fr] = [f for f in client.read_flow_runs() if f.name and f.state and f.state.is_running()
                         and f.flow_id and client.read_flow(f.flow_id).name == "train"]
@@ -171,12 +173,13 @@ def test_a_run_cancelled_through_prefect_is_cancelled_everywhere(tmp_path, monke
 
     if not engine_owns:
         monkeypatch.setenv("PREFECT__ENABLE_CANCELLATION_AND_CRASHED_HOOKS", "false")
+    monkeypatch.setenv("ZOOID_CHAOS", "hold_worker:epoch=1:rank=0:until=never:seconds=600")
     flow_logger = logging.getLogger("prefect.flow_runs")  # the suite logs warnings only
     request.addfinalizer(lambda level=flow_logger.level: flow_logger.setLevel(level))
     flow_logger.setLevel(logging.INFO)  # setLevel, not .level: it clears the loggers' cached answers
     store = tmp_path / "store"
     flow_run_ids, done = [], threading.Event()
-    thread = _cancel_when_history_appears(store, flow_run_ids, done)
+    thread = _cancel_while_epoch_1_is_held(store, flow_run_ids, done)
     try:
         with pytest.raises(TerminationSignal):
             train(TrainJob(workers=2, epochs=500, store=f"file://{store}", batch_size=32))
