@@ -53,7 +53,10 @@ def up_for_the_module(tmp_path_factory):
         from prefect.settings import PREFECT_API_URL, temporary_settings
 
         with temporary_settings(updates={PREFECT_API_URL: state["api_url"]}):
-            yield {**state, "home": home, "env": {**env, **state["env"]}}
+            try:
+                yield {**state, "home": home, "env": {**env, **state["env"]}}
+            finally:
+                drain_prefect_clients()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -62,6 +65,17 @@ def up_for_the_module(tmp_path_factory):
     finally:
         subprocess.run([sys.executable, "-m", "deployments.stack", "down"], cwd=ROOT, env=env,
                        capture_output=True, timeout=120)
+
+
+def drain_prefect_clients() -> None:
+    """Send this process's pending events and logs to the stack's API while it is still up.
+    Left for later, they are flushed at the process's exit towards a server that is gone, and
+    the events client retries for minutes (seen: a 5-minute teardown)."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for service in (APILogWorker, EventsWorker):
+        service.drain_all(timeout=5, at_exit=False)
 
 
 def _client():
