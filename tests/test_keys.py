@@ -7,30 +7,15 @@ docstrings do not count), no module other than `core/keys.py` spells `runs/` in 
 from __future__ import annotations
 
 import ast
-from functools import lru_cache
-from pathlib import Path
 
 import pytest
 
+from tests.source_tree import sources
+
 from core import keys
 
-ROOT = Path(__file__).resolve().parent.parent
 OWNER = "core/keys.py"
 RUN = "abc123"
-
-
-@lru_cache(maxsize=None)
-def sources() -> dict[str, ast.Module]:
-    """Every project module outside tests/ and benchmarks/, by path relative to the root."""
-    out = {}
-    for folder in sorted(ROOT.iterdir()):
-        if not (folder / "__init__.py").exists() or folder.name in ("tests", "benchmarks"):
-            continue
-        for path in sorted(folder.rglob("*.py")):
-            if "__pycache__" not in path.parts:
-                rel = str(path.relative_to(ROOT))
-                out[rel] = ast.parse(path.read_text(), filename=rel)
-    return out
 
 
 def _docstrings(tree: ast.Module) -> set[int]:

@@ -23,25 +23,11 @@ import os
 import pickle
 import random
 import re
-from functools import lru_cache
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.source_tree import ROOT, sources
 
-
-@lru_cache(maxsize=None)
-def sources() -> dict[str, ast.Module]:
-    """Every project module outside tests/ and benchmarks/, by path relative to the root."""
-    out = {}
-    for folder in sorted(ROOT.iterdir()):
-        if not (folder / "__init__.py").exists() or folder.name in ("tests", "benchmarks"):
-            continue
-        for path in sorted(folder.rglob("*.py")):
-            rel = str(path.relative_to(ROOT))
-            out[rel] = ast.parse(path.read_text(), filename=rel)
-    return out
 
 
 def definitions(name: str) -> list[str]:

@@ -79,6 +79,16 @@ def brute_best(t, c, weights):
     return float(np.min(weights[0] * c + weights[1] * t))
 
 
+# Two stages ([0], [1, 2]) at d = 2, M = 4: the plan the evaluator's hand computation prices.
+HAND_DOC = {"layers": [
+    {"forward_s": [1.0], "backward_s": [2.0], "output_bytes": 10, "activation_bytes": 1, "param_bytes": 20},
+    {"forward_s": [2.0], "backward_s": [3.0], "output_bytes": 4, "activation_bytes": 1, "param_bytes": 10},
+    {"forward_s": [1.0], "backward_s": [1.0], "output_bytes": 0, "activation_bytes": 1, "param_bytes": 10}],
+    "memory_options_bytes": [1000], "bandwidth_bytes_per_s": [10], "latency_s": 0.5,
+    "contention": 1.0, "base_memory_bytes": 0, "dp_degrees": [2], "microbatches": 4,
+    "price_per_byte_s": 0.001, "weights": [1, 1]}
+
+
 def close(a, b, rel=REL):
     return abs(a - b) <= rel * max(abs(a), abs(b), 1e-12)
 
@@ -87,13 +97,7 @@ def close(a, b, rel=REL):
 
 def test_evaluate_matches_hand_computed_two_stage_plan():
     # Two stages ([0], [1, 2]), d = 2, M = 4 -> mu = 2, one memory option, beta = 1.
-    doc = {"layers": [
-        {"forward_s": [1.0], "backward_s": [2.0], "output_bytes": 10, "activation_bytes": 1, "param_bytes": 20},
-        {"forward_s": [2.0], "backward_s": [3.0], "output_bytes": 4, "activation_bytes": 1, "param_bytes": 10},
-        {"forward_s": [1.0], "backward_s": [1.0], "output_bytes": 0, "activation_bytes": 1, "param_bytes": 10}],
-        "memory_options_bytes": [1000], "bandwidth_bytes_per_s": [10], "latency_s": 0.5,
-        "contention": 1.0, "base_memory_bytes": 0, "dp_degrees": [2], "microbatches": 4,
-        "price_per_byte_s": 0.001, "weights": [1, 1]}
+    doc = HAND_DOC
     p = parse_problem(doc)
     t_iter, c_iter, objective = evaluate(p, [0], 2, [0, 0])
     # Forward: Fc = 1, 3; cut after layer 0 moves 10 bytes at 10 B/s: up = down = 1.5.
@@ -345,13 +349,7 @@ INT8 = wire_bytes(1e8, "int8") / 1e8       # bytes an int8 sync moves per float3
 def test_evaluate_prices_the_sync_at_the_sync_bytes_factor():
     # The hand-computed plan above with a sync moving a quarter of the float32 bytes: each
     # stage's sync is 2 * 0.25 * 20 / 10 + 4 * 0.5 = 3 instead of 6, so t = 10 + max(8, 13) + 3.
-    doc = {"layers": [
-        {"forward_s": [1.0], "backward_s": [2.0], "output_bytes": 10, "activation_bytes": 1, "param_bytes": 20},
-        {"forward_s": [2.0], "backward_s": [3.0], "output_bytes": 4, "activation_bytes": 1, "param_bytes": 10},
-        {"forward_s": [1.0], "backward_s": [1.0], "output_bytes": 0, "activation_bytes": 1, "param_bytes": 10}],
-        "memory_options_bytes": [1000], "bandwidth_bytes_per_s": [10], "latency_s": 0.5,
-        "contention": 1.0, "base_memory_bytes": 0, "dp_degrees": [2], "microbatches": 4,
-        "price_per_byte_s": 0.001, "weights": [1, 1]}
+    doc = HAND_DOC
     assert parse_problem(doc).sync_bytes_factor == 1.0        # absent: float32, as before
     assert evaluate(parse_problem({**doc, "sync_bytes_factor": 1.0}), [0], 2, [0, 0])[0] == pytest.approx(29.0)
     t_iter, c_iter, _ = evaluate(parse_problem({**doc, "sync_bytes_factor": 0.25}), [0], 2, [0, 0])
