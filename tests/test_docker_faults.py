@@ -67,20 +67,22 @@ def test_containers_of_a_sigkilled_coordinator_stop_within_their_lease(stack):
         os.killpg(coordinator.pid, signal.SIGKILL)
         coordinator.wait()
         store.close()
-    deadline = time.monotonic() + 180
-    while _containers(run_id, running_only=True) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    left = _containers(run_id)
-    assert left and not [c for c in left if c.status == "running"]
-    logs = [c.logs().decode(errors="replace") for c in left if c.id in running]  # those running at the kill
-    assert logs and all("lease was not renewed" in text for text in logs), logs[0][-2000:]
-    client = _client()
-    try:  # the run's leftovers (exited, nothing billed past their stop) are swept by label
-        from clouds.docker import sweep
-
-        sweep(client, run_id)
+    try:
+        deadline = time.monotonic() + 180
+        while _containers(run_id, running_only=True) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        left = _containers(run_id)
+        assert left and not [c for c in left if c.status == "running"]
+        logs = [c.logs().decode(errors="replace") for c in left if c.id in running]  # those running at the kill
+        assert logs and all("lease was not renewed" in text for text in logs), logs[0][-2000:]
     finally:
-        client.close()
+        client = _client()
+        try:  # the run's leftovers (exited, nothing billed past their stop) are swept by label, pass or fail
+            from clouds.docker import sweep
+
+            sweep(client, run_id)
+        finally:
+            client.close()
 
 
 def test_cancelling_the_flow_run_leaves_no_container(stack):
