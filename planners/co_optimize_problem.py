@@ -12,11 +12,10 @@ stage memory are `core.stage_memory`'s, the same arithmetic the flow's memory ch
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from core.errors import PlannerInputError
 from core.stage_memory import stage_memory
+from planners.validate import check_number
 
 # Memory checks allow this relative slack so a solver's rounding cannot flip feasibility.
 MEMORY_SLACK = 1e-9
@@ -50,9 +49,7 @@ class CoOptProblem:
     job's `sync_dtype` gives `core.outer_sync.wire_bytes(P, dtype) / P`)."""
 
     def __post_init__(self):
-        f = self.sync_bytes_factor
-        if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or f <= 0:
-            raise PlannerInputError("sync_bytes_factor", f"must be a finite number > 0, got {f!r}")
+        check_number(self.sync_bytes_factor, "sync_bytes_factor", positive=True)  # parse_problem's check, for direct use
 
     @property
     def num_layers(self) -> int:
