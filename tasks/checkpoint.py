@@ -36,11 +36,12 @@ def prune_checkpoints(store, run_id: str, latest_epoch: int, keep: int, best: di
     """Delete epoch checkpoints older than the last `keep` (up to `latest_epoch`), except the
     best one (with the error-feedback residuals each names), and the sync checkpoints of epochs
     up to `latest_epoch`; return the deleted keys."""
-    epochs = sorted(int(m.group(1)) for k in store.list(checkpoint_prefix(run_id) + "/")
+    keys = store.list(checkpoint_prefix(run_id) + "/")
+    epochs = sorted(int(m.group(1)) for k in keys
                     if (m := EPOCH_CHECKPOINT.search(k)) and int(m.group(1)) <= latest_epoch)
     keep_epochs = set(epochs[-keep:]) | ({best["epoch"]} if best else set())
     deleted = []
-    for k in store.list(checkpoint_prefix(run_id) + "/"):
+    for k in keys:
         # a replica's error-feedback residuals (`engine.residuals`) are kept while their epoch's checkpoint is
         epoch_match, sync_match = EPOCH_CHECKPOINT.search(k) or RESIDUAL.search(k), SYNC_CHECKPOINT.search(k)
         if ((epoch_match and int(epoch_match.group(1)) <= latest_epoch
