@@ -107,6 +107,17 @@ def stop_groups(pids: list[int]) -> None:
             break
 
 
+def drain_prefect_clients(timeout_s: float = 5.0) -> None:
+    """Send this process's pending Prefect logs and events to the API it talks to now, before
+    that server stops. Left for the process's exit, they are flushed towards a server that is
+    gone, and the events client retries for minutes."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for service in (APILogWorker, EventsWorker):
+        service.drain_all(timeout=timeout_s, at_exit=False)
+
+
 class TemporaryServer:
     """A Prefect server (SQLite under `$ZOOID_HOME/prefect`) for one command-line run, started
     at construction (so its start-up overlaps the caller's own work: imports, validation) and

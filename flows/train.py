@@ -461,18 +461,14 @@ def prefect_api(server=None):
         if PREFECT_API_URL.value():
             yield
             return
-        from deployments.server import temporary_server
+        from deployments.server import drain_prefect_clients, temporary_server
 
         with temporary_server(started=server) as url, temporary_settings(updates={PREFECT_API_URL: url}):
             _ensure_paid_workers_limit()
             try:
                 yield
             finally:  # the run's logs and events reach the server before it stops
-                from prefect.events.worker import EventsWorker
-                from prefect.logging.handlers import APILogWorker
-
-                for service in (APILogWorker, EventsWorker):
-                    service.drain_all(timeout=5, at_exit=False)
+                drain_prefect_clients()
     finally:
         signal.signal(signal.SIGTERM, previous)
         signal.signal(signal.SIGINT, previous_int)

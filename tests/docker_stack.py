@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from deployments.server import free_port
+from deployments.server import drain_prefect_clients, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = {"batch_size": 32, "dataset": "digits", "worker_lease_s": 20}
@@ -65,17 +65,6 @@ def up_for_the_module(tmp_path_factory):
     finally:
         subprocess.run([sys.executable, "-m", "deployments.stack", "down"], cwd=ROOT, env=env,
                        capture_output=True, timeout=120)
-
-
-def drain_prefect_clients() -> None:
-    """Send this process's pending events and logs to the stack's API while it is still up.
-    Left for later, they are flushed at the process's exit towards a server that is gone, and
-    the events client retries for minutes (seen: a 5-minute teardown)."""
-    from prefect.events.worker import EventsWorker
-    from prefect.logging.handlers import APILogWorker
-
-    for service in (APILogWorker, EventsWorker):
-        service.drain_all(timeout=5, at_exit=False)
 
 
 def _client():

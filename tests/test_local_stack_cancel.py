@@ -77,9 +77,9 @@ def test_cancelling_a_training_run_stops_its_workers_and_bills_it(tmp_path):
             ledger = json.loads((home / "store" / "runs" / run_id / "cost.json").read_text())
             assert ledger["total_usd"] > 0
     finally:
-        from tests.docker_stack import drain_prefect_clients
+        from deployments.server import drain_prefect_clients
 
-        drain_prefect_clients()  # while its API is up (see there)
+        drain_prefect_clients()  # while its API is up
         stack.down(home)
         os.environ.clear()
         os.environ.update(saved)
