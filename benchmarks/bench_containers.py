@@ -59,7 +59,7 @@ class Watcher(threading.Thread):
         from prefect.client.orchestration import get_client
         from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
 
-        from blocks.store import open_store_ref
+        from blocks.store_refs import open_store_ref
         from clouds.docker import docker_client, parse_time, run_containers
 
         store = open_store_ref(self.store_ref)
@@ -100,7 +100,7 @@ def run_once(target: str, params: dict, store_block: str, timeout_s: float = 900
 
     from blocks.store_block import block_ref
     from deployments.stack import run_and_wait  # noqa: F401  (same stack helpers as the other benches)
-    from tasks.context import run_id_for
+    from coordinator.context import run_id_for
 
     params = {**params, "target": target, "store": store_block}
     fr = run_deployment("train/local", parameters=params, timeout=0)
@@ -125,9 +125,9 @@ def run_once(target: str, params: dict, store_block: str, timeout_s: float = 900
 def _wait_summary(flow_run_id, store_ref: str, timeout_s: float) -> dict:
     from prefect.client.orchestration import get_client
 
-    from blocks.store import open_store_ref
+    from blocks.store_refs import open_store_ref
     from deployments.stack import wait_final
-    from tasks.context import run_id_for
+    from coordinator.context import run_id_for
 
     with get_client(sync_client=True) as api:
         fr = wait_final(api, flow_run_id, timeout_s, poll_s=0.2)

@@ -324,9 +324,9 @@ def run_outer(home: Path, setup: Setup, config: tuple, seed: int, epochs: int) -
     from prefect.states import Cancelling
 
     from deployments.stack import wait_final
-    from tasks.context import run_id_for
-    from tasks.cost import ledger_key
-    from tasks.sweep import tagged_pids
+    from coordinator.context import run_id_for
+    from coordinator.cost import ledger_key
+    from coordinator.sweep import tagged_pids
 
     t0 = time.monotonic()
     flow_run = run_deployment("train/local", parameters=outer_params(setup, config, seed, epochs), timeout=0)

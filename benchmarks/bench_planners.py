@@ -31,7 +31,7 @@ from benchmarks.output import command_for, provenance, write_result
 from planners.hybrid import HybridProblem, best_candidate, plan_hybrid
 from planners.partition import (PartitionProblem, PipelineLayer, best_of, cut_times,
                                 pipeline_runtime, plan_partition)
-from planners.provision import (InstanceType, LossModel, ProvisionProblem, evaluate,
+from planners.worker_count import (InstanceType, LossModel, ProvisionProblem, evaluate,
                                 plan_provision)
 
 RESULTS = Path(__file__).resolve().parent / "results" / "planners_partition_provision.md"

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-SOURCE = ("core", "comm", "engine", "runtime", "profiling", "planners", "tasks", "flows", "blocks", "clouds",
+SOURCE = ("core", "comm", "engine", "runtime", "profiling", "planners", "coordinator", "tasks", "flows", "blocks", "clouds",
           "deployments", "worker_images", "prefect.yaml", "requirements*")
 
 

@@ -6,7 +6,7 @@
   Azure Cache for Redis or ElastiCache.
 
 Secrets never travel as parameters, job variables or log lines: a worker receives
-`block:<type slug>/<name>` (`StoreBlock.ref`) and opens it with `blocks.store.open_store_ref`,
+`block:<type slug>/<name>` (`StoreBlock.ref`) and opens it with `blocks.store_refs.open_store_ref`,
 which loads the block itself from the Prefect API; `worker_environment` holds only what is
 not secret (region). In the cloud, prefer no keys at all: an ECS task role or an ACI managed
 identity.

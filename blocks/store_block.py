@@ -2,7 +2,7 @@
 
 A store block says where a run's store is and holds its secrets, so a job names the block
 and no secret travels as a flow parameter, a job variable, a log line or an artifact. Every
-store block (`blocks.store.ZooidStore`, `blocks.cloud.ZooidS3Store`,
+store block (`blocks.store_refs.ZooidStore`, `blocks.cloud.ZooidS3Store`,
 `blocks.cloud.ZooidRedisStore`) has the same interface:
 
 - `url()`: where the store is, with no secret in it (safe to log);
@@ -10,7 +10,7 @@ store block (`blocks.store.ZooidStore`, `blocks.cloud.ZooidS3Store`,
   through `os.environ`;
 - `worker_environment()`: what a worker needs in its environment, never a secret;
 - `ref()`: what a worker receives, `block:<type slug>/<name>`; the worker opens it with
-  `blocks.store.open_store_ref`, which loads the block itself from the Prefect API.
+  `blocks.store_refs.open_store_ref`, which loads the block itself from the Prefect API.
 
 The reference is `block:<type slug>/<name>`; the older `block:<name>` still means a
 `zooid-store` block of that name (`parse_block_ref`).

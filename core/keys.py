@@ -13,8 +13,8 @@ below one with `prefix + "/"`, so that `r1` never covers `r10`.
 |---|---|---|
 | `runs/<run>/run.json` | keeps | the job, plan and dataset the run started with |
 | `runs/<run>/summary.json` | keeps | the run's `RunSummary` |
-| `runs/<run>/cost.json` | keeps | the ledger (`tasks.cost`) |
-| `runs/<run>/history.json` | keeps | the per-epoch history (`tasks.resume`) |
+| `runs/<run>/cost.json` | keeps | the ledger (`coordinator.cost`) |
+| `runs/<run>/history.json` | keeps | the per-epoch history (`coordinator.resume`) |
 | `runs/<run>/report/<name>` | keeps | report files (the curves' PNG) |
 | `runs/<run>/ckpt/init.safetensors` | keeps | the reference checkpoint epoch 0 starts from |
 | `runs/<run>/ckpt/epoch-<EEEE>.safetensors` | keeps | an epoch's checkpoint |
@@ -30,7 +30,7 @@ below one with `prefix + "/"`, so that `r1` never covers `r10`.
 | `runs/<run>/probe/...` | deletes | the store probe's transfers |
 | `runs/<run>/grad/...` | deletes | gradients in flight |
 | `runs/<run>/warm/lease`, `warm/<worker>/{cmd,reply}-<n>.json`, `status.json` | deletes | `runtime.warm` |
-| `cache/<kind>/<key>.json` | keeps | the profile cache (`tasks.profile_cache`) |
+| `cache/<kind>/<key>.json` | keeps | the profile cache (`coordinator.profile_cache`) |
 
 Teardown deletes the `SCRATCH` kinds (`scratch_prefixes`) and keeps the rest. Keys below a
 prefix that one protocol owns alone (a collective's pieces under its group, a pipeline
@@ -75,12 +75,12 @@ def summary_key(run_id: str) -> str:
 
 
 def ledger_key(run_id: str) -> str:
-    """The run's ledger: cost rows and total (`tasks.cost`)."""
+    """The run's ledger: cost rows and total (`coordinator.cost`)."""
     return run_key(run_id, "cost.json")
 
 
 def history_key(run_id: str) -> str:
-    """The run's per-epoch history (`tasks.resume.write_history`)."""
+    """The run's per-epoch history (`coordinator.resume.write_history`)."""
     return run_key(run_id, "history.json")
 
 

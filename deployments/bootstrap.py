@@ -32,12 +32,12 @@ from pathlib import Path
 from typing import Any
 
 from blocks.compute import BUILTIN, ComputeTarget
-from blocks.store import ZooidStore, store_block_types
+from blocks.store_refs import ZooidStore, store_block_types
 from core.errors import StoreError
 
 POOL_TYPES = {"local": "process", "docker": "docker", "ecs": "ecs", "aci": "azure-container-instance", "k8s": "kubernetes"}
 TEMPLATES = Path(__file__).with_name("templates")
-from tasks.launchers import PAID_WORKERS_LIMIT as CONCURRENCY_LIMIT
+from coordinator.launchers import PAID_WORKERS_LIMIT as CONCURRENCY_LIMIT
 
 PAID_WORKERS = 16
 """Workers the paid-workers limit lets run at once, unless `--paid-worker-limit` says otherwise."""

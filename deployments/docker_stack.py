@@ -64,7 +64,7 @@ def save_store_block(endpoint: str) -> str:
     from prefect_aws import AwsCredentials, S3Bucket
     from prefect_aws.client_parameters import AwsClientParameters
 
-    from blocks.store import ZooidStore
+    from blocks.store_refs import ZooidStore
 
     s3 = boto3.session.Session(region_name="us-east-1", **S3_KEYS).client("s3", endpoint_url=endpoint)
     try:

@@ -64,12 +64,12 @@ def _deployed(env: dict) -> list[str]:
 
 
 def _check_concurrency_limit(env: dict) -> int:
-    """The paid-workers limit the flows take slots of (`tasks.launchers.PAID_WORKERS_LIMIT`),
+    """The paid-workers limit the flows take slots of (`coordinator.launchers.PAID_WORKERS_LIMIT`),
     read back from the stack's API: `deployments.bootstrap` creates it."""
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from tasks.launchers import PAID_WORKERS_LIMIT
+    from coordinator.launchers import PAID_WORKERS_LIMIT
 
     with temporary_settings(updates={PREFECT_API_URL: env["PREFECT_API_URL"]}):
         with get_client(sync_client=True) as client:
@@ -193,10 +193,10 @@ def run_and_wait(params: dict, timeout_s: float, poll_s: float = 1.0) -> dict:
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
 
-    from blocks.store import open_store_ref
+    from blocks.store_refs import open_store_ref
     from core.keys import ledger_key, summary_key
-    from tasks.context import run_id_for
-    from tasks.validate import resolve_durable_ref, resolve_store_ref
+    from coordinator.context import run_id_for
+    from coordinator.validate import resolve_durable_ref, resolve_store_ref
 
     submitted = time.time()
     flow_run = run_deployment("train/local", parameters=params, timeout=0)
@@ -219,7 +219,7 @@ def run_and_wait(params: dict, timeout_s: float, poll_s: float = 1.0) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tasks.job import parse_param_value
+    from coordinator.job import parse_param_value
 
     parser = argparse.ArgumentParser(prog="python -m deployments.stack", description=__doc__.splitlines()[0])
     parser.add_argument("command", choices=["up", "down", "run", "status"])
@@ -236,8 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "status":
         print(json.dumps(read_state(zooid_home()), indent=1))
     else:
-        from tasks.job import RunSummary
-        from tasks.report import text_report
+        from coordinator.job import RunSummary
+        from coordinator.report import text_report
 
         params = {k: parse_param_value(v) for k, _, v in (p.partition("=") for p in args.param)}
         started_here = read_state(zooid_home()) is None

@@ -13,11 +13,11 @@ import json
 import time
 
 from core.keys import ledger_key, run_prefix, summary_key
-from tasks.context import run_id_for
+from coordinator.context import run_id_for
 
 
 def _job_from_parameters(parameters: dict):
-    from tasks.job import TrainJob
+    from coordinator.job import TrainJob
 
     params = dict(parameters or {})
     if "job" in params:
@@ -30,10 +30,10 @@ def _rebuild_and_clean(flow_run, state) -> None:
     from blocks.compute import resolve_target
     from clouds.registry import adapter_for
     from planners.catalog import get_offer
-    from tasks.cost import CostRecord, coordinator_record, is_final, write_ledger
-    from tasks.sweep import sweep_run
+    from coordinator.cost import CostRecord, coordinator_record, is_final, write_ledger
+    from coordinator.sweep import sweep_run
     from tasks.teardown import cancel_flow_runs, delete_scratch, finish_cancelled
-    from tasks.validate import open_checked_store, resolve_durable_ref, resolve_store_ref
+    from coordinator.validate import open_checked_store, resolve_durable_ref, resolve_store_ref
 
     run_id = run_id_for(flow_run.id)
     try:
@@ -94,7 +94,7 @@ def end_status(state) -> str:
 
 def on_abnormal_end(flow, flow_run, state) -> None:
     """Tear the run down and record its cost after a failure, crash or cancellation."""
-    from tasks.context import ACTIVE
+    from coordinator.context import ACTIVE
     from tasks.record_cost import record_cost_now
     from tasks.teardown import teardown_run
 

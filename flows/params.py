@@ -12,13 +12,13 @@ from typing import Any, Callable
 
 from prefect import flow
 
-from tasks.job import TrainJob
+from coordinator.job import TrainJob
 
 
 def job_fields_from_args(params: list[str]) -> dict[str, Any]:
     """`--param NAME=VALUE` items as TrainJob fields (values parsed as JSON where they can be);
     ValueError for an item without `=`."""
-    from tasks.job import parse_param_value
+    from coordinator.job import parse_param_value
 
     fields = {}
     for item in params:

@@ -3,7 +3,7 @@ re-plan] x epochs -> teardown -> record_cost.
 
 After every epoch the planner is calibrated from what the workers measured
 (`planners.calibration`); the next epoch runs the plan a rescale asked for, or else the
-plan in force, unless a re-plan found one at least 10 % faster or cheaper (`tasks.plan.replan`).
+plan in force, unless a re-plan found one at least 10 % faster or cheaper (`tasks.plan_step.replan`).
 
 `train(job)` takes a `TrainJob`; `train_with_params(**fields)` is the same flow with one
 parameter per `TrainJob` field, which is what deployments run, so that
@@ -38,28 +38,28 @@ import uuid
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 
-from core.keys import ledger_key, report_key, summary_key
+from core.keys import init_checkpoint_key, ledger_key, report_key, summary_key
 from core.plan import Plan
 from flows.hooks import on_abnormal_end
 from flows.params import job_fields_flow, job_fields_from_args
 from planners.calibration import Calibration, epoch_overhead, fit
-from tasks.checkpoint import checkpoint
-from tasks.context import ACTIVE, RunContext, run_id_for
-from tasks.cost import worker_seconds
-from tasks.job import EpochSummary, RunSummary, TrainJob
-from tasks.plan import plan, replan_task, strategy_inputs
-from tasks.prestart import WarmPrestart
+from tasks.checkpoint_step import checkpoint
+from coordinator.context import ACTIVE, RunContext, run_id_for
+from coordinator.cost import worker_seconds
+from coordinator.job import EpochSummary, RunSummary, TrainJob
+from tasks.plan_step import plan, replan_task, strategy_inputs
+from coordinator.warm_prestart import WarmPrestart
 from tasks.profile import profile
-from tasks.provision import init_key, provision
+from tasks.provision import provision
 from tasks.record_cost import record_cost
-from tasks.report import artifact_key, markdown_report, plot_curves
+from coordinator.report import artifact_key, markdown_report, plot_curves
 from tasks.rescale import forecast_workers, rescale
-from tasks.resume import find_resume_point
+from coordinator.resume import find_resume_point
 from tasks.run_epoch import run_epoch
-from tasks.run_terms import RunClock, record_terms
+from coordinator.run_terms import RunClock, record_terms
 from tasks.teardown import teardown
-from tasks.validate import check_target_ready, validate_job
-from tasks.warm_pool import WarmPool, provisional_plan, starts_before_profile
+from coordinator.validate import check_target_ready, validate_job
+from coordinator.warm_pool import WarmPool, provisional_plan, starts_before_profile
 
 
 def guardrail(job: TrainJob, ctx: RunContext, plan_, history: list[dict]) -> str | None:
@@ -107,7 +107,7 @@ def predicted_cost_at(plan_: Plan, index: int) -> float | None:
 def _epoch_progress(ctx: RunContext, progress_id, history: list[dict], predicted_run_cost_usd: float | None) -> None:
     from prefect.artifacts import create_table_artifact
 
-    from tasks.report import epoch_table
+    from coordinator.report import epoch_table
 
     log_epoch(ctx, history[-1], predicted_run_cost_usd)
     if progress_id is not None:
@@ -122,8 +122,8 @@ def log_epoch(ctx: RunContext, metrics: dict, predicted_run_cost_usd: float | No
     against predicted, the bill so far against the run's prediction."""
     from prefect.logging import get_run_logger
 
-    from tasks.cost import total_usd
-    from tasks.progress import epoch_line
+    from coordinator.cost import total_usd
+    from coordinator.progress import epoch_line
     from tasks.record_cost import rows_now
 
     line = epoch_line(metrics, ctx.job.epochs, total_usd(rows_now(ctx)), predicted_run_cost_usd)
@@ -173,7 +173,7 @@ def _log_cancelled(ctx: RunContext, ledger: dict) -> None:
     from prefect.logging import get_run_logger
     from prefect.states import Cancelled
 
-    from tasks.progress import money
+    from coordinator.progress import money
 
     message = f"run {ctx.run_id} cancelled: its workers were stopped, bill {money(ledger['total_usd'])}"
     get_run_logger().info(f"zooid {message}; resume with --param resume={ctx.run_id}")
@@ -236,7 +236,7 @@ def _run_training(job: TrainJob) -> RunSummary:
             ctx.state.warm.ensure(provisional_plan(ctx), resume.next_epoch if resume else 0)
         prof = ctx.state.profile = profile(ctx)
         clock.profiled = "measured" in prof.get("profile_sources", {}).values()
-        first_epoch, init, lr, workers = 0, init_key(ctx), job.lr, job.workers
+        first_epoch, init, lr, workers = 0, init_checkpoint_key(ctx.run_id), job.lr, job.workers
         if resume is not None:
             first_epoch, init, lr, workers = resume.next_epoch, resume.init_key, resume.lr, resume.workers
             history, ctx.state.ledger = list(resume.history), list(resume.ledger) + ctx.state.ledger  # + the profile's worker
@@ -319,7 +319,7 @@ def _run_training(job: TrainJob) -> RunSummary:
 
 def _live_workers(ctx: RunContext) -> int:
     """Worker processes or flow runs of the run still alive before its teardown."""
-    from tasks.sweep import tagged_pids
+    from coordinator.sweep import tagged_pids
 
     try:
         return len(tagged_pids(ctx.run_id)) or len(ctx.state.warm.workers if ctx.state.warm is not None else [])
@@ -337,8 +337,8 @@ def _ledger_at(ctx: RunContext) -> str:
 
 def _ledger_of(summary: RunSummary) -> dict | None:
     """The ledger the run wrote beside its summary (the report's wall time and infrastructure)."""
-    from blocks.store import open_store_ref
-    from tasks.cost import read_ledger
+    from blocks.store_refs import open_store_ref
+    from coordinator.cost import read_ledger
 
     try:
         store = open_store_ref(summary.store_url)
@@ -353,7 +353,7 @@ def _ledger_of(summary: RunSummary) -> dict | None:
 def save_progress(ctx: RunContext, history: list[dict]) -> None:
     """History and the bill so far, so a killed coordinator leaves both behind."""
     from tasks.record_cost import record_cost_now
-    from tasks.resume import write_history
+    from coordinator.resume import write_history
 
     store = ctx.open_durable()
     try:
@@ -533,8 +533,8 @@ def _validated_run(args, fields: dict, server) -> int:
     from pydantic import ValidationError
 
     from core.errors import ZooidValueError
-    from tasks.job import format_validation_error
-    from tasks.report import text_report
+    from coordinator.job import format_validation_error
+    from coordinator.report import text_report
 
     try:
         job = TrainJob(**fields)
@@ -592,7 +592,7 @@ def _interrupted(params: list[str]) -> int:
     down, the bill so far, how to resume), exit 128 + the signal (130 SIGINT, 143 SIGTERM)."""
     import shlex
 
-    from tasks.progress import interrupted_lines
+    from coordinator.progress import interrupted_lines
 
     signum = COMMAND_LINE.signal or signal.SIGINT
     run = COMMAND_LINE.run

@@ -17,7 +17,7 @@ from prefect.cache_policies import NO_CACHE
 
 def run_worker(spec_dict: dict) -> dict:
     """Run one WorkerSpec against its store and return the WorkerResult as a dict."""
-    from blocks.store import open_store_ref
+    from blocks.store_refs import open_store_ref
     from core.specs import WorkerSpec
     from runtime.run_spec import run_spec
 
@@ -38,7 +38,7 @@ def train_epoch(spec: dict) -> dict:
 
 def serve_warm(spec_dict: dict) -> dict:
     """Serve the run's epochs until the coordinator stops this worker."""
-    from blocks.store import open_store_ref
+    from blocks.store_refs import open_store_ref
     from core.specs import WorkerResult, WorkerSpec
     from runtime.warm import serve
 
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     block from the Prefect API itself, so its secret never travels in the spec, an argument
     or the environment. The inline launcher starts this entry only for block stores (the
     plain one does not import Prefect)."""
-    from blocks.store import open_store_ref
+    from blocks.store_refs import open_store_ref
     from runtime.worker_main import main as worker_main
 
     return worker_main(argv, open_ref=open_store_ref)

@@ -33,7 +33,7 @@ def _co_optimize(doc: dict) -> dict:
 
 
 def _provision(doc: dict) -> dict:
-    from planners.provision import provision
+    from planners.worker_count import provision
     return provision(doc)
 
 

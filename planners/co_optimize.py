@@ -20,7 +20,7 @@ from dataclasses import replace
 
 from core.errors import PlannerInputError
 from core.stage_memory import stage_bounds
-from planners import validate as v
+from planners import checks as v
 from planners.co_optimize_problem import CoOptProblem, CoOptSolution, Solved, check_plan
 
 SOLVERS = ("exact", "gurobi", "scip")

@@ -27,7 +27,7 @@ import numpy as np
 
 from core.errors import PlannerInputError
 from core.stage_memory import stage_bounds
-from planners import validate as v
+from planners import checks as v
 from planners.bottleneck_partition import MaxTerm, solve_chain
 from planners.partition import PartitionProblem, parse_partition, pipeline_runtime, runtime_terms
 from planners.sync_time import STORE_ALGORITHMS, ring_allreduce, store_sync

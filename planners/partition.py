@@ -26,7 +26,7 @@ import numpy as np
 
 from core.errors import PlannerInputError
 from core.stage_memory import stage_bounds, stage_need_bytes
-from planners import validate as v
+from planners import checks as v
 from planners.bottleneck_partition import MaxTerm, interval_sums, solve_chain
 
 TRANSPORTS = ("direct", "store")

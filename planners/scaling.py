@@ -8,7 +8,7 @@ worker count and learning rate (applied by the `rescale` step at an epoch bounda
 - `reactive` (KubeML Sec. 3.4.2): add a worker while epoch throughput keeps improving; once
   an added worker did not help, go back to the previous count and hold; remove a worker
   when throughput drops by more than a threshold against the previous epoch.
-- `deadline`: re-run Cynthia provisioning (`planners.provision`) with the time and budget
+- `deadline`: re-run Cynthia provisioning (`planners.worker_count`) with the time and budget
   that remain, the loss model shifted by the iterations already done.
 
 The minimum and maximum worker bounds are applied to every policy's answer.
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from core.errors import PlannerInputError
-from planners.provision import parse_provision, plan_provision
+from planners.worker_count import parse_provision, plan_provision
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,7 +17,7 @@ All are 0 for a single worker (nothing to synchronise). `sync_time(doc)` is the
 """
 from __future__ import annotations
 
-from planners import validate as v
+from planners import checks as v
 
 STORE_ALGORITHMS = ("scatter_reduce", "pipelined_scatter_reduce")
 

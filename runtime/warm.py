@@ -4,7 +4,7 @@ A cold worker lives for one epoch: it imports torch, builds the model, reads its
 trains a fraction of a second and exits. A warm worker is started once per rank and then
 waits for the coordinator's commands, so it imports once, builds the model once
 (`models.keep_models`), reads each data subset once (`datasets.keep_subsets`) and keeps its
-CUDA context. The coordinator side is `tasks.warm_pool`.
+CUDA context. The coordinator side is `coordinator.warm_pool`.
 
 Keys (`core.keys`), all under `runs/<run_id>/warm/` of the run's durable store (a scratch store that
 restarts, such as Redis without persistence, would lose a command or a reply in flight;

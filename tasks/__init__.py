@@ -1,4 +1,4 @@
-"""Thin Prefect tasks: each adapts one step between Prefect or cloud I/O and the planners or the engine."""
+"""The train flow's steps as retried Prefect tasks, each a thin function over the coordinator."""
 import os as _os
 
 # Set before Prefect is imported anywhere: no telemetry from a training tool.

@@ -33,9 +33,9 @@ from core.errors import ZooidValueError
 from core.keys import probe_prefix, warm_prefix
 from core.stage_memory import optimizer_copies
 from profiling.profile_job import ProfileRequest
-from tasks.context import RunContext
-from tasks.launchers import worker_threads
-from tasks.profile_cache import ProfileCache, model_key, store_key, target_key
+from coordinator.context import RunContext
+from coordinator.launchers import worker_threads
+from coordinator.profile_cache import ProfileCache, model_key, store_key, target_key
 from tasks.retry import task_options
 
 STORE_PROBE_TTL_S = 24 * 3600.0
@@ -64,7 +64,7 @@ def sync_bytes(prof: dict, optimizer: str) -> float:
 
 def profile_threads(ctx: RunContext) -> int:
     """Torch threads the profiling worker runs: those of a worker of the job's first plan."""
-    from tasks.warm_pool import provisional_plan
+    from coordinator.warm_pool import provisional_plan
 
     return worker_threads(ctx.resolved.target.kind, provisional_plan(ctx))
 
@@ -99,7 +99,7 @@ class TargetProfiler:
         self.ctx, self.one_off = ctx, None
 
     def measure(self, request: ProfileRequest) -> dict:
-        from tasks.warm_pool import WarmPool, provisional_plan
+        from coordinator.warm_pool import WarmPool, provisional_plan
 
         ctx = self.ctx
         pool = ctx.state.warm
@@ -260,7 +260,7 @@ this target and offer measured one."""
 
 def _record_profile_seconds(ctx: RunContext, seconds: float) -> None:
     """Add a measured profile's seconds to the target's samples (best effort, like the run terms)."""
-    from tasks.run_terms import KEEP, timings_key
+    from coordinator.run_terms import KEEP, timings_key
 
     try:
         cache = ProfileCache(ctx.open_durable)
@@ -273,8 +273,8 @@ def _record_profile_seconds(ctx: RunContext, seconds: float) -> None:
 def profile_estimate(ctx: RunContext) -> dict:
     """What renting one worker on the target to take the profile is predicted to cost: the
     offer's price per second x (start-up + profile + stop), each the median this target and
-    offer measured before (`tasks.run_terms`), else assumed. An estimate: the bill is measured."""
-    from tasks.run_terms import load_terms, timings_key
+    offer measured before (`coordinator.run_terms`), else assumed. An estimate: the bill is measured."""
+    from coordinator.run_terms import load_terms, timings_key
 
     terms = load_terms(ctx)
     samples = (ProfileCache(ctx.open_durable).get("profile_times", timings_key(ctx)) or {}).get("profile_s") or []
@@ -353,7 +353,7 @@ def catalog_profile(ctx: RunContext) -> tuple[dict, str]:
 
     import torch
 
-    from blocks.store import load_store_block
+    from blocks.store_refs import load_store_block
     from blocks.store_block import BLOCK_PREFIX
     from engine.models import resolve_model
     from planners.catalog import device_figures, store_figures

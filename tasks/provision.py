@@ -13,29 +13,10 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from core.errors import ZooidValueError
-from core.keys import checkpoint_key, data_manifest_key, init_checkpoint_key, run_doc_key
+from core.keys import data_manifest_key, init_checkpoint_key, run_doc_key
 from core.plan import Plan
-from tasks.context import RunContext
+from coordinator.context import RunContext
 from tasks.retry import task_options
-
-SUBSET_SIZE = 64
-"""Samples per published data subset (KubeML's fixed-size subsets)."""
-
-
-def subset_size(n_train: int, max_workers: int) -> int:
-    """Subsets small enough that every replica up to `max_workers` gets at least one."""
-    return max(1, min(SUBSET_SIZE, n_train // max_workers))
-
-
-def init_key(ctx: RunContext) -> str:
-    """The run's initial reference checkpoint (`core.keys.init_checkpoint_key`)."""
-    return init_checkpoint_key(ctx.run_id)
-
-
-def epoch_key(ctx: RunContext, epoch: int) -> str:
-    """Epoch `epoch`'s reference checkpoint (`core.keys.checkpoint_key`)."""
-    return checkpoint_key(ctx.run_id, epoch)
-
 
 def check_deployment(name: str) -> None:
     """Raise ZooidValueError("target") when the worker deployment is not registered."""
@@ -55,7 +36,7 @@ def provision(ctx: RunContext, plan: Plan, fresh: bool = True) -> dict:
     data only if teardown removed it, and keeps its checkpoints); return the dataset manifest."""
     from engine.checkpoint import initial_checkpoint
     from engine.datasets import publish_dataset
-    from tasks.sweep import sweep_orphans
+    from coordinator.sweep import sweep_orphans
 
     sweep_orphans()  # workers of coordinators that died earlier must not train on
     target = ctx.resolved.target
@@ -68,11 +49,11 @@ def provision(ctx: RunContext, plan: Plan, fresh: bool = True) -> dict:
         if not fresh and store.exists(data_manifest_key(ctx.run_id)):
             manifest = read_manifest(store, ctx.run_id)
         else:  # the split is deterministic, so a republished subset i is the same subset i
-            manifest = publish_dataset(store, ctx.run_id, ctx.job.dataset,
-                                       subset_size(ctx.resolved.n_train, ctx.job.max_workers))
+            manifest = publish_dataset(store, ctx.run_id, ctx.job.dataset, ctx.resolved.subset_size)
         ctx.state.dataset = manifest.to_dict()
-        if fresh or not store.exists(init_key(ctx)):
-            initial_checkpoint(store, init_key(ctx), ctx.job.model, ctx.job.optimizer, ctx.job.lr,
+        init = init_checkpoint_key(ctx.run_id)
+        if fresh or not store.exists(init):
+            initial_checkpoint(store, init, ctx.job.model, ctx.job.optimizer, ctx.job.lr,
                                seed=ctx.job.seed, meta={"run_id": ctx.run_id})
         run_doc = {"run_id": ctx.run_id, "flow_run_id": ctx.flow_run_id, "job": ctx.job.model_dump(),
                    "plan": plan.to_dict(), "target": ctx.job.target, "dataset": ctx.state.dataset,

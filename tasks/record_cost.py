@@ -6,8 +6,8 @@ import time
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.context import RunContext
-from tasks.cost import coordinator_record, total_usd, write_ledger
+from coordinator.context import RunContext
+from coordinator.cost import coordinator_record, total_usd, write_ledger
 
 
 def rows_now(ctx: RunContext) -> list:
@@ -39,8 +39,8 @@ def record_cost(ctx: RunContext) -> dict:
     """Write the final ledger and a table artifact of it (before the report, which shows it)."""
     from prefect.artifacts import create_table_artifact
 
-    from tasks.progress import money
-    from tasks.report import artifact_key
+    from coordinator.progress import money
+    from coordinator.report import artifact_key
 
     ledger = record_cost_now(ctx)
     create_table_artifact(key=artifact_key(ctx.run_id, "ledger"), table=[

@@ -20,7 +20,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from core.stage_memory import optimizer_copies
-from tasks.context import RunContext
+from coordinator.context import RunContext
 from tasks.retry import task_options
 
 
@@ -37,7 +37,7 @@ def epoch_records(history: list[dict], batch_size: int):
 
 def provision_document(ctx: RunContext, profile: dict, history: list[dict]) -> dict | None:
     """Cynthia's provisioning problem for the rest of this run (None until a loss model fits)."""
-    from planners.provision import fit_loss_curve
+    from planners.worker_count import fit_loss_curve
 
     job, offer, target = ctx.job, ctx.resolved.offer, ctx.resolved.target
     done, points = 0, []
@@ -67,13 +67,8 @@ UNMEASURED_EPOCH = {"seconds": 1.0, "samples_per_s": 1.0, "cost_usd": 0.0, "samp
 
 def n_subsets(ctx: RunContext) -> int:
     """The training data's subsets: the provisioned manifest's, or before provisioning what it
-    will publish (`tasks.provision.subset_size` rows each)."""
-    from tasks.provision import subset_size
-
-    if "n_subsets" in ctx.state.dataset:
-        return ctx.state.dataset["n_subsets"]
-    n_train = ctx.resolved.n_train
-    return -(-n_train // subset_size(n_train, ctx.job.max_workers))
+    will publish (`ResolvedJob.n_subsets`)."""
+    return ctx.state.dataset.get("n_subsets", ctx.resolved.n_subsets)
 
 
 def decide_next(ctx: RunContext, profile: dict, history: list[dict], workers: int, lr: float) -> dict:

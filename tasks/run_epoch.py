@@ -17,13 +17,13 @@ from clouds.registry import adapter_for
 from core.keys import activation_prefix, sync_prefix
 from core.plan import Plan
 from core.specs import WorkerSpec
-from tasks.cloud_bill import cloud_records, replace_measured
-from tasks.context import RunContext
-from tasks.cost import worker_records
-from tasks.launchers import PAID_WORKERS_LIMIT, make_launcher, worker_threads
-from tasks.prestart import PrestartWatch, should_prestart, startup_report
+from coordinator.cloud_bill import cloud_records, replace_measured
+from coordinator.context import RunContext
+from coordinator.cost import worker_records
+from coordinator.launchers import PAID_WORKERS_LIMIT, make_launcher, worker_threads
+from coordinator.warm_prestart import PrestartWatch, should_prestart, startup_report
 from tasks.retry import task_options
-from tasks.specs import next_attempt, worker_specs
+from coordinator.worker_specs import next_attempt, worker_specs
 
 
 def bill_from_cloud_clock(ctx: RunContext, outcomes, epoch: int, plan: Plan | None = None) -> None:
@@ -56,7 +56,7 @@ def relaunch_policy(ctx: RunContext, plan: Plan, max_relaunches: int = 2):
     failure fails the attempt, and the task's retry reruns the epoch."""
     from core.errors import OutOfMemory, ZooidValueError
     from engine.chaos import read_fault_marker
-    from tasks.failures import FailureKind, classify_failure
+    from coordinator.failures import FailureKind, classify_failure
 
     relaunched: dict[int, int] = {}
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from blocks.store import open_store_ref
+from blocks.store_refs import open_store_ref
 from clouds.registry import adapter_for
 from core.keys import scratch_prefixes
-from tasks.context import RunContext
-from tasks.sweep import sweep_run
+from coordinator.context import RunContext
+from coordinator.sweep import sweep_run
 
 
 def cancel_flow_runs(run_id: str) -> list:

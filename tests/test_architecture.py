@@ -21,7 +21,7 @@ from functools import lru_cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("blocks", "deployments", "flows", "planners", "tasks", "core", "comm", "engine", "profiling", "runtime",
+PACKAGES = ("blocks", "deployments", "flows", "planners", "coordinator", "tasks", "core", "comm", "engine", "profiling", "runtime",
             "clouds", "benchmarks")
 
 
@@ -32,7 +32,7 @@ class Import:
     source: str
     """The importing module, e.g. `tasks.run_epoch`."""
     target: str
-    """The imported name, e.g. `prefect.task` or `tasks.prestart`."""
+    """The imported name, e.g. `prefect.task` or `coordinator.warm_prestart`."""
     path: str
     line: int
 
@@ -235,10 +235,12 @@ LAYERS = {
     "planners": ("core",),
     "clouds": ("core",),
     "blocks": ("core", "comm"),
-    "tasks": ("core", "comm", "engine", "profiling", "runtime", "planners", "clouds", "blocks"),
-    "deployments": ("core", "comm", "engine", "profiling", "runtime", "planners", "clouds", "blocks", "tasks"),
-    "flows": ("core", "comm", "engine", "profiling", "runtime", "planners", "clouds", "blocks", "tasks",
-              "deployments"),
+    "coordinator": ("core", "comm", "engine", "profiling", "runtime", "planners", "clouds", "blocks"),
+    "tasks": ("core", "comm", "engine", "profiling", "runtime", "planners", "clouds", "blocks", "coordinator"),
+    "deployments": ("core", "comm", "engine", "profiling", "runtime", "planners", "clouds", "blocks", "coordinator",
+                    "tasks"),
+    "flows": ("core", "comm", "engine", "profiling", "runtime", "planners", "clouds", "blocks", "coordinator",
+              "tasks", "deployments"),
 }
 """Each folder (one layer) and the project folders it may import: arrows point down only."""
 
@@ -350,9 +352,9 @@ def _registries() -> list[str]:
 def test_a_runs_configuration_is_immutable_and_its_state_is_one_object():
     import dataclasses
 
-    from tasks.context import RunContext, RunState
-    from tasks.job import TrainJob
-    from tasks.validate import ResolvedJob
+    from coordinator.context import RunContext, RunState
+    from coordinator.job import TrainJob
+    from coordinator.validate import ResolvedJob
 
     assert RunContext.__dataclass_params__.frozen and ResolvedJob.__dataclass_params__.frozen
     assert TrainJob.model_config.get("frozen")
@@ -362,7 +364,7 @@ def test_a_runs_configuration_is_immutable_and_its_state_is_one_object():
 
 
 def test_the_coordinator_keeps_one_registry_the_failure_hooks():
-    """tasks/ and flows/ keep no state in modules except `tasks.context.ACTIVE`, which the
+    """tasks/ and flows/ keep no state in modules except `coordinator.context.ACTIVE`, which the
     flow's failure hooks need (Prefect hands a hook the flow run alone)."""
     found = _registries()
-    assert [r for r in found if r.split(".")[0] in ("tasks", "flows")] == ["tasks.context.ACTIVE"], found
+    assert [r for r in found if r.split(".")[0] in ("coordinator", "tasks", "flows")] == ["coordinator.context.ACTIVE"], found

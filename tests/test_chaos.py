@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tasks.job import TrainJob
+from coordinator.job import TrainJob
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
@@ -32,7 +32,7 @@ def fault_free(tmp_path_factory):
 def test_worker_killed_at_a_sync_point_is_relaunched_and_ends_equal(tmp_path, monkeypatch, fault_free):
     from comm.store import open_store
     from flows.train import train
-    from tasks.cost import read_ledger
+    from coordinator.cost import read_ledger
 
     clean, clean_weights = fault_free
     monkeypatch.setenv("ZOOID_CHAOS", "kill_worker:epoch=0:rank=1:step=8:at=sync")
@@ -55,7 +55,7 @@ def test_worker_killed_at_a_sync_point_is_relaunched_and_ends_equal(tmp_path, mo
 def test_hung_worker_times_out_and_is_relaunched(tmp_path, monkeypatch, fault_free):
     from comm.store import open_store
     from flows.train import train
-    from tasks.cost import read_ledger
+    from coordinator.cost import read_ledger
 
     clean, _ = fault_free
     monkeypatch.setenv("ZOOID_CHAOS", "hang_worker:epoch=0:rank=0:step=4")
@@ -81,7 +81,7 @@ def test_redis_restarted_mid_epoch_loses_only_scratch(tmp_path, monkeypatch, red
     from comm.store import open_store
     from core.keys import sync_checkpoint_key
     from flows.train import train
-    from tasks.cost import read_ledger
+    from coordinator.cost import read_ledger
 
     clean, clean_weights = fault_free
     durable = tmp_path / "durable"

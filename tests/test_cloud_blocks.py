@@ -36,7 +36,7 @@ def test_s3_store_block_opens_the_bucket_and_leaks_no_key(s3_server):
 def test_zooid_store_block_hands_its_keys_to_boto3_not_the_environment(s3_server):
     from pydantic import SecretStr
 
-    from blocks.store import ZooidStore
+    from blocks.store_refs import ZooidStore
 
     bucket = s3_server.create_bucket("zooid-store-block")
     block = ZooidStore(url=f"s3://{bucket}/p", aws_access_key_id="AKIAZOOIDTEST",
@@ -186,7 +186,7 @@ def run_evidence(run_id: str, bucket: str, s3_client, worker_envs: list[dict]) -
     import asyncio
 
     from comm.store_dir import zooid_home
-    from tasks.context import run_id_for
+    from coordinator.context import run_id_for
 
     async def from_api() -> dict[str, bytes]:
         from prefect.client.orchestration import get_client
@@ -256,7 +256,7 @@ def secret_run(s3_server, tmp_path, monkeypatch):
 
     from pydantic import SecretStr
 
-    from blocks.store import ZooidStore
+    from blocks.store_refs import ZooidStore
 
     secret, key_id = "s3cr3t-Zooid-9f31c", "AKIAZOOIDRUN"
     monkeypatch.setenv("ZOOID_HOME", str(tmp_path / "home"))
@@ -280,7 +280,7 @@ def secret_run(s3_server, tmp_path, monkeypatch):
         from prefect.logging.handlers import APILogHandler
 
         from flows.train import train
-        from tasks.job import TrainJob
+        from coordinator.job import TrainJob
 
         ZooidStore(url=f"s3://{bucket}/runs", aws_access_key_id=key_id, aws_secret_access_key=SecretStr(secret),
                    region_name="us-east-1", endpoint_url=proxy.endpoint).save("secret-run-store", overwrite=True)
@@ -346,15 +346,15 @@ def test_the_leak_check_catches_planted_leaks(secret_run, monkeypatch):
     inside a binary object of the run, and the secret in the workers' environment. The
     check names each of them."""
     import flows.train
-    import tasks.launchers
+    import coordinator.launchers
 
     def plant(secret, key_id):
-        real_guardrail, real_init = flows.train.guardrail, tasks.launchers.InlineLauncher.__init__
+        real_guardrail, real_init = flows.train.guardrail, coordinator.launchers.InlineLauncher.__init__
 
         def guardrail(job, ctx, plan, history):
             from prefect import get_run_logger
 
-            from blocks.store import ZooidStore
+            from blocks.store_refs import ZooidStore
 
             get_run_logger().info("connecting with %s", secret)
             store = ZooidStore.load("secret-run-store").open()
@@ -368,7 +368,7 @@ def test_the_leak_check_catches_planted_leaks(secret_run, monkeypatch):
             real_init(self, run_id, log_dir, env={**(env or {}), "ZOOID_PLANTED": secret})
 
         monkeypatch.setattr(flows.train, "guardrail", guardrail)
-        monkeypatch.setattr(tasks.launchers.InlineLauncher, "__init__", launcher_init)
+        monkeypatch.setattr(coordinator.launchers.InlineLauncher, "__init__", launcher_init)
 
     summary, evidence = secret_run(plant)
     assert summary.status == "completed"

@@ -95,7 +95,7 @@ def test_each_recorded_container_state_is_billed_on_the_engines_clock():
 
 def test_cloud_records_price_each_container_from_start_to_finish():
     from planners.catalog import get_offer
-    from tasks.cloud_bill import cloud_records
+    from coordinator.cloud_bill import cloud_records
 
     intervals = [container_interval(answer(n)) for n in ("completed", "killed", "never_started")]
     attempts = {intervals[0].flow_run_id: (0, 0, 0, 2.0), intervals[1].flow_run_id: (0, 1, 0, 2.0)}
@@ -178,8 +178,8 @@ def test_the_docker_target_is_registered_once_and_refuses_a_local_directory_stor
     from blocks.compute import resolve_target
     from clouds.registry import adapter_for, is_cloud
     from core.errors import ZooidValueError
-    from tasks.job import TrainJob
-    from tasks.validate import validate_job
+    from coordinator.job import TrainJob
+    from coordinator.validate import validate_job
 
     target = resolve_target("docker")
     assert target.kind == "docker" and is_cloud(target) and isinstance(adapter_for(target), DockerAdapter)

@@ -143,7 +143,7 @@ def test_cost_from_describe_tasks_clock():
     from botocore.stub import Stubber
 
     from planners.catalog import get_offer
-    from tasks.cloud_bill import cloud_records
+    from coordinator.cloud_bill import cloud_records
 
     ids = (str(uuid.uuid4()), str(uuid.uuid4()), str(uuid.uuid4()))
     ecs = boto3.client("ecs", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="y")

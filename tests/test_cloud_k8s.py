@@ -218,7 +218,7 @@ def test_cost_from_pod_start_and_finish():
     from kubernetes_asyncio import config
 
     from planners.catalog import get_offer
-    from tasks.cloud_bill import cloud_records
+    from coordinator.cloud_bill import cloud_records
 
     ids = [str(uuid.uuid4()) for _ in range(3)]
     fake = FakeKubernetes()

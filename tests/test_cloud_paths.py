@@ -37,12 +37,12 @@ from clouds import aci as cloud_aci
 from clouds import ecs as cloud_ecs
 from clouds import kubernetes as cloud_k8s
 from planners.catalog import get_offer
-from tasks import cloud_bill
+from coordinator import cloud_bill
 from tasks import run_epoch as run_epoch_mod
 from tasks import teardown as teardown_mod
-from tasks.context import RunContext
-from tasks.cost import coordinator_record, worker_records
-from tasks.job import TrainJob
+from coordinator.context import RunContext
+from coordinator.cost import coordinator_record, worker_records
+from coordinator.job import TrainJob
 from tests.cloud_fixtures import _container, _task, describe_tasks_response, flow_run
 
 pytestmark = pytest.mark.timeout(60)
@@ -457,7 +457,7 @@ CLOUDS = [EcsCase, AciCase, K8sCase, DockerCase]
 # ----------------------------------------------------------------------------- the run
 
 class Clock:
-    """`tasks.cloud_bill`'s clock (a worker still running is billed up to it), set per bill."""
+    """`coordinator.cloud_bill`'s clock (a worker still running is billed up to it), set per bill."""
 
     def __init__(self):
         self.now = 0.0

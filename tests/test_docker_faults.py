@@ -110,8 +110,8 @@ def test_teardown_sweeps_a_container_left_behind_by_label(stack):
 
     from blocks.compute import resolve_target
     from planners.catalog import get_offer
-    from tasks.context import RunContext
-    from tasks.job import TrainJob
+    from coordinator.context import RunContext
+    from coordinator.job import TrainJob
     from tasks.teardown import teardown_run
 
     run_id = f"left-{uuid.uuid4().hex[:8]}"

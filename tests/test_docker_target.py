@@ -34,7 +34,7 @@ def test_training_on_containers_completes_warm_and_is_billed_on_the_engines_cloc
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
-    from tasks.report import artifact_key, infrastructure_ids
+    from coordinator.report import artifact_key, infrastructure_ids
 
     assert set(infrastructure_ids(rows)) == ids
     with get_client(sync_client=True) as client:
@@ -49,8 +49,8 @@ def test_training_on_containers_completes_warm_and_is_billed_on_the_engines_cloc
 def test_a_missing_image_or_engine_is_one_clear_error_before_anything_is_paid(stack, monkeypatch):
     from blocks.compute import resolve_target
     from core.errors import ZooidValueError
-    from tasks.job import TrainJob
-    from tasks.validate import check_target_ready, validate_job
+    from coordinator.job import TrainJob
+    from coordinator.validate import check_target_ready, validate_job
 
     target = _save_target("docker-no-image", image="localhost/zooid-no-such-image:0")
     flow_run_id = _submit(stack, workers=2, epochs=1, target=target)

@@ -36,8 +36,8 @@ def test_three_concurrent_runs_are_isolated_and_capped(tmp_path):
 
     from comm.store_dir import DirectoryStore
     from deployments.bootstrap import ensure_concurrency_limit
-    from tasks.launchers import PAID_WORKERS_LIMIT
-    from tasks.sweep import sweep_run, tagged_pids
+    from coordinator.launchers import PAID_WORKERS_LIMIT
+    from coordinator.sweep import sweep_run, tagged_pids
 
     with get_client(sync_client=True) as client:  # another test of the session may have made it: resize it
         ensure_concurrency_limit(client, 4)

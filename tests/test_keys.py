@@ -156,13 +156,11 @@ def test_the_key_parsers_read_what_the_builders_write():
 
 def test_the_old_homes_of_the_key_helpers_give_the_same_keys():
     """Names other modules and tests import from where they used to live."""
-    from types import SimpleNamespace
 
     from engine.chaos import fault_marker_key
     from engine.residuals import residual_key
     from runtime.warm import command_key, reply_key, status_key
-    from tasks.cost import ledger_key
-    from tasks.provision import epoch_key, init_key
+    from coordinator.cost import ledger_key
 
     assert fault_marker_key(RUN, 1, 2, 3) == keys.fault_marker_key(RUN, 1, 2, 3)
     assert residual_key(RUN, 2, 1, 7) == keys.residual_key(RUN, 2, 1, 7)
@@ -170,5 +168,4 @@ def test_the_old_homes_of_the_key_helpers_give_the_same_keys():
     assert reply_key(RUN, "w", 1) == keys.reply_key(RUN, "w", 1)
     assert status_key(RUN, "w") == keys.status_key(RUN, "w")
     assert ledger_key(RUN) == keys.ledger_key(RUN)
-    ctx = SimpleNamespace(run_id=RUN)
-    assert (init_key(ctx), epoch_key(ctx, 3)) == (keys.init_checkpoint_key(RUN), keys.checkpoint_key(RUN, 3))
+

@@ -18,8 +18,8 @@ def test_cancelling_a_training_run_stops_its_workers_and_bills_it(tmp_path):
 
     from deployments import stack
     from deployments.server import free_port
-    from tasks.context import run_id_for
-    from tasks.sweep import tagged_pids
+    from coordinator.context import run_id_for
+    from coordinator.sweep import tagged_pids
 
     home = tmp_path / "zooid"
     saved = dict(os.environ)

@@ -10,7 +10,7 @@ definition has come back:
    `planners.hybrid.microbatches_per_replica`, two different computations named apart;
 4. errors: every project exception derives from `core.errors.ZooidError`;
 5. store blocks: one base (`blocks.store_block.StoreBlock`), one reference format
-   (`block:<type slug>/<name>`), one opener (`blocks.store.open_store_ref`).
+   (`block:<type slug>/<name>`), one opener (`blocks.store_refs.open_store_ref`).
 
 The co-optimiser (`planners/co_optimize*.py`) still has its own `stage_bounds` and stage
 memory: its owner switches it to core; until then its files are the ones these checks leave
@@ -194,7 +194,7 @@ def test_every_project_exception_is_a_zooid_error():
     from clouds.job_variables import JobVariablesError, WorkerResources
     from core.errors import ZooidError, ZooidValueError
     from planners.prestart import PrestartError, startup_estimate
-    from tasks.launchers import WorkerOutcome, WorkersFailed
+    from coordinator.launchers import WorkerOutcome, WorkersFailed
 
     found = exception_classes()
     assert {"WorkersFailed", "JobVariablesError", "PrestartError"} <= set(found)
@@ -234,7 +234,7 @@ def test_store_blocks_are_one_family_with_one_reference_and_one_opener(prefect_a
     from prefect_redis.blocks import RedisDatabase
     from pydantic import SecretStr
 
-    from blocks.store import ZooidStore, load_store_block, open_store_ref, store_block_types
+    from blocks.store_refs import ZooidStore, load_store_block, open_store_ref, store_block_types
     from blocks.store_block import BLOCK_PREFIX, StoreBlock, block_ref, parse_block_ref
 
     secret = "s3cr3t-one-of-each"

@@ -82,7 +82,7 @@ def test_the_plan_names_its_sync_and_the_bytes_one_sync_reduces():
 
 
 def _summary(plan: dict, bytes_synced: int):
-    from tasks.job import EpochSummary, RunSummary
+    from coordinator.job import EpochSummary, RunSummary
 
     epoch = EpochSummary(epoch=0, workers=4, train_loss=1.0, seconds=10.0, samples_per_s=1.0, cost_usd=0.01,
                          bytes_synced=bytes_synced)
@@ -90,9 +90,9 @@ def _summary(plan: dict, bytes_synced: int):
 
 
 def test_the_report_and_the_dry_run_say_the_outer_optimizer_the_dtype_and_the_bytes_per_sync():
-    from flows.plan import plan_report
-    from tasks.job import TrainJob
-    from tasks.report import plan_details, plan_in_words
+    from flows.dry_run import plan_report
+    from coordinator.job import TrainJob
+    from coordinator.report import plan_details, plan_in_words
 
     x = _inputs(sync_dtype="int8", outer_optimizer="nesterov", sync_period=8)
     plan = with_run_fields(with_sync(x, choose(x, "local_sgd")))
@@ -122,19 +122,19 @@ def test_the_co_optimiser_prices_a_hybrid_s_syncs_in_the_job_s_dtype(monkeypatch
     record says so, and the choice is the brute-force optimum of that problem."""
     from dataclasses import replace
 
-    import tasks.co_plan
-    import tasks.plan
+    import coordinator.co_plan
+    import tasks.plan_step
     from blocks.compute import ComputeTarget
     from planners.co_optimize import evaluate
     from planners.co_optimize_flow import Point
-    from tasks.job import TrainJob
+    from coordinator.job import TrainJob
     from tests.test_co_optimizer_in_plan import (LAMBDA, LAYERS, assert_same_choice, brute_force_optimum,
                                                  brute_points, make)
 
-    monkeypatch.setattr(tasks.plan, "with_run", lambda ctx, chosen, calibration, epochs_left, **kw: chosen)
+    monkeypatch.setattr(tasks.plan_step, "with_run", lambda ctx, chosen, calibration, epochs_left, **kw: chosen)
     solved = []
-    frontier = tasks.co_plan.frontier
-    monkeypatch.setattr(tasks.co_plan, "frontier", lambda problem, stages=None: solved.append(problem)
+    frontier = coordinator.co_plan.frontier
+    monkeypatch.setattr(coordinator.co_plan, "frontier", lambda problem, stages=None: solved.append(problem)
                         or frontier(problem, stages))
     job = TrainJob(strategy="hybrid", workers=2, max_workers=8, batch_size=8, microbatches=2, epochs=2,
                    sync_dtype=sync_dtype)

@@ -15,7 +15,7 @@ from core.errors import PlannerInputError
 from planners.cli import run
 from planners.hybrid import hybrid
 from planners.partition import partition
-from planners.provision import provision
+from planners.worker_count import provision
 from planners.sync_time import sync_time
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from core.errors import PlannerInputError
-from planners.provision import evaluate, fit_loss_curve, parse_provision, plan_provision, provision
+from planners.worker_count import evaluate, fit_loss_curve, parse_provision, plan_provision, provision
 
 
 def random_doc(rng: random.Random, *, max_workers: int | None) -> dict:
@@ -162,7 +162,7 @@ def test_full_search_of_three_types_and_256_workers_is_batched(monkeypatch):
     """What keeps the full search fast, asserted instead of timed: every (type, n_wk, n_ps)
     pair with 1 <= n_ps <= n_wk <= 256 is scored, in one array call per type (not one call
     per pair)."""
-    import planners.provision as provision_module
+    import planners.worker_count as provision_module
 
     rng = random.Random(12)
     doc = random_doc(rng, max_workers=256)

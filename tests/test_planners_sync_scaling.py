@@ -6,7 +6,7 @@ import random
 import pytest
 
 from core.errors import PlannerInputError
-from planners.provision import parse_provision, plan_provision
+from planners.worker_count import parse_provision, plan_provision
 from planners.scaling import EpochRecord, ScalingSettings, decide
 from planners.sync_time import parameter_server, pipelined_scatter_reduce, ring_allreduce, scatter_reduce, sync_time
 

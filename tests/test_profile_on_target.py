@@ -11,12 +11,12 @@ from core.errors import ZooidValueError
 from core.plan import Plan
 from planners.calibration import Calibration, calibrated, epoch_overhead, fit
 from planners.run_prediction import RunTerms, predict_run
-from tasks.job import TrainJob
+from coordinator.job import TrainJob
 
 
 def _ctx(job: TrainJob):
-    from tasks.context import RunContext
-    from tasks.validate import validate_job
+    from coordinator.context import RunContext
+    from coordinator.validate import validate_job
 
     return RunContext(run_id="zprof" + str(abs(hash(job.model)) % 10**6), job=job, resolved=validate_job(job))
 
@@ -100,7 +100,7 @@ def test_a_gpu_job_is_never_planned_from_a_cpu_profile():
 
 
 def test_model_identity_hashes_the_source_of_a_model_given_by_import_path(tmp_path, monkeypatch):
-    from tasks.profile_cache import model_identity
+    from coordinator.profile_cache import model_identity
 
     (tmp_path / "idmodel.py").write_text("from torch import nn\ndef net():\n    return nn.Linear(64, 10)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -116,10 +116,10 @@ def test_model_identity_hashes_the_source_of_a_model_given_by_import_path(tmp_pa
 
 @pytest.mark.usefixtures("prefect_api")
 def test_the_profile_is_taken_by_a_worker_and_says_where(tmp_path):
-    from tasks.launchers import worker_threads
+    from coordinator.launchers import worker_threads
     from tasks.profile import _profile
-    from tasks.sweep import tagged_pids
-    from tasks.warm_pool import provisional_plan
+    from coordinator.sweep import tagged_pids
+    from coordinator.warm_pool import provisional_plan
 
     ctx = _ctx(TrainJob(model="digits_mlp", workers=2, store=f"file://{tmp_path}/store", warm=False))
     prof = _profile(ctx)
@@ -194,7 +194,7 @@ def test_replanning_after_the_first_epoch_leaves_a_plan_its_measurements_refute(
     and the re-plan moves to Local-SGD, which averages a few kilobytes once an epoch."""
     from flows.train import train
     from tasks.profile import _profile
-    from tasks.profile_cache import ProfileCache, model_key, store_key
+    from coordinator.profile_cache import ProfileCache, model_key, store_key
 
     store = f"file://{tmp_path}/store"
     job = TrainJob(model="digits_mlp", workers=2, epochs=3, batch_size=16, microbatches=8, optimizer="sgd",
@@ -255,11 +255,11 @@ def test_an_adabatch_plan_predicts_each_budget_the_policy_will_run(tmp_path):
     """The first plan of an adabatch job predicts the run as the policy will run it: the budget
     doubles every epoch up to max_workers, each budget planned as the flow will plan it, and the
     bill is the per-epoch prediction's (more than the same job kept at one worker)."""
-    from tasks.context import RunContext
-    from tasks.plan import make_plan
+    from coordinator.context import RunContext
+    from tasks.plan_step import make_plan
     from tasks.profile import catalog_profile
     from tasks.rescale import worker_schedule
-    from tasks.validate import validate_job
+    from coordinator.validate import validate_job
 
     def context(scaling):
         job = TrainJob(model="digits_mlp", workers=1, max_workers=4, scaling=scaling, scale_every_epochs=1,
@@ -284,11 +284,11 @@ def test_a_first_runs_epoch_overhead_comes_from_what_its_profile_measured(tmp_pa
     """Before any epoch, the per-epoch overhead is the profile's command round trip to a ready
     worker, rank 0's validation pass and the checkpoint write, marked as from the profile; a term
     the target measured in earlier runs wins, and one nothing measured stays assumed."""
-    from tasks.context import RunContext
-    from tasks.profile_cache import ProfileCache
-    from tasks.report import run_terms_text
-    from tasks.run_terms import load_terms, timings_key
-    from tasks.validate import validate_job
+    from coordinator.context import RunContext
+    from coordinator.profile_cache import ProfileCache
+    from coordinator.report import run_terms_text
+    from coordinator.run_terms import load_terms, timings_key
+    from coordinator.validate import validate_job
 
     job = TrainJob(model="digits_mlp", workers=2, store=f"file://{tmp_path}/store")
     ctx = RunContext(run_id="zterms", job=job, resolved=validate_job(job))

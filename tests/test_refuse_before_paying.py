@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from core.errors import ZooidValueError
-from tasks.job import TrainJob
+from coordinator.job import TrainJob
 
 # --- models given by import path in these tests ----------------------------------------------
 
@@ -121,7 +121,7 @@ def test_a_large_sample_is_checked_on_meta_without_arithmetic():
      ("a sample is 3x32x32", "models that fit synthetic:3x32x32:10: resnet18, vgg11")),
 ])
 def test_validation_refuses_the_pair_in_one_line_naming_both(params, names, tmp_path):
-    from tasks.validate import validate_job
+    from coordinator.validate import validate_job
 
     with pytest.raises(ZooidValueError) as err:
         validate_job(TrainJob(store=f"file://{tmp_path}/store", **params))
@@ -138,7 +138,7 @@ def test_the_check_reads_one_row_and_trains_nothing_on_digits(monkeypatch):
     import torch
 
     from engine.datasets import load_dataset
-    from tasks.validate import check_model_fits
+    from coordinator.validate import check_model_fits
 
     def refuse(*args, **kwargs):
         raise AssertionError("the fit check trained")
@@ -183,7 +183,7 @@ def _worker_flow_runs() -> int:
 @pytest.mark.parametrize("params", [["dataset=synthetic:3x32:10"], ["model=resnet18"]])
 def test_an_impossible_pair_rents_nothing_through_the_train_flow(params, tmp_path, capsys, monkeypatch):
     from flows import train as train_flow
-    from tasks import warm_pool
+    from coordinator import warm_pool
 
     started = []
     monkeypatch.setattr(warm_pool.WarmPool, "_start", lambda self, *a, **k: started.append(a) or 1 / 0)
@@ -209,8 +209,8 @@ def test_an_impossible_pair_rents_nothing_through_the_train_flow(params, tmp_pat
 
 @pytest.mark.usefixtures("prefect_api")
 def test_an_impossible_pair_rents_nothing_through_the_dry_run(tmp_path, monkeypatch):
-    from flows.plan import plan
-    from tasks import warm_pool
+    from flows.dry_run import plan
+    from coordinator import warm_pool
 
     monkeypatch.setattr(warm_pool.WarmPool, "_start", lambda self, *a, **k: 1 / 0)
     state = plan(TrainJob(model="resnet18", store=f"file://{tmp_path}/store"), return_state=True)
@@ -231,11 +231,11 @@ def _batch_of_one(tmp_path, monkeypatch) -> str:
 
 @pytest.mark.usefixtures("prefect_api")
 def test_a_profile_that_no_retry_can_fix_launches_exactly_one_worker(tmp_path, monkeypatch):
-    from tasks import warm_pool
-    from tasks.context import RunContext
+    from coordinator import warm_pool
+    from coordinator.context import RunContext
     from tasks.profile import profile
-    from tasks.sweep import tagged_pids
-    from tasks.validate import validate_job
+    from coordinator.sweep import tagged_pids
+    from coordinator.validate import validate_job
 
     model = _batch_of_one(tmp_path, monkeypatch)
     started, real_start = [], warm_pool.WarmPool._start
@@ -257,8 +257,8 @@ def test_a_profile_that_no_retry_can_fix_launches_exactly_one_worker(tmp_path, m
 @pytest.mark.usefixtures("prefect_api")
 def test_a_worker_that_died_is_still_replaced_once(tmp_path, monkeypatch):
     from tasks import profile as profile_mod
-    from tasks.context import RunContext
-    from tasks.validate import validate_job
+    from coordinator.context import RunContext
+    from coordinator.validate import validate_job
 
     job = TrainJob(workers=1, store=f"file://{tmp_path}/store", warm=False)
     ctx = RunContext(run_id="zrefuse2", job=job, resolved=validate_job(job))
@@ -297,7 +297,7 @@ def test_an_unfixable_profile_failure_ends_the_train_flow_with_one_line_and_one_
                                                                                         capsys):
     from comm.store import open_store
     from flows.train import main
-    from tasks.cost import read_ledger
+    from coordinator.cost import read_ledger
 
     model = _batch_of_one(tmp_path, monkeypatch)
     store_url = f"file://{tmp_path}/store"
@@ -318,20 +318,20 @@ def test_an_unfixable_profile_failure_ends_the_train_flow_with_one_line_and_one_
 def flow_log(monkeypatch):
     """What the dry run and the profile step print (in a flow, `log_prints` sends it to the run's
     logger, which tests run at WARNING), as it is said."""
-    import flows.plan
+    import flows.dry_run
     import tasks.profile
 
     said: list[str] = []
-    for module in (flows.plan, tasks.profile):
+    for module in (flows.dry_run, tasks.profile):
         monkeypatch.setattr(module, "print", lambda *a, **k: said.append(" ".join(map(str, a))), raising=False)
     return said
 
 
 @pytest.mark.usefixtures("prefect_api")
 def test_the_dry_run_says_what_it_rents_and_with_rent_false_plans_from_the_catalog_or_the_cache(tmp_path, monkeypatch, capsys, flow_log):
-    from flows.plan import main, plan
+    from flows.dry_run import main, plan
     from tasks import profile as profile_mod
-    from tasks import warm_pool
+    from coordinator import warm_pool
 
     store = f"file://{tmp_path}/store"
     job = TrainJob(model="digits_mlp", workers=2, store=store)

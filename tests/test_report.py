@@ -1,4 +1,4 @@
-"""The report a person reads (`tasks.report`): golden files for a Local-SGD run, a pipeline run
+"""The report a person reads (`coordinator.report`): golden files for a Local-SGD run, a pipeline run
 whose plan compared schedules and the co-optimiser, and a cancelled run, in text and markdown;
 and the rules every rendering keeps: no Python reprs, text lines of at most 120 characters,
 money and times in one format, alternatives each once with one chosen, and a cost curve over
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from core.plan import Plan
-from tasks.job import EpochSummary, RunSummary
-from tasks.report import (
+from coordinator.job import EpochSummary, RunSummary
+from coordinator.report import (
     MAX_WIDTH,
     alternatives,
     alternatives_table,
@@ -296,7 +296,7 @@ def test_the_plots_are_pngs():
 
 
 def test_the_readme_documents_every_job_field():
-    from tasks.job import TrainJob
+    from coordinator.job import TrainJob
 
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     table = readme.split("| parameter | default | meaning |", 1)[1].split("\n\n", 1)[0]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tasks.job import TrainJob
+from coordinator.job import TrainJob
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,7 +33,7 @@ def _weights(url: str, key: str) -> dict[str, torch.Tensor]:
 def test_resume_continues_from_the_last_checkpoint_and_ends_equal(tmp_path):
     from comm.store import open_store
     from flows.train import train
-    from tasks.cost import read_ledger
+    from coordinator.cost import read_ledger
 
     clean_url = f"file://{tmp_path}/clean"
     clean = train(TrainJob(store=clean_url, epochs=2, **JOB))
@@ -65,7 +65,7 @@ def test_killed_coordinator_is_swept_and_its_epoch_resumes_from_the_sync_point(t
     from engine.chaos import fault_marker_key
     from core.keys import sync_checkpoint_key
     from flows.train import train
-    from tasks.sweep import orphan_pids, tagged_pids
+    from coordinator.sweep import orphan_pids, tagged_pids
 
     store_dir = tmp_path / "store"
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(),

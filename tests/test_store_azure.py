@@ -13,7 +13,7 @@ import uuid
 import pytest
 from azure.storage.blob import BlobServiceClient
 
-from blocks.store_azure import ZooidAzureBlobStore
+from blocks.store_block_azure import ZooidAzureBlobStore
 from comm.store import open_store
 from comm.store_azure import AzureBlobStore
 from core.errors import StoreError, ZooidValueError
@@ -160,9 +160,9 @@ def test_a_store_survives_an_azurite_restart(azurite, monkeypatch):
 def test_an_aci_job_without_a_store_is_pointed_at_azure_blob(capsys):
     """The validation error and the dry run of an ACI job with no store suggest Azure Blob,
     not S3 (a docker job is still pointed at S3 or Redis)."""
-    from flows.plan import main
-    from tasks.job import TrainJob
-    from tasks.validate import validate_job
+    from flows.dry_run import main
+    from coordinator.job import TrainJob
+    from coordinator.validate import validate_job
 
     with pytest.raises(ZooidValueError, match=r"^store: .*target 'aci'.*use an Azure Blob store") as refused:
         validate_job(TrainJob(target="aci"), check_store=False)
@@ -177,7 +177,7 @@ def test_an_aci_job_without_a_store_is_pointed_at_azure_blob(capsys):
 @pytest.mark.usefixtures("prefect_api")
 def test_bootstrap_creates_the_aci_container_and_block(azurite, monkeypatch, capsys):
     """What `deployments.bootstrap --target aci --blob-container NAME` adds to the pool's setup."""
-    from blocks.store import open_store_ref
+    from blocks.store_refs import open_store_ref
     from deployments.azure_blob import bootstrap_blob_store
     from deployments.bootstrap import main
 

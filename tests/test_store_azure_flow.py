@@ -19,7 +19,7 @@ import uuid
 import pytest
 import torch
 
-from tasks.job import TrainJob
+from coordinator.job import TrainJob
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 JOB = dict(workers=2, epochs=2, optimizer="sgd", lr=0.1, sync_period=4, batch_size=32, strategy="local_sgd")
@@ -29,7 +29,7 @@ def _save_block(azurite, name: str) -> tuple[str, str]:
     """A zooid-azure-blob-store block on a fresh container: (the job's store name, container)."""
     from prefect_azure.credentials import AzureBlobStorageCredentials
 
-    from blocks.store_azure import ZooidAzureBlobStore
+    from blocks.store_block_azure import ZooidAzureBlobStore
 
     container = azurite.create_container(f"zooid-{uuid.uuid4().hex[:12]}")
     ZooidAzureBlobStore(credentials=AzureBlobStorageCredentials(connection_string=azurite.connection_string()),
@@ -51,7 +51,7 @@ def _final_weights(store, key: str) -> dict[str, torch.Tensor]:
 
 
 def _open(store_name: str):
-    from blocks.store import open_store_ref
+    from blocks.store_refs import open_store_ref
     from blocks.store_block import block_ref
 
     return open_store_ref(block_ref(store_name))
@@ -61,7 +61,7 @@ def _open(store_name: str):
 def local_sgd_run(azurite, tmp_path_factory):
     """Local-SGD, 2 workers, on the block: at INFO everywhere, with every worker process's
     environment and arguments and everything the run printed kept for the secret test."""
-    import tasks.launchers
+    import coordinator.launchers
     from flows.train import train
 
     store_name, container = _save_block(azurite, "azure-run")
@@ -76,8 +76,8 @@ def local_sgd_run(azurite, tmp_path_factory):
     saved_env = {k: os.environ.get(k) for k in ("PREFECT_LOGGING_LEVEL", "ZOOID_HOME")}
     os.environ["PREFECT_LOGGING_LEVEL"] = "INFO"  # the workers log at INFO too
     os.environ["ZOOID_HOME"] = str(tmp_path_factory.mktemp("azure-home"))
-    real = tasks.launchers.subprocess
-    tasks.launchers.subprocess = types.SimpleNamespace(**{**vars(real), "Popen": popen})
+    real = coordinator.launchers.subprocess
+    coordinator.launchers.subprocess = types.SimpleNamespace(**{**vars(real), "Popen": popen})
     printed = io.StringIO()
     handler = logging.StreamHandler(printed)  # every line the flows and tasks log or print, at INFO
     handler.setLevel(logging.INFO)
@@ -87,7 +87,7 @@ def local_sgd_run(azurite, tmp_path_factory):
             lg.addHandler(handler)
         summary = train(TrainJob(store=store_name, durable_store=store_name, **JOB))
     finally:
-        tasks.launchers.subprocess = real
+        coordinator.launchers.subprocess = real
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
             lg.removeHandler(handler)
@@ -100,7 +100,7 @@ def local_sgd_run(azurite, tmp_path_factory):
 
 
 def test_local_sgd_trains_on_azure_blob(azurite, local_sgd_run):
-    from tasks.cost import read_ledger
+    from coordinator.cost import read_ledger
 
     summary = local_sgd_run.summary
     assert summary.status == "completed" and summary.plan["strategy"] == "local_sgd"

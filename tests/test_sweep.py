@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tasks.sweep import COORDINATOR_VAR, HOME_VAR, TAG_VAR, orphan_pids, sweep_orphans, sweep_run, tagged_pids
+from coordinator.sweep import COORDINATOR_VAR, HOME_VAR, TAG_VAR, orphan_pids, sweep_orphans, sweep_run, tagged_pids
 
 
 def _spawn(env_extra: dict) -> subprocess.Popen:

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from tasks.job import TrainJob
+from coordinator.job import TrainJob
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
@@ -20,8 +20,8 @@ def _store_root() -> str:
 def test_train_flow_trains_bills_and_cleans_up(tmp_path, warm):
     from comm.store import open_store
     from flows.train import train
-    from tasks.cost import read_ledger
-    from tasks.sweep import tagged_pids
+    from coordinator.cost import read_ledger
+    from coordinator.sweep import tagged_pids
 
     store_url = f"file://{tmp_path}/store"
     summary = train(TrainJob(workers=2, epochs=2, store=store_url, batch_size=16, warm=warm))
@@ -67,8 +67,8 @@ def test_budget_stops_before_spending_it(tmp_path):
 def test_a_deadline_the_first_epoch_would_pass_stops_the_run_cleanly(tmp_path):
     from comm.store import open_store
     from flows.train import train
-    from tasks.cost import read_ledger
-    from tasks.sweep import tagged_pids
+    from coordinator.cost import read_ledger
+    from coordinator.sweep import tagged_pids
 
     url = f"file://{tmp_path}/s"
     summary = train(TrainJob(workers=2, epochs=4, deadline_s=1e-3, store=url))
@@ -83,9 +83,9 @@ def test_a_deadline_the_first_epoch_would_pass_stops_the_run_cleanly(tmp_path):
 
 class _Ctx:
     def __init__(self, started_at, spent_usd=0.0, price=0.0):
-        from tasks.cost import CostRecord
+        from coordinator.cost import CostRecord
 
-        from tasks.context import RunState
+        from coordinator.context import RunState
 
         self.started_at, self.price_per_worker_s = started_at, price
         self.state = RunState(ledger=[CostRecord(run_id="r", resource="w", kind="worker", offer="o", start=0.0,
@@ -135,8 +135,8 @@ def test_guardrail_stops_before_the_budget_is_spent(monkeypatch):
 def test_out_of_memory_is_not_retried_and_teardown_leaves_nothing(tmp_path, monkeypatch):
     from comm.store import open_store
     from flows.train import train
-    from tasks.cost import read_ledger
-    from tasks.sweep import tagged_pids
+    from coordinator.cost import read_ledger
+    from coordinator.sweep import tagged_pids
 
     monkeypatch.setenv("ZOOID_CHAOS", "oom_worker:epoch=0:rank=1:mode=kill")
     store_url = f"file://{tmp_path}/store"

@@ -20,7 +20,7 @@ import torch
 from core.errors import ZooidValueError
 from core.specs import ComputeSpec, WarmSpec, WorkerSpec
 from runtime.warm import LEASE_EXIT, LeaseClock, command_key, read_json, reply_key, status_key
-from tasks.job import TrainJob
+from coordinator.job import TrainJob
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -95,7 +95,7 @@ def _await_reply(store, run_id, worker, seq, proc) -> dict:
 @pytest.mark.timeout(300)
 def test_a_warm_worker_trains_epoch_after_epoch_in_one_process_then_stops(dir_store, tmp_path):
     from engine.datasets import assign_subsets
-    from tasks.warm_pool import LeaseRenewer
+    from coordinator.warm_pool import LeaseRenewer
 
     run_id = "warmengine"
     manifest = _publish_run(dir_store, run_id)
@@ -157,8 +157,8 @@ def _lives(rows: list[dict]) -> dict[str, list[dict]]:
 def test_warm_run_keeps_one_process_per_rank_and_bills_its_whole_life(tmp_path):
     from comm.store import open_store
     from flows.train import train
-    from tasks.cost import read_ledger
-    from tasks.sweep import tagged_pids
+    from coordinator.cost import read_ledger
+    from coordinator.sweep import tagged_pids
 
     store_url = f"file://{tmp_path}/store"
     summary = train(TrainJob(workers=2, epochs=3, store=store_url, batch_size=32, target="inline",
@@ -189,7 +189,7 @@ def test_warm_run_keeps_one_process_per_rank_and_bills_its_whole_life(tmp_path):
 
 
 def test_pruning_keeps_the_last_checkpoints_and_the_best(dir_store):
-    from tasks.checkpoint import prune_checkpoints, update_best
+    from tasks.checkpoint_step import prune_checkpoints, update_best
 
     run = "prune"
     for epoch in range(6):
@@ -266,8 +266,8 @@ def test_rescaling_warm_workers_up_and_down_trains_as_the_cold_path(tmp_path, mo
 def test_a_warm_worker_killed_mid_epoch_is_replaced_and_the_epoch_completes(tmp_path, monkeypatch):
     from comm.store import open_store
     from flows.train import train
-    from tasks.cost import read_ledger
-    from tasks.sweep import tagged_pids
+    from coordinator.cost import read_ledger
+    from coordinator.sweep import tagged_pids
 
     monkeypatch.setenv("ZOOID_CHAOS", "kill_worker:epoch=1:rank=1:step=3")
     store_url = f"file://{tmp_path}/store"
@@ -292,7 +292,7 @@ def test_a_warm_worker_killed_mid_epoch_is_replaced_and_the_epoch_completes(tmp_
 def test_workers_of_a_killed_coordinator_exit_within_their_lease(tmp_path):
     """SIGKILL the whole coordinator (its process group: the flow and its temporary Prefect
     server) mid-run: its warm workers, in sessions of their own, stop once the lease is stale."""
-    from tasks.sweep import tagged_pids
+    from coordinator.sweep import tagged_pids
 
     home = tmp_path / "zooid"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
@@ -332,18 +332,18 @@ def test_workers_a_known_rescale_adds_are_started_during_the_epoch_before(tmp_pa
     second worker is launched while epoch 0 trains, and epoch 1 starts on it warm."""
     from comm.store import open_store
     from flows.train import train
-    from tasks.cost import read_ledger
+    from coordinator.cost import read_ledger
 
-    import tasks.launchers
+    import coordinator.launchers
 
-    launched, real_start = [], tasks.launchers.InlineLauncher._start
+    launched, real_start = [], coordinator.launchers.InlineLauncher._start
 
     def record(self, spec):  # every worker process started, in order: (rank, pid)
         proc, outcome = real_start(self, spec)
         launched.append((spec.rank, proc.pid))
         return proc, outcome
 
-    monkeypatch.setattr(tasks.launchers.InlineLauncher, "_start", record)
+    monkeypatch.setattr(coordinator.launchers.InlineLauncher, "_start", record)
     store_url = f"file://{tmp_path}/store"
     # epoch 0's worker holds before its step 5 until a warm worker of rank 1 exists, however
     # loaded the machine: the pre-start is ordered by that event, not by the epoch's length
@@ -372,7 +372,7 @@ def test_sigterm_to_the_command_line_tears_down_and_bills_before_exiting(tmp_pat
     bill; then the server is stopped too."""
     import socket
 
-    from tasks.sweep import tagged_pids
+    from coordinator.sweep import tagged_pids
 
     home = tmp_path / "zooid"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}

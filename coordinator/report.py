@@ -15,8 +15,8 @@ import io
 import math
 import textwrap
 
-from tasks.job import RunSummary
-from tasks.sync_words import outer_sync_row, outer_sync_words
+from coordinator.job import RunSummary
+from coordinator.sync_words import outer_sync_row, outer_sync_words
 
 MAX_WIDTH = 120
 """Characters a line of the text report, or a table's row, may take (a 1,000-pixel pane)."""

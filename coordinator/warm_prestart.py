@@ -13,7 +13,7 @@ import dataclasses
 import time
 
 from core.plan import Plan
-from tasks.context import RunContext
+from coordinator.context import RunContext
 
 
 def should_prestart(ctx: RunContext, plan: Plan, epoch: int) -> bool:
@@ -43,13 +43,13 @@ class PrestartWatch:
             self.launch_next()
 
     def launch_next(self) -> None:
-        from tasks.launchers import make_launcher
-        from tasks.provision import epoch_key
-        from tasks.specs import next_attempt, worker_specs
+        from coordinator.launchers import make_launcher
+        from core.keys import checkpoint_key
+        from coordinator.worker_specs import next_attempt, worker_specs
 
         nxt = self.epoch + 1
         launcher = make_launcher(self.ctx, self.plan)
-        for spec in worker_specs(self.ctx, self.plan, nxt, epoch_key(self.ctx, self.epoch), self.lr, 0):
+        for spec in worker_specs(self.ctx, self.plan, nxt, checkpoint_key(self.ctx.run_id, self.epoch), self.lr, 0):
             launcher.launch(dataclasses.replace(spec, attempt=next_attempt(self.ctx, nxt, spec.rank)))
         self.ctx.state.launchers.append(launcher)
         self.ctx.state.prestarted[nxt] = launcher

@@ -1,7 +1,7 @@
 """The workers of one epoch: one `WorkerSpec` per replica (or per stage of each replica), the
 attempt numbers that tell their tries apart, and where a direct ring allreduce listens.
 
-`tasks.run_epoch` launches these specs and `tasks.prestart` launches the next epoch's early;
+`tasks.run_epoch` launches these specs and `coordinator.warm_prestart` launches the next epoch's early;
 both import them from here, so neither depends on the other for them.
 """
 from __future__ import annotations
@@ -9,8 +9,8 @@ from __future__ import annotations
 from clouds.registry import is_cloud
 from core.plan import Plan
 from core.specs import SyncSpec, WorkerSpec
-from tasks.context import RunContext
-from tasks.provision import epoch_key
+from coordinator.context import RunContext
+from core.keys import checkpoint_key
 
 
 def ring_host(ctx: RunContext) -> str:
@@ -42,7 +42,7 @@ def worker_specs(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, 
                           store_url=ctx.durable_ref, model=job.model, dataset=job.dataset,
                           subsets=(), steps=plan.steps_per_epoch, batch_size=plan.batch_size, lr=lr,
                           optimizer=job.optimizer, seed=job.seed, init_key=init,
-                          out_key=epoch_key(ctx, epoch), sync_timeout_s=timeout, attempt=attempt,
+                          out_key=checkpoint_key(ctx.run_id, epoch), sync_timeout_s=timeout, attempt=attempt,
                           sync=SyncSpec(collective="ring", ring_host=ring_host(ctx)) if job.collective == "ring"
                           else SyncSpec(collective="pipelined", sync_dtype=job.sync_dtype))
         # a planner cut i splits after layer i; the executor's cut is where a stage begins
@@ -57,6 +57,6 @@ def worker_specs(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, 
                        subsets=tuple(shards[rank]), steps=plan.steps_per_epoch,
                        batch_size=plan.batch_size, lr=lr, optimizer=job.optimizer,
                        sync_period=job.sync_period, seed=job.seed, init_key=init,
-                       out_key=epoch_key(ctx, epoch), sync_timeout_s=timeout, evaluate=True,
+                       out_key=checkpoint_key(ctx.run_id, epoch), sync_timeout_s=timeout, evaluate=True,
                        attempt=attempt, checkpoint_store=ctx.durable_ref, sync=sync)
             for rank in range(plan.data_parallel)]

@@ -2,7 +2,7 @@
 
 Both are pydantic models at the Prefect boundary: `TrainJob` becomes the form in the Prefect
 UI and is validated (types, ranges, NaN) before anything is provisioned; the deeper checks
-that need the model registry, the dataset or the store live in `tasks.validate`.
+that need the model registry, the dataset or the store live in `coordinator.validate`.
 """
 from __future__ import annotations
 
@@ -184,7 +184,7 @@ class RunSummary(BaseModel):
     store_url: str = ""
     checkpoint_key: str = ""
     worker_seconds: dict[str, float] = Field(default_factory=dict)
-    """Worker-seconds billed, by what they paid for (`tasks.cost.worker_seconds`)."""
+    """Worker-seconds billed, by what they paid for (`coordinator.cost.worker_seconds`)."""
     error: Optional[str] = None
 
 

@@ -29,7 +29,7 @@ from clouds.registry import adapter_for, is_cloud
 from comm import heartbeat
 from core.errors import ZooidError
 from core.specs import WorkerResult, WorkerSpec
-from tasks.sweep import COORDINATOR_VAR, TAG_VAR, stop_pids
+from coordinator.sweep import COORDINATOR_VAR, TAG_VAR, stop_pids
 
 PAID_WORKERS_LIMIT = "zooid-paid-workers"
 """Global concurrency limit (Prefect) that caps paid workers across all runs: a cold worker
@@ -354,7 +354,7 @@ def pool_default_env(work_pool: str | None) -> dict[str, str]:
 
 
 def make_launcher(ctx, plan) -> _Launcher:
-    """The launcher for the run's compute target (`ctx`: the run's `tasks.context.RunContext`)."""
+    """The launcher for the run's compute target (`ctx`: the run's `coordinator.context.RunContext`)."""
     target = ctx.resolved.target
     threads = worker_threads(target.kind, plan)
     env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}

@@ -57,7 +57,7 @@ class CostRecord:
 def worker_records(run_id: str, epoch: int, outcomes: Iterable[dict], offer: Offer,
                    price_of: Callable[[int], float]) -> list[CostRecord]:
     """Ledger rows for one epoch's worker attempts (dicts of `WorkerOutcome.to_dict()`), each
-    priced by its rank (`tasks.context.RunContext.price_of`: per-stage sizes)."""
+    priced by its rank (`coordinator.context.RunContext.price_of`: per-stage sizes)."""
     rows = []
     for o in outcomes:
         stop = o.get("stopped_at") or o["started_at"]

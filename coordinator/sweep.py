@@ -98,10 +98,10 @@ def sweep_orphans() -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m tasks.sweep RUN_ID` stops a run's workers; `--orphans` those whose coordinator died."""
+    """`python -m coordinator.sweep RUN_ID` stops a run's workers; `--orphans` those whose coordinator died."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m tasks.sweep", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m coordinator.sweep", description=main.__doc__)
     parser.add_argument("run_id", nargs="?")
     parser.add_argument("--orphans", action="store_true")
     args = parser.parse_args(argv)

@@ -11,13 +11,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from blocks.compute import ComputeTarget, resolve_target
-from blocks.store import is_store_url, load_store_block, open_store_ref
+from blocks.store_refs import is_store_url, load_store_block, open_store_ref
 from blocks.store_block import BLOCK_PREFIX, block_ref
 from core.errors import StoreError, ZooidValueError
 from planners.catalog import Offer, get_offer
-from tasks.job import TrainJob
+from coordinator.job import TrainJob
 
 SUPPORTED_STRATEGIES = ("auto", "local_sgd", "pipeline", "hybrid")
+
+
+SUBSET_SIZE = 64
+"""Samples per published data subset (KubeML's fixed-size subsets)."""
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,17 @@ class ResolvedJob:
     n_val: int
     input_shape: tuple[int, ...]
     classes: int
+
+    @property
+    def subset_size(self) -> int:
+        """Rows per published data subset: KubeML's fixed size (`SUBSET_SIZE`), smaller when
+        needed so that every replica up to the job's `max_workers` gets at least one."""
+        return max(1, min(SUBSET_SIZE, self.n_train // self.job.max_workers))
+
+    @property
+    def n_subsets(self) -> int:
+        """How many training subsets `provision` publishes."""
+        return -(-self.n_train // self.subset_size)
 
 
 def resolve_store_ref(store: str) -> str:

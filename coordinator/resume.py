@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from core.errors import ZooidValueError
 from core.keys import (attempt_of, faults_prefix, history_key, latest_key, ledger_key, run_doc_key,
                        sync_checkpoint_key, worker_history_prefix)
-from tasks.context import RunContext
-from tasks.cost import CostRecord
+from coordinator.context import RunContext
+from coordinator.cost import CostRecord
 
 
 @dataclass
@@ -48,7 +48,7 @@ def _json(store, key: str):
 def find_resume_point(ctx: RunContext, *, required: bool) -> ResumePoint | None:
     """The resume point of `ctx.run_id`, or None when the run has not started (an error
     naming `resume` when `required`)."""
-    from tasks.provision import init_key
+    from core.keys import init_checkpoint_key
 
     store = ctx.open_durable()
     try:
@@ -62,7 +62,7 @@ def find_resume_point(ctx: RunContext, *, required: bool) -> ResumePoint | None:
             if old.get(name) != getattr(ctx.job, name):
                 raise ZooidValueError("resume", f"run {ctx.run_id} trained {name}={old.get(name)!r}, "
                                       f"this job asks {getattr(ctx.job, name)!r}")
-        latest = _json(store, latest_key(ctx.run_id)) or {"epoch": -1, "key": init_key(ctx)}
+        latest = _json(store, latest_key(ctx.run_id)) or {"epoch": -1, "key": init_checkpoint_key(ctx.run_id)}
         history = [e for e in (_json(store, history_key(ctx.run_id)) or []) if e["epoch"] <= latest["epoch"]]
         ledger = []
         doc = _json(store, ledger_key(ctx.run_id))

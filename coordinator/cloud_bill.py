@@ -16,7 +16,7 @@ import time
 from typing import Iterable
 
 from clouds.adapter import CloudInterval
-from tasks.cost import CostRecord
+from coordinator.cost import CostRecord
 
 _ATTEMPT_NAME = re.compile(r"-e(?P<epoch>\d+)-r(?P<rank>\d+)-a(?P<attempt>\d+)$")
 

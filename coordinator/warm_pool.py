@@ -31,8 +31,8 @@ from clouds.registry import is_cloud
 from core.keys import command_key, lease_key, reply_key, status_key, warm_prefix
 from core.specs import WarmSpec, WorkerSpec
 from runtime.warm import read_json, worker_name
-from tasks.cost import CostRecord
-from tasks.launchers import FAILED, PAID_WORKERS_LIMIT, WorkerOutcome, WorkersFailed, launch_identity, make_launcher
+from coordinator.cost import CostRecord
+from coordinator.launchers import FAILED, PAID_WORKERS_LIMIT, WorkerOutcome, WorkersFailed, launch_identity, make_launcher
 
 
 class LeaseRenewer(threading.Thread):
@@ -457,7 +457,7 @@ def warm_epoch_specs(specs: list[WorkerSpec], threads: int) -> list[WorkerSpec]:
 def starts_before_profile(ctx) -> bool:
     """Whether the warm workers can start while the coordinator profiles: not where they share
     its machine (their start-up would slow the very timings the profile takes)."""
-    from tasks.launchers import SHARED_HOST_KINDS
+    from coordinator.launchers import SHARED_HOST_KINDS
 
     return ctx.resolved.target.kind not in SHARED_HOST_KINDS
 

@@ -3,7 +3,7 @@
 The measured profile goes to the planners (`planners.strategy`, which calls `hybrid` with
 store transport and the store collectives' sync model); the alternatives they considered,
 with predicted iteration time, epoch time and cost, travel with the plan to the report.
-Where the target offers several worker sizes, the co-optimiser (`tasks.co_plan`) chooses the
+Where the target offers several worker sizes, the co-optimiser (`coordinator.co_plan`) chooses the
 partition, each stage's size and D together; `plan.co_optimizer` says what it compared, or
 why it was not needed.
 """
@@ -22,10 +22,10 @@ from planners.calibration import Calibration, calibrated
 from planners.pipeline_time import TransferCosts
 from planners.run_prediction import predict_run, with_run_prediction
 from planners.strategy import StrategyInputs, choose, with_sync
-from tasks.context import RunContext
-from tasks.launchers import SHARED_HOST_KINDS
+from coordinator.context import RunContext
+from coordinator.launchers import SHARED_HOST_KINDS
 from tasks.retry import task_options
-from tasks.run_terms import load_terms
+from coordinator.run_terms import load_terms
 
 
 LAYER_FIELDS = ("forward_s", "backward_s", "output_bytes", "param_bytes", "forward_fixed_s",
@@ -64,7 +64,7 @@ def make_plan(ctx: RunContext, profile: dict, workers: int, calibration: Calibra
     the epochs measured so far, with its epoch and run predicted start-up aware
     (`with_run`); refused (ZooidValueError naming `memory`, with the numbers per stage)
     when a stage does not fit its worker."""
-    from tasks.co_plan import co_optimized
+    from coordinator.co_plan import co_optimized
 
     x = calibrated(strategy_inputs(ctx, profile, workers), calibration or Calibration())
     several = len(ctx.resolved.target.memory_options()) > 1
@@ -122,8 +122,8 @@ def uniform_plan(ctx: RunContext, profile: dict, x) -> Plan:
 def with_run(ctx: RunContext, chosen: Plan, calibration: Calibration | None, epochs_left: int | None,
              per_epoch: list[Plan] | None = None) -> Plan:
     """`chosen` and its alternatives with each epoch's overhead and the run's time and bill
-    (`planners.run_prediction`), from the target's measured terms (`tasks.run_terms`)."""
-    from tasks.cost import total_usd
+    (`planners.run_prediction`), from the target's measured terms (`coordinator.run_terms`)."""
+    from coordinator.cost import total_usd
     from tasks.record_cost import rows_now
 
     terms = load_terms(ctx, calibration.overhead_s if calibration else None)
@@ -200,7 +200,7 @@ def replan(ctx: RunContext, profile: dict, current: Plan, calibration: Calibrati
 def make_same(ctx: RunContext, profile: dict, current: Plan, calibration: Calibration, epochs_left: int) -> Plan:
     """The plan in force (its shape unchanged) predicted again from calibrated inputs."""
     from planners.strategy import local_sgd, predicted
-    from tasks.co_plan import launched_inputs
+    from coordinator.co_plan import launched_inputs
 
     x = calibrated(strategy_inputs(ctx, profile, current.data_parallel), calibration)
     x = launched_inputs(ctx, x, current, profile)  # a co-optimised plan's stages run at their sizes

@@ -2,7 +2,7 @@
 partition, each stage's size and the data-parallel degree together (`planners.co_optimize_flow`).
 
 Inputs from the profile (taken on the target at its `worker_memory_gb`), calibrated like the
-rest of the plan (`tasks.plan.make_plan`'s `StrategyInputs`):
+rest of the plan (`tasks.plan_step.make_plan`'s `StrategyInputs`):
 
 - per-layer forward and backward seconds per micro-batch at the profiled size, the layers
   without parameters folded into their neighbour (`planners.strategy.merge_parameter_free`);
@@ -26,8 +26,8 @@ rest of the plan (`tasks.plan.make_plan`'s `StrategyInputs`):
   the cheapest.
 
 Launch: the plan keeps the chosen sizes in `stage_memory_gb`; on a cloud target each stage's
-worker asks for its own size (`tasks.launchers.make_launcher`, `Plan.memory_gb_of`), and each
-worker is billed at its size (`tasks.context.RunContext.price_of`). The plan's time and bill
+worker asks for its own size (`coordinator.launchers.make_launcher`, `Plan.memory_gb_of`), and each
+worker is billed at its size (`coordinator.context.RunContext.price_of`). The plan's time and bill
 are predicted the same way (`sized_inputs`); the co-optimiser's own figures are in
 `plan.co_optimizer`.
 """
@@ -101,7 +101,7 @@ def co_optimized(ctx, profile: dict, x: StrategyInputs, uniform: Plan | None, wo
     """The co-optimised plan (its `co_optimizer` lists what was compared), or `uniform` with
     the reason the co-optimiser was not used; None when neither exists. `uniform` is the plan
     at the target's size (None: it does not fit, `why_uniform` says why); `check_memory`
-    refuses a plan whose stage does not fit its size (`tasks.plan.check_memory`)."""
+    refuses a plan whose stage does not fit its size (`tasks.plan_step.check_memory`)."""
     from core.errors import ZooidValueError
 
     job, target = ctx.job, ctx.resolved.target

@@ -18,7 +18,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from core.keys import EPOCH_CHECKPOINT, RESIDUAL, SYNC_CHECKPOINT, best_key, checkpoint_prefix, latest_key
-from tasks.context import RunContext
+from coordinator.context import RunContext
 from tasks.retry import task_options
 
 

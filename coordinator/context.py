@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from tasks.cost import CostRecord
-from tasks.job import TrainJob
-from tasks.validate import ResolvedJob
+from coordinator.cost import CostRecord
+from coordinator.job import TrainJob
+from coordinator.validate import ResolvedJob
 
 RUN_PREFIX = "z"
 
@@ -57,7 +57,7 @@ class RunState:
     profile: dict = field(default_factory=dict)
     """The measured profile (peak memory sizes cloud workers)."""
     warm: Any = None
-    """The run's warm workers (`tasks.warm_pool.WarmPool`) when the job keeps them."""
+    """The run's warm workers (`coordinator.warm_pool.WarmPool`) when the job keeps them."""
     progress_id: Any = None
     """The run's progress artifact."""
     pool_env: dict | None = None
@@ -76,7 +76,7 @@ class RunContext:
     resolved: ResolvedJob
     flow_run_id: str = ""
     dry_run: bool = False
-    """A plan without a run (`flows.plan`): what it spent profiling is no part of a run's bill."""
+    """A plan without a run (`flows.dry_run`): what it spent profiling is no part of a run's bill."""
     started_at: float = field(default_factory=time.time)
     state: RunState = field(default_factory=RunState)
 
@@ -104,14 +104,14 @@ class RunContext:
 
     def open_store(self):
         """A fresh client of the run's store (scratch: tensors in flight)."""
-        from blocks.store import open_store_ref
+        from blocks.store_refs import open_store_ref
 
         return open_store_ref(self.store_ref)
 
     def open_durable(self):
         """A fresh client of the durable store: data subsets, checkpoints, history, ledger,
         summary (the same store unless the scratch store may lose keys, e.g. Redis)."""
-        from blocks.store import open_store_ref
+        from blocks.store_refs import open_store_ref
 
         return open_store_ref(self.durable_ref)
 

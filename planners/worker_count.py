@@ -40,7 +40,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from core.errors import PlannerInputError
-from planners import validate as v
+from planners import checks as v
 
 MODES = ("BSP", "ASP")
 _CHUNK = 1 << 20  # (n_wk, n_ps) pairs evaluated at once

@@ -1,8 +1,8 @@
 """The `plan` flow: a dry run. Profile the model and the store, plan, and report what each
 strategy would cost, without provisioning anything.
 
-    python -m flows.plan --param model=digits_cnn --param workers=4
-    python -m flows.plan --param model=digits_cnn --param rent=false
+    python -m flows.dry_run --param model=digits_cnn --param workers=4
+    python -m flows.dry_run --param model=digits_cnn --param rent=false
 
 To measure the profile it rents one worker on the target (unless the profile is cached), and says
 so before it starts, with what that is predicted to cost. With `rent=false` it rents nothing: it
@@ -26,9 +26,9 @@ from prefect.artifacts import create_markdown_artifact
 
 from core.errors import ZooidValueError
 from flows.params import job_fields_flow, job_fields_from_args
-from tasks.context import RunContext, run_id_for
-from tasks.job import TrainJob
-from tasks.plan import plan as plan_task
+from coordinator.context import RunContext, run_id_for
+from coordinator.job import TrainJob
+from tasks.plan_step import plan as plan_task
 from tasks.profile import (
     cached_profile,
     profile,
@@ -36,7 +36,7 @@ from tasks.profile import (
     show_profile,
     will_rent,
 )
-from tasks.report import (
+from coordinator.report import (
     alternatives_table,
     artifact_key,
     co_optimizer_lines,
@@ -45,7 +45,7 @@ from tasks.report import (
     plan_in_words,
     run_terms_text,
 )
-from tasks.validate import check_target_ready, validate_job
+from coordinator.validate import check_target_ready, validate_job
 
 
 def plan_report(job: TrainJob, chosen: dict) -> str:
@@ -155,14 +155,14 @@ plan_with_params = _with_rent(job_fields_flow(dry_run, name="plan", result_seria
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m flows.plan --param name=value ...`: print the dry run's table."""
+    """`python -m flows.dry_run --param name=value ...`: print the dry run's table."""
     import argparse
 
     from pydantic import ValidationError
 
-    from tasks.job import format_validation_error
+    from coordinator.job import format_validation_error
 
-    parser = argparse.ArgumentParser(prog="python -m flows.plan", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m flows.dry_run", description=__doc__.splitlines()[0])
     parser.add_argument("--param", action="append", default=[], metavar="NAME=VALUE")
     args = parser.parse_args(argv)
     try:

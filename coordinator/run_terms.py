@@ -18,8 +18,8 @@ import numpy as np
 from dataclasses import dataclass, field
 
 from planners.run_prediction import RunTerms
-from tasks.launchers import SHARED_HOST_KINDS
-from tasks.profile_cache import ProfileCache, target_key
+from coordinator.launchers import SHARED_HOST_KINDS
+from coordinator.profile_cache import ProfileCache, target_key
 
 KEEP = 20
 

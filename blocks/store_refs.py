@@ -81,7 +81,7 @@ class ZooidStore(StoreBlock):
 def store_block_types() -> tuple[type[StoreBlock], ...]:
     """Every store block type. Importing them is what lets `Block.load` build any of them."""
     from blocks.cloud import ZooidRedisStore, ZooidS3Store
-    from blocks.store_azure import ZooidAzureBlobStore
+    from blocks.store_block_azure import ZooidAzureBlobStore
 
     return ZooidStore, ZooidS3Store, ZooidRedisStore, ZooidAzureBlobStore
 
