@@ -560,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("error: --outer-epochs must be >= 0 and --cifar-epochs positive")
 
     # One intra-op thread, as the inline target gives each of 4 workers on 2 cores
-    # (tasks.run_epoch.make_launcher); a 64-wide MLP gains nothing from more.
+    # (coordinator.launchers.make_launcher); a 64-wide MLP gains nothing from more.
     torch.set_num_threads(1)
     prov = provenance()
     traces: list[Trace] = []

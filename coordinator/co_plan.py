@@ -2,7 +2,7 @@
 partition, each stage's size and the data-parallel degree together (`planners.co_optimize_flow`).
 
 Inputs from the profile (taken on the target at its `worker_memory_gb`), calibrated like the
-rest of the plan (`tasks.plan_step.make_plan`'s `StrategyInputs`):
+rest of the plan (`coordinator.planning.make_plan`'s `StrategyInputs`):
 
 - per-layer forward and backward seconds per micro-batch at the profiled size, the layers
   without parameters folded into their neighbour (`planners.strategy.merge_parameter_free`);
@@ -39,8 +39,16 @@ from typing import Callable
 
 from core.plan import Plan
 from core.stage_memory import stage_bounds
-from planners.co_optimize_flow import (Point, SizeOption, build_problem, describe_point, frontier, only_size, select,
-                                       dtype_sync_factor)
+from planners.co_optimize_flow import (
+    Point,
+    SizeOption,
+    build_problem,
+    describe_point,
+    dtype_sync_factor,
+    frontier,
+    only_size,
+    select,
+)
 from planners.strategy import StrategyInputs, job_microbatches, merge_parameter_free, predicted
 
 MAX_LAYERS = 12
@@ -101,7 +109,7 @@ def co_optimized(ctx, profile: dict, x: StrategyInputs, uniform: Plan | None, wo
     """The co-optimised plan (its `co_optimizer` lists what was compared), or `uniform` with
     the reason the co-optimiser was not used; None when neither exists. `uniform` is the plan
     at the target's size (None: it does not fit, `why_uniform` says why); `check_memory`
-    refuses a plan whose stage does not fit its size (`tasks.plan_step.check_memory`)."""
+    refuses a plan whose stage does not fit its size (`coordinator.planning.check_memory`)."""
     from core.errors import ZooidValueError
 
     job, target = ctx.job, ctx.resolved.target

@@ -6,7 +6,8 @@ their unit; no Prefect, no store.
 """
 from __future__ import annotations
 
-from coordinator.report import duration as seconds, money  # the report's formats: one of each
+from coordinator.report import duration as seconds  # the report's formats: one of each
+from coordinator.report import money
 
 
 def epoch_line(metrics: dict, epochs: int, cost_so_far_usd: float, predicted_run_cost_usd: float | None) -> str:

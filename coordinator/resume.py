@@ -11,11 +11,19 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from core.errors import ZooidValueError
-from core.keys import (attempt_of, faults_prefix, history_key, latest_key, ledger_key, run_doc_key,
-                       sync_checkpoint_key, worker_history_prefix)
 from coordinator.context import RunContext
 from coordinator.cost import CostRecord
+from core.errors import ZooidValueError
+from core.keys import (
+    attempt_of,
+    faults_prefix,
+    history_key,
+    latest_key,
+    ledger_key,
+    run_doc_key,
+    sync_checkpoint_key,
+    worker_history_prefix,
+)
 
 
 @dataclass

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import statistics
 import time
-
-import numpy as np
 from dataclasses import dataclass, field
 
-from planners.run_prediction import RunTerms
+import numpy as np
+
 from coordinator.launchers import SHARED_HOST_KINDS
 from coordinator.profile_cache import ProfileCache, target_key
+from planners.run_prediction import RunTerms
 
 KEEP = 20
 

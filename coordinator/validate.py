@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from blocks.compute import ComputeTarget, resolve_target
-from blocks.store_refs import is_store_url, load_store_block, open_store_ref
 from blocks.store_block import BLOCK_PREFIX, block_ref
+from blocks.store_refs import is_store_url, load_store_block, open_store_ref
+from coordinator.job import TrainJob
 from core.errors import StoreError, ZooidValueError
 from planners.catalog import Offer, get_offer
-from coordinator.job import TrainJob
 
 SUPPORTED_STRATEGIES = ("auto", "local_sgd", "pipeline", "hybrid")
 

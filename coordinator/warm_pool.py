@@ -28,11 +28,18 @@ from typing import Any, Callable
 from prefect.concurrency.sync import concurrency
 
 from clouds.registry import is_cloud
+from coordinator.cost import CostRecord
+from coordinator.launchers import (
+    FAILED,
+    PAID_WORKERS_LIMIT,
+    WorkerOutcome,
+    WorkersFailed,
+    launch_identity,
+    make_launcher,
+)
 from core.keys import command_key, lease_key, reply_key, status_key, warm_prefix
 from core.specs import WarmSpec, WorkerSpec
 from runtime.warm import read_json, worker_name
-from coordinator.cost import CostRecord
-from coordinator.launchers import FAILED, PAID_WORKERS_LIMIT, WorkerOutcome, WorkersFailed, launch_identity, make_launcher
 
 
 class LeaseRenewer(threading.Thread):

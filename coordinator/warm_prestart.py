@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from core.plan import Plan
 from coordinator.context import RunContext
+from core.plan import Plan
 
 
 def should_prestart(ctx: RunContext, plan: Plan, epoch: int) -> bool:
@@ -44,8 +44,8 @@ class PrestartWatch:
 
     def launch_next(self) -> None:
         from coordinator.launchers import make_launcher
-        from core.keys import checkpoint_key
         from coordinator.worker_specs import next_attempt, worker_specs
+        from core.keys import checkpoint_key
 
         nxt = self.epoch + 1
         launcher = make_launcher(self.ctx, self.plan)
@@ -58,7 +58,7 @@ class PrestartWatch:
 
 class WarmPrestart:
     """Called on every poll of a warm epoch: starts the workers the next epoch is known to add
-    (`tasks.rescale.forecast_workers`) once their start-up would end by the epoch's end."""
+    (`coordinator.scaling_policy.forecast_workers`) once their start-up would end by the epoch's end."""
 
     def __init__(self, ctx: RunContext, plan: Plan, epoch: int, next_workers: int):
         self.ctx, self.plan, self.epoch, self.next_workers = ctx, plan, epoch, next_workers

@@ -7,10 +7,10 @@ both import them from here, so neither depends on the other for them.
 from __future__ import annotations
 
 from clouds.registry import is_cloud
-from core.plan import Plan
-from core.specs import SyncSpec, WorkerSpec
 from coordinator.context import RunContext
 from core.keys import checkpoint_key
+from core.plan import Plan
+from core.specs import SyncSpec, WorkerSpec
 
 
 def ring_host(ctx: RunContext) -> str:

@@ -8,7 +8,7 @@ To measure the profile it rents one worker on the target (unless the profile is 
 so before it starts, with what that is predicted to cost. With `rent=false` it rents nothing: it
 plans from a cached profile of the same device class and says where and when that was taken, or,
 with none cached, from the catalog's figures (the model's flops and bytes at the target device's
-assumed rates, `tasks.profile.catalog_profile`) and says how uncertain that plan is.
+assumed rates, `coordinator.target_profile.catalog_profile`) and says how uncertain that plan is.
 
 For each candidate (Local-SGD, pipeline, hybrid D x M at the job's worker budget) it reports
 the predicted iteration time, epoch time, cost per epoch and throughput per dollar, and which
@@ -28,14 +28,9 @@ from core.errors import ZooidValueError
 from flows.params import job_fields_flow, job_fields_from_args
 from coordinator.context import RunContext, run_id_for
 from coordinator.job import TrainJob
-from tasks.plan_step import plan as plan_task
-from tasks.profile import (
-    cached_profile,
-    profile,
-    profile_estimate,
-    show_profile,
-    will_rent,
-)
+from tasks.plan_step import choose_plan
+from tasks.profile import profile, show_profile
+from coordinator.target_profile import cached_profile, profile_estimate, will_rent
 from coordinator.report import (
     alternatives_table,
     artifact_key,
@@ -97,7 +92,7 @@ def _rent_flag(rent) -> bool:
 def dry_run(job: TrainJob, rent: bool = True) -> dict:
     """Profile and plan `job` without provisioning; return the chosen plan and its alternatives.
     `rent` False: rent nothing, plan from a cached profile or the catalog's figures
-    (`tasks.profile.cached_profile`)."""
+    (`coordinator.target_profile.cached_profile`)."""
     from prefect.runtime import flow_run
 
     rent = _rent_flag(rent)
@@ -113,7 +108,7 @@ def dry_run(job: TrainJob, rent: bool = True) -> dict:
         ctx.state.profile = prof
         print(note)
         show_profile(prof)
-    chosen = plan_task(ctx, prof).to_dict()
+    chosen = choose_plan(ctx, prof).to_dict()
     markdown = plan_report(job, chosen)
     create_markdown_artifact(key=artifact_key(ctx.run_id, "plan"), markdown=markdown,
                              description=f"Dry run of {job.model}: strategies, time and cost")

@@ -32,7 +32,7 @@ def _rebuild_and_clean(flow_run, state) -> None:
     from planners.catalog import get_offer
     from coordinator.cost import CostRecord, coordinator_record, is_final, write_ledger
     from coordinator.sweep import sweep_run
-    from tasks.teardown import cancel_flow_runs, delete_scratch, finish_cancelled
+    from coordinator.cleanup import cancel_flow_runs, delete_scratch, finish_cancelled
     from coordinator.validate import open_checked_store, resolve_durable_ref, resolve_store_ref
 
     run_id = run_id_for(flow_run.id)
@@ -95,8 +95,8 @@ def end_status(state) -> str:
 def on_abnormal_end(flow, flow_run, state) -> None:
     """Tear the run down and record its cost after a failure, crash or cancellation."""
     from coordinator.context import ACTIVE
-    from tasks.record_cost import record_cost_now
-    from tasks.teardown import teardown_run
+    from coordinator.ledger import record_cost_now
+    from coordinator.cleanup import teardown_run
 
     ctx = ACTIVE.get(str(flow_run.id))
     try:

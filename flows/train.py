@@ -3,7 +3,7 @@ re-plan] x epochs -> teardown -> record_cost.
 
 After every epoch the planner is calibrated from what the workers measured
 (`planners.calibration`); the next epoch runs the plan a rescale asked for, or else the
-plan in force, unless a re-plan found one at least 10 % faster or cheaper (`tasks.plan_step.replan`).
+plan in force, unless a re-plan found one at least 10 % faster or cheaper (`coordinator.planning.replan`).
 
 `train(job)` takes a `TrainJob`; `train_with_params(**fields)` is the same flow with one
 parameter per `TrainJob` field, which is what deployments run, so that
@@ -47,13 +47,15 @@ from tasks.checkpoint_step import checkpoint
 from coordinator.context import ACTIVE, RunContext, run_id_for
 from coordinator.cost import worker_seconds
 from coordinator.job import EpochSummary, RunSummary, TrainJob
-from tasks.plan_step import plan, replan_task, strategy_inputs
+from tasks.plan_step import choose_plan, reconsider_plan
+from coordinator.planning import strategy_inputs
 from coordinator.warm_prestart import WarmPrestart
 from tasks.profile import profile
 from tasks.provision import provision
 from tasks.record_cost import record_cost
 from coordinator.report import artifact_key, markdown_report, plot_curves
-from tasks.rescale import forecast_workers, rescale
+from tasks.rescale import rescale
+from coordinator.scaling_policy import forecast_workers
 from coordinator.resume import find_resume_point
 from tasks.run_epoch import run_epoch
 from coordinator.run_terms import RunClock, record_terms
@@ -124,7 +126,7 @@ def log_epoch(ctx: RunContext, metrics: dict, predicted_run_cost_usd: float | No
 
     from coordinator.cost import total_usd
     from coordinator.progress import epoch_line
-    from tasks.record_cost import rows_now
+    from coordinator.ledger import rows_now
 
     line = epoch_line(metrics, ctx.job.epochs, total_usd(rows_now(ctx)), predicted_run_cost_usd)
     try:
@@ -246,7 +248,7 @@ def _run_training(job: TrainJob) -> RunSummary:
         if resume is not None and resume.plan and resume.plan.get("data_parallel") == workers:
             current = Plan.from_dict(resume.plan)  # the same plan, so a started epoch can go on
         else:
-            current = plan(ctx, prof, workers, calibration, job.epochs - first_epoch)
+            current = choose_plan(ctx, prof, workers, calibration, job.epochs - first_epoch)
         plan_dict = current.to_dict()
         clock.planned_at = plan_dict["planned_at"] = time.time()  # its run prediction counts from here
         if ctx.state.warm is not None:  # start-up overlaps provisioning
@@ -287,12 +289,12 @@ def _run_training(job: TrainJob) -> RunSummary:
                 left = job.epochs - epoch - 1
                 if decision["workers"] != workers:  # the policy moved the worker budget
                     workers = decision["workers"]
-                    current = plan(ctx, prof, workers, calibration, left)
+                    current = choose_plan(ctx, prof, workers, calibration, left)
                     metrics["replan"] = {"calibration": calibration.to_dict(), "switched": True,
                                          "reason": f"rescaled to {workers} worker(s) by the {job.scaling} policy",
                                          "predicted_epoch_s": current.predicted_epoch_s}
                 else:
-                    current, metrics["replan"] = replan_task(ctx, prof, current, calibration, left, workers)
+                    current, metrics["replan"] = reconsider_plan(ctx, prof, current, calibration, left, workers)
             metrics["plan"] = current.to_dict()
             save_progress(ctx, history)
     except BaseException as exc:
@@ -352,7 +354,7 @@ def _ledger_of(summary: RunSummary) -> dict | None:
 
 def save_progress(ctx: RunContext, history: list[dict]) -> None:
     """History and the bill so far, so a killed coordinator leaves both behind."""
-    from tasks.record_cost import record_cost_now
+    from coordinator.ledger import record_cost_now
     from coordinator.resume import write_history
 
     store = ctx.open_durable()

@@ -1,5 +1,5 @@
-"""The cloud path end to end, per provider: `tasks.run_epoch.bill_from_cloud_clock` and
-`tasks.teardown.teardown_run` through the real adapter (`clouds.registry.adapter_for` on a
+"""The cloud path end to end, per provider: `coordinator.epoch_run.bill_from_cloud_clock` and
+`coordinator.cleanup.teardown_run` through the real adapter (`clouds.registry.adapter_for` on a
 `ComputeTarget` of the provider's kind), with the cloud faked at its HTTP boundary by recorded
 answers: ECS through botocore (wire JSON, parsed by botocore), ACI through the Azure SDK's
 transport (`tests.test_cloud_aci.FakeArm`), Kubernetes through kubernetes_asyncio against a
@@ -38,8 +38,8 @@ from clouds import ecs as cloud_ecs
 from clouds import kubernetes as cloud_k8s
 from planners.catalog import get_offer
 from coordinator import cloud_bill
-from tasks import run_epoch as run_epoch_mod
-from tasks import teardown as teardown_mod
+from coordinator import epoch_run as run_epoch_mod
+from coordinator import cleanup as teardown_mod
 from coordinator.context import RunContext
 from coordinator.cost import coordinator_record, worker_records
 from coordinator.job import TrainJob

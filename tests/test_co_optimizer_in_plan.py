@@ -48,13 +48,13 @@ def context(job: TrainJob, target: ComputeTarget, n_train: int = 64):
 
 @pytest.fixture(autouse=True)
 def no_run_prediction(monkeypatch):
-    import tasks.plan_step
+    import coordinator.planning
 
-    monkeypatch.setattr(tasks.plan_step, "with_run", lambda ctx, chosen, calibration, epochs_left, **kw: chosen)
+    monkeypatch.setattr(coordinator.planning, "with_run", lambda ctx, chosen, calibration, epochs_left, **kw: chosen)
 
 
 def make(job: TrainJob, target: ComputeTarget, layers=LAYERS) -> Plan:
-    from tasks.plan_step import make_plan
+    from coordinator.planning import make_plan
 
     return make_plan(context(job, target), profile(layers), job.workers)
 
@@ -183,7 +183,7 @@ def test_a_stage_that_does_not_fit_the_small_size_alone_gets_a_larger_one():
 
 
 def test_one_size_plans_as_today_and_says_why():
-    from tasks.plan_step import strategy_inputs, uniform_plan
+    from coordinator.planning import strategy_inputs, uniform_plan
 
     job = TrainJob(strategy="auto", workers=4, batch_size=8, microbatches=2)
     target = ComputeTarget(kind="aci", offer="aci-cpu", worker_memory_gb=2.0)

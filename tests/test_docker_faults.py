@@ -112,7 +112,7 @@ def test_teardown_sweeps_a_container_left_behind_by_label(stack):
     from planners.catalog import get_offer
     from coordinator.context import RunContext
     from coordinator.job import TrainJob
-    from tasks.teardown import teardown_run
+    from coordinator.cleanup import teardown_run
 
     run_id = f"left-{uuid.uuid4().hex[:8]}"
     client = _client()

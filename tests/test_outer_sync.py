@@ -459,7 +459,7 @@ def test_a_worker_refuses_int8_syncs_of_adam_before_training(tmp_path):
 
 
 def test_pruning_keeps_the_residuals_of_the_checkpoints_it_keeps(tmp_path):
-    from tasks.checkpoint_step import prune_checkpoints
+    from coordinator.retention import prune_checkpoints
 
     store, run = DirectoryStore(tmp_path), "prune"
     for epoch in range(4):

@@ -123,7 +123,7 @@ def test_the_co_optimiser_prices_a_hybrid_s_syncs_in_the_job_s_dtype(monkeypatch
     from dataclasses import replace
 
     import coordinator.co_plan
-    import tasks.plan_step
+    import coordinator.planning
     from blocks.compute import ComputeTarget
     from planners.co_optimize import evaluate
     from planners.co_optimize_flow import Point
@@ -131,7 +131,7 @@ def test_the_co_optimiser_prices_a_hybrid_s_syncs_in_the_job_s_dtype(monkeypatch
     from tests.test_co_optimizer_in_plan import (LAMBDA, LAYERS, assert_same_choice, brute_force_optimum,
                                                  brute_points, make)
 
-    monkeypatch.setattr(tasks.plan_step, "with_run", lambda ctx, chosen, calibration, epochs_left, **kw: chosen)
+    monkeypatch.setattr(coordinator.planning, "with_run", lambda ctx, chosen, calibration, epochs_left, **kw: chosen)
     solved = []
     frontier = coordinator.co_plan.frontier
     monkeypatch.setattr(coordinator.co_plan, "frontier", lambda problem, stages=None: solved.append(problem)

@@ -91,7 +91,7 @@ def test_run_prediction_adds_startup_idle_gaps_and_the_coordinator():
 
 
 def test_a_gpu_job_is_never_planned_from_a_cpu_profile():
-    from tasks.profile import check_device
+    from coordinator.target_profile import check_device
 
     check_device({"device": "cuda", "device_name": "H100"}, worker_gpu=1)
     check_device({"device": "cpu", "device_name": "EPYC"}, worker_gpu=0)
@@ -117,7 +117,7 @@ def test_model_identity_hashes_the_source_of_a_model_given_by_import_path(tmp_pa
 @pytest.mark.usefixtures("prefect_api")
 def test_the_profile_is_taken_by_a_worker_and_says_where(tmp_path):
     from coordinator.launchers import worker_threads
-    from tasks.profile import _profile
+    from coordinator.target_profile import _profile
     from coordinator.sweep import tagged_pids
     from coordinator.warm_pool import provisional_plan
 
@@ -142,7 +142,7 @@ def test_the_profile_is_taken_by_a_worker_and_says_where(tmp_path):
 
 @pytest.mark.usefixtures("prefect_api")
 def test_the_cache_hits_on_a_second_run_and_misses_when_the_models_source_changes(tmp_path, monkeypatch):
-    from tasks.profile import _profile
+    from coordinator.target_profile import _profile
 
     source = tmp_path / "cachedmodel.py"
     source.write_text("from torch import nn\ndef net():\n    return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), "
@@ -165,7 +165,7 @@ def test_the_cache_hits_on_a_second_run_and_misses_when_the_models_source_change
 def test_a_gpu_target_without_a_gpu_is_refused_by_its_profile(tmp_path, monkeypatch):
     import dataclasses
 
-    from tasks.profile import _profile
+    from coordinator.target_profile import _profile
 
     ctx = _ctx(TrainJob(model="digits_mlp", workers=1, store=f"file://{tmp_path}/store", warm=False))
     target = ctx.resolved.target.model_copy(update={"worker_gpu": 1})
@@ -180,7 +180,7 @@ def test_a_gpu_target_without_a_gpu_is_refused_by_its_profile(tmp_path, monkeypa
 @pytest.mark.gpu
 @pytest.mark.usefixtures("prefect_api")
 def test_a_gpu_worker_profiles_on_its_gpu(tmp_path):
-    from tasks.profile import _profile
+    from coordinator.target_profile import _profile
 
     ctx = _ctx(TrainJob(model="digits_cnn", workers=1, store=f"file://{tmp_path}/store", warm=False))
     prof = _profile(ctx)
@@ -193,7 +193,7 @@ def test_replanning_after_the_first_epoch_leaves_a_plan_its_measurements_refute(
     through it is slow makes a pipeline the plan. The first epoch measures the transfers,
     and the re-plan moves to Local-SGD, which averages a few kilobytes once an epoch."""
     from flows.train import train
-    from tasks.profile import _profile
+    from coordinator.target_profile import _profile
     from coordinator.profile_cache import ProfileCache, model_key, store_key
 
     store = f"file://{tmp_path}/store"
@@ -256,9 +256,9 @@ def test_an_adabatch_plan_predicts_each_budget_the_policy_will_run(tmp_path):
     doubles every epoch up to max_workers, each budget planned as the flow will plan it, and the
     bill is the per-epoch prediction's (more than the same job kept at one worker)."""
     from coordinator.context import RunContext
-    from tasks.plan_step import make_plan
-    from tasks.profile import catalog_profile
-    from tasks.rescale import worker_schedule
+    from coordinator.planning import make_plan
+    from coordinator.target_profile import catalog_profile
+    from coordinator.scaling_policy import worker_schedule
     from coordinator.validate import validate_job
 
     def context(scaling):

@@ -256,6 +256,7 @@ def test_a_profile_that_no_retry_can_fix_launches_exactly_one_worker(tmp_path, m
 
 @pytest.mark.usefixtures("prefect_api")
 def test_a_worker_that_died_is_still_replaced_once(tmp_path, monkeypatch):
+    from coordinator import target_profile
     from tasks import profile as profile_mod
     from coordinator.context import RunContext
     from coordinator.validate import validate_job
@@ -271,7 +272,7 @@ def test_a_worker_that_died_is_still_replaced_once(tmp_path, monkeypatch):
         return {"device": "cpu", "device_name": "x", "threads": 1, "torch": torch.__version__,
                 "profile_sources": {}, "profile_s": 0.0}
 
-    monkeypatch.setattr(profile_mod, "_profile", flaky)
+    monkeypatch.setattr(target_profile, "_profile", flaky)
     monkeypatch.setattr(profile_mod, "show_profile", lambda prof: prof)
     assert profile_mod.profile(ctx)["device"] == "cpu" and len(calls) == 2
 
@@ -287,7 +288,7 @@ def test_a_worker_that_died_is_still_replaced_once(tmp_path, monkeypatch):
     ("worker w gave no profile within 600 s", False),
 ])
 def test_which_profiling_failures_are_not_retried(message, unfixable):
-    from tasks.profile import unfixable_reason
+    from coordinator.target_profile import unfixable_reason
 
     assert (unfixable_reason(RuntimeError(message)) is not None) == unfixable
 
@@ -319,10 +320,10 @@ def flow_log(monkeypatch):
     """What the dry run and the profile step print (in a flow, `log_prints` sends it to the run's
     logger, which tests run at WARNING), as it is said."""
     import flows.dry_run
-    import tasks.profile
+    import coordinator.target_profile
 
     said: list[str] = []
-    for module in (flows.dry_run, tasks.profile):
+    for module in (flows.dry_run, coordinator.target_profile):
         monkeypatch.setattr(module, "print", lambda *a, **k: said.append(" ".join(map(str, a))), raising=False)
     return said
 
@@ -330,7 +331,7 @@ def flow_log(monkeypatch):
 @pytest.mark.usefixtures("prefect_api")
 def test_the_dry_run_says_what_it_rents_and_with_rent_false_plans_from_the_catalog_or_the_cache(tmp_path, monkeypatch, capsys, flow_log):
     from flows.dry_run import main, plan
-    from tasks import profile as profile_mod
+    from coordinator import target_profile
     from coordinator import warm_pool
 
     store = f"file://{tmp_path}/store"
@@ -363,7 +364,7 @@ def test_the_dry_run_says_what_it_rents_and_with_rent_false_plans_from_the_catal
         raise AssertionError("rent=false started a worker")
 
     monkeypatch.setattr(warm_pool.WarmPool, "_start", no_worker)
-    monkeypatch.setattr(profile_mod.TargetProfiler, "measure", no_worker)
+    monkeypatch.setattr(target_profile.TargetProfiler, "measure", no_worker)
     said.clear()
     second = plan(job, rent=False)
     out = "\n".join(said)

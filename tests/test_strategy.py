@@ -172,7 +172,7 @@ def test_the_plan_step_counts_this_machines_cores_only_where_workers_share_it():
     from types import SimpleNamespace
 
     from profiling.timing import cpu_count
-    from tasks.plan_step import strategy_inputs
+    from coordinator.planning import strategy_inputs
 
     job = SimpleNamespace(optimizer="sgd", batch_size=32, stages=None, microbatches=4, sync_period=1,
                           sync_dtype="float32", outer_optimizer="average")
@@ -228,7 +228,7 @@ def test_pick_schedule_keeps_the_one_that_fits_and_lists_both(monkeypatch):
     from types import SimpleNamespace
 
     import planners.strategy
-    import tasks.plan_step
+    import coordinator.planning
     from core.errors import ZooidValueError
     from core.plan import Plan
     from coordinator.job import TrainJob
@@ -241,13 +241,13 @@ def test_pick_schedule_keeps_the_one_that_fits_and_lists_both(monkeypatch):
         if plan.pipeline_schedule == "gpipe":
             raise ZooidValueError("memory", "stage 0 needs 9 GB of 2 GB")
 
-    monkeypatch.setattr(tasks.plan_step, "check_memory", check)
+    monkeypatch.setattr(coordinator.planning, "check_memory", check)
     plan = Plan(strategy="pipeline", data_parallel=1, stages=2, cuts=(1,), microbatches=4)
     ctx = SimpleNamespace(job=TrainJob(pipeline_schedule="auto"))
-    chosen = tasks.plan_step.pick_schedule(ctx, {}, None, plan)
+    chosen = coordinator.planning.pick_schedule(ctx, {}, None, plan)
     assert chosen.pipeline_schedule == "1f1b"
     assert [(a["pipeline_schedule"], a["fits"], a["chosen"]) for a in chosen.alternatives] == [
         ("1f1b", True, True), ("gpipe", False, False)]
     ctx = SimpleNamespace(job=TrainJob(pipeline_schedule="gpipe"))
     with pytest.raises(ZooidValueError, match="^memory: gpipe: stage 0 needs 9 GB"):
-        tasks.plan_step.pick_schedule(ctx, {}, None, plan)
+        coordinator.planning.pick_schedule(ctx, {}, None, plan)

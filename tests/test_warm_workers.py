@@ -189,7 +189,7 @@ def test_warm_run_keeps_one_process_per_rank_and_bills_its_whole_life(tmp_path):
 
 
 def test_pruning_keeps_the_last_checkpoints_and_the_best(dir_store):
-    from tasks.checkpoint_step import prune_checkpoints, update_best
+    from coordinator.retention import prune_checkpoints, update_best
 
     run = "prune"
     for epoch in range(6):
@@ -238,11 +238,11 @@ def _final_weights(store_url: str, summary) -> dict[str, torch.Tensor]:
 def test_rescaling_warm_workers_up_and_down_trains_as_the_cold_path(tmp_path, monkeypatch):
     """Workers 2 -> 3 -> 1 -> 2 under plain SGD: warm and cold end with the same weights; the
     warm run kept rank 0's process, retired ranks the plan dropped and started new ones."""
-    import tasks.rescale
+    import coordinator.scaling_policy
     from flows.train import train
 
     script = {0: 3, 1: 1, 2: 2}
-    monkeypatch.setattr(tasks.rescale, "decide_next", lambda ctx, prof, history, workers, lr: {
+    monkeypatch.setattr(coordinator.scaling_policy, "decide_next", lambda ctx, prof, history, workers, lr: {
         "workers": script[history[-1]["epoch"]], "lr": lr, "reason": "scripted"})
     weights, runs = [], []
     for warm in (True, False):
