@@ -18,9 +18,10 @@ from clouds.registry import adapter_for
 from coordinator.cloud_bill import cloud_records, replace_measured
 from coordinator.context import RunContext
 from coordinator.cost import worker_records
-from coordinator.launchers import PAID_WORKERS_LIMIT, make_launcher, worker_threads
+from coordinator.launchers import PAID_WORKERS_LIMIT, WorkerOutcome, make_launcher, worker_threads
 from coordinator.warm_prestart import PrestartWatch, should_prestart, startup_report
 from coordinator.worker_specs import next_attempt, worker_specs
+from core.epoch_summary import EpochSummary
 from core.keys import activation_prefix, sync_prefix
 from core.plan import Plan
 from core.specs import WorkerSpec
@@ -94,29 +95,43 @@ def _log_tail(outcome) -> str:
         return (fh.read()[-4000:] + "\n" + (outcome.error or "")).strip()
 
 
-def summarise(plan: Plan, outcomes: list[dict], wall_s: float) -> dict:
-    """Epoch metrics from the workers' reports. In a pipeline every stage reports its
-    replica's loss and samples, so only the first stages count; the worker that wrote the
-    checkpoint (replica 0's last stage) reports validation."""
-    results = [o["result"] for o in outcomes]
-    firsts = [r for r in results if r["rank"] % plan.stages == 0]
-    samples = sum(r["samples"] for r in firsts)
-    loss = sum(r["train_loss"] * r["samples"] for r in firsts) / max(1, samples)
-    rank0 = next(r for r in results if r.get("checkpoint_key")) if plan.stages > 1 else \
-        next(r for r in results if r["rank"] == 0)
-    periods = [r.get("iteration_s") or 0.0 for r in results]
+def summarise(plan: Plan, epoch: int, lr: float, attempt: int, final: list[WorkerOutcome],
+              tried: list[WorkerOutcome], wall_s: float, *, startup: dict, prestarted: bool,
+              cost_usd: float) -> EpochSummary:
+    """The epoch's row of the history from the workers' reports. In a pipeline every stage
+    reports its replica's loss and samples, so only the first stages count; the worker that
+    wrote the checkpoint (replica 0's last stage) reports validation. `tried`: every attempt
+    of the epoch (the failed ones are its relaunches)."""
+    results = [o.result for o in final]
+    firsts = [r for r in results if r.rank % plan.stages == 0]
+    samples = sum(r.samples for r in firsts)
+    loss = sum(r.train_loss * r.samples for r in firsts) / max(1, samples)
+    rank0 = next(r for r in results if r.checkpoint_key) if plan.stages > 1 else \
+        next(r for r in results if r.rank == 0)
+    periods = [r.iteration_s or 0.0 for r in results]
     if all(p > 0 for p in periods):  # each worker's steady-state period: what the plan predicts
         per_step = max(periods)
     elif plan.stages > 1:  # too few iterations; a stage's compute_s is busy time, not its period
-        per_step = max((r["stopped_at"] - r["started_at"]) / max(1, plan.steps_per_epoch) for r in results)
+        per_step = max((r.stopped_at - r.started_at) / max(1, plan.steps_per_epoch) for r in results)
     else:
-        per_step = max((r["compute_s"] + r["sync_s"]) / max(1, plan.steps_per_epoch) for r in results)
-    return {"train_loss": loss, "val_loss": rank0.get("val_loss"), "val_accuracy": rank0.get("val_accuracy"),
-            "samples": samples, "seconds": wall_s, "samples_per_s": samples / max(wall_s, 1e-9),
-            "measured_iteration_s": per_step, "bytes_synced": sum(r.get("bytes_synced", 0) for r in results),
-            "checkpoint_key": rank0.get("checkpoint_key", ""),
-            "compute_s": max(r["compute_s"] for r in results), "sync_s": max(r["sync_s"] for r in results),
-            "critical_busy_s": max(r["compute_s"] + r["sync_s"] for r in results)}
+        per_step = max((r.compute_s + r.sync_s) / max(1, plan.steps_per_epoch) for r in results)
+    return EpochSummary(
+        epoch=epoch, workers=plan.workers, stages=plan.stages, attempt=attempt, lr=lr, train_loss=loss,
+        val_loss=rank0.val_loss, val_accuracy=rank0.val_accuracy, samples=samples, seconds=wall_s,
+        samples_per_s=samples / max(wall_s, 1e-9), cost_usd=cost_usd,
+        predicted_iteration_s=plan.predicted_iteration_s, measured_iteration_s=per_step,
+        predicted_epoch_s=plan.predicted_epoch_s, bytes_synced=sum(r.bytes_synced for r in results),
+        checkpoint_key=rank0.checkpoint_key, compute_s=max(r.compute_s for r in results),
+        sync_s=max(r.sync_s for r in results), critical_busy_s=max(r.compute_s + r.sync_s for r in results),
+        prestarted=prestarted, startup=startup,
+        relaunches=[{"rank": o.rank, "attempt": o.attempt, "status": o.status, "failure": o.extra.get("failure")}
+                    for o in tried if o.status != "completed"],
+        worker_pids={str(o.rank): o.result.pid for o in final if o.result})
+
+
+def epoch_cost(ctx: RunContext, epoch: int) -> float:
+    """What the ledger bills epoch `epoch` so far (every attempt)."""
+    return sum(r.usd for r in ctx.state.ledger if r.epoch == epoch)
 
 
 def epoch_specs(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, attempt: int,
@@ -129,7 +144,7 @@ def epoch_specs(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, a
 
 
 def warm_epoch(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, resume: bool, attempt: int,
-               on_tick=None) -> dict:
+               on_tick=None) -> EpochSummary:
     """One epoch on the run's warm workers (started or retired to fit `plan` first)."""
     pool = ctx.state.warm
     started = pool.ensure(plan, epoch)
@@ -137,21 +152,16 @@ def warm_epoch(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, re
     final, attempts = pool.run_epoch(plan, epoch_specs(ctx, plan, epoch, init, lr, attempt, resume),
                                      ctx.job.worker_timeout_s, relaunch_policy(ctx, plan), on_tick=on_tick)
     ended = max(o.stopped_at for o in final)
-    summary = summarise(plan, [o.to_dict() for o in final], ended - sent)
-    first_work = [o.result["started_at"] for o in final if o.result]
-    summary["startup"] = {"mode": "warm", "cold_started": started,
-                          "exposed_s": max(0.0, max(first_work, default=sent) - sent)}
-    summary["prestarted"] = False
-    summary["relaunches"] = [{"rank": o.rank, "attempt": o.attempt, "status": o.status,
-                              "failure": o.extra.get("failure")} for o in attempts if o.status != "completed"]
-    summary["worker_pids"] = {str(o.rank): o.result.get("pid") for o in final if o.result}
+    first_work = [o.result.started_at for o in final if o.result]
+    startup = {"mode": "warm", "cold_started": started, "exposed_s": max(0.0, max(first_work, default=sent) - sent)}
     ctx.state.last_epoch_s, ctx.state.last_epoch_end = max(0.05, ended - sent), ended
     bill_from_cloud_clock(ctx, [], epoch, plan)
-    return summary
+    return summarise(plan, epoch, lr, attempt, final, attempts, ended - sent, startup=startup, prestarted=False,
+                     cost_usd=epoch_cost(ctx, epoch))
 
 
 def run_epoch_on_target(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, resume: bool,
-                        attempt: int, on_tick=None) -> dict:
+                        attempt: int, on_tick=None) -> EpochSummary:
     """One attempt at epoch `epoch` on the target (`attempt` > 0: the workers resume from the
     epoch's sync checkpoint). `resume`: the epoch had started under an earlier coordinator.
     `on_tick()` is called while the workers train (progress)."""
@@ -162,11 +172,7 @@ def run_epoch_on_target(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: 
     finally:
         store.close()
     if ctx.job.warm:  # each warm worker holds its paid-worker slot from its start to its stop
-        summary = warm_epoch(ctx, plan, epoch, init, lr, resume, attempt, on_tick)
-        summary.update(epoch=epoch, workers=plan.workers, stages=plan.stages, lr=lr, attempt=attempt,
-                       cost_usd=sum(r.usd for r in ctx.state.ledger if r.epoch == epoch),
-                       predicted_iteration_s=plan.predicted_iteration_s, predicted_epoch_s=plan.predicted_epoch_s)
-        return summary
+        return warm_epoch(ctx, plan, epoch, init, lr, resume, attempt, on_tick)
     launcher = ctx.state.prestarted.pop(epoch, None)  # started during the previous epoch
     if launcher is not None and (attempt > 0 or resume or any(o.status != "running" for o in launcher.outcomes)):
         launcher.stop("pre-started workers replaced")  # a retried epoch starts afresh
@@ -202,16 +208,10 @@ def run_epoch_on_target(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: 
             bill_from_cloud_clock(ctx, outcomes, epoch, plan)
     ended = max(o.stopped_at or started for o in outcomes)
     wall = ended - started
-    summary = summarise(plan, [o.to_dict() for o in final], wall)
-    summary["startup"] = startup_report(final, ctx.state.last_epoch_end)
-    summary["prestarted"] = prestarted
-    ctx.state.startup_samples += [max(0.0, o.result["started_at"] - o.started_at) for o in final if o.result]
+    startup = startup_report(final, ctx.state.last_epoch_end)
+    ctx.state.startup_samples += [max(0.0, o.result.started_at - o.started_at) for o in final if o.result]
     # the next epoch's length is this one's training, not the start-up it exposed
-    ctx.state.last_epoch_s = max(0.05, wall - summary["startup"].get("critical_exposed_s", 0.0))
+    ctx.state.last_epoch_s = max(0.05, wall - startup.get("critical_exposed_s", 0.0))
     ctx.state.last_epoch_end = ended
-    summary["relaunches"] = [{"rank": o.rank, "attempt": o.attempt, "status": o.status,
-                              "failure": o.extra.get("failure")} for o in outcomes if o.status != "completed"]
-    summary.update(epoch=epoch, workers=plan.workers, stages=plan.stages, lr=lr, attempt=attempt,
-                   cost_usd=sum(r.usd for r in ctx.state.ledger if r.epoch == epoch),
-                   predicted_iteration_s=plan.predicted_iteration_s, predicted_epoch_s=plan.predicted_epoch_s)
-    return summary
+    return summarise(plan, epoch, lr, attempt, final, outcomes, wall, startup=startup, prestarted=prestarted,
+                     cost_usd=epoch_cost(ctx, epoch))

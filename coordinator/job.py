@@ -12,6 +12,8 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from core.epoch_summary import EpochSummary
+
 Strategy = Literal["auto", "local_sgd", "pipeline", "hybrid"]
 Optimizer = Literal["sgd", "momentum", "adam"]
 Scaling = Literal["static", "adabatch", "reactive", "deadline"]
@@ -133,41 +135,6 @@ class TrainJob(BaseModel):
             raise ValueError(f"workers: {self.workers} must lie within min_workers..max_workers "
                              f"({self.min_workers}..{self.max_workers})")
         return self
-
-
-class EpochSummary(BaseModel):
-    """One row of the per-epoch history."""
-
-    epoch: int
-    workers: int
-    stages: int = 1
-    train_loss: float
-    val_loss: Optional[float] = None
-    val_accuracy: Optional[float] = None
-    seconds: float
-    samples_per_s: float
-    cost_usd: float
-    predicted_iteration_s: Optional[float] = None
-    measured_iteration_s: Optional[float] = None
-    predicted_epoch_s: Optional[float] = None
-    """The plan's epoch time in force for this epoch, beside `seconds` measured."""
-    bytes_synced: int = 0
-    checkpoint_key: str = ""
-    lr: Optional[float] = None
-    prestarted: bool = False
-    """Whether this epoch's workers were launched during the previous epoch."""
-    startup: dict = Field(default_factory=dict)
-    """Worker start-up seconds hidden behind the previous epoch vs exposed (and idle)."""
-    relaunches: list = Field(default_factory=list)
-    """Failed worker attempts of this epoch and how each was classified."""
-    critical_busy_s: Optional[float] = None
-    """The slowest worker's compute + sync seconds: the epoch's wall time minus this is overhead."""
-    worker_pids: dict = Field(default_factory=dict)
-    """Rank -> process id of the worker that completed it (warm workers keep theirs)."""
-    overhead_s: Optional[float] = None
-    """Wall time beyond the epoch's steps: dispatch, data, validation, checkpoint."""
-    replan: dict = Field(default_factory=dict)
-    """After this epoch: the calibration fitted, whether the plan changed, and why."""
 
 
 class RunSummary(BaseModel):

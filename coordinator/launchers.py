@@ -49,7 +49,8 @@ class WorkerOutcome:
     stopped_at: float | None = None
     status: str = "running"
     """running, completed, failed, crashed, timeout or cancelled."""
-    result: dict | None = None
+    result: WorkerResult | None = None
+    """What the worker reported (`core.specs.WorkerResult`), once it completed."""
     error: str | None = None
     ref: str = ""
     """pid (inline) or flow run id (pool)."""
@@ -195,9 +196,9 @@ class InlineLauncher(_Launcher):
             text = Path(outcome.extra["log"]).read_text(errors="replace")
             if code == 0:
                 try:
-                    outcome.result = json.loads(text.strip().splitlines()[-1])
+                    outcome.result = WorkerResult.from_dict(json.loads(text.strip().splitlines()[-1]))
                     outcome.status = "completed"
-                except (ValueError, IndexError):
+                except (ValueError, IndexError, TypeError):
                     outcome.status, outcome.error = "failed", "worker printed no result"
             else:
                 outcome.status = "crashed" if code < 0 else "failed"
@@ -273,7 +274,7 @@ class PoolLauncher(_Launcher):
                     outcome.status = "completed"  # a warm worker answers through the store, not its result
                 elif state.is_completed():
                     try:
-                        outcome.result = state.result()
+                        outcome.result = WorkerResult.from_dict(state.result())
                         outcome.status = "completed"
                     except Exception as exc:  # result storage unreadable
                         outcome.status, outcome.error = "failed", f"result unreadable: {exc}"
@@ -314,11 +315,6 @@ class PoolLauncher(_Launcher):
             except Exception:
                 pass
         outcome.status, outcome.error, outcome.stopped_at = status, reason, time.time()
-
-
-def worker_result(outcome: WorkerOutcome) -> WorkerResult:
-    """The typed result a completed worker reported."""
-    return WorkerResult.from_dict(outcome.result or {})
 
 
 SHARED_HOST_KINDS = ("inline", "process", "docker")

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import time
 
+from prefect.artifacts import create_table_artifact
+
 from coordinator.context import RunContext
 from coordinator.cost import coordinator_record, total_usd, write_ledger
+from coordinator.report import artifact_key, money
 
 
 def rows_now(ctx: RunContext) -> list:
@@ -31,3 +34,12 @@ def record_cost_now(ctx: RunContext, final: bool = True) -> dict:
         ctx.state.cost_recorded = True
     return {"run_id": ctx.run_id, "total_usd": total_usd(rows), "final": final,
             "rows": [r.to_dict() for r in rows]}
+
+
+def record_final_bill(ctx: RunContext) -> dict:
+    """Write the run's final ledger and a table artifact of it; returns the ledger doc."""
+    ledger = record_cost_now(ctx)
+    create_table_artifact(key=artifact_key(ctx.run_id, "ledger"), table=[
+        {k: r[k] for k in ("resource", "kind", "offer", "status", "seconds", "unit_price_per_s", "usd")}
+        for r in ledger["rows"]], description=f"Cost ledger of run {ctx.run_id}: {money(ledger['total_usd'])}")
+    return ledger

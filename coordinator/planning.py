@@ -15,6 +15,7 @@ import time
 from coordinator.context import RunContext
 from coordinator.launchers import SHARED_HOST_KINDS
 from coordinator.run_terms import load_terms
+from core.epoch_summary import Replan
 from core.errors import ZooidValueError
 from core.plan import Plan
 from core.stage_memory import optimizer_copies
@@ -158,7 +159,7 @@ def shape(plan: Plan) -> tuple:
 
 
 def replan(ctx: RunContext, profile: dict, current: Plan, calibration: Calibration,
-           epochs_left: int, budget: int, gain: float = 0.10) -> tuple[Plan, dict]:
+           epochs_left: int, budget: int, gain: float = 0.10) -> tuple[Plan, Replan]:
     """After an epoch: the plan in force predicted again from the calibrated inputs, and the
     planner's choice for the same worker budget (`budget`, what the plan in force was
     planned for); the choice replaces it when it is at least `gain` faster, or `gain`
@@ -169,11 +170,10 @@ def replan(ctx: RunContext, profile: dict, current: Plan, calibration: Calibrati
         best = make_plan(ctx, profile, budget, calibration, epochs_left)
     except ZooidValueError as exc:
         best, why = None, str(exc)
-    decision = {"calibration": calibration.to_dict(), "predicted_epoch_s": same.predicted_epoch_s,
-                "switched": False}
+    decision = Replan(calibration=calibration.to_dict(), predicted_epoch_s=same.predicted_epoch_s)
     if best is None or shape(best) == shape(same):
-        decision["reason"] = (f"the plan in force is still the best for {current.workers} worker(s)"
-                              if best is not None else f"no other plan: {why}")
+        decision.reason = (f"the plan in force is still the best for {current.workers} worker(s)"
+                           if best is not None else f"no other plan: {why}")
         return same, decision
     faster = best.predicted_epoch_s <= (1 - gain) * same.predicted_epoch_s
     def name(p: Plan) -> str:
@@ -185,10 +185,10 @@ def replan(ctx: RunContext, profile: dict, current: Plan, calibration: Calibrati
     summary = (f"{name(best)}: {best.predicted_epoch_s:.3g} s, ${best.predicted_cost_per_epoch_usd:.3g} per epoch "
                f"vs {name(same)}: {same.predicted_epoch_s:.3g} s, ${same.predicted_cost_per_epoch_usd:.3g}")
     if faster or cheaper:
-        decision.update(switched=True, reason=f"{'faster' if faster else 'cheaper'}: {summary}",
-                        to={"strategy": best.strategy, "data_parallel": best.data_parallel, "stages": best.stages})
+        decision.switched, decision.reason = True, f"{'faster' if faster else 'cheaper'}: {summary}"
+        decision.to = {"strategy": best.strategy, "data_parallel": best.data_parallel, "stages": best.stages}
         return best, decision
-    decision["reason"] = f"kept: the best other plan gains less than {gain:.0%} ({summary})"
+    decision.reason = f"kept: the best other plan gains less than {gain:.0%} ({summary})"
     return same, decision
 
 

@@ -8,29 +8,23 @@ from __future__ import annotations
 
 from coordinator.report import duration as seconds  # the report's formats: one of each
 from coordinator.report import money
+from core.epoch_summary import EpochSummary
 
 
-def epoch_line(metrics: dict, epochs: int, cost_so_far_usd: float, predicted_run_cost_usd: float | None) -> str:
+def epoch_line(e: EpochSummary, epochs: int, cost_so_far_usd: float, predicted_run_cost_usd: float | None) -> str:
     """The coordinator's line for one finished epoch: epoch i/N, workers, loss, accuracy,
     seconds against the plan's prediction, and the bill so far against what the plan in force
     predicted by the end of this epoch (`predicted_cost_so_far_usd`) and for the whole run."""
-    head = f"epoch {metrics['epoch'] + 1}/{epochs}:"
-    parts = []
-    workers = metrics.get("workers")
-    if workers is not None:
-        stages = metrics.get("stages") or 1
-        parts.append(f"{workers} worker(s)" + (f" x {stages} stage(s)" if stages > 1 else ""))
-    loss = metrics.get("val_loss", metrics.get("train_loss"))
-    if loss is not None:
-        parts.append(f"loss {loss:.4g}")
-    if metrics.get("val_accuracy") is not None:
-        parts.append(f"accuracy {100 * metrics['val_accuracy']:.1f}%")
-    took = seconds(metrics.get("seconds"))
-    if metrics.get("predicted_epoch_s"):
-        took += f" (predicted {seconds(metrics['predicted_epoch_s'])})"
+    head = f"epoch {e.epoch + 1}/{epochs}:"
+    parts = [f"{e.workers} worker(s)" + (f" x {e.stages} stage(s)" if e.stages > 1 else ""), f"loss {e.loss:.4g}"]
+    if e.val_accuracy is not None:
+        parts.append(f"accuracy {100 * e.val_accuracy:.1f}%")
+    took = seconds(e.seconds)
+    if e.predicted_epoch_s:
+        took += f" (predicted {seconds(e.predicted_epoch_s)})"
     parts.append(took)
     cost = f"cost so far {money(cost_so_far_usd)}"
-    by_now = metrics.get("predicted_cost_so_far_usd")
+    by_now = e.predicted_cost_so_far_usd
     said = [f"predicted {money(by_now)} by now"] if by_now else []
     if predicted_run_cost_usd:
         said.append(f"{money(predicted_run_cost_usd)} for the run")

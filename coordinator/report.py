@@ -17,6 +17,7 @@ import textwrap
 
 from coordinator.job import RunSummary
 from coordinator.sync_words import outer_sync_row, outer_sync_words
+from core.epoch_summary import EpochSummary
 
 MAX_WIDTH = 120
 """Characters a line of the text report, or a table's row, may take (a 1,000-pixel pane)."""
@@ -237,7 +238,7 @@ def _figure_png(fig) -> bytes:
     return buf.getvalue()
 
 
-def plot_curves(epochs: list[dict], ledger_rows: list[dict] | None = None) -> bytes:
+def plot_curves(epochs: list[EpochSummary], ledger_rows: list[dict] | None = None) -> bytes:
     """PNG of training/validation loss and validation accuracy per epoch; with `ledger_rows`,
     beside them the cumulative bill over the whole ledger (`cost_curve`)."""
     import matplotlib
@@ -245,14 +246,14 @@ def plot_curves(epochs: list[dict], ledger_rows: list[dict] | None = None) -> by
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    xs = [e["epoch"] for e in epochs]
+    xs = [e.epoch for e in epochs]
     fig, axes = plt.subplots(1, 3 if ledger_rows else 2, figsize=(11 if ledger_rows else 7.5, 3.2))
-    axes[0].plot(xs, [e["train_loss"] for e in epochs], marker="o", label="train")
-    if any(e.get("val_loss") is not None for e in epochs):
-        axes[0].plot(xs, [e.get("val_loss") for e in epochs], marker="o", label="validation")
+    axes[0].plot(xs, [e.train_loss for e in epochs], marker="o", label="train")
+    if any(e.val_loss is not None for e in epochs):
+        axes[0].plot(xs, [e.val_loss for e in epochs], marker="o", label="validation")
     axes[0].set(title="loss", xlabel="epoch")
     axes[0].legend()
-    axes[1].plot(xs, [e.get("val_accuracy") for e in epochs], marker="o", color="tab:green")
+    axes[1].plot(xs, [e.val_accuracy for e in epochs], marker="o", color="tab:green")
     axes[1].set(title="validation accuracy", xlabel="epoch")
     if ledger_rows:
         _cost_axes(axes[2], ledger_rows)
@@ -593,15 +594,15 @@ def bill_lines(summary: RunSummary, ledger_rows: list[dict] | None, markdown: bo
     return table_lines(["paid for", "seconds", "cost"], rows, markdown)
 
 
-def epoch_table(epochs: list[dict]) -> list[dict]:
+def epoch_table(epochs: list[EpochSummary]) -> list[dict]:
     """Rows for the per-epoch table artifact (strings only, units in the values)."""
-    return [{"epoch": e["epoch"], "workers": e["workers"], "stages": e.get("stages", 1),
-             "train loss": number(e["train_loss"], 4), "val loss": number(e.get("val_loss"), 4),
-             "val accuracy": percent(e.get("val_accuracy")), "time": duration(e["seconds"]),
-             "predicted": duration(e.get("predicted_epoch_s")), "samples/s": number(e["samples_per_s"]),
-             "iteration": duration(e.get("measured_iteration_s")),
-             "predicted iteration": duration(e.get("predicted_iteration_s")),
-             "cost": money(e["cost_usd"])} for e in epochs]
+    return [{"epoch": e.epoch, "workers": e.workers, "stages": e.stages,
+             "train loss": number(e.train_loss, 4), "val loss": number(e.val_loss, 4),
+             "val accuracy": percent(e.val_accuracy), "time": duration(e.seconds),
+             "predicted": duration(e.predicted_epoch_s), "samples/s": number(e.samples_per_s),
+             "iteration": duration(e.measured_iteration_s),
+             "predicted iteration": duration(e.predicted_iteration_s),
+             "cost": money(e.cost_usd)} for e in epochs]
 
 
 def infrastructure_ids(rows: list[dict]) -> list[str]:
@@ -634,8 +635,8 @@ def text_report(summary: RunSummary, ledger: dict | None = None) -> str:
         headers, erows = epoch_rows(summary)
         lines += ["", "Epochs:", *table_lines(headers, erows, markdown=False)]
         for e in summary.epochs:
-            if (e.replan or {}).get("switched"):
-                lines.append(f"  re-planned after epoch {e.epoch}: {text(e.replan.get('reason'))}")
+            if e.replan is not None and e.replan.switched:
+                lines.append(f"  re-planned after epoch {e.epoch}: {text(e.replan.reason)}")
     infra = infrastructure_ids(rows) if rows else []
     if infra:
         lines += ["", "workers ran on: " + ", ".join(infra)]
@@ -675,8 +676,8 @@ def markdown_report(summary: RunSummary, ledger_rows: list[dict], png: bytes | N
         md += ["", "## Epochs", "", *table_lines(headers, rows, markdown=True)]
         md += ["", *table_lines(
             ["epoch", "pre-started", "start-up hidden", "start-up exposed", "idle", "relaunched", "worker pids"],
-            [[str(e.epoch), yes_no(e.prestarted), duration((e.startup or {}).get("hidden_s", 0.0)),
-              duration((e.startup or {}).get("exposed_s", 0.0)), duration((e.startup or {}).get("idle_s", 0.0)),
+            [[str(e.epoch), yes_no(e.prestarted), duration(e.startup.get("hidden_s", 0.0)),
+              duration(e.startup.get("exposed_s", 0.0)), duration(e.startup.get("idle_s", 0.0)),
               str(len(e.relaunches)), " ".join(str(v) for _, v in sorted(e.worker_pids.items())) or NONE]
              for e in summary.epochs], markdown=True)]
     ws = {k: v for k, v in summary.worker_seconds.items() if v}
@@ -698,10 +699,10 @@ def markdown_report(summary: RunSummary, ledger_rows: list[dict], png: bytes | N
         md += ["", "## Re-planning", ""]
         rows = []
         for e in replans:
-            c = e.replan.get("calibration") or {}
+            c = e.replan.calibration
             rows.append([str(e.epoch), number(c.get("step_scale")), number(c.get("layer_scale")),
                          number(c.get("sync_scale")), number(c.get("transfer_scale")),
-                         yes_no(e.replan.get("switched")), text(e.replan.get("reason"))])
+                         yes_no(e.replan.switched), text(e.replan.reason)])
         md += table_lines(["after epoch", "step x", "layer x", "sync x", "transfer x", "switched", "why"], rows,
                           markdown=True)
     if png:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from coordinator.context import RunContext
 from coordinator.cost import CostRecord
+from core.epoch_summary import EpochSummary
 from core.errors import ZooidValueError
 from core.keys import (
     attempt_of,
@@ -34,7 +35,7 @@ class ResumePoint:
     init_key: str
     lr: float
     workers: int
-    history: list[dict] = field(default_factory=list)
+    history: list[EpochSummary] = field(default_factory=list)
     ledger: list[CostRecord] = field(default_factory=list)
     mid_epoch: bool = False
     """Whether `next_epoch` had started (its workers resume from its sync checkpoint)."""
@@ -44,9 +45,14 @@ class ResumePoint:
     """The plan the run was using (a resumed epoch keeps it, so its sync checkpoint fits)."""
 
 
-def write_history(store, run_id: str, history: list[dict]) -> None:
+def write_history(store, run_id: str, history: list[EpochSummary]) -> None:
     """The per-epoch history so far (rewritten atomically after every epoch)."""
-    store.put(history_key(run_id), json.dumps(history, default=str).encode())
+    store.put(history_key(run_id), json.dumps([e.to_dict() for e in history], default=str).encode())
+
+
+def read_history(store, run_id: str) -> list[EpochSummary]:
+    """The per-epoch history `write_history` wrote (empty when none)."""
+    return [EpochSummary.from_dict(e) for e in (_json(store, history_key(run_id)) or [])]
 
 
 def _json(store, key: str):
@@ -71,7 +77,7 @@ def find_resume_point(ctx: RunContext, *, required: bool) -> ResumePoint | None:
                 raise ZooidValueError("resume", f"run {ctx.run_id} trained {name}={old.get(name)!r}, "
                                       f"this job asks {getattr(ctx.job, name)!r}")
         latest = _json(store, latest_key(ctx.run_id)) or {"epoch": -1, "key": init_checkpoint_key(ctx.run_id)}
-        history = [e for e in (_json(store, history_key(ctx.run_id)) or []) if e["epoch"] <= latest["epoch"]]
+        history = [e for e in read_history(store, ctx.run_id) if e.epoch <= latest["epoch"]]
         ledger = []
         doc = _json(store, ledger_key(ctx.run_id))
         if doc:
@@ -80,13 +86,13 @@ def find_resume_point(ctx: RunContext, *, required: bool) -> ResumePoint | None:
         nxt = latest["epoch"] + 1
         attempts = [a for k in store.list(worker_history_prefix(ctx.run_id, nxt)) +
                     store.list(faults_prefix(ctx.run_id) + "/") if (a := attempt_of(k, nxt)) is not None]
-        last = history[-1] if history else {}
-        decision = last.get("rescale") or {}
-        return ResumePoint(next_epoch=nxt, init_key=latest["key"], lr=decision.get("lr", ctx.job.lr),
-                           workers=decision.get("workers", last.get("workers", ctx.job.workers)),
+        last = history[-1] if history else None
+        decision = last.rescale if last is not None else None
+        return ResumePoint(next_epoch=nxt, init_key=latest["key"], lr=decision.lr if decision else ctx.job.lr,
+                           workers=(decision.workers if decision else last.workers if last else ctx.job.workers),
                            history=history, ledger=ledger,
                            mid_epoch=store.exists(sync_checkpoint_key(ctx.run_id, nxt)),
                            max_attempt=max(attempts, default=-1),
-                           plan=(last.get("plan") or run.get("plan") or {}))
+                           plan=((last.plan if last else None) or run.get("plan") or {}))
     finally:
         store.close()

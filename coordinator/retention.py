@@ -16,6 +16,7 @@ import time
 
 from comm.tensor_codec import read_header
 from coordinator.context import RunContext
+from core.epoch_summary import EpochSummary
 from core.keys import EPOCH_CHECKPOINT, RESIDUAL, SYNC_CHECKPOINT, best_key, checkpoint_prefix, latest_key
 
 
@@ -49,9 +50,10 @@ def prune_checkpoints(store, run_id: str, latest_epoch: int, keep: int, best: di
     return deleted
 
 
-def commit_checkpoint(ctx: RunContext, epoch: int, key: str, metrics: dict) -> str:
-    """Verify `key` decodes as a checkpoint, record it as the latest, prune; return the key."""
-    job = ctx.job
+def commit_checkpoint(ctx: RunContext, summary: EpochSummary) -> str:
+    """Verify the epoch's checkpoint (`summary.checkpoint_key`) decodes, record it as the
+    latest, prune; return its key."""
+    job, epoch, key = ctx.job, summary.epoch, summary.checkpoint_key
     store = ctx.open_durable()
     try:
         header = read_header(store.get(key, timeout=30))
@@ -59,9 +61,9 @@ def commit_checkpoint(ctx: RunContext, epoch: int, key: str, metrics: dict) -> s
             raise RuntimeError(f"checkpoint {key} has no header")
         store.put(latest_key(ctx.run_id), json.dumps(
             {"epoch": epoch, "key": key, "written_at": time.time(),
-             "val_accuracy": metrics.get("val_accuracy"), "val_loss": metrics.get("val_loss")}).encode())
+             "val_accuracy": summary.val_accuracy, "val_loss": summary.val_loss}).encode())
         targeted = job.target_loss is not None or job.target_accuracy is not None
-        best = update_best(store, ctx.run_id, epoch, key, metrics.get("val_loss")) if targeted else None
+        best = update_best(store, ctx.run_id, epoch, key, summary.val_loss) if targeted else None
         prune_checkpoints(store, ctx.run_id, epoch, job.keep_checkpoints, best)
     finally:
         store.close()

@@ -19,6 +19,7 @@ import numpy as np
 
 from coordinator.launchers import SHARED_HOST_KINDS
 from coordinator.profile_cache import ProfileCache, target_key
+from core.epoch_summary import EpochSummary
 from planners.run_prediction import RunTerms
 
 KEEP = 20
@@ -102,14 +103,14 @@ class RunClock:
     def epoch(self, sent: float, done: float) -> None:
         self.epochs.append((sent, done))
 
-    def samples(self, ctx, history: list[dict], ended_at: float) -> dict:
+    def samples(self, ctx, history: list[EpochSummary], ended_at: float) -> dict:
         out = {"startup_s": list(ctx.state.startup_samples)}
         if self.planned_at is not None and self.epochs:
             out["provision_s"] = [max(0.0, self.epochs[0][0] - self.planned_at)]
         out["gap_s"] = [max(0.0, b[0] - a[1]) for a, b in zip(self.epochs, self.epochs[1:])]
         if self.teardown_at is not None:
             out["teardown_s"] = [max(0.0, ended_at - self.teardown_at)]
-        overheads = [e["overhead_s"] for e in history if e.get("overhead_s") is not None]
+        overheads = [e.overhead_s for e in history if e.overhead_s is not None]
         if ctx.job.warm and len(overheads) >= 2:  # a cold epoch's overhead holds a worker's first epoch
             steady = statistics.median(overheads[1:])
             out["epoch_overhead_s"] = overheads[1:]
@@ -118,11 +119,11 @@ class RunClock:
         if (ctx.job.warm and self.first_epoch_fresh and not self.profiled and history
                 and ctx.resolved.target.kind in SHARED_HOST_KINDS):
             # where workers start after the plan, the first epoch waits for them by a like amount each run
-            out["exposed_s"] = [float((history[0].get("startup") or {}).get("exposed_s") or 0.0)]
+            out["exposed_s"] = [float(history[0].startup.get("exposed_s") or 0.0)]
         return out
 
 
-def record_terms(ctx, clock: RunClock, history: list[dict]) -> None:
+def record_terms(ctx, clock: RunClock, history: list[EpochSummary]) -> None:
     """Add this run's measured terms to the target's cached samples (best effort: a cache
     that cannot be written costs a later run its accuracy, not this run its result)."""
     try:

@@ -20,35 +20,35 @@ Zooid measured, with this mapping (Zooid has no parameter-server process):
 """
 from __future__ import annotations
 
+import dataclasses
+
 from coordinator.context import RunContext
+from core.epoch_summary import EpochSummary, Rescale
 from core.stage_memory import optimizer_copies
+from planners.scaling import EpochRecord, ScalingSettings, decide, known_in_advance
+from planners.worker_count import fit_loss_curve
 
 
-def epoch_records(history: list[dict], batch_size: int):
+def epoch_records(history: list[EpochSummary], batch_size: int) -> list[EpochRecord]:
     """The policies' view of the history."""
-    from planners.scaling import EpochRecord
-
-    return [EpochRecord(epoch=e["epoch"], workers=e["workers"] // max(1, e.get("stages", 1)),
-                        seconds=e["seconds"], samples_per_s=e["samples_per_s"],
-                        val_loss=e.get("val_loss"), val_accuracy=e.get("val_accuracy"),
-                        cost_usd=e["cost_usd"], iterations=e["samples"] // batch_size)
+    return [EpochRecord(epoch=e.epoch, workers=e.workers // max(1, e.stages), seconds=e.seconds,
+                        samples_per_s=e.samples_per_s, val_loss=e.val_loss, val_accuracy=e.val_accuracy,
+                        cost_usd=e.cost_usd, iterations=e.samples // batch_size)
             for e in history]
 
 
-def provision_document(ctx: RunContext, profile: dict, history: list[dict]) -> dict | None:
+def provision_document(ctx: RunContext, profile: dict, history: list[EpochSummary]) -> dict | None:
     """Cynthia's provisioning problem for the rest of this run (None until a loss model fits)."""
-    from planners.worker_count import fit_loss_curve
-
     job, offer, target = ctx.job, ctx.resolved.offer, ctx.resolved.target
     done, points = 0, []
     for e in history:
-        done += e["samples"] // job.batch_size
-        if e.get("val_loss"):
-            points.append((done, e["val_loss"]))
+        done += e.samples // job.batch_size
+        if e.val_loss:
+            points.append((done, e.val_loss))
     if len(points) < 2:
         return None
     loss = fit_loss_curve(points)
-    steps = max(1, history[-1]["samples"] // (job.batch_size * max(1, history[-1]["workers"])))
+    steps = max(1, history[-1].samples // (job.batch_size * max(1, history[-1].workers)))
     k = job.sync_period or steps
     sync_bytes = profile["param_bytes"] * (1 + optimizer_copies(job.optimizer)) / k
     target_loss = job.target_loss or 0.5 * points[0][1]
@@ -61,8 +61,10 @@ def provision_document(ctx: RunContext, profile: dict, history: list[dict]) -> d
                                 "price_per_hour": ctx.price_per_worker_s * 3600}]}
 
 
-UNMEASURED_EPOCH = {"seconds": 1.0, "samples_per_s": 1.0, "cost_usd": 0.0, "samples": 0}
-"""An epoch's measured figures where a policy decided in advance reads none of them."""
+def unmeasured_epoch(epoch: int, workers: int) -> EpochSummary:
+    """A placeholder for an epoch not yet run, where a policy that decides in advance reads
+    none of its measured figures."""
+    return EpochSummary(epoch=epoch, workers=workers, train_loss=0.0, seconds=1.0, samples_per_s=1.0)
 
 
 def n_subsets(ctx: RunContext) -> int:
@@ -71,14 +73,12 @@ def n_subsets(ctx: RunContext) -> int:
     return ctx.state.dataset.get("n_subsets", ctx.resolved.n_subsets)
 
 
-def decide_next(ctx: RunContext, profile: dict, history: list[dict], workers: int, lr: float) -> dict:
-    """`{"workers", "lr", "reason"}` for the next epoch, within min_workers..max_workers."""
-    from planners.scaling import ScalingSettings, decide
-
+def decide_next(ctx: RunContext, profile: dict, history: list[EpochSummary], workers: int, lr: float) -> Rescale:
+    """The next epoch's worker count and learning rate, within min_workers..max_workers."""
     job = ctx.job
     provision = provision_document(ctx, profile, history) if job.scaling == "deadline" else None
     if job.scaling == "deadline" and provision is None:
-        return {"workers": workers, "lr": lr, "reason": "deadline: waiting for two epochs to fit the loss curve"}
+        return Rescale(workers=workers, lr=lr, reason="deadline: waiting for two epochs to fit the loss curve")
     settings = ScalingSettings(min_workers=job.min_workers, max_workers=job.max_workers,
                                initial_workers=job.workers, lr=job.lr,
                                double_every_epochs=job.scale_every_epochs,
@@ -87,20 +87,18 @@ def decide_next(ctx: RunContext, profile: dict, history: list[dict], workers: in
     decision = decide(job.scaling, epoch_records(history, job.batch_size), settings)
     # every replica needs at least one data subset
     most = max(1, min(job.max_workers, n_subsets(ctx)))
-    return {"workers": max(job.min_workers, min(most, decision.workers)), "lr": decision.lr,
-            "reason": decision.reason}
+    return Rescale(workers=max(job.min_workers, min(most, decision.workers)), lr=decision.lr, reason=decision.reason)
 
 
-def forecast_workers(ctx: RunContext, profile: dict, history: list[dict], workers: int, lr: float) -> int | None:
+def forecast_workers(ctx: RunContext, profile: dict, history: list[EpochSummary], workers: int,
+                     lr: float) -> int | None:
     """The worker count the policy will choose after the epoch now starting, when that does not
     depend on what the epoch measures (`planners.scaling.known_in_advance`); else None."""
-    from planners.scaling import known_in_advance
-
     if not known_in_advance(ctx.job.scaling, len(history) + 1):
         return None
-    placeholder = {**(history[-1] if history else UNMEASURED_EPOCH), "epoch": len(history), "workers": workers,
-                   "stages": 1, "val_loss": None, "val_accuracy": None}
-    return decide_next(ctx, profile, history + [placeholder], workers, lr)["workers"]
+    placeholder = (dataclasses.replace(history[-1], epoch=len(history), workers=workers, stages=1, val_loss=None,
+                                       val_accuracy=None) if history else unmeasured_epoch(0, workers))
+    return decide_next(ctx, profile, history + [placeholder], workers, lr).workers
 
 
 def worker_schedule(ctx: RunContext, workers: int, epochs_left: int) -> list[int] | None:
@@ -115,7 +113,6 @@ def worker_schedule(ctx: RunContext, workers: int, epochs_left: int) -> list[int
     done = max(0, job.epochs - epochs_left)
     counts = [workers]
     for k in range(1, epochs_left):
-        history = [{**UNMEASURED_EPOCH, "epoch": e, "workers": counts[-1], "stages": 1, "val_loss": None,
-                    "val_accuracy": None} for e in range(done + k)]
-        counts.append(decide_next(ctx, {}, history, counts[-1], job.lr)["workers"])
+        history = [unmeasured_epoch(e, counts[-1]) for e in range(done + k)]
+        counts.append(decide_next(ctx, {}, history, counts[-1], job.lr).workers)
     return counts

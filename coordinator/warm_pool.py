@@ -38,7 +38,7 @@ from coordinator.launchers import (
     make_launcher,
 )
 from core.keys import command_key, lease_key, reply_key, status_key, warm_prefix
-from core.specs import WarmSpec, WorkerSpec
+from core.specs import WarmSpec, WorkerResult, WorkerSpec
 from runtime.warm import read_json, worker_name
 
 
@@ -346,7 +346,8 @@ class WarmPool:
             if (got.get("epoch"), got.get("rank")) != (cmd.spec.epoch, cmd.spec.rank):
                 raise RuntimeError(f"{w.name} answered epoch {got.get('epoch')} rank {got.get('rank')} "
                                    f"to a command for epoch {cmd.spec.epoch} rank {cmd.spec.rank}")
-            cmd.outcome.result, cmd.outcome.status, cmd.outcome.stopped_at = reply["result"], "completed", now
+            cmd.outcome.result, cmd.outcome.status = WorkerResult.from_dict(got), "completed"
+            cmd.outcome.stopped_at = now
             self._bill_reply(w, reply, now, epoch=cmd.spec.epoch, attempt=cmd.spec.attempt)
             w.command, w.seq = None, w.seq + 1
             return

@@ -83,5 +83,5 @@ def startup_report(outcomes, previous_end: float | None) -> dict:
     """Start-up hidden behind the previous epoch vs exposed, over the epoch's workers."""
     from planners.prestart import startup_split
 
-    pairs = [(o.started_at, max(o.started_at, o.result["started_at"])) for o in outcomes if o.result]
+    pairs = [(o.started_at, max(o.started_at, o.result.started_at)) for o in outcomes if o.result]
     return startup_split(pairs, previous_end).to_dict() if pairs else {}

@@ -34,42 +34,44 @@ import contextlib
 import signal
 import time
 import uuid
+from dataclasses import dataclass, field
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 
+from coordinator.context import ACTIVE, RunContext, run_id_for
+from coordinator.cost import worker_seconds
+from coordinator.job import RunSummary, TrainJob
+from coordinator.planning import strategy_inputs
+from coordinator.report import artifact_key, markdown_report, plot_curves
+from coordinator.resume import ResumePoint, find_resume_point
+from coordinator.run_terms import RunClock, record_terms
+from coordinator.scaling_policy import forecast_workers
+from coordinator.validate import check_target_ready, validate_job
+from coordinator.warm_pool import WarmPool, provisional_plan, starts_before_profile
+from coordinator.warm_prestart import WarmPrestart
+from core.epoch_summary import EpochSummary, Replan
 from core.keys import init_checkpoint_key, ledger_key, report_key, summary_key
 from core.plan import Plan
 from flows.hooks import on_abnormal_end
 from flows.params import job_fields_flow, job_fields_from_args
 from planners.calibration import Calibration, epoch_overhead, fit
 from tasks.checkpoint_step import checkpoint
-from coordinator.context import ACTIVE, RunContext, run_id_for
-from coordinator.cost import worker_seconds
-from coordinator.job import EpochSummary, RunSummary, TrainJob
 from tasks.plan_step import choose_plan, reconsider_plan
-from coordinator.planning import strategy_inputs
-from coordinator.warm_prestart import WarmPrestart
 from tasks.profile import profile
 from tasks.provision import provision
 from tasks.record_cost import record_cost
-from coordinator.report import artifact_key, markdown_report, plot_curves
 from tasks.rescale import rescale
-from coordinator.scaling_policy import forecast_workers
-from coordinator.resume import find_resume_point
 from tasks.run_epoch import run_epoch
-from coordinator.run_terms import RunClock, record_terms
 from tasks.teardown import teardown
-from coordinator.validate import check_target_ready, validate_job
-from coordinator.warm_pool import WarmPool, provisional_plan, starts_before_profile
 
 
-def guardrail(job: TrainJob, ctx: RunContext, plan_, history: list[dict]) -> str | None:
+def guardrail(job: TrainJob, ctx: RunContext, plan: Plan, history: list[EpochSummary]) -> str | None:
     """`budget_exhausted` / `deadline_reached` when the next epoch would pass the limit, judged
     by the larger of the plan's prediction and the last measured epoch."""
     last = history[-1] if history else None
-    next_s = max(plan_.predicted_epoch_s, last["seconds"] if last else 0.0)
-    next_usd = max(plan_.predicted_cost_per_epoch_usd, last["cost_usd"] if last else 0.0)
+    next_s = max(plan.predicted_epoch_s, last.seconds if last else 0.0)
+    next_usd = max(plan.predicted_cost_per_epoch_usd, last.cost_usd if last else 0.0)
     spent = sum(r.usd for r in ctx.state.ledger) + (time.time() - ctx.started_at) * ctx.price_per_worker_s
     if job.budget_usd is not None and spent + next_usd > job.budget_usd:
         return "budget_exhausted"
@@ -78,8 +80,8 @@ def guardrail(job: TrainJob, ctx: RunContext, plan_, history: list[dict]) -> str
     return None
 
 
-def target_reached(job: TrainJob, metrics: dict) -> bool:
-    acc, loss = metrics.get("val_accuracy"), metrics.get("val_loss")
+def target_reached(job: TrainJob, epoch: EpochSummary) -> bool:
+    acc, loss = epoch.val_accuracy, epoch.val_loss
     return ((job.target_accuracy is not None and acc is not None and acc >= job.target_accuracy)
             or (job.target_loss is not None and loss is not None and loss <= job.target_loss))
 
@@ -100,13 +102,14 @@ def epoch_progress_tick(ctx: RunContext, progress_id, done: int, every_s: float 
     return tick
 
 
-def predicted_cost_at(plan_: Plan, index: int) -> float | None:
-    """The bill `plan_` predicted at the end of its `index`-th epoch (None: not predicted)."""
-    by_epoch = plan_.predicted_cost_by_epoch_usd
+def predicted_cost_at(plan: Plan, index: int) -> float | None:
+    """The bill `plan` predicted at the end of its `index`-th epoch (None: not predicted)."""
+    by_epoch = plan.predicted_cost_by_epoch_usd
     return by_epoch[index] if 0 <= index < len(by_epoch) else None
 
 
-def _epoch_progress(ctx: RunContext, progress_id, history: list[dict], predicted_run_cost_usd: float | None) -> None:
+def _epoch_progress(ctx: RunContext, progress_id, history: list[EpochSummary],
+                    predicted_run_cost_usd: float | None) -> None:
     from prefect.artifacts import create_table_artifact
 
     from coordinator.report import epoch_table
@@ -118,17 +121,17 @@ def _epoch_progress(ctx: RunContext, progress_id, history: list[dict], predicted
                           description=f"Per-epoch history of run {ctx.run_id}")
 
 
-def log_epoch(ctx: RunContext, metrics: dict, predicted_run_cost_usd: float | None = None) -> str:
+def log_epoch(ctx: RunContext, epoch: EpochSummary, predicted_run_cost_usd: float | None = None) -> str:
     """The coordinator's line for a finished epoch, through the flow's logger (so the UI's log
     and `prefect deployment run --watch` show it): epoch i/N, workers, loss, accuracy, seconds
     against predicted, the bill so far against the run's prediction."""
     from prefect.logging import get_run_logger
 
     from coordinator.cost import total_usd
-    from coordinator.progress import epoch_line
     from coordinator.ledger import rows_now
+    from coordinator.progress import epoch_line
 
-    line = epoch_line(metrics, ctx.job.epochs, total_usd(rows_now(ctx)), predicted_run_cost_usd)
+    line = epoch_line(epoch, ctx.job.epochs, total_usd(rows_now(ctx)), predicted_run_cost_usd)
     try:
         get_run_logger().info(line)
     except Exception:  # a progress line never stops a run
@@ -186,16 +189,15 @@ def _log_cancelled(ctx: RunContext, ledger: dict) -> None:
             flow_ctx.flow_run.state = Cancelled(message=message)
 
 
-def _finish(ctx: RunContext, status: str, history: list[dict], plan_dict: dict, ledger: dict,
+def _finish(ctx: RunContext, status: str, history: list[EpochSummary], plan: dict, ledger: dict,
             error: str | None) -> RunSummary:
-    last = history[-1] if history else {}
+    last = history[-1] if history else None
     summary = RunSummary(
-        run_id=ctx.run_id, status=status, final_loss=last.get("val_loss", last.get("train_loss")),
-        final_accuracy=last.get("val_accuracy"), total_cost_usd=ledger["total_usd"], plan=plan_dict,
-        epochs=[EpochSummary(**{k: v for k, v in e.items() if k in EpochSummary.model_fields}) for e in history],
-        store_url=ctx.durable_ref, checkpoint_key=last.get("checkpoint_key", ""), error=error,
+        run_id=ctx.run_id, status=status, final_loss=last.loss if last else None,
+        final_accuracy=last.val_accuracy if last else None, total_cost_usd=ledger["total_usd"], plan=plan,
+        epochs=history, store_url=ctx.durable_ref, checkpoint_key=last.checkpoint_key if last else "", error=error,
         worker_seconds=worker_seconds(ledger["rows"]))
-    png = plot_curves([e.model_dump() for e in summary.epochs]) if summary.epochs else None
+    png = plot_curves(summary.epochs) if summary.epochs else None
     store = ctx.open_durable()
     try:
         store.put(summary_key(ctx.run_id), summary.model_dump_json(indent=1).encode())
@@ -218,104 +220,171 @@ def run_training(job: TrainJob) -> RunSummary:
         restore()
 
 
+@dataclass
+class Training:
+    """What the recipe carries from step to step: the run, the plan in force (and the epoch it
+    took over, whose predictions hold from there), the next epoch's inputs, the history."""
+
+    ctx: RunContext
+    resume: ResumePoint | None
+    clock: RunClock
+    progress_id: object = None
+    profile: dict = field(default_factory=dict)
+    plan: Plan | None = None
+    plan_since: int = 0
+    first_plan: dict = field(default_factory=dict)
+    """The first plan, as the summary and the report show it."""
+    first_epoch: int = 0
+    init: str = ""
+    lr: float = 0.0
+    workers: int = 1
+    calibration: Calibration = field(default_factory=Calibration)
+    history: list[EpochSummary] = field(default_factory=list)
+    status: str = "failed"
+    error: str | None = None
+
+    @property
+    def job(self) -> TrainJob:
+        return self.ctx.job
+
+
 def _run_training(job: TrainJob) -> RunSummary:
+    run = start_run(job)  # bad input or a target that cannot start a worker stops here: nothing billed
+    try:
+        profile_plan_and_provision(run)
+        for epoch in range(run.first_epoch, job.epochs):
+            if (stop := guardrail(job, run.ctx, run.plan, run.history)) is not None:
+                run.status = stop
+                break
+            done = train_one_epoch(run, epoch)
+            if target_reached(job, done):
+                run.status = "target_reached"
+                break
+            if epoch + 1 < job.epochs:
+                rescale_or_replan(run, done)
+            done.plan = run.plan.to_dict()
+            save_progress(run.ctx, run.history)
+    except BaseException as exc:
+        run.status = end_state(exc, run.ctx)
+        run.error = error_of(exc, run.status)
+        raise
+    finally:
+        summary = finish_run(run)
+    return summary
+
+
+def start_run(job: TrainJob) -> Training:
+    """Validate the job and its target, name the run, find where a resumed run goes on, and
+    start its progress artifact and warm pool."""
     from prefect.runtime import flow_run
 
     resolved = validate_job(job)  # bad input stops here: nothing provisioned, nothing billed
     check_target_ready(resolved)  # so does a target that is not set up or cannot start a worker
     fr_id = flow_run.id or uuid.uuid4().hex
-    ctx = RunContext(run_id=job.resume or run_id_for(fr_id), job=job, resolved=resolved,
-                     flow_run_id=str(fr_id))
+    ctx = RunContext(run_id=job.resume or run_id_for(fr_id), job=job, resolved=resolved, flow_run_id=str(fr_id))
     resume = find_resume_point(ctx, required=job.resume is not None)
     ACTIVE[ctx.flow_run_id] = ctx
     COMMAND_LINE.run = {"run_id": ctx.run_id, "flow_run_id": ctx.flow_run_id}
-    progress_id = ctx.state.progress_id = create_progress_artifact(0.0, description=f"Epochs of run {ctx.run_id}")
-    status, error, history, plan_dict = "failed", None, [], {}
-    clock = RunClock(first_epoch_fresh=job.resume is None)
+    run = Training(ctx=ctx, resume=resume, clock=RunClock(first_epoch_fresh=job.resume is None),
+                   init=init_checkpoint_key(ctx.run_id), lr=job.lr, workers=job.workers)
+    run.progress_id = ctx.state.progress_id = create_progress_artifact(0.0, description=f"Epochs of run {ctx.run_id}")
     ctx.state.warm = WarmPool(ctx) if job.warm else None
-    try:
-        if ctx.state.warm is not None and starts_before_profile(ctx):  # their start-up hides behind profile + plan
-            ctx.state.warm.ensure(provisional_plan(ctx), resume.next_epoch if resume else 0)
-        prof = ctx.state.profile = profile(ctx)
-        clock.profiled = "measured" in prof.get("profile_sources", {}).values()
-        first_epoch, init, lr, workers = 0, init_checkpoint_key(ctx.run_id), job.lr, job.workers
-        if resume is not None:
-            first_epoch, init, lr, workers = resume.next_epoch, resume.init_key, resume.lr, resume.workers
-            history, ctx.state.ledger = list(resume.history), list(resume.ledger) + ctx.state.ledger  # + the profile's worker
-            for rank in range(job.max_workers):  # attempt numbers stay unique across coordinators
-                ctx.state.attempts[(first_epoch, rank)] = resume.max_attempt
-        calibration = Calibration.from_dict((history[-1].get("replan") or {}).get("calibration") if history else None)
-        if resume is not None and resume.plan and resume.plan.get("data_parallel") == workers:
-            current = Plan.from_dict(resume.plan)  # the same plan, so a started epoch can go on
-        else:
-            current = choose_plan(ctx, prof, workers, calibration, job.epochs - first_epoch)
-        plan_dict = current.to_dict()
-        clock.planned_at = plan_dict["planned_at"] = time.time()  # its run prediction counts from here
-        if ctx.state.warm is not None:  # start-up overlaps provisioning
-            ctx.state.warm.ensure(current, first_epoch)
-        provision(ctx, current, fresh=resume is None)
-        status = "completed"
-        in_force = (current, first_epoch)  # the plan whose predictions hold, and its first epoch
-        for epoch in range(first_epoch, job.epochs):
-            if current is not in_force[0]:  # re-planned (or rescaled) after the last epoch
-                in_force = (current, epoch)
-            if (stop := guardrail(job, ctx, current, history)) is not None:
-                status = stop
-                break
-            resuming = resume is not None and resume.mid_epoch and epoch == first_epoch
-            ticks = [epoch_progress_tick(ctx, progress_id, len(history))]
-            if ctx.state.warm is not None and epoch + 1 < job.epochs and \
-                    (upcoming := forecast_workers(ctx, prof, history, current.data_parallel, lr)):
-                ticks.append(WarmPrestart(ctx, current, epoch, upcoming).tick)  # hides the next start-up
-            sent = time.time()
-            metrics = run_epoch(ctx, current, epoch, init, lr, resuming, on_tick=lambda: [t() for t in ticks])
-            clock.epoch(sent, time.time())
-            if epoch == first_epoch and current.predicted_first_epoch_s:  # start-up and warm-up in force
-                metrics["predicted_epoch_s"] = current.predicted_first_epoch_s
-            metrics["predicted_cost_so_far_usd"] = predicted_cost_at(current, epoch - in_force[1])
-            init = checkpoint(ctx, epoch, metrics["checkpoint_key"], metrics)
-            calibration = fit(current, metrics, calibration, first=epoch == first_epoch,
-                              inputs=strategy_inputs(ctx, prof, workers))
-            metrics["overhead_s"] = epoch_overhead(current, metrics)
-            history.append(metrics)
-            _epoch_progress(ctx, progress_id, history, plan_dict.get("predicted_run_cost_usd"))
-            if target_reached(job, metrics):
-                status = "target_reached"
-                break
-            if epoch + 1 < job.epochs:
-                decision = rescale(ctx, prof, history, workers, lr)
-                metrics["rescale"] = decision
-                lr = decision["lr"]
-                left = job.epochs - epoch - 1
-                if decision["workers"] != workers:  # the policy moved the worker budget
-                    workers = decision["workers"]
-                    current = choose_plan(ctx, prof, workers, calibration, left)
-                    metrics["replan"] = {"calibration": calibration.to_dict(), "switched": True,
-                                         "reason": f"rescaled to {workers} worker(s) by the {job.scaling} policy",
-                                         "predicted_epoch_s": current.predicted_epoch_s}
-                else:
-                    current, metrics["replan"] = reconsider_plan(ctx, prof, current, calibration, left, workers)
-            metrics["plan"] = current.to_dict()
-            save_progress(ctx, history)
-    except BaseException as exc:
-        status = end_state(exc, ctx)
-        error = (f"interrupted by {signal.Signals(COMMAND_LINE.signal).name} on the command line"
-                 if COMMAND_LINE.active and COMMAND_LINE.signal is not None
-                 else "cancelled through Prefect (UI or API)" if status == "cancelled"
-                 else f"{type(exc).__name__}: {exc}")
-        raise
-    finally:
-        clock.teardown_at = time.time()
-        live = _live_workers(ctx)
-        teardown(ctx)
-        ledger = record_cost(ctx)  # final before the report renders it; nothing rewrites it
-        summary = _finish(ctx, status, history, plan_dict, ledger, error)
-        record_terms(ctx, clock, history)  # the next plan on this target predicts from them
-        ACTIVE.pop(ctx.flow_run_id, None)
-        COMMAND_LINE.run.update(workers=live, bill_usd=ledger["total_usd"], ledger_at=_ledger_at(ctx))
-        if status == "cancelled":
-            with contextlib.suppress(Exception):  # the run's own end goes on whatever happens here
-                _log_cancelled(ctx, ledger)
+    return run
+
+
+def profile_plan_and_provision(run: Training) -> None:
+    """Profile on the target (warm workers' start-up hidden behind it where they start first),
+    take over a resumed run's state, plan, and provision the run."""
+    ctx, job, resume = run.ctx, run.job, run.resume
+    if ctx.state.warm is not None and starts_before_profile(ctx):  # their start-up hides behind profile + plan
+        ctx.state.warm.ensure(provisional_plan(ctx), resume.next_epoch if resume else 0)
+    run.profile = ctx.state.profile = profile(ctx)
+    run.clock.profiled = "measured" in run.profile.get("profile_sources", {}).values()
+    if resume is not None:
+        run.first_epoch, run.init, run.lr, run.workers = resume.next_epoch, resume.init_key, resume.lr, resume.workers
+        run.history, ctx.state.ledger = list(resume.history), list(resume.ledger) + ctx.state.ledger  # + profiling
+        for rank in range(job.max_workers):  # attempt numbers stay unique across coordinators
+            ctx.state.attempts[(run.first_epoch, rank)] = resume.max_attempt
+    last_replan = run.history[-1].replan if run.history else None
+    run.calibration = Calibration.from_dict(last_replan.calibration if last_replan else None)
+    if resume is not None and resume.plan and resume.plan.get("data_parallel") == run.workers:
+        run.plan = Plan.from_dict(resume.plan)  # the same plan, so a started epoch can go on
+    else:
+        run.plan = choose_plan(ctx, run.profile, run.workers, run.calibration, job.epochs - run.first_epoch)
+    run.plan_since, run.first_plan = run.first_epoch, run.plan.to_dict()
+    run.clock.planned_at = run.first_plan["planned_at"] = time.time()  # its run prediction counts from here
+    if ctx.state.warm is not None:  # start-up overlaps provisioning
+        ctx.state.warm.ensure(run.plan, run.first_epoch)
+    provision(ctx, run.plan, fresh=resume is None)
+    run.status = "completed"
+
+
+def train_one_epoch(run: Training, epoch: int) -> EpochSummary:
+    """Run the epoch (the next epoch's warm workers pre-started behind it where the policy
+    knows their count), commit its checkpoint, calibrate the planner from it, record it."""
+    ctx, job = run.ctx, run.job
+    resuming = run.resume is not None and run.resume.mid_epoch and epoch == run.first_epoch
+    ticks = [epoch_progress_tick(ctx, run.progress_id, len(run.history))]
+    if ctx.state.warm is not None and epoch + 1 < job.epochs and \
+            (upcoming := forecast_workers(ctx, run.profile, run.history, run.plan.data_parallel, run.lr)):
+        ticks.append(WarmPrestart(ctx, run.plan, epoch, upcoming).tick)  # hides the next start-up
+    sent = time.time()
+    summary = run_epoch(ctx, run.plan, epoch, run.init, run.lr, resuming, on_tick=lambda: [t() for t in ticks])
+    run.clock.epoch(sent, time.time())
+    if epoch == run.first_epoch and run.plan.predicted_first_epoch_s:  # start-up and warm-up in force
+        summary.predicted_epoch_s = run.plan.predicted_first_epoch_s
+    summary.predicted_cost_so_far_usd = predicted_cost_at(run.plan, epoch - run.plan_since)
+    run.init = checkpoint(ctx, summary)
+    run.calibration = fit(run.plan, summary, run.calibration, first=epoch == run.first_epoch,
+                          inputs=strategy_inputs(ctx, run.profile, run.workers))
+    summary.overhead_s = epoch_overhead(run.plan, summary)
+    run.history.append(summary)
+    _epoch_progress(ctx, run.progress_id, run.history, run.first_plan.get("predicted_run_cost_usd"))
+    return summary
+
+
+def rescale_or_replan(run: Training, summary: EpochSummary) -> None:
+    """The scaling policy's worker budget for the next epoch; planned anew when it moved, else
+    the plan in force re-predicted from the calibration and replaced when another is clearly
+    better. Both decisions go into the epoch's record."""
+    ctx, left = run.ctx, run.job.epochs - summary.epoch - 1
+    summary.rescale = decision = rescale(ctx, run.profile, run.history, run.workers, run.lr)
+    run.lr = decision.lr
+    if decision.workers != run.workers:  # the policy moved the worker budget
+        run.workers = decision.workers
+        run.plan = choose_plan(ctx, run.profile, run.workers, run.calibration, left)
+        summary.replan = Replan(calibration=run.calibration.to_dict(), switched=True,
+                                reason=f"rescaled to {run.workers} worker(s) by the {run.job.scaling} policy",
+                                predicted_epoch_s=run.plan.predicted_epoch_s)
+    else:
+        run.plan, summary.replan = reconsider_plan(ctx, run.profile, run.plan, run.calibration, left, run.workers)
+    run.plan_since = summary.epoch + 1  # the plan (re-)predicted now holds from the next epoch
+
+
+def error_of(exc: BaseException, status: str) -> str:
+    """What stopped the run (`status`: its end state), in the words the summary gives."""
+    if COMMAND_LINE.active and COMMAND_LINE.signal is not None:
+        return f"interrupted by {signal.Signals(COMMAND_LINE.signal).name} on the command line"
+    if status == "cancelled":
+        return "cancelled through Prefect (UI or API)"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def finish_run(run: Training) -> RunSummary:
+    """Tear down, record the final bill (before the report renders it), write the summary and
+    the run's terms for the next plan on this target; a cancelled run says so last."""
+    ctx = run.ctx
+    run.clock.teardown_at = time.time()
+    live = _live_workers(ctx)
+    teardown(ctx)
+    ledger = record_cost(ctx)  # final before the report renders it; nothing rewrites it
+    summary = _finish(ctx, run.status, run.history, run.first_plan, ledger, run.error)
+    record_terms(ctx, run.clock, run.history)  # the next plan on this target predicts from them
+    ACTIVE.pop(ctx.flow_run_id, None)
+    COMMAND_LINE.run.update(workers=live, bill_usd=ledger["total_usd"], ledger_at=_ledger_at(ctx))
+    if run.status == "cancelled":
+        with contextlib.suppress(Exception):  # the run's own end goes on whatever happens here
+            _log_cancelled(ctx, ledger)
     return summary
 
 
@@ -352,7 +421,7 @@ def _ledger_of(summary: RunSummary) -> dict | None:
         return None
 
 
-def save_progress(ctx: RunContext, history: list[dict]) -> None:
+def save_progress(ctx: RunContext, history: list[EpochSummary]) -> None:
     """History and the bill so far, so a killed coordinator leaves both behind."""
     from coordinator.ledger import record_cost_now
     from coordinator.resume import write_history
@@ -534,9 +603,9 @@ def early_server():
 def _validated_run(args, fields: dict, server) -> int:
     from pydantic import ValidationError
 
-    from core.errors import ZooidValueError
     from coordinator.job import format_validation_error
     from coordinator.report import text_report
+    from core.errors import ZooidValueError
 
     try:
         job = TrainJob(**fields)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, replace
 
+from core.epoch_summary import EpochSummary
 from core.plan import Plan
 from planners.pipeline_time import TransferCosts
 
@@ -58,14 +59,12 @@ def _bounded(ratio: float) -> float:
     return min(high, max(low, ratio))
 
 
-def epoch_overhead(plan: Plan, measured: dict) -> float:
+def epoch_overhead(plan: Plan, measured: EpochSummary) -> float:
     """An epoch's wall time beyond its steps and the start-up it exposed: dispatch, data,
     validation, checkpoint, replies."""
-    iteration = float(measured.get("measured_iteration_s") or 0.0)
-    busy = plan.steps_per_epoch * iteration if iteration > 0 else float(measured.get("critical_busy_s") or 0.0)
-    startup = measured.get("startup") or {}
-    exposed = float(startup.get("exposed_s", startup.get("critical_exposed_s", 0.0)) or 0.0)
-    return max(0.0, float(measured["seconds"]) - busy - exposed)
+    iteration = measured.measured_iteration_s or 0.0
+    busy = plan.steps_per_epoch * iteration if iteration > 0 else (measured.critical_busy_s or 0.0)
+    return max(0.0, measured.seconds - busy - measured.exposed_startup_s)
 
 
 def _with_comm(plan: Plan, c: Calibration, base: Calibration, ratio: float) -> Calibration:
@@ -102,7 +101,7 @@ def _solve_comm(plan: Plan, inputs, c: Calibration, iteration: float, rounds: in
     return _with_comm(plan, c, Calibration(), math.exp((low + high) / 2))
 
 
-def fit(plan: Plan, measured: dict, previous: Calibration = Calibration(), *, first: bool = False,
+def fit(plan: Plan, measured: EpochSummary, previous: Calibration = Calibration(), *, first: bool = False,
         inputs=None) -> Calibration:
     """The calibration after an epoch of `plan` (made with `previous`) that measured
     `measured` (the epoch's summary: `seconds`, `measured_iteration_s`, `compute_s`, the
@@ -113,8 +112,8 @@ def fit(plan: Plan, measured: dict, previous: Calibration = Calibration(), *, fi
     scale is solved so that the planner predicts the measured iteration exactly; without,
     it is the ratio of the measured to the predicted communication."""
     steps = max(1, plan.steps_per_epoch)
-    iteration = float(measured.get("measured_iteration_s") or 0.0)
-    compute = float(measured.get("compute_s") or 0.0) / steps
+    iteration = measured.measured_iteration_s or 0.0
+    compute = (measured.compute_s or 0.0) / steps
     out = dataclasses.replace(previous, epochs=previous.epochs + 1)
     if iteration > 0 and compute > 0 and plan.predicted_compute_s > 0:
         compute = min(compute, iteration)

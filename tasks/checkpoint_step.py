@@ -8,9 +8,10 @@ from prefect.cache_policies import NO_CACHE
 from coordinator.context import RunContext
 from coordinator.retention import commit_checkpoint
 from coordinator.retry import task_options
+from core.epoch_summary import EpochSummary
 
 
 @task(name="checkpoint", cache_policy=NO_CACHE, **task_options(retries=2, timeout_s=300))
-def checkpoint(ctx: RunContext, epoch: int, key: str, metrics: dict) -> str:
-    """Verify `key` decodes as a checkpoint, record it as the latest, prune; return the key."""
-    return commit_checkpoint(ctx, epoch, key, metrics)
+def checkpoint(ctx: RunContext, summary: EpochSummary) -> str:
+    """Verify the epoch's checkpoint decodes, record it as the latest, prune; return its key."""
+    return commit_checkpoint(ctx, summary)

@@ -9,6 +9,7 @@ from prefect.cache_policies import NO_CACHE
 from coordinator.context import RunContext
 from coordinator.planning import make_plan, replan
 from coordinator.retry import task_options
+from core.epoch_summary import Replan
 from core.plan import Plan
 from planners.calibration import Calibration
 
@@ -23,8 +24,8 @@ def choose_plan(ctx: RunContext, profile: dict, workers: int | None = None, cali
 
 @task(name="replan", cache_policy=NO_CACHE, **task_options(retries=1, timeout_s=300))
 def reconsider_plan(ctx: RunContext, profile: dict, current: Plan, calibration: Calibration, epochs_left: int,
-                budget: int) -> tuple[Plan, dict]:
+                    budget: int) -> tuple[Plan, Replan]:
     """`replan` as a step of the flow: the decision shows in the UI and the epoch history."""
     chosen, decision = replan(ctx, profile, current, calibration, epochs_left, budget)
-    print(f"zooid re-plan after {calibration.epochs} epoch(s): {decision['reason']}")
+    print(f"zooid re-plan after {calibration.epochs} epoch(s): {decision.reason}")
     return chosen, decision

@@ -368,3 +368,25 @@ def test_the_coordinator_keeps_one_registry_the_failure_hooks():
     flow's failure hooks need (Prefect hands a hook the flow run alone)."""
     found = _registries()
     assert [r for r in found if r.split(".")[0] in ("coordinator", "tasks", "flows")] == ["coordinator.context.ACTIVE"], found
+
+
+def test_tasks_holds_only_thin_prefect_tasks():
+    """tasks/ is the train flow's steps as Prefect tasks, each a thin function over coordinator/:
+    every module defines a task, and every function there is a task (or the profile step, which
+    must stay outside a task run: its worker's paid-worker slot outlives the task) of at most 4
+    lines besides its docstring."""
+    bad = []
+    for module, path in project_files().items():
+        if not module.startswith("tasks.") or path.name == "__init__.py":
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        functions = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        tasks = [f for f in functions if any("task" in ast.unparse(d) for d in f.decorator_list)]
+        if not tasks:
+            bad.append(f"{path.name}: no Prefect task")
+        for f in functions:
+            body = f.body[1:] if ast.get_docstring(f) else f.body
+            lines = body[-1].end_lineno - body[0].lineno + 1
+            if lines > 4 or (f not in tasks and (module, f.name) != ("tasks.profile", "profile")):
+                bad.append(f"{path.name}:{f.lineno} {f.name}: {'not a task' if f not in tasks else f'{lines} lines'}")
+    assert not bad, "tasks/ should hold thin Prefect tasks only:\n" + "\n".join(bad)

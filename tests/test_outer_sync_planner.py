@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from core.epoch_summary import EpochSummary
 from core.outer_sync import INT8_BLOCK, wire_bytes
 from planners.calibration import calibrated, fit
 from planners.pipeline_time import TransferCosts
@@ -60,8 +61,9 @@ def test_calibration_refits_the_sync_with_the_bytes_the_dtype_moves():
     x = _inputs(sync_bandwidth=4e8, sync_latency=1e-6, sync_dtype="int8", checkpoint_s=0.0,
                 transfer=TransferCosts(0.0, 1e12, 0.0, 1e12, 0.0))
     plan = local_sgd(x)
-    measured = {"seconds": plan.predicted_epoch_s, "measured_iteration_s": plan.predicted_iteration_s,
-                "compute_s": plan.predicted_compute_s * plan.steps_per_epoch}
+    measured = EpochSummary(epoch=0, workers=plan.workers, train_loss=1.0, seconds=plan.predicted_epoch_s,
+                            measured_iteration_s=plan.predicted_iteration_s,
+                            compute_s=plan.predicted_compute_s * plan.steps_per_epoch)
     right = fit(plan, measured, inputs=x)
     assert right.sync_scale == pytest.approx(1.0, rel=1e-6)
     as_f32 = _inputs(sync_bandwidth=4e8, sync_latency=1e-6, checkpoint_s=0.0,

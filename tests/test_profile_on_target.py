@@ -3,10 +3,12 @@ predicts the run's time and bill and is calibrated by its epochs."""
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
 
+from core.epoch_summary import EpochSummary
 from core.errors import ZooidValueError
 from core.plan import Plan
 from planners.calibration import Calibration, calibrated, epoch_overhead, fit
@@ -30,11 +32,16 @@ def _plan(**kw) -> Plan:
     return Plan(**{**base, **kw})
 
 
+def _measured(**fields) -> EpochSummary:
+    """An epoch's row with the fields calibration reads."""
+    return EpochSummary(epoch=0, workers=2, train_loss=1.0, **fields)
+
+
 def test_calibration_refits_compute_sync_and_overhead_from_an_epoch():
     plan = _plan()
     # measured: compute 0.03 s a step (2x), the rest 0.01 s (2x the predicted 0.005), 0.5 s beyond the steps
-    measured = {"seconds": 10 * 0.04 + 0.5, "measured_iteration_s": 0.04, "compute_s": 0.3,
-                "startup": {"mode": "warm", "exposed_s": 0.0}}
+    measured = EpochSummary(epoch=0, workers=2, train_loss=1.0, seconds=10 * 0.04 + 0.5, measured_iteration_s=0.04,
+                            compute_s=0.3, startup={"mode": "warm", "exposed_s": 0.0})
     c = fit(plan, measured)
     assert (c.step_scale, c.layer_scale, c.sync_scale, c.transfer_scale) == pytest.approx((2.0, 1.0, 2.0, 1.0))
     assert c.overhead_s == pytest.approx(0.5) and c.epochs == 1
@@ -44,17 +51,16 @@ def test_calibration_refits_compute_sync_and_overhead_from_an_epoch():
     # the first epoch of a worker set built models and read data: no steady overhead from it
     assert fit(plan, measured, first=True).overhead_s is None
     # start-up the epoch exposed is not overhead
-    assert epoch_overhead(plan, {**measured, "startup": {"exposed_s": 0.2}}) == pytest.approx(0.3)
+    assert epoch_overhead(plan, replace(measured, startup={"exposed_s": 0.2})) == pytest.approx(0.3)
 
 
 def test_a_pipeline_epoch_calibrates_transfers_and_leaves_the_sync_alone():
     c = fit(_plan(strategy="pipeline", data_parallel=1, stages=2),
-            {"seconds": 1.0, "measured_iteration_s": 0.06, "compute_s": 0.15})
+            _measured(seconds=1.0, measured_iteration_s=0.06, compute_s=0.15))
     assert (c.layer_scale, c.step_scale, c.transfer_scale, c.sync_scale) == pytest.approx((1.0, 1.0, 9.0, 1.0))
 
 
 def test_calibrated_inputs_predict_what_was_measured():
-    from dataclasses import replace
 
     from planners.strategy import local_sgd
     from tests.test_strategy import _inputs
@@ -62,9 +68,9 @@ def test_calibrated_inputs_predict_what_was_measured():
     x = _inputs(sync_period=2)
     before = local_sgd(x, 2)
     steps = before.steps_per_epoch
-    measured = {"seconds": steps * 3 * before.predicted_iteration_s,
-                "measured_iteration_s": 3 * before.predicted_iteration_s,
-                "compute_s": steps * 3 * before.predicted_compute_s}
+    measured = _measured(seconds=steps * 3 * before.predicted_iteration_s,
+                         measured_iteration_s=3 * before.predicted_iteration_s,
+                         compute_s=steps * 3 * before.predicted_compute_s)
     after = local_sgd(calibrated(x, fit(before, measured)), 2)
     assert after.predicted_iteration_s == pytest.approx(3 * before.predicted_iteration_s, rel=1e-6)
     assert calibrated(x, Calibration()) is x
@@ -216,9 +222,9 @@ def test_replanning_after_the_first_epoch_leaves_a_plan_its_measurements_refute(
     assert summary.status == "completed"
     first, second = summary.epochs[0], summary.epochs[1]
     assert summary.plan["strategy"] == "pipeline"  # what the wrong profile chose
-    assert first.replan["switched"] and first.replan["reason"].startswith("faster")
-    assert first.replan["calibration"]["transfer_scale"] > 100
-    assert first.replan["to"]["strategy"] == "local_sgd"
+    assert first.replan.switched and first.replan.reason.startswith("faster")
+    assert first.replan.calibration["transfer_scale"] > 100
+    assert first.replan.to["strategy"] == "local_sgd"
     assert (second.stages, second.workers) == (1, 2)  # Local-SGD on the same worker budget
     assert second.seconds < first.seconds
 

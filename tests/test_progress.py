@@ -16,9 +16,11 @@ from coordinator.job import TrainJob
 
 def test_the_epoch_line_names_epoch_workers_loss_accuracy_time_and_cost_against_predictions():
     from coordinator.progress import epoch_line
+    from core.epoch_summary import EpochSummary
 
-    line = epoch_line({"epoch": 1, "workers": 2, "val_loss": 0.41234, "val_accuracy": 0.873, "seconds": 1.23,
-                       "predicted_epoch_s": 1.1, "predicted_cost_so_far_usd": 0.000201}, 5, 0.000215, 0.000592)
+    line = epoch_line(EpochSummary(epoch=1, workers=2, train_loss=0.5, val_loss=0.41234, val_accuracy=0.873,
+                                   seconds=1.23, predicted_epoch_s=1.1, predicted_cost_so_far_usd=0.000201),
+                      5, 0.000215, 0.000592)
     assert line == ("epoch 2/5: 2 worker(s), loss 0.4123, accuracy 87.3%, 1.23 s (predicted 1.10 s), "
                     "cost so far $0.000215 (predicted $0.000201 by now; $0.000592 for the run)")
 

@@ -288,7 +288,7 @@ def test_the_cost_curve_covers_the_whole_ledger_from_zero_to_its_total(name):
 
 def test_the_plots_are_pngs():
     summary, led = local_sgd_run()
-    epochs = [e.model_dump() for e in summary.epochs]
+    epochs = summary.epochs
     for png in (plot_curves(epochs), plot_curves(epochs, led["rows"]), plot_cost(led["rows"])):
         assert png[:8] == b"\x89PNG\r\n\x1a\n"
     md = markdown_report(summary, led["rows"], plot_curves(epochs))

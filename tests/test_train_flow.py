@@ -6,6 +6,7 @@ import json
 import pytest
 
 from coordinator.job import TrainJob
+from core.epoch_summary import EpochSummary
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
@@ -35,6 +36,15 @@ def test_train_flow_trains_bills_and_cleans_up(tmp_path, warm):
     # the summary, the ledger, the checkpoints and the plot are kept
     saved = json.loads(store.get(f"{run}/summary.json"))
     assert saved["status"] == "completed" and len(saved["epochs"]) == 2
+    # every field of each epoch's record reaches summary.json and history.json as the flow held it,
+    # including those set after the epoch ran (prediction in force, overhead, rescale, re-plan, plan)
+    history = json.loads(store.get(f"{run}/history.json"))
+    for held, written, kept in zip(summary.epochs, saved["epochs"], history):
+        assert written == kept == held.to_dict()
+    first = summary.epochs[0]
+    assert first.rescale is not None and first.rescale.workers == 2 and first.replan is not None
+    assert first.replan.reason and first.plan["data_parallel"] == 2 and first.overhead_s is not None
+    assert first.compute_s > 0 and first.samples > 0 and first.predicted_cost_so_far_usd is not None
     ledger = read_ledger(store, summary.run_id)
     kinds = [r["kind"] for r in ledger["rows"]]
     trained = [r for r in ledger["rows"] if r["kind"] == "worker" and r["attempt"] is not None]
@@ -46,6 +56,32 @@ def test_train_flow_trains_bills_and_cleans_up(tmp_path, warm):
     # scratch is gone and no worker outlives the run
     assert store.list(f"{run}/data/") == [] and store.list(f"{run}/sync/") == []
     assert tagged_pids(summary.run_id) == []
+
+
+def test_an_epoch_record_survives_the_run_summary_with_every_field():
+    """Every field of `EpochSummary`, set to a value that is not its default, comes back equal
+    through the run summary's JSON (summary.json) and the history's (history.json)."""
+    import dataclasses
+
+    from coordinator.job import RunSummary
+    from core.epoch_summary import Replan, Rescale
+
+    values = {int: 3, float: 0.25, str: "k", bool: True, dict: {"a": 1}, list: [{"rank": 1}]}
+    fields = {}
+    for f in dataclasses.fields(EpochSummary):
+        kind = {"Rescale | None": Rescale, "Replan | None": Replan}.get(f.type)
+        fields[f.name] = (Rescale(workers=4, lr=0.5, reason="r") if kind is Rescale else
+                          Replan(calibration={"step_scale": 2.0}, switched=True, reason="x", to={"stages": 1})
+                          if kind is Replan else
+                          next(v for t, v in values.items() if f.type.split(" | ")[0] == t.__name__))
+    epoch = EpochSummary(**fields)
+    assert all(getattr(epoch, f.name) != f.default for f in dataclasses.fields(EpochSummary)
+               if f.default is not dataclasses.MISSING)
+    back = RunSummary.model_validate_json(RunSummary(run_id="r", status="completed", epochs=[epoch]).model_dump_json())
+    assert back.epochs[0] == epoch
+    assert json.loads(RunSummary(run_id="r", status="completed", epochs=[epoch]).model_dump_json())["epochs"][0] \
+        == epoch.to_dict()
+    assert EpochSummary.from_dict(json.loads(json.dumps(epoch.to_dict()))) == epoch
 
 
 def test_target_accuracy_stops_early(tmp_path):
@@ -92,6 +128,10 @@ class _Ctx:
                                                  stop=1.0, unit_price_per_s=spent_usd)])
 
 
+def _epoch(**fields) -> EpochSummary:
+    return EpochSummary(epoch=0, workers=1, train_loss=1.0, **fields)
+
+
 @pytest.mark.parametrize("elapsed, predicted_s, last_s, deadline, expected", [
     (10.0, 1.0, None, 20.0, None),            # first epoch fits
     (10.0, 1.0, 12.0, 20.0, "deadline_reached"),  # the last epoch measured longer than the plan
@@ -109,7 +149,7 @@ def test_guardrail_judges_the_next_epoch_by_the_larger_of_plan_and_measure(elaps
     monkeypatch.setattr(flows.train, "time", SimpleNamespace(time=lambda: now))
     job = TrainJob(deadline_s=deadline)
     plan = SimpleNamespace(predicted_epoch_s=predicted_s, predicted_cost_per_epoch_usd=0.0)
-    history = [{"seconds": last_s, "cost_usd": 0.0}] if last_s is not None else []
+    history = [_epoch(seconds=last_s, cost_usd=0.0)] if last_s is not None else []
     assert guardrail(job, _Ctx(now - elapsed), plan, history) == expected
 
 
@@ -125,7 +165,7 @@ def test_guardrail_stops_before_the_budget_is_spent(monkeypatch):
     job = TrainJob(budget_usd=1.0)
     assert guardrail(job, _Ctx(now, spent_usd=0.5), plan, []) is None
     assert guardrail(job, _Ctx(now, spent_usd=0.7), plan, []) == "budget_exhausted"
-    assert guardrail(job, _Ctx(now, spent_usd=0.5), plan, [{"seconds": 1.0, "cost_usd": 0.6}]) \
+    assert guardrail(job, _Ctx(now, spent_usd=0.5), plan, [_epoch(seconds=1.0, cost_usd=0.6)]) \
         == "budget_exhausted"
     # running workers bill by the second since the start: 0.5 + 0.4 + 100 s x $0.001 passes $1
     assert guardrail(job, _Ctx(now - 99.0, spent_usd=0.5, price=0.001), plan, []) is None

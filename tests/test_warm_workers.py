@@ -239,11 +239,12 @@ def test_rescaling_warm_workers_up_and_down_trains_as_the_cold_path(tmp_path, mo
     """Workers 2 -> 3 -> 1 -> 2 under plain SGD: warm and cold end with the same weights; the
     warm run kept rank 0's process, retired ranks the plan dropped and started new ones."""
     import coordinator.scaling_policy
+    from core.epoch_summary import Rescale
     from flows.train import train
 
     script = {0: 3, 1: 1, 2: 2}
-    monkeypatch.setattr(coordinator.scaling_policy, "decide_next", lambda ctx, prof, history, workers, lr: {
-        "workers": script[history[-1]["epoch"]], "lr": lr, "reason": "scripted"})
+    monkeypatch.setattr(coordinator.scaling_policy, "decide_next", lambda ctx, prof, history, workers, lr: Rescale(
+        workers=script[history[-1].epoch], lr=lr, reason="scripted"))
     weights, runs = [], []
     for warm in (True, False):
         store_url = f"file://{tmp_path}/{warm}"
