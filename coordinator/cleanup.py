@@ -7,6 +7,7 @@ from __future__ import annotations
 from blocks.store_refs import open_store_ref
 from clouds.registry import adapter_for
 from coordinator.context import RunContext
+from coordinator.epoch_run import bill_from_cloud_clock
 from coordinator.sweep import sweep_run
 from core.keys import scratch_prefixes
 
@@ -58,8 +59,6 @@ def _step(report: dict, name: str, fn):
 
 
 def _bill(ctx: RunContext) -> None:
-    from coordinator.epoch_run import bill_from_cloud_clock
-
     bill_from_cloud_clock(ctx, [], -1)
 
 

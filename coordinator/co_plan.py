@@ -37,8 +37,10 @@ import dataclasses
 import math
 from typing import Callable
 
+from core.errors import ZooidValueError
 from core.plan import Plan
 from core.stage_memory import stage_bounds
+from planners.co_optimize import merge_layers
 from planners.co_optimize_flow import (
     Point,
     SizeOption,
@@ -49,7 +51,9 @@ from planners.co_optimize_flow import (
     only_size,
     select,
 )
-from planners.strategy import StrategyInputs, job_microbatches, merge_parameter_free, predicted
+from planners.pipeline_time import stage_times
+from planners.strategy import StrategyInputs, describe, job_microbatches, merge_parameter_free, predicted
+from profiling.profiler import ModelProfile, vcpu_factor
 
 MAX_LAYERS = 12
 """Layers given to the co-optimiser at most (adjacent ones merged by balanced compute)."""
@@ -63,8 +67,6 @@ def not_needed(plan: Plan, reason: str) -> Plan:
 
 def size_options(ctx, x: StrategyInputs, sizes: tuple[float, ...], profile: dict) -> list[SizeOption]:
     """Each size's vCPU, time factor, bandwidth and price (module docstring)."""
-    from profiling.profiler import vcpu_factor
-
     target, offer = ctx.resolved.target, ctx.resolved.offer
     per_memory = offer.kind == "function" and offer.memory_gb > 0
     serial = float(profile.get("serial_fraction", 1.0))
@@ -81,9 +83,6 @@ def size_options(ctx, x: StrategyInputs, sizes: tuple[float, ...], profile: dict
 def problem_layers(x: StrategyInputs, profile: dict, microbatch_size: int) -> tuple[list[dict], list[int]]:
     """Layers at `microbatch_size` rows for the co-optimiser, and per layer the original index
     of its last layer (a co-optimiser cut i is the plan's cut `last[i]`)."""
-    from planners.pipeline_time import stage_times
-    from profiling.profiler import ModelProfile
-
     acts = ModelProfile.from_dict(profile).layer_activation_bytes(microbatch_size)
     times = stage_times(x.layers, range(len(x.layers) - 1), microbatch_size, x.profile_batch)
     layers = [{"forward_s": st["forward_s"], "backward_s": st["backward_s"], "output_bytes": st["out_bytes"],
@@ -110,8 +109,6 @@ def co_optimized(ctx, profile: dict, x: StrategyInputs, uniform: Plan | None, wo
     the reason the co-optimiser was not used; None when neither exists. `uniform` is the plan
     at the target's size (None: it does not fit, `why_uniform` says why); `check_memory`
     refuses a plan whose stage does not fit its size (`coordinator.planning.check_memory`)."""
-    from core.errors import ZooidValueError
-
     job, target = ctx.job, ctx.resolved.target
     sizes = target.memory_options()
     if len(sizes) < 2:
@@ -134,8 +131,6 @@ def co_optimized(ctx, profile: dict, x: StrategyInputs, uniform: Plan | None, wo
                             microbatches=total, dp_degrees=degrees,
                             sync_bytes_factor=dtype_sync_factor(x.param_bytes, x.sync_dtype))
     if problem.num_layers > MAX_LAYERS:
-        from planners.co_optimize import merge_layers
-
         problem, groups = merge_layers(problem, MAX_LAYERS)
         last = [last[b] for _, b in groups]
     steps = math.ceil(ctx.resolved.n_train / (total * micro))
@@ -171,7 +166,6 @@ def co_optimized(ctx, profile: dict, x: StrategyInputs, uniform: Plan | None, wo
     record.update(used=True, reason=f"{len(sizes)} worker sizes: {rule}")
     rows = tuple({**a, "chosen": False, "price_per_worker_s": a.get("price_per_worker_s", uniform.price_per_worker_s)}
                  for a in (uniform.alternatives if uniform else ()))
-    from planners.strategy import describe
 
     rows += ({**describe(chosen, True), "compared": "co-optimiser", "stage_memory_gb": list(chosen.stage_memory_gb),
               "price_per_worker_s": chosen.price_per_worker_s},)

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from blocks.store_refs import open_store_ref
+from comm.store_dir import zooid_home
 from coordinator.cost import CostRecord
 from coordinator.job import TrainJob
 from coordinator.validate import ResolvedJob
@@ -104,18 +106,12 @@ class RunContext:
 
     def open_store(self):
         """A fresh client of the run's store (scratch: tensors in flight)."""
-        from blocks.store_refs import open_store_ref
-
         return open_store_ref(self.store_ref)
 
     def open_durable(self):
         """A fresh client of the durable store: data subsets, checkpoints, history, ledger,
         summary (the same store unless the scratch store may lose keys, e.g. Redis)."""
-        from blocks.store_refs import open_store_ref
-
         return open_store_ref(self.durable_ref)
 
     def log_dir(self) -> Path:
-        from comm.store_dir import zooid_home
-
         return zooid_home() / "logs" / self.run_id

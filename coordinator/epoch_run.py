@@ -18,13 +18,16 @@ from clouds.registry import adapter_for
 from coordinator.cloud_bill import cloud_records, replace_measured
 from coordinator.context import RunContext
 from coordinator.cost import worker_records
+from coordinator.failures import FailureKind, classify_failure
 from coordinator.launchers import PAID_WORKERS_LIMIT, WorkerOutcome, make_launcher, worker_threads
 from coordinator.warm_prestart import PrestartWatch, should_prestart, startup_report
 from coordinator.worker_specs import next_attempt, worker_specs
 from core.epoch_summary import EpochSummary
+from core.errors import OutOfMemory, ZooidValueError
 from core.keys import activation_prefix, sync_prefix
 from core.plan import Plan
 from core.specs import WorkerSpec
+from engine.chaos import read_fault_marker
 
 
 def bill_from_cloud_clock(ctx: RunContext, outcomes, epoch: int, plan: Plan | None = None) -> None:
@@ -55,10 +58,6 @@ def relaunch_policy(ctx: RunContext, plan: Plan, max_relaunches: int = 2):
     sync) unless the failure cannot be retried (out of memory, bad input) or the worker
     already failed `max_relaunches` times. A pipeline stage has no mid-epoch resume: its
     failure fails the attempt, and the task's retry reruns the epoch."""
-    from coordinator.failures import FailureKind, classify_failure
-    from core.errors import OutOfMemory, ZooidValueError
-    from engine.chaos import read_fault_marker
-
     relaunched: dict[int, int] = {}
 
     def on_failure(outcome, spec: WorkerSpec) -> WorkerSpec | None:

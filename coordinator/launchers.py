@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from blocks.store_block import BLOCK_PREFIX
+from clouds.job_variables import job_variables as cloud_job_variables
+from clouds.job_variables import resources_from_plan
 from clouds.registry import adapter_for, is_cloud
 from comm import heartbeat
 from coordinator.sweep import COORDINATOR_VAR, TAG_VAR, stop_pids
@@ -357,9 +359,6 @@ def make_launcher(ctx, plan) -> _Launcher:
     if not target.remote:
         return InlineLauncher(ctx.run_id, ctx.log_dir(), env=env)
     if is_cloud(target):
-        from clouds.job_variables import job_variables as cloud_job_variables
-        from clouds.job_variables import resources_from_plan
-
         # a worker's `env` replaces the pool's default one: keep the pool's under ours (read once a
         # run: a launcher is made every epoch)
         if ctx.state.pool_env is None:

@@ -12,17 +12,34 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from coordinator.co_plan import co_optimized, launched_inputs
 from coordinator.context import RunContext
+from coordinator.cost import total_usd
 from coordinator.launchers import SHARED_HOST_KINDS
+from coordinator.ledger import rows_now
 from coordinator.run_terms import load_terms
+from coordinator.scaling_policy import worker_schedule
 from core.epoch_summary import Replan
 from core.errors import ZooidValueError
 from core.plan import Plan
-from core.stage_memory import optimizer_copies
+from core.schedule_costs import ideal_peak_in_flight
+from core.schedules import Kind, build_schedule
+from core.stage_memory import check_plan_memory, format_bytes, optimizer_copies, stage_memory
 from planners.calibration import Calibration, calibrated
 from planners.pipeline_time import TransferCosts
 from planners.run_prediction import predict_run, with_run_prediction
-from planners.strategy import StrategyInputs, choose, with_sync
+from planners.strategy import (
+    StrategyInputs,
+    choose,
+    choose_schedule,
+    describe,
+    local_sgd,
+    predicted,
+    with_schedule,
+    with_sync,
+)
+from profiling.profiler import ModelProfile
+from profiling.timing import cpu_count
 
 LAYER_FIELDS = ("forward_s", "backward_s", "output_bytes", "param_bytes", "forward_fixed_s",
                 "backward_fixed_s")
@@ -33,8 +50,6 @@ def strategy_inputs(ctx: RunContext, profile: dict, workers: int) -> StrategyInp
     and its target: the store's contract bandwidth and latency, a worker's measured put
     and get costs, the sync checkpoint write and a step right after it. Where the workers
     share this machine, a plan of more worker processes than cores time-shares them."""
-    from profiling.timing import cpu_count
-
     job, target = ctx.job, ctx.resolved.target
     transfer = profile.get("store_transfer")
     return StrategyInputs(
@@ -60,8 +75,6 @@ def make_plan(ctx: RunContext, profile: dict, workers: int, calibration: Calibra
     the epochs measured so far, with its epoch and run predicted start-up aware
     (`with_run`); refused (ZooidValueError naming `memory`, with the numbers per stage)
     when a stage does not fit its worker."""
-    from coordinator.co_plan import co_optimized
-
     x = calibrated(strategy_inputs(ctx, profile, workers), calibration or Calibration())
     several = len(ctx.resolved.target.memory_options()) > 1
     uniform, why = None, ""
@@ -83,8 +96,6 @@ def scaled_plans(ctx: RunContext, profile: dict, chosen: Plan, workers: int, cal
     """The plan of each epoch to come where the job's scaling policy changes the worker budget
     in advance (`coordinator.scaling_policy.worker_schedule`: adabatch), each budget planned as the flow will
     plan it when it gets there; None where every epoch runs `chosen`."""
-    from coordinator.scaling_policy import worker_schedule
-
     left = ctx.job.epochs if epochs_left is None else epochs_left
     counts = worker_schedule(ctx, workers, left)
     if not counts or set(counts) == {workers}:
@@ -119,9 +130,6 @@ def with_run(ctx: RunContext, chosen: Plan, calibration: Calibration | None, epo
              per_epoch: list[Plan] | None = None) -> Plan:
     """`chosen` and its alternatives with each epoch's overhead and the run's time and bill
     (`planners.run_prediction`), from the target's measured terms (`coordinator.run_terms`)."""
-    from coordinator.cost import total_usd
-    from coordinator.ledger import rows_now
-
     terms = load_terms(ctx, calibration.overhead_s if calibration else None)
     launched = [w.launched_at for w in ctx.state.warm.workers.values()] if ctx.state.warm is not None else []
     since = None  # no worker yet: all start at the plan, and wait as long as earlier such runs did
@@ -194,9 +202,6 @@ def replan(ctx: RunContext, profile: dict, current: Plan, calibration: Calibrati
 
 def make_same(ctx: RunContext, profile: dict, current: Plan, calibration: Calibration, epochs_left: int) -> Plan:
     """The plan in force (its shape unchanged) predicted again from calibrated inputs."""
-    from coordinator.co_plan import launched_inputs
-    from planners.strategy import local_sgd, predicted
-
     x = calibrated(strategy_inputs(ctx, profile, current.data_parallel), calibration)
     x = launched_inputs(ctx, x, current, profile)  # a co-optimised plan's stages run at their sizes
     again = local_sgd(x, current.data_parallel) if current.stages == 1 else predicted(x, current)
@@ -212,9 +217,6 @@ def pick_schedule(ctx: RunContext, profile: dict, x, plan: Plan) -> Plan:
     micro-batches of activations on stage s, GPipe all M, interleaved min(W_w + 1, 2M)
     half-stage sets on worker w); within 1 % of the fastest, the one holding fewer
     stage-sized sets on worker 0. The schedules compared join the plan's alternatives."""
-    from core.schedule_costs import ideal_peak_in_flight
-    from planners.strategy import choose_schedule, describe, with_schedule
-
     chunks = 2
     names = ["1f1b", "gpipe"] if ctx.job.pipeline_schedule == "auto" else [ctx.job.pipeline_schedule]
     with_params = sum(1 for l in profile.get("layers", ()) if l.get("param_bytes", 0) > 0)
@@ -240,10 +242,6 @@ def pick_schedule(ctx: RunContext, profile: dict, x, plan: Plan) -> Plan:
         activations its row holds at once (walking the schedule, each model stage's own
         bytes per micro-batch), its stages' parameters with gradients, sync buffers and
         optimizer state, its base memory once."""
-        from core.schedules import Kind, build_schedule
-        from core.stage_memory import format_bytes, stage_memory
-        from profiling.profiler import ModelProfile
-
         prof = ModelProfile.from_dict(profile)
         if not prof.layers:
             return
@@ -290,13 +288,9 @@ def check_memory(ctx: RunContext, profile: dict, plan: Plan) -> None:
     """Every stage's activations, parameters, gradients, optimizer state and the worker
     process's base memory must fit the worker's memory (each stage's own size where the
     co-optimiser chose them, `plan.stage_memory_gb`)."""
-    from core.stage_memory import check_plan_memory
-    from profiling.profiler import ModelProfile
-
     prof = ModelProfile.from_dict(profile)
     if not prof.layers:
         return
-    from core.schedule_costs import ideal_peak_in_flight
 
     micro = max(1, plan.batch_size // max(1, plan.microbatches))
     in_flight = [ideal_peak_in_flight(plan.pipeline_schedule, plan.stages, plan.microbatches, worker=s)

@@ -16,6 +16,7 @@ import time
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
+from coordinator.launchers import SHARED_HOST_KINDS
 from core.keys import cache_key, cache_prefix
 from profiling.profile_job import PROFILE_VERSION
 
@@ -42,8 +43,6 @@ def model_identity(model: str) -> str:
 def target_key(ctx, threads: int) -> str:
     """What a target's workers are, as the coordinator knows them before any starts: the
     target and its launch settings (and this machine, where the workers share it)."""
-    from coordinator.launchers import SHARED_HOST_KINDS
-
     t, offer = ctx.resolved.target, ctx.resolved.offer
     doc = {"v": PROFILE_VERSION, "target": ctx.resolved.target_name, "kind": t.kind,
            "image": getattr(t, "image", "") or "", "offer": offer.name, "vcpu": t.worker_vcpu,

@@ -19,6 +19,7 @@ from core.keys import (
     attempt_of,
     faults_prefix,
     history_key,
+    init_checkpoint_key,
     latest_key,
     ledger_key,
     run_doc_key,
@@ -62,8 +63,6 @@ def _json(store, key: str):
 def find_resume_point(ctx: RunContext, *, required: bool) -> ResumePoint | None:
     """The resume point of `ctx.run_id`, or None when the run has not started (an error
     naming `resume` when `required`)."""
-    from core.keys import init_checkpoint_key
-
     store = ctx.open_durable()
     try:
         run = _json(store, run_doc_key(ctx.run_id))

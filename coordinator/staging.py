@@ -10,9 +10,12 @@ import json
 import time
 
 from coordinator.context import RunContext
+from coordinator.sweep import sweep_orphans
 from core.errors import ZooidValueError
 from core.keys import data_manifest_key, init_checkpoint_key, run_doc_key
 from core.plan import Plan
+from engine.checkpoint import initial_checkpoint
+from engine.datasets import publish_dataset, read_manifest
 
 
 def check_deployment(name: str) -> None:
@@ -30,18 +33,12 @@ def check_deployment(name: str) -> None:
 def stage_run(ctx: RunContext, plan: Plan, fresh: bool = True) -> dict:
     """Publish the dataset subsets and the initial checkpoint (a resumed run republishes the
     data only if teardown removed it, and keeps its checkpoints); return the dataset manifest."""
-    from coordinator.sweep import sweep_orphans
-    from engine.checkpoint import initial_checkpoint
-    from engine.datasets import publish_dataset
-
     sweep_orphans()  # workers of coordinators that died earlier must not train on
     target = ctx.resolved.target
     if target.remote:
         check_deployment(target.worker_deployment)
     store = ctx.open_durable()
     try:
-        from engine.datasets import read_manifest
-
         if not fresh and store.exists(data_manifest_key(ctx.run_id)):
             manifest = read_manifest(store, ctx.run_id)
         else:  # the split is deterministic, so a republished subset i is the same subset i

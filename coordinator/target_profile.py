@@ -26,12 +26,20 @@ import statistics
 import time
 from datetime import UTC, datetime
 
+from blocks.store_block import BLOCK_PREFIX
+from blocks.store_refs import load_store_block
 from coordinator.context import RunContext
 from coordinator.launchers import worker_threads
 from coordinator.profile_cache import ProfileCache, model_key, store_key, target_key
+from coordinator.run_terms import KEEP, load_terms, timings_key
+from coordinator.warm_pool import WarmPool, provisional_plan
 from core.errors import ZooidValueError
 from core.keys import probe_prefix, warm_prefix
 from core.stage_memory import optimizer_copies
+from engine.models import resolve_model
+from planners.catalog import device_figures, store_figures
+from planners.strategy import job_microbatches
+from profiling.estimate import DeviceFigures, estimate_profile
 from profiling.profile_job import ProfileRequest
 
 STORE_PROBE_TTL_S = 24 * 3600.0
@@ -39,8 +47,6 @@ STORE_PROBE_TTL_S = 24 * 3600.0
 
 def microbatch_size(job) -> int:
     """Rows per micro-batch of a pipeline of this job (the planner's default split)."""
-    from planners.strategy import job_microbatches
-
     return max(1, job.batch_size // job_microbatches(job.batch_size, job.microbatches))
 
 
@@ -60,8 +66,6 @@ def sync_bytes(prof: dict, optimizer: str) -> float:
 
 def profile_threads(ctx: RunContext) -> int:
     """Torch threads the profiling worker runs: those of a worker of the job's first plan."""
-    from coordinator.warm_pool import provisional_plan
-
     return worker_threads(ctx.resolved.target.kind, provisional_plan(ctx))
 
 
@@ -95,8 +99,6 @@ class TargetProfiler:
         self.ctx, self.one_off = ctx, None
 
     def measure(self, request: ProfileRequest) -> dict:
-        from coordinator.warm_pool import WarmPool, provisional_plan
-
         ctx = self.ctx
         pool = ctx.state.warm
         if pool is None:
@@ -251,8 +253,6 @@ this target and offer measured one."""
 
 def _record_profile_seconds(ctx: RunContext, seconds: float) -> None:
     """Add a measured profile's seconds to the target's samples (best effort, like the run terms)."""
-    from coordinator.run_terms import KEEP, timings_key
-
     try:
         cache = ProfileCache(ctx.open_durable)
         doc = cache.get("profile_times", timings_key(ctx)) or {}
@@ -265,8 +265,6 @@ def profile_estimate(ctx: RunContext) -> dict:
     """What renting one worker on the target to take the profile is predicted to cost: the
     offer's price per second x (start-up + profile + stop), each the median this target and
     offer measured before (`coordinator.run_terms`), else assumed. An estimate: the bill is measured."""
-    from coordinator.run_terms import load_terms, timings_key
-
     terms = load_terms(ctx)
     samples = (ProfileCache(ctx.open_durable).get("profile_times", timings_key(ctx)) or {}).get("profile_s") or []
     kind = ctx.resolved.target.kind
@@ -344,11 +342,6 @@ def catalog_profile(ctx: RunContext) -> tuple[dict, str]:
 
     import torch
 
-    from blocks.store_block import BLOCK_PREFIX
-    from blocks.store_refs import load_store_block
-    from engine.models import resolve_model
-    from planners.catalog import device_figures, store_figures
-    from profiling.estimate import DeviceFigures, estimate_profile
     began = time.perf_counter()
     job, r = ctx.job, ctx.resolved
     threads = profile_threads(ctx)

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from blocks.compute import ComputeTarget, resolve_target
+from blocks.compute import ComputeTarget, memory_options_problem, resolve_target
 from blocks.store_block import BLOCK_PREFIX, block_ref
 from blocks.store_refs import is_store_url, load_store_block, open_store_ref
+from clouds.registry import adapter_for, is_cloud
+from comm.store_dir import default_store_url, path_from_url
 from coordinator.job import TrainJob
 from core.errors import StoreError, ZooidValueError
 from planners.catalog import Offer, get_offer
@@ -56,8 +58,6 @@ class ResolvedJob:
 def resolve_store_ref(store: str) -> str:
     """The store reference workers receive: an absolute URL, or `block:<type slug>/<name>` for
     a block named `<name>` (a `zooid-store`), `<type slug>/<name>` or already a reference."""
-    from comm.store_dir import default_store_url, path_from_url
-
     if not store:
         return default_store_url()
     if is_store_url(store):
@@ -70,8 +70,6 @@ def resolve_store_ref(store: str) -> str:
 def resolve_durable_ref(durable_store: str, store_ref: str) -> str:
     """The durable store: as given; else the run's store, unless that is Redis (scratch that
     a restart may empty), in which case the local directory store."""
-    from comm.store_dir import default_store_url
-
     if durable_store:
         return resolve_store_ref(durable_store)
     if store_ref.startswith(("redis://", "rediss://")):
@@ -100,6 +98,7 @@ def open_checked_store(store_ref: str):
 def check_pipeline_shape(job: TrainJob) -> None:
     """A pipeline needs a model of at least `stages` top-level layers and a batch that splits
     into whole micro-batches."""
+    # torch: `make up` and bootstrap import this module (via coordinator.context) without it
     from engine.models import build_model
     from engine.stages import sequential_children
 
@@ -120,6 +119,7 @@ def check_model_fits(job: TrainJob, data, classes: int) -> None:
     weights (`engine.models.model_fit`: the `meta` device, one row on the CPU, no gradients),
     on this machine, before anything is rented. A mismatch is one line naming `model` and
     `dataset`, their shapes, and the registry models that fit the dataset."""
+    # torch: `make up` and bootstrap import this module (via coordinator.context) without it
     from engine.models import model_fit, models_that_fit
 
     sample = data.train_x[:1]
@@ -138,8 +138,6 @@ def check_worker_sizes(target: ComputeTarget, offer: Offer) -> tuple[float, ...]
     ZooidValueError naming `worker_memory_options_gb` for a size that is not a positive
     finite number, or for several sizes of an offer billed per whole instance (a VM has one
     size)."""
-    from blocks.compute import memory_options_problem
-
     problem = memory_options_problem(target.worker_memory_options_gb)
     if problem:
         raise ZooidValueError("worker_memory_options_gb", problem.removeprefix("worker_memory_options_gb: "))
@@ -161,8 +159,6 @@ def check_reachable_from_workers(target: ComputeTarget, target_name: str, store_
     """Workers in containers (docker and the clouds) reach their stores over the network: a
     directory on this machine is refused, naming `store` or `durable_store` and the store the
     target's workers should use (ACI: Azure Blob; the others: S3 or Redis)."""
-    from clouds.registry import is_cloud
-
     if not is_cloud(target):
         return
     suggestion = STORE_SUGGESTIONS.get(target.kind, "an S3 or Redis store (a URL or a Zooid Store block)")
@@ -188,7 +184,6 @@ def check_target_ready(resolved: "ResolvedJob") -> None:
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
-    from clouds.registry import adapter_for
 
     target, name = resolved.target, resolved.target_name
     if not target.remote:
@@ -214,6 +209,7 @@ def check_target_ready(resolved: "ResolvedJob") -> None:
 
 def validate_job(job: TrainJob, *, check_store: bool = True) -> ResolvedJob:
     """Check everything about `job` that pydantic cannot; raise ZooidValueError naming the field."""
+    # torch: `make up` and bootstrap import this module (via coordinator.context) without it
     from engine.datasets import load_dataset, validate_dataset
     from engine.models import resolve_model
 

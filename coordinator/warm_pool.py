@@ -32,12 +32,14 @@ from coordinator.cost import CostRecord
 from coordinator.launchers import (
     FAILED,
     PAID_WORKERS_LIMIT,
+    SHARED_HOST_KINDS,
     WorkerOutcome,
     WorkersFailed,
     launch_identity,
     make_launcher,
 )
 from core.keys import command_key, lease_key, reply_key, status_key, warm_prefix
+from core.plan import Plan
 from core.specs import WarmSpec, WorkerResult, WorkerSpec
 from runtime.warm import read_json, worker_name
 
@@ -465,16 +467,12 @@ def warm_epoch_specs(specs: list[WorkerSpec], threads: int) -> list[WorkerSpec]:
 def starts_before_profile(ctx) -> bool:
     """Whether the warm workers can start while the coordinator profiles: not where they share
     its machine (their start-up would slow the very timings the profile takes)."""
-    from coordinator.launchers import SHARED_HOST_KINDS
-
     return ctx.resolved.target.kind not in SHARED_HOST_KINDS
 
 
 def provisional_plan(ctx):
     """The job's worker count and the target's worker size, before any plan: what the first
     warm workers are started with (the plan then adds, retires or resizes them)."""
-    from core.plan import Plan
-
     job, target = ctx.job, ctx.resolved.target
     stages = job.stages or 1 if job.strategy in ("pipeline", "hybrid") else 1
     return Plan(strategy=job.strategy if job.strategy != "auto" else "local_sgd", data_parallel=job.workers,

@@ -13,7 +13,11 @@ import dataclasses
 import time
 
 from coordinator.context import RunContext
+from coordinator.launchers import make_launcher
+from coordinator.worker_specs import next_attempt, worker_specs
+from core.keys import checkpoint_key
 from core.plan import Plan
+from planners.prestart import decide_prestart, startup_split
 
 
 def should_prestart(ctx: RunContext, plan: Plan, epoch: int) -> bool:
@@ -31,8 +35,6 @@ class PrestartWatch:
         self.launched = False
 
     def tick(self) -> None:
-        from planners.prestart import decide_prestart
-
         if self.launched:
             return
         decision = decide_prestart(elapsed_s=time.time() - self.epoch_start,
@@ -43,10 +45,6 @@ class PrestartWatch:
             self.launch_next()
 
     def launch_next(self) -> None:
-        from coordinator.launchers import make_launcher
-        from coordinator.worker_specs import next_attempt, worker_specs
-        from core.keys import checkpoint_key
-
         nxt = self.epoch + 1
         launcher = make_launcher(self.ctx, self.plan)
         for spec in worker_specs(self.ctx, self.plan, nxt, checkpoint_key(self.ctx.run_id, self.epoch), self.lr, 0):
@@ -66,8 +64,6 @@ class WarmPrestart:
         self.launched = next_workers <= plan.workers or plan.strategy != "local_sgd"
 
     def tick(self) -> None:
-        from planners.prestart import decide_prestart
-
         if self.launched:
             return
         decision = decide_prestart(elapsed_s=time.time() - self.epoch_start,
@@ -81,7 +77,5 @@ class WarmPrestart:
 
 def startup_report(outcomes, previous_end: float | None) -> dict:
     """Start-up hidden behind the previous epoch vs exposed, over the epoch's workers."""
-    from planners.prestart import startup_split
-
     pairs = [(o.started_at, max(o.started_at, o.result.started_at)) for o in outcomes if o.result]
     return startup_split(pairs, previous_end).to_dict() if pairs else {}

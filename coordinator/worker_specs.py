@@ -11,6 +11,8 @@ from coordinator.context import RunContext
 from core.keys import checkpoint_key
 from core.plan import Plan
 from core.specs import SyncSpec, WorkerSpec
+from engine.datasets import assign_subsets
+from engine.pipeline_executor import pipeline_worker_specs
 
 
 def ring_host(ctx: RunContext) -> str:
@@ -28,15 +30,11 @@ def next_attempt(ctx: RunContext, epoch: int, rank: int) -> int:
 
 def worker_specs(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, attempt: int) -> list[WorkerSpec]:
     """One spec per replica: its data subsets, step count and the keys to read and write."""
-    from engine.datasets import assign_subsets
-
     job = ctx.job
     shards = assign_subsets(ctx.state.dataset["n_subsets"], plan.data_parallel, epoch, job.seed)
     # survivors wait at a sync long enough for a failed peer to be detected and relaunched
     timeout = job.worker_timeout_s + (300.0 if ctx.resolved.target.remote else 120.0)
     if plan.strategy in ("pipeline", "hybrid"):
-        from engine.pipeline_executor import pipeline_worker_specs
-
         # a stage reads data and checkpoints from its one store: the durable one
         base = WorkerSpec(run_id=ctx.run_id, epoch=epoch, rank=0, world=plan.workers,
                           store_url=ctx.durable_ref, model=job.model, dataset=job.dataset,

@@ -24,13 +24,8 @@ import uuid
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
-from core.errors import ZooidValueError
-from flows.params import job_fields_flow, job_fields_from_args
 from coordinator.context import RunContext, run_id_for
-from coordinator.job import TrainJob
-from tasks.plan_step import choose_plan
-from tasks.profile import profile, show_profile
-from coordinator.target_profile import cached_profile, profile_estimate, will_rent
+from coordinator.job import TrainJob, format_validation_error
 from coordinator.report import (
     alternatives_table,
     artifact_key,
@@ -40,7 +35,12 @@ from coordinator.report import (
     plan_in_words,
     run_terms_text,
 )
+from coordinator.target_profile import cached_profile, profile_estimate, will_rent
 from coordinator.validate import check_target_ready, validate_job
+from core.errors import ZooidValueError
+from flows.params import job_fields_flow, job_fields_from_args
+from tasks.plan_step import choose_plan
+from tasks.profile import profile, show_profile
 
 
 def plan_report(job: TrainJob, chosen: dict) -> str:
@@ -155,7 +155,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from pydantic import ValidationError
 
-    from coordinator.job import format_validation_error
 
     parser = argparse.ArgumentParser(prog="python -m flows.dry_run", description=__doc__.splitlines()[0])
     parser.add_argument("--param", action="append", default=[], metavar="NAME=VALUE")

@@ -12,13 +12,20 @@ from __future__ import annotations
 import json
 import time
 
+from blocks.compute import resolve_target
+from clouds.registry import adapter_for
+from coordinator.cleanup import cancel_flow_runs, delete_scratch, finish_cancelled, teardown_run
+from coordinator.context import ACTIVE, run_id_for
+from coordinator.cost import CostRecord, coordinator_record, is_final, write_ledger
+from coordinator.job import TrainJob
+from coordinator.ledger import record_cost_now
+from coordinator.sweep import sweep_run
+from coordinator.validate import open_checked_store, resolve_durable_ref, resolve_store_ref
 from core.keys import ledger_key, run_prefix, summary_key
-from coordinator.context import run_id_for
+from planners.catalog import get_offer
 
 
 def _job_from_parameters(parameters: dict):
-    from coordinator.job import TrainJob
-
     params = dict(parameters or {})
     if "job" in params:
         job = params["job"]
@@ -27,14 +34,6 @@ def _job_from_parameters(parameters: dict):
 
 
 def _rebuild_and_clean(flow_run, state) -> None:
-    from blocks.compute import resolve_target
-    from clouds.registry import adapter_for
-    from planners.catalog import get_offer
-    from coordinator.cost import CostRecord, coordinator_record, is_final, write_ledger
-    from coordinator.sweep import sweep_run
-    from coordinator.cleanup import cancel_flow_runs, delete_scratch, finish_cancelled
-    from coordinator.validate import open_checked_store, resolve_durable_ref, resolve_store_ref
-
     run_id = run_id_for(flow_run.id)
     try:
         cancelled = cancel_flow_runs(run_id)
@@ -94,10 +93,6 @@ def end_status(state) -> str:
 
 def on_abnormal_end(flow, flow_run, state) -> None:
     """Tear the run down and record its cost after a failure, crash or cancellation."""
-    from coordinator.context import ACTIVE
-    from coordinator.ledger import record_cost_now
-    from coordinator.cleanup import teardown_run
-
     ctx = ACTIVE.get(str(flow_run.id))
     try:
         if ctx is not None:

@@ -12,14 +12,12 @@ from typing import Any, Callable
 
 from prefect import flow
 
-from coordinator.job import TrainJob
+from coordinator.job import TrainJob, parse_param_value
 
 
 def job_fields_from_args(params: list[str]) -> dict[str, Any]:
     """`--param NAME=VALUE` items as TrainJob fields (values parsed as JSON where they can be);
     ValueError for an item without `=`."""
-    from coordinator.job import parse_param_value
-
     fields = {}
     for item in params:
         name, sep, value = item.partition("=")

@@ -39,20 +39,27 @@ from dataclasses import dataclass, field
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 
+from blocks.store_refs import open_store_ref
 from coordinator.context import ACTIVE, RunContext, run_id_for
-from coordinator.cost import worker_seconds
-from coordinator.job import RunSummary, TrainJob
+from coordinator.cost import read_ledger, total_usd, worker_seconds
+from coordinator.job import RunSummary, TrainJob, format_validation_error
+from coordinator.ledger import record_cost_now, rows_now
 from coordinator.planning import strategy_inputs
-from coordinator.report import artifact_key, markdown_report, plot_curves
-from coordinator.resume import ResumePoint, find_resume_point
+from coordinator.progress import epoch_line, interrupted_lines, money
+from coordinator.report import artifact_key, epoch_table, markdown_report, plot_curves, text_report
+from coordinator.resume import ResumePoint, find_resume_point, write_history
 from coordinator.run_terms import RunClock, record_terms
 from coordinator.scaling_policy import forecast_workers
+from coordinator.sweep import tagged_pids
 from coordinator.validate import check_target_ready, validate_job
 from coordinator.warm_pool import WarmPool, provisional_plan, starts_before_profile
 from coordinator.warm_prestart import WarmPrestart
 from core.epoch_summary import EpochSummary, Replan
+from core.errors import ZooidValueError
 from core.keys import init_checkpoint_key, ledger_key, report_key, summary_key
 from core.plan import Plan
+from deployments.bootstrap import PAID_WORKERS, ensure_concurrency_limit
+from deployments.server import TemporaryServer, drain_prefect_clients, temporary_server
 from flows.hooks import on_abnormal_end
 from flows.params import job_fields_flow, job_fields_from_args
 from planners.calibration import Calibration, epoch_overhead, fit
@@ -112,7 +119,6 @@ def _epoch_progress(ctx: RunContext, progress_id, history: list[EpochSummary],
                     predicted_run_cost_usd: float | None) -> None:
     from prefect.artifacts import create_table_artifact
 
-    from coordinator.report import epoch_table
 
     log_epoch(ctx, history[-1], predicted_run_cost_usd)
     if progress_id is not None:
@@ -127,9 +133,6 @@ def log_epoch(ctx: RunContext, epoch: EpochSummary, predicted_run_cost_usd: floa
     against predicted, the bill so far against the run's prediction."""
     from prefect.logging import get_run_logger
 
-    from coordinator.cost import total_usd
-    from coordinator.ledger import rows_now
-    from coordinator.progress import epoch_line
 
     line = epoch_line(epoch, ctx.job.epochs, total_usd(rows_now(ctx)), predicted_run_cost_usd)
     try:
@@ -178,7 +181,6 @@ def _log_cancelled(ctx: RunContext, ledger: dict) -> None:
     from prefect.logging import get_run_logger
     from prefect.states import Cancelled
 
-    from coordinator.progress import money
 
     message = f"run {ctx.run_id} cancelled: its workers were stopped, bill {money(ledger['total_usd'])}"
     get_run_logger().info(f"zooid {message}; resume with --param resume={ctx.run_id}")
@@ -390,8 +392,6 @@ def finish_run(run: Training) -> RunSummary:
 
 def _live_workers(ctx: RunContext) -> int:
     """Worker processes or flow runs of the run still alive before its teardown."""
-    from coordinator.sweep import tagged_pids
-
     try:
         return len(tagged_pids(ctx.run_id)) or len(ctx.state.warm.workers if ctx.state.warm is not None else [])
     except Exception:
@@ -408,9 +408,6 @@ def _ledger_at(ctx: RunContext) -> str:
 
 def _ledger_of(summary: RunSummary) -> dict | None:
     """The ledger the run wrote beside its summary (the report's wall time and infrastructure)."""
-    from blocks.store_refs import open_store_ref
-    from coordinator.cost import read_ledger
-
     try:
         store = open_store_ref(summary.store_url)
         try:
@@ -423,9 +420,6 @@ def _ledger_of(summary: RunSummary) -> dict | None:
 
 def save_progress(ctx: RunContext, history: list[EpochSummary]) -> None:
     """History and the bill so far, so a killed coordinator leaves both behind."""
-    from coordinator.ledger import record_cost_now
-    from coordinator.resume import write_history
-
     store = ctx.open_durable()
     try:
         write_history(store, ctx.run_id, history)
@@ -532,7 +526,6 @@ def prefect_api(server=None):
         if PREFECT_API_URL.value():
             yield
             return
-        from deployments.server import drain_prefect_clients, temporary_server
 
         with temporary_server(started=server) as url, temporary_settings(updates={PREFECT_API_URL: url}):
             _ensure_paid_workers_limit()
@@ -550,7 +543,6 @@ def _ensure_paid_workers_limit() -> None:
     bootstrapped one (else Prefect warns that it does not exist at every launch)."""
     from prefect.client.orchestration import get_client
 
-    from deployments.bootstrap import PAID_WORKERS, ensure_concurrency_limit
 
     try:
         with get_client(sync_client=True) as client:
@@ -595,7 +587,6 @@ def early_server():
         return None
     if EARLY_SERVER is not None and EARLY_SERVER.pid is not None:
         return EARLY_SERVER
-    from deployments.server import TemporaryServer
 
     return TemporaryServer()
 
@@ -603,9 +594,6 @@ def early_server():
 def _validated_run(args, fields: dict, server) -> int:
     from pydantic import ValidationError
 
-    from coordinator.job import format_validation_error
-    from coordinator.report import text_report
-    from core.errors import ZooidValueError
 
     try:
         job = TrainJob(**fields)
@@ -663,7 +651,6 @@ def _interrupted(params: list[str]) -> int:
     down, the bill so far, how to resume), exit 128 + the signal (130 SIGINT, 143 SIGTERM)."""
     import shlex
 
-    from coordinator.progress import interrupted_lines
 
     signum = COMMAND_LINE.signal or signal.SIGINT
     run = COMMAND_LINE.run

@@ -14,11 +14,13 @@ from __future__ import annotations
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
+from blocks.store_refs import open_store_ref
+from core.specs import WorkerResult, WorkerSpec
+
 
 def run_worker(spec_dict: dict) -> dict:
     """Run one WorkerSpec against its store and return the WorkerResult as a dict."""
-    from blocks.store_refs import open_store_ref
-    from core.specs import WorkerSpec
+    # torch: Prefect loads this module to read the flow's parameters; the epoch loads torch
     from runtime.run_spec import run_spec
 
     spec = WorkerSpec.from_dict(spec_dict)
@@ -38,8 +40,7 @@ def train_epoch(spec: dict) -> dict:
 
 def serve_warm(spec_dict: dict) -> dict:
     """Serve the run's epochs until the coordinator stops this worker."""
-    from blocks.store_refs import open_store_ref
-    from core.specs import WorkerResult, WorkerSpec
+    # torch: Prefect loads this module to read the flow's parameters; the epoch loads torch
     from runtime.warm import serve
 
     spec = WorkerSpec.from_dict(spec_dict)
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     block from the Prefect API itself, so its secret never travels in the spec, an argument
     or the environment. The inline launcher starts this entry only for block stores (the
     plain one does not import Prefect)."""
-    from blocks.store_refs import open_store_ref
+    # torch: Prefect loads this module to read the flow's parameters; the epoch loads torch
     from runtime.worker_main import main as worker_main
 
     return worker_main(argv, open_ref=open_store_ref)

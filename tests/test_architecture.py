@@ -390,3 +390,42 @@ def test_tasks_holds_only_thin_prefect_tasks():
             if lines > 4 or (f not in tasks and (module, f.name) != ("tasks.profile", "profile")):
                 bad.append(f"{path.name}:{f.lineno} {f.name}: {'not a task' if f not in tasks else f'{lines} lines'}")
     assert not bad, "tasks/ should hold thin Prefect tasks only:\n" + "\n".join(bad)
+
+
+def _project_import_statements() -> list[tuple[str, int, bool, str]]:
+    """Every import statement of a project module outside benchmarks/: (path, line, whether it
+    sits inside a function, the comment on its line or heading its block of imports)."""
+    found = []
+    for module, path in project_files().items():
+        if module.startswith("benchmarks"):
+            continue
+        source = path.read_text()
+        lines = source.splitlines()
+        tree = ast.parse(source, filename=str(path))
+        inner = {id(n) for fn in ast.walk(tree) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+                 for n in ast.walk(fn)}
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)) or getattr(node, "level", 0):
+                continue
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            if not any(_project_module(n) for n in names):
+                continue
+            own = lines[node.lineno - 1].partition("#")[2].strip()
+            above = node.lineno - 2  # a comment heading the block of imports it opens
+            while above >= 0 and lines[above].lstrip().startswith(("from ", "import ")):
+                above -= 1
+            head = lines[above].strip() if above >= 0 else ""
+            why = own or (head[1:].strip() if head.startswith("#") else "")
+            found.append((str(path.relative_to(ROOT)), node.lineno, id(node) in inner, why))
+    return found
+
+
+def test_project_imports_sit_at_the_top_and_each_inner_one_says_why():
+    """Imports of the project's own modules go at the top of a file, where a reader sees the
+    graph; one inside a function only where it must (a heavy dependency kept off a light path,
+    a solver), with a comment saying why, and at most 10 % of the project's import statements."""
+    statements = _project_import_statements()
+    inner = [s for s in statements if s[2]]
+    silent = [f"{path}:{line}" for path, line, _, why in inner if not why]
+    assert not silent, "function-level project imports without a comment saying why:\n" + "\n".join(silent)
+    assert len(inner) <= 0.10 * len(statements), f"{len(inner)} of {len(statements)} project imports inside functions"
