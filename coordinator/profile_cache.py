@@ -42,7 +42,7 @@ def model_identity(model: str) -> str:
 def target_key(ctx, threads: int) -> str:
     """What a target's workers are, as the coordinator knows them before any starts: the
     target and its launch settings (and this machine, where the workers share it)."""
-    from coordinator.launchers import SHARED_HOST_KINDS
+    from core.kinds import SHARED_HOST_KINDS
 
     t, offer = ctx.resolved.target, ctx.resolved.offer
     doc = {"v": PROFILE_VERSION, "target": ctx.resolved.target_name, "kind": t.kind,

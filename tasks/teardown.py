@@ -14,6 +14,7 @@ from prefect.cache_policies import NO_CACHE
 from blocks.store_refs import open_store_ref
 from clouds.registry import adapter_for
 from core.keys import scratch_prefixes
+from core.kinds import TargetKind
 from coordinator.context import RunContext
 from coordinator.sweep import sweep_run
 
@@ -96,7 +97,7 @@ def teardown_run(ctx: RunContext) -> dict:
             if swept is not None:
                 report["swept"] = swept
     report["stopped_pids"] = sweep_run(ctx.run_id)
-    if target.kind == "process" and cancelled:
+    if target.kind == TargetKind.PROCESS and cancelled:
         _step(report, "finish_cancelled", lambda: finish_cancelled(cancelled))
     cancel_errors = [report["errors"][k] for k in ("cancel", "finish_cancelled") if k in report["errors"]]
     if cancel_errors:
