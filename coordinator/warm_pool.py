@@ -457,7 +457,7 @@ def warm_epoch_specs(specs: list[WorkerSpec], threads: int) -> list[WorkerSpec]:
 def starts_before_profile(ctx) -> bool:
     """Whether the warm workers can start while the coordinator profiles: not where they share
     its machine (their start-up would slow the very timings the profile takes)."""
-    from coordinator.launchers import SHARED_HOST_KINDS
+    from core.kinds import SHARED_HOST_KINDS
 
     return ctx.resolved.target.kind not in SHARED_HOST_KINDS
 
@@ -465,10 +465,11 @@ def starts_before_profile(ctx) -> bool:
 def provisional_plan(ctx):
     """The job's worker count and the target's worker size, before any plan: what the first
     warm workers are started with (the plan then adds, retires or resizes them)."""
+    from core.kinds import PIPELINED_STRATEGIES, Strategy
     from core.plan import Plan
 
     job, target = ctx.job, ctx.resolved.target
-    stages = job.stages or 1 if job.strategy in ("pipeline", "hybrid") else 1
-    return Plan(strategy=job.strategy if job.strategy != "auto" else "local_sgd", data_parallel=job.workers,
+    stages = job.stages or 1 if job.strategy in PIPELINED_STRATEGIES else 1
+    return Plan(strategy=job.strategy if job.strategy != Strategy.AUTO else Strategy.LOCAL_SGD, data_parallel=job.workers,
                 stages=stages, batch_size=job.batch_size, worker_vcpu=target.worker_vcpu,
                 worker_memory_gb=target.worker_memory_gb, worker_gpu=target.worker_gpu)

@@ -7,6 +7,7 @@ both import them from here, so neither depends on the other for them.
 from __future__ import annotations
 
 from clouds.registry import is_cloud
+from core.kinds import PIPELINED_STRATEGIES
 from core.plan import Plan
 from core.specs import SyncSpec, WorkerSpec
 from coordinator.context import RunContext
@@ -34,7 +35,7 @@ def worker_specs(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, 
     shards = assign_subsets(ctx.state.dataset["n_subsets"], plan.data_parallel, epoch, job.seed)
     # survivors wait at a sync long enough for a failed peer to be detected and relaunched
     timeout = job.worker_timeout_s + (300.0 if ctx.resolved.target.remote else 120.0)
-    if plan.strategy in ("pipeline", "hybrid"):
+    if plan.strategy in PIPELINED_STRATEGIES:
         from engine.pipeline_executor import pipeline_worker_specs
 
         # a stage reads data and checkpoints from its one store: the durable one

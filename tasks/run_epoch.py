@@ -15,6 +15,7 @@ from prefect.concurrency.sync import concurrency
 
 from clouds.registry import adapter_for
 from core.keys import activation_prefix, sync_prefix
+from core.kinds import Strategy
 from core.plan import Plan
 from core.specs import WorkerSpec
 from coordinator.cloud_bill import cloud_records, replace_measured
@@ -75,7 +76,7 @@ def relaunch_policy(ctx: RunContext, plan: Plan, max_relaunches: int = 2):
                               f"({failure.reason}); re-plan with more memory per worker or a smaller batch")
         if failure.kind is FailureKind.BAD_INPUT:
             raise ZooidValueError("job", f"worker {spec.rank} refused its input: {failure.reason}")
-        if (plan.strategy != "local_sgd" or spec.sync.collective == "ring"  # a ring cannot take a new rank
+        if (plan.strategy != Strategy.LOCAL_SGD or spec.sync.collective == "ring"  # a ring cannot take a new rank
                 or relaunched.get(spec.rank, 0) >= max_relaunches):
             return None
         relaunched[spec.rank] = relaunched.get(spec.rank, 0) + 1
