@@ -6,12 +6,14 @@ block; any other name loads a saved block of this type.
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, Optional
+from typing import Any, Optional
 
 from prefect.blocks.core import Block
 from pydantic import Field, field_validator
 
-Kind = Literal["inline", "process", "ecs", "aci", "k8s", "docker"]
+from core.kinds import TargetKind, choices
+
+Kind = choices(*TargetKind)
 
 
 class ComputeTarget(Block):
@@ -54,7 +56,7 @@ class ComputeTarget(Block):
     @property
     def remote(self) -> bool:
         """Whether workers run outside the coordinator's process tree (through a work pool)."""
-        return self.kind != "inline"
+        return TargetKind(self.kind).remote
 
 
 def memory_options_problem(values) -> str:
@@ -68,20 +70,15 @@ def memory_options_problem(values) -> str:
     return ""
 
 
-BUILTIN = {
-    "inline": dict(kind="inline", offer="aci-cpu", worker_vcpu=1.0, worker_memory_gb=2.0),
-    "local": dict(kind="process", work_pool="zooid-local", worker_deployment="worker/local",
-                  offer="aci-cpu", worker_vcpu=1.0, worker_memory_gb=2.0),
-    # containers on a Docker-API engine (podman here), billed as the Fargate task they stand in for
-    "docker": dict(kind="docker", work_pool="zooid-docker", worker_deployment="worker/docker",
-                   offer="fargate-cpu", worker_vcpu=1.0, worker_memory_gb=2.0),
-    "ecs": dict(kind="ecs", work_pool="zooid-ecs", worker_deployment="worker/ecs",
-                offer="fargate-cpu", worker_vcpu=1.0, worker_memory_gb=2.0),
-    "aci": dict(kind="aci", work_pool="zooid-aci", worker_deployment="worker/aci",
-                offer="aci-cpu", worker_vcpu=1.0, worker_memory_gb=2.0),
-    "k8s": dict(kind="k8s", work_pool="zooid-k8s", worker_deployment="worker/k8s",
-                offer="aci-cpu", worker_vcpu=1.0, worker_memory_gb=2.0),
-}
+def _builtin(kind: TargetKind) -> dict[str, Any]:
+    """The built-in target of `kind` (`core.kinds.TargetKind`): its pool `zooid-<name>` and worker
+    deployment `worker/<name>` where it has a pool, its offer, one vCPU and 2 GB per worker."""
+    pool = dict(work_pool=f"zooid-{kind.builtin}", worker_deployment=f"worker/{kind.builtin}") if kind.remote else {}
+    return dict(kind=kind.value, **pool, offer=kind.offer, worker_vcpu=1.0, worker_memory_gb=2.0)
+
+
+BUILTIN = {kind.builtin: _builtin(kind) for kind in TargetKind}
+"""Built-in target name -> the `ComputeTarget` fields it resolves to without a saved block."""
 
 
 def resolve_target(name: str) -> ComputeTarget:

@@ -21,8 +21,8 @@ import math
 from dataclasses import dataclass
 
 from core.errors import ZooidValueError
+from core.kinds import CLOUD_KINDS, TargetKind
 
-KINDS = ("ecs", "aci", "k8s", "docker")
 RUN_LABEL = "zooid-run"
 
 # Fargate's valid (CPU units, allowed memory MiB) pairs, smallest first.
@@ -171,10 +171,10 @@ def job_variables(kind: str, res: WorkerResources, run_id: str, *, image: str | 
     `extra` (e.g. the ComputeTarget block's own job variables: cluster, subnets, resource group)
     is laid under the sized values, so the plan's size always wins; `env` is merged.
     """
-    builders = {"ecs": ecs_job_variables, "aci": aci_job_variables, "k8s": k8s_job_variables,
-                "docker": docker_job_variables}
+    builders = {TargetKind.ECS: ecs_job_variables, TargetKind.ACI: aci_job_variables,
+                TargetKind.K8S: k8s_job_variables, TargetKind.DOCKER: docker_job_variables}
     if kind not in builders:
-        raise JobVariablesError("kind", f"must be one of {', '.join(KINDS)}, got {kind!r}")
+        raise JobVariablesError("kind", f"must be one of {', '.join(CLOUD_KINDS)}, got {kind!r}")
     if not run_id:
         raise JobVariablesError("run_id", "must not be empty")
     sized = builders[kind](res, run_id, **options)

@@ -6,10 +6,7 @@ them.
 from __future__ import annotations
 
 from clouds.adapter import CloudAdapter
-
-CLOUD_KINDS = ("ecs", "aci", "k8s", "docker")
-"""Target kinds whose workers run in containers that a provider (or a Docker-API engine)
-starts and clocks; the rest run as this machine's processes."""
+from core.kinds import CLOUD_KINDS, TargetKind
 
 
 def is_cloud(target) -> bool:
@@ -20,19 +17,19 @@ def is_cloud(target) -> bool:
 
 def adapter_for(target) -> CloudAdapter | None:
     """The provider adapter for `target`'s work pool, or None for a local target."""
-    if target.kind == "ecs":
+    if target.kind == TargetKind.ECS:
         from clouds.ecs import EcsAdapter
 
         return EcsAdapter(target.work_pool, target.job_variables)
-    if target.kind == "aci":
+    if target.kind == TargetKind.ACI:
         from clouds.aci import AciAdapter
 
         return AciAdapter(target.work_pool, target.job_variables)
-    if target.kind == "k8s":
+    if target.kind == TargetKind.K8S:
         from clouds.kubernetes import KubernetesAdapter
 
         return KubernetesAdapter(target.work_pool, target.job_variables)
-    if target.kind == "docker":
+    if target.kind == TargetKind.DOCKER:
         from clouds.docker import DockerAdapter
 
         return DockerAdapter(target.work_pool, target.job_variables)

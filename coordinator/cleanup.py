@@ -10,6 +10,7 @@ from coordinator.context import RunContext
 from coordinator.epoch_run import bill_from_cloud_clock
 from coordinator.sweep import sweep_run
 from core.keys import scratch_prefixes
+from core.kinds import TargetKind
 
 
 def cancel_flow_runs(run_id: str) -> list:
@@ -88,7 +89,7 @@ def teardown_run(ctx: RunContext) -> dict:
             if swept is not None:
                 report["swept"] = swept
     report["stopped_pids"] = sweep_run(ctx.run_id)
-    if target.kind == "process" and cancelled:
+    if target.kind == TargetKind.PROCESS and cancelled:
         _step(report, "finish_cancelled", lambda: finish_cancelled(cancelled))
     cancel_errors = [report["errors"][k] for k in ("cancel", "finish_cancelled") if k in report["errors"]]
     if cancel_errors:

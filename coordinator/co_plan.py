@@ -38,6 +38,7 @@ import math
 from typing import Callable
 
 from core.errors import ZooidValueError
+from core.kinds import SINGLE_CHUNK_SCHEDULES, PipelineSchedule, Strategy
 from core.plan import Plan
 from core.stage_memory import stage_bounds
 from planners.co_optimize import merge_layers
@@ -96,9 +97,9 @@ def problem_layers(x: StrategyInputs, profile: dict, microbatch_size: int) -> tu
 def degrees_and_stages(job, workers: int, num_layers: int):
     """(degrees, stages(d) -> (fewest, most)) the job's strategy and worker budget allow."""
     low, high = (job.stages, job.stages) if job.stages else (2, num_layers)
-    if job.strategy == "pipeline":
+    if job.strategy == Strategy.PIPELINE:
         return [1], lambda d: (low, high)
-    if job.strategy == "hybrid":
+    if job.strategy == Strategy.HYBRID:
         return [workers], lambda d: (low, high)
     return list(range(1, workers + 1)), lambda d: (low, min(high, workers // d))
 
@@ -113,7 +114,7 @@ def co_optimized(ctx, profile: dict, x: StrategyInputs, uniform: Plan | None, wo
     sizes = target.memory_options()
     if len(sizes) < 2:
         return uniform and not_needed(uniform, f"the target offers one worker size ({sizes[0]:g} GB)")
-    if job.strategy == "local_sgd" or job.outer_optimizer == "nesterov":
+    if job.strategy == Strategy.LOCAL_SGD or job.outer_optimizer == "nesterov":
         return uniform and not_needed(uniform, "the job's strategy is local_sgd; the co-optimiser plans "
                                                "pipelines (partition, per-stage size, D)")
     mb = job_microbatches(x.batch_size, x.microbatches)
@@ -121,7 +122,7 @@ def co_optimized(ctx, profile: dict, x: StrategyInputs, uniform: Plan | None, wo
     layers, last = problem_layers(x, profile, micro)
     if len(layers) < 2:
         return uniform and not_needed(uniform, "the model has fewer than two layers with parameters to split")
-    replicas = 1 if job.strategy == "pipeline" else workers
+    replicas = 1 if job.strategy == Strategy.PIPELINE else workers
     total = replicas * mb                      # micro-batches per iteration, all replicas together
     degrees, stages = degrees_and_stages(job, workers, len(layers))
     options = size_options(ctx, x, sizes, profile)
@@ -179,8 +180,8 @@ def to_plan(ctx, x: StrategyInputs, problem, point, options: list[SizeOption], c
     s = point.solution
     chosen = [options[j] for j in s.options]
     launch = sized_inputs(x, cuts, chosen)
-    schedule = ctx.job.pipeline_schedule if ctx.job.pipeline_schedule in ("gpipe", "1f1b") else "gpipe"
-    plan = Plan(strategy="hybrid" if s.d > 1 else "pipeline", data_parallel=s.d, stages=len(s.options),
+    schedule = ctx.job.pipeline_schedule if ctx.job.pipeline_schedule in SINGLE_CHUNK_SCHEDULES else PipelineSchedule.GPIPE
+    plan = Plan(strategy=Strategy.HYBRID if s.d > 1 else Strategy.PIPELINE, data_parallel=s.d, stages=len(s.options),
                 cuts=tuple(cuts), microbatches=total // s.d, pipeline_schedule=schedule, sync_period=1,
                 steps_per_epoch=steps, batch_size=total // s.d * micro, worker_vcpu=launch.worker_vcpu,
                 worker_memory_gb=launch.worker_memory_gb, worker_gpu=x.worker_gpu, offer=x.offer,

@@ -25,6 +25,7 @@ from coordinator.worker_specs import next_attempt, worker_specs
 from core.epoch_summary import EpochSummary
 from core.errors import OutOfMemory, ZooidValueError
 from core.keys import activation_prefix, sync_prefix
+from core.kinds import Strategy
 from core.plan import Plan
 from core.specs import WorkerSpec
 from engine.chaos import read_fault_marker
@@ -75,7 +76,7 @@ def relaunch_policy(ctx: RunContext, plan: Plan, max_relaunches: int = 2):
                               f"({failure.reason}); re-plan with more memory per worker or a smaller batch")
         if failure.kind is FailureKind.BAD_INPUT:
             raise ZooidValueError("job", f"worker {spec.rank} refused its input: {failure.reason}")
-        if (plan.strategy != "local_sgd" or spec.sync.collective == "ring"  # a ring cannot take a new rank
+        if (plan.strategy != Strategy.LOCAL_SGD or spec.sync.collective == "ring"  # a ring cannot take a new rank
                 or relaunched.get(spec.rank, 0) >= max_relaunches):
             return None
         relaunched[spec.rank] = relaunched.get(spec.rank, 0) + 1

@@ -13,11 +13,12 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from core.epoch_summary import EpochSummary
+from core.kinds import AUTO, BUILTIN_TARGETS, PIPELINED_STRATEGIES, PipelineSchedule, Strategy, choices
 
-Strategy = Literal["auto", "local_sgd", "pipeline", "hybrid"]
+StrategyName = choices(*Strategy)
+ScheduleName = choices(AUTO, *PipelineSchedule)
 Optimizer = Literal["sgd", "momentum", "adam"]
 Scaling = Literal["static", "adabatch", "reactive", "deadline"]
-BUILTIN_TARGETS = ("inline", "local", "docker", "ecs", "aci", "k8s")
 
 
 class TrainJob(BaseModel):
@@ -33,12 +34,12 @@ class TrainJob(BaseModel):
     batch_size: int = Field(16, gt=0, title="Batch size", description="Samples per optimizer step on each replica.")
     lr: float = Field(0.05, gt=0, allow_inf_nan=False, title="Learning rate")
     optimizer: Optimizer = Field("momentum", title="Optimizer", description="`sgd`, `momentum` (0.9) or `adam`.")
-    strategy: Strategy = Field("auto", title="Strategy",
-                               description="`auto` plans from the profile; `local_sgd`, `pipeline` or `hybrid` force one.")
+    strategy: StrategyName = Field("auto", title="Strategy",
+                                   description="`auto` plans from the profile; `local_sgd`, `pipeline` or `hybrid` force one.")
     workers: int = Field(4, gt=0, title="Workers", description="Data-parallel replicas in the first epoch.")
     stages: Optional[int] = Field(None, gt=0, title="Pipeline stages", description="Stages per replica (pipeline/hybrid); null lets the planner choose.")
     microbatches: Optional[int] = Field(None, gt=0, title="Micro-batches", description="Micro-batches per iteration (pipeline/hybrid).")
-    pipeline_schedule: Literal["auto", "gpipe", "1f1b", "interleaved"] = Field(
+    pipeline_schedule: ScheduleName = Field(
         "auto", title="Pipeline schedule",
         description="`gpipe` (all forwards, then all backwards: every micro-batch's activations held), `1f1b` "
                     "(one forward, one backward: stage s holds at most stages - s), `interleaved` (1F1B over "
@@ -121,7 +122,7 @@ class TrainJob(BaseModel):
     def _worker_bounds(self) -> "TrainJob":
         if self.scaling == "deadline" and self.deadline_s is None:
             raise ValueError("deadline_s: required by scaling=deadline")
-        if self.outer_optimizer == "nesterov" and self.strategy in ("pipeline", "hybrid"):
+        if self.outer_optimizer == "nesterov" and self.strategy in PIPELINED_STRATEGIES:
             raise ValueError(f"outer_optimizer: nesterov steps over Local-SGD rounds; strategy {self.strategy} "
                              "averages gradients every step (use local_sgd or auto)")
         if self.sync_dtype == "int8" and self.optimizer == "adam":

@@ -31,6 +31,7 @@ from clouds.registry import adapter_for, is_cloud
 from comm import heartbeat
 from coordinator.sweep import COORDINATOR_VAR, TAG_VAR, stop_pids
 from core.errors import ZooidError
+from core.kinds import CLOUD_KINDS, SHARED_HOST_KINDS
 from core.specs import WorkerResult, WorkerSpec
 
 PAID_WORKERS_LIMIT = "zooid-paid-workers"
@@ -319,9 +320,6 @@ class PoolLauncher(_Launcher):
         outcome.status, outcome.error, outcome.stopped_at = status, reason, time.time()
 
 
-SHARED_HOST_KINDS = ("inline", "process", "docker")
-"""Targets whose workers run on the coordinator's machine and share its cores (docker's
-containers too, each under a CPU quota of its vCPU)."""
 
 
 def worker_threads(kind: str, plan) -> int:
@@ -331,7 +329,7 @@ def worker_threads(kind: str, plan) -> int:
     own = max(1, int(plan.worker_vcpu + 1e-9))
     if kind in SHARED_HOST_KINDS:
         shared = max(1, (os.cpu_count() or 1) // max(1, plan.workers))
-        return min(shared, own) if kind == "docker" else shared
+        return min(shared, own) if kind in CLOUD_KINDS else shared
     return own
 
 
@@ -379,7 +377,7 @@ def make_launcher(ctx, plan) -> _Launcher:
             return PoolLauncher(ctx.run_id, target.worker_deployment, job_variables=by_size[plan.worker_memory_gb],
                                 rank_job_variables=lambda rank: by_size[plan.memory_gb_of(rank)],
                                 adapter=adapter_for(target))
-        if target.kind == "docker":  # a container on this machine is exactly the size it is billed as
+        if target.kind in SHARED_HOST_KINDS:  # a container on this machine is exactly the size it is billed as
             sized = variables(plan.worker_memory_gb, headroom=0.0, base_memory_gb=0.0)
         else:  # a cloud container is right-sized to the profiled peak
             sized = variables(peak / 2**30 if peak else None)

@@ -21,6 +21,7 @@ from coordinator.run_terms import load_terms
 from coordinator.scaling_policy import worker_schedule
 from core.epoch_summary import Replan
 from core.errors import ZooidValueError
+from core.kinds import AUTO, PipelineSchedule, Strategy
 from core.plan import Plan
 from core.schedule_costs import ideal_peak_in_flight
 from core.schedules import Kind, build_schedule
@@ -115,7 +116,7 @@ def uniform_plan(ctx: RunContext, profile: dict, x) -> Plan:
     """The job strategy's plan with every worker at the target's size, memory checked."""
     try:
         # DiLoCo's outer step runs over Local-SGD rounds: `auto` then plans Local-SGD only
-        strategy = "local_sgd" if ctx.job.outer_optimizer == "nesterov" and ctx.job.strategy == "auto" \
+        strategy = Strategy.LOCAL_SGD if ctx.job.outer_optimizer == "nesterov" and ctx.job.strategy == AUTO \
             else ctx.job.strategy
         chosen = choose(x, strategy)
     except ValueError as exc:
@@ -218,23 +219,24 @@ def pick_schedule(ctx: RunContext, profile: dict, x, plan: Plan) -> Plan:
     half-stage sets on worker w); within 1 % of the fastest, the one holding fewer
     stage-sized sets on worker 0. The schedules compared join the plan's alternatives."""
     chunks = 2
-    names = ["1f1b", "gpipe"] if ctx.job.pipeline_schedule == "auto" else [ctx.job.pipeline_schedule]
+    names = ([PipelineSchedule.ONE_F_ONE_B, PipelineSchedule.GPIPE] if ctx.job.pipeline_schedule == AUTO
+             else [ctx.job.pipeline_schedule])
     with_params = sum(1 for l in profile.get("layers", ()) if l.get("param_bytes", 0) > 0)
-    if ctx.job.pipeline_schedule == "auto" and plan.microbatches % plan.stages == 0 \
+    if ctx.job.pipeline_schedule == AUTO and plan.microbatches % plan.stages == 0 \
             and with_params >= plan.stages * chunks:
-        names.append("interleaved")
+        names.append(PipelineSchedule.INTERLEAVED)
 
     def held(name: str) -> float:  # stage-sized activation sets worker 0 holds at its peak
-        v = chunks if name == "interleaved" else 1
+        v = chunks if name == PipelineSchedule.INTERLEAVED else 1
         return ideal_peak_in_flight(name, plan.stages, plan.microbatches, 0, v) / v
 
     options, errors = [], []
     for name in sorted(names, key=held):
         try:
-            options.append(with_schedule(x, plan, name) if name != "interleaved"
+            options.append(with_schedule(x, plan, name) if name != PipelineSchedule.INTERLEAVED
                            else with_schedule(x, plan, name, chunks=chunks))
         except ValueError as exc:
-            if ctx.job.pipeline_schedule != "auto":
+            if ctx.job.pipeline_schedule != AUTO:
                 raise
             errors.append(f"{name}: not predicted ({exc})")
     def check_workers(option: Plan) -> None:
@@ -253,7 +255,7 @@ def pick_schedule(ctx: RunContext, profile: dict, x, plan: Plan) -> Plan:
             available_bytes=available, optimizer_state_factor=optimizer_copies(ctx.job.optimizer),
             data_parallel=option.data_parallel, in_flight=[1] * (len(option.cuts) + 1))
         over = []
-        for w, row in enumerate(build_schedule("interleaved", p, m, option.chunks)):
+        for w, row in enumerate(build_schedule(PipelineSchedule.INTERLEAVED, p, m, option.chunks)):
             held = peak = 0.0
             for a in row:
                 held += one_set[a.stage].activation_bytes * ((a.kind is Kind.F) - (a.kind is Kind.B))

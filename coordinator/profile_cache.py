@@ -16,8 +16,8 @@ import time
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
-from coordinator.launchers import SHARED_HOST_KINDS
 from core.keys import cache_key, cache_prefix
+from core.kinds import SHARED_HOST_KINDS
 from profiling.profile_job import PROFILE_VERSION
 
 

@@ -18,6 +18,7 @@ import textwrap
 from coordinator.job import RunSummary
 from coordinator.sync_words import outer_sync_row, outer_sync_words
 from core.epoch_summary import EpochSummary
+from core.kinds import Strategy
 
 MAX_WIDTH = 120
 """Characters a line of the text report, or a table's row, may take (a 1,000-pixel pane)."""
@@ -105,7 +106,7 @@ def text(v) -> str:
     return str(v)
 
 
-STRATEGY_NAMES = {"local_sgd": "Local-SGD", "pipeline": "pipeline", "hybrid": "hybrid"}
+STRATEGY_NAMES = {Strategy.LOCAL_SGD: "Local-SGD", Strategy.PIPELINE: "pipeline", Strategy.HYBRID: "hybrid"}
 
 
 def strategy_name(s) -> str:
@@ -314,9 +315,9 @@ def plan_in_words(p: dict) -> str:
     size = f"{_vcpu(p.get('worker_vcpu'))} vCPU and {_size(p)}"
     steps = (f"{p['steps_per_epoch']} steps of {p.get('batch_size')} samples per replica per epoch"
              if p.get("steps_per_epoch") else "")
-    if p.get("strategy") == "local_sgd" and d == 1:
+    if p.get("strategy") == Strategy.LOCAL_SGD and d == 1:
         what = f"Local-SGD on one worker ({size}): one replica, nothing to average"
-    elif p.get("strategy") == "local_sgd":
+    elif p.get("strategy") == Strategy.LOCAL_SGD:
         what = (f"Local-SGD: {d} replicas, one per worker ({size} each), "
                 f"averaging the model {_sync(p)}")
     else:

@@ -20,11 +20,12 @@ import numpy as np
 from coordinator.launchers import SHARED_HOST_KINDS
 from coordinator.profile_cache import ProfileCache, target_key
 from core.epoch_summary import EpochSummary
+from core.kinds import TargetKind
 from planners.run_prediction import RunTerms
 
 KEEP = 20
 
-ASSUMED = {"startup_s": {"inline": 3.0, "process": 8.0, "cloud": 60.0}, "epoch_overhead_s": 0.5,
+ASSUMED = {"startup_s": {TargetKind.INLINE: 3.0, TargetKind.PROCESS: 8.0, "cloud": 60.0}, "epoch_overhead_s": 0.5,
            "gap_s": 0.5, "provision_s": 1.0, "teardown_s": 3.0, "stop_s": 1.0, "warmup_s": 1.0}
 """What a term is taken to be until this target and offer measured it (seconds)."""
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from core.kinds import Strategy
 from core.outer_sync import is_default
 
 
@@ -25,7 +26,7 @@ def outer_sync_words(p: dict) -> str:
 def syncs_per_epoch(p: dict) -> int:
     """Data-parallel syncs per epoch: Local-SGD's rounds, or a hybrid's one per step."""
     steps = int(p.get("steps_per_epoch") or 0)
-    if p.get("strategy") != "local_sgd":
+    if p.get("strategy") != Strategy.LOCAL_SGD:
         return steps
     k = p.get("sync_period")
     return 1 if not k else max(1, math.ceil(steps / k))

@@ -35,6 +35,7 @@ from coordinator.run_terms import KEEP, load_terms, timings_key
 from coordinator.warm_pool import WarmPool, provisional_plan
 from core.errors import ZooidValueError
 from core.keys import probe_prefix, warm_prefix
+from core.kinds import Strategy, TargetKind
 from core.stage_memory import optimizer_copies
 from engine.models import resolve_model
 from planners.catalog import device_figures, store_figures
@@ -119,7 +120,7 @@ class TargetProfiler:
 def _store_probe_sizes(ctx: RunContext, prof: dict) -> dict:
     job = ctx.job
     largest = max([sync_bytes(prof, job.optimizer)] + [l["output_bytes"] for l in prof.get("layers", ())])
-    activation = typical_activation_bytes(prof, job) if job.strategy != "local_sgd" else 0.0
+    activation = typical_activation_bytes(prof, job) if job.strategy != Strategy.LOCAL_SGD else 0.0
     return {"max_bytes": float(largest), "activation_bytes": float(activation)}
 
 
@@ -132,7 +133,7 @@ def _lookup(ctx: RunContext, cache: ProfileCache, tkey: str, store_max_age_s: fl
     if identity is not None:
         mkey = model_key(ctx, identity, microbatch_size(job))
         prof = cache.get("profiles", mkey)
-        store = cache.get("stores", store_key(mkey, ctx.store_ref, job.strategy != "local_sgd"), max_age_s=store_max_age_s)
+        store = cache.get("stores", store_key(mkey, ctx.store_ref, job.strategy != Strategy.LOCAL_SGD), max_age_s=store_max_age_s)
     return identity, prof, store
 
 
@@ -168,12 +169,12 @@ def _profile(ctx: RunContext) -> dict:
             mkey = model_key(ctx, identity, microbatch_size(job))
             prof, sources["model"], seconds["model_s"] = answer["model"], "measured", answer["model_s"]
             cache.put("profiles", mkey, prof)
-            store = cache.get("stores", store_key(mkey, ctx.store_ref, job.strategy != "local_sgd"), max_age_s=STORE_PROBE_TTL_S)
+            store = cache.get("stores", store_key(mkey, ctx.store_ref, job.strategy != Strategy.LOCAL_SGD), max_age_s=STORE_PROBE_TTL_S)
         if store is None:  # its sizes follow from the model: the largest tensor, a stage's activation
             answer = target_profiler.measure(profile_request(ctx, model_profile=False,
                                                              probe=_store_probe_sizes(ctx, prof)))
             store, sources["store"], seconds["store_s"] = answer["store"], "measured", answer["store_s"]
-            cache.put("stores", store_key(mkey, ctx.store_ref, job.strategy != "local_sgd"), store)
+            cache.put("stores", store_key(mkey, ctx.store_ref, job.strategy != Strategy.LOCAL_SGD), store)
     finally:
         target_profiler.close()
     check_device(identity, target.worker_gpu)
@@ -246,7 +247,7 @@ def _unfixable(ctx: RunContext, reason: str) -> ZooidValueError:
                                     "not retried (no retry can fix it), no second worker rented")
 
 
-PROFILE_ASSUMED_S = {"inline": 6.0, "process": 8.0, "cloud": 20.0}
+PROFILE_ASSUMED_S = {TargetKind.INLINE: 6.0, TargetKind.PROCESS: 8.0, "cloud": 20.0}
 """Seconds a worker takes to profile a model and probe the store (after its start-up), until
 this target and offer measured one."""
 
@@ -308,7 +309,7 @@ def cached_profile(ctx: RunContext) -> tuple[dict, str]:
     for other, _, identity in sorted(candidates, key=lambda c: c[:2]):
         mkey = model_key(ctx, identity, microbatch_size(job))
         prof, prof_at = cache.get_dated("profiles", mkey)
-        probe, probe_at = cache.get_dated("stores", store_key(mkey, ctx.store_ref, job.strategy != "local_sgd"))
+        probe, probe_at = cache.get_dated("stores", store_key(mkey, ctx.store_ref, job.strategy != Strategy.LOCAL_SGD))
         if prof is None or probe is None:
             continue
         check_device(identity, target.worker_gpu)

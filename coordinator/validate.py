@@ -17,10 +17,8 @@ from clouds.registry import adapter_for, is_cloud
 from comm.store_dir import default_store_url, path_from_url
 from coordinator.job import TrainJob
 from core.errors import StoreError, ZooidValueError
+from core.kinds import PIPELINED_STRATEGIES, Strategy, TargetKind
 from planners.catalog import Offer, get_offer
-
-SUPPORTED_STRATEGIES = ("auto", "local_sgd", "pipeline", "hybrid")
-
 
 SUBSET_SIZE = 64
 """Samples per published data subset (KubeML's fixed-size subsets)."""
@@ -149,8 +147,8 @@ def check_worker_sizes(target: ComputeTarget, offer: Offer) -> tuple[float, ...]
 
 
 STORE_SUGGESTIONS = {
-    "aci": "an Azure Blob store (a zooid-azure-blob-store block on az://<container>/<prefix>; "
-           "`python -m deployments.bootstrap --target aci --blob-container <name>` creates both)",
+    TargetKind.ACI: "an Azure Blob store (a zooid-azure-blob-store block on az://<container>/<prefix>; "
+                    "`python -m deployments.bootstrap --target aci --blob-container <name>` creates both)",
 }
 """The store a worker of a target kind should use, where it is not the default below."""
 
@@ -188,8 +186,8 @@ def check_target_ready(resolved: "ResolvedJob") -> None:
     target, name = resolved.target, resolved.target_name
     if not target.remote:
         return
-    setup = ("`python -m deployments.stack up --docker`" if target.kind == "docker" else
-             f"`python -m deployments.bootstrap --target {target.kind if target.kind != 'process' else 'local'}` "
+    setup = ("`python -m deployments.stack up --docker`" if target.kind == TargetKind.DOCKER else
+             f"`python -m deployments.bootstrap --target {TargetKind(target.kind).builtin}` "
              "and `prefect deploy`")
     with get_client(sync_client=True) as client:
         try:
@@ -224,10 +222,10 @@ def validate_job(job: TrainJob, *, check_store: bool = True) -> ResolvedJob:
     if job.workers * job.batch_size > n_train:
         raise ZooidValueError("workers", f"{job.workers} workers x batch {job.batch_size} exceed the "
                               f"training set ({n_train} samples)")
-    if job.strategy not in SUPPORTED_STRATEGIES:
+    if job.strategy not in tuple(Strategy):
         raise ZooidValueError("strategy", f"{job.strategy!r} is not available yet; use one of "
-                              f"{', '.join(SUPPORTED_STRATEGIES)}")
-    if job.strategy in ("pipeline", "hybrid"):
+                              f"{', '.join(Strategy)}")
+    if job.strategy in PIPELINED_STRATEGIES:
         check_pipeline_shape(job)
     try:
         target = resolve_target(job.target)

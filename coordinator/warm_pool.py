@@ -32,13 +32,13 @@ from coordinator.cost import CostRecord
 from coordinator.launchers import (
     FAILED,
     PAID_WORKERS_LIMIT,
-    SHARED_HOST_KINDS,
     WorkerOutcome,
     WorkersFailed,
     launch_identity,
     make_launcher,
 )
 from core.keys import command_key, lease_key, reply_key, status_key, warm_prefix
+from core.kinds import PIPELINED_STRATEGIES, SHARED_HOST_KINDS, Strategy
 from core.plan import Plan
 from core.specs import WarmSpec, WorkerResult, WorkerSpec
 from runtime.warm import read_json, worker_name
@@ -474,7 +474,7 @@ def provisional_plan(ctx):
     """The job's worker count and the target's worker size, before any plan: what the first
     warm workers are started with (the plan then adds, retires or resizes them)."""
     job, target = ctx.job, ctx.resolved.target
-    stages = job.stages or 1 if job.strategy in ("pipeline", "hybrid") else 1
-    return Plan(strategy=job.strategy if job.strategy != "auto" else "local_sgd", data_parallel=job.workers,
+    stages = job.stages or 1 if job.strategy in PIPELINED_STRATEGIES else 1
+    return Plan(strategy=job.strategy if job.strategy != Strategy.AUTO else Strategy.LOCAL_SGD, data_parallel=job.workers,
                 stages=stages, batch_size=job.batch_size, worker_vcpu=target.worker_vcpu,
                 worker_memory_gb=target.worker_memory_gb, worker_gpu=target.worker_gpu)

@@ -16,6 +16,7 @@ from coordinator.context import RunContext
 from coordinator.launchers import make_launcher
 from coordinator.worker_specs import next_attempt, worker_specs
 from core.keys import checkpoint_key
+from core.kinds import Strategy
 from core.plan import Plan
 from planners.prestart import decide_prestart, startup_split
 
@@ -23,7 +24,7 @@ from planners.prestart import decide_prestart, startup_split
 def should_prestart(ctx: RunContext, plan: Plan, epoch: int) -> bool:
     """Whether epoch `epoch + 1` can be launched during `epoch`."""
     job = ctx.job
-    return (job.prestart and job.scaling == "static" and plan.strategy == "local_sgd"
+    return (job.prestart and job.scaling == "static" and plan.strategy == Strategy.LOCAL_SGD
             and epoch + 1 < job.epochs and bool(ctx.state.startup_samples) and ctx.state.last_epoch_s > 0)
 
 
@@ -61,7 +62,7 @@ class WarmPrestart:
     def __init__(self, ctx: RunContext, plan: Plan, epoch: int, next_workers: int):
         self.ctx, self.plan, self.epoch, self.next_workers = ctx, plan, epoch, next_workers
         self.epoch_start = time.time()
-        self.launched = next_workers <= plan.workers or plan.strategy != "local_sgd"
+        self.launched = next_workers <= plan.workers or plan.strategy != Strategy.LOCAL_SGD
 
     def tick(self) -> None:
         if self.launched:

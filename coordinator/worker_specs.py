@@ -9,6 +9,7 @@ from __future__ import annotations
 from clouds.registry import is_cloud
 from coordinator.context import RunContext
 from core.keys import checkpoint_key
+from core.kinds import PIPELINED_STRATEGIES
 from core.plan import Plan
 from core.specs import SyncSpec, WorkerSpec
 from engine.datasets import assign_subsets
@@ -34,7 +35,7 @@ def worker_specs(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, 
     shards = assign_subsets(ctx.state.dataset["n_subsets"], plan.data_parallel, epoch, job.seed)
     # survivors wait at a sync long enough for a failed peer to be detected and relaunched
     timeout = job.worker_timeout_s + (300.0 if ctx.resolved.target.remote else 120.0)
-    if plan.strategy in ("pipeline", "hybrid"):
+    if plan.strategy in PIPELINED_STRATEGIES:
         # a stage reads data and checkpoints from its one store: the durable one
         base = WorkerSpec(run_id=ctx.run_id, epoch=epoch, rank=0, world=plan.workers,
                           store_url=ctx.durable_ref, model=job.model, dataset=job.dataset,

@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from core.kinds import PipelineSchedule
+
 
 @dataclass(frozen=True, kw_only=True)
 class Plan:
@@ -23,7 +25,7 @@ class Plan:
     """M: pipeline stages per replica."""
     cuts: tuple[int, ...] = ()
     microbatches: int = 1
-    pipeline_schedule: str = "gpipe"
+    pipeline_schedule: str = PipelineSchedule.GPIPE
     """The pipeline's schedule (`core.schedules.build_schedule`): `gpipe`, `1f1b`
     or `interleaved`."""
     chunks: int = 1

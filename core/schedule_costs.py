@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
 from core.errors import ZooidValueError
+from core.kinds import PipelineSchedule
 from core.schedule_validation import _data_deps, _index_actions, validate
 from core.schedules import Action, Kind, Schedule, _check_positive, _check_request, _interleaved_warmup, layout
 
@@ -75,9 +76,9 @@ def ideal_peak_in_flight(schedule_name: str, stages: int, microbatches: int, wor
         raise ZooidValueError("worker", f"must be in 0..{stages - 1}, got {worker!r}")
     if chunk is not None and not (isinstance(chunk, int) and 0 <= chunk < chunks):
         raise ZooidValueError("chunk", f"must be in 0..{chunks - 1}, got {chunk!r}")
-    if schedule_name == "gpipe":
+    if schedule_name == PipelineSchedule.GPIPE:
         return microbatches
-    if schedule_name == "1f1b":
+    if schedule_name == PipelineSchedule.ONE_F_ONE_B:
         return min(stages - worker, microbatches)
     p, v = stages, chunks
     if chunk is None:

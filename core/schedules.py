@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from core.errors import ZooidValueError
+from core.kinds import PipelineSchedule
 
 
 
@@ -154,8 +155,8 @@ def _row_label(schedule: Schedule) -> str:
 
 # --- compute schedules -----------------------------------------------------------------
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
-"""Names `build_schedule` and `ideal_bubble` accept."""
+SCHEDULES = tuple(PipelineSchedule)
+"""Names `build_schedule` and `ideal_bubble` accept (`core.kinds.PipelineSchedule`)."""
 
 
 def gpipe(stages: int, microbatches: int) -> Schedule:
@@ -251,9 +252,9 @@ def build_schedule(name: str, stages: int, microbatches: int, chunks: int = 1) -
     model then has stages * chunks stages) and must be 1 otherwise. Bad values raise
     `ZooidValueError` naming `pipeline_schedule`, `stages`, `microbatches` or `chunks`."""
     _check_request(name, stages, microbatches, chunks)
-    if name == "gpipe":
+    if name == PipelineSchedule.GPIPE:
         return gpipe(stages, microbatches)
-    if name == "1f1b":
+    if name == PipelineSchedule.ONE_F_ONE_B:
         return one_f_one_b(stages, microbatches)
     return interleaved(stages, chunks, microbatches)
 
@@ -262,7 +263,7 @@ def _check_request(name: str, stages: int, microbatches: int, chunks: int) -> No
     if name not in SCHEDULES:
         raise ZooidValueError("pipeline_schedule", f"must be one of {', '.join(SCHEDULES)}, got {name!r}")
     _check_positive(stages=stages, microbatches=microbatches, chunks=chunks)
-    if name == "interleaved":
+    if name == PipelineSchedule.INTERLEAVED:
         if chunks < 2:
             raise ZooidValueError("chunks", f"must be >= 2 for the interleaved schedule, got {chunks}")
         if microbatches % stages:

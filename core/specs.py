@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from core.errors import ZooidValueError
+from core.kinds import PipelineSchedule
 from core.outer_sync import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, OUTER_OPTIMIZERS, SYNC_DTYPES
 
 _HINTS: dict[type, dict[str, Any]] = {}
@@ -153,7 +154,7 @@ class StageSpec(JsonSpec):
     chunks: int = 1
     """v: model stages per worker (>= 2 for `interleaved`, 1 for `gpipe` and `1f1b`); worker
     w holds model stages w, w + p, ..., so `len(cuts) + 1` must be a multiple of it."""
-    schedule: str = "gpipe"
+    schedule: str = PipelineSchedule.GPIPE
     """The named schedule (`gpipe`, `1f1b`, `interleaved`; `core.schedules`) run when
     `actions` is empty."""
     actions: tuple[str, ...] = ()

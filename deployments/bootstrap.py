@@ -34,8 +34,9 @@ from typing import Any
 from blocks.compute import BUILTIN, ComputeTarget
 from blocks.store_refs import ZooidStore, store_block_types
 from core.errors import StoreError
+from core.kinds import CLOUD_ACCOUNT_TARGETS, TargetKind
 
-POOL_TYPES = {"local": "process", "docker": "docker", "ecs": "ecs", "aci": "azure-container-instance", "k8s": "kubernetes"}
+POOL_TYPES = {kind.builtin: kind.pool_type for kind in TargetKind if kind.pool_type}
 TEMPLATES = Path(__file__).with_name("templates")
 from coordinator.launchers import PAID_WORKERS_LIMIT as CONCURRENCY_LIMIT
 
@@ -144,13 +145,13 @@ def with_variable_defaults(base_job_template: dict, defaults: dict[str, Any]) ->
 
 def _credentials_block(target: str):
     """A credentials block from the standard environment variables, or None when they are unset."""
-    if target == "ecs" and os.environ.get("AWS_ACCESS_KEY_ID"):
+    if target == TargetKind.ECS.builtin and os.environ.get("AWS_ACCESS_KEY_ID"):
         from prefect_aws import AwsCredentials
 
         return "zooid-aws", AwsCredentials(aws_access_key_id=os.environ["AWS_ACCESS_KEY_ID"],
                                            aws_secret_access_key=os.environ.get("AWS_SECRET_ACCESS_KEY"),
                                            region_name=os.environ.get("AWS_DEFAULT_REGION"))
-    if target == "aci" and os.environ.get("AZURE_CLIENT_ID"):
+    if target == TargetKind.ACI.builtin and os.environ.get("AZURE_CLIENT_ID"):
         from prefect_azure import AzureContainerInstanceCredentials
 
         return "zooid-azure", AzureContainerInstanceCredentials(
@@ -171,23 +172,24 @@ def bootstrap_cloud(target: str, *, cluster: str | None = None, resource_group: 
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolUpdate
 
-    if target not in ("ecs", "aci", "k8s"):
-        raise ValueError(f"target: must be ecs, aci or k8s, got {target!r}")
-    if target == "aci" and not (resource_group and subscription_id):
+    if target not in CLOUD_ACCOUNT_TARGETS:
+        raise ValueError(f"target: must be {', '.join(CLOUD_ACCOUNT_TARGETS[:-1])} or {CLOUD_ACCOUNT_TARGETS[-1]}, "
+                         f"got {target!r}")
+    if target == TargetKind.ACI.builtin and not (resource_group and subscription_id):
         raise ValueError("resource_group: ACI needs resource_group and subscription_id")
     done = bootstrap(target, paid_worker_limit, image, env)
     for cls in store_block_types():
         register(cls)
-    defaults: dict[str, Any] = {"cluster": cluster} if target == "ecs" else {}
-    if target == "aci":
+    defaults: dict[str, Any] = {"cluster": cluster} if target == TargetKind.ECS.builtin else {}
+    if target == TargetKind.ACI.builtin:
         defaults.update(resource_group_name=resource_group, subscription_id=subscription_id)
-    if target == "k8s":
+    if target == TargetKind.K8S.builtin:
         defaults["namespace"] = namespace
     creds = _credentials_block(target)
     if creds is not None:
         name, block = creds
         block_id = block.save(name, overwrite=True)
-        defaults["aws_credentials" if target == "ecs" else "aci_credentials"] = block_reference(block_id)
+        defaults["aws_credentials" if target == TargetKind.ECS.builtin else "aci_credentials"] = block_reference(block_id)
         done["credentials_block"] = name
     with get_client(sync_client=True) as client:
         pool = client.read_work_pool(done["work_pool"])
@@ -204,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--image", help="the pool's default worker image (e.g. what `make image` built)")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="the pool's default environment for every worker (repeatable)")
-    cloud = parser.add_argument_group("cloud targets (ecs, aci, k8s)", bootstrap_cloud.__doc__.splitlines()[0])
+    cloud = parser.add_argument_group(f"cloud targets ({', '.join(CLOUD_ACCOUNT_TARGETS)})",
+                                      bootstrap_cloud.__doc__.splitlines()[0])
     cloud.add_argument("--cloud", action="store_true",
                        help="also point the pool at the cloud account (implied by any option below)")
     cloud.add_argument("--cluster", help="ECS cluster name or ARN")
@@ -220,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     env = dict(item.split("=", 1) for item in args.env)
     try:
-        if args.blob_container and args.target != "aci":
+        if args.blob_container and args.target != TargetKind.ACI.builtin:
             raise ValueError(f"blob_container: only the aci target's store is an Azure Blob container, "
                              f"not the {args.target} target's")
         if not (args.cloud or args.cluster or args.resource_group or args.subscription_id or args.namespace):

@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from core.kinds import TargetKind
 from deployments.server import ROOT, alive, bin_path, free_port, spawn, stack_env, stop_groups, wait_healthy, zooid_home
 
 POOL = "zooid-local"
@@ -241,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
 
         params = {k: parse_param_value(v) for k, _, v in (p.partition("=") for p in args.param)}
         started_here = read_state(zooid_home()) is None
-        docker = params.get("target") == "docker"
+        docker = params.get("target") == TargetKind.DOCKER.builtin
         state = up(port=args.port, docker=docker or args.docker)
         if docker and not params.get("store"):  # containers reach the stack's S3 server, as on a cloud
             params["store"] = state["docker"]["store"]

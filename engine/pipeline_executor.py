@@ -65,6 +65,7 @@ import torch
 from comm.scatter_reduce import COLLECTIVES
 from comm.store import Store
 from core.errors import OutOfMemory, ZooidValueError
+from core.kinds import PipelineSchedule
 from core.schedule_validation import validate
 from core.schedules import SCHEDULES, TRANSFER, Action, Kind, Layout, ScheduleError, build_schedule, layout, \
     lower, parse_schedule
@@ -106,7 +107,7 @@ def _check_worker(spec: WorkerSpec) -> None:
 
 
 def pipeline_worker_specs(base: WorkerSpec, *, cuts, microbatches: int, replica_subsets: list[tuple[int, ...]],
-                          schedule: str = "gpipe", chunks: int = 1, actions: tuple[str, ...] = (),
+                          schedule: str = PipelineSchedule.GPIPE, chunks: int = 1, actions: tuple[str, ...] = (),
                           val_chunk: int = 256) -> list[WorkerSpec]:
     """The D x p worker specs of one epoch: replica r's workers read `replica_subsets[r]`;
     p = (len(cuts) + 1) / chunks. `base` gives everything else, its `sync.collective`

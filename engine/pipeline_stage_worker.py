@@ -25,6 +25,7 @@ from comm.store import Store
 from comm.tensor_codec import decode_json, decode_tensors, encode_json, encode_tensors
 from core.errors import StoreTimeout, ZooidValueError
 from core.keys import activation_replica_prefix, stage_sync_prefix
+from core.kinds import Strategy
 from core.schedules import Action, Kind, Layout, forward_only, lower
 from core.specs import WorkerResult, WorkerSpec
 from engine.checkpoint import FORMAT as CHECKPOINT_FORMAT
@@ -393,7 +394,7 @@ class StageWorker:
                 "steps": spec.steps,
                 "global_step": int(init_meta.get("global_step", 0)) + spec.steps,
                 "world": self.cfg.replicas, "model": spec.model, "optimizer": spec.optimizer,
-                "strategy": "pipeline", "cuts": list(self.cfg.cuts)}
+                "strategy": Strategy.PIPELINE, "cuts": list(self.cfg.cuts)}
         if self.cfg.chunks > 1:  # the cuts are model stages, v of them per worker
             meta["chunks"] = self.cfg.chunks
         blob = encode_tensors({k: v.contiguous() for k, v in full.items()},

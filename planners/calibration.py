@@ -23,6 +23,7 @@ import dataclasses
 from dataclasses import dataclass, replace
 
 from core.epoch_summary import EpochSummary
+from core.kinds import DATA_PARALLEL_STRATEGIES, PIPELINED_STRATEGIES
 from core.plan import Plan
 from planners.pipeline_time import TransferCosts
 
@@ -69,9 +70,9 @@ def epoch_overhead(plan: Plan, measured: EpochSummary) -> float:
 
 def _with_comm(plan: Plan, c: Calibration, base: Calibration, ratio: float) -> Calibration:
     """`c` with the communication that `plan` does scaled by `ratio` over `base`'s."""
-    if plan.strategy in ("local_sgd", "hybrid"):
+    if plan.strategy in DATA_PARALLEL_STRATEGIES:
         c = dataclasses.replace(c, sync_scale=_bounded(base.sync_scale * ratio))
-    if plan.strategy in ("pipeline", "hybrid"):
+    if plan.strategy in PIPELINED_STRATEGIES:
         c = dataclasses.replace(c, transfer_scale=_bounded(base.transfer_scale * ratio))
     return c
 

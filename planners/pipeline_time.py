@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from core.errors import PlannerInputError
+from core.kinds import PipelineSchedule
 from core.schedule_costs import Simulation, simulate
 from core.schedules import Kind, build_schedule, lower
 from core.stage_memory import stage_bounds
@@ -122,7 +123,7 @@ def stage_times(layers: Sequence[Mapping[str, float]], cuts: Sequence[int], micr
 
 def pipeline_iteration(stages: Sequence[Mapping[str, float]], microbatches: int,
                        costs: TransferCosts, *, sync_s: Sequence[float] = (),
-                       optimizer_s: Sequence[float] = (), schedule: str = "gpipe",
+                       optimizer_s: Sequence[float] = (), schedule: str = PipelineSchedule.GPIPE,
                        chunks: int = 1) -> PipelineTime:
     """Replay one iteration of `schedule` (`gpipe`, `1f1b`, or `interleaved` with `chunks`
     model stages per worker: worker w holds stages w, w + p, ...) over `stages` (from

@@ -24,13 +24,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from core.kinds import PIPELINED_STRATEGIES, PipelineSchedule, Strategy
 from core.outer_sync import wire_bytes
 from core.plan import Plan
 from planners.hybrid import hybrid
 from planners.pipeline_time import PipelineTime, TransferCosts, pipeline_iteration, stage_times
 from planners.sync_time import pipelined_scatter_reduce, scatter_reduce
-
-STRATEGIES = ("local_sgd", "pipeline", "hybrid")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,11 +120,11 @@ def with_sync(x: StrategyInputs, plan: Plan) -> Plan:
     every stage's gradients; none for one replica)."""
     if plan.data_parallel <= 1:
         nbytes = 0.0
-    elif plan.strategy == "local_sgd":
+    elif plan.strategy == Strategy.LOCAL_SGD:
         nbytes = sync_wire_bytes(x)
     else:
         nbytes = wire_bytes(x.param_bytes, x.sync_dtype)
-    return replace(plan, outer_optimizer=x.outer_optimizer if plan.strategy == "local_sgd" else "average",
+    return replace(plan, outer_optimizer=x.outer_optimizer if plan.strategy == Strategy.LOCAL_SGD else "average",
                    sync_dtype=x.sync_dtype, sync_bytes=nbytes)
 
 
@@ -242,7 +241,7 @@ def pipeline_plans(x: StrategyInputs, *, cluster: int, global_batch: int, microb
         replicas, batch = c["data_parallel"], global_batch // c["data_parallel"]
         steps = math.ceil(x.n_train / global_batch)
         # the solver's cuts are on merged layers; the plan (and the executor) use the originals
-        plan = Plan(strategy="hybrid" if replicas > 1 else "pipeline", data_parallel=replicas,
+        plan = Plan(strategy=Strategy.HYBRID if replicas > 1 else Strategy.PIPELINE, data_parallel=replicas,
                     stages=c["stages"], cuts=tuple(last[i] for i in c["cuts"]),
                     microbatches=c["microbatches"], sync_period=1, steps_per_epoch=steps,
                     batch_size=batch, worker_vcpu=x.worker_vcpu,
@@ -302,7 +301,7 @@ def with_schedule(x: StrategyInputs, plan: Plan, schedule: str, chunks: int = 1)
     runtime model (`planners.partition.plan_partition`, store transport) finds best for that
     many stages, at the plan's micro-batch. Raises ValueError when the micro-batches are not
     a multiple of the p workers or the model has fewer than p x v layers with parameters."""
-    if schedule != "interleaved":
+    if schedule != PipelineSchedule.INTERLEAVED:
         return predicted(x, replace(plan, pipeline_schedule=schedule))
     from planners.partition import PartitionProblem, PipelineLayer, plan_partition
 
@@ -320,7 +319,7 @@ def with_schedule(x: StrategyInputs, plan: Plan, schedule: str, chunks: int = 1)
         bandwidth_bytes_per_s=x.bandwidth, latency_s=x.latency, microbatches=plan.microbatches,
         max_stages=stages, transport="store")
     cuts = tuple(last[i] for i in plan_partition(problem)[stages].cuts)
-    return predicted(x, replace(plan, pipeline_schedule="interleaved", chunks=chunks, cuts=cuts))
+    return predicted(x, replace(plan, pipeline_schedule=PipelineSchedule.INTERLEAVED, chunks=chunks, cuts=cuts))
 
 
 def choose_schedule(options: list[Plan]) -> Plan:
@@ -395,10 +394,10 @@ def candidates(x: StrategyInputs, strategy: str) -> list[Plan]:
     plan of at most `workers` worker processes at the same global batch (workers x
     batch_size): Local-SGD, and each A x B pipeline with A * B <= workers."""
     mb = job_microbatches(x.batch_size, x.microbatches)
-    if strategy == "local_sgd":
+    if strategy == Strategy.LOCAL_SGD:
         return [local_sgd(x)]
-    if strategy in ("pipeline", "hybrid"):
-        replicas = 1 if strategy == "pipeline" else x.workers
+    if strategy in PIPELINED_STRATEGIES:
+        replicas = 1 if strategy == Strategy.PIPELINE else x.workers
         stages = x.stages or len(x.layers)
         if x.batch_size % mb:
             return []
@@ -447,7 +446,7 @@ def plan_local_sgd(*, workers: int, train_samples: int, batch_size: int, sync_pe
         checkpoint_s = sync_bytes / bandwidth + latency
     sync_s = (scatter_reduce(sync_bytes, workers, bandwidth, latency) + checkpoint_s) * syncs
     epoch_s = steps * step_s + sync_s
-    return Plan(strategy="local_sgd", data_parallel=workers, sync_period=sync_period,
+    return Plan(strategy=Strategy.LOCAL_SGD, data_parallel=workers, sync_period=sync_period,
                 steps_per_epoch=steps, batch_size=batch_size, worker_vcpu=worker_vcpu,
                 worker_memory_gb=worker_memory_gb, worker_gpu=worker_gpu, offer=offer,
                 price_per_worker_s=price_per_worker_s,

@@ -10,7 +10,10 @@ definition has come back:
    `planners.hybrid.microbatches_per_replica`, two different computations named apart;
 4. errors: every project exception derives from `core.errors.ZooidError`;
 5. store blocks: one base (`blocks.store_block.StoreBlock`), one reference format
-   (`block:<type slug>/<name>`), one opener (`blocks.store_refs.open_store_ref`).
+   (`block:<type slug>/<name>`), one opener (`blocks.store_refs.open_store_ref`);
+6. strategies, pipeline schedules and compute-target kinds: one enum each in `core.kinds`
+   (`Strategy`, `PipelineSchedule`, `TargetKind` with its per-kind facts); no other module
+   lists two of their names or compares with one spelled as a string.
 
 The co-optimiser (`planners/co_optimize*.py`) still has its own `stage_bounds` and stage
 memory: its owner switches it to core; until then its files are the ones these checks leave
@@ -288,3 +291,103 @@ def test_store_blocks_are_one_family_with_one_reference_and_one_opener(prefect_a
     literal = [rel for rel, tree in sources().items() for node in ast.walk(tree)
                if isinstance(node, ast.Constant) and node.value == BLOCK_PREFIX]
     assert literal == ["blocks/store_block.py"]
+
+
+def named_choices() -> tuple[set[str], list[str], list[str]]:
+    """The names of `core.kinds` (strategies, schedules, target kinds, built-in targets; `auto`
+    aside: it means other things too), and where the project's source outside `core/kinds.py`
+    lists two or more of them (a tuple, list, set, `Literal[...]` or dict keys) or compares
+    with one spelled as a string (`==`, `!=`, `in (...)`, `case`; `auto` counts where the other
+    side is a strategy or a schedule)."""
+    from core.kinds import AUTO, BUILTIN_TARGETS, PipelineSchedule, Strategy, TargetKind
+
+    names = {str(m) for m in (*Strategy, *PipelineSchedule, *TargetKind, *BUILTIN_TARGETS)} - {AUTO}
+    names.discard("local")  # the `local` target's name is also the local deployment's and more
+
+    def named(node) -> bool:
+        return isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names
+
+    def auto_choice(node, other) -> bool:
+        return (isinstance(node, ast.Constant) and node.value == AUTO
+                and re.search(r"strateg|schedule", ast.unparse(other)) is not None)
+
+    lists, compares = [], []
+    for rel, tree in sources().items():
+        if rel == "core/kinds.py":
+            continue
+        for node in ast.walk(tree):
+            elements = node.keys if isinstance(node, ast.Dict) else getattr(node, "elts", None)
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set, ast.Dict)):
+                found = [e.value for e in elements if named(e)]
+                if len(found) >= 2:
+                    lists.append(f"{rel}:{node.lineno}: {found}")
+            if isinstance(node, ast.Compare):
+                operands = [node.left, *node.comparators]
+                for op, left, right in zip(node.ops, operands, operands[1:]):
+                    if isinstance(op, (ast.Eq, ast.NotEq, ast.Is, ast.IsNot)):
+                        hit = named(left) or named(right) or auto_choice(left, right) or auto_choice(right, left)
+                    elif isinstance(op, (ast.In, ast.NotIn)) and isinstance(right, (ast.Tuple, ast.List, ast.Set)):
+                        hit = any(named(e) or auto_choice(e, left) for e in right.elts)
+                    else:
+                        hit = False
+                    if hit:
+                        compares.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+            if isinstance(node, ast.MatchValue) and named(node.value):
+                compares.append(f"{rel}:{node.lineno}: case {node.value.value!r}")
+    return names, lists, compares
+
+
+def test_strategies_schedules_and_target_kinds_are_named_once():
+    import json
+
+    from blocks.compute import BUILTIN, ComputeTarget, resolve_target
+    from clouds.job_variables import WorkerResources, job_variables
+    from clouds.registry import adapter_for, is_cloud
+    from coordinator.job import BUILTIN_TARGETS, TrainJob
+    from core.kinds import (AUTO, CLOUD_KINDS, PIPELINED_STRATEGIES, SHARED_HOST_KINDS, PipelineSchedule, Strategy,
+                            TargetKind, builtin_kind)
+    from core.plan import Plan
+    from core.schedules import SCHEDULES, build_schedule
+    from deployments.bootstrap import POOL_TYPES
+
+    # members are their strings: what users pass and what JSON files hold stays as it was
+    assert Strategy("pipeline") is Strategy.PIPELINE and Strategy.LOCAL_SGD == "local_sgd"
+    assert json.dumps([Strategy.HYBRID, PipelineSchedule.ONE_F_ONE_B, TargetKind.K8S]) == '["hybrid", "1f1b", "k8s"]'
+    assert "pipeline" in PIPELINED_STRATEGIES and f"{TargetKind.PROCESS}" == "process"
+    plan = Plan(strategy=Strategy.HYBRID, data_parallel=2, stages=2, pipeline_schedule=PipelineSchedule.INTERLEAVED)
+    assert json.loads(json.dumps(plan.to_dict()))["strategy"] == "hybrid"
+    assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+
+    # the job's form offers exactly the enums' values, as a choice list
+    props = TrainJob.model_json_schema()["properties"]
+    assert props["strategy"]["enum"] == [s.value for s in Strategy]
+    assert props["pipeline_schedule"]["enum"] == [AUTO] + [s.value for s in PipelineSchedule]
+    job = TrainJob(strategy="pipeline", pipeline_schedule="1f1b", target="local")
+    assert json.loads(job.model_dump_json())["strategy"] == "pipeline"
+    assert job.strategy == Strategy.PIPELINE and job.pipeline_schedule == PipelineSchedule.ONE_F_ONE_B
+    assert ComputeTarget.model_json_schema()["properties"]["kind"]["enum"] == [k.value for k in TargetKind]
+    assert tuple(SCHEDULES) == tuple(PipelineSchedule)
+    for name in PipelineSchedule:
+        assert build_schedule(name, 2, 4, chunks=2 if name is PipelineSchedule.INTERLEAVED else 1)
+
+    # every per-kind list is the one table's
+    assert tuple(BUILTIN) == BUILTIN_TARGETS == tuple(k.builtin for k in TargetKind)
+    for kind in TargetKind:
+        target = resolve_target(kind.builtin)
+        assert target.kind == kind and builtin_kind(kind.builtin) is kind and target.offer == kind.offer
+        assert target.remote == (kind.pool_type is not None) == (kind.builtin in POOL_TYPES)
+        assert POOL_TYPES.get(kind.builtin) == kind.pool_type
+        assert is_cloud(target) == kind.cloud == (kind in CLOUD_KINDS) == (adapter_for(target) is not None)
+        assert (kind in SHARED_HOST_KINDS) == kind.shared_host
+        if kind.cloud:  # a cloud kind has its job variables
+            assert job_variables(kind, WorkerResources(vcpu=1.0, memory_gb=1.0), "r1")["zooid_run_id"] == "r1"
+
+    for name in ("Strategy", "PipelineSchedule", "TargetKind", "BUILTIN_TARGETS", "SHARED_HOST_KINDS",
+                 "CLOUD_KINDS", "PIPELINED_STRATEGIES"):
+        assert definitions(name) == ["core/kinds.py"], name
+    for gone in ("SUPPORTED_STRATEGIES", "STRATEGIES", "KINDS"):
+        assert definitions(gone) in ([], ["engine/chaos.py"]), gone  # chaos's KINDS are fault kinds
+
+    _, lists, compares = named_choices()
+    assert lists == []
+    assert compares == []

@@ -191,7 +191,7 @@ def _profile(layers: int, activation_bytes: int = 1000) -> dict:
 
 def _fake_predictions(monkeypatch, times: dict) -> list:
     """`with_schedule` answering `times[name]` (a ValueError: cannot predict), recording calls."""
-    import planners.strategy
+    import coordinator.planning
 
     calls = []
 
@@ -202,7 +202,7 @@ def _fake_predictions(monkeypatch, times: dict) -> list:
         cuts = tuple(range(plan.stages * chunks - 1))
         return replace(plan, pipeline_schedule=name, chunks=chunks, cuts=cuts, predicted_iteration_s=times[name])
 
-    monkeypatch.setattr(planners.strategy, "with_schedule", fake)
+    monkeypatch.setattr(coordinator.planning, "with_schedule", fake)  # the name the planning module calls
     return calls
 
 

@@ -227,14 +227,13 @@ def test_pick_schedule_keeps_the_one_that_fits_and_lists_both(monkeypatch):
     from dataclasses import replace
     from types import SimpleNamespace
 
-    import planners.strategy
     import coordinator.planning
     from core.errors import ZooidValueError
     from core.plan import Plan
     from coordinator.job import TrainJob
 
     times = {"gpipe": 1.0, "1f1b": 1.2}
-    monkeypatch.setattr(planners.strategy, "with_schedule",
+    monkeypatch.setattr(coordinator.planning, "with_schedule",
                         lambda x, plan, name: replace(plan, pipeline_schedule=name, predicted_iteration_s=times[name]))
 
     def check(ctx, profile, plan):
