@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from comm import heartbeat
-from comm.collectives import SyncStats, release_group
+from comm.bandwidth import TransferStats
+from comm.collectives import release_group
 from comm.compression import Compressor
 from comm.scatter_reduce import allreduce_for
 from comm.store import Store
@@ -101,7 +102,7 @@ class StageWorker:
         self.optimizer = build_optimizer(spec.optimizer, self.module, spec.lr)
         self.uploads = ThreadPoolExecutor(1, thread_name_prefix=f"upload-s{settings.index}")
         self.downloads = ThreadPoolExecutor(1, thread_name_prefix=f"download-s{settings.index}")
-        self.sync_stats = SyncStats()
+        self.sync_stats = TransferStats()
         self.upload_s = self.download_s = self.compute_s = 0.0
         self.pending: list[Future] = []
         self.compressors: dict[int, Compressor] = {}
