@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from typing import Iterable
 
-from clouds.adapter import CloudAdapter, CloudInterval
+from clouds.adapter import CloudAdapter, CloudInterval, pool_job_configuration
 from clouds.timestamps import epoch_seconds
 
 RUN_TAG = "zooid-run"
@@ -118,8 +118,6 @@ def stop_flow_run_groups(aci, resource_group: str, flow_runs: Iterable) -> list[
 def aci_session(work_pool: str, job_variables: dict | None = None):
     """(ContainerInstanceManagementClient, resource group) as the pool's workers see them."""
     from prefect_azure.workers.container_instance import AzureContainerJobConfiguration
-
-    from clouds.adapter import pool_job_configuration
 
     cfg = pool_job_configuration(AzureContainerJobConfiguration, work_pool, job_variables)
     client = cfg.aci_credentials.get_container_client(cfg.subscription_id.get_secret_value())

@@ -25,6 +25,7 @@ from typing import Iterable
 
 from clouds.adapter import CloudAdapter, CloudInterval
 from clouds.timestamps import epoch_seconds
+from core.errors import ZooidValueError
 
 RUN_LABEL = "zooid-run"
 FLOW_RUN_LABEL = "io.prefect.flow-run-id"
@@ -191,8 +192,6 @@ class DockerAdapter(CloudAdapter):
 
     def preflight(self, image: str | None) -> None:
         """The engine answers and holds `image` (the pool pulls nothing: `Never`)."""
-        from core.errors import ZooidValueError
-
         url = os.environ.get("DOCKER_HOST") or "the default socket"
         try:
             client = docker_client(timeout_s=10)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from clouds.adapter import FLOW_RUN_ID_LABEL, CloudAdapter, CloudInterval
+from clouds.adapter import FLOW_RUN_ID_LABEL, CloudAdapter, CloudInterval, pool_job_configuration
 from clouds.timestamps import epoch_seconds
 
 RUN_TAG = "zooid-run"
@@ -108,8 +108,6 @@ def stop_flow_run_tasks(ecs, flow_runs: Iterable, reason: str = "zooid teardown"
 def ecs_session(work_pool: str, job_variables: dict | None = None):
     """(ECS client, cluster) as the pool's workers see them (its credentials block, its cluster)."""
     from prefect_aws.workers.ecs_worker import ECSJobConfiguration
-
-    from clouds.adapter import pool_job_configuration
 
     cfg = pool_job_configuration(ECSJobConfiguration, work_pool, job_variables)
     return cfg.aws_credentials.get_client("ecs"), cfg.cluster or "default"

@@ -19,7 +19,7 @@ from __future__ import annotations
 from contextlib import asynccontextmanager
 from typing import Iterable
 
-from clouds.adapter import FLOW_RUN_ID_LABEL, CloudAdapter, CloudInterval
+from clouds.adapter import FLOW_RUN_ID_LABEL, CloudAdapter, CloudInterval, read_pool_job_configuration
 from clouds.timestamps import epoch_seconds
 
 RUN_LABEL = "zooid-run"
@@ -132,8 +132,6 @@ async def k8s_session(work_pool: str, job_variables: dict | None = None):
     from kubernetes_asyncio import config
     from kubernetes_asyncio.client import ApiClient
     from prefect_kubernetes.worker import KubernetesWorkerJobConfiguration
-
-    from clouds.adapter import read_pool_job_configuration
 
     cfg = await read_pool_job_configuration(KubernetesWorkerJobConfiguration, work_pool, job_variables)
     if cfg.cluster_config:

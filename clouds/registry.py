@@ -5,7 +5,11 @@ them.
 """
 from __future__ import annotations
 
+from clouds.aci import AciAdapter
 from clouds.adapter import CloudAdapter
+from clouds.docker import DockerAdapter
+from clouds.ecs import EcsAdapter
+from clouds.kubernetes import KubernetesAdapter
 
 CLOUD_KINDS = ("ecs", "aci", "k8s", "docker")
 """Target kinds whose workers run in containers that a provider (or a Docker-API engine)
@@ -21,19 +25,11 @@ def is_cloud(target) -> bool:
 def adapter_for(target) -> CloudAdapter | None:
     """The provider adapter for `target`'s work pool, or None for a local target."""
     if target.kind == "ecs":
-        from clouds.ecs import EcsAdapter
-
         return EcsAdapter(target.work_pool, target.job_variables)
     if target.kind == "aci":
-        from clouds.aci import AciAdapter
-
         return AciAdapter(target.work_pool, target.job_variables)
     if target.kind == "k8s":
-        from clouds.kubernetes import KubernetesAdapter
-
         return KubernetesAdapter(target.work_pool, target.job_variables)
     if target.kind == "docker":
-        from clouds.docker import DockerAdapter
-
         return DockerAdapter(target.work_pool, target.job_variables)
     return None

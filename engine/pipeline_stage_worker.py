@@ -21,6 +21,7 @@ from comm import heartbeat
 from comm.bandwidth import TransferStats
 from comm.collectives import release_group
 from comm.compression import Compressor
+from comm.ring_allreduce import open_ring
 from comm.scatter_reduce import allreduce_for
 from comm.store import Store
 from comm.tensor_codec import decode_json, decode_tensors, encode_json, encode_tensors
@@ -225,8 +226,6 @@ class StageWorker:
         group = self._group(stage)
         grads = {n: p.grad for n, p in self.module.stage_parameters(stage).items() if p.grad is not None}
         if self.collective == "ring" and stage not in self.rings:
-            from comm.ring_allreduce import open_ring
-
             self.rings[stage] = open_ring(self.store, group, cfg.replica, cfg.replicas, self.spec.sync_timeout_s,
                                           host=self.spec.sync.ring_host)
         allreduce = allreduce_for(self.collective, "mean", ring=self.rings.get(stage))
