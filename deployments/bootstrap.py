@@ -34,6 +34,7 @@ from typing import Any
 from blocks.compute import BUILTIN, ComputeTarget
 from blocks.store_refs import ZooidStore, store_block_types
 from core.errors import StoreError
+from deployments.azure_blob import bootstrap_blob_store
 
 POOL_TYPES = {"local": "process", "docker": "docker", "ecs": "ecs", "aci": "azure-container-instance", "k8s": "kubernetes"}
 TEMPLATES = Path(__file__).with_name("templates")
@@ -230,8 +231,6 @@ def main(argv: list[str] | None = None) -> int:
                                    subscription_id=args.subscription_id, namespace=args.namespace,
                                    paid_worker_limit=args.paid_worker_limit, image=args.image, env=env)
         if args.blob_container:
-            from deployments.azure_blob import bootstrap_blob_store
-
             done.update(bootstrap_blob_store(args.blob_container, prefix=args.blob_prefix,
                                              credentials_block=args.blob_credentials,
                                              account_url=args.blob_account_url))
