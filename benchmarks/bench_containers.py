@@ -60,7 +60,8 @@ class Watcher(threading.Thread):
         from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
 
         from blocks.store_refs import open_store_ref
-        from clouds.docker import docker_client, parse_time, run_containers
+        from clouds.docker import docker_client, run_containers
+        from clouds.timestamps import epoch_seconds
 
         store = open_store_ref(self.store_ref)
         engine = docker_client() if os.environ.get("DOCKER_HOST") else None
@@ -76,7 +77,7 @@ class Watcher(threading.Thread):
                         for c in run_containers(engine, self.run_id):
                             labels = c.attrs["Config"]["Labels"] or {}
                             name = labels.get("io.prefect.flow-run-name", "").split("-warm-", 1)[-1]
-                            self.containers.setdefault(name, parse_time(c.attrs["Created"]))
+                            self.containers.setdefault(name, epoch_seconds(c.attrs["Created"]))
                     for key in store.list(prefix):
                         worker = key[len(prefix):].split("/", 1)[0]
                         if key.endswith("/status.json") and worker not in self.ready:

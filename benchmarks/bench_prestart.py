@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.output import command_for, provenance, write_result
+from benchmarks.output import command_for, money, provenance, write_result
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results" / "prestart.md"
@@ -178,10 +178,6 @@ def median(runs: list[Outcome], key: str) -> float:
     return statistics.median(o.totals[key] for o in runs)
 
 
-def _money(usd: float) -> str:
-    return f"${usd * 1000:.3f}m"
-
-
 def _ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}" if b > 0 else ("1.00" if a == b else "-")
 
@@ -199,7 +195,7 @@ COLUMNS = [("hidden_s", "start-up hidden worker-s", "{:.1f}"),
 
 def _cell(key: str, value: float) -> str:
     fmt = next(f for k, _, f in COLUMNS if k == key)
-    return _money(value) if fmt is None else fmt.format(value)
+    return money(value) if fmt is None else fmt.format(value)
 
 
 TITLE = "Pre-start on the local process pool: worker start-up hidden vs exposed"
@@ -248,7 +244,7 @@ def render(outcomes: list[Outcome], args: argparse.Namespace) -> str:
             lines.append(f"| {o.config.name} | {o.repeat} | {e['epoch']} | {pre} | "
                          f"{st.get('hidden_s', 0):.2f} | {st.get('exposed_s', 0):.2f} | {st.get('idle_s', 0):.2f} | "
                          f"{st.get('critical_exposed_s', 0):.2f} | {e['seconds']:.2f} | "
-                         f"{e['val_accuracy']:.3f} | {_money(e['cost_usd'])} |")
+                         f"{e['val_accuracy']:.3f} | {money(e['cost_usd'])} |")
     lines += ["", "Runs: " + ", ".join(f"{o.config.name} #{o.repeat} `{o.run_id}` ({o.status})" for o in outcomes)]
     return "\n".join(lines) + "\n"
 
@@ -272,7 +268,7 @@ def findings(groups: dict[str, list[Outcome]]) -> list[str]:
                    f"{median(on, 'idle_s'):.1f} worker-s; mean epoch (epochs >= {FIRST_PRESTARTABLE}) "
                    f"{median(off, 'late_epoch_s'):.2f} -> {median(on, 'late_epoch_s'):.2f} s; worker-s billed "
                    f"{median(off, 'worker_s'):.1f} -> {median(on, 'worker_s'):.1f}; total cost "
-                   f"{_money(median(off, 'cost_usd'))} -> {_money(median(on, 'cost_usd'))}{lead}.")
+                   f"{money(median(off, 'cost_usd'))} -> {money(median(on, 'cost_usd'))}{lead}.")
     return out
 
 

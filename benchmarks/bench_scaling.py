@@ -52,7 +52,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.output import command_for, provenance, write_result
+from benchmarks.output import command_for, money, provenance, write_result
 
 RESULTS = Path(__file__).resolve().parent / "results" / "scaling.md"
 MODEL = "digits_cnn"
@@ -184,10 +184,6 @@ def run_config(home: Path, config: Config, repeat: int) -> Outcome:
     return collect(home, config, repeat, json.loads(out.read_text()), wall)
 
 
-def _money(usd: float) -> str:
-    return f"${usd * 1000:.3f}m"
-
-
 def _same(values: list) -> str:
     """One value when every repeat agrees, else each repeat's."""
     texts = [str(v) for v in values]
@@ -256,8 +252,8 @@ def render(outcomes: list[Outcome], args: argparse.Namespace) -> str:
                    for o in runs]),
             _same([o.to_target(target)["samples"] for o in runs]),
             f"{_median(runs, target, 'cluster_s'):.1f}", f"{_median(runs, target, 'wall_s'):.1f}",
-            f"{_median(runs, target, 'worker_s'):.1f}", _money(_median(runs, target, "cost_usd")),
-            _money(_median(runs, target, "cluster_cost_usd")),
+            f"{_median(runs, target, 'worker_s'):.1f}", money(_median(runs, target, "cost_usd")),
+            money(_median(runs, target, "cluster_cost_usd")),
             _same([f"{o.rows[n - 1].val_accuracy:.3f}" if len(o.rows) >= n else "-" for o in runs]),
             _same([f"{o.rows[-1].val_accuracy:.3f} ({len(o.rows)})" for o in runs]),
         ]) + " |")
@@ -270,7 +266,7 @@ def render(outcomes: list[Outcome], args: argparse.Namespace) -> str:
               "| configuration | " + " | ".join(f"repeat {i}" for i in range(args.repeats)) + " |",
               "|---|" + "---|" * args.repeats]
     for name, runs in groups.items():
-        cells = [f"{t['cluster_s']:.1f} / {t['wall_s']:.1f} / {_money(t['cost_usd'])}"
+        cells = [f"{t['cluster_s']:.1f} / {t['wall_s']:.1f} / {money(t['cost_usd'])}"
                  for t in (o.to_target(target) for o in runs)]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", "Every epoch. Cluster s = the slowest worker's compute + sync (its split beside); wall s = "
@@ -283,7 +279,7 @@ def render(outcomes: list[Outcome], args: argparse.Namespace) -> str:
             for r in o.rows:
                 lines.append(f"| {name} | {o.repeat} | {r.epoch} | {r.workers} | {r.lr:.4g} | {r.val_accuracy:.3f} "
                              f"| {r.samples} | {r.cluster_s:.2f} | {r.slowest_compute_s:.2f} + "
-                             f"{r.slowest_sync_s:.2f} | {r.wall_s:.1f} | {r.worker_s:.1f} | {_money(r.cost_usd)} "
+                             f"{r.slowest_sync_s:.2f} | {r.wall_s:.1f} | {r.worker_s:.1f} | {money(r.cost_usd)} "
                              f"| {r.failed_attempts} |")
     lines += ["", "Runs: " + ", ".join(f"{o.config.name} #{o.repeat} `{o.run_id}` ({o.status}, {o.run_wall_s:.0f} s "
                                        "with profile and plan)" for o in outcomes)]

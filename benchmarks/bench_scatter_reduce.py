@@ -114,7 +114,7 @@ def causal_link(bandwidth: float | None):
             transfer()
             with self._lock:
                 self.stats.bytes_up += nbytes
-                self.stats.seconds_up += time.monotonic() - start
+                self.stats.upload_s += time.monotonic() - start
 
     return CausalLink(bandwidth, bandwidth)
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.output import provenance, write_result
+from benchmarks.output import command_for, provenance, write_result
 from comm.store import Store
 from comm.store_azure import AzureBlobStore
 from comm.store_dir import DirectoryStore
@@ -226,8 +226,7 @@ def main(argv: list[str] | None = None) -> None:
             stop_server(proc)
         shutil.rmtree(work, ignore_errors=True)
 
-    command = ".venv/bin/python -m benchmarks.bench_stores" + "".join(
-        f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    command = command_for("benchmarks.bench_stores", argv)
     text = "\n".join([
         f"Median of {args.repeats_small} (1 MB) / {args.repeats_large} (100 MB) interleaved "
         f"rounds after a warm-up, float32 tensors, all servers on 127.0.0.1 ({os.cpu_count()} cores, shared). "

@@ -63,6 +63,11 @@ def command_for(module: str, argv: list[str] | None = None, flags=()) -> str:
     return " ".join([".venv/bin/python -m", module, *args])
 
 
+def money(usd: float) -> str:
+    """A dollar amount in thousandths of a dollar, as the results tables show it: `$1.234m`."""
+    return f"${usd * 1000:.3f}m"
+
+
 def _git(*args: str) -> str:
     return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout
 

@@ -26,6 +26,7 @@ from prefect_redis.blocks import RedisDatabase
 from pydantic import Field
 
 from blocks.store_block import StoreBlock
+from comm.store import open_store
 
 
 class ZooidS3Store(StoreBlock):
@@ -54,8 +55,6 @@ class ZooidS3Store(StoreBlock):
 
     def open(self):
         """Open the store in this process, with the credentials block's keys when it has any."""
-        from comm.store import open_store
-
         creds = self.bucket.credentials
         if isinstance(creds, AwsCredentials):  # the block's keys reach boto3 as arguments, never the environment
             return open_store(self.url(), s3_session=creds.get_boto3_session())
@@ -78,8 +77,6 @@ class ZooidRedisStore(StoreBlock):
 
     def open(self):
         """Open the store with the password filled in (the URL with it is never returned or logged)."""
-        from comm.store import open_store
-
         db = self.database
         if db.connection_url is not None:
             return open_store(db.connection_url.get_secret_value())

@@ -13,6 +13,7 @@ from prefect_azure.credentials import AzureBlobStorageCredentials
 from pydantic import Field
 
 from blocks.store_block import StoreBlock
+from comm.store import open_store
 from core.errors import ZooidValueError
 
 
@@ -54,6 +55,4 @@ class ZooidAzureBlobStore(StoreBlock):
 
     def open(self):
         """Open the store in this process, the block's credentials handed to the client."""
-        from comm.store import open_store
-
         return open_store(self.url(), azure_account=self._account())

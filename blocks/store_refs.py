@@ -16,6 +16,7 @@ from prefect.blocks.core import Block
 from pydantic import Field, SecretStr
 
 from blocks.store_block import BLOCK_PREFIX, DEFAULT_BLOCK_TYPE, StoreBlock, parse_block_ref
+from comm.store import open_store
 from core.errors import ZooidValueError
 
 
@@ -64,8 +65,6 @@ class ZooidStore(StoreBlock):
     def open(self):
         """Open the store this block describes; an S3 store gets the block's keys through its
         own boto3 Session (never the process environment)."""
-        from comm.store import open_store
-
         if self._is_s3():
             import boto3
 
@@ -80,8 +79,10 @@ class ZooidStore(StoreBlock):
 
 def store_block_types() -> tuple[type[StoreBlock], ...]:
     """Every store block type. Importing them is what lets `Block.load` build any of them."""
-    from blocks.cloud import ZooidRedisStore, ZooidS3Store
-    from blocks.store_block_azure import ZooidAzureBlobStore
+    # Imported here, not at the top: prefect-aws, prefect-redis and prefect-azure (with boto3,
+    # redis and the Azure SDK, about 0.4 s each) load only when a cloud store block is named.
+    from blocks.cloud import ZooidRedisStore, ZooidS3Store  # prefect-aws, prefect-redis: only when named
+    from blocks.store_block_azure import ZooidAzureBlobStore  # prefect-azure: only when named
 
     return ZooidStore, ZooidS3Store, ZooidRedisStore, ZooidAzureBlobStore
 
@@ -105,8 +106,6 @@ def load_store_block(ref: str) -> StoreBlock:
 
 def open_store_ref(ref: str):
     """Open a store from a URL or a store block reference (what workers receive)."""
-    from comm.store import open_store
-
     if ref.startswith(BLOCK_PREFIX):
         return load_store_block(ref).open()
     return open_store(ref)

@@ -17,17 +17,13 @@ work pool, with the credentials block the pool names.
 from __future__ import annotations
 
 import re
-from datetime import datetime
 from typing import Iterable
 
-from clouds.adapter import CloudAdapter, CloudInterval
+from clouds.adapter import CloudAdapter, CloudInterval, pool_job_configuration
+from clouds.timestamps import epoch_seconds
 
 RUN_TAG = "zooid-run"
 _UUID_SUFFIX = re.compile(r"([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})$")
-
-
-def _ts(value) -> float | None:
-    return value.timestamp() if isinstance(value, datetime) else None
 
 
 def flow_run_id_of(group_name: str) -> str | None:
@@ -41,10 +37,10 @@ def aci_interval(group) -> CloudInterval:
     container = group.containers[0]
     view = container.instance_view
     events = list(view.events or []) if view is not None else []
-    pulls = [_ts(e.first_timestamp) for e in events if e.name == "Pulling" and e.first_timestamp]
+    pulls = [epoch_seconds(e.first_timestamp) for e in events if e.name == "Pulling" and e.first_timestamp]
     current = view.current_state if view is not None else None
-    started = _ts(current.start_time) if current is not None else None
-    finished = _ts(current.finish_time) if current is not None else None
+    started = epoch_seconds(current.start_time) if current is not None else None
+    finished = epoch_seconds(current.finish_time) if current is not None else None
     state = current.state if current is not None else None
     ever_started = started is not None or any(e.name == "Started" for e in events)
     if ever_started:
@@ -122,8 +118,6 @@ def stop_flow_run_groups(aci, resource_group: str, flow_runs: Iterable) -> list[
 def aci_session(work_pool: str, job_variables: dict | None = None):
     """(ContainerInstanceManagementClient, resource group) as the pool's workers see them."""
     from prefect_azure.workers.container_instance import AzureContainerJobConfiguration
-
-    from clouds.adapter import pool_job_configuration
 
     cfg = pool_job_configuration(AzureContainerJobConfiguration, work_pool, job_variables)
     client = cfg.aci_credentials.get_container_client(cfg.subscription_id.get_secret_value())

@@ -21,42 +21,28 @@ uses too).
 from __future__ import annotations
 
 import os
-from datetime import datetime
 from typing import Iterable
 
 from clouds.adapter import CloudAdapter, CloudInterval
+from clouds.timestamps import epoch_seconds
+from core.errors import ZooidValueError
 
 RUN_LABEL = "zooid-run"
 FLOW_RUN_LABEL = "io.prefect.flow-run-id"
 """Prefect's `prefect.io/flow-run-id` as prefect-docker labels a container."""
-_NEVER = "0001-01-01"
 RUNNING = ("running", "paused", "restarting")
 """Engine states of a container that has started and not exited."""
 SETTLE_S = 15.0
 """How long the teardown waits for the run's containers to exit by themselves before stopping them."""
 
 
-def parse_time(value: str | None) -> float | None:
-    """An engine timestamp (RFC 3339, nanoseconds, `Z` or an offset) as epoch seconds; None for
-    the zero time an engine reports for "never"."""
-    if not value or value.startswith(_NEVER):
-        return None
-    text = value.strip().replace("Z", "+00:00")
-    date, _, rest = text.partition(".")
-    if rest:  # Python reads at most microseconds: cut the fraction to 6 digits
-        digits = len(rest) - len(rest.lstrip("0123456789"))
-        frac, tz = rest[:digits], rest[digits:]
-        text = f"{date}.{frac[:6].ljust(6, '0')}{tz}"
-    return datetime.fromisoformat(text).timestamp()
-
-
 def container_interval(attrs: dict) -> CloudInterval:
     """One container's `inspect` answer as a `CloudInterval`."""
     state = attrs.get("State") or {}
     labels = (attrs.get("Config") or {}).get("Labels") or {}
-    created = parse_time(attrs.get("Created"))
-    started = parse_time(state.get("StartedAt"))
-    finished = parse_time(state.get("FinishedAt"))
+    created = epoch_seconds(attrs.get("Created"))
+    started = epoch_seconds(state.get("StartedAt"))
+    finished = epoch_seconds(state.get("FinishedAt"))
     status_word = state.get("Status", "")
     if status_word in RUNNING + ("stopping",):
         status, stopped = "running", None
@@ -206,8 +192,6 @@ class DockerAdapter(CloudAdapter):
 
     def preflight(self, image: str | None) -> None:
         """The engine answers and holds `image` (the pool pulls nothing: `Never`)."""
-        from core.errors import ZooidValueError
-
         url = os.environ.get("DOCKER_HOST") or "the default socket"
         try:
             client = docker_client(timeout_s=10)

@@ -12,28 +12,22 @@ cost is collected after each epoch, not only at the end of the run.
 """
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Iterable
 
-from clouds.adapter import FLOW_RUN_ID_LABEL, CloudAdapter, CloudInterval
+from clouds.adapter import FLOW_RUN_ID_LABEL, CloudAdapter, CloudInterval, pool_job_configuration
+from clouds.timestamps import epoch_seconds
 
 RUN_TAG = "zooid-run"
 _DESCRIBE_BATCH = 100  # DescribeTasks accepts at most 100 tasks per call
 _FAILED_TO_START = ("TaskFailedToStart",)
 
 
-def _ts(value) -> float | None:
-    if value is None:
-        return None
-    return value.timestamp() if isinstance(value, datetime) else float(value)
-
-
 def ecs_interval(task: dict) -> CloudInterval:
     """One DescribeTasks task as a `CloudInterval`."""
     tags = {t.get("key"): t.get("value") for t in task.get("tags", [])}
-    started = _ts(task.get("startedAt"))
-    pull = _ts(task.get("pullStartedAt"))
-    stopped = _ts(task.get("stoppedAt")) or _ts(task.get("executionStoppedAt"))
+    started = epoch_seconds(task.get("startedAt"))
+    pull = epoch_seconds(task.get("pullStartedAt"))
+    stopped = epoch_seconds(task.get("stoppedAt")) or epoch_seconds(task.get("executionStoppedAt"))
     last = task.get("lastStatus", "")
     if last != "STOPPED":
         status = "running"
@@ -45,7 +39,7 @@ def ecs_interval(task: dict) -> CloudInterval:
     return CloudInterval(resource=task["taskArn"], flow_run_id=tags.get(FLOW_RUN_ID_LABEL),
                          billed_from=pull if pull is not None else started,
                          stopped=stopped if last == "STOPPED" else None, status=status,
-                         created=_ts(task.get("createdAt")), started=started,
+                         created=epoch_seconds(task.get("createdAt")), started=started,
                          reason=task.get("stoppedReason", "") or "")
 
 
@@ -114,8 +108,6 @@ def stop_flow_run_tasks(ecs, flow_runs: Iterable, reason: str = "zooid teardown"
 def ecs_session(work_pool: str, job_variables: dict | None = None):
     """(ECS client, cluster) as the pool's workers see them (its credentials block, its cluster)."""
     from prefect_aws.workers.ecs_worker import ECSJobConfiguration
-
-    from clouds.adapter import pool_job_configuration
 
     cfg = pool_job_configuration(ECSJobConfiguration, work_pool, job_variables)
     return cfg.aws_credentials.get_client("ecs"), cfg.cluster or "default"

@@ -17,16 +17,12 @@ from the work pool's cluster config block.
 from __future__ import annotations
 
 from contextlib import asynccontextmanager
-from datetime import datetime
 from typing import Iterable
 
-from clouds.adapter import FLOW_RUN_ID_LABEL, CloudAdapter, CloudInterval
+from clouds.adapter import FLOW_RUN_ID_LABEL, CloudAdapter, CloudInterval, read_pool_job_configuration
+from clouds.timestamps import epoch_seconds
 
 RUN_LABEL = "zooid-run"
-
-
-def _ts(value) -> float | None:
-    return value.timestamp() if isinstance(value, datetime) else None
 
 
 def _unschedulable(pod) -> bool:
@@ -40,9 +36,9 @@ def pod_interval(pod) -> CloudInterval:
     containers = status.container_statuses or []
     running = [c.state.running for c in containers if c.state and c.state.running]
     terminated = [c.state.terminated for c in containers if c.state and c.state.terminated]
-    started_at = [_ts(s.started_at) for s in running + terminated if s.started_at]
+    started_at = [epoch_seconds(s.started_at) for s in running + terminated if s.started_at]
     started = min(started_at) if started_at else None
-    finished = max((_ts(t.finished_at) for t in terminated if t.finished_at), default=None)
+    finished = max((epoch_seconds(t.finished_at) for t in terminated if t.finished_at), default=None)
     phase = status.phase
     if phase == "Succeeded":
         state = "completed"
@@ -54,8 +50,8 @@ def pod_interval(pod) -> CloudInterval:
         state = "running"
     reason = next((c.message or c.reason or "" for c in (status.conditions or []) if c.status == "False"), "")
     return CloudInterval(resource=pod.metadata.name, flow_run_id=(pod.metadata.labels or {}).get(FLOW_RUN_ID_LABEL),
-                         billed_from=_ts(status.start_time), stopped=finished if state != "running" else None,
-                         status=state, created=_ts(pod.metadata.creation_timestamp), started=started,
+                         billed_from=epoch_seconds(status.start_time), stopped=finished if state != "running" else None,
+                         status=state, created=epoch_seconds(pod.metadata.creation_timestamp), started=started,
                          reason=status.reason or reason)
 
 
@@ -136,8 +132,6 @@ async def k8s_session(work_pool: str, job_variables: dict | None = None):
     from kubernetes_asyncio import config
     from kubernetes_asyncio.client import ApiClient
     from prefect_kubernetes.worker import KubernetesWorkerJobConfiguration
-
-    from clouds.adapter import read_pool_job_configuration
 
     cfg = await read_pool_job_configuration(KubernetesWorkerJobConfiguration, work_pool, job_variables)
     if cfg.cluster_config:

@@ -5,7 +5,11 @@ them.
 """
 from __future__ import annotations
 
+from clouds.aci import AciAdapter
 from clouds.adapter import CloudAdapter
+from clouds.docker import DockerAdapter
+from clouds.ecs import EcsAdapter
+from clouds.kubernetes import KubernetesAdapter
 from core.kinds import CLOUD_KINDS, TargetKind
 
 
@@ -18,19 +22,11 @@ def is_cloud(target) -> bool:
 def adapter_for(target) -> CloudAdapter | None:
     """The provider adapter for `target`'s work pool, or None for a local target."""
     if target.kind == TargetKind.ECS:
-        from clouds.ecs import EcsAdapter
-
         return EcsAdapter(target.work_pool, target.job_variables)
     if target.kind == TargetKind.ACI:
-        from clouds.aci import AciAdapter
-
         return AciAdapter(target.work_pool, target.job_variables)
     if target.kind == TargetKind.K8S:
-        from clouds.kubernetes import KubernetesAdapter
-
         return KubernetesAdapter(target.work_pool, target.job_variables)
     if target.kind == TargetKind.DOCKER:
-        from clouds.docker import DockerAdapter
-
         return DockerAdapter(target.work_pool, target.job_variables)
     return None

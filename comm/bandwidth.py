@@ -7,7 +7,8 @@ one direction of one client's link; `Link` holds an independent bucket per direc
 an upload never slows a concurrent download (as on a full-duplex NIC).
 
 `TransferStats` counts bytes and seconds per direction on every store, emulated or not,
-so workers can report how long they spent moving data.
+so workers can report how long they spent moving data; the collectives count a rank's
+traffic in the same type.
 """
 from __future__ import annotations
 
@@ -68,14 +69,29 @@ def sleep_until(deadline: float) -> None:
 
 @dataclass
 class TransferStats:
-    """Bytes moved and seconds spent per direction, plus seconds spent waiting for keys."""
+    """Bytes a client moved and seconds it spent, per direction. A store's link counts its
+    transfers and waits (`Store.stats`); a rank's collectives (`comm.collectives`) count
+    their puts and gets, the calls made and the wall time spent in them."""
 
     bytes_up: int = 0
     bytes_down: int = 0
-    seconds_up: float = 0.0
-    seconds_down: float = 0.0
+    upload_s: float = 0.0
+    """Seconds spent uploading (a link's paced transfers, a collective's puts)."""
+    download_s: float = 0.0
+    """Seconds spent downloading (a link's paced transfers, a collective's gets)."""
     seconds_waiting: float = 0.0
     """Time `get` spent waiting for a key that was not there yet (not transfer time)."""
+    seconds: float = 0.0
+    """Wall time spent inside collective calls (transfers, waits and reductions)."""
+    calls: int = 0
+    """Collective calls made."""
+    reposts: int = 0
+    """Keys posted again because the store had lost them."""
+
+    @property
+    def bytes_total(self) -> int:
+        """Bytes uploaded plus downloaded."""
+        return self.bytes_up + self.bytes_down
 
     def to_dict(self) -> dict[str, float]:
         """JSON-able copy (workers report it as metrics)."""
@@ -108,7 +124,7 @@ class Link:
         sleep_until(deadline)
         with self._lock:
             self.stats.bytes_up += nbytes
-            self.stats.seconds_up += time.monotonic() - start
+            self.stats.upload_s += time.monotonic() - start
 
     def download(self, start: float, nbytes: int) -> None:
         """Pace and count a download of `nbytes` whose real transfer began at `start`.
@@ -122,7 +138,7 @@ class Link:
             sleep_until(deadline - (time.monotonic() - start))
         with self._lock:
             self.stats.bytes_down += nbytes
-            self.stats.seconds_down += time.monotonic() - start
+            self.stats.download_s += time.monotonic() - start
 
     def waited(self, seconds: float) -> None:
         """Count time spent waiting for a key to appear."""

@@ -56,29 +56,11 @@ from typing import Callable
 
 import torch
 
+from comm.bandwidth import TransferStats
 from comm.compression import Compressor
 from comm.store import Store
 from comm.tensor_codec import decode_tensors, encode_tensors
 from core.errors import StoreTimeout, ZooidValueError
-
-
-@dataclass
-class SyncStats:
-    """Traffic and time a rank spent in collectives (accumulated over calls)."""
-
-    bytes_up: int = 0
-    bytes_down: int = 0
-    upload_s: float = 0.0
-    download_s: float = 0.0
-    seconds: float = 0.0
-    calls: int = 0
-    reposts: int = 0
-    """Keys posted again because the store had lost them."""
-
-    @property
-    def bytes_total(self) -> int:
-        """Bytes uploaded plus downloaded."""
-        return self.bytes_up + self.bytes_down
 
 
 @dataclass
@@ -120,7 +102,7 @@ class _Traffic:
     """Store access that counts bytes and seconds, names the missing key on a timeout and,
     with a PostLog, re-posts this rank's lost keys whenever a wait stalls."""
 
-    def __init__(self, store: Store, rank: int, timeout: float, stats: SyncStats,
+    def __init__(self, store: Store, rank: int, timeout: float, stats: TransferStats,
                  log: PostLog | None = None, repost_s: float | None = None):
         self.store, self.rank, self.timeout, self.stats = store, rank, timeout, stats
         self.log, self.repost_s = log, repost_s
@@ -191,7 +173,7 @@ def _allreduce(
     tensors: dict[str, torch.Tensor],
     timeout: float,
     reduce: Callable[[torch.Tensor], torch.Tensor],
-    stats: SyncStats | None,
+    stats: TransferStats | None,
     previous_prefix: str | None,
     log: PostLog | None = None,
     repost_s: float | None = None,
@@ -200,7 +182,7 @@ def _allreduce(
 ) -> dict[str, torch.Tensor]:
     if world == 1:
         return tensors
-    stats = stats if stats is not None else SyncStats()
+    stats = stats if stats is not None else TransferStats()
     t0 = time.perf_counter()
     if log is not None:
         log.start_call()
@@ -302,7 +284,7 @@ def allreduce_mean(
     tensors: dict[str, torch.Tensor],
     timeout: float,
     *,
-    stats: SyncStats | None = None,
+    stats: TransferStats | None = None,
     previous_prefix: str | None = None,
     log: PostLog | None = None,
     repost_s: float | None = None,
@@ -331,7 +313,7 @@ def allreduce_sum(
     tensors: dict[str, torch.Tensor],
     timeout: float,
     *,
-    stats: SyncStats | None = None,
+    stats: TransferStats | None = None,
     previous_prefix: str | None = None,
     log: PostLog | None = None,
     repost_s: float | None = None,
@@ -345,7 +327,7 @@ def allreduce_sum(
 
 def release_group(
     store: Store, group: str, rank: int, world: int, timeout: float, *,
-    stats: SyncStats | None = None, resumed: bool = False,
+    stats: TransferStats | None = None, resumed: bool = False,
 ) -> None:
     """End a group of calls under prefix `group`: every rank says it is done; rank 0 waits
     for all ranks and deletes everything under `group`. No-op for world == 1.

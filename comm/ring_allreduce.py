@@ -46,7 +46,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from comm.collectives import PostLog, SyncStats
+from comm.bandwidth import TransferStats
+from comm.collectives import PostLog
 from comm.store import Store
 from core.errors import StoreTimeout, ZooidError, ZooidValueError
 
@@ -102,7 +103,7 @@ class RingGroup:
         """`gloo`, `nccl`, or `none` for a ring of one."""
         return "none" if self._backend is None else ("nccl" if self.device.type == "cuda" else "gloo")
 
-    def allreduce_mean(self, tensors: dict[str, torch.Tensor], *, stats: SyncStats | None = None,
+    def allreduce_mean(self, tensors: dict[str, torch.Tensor], *, stats: TransferStats | None = None,
                        timeout: float | None = None) -> dict[str, torch.Tensor]:
         """Elementwise mean of `tensors` over the ring (same names, shapes and dtypes on
         every rank), each dtype reduced in its own precision. world == 1 returns `tensors`."""
@@ -111,19 +112,19 @@ class RingGroup:
                 raise ZooidValueError("tensors", f"{name!r} is {t.dtype}; a mean needs floating tensors")
         return self._allreduce(tensors, stats, timeout, mean=True)
 
-    def allreduce_sum(self, tensors: dict[str, torch.Tensor], *, stats: SyncStats | None = None,
+    def allreduce_sum(self, tensors: dict[str, torch.Tensor], *, stats: TransferStats | None = None,
                       timeout: float | None = None) -> dict[str, torch.Tensor]:
         """Elementwise sum of `tensors` over the ring; otherwise as `allreduce_mean`."""
         return self._allreduce(tensors, stats, timeout, mean=False)
 
-    def _allreduce(self, tensors: dict[str, torch.Tensor], stats: SyncStats | None,
+    def _allreduce(self, tensors: dict[str, torch.Tensor], stats: TransferStats | None,
                    timeout: float | None, mean: bool) -> dict[str, torch.Tensor]:
         if self.world == 1:
             return tensors
         if self._backend is None:
             raise RingError(f"rank {self.rank}: the ring of {self.group} is "
                             f"{self._broken or 'closed'}; open a new one")
-        stats = stats if stats is not None else SyncStats()
+        stats = stats if stats is not None else TransferStats()
         began = time.perf_counter()
         names = sorted(tensors)
         buffers = _flatten(tensors, names, self.device)
@@ -171,7 +172,7 @@ class RingGroup:
 
         def allreduce(store: Store, prefix: str, rank: int, world: int,
                       tensors: dict[str, torch.Tensor], timeout: float, *,
-                      stats: SyncStats | None = None, previous_prefix: str | None = None,
+                      stats: TransferStats | None = None, previous_prefix: str | None = None,
                       log: PostLog | None = None, repost_s: float | None = None,
                       replay: bool = False, compressor=None) -> dict[str, torch.Tensor]:
             if compressor is not None and compressor.lossy:
@@ -307,7 +308,7 @@ def _build_backend(prefixed, rank: int, world: int, limit: datetime.timedelta,
 
 
 def ring_allreduce_mean(ring: RingGroup, tensors: dict[str, torch.Tensor], *,
-                        stats: SyncStats | None = None) -> dict[str, torch.Tensor]:
+                        stats: TransferStats | None = None) -> dict[str, torch.Tensor]:
     """Elementwise mean of `tensors` over `ring` (see `RingGroup.allreduce_mean`)."""
     return ring.allreduce_mean(tensors, stats=stats)
 

@@ -36,10 +36,11 @@ from typing import TYPE_CHECKING, Callable, Protocol
 import torch
 
 from comm import collectives
+from comm.bandwidth import TransferStats
 # The plain version's store access (counting, timeouts naming the key, re-posting lost
 # keys) and its flat layout, reused so that both algorithms behave alike in every respect
 # but the overlap. Private to comm.collectives: see the report asking to publish them.
-from comm.collectives import PostLog, SyncStats, Wire, flatten_by_dtype, _release_and_gather, _Traffic
+from comm.collectives import PostLog, Wire, flatten_by_dtype, _release_and_gather, _Traffic
 from comm.compression import Compressor
 from comm.store import Store
 from comm.tensor_codec import encode_tensors
@@ -57,14 +58,14 @@ class Allreduce(Protocol):
 
     def __call__(self, store: Store, prefix: str, rank: int, world: int,
                  tensors: dict[str, torch.Tensor], timeout: float, *,
-                 stats: SyncStats | None = None, previous_prefix: str | None = None,
+                 stats: TransferStats | None = None, previous_prefix: str | None = None,
                  log: PostLog | None = None, repost_s: float | None = None,
                  replay: bool = False, compressor: Compressor | None = None) -> dict[str, torch.Tensor]: ...
 
 
 def pipelined_allreduce_mean(
     store: Store, prefix: str, rank: int, world: int, tensors: dict[str, torch.Tensor],
-    timeout: float, *, stats: SyncStats | None = None, previous_prefix: str | None = None,
+    timeout: float, *, stats: TransferStats | None = None, previous_prefix: str | None = None,
     log: PostLog | None = None, repost_s: float | None = None, replay: bool = False,
     compressor: Compressor | None = None,
 ) -> dict[str, torch.Tensor]:
@@ -85,7 +86,7 @@ def pipelined_allreduce_mean(
 
 def pipelined_allreduce_sum(
     store: Store, prefix: str, rank: int, world: int, tensors: dict[str, torch.Tensor],
-    timeout: float, *, stats: SyncStats | None = None, previous_prefix: str | None = None,
+    timeout: float, *, stats: TransferStats | None = None, previous_prefix: str | None = None,
     log: PostLog | None = None, repost_s: float | None = None, replay: bool = False,
     compressor: Compressor | None = None,
 ) -> dict[str, torch.Tensor]:
@@ -128,7 +129,7 @@ def allreduce_for(algorithm: str, op: str = "mean", *, ring: "RingGroup | None" 
 
 def _pipelined(
     store: Store, prefix: str, rank: int, world: int, tensors: dict[str, torch.Tensor],
-    timeout: float, reduce: Callable[[torch.Tensor], torch.Tensor], stats: SyncStats | None,
+    timeout: float, reduce: Callable[[torch.Tensor], torch.Tensor], stats: TransferStats | None,
     previous_prefix: str | None, log: PostLog | None, repost_s: float | None, replay: bool,
     compressor: Compressor | None = None,
 ) -> dict[str, torch.Tensor]:
@@ -138,12 +139,12 @@ def _pipelined(
         raise ZooidValueError("rank", f"must be in 0..{world - 1}, got {rank!r}")
     if world == 1:
         return tensors
-    stats = stats if stats is not None else SyncStats()
+    stats = stats if stats is not None else TransferStats()
     began = time.perf_counter()
     if log is not None:
         log.start_call()
     # Two store users, one per thread, each with its own counters (merged at the end).
-    up_stats = SyncStats()
+    up_stats = TransferStats()
     up = _Traffic(store, rank, timeout, up_stats, log, repost_s)
     down = _Traffic(store, rank, timeout, stats, log, repost_s)
     flat = flatten_by_dtype(tensors)
@@ -191,7 +192,7 @@ def _pipelined(
             down.put(mine_key, posted)
     # Phase 3: release the parts, gather the other reduced slices (as the plain version).
     out = _release_and_gather(store, down, prefix, rank, world, flat, mine, tensors, previous_prefix, wire)
-    for f in dataclasses.fields(SyncStats):
+    for f in dataclasses.fields(TransferStats):
         if f.name not in ("seconds", "calls"):
             setattr(stats, f.name, getattr(stats, f.name) + getattr(up_stats, f.name))
     stats.seconds += time.perf_counter() - began

@@ -1,9 +1,9 @@
 """Open a store from a URL: `open_store(url)` picks one of the implementations.
 
 The interface (`Store`, `StoreKeyError`, `check_key`) lives in `comm.store_base`; the
-implementations (`store_dir`, `store_redis`, `store_s3`, `store_azure`) import it from there, and this
-module imports them only when a URL asks for one. `Store` and `StoreKeyError` can still be
-imported from here.
+implementations (`store_dir`, `store_redis`, `store_s3`, `store_azure`) import it from there.
+This module imports the directory store up front, and each other one (with its client library)
+only when a URL asks for it. `Store` and `StoreKeyError` can still be imported from here.
 
 - `file:///abs/path` or a plain path: a directory (the embedded default, `.zooid/store`)
 - `redis://host:port/db`: Redis
@@ -17,6 +17,7 @@ from __future__ import annotations
 from urllib.parse import urlsplit
 
 from comm.store_base import Store, StoreKeyError, check_key
+from comm.store_dir import DirectoryStore
 from core.errors import ZooidValueError
 
 __all__ = ["Store", "StoreKeyError", "check_key", "open_store"]
@@ -38,18 +39,18 @@ def open_store(url: str, *, upload_bytes_per_s: float | None = None,
         raise ZooidValueError("store", f"must be a store URL or a path, got {url!r}")
     rates = dict(upload_bytes_per_s=upload_bytes_per_s, download_bytes_per_s=download_bytes_per_s)
     scheme = urlsplit(url).scheme.lower()
-    # Imports are local so that a worker using one store needs only that client library.
     if scheme in ("", "file") or (len(scheme) == 1 and url[1:2] == ":"):
-        from comm.store_dir import DirectoryStore
         return DirectoryStore.from_url(url, **rates)
+    # The other stores are imported here, when a URL asks for one: each pulls in its client
+    # library (redis, boto3, azure-storage-blob), and a process using one store loads only that.
     if scheme in ("redis", "rediss", "unix"):
-        from comm.store_redis import RedisStore
+        from comm.store_redis import RedisStore  # redis: only for a redis:// store
         return RedisStore.from_url(url, **rates)
     if scheme == "s3":
-        from comm.store_s3 import S3Store
+        from comm.store_s3 import S3Store  # boto3: only for an s3:// store
         return S3Store.from_url(url, session=s3_session, **rates)
     if scheme == "az":
-        from comm.store_azure import AzureBlobStore
+        from comm.store_azure import AzureBlobStore  # azure-storage-blob: only for an az:// store
         return AzureBlobStore.from_url(url, **(azure_account or {}), **rates)
     raise ZooidValueError(
         "store", f"unknown scheme {scheme!r} in {url!r}; use file://, redis://, s3:// or az://")

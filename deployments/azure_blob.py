@@ -40,7 +40,7 @@ def bootstrap_blob_store(container: str, *, prefix: str = "zooid", credentials_b
                          account_url: str | None = None, name: str = STORE_BLOCK) -> dict:
     """Create `container` (if absent) and save the store block `name` on it; return what was
     done, no secret: the block is what a job names as its `store`."""
-    from blocks.store_block_azure import ZooidAzureBlobStore
+    from blocks.store_block_azure import ZooidAzureBlobStore  # prefect-azure, Azure SDK: only for a blob store
 
     creds_name, creds = blob_credentials(credentials_block, account_url)
     block = ZooidAzureBlobStore(credentials=creds, container=container, prefix=prefix)

@@ -35,6 +35,7 @@ from blocks.compute import BUILTIN, ComputeTarget
 from blocks.store_refs import ZooidStore, store_block_types
 from core.errors import StoreError
 from core.kinds import CLOUD_ACCOUNT_TARGETS, TargetKind
+from deployments.azure_blob import bootstrap_blob_store
 
 POOL_TYPES = {kind.builtin: kind.pool_type for kind in TargetKind if kind.pool_type}
 TEMPLATES = Path(__file__).with_name("templates")
@@ -233,8 +234,6 @@ def main(argv: list[str] | None = None) -> int:
                                    subscription_id=args.subscription_id, namespace=args.namespace,
                                    paid_worker_limit=args.paid_worker_limit, image=args.image, env=env)
         if args.blob_container:
-            from deployments.azure_blob import bootstrap_blob_store
-
             done.update(bootstrap_blob_store(args.blob_container, prefix=args.blob_prefix,
                                              credentials_block=args.blob_credentials,
                                              account_url=args.blob_account_url))

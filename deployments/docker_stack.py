@@ -22,7 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-from deployments.server import ROOT, bin_path, free_port, spawn
+from deployments import engine
+from deployments.images import worker_image
+from deployments.server import ROOT, bin_path, free_port, spawn, stop_groups
 
 POOL = "zooid-docker"
 STORE_BLOCK = "zooid-docker-s3"
@@ -34,9 +36,7 @@ S3_KEYS = {"aws_access_key_id": "zooid-local", "aws_secret_access_key": "zooid-l
 
 def docker_host(home: Path) -> str:
     """The engine the stack's processes talk to: `DOCKER_HOST` when set, else the project's socket."""
-    from deployments.engine import docker_host as project_socket
-
-    return os.environ.get("DOCKER_HOST") or project_socket(home)
+    return os.environ.get("DOCKER_HOST") or engine.docker_host(home)
 
 
 def _wait_port(port: int, timeout_s: float = 30.0) -> None:
@@ -64,6 +64,8 @@ def save_store_block(endpoint: str) -> str:
     from prefect_aws import AwsCredentials, S3Bucket
     from prefect_aws.client_parameters import AwsClientParameters
 
+    # blocks.store_refs imports Prefect, which reads its settings when first imported: not at this
+    # module's import, which deployments.stack makes before the stack's environment is set
     from blocks.store_refs import ZooidStore
 
     s3 = boto3.session.Session(region_name="us-east-1", **S3_KEYS).client("s3", endpoint_url=endpoint)
@@ -92,9 +94,6 @@ def up(home: Path, env: dict[str, str], api_url: str) -> dict:
     """Start the container half on the running stack at `api_url`; return its pids and facts."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from deployments import engine
-    from deployments.images import worker_image
-
     pids: dict[str, int] = {}
     url = env["DOCKER_HOST"]
     if url == engine.docker_host(home):
@@ -117,8 +116,6 @@ def up(home: Path, env: dict[str, str], api_url: str) -> dict:
         pids["docker_worker"] = spawn([bin_path("prefect"), "worker", "start", "--pool", POOL, "--type", "docker"],
                                       env, home / "logs" / "docker-worker.log")
     except BaseException:
-        from deployments.server import stop_groups
-
         stop_groups(list(pids.values()))
         raise
     return {"pids": pids, "image": image, "store": store, "s3_endpoint": endpoint, "docker_host": url}

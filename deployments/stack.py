@@ -23,7 +23,12 @@ import sys
 import time
 from pathlib import Path
 
+from coordinator.job import RunSummary, parse_param_value
+from coordinator.report import text_report
+from core.keys import ledger_key, summary_key
 from core.kinds import TargetKind
+from deployments import docker_stack
+from deployments.engine import down as engine_down
 from deployments.server import ROOT, alive, bin_path, free_port, spawn, stack_env, stop_groups, wait_healthy, zooid_home
 
 POOL = "zooid-local"
@@ -70,6 +75,8 @@ def _check_concurrency_limit(env: dict) -> int:
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
+    # coordinator.launchers imports Prefect, which reads its settings from the environment when
+    # first imported: imported here, like Prefect itself, not with this module (see run_and_wait)
     from coordinator.launchers import PAID_WORKERS_LIMIT
 
     with temporary_settings(updates={PREFECT_API_URL: env["PREFECT_API_URL"]}):
@@ -100,9 +107,7 @@ def up(home: Path | None = None, port: int | None = None, docker: bool = False) 
     home.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
     api_url = f"http://127.0.0.1:{port}/api"
-    from deployments.docker_stack import docker_host
-
-    env = {**stack_env(home, api_url), "DOCKER_HOST": docker_host(home)}
+    env = {**stack_env(home, api_url), "DOCKER_HOST": docker_stack.docker_host(home)}
     pids = {"server": spawn([bin_path("prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                              {**env, "PREFECT_API_URL": ""}, home / "logs" / "server.log")}
     state = {"api_url": api_url, "pids": pids, "env": env}
@@ -137,8 +142,6 @@ def up(home: Path | None = None, port: int | None = None, docker: bool = False) 
 
 def add_docker(home: Path, state: dict) -> None:
     """Start the container half on the running stack and record it in `state`."""
-    from deployments import docker_stack
-
     env = {**state["env"], "DOCKER_HOST": state["env"].get("DOCKER_HOST") or docker_stack.docker_host(home)}
     done = docker_stack.up(home, env, state["api_url"])
     state["pids"].update(done.pop("pids"))
@@ -156,8 +159,6 @@ def down(home: Path | None = None) -> list[int]:
     engine = state["pids"].get("engine")
     stop_groups([p for p in pids if p != engine])  # the engine last: its worker and containers first
     if engine is not None:
-        from deployments.engine import down as engine_down
-
         engine_down(home)
     state_file(home).unlink(missing_ok=True)
     (home / "env").unlink(missing_ok=True)
@@ -194,10 +195,11 @@ def run_and_wait(params: dict, timeout_s: float, poll_s: float = 1.0) -> dict:
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
 
-    from blocks.store_refs import open_store_ref
-    from core.keys import ledger_key, summary_key
-    from coordinator.context import run_id_for
-    from coordinator.validate import resolve_durable_ref, resolve_store_ref
+    # Prefect reads its settings from the environment when first imported, so the modules that
+    # import it are imported here, once run_deployed has put the stack's variables there.
+    from blocks.store_refs import open_store_ref  # imports Prefect: see above
+    from coordinator.context import run_id_for  # imports Prefect: see above
+    from coordinator.validate import resolve_durable_ref, resolve_store_ref  # imports Prefect: see above
 
     submitted = time.time()
     flow_run = run_deployment("train/local", parameters=params, timeout=0)
@@ -220,8 +222,6 @@ def run_and_wait(params: dict, timeout_s: float, poll_s: float = 1.0) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from coordinator.job import parse_param_value
-
     parser = argparse.ArgumentParser(prog="python -m deployments.stack", description=__doc__.splitlines()[0])
     parser.add_argument("command", choices=["up", "down", "run", "status"])
     parser.add_argument("--param", action="append", default=[], metavar="NAME=VALUE")
@@ -237,9 +237,6 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "status":
         print(json.dumps(read_state(zooid_home()), indent=1))
     else:
-        from coordinator.job import RunSummary
-        from coordinator.report import text_report
-
         params = {k: parse_param_value(v) for k, _, v in (p.partition("=") for p in args.param)}
         started_here = read_state(zooid_home()) is None
         docker = params.get("target") == TargetKind.DOCKER.builtin

@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from comm import heartbeat
-from comm.collectives import PostLog, SyncStats, flatten_by_dtype, allreduce_mean, release_group
+from comm.bandwidth import TransferStats
+from comm.collectives import PostLog, flatten_by_dtype, allreduce_mean, release_group
 from comm.compression import Compressor
 from comm.scatter_reduce import Allreduce
 from comm.store import Store
@@ -90,7 +91,7 @@ class LocalSGD:
         self.period, self.timeout = period, timeout
         self.replayable, self.repost_s, self.on_sync = replayable, repost_s, on_sync
         self.replay, self.allreduce = replay, allreduce
-        self.stats = SyncStats()
+        self.stats = TransferStats()
         self.log = PostLog()
         self.rounds = self._dropped = start_round
         self.steps = start_step

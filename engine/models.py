@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from core.errors import ZooidValueError
+from engine.datasets import dataset_input_shape
 
 # torch.manual_seed is process-global; the lock keeps two threads that build models at the
 # same time (threads standing in for replicas in tests) from interleaving their seeds.
@@ -209,8 +210,6 @@ def input_shape(model_name: str, dataset: str | None = None, **kwargs: Any) -> t
     """Per-sample input shape: the dataset's when given, else the model's natural default
     (flat 64 features for the digits models, C x 32 x 32 images for resnet18/vgg11)."""
     if dataset is not None:
-        from engine.datasets import dataset_input_shape
-
         return dataset_input_shape(dataset)
     if model_name.startswith("digits_"):
         return (kwargs.get("in_features", 64),)

@@ -18,8 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from comm import heartbeat
-from comm.collectives import SyncStats, release_group
+from comm.bandwidth import TransferStats
+from comm.collectives import release_group
 from comm.compression import Compressor
+from comm.ring_allreduce import open_ring
 from comm.scatter_reduce import allreduce_for
 from comm.store import Store
 from comm.tensor_codec import decode_json, decode_tensors, encode_json, encode_tensors
@@ -102,7 +104,7 @@ class StageWorker:
         self.optimizer = build_optimizer(spec.optimizer, self.module, spec.lr)
         self.uploads = ThreadPoolExecutor(1, thread_name_prefix=f"upload-s{settings.index}")
         self.downloads = ThreadPoolExecutor(1, thread_name_prefix=f"download-s{settings.index}")
-        self.sync_stats = SyncStats()
+        self.sync_stats = TransferStats()
         self.upload_s = self.download_s = self.compute_s = 0.0
         self.pending: list[Future] = []
         self.compressors: dict[int, Compressor] = {}
@@ -225,8 +227,6 @@ class StageWorker:
         group = self._group(stage)
         grads = {n: p.grad for n, p in self.module.stage_parameters(stage).items() if p.grad is not None}
         if self.collective == "ring" and stage not in self.rings:
-            from comm.ring_allreduce import open_ring
-
             self.rings[stage] = open_ring(self.store, group, cfg.replica, cfg.replicas, self.spec.sync_timeout_s,
                                           host=self.spec.sync.ring_host)
         allreduce = allreduce_for(self.collective, "mean", ring=self.rings.get(stage))

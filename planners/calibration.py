@@ -26,6 +26,7 @@ from core.epoch_summary import EpochSummary
 from core.kinds import DATA_PARALLEL_STRATEGIES, PIPELINED_STRATEGIES
 from core.plan import Plan
 from planners.pipeline_time import TransferCosts
+from planners.strategy import local_sgd, predicted, sync_checkpoint_s
 
 RATIO_BOUNDS = (1e-6, 1e6)
 """A ratio outside these is a measurement gone wrong, not a model to follow (a profile can
@@ -83,8 +84,6 @@ def _solve_comm(plan: Plan, inputs, c: Calibration, iteration: float, rounds: in
     predicted iteration grows with it; a pipeline's waits and bubbles are no ratio of its
     transfers, so a ratio of the two sides would not land on the measurement)."""
     import math
-
-    from planners.strategy import local_sgd, predicted
 
     def iteration_at(scale: float) -> float:
         x = calibrated(inputs, _with_comm(plan, c, Calibration(), scale))
@@ -148,8 +147,6 @@ def calibrated(x, c: Calibration):
                              get_latency_s=tc.get_latency_s * t, get_bandwidth=tc.get_bandwidth / t,
                              handoff_s=tc.handoff_s * t)
     sync_bandwidth, sync_latency = x.sync_link
-    from planners.strategy import sync_checkpoint_s
-
     return replace(x, layers=layers, step_s=x.step_s * w, optimizer_step_s=x.optimizer_step_s * k,
                    synced_step_s=None if x.synced_step_s is None else x.synced_step_s * w,
                    transfer=transfer, bandwidth=x.bandwidth / t, latency=x.latency * t,

@@ -13,38 +13,17 @@ import sys
 from typing import Callable, Sequence, TextIO
 
 from core.errors import PlannerInputError
+from planners.co_optimize import co_optimize
+from planners.hybrid import hybrid
+from planners.partition import partition
+from planners.sync_time import sync_time
+from planners.worker_count import provision
 
 USAGE = "usage: python -m planners partition|hybrid|co-optimize|provision|sync-time FILE"
 
-
-def _partition(doc: dict) -> dict:
-    from planners.partition import partition
-    return partition(doc)
-
-
-def _hybrid(doc: dict) -> dict:
-    from planners.hybrid import hybrid
-    return hybrid(doc)
-
-
-def _co_optimize(doc: dict) -> dict:
-    from planners.co_optimize import co_optimize  # written beside this issue; imported lazily
-    return co_optimize(doc)
-
-
-def _provision(doc: dict) -> dict:
-    from planners.worker_count import provision
-    return provision(doc)
-
-
-def _sync_time(doc: dict) -> dict:
-    from planners.sync_time import sync_time
-    return sync_time(doc)
-
-
 COMMANDS: dict[str, Callable[[dict], dict]] = {
-    "partition": _partition, "hybrid": _hybrid, "co-optimize": _co_optimize,
-    "provision": _provision, "sync-time": _sync_time}
+    "partition": partition, "hybrid": hybrid, "co-optimize": co_optimize,
+    "provision": provision, "sync-time": sync_time}
 
 
 def _refuse_constant(name: str):

@@ -21,6 +21,8 @@ from dataclasses import replace
 from core.errors import PlannerInputError
 from core.stage_memory import stage_bounds
 from planners import checks as v
+from planners.co_optimize_exact import solve_exact
+from planners.co_optimize_miqp import solve_miqp
 from planners.co_optimize_problem import CoOptProblem, CoOptSolution, Solved, check_plan
 
 SOLVERS = ("exact", "gurobi", "scip")
@@ -215,13 +217,9 @@ def solve(problem: CoOptProblem, solver: str = "exact", time_limit_s: float | No
     if not problem.valid_degrees():
         return Solved(None, solver, reason="no degree in dp_degrees divides microbatches")
     if solver == "exact":
-        from planners.co_optimize_exact import solve_exact
-
         plan = solve_exact(problem)
         reason = "" if plan else "no stage assignment fits the memory options at any degree"
         return Solved(plan, "exact", reason=reason)
-    from planners.co_optimize_miqp import solve_miqp
-
     return solve_miqp(problem, backend=solver, time_limit_s=time_limit_s)
 
 

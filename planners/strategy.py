@@ -28,6 +28,7 @@ from core.kinds import PIPELINED_STRATEGIES, PipelineSchedule, Strategy
 from core.outer_sync import wire_bytes
 from core.plan import Plan
 from planners.hybrid import hybrid
+from planners.partition import PartitionProblem, PipelineLayer, plan_partition
 from planners.pipeline_time import PipelineTime, TransferCosts, pipeline_iteration, stage_times
 from planners.sync_time import pipelined_scatter_reduce, scatter_reduce
 
@@ -303,8 +304,6 @@ def with_schedule(x: StrategyInputs, plan: Plan, schedule: str, chunks: int = 1)
     a multiple of the p workers or the model has fewer than p x v layers with parameters."""
     if schedule != PipelineSchedule.INTERLEAVED:
         return predicted(x, replace(plan, pipeline_schedule=schedule))
-    from planners.partition import PartitionProblem, PipelineLayer, plan_partition
-
     stages = plan.stages * chunks
     if chunks < 2 or plan.microbatches % plan.stages:
         raise ValueError(f"chunks: interleaved needs v >= 2 chunks (got {chunks}) and micro-batches that are "

@@ -25,6 +25,10 @@ from typing import Any, Callable
 import torch
 
 from core.errors import ZooidValueError
+from engine.models import build_model
+from engine.optimizers import build_optimizer
+from profiling.profiler import hardware_fingerprint, profile_model
+from profiling.store_probe import probe_store_side
 
 PROFILE_VERSION = 5
 """Bumped whenever what a profile measures changes (part of every cache key)."""
@@ -80,8 +84,6 @@ def pick_device(wanted: str) -> torch.device:
 
 def device_identity(device: torch.device, threads: int) -> dict[str, Any]:
     """Where a profile was taken: device type and name, threads, torch version, hardware."""
-    from profiling.profiler import hardware_fingerprint
-
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     else:
@@ -98,11 +100,6 @@ def device_identity(device: torch.device, threads: int) -> dict[str, Any]:
 def run_profile(request: ProfileRequest, open_store: Callable[[str], Any], base_memory_bytes: int = 0) -> dict:
     """Measure what `request` asks for on this worker; JSON-able. `base_memory_bytes` is the
     worker's resident memory before it built any model (s0 of the memory model)."""
-    from engine.models import build_model
-    from engine.optimizers import build_optimizer
-    from profiling.profiler import profile_model
-    from profiling.store_probe import probe_store_side
-
     began = time.perf_counter()
     torch.set_num_threads(request.threads)
     device = pick_device(request.device)

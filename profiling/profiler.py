@@ -30,6 +30,7 @@ from torch import nn
 
 from core.errors import ZooidValueError
 from engine.malloc import pin_malloc_thresholds
+from engine.optimizers import build_optimizer
 from profiling.memory import (_param_bytes, _training_step, measure_activation_bytes, measure_base_memory,
                               measure_peak_memory)
 from profiling.timing import (ANCHOR_MIN_S, LayerProfile, _median_time, cpu_count, fit_serial_fraction,
@@ -144,8 +145,6 @@ def hardware_fingerprint(threads: int | None = None) -> str:
 
 
 def _build_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
-    from engine.optimizers import build_optimizer
-
     # A tiny rate: the weights barely move, and they are restored afterwards anyway.
     return build_optimizer(name, model, 1e-9)
 

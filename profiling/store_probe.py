@@ -29,6 +29,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from comm.tensor_codec import decode_tensors, encode_tensors
+from engine.checkpoint import save_checkpoint
+from engine.malloc import pin_malloc_thresholds
 from profiling.timing import ANCHOR_MIN_S, _median_time
 
 
@@ -238,8 +241,6 @@ def profile_transfers(store, run_prefix: str, max_bytes: float = 0, repeats: int
     `transfer_sizes(max_bytes)` bytes through `store`, fit each to latency + bytes /
     bandwidth (`fit_endpoints`), and take the hand-off delay (`handoff_s`, measured by
     `measure_handoff` when None). Keys live under `run_prefix` and are deleted."""
-    from comm.tensor_codec import decode_tensors, encode_tensors
-
     puts, gets = [], []
     key_base = f"{run_prefix}/transfers-{uuid.uuid4().hex[:8]}"
     try:
@@ -277,8 +278,6 @@ def probe_store_side(store, run_prefix: str, model: nn.Module, optimizer, x: tor
     and the write itself (`time_steps_between_checkpoints`); and, with `activation_bytes`
     (a pipeline may be planned), the contention factor at `microbatch_size` rows under
     transfers of that size. Keys live under `run_prefix` and are deleted."""
-    from engine.malloc import pin_malloc_thresholds
-
     pin_malloc_thresholds()
     handoff_s = measure_handoff(store, run_prefix)
     bandwidth, latency = profile_store(store, run_prefix, handoff_s=handoff_s)
@@ -301,8 +300,6 @@ def time_steps_between_checkpoints(store, run_prefix: str, model: nn.Module, opt
     than one in a tight loop (the encoding evicts the caches, the kernel writes back the
     fsynced pages), by 0-60 % measured here. After a warm-up round; the keys are deleted,
     and the model's weights and optimizer state are restored."""
-    from engine.checkpoint import save_checkpoint
-
     saved = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
     loss_fn = nn.CrossEntropyLoss()
     key_base = f"{run_prefix}/checkpoint-{uuid.uuid4().hex[:8]}"

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from core.errors import ZooidValueError
+from engine.stages import sequential_children
 from profiling.memory import _nbytes, _param_bytes, _SavedTensors
 
 
@@ -114,8 +115,6 @@ class LayerProfile:
 
 def _children(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Top-level children when they run in order, else [("model", model)]."""
-    from engine.stages import sequential_children
-
     try:
         return sequential_children(model)
     except ZooidValueError:

@@ -42,7 +42,7 @@ import time
 from typing import Callable
 
 from comm import heartbeat
-from comm.store import Store
+from comm.store import Store, open_store
 from core.errors import LeaseExpired, ZooidValueError
 from core.keys import command_key, lease_key, reply_key, status_key
 from core.specs import WarmSpec, WorkerResult, WorkerSpec
@@ -162,9 +162,11 @@ def serve(spec: WorkerSpec, store: Store, execute: Callable[[WorkerSpec], Worker
     store for the watch thread; `open_ref(url)` opens the store a `profile` command probes
     (default `comm.store.open_store`). Raises `LeaseExpired` when the lease runs out, and whatever
     `execute` raised after posting it as the reply."""
-    from engine.datasets import keep_subsets
-    from engine.models import keep_models
-    from profiling.memory import rss_bytes
+    # torch and the engine, imported when a worker starts serving: the coordinator imports
+    # this module (coordinator.warm_pool: read_json, worker_name) and runs without torch.
+    from engine.datasets import keep_subsets  # torch: not on the coordinator's import path
+    from engine.models import keep_models  # torch: not on the coordinator's import path
+    from profiling.memory import rss_bytes  # torch: not on the coordinator's import path
 
     settings = spec.warm
     if settings is None:
@@ -237,8 +239,7 @@ def _serve_profile(store: Store, spec: WorkerSpec, settings: WarmSpec, seq: int,
     """Answer a `profile` command (`profiling.profile_job`): measured here, on this worker's
     device and threads, with the store seen from here. A profile that fails is reported and
     the worker stays: nothing of a run's state was touched."""
-    from comm.store import open_store
-    from profiling.profile_job import ProfileRequest, run_profile
+    from profiling.profile_job import ProfileRequest, run_profile  # torch: as in serve, kept off the coordinator's path
 
     began = time.time()
     watch.busy_since = began

@@ -22,6 +22,7 @@ from comm.store import Store, open_store
 from core.errors import LeaseExpired, OutOfMemory, StoreTimeout, ZooidValueError
 from core.specs import WorkerSpec
 from runtime.run_spec import run_spec
+from runtime.warm import serve
 
 EXIT_CODES = ((ZooidValueError, 2), (StoreTimeout, 3), (OutOfMemory, 4), (MemoryError, 4), (LeaseExpired, 5))
 
@@ -55,8 +56,6 @@ def main(argv: list[str] | None = None, open_ref: Callable[[str], Store] = open_
         store = open_ref(spec.store_url)
         try:
             if spec.warm is not None:
-                from runtime.warm import serve
-
                 serve(spec, store, lambda job: _run_job(job, store, open_ref), lambda: open_ref(spec.store_url),
                       log=lambda line: print(line, flush=True), open_ref=open_ref)
                 return 0

@@ -3,13 +3,15 @@ podman's Docker API by record.py there), its job variables, template and registr
 from __future__ import annotations
 
 import json
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
 
 from clouds.docker import (FLOW_RUN_LABEL, RUN_LABEL, DockerAdapter, container_interval,
-                           container_of_flow_run, parse_time, run_intervals, stop_containers, sweep)
+                           container_of_flow_run, run_intervals, stop_containers, sweep)
 from clouds.job_variables import WorkerResources, job_variables
+from clouds.timestamps import epoch_seconds
 
 DATA = Path(__file__).resolve().parent / "data" / "docker"
 
@@ -67,18 +69,40 @@ ALL = ["completed", "failed", "killed", "running", "created", "never_started"]
 
 
 def test_engine_timestamps_parse_with_nanoseconds_and_zero_means_never():
-    assert parse_time("2026-11-25T13:54:01.00740713Z") == pytest.approx(parse_time("2026-11-25T13:54:01Z") + 0.007407,
-                                                                         abs=1e-6)
-    assert parse_time("2026-11-25T13:54:01.5+01:00") == pytest.approx(parse_time("2026-11-25T12:54:01.5Z"))
-    assert parse_time("0001-01-01T00:00:00Z") is None and parse_time(None) is None
+    assert epoch_seconds("2026-11-25T13:54:01.00740713Z") == pytest.approx(
+        epoch_seconds("2026-11-25T13:54:01Z") + 0.007407, abs=1e-6)
+    assert epoch_seconds("2026-11-25T13:54:01.5+01:00") == pytest.approx(epoch_seconds("2026-11-25T12:54:01.5Z"))
+    assert epoch_seconds("0001-01-01T00:00:00Z") is None and epoch_seconds(None) is None
+
+
+def test_one_timestamp_reading_for_every_provider():
+    """clouds.timestamps.epoch_seconds: the SDKs' datetimes (ECS, ACI, Kubernetes), numbers and
+    the engine's RFC 3339 text all read as epoch seconds; nothing and "never" read as None."""
+    utc = datetime(2026, 11, 25, 13, 54, 1, 7407, tzinfo=timezone.utc)
+    assert epoch_seconds(utc) == utc.timestamp()
+    plus_one = datetime(2026, 11, 25, 14, 54, 1, 7407, tzinfo=timezone(timedelta(hours=1)))
+    assert epoch_seconds(plus_one) == utc.timestamp()
+    naive = datetime(2026, 11, 25, 13, 54, 1)
+    assert epoch_seconds(naive) == naive.timestamp()  # local time, as datetime.timestamp reads it
+    assert epoch_seconds(1764078841) == 1764078841.0 and isinstance(epoch_seconds(1764078841), float)
+    assert epoch_seconds(1764078841.25) == 1764078841.25 and epoch_seconds("1764078841.25") == 1764078841.25
+    assert epoch_seconds("2026-11-25T13:54:01.007407Z") == pytest.approx(utc.timestamp())
+    assert epoch_seconds("2026-11-25T13:54:01.007407123Z") == pytest.approx(utc.timestamp())  # nanoseconds cut
+    assert epoch_seconds("2026-11-25T13:54:01.0074Z") == pytest.approx(utc.timestamp() - 0.000007, abs=1e-9)
+    assert epoch_seconds("2026-11-25T13:54:01+00:00") == epoch_seconds("2026-11-25T13:54:01Z") == int(utc.timestamp())
+    assert epoch_seconds(" 2026-11-25T13:54:01Z ") == int(utc.timestamp())
+    for nothing in (None, "", "  ", "0001-01-01T00:00:00Z", "0001-01-01T00:00:00.000000000Z", object()):
+        assert epoch_seconds(nothing) is None, nothing
+    with pytest.raises(ValueError):
+        epoch_seconds("yesterday")
 
 
 def test_each_recorded_container_state_is_billed_on_the_engines_clock():
     by = {name: container_interval(answer(name)) for name in ALL}
     done = by["completed"]
     state = answer("completed")["State"]
-    assert done.status == "completed" and done.billed_from == parse_time(state["StartedAt"])
-    assert done.stopped == parse_time(state["FinishedAt"]) and done.created == parse_time(answer("completed")["Created"])
+    assert done.status == "completed" and done.billed_from == epoch_seconds(state["StartedAt"])
+    assert done.stopped == epoch_seconds(state["FinishedAt"]) and done.created == epoch_seconds(answer("completed")["Created"])
     assert done.flow_run_id == answer("completed")["Config"]["Labels"][FLOW_RUN_LABEL]
     assert done.resource == answer("completed")["Id"][:12]
     killed = by["killed"]
@@ -86,7 +110,7 @@ def test_each_recorded_container_state_is_billed_on_the_engines_clock():
     assert killed.stopped - killed.billed_from > 1.0  # it slept until killed
     # podman stamps a short container's FinishedAt before its StartedAt: an empty interval, never negative
     failed = answer("failed")["State"]
-    assert parse_time(failed["FinishedAt"]) < parse_time(failed["StartedAt"])
+    assert epoch_seconds(failed["FinishedAt"]) < epoch_seconds(failed["StartedAt"])
     assert by["failed"].status == "failed" and by["failed"].stopped == by["failed"].billed_from
     assert by["running"].status == "running" and by["running"].stopped is None
     for name in ("created", "never_started"):  # never ran: listed, never billed

@@ -6,7 +6,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from comm.collectives import SyncStats, allreduce_mean, allreduce_sum, release_group
+from comm.bandwidth import TransferStats
+from comm.collectives import allreduce_mean, allreduce_sum, release_group
 from core.errors import StoreTimeout, ZooidValueError
 from tests.memory_store import MemoryStore
 
@@ -45,7 +46,7 @@ def test_mean_equals_stacked_mean(world):
 def test_sum_of_integers_and_measured_bytes():
     store, world = MemoryStore(), 3
     inputs = [{"n": torch.arange(10, dtype=torch.int64) * (r + 1)} for r in range(world)]
-    stats = [SyncStats() for _ in range(world)]
+    stats = [TransferStats() for _ in range(world)]
     outs = run_ranks(world, lambda r: allreduce_sum(store, "runs/t/s", r, world, inputs[r], 10, stats=stats[r]))
     for out in outs:
         assert torch.equal(out["n"], torch.arange(10) * 6)

@@ -14,6 +14,10 @@ definition has come back:
 6. strategies, pipeline schedules and compute-target kinds: one enum each in `core.kinds`
    (`Strategy`, `PipelineSchedule`, `TargetKind` with its per-kind facts); no other module
    lists two of their names or compares with one spelled as a string.
+7. transfer stats: one type, `comm.bandwidth.TransferStats`, for a store's link and a rank's
+   collectives alike;
+8. the benchmarks' scaffolding: one machine line and one money format (`benchmarks.output`);
+9. a cloud's timestamps: one reading, `clouds.timestamps.epoch_seconds`, for every provider.
 
 The co-optimiser (`planners/co_optimize*.py`) still has its own `stage_bounds` and stage
 memory: its owner switches it to core; until then its files are the ones these checks leave
@@ -30,6 +34,8 @@ import re
 import pytest
 
 from tests.source_tree import ROOT, sources
+
+BENCHMARKS = ROOT / "benchmarks"
 
 
 
@@ -391,3 +397,101 @@ def test_strategies_schedules_and_target_kinds_are_named_once():
     _, lists, compares = named_choices()
     assert lists == []
     assert compares == []
+def fields_of(node: ast.ClassDef) -> set[str]:
+    """The annotated class-level names of a class (a dataclass's fields)."""
+    return {n.target.id for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+
+
+def test_transfer_stats_are_one_type():
+    import dataclasses
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from comm.bandwidth import TransferStats
+    from comm.collectives import allreduce_mean
+    from tests.memory_store import MemoryStore
+
+    # a store's link counts into it, and so do a rank's collectives
+    store = MemoryStore()
+    assert type(store.stats) is TransferStats
+    store.put("runs/t/x", b"abcd")
+    assert store.get("runs/t/x") == b"abcd"
+    assert (store.stats.bytes_up, store.stats.bytes_down) == (4, 4)
+    before = store.stats.copy()
+    stats = [TransferStats(), TransferStats()]
+    with ThreadPoolExecutor(2) as pool:
+        outs = list(pool.map(lambda r: allreduce_mean(store, "runs/t/sync/e0", r, 2, {"w": torch.full((4,), float(r))},
+                                                      10.0, stats=stats[r]), range(2)))
+    assert all(torch.equal(out["w"], torch.full((4,), 0.5)) for out in outs)
+    for s in stats:
+        assert s.calls == 1 and s.seconds > 0 and s.bytes_up > 0 and s.bytes_down > 0
+        assert s.bytes_total == s.bytes_up + s.bytes_down
+    moved = store.stats - before
+    assert type(moved) is TransferStats and moved.bytes_up == sum(s.bytes_up for s in stats)
+    # the fields its readers use (worker results read upload_s, download_s, seconds, reposts, bytes_total)
+    names = {f.name for f in dataclasses.fields(TransferStats)}
+    assert {"bytes_up", "bytes_down", "upload_s", "download_s", "seconds_waiting", "seconds", "calls",
+            "reposts"} <= names
+    assert set(stats[0].to_dict()) == names
+
+    assert definitions("TransferStats") == ["comm/bandwidth.py"]
+    for gone in ("SyncStats", "LinkStats", "CollectiveStats"):
+        assert definitions(gone) == [], gone
+    # no other class counts bytes per direction
+    counters = [f"{rel}:{node.name}" for rel, tree in sources().items() for node in ast.walk(tree)
+                if isinstance(node, ast.ClassDef) and {"bytes_up", "bytes_down"} <= fields_of(node)]
+    assert counters == ["comm/bandwidth.py:TransferStats"]
+
+
+def benchmark_sources() -> dict[str, ast.Module]:
+    """Every module under benchmarks/, by path relative to the root."""
+    return {str(p.relative_to(ROOT)): ast.parse(p.read_text(), filename=str(p))
+            for p in sorted(BENCHMARKS.rglob("*.py")) if "__pycache__" not in p.parts}
+
+
+def benchmark_definitions(name: str) -> list[str]:
+    return [rel for rel, tree in benchmark_sources().items() for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name]
+
+
+def test_benchmarks_share_one_machine_line_and_one_money_format():
+    from benchmarks.output import Provenance, code_state, machine_line, money
+
+    prov = Provenance(code=code_state(), load_start=0.5, began=0.0)
+    line = machine_line(prov, "one torch thread")
+    assert line.startswith(f"Machine: {os.cpu_count()} CPU cores (") and line.endswith("; one torch thread.")
+    assert machine_line(prov).endswith("at the end).")
+    assert money(0.0012345) == "$1.234m" and money(0) == "$0.000m"
+
+    for gone in ("machine_note", "_machine_note", "_money"):
+        assert benchmark_definitions(gone) == [], gone
+    assert benchmark_definitions("machine_line") == ["benchmarks/output.py"]
+    assert benchmark_definitions("money") == ["benchmarks/output.py"]
+    # no script writes a machine line of its own
+    own = [rel for rel, tree in benchmark_sources().items() if rel != "benchmarks/output.py"
+           for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)
+           and node.value.startswith("Machine:")]
+    assert own == []
+
+
+def test_cloud_timestamps_are_read_in_one_place():
+    from datetime import datetime, timezone
+
+    from clouds.timestamps import epoch_seconds
+
+    moment = datetime(2026, 11, 20, 10, 0, 5, tzinfo=timezone.utc)
+    for same in (moment, moment.timestamp(), "2026-11-20T10:00:05Z", "2026-11-20T10:00:05.000000000Z",
+                 "2026-11-20T11:00:05+01:00"):
+        assert epoch_seconds(same) == moment.timestamp(), same
+    for never in (None, "", "0001-01-01T00:00:00Z"):
+        assert epoch_seconds(never) is None
+
+    assert definitions("epoch_seconds") == ["clouds/timestamps.py"]
+    for gone in ("_ts", "parse_time"):
+        assert definitions(gone) == [], gone
+    # no other cloud module turns a clock reading into seconds by itself
+    by_hand = [rel for rel, tree in sources().items() if rel.startswith("clouds/") and rel != "clouds/timestamps.py"
+               for node in ast.walk(tree)
+               if isinstance(node, ast.Attribute) and node.attr in ("timestamp", "fromisoformat", "strptime")]
+    assert by_hand == []

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from comm.collectives import SyncStats
+from comm.bandwidth import TransferStats
 from comm.ring_allreduce import RingError, RingTimeout, open_ring, ring_address_key, ring_bytes
 from comm.scatter_reduce import allreduce_for
 from comm.store_dir import DirectoryStore
@@ -49,7 +49,7 @@ def mean_rank_main(store_dir: str, rank: int) -> None:
     for world in WORLDS:
         if rank >= world:
             continue
-        stats = SyncStats()
+        stats = TransferStats()
         with open_ring(store, f"runs/t/sync/w{world}", rank, world, timeout=30) as ring:
             out = ring.allreduce_mean(rank_tensors(rank), stats=stats)
         store.put(f"runs/t/out/w{world}/r{rank}", encode_tensors(out))

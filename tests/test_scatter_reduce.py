@@ -10,7 +10,8 @@ import uuid
 import pytest
 import torch
 
-from comm.collectives import SyncStats, release_group
+from comm.bandwidth import TransferStats
+from comm.collectives import release_group
 from comm.scatter_reduce import allreduce_for, pipelined_allreduce_mean, pipelined_allreduce_sum, plain_allreduce_mean
 from comm.store import open_store
 from core.errors import StoreTimeout, ZooidValueError
@@ -107,7 +108,7 @@ def test_each_rank_uploads_one_model_size_and_downloads_2_n_minus_1_slices(tmp_p
     the own slice plus n-1 reduced slices."""
     url, world = (tmp_path / "store").as_uri(), 4
     data = [{"x": torch.ones(4000, dtype=torch.float64) * r} for r in range(world)]
-    stats = [SyncStats() for _ in range(world)]
+    stats = [TransferStats() for _ in range(world)]
 
     def work(rank):
         store = open_store(url)

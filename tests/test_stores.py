@@ -349,7 +349,7 @@ def test_emulated_bandwidth_paces_each_direction(tmp_path, clock):
     down = clock.now - start
     assert up == pytest.approx((4 * MB - burst) / rate) and down == pytest.approx((4 * MB - burst) / rate)
     assert store.stats.bytes_up == store.stats.bytes_down == 4 * MB
-    assert store.stats.seconds_up == pytest.approx(up) and store.stats.seconds_down == pytest.approx(down)
+    assert store.stats.upload_s == pytest.approx(up) and store.stats.download_s == pytest.approx(down)
 
     # Upload and download at once take as long as one: the directions are independent
     # (one shared link would take both transfers' time, 0.4 s).
@@ -386,7 +386,7 @@ def test_unlimited_store_is_not_paced(tmp_path, clock):
     store.put("runs/r/a", bytes(4 * MB))
     store.get("runs/r/a")
     assert clock.now == start and all(d <= start for d in clock.deadlines)  # no wait at all
-    assert store.stats.seconds_up == 0 and store.stats.seconds_down == 0
+    assert store.stats.upload_s == 0 and store.stats.download_s == 0
 
 
 # --- tensor codec -------------------------------------------------------------------------
