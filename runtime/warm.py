@@ -164,9 +164,9 @@ def serve(spec: WorkerSpec, store: Store, execute: Callable[[WorkerSpec], Worker
     `execute` raised after posting it as the reply."""
     # torch and the engine, imported when a worker starts serving: the coordinator imports
     # this module (coordinator.warm_pool: read_json, worker_name) and runs without torch.
-    from engine.datasets import keep_subsets  # torch: not on the coordinator's import path
-    from engine.models import keep_models  # torch: not on the coordinator's import path
-    from profiling.memory import rss_bytes  # torch: not on the coordinator's import path
+    from engine.datasets import keep_subsets  # torch: see above
+    from engine.models import keep_models  # torch: see above
+    from profiling.memory import rss_bytes  # torch: see above
 
     settings = spec.warm
     if settings is None:
