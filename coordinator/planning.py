@@ -137,8 +137,9 @@ def with_run(ctx: RunContext, chosen: Plan, calibration: Calibration | None, epo
     if launched:  # some started before the plan (to profile, or while it ran): the youngest decides
         since = time.time() - max(launched) if len(launched) >= chosen.workers else 0.0
         terms = dataclasses.replace(terms, exposed_s=None)
+    shared = ctx.resolved.target.kind in SHARED_HOST_KINDS  # added workers start on the coordinator's cores
     kwargs = dict(epochs=ctx.job.epochs if epochs_left is None else epochs_left, warm=ctx.job.warm,
-                  workers_launched_s=since,
+                  workers_launched_s=since, host_cores=cpu_count() if shared else None,
                   billed_usd=0.0 if ctx.dry_run else total_usd(rows_now(ctx)),
                   coordinator_price_per_s=ctx.price_per_worker_s)
     alternatives = []

@@ -336,7 +336,7 @@ def plan_in_words(p: dict) -> str:
 
 TERM_NAMES = {"startup_s": "start-up", "epoch_overhead_s": "epoch overhead", "gap_s": "gap between epochs",
               "provision_s": "provisioning", "teardown_s": "teardown", "stop_s": "stop", "warmup_s": "warm-up",
-              "exposed_s": "exposed start-up"}
+              "exposed_s": "exposed start-up", "startup_one_s": "one worker's start-up"}
 
 
 def run_terms_text(terms: dict) -> str:

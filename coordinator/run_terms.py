@@ -85,6 +85,8 @@ def load_terms(ctx, overhead_s: float | None = None) -> RunTerms:
         else:
             values[name] = statistics.median(samples) if samples else _assumed(ctx, name)
         measured[name] = bool(samples) or ("profile" if name in estimates else False)
+        if name == "startup_s" and samples:
+            values["startup_one_s"], measured["startup_one_s"] = statistics.median(samples), True
     return RunTerms(**values, measured=measured)
 
 

@@ -40,6 +40,9 @@ class RunTerms:
     exposed_s: float | None = None
     """Start-up the first epoch waited for, as measured by earlier runs on this target (None:
     not measured; `startup_s` less what the plan and provisioning hide is taken instead)."""
+    startup_one_s: float | None = None
+    """A typical single worker's start-up (the median of the samples; None: `startup_s`), the
+    base that `started_together` stretches where workers share the coordinator's cores."""
     measured: dict = field(default_factory=dict)
     """Term name -> True where measured on this target and offer, False where assumed."""
 
@@ -64,9 +67,22 @@ class RunPrediction:
     workers and coordinator up to that epoch's end."""
 
 
+def started_together(terms: RunTerms, workers: int, host_cores: int | None) -> float:
+    """Seconds until the last of `workers` workers launched at once is ready. Where they share
+    a host of `host_cores` cores with the coordinator (None: each has its own machine), a
+    start-up is mostly CPU (imports, the model): each of the `workers` starts, beside the
+    coordinator, gets `host_cores / (workers + 1)` of the cores, so a single start-up stretches
+    by `(workers + 1) / host_cores` when that exceeds 1; never less than the slowest start-up
+    measured (`startup_s`, which may hold such starts already)."""
+    if not host_cores or workers <= 0:
+        return terms.startup_s
+    one = terms.startup_s if terms.startup_one_s is None else terms.startup_one_s
+    return max(terms.startup_s, one * max(1.0, (workers + 1) / host_cores))
+
+
 def predict_run(plan: Plan, terms: RunTerms, *, epochs: int, warm: bool, workers_launched_s: float | None,
                 billed_usd: float = 0.0, coordinator_price_per_s: float | None = None,
-                per_epoch: Sequence[Plan] | None = None) -> RunPrediction:
+                per_epoch: Sequence[Plan] | None = None, host_cores: int | None = None) -> RunPrediction:
     """The run's time and bill for `epochs` more epochs of `plan`, from now.
 
     Warm: the workers (launched `workers_launched_s` seconds ago; None: launched at the
@@ -82,7 +98,8 @@ def predict_run(plan: Plan, terms: RunTerms, *, epochs: int, warm: bool, workers
     advance (adabatch) changes the worker count (default: `plan` throughout). A warm run's
     added workers are started during the epoch before theirs (pre-start: billed from their
     launch, the start-up that epoch and its gap do not cover is waited for), pay the first
-    epoch's warm-up, and workers no longer needed stop after `stop_s`."""
+    epoch's warm-up, and workers no longer needed stop after `stop_s`; where they share the
+    coordinator's `host_cores`, the workers added together start slower (`started_together`)."""
     if epochs < 0:
         raise ValueError(f"epochs: must be >= 0, got {epochs}")
     plans = list(per_epoch) if per_epoch is not None else [plan] * epochs
@@ -106,10 +123,11 @@ def predict_run(plan: Plan, terms: RunTerms, *, epochs: int, warm: bool, workers
         else:
             before = plans[i - 1]
             added, kept = max(0, p.workers - before.workers), min(p.workers, before.workers)
-            hidden = min(terms.startup_s, prev_dur + terms.gap_s) if added else 0.0
-            exposed = terms.startup_s - hidden if added else 0.0
+            startup = started_together(terms, added, host_cores)
+            hidden = min(startup, prev_dur + terms.gap_s) if added else 0.0
+            exposed = startup - hidden if added else 0.0
             dur, start = epoch_s + exposed + (terms.warmup_s if added else 0.0), t + terms.gap_s
-            billed = (kept * (terms.gap_s + dur) + added * (terms.startup_s - exposed + dur)
+            billed = (kept * (terms.gap_s + dur) + added * (startup - exposed + dur)
                       + max(0, before.workers - p.workers) * terms.stop_s)
         worker_s, usd = worker_s + billed, usd + billed * price
         t, prev_dur = start + dur, dur

@@ -257,6 +257,31 @@ def test_a_run_that_adds_workers_in_advance_is_predicted_epoch_by_epoch():
         predict_run(one, terms, epochs=2, warm=True, workers_launched_s=None, per_epoch=[one])
 
 
+def test_workers_added_together_on_shared_cores_start_slower():
+    """Where the added workers share the coordinator's cores, n starting at once each get
+    cores / (n + 1) of them: one worker's start-up stretches by (n + 1) / cores when above 1,
+    never below the slowest start-up measured; on machines of their own nothing stretches."""
+    from planners.run_prediction import RunTerms, predict_run, started_together
+
+    terms = RunTerms(startup_s=4.0, startup_one_s=3.0, epoch_overhead_s=0.5, gap_s=0.3, provision_s=1.0,
+                     teardown_s=2.0, stop_s=1.0, warmup_s=0.7, exposed_s=0.0)
+    assert started_together(terms, 1, 2) == 4.0  # 3 s x 1.0: the slowest measured wins
+    assert started_together(terms, 2, 2) == pytest.approx(4.5)  # 3 s x 3/2
+    assert started_together(terms, 4, 2) == pytest.approx(7.5)  # 3 s x 5/2
+    assert started_together(terms, 4, None) == 4.0 and started_together(terms, 3, 16) == 4.0
+    one, two, four = (_plan(data_parallel=d, predicted_compute_epoch_s=c, price_per_worker_s=1.0)
+                      for d, c in ((1, 4.0), (2, 2.0), (4, 1.0)))
+    alone = predict_run(one, terms, epochs=3, warm=True, workers_launched_s=None, per_epoch=[one, two, four])
+    shared = predict_run(one, terms, epochs=3, warm=True, workers_launched_s=None, per_epoch=[one, two, four],
+                         host_cores=2)
+    e1 = 2.5 + 0.7  # 1 added: 4 s start-up, hidden behind epoch 0 (5.2 s) and the gap
+    e2_alone = 1.5 + (4.0 - (e1 + 0.3)) + 0.7  # 2 added, 4 s each
+    e2_shared = 1.5 + (4.5 - (e1 + 0.3)) + 0.7  # 2 added on 2 shared cores: 4.5 s
+    assert shared.run_s - alone.run_s == pytest.approx(e2_shared - e2_alone)
+    # launched at the same moment (the epoch before), all four of epoch 2 wait 0.5 s more, billed
+    assert shared.worker_s - alone.worker_s == pytest.approx(4 * 0.5)
+
+
 def test_an_adabatch_plan_predicts_each_budget_the_policy_will_run(tmp_path):
     """The first plan of an adabatch job predicts the run as the policy will run it: the budget
     doubles every epoch up to max_workers, each budget planned as the flow will plan it, and the
