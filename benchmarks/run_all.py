@@ -55,6 +55,7 @@ SECTIONS = [
     Section("Containers: the docker target against the process pool", "bench_containers", "containers",
             ("--epochs", "5", "--repeats", "3")),
     Section("Elastic training: dynamic scaling in miniature", "bench_scaling", "scaling"),
+    Section("Peers: Zooid beside Ray Train on the same job", "bench_peers", "peers"),
 ]
 
 HEADER = """# Zooid benchmarks

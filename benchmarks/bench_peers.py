@@ -1,0 +1,307 @@
+"""Zooid beside the peer its users would pick instead, Ray Train (TorchTrainer, DDP over gloo),
+on the same job, side by side in one run.
+
+The job, the same for every row: `digits_cnn` on digits (the project's model and split), 2 CPU
+workers, batch 16 each, SGD momentum 0.9, lr 0.05, 4 epochs, parameters (DDP: gradients)
+averaged every step. Rows, run `--rounds` times, interleaved (Ray, Zooid ring first run, Zooid
+ring cached, Zooid store first run, Zooid store cached, plain PyTorch, then again):
+
+- **Ray Train**: a driver script in a virtualenv of its own that this benchmark creates under
+  its scratch folder (`ray[train]` `RAY_VERSION` and the project's torch, from the wheels on disk
+  where they are); Ray never becomes a project dependency. `RAY_USAGE_STATS_ENABLED=0`, the node
+  bound to 127.0.0.1, no dashboard, its home and temp directory under the scratch folder, the
+  controller's poll at `RAY_POLL_S` s (its default is 2 s; at that poll an epoch waits on
+  `report()`). Model and data come from the project's `engine` modules (on `PYTHONPATH`).
+- **Zooid**: `python -m flows.train` (the command line, its own temporary Prefect server, target
+  `inline`), `sync_period=1`, `collective=ring` or the directory store; "first run" on a fresh
+  Zooid home and store (the profile is measured), "cached" on the home the first run left (the
+  profile and the run terms are read back).
+- **plain PyTorch**: one process, the same model, data, batch 16 and optimizer: the floor.
+
+Per row, medians over the rounds: the whole command (process start to exit); time to first step
+(process start to the first training step: Ray's workers report it, Zooid's is the later of the
+two workers' first busy interval of epoch 0 in the run's ledger); epochs 1-3 (mean seconds of
+epochs 1, 2 and 3); final validation accuracy.
+
+Goals (#26): Zooid's whole command at or below Ray's on a first run and at most 0.8x Ray's with
+a cached profile; every-step epochs at most 1.1x Ray's over `ring` and 1.5x over the store.
+
+    .venv/bin/python -m benchmarks.bench_peers [--rounds 3] [--out PATH] [--keep]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.output import command_for, provenance, write_result
+
+RESULTS = Path(__file__).resolve().parent / "results" / "peers.md"
+TITLE = "Ahead of Ray Train? The same job, side by side"
+REPO = Path(__file__).resolve().parent.parent
+WHEELS = REPO / "worker_images" / "wheels"
+RAY_VERSION = "2.60.0"
+RAY_POLL_S = 0.1
+JOB = {"model": "digits_cnn", "dataset": "digits", "workers": 2, "batch_size": 16, "optimizer": "momentum",
+       "lr": 0.05, "epochs": 4, "seed": 0}
+GOALS = {"first": 1.0, "cached": 0.8, "ring": 1.1, "store": 1.5}
+
+RAY_DRIVER = r'''
+import json, os, sys, time
+T0 = float(sys.argv[1])
+import ray
+import torch
+from ray import train
+from ray.train import RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+
+JOB = json.loads(sys.argv[2])
+
+
+def loop(config):
+    import json, os, time
+    import torch
+    from ray import train
+    from engine.datasets import load_dataset
+    from engine.models import build_model
+
+    torch.set_num_threads(1)
+    ctx = train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    torch.manual_seed(JOB["seed"])
+    data = load_dataset(JOB["dataset"])
+    model = train.torch.prepare_model(build_model(JOB["model"], JOB["seed"]))
+    opt = torch.optim.SGD(model.parameters(), lr=JOB["lr"], momentum=0.9)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    first_step, epochs = None, []
+    for epoch in range(JOB["epochs"]):
+        began = time.time()
+        order = torch.randperm(len(data.train_x), generator=torch.Generator().manual_seed(epoch))[rank::world]
+        model.train()
+        for i in range(0, len(order) - JOB["batch_size"] + 1, JOB["batch_size"]):
+            idx = order[i:i + JOB["batch_size"]]
+            opt.zero_grad()
+            loss_fn(model(data.train_x[idx]), data.train_y[idx]).backward()
+            opt.step()
+            if first_step is None:
+                first_step = time.time()
+        model.eval()
+        with torch.no_grad():
+            acc = (model(data.val_x).argmax(1) == data.val_y).float().mean().item()
+        epochs.append({"seconds": time.time() - began, "val_accuracy": acc})
+        train.report({"epoch": epoch, "val_accuracy": acc})
+    with open(os.path.join(config["out"], f"rank-{rank}.json"), "w") as fh:  # report() keeps no history here
+        json.dump({"epochs": epochs, "first_step": first_step}, fh)
+
+
+ray.init(address="local", num_cpus=JOB["workers"] + 1, include_dashboard=False, _node_ip_address="127.0.0.1",
+         _temp_dir=os.environ["RAY_TMPDIR"], log_to_driver=False)
+out = os.environ["RAY_STORAGE"]
+os.makedirs(out, exist_ok=True)
+trainer = TorchTrainer(loop, train_loop_config={"out": out},
+                       scaling_config=ScalingConfig(num_workers=JOB["workers"], use_gpu=False),
+                       run_config=RunConfig(storage_path=out, name="peers"))
+trainer.fit()
+ranks = [json.load(open(os.path.join(out, f"rank-{r}.json"))) for r in range(JOB["workers"])]
+print("RESULT " + json.dumps({"epochs": ranks[0]["epochs"], "first_step": max(r["first_step"] for r in ranks)}))
+ray.shutdown()
+'''
+
+PLAIN = r'''
+import json, sys, time
+T0 = float(sys.argv[1])
+import torch
+from engine.datasets import load_dataset
+from engine.models import build_model
+
+JOB = json.loads(sys.argv[2])
+torch.manual_seed(JOB["seed"])
+data = load_dataset(JOB["dataset"])
+model = build_model(JOB["model"], JOB["seed"])
+opt = torch.optim.SGD(model.parameters(), lr=JOB["lr"], momentum=0.9)
+loss_fn = torch.nn.CrossEntropyLoss()
+epochs, first_step, batch = [], None, JOB["batch_size"] * JOB["workers"]
+for epoch in range(JOB["epochs"]):
+    began = time.time()
+    order = torch.randperm(len(data.train_x), generator=torch.Generator().manual_seed(epoch))
+    model.train()
+    for i in range(0, len(order) - batch + 1, batch):
+        idx = order[i:i + batch]
+        opt.zero_grad()
+        loss_fn(model(data.train_x[idx]), data.train_y[idx]).backward()
+        opt.step()
+        if first_step is None:
+            first_step = time.time()
+    model.eval()
+    with torch.no_grad():
+        acc = (model(data.val_x).argmax(1) == data.val_y).float().mean().item()
+    epochs.append({"seconds": time.time() - began, "val_accuracy": acc})
+print("RESULT " + json.dumps({"epochs": epochs, "first_step": first_step}))
+'''
+
+
+def ray_python(root: Path) -> Path:
+    """The Ray virtualenv's python, created on first use: ray[train] and the project's torch."""
+    import torch
+
+    venv = root / "ray-venv"
+    python = venv / "bin" / "python"
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        wheels = ["--find-links", str(WHEELS)] if WHEELS.is_dir() else []
+        subprocess.run([str(python), "-m", "pip", "install", "-q", *wheels, f"torch=={torch.__version__}",
+                        f"ray[train]=={RAY_VERSION}", "scikit-learn", "safetensors"], check=True)
+    return python
+
+
+def _result(stdout: str) -> dict:
+    line = next(l for l in reversed(stdout.splitlines()) if l.startswith("RESULT "))
+    return json.loads(line.removeprefix("RESULT "))
+
+
+def run_script(python: Path, code: str, env: dict, scratch: Path) -> dict:
+    """A driver script (Ray's or plain PyTorch's): its wall, first step and epochs."""
+    script = scratch / "driver.py"
+    script.write_text(code)
+    began = time.time()
+    proc = subprocess.run([str(python), str(script), str(began), json.dumps(JOB)], env=env, capture_output=True,
+                          text=True, timeout=900, cwd=scratch)
+    wall = time.time() - began
+    if proc.returncode:
+        raise RuntimeError(f"{script} failed: {proc.stderr[-2000:]}")
+    out = _result(proc.stdout)
+    return {"wall_s": wall, "to_first_step_s": out["first_step"] - began, "epochs": out["epochs"]}
+
+
+def run_zooid(home: Path, collective: str) -> dict:
+    """One `python -m flows.train` command on `home` (fresh or as an earlier run left it)."""
+    summary_path = home / "summary.json"
+    params = {**JOB, "target": "inline", "sync_period": 1, "collective": collective, "store": f"file://{home}/store"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    env.update(ZOOID_HOME=str(home / "zooid"), PREFECT_HOME=str(home / "prefect"))
+    began = time.time()
+    proc = subprocess.run([sys.executable, "-m", "flows.train", *[a for k, v in params.items()
+                                                                  for a in ("--param", f"{k}={v}")],
+                           "--summary-out", str(summary_path)], env=env, capture_output=True, text=True,
+                          timeout=900, cwd=REPO)
+    wall = time.time() - began
+    if proc.returncode:
+        raise RuntimeError(f"zooid run failed: {proc.stderr[-2000:]}")
+    summary = json.loads(summary_path.read_text())
+    ledger = json.loads((home / "store" / "runs" / summary["run_id"] / "cost.json").read_text())
+    firsts = {}
+    for r in ledger["rows"]:
+        if r["kind"] == "worker" and r.get("status") == "busy" and r.get("epoch") == 0:
+            firsts[r["rank"]] = min(firsts.get(r["rank"], r["start"]), r["start"])
+    return {"wall_s": wall, "to_first_step_s": max(firsts.values()) - began if firsts else None,
+            "epochs": [{"seconds": e["seconds"], "val_accuracy": e["val_accuracy"]} for e in summary["epochs"]],
+            "profile": summary["plan"].get("profile_sources")}
+
+
+ROWS = ("Ray Train", "Zooid ring, first run", "Zooid ring, cached profile", "Zooid store, first run",
+        "Zooid store, cached profile", "plain PyTorch, 1 process")
+
+
+def one_round(scratch: Path, ray_py: Path, k: int) -> dict[str, dict]:
+    out = {}
+    ray_dir = scratch / f"ray-{k}"
+    ray_dir.mkdir()
+    (ray_dir / "tmp").mkdir()
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": str(ray_dir), "PYTHONPATH": str(REPO),
+           "RAY_USAGE_STATS_ENABLED": "0", "RAY_TMPDIR": str(ray_dir / "tmp"), "RAY_STORAGE": str(ray_dir / "runs"),
+           "RAY_TRAIN_V2_ENABLED": "1", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": str(RAY_POLL_S),
+           "OMP_NUM_THREADS": "1"}
+    out["Ray Train"] = run_script(ray_py, RAY_DRIVER, env, ray_dir)
+    for collective in ("ring", "store"):
+        home = scratch / f"zooid-{collective}-{k}"
+        home.mkdir()
+        out[f"Zooid {collective}, first run"] = run_zooid(home, collective)
+        out[f"Zooid {collective}, cached profile"] = run_zooid(home, collective)
+    plain_dir = scratch / f"plain-{k}"
+    plain_dir.mkdir()
+    out["plain PyTorch, 1 process"] = run_script(Path(sys.executable), PLAIN,
+                                                 {**os.environ, "PYTHONPATH": str(REPO)}, plain_dir)
+    return out
+
+
+def _med(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _s(x) -> str:
+    return "-" if x is None else f"{x:.2f} s"
+
+
+def render(rounds: list[dict[str, dict]]) -> str:
+    stats = {}
+    for row in ROWS:
+        runs = [r[row] for r in rounds]
+        stats[row] = {"wall": _med(r["wall_s"] for r in runs), "first": _med(r["to_first_step_s"] for r in runs),
+                      "epochs": _med(statistics.mean(e["seconds"] for e in r["epochs"][1:4]) for r in runs),
+                      "acc": _med(r["epochs"][-1]["val_accuracy"] for r in runs)}
+    lines = ["| | whole command | to first step | epochs 1-3 (mean) | final accuracy |", "|---|---|---|---|---|"]
+    for row in ROWS:
+        s = stats[row]
+        lines.append(f"| {row} | {_s(s['wall'])} | {_s(s['first'])} | {_s(s['epochs'])} | {s['acc']:.3f} |")
+    ray = stats["Ray Train"]
+
+    def goal(name: str, ratio: float | None, limit: float) -> str:
+        verdict = "met" if ratio is not None and ratio <= limit else "not met"
+        return f"- {name}: {ratio:.2f}x Ray's (goal at most {limit}x): **{verdict}**"
+
+    lines += ["", "## Goals", "",
+              goal("Whole command, first run (ring)", stats["Zooid ring, first run"]["wall"] / ray["wall"],
+                   GOALS["first"]),
+              goal("Whole command, cached profile (ring)", stats["Zooid ring, cached profile"]["wall"] / ray["wall"],
+                   GOALS["cached"]),
+              goal("Every-step epochs over ring (cached)", stats["Zooid ring, cached profile"]["epochs"]
+                   / ray["epochs"], GOALS["ring"]),
+              goal("Every-step epochs over the store (cached)", stats["Zooid store, cached profile"]["epochs"]
+                   / ray["epochs"], GOALS["store"]),
+              "", "Per round (whole command / to first step / epochs 1-3):", ""]
+    for k, r in enumerate(rounds):
+        lines.append(f"- round {k}: " + "; ".join(
+            f"{row}: {r[row]['wall_s']:.1f} / {_s(r[row]['to_first_step_s'])} / "
+            f"{statistics.mean(e['seconds'] for e in r[row]['epochs'][1:4]):.3f} s" for row in ROWS))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_peers", description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--keep", action="store_true", help="keep the scratch folder (Ray's virtualenv included)")
+    parser.add_argument("--scratch", type=Path, help="the scratch folder (default: a new temporary one)")
+    args = parser.parse_args(argv)
+    prov = provenance()
+    scratch = args.scratch or Path(tempfile.mkdtemp(prefix="zooid-peers-"))
+    scratch.mkdir(parents=True, exist_ok=True)
+    try:
+        ray_py = ray_python(scratch)
+        rounds = []
+        for k in range(args.rounds):
+            rounds.append(one_round(scratch, ray_py, k))
+            print(f"round {k}: " + ", ".join(f"{row} {r['wall_s']:.1f} s" for row, r in rounds[-1].items()),
+                  flush=True)
+        body = (f"Job: {json.dumps(JOB)}; every step averaged (Zooid `sync_period=1`, Ray DDP); "
+                f"Ray {RAY_VERSION}, controller poll {RAY_POLL_S} s; {args.rounds} rounds, interleaved; "
+                "medians over the rounds. Method: the module docstring of `benchmarks/bench_peers.py`.\n\n"
+                + render(rounds))
+        write_result(args.out, TITLE, command_for("benchmarks.bench_peers", argv), prov, body)
+        print(body)
+    finally:
+        if not args.keep and args.scratch is None:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
