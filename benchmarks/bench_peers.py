@@ -53,40 +53,27 @@ JOB = {"model": "digits_cnn", "dataset": "digits", "workers": 2, "batch_size": 1
        "lr": 0.05, "epochs": 4, "seed": 0}
 GOALS = {"first": 1.0, "cached": 0.8, "ring": 1.1, "store": 1.5}
 
-RAY_DRIVER = r'''
+TRAIN = r'''
 import json, os, sys, time
-T0 = float(sys.argv[1])
-import ray
 import torch
-from ray import train
-from ray.train import RunConfig, ScalingConfig
-from ray.train.torch import TorchTrainer
+from engine.datasets import load_dataset
+from engine.models import build_model
 
-JOB = json.loads(sys.argv[2])
+JOB = json.loads(sys.argv[1])
 
 
-def loop(config):
-    import json, os, time
-    import torch
-    from ray import train
-    from engine.datasets import load_dataset
-    from engine.models import build_model
-
-    torch.set_num_threads(1)
-    ctx = train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    torch.manual_seed(JOB["seed"])
-    data = load_dataset(JOB["dataset"])
-    model = train.torch.prepare_model(build_model(JOB["model"], JOB["seed"]))
+def train_epochs(model, data, rank, world, batch, report=lambda epoch, acc: None):
+    # JOB's epochs of `model` on this rank's share of each epoch's shuffled rows, `batch` rows a
+    # step: each epoch's seconds and validation accuracy, and when the first step ended
     opt = torch.optim.SGD(model.parameters(), lr=JOB["lr"], momentum=0.9)
     loss_fn = torch.nn.CrossEntropyLoss()
-    first_step, epochs = None, []
+    epochs, first_step = [], None
     for epoch in range(JOB["epochs"]):
         began = time.time()
         order = torch.randperm(len(data.train_x), generator=torch.Generator().manual_seed(epoch))[rank::world]
         model.train()
-        for i in range(0, len(order) - JOB["batch_size"] + 1, JOB["batch_size"]):
-            idx = order[i:i + JOB["batch_size"]]
+        for i in range(0, len(order) - batch + 1, batch):
+            idx = order[i:i + batch]
             opt.zero_grad()
             loss_fn(model(data.train_x[idx]), data.train_y[idx]).backward()
             opt.step()
@@ -96,7 +83,28 @@ def loop(config):
         with torch.no_grad():
             acc = (model(data.val_x).argmax(1) == data.val_y).float().mean().item()
         epochs.append({"seconds": time.time() - began, "val_accuracy": acc})
-        train.report({"epoch": epoch, "val_accuracy": acc})
+        report(epoch, acc)
+    return epochs, first_step
+'''
+"""The training both scripts run, from the project's model and data: the driver's and the plain
+process's epochs differ only in the rows each process takes and in what it reports."""
+
+RAY_DRIVER = TRAIN + r'''
+import ray
+from ray import train
+from ray.train import RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+
+
+def loop(config):
+    torch.set_num_threads(1)
+    ctx = train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    torch.manual_seed(JOB["seed"])
+    data = load_dataset(JOB["dataset"])
+    model = train.torch.prepare_model(build_model(JOB["model"], JOB["seed"]))
+    epochs, first_step = train_epochs(model, data, rank, world, JOB["batch_size"],
+                                      lambda epoch, acc: train.report({"epoch": epoch, "val_accuracy": acc}))
     with open(os.path.join(config["out"], f"rank-{rank}.json"), "w") as fh:  # report() keeps no history here
         json.dump({"epochs": epochs, "first_step": first_step}, fh)
 
@@ -114,35 +122,10 @@ print("RESULT " + json.dumps({"epochs": ranks[0]["epochs"], "first_step": max(r[
 ray.shutdown()
 '''
 
-PLAIN = r'''
-import json, sys, time
-T0 = float(sys.argv[1])
-import torch
-from engine.datasets import load_dataset
-from engine.models import build_model
-
-JOB = json.loads(sys.argv[2])
+PLAIN = TRAIN + r'''
 torch.manual_seed(JOB["seed"])
-data = load_dataset(JOB["dataset"])
-model = build_model(JOB["model"], JOB["seed"])
-opt = torch.optim.SGD(model.parameters(), lr=JOB["lr"], momentum=0.9)
-loss_fn = torch.nn.CrossEntropyLoss()
-epochs, first_step, batch = [], None, JOB["batch_size"] * JOB["workers"]
-for epoch in range(JOB["epochs"]):
-    began = time.time()
-    order = torch.randperm(len(data.train_x), generator=torch.Generator().manual_seed(epoch))
-    model.train()
-    for i in range(0, len(order) - batch + 1, batch):
-        idx = order[i:i + batch]
-        opt.zero_grad()
-        loss_fn(model(data.train_x[idx]), data.train_y[idx]).backward()
-        opt.step()
-        if first_step is None:
-            first_step = time.time()
-    model.eval()
-    with torch.no_grad():
-        acc = (model(data.val_x).argmax(1) == data.val_y).float().mean().item()
-    epochs.append({"seconds": time.time() - began, "val_accuracy": acc})
+epochs, first_step = train_epochs(build_model(JOB["model"], JOB["seed"]), load_dataset(JOB["dataset"]), 0, 1,
+                                  JOB["batch_size"] * JOB["workers"])
 print("RESULT " + json.dumps({"epochs": epochs, "first_step": first_step}))
 '''
 
@@ -171,7 +154,7 @@ def run_script(python: Path, code: str, env: dict, scratch: Path) -> dict:
     script = scratch / "driver.py"
     script.write_text(code)
     began = time.time()
-    proc = subprocess.run([str(python), str(script), str(began), json.dumps(JOB)], env=env, capture_output=True,
+    proc = subprocess.run([str(python), str(script), json.dumps(JOB)], env=env, capture_output=True,
                           text=True, timeout=900, cwd=scratch)
     wall = time.time() - began
     if proc.returncode:
