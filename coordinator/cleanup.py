@@ -59,10 +59,6 @@ def _step(report: dict, name: str, fn):
         return None
 
 
-def _bill(ctx: RunContext) -> None:
-    bill_from_cloud_clock(ctx, [], -1)
-
-
 def teardown_run(ctx: RunContext) -> dict:
     """Stop workers, cancel worker flow runs, delete scratch keys. Safe to call twice.
 
@@ -84,7 +80,8 @@ def teardown_run(ctx: RunContext) -> dict:
         if adapter is not None:
             report["stopped"] = _step(report, "stop", lambda: adapter.stop(cancelled)) or []
             report["stopped"] += _step(report, "settle", lambda: adapter.settle(ctx.run_id)) or []
-            _step(report, "bill", lambda: _bill(ctx))  # ACI's sweep deletes container groups: read their clock first
+            # ACI's sweep deletes container groups: read their clock first
+            _step(report, "bill", lambda: bill_from_cloud_clock(ctx, [], -1))
             swept = _step(report, "sweep", lambda: adapter.sweep(ctx.run_id))
             if swept is not None:
                 report["swept"] = swept

@@ -320,8 +320,6 @@ class PoolLauncher(_Launcher):
         outcome.status, outcome.error, outcome.stopped_at = status, reason, time.time()
 
 
-
-
 def worker_threads(kind: str, plan) -> int:
     """Torch threads per worker: the worker's own vCPU on a cloud target (a 4-vCPU container
     runs 4 threads), or this machine's cores divided among the plan's workers where they

@@ -15,13 +15,12 @@ import time
 from coordinator.co_plan import co_optimized, launched_inputs
 from coordinator.context import RunContext
 from coordinator.cost import total_usd
-from coordinator.launchers import SHARED_HOST_KINDS
 from coordinator.ledger import rows_now
 from coordinator.run_terms import load_terms
 from coordinator.scaling_policy import worker_schedule
 from core.epoch_summary import Replan
 from core.errors import ZooidValueError
-from core.kinds import AUTO, PipelineSchedule, Strategy
+from core.kinds import AUTO, SHARED_HOST_KINDS, PipelineSchedule, Strategy
 from core.plan import Plan
 from core.schedule_costs import ideal_peak_in_flight
 from core.schedules import Kind, build_schedule

@@ -17,10 +17,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from coordinator.launchers import SHARED_HOST_KINDS
 from coordinator.profile_cache import ProfileCache, target_key
 from core.epoch_summary import EpochSummary
-from core.kinds import TargetKind
+from core.kinds import SHARED_HOST_KINDS, TargetKind
 from planners.run_prediction import RunTerms
 
 KEEP = 20

@@ -182,7 +182,6 @@ def check_target_ready(resolved: "ResolvedJob") -> None:
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
-
     target, name = resolved.target, resolved.target_name
     if not target.remote:
         return

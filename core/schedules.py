@@ -37,7 +37,6 @@ from core.errors import ZooidValueError
 from core.kinds import PipelineSchedule
 
 
-
 class Kind(str, enum.Enum):
     """What an action does."""
 

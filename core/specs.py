@@ -186,7 +186,6 @@ class StageSpec(JsonSpec):
             raise ZooidValueError("stage.replica", f"must be in 0..{self.replicas - 1}, got {self.replica}")
 
 
-
 @dataclass(frozen=True, kw_only=True)
 class SyncSpec(JsonSpec):
     """How replicas average: the collective and its knobs (`engine.local_sgd`; a pipeline
@@ -231,7 +230,6 @@ class SyncSpec(JsonSpec):
             raise ZooidValueError("sync.sync_dtype", f"must be one of {', '.join(SYNC_DTYPES)}, got {self.sync_dtype!r}")
 
 
-
 @dataclass(frozen=True, kw_only=True)
 class ComputeSpec(JsonSpec):
     """Where and how a worker computes."""
@@ -253,7 +251,6 @@ class ComputeSpec(JsonSpec):
             raise ZooidValueError("compute.threads", f"must be a thread count >= 1, got {self.threads!r}")
 
 
-
 @dataclass(frozen=True, kw_only=True)
 class WarmSpec(JsonSpec):
     """What a warm worker is told at launch (`runtime.warm`)."""
@@ -273,7 +270,6 @@ class WarmSpec(JsonSpec):
     def __post_init__(self):
         _check_types(self, "warm.")
         _positive(self, "warm.", ("lease_s", "check_s", "grace_s"))
-
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -334,7 +330,6 @@ class WorkerSpec(JsonSpec):
 
     def __post_init__(self):
         _check_types(self, "", ("resume", "checkpoint_store", "stage", "sync", "compute", "warm"))
-
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -155,7 +155,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from pydantic import ValidationError
 
-
     parser = argparse.ArgumentParser(prog="python -m flows.dry_run", description=__doc__.splitlines()[0])
     parser.add_argument("--param", action="append", default=[], metavar="NAME=VALUE")
     args = parser.parse_args(argv)

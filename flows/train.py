@@ -37,7 +37,12 @@ import uuid
 from dataclasses import dataclass, field
 
 from prefect import flow
-from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
 
 from blocks.store_refs import open_store_ref
 from coordinator.context import ACTIVE, RunContext, run_id_for
@@ -117,9 +122,6 @@ def predicted_cost_at(plan: Plan, index: int) -> float | None:
 
 def _epoch_progress(ctx: RunContext, progress_id, history: list[EpochSummary],
                     predicted_run_cost_usd: float | None) -> None:
-    from prefect.artifacts import create_table_artifact
-
-
     log_epoch(ctx, history[-1], predicted_run_cost_usd)
     if progress_id is not None:
         update_progress_artifact(progress_id, 100.0 * len(history) / ctx.job.epochs)
@@ -132,7 +134,6 @@ def log_epoch(ctx: RunContext, epoch: EpochSummary, predicted_run_cost_usd: floa
     and `prefect deployment run --watch` show it): epoch i/N, workers, loss, accuracy, seconds
     against predicted, the bill so far against the run's prediction."""
     from prefect.logging import get_run_logger
-
 
     line = epoch_line(epoch, ctx.job.epochs, total_usd(rows_now(ctx)), predicted_run_cost_usd)
     try:
@@ -180,7 +181,6 @@ def _log_cancelled(ctx: RunContext, ledger: dict) -> None:
     from prefect.context import FlowRunContext
     from prefect.logging import get_run_logger
     from prefect.states import Cancelled
-
 
     message = f"run {ctx.run_id} cancelled: its workers were stopped, bill {money(ledger['total_usd'])}"
     get_run_logger().info(f"zooid {message}; resume with --param resume={ctx.run_id}")
@@ -543,7 +543,6 @@ def _ensure_paid_workers_limit() -> None:
     bootstrapped one (else Prefect warns that it does not exist at every launch)."""
     from prefect.client.orchestration import get_client
 
-
     try:
         with get_client(sync_client=True) as client:
             ensure_concurrency_limit(client, PAID_WORKERS)
@@ -593,7 +592,6 @@ def early_server():
 
 def _validated_run(args, fields: dict, server) -> int:
     from pydantic import ValidationError
-
 
     try:
         job = TrainJob(**fields)
@@ -650,7 +648,6 @@ def _interrupted(params: list[str]) -> int:
     """A command-line run stopped by SIGTERM or Ctrl-C: at most three lines (what was torn
     down, the bill so far, how to resume), exit 128 + the signal (130 SIGINT, 143 SIGTERM)."""
     import shlex
-
 
     signum = COMMAND_LINE.signal or signal.SIGINT
     run = COMMAND_LINE.run

@@ -49,7 +49,6 @@ class ContentionResult:
         return max(1.0, self.loaded_s / self.alone_s)
 
 
-
 def _link(per_byte: float, latency: float) -> tuple[float, float]:
     """(bandwidth, latency) from a fitted slope and intercept: a slope of 0 or less (noise
     on a fast link) reads as 1 TB/s, and the latency is floored at 1 us (an emulated link's

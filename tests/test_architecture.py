@@ -313,7 +313,6 @@ def test_no_import_by_string_of_the_projects_own_modules():
     assert {f.split(":")[0] for f in found} == set(allowed)  # the reader sees the calls it allows
 
 
-
 def _registries() -> list[str]:
     """Module-level dicts, lists and sets changed from inside functions (`NAME[...] = `,
     `NAME.append(...)`, ..., also where NAME was imported), and `global NAME` statements:

@@ -45,7 +45,6 @@ def test_training_on_containers_completes_warm_and_is_billed_on_the_engines_cloc
     assert _containers(run_id) == []
 
 
-
 def test_a_missing_image_or_engine_is_one_clear_error_before_anything_is_paid(stack, monkeypatch):
     from blocks.compute import resolve_target
     from core.errors import ZooidValueError

@@ -38,7 +38,6 @@ from tests.source_tree import ROOT, sources
 BENCHMARKS = ROOT / "benchmarks"
 
 
-
 def definitions(name: str) -> list[str]:
     """The modules that define a function, class or module-level name called `name`."""
     found = []

@@ -150,7 +150,6 @@ class ThreadClock:
         self._local = threading.local()
         self.gate = None  # called before a sleep moves the clock: what must happen first
 
-
     def monotonic(self) -> float:
         return getattr(self._local, "now", 1000.0)
 
