@@ -428,3 +428,22 @@ def test_project_imports_sit_at_the_top_and_each_inner_one_says_why():
     silent = [f"{path}:{line}" for path, line, _, why in inner if not why]
     assert not silent, "function-level project imports without a comment saying why:\n" + "\n".join(silent)
     assert len(inner) <= 0.10 * len(statements), f"{len(inner)} of {len(statements)} project imports inside functions"
+
+
+def test_no_module_name_repeats_across_layers():
+    """A module's name says where it lives: `plan.py` in three folders made a reader ask which."""
+    seen: dict[str, list[str]] = {}
+    for module, path in project_files().items():
+        if path.name != "__init__.py" and not module.startswith("benchmarks"):
+            seen.setdefault(path.name, []).append(module.split(".")[0])
+    repeated = {name: folders for name, folders in seen.items() if len(set(folders)) > 1}
+    assert not repeated, f"module names in more than one layer: {repeated}"
+
+
+def test_the_training_recipe_is_short():
+    """`flows.train._run_training` reads as a recipe: a loop over named steps, 40 lines at most."""
+    tree = ast.parse((ROOT / "flows" / "train.py").read_text())
+    recipe = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "_run_training")
+    assert recipe.end_lineno - recipe.lineno + 1 <= 40
+    called = {n.func.id for n in ast.walk(recipe) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    assert {"start_run", "profile_plan_and_provision", "train_one_epoch", "rescale_or_replan", "finish_run"} <= called
