@@ -117,35 +117,37 @@ class RingGroup:
         """Elementwise sum of `tensors` over the ring; otherwise as `allreduce_mean`."""
         return self._allreduce(tensors, stats, timeout, mean=False)
 
+    def start_allreduce_mean(self, tensors: dict[str, torch.Tensor], *,
+                             stats: TransferStats | None = None) -> "RingPending":
+        """Launch the mean of `tensors` over the ring and return at once (the backend's
+        async work); `wait()` on the result gives the means. The tensors are copied into
+        the ring's buffers before this returns, so the caller may change them afterwards.
+        Every rank must start its calls in the same order. world == 1: already done."""
+        for name, t in tensors.items():
+            if not t.is_floating_point():
+                raise ZooidValueError("tensors", f"{name!r} is {t.dtype}; a mean needs floating tensors")
+        return self._start(tensors, stats, None, mean=True)
+
     def _allreduce(self, tensors: dict[str, torch.Tensor], stats: TransferStats | None,
                    timeout: float | None, mean: bool) -> dict[str, torch.Tensor]:
+        return self._start(tensors, stats, timeout, mean).wait()
+
+    def _start(self, tensors: dict[str, torch.Tensor], stats: TransferStats | None,
+               timeout: float | None, mean: bool) -> "RingPending":
         if self.world == 1:
-            return tensors
+            return RingPending(self, tensors, None, [], stats, 0.0, mean, 0.0)
         if self._backend is None:
             raise RingError(f"rank {self.rank}: the ring of {self.group} is "
                             f"{self._broken or 'closed'}; open a new one")
-        stats = stats if stats is not None else TransferStats()
         began = time.perf_counter()
-        names = sorted(tensors)
-        buffers = _flatten(tensors, names, self.device)
+        buffers = _flatten(tensors, sorted(tensors), self.device)
         seconds = self.timeout if timeout is None else timeout
         try:
             # One call per dtype buffer, all in flight before the first wait.
             works = [self._backend.allreduce([buf], _sum_options(seconds)) for buf in buffers.values()]
-            for work in works:
-                work.wait()
         except RuntimeError as exc:
             self._fail(exc, seconds)
-        if mean:
-            for buf in buffers.values():
-                buf.div_(self.world)
-        out = _unflatten(buffers, tensors, names)
-        sent = sum(ring_bytes(b.numel() * b.element_size(), self.world) for b in buffers.values())
-        stats.bytes_up += sent
-        stats.bytes_down += sent
-        stats.seconds += time.perf_counter() - began
-        stats.calls += 1
-        return out
+        return RingPending(self, tensors, buffers, works, stats, began, mean, seconds)
 
     def _fail(self, exc: RuntimeError, seconds: float) -> None:
         """Close the broken ring and raise the error a user can read."""
@@ -200,6 +202,38 @@ class RingGroup:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class RingPending:
+    """One allreduce launched on a ring (`RingGroup.start_allreduce_mean`); `wait` once."""
+
+    def __init__(self, ring: RingGroup, tensors: dict[str, torch.Tensor],
+                 buffers: dict[torch.dtype, torch.Tensor] | None, works: list, stats: TransferStats | None,
+                 began: float, mean: bool, seconds: float):
+        self.ring, self.tensors, self.buffers, self.works = ring, tensors, buffers, works
+        self.stats, self.began, self.mean, self.seconds = stats, began, mean, seconds
+
+    def wait(self) -> dict[str, torch.Tensor]:
+        """Block until the call is done; the reduced tensors by name. Counts the bytes and
+        the seconds from launch to completion into the call's `stats`."""
+        if self.buffers is None:
+            return self.tensors
+        try:
+            for work in self.works:
+                work.wait()
+        except RuntimeError as exc:
+            self.ring._fail(exc, self.seconds)
+        if self.mean:
+            for buf in self.buffers.values():
+                buf.div_(self.ring.world)
+        out = _unflatten(self.buffers, self.tensors, sorted(self.tensors))
+        stats = self.stats if self.stats is not None else TransferStats()
+        sent = sum(ring_bytes(b.numel() * b.element_size(), self.ring.world) for b in self.buffers.values())
+        stats.bytes_up += sent
+        stats.bytes_down += sent
+        stats.seconds += time.perf_counter() - self.began
+        stats.calls += 1
+        return out
 
 
 def open_ring(store: Store, group: str, rank: int, world: int, timeout: float, *,

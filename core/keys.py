@@ -190,6 +190,14 @@ def stage_sync_prefix(run_id: str, epoch: int, stage: int) -> str:
     return f"{sync_prefix(run_id, epoch)}/s{stage}"
 
 
+def sync_call_prefix(group: str, round_: int, bucket: int | None = None) -> str:
+    """Key prefix of one collective call of a sync group (`sync_prefix`, `stage_sync_prefix`
+    or `spec.sync.group`): round `round_`, or bucket `bucket` of that round when gradients
+    are averaged in buckets (`engine.gradient_buckets`)."""
+    prefix = f"{group}/r{round_}"
+    return prefix if bucket is None else f"{prefix}/b{bucket}"
+
+
 def activation_prefix(run_id: str, epoch: int) -> str:
     """Scratch prefix of an epoch's inter-stage tensors (delete it before relaunching)."""
     return run_key(run_id, "act", f"e{epoch}")

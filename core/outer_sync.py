@@ -6,6 +6,7 @@ the report agree on them.
   (DiLoCo: the round's outer gradient, Δ = θ_global − mean_i θ_i, drives a Nesterov step
   θ_global ← θ_global − outer_lr · (Δ + μ m'), m' = μ m + Δ). With outer_lr 1 and μ 0 it is
   `average`.
+- `every_step`: with period 1, `average` and `float32`, `gradients` (default) or `parameters`.
 - `sync_dtype`: `float32` (today's raw values), `bfloat16` (each value rounded to bf16) or
   `int8` (per block of `INT8_BLOCK` values, one scale max|x| / 127 in the tensor's dtype).
   Compressed syncs send each replica's change since the last sync with error feedback: the
@@ -17,6 +18,12 @@ import math
 
 OUTER_OPTIMIZERS = ("average", "nesterov")
 SYNC_DTYPES = ("float32", "bfloat16", "int8")
+EVERY_STEP = ("gradients", "parameters")
+"""What replicas that sync every step (period 1, `average`, `float32`) average: their
+gradients, in buckets during backward (DDP's way), or their weights and optimizer state
+after the step (as at k > 1)."""
+DEFAULT_BUCKET_MB = 25.0
+"""MiB per gradient bucket (DDP's `bucket_cap_mb`)."""
 INT8_BLOCK = 1024
 """Values that share one int8 scale."""
 DEFAULT_OUTER_LR = 0.7

@@ -23,7 +23,8 @@ from typing import Any, ClassVar
 
 from core.errors import ZooidValueError
 from core.kinds import PipelineSchedule
-from core.outer_sync import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, OUTER_OPTIMIZERS, SYNC_DTYPES
+from core.outer_sync import (DEFAULT_BUCKET_MB, DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, EVERY_STEP,
+                             OUTER_OPTIMIZERS, SYNC_DTYPES)
 
 _HINTS: dict[type, dict[str, Any]] = {}
 
@@ -216,10 +217,18 @@ class SyncSpec(JsonSpec):
     """The `nesterov` outer step's learning rate and momentum."""
     sync_dtype: str = "float32"
     """What a sync's pieces travel as: `float32`, `bfloat16` or `int8` (with error feedback)."""
+    every_step: str = "gradients"
+    """With `sync_period` 1, `average` and `float32`: `gradients` (averaged in buckets while
+    backward runs, `engine.gradient_buckets`) or `parameters` (weights and optimizer state
+    after the step). A pipeline stage always averages gradients."""
+    bucket_mb: float = DEFAULT_BUCKET_MB
+    """MiB of gradients per bucket when gradients are averaged."""
 
     def __post_init__(self):
         _check_types(self, "sync.")
-        _positive(self, "sync.", ("ring_timeout_s", "outer_lr"))
+        _positive(self, "sync.", ("ring_timeout_s", "outer_lr", "bucket_mb"))
+        if self.every_step not in EVERY_STEP:
+            raise ZooidValueError("sync.every_step", f"must be one of {', '.join(EVERY_STEP)}, got {self.every_step!r}")
         _positive(self, "sync.", ("repost_s", "checkpoint_every"), zero_ok=True)
         if self.outer_optimizer not in OUTER_OPTIMIZERS:
             raise ZooidValueError("sync.outer_optimizer", f"must be one of {', '.join(OUTER_OPTIMIZERS)}, "

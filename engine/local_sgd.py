@@ -10,11 +10,34 @@ Optimizer state at a sync: the momentum buffers (SGD momentum) and the Adam mome
 averaged in the same collective as the weights, and kept by the checkpoint. KubeML
 (Sec. 4.5) reset momentum at each model load and saw noisy updates after every merge;
 averaging the state instead (Yu et al., cited there) keeps the replicas' optimizers
-consistent with the averaged point. With period 1 it is exact for plain and momentum
-SGD: the averaged buffer is mu * b + mean(g_i) and the averaged weight w - lr * that
-buffer, which is one process's step on the concatenated batch (mean-reduced loss,
-equal-size batches). Adam's moments are nonlinear in the gradients, so there the average
-is an approximation; its step counter is equal on all replicas and is not averaged.
+consistent with the averaged point. Adam's moments are nonlinear in the gradients, so
+there the average is an approximation; its step counter is equal on all replicas and is
+not averaged.
+
+Every step (period 1): gradients, not parameters. With period 1 (float32 wire, no outer
+step) the replicas average their gradients instead, as DDP does (`engine.gradient_buckets`):
+in buckets of `bucket_bytes` (25 MiB by default), each started as soon as backward has
+produced its gradients, over the ring's asynchronous work or a store call per bucket on a
+background thread; before `optimizer.step()` (an optimizer step pre-hook) every bucket is
+waited for and its means written into `.grad`. Each step then moves one model's worth of
+gradients, once, mostly hidden behind backward, where averaging parameters and optimizer
+state moves two and only after the step. The replicas take identical steps from identical
+states, so nothing else needs averaging:
+- plain and momentum SGD give the same numbers as averaging parameters and momentum
+  (w - lr * mean(g_i) = mean(w - lr * g_i); the momentum buffer mu * b + mean(g_i) is the
+  average of the replicas' buffers), up to rounding; both are one process's step on the
+  concatenated batch (mean-reduced loss, equal-size batches);
+- Adam keeps the moments of the averaged gradient, equal on every replica: exactly DDP's
+  semantics, and not what averaging parameters gives (the average of moments built from
+  each replica's own gradient). `average_gradients=False` (`sync.every_step=parameters`)
+  keeps the old behaviour;
+- float buffers (batch-norm running statistics) are not gradients: they ride in the first
+  bucket of every step and are replaced by their mean, as parameter averaging does, so the
+  sync checkpoint rank 0 writes after each step holds every replica's buffers.
+Rounds and keys are those of parameter averaging, one round per step; a round's call is one
+call per bucket under `{group}/r{round}/b{bucket}`, so the relaunch protocol
+(`engine.local_sgd_epoch`) holds as it is: round r's checkpoint is the state after step r,
+a relaunch replays from there, and each bucket's call is idempotent and replayable.
 
 This module holds the algorithm and the data order it shares with the pipeline executor
 (`LocalSGD`, `batch_stream`, `batch_seed`, `evaluate`); one replica's epoch as a worker runs
@@ -32,11 +55,16 @@ from torch import nn
 
 from comm import heartbeat
 from comm.bandwidth import TransferStats
+from comm.bucket_allreduce import RingBuckets, StoreBuckets
 from comm.collectives import PostLog, flatten_by_dtype, allreduce_mean, release_group
 from comm.compression import Compressor
+from comm.ring_allreduce import RingGroup
 from comm.scatter_reduce import Allreduce
 from comm.store import Store
 from core.errors import ZooidValueError
+from core.keys import sync_call_prefix
+from core.outer_sync import DEFAULT_BUCKET_MB
+from engine.gradient_buckets import GradientBuckets
 from engine.optimizers import optimizer_state_tensors
 from engine.outer import BUFFER_PREFIX, OuterStep
 
@@ -61,7 +89,12 @@ class LocalSGD:
     may find results of rounds its previous life took part in. `allreduce` is the
     collective (`scatter_reduce.allreduce_for`; the plain store one by default). `outer`
     is the round's outer step (`engine.outer`; None: K-AVG, the mean replaces the tensors)
-    and `compressor` the wire format of a compressed sync (`comm.compression`)."""
+    and `compressor` the wire format of a compressed sync (`comm.compression`).
+
+    `average_gradients`: average each step's gradients in buckets during backward instead
+    of the parameters after the step (see the module docstring); None: whenever the period
+    is 1 with no outer step and a lossless wire. `ring` is the open ring the buckets use
+    (the store collective `allreduce` otherwise), `bucket_bytes` their size."""
 
     def __init__(
         self,
@@ -83,9 +116,18 @@ class LocalSGD:
         allreduce: Allreduce = allreduce_mean,
         outer: OuterStep | None = None,
         compressor: Compressor | None = None,
+        average_gradients: bool | None = None,
+        ring: RingGroup | None = None,
+        bucket_bytes: int = int(DEFAULT_BUCKET_MB * 2**20),
     ):
         if period is not None and period < 1:
             raise ZooidValueError("sync_period", f"must be a positive step count or None, got {period}")
+        plain = outer is None and (compressor is None or not compressor.lossy)
+        if average_gradients is None:
+            average_gradients = period == 1 and plain
+        elif average_gradients and not (period == 1 and plain):
+            raise ZooidValueError("sync.every_step", "gradients are averaged only every step (sync_period 1) "
+                                  "with no outer optimizer and a float32 wire")
         self.model, self.optimizer, self.store = model, optimizer, store
         self.group, self.rank, self.world = group, rank, world
         self.period, self.timeout = period, timeout
@@ -101,6 +143,21 @@ class LocalSGD:
         self._exact: dict[str, torch.Tensor] | None = None
         if outer is not None:
             outer.start(self._shared_tensors())
+        self.average_gradients = average_gradients
+        self._buckets: GradientBuckets | None = None
+        self._step_hook = None
+        if average_gradients and world > 1:
+            collective = (RingBuckets(ring) if ring is not None else
+                          StoreBuckets(allreduce, store, group, rank, world, timeout, replayable=replayable,
+                                       repost_s=repost_s, replay=replay))
+            self._buckets = GradientBuckets(dict(model.named_parameters()), collective, stats=self.stats,
+                                            bucket_bytes=bucket_bytes, extras=self._float_buffers)
+            self._buckets.arm(self.rounds)
+            # Before the step reads `.grad`: whatever loop drives the optimizer.
+            self._step_hook = optimizer.register_step_pre_hook(lambda *_: self._buckets.finish())
+
+    def _float_buffers(self) -> dict[str, torch.Tensor]:
+        return {n: b for n, b in self.model.named_buffers() if b.is_floating_point()}
 
     def _shared_tensors(self) -> dict[str, torch.Tensor]:
         """The live tensors every replica must agree on, by name."""
@@ -116,14 +173,14 @@ class LocalSGD:
         """Average the shared tensors over the replicas now (in place), through the outer
         step when there is one."""
         live = self._shared_tensors()
-        previous = f"{self.group}/r{self.rounds - 1}" if self.rounds and not self.replayable else None
+        previous = sync_call_prefix(self.group, self.rounds - 1) if self.rounds and not self.replayable else None
         payload = live if self.outer is None else self.outer.payload(live)
         wire = {}
         if self.compressor is not None:
             self.compressor.exact = self._exact_positions(payload)
             wire = {"compressor": self.compressor}
         mean = self.allreduce(
-            self.store, f"{self.group}/r{self.rounds}", self.rank, self.world, payload,
+            self.store, sync_call_prefix(self.group, self.rounds), self.rank, self.world, payload,
             self.timeout, stats=self.stats, previous_prefix=previous, log=self.log,
             repost_s=self.repost_s, replay=self.replay, **wire,
         )
@@ -161,12 +218,25 @@ class LocalSGD:
         self._dropped = max(self._dropped, round_)
 
     def after_step(self) -> None:
-        """Count one optimizer step; sync when the period is reached."""
+        """Count one optimizer step; sync when the period is reached. Averaging gradients,
+        the step's gradients were averaged before it: the round is complete."""
         heartbeat.step()
         self.steps += 1
+        if self.average_gradients:
+            self._end_gradient_round()
+            return
         self._since_sync += 1
         if self.period is not None and self._since_sync >= self.period:
             self.sync()
+
+    def _end_gradient_round(self) -> None:
+        if self._buckets is not None:
+            self._buckets.finish()  # no-op after the step's pre-hook; a step without one still agrees
+        self.rounds += 1
+        if self._buckets is not None:
+            self._buckets.arm(self.rounds)
+        if self.on_sync is not None:
+            self.on_sync(self.rounds - 1, self.steps)
 
     def flush(self) -> None:
         """Sync the steps taken since the last sync, if any."""
@@ -174,7 +244,12 @@ class LocalSGD:
             self.sync()
 
     def release(self, resumed: bool = False) -> None:
-        """Release the group's keys (see `comm.collectives.release_group`)."""
+        """Take the gradient hooks off, then release the group's keys (see
+        `comm.collectives.release_group`)."""
+        if self._buckets is not None:
+            self._buckets.remove()
+            self._step_hook.remove()
+            self._buckets = None
         release_group(self.store, self.group, self.rank, self.world, self.timeout,
                       stats=self.stats, resumed=resumed)
 

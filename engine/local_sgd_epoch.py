@@ -137,6 +137,8 @@ def _position_identity(spec: WorkerSpec) -> dict:
                 "init_key": spec.init_key}
     if not is_default(spec.sync.outer_optimizer, spec.sync.sync_dtype):
         identity.update(outer_optimizer=spec.sync.outer_optimizer, sync_dtype=spec.sync.sync_dtype)
+    if spec.sync_period == 1 and spec.sync.every_step != "gradients":
+        identity.update(every_step=spec.sync.every_step)  # Adam's moments differ between the two
     return identity
 
 
@@ -223,6 +225,13 @@ def _outer_and_wire(spec: WorkerSpec, start: StartPoint, device: torch.device,
             ResidualWriter(ckpt_store, spec.run_id, spec.epoch, spec.rank))
 
 
+def _averages_gradients(spec: WorkerSpec) -> bool:
+    """Whether this replica averages each step's gradients (`engine.local_sgd`): period 1,
+    K-AVG on float32, and `sync.every_step` not `parameters`."""
+    sync = spec.sync
+    return spec.sync_period == 1 and is_default(sync.outer_optimizer, sync.sync_dtype) and sync.every_step == "gradients"
+
+
 def _group(spec: WorkerSpec) -> str:
     return spec.sync.group or sync_prefix(spec.run_id, spec.epoch)
 
@@ -278,7 +287,9 @@ def _run(spec: WorkerSpec, store: Store, ckpt_store: Store, started: float,
                          on_sync=on_sync, start_round=start.round, start_step=start.step,
                          replay=wants_resume(spec),
                          allreduce=allreduce_for(spec.sync.collective or DEFAULT_COLLECTIVE, "mean", ring=ring),
-                         outer=outer, compressor=compressor)
+                         outer=outer, compressor=compressor,
+                         average_gradients=_averages_gradients(spec), ring=ring,
+                         bucket_bytes=int(spec.sync.bucket_mb * 2**20))
     generator = torch.Generator().manual_seed(batch_seed(spec.seed, spec.epoch, spec.rank))
     stream = batch_stream(len(y), spec.batch_size, spec.steps, generator)
     for _ in range(start.step):

@@ -107,6 +107,8 @@ PINNED = [
     (keys.held_marker_key(RUN, 1, 2, 3), "runs/abc123/faults/held-e1-r2-a3.json"),
     (keys.sync_prefix(RUN, 4), "runs/abc123/sync/e4"),
     (keys.stage_sync_prefix(RUN, 4, 2), "runs/abc123/sync/e4/s2"),
+    (keys.sync_call_prefix(keys.sync_prefix(RUN, 4), 7), "runs/abc123/sync/e4/r7"),
+    (keys.sync_call_prefix(keys.stage_sync_prefix(RUN, 4, 2), 7, 3), "runs/abc123/sync/e4/s2/r7/b3"),
     (keys.activation_prefix(RUN, 4), "runs/abc123/act/e4"),
     (keys.activation_replica_prefix(RUN, 4, 1), "runs/abc123/act/e4/r1"),
     (keys.data_prefix(RUN), "runs/abc123/data"),
