@@ -39,6 +39,18 @@ fails the epoch attempt: the survivors raise `RingError` (a peer died) or `RingT
 (a peer never came or stopped calling) instead of waiting, and the coordinator reruns the
 epoch, every rank resuming from the sync checkpoint (steps 1 and 2 above; 3 does not apply).
 
+Every step (`sync_period` 1, K-AVG on float32, `sync.every_step` = `gradients`, the
+default): the replicas average gradients, not weights (`engine.local_sgd`,
+`engine.gradient_buckets`), still one round per step. Round r's buckets are started during
+step r's backward under `.../r<r>/b<bucket>` and waited for before its optimizer step; rank 0
+writes checkpoint r after that step, as in step 1, before any bucket of round r + 1 starts.
+Every replica then holds the same weights, optimizer state and (averaged in the first
+bucket) float buffers, so the checkpoint is each replica's state, and steps 2-4 hold per
+bucket: a relaunch from round c recomputes step c + 1's gradients from the same state and
+batch, and each bucket's call replays as a round's call does (reduced slices already posted
+are adopted, lost keys re-posted from a log kept per bucket). With the ring a failure still
+fails the attempt, and the rerun resumes every rank from the checkpoint.
+
 `sync.checkpoint_every` = n writes the sync checkpoint every n rounds (default 1;
 the last round always) and keeps n rounds of results in the store; 0 turns sync
 checkpoints off, and with them single-replica relaunch (each round then deletes the one

@@ -21,8 +21,12 @@ is handed over in memory, not through the store. Micro-batch m of
 an iteration's batch of N rows has n_m rows and its mean loss is scaled by n_m / N, so the
 gradients accumulated over the micro-batches are the full batch's mean-loss gradient. SYNC
 averages one model stage's gradients over the D replicas of that stage (pipelined
-scatter-reduce by default), after the stage's own last backward, while earlier stages may
-still be computing; an interleaved worker syncs each of its chunks in its own group. The
+scatter-reduce by default), while earlier stages may still be computing; an interleaved
+worker syncs each of its chunks in its own group. With float32 syncs the gradients travel
+in buckets (`engine.gradient_buckets`, `sync.bucket_mb`) that start during the stage's last
+micro-batch's backward, each as soon as its gradients are complete (the ring's asynchronous
+work, or a store call per bucket on a background thread); SYNC waits for them and writes
+the means into `.grad`. A compressed sync (`sync.sync_dtype`) is one call after that backward. The
 data order is Local-SGD's (`batch_stream` seeded by `batch_seed(seed, epoch, replica)`),
 which the worker of model stage 0 (inputs) and the worker of the last model stage (labels)
 both follow, so hybrid D x M with plain SGD equals Local-SGD with D replicas averaging
@@ -38,7 +42,8 @@ keys) at `spec.out_key`, whatever the schedule and placement that trained it.
 Store keys (all scratch, each deleted by its one reader):
 `runs/<run>/act/e<epoch>/r<replica>/it<step>/{f,b}<from model stage>m<micro-batch>`
 (activations, gradients), `.../val/f<model stage>m<chunk>`, `.../loss/s<worker>`,
-`.../ckpt/s<model stage>`; gradient syncs use `runs/<run>/sync/e<epoch>/s<model stage>/r<step>`.
+`.../ckpt/s<model stage>`; gradient syncs use `runs/<run>/sync/e<epoch>/s<model stage>/r<step>`,
+one call per bucket below it (`.../b<bucket>`).
 
 The spec's `stage` (`core.specs.StageSpec`) says which worker this is and the pipeline's
 shape (cuts, micro-batches, replicas, chunks, schedule or explicit action lines);
@@ -50,7 +55,8 @@ The worker itself is `engine.pipeline_stage_worker.StageWorker`.
 Reporting: every worker reports its replica's mean training loss (the last model stage's
 worker sends it to the others) and `samples` = rows its replica trained on, so throughput
 sums worker-0 results only. `compute_s` is time in F and B only (so 1 - compute_s /
-training time is the worker's measured bubble), `sync_s` time in SYNC, `upload_s` /
+training time is the worker's measured bubble), `sync_s` time the compute thread is held by
+the gradient sync (launching buckets during the last backward, then SYNC), `upload_s` /
 `download_s` the transfer threads' busy time (a download's includes waiting for the
 neighbour to post). Replica 0's worker of the last model stage reports validation and
 `checkpoint_key`.

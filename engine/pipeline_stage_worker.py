@@ -2,7 +2,7 @@
 it): its model stages as one module (`ChunkSet`), its optimizer, data and transfer threads,
 and the epoch it runs action by action: F and B on the calling thread, every RECV prefetched
 on a download thread, every SEND put by an upload thread, SYNC averaging one model stage's
-gradients with its replicas; then the loss shared, validation and the canonical checkpoint.
+gradients with its replicas (bucketed and started during the stage's last backward); then the loss shared, validation and the canonical checkpoint.
 """
 from __future__ import annotations
 
@@ -19,9 +19,10 @@ from torch import nn
 
 from comm import heartbeat
 from comm.bandwidth import TransferStats
+from comm.bucket_allreduce import BucketCollective, RingBuckets, StoreBuckets
 from comm.collectives import release_group
 from comm.compression import Compressor
-from comm.ring_allreduce import open_ring
+from comm.ring_allreduce import RingGroup, open_ring
 from comm.scatter_reduce import allreduce_for
 from comm.store import Store
 from comm.tensor_codec import decode_json, decode_tensors, encode_json, encode_tensors
@@ -33,6 +34,7 @@ from core.specs import WorkerResult, WorkerSpec
 from engine.checkpoint import FORMAT as CHECKPOINT_FORMAT
 from engine.datasets import read_manifest, read_subsets
 from engine.devices import torch_device, torch_dtype
+from engine.gradient_buckets import GradientBuckets
 from engine.iteration_clock import IterationClock
 from engine.local_sgd import batch_seed, batch_stream
 from engine.models import build_model
@@ -109,11 +111,19 @@ class StageWorker:
         self.pending: list[Future] = []
         self.compressors: dict[int, Compressor] = {}
         """Per model stage, the wire of its compressed gradient syncs (`spec.sync.sync_dtype`)."""
-        self.rings: dict[int, Any] = {}
+        self.rings: dict[int, RingGroup] = {}
         """Per model stage, its direct ring among its replicas (collective `ring`), opened at its first sync."""
+        self.buckets: dict[int, GradientBuckets] = {}
+        """Per model stage, its bucketed gradient averaging (float32 syncs), made at its first use."""
+        bucketed = settings.replicas > 1 and spec.sync.sync_dtype == "float32"
+        last_backward = {a.stage: i for i, a in enumerate(actions) if a.kind is Kind.B} if bucketed else {}
+        self.arm_at = {i: stage for stage, i in last_backward.items()}
+        """Action index -> model stage whose last backward of the iteration it is: armed just before."""
         self.prefix = activation_replica_prefix(spec.run_id, spec.epoch, settings.replica)
 
     def close(self) -> None:
+        for buckets in self.buckets.values():
+            buckets.remove()
         for ring in self.rings.values():
             ring.close()
         self.uploads.shutdown(wait=True)
@@ -179,8 +189,10 @@ class StageWorker:
         inputs: dict[tuple[int, int], torch.Tensor] = {}
         outputs: dict[tuple[int, int], torch.Tensor] = {}
         loss_total = 0.0
-        for a in self.actions:
+        for i, a in enumerate(self.actions):
             s, m = a.stage, a.microbatch
+            if i in self.arm_at:  # this stage's last backward: its buckets start as they fill
+                self._stage_buckets(s).arm(step)
             if a.kind in (Kind.F, Kind.B):
                 # Waiting for a neighbour's tensor is idle time, not compute.
                 arrived = received[a].result() if a in received else None
@@ -219,17 +231,38 @@ class StageWorker:
         self.optimizer.zero_grad(set_to_none=True)
         return loss_total
 
+    def _ring(self, stage: int) -> RingGroup | None:
+        """Model stage `stage`'s ring among its replicas (collective `ring`), opened on first use."""
+        if self.collective == "ring" and stage not in self.rings:
+            self.rings[stage] = open_ring(self.store, self._group(stage), self.cfg.replica, self.cfg.replicas,
+                                          self.spec.sync_timeout_s, host=self.spec.sync.ring_host)
+        return self.rings.get(stage)
+
+    def _stage_buckets(self, stage: int) -> GradientBuckets:
+        """Model stage `stage`'s bucketed gradient averaging (`engine.gradient_buckets`): each
+        bucket starts during the stage's last backward, the SYNC action waits for them."""
+        if stage not in self.buckets:
+            ring = self._ring(stage)
+            collective: BucketCollective = (RingBuckets(ring) if ring is not None else StoreBuckets(
+                allreduce_for(self.collective, "mean"), self.store, self._group(stage), self.cfg.replica,
+                self.cfg.replicas, self.spec.sync_timeout_s))
+            self.buckets[stage] = GradientBuckets(self.module.stage_parameters(stage), collective,
+                                                  stats=self.sync_stats,
+                                                  bucket_bytes=int(self.spec.sync.bucket_mb * 2**20))
+        return self.buckets[stage]
+
     def _sync_gradients(self, stage: int, step: int) -> None:
-        """Average model stage `stage`'s gradients with the same stage of the other replicas."""
+        """Average model stage `stage`'s gradients with the same stage of the other replicas:
+        wait for its buckets (float32), or one compressed call after the backward."""
         cfg = self.cfg
         if cfg.replicas == 1:
             return
+        if stage in self.buckets:
+            self.buckets[stage].finish()
+            return
         group = self._group(stage)
         grads = {n: p.grad for n, p in self.module.stage_parameters(stage).items() if p.grad is not None}
-        if self.collective == "ring" and stage not in self.rings:
-            self.rings[stage] = open_ring(self.store, group, cfg.replica, cfg.replicas, self.spec.sync_timeout_s,
-                                          host=self.spec.sync.ring_host)
-        allreduce = allreduce_for(self.collective, "mean", ring=self.rings.get(stage))
+        allreduce = allreduce_for(self.collective, "mean", ring=self._ring(stage))
         wire = {}
         if self.spec.sync.sync_dtype != "float32":
             # Error feedback within the epoch; the epoch's last sync sends the gradient plus
