@@ -36,8 +36,11 @@ def run_epoch(store, world, **fields):
         return list(pool.map(lambda s: run_local_sgd_epoch(s, store), specs))
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "momentum"])
+@pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adam"])
 def test_replicas_synced_every_step_equal_one_process_on_the_concatenated_batch(tmp_path, optimizer):
+    """Every step the replicas average their gradients (DDP's way), so each step is one
+    process's step on the two batches together, for Adam too (its moments are those of
+    the averaged gradient)."""
     store = DirectoryStore(tmp_path)
     publish_dataset(store, "eq", "digits", subset_size=64)
     initial_checkpoint(store, "runs/eq/ckpt/init", "digits_mlp", optimizer, lr=0.2, seed=1)
@@ -72,7 +75,7 @@ def test_replicas_synced_every_step_equal_one_process_on_the_concatenated_batch(
     assert not torch.equal(model.state_dict()["0.weight"], build_model("digits_mlp", 1).double().state_dict()["0.weight"])
     mine, ref = optimizer_state_tensors(averaged, averaged_opt), optimizer_state_tensors(model, opt)
     assert mine.keys() == ref.keys() and (optimizer == "sgd") == (not ref)
-    for name in ref:  # the averaged momentum is the one-process momentum
+    for name in ref:  # the replicas' momentum (and Adam's moments) are the one-process ones
         torch.testing.assert_close(mine[name], ref[name], rtol=1e-12, atol=1e-12)
     # Measured traffic: `steps` syncs, each rank moving one half-model up and one down.
     assert [r.bytes_synced > 0 for r in results] == [True, True]

@@ -105,15 +105,19 @@ def test_two_stage_four_microbatch_pipeline_equals_single_process(staged):
 
 
 def test_hybrid_two_by_two_equals_local_sgd_averaging_every_step(staged):
+    """Against Local-SGD averaging parameters after every step (the old every-step sync), the
+    hybrid's stages average gradients in buckets (1000 bytes: several per stage) started during
+    their last backward, through either store collective and over the ring."""
     url, manifest = staged
     shards = assign_subsets(manifest.n_subsets, 2, epoch=0, seed=3)
-    local = [dataclasses.replace(base_spec(url, 2, shards[r], f"runs/{RUN}/lsgd"), rank=r)
+    local = [dataclasses.replace(base_spec(url, 2, shards[r], f"runs/{RUN}/lsgd"), rank=r,
+                                 sync=SyncSpec(every_step="parameters"))
              for r in range(2)]
     refs = run_threads(local, run_local_sgd_epoch)
 
-    for sync in ("pipelined", "plain"):
+    for sync in ("pipelined", "plain", "ring"):
         out = f"runs/{RUN}/hybrid-{sync}"
-        base = dataclasses.replace(base_spec(url, 2, (), out), sync=SyncSpec(collective=sync))
+        base = dataclasses.replace(base_spec(url, 2, (), out), sync=SyncSpec(collective=sync, bucket_mb=1000 / 2**20))
         specs = pipeline_worker_specs(base, cuts=[1], microbatches=2, replica_subsets=shards)
         assert [(s.stage.replica, s.stage.index, s.rank, s.world) for s in specs] == [
             (0, 0, 0, 4), (0, 1, 1, 4), (1, 0, 2, 4), (1, 1, 3, 4)]
