@@ -80,7 +80,9 @@ def steps_per_epoch(n_train: int, world: int, batch_size: int) -> int:
 class LocalSGD:
     """Wraps a training loop: call `after_step()` after every optimizer step and `finish()`
     at the end; every `period` steps (None: only at `finish`) the weights, float buffers
-    and optimizer state are replaced by their mean over the replicas.
+    and optimizer state are replaced by their mean over the replicas. Averaging gradients
+    (period 1), it hooks the parameters and the optimizer instead: one backward pass per
+    step, and the step itself waits for the averaged gradients.
 
     `replayable`: keep each round's results until `drop_rounds_before` (called by whoever
     checkpoints), so a relaunched replica can replay rounds; otherwise each round deletes
