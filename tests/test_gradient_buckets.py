@@ -5,6 +5,7 @@ inside a bucketed round, and a ring epoch rerun from its sync checkpoint, end eq
 uninterrupted run. Replicas run as threads of this process, in float64."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +28,7 @@ from engine.chaos import Chaos
 from engine.checkpoint import initial_checkpoint, load_checkpoint
 from engine.datasets import publish_dataset
 from engine.gradient_buckets import GradientBuckets, plan_buckets
+from engine.local_sgd import LocalSGD
 from engine.local_sgd_epoch import read_epoch_history, run_local_sgd_epoch
 from engine.models import build_model
 from engine.optimizers import build_optimizer, optimizer_state_tensors
@@ -275,3 +277,39 @@ def test_a_hybrid_stage_arms_its_buckets_before_its_last_backward_only():
             assert len(backwards) == 4 and worker.arm_at == {backwards[-1]: spec.stage.index}
         finally:
             worker.close()
+
+
+def test_batch_norm_statistics_ride_in_the_first_bucket_and_match_parameter_averaging():
+    """Running statistics are not gradients: each step they travel in bucket 0 and are replaced
+    by their mean, as averaging parameters does, so every replica holds the same ones."""
+    torch.manual_seed(0)
+    start = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
+                                torch.nn.Linear(32, 10)).double()
+    states = {}
+    for gradients in (True, False):
+        store = MemoryStore()
+
+        def replica(rank):
+            model = copy.deepcopy(start)  # replicas start equal
+            opt = build_optimizer("momentum", model, LR)
+            averaging = LocalSGD(model, opt, store, "runs/bn/sync/e0", rank, 2, period=1, timeout=30,
+                                 average_gradients=gradients, bucket_bytes=1000)
+            g = torch.Generator().manual_seed(rank)
+            for _ in range(3):
+                opt.zero_grad()
+                F.cross_entropy(model(torch.rand(8, 64, generator=g, dtype=torch.float64)),
+                                torch.randint(10, (8,), generator=g)).backward()
+                opt.step()
+                averaging.after_step()
+            averaging.finish()
+            return model.state_dict()
+
+        with ThreadPoolExecutor(2) as pool:
+            states[gradients] = list(pool.map(replica, range(2)))
+        assert store.list("runs/") == []
+    reference = states[True][0]
+    for state in states[True][1], states[False][0]:  # the other replica; parameter averaging
+        assert state.keys() == reference.keys()
+        for name, want in reference.items():
+            torch.testing.assert_close(state[name], want, rtol=1e-12, atol=1e-12)
+    assert not torch.equal(states[True][0]["1.running_mean"], torch.zeros(32, dtype=torch.float64))
