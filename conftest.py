@@ -1,4 +1,5 @@
-"""Root test configuration: an isolated Prefect home and Zooid home for the whole session."""
+"""Root test configuration: an isolated Prefect home and Zooid home for the whole session; the
+main process stops the services the session's test processes shared (`tests.shared_services`)."""
 import os
 import tempfile
 
@@ -11,6 +12,14 @@ os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("PREFECT_SERVER_LOGGING_LEVEL", "WARNING")
 
 import pytest  # noqa: E402
+
+from tests.shared_services import stop_shared_services  # noqa: E402
+
+
+def pytest_sessionfinish(session):
+    """The main process stops every shared service once all test processes are done."""
+    if not hasattr(session.config, "workerinput"):
+        stop_shared_services(session.config)
 
 
 @pytest.fixture(scope="session")

@@ -34,6 +34,10 @@ RUNNING = ("running", "paused", "restarting")
 """Engine states of a container that has started and not exited."""
 SETTLE_S = 15.0
 """How long the teardown waits for the run's containers to exit by themselves before stopping them."""
+API_VERSION = "1.41"
+"""The Docker Engine API version a client speaks (Docker 20.10+, podman 3+). Named, because a
+client left to find it asks the engine's `/version` first, and podman answers that by querying
+the host's package manager: about 0.2 s of CPU on every client opened."""
 
 
 def container_interval(attrs: dict) -> CloudInterval:
@@ -119,13 +123,14 @@ def sweep(client, run_id: str, grace_s: int = 5) -> list[str]:
 
 
 def docker_client(base_url: str | None = None, timeout_s: int = 30):
-    """A client of the engine at `base_url`, else `DOCKER_HOST` (as the pool's worker connects)."""
+    """A client of the engine at `base_url`, else `DOCKER_HOST` (as the pool's worker connects),
+    speaking `API_VERSION`."""
     import docker
 
     url = base_url or os.environ.get("DOCKER_HOST")
     if url:
-        return docker.DockerClient(base_url=url, timeout=timeout_s)
-    return docker.from_env(timeout=timeout_s)
+        return docker.DockerClient(base_url=url, timeout=timeout_s, version=API_VERSION)
+    return docker.from_env(timeout=timeout_s, version=API_VERSION)
 
 
 class DockerAdapter(CloudAdapter):

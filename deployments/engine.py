@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from clouds.docker import docker_client
 from core.errors import ZooidValueError
 from deployments.server import alive, spawn, stop_groups, zooid_home
 
@@ -100,10 +101,8 @@ def docker_host(home: Path | None = None) -> str:
 
 def ping(url: str, timeout_s: float = 3.0) -> bool:
     """Whether a Docker Engine API answers at `url`."""
-    import docker
-
     try:
-        client = docker.DockerClient(base_url=url, timeout=timeout_s)
+        client = docker_client(url, timeout_s)
         try:
             return bool(client.ping())
         finally:

@@ -3,9 +3,11 @@
 worker starting each Zooid worker as a container of the worker image on podman's Docker API, an
 S3 server the containers reach over the network, and the bill from the engine's clock.
 
-`stack` is module-scoped: each of the two files brings one up (`python -m deployments.stack up
---docker` in a home of its own), so `make test` runs them side by side in two processes; `make
-test` builds the image first (`make image`), so a stack only finds it.
+One stack serves the whole session (`python -m deployments.stack up --docker`, started by the
+first test process that needs it: `tests.shared_services`), so the two files, and
+`test_local_stack_cancel.py` on its process pool, run side by side in several processes on it;
+each run is told apart by its own run id. `make test` builds the image first (`make image`), so
+the stack only finds it.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from deployments.server import drain_prefect_clients, free_port
+from tests.shared_services import shared_service
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = {"batch_size": 32, "dataset": "digits", "worker_lease_s": 20}
@@ -29,42 +32,53 @@ def _engine_available() -> bool:
     return bool(shutil.which("podman") or os.environ.get("DOCKER_HOST"))
 
 
-def up_for_the_module(tmp_path_factory):
-    """The local stack with its container half, up for a module; down (by pid) after it. Each
-    test file makes it its module-scoped `stack` fixture:
-    `stack = pytest.fixture(scope="module", name="stack")(up_for_the_module)`."""
-    if not _engine_available():
-        pytest.skip("no container engine (make test installs podman)")
-    home = tmp_path_factory.mktemp("docker-stack")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "DOCKER_HOST"))}
-    env.update(ZOOID_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1")
-    # a port of its own: the stacks of other test processes start at the same moment, and two
-    # asking for the preferred 4200 at once would both get it
+def _start_stack(home: Path) -> dict:
+    """`python -m deployments.stack up --docker` with `home` as its ZOOID_HOME (for
+    `tests.shared_services`): its state, and `deployments.stack down` to stop it."""
+    env = _env(home)
+    # a port of its own: the preferred 4200 may be another checkout's stack
     port = str(free_port(0))
     proc = subprocess.run([sys.executable, "-m", "deployments.stack", "up", "--docker", "--port", port],
-                          cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
-    state_path = home / "stack.json"
-    try:
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-        state = json.loads(state_path.read_text())
-        saved = {k: os.environ.get(k) for k in state["env"]}
-        os.environ.update(state["env"])
-        from prefect.settings import PREFECT_API_URL, temporary_settings
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        raise RuntimeError(f"deployments.stack up --docker failed: {proc.stdout[-2000:]}{proc.stderr[-4000:]}")
+    state = json.loads((home / "stack.json").read_text())
+    return {**state, "home": str(home),
+            "stop": {"argv": [sys.executable, "-m", "deployments.stack", "down"], "env": env, "cwd": str(ROOT)}}
 
+
+def _env(home: Path) -> dict[str, str]:
+    """This process's environment without Prefect's settings or an engine, for the stack in `home`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "DOCKER_HOST"))}
+    env.update(ZOOID_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1")
+    return env
+
+
+def stack_for_the_module(request):
+    """The session's stack (started by the first test process that asks, stopped by the main
+    process at the end), with its environment and Prefect API in force for one module. A test
+    file makes it its module-scoped `stack` fixture:
+    `stack = pytest.fixture(scope="module", name="stack")(stack_for_the_module)`."""
+    if not _engine_available():
+        pytest.skip("no container engine (make test installs podman)")
+    state = shared_service(request.config, "stack", _start_stack)
+    home = Path(state["home"])
+    saved = {k: os.environ.get(k) for k in state["env"]}
+    os.environ.update(state["env"])
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    try:
         with temporary_settings(updates={PREFECT_API_URL: state["api_url"]}):
             try:
-                yield {**state, "home": home, "env": {**env, **state["env"]}}
+                yield {**state, "home": home, "env": {**_env(home), **state["env"]}}
             finally:
                 drain_prefect_clients()
+    finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    finally:
-        subprocess.run([sys.executable, "-m", "deployments.stack", "down"], cwd=ROOT, env=env,
-                       capture_output=True, timeout=120)
 
 
 def _client():

@@ -12,8 +12,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
+from clouds.docker import API_VERSION
+
 DATA = Path(__file__).resolve().parent / "data" / "docker"
-API_VERSION = "1.41"
 
 
 def recorded(name: str) -> dict:

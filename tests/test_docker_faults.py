@@ -3,6 +3,7 @@ replaced and its attempt billed, a SIGKILLed coordinator's containers stop withi
 cancelled flow run leaves no container, teardown sweeps a labelled straggler."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -12,10 +13,10 @@ import uuid
 
 import pytest
 
-from tests.docker_stack import ROOT, _client, _containers, _held_run, _ledger, _store, _summary, _wait_final, up_for_the_module
+from tests.docker_stack import ROOT, _client, _containers, _held_run, _ledger, _store, _summary, _wait_final, stack_for_the_module
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
-stack = pytest.fixture(scope="module", name="stack")(up_for_the_module)
+stack = pytest.fixture(scope="module", name="stack")(stack_for_the_module)
 
 
 def test_a_killed_worker_container_is_replaced_and_its_attempt_billed(stack):
@@ -44,20 +45,21 @@ def test_containers_of_a_sigkilled_coordinator_stop_within_their_lease(stack):
     """SIGKILL a command-line coordinator mid-run: no one renews the lease, so each worker
     container stops itself (the lease expires) and exits."""
     env = {**stack["env"], "PREFECT_API_URL": stack["api_url"]}
+    seed = uuid.uuid4().int % 10**9  # tells this run apart from the other runs on the session's stack
     coordinator = subprocess.Popen(
         [sys.executable, "-m", "flows.train", "--param", "target=docker", "--param", "workers=2",
          "--param", "epochs=200", "--param", "worker_lease_s=15", "--param", "batch_size=32",
-         "--param", f"store={stack['docker']['store']}"],
+         "--param", f"seed={seed}", "--param", f"store={stack['docker']['store']}"],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     store = _store(stack)
     try:
         before = set(store.list("runs/"))
         deadline = time.monotonic() + 600
         run_id = None
-        while run_id is None and time.monotonic() < deadline:  # a warm worker replied to an epoch
+        while run_id is None and time.monotonic() < deadline:  # a warm worker of this run replied to an epoch
             assert coordinator.poll() is None, "the coordinator ended early"
             for key in set(store.list("runs/")) - before:
-                if "/warm/" in key and "/reply-" in key:
+                if "/warm/" in key and "/reply-" in key and _seed_of(store, key.split("/")[1]) == seed:
                     run_id = key.split("/")[1]
             time.sleep(0.3)
         assert run_id, "no worker container replied"
@@ -83,6 +85,16 @@ def test_containers_of_a_sigkilled_coordinator_stop_within_their_lease(stack):
             sweep(client, run_id)
         finally:
             client.close()
+
+
+def _seed_of(store, run_id: str) -> int | None:
+    """The seed of run `run_id`'s job (its run document), None before it is written."""
+    from core.keys import run_doc_key
+
+    try:
+        return json.loads(store.get(run_doc_key(run_id)))["job"]["seed"]
+    except KeyError:
+        return None
 
 
 def test_cancelling_the_flow_run_leaves_no_container(stack):

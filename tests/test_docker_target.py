@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.docker_stack import _container_ids, _containers, _ledger, _run_id, _save_target, _store, _submit, _summary, _wait_final, up_for_the_module
+from tests.docker_stack import _container_ids, _containers, _ledger, _run_id, _save_target, _store, _submit, _summary, _wait_final, stack_for_the_module
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
-stack = pytest.fixture(scope="module", name="stack")(up_for_the_module)
+stack = pytest.fixture(scope="module", name="stack")(stack_for_the_module)
 
 
 @pytest.mark.parametrize("strategy, workers", [("local_sgd", 2), ("pipeline", 2)])
