@@ -24,6 +24,7 @@ import dataclasses
 
 from coordinator.context import RunContext
 from core.epoch_summary import EpochSummary, Rescale
+from core.outer_sync import averages_gradients
 from core.stage_memory import optimizer_copies
 from planners.scaling import EpochRecord, ScalingSettings, decide, known_in_advance
 from planners.worker_count import fit_loss_curve
@@ -50,7 +51,8 @@ def provision_document(ctx: RunContext, profile: dict, history: list[EpochSummar
     loss = fit_loss_curve(points)
     steps = max(1, history[-1].samples // (job.batch_size * max(1, history[-1].workers)))
     k = job.sync_period or steps
-    sync_bytes = profile["param_bytes"] * (1 + optimizer_copies(job.optimizer)) / k
+    copies = 0 if averages_gradients(job.sync_period, job.outer_optimizer, job.sync_dtype) else optimizer_copies(job.optimizer)
+    sync_bytes = profile["param_bytes"] * (1 + copies) / k
     target_loss = job.target_loss or 0.5 * points[0][1]
     return {"mode": "BSP", "w_iter_flops": profile["step_s"], "g_param_bytes": sync_bytes,
             "c_prof_flops": 1e-9, "b_prof_bytes_per_s": sync_bytes / profile["step_s"],

@@ -47,3 +47,12 @@ def wire_bytes(float32_bytes: float, sync_dtype: str) -> float:
 def is_default(outer_optimizer: str, sync_dtype: str) -> bool:
     """Whether a job syncs as K-AVG always did (the report then says nothing about it)."""
     return outer_optimizer == "average" and sync_dtype == "float32"
+
+
+def averages_gradients(sync_period: int | None, outer_optimizer: str = "average", sync_dtype: str = "float32",
+                       every_step: str = "gradients") -> bool:
+    """Whether replicas average each step's gradients (in buckets while backward runs, DDP's
+    way) rather than their parameters and optimizer state: every step (`sync_period` 1), K-AVG
+    on a lossless wire, unless `every_step` asks for parameters. The optimizer state then
+    needs no averaging, so a sync moves the parameters' size once."""
+    return sync_period == 1 and is_default(outer_optimizer, sync_dtype) and every_step == "gradients"

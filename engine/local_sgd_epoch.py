@@ -96,7 +96,7 @@ from comm.store import Store, open_store
 from core.errors import OutOfMemory, ZooidValueError
 from core.keys import (residual_key, sync_checkpoint_key, sync_prefix, worker_history_key,
                        worker_history_prefix)
-from core.outer_sync import is_default
+from core.outer_sync import averages_gradients, is_default
 from core.specs import WorkerResult, WorkerSpec
 from engine.chaos import chaos_for
 from engine.checkpoint import load_checkpoint, save_checkpoint
@@ -237,13 +237,6 @@ def _outer_and_wire(spec: WorkerSpec, start: StartPoint, device: torch.device,
             ResidualWriter(ckpt_store, spec.run_id, spec.epoch, spec.rank))
 
 
-def _averages_gradients(spec: WorkerSpec) -> bool:
-    """Whether this replica averages each step's gradients (`engine.local_sgd`): period 1,
-    K-AVG on float32, and `sync.every_step` not `parameters`."""
-    sync = spec.sync
-    return spec.sync_period == 1 and is_default(sync.outer_optimizer, sync.sync_dtype) and sync.every_step == "gradients"
-
-
 def _group(spec: WorkerSpec) -> str:
     return spec.sync.group or sync_prefix(spec.run_id, spec.epoch)
 
@@ -299,8 +292,9 @@ def _run(spec: WorkerSpec, store: Store, ckpt_store: Store, started: float,
                          on_sync=on_sync, start_round=start.round, start_step=start.step,
                          replay=wants_resume(spec),
                          allreduce=allreduce_for(spec.sync.collective or DEFAULT_COLLECTIVE, "mean", ring=ring),
-                         outer=outer, compressor=compressor,
-                         average_gradients=_averages_gradients(spec), ring=ring,
+                         outer=outer, compressor=compressor, ring=ring,
+                         average_gradients=averages_gradients(spec.sync_period, spec.sync.outer_optimizer,
+                                                              spec.sync.sync_dtype, spec.sync.every_step),
                          bucket_bytes=int(spec.sync.bucket_mb * 2**20))
     generator = torch.Generator().manual_seed(batch_seed(spec.seed, spec.epoch, spec.rank))
     stream = batch_stream(len(y), spec.batch_size, spec.steps, generator)

@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass, replace
 
 from core.kinds import PIPELINED_STRATEGIES, PipelineSchedule, Strategy
-from core.outer_sync import wire_bytes
+from core.outer_sync import averages_gradients, wire_bytes
 from core.plan import Plan
 from planners.hybrid import hybrid
 from planners.partition import PartitionProblem, PipelineLayer, plan_partition
@@ -110,9 +110,11 @@ class StrategyInputs:
 
 
 def sync_wire_bytes(x: StrategyInputs) -> float:
-    """Bytes of one Local-SGD sync's tensors (parameters and optimizer state) as they travel
-    in the job's sync dtype: the size the collective moves."""
-    return wire_bytes(x.param_bytes * (1 + x.optimizer_copies), x.sync_dtype)
+    """Bytes of one Local-SGD sync's tensors as they travel in the job's sync dtype: the size
+    the collective moves. Parameters and optimizer state; every step, the gradients alone
+    (`core.outer_sync.averages_gradients`)."""
+    copies = 0 if averages_gradients(x.sync_period, x.outer_optimizer, x.sync_dtype) else x.optimizer_copies
+    return wire_bytes(x.param_bytes * (1 + copies), x.sync_dtype)
 
 
 def with_sync(x: StrategyInputs, plan: Plan) -> Plan:

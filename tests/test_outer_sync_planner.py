@@ -83,6 +83,17 @@ def test_the_plan_names_its_sync_and_the_bytes_one_sync_reduces():
     assert (hyb.outer_optimizer, hyb.sync_bytes) == ("average", 8e6)  # a hybrid averages gradients
 
 
+@pytest.mark.parametrize("period, outer, dtype, averaged", [
+    (1, "average", "float32", 16e6),  # every step: the gradients alone, no optimizer state
+    (2, "average", "float32", 32e6),  # k > 1: parameters and momentum
+    (1, "nesterov", "float32", 32e6),  # an outer step averages parameters, even every step
+    (1, "average", "bfloat16", 16e6),  # a lossy wire too: parameters and momentum, each half the bytes
+])
+def test_a_momentum_job_s_sync_moves_the_gradients_alone_only_when_it_averages_them(period, outer, dtype, averaged):
+    x = _inputs(optimizer_copies=1, sync_period=period, outer_optimizer=outer, sync_dtype=dtype)
+    assert with_sync(x, choose(x, "local_sgd")).sync_bytes == averaged
+
+
 def _summary(plan: dict, bytes_synced: int):
     from coordinator.job import EpochSummary, RunSummary
 
