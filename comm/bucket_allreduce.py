@@ -8,7 +8,8 @@ a call in the background, behind one interface (`BucketCollective.start`):
   (gloo's own threads on CPU, NCCL's stream on CUDA) moves the bucket, as DDP does. Every
   rank starts its buckets in the same order, which is what matches calls across ranks.
 - `StoreBuckets`: a store collective (`comm.collectives`, `comm.scatter_reduce`) run on a
-  daemon thread per bucket, at most `MAX_IN_FLIGHT` at once. Each bucket is one call of
+  daemon thread per bucket, at most `MAX_IN_FLIGHT` at once; the round's last bucket runs on
+  the calling thread, as nothing is left to overlap with it. Each bucket is one call of
   the collective with its own key prefix `{group}/r{round}/b{bucket}`
   (`core.keys.sync_call_prefix`), so the store collective's rules hold per bucket unchanged:
   idempotent keys, `replay` adopting a reduced slice a relaunched rank's previous life
@@ -50,8 +51,9 @@ class BucketCollective(Protocol):
     """Starts the mean of one bucket's tensors over the replicas without waiting."""
 
     def start(self, round_: int, bucket: int, tensors: dict[str, torch.Tensor],
-              stats: TransferStats) -> PendingMean:
-        """Launch bucket `bucket` of round `round_`; count its traffic into `stats`."""
+              stats: TransferStats, last: bool = False) -> PendingMean:
+        """Launch bucket `bucket` of round `round_`; count its traffic into `stats`. `last`:
+        the round's last bucket, which nothing is left to overlap with."""
         ...
 
 
@@ -62,7 +64,7 @@ class RingBuckets:
         self.ring = ring
 
     def start(self, round_: int, bucket: int, tensors: dict[str, torch.Tensor],
-              stats: TransferStats) -> PendingMean:
+              stats: TransferStats, last: bool = False) -> PendingMean:
         """Copy the bucket into the ring's buffer and launch it (see the module docstring)."""
         return self.ring.start_allreduce_mean(tensors, stats=stats)
 
@@ -86,6 +88,16 @@ class _Call:
         return self.future.result()
 
 
+class _Done:
+    """A store call that ran on the calling thread."""
+
+    def __init__(self, means: dict[str, torch.Tensor]):
+        self.means = means
+
+    def wait(self) -> dict[str, torch.Tensor]:
+        return self.means
+
+
 class StoreBuckets:
     """Bucket calls of a store collective (`allreduce`, the `scatter_reduce.Allreduce`
     signature) for one rank of a sync `group`; see the module docstring. `replay` marks a
@@ -101,9 +113,11 @@ class StoreBuckets:
         self._gate = threading.Semaphore(MAX_IN_FLIGHT)
 
     def start(self, round_: int, bucket: int, tensors: dict[str, torch.Tensor],
-              stats: TransferStats) -> PendingMean:
+              stats: TransferStats, last: bool = False) -> PendingMean:
         """Run the bucket's call on a daemon thread (the tensors are read there: leave them
-        alone until `wait` returns)."""
+        alone until `wait` returns); the round's `last` bucket on the calling thread, since
+        only the wait for it is left (a thread would add its start and the interpreter lock's
+        hand-overs to every step, which a small model's one bucket cannot hide)."""
         prefix = sync_call_prefix(self.group, round_, bucket)
         previous = sync_call_prefix(self.group, round_ - 1, bucket) if round_ and not self.replayable else None
         log = self.logs.setdefault(bucket, PostLog()) if self.repost_s else None
@@ -113,4 +127,6 @@ class StoreBuckets:
                                   stats=stats, previous_prefix=previous, log=log,
                                   repost_s=self.repost_s, replay=self.replay)
 
+        if last:
+            return _Done(run())
         return _Call(f"bucket-{self.rank}-r{round_}-b{bucket}", run, self._gate)

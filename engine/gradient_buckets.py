@@ -131,8 +131,9 @@ class GradientBuckets:
         if k == 0 and self.extras is not None:
             live.update({EXTRA + n: t for n, t in self.extras().items()})
         call = TransferStats()
-        self._pending.append((self.collective.start(self.round, k, {n: t.detach() for n, t in live.items()}, call),
-                              call, live))
+        pending = self.collective.start(self.round, k, {n: t.detach() for n, t in live.items()}, call,
+                                        last=k == len(self.buckets) - 1)
+        self._pending.append((pending, call, live))
         self._next = k + 1
 
     def finish(self) -> None:

@@ -128,9 +128,9 @@ class Recorder:
     def __init__(self, inner):
         self.inner, self.started, self.done = inner, [], threading.Event()
 
-    def start(self, round_, bucket, tensors, stats):
+    def start(self, round_, bucket, tensors, stats, last=False):
         self.started.append(bucket)
-        pending = Once(self.inner.start(round_, bucket, tensors, stats))
+        pending = Once(self.inner.start(round_, bucket, tensors, stats, last=last))
         if bucket == 0:
             # Waited on in a thread of its own: the bucket completes while backward is held.
             threading.Thread(target=lambda: (pending.wait(), self.done.set()), daemon=True).start()
