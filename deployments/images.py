@@ -39,7 +39,7 @@ from pathlib import Path
 
 from core.errors import ZooidError
 from deployments.engine import engine_dir, ensure_installed, podman, podman_env
-from deployments.server import ROOT
+from deployments.server import ROOT, file_lock
 
 REPO = "localhost/zooid-worker"
 FLAVOUR = "cpu"
@@ -433,15 +433,8 @@ def ensure_image(root: Path = ROOT, home: Path | None = None, echo: bool = False
 @contextlib.contextmanager
 def _build_lock(root: Path):
     """An exclusive lock per checkout, outside the build context (a file there would be an input)."""
-    import fcntl
-
-    path = Path(tempfile.gettempdir()) / f"zooid-image-{_sha(str(root.resolve()))[:12]}.lock"
-    with open(path, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    with file_lock(Path(tempfile.gettempdir()) / f"zooid-image-{_sha(str(root.resolve()))[:12]}.lock"):
+        yield
 
 
 def _build(tag: str, start: float, root: Path, home: Path | None, echo: bool) -> dict:

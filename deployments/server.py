@@ -7,6 +7,7 @@ same pieces. Every process starts in a session of its own and is stopped by pid.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import signal
 import socket
@@ -105,6 +106,18 @@ def stop_groups(pids: list[int]) -> None:
                     pass
         if not any(alive(p) for p in pids):
             break
+
+
+@contextlib.contextmanager
+def file_lock(path: Path):
+    """Hold an exclusive lock on the file at `path` (created if missing) for the block: one
+    process at a time, across processes."""
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def drain_prefect_clients(timeout_s: float = 5.0) -> None:

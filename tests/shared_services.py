@@ -9,12 +9,12 @@ tried again: every process that asks gets the first failure.
 """
 from __future__ import annotations
 
-import fcntl
 import json
 import subprocess
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
+
+from deployments.server import file_lock
 
 
 def shared_folder(config) -> Path:
@@ -24,23 +24,13 @@ def shared_folder(config) -> Path:
     return base.parent if hasattr(config, "workerinput") else base
 
 
-@contextmanager
-def _locked(path: Path):
-    with open(path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def shared_service(config, name: str, start: Callable[[Path], dict]) -> dict:
     """The state of service `name`, started once for the session: `start(folder)` runs in the
     first process that asks, with a folder of the service's own, and returns a JSON-able state
     with `stop`: {"argv": [...], "env": {...}}, the command that stops the service."""
     folder = shared_folder(config)
     state_file, failed = folder / f"shared-{name}.json", folder / f"shared-{name}.failed"
-    with _locked(folder / f"shared-{name}.lock"):
+    with file_lock(folder / f"shared-{name}.lock"):
         if failed.exists():
             raise RuntimeError(f"the shared {name} did not start (in another test process): {failed.read_text()}")
         if not state_file.exists():

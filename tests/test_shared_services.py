@@ -1,0 +1,59 @@
+"""The services test processes share (`tests.shared_services`) start once, remember a failed
+start, and are stopped by the command their state names; `deployments.server.file_lock` is the
+lock that makes the first start the only one."""
+from __future__ import annotations
+
+import fcntl
+import json
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from deployments.server import file_lock
+from tests.shared_services import shared_service, stop_shared_services
+
+
+def _config(folder):
+    """A main process's pytest config, as far as the shared services read it."""
+    return SimpleNamespace(_tmp_path_factory=SimpleNamespace(getbasetemp=lambda: folder))
+
+
+def test_file_lock_excludes_another_holder_until_released(tmp_path):
+    path = tmp_path / "x.lock"
+    with file_lock(path):
+        with open(path, "a") as other, pytest.raises(BlockingIOError):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with open(path, "a") as other:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free again
+
+
+def test_a_shared_service_starts_once_and_is_stopped_by_its_command(tmp_path):
+    config, starts = _config(tmp_path), []
+    stopped = tmp_path / "stopped"
+
+    def start(home):
+        starts.append(home)
+        return {"url": "http://127.0.0.1:1", "stop": {"argv": [sys.executable, "-c", f"open({str(stopped)!r}, 'w')"],
+                                                      "env": {}}}
+
+    first, again = shared_service(config, "svc", start), shared_service(config, "svc", start)
+    assert first == again and first["url"] == "http://127.0.0.1:1"
+    assert starts == [tmp_path / "shared-svc"] and starts[0].is_dir()
+    assert json.loads((tmp_path / "shared-svc.json").read_text()) == first
+    stop_shared_services(config)
+    assert stopped.exists() and not (tmp_path / "shared-svc.json").exists()
+
+
+def test_a_failed_start_is_not_tried_again(tmp_path):
+    config, starts = _config(tmp_path), []
+
+    def start(home):
+        starts.append(home)
+        raise RuntimeError("port taken")
+
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="port taken"):
+            shared_service(config, "svc", start)
+    assert len(starts) == 1
+    stop_shared_services(config)  # nothing started, nothing to stop
