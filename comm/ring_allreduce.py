@@ -107,18 +107,15 @@ class RingGroup:
                        timeout: float | None = None) -> dict[str, torch.Tensor]:
         """Elementwise mean of `tensors` over the ring (same names, shapes and dtypes on
         every rank), each dtype reduced in its own precision. world == 1 returns `tensors`."""
-        for name, t in tensors.items():
-            if not t.is_floating_point():
-                raise ZooidValueError("tensors", f"{name!r} is {t.dtype}; a mean needs floating tensors")
-        return self._allreduce(tensors, stats, timeout, mean=True)
+        return self.start_allreduce_mean(tensors, stats=stats, timeout=timeout).wait()
 
     def allreduce_sum(self, tensors: dict[str, torch.Tensor], *, stats: TransferStats | None = None,
                       timeout: float | None = None) -> dict[str, torch.Tensor]:
         """Elementwise sum of `tensors` over the ring; otherwise as `allreduce_mean`."""
-        return self._allreduce(tensors, stats, timeout, mean=False)
+        return self._start(tensors, stats, timeout, mean=False).wait()
 
-    def start_allreduce_mean(self, tensors: dict[str, torch.Tensor], *,
-                             stats: TransferStats | None = None) -> "RingPending":
+    def start_allreduce_mean(self, tensors: dict[str, torch.Tensor], *, stats: TransferStats | None = None,
+                             timeout: float | None = None) -> "RingPending":
         """Launch the mean of `tensors` over the ring and return at once (the backend's
         async work); `wait()` on the result gives the means. The tensors are copied into
         the ring's buffers before this returns, so the caller may change them afterwards.
@@ -126,11 +123,7 @@ class RingGroup:
         for name, t in tensors.items():
             if not t.is_floating_point():
                 raise ZooidValueError("tensors", f"{name!r} is {t.dtype}; a mean needs floating tensors")
-        return self._start(tensors, stats, None, mean=True)
-
-    def _allreduce(self, tensors: dict[str, torch.Tensor], stats: TransferStats | None,
-                   timeout: float | None, mean: bool) -> dict[str, torch.Tensor]:
-        return self._start(tensors, stats, timeout, mean).wait()
+        return self._start(tensors, stats, timeout, mean=True)
 
     def _start(self, tensors: dict[str, torch.Tensor], stats: TransferStats | None,
                timeout: float | None, mean: bool) -> "RingPending":

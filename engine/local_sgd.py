@@ -164,7 +164,7 @@ class LocalSGD:
     def _shared_tensors(self) -> dict[str, torch.Tensor]:
         """The live tensors every replica must agree on, by name."""
         out = {f"param/{n}": p.data for n, p in self.model.named_parameters()}
-        out.update({f"{BUFFER_PREFIX}{n}": b for n, b in self.model.named_buffers() if b.is_floating_point()})
+        out.update({f"{BUFFER_PREFIX}{n}": b for n, b in self._float_buffers().items()})
         for n, t in optimizer_state_tensors(self.model, self.optimizer).items():
             # Scalars are step counters, equal on every replica; only moments are averaged.
             if t.is_floating_point() and t.dim() > 0:
@@ -216,7 +216,7 @@ class LocalSGD:
     def drop_rounds_before(self, round_: int) -> None:
         """Delete the scratch keys of every round before `round_` (a replayable group)."""
         for r in range(self._dropped, round_):
-            self.store.delete_prefix(f"{self.group}/r{r}/")
+            self.store.delete_prefix(sync_call_prefix(self.group, r) + "/")
         self._dropped = max(self._dropped, round_)
 
     def after_step(self) -> None:

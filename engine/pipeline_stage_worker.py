@@ -27,7 +27,7 @@ from comm.scatter_reduce import allreduce_for
 from comm.store import Store
 from comm.tensor_codec import decode_json, decode_tensors, encode_json, encode_tensors
 from core.errors import StoreTimeout, ZooidValueError
-from core.keys import activation_replica_prefix, stage_sync_prefix
+from core.keys import activation_replica_prefix, stage_sync_prefix, sync_call_prefix
 from core.kinds import Strategy
 from core.schedules import Action, Kind, Layout, forward_only, lower
 from core.specs import WorkerResult, WorkerSpec
@@ -272,9 +272,9 @@ class StageWorker:
             compressor = self.compressors[stage]
             compressor.flushing = step == self.spec.steps - 1
             wire = {"compressor": compressor}
-        mean = allreduce(self.store, f"{group}/r{step}", cfg.replica, cfg.replicas, grads,
+        mean = allreduce(self.store, sync_call_prefix(group, step), cfg.replica, cfg.replicas, grads,
                          self.spec.sync_timeout_s, stats=self.sync_stats,
-                         previous_prefix=f"{group}/r{step - 1}" if step else None, **wire)
+                         previous_prefix=sync_call_prefix(group, step - 1) if step else None, **wire)
         for name, g in grads.items():
             g.copy_(mean[name].to(g.device))
 
