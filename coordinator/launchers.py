@@ -3,7 +3,8 @@
 Two launchers with one interface (`launch(spec)`, `wait(timeout_s, on_failure)`, `stop()`):
 
 - `InlineLauncher`: plain processes started by the coordinator (`python -m
-  runtime.worker_main`), each in its own process group and tagged with the run id.
+  runtime.worker_main`, forked ready-imported by the run's `coordinator.worker_forks`), each
+  in its own process group and tagged with the run id.
 - `PoolLauncher`: one `worker` flow run per worker through `run_deployment` on a work pool
   (local process pool, ECS, ACI, Kubernetes), polled with the sync client until final.
 
@@ -30,9 +31,13 @@ from clouds.job_variables import resources_from_plan
 from clouds.registry import adapter_for, is_cloud
 from comm import heartbeat
 from coordinator.sweep import COORDINATOR_VAR, TAG_VAR, stop_pids
+from coordinator.worker_forks import WorkerForks
 from core.errors import ZooidError
 from core.kinds import CLOUD_KINDS, SHARED_HOST_KINDS
 from core.specs import WorkerResult, WorkerSpec
+
+WORKER_MAIN = "runtime.worker_main"
+"""A worker process's entry point (`runtime.fork_server` forks it ready-imported)."""
 
 PAID_WORKERS_LIMIT = "zooid-paid-workers"
 """Global concurrency limit (Prefect) that caps paid workers across all runs: a cold worker
@@ -158,28 +163,32 @@ class _Launcher:
 class InlineLauncher(_Launcher):
     """Workers as child processes of the coordinator."""
 
-    def __init__(self, run_id: str, log_dir: Path, env: dict[str, str] | None = None):
+    def __init__(self, run_id: str, log_dir: Path, env: dict[str, str] | None = None,
+                 forks: WorkerForks | None = None):
         super().__init__()
         self.run_id = run_id
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.env = env or {}
+        self.forks = forks
 
     def _start(self, spec: WorkerSpec):
         log = self.log_dir / f"e{spec.epoch}-r{spec.rank}-a{spec.attempt}.log"
         beat = log.with_suffix(".heartbeat")
         env = {**os.environ, **self.env, TAG_VAR: self.run_id, COORDINATOR_VAR: str(os.getpid()),
                heartbeat.ENV: str(beat)}
-        entry = "runtime.worker_main"
+        entry = WORKER_MAIN
         if any(ref.startswith(BLOCK_PREFIX) for ref in (spec.store_url, spec.checkpoint_store)):
             from prefect.settings import PREFECT_API_URL
 
             entry = "flows.worker"  # loads the store block from the API: the secret stays in it
             env.setdefault("PREFECT_API_URL", PREFECT_API_URL.value() or "")
-        with open(log, "wb") as out:
-            proc = subprocess.Popen([sys.executable, "-m", entry, "--spec-json", json.dumps(spec.to_dict())],
-                                    stdout=out, stderr=subprocess.STDOUT, env=env,
-                                    start_new_session=True)
+        argv = ["--spec-json", json.dumps(spec.to_dict())]
+        proc = self.forks.start(argv, env, log) if self.forks is not None and entry == WORKER_MAIN else None
+        if proc is None:
+            with open(log, "wb") as out:
+                proc = subprocess.Popen([sys.executable, "-m", entry, *argv], stdout=out, stderr=subprocess.STDOUT,
+                                        env=env, start_new_session=True)
         outcome = WorkerOutcome(rank=spec.rank, attempt=spec.attempt, started_at=time.time(),
                                 ref=str(proc.pid), extra={"log": str(log), "heartbeat": str(beat)})
         return proc, outcome
@@ -353,7 +362,10 @@ def make_launcher(ctx, plan) -> _Launcher:
     threads = worker_threads(target.kind, plan)
     env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     if not target.remote:
-        return InlineLauncher(ctx.run_id, ctx.log_dir(), env=env)
+        if ctx.state.forks is None:  # the run's fork server, started by its first worker
+            ctx.state.forks = WorkerForks({**os.environ, TAG_VAR: ctx.run_id, COORDINATOR_VAR: str(os.getpid())},
+                                          ctx.log_dir() / "fork-server.out")
+        return InlineLauncher(ctx.run_id, ctx.log_dir(), env=env, forks=ctx.state.forks)
     if is_cloud(target):
         # a worker's `env` replaces the pool's default one: keep the pool's under ours (read once a
         # run: a launcher is made every epoch)

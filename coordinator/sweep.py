@@ -1,8 +1,8 @@
 """Find and stop a run's worker processes by tag, even when their coordinator died.
 
 Every worker process Zooid starts (inline, or through the process work pool) carries
-`ZOOID_RUN_ID=<run_id>` in its environment; the sweep reads `/proc/<pid>/environ` and stops
-each matching process group by pid. Never by name. The orphan sweep stops only the orphans of
+`ZOOID_RUN_ID=<run_id>` in its environment, and so does an inline run's fork server; the
+sweep reads `/proc/<pid>/environ` and stops each matching process group by pid. Never by name. The orphan sweep stops only the orphans of
 this Zooid home (`ZOOID_HOME`, unset counting as one home of its own): another home's runs,
 another stack or another user's, are theirs to sweep.
 """
@@ -13,13 +13,16 @@ import signal
 import time
 from pathlib import Path
 
+from runtime.fork_server import FORK_SERVER_NAME
+
 TAG_VAR = "ZOOID_RUN_ID"
 COORDINATOR_VAR = "ZOOID_COORDINATOR_PID"
 HOME_VAR = "ZOOID_HOME"
 
 
 def _tagged_processes() -> dict[int, dict[str, str]]:
-    """Live processes carrying a Zooid run tag: pid -> their Zooid variables."""
+    """Live processes carrying a Zooid run tag: pid -> their Zooid variables (and `comm`, the
+    process's name)."""
     found = {}
     me = os.getpid()
     for entry in Path("/proc").iterdir():
@@ -27,20 +30,28 @@ def _tagged_processes() -> dict[int, dict[str, str]]:
             continue
         try:
             env = (entry / "environ").read_bytes()
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
+            stat = (entry / "stat").read_text()
+            comm, state = stat[stat.index("(") + 1:stat.rindex(")")], stat.rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError, ValueError):
             continue
         if state == "Z" or f"{TAG_VAR}=".encode() not in env:
             continue
         pairs = dict(item.split(b"=", 1) for item in env.split(b"\0") if b"=" in item)
         found[int(entry.name)] = {k.decode(): pairs[k].decode(errors="replace")
                                   for k in (TAG_VAR.encode(), COORDINATOR_VAR.encode(), HOME_VAR.encode()) if k in pairs}
+        found[int(entry.name)]["comm"] = comm
     return found
 
 
 def tagged_pids(run_id: str) -> list[int]:
     """Pids of live processes whose environment carries `ZOOID_RUN_ID=<run_id>`."""
     return sorted(pid for pid, tags in _tagged_processes().items() if tags.get(TAG_VAR) == run_id)
+
+
+def worker_pids(run_id: str) -> list[int]:
+    """`tagged_pids(run_id)` less the run's fork server (`runtime.fork_server`): its workers."""
+    return sorted(pid for pid, tags in _tagged_processes().items()
+                  if tags.get(TAG_VAR) == run_id and tags["comm"] != FORK_SERVER_NAME)
 
 
 def orphan_pids(home: str | None = None) -> list[int]:

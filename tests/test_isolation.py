@@ -37,7 +37,7 @@ def test_three_concurrent_runs_are_isolated_and_capped(tmp_path):
     from comm.store_dir import DirectoryStore
     from deployments.bootstrap import ensure_concurrency_limit
     from coordinator.launchers import PAID_WORKERS_LIMIT
-    from coordinator.sweep import sweep_run, tagged_pids
+    from coordinator.sweep import sweep_run, worker_pids
 
     with get_client(sync_client=True) as client:  # another test of the session may have made it: resize it
         ensure_concurrency_limit(client, 4)
@@ -66,7 +66,7 @@ def test_three_concurrent_runs_are_isolated_and_capped(tmp_path):
             # the event: a run is held, every slot of the limit is taken and its 4 workers are up;
             # 3 runs of 2 want 6 workers, and never more than 4 are alive
             while True:
-                alive = sum(len(tagged_pids(r)) for r in runs())
+                alive = sum(len(worker_pids(r)) for r in runs())
                 assert alive <= 4, alive
                 slots = client.read_global_concurrency_limit_by_name(PAID_WORKERS_LIMIT).active_slots
                 if held() and slots == 4 and alive == 4:

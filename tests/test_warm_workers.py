@@ -293,7 +293,7 @@ def test_a_warm_worker_killed_mid_epoch_is_replaced_and_the_epoch_completes(tmp_
 def test_workers_of_a_killed_coordinator_exit_within_their_lease(tmp_path):
     """SIGKILL the whole coordinator (its process group: the flow and its temporary Prefect
     server) mid-run: its warm workers, in sessions of their own, stop once the lease is stale."""
-    from coordinator.sweep import tagged_pids
+    from coordinator.sweep import tagged_pids, worker_pids
 
     home = tmp_path / "zooid"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
@@ -310,7 +310,7 @@ def test_workers_of_a_killed_coordinator_exit_within_their_lease(tmp_path):
             assert coordinator.poll() is None, "the coordinator ended early"
             time.sleep(0.2)
         run_id = replies[0].relative_to(runs).parts[0]
-        workers = tagged_pids(run_id)
+        workers = worker_pids(run_id)
         assert len(workers) == 2
         guards = _children_running(coordinator.pid, "deployments.orphan_guard")
         assert len(guards) == 1  # the temporary Prefect server's guard

@@ -1,0 +1,197 @@
+"""`python -m runtime.fork_server`: start worker processes by forking one that has already
+imported the worker's modules.
+
+A worker started as `python -m runtime.worker_main` spends about 1.5 s of CPU importing torch
+before it does anything; a run starts one per rank, a relaunch or a cold epoch another. The
+coordinator of an `inline` run starts this process once (`coordinator.worker_forks`): it
+imports `runtime.worker_main` (torch, the stores, the engine) and then forks each worker from
+itself, so a worker is ready in milliseconds.
+
+The protocol is one JSON object a line. On stdin, a request to start a worker:
+`{"argv": [...], "env": {...}, "log": "<path>"}` (the arguments of `runtime.worker_main`, the
+worker's whole environment, the file its stdout and stderr go to). On stdout, each answer:
+`{"pid": N}` (or `{"error": "..."}`), then, when a worker exits, `{"exit": N, "code": C}` with
+C as `subprocess.Popen.returncode` reads it (negative: killed by that signal), and
+`"idle": true` once it was the last worker.
+
+Each worker is a session of its own, like a `subprocess.Popen(start_new_session=True)`: stopped
+by its pid's process group, never by this process's. This process runs in the run's
+environment, so its workers carry the run's tag in `/proc/<pid>/environ` (`coordinator.sweep`);
+it names itself `FORK_SERVER_NAME` (`/proc/<pid>/comm`) so a count of the run's workers can
+leave it out, and its workers take back the interpreter's name. It exits when its stdin closes
+(the coordinator ended or died: its workers go on until stopped or their lease ends) and when
+its last worker exited with no request waiting (the next request starts a fresh one).
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import select
+import signal
+import sys
+
+FORK_SERVER_NAME = "zooid-forks"
+"""This process's name in `/proc/<pid>/comm` (at most 15 bytes)."""
+
+_PR_SET_NAME = 15
+
+
+def _set_name(name: str) -> None:
+    """Set this process's `comm` (what `/proc/<pid>/stat` and `ps -o comm` show)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the name is cosmetic there
+        pass
+
+
+def _exit_code(status: int) -> int:
+    """A wait status as `Popen.returncode` reads it: the exit code, or minus the signal."""
+    return os.waitstatus_to_exitcode(status)
+
+
+def _run_worker(argv: list[str], env: dict[str, str], log: str, own_name: str, started: int,
+                keep_fds: tuple[int, ...]) -> int:
+    """In the forked child: become a fresh worker process in a session of its own (then close
+    `started`, which tells the server so), run it, return its exit status."""
+    import atexit
+    import random
+    import traceback
+
+    os.setsid()
+    os.close(started)
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    for fd in {out, null, *keep_fds} - {0, 1, 2}:
+        os.close(fd)
+    _set_name(own_name)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = ["-m runtime.worker_main", *argv]
+    # a fresh process draws fresh seeds: so does a forked one (a worker seeds its training itself)
+    random.seed()
+    import torch
+
+    torch.seed()
+    if env.get("OMP_NUM_THREADS", "").isdigit():
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    from runtime.worker_main import main  # imported by the server already; not by whoever names FORK_SERVER_NAME
+
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if not isinstance(exc.code, (int, type(None))):
+            print(exc.code, file=sys.stderr)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        code = -signal.SIGINT
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    if code < 0:  # as an uncaught Ctrl-C ends an interpreter: by the signal itself
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    return code
+
+
+def serve(requests, answers) -> int:
+    """Answer start requests from the file descriptor `requests` on `answers` until stdin
+    closes, or the last worker exited with no request waiting."""
+    own_name = open("/proc/self/comm").read().strip() if os.path.exists("/proc/self/comm") else "python"
+    _set_name(FORK_SERVER_NAME)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so the wakeup fd hears of exits
+    children: set[int] = set()
+    forked, buffer = False, b""
+
+    def send(message: dict) -> None:
+        os.write(answers, (json.dumps(message) + "\n").encode())
+
+    def reap() -> None:
+        while children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                children.clear()
+                return
+            if pid == 0:
+                return
+            children.discard(pid)
+            send({"exit": pid, "code": _exit_code(status), **({"idle": True} if not children else {})})
+
+    while True:
+        try:
+            ready, _, _ = select.select([requests, wake_r], [], [])
+        except InterruptedError:
+            continue
+        if wake_r in ready:
+            try:
+                os.read(wake_r, 512)
+            except BlockingIOError:
+                pass
+        reap()
+        if requests in ready:
+            chunk = os.read(requests, 65536)
+            if not chunk:
+                return 0
+            buffer += chunk
+            while b"\n" in buffer:
+                line, buffer = buffer.split(b"\n", 1)
+                try:
+                    request = json.loads(line)
+                    started_r, started_w = os.pipe()
+                    pid = os.fork()
+                except (ValueError, OSError) as exc:
+                    send({"error": f"{type(exc).__name__}: {exc}"})
+                    continue
+                if pid == 0:
+                    code = 1
+                    try:
+                        code = _run_worker(request["argv"], request["env"], request["log"], own_name, started_w,
+                                           (requests, answers, wake_r, wake_w, started_r))
+                    except BaseException:  # before the worker ran: in its log, or this process's
+                        import traceback
+
+                        traceback.print_exc()
+                    finally:
+                        os._exit(code & 0xFF if code >= 0 else 1)
+                os.close(started_w)
+                os.read(started_r, 1)  # returns once the worker has its own session (or died)
+                os.close(started_r)
+                children.add(pid)
+                forked = True
+                send({"pid": pid})  # as `Popen(start_new_session=True)` returns: its session exists
+        if forked and not children and not buffer and not select.select([requests], [], [], 0)[0]:
+            return 0
+
+
+def main() -> int:
+    # the worker's modules, imported once here and shared by every fork
+    import runtime.worker_main  # noqa: F401
+
+    answers = os.dup(1)  # stdout carries the protocol; nothing else may write to it
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.close(null)
+    sys.stdout = open(1, "w", closefd=False)
+    send_ready = json.dumps({"ready": os.getpid()}) + "\n"
+    os.write(answers, send_ready.encode())
+    return serve(0, answers)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

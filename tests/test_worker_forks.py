@@ -1,0 +1,105 @@
+"""Inline workers forked ready-imported (`coordinator.worker_forks`, `runtime.fork_server`):
+a forked worker answers as a started process would (exit status, output, a signal's death),
+trains in the environment it was given, carries the run's tag in a session of its own, and
+the fork server leaves with its last worker."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from coordinator.sweep import COORDINATOR_VAR, TAG_VAR, stop_pids, tagged_pids, worker_pids
+from coordinator.worker_forks import WorkerForks
+from core.keys import command_key, reply_key
+from core.specs import ComputeSpec, WarmSpec, WorkerSpec
+from runtime.warm import read_json
+from tests.test_warm_workers import _await_reply, _publish_run
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.timeout(300)
+
+
+def _forks(run_id: str, tmp_path: Path) -> WorkerForks:
+    return WorkerForks({**os.environ, TAG_VAR: run_id, COORDINATOR_VAR: str(os.getpid())}, tmp_path / "forks.out")
+
+
+def _environ(pid: int) -> dict[bytes, bytes]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
+
+
+def test_a_forked_worker_exits_and_writes_as_a_started_process_does(tmp_path):
+    argv = ["--spec-json", json.dumps({"run_id": "zforks-a", "epoch": 0})]  # refused: no store
+    with open(tmp_path / "started.log", "wb") as out:
+        started = subprocess.run([sys.executable, "-m", "runtime.worker_main", *argv], cwd=ROOT, stdout=out,
+                                 stderr=subprocess.STDOUT).returncode
+    forks = _forks("zforks-a", tmp_path)
+    forked = forks.start(argv, dict(os.environ), tmp_path / "forked.log")
+    assert forked is not None and forked.wait(timeout=120) == started == 2
+    assert (tmp_path / "forked.log").read_text() == (tmp_path / "started.log").read_text()
+    assert "ZooidValueError" in (tmp_path / "forked.log").read_text()
+
+
+def test_a_forked_warm_worker_trains_tagged_in_its_own_session_and_the_server_leaves_with_it(dir_store, tmp_path):
+    from coordinator.warm_pool import LeaseRenewer
+    from engine.datasets import assign_subsets
+
+    run_id = "zforks-b"
+    manifest = _publish_run(dir_store, run_id)
+    renewer = LeaseRenewer(lambda: type(dir_store)(dir_store.root), run_id, 0.2)
+    renewer.start()
+    forks = _forks(run_id, tmp_path)
+    beat = tmp_path / "w.heartbeat"
+    warm = WorkerSpec(run_id=run_id, epoch=0, rank=0, world=1, store_url=dir_store.url, model="digits_mlp",
+                      dataset="digits", subsets=(), steps=0, batch_size=16, lr=0.05,
+                      warm=WarmSpec(worker="r0-w0", lease_s=30.0, check_s=0.2))
+    proc = forks.start(["--spec-json", json.dumps(warm.to_dict())],
+                       {**os.environ, "ZOOID_HEARTBEAT": str(beat), "OMP_NUM_THREADS": "1"}, tmp_path / "w.log")
+    try:
+        assert proc is not None
+        server = forks.server.pid
+        # the run's tag, read as the sweep reads it, in a session of the worker's own
+        assert _environ(proc.pid)[TAG_VAR.encode()] == run_id.encode()
+        assert os.getsid(proc.pid) == proc.pid != server
+        assert tagged_pids(run_id) == sorted([server, proc.pid]) and worker_pids(run_id) == [proc.pid]
+
+        spec = WorkerSpec(run_id=run_id, epoch=0, rank=0, world=1, store_url=dir_store.url, model="digits_mlp",
+                          dataset="digits", subsets=assign_subsets(manifest["n_subsets"], 1, 0)[0], steps=5,
+                          batch_size=16, lr=0.05, optimizer="sgd", init_key=f"runs/{run_id}/ckpt/init.safetensors",
+                          out_key=f"runs/{run_id}/ckpt/epoch-0.safetensors", compute=ComputeSpec(threads=1))
+        dir_store.put(command_key(run_id, "r0-w0", 0), json.dumps({"op": "epoch", "spec": spec.to_dict()}).encode())
+        reply = _await_reply(dir_store, run_id, "r0-w0", 0, proc)
+        assert reply["ok"] and reply["result"]["pid"] == proc.pid and reply["result"]["samples"] == 80
+        assert beat.exists()  # its environment is the one it was started with, not the server's
+
+        dir_store.put(command_key(run_id, "r0-w0", 1), json.dumps({"op": "stop", "reason": "test"}).encode())
+        assert proc.wait(timeout=60) == 0
+        assert read_json(dir_store, reply_key(run_id, "r0-w0", 1))["stopped"]
+        assert tagged_pids(run_id) == []  # its last worker gone, the fork server ended before the exit was told
+    finally:
+        renewer.stop()
+        stop_pids(tagged_pids(run_id))
+
+
+def test_a_killed_forked_worker_reads_minus_the_signal_and_a_next_start_starts_a_fresh_server(tmp_path):
+    forks = _forks("zforks-c", tmp_path)
+    spec = WorkerSpec(run_id="zforks-c", epoch=0, rank=0, world=1, store_url=f"file://{tmp_path}/store",
+                      model="digits_mlp", dataset="digits", subsets=(), steps=0, batch_size=16, lr=0.05,
+                      warm=WarmSpec(worker="r0-w0", lease_s=30.0, check_s=0.2))
+    argv = ["--spec-json", json.dumps(spec.to_dict())]
+    first = forks.start(argv, dict(os.environ), tmp_path / "a.log")
+    server = forks.server.pid
+    try:
+        os.killpg(first.pid, signal.SIGKILL)
+        assert first.wait(timeout=60) == -signal.SIGKILL and first.poll() == -signal.SIGKILL
+        second = forks.start(argv, dict(os.environ), tmp_path / "b.log")
+        assert second is not None and forks.server.pid != server
+        stop_pids([second.pid], grace_s=5.0)
+        assert second.wait(timeout=60) == -signal.SIGTERM
+    finally:
+        stop_pids(tagged_pids("zforks-c"))
