@@ -275,6 +275,15 @@ def secret_run(s3_server, tmp_path, monkeypatch):
             super().__init__(args, *rest, **kwargs)
 
     monkeypatch.setattr(subprocess, "Popen", RecordingPopen)
+    from coordinator.worker_forks import WorkerForks
+
+    real_start = WorkerForks.start
+
+    def recording_start(self, argv, env, log):  # a worker forked ready-imported: the environment it is given
+        worker_envs.append(dict(env))
+        return real_start(self, argv, env, log)
+
+    monkeypatch.setattr(WorkerForks, "start", recording_start)
 
     def run(plant=None):
         from prefect.logging.handlers import APILogHandler
@@ -364,8 +373,8 @@ def test_the_leak_check_catches_planted_leaks(secret_run, monkeypatch):
                 store.close()
             return real_guardrail(job, ctx, plan, history)
 
-        def launcher_init(self, run_id, log_dir, env=None):
-            real_init(self, run_id, log_dir, env={**(env or {}), "ZOOID_PLANTED": secret})
+        def launcher_init(self, run_id, log_dir, env=None, forks=None):
+            real_init(self, run_id, log_dir, env={**(env or {}), "ZOOID_PLANTED": secret}, forks=forks)
 
         monkeypatch.setattr(flows.train, "guardrail", guardrail)
         monkeypatch.setattr(coordinator.launchers.InlineLauncher, "__init__", launcher_init)
