@@ -52,13 +52,15 @@ def _exit_code(status: int) -> int:
 
 def _run_worker(argv: list[str], env: dict[str, str], log: str, own_name: str, started: int,
                 keep_fds: tuple[int, ...]) -> int:
-    """In the forked child: become a fresh worker process in a session of its own (then close
-    `started`, which tells the server so), run it, return its exit status."""
+    """In the forked child: become a fresh worker process in a session of its own, under the
+    interpreter's name (then close `started`, which tells the server so), run it, return its
+    exit status."""
     import atexit
     import random
     import traceback
 
     os.setsid()
+    _set_name(own_name)  # a worker again, not the server, by the time the server answers
     os.close(started)
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -69,7 +71,6 @@ def _run_worker(argv: list[str], env: dict[str, str], log: str, own_name: str, s
     os.dup2(out, 2)
     for fd in {out, null, *keep_fds} - {0, 1, 2}:
         os.close(fd)
-    _set_name(own_name)
     os.environ.clear()
     os.environ.update(env)
     sys.argv = ["-m runtime.worker_main", *argv]
