@@ -238,6 +238,7 @@ class PoolLauncher(_Launcher):
         """The target's `clouds.adapter.CloudAdapter`: tells a worker whose container died
         under a flow run Prefect still shows running (None: Prefect's view only)."""
         self._infra_checked = 0.0
+        self._polled_at = 0.0
         self.run_id = run_id
         self.deployment = deployment
         self.job_variables = job_variables or {}
@@ -263,8 +264,14 @@ class PoolLauncher(_Launcher):
                                           started_at=time.time(), ref=str(flow_run.id))
 
     def _poll(self) -> None:
+        """Read the running attempts' flow runs, at most every `poll_s`: a warm pool calls this
+        from loops that read its store every 20 ms, and each read here is a request to the
+        Prefect API per worker."""
         from prefect.client.orchestration import get_client
 
+        if time.time() - self._polled_at < self.poll_s:
+            return
+        self._polled_at = time.time()
         check_infra = self.adapter is not None and time.time() - self._infra_checked >= self.infra_check_s
         if check_infra:
             self._infra_checked = time.time()

@@ -234,7 +234,7 @@ class WarmPool:
             if now - sent > timeout_s:
                 self.retire(0, f"no profile within {timeout_s:.0f} s")
                 raise RuntimeError(f"worker {w.name} gave no profile within {timeout_s:.0f} s")
-            time.sleep(poll_s)
+            time.sleep(max(poll_s, self.store.poll_max_s))  # each read is a billed request on a cloud store
 
     def retire(self, rank: int, reason: str, grace_s: float = 10.0) -> None:
         """Stop the worker of `rank` (asked through the store, then stopped by its launcher
@@ -290,6 +290,7 @@ class WarmPool:
         attempts: list[WorkerOutcome] = []
         for spec in specs:
             attempts.append(self._send(self.workers[spec.rank], spec))
+        poll_s = max(poll_s, self.store.poll_max_s)  # each reply read is a billed request on a cloud store
         last_relaunch = 0.0
         while True:
             now = time.time()
