@@ -117,22 +117,28 @@ def serve(requests, answers) -> int:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so the wakeup fd hears of exits
     children: set[int] = set()
-    forked, buffer = False, b""
+    buffer = b""
 
     def send(message: dict) -> None:
         os.write(answers, (json.dumps(message) + "\n").encode())
 
-    def reap() -> None:
+    def reap() -> bool:
+        """Tell of every worker that exited; True when the last one did with no request
+        waiting: its exit message says `idle`, and the server ends at once."""
         while children:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
                 children.clear()
-                return
+                return False
             if pid == 0:
-                return
+                return False
             children.discard(pid)
-            send({"exit": pid, "code": _exit_code(status), **({"idle": True} if not children else {})})
+            last = not children and not buffer and not select.select([requests], [], [], 0)[0]
+            send({"exit": pid, "code": _exit_code(status), **({"idle": True} if last else {})})
+            if last:
+                return True
+        return False
 
     while True:
         try:
@@ -144,7 +150,8 @@ def serve(requests, answers) -> int:
                 os.read(wake_r, 512)
             except BlockingIOError:
                 pass
-        reap()
+        if reap():
+            return 0
         if requests in ready:
             chunk = os.read(requests, 65536)
             if not chunk:
@@ -174,10 +181,7 @@ def serve(requests, answers) -> int:
                 os.read(started_r, 1)  # returns once the worker has its own session (or died)
                 os.close(started_r)
                 children.add(pid)
-                forked = True
                 send({"pid": pid})  # as `Popen(start_new_session=True)` returns: its session exists
-        if forked and not children and not buffer and not select.select([requests], [], [], 0)[0]:
-            return 0
 
 
 def main() -> int:
