@@ -6,11 +6,13 @@ STAMP := .venv/.installed
 
 .PHONY: install run up down test lint bench clean redis azurite
 
+# --no-compile: pip would byte-compile every installed file (torch's, moto's, Azure's: 24 s of the
+# install's 42 s here); Python compiles the modules a process imports, once, when it first does
 $(STAMP): requirements.txt requirements-dev.txt requirements.lock pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -r requirements.txt -c requirements.lock
-	$(PIP) install -q -r requirements-dev.txt
+	$(PIP) install -q --no-compile -r requirements.txt -c requirements.lock
+	$(PIP) install -q --no-compile -r requirements-dev.txt
 	$(PIP) install -q --no-deps -e .
 	touch $(STAMP)
 
@@ -45,7 +47,9 @@ lint: install
 ## test: install (redis-server, Azurite, the container engine and the worker image included), lint, run the whole
 ## suite in TEST_PROCS processes (whole files each, so a module's servers start once; TEST_PROCS=0: one process)
 TEST_PROCS ?= 3
-test: install redis azurite lint image
+test:
+	$(MAKE) --no-print-directory -j3 install redis azurite  # npm and apt wait on I/O while pip installs
+	$(MAKE) --no-print-directory lint image
 	$(PY) -m pytest -q -p no:cacheprovider --timeout=600 $(if $(filter 0,$(TEST_PROCS)),,-n $(TEST_PROCS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
 
 bench: install redis azurite
