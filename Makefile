@@ -6,13 +6,11 @@ STAMP := .venv/.installed
 
 .PHONY: install run up down test lint bench clean redis azurite
 
-# --no-compile: pip would byte-compile every installed file (torch's, moto's, Azure's: 24 s of the
-# install's 42 s here); Python compiles the modules a process imports, once, when it first does
 $(STAMP): requirements.txt requirements-dev.txt requirements.lock pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q --no-compile -r requirements.txt -c requirements.lock
-	$(PIP) install -q --no-compile -r requirements-dev.txt
+	$(PIP) install -q -r requirements.txt -c requirements.lock
+	$(PIP) install -q -r requirements-dev.txt
 	$(PIP) install -q --no-deps -e .
 	touch $(STAMP)
 
