@@ -61,7 +61,7 @@ def orphan_pids(home: str | None = None) -> list[int]:
     orphans = []
     for pid, tags in _tagged_processes().items():
         coordinator = tags.get(COORDINATOR_VAR, "")
-        if tags.get(HOME_VAR, "") == home and coordinator.isdigit() and not _alive(int(coordinator)):
+        if tags.get(HOME_VAR, "") == home and coordinator.isdigit() and not alive(int(coordinator)):
             orphans.append(pid)
     return sorted(orphans)
 
@@ -81,15 +81,16 @@ def stop_pids(pids: list[int], grace_s: float = 3.0) -> list[int]:
     for pid in pids:
         _signal(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
         time.sleep(0.1)
     for pid in pids:
-        if _alive(pid):
+        if alive(pid):
             _signal(pid, signal.SIGKILL)
     return pids
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether `pid` is a live process (a zombie is not)."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):

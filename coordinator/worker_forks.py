@@ -20,6 +20,8 @@ import threading
 import time
 from pathlib import Path
 
+from coordinator.sweep import alive
+
 
 class ForkedWorker:
     """A worker forked by the fork server: `subprocess.Popen`'s `pid`, `poll()`, `wait()`,
@@ -87,7 +89,7 @@ class WorkerForks:
         worker is no child of anyone here: it has ended once its pid is gone."""
         if pid in self.exits:
             return self.exits[pid]
-        if server.poll() is not None and not _alive(pid):
+        if server.poll() is not None and not alive(pid):
             return self.exits.setdefault(pid, -9)
         return None
 
@@ -151,10 +153,3 @@ class WorkerForks:
         if self.server is server:
             self.server = None
 
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
