@@ -45,9 +45,13 @@ lint: install
 ## test: install (redis-server, Azurite, the container engine and the worker image included), lint, run the whole
 ## suite in TEST_PROCS processes (whole files each, so a module's servers start once; TEST_PROCS=0: one process)
 TEST_PROCS ?= 3
+PACKAGES := blocks clouds comm coordinator core deployments engine flows planners profiling runtime tasks
 test:
 	$(MAKE) --no-print-directory -j3 install redis azurite  # npm and apt wait on I/O while pip installs
 	$(MAKE) --no-print-directory lint image
+	@# the project's modules byte-compiled once here: where PYTHONDONTWRITEBYTECODE is set (this machine sets
+	@# it), every process of the suite would otherwise compile each module it imports again
+	$(PY) -m compileall -q -j 0 $(PACKAGES)
 	$(PY) -m pytest -q -p no:cacheprovider --timeout=600 $(if $(filter 0,$(TEST_PROCS)),,-n $(TEST_PROCS) --dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
 
 bench: install redis azurite
