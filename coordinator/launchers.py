@@ -184,12 +184,13 @@ class InlineLauncher(_Launcher):
             entry = "flows.worker"  # loads the store block from the API: the secret stays in it
             env.setdefault("PREFECT_API_URL", PREFECT_API_URL.value() or "")
         argv = ["--spec-json", json.dumps(spec.to_dict())]
+        launched = time.time()  # before the start: a forked worker can be ready before `start` returns
         proc = self.forks.start(argv, env, log) if self.forks is not None and entry == WORKER_MAIN else None
         if proc is None:
             with open(log, "wb") as out:
                 proc = subprocess.Popen([sys.executable, "-m", entry, *argv], stdout=out, stderr=subprocess.STDOUT,
                                         env=env, start_new_session=True)
-        outcome = WorkerOutcome(rank=spec.rank, attempt=spec.attempt, started_at=time.time(),
+        outcome = WorkerOutcome(rank=spec.rank, attempt=spec.attempt, started_at=launched,
                                 ref=str(proc.pid), extra={"log": str(log), "heartbeat": str(beat)})
         return proc, outcome
 
