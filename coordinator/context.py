@@ -63,9 +63,9 @@ class RunState:
     progress_id: Any = None
     """The run's progress artifact."""
     pool_env: dict | None = None
+    """The target pool's default worker environment, read from the API once per run."""
     forks: Any = None
     """The run's fork server of inline workers (`coordinator.worker_forks.WorkerForks`)."""
-    """The target pool's default worker environment, read from the API once per run."""
     provisioned: bool = False
     torn_down: bool = False
     cost_recorded: bool = False

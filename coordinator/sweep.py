@@ -2,8 +2,8 @@
 
 Every worker process Zooid starts (inline, or through the process work pool) carries
 `ZOOID_RUN_ID=<run_id>` in its environment, and so does an inline run's fork server; the
-sweep reads `/proc/<pid>/environ` and stops each matching process group by pid. Never by name. The orphan sweep stops only the orphans of
-this Zooid home (`ZOOID_HOME`, unset counting as one home of its own): another home's runs,
+sweep reads `/proc/<pid>/environ` and stops each matching process group by pid. Never by
+name. The orphan sweep stops only the orphans of this Zooid home (`ZOOID_HOME`, unset counting as one home of its own): another home's runs,
 another stack or another user's, are theirs to sweep.
 """
 from __future__ import annotations
@@ -30,8 +30,8 @@ def _tagged_processes() -> dict[int, dict[str, str]]:
             continue
         try:
             env = (entry / "environ").read_bytes()
-            stat = (entry / "stat").read_text()
-            comm, state = stat[stat.index("(") + 1:stat.rindex(")")], stat.rsplit(")", 1)[1].split()[0]
+            head, tail = (entry / "stat").read_text().rsplit(")", 1)
+            comm, state = head.split("(", 1)[1], tail.split()[0]
         except (OSError, IndexError, ValueError):
             continue
         if state == "Z" or f"{TAG_VAR}=".encode() not in env:
@@ -43,15 +43,18 @@ def _tagged_processes() -> dict[int, dict[str, str]]:
     return found
 
 
+def _run_processes(run_id: str) -> dict[int, dict[str, str]]:
+    return {pid: tags for pid, tags in _tagged_processes().items() if tags.get(TAG_VAR) == run_id}
+
+
 def tagged_pids(run_id: str) -> list[int]:
     """Pids of live processes whose environment carries `ZOOID_RUN_ID=<run_id>`."""
-    return sorted(pid for pid, tags in _tagged_processes().items() if tags.get(TAG_VAR) == run_id)
+    return sorted(_run_processes(run_id))
 
 
 def worker_pids(run_id: str) -> list[int]:
     """`tagged_pids(run_id)` less the run's fork server (`runtime.fork_server`): its workers."""
-    return sorted(pid for pid, tags in _tagged_processes().items()
-                  if tags.get(TAG_VAR) == run_id and tags["comm"] != FORK_SERVER_NAME)
+    return sorted(pid for pid, tags in _run_processes(run_id).items() if tags["comm"] != FORK_SERVER_NAME)
 
 
 def orphan_pids(home: str | None = None) -> list[int]:

@@ -93,12 +93,6 @@ class WorkerForks:
             return self.exits.setdefault(pid, -9)
         return None
 
-    def close(self) -> None:
-        """End the fork server (its workers go on until stopped)."""
-        with self.lock:
-            if self.server is not None:
-                self._gone(self.server, stop=True)
-
     # --- the fork server's process -----------------------------------------------------------
 
     def _server(self) -> subprocess.Popen:
@@ -126,7 +120,7 @@ class WorkerForks:
                 self.exits[message["exit"]] = message["code"]
                 self.changed.set()
                 self.changed.clear()
-            elif "ready" not in message:
+            else:
                 answers.put(message)
         answers.put(None)  # its stdout closed: it ended
         self.changed.set()
@@ -139,8 +133,8 @@ class WorkerForks:
             self.broken = True  # hung: stop it and start processes from now on
             return None
 
-    def _gone(self, server: subprocess.Popen, stop: bool = False) -> None:
-        if stop or self.broken:
+    def _gone(self, server: subprocess.Popen) -> None:
+        if self.broken:
             try:
                 os.killpg(server.pid, 15)
             except (ProcessLookupError, PermissionError):

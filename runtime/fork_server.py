@@ -192,9 +192,6 @@ def main() -> int:
     null = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, 1)
     os.close(null)
-    sys.stdout = open(1, "w", closefd=False)
-    send_ready = json.dumps({"ready": os.getpid()}) + "\n"
-    os.write(answers, send_ready.encode())
     return serve(0, answers)
 
 
