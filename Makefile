@@ -3,6 +3,7 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 PIP := .venv/bin/pip
 STAMP := .venv/.installed
+PREFECT_DB := .venv/.prefect-db
 
 .PHONY: install run up down test lint bench clean redis azurite
 
@@ -14,7 +15,12 @@ $(STAMP): requirements.txt requirements-dev.txt requirements.lock pyproject.toml
 	$(PIP) install -q --no-deps -e .
 	touch $(STAMP)
 
-install: $(STAMP)
+## the Prefect database a new Prefect home starts from (deployments/prefect_db.py)
+$(PREFECT_DB): $(STAMP)
+	$(PY) -m deployments.server db-template
+	touch $(PREFECT_DB)
+
+install: $(STAMP) $(PREFECT_DB)
 
 ## run: start the local stack, train the default job through train/local, print the report, stop everything
 run: install

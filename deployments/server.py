@@ -9,13 +9,18 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+from deployments.prefect_db import DB, DB_URL_VARIABLES, MEMO, seed_home, template_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -144,6 +149,7 @@ class TemporaryServer:
         port = free_port(0)
         self.url = f"http://127.0.0.1:{port}/api"
         env = {**stack_env(home, ""), "PREFECT_API_URL": ""}
+        seed_home(Path(env["PREFECT_HOME"]), {**os.environ, **env})
         self.pid: int | None = spawn([sys.executable, "-m", "deployments.orphan_guard", str(os.getpid()), "--",
                                       bin_path("prefect"), "server", "start", "--host", "127.0.0.1", "--port",
                                       str(port)], env, home / "logs" / f"server-{port}.log")
@@ -168,3 +174,42 @@ def temporary_server(home: Path | None = None, started: TemporaryServer | None =
         yield server.wait()
     finally:
         server.stop()
+
+
+def build_db_template() -> Path:
+    """Start a server on an empty home, stop it, and keep its database and memo as the
+    template new homes start from (`deployments.prefect_db`), replacing an older one; the
+    template's folder."""
+    target = template_dir()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="prefect-db-", dir=target.parent) as scratch:
+        home = Path(scratch) / "home"
+        port = free_port(0)
+        env = {"PREFECT_HOME": str(home), "PREFECT_API_URL": "", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+               "DO_NOT_TRACK": "1", **dict.fromkeys(DB_URL_VARIABLES, f"sqlite+aiosqlite:///{home / DB}")}
+        pid = spawn([bin_path("prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                    env, Path(scratch) / "server.log")
+        try:
+            wait_healthy(f"http://127.0.0.1:{port}/api")
+        finally:
+            stop_groups([pid])
+        built = Path(scratch) / "template"
+        built.mkdir()
+        with contextlib.closing(sqlite3.connect(home / DB)) as source, \
+                contextlib.closing(sqlite3.connect(built / DB)) as copy:
+            source.backup(copy)  # one consistent file, whatever the server left in its journal
+        if (home / MEMO).exists():
+            shutil.copyfile(home / MEMO, built / MEMO)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(built, target)
+    return target
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m deployments.server")
+    parser.add_argument("command", choices=["db-template"], help="build the Prefect database template (make install)")
+    parser.parse_args()
+    print(f"Prefect database template: {build_db_template()}")

@@ -29,6 +29,7 @@ from core.keys import ledger_key, summary_key
 from core.kinds import TargetKind
 from deployments import docker_stack
 from deployments.engine import down as engine_down
+from deployments.prefect_db import seed_home
 from deployments.server import ROOT, alive, bin_path, free_port, spawn, stack_env, stop_groups, wait_healthy, zooid_home
 
 POOL = "zooid-local"
@@ -108,6 +109,7 @@ def up(home: Path | None = None, port: int | None = None, docker: bool = False) 
     port = port or free_port()
     api_url = f"http://127.0.0.1:{port}/api"
     env = {**stack_env(home, api_url), "DOCKER_HOST": docker_stack.docker_host(home)}
+    seed_home(Path(env["PREFECT_HOME"]), {**os.environ, **env})
     pids = {"server": spawn([bin_path("prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                              {**env, "PREFECT_API_URL": ""}, home / "logs" / "server.log")}
     state = {"api_url": api_url, "pids": pids, "env": env}
