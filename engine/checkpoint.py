@@ -7,14 +7,15 @@ carries what the caller passes (epoch, step, run id...) and the model and optimi
 
 Two kinds of checkpoint, both durable: the epoch checkpoint (`WorkerSpec.out_key`, written
 by rank 0 at the end of an epoch) and the sync checkpoint `core.keys.sync_checkpoint_key(run, epoch)`,
-overwritten in place (one atomic put) by rank 0 at every Local-SGD sync of the epoch with
-the averaged state and the data position (step, sync round); a relaunched replica resumes
-from it (`engine.local_sgd`).
+overwritten in place (one atomic put, behind the training thread: `CheckpointWriter`) by
+rank 0 at every Local-SGD sync of the epoch with the averaged state and the data position
+(step, sync round); a relaunched replica resumes from it (`engine.local_sgd`).
 """
 from __future__ import annotations
 
 import json
-from typing import Any
+import threading
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -28,6 +29,26 @@ from engine.optimizers import build_optimizer, load_optimizer_state, optimizer_s
 FORMAT = "zooid-checkpoint-1"
 
 
+def encode_checkpoint(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    meta: dict[str, Any] | None = None,
+    extra: dict[str, torch.Tensor] | None = None,
+) -> bytes:
+    """The bytes of a checkpoint of `model` (and `optimizer`'s state, and `extra` tensors
+    named `outer/...`): a copy, so training may change the tensors once this returns."""
+    tensors = {f"model/{k}": v.detach().contiguous() for k, v in model.state_dict().items()}
+    if optimizer is not None:
+        for k, v in optimizer_state_tensors(model, optimizer).items():
+            tensors[f"optim/{k}"] = v.detach().contiguous()
+    for k, v in (extra or {}).items():
+        if not k.startswith("outer/"):
+            raise ZooidValueError("extra", f"checkpoint tensor {k!r} must be named outer/...")
+        tensors[k] = v.detach().contiguous()
+    # safetensors metadata is str -> str: the caller's metadata travels as one JSON string.
+    return encode_tensors(tensors, metadata={"format": FORMAT, "meta": json.dumps(meta or {})})
+
+
 def save_checkpoint(
     store: Store,
     key: str,
@@ -38,18 +59,54 @@ def save_checkpoint(
 ) -> int:
     """Write `model` (and `optimizer`'s state, and `extra` tensors named `outer/...`) under
     `key` in one put; return the bytes written."""
-    tensors = {f"model/{k}": v.detach().contiguous() for k, v in model.state_dict().items()}
-    if optimizer is not None:
-        for k, v in optimizer_state_tensors(model, optimizer).items():
-            tensors[f"optim/{k}"] = v.detach().contiguous()
-    for k, v in (extra or {}).items():
-        if not k.startswith("outer/"):
-            raise ZooidValueError("extra", f"checkpoint tensor {k!r} must be named outer/...")
-        tensors[k] = v.detach().contiguous()
-    # safetensors metadata is str -> str: the caller's metadata travels as one JSON string.
-    blob = encode_tensors(tensors, metadata={"format": FORMAT, "meta": json.dumps(meta or {})})
+    blob = encode_checkpoint(model, optimizer, meta, extra)
     store.put(key, blob)
     return len(blob)
+
+
+class CheckpointWriter:
+    """Checkpoints put behind the training thread: `write` encodes the state at once (a
+    copy) and puts it into `store` on a thread of its own, so the store's round trip (a
+    file's fsync, a request) overlaps the next step instead of holding it; `wait` blocks
+    until the last write is in the store and raises what it raised. One write at a time: a
+    write first waits for the one before. A process that dies with a write in flight loses
+    that checkpoint whole, never half of it (a put is atomic): as if it had died before
+    writing it. The thread is a daemon, so a stuck store never keeps a failing worker from
+    exiting; whoever needs the checkpoint in the store calls `wait`."""
+
+    def __init__(self, store: Store):
+        self.store = store
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def write(self, key: str, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+              meta: dict[str, Any] | None = None, extra: dict[str, torch.Tensor] | None = None,
+              then: Callable[[], None] | None = None) -> int:
+        """Start putting the checkpoint under `key`, then run `then` on the writer's thread
+        once it is in the store; the bytes being written."""
+        self.wait()
+        blob = encode_checkpoint(model, optimizer, meta, extra)
+
+        def put() -> None:
+            try:
+                self.store.put(key, blob)
+                if then is not None:
+                    then()
+            except BaseException as exc:  # noqa: BLE001 - raised by wait() in the training thread
+                self._error = exc
+
+        self._thread = threading.Thread(target=put, name="checkpoint-writer", daemon=True)
+        self._thread.start()
+        return len(blob)
+
+    def wait(self) -> None:
+        """Block until the last write (and its `then`) is done; raise its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
 
 
 def load_checkpoint(

@@ -10,7 +10,10 @@ Sync round r of epoch e uses scratch keys under `runs/<id>/sync/e<e>/r<r>/`.
 1. After round r, rank 0 writes the averaged state (weights, optimizer state) and the data
    position (epoch, step, round) in one atomic put to the durable sync checkpoint
    `runs/<id>/ckpt/sync-e<e>.safetensors`, *before* it posts anything for round r + 1;
-   then it deletes round r - 1's keys. (Every rank has finished round r - 1 by then: each
+   then it deletes round r - 1's keys. The put runs behind the training thread
+   (`engine.checkpoint.CheckpointWriter`: the state is copied at once, the store's round
+   trip overlaps step r + 1's compute) and round r + 1's first post waits for it; a rank 0
+   killed with the put in flight is one killed just before it. (Every rank has finished round r - 1 by then: each
    posted its round-r pieces, which it does only after reading all of round r - 1.)
 2. A relaunched replica (`attempt > 0`, or `spec.resume`)
    loads the sync checkpoint when it belongs to this run, epoch, world, period, step
@@ -54,7 +57,10 @@ fails the attempt, and the rerun resumes every rank from the checkpoint.
 `sync.checkpoint_every` = n writes the sync checkpoint every n rounds (default 1;
 the last round always) and keeps n rounds of results in the store; 0 turns sync
 checkpoints off, and with them single-replica relaunch (each round then deletes the one
-before, as without faults).
+before, as without faults). With the ring, which keeps nothing of its rounds in the store,
+the cadence is in seconds instead: at most one sync checkpoint per `sync.ring_checkpoint_s`
+(default 1 s; the last round always), so an every-step ring does not pay a put per step,
+and a failed attempt loses at most that much training (`CheckpointCadence`).
 
 The outer step and the wire (`spec.sync.outer_optimizer`, `outer_lr`, `outer_momentum`,
 `sync_dtype`; `engine.outer`, `comm.compression`): the outer momentum travels in both
@@ -99,7 +105,7 @@ from core.keys import (residual_key, sync_checkpoint_key, sync_prefix, worker_hi
 from core.outer_sync import averages_gradients, is_default
 from core.specs import WorkerResult, WorkerSpec
 from engine.chaos import chaos_for
-from engine.checkpoint import load_checkpoint, save_checkpoint
+from engine.checkpoint import CheckpointWriter, load_checkpoint, save_checkpoint
 from engine.datasets import read_manifest, read_subsets
 from engine.devices import torch_device, torch_dtype
 from engine.iteration_clock import IterationClock
@@ -221,6 +227,40 @@ def run_local_sgd_epoch(spec: WorkerSpec, store: Store, open_ref: Callable[[str]
             ckpt_store.close()
 
 
+checkpoint_clock: Callable[[], float] = time.monotonic
+"""The clock of a ring's checkpoint cadence (a test may set its own)."""
+
+
+class CheckpointCadence:
+    """Which sync rounds rank 0 checkpoints: every `every` rounds, or with `min_s` > 0 (a
+    ring) the first round at least `min_s` seconds on `clock` after the last checkpoint;
+    the epoch's last round (`step >= steps`) always; none when `every` is 0. A round's answer
+    is given once and kept, so everyone who asks about it agrees."""
+
+    def __init__(self, every: int, steps: int, min_s: float = 0.0, clock: Callable[[], float] = time.monotonic):
+        """`steps`: the epoch's; the round that reaches it is the last."""
+        self.every, self.steps, self.min_s, self.clock = every, steps, min_s, clock
+        self.last = clock()
+        self._answer: tuple[int, bool] | None = None
+
+    def due(self, round_: int, step: int) -> bool:
+        if self._answer is None or self._answer[0] != round_:
+            if not self.every:
+                due = False
+            elif step >= self.steps:
+                due = True
+            elif self.min_s:
+                due = self.clock() - self.last >= self.min_s
+            else:
+                due = (round_ + 1) % self.every == 0
+            self._answer = (round_, due)
+        return self._answer[1]
+
+    def written(self) -> None:
+        """A checkpoint was just written: the next one is `min_s` from now."""
+        self.last = self.clock()
+
+
 def _outer_and_wire(spec: WorkerSpec, start: StartPoint, device: torch.device,
                     ckpt_store: Store) -> tuple[OuterStep | None, Compressor | None, ResidualWriter | None]:
     """The outer step (None: K-AVG on float32, today's arithmetic), the compressor and the
@@ -264,20 +304,25 @@ def _run(spec: WorkerSpec, store: Store, ckpt_store: Store, started: float,
     x, y = x.to(device=device, dtype=dtype if x.is_floating_point() else x.dtype), y.to(device)
 
     group = _group(spec)
-    every = spec.sync.checkpoint_every
     sync_key = sync_checkpoint_key(spec.run_id, spec.epoch)
     position = {**_position_identity(spec), "kind": "sync", "global_step_before": start.global_step_before,
                 "model": spec.model, "optimizer": spec.optimizer}
     outer, compressor, residuals = _outer_and_wire(spec, start, device, ckpt_store)
 
-    def checkpoint_round(round_: int, step: int) -> bool:
-        return bool(every) and ((round_ + 1) % every == 0 or step >= spec.steps)
+    cadence = CheckpointCadence(spec.sync.checkpoint_every, spec.steps,
+                                spec.sync.ring_checkpoint_s if ring is not None else 0.0, checkpoint_clock)
+    checkpoint_round = cadence.due
+    writer = CheckpointWriter(ckpt_store)
 
     def on_sync(round_: int, step: int) -> None:
         if spec.rank == 0 and checkpoint_round(round_, step):
-            save_checkpoint(ckpt_store, sync_key, model, optimizer, {**position, "step": step, "round": round_},
-                            extra=outer.state_tensors() if outer else None)
-            averaging.drop_rounds_before(round_)
+            # in the background; the next round posts nothing before it is in the store
+            writer.write(sync_key, model, optimizer, {**position, "step": step, "round": round_},
+                         extra=outer.state_tensors() if outer else None,
+                         then=lambda: averaging.drop_rounds_before(round_))
+            cadence.written()
+            if chaos.pending:
+                writer.wait()  # a planned fault finds the checkpoint where it always did
         chaos.after_sync(step)
 
     if compressor is not None:
@@ -287,7 +332,7 @@ def _run(spec: WorkerSpec, store: Store, ckpt_store: Store, started: float,
             if checkpoint_round(averaging.rounds, averaging.steps) or averaging.steps >= spec.steps else None)
 
     averaging = LocalSGD(model, optimizer, store, group, spec.rank, spec.world, spec.sync_period,
-                         spec.sync_timeout_s, replayable=bool(every),
+                         spec.sync_timeout_s, replayable=bool(spec.sync.checkpoint_every),
                          repost_s=float(spec.sync.repost_s) or None,
                          on_sync=on_sync, start_round=start.round, start_step=start.step,
                          replay=wants_resume(spec),
@@ -295,7 +340,7 @@ def _run(spec: WorkerSpec, store: Store, ckpt_store: Store, started: float,
                          outer=outer, compressor=compressor, ring=ring,
                          average_gradients=averages_gradients(spec.sync_period, spec.sync.outer_optimizer,
                                                               spec.sync.sync_dtype, spec.sync.every_step),
-                         bucket_bytes=int(spec.sync.bucket_mb * 2**20))
+                         bucket_bytes=int(spec.sync.bucket_mb * 2**20), before_round=writer.wait)
     generator = torch.Generator().manual_seed(batch_seed(spec.seed, spec.epoch, spec.rank))
     stream = batch_stream(len(y), spec.batch_size, spec.steps, generator)
     for _ in range(start.step):
@@ -315,6 +360,7 @@ def _run(spec: WorkerSpec, store: Store, ckpt_store: Store, started: float,
         averaging.after_step()
         clock.tick()
     averaging.flush()
+    writer.wait()
     trained = spec.steps - start.step
     residual_meta = {}
     if compressor is not None:
