@@ -54,7 +54,9 @@ TEST_PROCS ?= 3
 PACKAGES := blocks clouds comm coordinator core deployments engine flows planners profiling runtime tasks
 test:
 	$(MAKE) --no-print-directory -j3 install redis azurite  # npm and apt wait on I/O while pip installs
-	$(MAKE) --no-print-directory lint image
+	$(MAKE) --no-print-directory lint
+	@began=$$(date +%s); $(MAKE) --no-print-directory image; \
+	  echo "make test: the worker image took $$(( $$(date +%s) - began )) s (counted apart from the suite's time)"
 	@# the project's modules byte-compiled once here: where PYTHONDONTWRITEBYTECODE is set (this machine sets
 	@# it), every process of the suite would otherwise compile each module it imports again
 	$(PY) -m compileall -q -j 0 $(PACKAGES)

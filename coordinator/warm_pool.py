@@ -281,7 +281,7 @@ class WarmPool:
 
     def run_epoch(self, plan, specs: list[WorkerSpec], timeout_s: float,
                   on_failure: Callable[[WorkerOutcome, WorkerSpec], WorkerSpec | None] | None = None,
-                  on_tick: Callable[[], None] | None = None, poll_s: float = 0.02) -> tuple[list, list]:
+                  on_tick: Callable[[], None] | None = None, poll_s: float = 0.005) -> tuple[list, list]:
         """Send `specs` (one per rank) and wait for every rank's reply. Returns (the final
         attempt of every rank, every attempt). A worker that dies, fails its epoch or shows no
         progress for `timeout_s` is stopped and passed to `on_failure`: a returned spec is sent
@@ -290,7 +290,10 @@ class WarmPool:
         attempts: list[WorkerOutcome] = []
         for spec in specs:
             attempts.append(self._send(self.workers[spec.rank], spec))
-        poll_s = max(poll_s, self.store.poll_max_s)  # each reply read is a billed request on a cloud store
+        # replies are read every `poll_s` (a reply waits half of it on average: 2.5 ms here, where
+        # a directory store's read of a missing key costs ~8 us) or the store's own poll where that
+        # is slower: each read is a billed request on a cloud store
+        poll_s = max(poll_s, self.store.poll_max_s)
         last_relaunch = 0.0
         while True:
             now = time.time()

@@ -21,6 +21,14 @@ OPTIMIZERS: dict[str, Callable[[Iterable[torch.Tensor], float], torch.optim.Opti
 }
 
 
+def load_lazy_modules() -> None:
+    """Build and drop one optimizer. The first optimizer a process builds makes torch import
+    its compiler stack (`torch._dynamo` and more: 0.6 s of CPU on this machine); a worker
+    does it while it starts, before it reports ready, so its first epoch (or profile) does
+    not, and the fork server does it once for every worker it forks."""
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+
+
 def validate_optimizer(name: str) -> None:
     """Raise ZooidValueError("optimizer", ...) unless `name` is a known optimizer."""
     if name not in OPTIMIZERS:

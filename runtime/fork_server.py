@@ -187,6 +187,9 @@ def serve(requests, answers) -> int:
 def main() -> int:
     # the worker's modules, imported once here and shared by every fork
     import runtime.worker_main  # noqa: F401
+    from engine.optimizers import load_lazy_modules  # imported with the worker's modules above
+
+    load_lazy_modules()
 
     answers = os.dup(1)  # stdout carries the protocol; nothing else may write to it
     null = os.open(os.devnull, os.O_WRONLY)

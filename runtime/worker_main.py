@@ -21,6 +21,7 @@ from typing import Callable
 from comm.store import Store, open_store
 from core.errors import LeaseExpired, OutOfMemory, StoreTimeout, ZooidValueError
 from core.specs import WorkerSpec
+from engine.optimizers import load_lazy_modules
 from runtime.run_spec import run_spec
 from runtime.warm import serve
 
@@ -47,6 +48,7 @@ def main(argv: list[str] | None = None, open_ref: Callable[[str], Store] = open_
     source.add_argument("--spec-json", help="the WorkerSpec as a JSON object")
     source.add_argument("--spec-file", help="a file holding the WorkerSpec JSON")
     args = parser.parse_args(argv)
+    load_lazy_modules()  # part of the start-up, not of the first epoch
     try:
         text = args.spec_json if args.spec_json is not None else open(args.spec_file).read()
         try:
