@@ -19,10 +19,6 @@ accumulates gradients over several micro-batches arms before its last micro-batc
 only, so the earlier backwards launch nothing. A parameter whose gradient is accumulated twice
 while armed is refused (that would send a partial gradient).
 
-`before_round` runs before a round's first bucket starts, that is before the replica posts
-anything for the round (a Local-SGD replica waits there for the previous round's sync
-checkpoint to be in the store).
-
 `extras` are tensors that are not gradients but must agree across replicas too (batch-norm
 running statistics): they are final once the forward pass is done, so they travel in bucket 0
 and the mean replaces them in place.
@@ -82,11 +78,9 @@ class GradientBuckets:
 
     def __init__(self, params: dict[str, nn.Parameter], collective: BucketCollective, *,
                  stats: TransferStats, bucket_bytes: int = int(DEFAULT_BUCKET_MB * 2**20),
-                 extras: Callable[[], dict[str, torch.Tensor]] | None = None,
-                 before_round: Callable[[], None] | None = None):
+                 extras: Callable[[], dict[str, torch.Tensor]] | None = None):
         self.params = {n: p for n, p in params.items() if p.requires_grad}
         self.collective, self.stats, self.extras = collective, stats, extras
-        self.before_round = before_round
         self.buckets = plan_buckets([(n, p.numel() * p.element_size()) for n, p in self.params.items()],
                                     bucket_bytes)
         self.bucket_of = {n: k for k, names in enumerate(self.buckets) for n in names}
@@ -130,8 +124,6 @@ class GradientBuckets:
         self.stats.seconds += time.perf_counter() - began
 
     def _launch(self, k: int) -> None:
-        if k == 0 and self.before_round is not None:
-            self.before_round()
         live = {}
         for n in self.buckets[k]:
             p = self.params[n]

@@ -96,9 +96,7 @@ class LocalSGD:
     `average_gradients`: average each step's gradients in buckets during backward instead
     of the parameters after the step (see the module docstring); None: whenever the period
     is 1 with no outer step and a lossless wire. `ring` is the open ring the buckets use
-    (the store collective `allreduce` otherwise), `bucket_bytes` their size.
-    `before_round()` runs before the replica posts anything for a round (whoever writes the
-    sync checkpoints in the background waits there for the previous one)."""
+    (the store collective `allreduce` otherwise), `bucket_bytes` their size."""
 
     def __init__(
         self,
@@ -123,7 +121,6 @@ class LocalSGD:
         average_gradients: bool | None = None,
         ring: RingGroup | None = None,
         bucket_bytes: int = int(DEFAULT_BUCKET_MB * 2**20),
-        before_round: Callable[[], None] | None = None,
     ):
         if period is not None and period < 1:
             raise ZooidValueError("sync_period", f"must be a positive step count or None, got {period}")
@@ -138,7 +135,6 @@ class LocalSGD:
         self.period, self.timeout = period, timeout
         self.replayable, self.repost_s, self.on_sync = replayable, repost_s, on_sync
         self.replay, self.allreduce = replay, allreduce
-        self.before_round = before_round
         self.stats = TransferStats()
         self.log = PostLog()
         self.rounds = self._dropped = start_round
@@ -157,8 +153,7 @@ class LocalSGD:
                           StoreBuckets(allreduce, store, group, rank, world, timeout, replayable=replayable,
                                        repost_s=repost_s, replay=replay))
             self._buckets = GradientBuckets(dict(model.named_parameters()), collective, stats=self.stats,
-                                            bucket_bytes=bucket_bytes, extras=self._float_buffers,
-                                            before_round=before_round)
+                                            bucket_bytes=bucket_bytes, extras=self._float_buffers)
             self._buckets.arm(self.rounds)
             # Before the step reads `.grad`: whatever loop drives the optimizer.
             self._step_hook = optimizer.register_step_pre_hook(lambda *_: self._buckets.finish())
@@ -179,8 +174,6 @@ class LocalSGD:
     def sync(self) -> None:
         """Average the shared tensors over the replicas now (in place), through the outer
         step when there is one."""
-        if self.before_round is not None:
-            self.before_round()
         live = self._shared_tensors()
         previous = sync_call_prefix(self.group, self.rounds - 1) if self.rounds and not self.replayable else None
         payload = live if self.outer is None else self.outer.payload(live)

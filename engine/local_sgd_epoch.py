@@ -9,12 +9,14 @@ Sync round r of epoch e uses scratch keys under `runs/<id>/sync/e<e>/r<r>/`.
 
 1. After round r, rank 0 writes the averaged state (weights, optimizer state) and the data
    position (epoch, step, round) in one atomic put to the durable sync checkpoint
-   `runs/<id>/ckpt/sync-e<e>.safetensors`, *before* it posts anything for round r + 1;
-   then it deletes round r - 1's keys. The put runs behind the training thread
-   (`engine.checkpoint.CheckpointWriter`: the state is copied at once, the store's round
-   trip overlaps step r + 1's compute) and round r + 1's first post waits for it; a rank 0
-   killed with the put in flight is one killed just before it. (Every rank has finished round r - 1 by then: each
-   posted its round-r pieces, which it does only after reading all of round r - 1.)
+   `runs/<id>/ckpt/sync-e<e>.safetensors`; once it is in the store, rank 0 deletes round
+   r - 1's keys. The put runs behind the training thread (`engine.checkpoint.CheckpointWriter`:
+   the state is copied at once, and the store's round trip, a file's fsync or a request,
+   overlaps step r + 1 and its sync): rank 0 may post round r + 1 while checkpoint r is in
+   flight, but it starts checkpoint r + 1 only once checkpoint r is stored, so it posts
+   nothing for round r + 2 before then. A rank 0 killed with a put in flight is one killed
+   just before that put. (Every rank has finished round r - 1 by then: each posted its
+   round-r pieces, which it does only after reading all of round r - 1.)
 2. A relaunched replica (`attempt > 0`, or `spec.resume`)
    loads the sync checkpoint when it belongs to this run, epoch, world, period, step
    count, batch size, seed and init key; otherwise it starts from `init_key`. From step s
@@ -22,13 +24,14 @@ Sync round r of epoch e uses scratch keys under `runs/<id>/sync/e<e>/r<r>/`.
    (`batch_stream` seeded by (seed, epoch, rank)), trains steps s.., and joins round c + 1
    with the same state and data as its dead predecessor, so its contributions are the
    same numbers (bit-identical when both run with the same threads and kernels).
-3. The replica rejoins without deadlock: its peers wait in round c + 1 or c + 2 at most
-   (they need its contributions to get further, and round c + 2 cannot finish before
-   checkpoint c + 1 exists, which the relaunch would have found). Rounds >= c + 1 are
-   still in the store: rank 0 deletes round r - 1 only after checkpoint r, and checkpoint
-   c + 2 needs this replica's round c + 2 result. Within a round the collective is
-   idempotent (`comm.collectives`): a reduced slice already posted is adopted, pieces
-   stay until their reader posted its result, and pieces nobody needs are not sent again.
+3. The replica rejoins without deadlock: its peers wait in round c + 3 at most (they need
+   its contributions to get further, and its predecessor posted nothing for round c + 3,
+   which needs checkpoint c + 1 stored, and the relaunch would have found that). Rounds
+   >= c + 1 are still in the store: rank 0 deletes round r - 1 only after checkpoint r is
+   stored. Within a round the collective is idempotent (`comm.collectives`): a reduced
+   slice already posted is adopted, pieces stay until their reader posted its result,
+   and pieces nobody needs are not sent again; so the relaunch replays rounds c + 1 and
+   c + 2 from what its predecessor posted, as a checkpoint every two rounds would.
 4. The release at the end is idempotent too (`release_group(resumed=True)`), and rank 0
    rewrites the epoch checkpoint from the final sync checkpoint when it is the relaunch.
 
@@ -316,7 +319,7 @@ def _run(spec: WorkerSpec, store: Store, ckpt_store: Store, started: float,
 
     def on_sync(round_: int, step: int) -> None:
         if spec.rank == 0 and checkpoint_round(round_, step):
-            # in the background; the next round posts nothing before it is in the store
+            # in the background (step 1 of the module docstring); this waits for the one before
             writer.write(sync_key, model, optimizer, {**position, "step": step, "round": round_},
                          extra=outer.state_tensors() if outer else None,
                          then=lambda: averaging.drop_rounds_before(round_))
@@ -340,7 +343,7 @@ def _run(spec: WorkerSpec, store: Store, ckpt_store: Store, started: float,
                          outer=outer, compressor=compressor, ring=ring,
                          average_gradients=averages_gradients(spec.sync_period, spec.sync.outer_optimizer,
                                                               spec.sync.sync_dtype, spec.sync.every_step),
-                         bucket_bytes=int(spec.sync.bucket_mb * 2**20), before_round=writer.wait)
+                         bucket_bytes=int(spec.sync.bucket_mb * 2**20))
     generator = torch.Generator().manual_seed(batch_seed(spec.seed, spec.epoch, spec.rank))
     stream = batch_stream(len(y), spec.batch_size, spec.steps, generator)
     for _ in range(start.step):
