@@ -93,8 +93,9 @@ def alive(pid: int) -> bool:
         return False
 
 
-def stop_groups(pids: list[int]) -> None:
-    """SIGTERM the process groups these pids lead, then SIGKILL what is left after 10 s."""
+def stop_groups(pids: list[int], poll_s: float = 0.02) -> None:
+    """SIGTERM the process groups these pids lead, then SIGKILL what is left after 10 s;
+    whether they are gone is checked every `poll_s`."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in pids:
             try:
@@ -103,7 +104,7 @@ def stop_groups(pids: list[int]) -> None:
                 pass
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and any(alive(p) for p in pids):
-            time.sleep(0.2)
+            time.sleep(poll_s)
             for pid in pids:  # reap our own children if we started them
                 try:
                     os.waitpid(pid, os.WNOHANG)

@@ -20,6 +20,7 @@ from typing import Callable
 
 from comm.store import Store, open_store
 from core.errors import LeaseExpired, OutOfMemory, StoreTimeout, ZooidValueError
+from core.fast_exit import exit_now
 from core.specs import WorkerSpec
 from engine.optimizers import load_lazy_modules
 from runtime.run_spec import run_spec
@@ -74,4 +75,4 @@ def main(argv: list[str] | None = None, open_ref: Callable[[str], Store] = open_
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())
