@@ -18,15 +18,23 @@ ring cached, Zooid store first run, Zooid store cached, plain PyTorch, then agai
   profile and the run terms are read back).
 - **plain PyTorch**: one process, the same model, data, batch 16 and optimizer: the floor.
 
+- **Zooid on the running stack** (after the rounds above): one local stack (`deployments.stack.up`,
+  the scratch folder its home), and per round `train/local` submitted twice through Prefect
+  (`deployments.stack.run_deployed`, `collective=ring`): on a fresh store (the profile is measured)
+  and on the store that run left (cached). Its "whole command" is submit to the flow run's end,
+  its "to first step" submit to the first step (the process worker's poll, the flow run's process,
+  the profile when measured, the workers' start).
+
 Per row, medians over the rounds: the whole command (process start to exit); time to first step
 (process start to the first training step: Ray's workers report it, Zooid's is the later of the
 two workers' first busy interval of epoch 0 in the run's ledger); epochs 1-3 (mean seconds of
 epochs 1, 2 and 3); final validation accuracy.
 
 Goals (#26): Zooid's whole command at or below Ray's on a first run and at most 0.8x Ray's with
-a cached profile; every-step epochs at most 1.1x Ray's over `ring` and 1.5x over the store.
+a cached profile; every-step epochs at most 1.1x Ray's over `ring` and 1.5x over the store;
+submit to first step on a running stack 5 s or less.
 
-    .venv/bin/python -m benchmarks.bench_peers [--rounds 3] [--out PATH] [--keep]
+    .venv/bin/python -m benchmarks.bench_peers [--rounds 3] [--out PATH] [--keep] [--no-stack]
 """
 from __future__ import annotations
 
@@ -51,7 +59,7 @@ RAY_VERSION = "2.60.0"
 RAY_POLL_S = 0.1
 JOB = {"model": "digits_cnn", "dataset": "digits", "workers": 2, "batch_size": 16, "optimizer": "momentum",
        "lr": 0.05, "epochs": 4, "seed": 0}
-GOALS = {"first": 1.0, "cached": 0.8, "ring": 1.1, "store": 1.5}
+GOALS = {"first": 1.0, "cached": 0.8, "ring": 1.1, "store": 1.5, "submit_s": 5.0}
 
 TRAIN = r'''
 import json, os, sys, time
@@ -179,17 +187,68 @@ def run_zooid(home: Path, collective: str) -> dict:
         raise RuntimeError(f"zooid run failed: {proc.stderr[-2000:]}")
     summary = json.loads(summary_path.read_text())
     ledger = json.loads((home / "store" / "runs" / summary["run_id"] / "cost.json").read_text())
-    firsts = {}
-    for r in ledger["rows"]:
-        if r["kind"] == "worker" and r.get("status") == "busy" and r.get("epoch") == 0:
-            firsts[r["rank"]] = min(firsts.get(r["rank"], r["start"]), r["start"])
-    return {"wall_s": wall, "to_first_step_s": max(firsts.values()) - began if firsts else None,
+    first = first_step_at(ledger)
+    return {"wall_s": wall, "to_first_step_s": first - began if first else None,
             "epochs": [{"seconds": e["seconds"], "val_accuracy": e["val_accuracy"]} for e in summary["epochs"]],
             "profile": summary["plan"].get("profile_sources")}
 
 
+def first_step_at(ledger: dict | None) -> float | None:
+    """When every worker had begun epoch 0: the latest of the ranks' first busy interval."""
+    firsts = {}
+    for r in (ledger or {}).get("rows", []):
+        if r["kind"] == "worker" and r.get("status") == "busy" and r.get("epoch") == 0:
+            firsts[r["rank"]] = min(firsts.get(r["rank"], r["start"]), r["start"])
+    return max(firsts.values()) if firsts else None
+
+
+STACK_RUN = r'''
+import json, sys
+from pathlib import Path
+from deployments.stack import run_deployed
+s = run_deployed(json.loads(sys.argv[1]), Path(sys.argv[2]), timeout_s=900)
+print("RESULT " + json.dumps({k: s[k] for k in ("submitted_at", "flow_end_at", "ledger", "epochs")}))
+'''
+"""One deployment run on the stack at `argv[2]`: submitted (`train/local`), waited for, read back."""
+
+
+def run_on_stack(stack_home: Path, store: Path) -> dict:
+    """`train/local` submitted to the running stack with the job on `store` (fresh, or as an
+    earlier run left it): submit to the flow run's end, submit to the first step."""
+    params = {**JOB, "sync_period": 1, "collective": "ring", "store": f"file://{store}"}
+    proc = subprocess.run([sys.executable, "-c", STACK_RUN, json.dumps(params), str(stack_home)],
+                          capture_output=True, text=True, timeout=900, cwd=REPO)
+    if proc.returncode:
+        raise RuntimeError(f"stack run failed: {proc.stderr[-2000:]}")
+    out = _result(proc.stdout)
+    first, submitted = first_step_at(out["ledger"]), out["submitted_at"]
+    return {"wall_s": (out["flow_end_at"] or submitted) - submitted,
+            "to_first_step_s": first - submitted if first else None,
+            "epochs": [{"seconds": e["seconds"], "val_accuracy": e["val_accuracy"]} for e in out["epochs"]]}
+
+
 ROWS = ("Ray Train", "Zooid ring, first run", "Zooid ring, cached profile", "Zooid store, first run",
         "Zooid store, cached profile", "plain PyTorch, 1 process")
+STACK_ROWS = ("Zooid on the running stack, first run", "Zooid on the running stack, cached profile")
+
+
+def stack_rounds(scratch: Path, rounds: int) -> list[dict[str, dict]]:
+    """`rounds` pairs of deployment runs (fresh store, then the same store) on one local stack
+    (`deployments.stack.up`, scratch home), started before and stopped after."""
+    from deployments import stack
+
+    home = scratch / "stack"
+    stack.up(home=home)
+    try:
+        out = []
+        for k in range(rounds):
+            store = scratch / f"stack-store-{k}"
+            out.append({row: run_on_stack(home, store) for row in STACK_ROWS})
+            print(f"stack round {k}: " + ", ".join(f"{row} {r['to_first_step_s']:.1f} s to first step"
+                                                   for row, r in out[-1].items()), flush=True)
+        return out
+    finally:
+        stack.down(home)
 
 
 def one_round(scratch: Path, ray_py: Path, k: int) -> dict[str, dict]:
@@ -223,15 +282,17 @@ def _s(x) -> str:
     return "-" if x is None else f"{x:.2f} s"
 
 
-def render(rounds: list[dict[str, dict]]) -> str:
+def render(rounds: list[dict[str, dict]], stack: list[dict[str, dict]]) -> str:
     stats = {}
-    for row in ROWS:
+    rounds = [{**r, **s} for r, s in zip(rounds, stack)] if stack else rounds
+    rows = ROWS + (STACK_ROWS if stack else ())
+    for row in rows:
         runs = [r[row] for r in rounds]
         stats[row] = {"wall": _med(r["wall_s"] for r in runs), "first": _med(r["to_first_step_s"] for r in runs),
                       "epochs": _med(statistics.mean(e["seconds"] for e in r["epochs"][1:4]) for r in runs),
                       "acc": _med(r["epochs"][-1]["val_accuracy"] for r in runs)}
     lines = ["| | whole command | to first step | epochs 1-3 (mean) | final accuracy |", "|---|---|---|---|---|"]
-    for row in ROWS:
+    for row in rows:
         s = stats[row]
         lines.append(f"| {row} | {_s(s['wall'])} | {_s(s['first'])} | {_s(s['epochs'])} | {s['acc']:.3f} |")
     ray = stats["Ray Train"]
@@ -248,12 +309,18 @@ def render(rounds: list[dict[str, dict]]) -> str:
               goal("Every-step epochs over ring (cached)", stats["Zooid ring, cached profile"]["epochs"]
                    / ray["epochs"], GOALS["ring"]),
               goal("Every-step epochs over the store (cached)", stats["Zooid store, cached profile"]["epochs"]
-                   / ray["epochs"], GOALS["store"]),
-              "", "Per round (whole command / to first step / epochs 1-3):", ""]
+                   / ray["epochs"], GOALS["store"])]
+    for row in STACK_ROWS if stack else ():
+        first = stats[row]["first"]
+        verdict = "met" if first is not None and first <= GOALS["submit_s"] else "not met"
+        lines.append(f"- Submit to first step on a running stack ({row.rsplit(', ', 1)[1]}): {_s(first)} "
+                     f"(goal at most {GOALS['submit_s']:g} s): **{verdict}**")
+    lines += ["", "Per round (whole command / to first step / epochs 1-3; on the stack: submit to the flow "
+              "run's end / submit to first step / epochs 1-3):", ""]
     for k, r in enumerate(rounds):
         lines.append(f"- round {k}: " + "; ".join(
             f"{row}: {r[row]['wall_s']:.1f} / {_s(r[row]['to_first_step_s'])} / "
-            f"{statistics.mean(e['seconds'] for e in r[row]['epochs'][1:4]):.3f} s" for row in ROWS))
+            f"{statistics.mean(e['seconds'] for e in r[row]['epochs'][1:4]):.3f} s" for row in rows))
     return "\n".join(lines) + "\n"
 
 
@@ -263,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--keep", action="store_true", help="keep the scratch folder (Ray's virtualenv included)")
     parser.add_argument("--scratch", type=Path, help="the scratch folder (default: a new temporary one)")
+    parser.add_argument("--no-stack", action="store_true", help="leave out the rows on a running local stack")
     args = parser.parse_args(argv)
     prov = provenance()
     scratch = args.scratch or Path(tempfile.mkdtemp(prefix="zooid-peers-"))
@@ -274,10 +342,11 @@ def main(argv: list[str] | None = None) -> int:
             rounds.append(one_round(scratch, ray_py, k))
             print(f"round {k}: " + ", ".join(f"{row} {r['wall_s']:.1f} s" for row, r in rounds[-1].items()),
                   flush=True)
+        stack = stack_rounds(scratch, args.rounds) if not args.no_stack else []
         body = (f"Job: {json.dumps(JOB)}; every step averaged (Zooid `sync_period=1`, Ray DDP); "
                 f"Ray {RAY_VERSION}, controller poll {RAY_POLL_S} s; {args.rounds} rounds, interleaved; "
                 "medians over the rounds. Method: the module docstring of `benchmarks/bench_peers.py`.\n\n"
-                + render(rounds))
+                + render(rounds, stack))
         write_result(args.out, TITLE, command_for("benchmarks.bench_peers", argv), prov, body)
         print(body)
     finally:
