@@ -22,10 +22,16 @@ def exit_now(code: int | None) -> NoReturn:
     for thread in threading.enumerate():
         if thread is not threading.current_thread() and not thread.daemon:
             thread.join()
+    run_exit_handlers()
+    os._exit(0 if code is None else code)
+
+
+def run_exit_handlers() -> None:
+    """What a program's end does before the interpreter's teardown: the `atexit` handlers, then
+    the standard streams flushed (a forked worker, which ends by `os._exit`, does it too)."""
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):
             pass
-    os._exit(0 if code is None else code)

@@ -31,6 +31,8 @@ import select
 import signal
 import sys
 
+from core.fast_exit import run_exit_handlers
+
 FORK_SERVER_NAME = "zooid-forks"
 """This process's name in `/proc/<pid>/comm` (at most 15 bytes)."""
 
@@ -55,7 +57,6 @@ def _run_worker(argv: list[str], env: dict[str, str], log: str, own_name: str, s
     """In the forked child: become a fresh worker process in a session of its own, under the
     interpreter's name (then close `started`, which tells the server so), run it, return its
     exit status."""
-    import atexit
     import random
     import traceback
 
@@ -95,12 +96,7 @@ def _run_worker(argv: list[str], env: dict[str, str], log: str, own_name: str, s
     except BaseException:
         traceback.print_exc()
         code = 1
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
+    run_exit_handlers()
     if code < 0:  # as an uncaught Ctrl-C ends an interpreter: by the signal itself
         signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
