@@ -257,6 +257,8 @@ def _run_training(job: TrainJob) -> RunSummary:
     try:
         profile_plan_and_provision(run)
         for epoch in range(run.first_epoch, job.epochs):
+            COMMAND_LINE.raise_if_stopped()
+            COMMAND_LINE.raise_if_cancelling(run.ctx.flow_run_id)
             if (stop := guardrail(job, run.ctx, run.plan, run.history)) is not None:
                 run.status = stop
                 break
@@ -328,7 +330,7 @@ def train_one_epoch(run: Training, epoch: int) -> EpochSummary:
     knows their count), commit its checkpoint, calibrate the planner from it, record it."""
     ctx, job = run.ctx, run.job
     resuming = run.resume is not None and run.resume.mid_epoch and epoch == run.first_epoch
-    ticks = [epoch_progress_tick(ctx, run.progress_id, len(run.history))]
+    ticks = [COMMAND_LINE.raise_if_stopped, epoch_progress_tick(ctx, run.progress_id, len(run.history))]
     if ctx.state.warm is not None and epoch + 1 < job.epochs and \
             (upcoming := forecast_workers(ctx, run.profile, run.history, run.plan.data_parallel, run.lr)):
         ticks.append(WarmPrestart(ctx, run.plan, epoch, upcoming).tick)  # hides the next start-up
@@ -459,9 +461,11 @@ class CommandLine:
         self.active = False
         self.signal: int | None = None
         self.run: dict = {}
+        self.cancel_checked_at = 0.0
 
     def reset(self, active: bool) -> None:
         self.active, self.signal, self.run = active, None, {}
+        self.cancel_checked_at = time.monotonic()
 
     def stop(self, signum: int) -> bool:
         """Note the first stop signal and quiet the console; False for a later one."""
@@ -470,6 +474,33 @@ class CommandLine:
         self.signal = signum
         _quiet_console()
         return True
+
+    def raise_if_stopped(self) -> None:
+        """Raise for a stop signal already noted. The exception the signal raised can land in
+        library code that catches it: the recipe's next boundary, and the epoch's every poll,
+        raise it again."""
+        if self.active and self.signal is not None:
+            raise KeyboardInterrupt(f"signal {self.signal}")
+
+    def raise_if_cancelling(self, flow_run_id: str, every_s: float = 2.0) -> None:
+        """At most every `every_s`: a command line's flow run that Prefect set Cancelling (its own
+        SIGTERM handler does, when the signal reaches it instead of ours) stops as if the signal
+        had been noted. A command line once trained on for minutes after its SIGTERM, its flow
+        run Cancelling on the server."""
+        now = time.monotonic()
+        if not self.active or now - self.cancel_checked_at < every_s:
+            return
+        self.cancel_checked_at = now
+        from prefect.client.orchestration import get_client
+
+        try:
+            with get_client(sync_client=True) as client:
+                state = client.read_flow_run(flow_run_id).state
+        except Exception:  # the API's trouble is not a stop
+            return
+        if state is not None and (state.is_cancelling() or state.is_cancelled()):
+            self.stop(signal.SIGTERM)
+            self.raise_if_stopped()
 
     def watch_sigterm(self):
         """Inside the flow (where Prefect's engine owns SIGTERM), on a command line: chain a

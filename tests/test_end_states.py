@@ -259,3 +259,50 @@ def test_a_command_line_run_stopped_by_a_signal_says_three_lines_and_exits_128_p
     summary = json.loads((runs / run_id / "summary.json").read_text())  # stopped by its user: cancelled
     assert summary["status"] == "cancelled" and summary["error"] == f"interrupted by {sig.name} on the command line"
     assert summary["total_cost_usd"] == ledger["total_usd"]
+
+
+def test_a_noted_stop_is_raised_again_at_the_next_boundary():
+    """A command line's stop signal, once noted, is raised again by the recipe's next boundary
+    and by every poll of an epoch: a library that caught the first raise cannot keep the run
+    training. Another process's run (not a command line) is not affected."""
+    from flows.train import CommandLine
+
+    line = CommandLine()
+    line.reset(active=True)
+    line.raise_if_stopped()  # nothing noted: goes on
+    line.signal = signal.SIGTERM  # as `stop` notes it (without quieting this test's console)
+    with pytest.raises(KeyboardInterrupt, match=f"signal {int(signal.SIGTERM)}"):
+        line.raise_if_stopped()
+    line.reset(active=False)
+    line.signal = signal.SIGTERM
+    line.raise_if_stopped()
+
+
+def test_a_command_line_whose_flow_run_prefect_set_cancelling_stops(monkeypatch):
+    """Where Prefect's own SIGTERM handler took the signal and set the flow run Cancelling, the
+    command line notes the stop at its next check and raises it."""
+    import prefect.client.orchestration as orchestration
+    from prefect.states import Cancelling, Running
+
+    from flows.train import CommandLine
+
+    states = [Running(), Cancelling()]
+
+    class Client:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def read_flow_run(self, flow_run_id):
+            return type("FlowRun", (), {"state": states.pop(0)})()
+
+    monkeypatch.setattr(orchestration, "get_client", lambda sync_client: Client())
+    monkeypatch.setattr("flows.train._quiet_console", lambda: None)
+    line = CommandLine()
+    line.reset(active=True)
+    line.raise_if_cancelling("fr", every_s=0.0)  # running: goes on
+    with pytest.raises(KeyboardInterrupt):
+        line.raise_if_cancelling("fr", every_s=0.0)
+    assert line.signal == signal.SIGTERM
