@@ -56,7 +56,7 @@ from coordinator.resume import ResumePoint, find_resume_point, write_history
 from coordinator.run_terms import RunClock, record_terms
 from coordinator.scaling_policy import forecast_workers
 from coordinator.staging import preload_staging
-from coordinator.sweep import tagged_pids
+from coordinator.sweep import worker_pids
 from coordinator.validate import check_target_ready, validate_job
 from coordinator.warm_pool import WarmPool, provisional_plan, starts_before_profile
 from coordinator.warm_prestart import WarmPrestart
@@ -397,7 +397,7 @@ def finish_run(run: Training) -> RunSummary:
 def _live_workers(ctx: RunContext) -> int:
     """Worker processes or flow runs of the run still alive before its teardown."""
     try:
-        return len(tagged_pids(ctx.run_id)) or len(ctx.state.warm.workers if ctx.state.warm is not None else [])
+        return len(worker_pids(ctx.run_id)) or len(ctx.state.warm.workers if ctx.state.warm is not None else [])
     except Exception:
         return 0
 
