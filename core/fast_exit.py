@@ -19,9 +19,10 @@ from typing import NoReturn
 
 def exit_now(code: int | None) -> NoReturn:
     """`sys.exit(code)` less the interpreter's teardown (see the module docstring)."""
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    # what the interpreter does first at its end: the callbacks threads registered for it (an
+    # idle ThreadPoolExecutor's workers are told to stop there; joining them before would wait
+    # forever), then every non-daemon thread joined
+    threading._shutdown()
     run_exit_handlers()
     os._exit(0 if code is None else code)
 

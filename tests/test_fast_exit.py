@@ -1,6 +1,7 @@
 """A command's process ends without the interpreter's teardown (`core.fast_exit`), but as
 `sys.exit` would for everything the program can see: its status, its non-daemon threads
-finished, its `atexit` handlers run, its buffered output written."""
+finished (an idle thread pool's told to stop first, as the interpreter does), its `atexit`
+handlers run, its buffered output written. The subprocess's timeout guards a hang."""
 import subprocess
 import sys
 import textwrap
@@ -10,6 +11,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 PROGRAM = textwrap.dedent('''
     import atexit, sys, threading
+    from concurrent.futures import ThreadPoolExecutor
     from core.fast_exit import exit_now
 
     out = sys.argv[1]
@@ -21,6 +23,8 @@ PROGRAM = textwrap.dedent('''
             fh.write("thread done")
 
     threading.Thread(target=late_writer).start()  # not a daemon: the end waits for it
+    pool = ThreadPoolExecutor(1)  # kept: an idle pool whose worker is told to stop only at the end
+    pool.submit(int).result()
     atexit.register(lambda: open(out + ".atexit", "w").write("atexit ran"))
     sys.stdout.write("buffered, no newline")
     release.set()
