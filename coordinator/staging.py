@@ -16,7 +16,6 @@ from core.keys import data_manifest_key, init_checkpoint_key, run_doc_key
 from core.plan import Plan
 from engine.checkpoint import initial_checkpoint
 from engine.datasets import publish_dataset, read_manifest
-from engine.optimizers import load_lazy_modules
 
 
 def check_deployment(name: str) -> None:
@@ -29,13 +28,6 @@ def check_deployment(name: str) -> None:
     except Exception as exc:
         raise ZooidValueError("target", f"worker deployment {name!r} not found on the Prefect API "
                               f"({type(exc).__name__}); start the stack with `make up`") from None
-
-
-def preload_staging() -> None:
-    """Load now what staging's first optimizer would load lazily (torch's compiler stack,
-    `engine.optimizers.load_lazy_modules`, 0.6 s here): the command line does it while its
-    Prefect server boots, where the coordinator would otherwise only wait."""
-    load_lazy_modules()
 
 
 def stage_run(ctx: RunContext, plan: Plan, fresh: bool = True) -> dict:

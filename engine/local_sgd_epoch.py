@@ -314,11 +314,10 @@ def _run(spec: WorkerSpec, store: Store, ckpt_store: Store, started: float,
 
     cadence = CheckpointCadence(spec.sync.checkpoint_every, spec.steps,
                                 spec.sync.ring_checkpoint_s if ring is not None else 0.0, checkpoint_clock)
-    checkpoint_round = cadence.due
     writer = CheckpointWriter(ckpt_store)
 
     def on_sync(round_: int, step: int) -> None:
-        if spec.rank == 0 and checkpoint_round(round_, step):
+        if spec.rank == 0 and cadence.due(round_, step):
             # in the background (step 1 of the module docstring); this waits for the one before
             writer.write(sync_key, model, optimizer, {**position, "step": step, "round": round_},
                          extra=outer.state_tensors() if outer else None,
@@ -332,7 +331,7 @@ def _run(spec: WorkerSpec, store: Store, ckpt_store: Store, started: float,
         # before this rank posts its reduced slice: see engine.residuals
         compressor.before_result = lambda: (
             residuals.write(averaging.rounds, compressor.residual)
-            if checkpoint_round(averaging.rounds, averaging.steps) or averaging.steps >= spec.steps else None)
+            if cadence.due(averaging.rounds, averaging.steps) or averaging.steps >= spec.steps else None)
 
     averaging = LocalSGD(model, optimizer, store, group, spec.rank, spec.world, spec.sync_period,
                          spec.sync_timeout_s, replayable=bool(spec.sync.checkpoint_every),

@@ -25,7 +25,8 @@ def load_lazy_modules() -> None:
     """Build and drop one optimizer. The first optimizer a process builds makes torch import
     its compiler stack (`torch._dynamo` and more: 0.6 s of CPU on this machine); a worker
     does it while it starts, before it reports ready, so its first epoch (or profile) does
-    not, and the fork server does it once for every worker it forks."""
+    not, the fork server does it once for every worker it forks, and the command line while
+    its Prefect server boots (its staging builds an optimizer)."""
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
 
 
