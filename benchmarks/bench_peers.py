@@ -189,8 +189,12 @@ def run_zooid(home: Path, collective: str) -> dict:
     ledger = json.loads((home / "store" / "runs" / summary["run_id"] / "cost.json").read_text())
     first = first_step_at(ledger)
     return {"wall_s": wall, "to_first_step_s": first - began if first else None,
-            "epochs": [{"seconds": e["seconds"], "val_accuracy": e["val_accuracy"]} for e in summary["epochs"]],
-            "profile": summary["plan"].get("profile_sources")}
+            "epochs": _epochs(summary["epochs"]), "profile": summary["plan"].get("profile_sources")}
+
+
+def _epochs(summary_epochs: list[dict]) -> list[dict]:
+    """A Zooid run's epochs as the table reads them: seconds and validation accuracy."""
+    return [{"seconds": e["seconds"], "val_accuracy": e["val_accuracy"]} for e in summary_epochs]
 
 
 def first_step_at(ledger: dict | None) -> float | None:
@@ -224,7 +228,7 @@ def run_on_stack(stack_home: Path, store: Path) -> dict:
     first, submitted = first_step_at(out["ledger"]), out["submitted_at"]
     return {"wall_s": (out["flow_end_at"] or submitted) - submitted,
             "to_first_step_s": first - submitted if first else None,
-            "epochs": [{"seconds": e["seconds"], "val_accuracy": e["val_accuracy"]} for e in out["epochs"]]}
+            "epochs": _epochs(out["epochs"])}
 
 
 ROWS = ("Ray Train", "Zooid ring, first run", "Zooid ring, cached profile", "Zooid store, first run",
