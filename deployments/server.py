@@ -188,8 +188,9 @@ def build_db_template() -> Path:
         port = free_port(0)
         env = {"PREFECT_HOME": str(home), "PREFECT_API_URL": "", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                "DO_NOT_TRACK": "1", **dict.fromkeys(DB_URL_VARIABLES, f"sqlite+aiosqlite:///{home / DB}")}
-        pid = spawn([bin_path("prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                    env, Path(scratch) / "server.log")
+        # under the guard as the command line's server is: an install killed here leaves no server
+        pid = spawn([sys.executable, "-m", "deployments.orphan_guard", str(os.getpid()), "--", bin_path("prefect"),
+                     "server", "start", "--host", "127.0.0.1", "--port", str(port)], env, Path(scratch) / "server.log")
         try:
             wait_healthy(f"http://127.0.0.1:{port}/api")
         finally:
