@@ -208,12 +208,11 @@ class SyncSpec(JsonSpec):
     checkpoint_every: int = 1
     """Write the Local-SGD sync checkpoint every n rounds (the last round always); 0: off,
     and with it single-replica relaunch."""
-    ring_checkpoint_s: float = 1.0
-    """With `collective=ring`, write the sync checkpoint at most once per this many seconds
-    (the last round always) instead of every `checkpoint_every` rounds; 0: by rounds. A
-    ring keeps nothing of its rounds in the store, so its checkpoint only bounds what a
-    failed attempt loses (the rerun resumes every rank from it), and written every step it
-    would cost rank 0 a put per step while its peers wait."""
+    checkpoint_s: float = 1.0
+    """Over a ring, and over the store when every step averages gradients, write the sync
+    checkpoint at most once per this many seconds (the last round always) instead of every
+    `checkpoint_every` rounds; 0: by rounds. Written every step it would cost rank 0 a put
+    per step while its peers wait (`engine.local_sgd_epoch.CheckpointCadence`)."""
     group: str = ""
     """Store prefix of the Local-SGD syncs; empty: `runs/<run>/sync/e<epoch>`."""
     outer_optimizer: str = "average"
@@ -235,7 +234,7 @@ class SyncSpec(JsonSpec):
         _positive(self, "sync.", ("ring_timeout_s", "outer_lr", "bucket_mb"))
         if self.every_step not in EVERY_STEP:
             raise ZooidValueError("sync.every_step", f"must be one of {', '.join(EVERY_STEP)}, got {self.every_step!r}")
-        _positive(self, "sync.", ("repost_s", "checkpoint_every", "ring_checkpoint_s"), zero_ok=True)
+        _positive(self, "sync.", ("repost_s", "checkpoint_every", "checkpoint_s"), zero_ok=True)
         if self.outer_optimizer not in OUTER_OPTIMIZERS:
             raise ZooidValueError("sync.outer_optimizer", f"must be one of {', '.join(OUTER_OPTIMIZERS)}, "
                                   f"got {self.outer_optimizer!r}")

@@ -60,10 +60,14 @@ fails the attempt, and the rerun resumes every rank from the checkpoint.
 `sync.checkpoint_every` = n writes the sync checkpoint every n rounds (default 1;
 the last round always) and keeps n rounds of results in the store; 0 turns sync
 checkpoints off, and with them single-replica relaunch (each round then deletes the one
-before, as without faults). With the ring, which keeps nothing of its rounds in the store,
-the cadence is in seconds instead: at most one sync checkpoint per `sync.ring_checkpoint_s`
-(default 1 s; the last round always), so an every-step ring does not pay a put per step,
-and a failed attempt loses at most that much training (`CheckpointCadence`).
+before, as without faults). Over the ring, and over the store when every step averages
+gradients, the cadence is in seconds instead (`CheckpointCadence`, `cadence_for`): at most
+one sync checkpoint per `sync.checkpoint_s` (default 1 s; the last round always), so an
+every-step sync does not pay a put per step. The ring keeps nothing of its rounds, so its
+checkpoint only bounds what a failed attempt loses (the rerun resumes every rank from it).
+The store keeps every round since the last checkpoint, as with n rounds above, so steps
+2-4 hold for a relaunch from it; a checkpoint is also due once those rounds hold
+`REPLAY_KEPT_BYTES`, which bounds the scratch the replay needs.
 
 The outer step and the wire (`spec.sync.outer_optimizer`, `outer_lr`, `outer_momentum`,
 `sync_dtype`; `engine.outer`, `comm.compression`): the outer momentum travels in both
@@ -231,19 +235,25 @@ def run_local_sgd_epoch(spec: WorkerSpec, store: Store, open_ref: Callable[[str]
 
 
 checkpoint_clock: Callable[[], float] = time.monotonic
-"""The clock of a ring's checkpoint cadence (a test may set its own)."""
+"""The clock of a checkpoint cadence in seconds (a test may set its own)."""
+
+REPLAY_KEPT_BYTES = 64 * 2**20
+"""With a cadence in seconds through the store, the most bytes of rounds the store keeps for
+a relaunch to replay: a checkpoint is due once the rounds since the last one hold this much."""
 
 
 class CheckpointCadence:
-    """Which sync rounds rank 0 checkpoints: every `every` rounds, or with `min_s` > 0 (a
-    ring) the first round at least `min_s` seconds on `clock` after the last checkpoint;
-    the epoch's last round (`step >= steps`) always; none when `every` is 0. A round's answer
-    is given once and kept, so everyone who asks about it agrees."""
+    """Which sync rounds rank 0 checkpoints: every `every` rounds, or with `min_s` > 0 the
+    first round at least `min_s` seconds on `clock` after the last checkpoint (or the
+    `max_rounds`-th round after it, whichever comes first); the epoch's last round
+    (`step >= steps`) always; none when `every` is 0. A round's answer is given once and kept,
+    so everyone who asks about it agrees."""
 
-    def __init__(self, every: int, steps: int, min_s: float = 0.0, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, every: int, steps: int, min_s: float = 0.0, clock: Callable[[], float] = time.monotonic,
+                 max_rounds: int | None = None):
         """`steps`: the epoch's; the round that reaches it is the last."""
-        self.every, self.steps, self.min_s, self.clock = every, steps, min_s, clock
-        self.last = clock()
+        self.every, self.steps, self.min_s, self.clock, self.max_rounds = every, steps, min_s, clock, max_rounds
+        self.last, self.last_round = clock(), -1
         self._answer: tuple[int, bool] | None = None
 
     def due(self, round_: int, step: int) -> bool:
@@ -253,15 +263,31 @@ class CheckpointCadence:
             elif step >= self.steps:
                 due = True
             elif self.min_s:
-                due = self.clock() - self.last >= self.min_s
+                due = (self.clock() - self.last >= self.min_s
+                       or (self.max_rounds is not None and round_ - self.last_round >= self.max_rounds))
             else:
                 due = (round_ + 1) % self.every == 0
             self._answer = (round_, due)
         return self._answer[1]
 
-    def written(self) -> None:
-        """A checkpoint was just written: the next one is `min_s` from now."""
-        self.last = self.clock()
+    def written(self, round_: int) -> None:
+        """Round `round_`'s checkpoint was just written: the next one is `min_s` from now."""
+        self.last, self.last_round = self.clock(), round_
+
+
+def cadence_for(spec: WorkerSpec, model: nn.Module, ring: RingGroup | None) -> CheckpointCadence:
+    """The epoch's checkpoint cadence: in seconds (`sync.checkpoint_s`) over a ring, and over
+    the store when every step averages gradients (no rank keeps residuals that would have
+    to agree on the rounds), with the store's rounds kept for replay bounded by
+    REPLAY_KEPT_BYTES; by `sync.checkpoint_every` rounds otherwise."""
+    sync = spec.sync
+    if ring is not None:
+        return CheckpointCadence(sync.checkpoint_every, spec.steps, sync.checkpoint_s, checkpoint_clock)
+    if averages_gradients(spec.sync_period, sync.outer_optimizer, sync.sync_dtype, sync.every_step):
+        round_bytes = sum(t.numel() * t.element_size() for t in model.parameters()) or 1
+        return CheckpointCadence(sync.checkpoint_every, spec.steps, sync.checkpoint_s, checkpoint_clock,
+                                 max_rounds=max(1, REPLAY_KEPT_BYTES // round_bytes))
+    return CheckpointCadence(sync.checkpoint_every, spec.steps)
 
 
 def _outer_and_wire(spec: WorkerSpec, start: StartPoint, device: torch.device,
@@ -312,8 +338,7 @@ def _run(spec: WorkerSpec, store: Store, ckpt_store: Store, started: float,
                 "model": spec.model, "optimizer": spec.optimizer}
     outer, compressor, residuals = _outer_and_wire(spec, start, device, ckpt_store)
 
-    cadence = CheckpointCadence(spec.sync.checkpoint_every, spec.steps,
-                                spec.sync.ring_checkpoint_s if ring is not None else 0.0, checkpoint_clock)
+    cadence = cadence_for(spec, model, ring)
     writer = CheckpointWriter(ckpt_store)
 
     def on_sync(round_: int, step: int) -> None:
@@ -322,7 +347,7 @@ def _run(spec: WorkerSpec, store: Store, ckpt_store: Store, started: float,
             writer.write(sync_key, model, optimizer, {**position, "step": step, "round": round_},
                          extra=outer.state_tensors() if outer else None,
                          then=lambda: averaging.drop_rounds_before(round_))
-            cadence.written()
+            cadence.written(round_)
             if chaos.pending:
                 writer.wait()  # a planned fault finds the checkpoint where it always did
         chaos.after_sync(step)

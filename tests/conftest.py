@@ -6,6 +6,7 @@ by pid, because several people run tests on the same machine at once.
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -18,14 +19,31 @@ from pathlib import Path
 import pytest
 
 
+FILE_SECONDS = Path(__file__).with_name("file_seconds.json")
+"""Each test file's measured seconds (setup, call and teardown of its tests, summed), written
+by `pytest --record-file-seconds` (a whole run) and read to order the files longest first."""
+UNMEASURED_SLOW_S = 15.0
+"""What a file not in FILE_SECONDS counts for each of its `slow` tests (others count 0)."""
+
+
+def pytest_addoption(parser):
+    parser.addoption("--record-file-seconds", action="store_true",
+                     help=f"write each test file's seconds to {FILE_SECONDS.name} (the files' order)")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Run the files with the most `slow` tests first (so that, split over processes by file,
-    the long ones start at once rather than last), and skip tests marked `gpu` when CUDA is not
+    """Run the longest files first (so that, split over processes by file, no long file starts
+    last while the other processes sit idle), and skip tests marked `gpu` when CUDA is not
     available."""
-    slow_in = {}
+    recorded = json.loads(FILE_SECONDS.read_text())["files"] if FILE_SECONDS.exists() else {}
+    weight: dict[str, float] = {}
     for item in items:
-        slow_in[item.fspath] = slow_in.get(item.fspath, 0) + ("slow" in item.keywords)
-    items.sort(key=lambda item: -slow_in[item.fspath])  # stable: a file's own order is kept
+        path = item.nodeid.split("::")[0]
+        if path in recorded:
+            weight[path] = recorded[path]
+        else:
+            weight[path] = weight.get(path, 0.0) + UNMEASURED_SLOW_S * ("slow" in item.keywords)
+    items.sort(key=lambda item: -weight[item.nodeid.split("::")[0]])  # stable: a file's own order is kept
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items:
         return
@@ -36,6 +54,26 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs CUDA (torch.cuda.is_available() is False)")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+_seconds_by_file: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    _seconds_by_file[report.nodeid.split("::")[0]] = (
+        _seconds_by_file.get(report.nodeid.split("::")[0], 0.0) + report.duration)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """With --record-file-seconds, the main process (which sees every process's reports)
+    writes FILE_SECONDS once the whole run passed."""
+    config = session.config
+    if not config.getoption("record_file_seconds") or hasattr(config, "workerinput") or exitstatus != 0:
+        return
+    code = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=FILE_SECONDS.parent,
+                          capture_output=True, text=True).stdout.strip()
+    files = {path: round(s, 1) for path, s in sorted(_seconds_by_file.items(), key=lambda kv: -kv[1])}
+    FILE_SECONDS.write_text(json.dumps({"code": code, "files": files}, indent=1) + "\n")
 
 
 def free_port() -> int:

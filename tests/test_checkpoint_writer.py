@@ -2,8 +2,8 @@
 the state written is the state at `write`, a failed put reaches the caller, and a Local-SGD
 rank 0 goes on with round r + 1 while checkpoint r is in flight but posts nothing for round
 r + 2 before it is in the store. Their cadence
-(`engine.local_sgd_epoch.CheckpointCadence`): by rounds over the store, by seconds on a
-clock the test sets over the ring. Events order the steps; an `Event.wait` timeout only
+(`engine.local_sgd_epoch.CheckpointCadence`): by rounds, or by seconds on a clock the test
+sets (an every-step epoch, over the ring and over the store). Events order the steps; an `Event.wait` timeout only
 keeps a broken build from hanging."""
 from __future__ import annotations
 
@@ -111,7 +111,7 @@ def test_rank_0_posts_round_r_plus_2_only_once_checkpoint_r_is_stored(every_step
             events.append(("stored", ckpt))
 
     stores = [HookedStore(shared, rank0_before, rank0_after), shared]
-    worker_specs = specs(shared, run_id, "momentum", SyncSpec(collective="plain", every_step=every_step))
+    worker_specs = specs(shared, run_id, "momentum", SyncSpec(collective="plain", every_step=every_step, checkpoint_s=0.0))
     run_threads(shared, worker_specs, stores)
     assert events == [("post", 1), ("stored", ckpt), ("post", 2)]
 
@@ -138,13 +138,19 @@ def test_the_cadence_by_rounds_and_by_seconds():
         clock.now = now
         if by_seconds.due(r, r + 1):
             due.append(r)
-            by_seconds.written()
+            by_seconds.written(r)
         clock.now += 5.0  # asked again later in the same round: the answer stands
         assert by_seconds.due(r, r + 1) == (r in due)
     assert due == [2, 5, 7, 9]  # each the first round 1 s after the one before; the last round always
 
+    clock.now = 0.0  # the clock stands still: due every 4th round after the last written, by rounds kept
+    by_rounds_kept = CheckpointCadence(1, steps=10, min_s=1.0, clock=clock, max_rounds=4)
+    due = [r for r in range(10) if by_rounds_kept.due(r, r + 1) and by_rounds_kept.written(r) is None]
+    assert due == [3, 7, 9]
 
-def test_an_every_step_ring_epoch_checkpoints_by_the_clock_not_per_step(monkeypatch):
+
+@pytest.mark.parametrize("collective", ["ring", "plain"])
+def test_an_every_step_epoch_checkpoints_by_the_clock_not_per_step(monkeypatch, collective):
     shared, run_id = MemoryStore(), "zcadence"
     stage(shared, run_id, "momentum")
     ckpt, steps_written = sync_checkpoint_key(run_id, 0), []
@@ -155,6 +161,6 @@ def test_an_every_step_ring_epoch_checkpoints_by_the_clock_not_per_step(monkeypa
             steps_written.append(read_checkpoint_meta(shared, ckpt)["step"])
 
     stores = [HookedStore(shared, after_put=record), shared]
-    ring = SyncSpec(collective="ring", ring_timeout_s=20.0)
-    run_threads(shared, specs(shared, run_id, "momentum", ring), stores)
+    sync = SyncSpec(collective=collective, ring_timeout_s=20.0)
+    run_threads(shared, specs(shared, run_id, "momentum", sync), stores)
     assert steps_written == [STEPS]  # the last round's only

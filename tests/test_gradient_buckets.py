@@ -193,10 +193,21 @@ def test_the_first_bucket_is_averaged_before_backward_reaches_the_first_layer(co
             torch.testing.assert_close(g, (grads[0][name] + grads[1][name]) / 2, rtol=1e-15, atol=1e-15)
 
 
-def test_a_replica_that_dies_inside_a_bucketed_round_is_relaunched_and_ends_equal(tmp_path):
+@pytest.mark.parametrize("cadence, resumes_at", [("every round", 3), ("never by the clock", 0),
+                                                 ("every 2 rounds by the bytes kept", 2)])
+def test_a_replica_that_dies_inside_a_bucketed_round_is_relaunched_and_ends_equal(tmp_path, monkeypatch,
+                                                                                   cadence, resumes_at):
     """Rank 1 dies as it posts its reduced slice of bucket 1 in round 3 (other buckets of that
-    round may be done); its relaunch resumes from checkpoint 2 and replays round 3, bucket by
-    bucket, with the survivor still waiting inside it."""
+    round may be done); its relaunch resumes from the last sync checkpoint and replays every
+    round since, bucket by bucket, with the survivor still waiting inside round 3. The
+    checkpoints: every round (`checkpoint_s` 0), or by the clock (which here never reaches
+    `checkpoint_s`: only the last round's, so the relaunch starts from the epoch's start), or
+    when the rounds kept for replay reach `REPLAY_KEPT_BYTES` (here two rounds' worth)."""
+    sync = dataclasses.replace(SMALL_BUCKETS, repost_s=0.5, checkpoint_s=0.0 if cadence == "every round" else 1.0)
+    monkeypatch.setattr(local_sgd_epoch, "checkpoint_clock", lambda: 0.0)  # no second ever passes
+    if cadence.startswith("every 2 rounds"):
+        round_bytes = sum(p.numel() * 8 for p in build_model("digits_mlp", 0).parameters())
+        monkeypatch.setattr(local_sgd_epoch, "REPLAY_KEPT_BYTES", 2 * round_bytes)
     reference = DirectoryStore(tmp_path / "ref")
     stage(reference, "g", "momentum")
     run_threads(reference, specs(reference, "g", "momentum", SMALL_BUCKETS))
@@ -210,7 +221,7 @@ def test_a_replica_that_dies_inside_a_bucketed_round_is_relaunched_and_ends_equa
             dead.set()
         return dead.is_set()  # a killed process does nothing more
 
-    worker_specs = specs(store, "g", "momentum", dataclasses.replace(SMALL_BUCKETS, repost_s=0.5))
+    worker_specs = specs(store, "g", "momentum", sync)
 
     def rank(r):
         if r == 0:
@@ -223,7 +234,7 @@ def test_a_replica_that_dies_inside_a_bucketed_round_is_relaunched_and_ends_equa
         list(pool.map(rank, range(2)))
     assert_same_state(final_state(store, "g", "momentum"), final_state(reference, "g", "momentum"), 1e-12)
     relaunch = next(h for h in read_epoch_history(store, "g", 0) if h["attempt"] == 1)
-    assert (relaunch["start_step"], relaunch["start_round"], relaunch["end_round"]) == (3, 3, STEPS)
+    assert (relaunch["start_step"], relaunch["start_round"], relaunch["end_round"]) == (resumes_at, resumes_at, STEPS)
     assert store.list("runs/g/sync/") == []
 
 
@@ -239,7 +250,7 @@ def test_a_ring_epoch_that_fails_reruns_every_rank_from_the_sync_checkpoint(tmp_
     reference = DirectoryStore(tmp_path / "ref")
     stage(reference, "g", "momentum")
     # a sync checkpoint every round, so the rerun resumes from the step before the failure
-    ring = dataclasses.replace(SMALL_BUCKETS, collective="ring", ring_timeout_s=20.0, ring_checkpoint_s=0.0)
+    ring = dataclasses.replace(SMALL_BUCKETS, collective="ring", ring_timeout_s=20.0, checkpoint_s=0.0)
     run_threads(reference, specs(reference, "g", "momentum", ring))
 
     store = DirectoryStore(tmp_path / "store")
