@@ -21,6 +21,7 @@ uses too).
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
 from clouds.adapter import CloudAdapter, CloudInterval
@@ -76,20 +77,41 @@ def run_intervals(client, run_id: str) -> list[CloudInterval]:
 
 
 def stop_containers(client, ids: Iterable[str], grace_s: int = 5) -> list[str]:
-    """Stop each container (SIGTERM, then SIGKILL after `grace_s`); one already gone is skipped."""
+    """Stop each container (SIGTERM, then SIGKILL after `grace_s`), all at once: a process that
+    ignores SIGTERM (a container's PID 1 without a handler does) costs the grace once, not once
+    per container. One already gone is skipped."""
+    from docker.errors import NotFound
+
+    def stop(cid: str) -> bool:
+        try:
+            return _stop(client.containers.get(cid), grace_s)
+        except NotFound:
+            return False
+
+    ids = list(ids)
+    return [cid[:12] for cid, stopped in zip(ids, _at_once(stop, ids)) if stopped]
+
+
+def _stop(container, grace_s: int) -> bool:
+    """SIGTERM, then SIGKILL after `grace_s`; False when the container is gone."""
     from docker.errors import APIError, NotFound
 
-    stopped = []
-    for cid in ids:
-        try:
-            client.containers.get(cid).stop(timeout=grace_s)
-        except NotFound:
-            continue
-        except APIError as exc:  # already exited: nothing to stop
-            if "not running" not in str(exc).lower():
-                raise
-        stopped.append(cid[:12])
-    return stopped
+    try:
+        container.stop(timeout=grace_s)
+    except NotFound:
+        return False
+    except APIError as exc:  # already exited: nothing to stop
+        if "not running" not in str(exc).lower():
+            raise
+    return True
+
+
+def _at_once(fn, items: list) -> list:
+    """`fn` over `items` in threads of their own (engine calls that mostly wait), results in order."""
+    if len(items) <= 1:
+        return [fn(i) for i in items]
+    with ThreadPoolExecutor(min(16, len(items))) as pool:
+        return list(pool.map(fn, items))
 
 
 def container_id(infrastructure_pid: str | None) -> str | None:
@@ -106,15 +128,16 @@ def container_of_flow_run(flow_run) -> str | None:
 
 
 def sweep(client, run_id: str, grace_s: int = 5) -> list[str]:
-    """Stop every container of the run still running and remove all of them (their clock has
-    been read by then: `tasks.teardown` bills first). Returns the containers swept."""
+    """Stop every container of the run still running (all at once, `stop_containers`) and
+    remove all of them (their clock has been read by then: `tasks.teardown` bills first).
+    Returns the containers swept."""
     from docker.errors import NotFound
 
+    containers = run_containers(client, run_id)
+    _at_once(lambda c: _stop(c, grace_s), [c for c in containers if c.status in RUNNING + ("created",)])
     swept = []
-    for container in run_containers(client, run_id):
+    for container in containers:
         try:
-            if container.status in RUNNING + ("created",):
-                container.stop(timeout=grace_s)
             container.remove(force=True)
         except NotFound:
             continue
@@ -178,20 +201,21 @@ class DockerAdapter(CloudAdapter):
     def settle(self, run_id: str, timeout_s: float | None = None, poll_s: float = 0.2) -> list[str]:
         """Wait for the run's containers to exit (a warm worker told to stop exits a moment
         after its flow run completes), then stop the ones still running: each then has a
-        `FinishedAt` for the bill."""
+        `FinishedAt` for the bill. Only a container the pool started (Prefect's flow-run
+        label) has a flow run to finish: one without it is not waited for."""
         import time
 
         def running(client):
-            return [c.id for c in run_containers(client, run_id) if c.status in RUNNING]
+            return [c for c in run_containers(client, run_id) if c.status in RUNNING]
 
         client = docker_client()
         try:
             deadline = time.monotonic() + (SETTLE_S if timeout_s is None else timeout_s)
             left = running(client)
-            while left and time.monotonic() < deadline:
+            while any(c.labels.get(FLOW_RUN_LABEL) for c in left) and time.monotonic() < deadline:
                 time.sleep(poll_s)
                 left = running(client)
-            return stop_containers(client, left) if left else []
+            return stop_containers(client, [c.id for c in left]) if left else []
         finally:
             client.close()
 

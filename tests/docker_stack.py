@@ -25,7 +25,7 @@ from deployments.server import drain_prefect_clients, free_port
 from tests.shared_services import shared_service
 
 ROOT = Path(__file__).resolve().parent.parent
-JOB = {"batch_size": 32, "dataset": "digits", "worker_lease_s": 20}
+JOB = {"batch_size": 64, "dataset": "digits", "worker_lease_s": 20}  # 64: few steps through S3
 
 
 def _engine_available() -> bool:

@@ -27,6 +27,7 @@ class FakeContainer:
         self.attrs, self.calls = attrs, calls
         self.id = attrs["Id"]
         self.status = attrs["State"]["Status"]
+        self.labels = attrs["Config"]["Labels"]
 
     def stop(self, timeout=None):
         self.calls.append(("stop", self.id[:12]))
@@ -154,6 +155,36 @@ def test_intervals_stop_and_sweep_through_the_adapter(monkeypatch):
     removed = {cid for op, cid in client.calls if op == "remove"}
     assert stopped == {answer(n)["Id"][:12] for n in ("running", "created", "never_started")}
     assert removed == set(swept) and client.closed
+
+
+@pytest.mark.timeout(120)
+def test_settling_waits_only_for_a_container_the_pool_started(monkeypatch):
+    """A container without Prefect's flow-run label (a straggler the pool did not start) has no
+    flow run to finish: settling stops it at once, however long it would wait otherwise (a
+    wait would end only at the test's timeout); one the pool started is waited for, then
+    stopped."""
+    straggler = answer("running")
+    straggler.update(Id="5" * 64)
+    del straggler["Config"]["Labels"][FLOW_RUN_LABEL]
+    client = FakeClient([])
+    client.containers.containers.append(FakeContainer(straggler, client.calls))
+    monkeypatch.setattr("clouds.docker.docker_client", lambda *a, **k: client)
+    assert DockerAdapter("zooid-docker").settle("rec-run", timeout_s=3600) == ["5" * 12]
+    assert client.calls == [("stop", "5" * 12)]
+
+    client = FakeClient(["running"])  # labelled: waited for until it exits by itself (the third look)
+    monkeypatch.setattr("clouds.docker.docker_client", lambda *a, **k: client)
+    looks, real_list = [], client.containers.list
+
+    def look(**kw):
+        looks.append(1)
+        if len(looks) == 3:
+            client.containers.containers[0].status = "exited"
+        return real_list(**kw)
+
+    client.containers.list = look
+    assert DockerAdapter("zooid-docker").settle("rec-run", timeout_s=3600, poll_s=0) == []
+    assert client.calls == [] and len(looks) == 3
 
 
 def test_stopping_a_container_that_is_gone_is_not_an_error():

@@ -49,7 +49,7 @@ def test_containers_of_a_sigkilled_coordinator_stop_within_their_lease(stack):
     seed = uuid.uuid4().int % 10**9  # tells this run apart from the other runs on the session's stack
     coordinator = subprocess.Popen(
         [sys.executable, "-m", "flows.train", "--param", "target=docker", "--param", "workers=2",
-         "--param", "epochs=200", "--param", "worker_lease_s=15", "--param", "batch_size=32",
+         "--param", "epochs=200", "--param", "worker_lease_s=15", "--param", "batch_size=64",
          "--param", f"seed={seed}", "--param", f"store={stack['docker']['store']}"],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     store = _store(stack)
