@@ -11,12 +11,20 @@ pytestmark = [pytest.mark.slow, pytest.mark.docker]
 stack = pytest.fixture(scope="module", name="stack")(stack_for_the_module)
 
 
-@pytest.mark.parametrize("strategy, workers", [("local_sgd", 2), ("pipeline", 2)])
-def test_training_on_containers_completes_warm_and_is_billed_on_the_engines_clock(stack, strategy, workers):
-    params = {"strategy": strategy, "epochs": 2, "workers": workers}
-    if strategy == "pipeline":
-        params.update(workers=1, stages=2, model="digits_mlp")
-    fr = _wait_final(_submit(stack, **params))
+RUNS = {"local_sgd": {"strategy": "local_sgd", "epochs": 2, "workers": 2},
+        "pipeline": {"strategy": "pipeline", "epochs": 2, "workers": 1, "stages": 2, "model": "digits_mlp"}}
+
+
+@pytest.fixture(scope="module")
+def submitted(stack):
+    """Both runs submitted at once (their containers start and train side by side): their
+    flow run ids by strategy."""
+    return {strategy: _submit(stack, **params) for strategy, params in RUNS.items()}
+
+
+@pytest.mark.parametrize("strategy", list(RUNS))
+def test_training_on_containers_completes_warm_and_is_billed_on_the_engines_clock(stack, submitted, strategy):
+    fr = _wait_final(submitted[strategy])
     assert fr.state.is_completed(), fr.state.message
     run_id = _run_id(str(fr.id))
     summary = _summary(stack, run_id)
