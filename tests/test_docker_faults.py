@@ -42,19 +42,37 @@ def test_a_killed_worker_container_is_replaced_and_its_attempt_billed(stack):
     assert _containers(run_id) == []
 
 
-def test_containers_of_a_sigkilled_coordinator_stop_within_their_lease(stack):
-    """SIGKILL a command-line coordinator mid-run: no one renews the lease, so each worker
-    container stops itself (the lease expires) and exits."""
+@pytest.fixture(scope="module", autouse=True)
+def long_coordinator(stack):
+    """A command-line coordinator of a long run, started with the module so that its workers'
+    containers start while the other test's run trains: (process, its seed, the run keys
+    before it). The SIGKILL test kills it; it is killed here in any case."""
     env = {**stack["env"], "PREFECT_API_URL": stack["api_url"]}
     seed = uuid.uuid4().int % 10**9  # tells this run apart from the other runs on the session's stack
+    store = _store(stack)
+    try:
+        before = set(store.list("runs/"))
+    finally:
+        store.close()
     coordinator = subprocess.Popen(
         [sys.executable, "-m", "flows.train", "--param", "target=docker", "--param", "workers=2",
          "--param", "epochs=200", "--param", "worker_lease_s=15", "--param", "batch_size=64",
          "--param", f"seed={seed}", "--param", f"store={stack['docker']['store']}"],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        yield coordinator, seed, before
+    finally:
+        if coordinator.poll() is None:
+            os.killpg(coordinator.pid, signal.SIGKILL)
+            coordinator.wait()
+
+
+def test_containers_of_a_sigkilled_coordinator_stop_within_their_lease(stack, long_coordinator):
+    """SIGKILL a command-line coordinator mid-run: no one renews the lease, so each worker
+    container stops itself (the lease expires) and exits."""
+    coordinator, seed, before = long_coordinator
     store = _store(stack)
     try:
-        before = set(store.list("runs/"))
         deadline = time.monotonic() + 600
         run_id = None
         while run_id is None and time.monotonic() < deadline:  # a warm worker of this run replied to an epoch
