@@ -4,7 +4,8 @@ worker starting each Zooid worker as a container of the worker image on podman's
 S3 server the containers reach over the network, and the bill from the engine's clock.
 
 One stack serves the whole session (`python -m deployments.stack up --docker`, started by the
-first test process that needs it: `tests.shared_services`), so the two files, and
+first test process that needs it and stopped once the last module that uses it is done:
+`tests.shared_services`), so the two files, and
 `test_local_stack_cancel.py` on its process pool, run side by side in several processes on it;
 each run is told apart by its own run id. `make test` builds the image first (`make image`), so
 the stack only finds it.
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from deployments.server import drain_prefect_clients, free_port
-from tests.shared_services import shared_service
+from tests.shared_services import release_shared_service, shared_service
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = {"batch_size": 64, "dataset": "digits", "worker_lease_s": 20}  # 64: few steps through S3
@@ -79,6 +80,8 @@ def stack_for_the_module(request):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        users = {item.nodeid.split("::")[0] for item in request.session.items if "stack" in item.fixturenames}
+        release_shared_service(request.config, "stack", request.node.nodeid.split("::")[0], users)
 
 
 def _client():

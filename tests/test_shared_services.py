@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from deployments.server import file_lock
-from tests.shared_services import shared_service, stop_shared_services
+from tests.shared_services import release_shared_service, shared_service, stop_shared_services
 
 
 def _config(folder):
@@ -57,3 +57,22 @@ def test_a_failed_start_is_not_tried_again(tmp_path):
             shared_service(config, "svc", start)
     assert len(starts) == 1
     stop_shared_services(config)  # nothing started, nothing to stop
+
+
+def test_a_shared_service_stops_once_its_last_user_is_done(tmp_path):
+    config, stopped = _config(tmp_path), tmp_path / "stopped"
+
+    def start(home):
+        return {"stop": {"argv": [sys.executable, "-c", f"open({str(stopped)!r}, 'w')"], "env": {}}}
+
+    users = {"tests/test_a.py", "tests/test_b.py"}
+    shared_service(config, "svc", start)
+    assert not release_shared_service(config, "svc", "tests/test_a.py", users)
+    assert not stopped.exists()
+    assert release_shared_service(config, "svc", "tests/test_b.py", users)  # the last user: stopped now
+    assert stopped.exists() and not (tmp_path / "shared-svc.json").exists()
+    with pytest.raises(RuntimeError, match="was stopped once its last user, tests/test_b.py, was done"):
+        shared_service(config, "svc", start)  # not started again behind the session's back
+    stopped.unlink()
+    stop_shared_services(config)  # nothing left to stop at the session's end
+    assert not stopped.exists()
