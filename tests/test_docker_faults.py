@@ -46,7 +46,8 @@ def test_a_killed_worker_container_is_replaced_and_its_attempt_billed(stack):
 def long_coordinator(stack):
     """A command-line coordinator of a long run, started with the module so that its workers'
     containers start while the other test's run trains: (process, its seed, the run keys
-    before it). The SIGKILL test kills it; it is killed here in any case."""
+    before it). The SIGKILL test kills it; where that test did not run (deselected), it is
+    stopped here as a user would, by SIGTERM, so that it tears its containers down itself."""
     env = {**stack["env"], "PREFECT_API_URL": stack["api_url"]}
     seed = uuid.uuid4().int % 10**9  # tells this run apart from the other runs on the session's stack
     store = _store(stack)
@@ -63,8 +64,12 @@ def long_coordinator(stack):
         yield coordinator, seed, before
     finally:
         if coordinator.poll() is None:
-            os.killpg(coordinator.pid, signal.SIGKILL)
-            coordinator.wait()
+            os.killpg(coordinator.pid, signal.SIGTERM)
+            try:
+                coordinator.wait(timeout=180)
+            except subprocess.TimeoutExpired:
+                os.killpg(coordinator.pid, signal.SIGKILL)
+                coordinator.wait()
 
 
 def test_containers_of_a_sigkilled_coordinator_stop_within_their_lease(stack, long_coordinator):
