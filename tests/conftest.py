@@ -38,12 +38,12 @@ def pytest_collection_modifyitems(config, items):
     recorded = json.loads(FILE_SECONDS.read_text())["files"] if FILE_SECONDS.exists() else {}
     weight: dict[str, float] = {}
     for item in items:
-        path = item.nodeid.split("::")[0]
+        path = _file_of(item.nodeid)
         if path in recorded:
             weight[path] = recorded[path]
         else:
             weight[path] = weight.get(path, 0.0) + UNMEASURED_SLOW_S * ("slow" in item.keywords)
-    items.sort(key=lambda item: -weight[item.nodeid.split("::")[0]])  # stable: a file's own order is kept
+    items.sort(key=lambda item: -weight[_file_of(item.nodeid)])  # stable: a file's own order is kept
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items:
         return
@@ -56,12 +56,17 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(skip)
 
 
+def _file_of(nodeid: str) -> str:
+    """The test file of a test id (`tests/test_x.py::test_y[a]` -> `tests/test_x.py`)."""
+    return nodeid.split("::")[0]
+
+
 _seconds_by_file: dict[str, float] = {}
 
 
 def pytest_runtest_logreport(report):
-    _seconds_by_file[report.nodeid.split("::")[0]] = (
-        _seconds_by_file.get(report.nodeid.split("::")[0], 0.0) + report.duration)
+    path = _file_of(report.nodeid)
+    _seconds_by_file[path] = _seconds_by_file.get(path, 0.0) + report.duration
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from deployments.server import drain_prefect_clients, free_port
+from tests.conftest import _file_of
 from tests.shared_services import release_shared_service, shared_service
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,8 +81,8 @@ def stack_for_the_module(request):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        users = {item.nodeid.split("::")[0] for item in request.session.items if "stack" in item.fixturenames}
-        release_shared_service(request.config, "stack", request.node.nodeid.split("::")[0], users)
+        users = {_file_of(item.nodeid) for item in request.session.items if "stack" in item.fixturenames}
+        release_shared_service(request.config, "stack", _file_of(request.node.nodeid), users)
 
 
 def _client():

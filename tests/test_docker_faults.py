@@ -14,6 +14,7 @@ import uuid
 
 import pytest
 
+from tests.conftest import stop_process_group
 from tests.docker_stack import ROOT, _client, _containers, _held_run, _ledger, _store, _summary, _wait_final, stack_for_the_module
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
@@ -63,13 +64,7 @@ def long_coordinator(stack):
     try:
         yield coordinator, seed, before
     finally:
-        if coordinator.poll() is None:
-            os.killpg(coordinator.pid, signal.SIGTERM)
-            try:
-                coordinator.wait(timeout=180)
-            except subprocess.TimeoutExpired:
-                os.killpg(coordinator.pid, signal.SIGKILL)
-                coordinator.wait()
+        stop_process_group(coordinator, timeout=180)  # SIGTERM, SIGKILL only if it has not ended by then
 
 
 def test_containers_of_a_sigkilled_coordinator_stop_within_their_lease(stack, long_coordinator):
