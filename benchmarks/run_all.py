@@ -56,6 +56,7 @@ SECTIONS = [
             ("--epochs", "5", "--repeats", "3")),
     Section("Elastic training: dynamic scaling in miniature", "bench_scaling", "scaling"),
     Section("Peers: Zooid beside Ray Train on the same job", "bench_peers", "peers"),
+    Section("Peers: the CPU ring's transport beside gloo", "bench_ring", "ring"),
 ]
 
 HEADER = """# Zooid benchmarks

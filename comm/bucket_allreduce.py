@@ -4,9 +4,10 @@ The gradient buckets of `engine.gradient_buckets` launch each bucket while the b
 pass is still running and wait for all of them before the optimizer step. Two ways to run
 a call in the background, behind one interface (`BucketCollective.start`):
 
-- `RingBuckets`: the direct ring (`comm.ring_allreduce`); the backend's asynchronous work
-  (gloo's own threads on CPU, NCCL's stream on CUDA) moves the bucket, as DDP does. Every
-  rank starts its buckets in the same order, which is what matches calls across ranks.
+- `RingBuckets`: the direct ring (`comm.ring_allreduce`); the ring's own thread (CPU) or
+  NCCL's stream (CUDA) moves the bucket, as DDP's backend does, and the round's last bucket
+  moves on the calling thread. Every rank starts its buckets in the same order, which is what
+  matches calls across ranks.
 - `StoreBuckets`: a store collective (`comm.collectives`, `comm.scatter_reduce`) run on a
   daemon thread per bucket, at most `MAX_IN_FLIGHT` at once; the round's last bucket runs on
   the calling thread, as nothing is left to overlap with it. Each bucket is one call of
@@ -66,7 +67,7 @@ class RingBuckets:
     def start(self, round_: int, bucket: int, tensors: dict[str, torch.Tensor],
               stats: TransferStats, last: bool = False) -> PendingMean:
         """Copy the bucket into the ring's buffer and launch it (see the module docstring)."""
-        return self.ring.start_allreduce_mean(tensors, stats=stats)
+        return self.ring.start_allreduce_mean(tensors, stats=stats, now=last)
 
 
 class _Call:

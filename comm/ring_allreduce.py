@@ -1,51 +1,59 @@
-"""Direct ring allreduce over torch.distributed (gloo on CPU, NCCL on CUDA), for targets
-whose workers can reach each other (Hydrozoa's direct communication).
+"""Direct ring allreduce between the workers (Hydrozoa's direct communication), for targets
+whose workers can reach each other: over plain TCP connections on CPU (`comm.socket_ring`),
+over NCCL on CUDA.
 
 The store collectives (`comm.collectives`, `comm.scatter_reduce`) pass every byte
-through a store; here the ranks open TCP connections to each other once per epoch and the
-backend's ring moves the data: in a ring of n ranks each rank sends and receives
-2 (n - 1) / n of the buffer (reduce-scatter, then all-gather), with no store traffic.
+through a store; here the ranks connect to each other once per epoch and the ring moves the
+data: in a ring of n ranks each rank sends and receives 2 (n - 1) / n of the buffer
+(reduce-scatter, then all-gather), with no store traffic.
 
 Rendezvous goes through the Zooid store, without Prefect:
 
 1. rank 0 binds a listening socket on `host` (127.0.0.1 for local targets) with port 0,
    so the OS picks a free port at bind time (nothing can take it between choosing and
-   binding), hands the socket to a `torch.distributed.TCPStore` and publishes
-   `{"host", "port", "nonce"}` under `ring_address_key(group)` = `{group}/ring/addr`;
-2. the other ranks wait for that key, connect to the TCPStore, and every rank builds the
-   backend on a prefix store named by the nonce (so ranks of different generations never
-   share rendezvous keys).
+   binding), and publishes `{"host", "port", "nonce"}` under `ring_address_key(group)` =
+   `{group}/ring/addr`;
+2. the other ranks wait for that key and connect. On CPU they join at rank 0 with the
+   nonce and learn each other's addresses (`comm.socket_ring`); on CUDA rank 0's socket
+   hosts a `torch.distributed.TCPStore` and NCCL is built on a prefix store named by the
+   nonce. Either way ranks of different generations never meet.
 
 For Local-SGD `group` is the epoch's sync group (`runs/<id>/sync/e<epoch>`), which the
 coordinator deletes before every attempt of an epoch and `release_group` deletes at its
 end: a rank never finds an address left by an earlier attempt. If it still reads a stale
 one (its server gone), the connection is refused and it reads the key again.
 
-The backend is constructed directly (`ProcessGroupGloo` / `ProcessGroupNCCL` on the
-TCPStore, as `init_process_group` does inside) rather than through
-`init_process_group`: no process-global default group, so several rings can live in one
-process (threads in tests, or a process in two groups), and closing one touches nothing
+Asynchronous calls (`start_allreduce_mean`, the gradient buckets' way): on CPU a call runs
+on one daemon thread per ring, in the order started, unless the caller says `now` (the
+last bucket of a step: nothing is left to overlap with it, and a hand-off between threads
+would cost more than a small bucket's transfer); on CUDA NCCL's stream runs it. NCCL's
+backend is constructed directly rather than through `init_process_group`: no process-global
+default group, so several rings can live in one process, and closing one touches nothing
 else.
 
-Failure: a torch.distributed group cannot take a new member, so a relaunched rank cannot
-rejoin its ring. With this collective a worker failure fails the epoch attempt; the
-coordinator reruns the whole epoch and every rank resumes from the epoch's sync checkpoint
-(`engine.local_sgd`). The survivors do not hang: a peer that dies breaks its connections
-and the others raise `RingError` at once; a peer that never arrives or stops calling makes
-them raise `RingTimeout` (a `StoreTimeout`: exit status 3) after `timeout` seconds.
+Failure: a ring cannot take a new member, so a relaunched rank cannot rejoin its ring.
+With this collective a worker failure fails the epoch attempt; the coordinator reruns the
+whole epoch and every rank resumes from the epoch's sync checkpoint (`engine.local_sgd`).
+The survivors do not hang: a peer that dies breaks its connections and the others raise
+`RingError` at once; a peer that never arrives or stops calling makes them raise
+`RingTimeout` (a `StoreTimeout`: exit status 3) after `timeout` seconds.
 """
 from __future__ import annotations
 
 import datetime
 import json
+import queue
 import secrets
 import socket
+import threading
 import time
+from concurrent.futures import Future
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from comm import socket_ring
 from comm.bandwidth import TransferStats
 from comm.collectives import PostLog
 from comm.store import Store
@@ -89,64 +97,89 @@ def _is_timeout(exc: BaseException) -> bool:
 
 class RingGroup:
     """One ring of `world` ranks for one epoch: open with `open_ring`, call `allreduce_mean`
-    or `allreduce_sum` any number of times, then `close` (also a context manager)."""
+    or `allreduce_sum` any number of times, then `close` (also a context manager). `links`:
+    the CPU ring's connections; `backend`: NCCL's process group (CUDA); neither for a ring
+    of one."""
 
     def __init__(self, group: str, rank: int, world: int, timeout: float, device: torch.device,
-                 backend=None, tcp_store=None):
+                 backend=None, tcp_store=None, links: socket_ring.Links | None = None):
         self.group, self.rank, self.world = group, rank, world
         self.timeout, self.device = timeout, device
-        self._backend, self._tcp_store = backend, tcp_store
+        self._backend, self._tcp_store, self._links = backend, tcp_store, links
+        self._mover: _Mover | None = None
         self._broken: str | None = None
-
-    @property
-    def backend_name(self) -> str:
-        """`gloo`, `nccl`, or `none` for a ring of one."""
-        return "none" if self._backend is None else ("nccl" if self.device.type == "cuda" else "gloo")
+        self.backend_name = "tcp" if links is not None else "nccl" if backend is not None else "none"
+        """`tcp` (CPU), `nccl` (CUDA), or `none` for a ring of one."""
 
     def allreduce_mean(self, tensors: dict[str, torch.Tensor], *, stats: TransferStats | None = None,
                        timeout: float | None = None) -> dict[str, torch.Tensor]:
         """Elementwise mean of `tensors` over the ring (same names, shapes and dtypes on
         every rank), each dtype reduced in its own precision. world == 1 returns `tensors`."""
-        return self.start_allreduce_mean(tensors, stats=stats, timeout=timeout).wait()
+        return self.start_allreduce_mean(tensors, stats=stats, timeout=timeout, now=True).wait()
 
     def allreduce_sum(self, tensors: dict[str, torch.Tensor], *, stats: TransferStats | None = None,
                       timeout: float | None = None) -> dict[str, torch.Tensor]:
         """Elementwise sum of `tensors` over the ring; otherwise as `allreduce_mean`."""
-        return self._start(tensors, stats, timeout, mean=False).wait()
+        return self._start(tensors, stats, timeout, mean=False, now=True).wait()
 
     def start_allreduce_mean(self, tensors: dict[str, torch.Tensor], *, stats: TransferStats | None = None,
-                             timeout: float | None = None) -> "RingPending":
-        """Launch the mean of `tensors` over the ring and return at once (the backend's
-        async work); `wait()` on the result gives the means. The tensors are copied into
-        the ring's buffers before this returns, so the caller may change them afterwards.
-        Every rank must start its calls in the same order. world == 1: already done."""
+                             timeout: float | None = None, now: bool = False) -> "RingPending":
+        """Launch the mean of `tensors` over the ring and return at once (see the module
+        docstring; `now`: run it on this thread before returning); `wait()` on the result
+        gives the means. The tensors are copied into the ring's buffers before this returns,
+        so the caller may change them afterwards. Every rank must start its calls in the same
+        order. world == 1: already done."""
         for name, t in tensors.items():
             if not t.is_floating_point():
                 raise ZooidValueError("tensors", f"{name!r} is {t.dtype}; a mean needs floating tensors")
-        return self._start(tensors, stats, timeout, mean=True)
+        return self._start(tensors, stats, timeout, mean=True, now=now)
 
     def _start(self, tensors: dict[str, torch.Tensor], stats: TransferStats | None,
-               timeout: float | None, mean: bool) -> "RingPending":
+               timeout: float | None, mean: bool, now: bool) -> "RingPending":
         if self.world == 1:
-            return RingPending(self, tensors, None, [], stats, 0.0, mean, 0.0)
-        if self._backend is None:
+            return RingPending(self, tensors, None, None, stats, 0.0, mean, 0.0)
+        if self._backend is None and self._links is None:
             raise RingError(f"rank {self.rank}: the ring of {self.group} is "
                             f"{self._broken or 'closed'}; open a new one")
         began = time.perf_counter()
         buffers = _flatten(tensors, sorted(tensors), self.device)
         seconds = self.timeout if timeout is None else timeout
+        if self._links is not None:
+            links = self._links
+
+            def move() -> None:
+                deadline = time.monotonic() + seconds
+                for buf in buffers.values():
+                    socket_ring.allreduce_sum(links, self.rank, self.world, buf, deadline)
+
+            if self._mover is None and not now:
+                self._mover = _Mover(f"ring-{self.group}-r{self.rank}")
+            work = self._mover.run(move, now) if self._mover is not None else _ran(move)
+            return RingPending(self, tensors, buffers, work, stats, began, mean, seconds)
         try:
             # One call per dtype buffer, all in flight before the first wait.
             works = [self._backend.allreduce([buf], _sum_options(seconds)) for buf in buffers.values()]
         except RuntimeError as exc:
             self._fail(exc, seconds)
-        return RingPending(self, tensors, buffers, works, stats, began, mean, seconds)
+        return RingPending(self, tensors, buffers, _NcclWorks(works), stats, began, mean, seconds)
 
-    def _fail(self, exc: RuntimeError, seconds: float) -> None:
+    def sum_in_place(self, buf: torch.Tensor, timeout: float | None = None) -> None:
+        """Sum one contiguous 1-d CPU buffer over the ring in place: the transport alone,
+        without the copies in and out that `allreduce_sum` makes (a benchmark's way in)."""
+        if self._links is None:
+            raise RingError(f"rank {self.rank}: sum_in_place needs an open CPU ring of two or more")
+        seconds = self.timeout if timeout is None else timeout
+        try:
+            socket_ring.allreduce_sum(self._links, self.rank, self.world, buf, time.monotonic() + seconds)
+        except (socket_ring.RingPeerLost, socket_ring.RingDeadline) as exc:
+            self._fail(exc, seconds)
+
+    def _fail(self, exc: BaseException, seconds: float) -> None:
         """Close the broken ring and raise the error a user can read."""
-        timed_out = _is_timeout(exc)
-        self._broken = "timed out" if timed_out else "broken"
+        timed_out = isinstance(exc, socket_ring.RingDeadline) or (
+            isinstance(exc, RuntimeError) and _is_timeout(exc))
         self.close()
+        self._broken = "timed out" if timed_out else "broken"
         detail = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
         what = (f"a peer did not reach the collective within {seconds:g}s" if timed_out
                 else "a peer died or became unreachable")
@@ -181,7 +214,14 @@ class RingGroup:
         return allreduce
 
     def close(self) -> None:
-        """Shut the backend down and stop the rendezvous server (idempotent)."""
+        """Close the connections (or shut the backend down) and stop the rendezvous server
+        (idempotent)."""
+        links, self._links = self._links, None
+        if links is not None:
+            links.close()  # a call still moving bytes on the mover fails at once
+        if self._mover is not None:
+            self._mover.stop()
+            self._mover = None
         backend, self._backend = self._backend, None
         if backend is not None:
             try:
@@ -197,13 +237,69 @@ class RingGroup:
         self.close()
 
 
+class _Mover:
+    """The daemon thread that runs a CPU ring's calls in the order they were started (a
+    daemon, so a call stuck on a dead peer never keeps a failing worker from exiting)."""
+
+    def __init__(self, name: str):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._last: Future | None = None
+        threading.Thread(target=self._serve, name=name, daemon=True).start()
+
+    def _serve(self) -> None:
+        while (item := self._queue.get()) is not None:
+            move, done = item
+            try:
+                move()
+                done.set_result(None)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by wait() in the caller's thread
+                done.set_exception(exc)
+
+    def run(self, move: Callable[[], None], now: bool) -> Future:
+        """Queue `move` behind the calls started before; `now`: wait for those, then run it
+        on this thread."""
+        if now:
+            if self._last is not None:
+                self._last.exception()  # done (a failure there is raised by its own wait)
+            return _ran(move)
+        done: Future = Future()
+        self._queue.put((move, done))
+        self._last = done
+        return done
+
+    def stop(self) -> None:
+        self._queue.put(None)
+
+
+def _ran(move: Callable[[], None]) -> Future:
+    """`move` run on this thread, as a finished future."""
+    done: Future = Future()
+    try:
+        move()
+        done.set_result(None)
+    except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
+        done.set_exception(exc)
+    return done
+
+
+class _NcclWorks:
+    """NCCL's works of one call behind a future's `result()`."""
+
+    def __init__(self, works: list):
+        self.works = works
+
+    def result(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
 class RingPending:
     """One allreduce launched on a ring (`RingGroup.start_allreduce_mean`); `wait` once."""
 
     def __init__(self, ring: RingGroup, tensors: dict[str, torch.Tensor],
-                 buffers: dict[torch.dtype, torch.Tensor] | None, works: list, stats: TransferStats | None,
+                 buffers: dict[torch.dtype, torch.Tensor] | None, work, stats: TransferStats | None,
                  began: float, mean: bool, seconds: float):
-        self.ring, self.tensors, self.buffers, self.works = ring, tensors, buffers, works
+        self.ring, self.tensors, self.buffers, self.work = ring, tensors, buffers, work
         self.stats, self.began, self.mean, self.seconds = stats, began, mean, seconds
 
     def wait(self) -> dict[str, torch.Tensor]:
@@ -212,9 +308,8 @@ class RingPending:
         if self.buffers is None:
             return self.tensors
         try:
-            for work in self.works:
-                work.wait()
-        except RuntimeError as exc:
+            self.work.result()
+        except (RuntimeError, OSError, socket_ring.RingPeerLost, socket_ring.RingDeadline) as exc:  # NCCL's; the CPU ring's
             self.ring._fail(exc, self.seconds)
         if self.mean:
             for buf in self.buffers.values():
@@ -234,9 +329,9 @@ def open_ring(store: Store, group: str, rank: int, world: int, timeout: float, *
     """Open the ring of `world` ranks for `group` (see the module docstring); every rank
     calls it with the same `group`, `world` and `host`. `host` is where rank 0 listens:
     127.0.0.1 for local targets, or an address of rank 0's machine, or `auto` (listen on
-    every interface, publish this machine's resolved address). `device` picks the backend:
-    gloo on CPU, NCCL on CUDA. Raises `RingTimeout` when the ring is not complete within
-    `timeout` seconds."""
+    every interface, publish this machine's resolved address). `device` picks the transport:
+    TCP connections on cpu, NCCL on cuda. Raises `RingTimeout` when the ring is not complete
+    within `timeout` seconds."""
     if not isinstance(world, int) or world < 1:
         raise ZooidValueError("world", f"must be a positive integer, got {world!r}")
     if not isinstance(rank, int) or not 0 <= rank < world:
@@ -247,9 +342,11 @@ def open_ring(store: Store, group: str, rank: int, world: int, timeout: float, *
         raise ZooidValueError("sync.ring_host", f"must be an address string, got {host!r}")
     device = torch.device(device)
     if device.type not in ("cpu", "cuda"):
-        raise ZooidValueError("device", f"the ring runs on cpu (gloo) or cuda (nccl), got {device}")
+        raise ZooidValueError("device", f"the ring runs on cpu (tcp) or cuda (nccl), got {device}")
     if world == 1:
         return RingGroup(group, rank, world, timeout, device)
+    if device.type == "cpu":
+        return _open_cpu_ring(store, group, rank, world, timeout, host, device)
     limit = datetime.timedelta(seconds=timeout)
     try:
         if rank == 0:
@@ -257,49 +354,104 @@ def open_ring(store: Store, group: str, rank: int, world: int, timeout: float, *
         else:
             tcp_store, nonce = _join_rendezvous(store, group, rank, world, timeout)
         prefixed = dist.PrefixStore(f"zooid-ring/{nonce}", tcp_store)
-        backend = _build_backend(prefixed, rank, world, limit, device, host)
+        backend = _build_nccl(prefixed, rank, world, limit)
     except RuntimeError as exc:  # torch's DistStoreError and friends
-        kind = "timed out" if _is_timeout(exc) else "failed"
-        raise RingTimeout(f"rank {rank} of {world}: ring rendezvous of {group} {kind} after "
-                          f"{timeout:g}s; a peer is missing or unreachable "
-                          f"({str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__})") from None
+        raise _rendezvous_failed(rank, world, group, timeout, exc) from None
     return RingGroup(group, rank, world, timeout, device, backend, tcp_store)
 
 
-def _host_rendezvous(store: Store, group: str, world: int, host: str, limit: datetime.timedelta):
-    """Rank 0: listen on a port the OS picks, host the TCPStore there, publish the address."""
+def _rendezvous_failed(rank: int, world: int, group: str, timeout: float, exc: BaseException) -> RingTimeout:
+    kind = "timed out" if isinstance(exc, socket_ring.RingDeadline) or _is_timeout(exc) else "failed"
+    detail = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+    return RingTimeout(f"rank {rank} of {world}: ring rendezvous of {group} {kind} after "
+                       f"{timeout:g}s; a peer is missing or unreachable ({detail})")
+
+
+def _listen(host: str) -> socket.socket:
+    """Rank 0's listening socket on `host` (`auto`: every interface), on a port the OS picks."""
     bind = "0.0.0.0" if host == "auto" else host
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        listener.bind((bind, 0))
-        listener.listen(128)
+        return socket_ring.listen(bind)
     except OSError as exc:
-        listener.close()
         raise ZooidValueError("sync.ring_host", f"cannot listen on {bind!r}: {exc}") from None
+
+
+def _publish(store: Store, group: str, host: str, port: int) -> str:
+    """Rank 0's address and a fresh nonce under the group's address key; the nonce."""
+    nonce = secrets.token_hex(8)
+    store.put(ring_address_key(group), json.dumps({"host": _own_address(host), "port": port,
+                                                   "nonce": nonce}).encode())
+    return nonce
+
+
+def _open_cpu_ring(store: Store, group: str, rank: int, world: int, timeout: float, host: str,
+                   device: torch.device) -> RingGroup:
+    """The CPU ring's rendezvous and connections (`comm.socket_ring`)."""
+    deadline = time.monotonic() + timeout
+    listener = _listen(host)
+    own = (_own_address(host), listener.getsockname()[1])
+    try:
+        if rank == 0:
+            nonce = _publish(store, group, host, own[1])
+            links = socket_ring.host_links(listener, own, nonce, world, deadline)
+        else:
+            links = _join_cpu_ring(store, group, rank, world, timeout, listener, own, deadline)
+    except (socket_ring.RingDeadline, socket_ring.RingPeerLost, OSError) as exc:
+        raise _rendezvous_failed(rank, world, group, timeout, exc) from None
+    finally:
+        listener.close()
+    return RingGroup(group, rank, world, timeout, device, links=links)
+
+
+def _join_cpu_ring(store: Store, group: str, rank: int, world: int, timeout: float,
+                   listener: socket.socket, own: tuple[str, int], deadline: float) -> socket_ring.Links:
+    """Rank > 0: read rank 0's address and join there; read it again while that address is
+    dead (left by an earlier attempt) or answers with another nonce, until the deadline."""
+    last_error = "no address published"
+    while True:
+        address = _read_address(store, group, rank, world, timeout, deadline, last_error)
+        host, port = address["host"], int(address["port"])
+        try:
+            return socket_ring.join_links((host, port), listener, own, address["nonce"], rank, world, deadline)
+        except socket_ring.RingDeadline:
+            raise
+        except (OSError, socket_ring.RingPeerLost) as exc:
+            last_error = f"{host}:{port} unreachable: {exc}"
+            if time.monotonic() >= deadline:
+                raise RingTimeout(f"rank {rank} of {world}: could not reach rank 0 of the ring "
+                                  f"within {timeout:g}s ({last_error})") from None
+            time.sleep(0.2)  # rank 0 of this attempt may not have published yet
+
+
+def _read_address(store: Store, group: str, rank: int, world: int, timeout: float, deadline: float,
+                  last_error: str) -> dict:
+    key = ring_address_key(group)
+    try:
+        return json.loads(store.get(key, timeout=max(0.0, deadline - time.monotonic())))
+    except (StoreTimeout, KeyError):
+        raise RingTimeout(f"rank {rank} of {world}: waited {timeout:g}s for {key}; "
+                          f"rank 0 of the ring is missing ({last_error})") from None
+
+
+def _host_rendezvous(store: Store, group: str, world: int, host: str, limit: datetime.timedelta):
+    """Rank 0 on CUDA: listen on a port the OS picks, host the TCPStore there, publish the address."""
+    listener = _listen(host)
     port = listener.getsockname()[1]
     # The TCPStore server takes the descriptor over (and closes it when it stops).
-    tcp_store = dist.TCPStore(bind, port, world, True, timeout=limit, wait_for_workers=False,
-                              master_listen_fd=listener.detach())
-    nonce = secrets.token_hex(8)
-    address = {"host": _own_address(host), "port": port, "nonce": nonce}
-    store.put(ring_address_key(group), json.dumps(address).encode())
-    return tcp_store, nonce
+    tcp_store = dist.TCPStore("0.0.0.0" if host == "auto" else host, port, world, True, timeout=limit,
+                              wait_for_workers=False, master_listen_fd=listener.detach())
+    return tcp_store, _publish(store, group, host, port)
 
 
 def _join_rendezvous(store: Store, group: str, rank: int, world: int, timeout: float):
-    """Rank > 0: read rank 0's address and connect; read it again if that address is dead
-    (left by an earlier attempt) until `timeout`."""
-    key = ring_address_key(group)
+    """Rank > 0 on CUDA: read rank 0's address and connect; read it again if that address is
+    dead (left by an earlier attempt) until `timeout`."""
     deadline = time.monotonic() + timeout
     last_error = "no address published"
     while True:
-        left = deadline - time.monotonic()
-        try:
-            address = json.loads(store.get(key, timeout=max(0.0, left)))
-        except (StoreTimeout, KeyError):
-            raise RingTimeout(f"rank {rank} of {world}: waited {timeout:g}s for {key}; "
-                              f"rank 0 of the ring is missing ({last_error})") from None
+        address = _read_address(store, group, rank, world, timeout, deadline, last_error)
         host, port = address["host"], int(address["port"])
+        left = deadline - time.monotonic()
         # A plain connect first: a dead address is refused at once, where TCPStore would
         # retry it for its whole timeout.
         try:
@@ -316,22 +468,14 @@ def _join_rendezvous(store: Store, group: str, rank: int, world: int, timeout: f
         return tcp_store, address["nonce"]
 
 
-def _build_backend(prefixed, rank: int, world: int, limit: datetime.timedelta,
-                   device: torch.device, host: str):
-    """The backend on the rendezvous store, built as `init_process_group` builds it."""
-    if device.type == "cuda":
-        if not dist.is_nccl_available():
-            raise ZooidValueError("device", "CUDA tensors need NCCL, which this torch lacks")
-        options = dist.ProcessGroupNCCL.Options()
-        options.is_high_priority_stream = False
-        options._timeout = limit
-        return dist.ProcessGroupNCCL(prefixed, rank, world, options)
-    options = dist.ProcessGroupGloo._Options()
+def _build_nccl(prefixed, rank: int, world: int, limit: datetime.timedelta):
+    """NCCL's backend on the rendezvous store, built as `init_process_group` builds it."""
+    if not dist.is_nccl_available():
+        raise ZooidValueError("device", "CUDA tensors need NCCL, which this torch lacks")
+    options = dist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = False
     options._timeout = limit
-    # Each rank listens for its peers on its own address: loopback for local targets.
-    gloo_host = LOOPBACK if host == LOOPBACK else _own_address("auto")
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname=gloo_host)]
-    return dist.ProcessGroupGloo(prefixed, rank, world, options)
+    return dist.ProcessGroupNCCL(prefixed, rank, world, options)
 
 
 def ring_allreduce_mean(ring: RingGroup, tensors: dict[str, torch.Tensor], *,
@@ -365,6 +509,6 @@ def _unflatten(buffers: dict[torch.dtype, torch.Tensor], like: dict[str, torch.T
     for name in names:
         t = like[name]
         start = offsets[t.dtype]
-        out[name] = buffers[t.dtype][start:start + t.numel()].reshape(t.shape).to(t.device).clone()
+        out[name] = buffers[t.dtype][start:start + t.numel()].reshape(t.shape).to(t.device)  # a view: the buffer is this call's own
         offsets[t.dtype] = start + t.numel()
     return out

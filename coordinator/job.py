@@ -50,8 +50,8 @@ class TrainJob(BaseModel):
     collective: Literal["store", "ring"] = Field(
         "store", title="Collective",
         description="How Local-SGD replicas average: `store` (scatter-reduce through the store; a dead "
-                    "worker is relaunched alone) or `ring` (direct ring allreduce over torch.distributed, "
-                    "gloo/NCCL, when workers can reach each other; a failure reruns the epoch).")
+                    "worker is relaunched alone) or `ring` (direct ring allreduce between the workers, over TCP on "
+                    "CPU and NCCL on CUDA, when workers can reach each other; a failure reruns the epoch).")
     outer_optimizer: Literal["average", "nesterov"] = Field(
         "average", title="Outer optimizer",
         description="What a Local-SGD sync does with the replicas' weights: `average` (K-AVG) or `nesterov` "

@@ -288,15 +288,15 @@ def test_nccl_ring_mean_on_two_gpus(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_a_peer_that_stops_calling_times_out(tmp_path, monkeypatch):
-    import comm.ring_allreduce as ring_module
+    import comm.socket_ring as transport
 
     store = DirectoryStore(tmp_path / "store")
     group, joined, done = "runs/t/sync/e0", threading.Event(), threading.Event()
-    limits, real_options = [], ring_module._sum_options
+    limits, real_allreduce = [], transport.allreduce_sum
 
-    def options(seconds: float):  # the per-call timeout the backend is given
-        limits.append(seconds)
-        return real_options(seconds)
+    def allreduce_sum(links, rank, world, buf, deadline):  # the deadline the transport is given
+        limits.append(deadline - time.monotonic())
+        return real_allreduce(links, rank, world, buf, deadline)
 
     def idle_peer() -> None:  # alive and connected, but never reaches the collective
         with open_ring(store, group, 1, 2, timeout=30):
@@ -307,11 +307,34 @@ def test_a_peer_that_stops_calling_times_out(tmp_path, monkeypatch):
     peer.start()
     try:
         ring = open_ring(store, group, 0, 2, timeout=30)
-        assert joined.wait(30)
-        monkeypatch.setattr(ring_module, "_sum_options", options)
+        assert joined.wait(30) and ring.backend_name == "tcp"
+        monkeypatch.setattr(transport, "allreduce_sum", allreduce_sum)
         with pytest.raises(RingTimeout, match="a peer did not reach the collective within 1.5s"):
             ring.allreduce_mean({"x": torch.ones(10, dtype=torch.float64)}, timeout=1.5)
-        assert limits and set(limits) == {1.5}  # the call's own timeout bounded the wait, not the ring's 30 s
+        # the call's own timeout bounded the wait, not the ring's 30 s
+        assert len(limits) == 1 and 0 < limits[0] <= 1.5
+        with pytest.raises(RingError, match="timed out; open a new one"):
+            ring.allreduce_mean({"x": torch.ones(3, dtype=torch.float64)})
     finally:
         done.set()
         peer.join(30)
+
+
+def test_buckets_started_in_the_background_keep_their_order(tmp_path):
+    """Calls started without waiting run on the ring's thread in the order started, a call
+    run `now` waits for them first, and every mean is exact: three calls of different sizes
+    per rank, the last run now."""
+    store = DirectoryStore(tmp_path / "store")
+    sizes, outs = (5, 70_001, 3), {}
+
+    def rank(r: int) -> None:
+        with open_ring(store, "runs/t/sync/e0", r, 2, timeout=30) as ring:
+            calls = [ring.start_allreduce_mean({"x": torch.full((n,), float(r + k), dtype=torch.float64)},
+                                               now=k == len(sizes) - 1) for k, n in enumerate(sizes)]
+            outs[r] = [c.wait()["x"] for c in calls]
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    [t.start() for t in threads]
+    [t.join(timeout=60) for t in threads]
+    for r in range(2):
+        assert [o.tolist() for o in outs[r]] == [[k + 0.5] * n for k, n in enumerate(sizes)]
