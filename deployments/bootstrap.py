@@ -105,9 +105,9 @@ def register(block_type) -> None:
 
 
 def bootstrap(target: str, paid_worker_limit: int = PAID_WORKERS, image: str | None = None,
-              env: dict[str, str] | None = None) -> dict:
-    """Set up `target` on the current Prefect API (its pool's default image `image` and
-    environment `env` when given); return what was done."""
+              env: dict[str, str] | None = None, command: str | None = None) -> dict:
+    """Set up `target` on the current Prefect API (its pool's default image `image`,
+    environment `env` and flow-run command `command` when given); return what was done."""
     from prefect.client.orchestration import get_client
 
     if target not in POOL_TYPES:
@@ -116,7 +116,7 @@ def bootstrap(target: str, paid_worker_limit: int = PAID_WORKERS, image: str | N
         register(block_type)
     ComputeTarget(**BUILTIN[target]).save(f"zooid-{target}", overwrite=True)
     with get_client(sync_client=True) as client:
-        defaults = {"image": image, "env": env or None}
+        defaults = {"image": image, "env": env or None, "command": command}
         pool = ensure_pool(client, f"zooid-{target}", POOL_TYPES[target], {k: v for k, v in defaults.items() if v})
         ensure_concurrency_limit(client, paid_worker_limit)
     done = {"target": target, "work_pool": f"zooid-{target}", "pool": pool,
@@ -207,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--image", help="the pool's default worker image (e.g. what `make image` built)")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="the pool's default environment for every worker (repeatable)")
+    parser.add_argument("--command", help="the pool's command for a flow run (process pools; the local stack "
+                                          "points it at its fork server, flows.flow_forks)")
     cloud = parser.add_argument_group(f"cloud targets ({', '.join(CLOUD_ACCOUNT_TARGETS)})",
                                       bootstrap_cloud.__doc__.splitlines()[0])
     cloud.add_argument("--cloud", action="store_true",
@@ -228,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"blob_container: only the aci target's store is an Azure Blob container, "
                              f"not the {args.target} target's")
         if not (args.cloud or args.cluster or args.resource_group or args.subscription_id or args.namespace):
-            done = bootstrap(args.target, args.paid_worker_limit, args.image, env)
+            done = bootstrap(args.target, args.paid_worker_limit, args.image, env, args.command)
         else:
             done = bootstrap_cloud(args.target, cluster=args.cluster, resource_group=args.resource_group,
                                    subscription_id=args.subscription_id, namespace=args.namespace,

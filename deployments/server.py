@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import os
 import shutil
 import signal
@@ -53,7 +54,22 @@ def stack_env(home: Path, api_url: str) -> dict[str, str]:
         "PREFECT_RUNNER_POLL_FREQUENCY": "1",
         "ZOOID_HOME": str(home),
         "ZOOID_ROOT": str(ROOT),
+        FLOW_FORKS_VAR: flow_forks_socket(home),
     }
+
+
+FLOW_FORKS_VAR = "ZOOID_FLOW_FORKS"
+"""The variable naming the stack's flow-run fork server's socket (`flows.flow_forks.SOCKET_VAR`)."""
+
+
+def flow_forks_socket(home: Path) -> str:
+    """Where the stack's flow-run fork server listens: in its home, or under the temporary
+    directory, named by the home's hash, where that path would be too long for a Unix socket
+    (107 bytes)."""
+    path = home / "flow-forks.sock"
+    if len(str(path)) <= 100:
+        return str(path)
+    return str(Path(tempfile.gettempdir()) / f"zooid-forks-{hashlib.sha1(str(home).encode()).hexdigest()[:12]}.sock")
 
 
 def bin_path(name: str) -> str:

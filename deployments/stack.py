@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -30,9 +31,13 @@ from core.kinds import TargetKind
 from deployments import docker_stack
 from deployments.engine import down as engine_down
 from deployments.prefect_db import seed_home
-from deployments.server import ROOT, alive, bin_path, free_port, spawn, stack_env, stop_groups, wait_healthy, zooid_home
+from deployments.server import (FLOW_FORKS_VAR, ROOT, alive, bin_path, free_port, spawn, stack_env, stop_groups,
+                                wait_healthy, zooid_home)
 
 POOL = "zooid-local"
+FORKED_COMMAND = f"{shlex.quote(sys.executable)} -m flows.flow_forks"
+"""The pool's command for a flow run: forked from the stack's fork server, already imported
+(`flows.flow_forks`; without the server it runs `python -m prefect.engine` itself)."""
 
 
 def _run(args: list[str], env: dict) -> None:
@@ -111,7 +116,10 @@ def up(home: Path | None = None, port: int | None = None, docker: bool = False) 
     env = {**stack_env(home, api_url), "DOCKER_HOST": docker_stack.docker_host(home)}
     seed_home(Path(env["PREFECT_HOME"]), {**os.environ, **env})
     pids = {"server": spawn([bin_path("prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                             {**env, "PREFECT_API_URL": ""}, home / "logs" / "server.log")}
+                             {**env, "PREFECT_API_URL": ""}, home / "logs" / "server.log"),
+            # the pool's flow runs fork from it (flows.flow_forks); its imports overlap the server's start
+            "flow_forks": spawn([sys.executable, "-m", "flows.flow_forks", "serve", env[FLOW_FORKS_VAR]], env,
+                                home / "logs" / "flow-forks.log")}
     state = {"api_url": api_url, "pids": pids, "env": env}
     state_file(home).write_text(json.dumps(state, indent=1))
     try:
@@ -121,8 +129,8 @@ def up(home: Path | None = None, port: int | None = None, docker: bool = False) 
             raise RuntimeError(f"the Prefect server on port {port} did not start "
                                f"(see {home / 'logs' / 'server.log'}); is the port in use?")
         log = home / "logs" / "up.log"
-        boot = json.loads(_quiet([sys.executable, "-m", "deployments.bootstrap", "--target", "local"], env, log)
-                          .strip().splitlines()[-1])
+        boot = json.loads(_quiet([sys.executable, "-m", "deployments.bootstrap", "--target", "local",
+                                  "--command", FORKED_COMMAND], env, log).strip().splitlines()[-1])
         limit = _check_concurrency_limit(env)
         print(f"work pool {boot['work_pool']} {boot['pool']}; concurrency limit {boot['concurrency_limit']}: "
               f"{limit} paid worker(s)")

@@ -153,14 +153,16 @@ class _Watch(threading.Thread):
 
 
 def serve(spec: WorkerSpec, store: Store, execute: Callable[[WorkerSpec], WorkerResult],
-          store_factory: Callable[[], Store], log: Callable[[str], None] = print,
+          store_factory: Callable[[], Store], log: Callable[[str], None] | None = None,
           open_ref: Callable[[str], Store] | None = None) -> str:
     """Serve the run's commands until told to stop; return why it stopped (`stopped`).
 
     `spec` is the launch spec (run id, rank, `warm`); `store` holds the commands;
     `execute(spec)` trains one epoch; `store_factory()` opens a second client of the same
-    store for the watch thread; `open_ref(url)` opens the store a `profile` command probes
-    (default `comm.store.open_store`). Raises `LeaseExpired` when the lease runs out, and whatever
+    store for the watch thread; `log(line)` reports (default `print`, looked up at each call:
+    a flow run's `log_prints` replaces it while it runs, after this module was imported);
+    `open_ref(url)` opens the store a `profile` command probes (default
+    `comm.store.open_store`). Raises `LeaseExpired` when the lease runs out, and whatever
     `execute` raised after posting it as the reply."""
     # torch and the engine, imported when a worker starts serving: the coordinator imports
     # this module (coordinator.warm_pool: read_json, worker_name) and runs without torch.
@@ -168,6 +170,7 @@ def serve(spec: WorkerSpec, store: Store, execute: Callable[[WorkerSpec], Worker
     from engine.models import keep_models  # torch: see above
     from profiling.memory import rss_bytes  # torch: see above
 
+    log = log or (lambda line: print(line))
     settings = spec.warm
     if settings is None:
         raise ZooidValueError("warm", "a warm worker's launch spec needs its WarmSpec")

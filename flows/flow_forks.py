@@ -1,0 +1,340 @@
+"""Start the stack's Prefect flow runs by forking a process that has imported them already.
+
+A process work pool starts every flow run as a fresh `python -m prefect.engine`: on this kind
+of machine that is 0.7 s of imports for Prefect, 1.2 s more for the `train` flow (torch, the
+planners) and, in each warm worker's flow run, 1.5 s for torch and the engine before it is
+ready. A run on the local stack pays that twice in a row: its own flow run, then its workers'.
+
+So the stack (`deployments.stack up`) starts this server once. It imports Prefect's engine
+and both flows (`flows.train`, `flows.worker`, the worker's engine) and listens on a Unix
+socket, `$ZOOID_FLOW_FORKS`. The pool's command is this module's client
+(`python -m flows.flow_forks`, the standard library only): it connects, hands over its standard input, output and error
+with its environment, working directory and arguments, and the server forks a child that
+becomes that process: it takes the client's descriptors and environment and runs
+`prefect.engine` (or the module the arguments name) as `__main__`. To Prefect's worker the
+client is the flow run's process: its output is the child's, its exit status the child's,
+and a signal it gets (SIGTERM, SIGINT: a cancel) is passed on to the child.
+
+- **Nothing outlives the client**: the child holds its end of the client's connection and, if
+  the client dies without passing a signal on (SIGKILL), kills its own process group.
+- **No stale code**: the server notes the modification times of the project's sources when
+  it starts. A request after any of them changed is answered `stale`: the client runs the
+  module itself (as the pool would have), and the server, once its last child has exited,
+  replaces itself with a fresh one (`os.execv`).
+- **No server** (the socket is missing, refused, or the server fails the request): the client
+  runs the module itself. A pool command pointed here always works.
+
+Protocol on the socket: the client sends one JSON line `{"argv", "env", "cwd"}` with its
+descriptors 0, 1 and 2 attached (SCM_RIGHTS); the server answers `{"pid": N}` (or
+`{"stale": true}`, or `{"error": "..."}`), then `{"exit": C}` when the child ends (C as
+`subprocess.Popen.returncode` reads it: negative, killed by that signal).
+"""
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+from pathlib import Path
+
+from core.fast_exit import run_exit_handlers
+
+SOCKET_VAR = "ZOOID_FLOW_FORKS"
+"""The environment variable naming the server's socket (`deployments.server.stack_env`)."""
+
+DEFAULT_MODULE = "prefect.engine"
+"""The module a client runs when its arguments name none: Prefect's flow-run entry point."""
+
+ROOT = Path(__file__).resolve().parent.parent
+_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+"""The signals a client passes on to its child."""
+
+
+# --- the client -----------------------------------------------------------------------------------
+
+
+def _module_argv(args: list[str]) -> list[str]:
+    """`-m module args...` for the child (the default module when `args` names none)."""
+    return args if args[:1] == ["-m"] and len(args) > 1 else ["-m", DEFAULT_MODULE, *args]
+
+
+def run_itself(argv: list[str]) -> None:
+    """Become `python <argv>` (the pool's own way: no server to fork from)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, *argv])
+
+
+def _read_line(conn: socket.socket, buffer: bytearray) -> dict | None:
+    while b"\n" not in buffer:
+        try:
+            chunk = conn.recv(4096)
+        except InterruptedError:
+            continue
+        if not chunk:
+            return None
+        buffer += chunk
+    line, _, rest = bytes(buffer).partition(b"\n")
+    buffer[:] = rest
+    return json.loads(line)
+
+
+def client(args: list[str]) -> int:
+    """Run `args` (`-m module ...`) as a child of the server, or as this process when there
+    is none; return the exit status."""
+    argv = _module_argv(args)
+    path = os.environ.get(SOCKET_VAR)
+    if not path:
+        run_itself(argv)
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(path)
+        request = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}).encode() + b"\n"
+        socket.send_fds(conn, [request], [0, 1, 2])
+        buffer = bytearray()
+        answer = _read_line(conn, buffer)
+    except OSError:
+        answer = None
+    if not answer or "pid" not in answer:
+        conn.close()
+        run_itself(argv)  # no server, a stale one, or it could not fork
+    child = int(answer["pid"])
+
+    def pass_on(signum, frame):
+        try:
+            os.kill(child, signum)
+        except ProcessLookupError:
+            pass
+
+    for signum in _SIGNALS:
+        signal.signal(signum, pass_on)
+    while True:
+        message = _read_line(conn, buffer)
+        if message is None:  # the server died: the child's fate is unknown
+            return 1
+        if "exit" in message:
+            code = int(message["exit"])
+            if code < 0:  # as the child ended: by the signal itself
+                signal.signal(-code, signal.SIG_DFL)
+                os.kill(os.getpid(), -code)
+            return code
+
+
+# --- the server -----------------------------------------------------------------------------------
+
+
+def source_mtimes(root: Path = ROOT) -> dict[str, float]:
+    """Modification time of every Python source of the project's packages (what a child
+    would run; the tests and benchmarks are not run by a flow)."""
+    out = {}
+    for top in sorted(root.iterdir()):
+        if top.name.startswith(".") or top.name in ("tests", "benchmarks") or not (top / "__init__.py").is_file():
+            continue
+        for path in top.rglob("*.py"):
+            try:
+                out[str(path)] = path.stat().st_mtime
+            except OSError:
+                pass
+    return out
+
+
+def _child(conn: socket.socket, request: dict, fds: list[int], listener: socket.socket) -> int:
+    """In the forked child: become the client's process and run its module; return the status."""
+    import runpy
+    import traceback
+    import warnings
+
+    os.setsid()
+    listener.close()
+    signal.set_wakeup_fd(-1)
+    for signum in (signal.SIGCHLD, *_SIGNALS):
+        signal.signal(signum, signal.SIG_DFL)
+    for target, fd in zip((0, 1, 2), fds):
+        os.dup2(fd, target)
+        if fd > 2:
+            os.close(fd)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+
+    def orphaned() -> None:  # the client is gone without passing a signal on: so is its process
+        try:
+            while conn.recv(64):
+                pass
+        except OSError:
+            pass
+        os.killpg(0, signal.SIGKILL)
+
+    threading.Thread(target=orphaned, name="client-watch", daemon=True).start()
+    _fresh_settings()
+    argv = request["argv"]
+    module = argv[1]
+    sys.argv = [module, *argv[2:]]
+    # imported by the server already (that is the point): runpy warns that it runs a fresh copy
+    warnings.filterwarnings("ignore", message=".*found in sys.modules.*", category=RuntimeWarning)
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if not isinstance(exc.code, (int, type(None))):
+            print(exc.code, file=sys.stderr)
+    except KeyboardInterrupt:
+        code = -signal.SIGINT
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    run_exit_handlers()
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    return code
+
+
+def _fresh_settings() -> None:
+    """Prefect read its settings from the server's environment when it was imported: read them
+    again from this process's, as a fresh `prefect.engine` would have."""
+    from prefect.context import refresh_global_settings_context
+
+    refresh_global_settings_context()
+
+
+def serve(path: str) -> int:
+    """Listen on `path` and fork a child for every request (see the module docstring)."""
+    import prefect.engine  # noqa: F401 - a child runs it: imported once here, shared by every fork
+    import prefect.flow_engine  # noqa: F401
+
+    # the flows and the worker's engine a child runs, imported once here and shared by every fork
+    # (at the top they would weigh on the client, which imports this module too)
+    import flows.train  # noqa: F401
+    import flows.worker  # noqa: F401
+    import runtime.worker_main  # noqa: F401
+    from engine.optimizers import load_lazy_modules
+
+    load_lazy_modules()
+    if threading.active_count() > 1:  # a thread would not survive a fork: its locks might not either
+        print(f"zooid flow forks: the imports started threads ({', '.join(t.name for t in threading.enumerate())}); "
+              "not serving", file=sys.stderr, flush=True)
+        return 1
+    started_with = source_mtimes()
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_mask = os.umask(0o177)  # the socket is this user's alone
+    try:
+        listener.bind(path)
+    finally:
+        os.umask(old_mask)
+    listener.listen(64)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so the wakeup fd hears of exits
+    children: dict[int, socket.socket] = {}
+    stale = False
+    print(f"zooid flow forks: listening on {path} (pid {os.getpid()})", flush=True)
+    while True:
+        while children:  # tell each client its child's exit status
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            conn = children.pop(pid, None)
+            if conn is not None:
+                try:
+                    conn.sendall((json.dumps({"exit": os.waitstatus_to_exitcode(status)}) + "\n").encode())
+                except OSError:
+                    pass
+                conn.close()
+        if stale and not children:
+            listener.close()
+            os.unlink(path)
+            print("zooid flow forks: the project's sources changed; starting afresh", flush=True)
+            os.execv(sys.executable, [sys.executable, "-m", "flows.flow_forks", "serve", path])
+        try:
+            ready, _, _ = select.select([listener, wake_r], [], [])
+        except InterruptedError:
+            continue
+        if wake_r in ready:
+            try:
+                os.read(wake_r, 512)
+            except BlockingIOError:
+                pass
+        if listener not in ready:
+            continue
+        conn, _ = listener.accept()
+        try:
+            conn.settimeout(5.0)
+            msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+            while not msg.endswith(b"\n"):
+                more = conn.recv(1 << 20)
+                if not more:
+                    raise OSError("the client left mid-request")
+                msg += more
+            request = json.loads(msg)
+            if len(fds) != 3:
+                raise OSError(f"expected 3 descriptors, got {len(fds)}")
+            conn.settimeout(None)
+        except (OSError, ValueError) as exc:
+            print(f"zooid flow forks: a bad request ({type(exc).__name__}: {exc})", flush=True)
+            conn.close()
+            continue
+        if stale or source_mtimes() != started_with:
+            stale = True
+            _answer(conn, {"stale": True})
+            for fd in fds:
+                os.close(fd)
+            conn.close()
+            continue
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            _answer(conn, {"error": f"{type(exc).__name__}: {exc}"})
+            conn.close()
+            continue
+        if pid == 0:
+            code = 1
+            try:
+                os.close(wake_r)
+                os.close(wake_w)
+                for other in children.values():
+                    other.close()
+                code = _child(conn, request, fds, listener)
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                os._exit(code & 0xFF if code >= 0 else 1)
+        for fd in fds:
+            os.close(fd)
+        children[pid] = conn
+        _answer(conn, {"pid": pid})
+
+
+def _answer(conn: socket.socket, message: dict) -> None:
+    try:
+        conn.sendall((json.dumps(message) + "\n").encode())
+    except OSError:
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["serve"]:
+        if len(args) != 2:
+            print("usage: python -m flows.flow_forks serve SOCKET", file=sys.stderr)
+            return 2
+        return serve(args[1])
+    return client(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
