@@ -211,6 +211,8 @@ class WarmPool:
                 self.retire(0, "it stopped")
             launcher = make_launcher(self.ctx, plan)
             w = self._start(0, plan, 0, launcher, launch_identity(launcher, 0))
+        if self.ctx.resolved.target.kind in SHARED_HOST_KINDS:  # their start-up would slow the timings taken
+            self.wait_ready(timeout_s)
         seq, sent, ready = w.seq, time.time(), w.ready_at is not None
         self.store.put(command_key(self.ctx.run_id, w.name, seq),
                        json.dumps({"op": "profile", "request": request}).encode())
@@ -235,6 +237,22 @@ class WarmPool:
                 self.retire(0, f"no profile within {timeout_s:.0f} s")
                 raise RuntimeError(f"worker {w.name} gave no profile within {timeout_s:.0f} s")
             time.sleep(max(poll_s, self.store.poll_max_s))  # each read is a billed request on a cloud store
+
+    def wait_ready(self, timeout_s: float, poll_s: float = 0.02) -> None:
+        """Wait until every live worker of the pool has started (its status says so; billed as
+        start-up to then), or died, or `timeout_s` passed."""
+        deadline = time.time() + timeout_s
+        waiting = [w for w in self.workers.values() if w.ready_at is None]
+        while waiting and time.time() < deadline:
+            for w in list(waiting):
+                status = read_json(self.store, status_key(self.ctx.run_id, w.name)) or {}
+                w.launcher._poll()
+                if status.get("ready_at"):
+                    self._mark_ready(w, float(status["ready_at"]), time.time(), None)
+                if w.ready_at is not None or not w.alive:
+                    waiting.remove(w)
+            if waiting:
+                time.sleep(max(poll_s, self.store.poll_max_s))
 
     def retire(self, rank: int, reason: str, grace_s: float = 10.0) -> None:
         """Stop the worker of `rank` (asked through the store, then stopped by its launcher
@@ -419,13 +437,17 @@ class WarmPool:
         """startup (first reply), idle, then the command's own row (`status`: an epoch is
         `busy`, a profile `profile`), from the worker's own times (clamped)."""
         if w.ready_at is None:
-            w.ready_at = min(float(reply.get("ready_at") or w.billed_to), now)
-            self._row(w, "startup", w.ready_at, epoch)
-            self.ctx.state.startup_samples.append(w.ready_at - w.launched_at)
+            self._mark_ready(w, float(reply.get("ready_at") or w.billed_to), now, epoch)
         began = min(float(reply.get("began_at") or now), now)
         ended = min(float(reply.get("ended_at") or now), now)
         self._row(w, "idle", began, epoch)
         self._row(w, status, ended, epoch, attempt)
+
+    def _mark_ready(self, w: WarmWorker, ready_at: float, now: float, epoch: int | None) -> None:
+        """The worker started at `ready_at` (its own clock, clamped to `now`): its start-up row."""
+        w.ready_at = min(ready_at, now)
+        self._row(w, "startup", w.ready_at, epoch)
+        self.ctx.state.startup_samples.append(w.ready_at - w.launched_at)
 
     def _bill_end(self, w: WarmWorker) -> None:
         """Close the worker's bill at its stop (what was open is start-up, idle, or the epoch
@@ -466,12 +488,6 @@ def _size(path: str) -> int:
 def warm_epoch_specs(specs: list[WorkerSpec], threads: int) -> list[WorkerSpec]:
     """The epoch's specs as commands: each carries the worker's thread count."""
     return [dataclasses.replace(s, compute=dataclasses.replace(s.compute, threads=threads)) for s in specs]
-
-
-def starts_before_profile(ctx) -> bool:
-    """Whether the warm workers can start while the coordinator profiles: not where they share
-    its machine (their start-up would slow the very timings the profile takes)."""
-    return ctx.resolved.target.kind not in SHARED_HOST_KINDS
 
 
 def provisional_plan(ctx):

@@ -57,7 +57,7 @@ from coordinator.run_terms import RunClock, record_terms
 from coordinator.scaling_policy import forecast_workers
 from coordinator.sweep import worker_pids
 from coordinator.validate import check_target_ready, validate_job
-from coordinator.warm_pool import WarmPool, provisional_plan, starts_before_profile
+from coordinator.warm_pool import WarmPool, provisional_plan
 from coordinator.warm_prestart import WarmPrestart
 from core.epoch_summary import EpochSummary, Replan
 from core.errors import ZooidValueError
@@ -302,7 +302,7 @@ def profile_plan_and_provision(run: Training) -> None:
     """Profile on the target (warm workers' start-up hidden behind it where they start first),
     take over a resumed run's state, plan, and provision the run."""
     ctx, job, resume = run.ctx, run.job, run.resume
-    if ctx.state.warm is not None and starts_before_profile(ctx):  # their start-up hides behind profile + plan
+    if ctx.state.warm is not None:  # their start-up hides behind profile + plan (on a shared host before them)
         ctx.state.warm.ensure(provisional_plan(ctx), resume.next_epoch if resume else 0)
     run.profile = ctx.state.profile = profile(ctx)
     run.clock.profiled = "measured" in run.profile.get("profile_sources", {}).values()

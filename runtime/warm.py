@@ -133,7 +133,7 @@ class _Watch(threading.Thread):
                              f"renewed for {self.lease.age_s:.0f} s (worker_lease_s={self.settings.lease_s:g}); "
                              "stopping: no paid worker outlives its run")
                     self.expired.set()
-                self._publish(store)
+                self.publish(store)
                 if self.expired.is_set() and self.busy_since is not None:
                     steps, beat_at = heartbeat.progress()
                     if time.time() - beat_at > self.settings.grace_s:
@@ -143,7 +143,8 @@ class _Watch(threading.Thread):
         finally:
             store.close()
 
-    def _publish(self, store: Store) -> None:
+    def publish(self, store: Store) -> None:
+        """Write the status now (`store`: a client of the calling thread's own)."""
         steps, beat_at = heartbeat.progress()
         doc = {**self.doc, "steps": steps, "beat_at": beat_at, "written_at": time.time()}
         try:
@@ -188,6 +189,7 @@ def serve(spec: WorkerSpec, store: Store, execute: Callable[[WorkerSpec], Worker
     heartbeat.set_guard(guard)
     ready_at = time.time()
     watch.doc.update(state="idle", ready_at=ready_at, base_memory_bytes=base_memory)
+    watch.publish(store)  # at once: a coordinator on a shared host waits for it to profile
     began_at, since = process_started_at()
     log(f"zooid warm worker {settings.worker} ready {max(0.0, ready_at - began_at):.2f} s after its {since} "
         f"(interpreter, imports of torch and the store client, the store's connection, the lease watch; "
