@@ -147,6 +147,27 @@ def test_the_profile_is_taken_by_a_worker_and_says_where(tmp_path):
 
 
 @pytest.mark.usefixtures("prefect_api")
+def test_on_a_shared_host_every_warm_worker_is_ready_before_the_profile_starts(tmp_path):
+    """The flow starts the run's warm workers before the profile; on the coordinator's own
+    cores the profile waits until they have all started (their start-up would slow its
+    timings), so no rank is left to start after the plan."""
+    from coordinator.target_profile import _profile
+    from coordinator.warm_pool import WarmPool, provisional_plan
+
+    ctx = _ctx(TrainJob(model="digits_mlp", workers=2, store=f"file://{tmp_path}/store", warm=True))
+    ctx.state.warm = WarmPool(ctx)
+    try:
+        ctx.state.warm.ensure(provisional_plan(ctx), 0)
+        assert _profile(ctx)["profile_sources"] == {"model": "measured", "store": "measured"}
+        rows = ctx.state.ledger
+        ready = {r.rank: r.stop for r in rows if r.status == "startup"}
+        first_profile = min(r.start for r in rows if r.status == "profile")
+        assert set(ready) == {0, 1} and max(ready.values()) <= first_profile
+    finally:
+        ctx.state.warm.stop_all("the test is over")
+
+
+@pytest.mark.usefixtures("prefect_api")
 def test_the_cache_hits_on_a_second_run_and_misses_when_the_models_source_changes(tmp_path, monkeypatch):
     from coordinator.target_profile import _profile
 
