@@ -8,9 +8,9 @@ ready. A run on the local stack pays that twice in a row: its own flow run, then
 So the stack (`deployments.stack up`) starts this server once. It imports Prefect's engine
 and both flows (`flows.train`, `flows.worker`, the worker's engine) and listens on a Unix
 socket, `$ZOOID_FLOW_FORKS`. The pool's command is this module's client
-(`python -m flows.flow_forks`, the standard library only): it connects, hands over its standard input, output and error
-with its environment, working directory and arguments, and the server forks a child that
-becomes that process: it takes the client's descriptors and environment and runs
+(`python -m flows.flow_forks`, which imports neither Prefect nor torch): it connects, hands
+over its standard input, output and error with its environment, working directory and
+arguments, and the server forks a child that becomes that process: it takes the client's descriptors and environment and runs
 `prefect.engine` (or the module the arguments name) as `__main__`. To Prefect's worker the
 client is the flow run's process: its output is the child's, its exit status the child's,
 and a signal it gets (SIGTERM, SIGINT: a cancel) is passed on to the child.
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import signal
 import socket
 import sys
@@ -41,6 +40,7 @@ import threading
 from pathlib import Path
 
 from core.fast_exit import run_exit_handlers
+from runtime.fork_server import ChildExits
 
 SOCKET_VAR = "ZOOID_FLOW_FORKS"
 """The environment variable naming the server's socket (`deployments.server.stack_env`)."""
@@ -141,7 +141,7 @@ def source_mtimes(root: Path = ROOT) -> dict[str, float]:
     return out
 
 
-def _child(conn: socket.socket, request: dict, fds: list[int], listener: socket.socket) -> int:
+def _child(conn: socket.socket, request: dict, fds: list[int], listener: socket.socket, exits: ChildExits) -> int:
     """In the forked child: become the client's process and run its module; return the status."""
     import runpy
     import traceback
@@ -149,8 +149,8 @@ def _child(conn: socket.socket, request: dict, fds: list[int], listener: socket.
 
     os.setsid()
     listener.close()
-    signal.set_wakeup_fd(-1)
-    for signum in (signal.SIGCHLD, *_SIGNALS):
+    exits.forget()
+    for signum in _SIGNALS:
         signal.signal(signum, signal.SIG_DFL)
     for target, fd in zip((0, 1, 2), fds):
         os.dup2(fd, target)
@@ -231,10 +231,7 @@ def serve(path: str) -> int:
     finally:
         os.umask(old_mask)
     listener.listen(64)
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_w, False)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so the wakeup fd hears of exits
+    exits = ChildExits()
     children: dict[int, socket.socket] = {}
     stale = False
     print(f"zooid flow forks: listening on {path} (pid {os.getpid()})", flush=True)
@@ -258,16 +255,7 @@ def serve(path: str) -> int:
             os.unlink(path)
             print("zooid flow forks: the project's sources changed; starting afresh", flush=True)
             os.execv(sys.executable, [sys.executable, "-m", "flows.flow_forks", "serve", path])
-        try:
-            ready, _, _ = select.select([listener, wake_r], [], [])
-        except InterruptedError:
-            continue
-        if wake_r in ready:
-            try:
-                os.read(wake_r, 512)
-            except BlockingIOError:
-                pass
-        if listener not in ready:
+        if not exits.wait(listener):
             continue
         conn, _ = listener.accept()
         try:
@@ -302,11 +290,9 @@ def serve(path: str) -> int:
         if pid == 0:
             code = 1
             try:
-                os.close(wake_r)
-                os.close(wake_w)
                 for other in children.values():
                     other.close()
-                code = _child(conn, request, fds, listener)
+                code = _child(conn, request, fds, listener, exits)
             except BaseException:
                 import traceback
 

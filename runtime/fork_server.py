@@ -52,8 +52,41 @@ def _exit_code(status: int) -> int:
     return os.waitstatus_to_exitcode(status)
 
 
+class ChildExits:
+    """A fork server's wake-up on its children's exits: SIGCHLD writes to a pipe (the
+    interpreter's wakeup fd), so one `select` waits for a request and for exits alike."""
+
+    def __init__(self):
+        self.r, self.w = os.pipe()
+        os.set_blocking(self.w, False)
+        signal.set_wakeup_fd(self.w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so the wakeup fd hears of exits
+
+    def wait(self, fd) -> bool:
+        """Block until `fd` is readable or a child exited (or both); whether `fd` is readable."""
+        while True:
+            try:
+                ready, _, _ = select.select([fd, self.r], [], [])
+                break
+            except InterruptedError:
+                continue
+        if self.r in ready:
+            try:
+                os.read(self.r, 512)
+            except BlockingIOError:
+                pass
+        return fd in ready
+
+    def forget(self) -> None:
+        """In a forked child: no wake-up, SIGCHLD as by default, the pipe closed."""
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        os.close(self.r)
+        os.close(self.w)
+
+
 def _run_worker(argv: list[str], env: dict[str, str], log: str, own_name: str, started: int,
-                keep_fds: tuple[int, ...]) -> int:
+                keep_fds: tuple[int, ...], exits: ChildExits) -> int:
     """In the forked child: become a fresh worker process in a session of its own, under the
     interpreter's name (then close `started`, which tells the server so), run it, return its
     exit status."""
@@ -63,8 +96,7 @@ def _run_worker(argv: list[str], env: dict[str, str], log: str, own_name: str, s
     os.setsid()
     _set_name(own_name)  # a worker again, not the server, by the time the server answers
     os.close(started)
-    signal.set_wakeup_fd(-1)
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    exits.forget()
     out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -108,10 +140,7 @@ def serve(requests, answers) -> int:
     closes, or the last worker exited with no request waiting."""
     own_name = open("/proc/self/comm").read().strip() if os.path.exists("/proc/self/comm") else "python"
     _set_name(FORK_SERVER_NAME)
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_w, False)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so the wakeup fd hears of exits
+    exits = ChildExits()
     children: set[int] = set()
     buffer = b""
 
@@ -137,18 +166,10 @@ def serve(requests, answers) -> int:
         return False
 
     while True:
-        try:
-            ready, _, _ = select.select([requests, wake_r], [], [])
-        except InterruptedError:
-            continue
-        if wake_r in ready:
-            try:
-                os.read(wake_r, 512)
-            except BlockingIOError:
-                pass
+        asked = exits.wait(requests)
         if reap():
             return 0
-        if requests in ready:
+        if asked:
             chunk = os.read(requests, 65536)
             if not chunk:
                 return 0
@@ -166,7 +187,7 @@ def serve(requests, answers) -> int:
                     code = 1
                     try:
                         code = _run_worker(request["argv"], request["env"], request["log"], own_name, started_w,
-                                           (requests, answers, wake_r, wake_w, started_r))
+                                           (requests, answers, started_r), exits)
                     except BaseException:  # before the worker ran: in its log, or this process's
                         import traceback
 
