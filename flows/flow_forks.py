@@ -37,9 +37,11 @@ import signal
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 
 from core.fast_exit import run_exit_handlers
+from core.process_start import mark_forked
 from runtime.fork_server import ChildExits
 
 SOCKET_VAR = "ZOOID_FLOW_FORKS"
@@ -147,6 +149,7 @@ def _child(conn: socket.socket, request: dict, fds: list[int], listener: socket.
     import traceback
     import warnings
 
+    forked_at = time.time()
     os.setsid()
     listener.close()
     exits.forget()
@@ -158,6 +161,7 @@ def _child(conn: socket.socket, request: dict, fds: list[int], listener: socket.
             os.close(fd)
     os.environ.clear()
     os.environ.update(request["env"])
+    mark_forked(forked_at)  # a clock tick of /proc is as long as this start
     os.chdir(request["cwd"])
 
     def orphaned() -> None:  # the client is gone without passing a signal on: so is its process

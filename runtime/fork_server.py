@@ -30,8 +30,10 @@ import os
 import select
 import signal
 import sys
+import time
 
 from core.fast_exit import run_exit_handlers
+from core.process_start import mark_forked
 
 FORK_SERVER_NAME = "zooid-forks"
 """This process's name in `/proc/<pid>/comm` (at most 15 bytes)."""
@@ -93,6 +95,7 @@ def _run_worker(argv: list[str], env: dict[str, str], log: str, own_name: str, s
     import random
     import traceback
 
+    forked_at = time.time()
     os.setsid()
     _set_name(own_name)  # a worker again, not the server, by the time the server answers
     os.close(started)
@@ -106,6 +109,7 @@ def _run_worker(argv: list[str], env: dict[str, str], log: str, own_name: str, s
         os.close(fd)
     os.environ.clear()
     os.environ.update(env)
+    mark_forked(forked_at)  # a clock tick of /proc is as long as this start
     sys.argv = ["-m runtime.worker_main", *argv]
     # a fresh process draws fresh seeds: so does a forked one (a worker seeds its training itself)
     random.seed()

@@ -45,28 +45,11 @@ from comm import heartbeat
 from comm.store import Store, open_store
 from core.errors import LeaseExpired, ZooidValueError
 from core.keys import command_key, lease_key, reply_key, status_key
+from core.process_start import process_started_at
 from core.specs import WarmSpec, WorkerResult, WorkerSpec
 
 LEASE_EXIT = 5
 """Exit status of a warm worker whose lease expired while its training thread was stuck."""
-
-_IMPORTED_AT = time.time()
-"""When this module was imported: the start of the process's clock where /proc cannot tell."""
-
-
-def process_started_at() -> tuple[float, str]:
-    """When this process started (wall clock), and from what: the kernel's start time of the
-    process (/proc/self/stat, so the interpreter's start-up and every import count), or, where
-    /proc is missing, the import of this module."""
-    try:
-        with open("/proc/self/stat") as f:
-            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/uptime") as f:
-            uptime_s = float(f.read().split()[0])
-        return time.time() - (uptime_s - start_ticks / os.sysconf("SC_CLK_TCK")), "process start"
-    except (OSError, ValueError, IndexError):
-        return _IMPORTED_AT, "runtime.warm import"
-
 
 def worker_name(rank: int, serial: int, coordinator: str = "") -> str:
     """The name of one warm worker process: its rank, a serial unique within its coordinator,
@@ -191,7 +174,7 @@ def serve(spec: WorkerSpec, store: Store, execute: Callable[[WorkerSpec], Worker
     watch.doc.update(state="idle", ready_at=ready_at, base_memory_bytes=base_memory)
     watch.publish(store)  # at once: a coordinator on a shared host waits for it to profile
     began_at, since = process_started_at()
-    log(f"zooid warm worker {settings.worker} ready {max(0.0, ready_at - began_at):.2f} s after its {since} "
+    log(f"zooid warm worker {settings.worker} ready {max(0.0, ready_at - began_at):.3f} s after its {since} "
         f"(interpreter, imports of torch and the store client, the store's connection, the lease watch; "
         f"pid {os.getpid()})")
     seq = 0

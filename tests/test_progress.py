@@ -60,11 +60,25 @@ def test_a_stopped_command_line_says_three_lines_at_most():
 
 
 def test_a_worker_measures_its_start_up_from_its_process_start():
-    import runtime.warm as warm
+    import core.process_start as start
 
-    started, since = warm.process_started_at()
+    started, since = start.process_started_at()
     assert since == "process start"
-    assert started < warm._IMPORTED_AT  # the interpreter and the imports before this module count
+    assert started < start._IMPORTED_AT  # the interpreter and the imports before this module count
+
+
+def test_a_forked_worker_measures_its_start_up_from_its_fork(monkeypatch):
+    """A fork server marks the process it forks with the fork's time (a clock tick of /proc is
+    about as long as a forked worker's start); a mark for another pid does not count."""
+    import os
+
+    from core.process_start import STARTED_AT_VAR, mark_forked, process_started_at
+
+    monkeypatch.setenv(STARTED_AT_VAR, "")
+    mark_forked(1234.5)
+    assert process_started_at() == (1234.5, "process start")
+    monkeypatch.setenv(STARTED_AT_VAR, f"{os.getpid() + 1}:1234.5")  # the forked process's own child
+    assert process_started_at()[0] > 1234.5
 
 
 def test_the_profile_line_says_what_each_part_measured():
