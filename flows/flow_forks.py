@@ -210,6 +210,10 @@ def serve(path: str) -> int:
     """Listen on `path` and fork a child for every request (see the module docstring)."""
     import prefect.engine  # noqa: F401 - a child runs it: imported once here, shared by every fork
     import prefect.flow_engine  # noqa: F401
+    # what a train flow run's validation imports on first use (the dataset's loader, torch's
+    # tracing of a model on `meta`): 0.8 s of every run's start, paid once here instead
+    import sklearn.datasets  # noqa: F401
+    import torch.fx.experimental.symbolic_shapes  # noqa: F401
 
     # the flows and the worker's engine a child runs, imported once here and shared by every fork
     # (at the top they would weigh on the client, which imports this module too)
