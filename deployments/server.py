@@ -50,7 +50,9 @@ def stack_env(home: Path, api_url: str) -> dict[str, str]:
         "PREFECT_LOCAL_STORAGE_PATH": str(home / "results"),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "DO_NOT_TRACK": "1",
-        "PREFECT_WORKER_QUERY_SECONDS": "1",
+        # the pool's poll: a run waits half of it on average, twice (its flow run, then its workers');
+        # measured on an idle stack, 0.5 s costs 4.1-4.8 % of a core against 1 s's 2.1-2.7 %
+        "PREFECT_WORKER_QUERY_SECONDS": "0.5",
         "PREFECT_RUNNER_POLL_FREQUENCY": "1",
         "ZOOID_HOME": str(home),
         "ZOOID_ROOT": str(ROOT),
