@@ -61,7 +61,7 @@ def stack_env(home: Path, api_url: str) -> dict[str, str]:
 
 
 FLOW_FORKS_VAR = "ZOOID_FLOW_FORKS"
-"""The variable naming the stack's flow-run fork server's socket (`flows.flow_forks.SOCKET_VAR`)."""
+"""The variable naming the socket of the stack's flow-run fork server (`flows.flow_forks`)."""
 
 
 def flow_forks_socket(home: Path) -> str:

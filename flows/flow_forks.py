@@ -42,10 +42,8 @@ from pathlib import Path
 
 from core.fast_exit import run_exit_handlers
 from core.process_start import mark_forked
+from deployments.server import FLOW_FORKS_VAR
 from runtime.fork_server import ChildExits
-
-SOCKET_VAR = "ZOOID_FLOW_FORKS"
-"""The environment variable naming the server's socket (`deployments.server.stack_env`)."""
 
 DEFAULT_MODULE = "prefect.engine"
 """The module a client runs when its arguments name none: Prefect's flow-run entry point."""
@@ -88,7 +86,7 @@ def client(args: list[str]) -> int:
     """Run `args` (`-m module ...`) as a child of the server, or as this process when there
     is none; return the exit status."""
     argv = _module_argv(args)
-    path = os.environ.get(SOCKET_VAR)
+    path = os.environ.get(FLOW_FORKS_VAR)
     if not path:
         run_itself(argv)
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

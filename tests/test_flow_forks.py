@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.flow_forks import SOCKET_VAR
+from deployments.server import FLOW_FORKS_VAR
 from tests.conftest import stop_process_group
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,9 +42,9 @@ def server(tmp_path_factory):
 
 def client(sock: str | None, *args: str, cwd: Path, **extra_env) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), **extra_env}  # the probe is in tests/, not installed
-    env.pop(SOCKET_VAR, None)
+    env.pop(FLOW_FORKS_VAR, None)
     if sock:
-        env[SOCKET_VAR] = sock
+        env[FLOW_FORKS_VAR] = sock
     return subprocess.Popen([sys.executable, "-m", "flows.flow_forks", "-m", PROBE, *args], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
