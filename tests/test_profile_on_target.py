@@ -351,7 +351,7 @@ def test_a_first_runs_epoch_overhead_comes_from_what_its_profile_measured(tmp_pa
     assert terms.epoch_overhead_s == pytest.approx(0.2 + 0.002 / 4 * ctx.resolved.n_val + 0.01)
     assert terms.measured["epoch_overhead_s"] == "profile" and terms.measured["warmup_s"] is False
     text = run_terms_text(terms.to_dict())
-    assert "epoch overhead" in text and "(from the profile)" in text and "warm-up 1.00 s (assumed)" in text
+    assert "epoch overhead" in text and "(from the profile)" in text and "warm-up 100 ms (assumed)" in text
     ProfileCache(ctx.open_durable).put("timings", timings_key(ctx), {"epoch_overhead_s": [0.7, 0.9]})
     again = load_terms(ctx)
     assert again.epoch_overhead_s == pytest.approx(0.8) and again.measured["epoch_overhead_s"] is True
