@@ -405,16 +405,22 @@ def _open_cpu_ring(store: Store, group: str, rank: int, world: int, timeout: flo
 
 def _join_cpu_ring(store: Store, group: str, rank: int, world: int, timeout: float,
                    listener: socket.socket, own: tuple[str, int], deadline: float) -> socket_ring.Links:
-    """Rank > 0: read rank 0's address and join there; read it again while that address is
-    dead (left by an earlier attempt) or answers with another nonce, until the deadline."""
+    """Rank > 0 on CPU: join at rank 0 and link (`comm.socket_ring`), through `_reach_rank0`."""
+    return _reach_rank0(store, group, rank, world, timeout, deadline,
+                        lambda host, port, nonce: socket_ring.join_links((host, port), listener, own, nonce,
+                                                                         rank, world, deadline))
+
+
+def _reach_rank0(store: Store, group: str, rank: int, world: int, timeout: float, deadline: float, attempt):
+    """Rank > 0: read rank 0's address and return `attempt(host, port, nonce)`; read it again
+    while that address is dead (left by an earlier attempt: `OSError`) or answers with another
+    nonce (`RingPeerLost`), until the deadline."""
     last_error = "no address published"
     while True:
         address = _read_address(store, group, rank, world, timeout, deadline, last_error)
         host, port = address["host"], int(address["port"])
         try:
-            return socket_ring.join_links((host, port), listener, own, address["nonce"], rank, world, deadline)
-        except socket_ring.RingDeadline:
-            raise
+            return attempt(host, port, address["nonce"])
         except (OSError, socket_ring.RingPeerLost) as exc:
             last_error = f"{host}:{port} unreachable: {exc}"
             if time.monotonic() >= deadline:
@@ -436,36 +442,26 @@ def _read_address(store: Store, group: str, rank: int, world: int, timeout: floa
 def _host_rendezvous(store: Store, group: str, world: int, host: str, limit: datetime.timedelta):
     """Rank 0 on CUDA: listen on a port the OS picks, host the TCPStore there, publish the address."""
     listener = _listen(host)
-    port = listener.getsockname()[1]
+    bind, port = listener.getsockname()
     # The TCPStore server takes the descriptor over (and closes it when it stops).
-    tcp_store = dist.TCPStore("0.0.0.0" if host == "auto" else host, port, world, True, timeout=limit,
-                              wait_for_workers=False, master_listen_fd=listener.detach())
+    tcp_store = dist.TCPStore(bind, port, world, True, timeout=limit, wait_for_workers=False,
+                              master_listen_fd=listener.detach())
     return tcp_store, _publish(store, group, host, port)
 
 
 def _join_rendezvous(store: Store, group: str, rank: int, world: int, timeout: float):
-    """Rank > 0 on CUDA: read rank 0's address and connect; read it again if that address is
-    dead (left by an earlier attempt) until `timeout`."""
+    """Rank > 0 on CUDA: connect to rank 0's TCPStore, through `_reach_rank0`."""
     deadline = time.monotonic() + timeout
-    last_error = "no address published"
-    while True:
-        address = _read_address(store, group, rank, world, timeout, deadline, last_error)
-        host, port = address["host"], int(address["port"])
-        left = deadline - time.monotonic()
+
+    def attempt(host: str, port: int, nonce: str):
         # A plain connect first: a dead address is refused at once, where TCPStore would
         # retry it for its whole timeout.
-        try:
-            socket.create_connection((host, port), timeout=max(0.1, min(CONNECT_S, left))).close()
-        except OSError as exc:
-            last_error = f"{host}:{port} unreachable: {exc}"
-            if time.monotonic() >= deadline:
-                raise RingTimeout(f"rank {rank} of {world}: could not reach rank 0 of the ring "
-                                  f"within {timeout:g}s ({last_error})") from None
-            time.sleep(0.2)  # rank 0 of this attempt may not have published yet
-            continue
+        left = deadline - time.monotonic()
+        socket.create_connection((host, port), timeout=max(0.1, min(CONNECT_S, left))).close()
         left = max(0.1, deadline - time.monotonic())
-        tcp_store = dist.TCPStore(host, port, world, False, timeout=datetime.timedelta(seconds=left))
-        return tcp_store, address["nonce"]
+        return dist.TCPStore(host, port, world, False, timeout=datetime.timedelta(seconds=left)), nonce
+
+    return _reach_rank0(store, group, rank, world, timeout, deadline, attempt)
 
 
 def _build_nccl(prefixed, rank: int, world: int, limit: datetime.timedelta):

@@ -1,9 +1,9 @@
 """The CPU ring's transport: a ring allreduce over plain TCP connections between the ranks.
 
 Why not gloo: measured on the 2-core machine this project is developed on, one gloo
-allreduce between two processes took 1.3-2.2 ms whatever its size (4 KB as 150 KB), while
-the same exchange over a socket pair, driven by one thread that sends and receives with
-`selectors`, took 0.02-0.04 ms (`benchmarks/bench_ring.py`, `BENCHMARKS.md`). A data-parallel
+allreduce between two processes took 1.2-2.2 ms at 4 KB, while this transport, one thread
+sending and receiving with `selectors`, took 0.07-0.13 ms up to 153 KB (`benchmarks/bench_ring.py`,
+`BENCHMARKS.md`). A data-parallel
 step of a small model syncs in less time than gloo's hand-offs between its own threads take;
 this transport has none: the calling thread moves the bytes.
 
@@ -14,7 +14,8 @@ all-gather (world - 1 hops: pass the reduced chunks on), so each rank sends and 
 (world - 1) / world of the buffer. Each chunk is summed once, by one chain of ranks in a fixed
 order, and then copied: every rank ends with the same bits.
 
-Connecting (`connect_ring`), given an address published through the Zooid store by rank 0:
+Connecting (`host_links` on rank 0, `join_links` on the others), given an address published
+through the Zooid store by rank 0:
 
 1. every rank listens on a port the OS picks; rank 0 publishes its address and a nonce;
 2. each other rank connects to rank 0 and says `join` with the nonce, its rank and its own
@@ -114,10 +115,6 @@ def _read_exact(conn: socket.socket, n: int, deadline: float) -> bytes:
     return bytes(out)
 
 
-SOCKET_BUFFER_BYTES = 4 * 2**20
-"""Each connection's kernel send and receive buffers: fewer wake-ups on big buffers."""
-
-
 def _tune(conn: socket.socket) -> socket.socket:
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return conn
@@ -170,7 +167,7 @@ def host_links(listener: socket.socket, own: tuple[str, int], nonce: str, world:
 
 def join_links(rank0: tuple[str, int], listener: socket.socket, own: tuple[str, int], nonce: str,
                rank: int, world: int, deadline: float) -> Links:
-    """A rank > 0: join at rank 0 (a connection that `connect` already checked), then link."""
+    """A rank > 0: join at rank 0 (step 2 of the module docstring), then link (step 3)."""
     conn = connect(rank0, deadline)
     try:
         send_message(conn, {"op": "join", "nonce": nonce, "rank": rank, "address": list(own)})

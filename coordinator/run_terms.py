@@ -6,8 +6,9 @@ the coordinator's provision, gap and teardown seconds. Each run measures them
 last `KEEP` samples of each); the next run's plan predicts from their medians (start-up: the 90th percentile, since an
 epoch waits for the slowest of the workers starting together). A term never
 measured on this target and offer is assumed (`ASSUMED`) and the plan says so. Where the
-workers share the coordinator's machine they start after the plan, so the start-up the first
-epoch waits for is about the same each run: it is measured and cached too (`exposed_s`).
+workers share the coordinator's machine, the start-up a first epoch waited for is measured and
+cached too (`exposed_s`); a plan made while workers are already launched (a warm run's are:
+they start before the profile) predicts from their launch times instead and does not read it.
 """
 from __future__ import annotations
 
@@ -128,7 +129,7 @@ class RunClock:
                 out["warmup_s"] = [max(0.0, overheads[0] - steady)]
         if (ctx.job.warm and self.first_epoch_fresh and not self.profiled and history
                 and ctx.resolved.target.kind in SHARED_HOST_KINDS):
-            # where workers start after the plan, the first epoch waits for them by a like amount each run
+            # the start-up the first epoch waited for (read only by a plan made before any worker launched)
             out["exposed_s"] = [float(history[0].startup.get("exposed_s") or 0.0)]
         return out
 

@@ -40,10 +40,9 @@ import threading
 import time
 from pathlib import Path
 
-from core.fast_exit import run_exit_handlers
 from core.process_start import mark_forked
 from deployments.server import FLOW_FORKS_VAR
-from runtime.fork_server import ChildExits
+from runtime.fork_server import ChildExits, run_as_process
 
 DEFAULT_MODULE = "prefect.engine"
 """The module a client runs when its arguments name none: Prefect's flow-run entry point."""
@@ -144,7 +143,6 @@ def source_mtimes(root: Path = ROOT) -> dict[str, float]:
 def _child(conn: socket.socket, request: dict, fds: list[int], listener: socket.socket, exits: ChildExits) -> int:
     """In the forked child: become the client's process and run its module; return the status."""
     import runpy
-    import traceback
     import warnings
 
     forked_at = time.time()
@@ -177,23 +175,11 @@ def _child(conn: socket.socket, request: dict, fds: list[int], listener: socket.
     sys.argv = [module, *argv[2:]]
     # imported by the server already (that is the point): runpy warns that it runs a fresh copy
     warnings.filterwarnings("ignore", message=".*found in sys.modules.*", category=RuntimeWarning)
-    try:
+
+    def run() -> None:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        if not isinstance(exc.code, (int, type(None))):
-            print(exc.code, file=sys.stderr)
-    except KeyboardInterrupt:
-        code = -signal.SIGINT
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    run_exit_handlers()
-    if code < 0:
-        signal.signal(-code, signal.SIG_DFL)
-        os.kill(os.getpid(), -code)
-    return code
+
+    return run_as_process(run)
 
 
 def _fresh_settings() -> None:

@@ -31,6 +31,7 @@ import select
 import signal
 import sys
 import time
+from typing import Callable
 
 from core.fast_exit import run_exit_handlers
 from core.process_start import mark_forked
@@ -93,7 +94,6 @@ def _run_worker(argv: list[str], env: dict[str, str], log: str, own_name: str, s
     interpreter's name (then close `started`, which tells the server so), run it, return its
     exit status."""
     import random
-    import traceback
 
     forked_at = time.time()
     os.setsid()
@@ -120,8 +120,18 @@ def _run_worker(argv: list[str], env: dict[str, str], log: str, own_name: str, s
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     from runtime.worker_main import main  # imported by the server already; not by whoever names FORK_SERVER_NAME
 
+    return run_as_process(lambda: main(argv))
+
+
+def run_as_process(body: Callable[[], int | None]) -> int:
+    """Run `body` in a forked child as an interpreter runs a program; its exit status: what
+    it returns or a `SystemExit` says (a message printed, as the interpreter does), 1 after an
+    uncaught exception (its traceback on stderr); then the exit handlers run, and a Ctrl-C
+    ends the process by the signal itself."""
+    import traceback
+
     try:
-        code = main(argv)
+        code = body() or 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if not isinstance(exc.code, (int, type(None))):
