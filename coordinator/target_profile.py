@@ -2,8 +2,10 @@
 
 The coordinator never times a model whose workers run elsewhere: a worker on the target
 measures it (`profiling.profile_job`), on its device and at its thread count, with the store
-seen from where it runs. That worker is the run's first warm worker, or, for a cold run or a
-dry run, a one-off worker on the same pool and offer, stopped once it answered (and billed).
+seen from where it runs. Those are the run's warm workers, rank 0 measuring the model while
+rank 1 probes the store (both paid anyway while the plan waits on them; one worker does both
+in turn where the run has one), or, for a cold run or a dry run, a one-off worker on the same
+pool and offer, stopped once it answered (and billed).
 
 Results are cached in the durable store, so a second run profiles nothing on any machine
 that reads that store (`profile_cache`):
@@ -51,36 +53,22 @@ def microbatch_size(job) -> int:
     return max(1, job.batch_size // job_microbatches(job.batch_size, job.microbatches))
 
 
-def typical_activation_bytes(prof: dict, job) -> float:
-    """The median layer output at the micro-batch: what a stage typically sends per
-    micro-batch, the transfer size the contention factor is measured with."""
-    outputs = sorted(l["output_bytes"] for l in prof.get("layers", ()))
-    if not outputs:
-        return 0.0
-    return outputs[len(outputs) // 2] * microbatch_size(job) / (prof.get("microbatch_size") or prof["batch_size"])
-
-
-def sync_bytes(prof: dict, optimizer: str) -> float:
-    """Bytes one Local-SGD average moves: the parameters and the optimizer's moments."""
-    return prof["param_bytes"] * (1 + optimizer_copies(optimizer))
-
-
 def profile_threads(ctx: RunContext) -> int:
     """Torch threads the profiling worker runs: those of a worker of the job's first plan."""
     return worker_threads(ctx.resolved.target.kind, provisional_plan(ctx))
 
 
-def profile_request(ctx: RunContext, *, model_profile: bool, probe: dict | None) -> ProfileRequest:
-    """What the target's worker is asked to measure (`probe`: the store probe's sizes, None:
-    no store probe)."""
+def profile_request(ctx: RunContext, *, model_profile: bool, store_probe: bool) -> ProfileRequest:
+    """What the target's worker is asked to measure: the model, the store, or both (the store
+    probe's sizes follow from the model, on the worker: `profiling.store_probe.probe_sizes`)."""
     job, r = ctx.job, ctx.resolved
     return ProfileRequest(
         model=job.model, input_shape=tuple(r.input_shape), classes=r.classes, batch_size=job.batch_size,
         microbatch_size=microbatch_size(job), optimizer=job.optimizer, lr=job.lr, seed=job.seed,
         threads=profile_threads(ctx),
         device="cuda" if r.target.worker_gpu > 0 else "auto", model_profile=model_profile,
-        store_url=ctx.store_ref if probe is not None else "", probe_prefix=probe_prefix(ctx.run_id),
-        max_bytes=(probe or {}).get("max_bytes", 0.0), activation_bytes=(probe or {}).get("activation_bytes", 0.0))
+        store_url=ctx.store_ref if store_probe else "", probe_prefix=probe_prefix(ctx.run_id),
+        pipeline=job.strategy != Strategy.LOCAL_SGD)
 
 
 def check_device(identity: dict, worker_gpu: int) -> None:
@@ -92,19 +80,34 @@ def check_device(identity: dict, worker_gpu: int) -> None:
 
 
 class TargetProfiler:
-    """Sends profile requests to a worker on the target: the run's first warm worker, or one
-    one-off worker on the same pool and offer, started at the first request and stopped
-    (its keys deleted, its time billed like any worker's) when the profile step ends."""
+    """Sends profile requests to workers on the target: the run's warm workers, or one one-off
+    worker on the same pool and offer, started at the first request and stopped (its keys
+    deleted, its time billed like any worker's) when the profile step ends."""
 
     def __init__(self, ctx: RunContext):
         self.ctx, self.one_off = ctx, None
 
-    def measure(self, request: ProfileRequest) -> dict:
-        ctx = self.ctx
-        pool = ctx.state.warm
-        if pool is None:
-            pool = self.one_off = self.one_off or WarmPool(ctx)
-        return pool.profile(provisional_plan(ctx), request.to_dict(), ctx.job.worker_timeout_s)
+    def _pool(self) -> WarmPool:
+        if self.ctx.state.warm is not None:
+            return self.ctx.state.warm
+        self.one_off = self.one_off or WarmPool(self.ctx)
+        return self.one_off
+
+    def measure(self, model: bool, store: bool) -> tuple[dict | None, dict | None]:
+        """The answers to a model profile and a store probe (each None where not asked for): on
+        two workers at once where the pool has two (a warm run's others wait, paid, for the
+        plan meanwhile), else both on one worker, one after the other."""
+        ctx, pool = self.ctx, self._pool()
+        if model and store and pool.profilers() >= 2:
+            requests = [profile_request(ctx, model_profile=True, store_probe=False),
+                        profile_request(ctx, model_profile=False, store_probe=True)]
+        else:
+            requests = [profile_request(ctx, model_profile=model, store_probe=store)]
+        answers = pool.profile(provisional_plan(ctx), [r.to_dict() for r in requests], ctx.job.worker_timeout_s)
+        by_what = {}
+        for answer in answers:
+            by_what.update({what: answer for what in ("model", "store") if what in answer})
+        return by_what.get("model"), by_what.get("store")
 
     def close(self) -> None:
         if self.one_off is not None:
@@ -115,13 +118,6 @@ class TargetProfiler:
             finally:
                 store.close()
             self.one_off = None
-
-
-def _store_probe_sizes(ctx: RunContext, prof: dict) -> dict:
-    job = ctx.job
-    largest = max([sync_bytes(prof, job.optimizer)] + [l["output_bytes"] for l in prof.get("layers", ())])
-    activation = typical_activation_bytes(prof, job) if job.strategy != Strategy.LOCAL_SGD else 0.0
-    return {"max_bytes": float(largest), "activation_bytes": float(activation)}
 
 
 def _lookup(ctx: RunContext, cache: ProfileCache, tkey: str, store_max_age_s: float | None = STORE_PROBE_TTL_S):
@@ -161,19 +157,16 @@ def _profile(ctx: RunContext) -> dict:
     target_profiler = TargetProfiler(ctx)
     sources, seconds = {"model": "cache", "store": "cache"}, {}
     try:
-        if prof is None:
-            answer = target_profiler.measure(profile_request(ctx, model_profile=True, probe=None))
-            identity = answer["identity"]
-            check_device(identity, target.worker_gpu)
-            cache.put_target_identity(tkey, identity)
-            mkey = model_key(ctx, identity, microbatch_size(job))
-            prof, sources["model"], seconds["model_s"] = answer["model"], "measured", answer["model_s"]
-            cache.put("profiles", mkey, prof)
-            store = cache.get("stores", store_key(mkey, ctx.store_ref, job.strategy != Strategy.LOCAL_SGD), max_age_s=STORE_PROBE_TTL_S)
-        if store is None:  # its sizes follow from the model: the largest tensor, a stage's activation
-            answer = target_profiler.measure(profile_request(ctx, model_profile=False,
-                                                             probe=_store_probe_sizes(ctx, prof)))
-            store, sources["store"], seconds["store_s"] = answer["store"], "measured", answer["store_s"]
+        if prof is None or store is None:  # a new model's store probe is new too (its key names the model)
+            model_answer, store_answer = target_profiler.measure(model=prof is None, store=True)
+            if model_answer is not None:
+                identity = model_answer["identity"]
+                check_device(identity, target.worker_gpu)
+                cache.put_target_identity(tkey, identity)
+                mkey = model_key(ctx, identity, microbatch_size(job))
+                prof, sources["model"], seconds["model_s"] = model_answer["model"], "measured", model_answer["model_s"]
+                cache.put("profiles", mkey, prof)
+            store, sources["store"], seconds["store_s"] = store_answer["store"], "measured", store_answer["store_s"]
             cache.put("stores", store_key(mkey, ctx.store_ref, job.strategy != Strategy.LOCAL_SGD), store)
     finally:
         target_profiler.close()

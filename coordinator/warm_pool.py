@@ -199,44 +199,62 @@ class WarmPool:
                 started.append(rank)
         return started
 
-    def profile(self, plan, request: dict, timeout_s: float, poll_s: float = 0.05) -> dict:
-        """Have rank 0's worker (started now, sized as `plan`'s, if the pool has none) measure
-        `request` (`profiling.profile_job.ProfileRequest` as a dict) on its own device and
-        threads; return its answer. Billed as start-up, idle and `profile` rows. Raises
-        RuntimeError when the worker dies, fails the profile or shows nothing for `timeout_s`."""
+    def profilers(self) -> int:
+        """How many workers could take a profile request at once: the live ones (at least one:
+        `profile` starts rank 0 where the pool has none)."""
+        return max(1, sum(1 for w in self.workers.values() if w.alive))
+
+    def profile(self, plan, requests: list[dict], timeout_s: float, poll_s: float = 0.05) -> list[dict]:
+        """Have the pool's workers measure `requests` (`profiling.profile_job.ProfileRequest`s
+        as dicts) at once, the first on rank 0's worker (started now, sized as `plan`'s, if the
+        pool has none), the others on the next live ranks, each on its own device and threads;
+        return their answers in order. Billed as start-up, idle and `profile` rows. Raises
+        RuntimeError when a worker dies, fails its request or shows nothing for `timeout_s`
+        (ValueError when the pool has fewer workers than requests, `profilers`)."""
         self._open()
         w = self.workers.get(0)
         if w is None or not w.alive:
             if w is not None:
                 self.retire(0, "it stopped")
             launcher = make_launcher(self.ctx, plan)
-            w = self._start(0, plan, 0, launcher, launch_identity(launcher, 0))
+            self._start(0, plan, 0, launcher, launch_identity(launcher, 0))
         if self.ctx.resolved.target.kind in SHARED_HOST_KINDS:  # their start-up would slow the timings taken
             self.wait_ready(timeout_s)
-        seq, sent, ready = w.seq, time.time(), w.ready_at is not None
-        self.store.put(command_key(self.ctx.run_id, w.name, seq),
-                       json.dumps({"op": "profile", "request": request}).encode())
-        w.seq += 1
-        while True:
-            reply = read_json(self.store, reply_key(self.ctx.run_id, w.name, seq))
-            now = time.time()
-            if reply is not None:
-                if ready and reply.get("began_at") and reply.get("ended_at"):  # a ready worker: the round trip
-                    busy = float(reply["ended_at"]) - float(reply["began_at"])  # (durations only: no clock skew)
-                    self.ctx.state.dispatch_samples.append(max(0.0, now - sent - busy))
-                self._bill_reply(w, reply, now, status="profile")
-                if not reply.get("ok"):
-                    raise RuntimeError(f"profiling on worker {w.name} failed: {reply.get('error')}: "
-                                       f"{reply.get('message', '')}")
-                return reply["profile"]
-            w.launcher._poll()
-            if not w.alive:
-                self.retire(0, "it died while profiling")
-                raise RuntimeError(f"worker {w.name} exited while profiling: {w.process.error or w.process.status}")
-            if now - sent > timeout_s:
-                self.retire(0, f"no profile within {timeout_s:.0f} s")
-                raise RuntimeError(f"worker {w.name} gave no profile within {timeout_s:.0f} s")
-            time.sleep(max(poll_s, self.store.poll_max_s))  # each read is a billed request on a cloud store
+        live = [w for _, w in sorted(self.workers.items()) if w.alive]
+        if len(requests) > len(live):
+            raise ValueError(f"{len(requests)} profile requests for {len(live)} live worker(s)")
+        pending, answers, sent = {}, [None] * len(requests), time.time()
+        for i, (w, request) in enumerate(zip(live, requests)):
+            pending[i] = (w, w.seq, w.ready_at is not None)
+            self.store.put(command_key(self.ctx.run_id, w.name, w.seq),
+                           json.dumps({"op": "profile", "request": request}).encode())
+            w.seq += 1
+        while pending:
+            for i, (w, seq, ready) in list(pending.items()):
+                reply = read_json(self.store, reply_key(self.ctx.run_id, w.name, seq))
+                now = time.time()
+                if reply is not None:
+                    if ready and reply.get("began_at") and reply.get("ended_at"):  # a ready worker: the round trip
+                        busy = float(reply["ended_at"]) - float(reply["began_at"])  # (durations only: no clock skew)
+                        self.ctx.state.dispatch_samples.append(max(0.0, now - sent - busy))
+                    self._bill_reply(w, reply, now, status="profile")
+                    if not reply.get("ok"):
+                        raise RuntimeError(f"profiling on worker {w.name} failed: {reply.get('error')}: "
+                                           f"{reply.get('message', '')}")
+                    answers[i] = reply["profile"]
+                    del pending[i]
+                    continue
+                w.launcher._poll()
+                if not w.alive:
+                    self.retire(w.rank, "it died while profiling")
+                    raise RuntimeError(f"worker {w.name} exited while profiling: "
+                                       f"{w.process.error or w.process.status}")
+                if now - sent > timeout_s:
+                    self.retire(w.rank, f"no profile within {timeout_s:.0f} s")
+                    raise RuntimeError(f"worker {w.name} gave no profile within {timeout_s:.0f} s")
+            if pending:
+                time.sleep(max(poll_s, self.store.poll_max_s))  # each read is a billed request on a cloud store
+        return answers
 
     def wait_ready(self, timeout_s: float, poll_s: float = 0.02) -> None:
         """Wait until every live worker of the pool has started (its status says so; billed as

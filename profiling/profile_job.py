@@ -1,9 +1,10 @@
 """Profiling on the target: what a worker measures when the coordinator asks for a profile.
 
 The coordinator never times a model whose workers run elsewhere. It sends a
-`ProfileRequest` to a worker on the target (the first warm worker, or a one-off worker on
-the same pool and offer, `tasks.profile`), which measures, on its own device and at its own
-thread count:
+`ProfileRequest` to a worker on the target (a warm worker, or a one-off worker on the same
+pool and offer, `coordinator.target_profile`), which measures, on its own device and at its
+own thread count (a warm run with two workers or more has one measure the model while
+another probes the store):
 
 - the model (`profiling.profiler.profile_model`): per-layer and whole-step times, bytes and
   peak memory, each timing sampled until it is stable;
@@ -28,7 +29,7 @@ from core.errors import ZooidValueError
 from engine.models import build_model
 from engine.optimizers import build_optimizer
 from profiling.profiler import hardware_fingerprint, profile_model
-from profiling.store_probe import probe_store_side
+from profiling.store_probe import probe_sizes, probe_store_side
 
 PROFILE_VERSION = 5
 """Bumped whenever what a profile measures changes (part of every cache key)."""
@@ -54,10 +55,9 @@ class ProfileRequest:
     store_url: str = ""
     """The run's store, probed from the worker (empty: no store probe)."""
     probe_prefix: str = ""
-    max_bytes: float = 0.0
-    """The largest tensor the job moves (the transfer probe's top size)."""
-    activation_bytes: float = 0.0
-    """A pipeline's typical activation (the contention probe's size; 0: no pipeline)."""
+    pipeline: bool = False
+    """A pipeline may be planned: the store probe also measures compute under transfers of a
+    typical activation (its sizes follow from the model, `probe_sizes`)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -117,12 +117,14 @@ def run_profile(request: ProfileRequest, open_store: Callable[[str], Any], base_
         gen = torch.Generator().manual_seed(request.seed)
         x = torch.randn(request.batch_size, *request.input_shape, generator=gen).to(device)
         y = torch.randint(0, request.classes, (request.batch_size,), generator=gen).to(device)
+        max_bytes, activation_bytes = probe_sizes(net, x[:request.microbatch_size], request.optimizer,
+                                                  request.pipeline)
         store = open_store(request.store_url)
         try:
             out["store"] = probe_store_side(
                 store, request.probe_prefix, net, build_optimizer(request.optimizer, net, request.lr), x, y,
-                request.classes, max_bytes=request.max_bytes, microbatch_size=request.microbatch_size,
-                activation_bytes=request.activation_bytes)
+                request.classes, max_bytes=max_bytes, microbatch_size=request.microbatch_size,
+                activation_bytes=activation_bytes)
         finally:
             store.close()
         out["store_s"] = time.perf_counter() - t0

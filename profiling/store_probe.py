@@ -32,7 +32,9 @@ from torch import nn
 from comm.tensor_codec import decode_tensors, encode_tensors
 from engine.checkpoint import save_checkpoint
 from engine.malloc import pin_malloc_thresholds
-from profiling.timing import ANCHOR_MIN_S, _median_time
+from core.stage_memory import optimizer_copies
+from profiling.memory import _param_bytes
+from profiling.timing import ANCHOR_MIN_S, _median_time, layer_output_bytes
 
 
 @dataclass(frozen=True)
@@ -265,6 +267,17 @@ def profile_transfers(store, run_prefix: str, max_bytes: float = 0, repeats: int
         handoff_s = measure_handoff(store, run_prefix)
     return TransferProfile(put_latency_s=put_lat, put_bandwidth=put_bw, get_latency_s=get_lat,
                            get_bandwidth=get_bw, handoff_s=handoff_s)
+
+
+def probe_sizes(model: nn.Module, x_micro: torch.Tensor, optimizer: str, pipeline: bool) -> tuple[float, float]:
+    """(largest, activation) bytes a store probe of this job is sized by, from its model: the
+    largest tensor the job moves (one sync's parameters and optimizer moments, or a layer's
+    output on the micro-batch `x_micro`) and, where a pipeline may be planned, the median
+    layer output (the contention probe's transfer size; 0 otherwise)."""
+    outputs = sorted(layer_output_bytes(model, x_micro))
+    sync = _param_bytes(model) * (1 + optimizer_copies(optimizer))
+    activation = outputs[len(outputs) // 2] if pipeline and outputs else 0
+    return float(max([sync] + outputs)), float(activation)
 
 
 def probe_store_side(store, run_prefix: str, model: nn.Module, optimizer, x: torch.Tensor, y: torch.Tensor,

@@ -165,6 +165,17 @@ def profile_layers(model: nn.Module, x: torch.Tensor, repeats: int = 5,
     return tuple(out_layers)
 
 
+def layer_output_bytes(model: nn.Module, x: torch.Tensor) -> list[int]:
+    """Bytes of each top-level layer's output on `x` (as `profile_layers` names the layers),
+    from one forward pass without gradients: the sizes a pipeline's stages would send."""
+    out, h = [], x
+    with torch.no_grad():
+        for _, layer in _children(model):
+            h = layer(h)
+            out.append(_nbytes(h))
+    return out
+
+
 def _stage_input(h: torch.Tensor, index: int) -> torch.Tensor:
     """A layer's input as a pipeline stage receives it: detached, requiring grad after the
     first layer."""

@@ -150,7 +150,8 @@ def test_the_profile_is_taken_by_a_worker_and_says_where(tmp_path):
 def test_on_a_shared_host_every_warm_worker_is_ready_before_the_profile_starts(tmp_path):
     """The flow starts the run's warm workers before the profile; on the coordinator's own
     cores the profile waits until they have all started (their start-up would slow its
-    timings), so no rank is left to start after the plan."""
+    timings), so no rank is left to start after the plan. Then rank 0 profiles the model
+    while rank 1 probes the store: the two measurements overlap."""
     from coordinator.target_profile import _profile
     from coordinator.warm_pool import WarmPool, provisional_plan
 
@@ -163,6 +164,9 @@ def test_on_a_shared_host_every_warm_worker_is_ready_before_the_profile_starts(t
         ready = {r.rank: r.stop for r in rows if r.status == "startup"}
         first_profile = min(r.start for r in rows if r.status == "profile")
         assert set(ready) == {0, 1} and max(ready.values()) <= first_profile
+        profiles = {r.rank: r for r in rows if r.status == "profile"}
+        assert set(profiles) == {0, 1} and len([r for r in rows if r.status == "profile"]) == 2
+        assert profiles[0].start < profiles[1].stop and profiles[1].start < profiles[0].stop
     finally:
         ctx.state.warm.stop_all("the test is over")
 

@@ -18,7 +18,7 @@ from engine.models import build_model
 from profiling.memory import measure_base_memory
 from profiling.profiler import ModelProfile, hardware_fingerprint, profile_model, to_planner_layers
 from profiling.timing import fit_serial_fraction, profile_layers, vcpu_factor
-from profiling.store_probe import measure_contention, profile_store
+from profiling.store_probe import measure_contention, probe_sizes, profile_store
 
 F32 = 4
 
@@ -84,6 +84,20 @@ def test_activation_bytes_of_a_linear_relu_stack_are_exact():
     # Linear keeps its input (the weight is a parameter, not an activation); ReLU its output.
     assert [layer.activation_bytes for layer in layers] == [b * 20 * F32, b * 30 * F32,
                                                             b * 30 * F32, b * 5 * F32]
+
+
+def test_the_store_probe_is_sized_by_the_largest_tensor_the_job_moves_and_a_typical_activation():
+    """A worker sizes its store probe from its own model (no model profile needed first): the
+    largest of one sync (weights and momentum) and the layers' outputs on the micro-batch;
+    the median output only where a pipeline may be planned."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+    params = (64 * 32 + 32 + 32 * 10 + 10) * F32
+    x = torch.randn(4, 64)
+    assert probe_sizes(net, x, "momentum", pipeline=False) == (2 * params, 0.0)
+    assert probe_sizes(net, x, "sgd", pipeline=True) == (params, 4 * 32 * F32)  # outputs 512, 512, 160 B
+    wide = torch.randn(4096, 64)  # an output larger than a sync: 4096 x 32 x 4 B
+    assert probe_sizes(net, wide, "adam", pipeline=True) == (4096 * 32 * F32, 4096 * 32 * F32)
 
 
 def test_a_model_that_cannot_be_split_is_profiled_whole():
