@@ -43,6 +43,7 @@ cabc397:benchmarks/results/prediction.md`), its command and summary quoted verba
 
 GPU (`--gpu`, on a CUDA machine): adds resnet18 and vgg11 on `synthetic:3x32x32:10:4096`,
 batch 64, Local-SGD with 1 worker on the same pool (workers train on CUDA where they see it).
+The GPU figures have a results file of their own, taken with no CPU model (`GPU_COMMAND`).
 
     .venv/bin/python -m benchmarks.bench_prediction [--models M ...] [--epochs 5] [--repeats 2]
         [--gpu] [--out PATH] [--keep]
@@ -67,6 +68,9 @@ from engine.iteration_clock import WARMUP
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "prediction.md"
+GPU_RESULTS = REPO / "benchmarks" / "results" / "prediction_gpu.md"
+GPU_COMMAND = f".venv/bin/python -m benchmarks.bench_prediction --models --gpu --out {GPU_RESULTS.relative_to(REPO)}"
+"""The GPU figures alone, in a results file of their own (a CUDA machine runs no CPU model here)."""
 TITLE = "Profiling and prediction: epoch wall and run cost, predicted vs measured"
 WARMUP_ITERATIONS = WARMUP  # as the workers' own clocks
 
@@ -328,11 +332,17 @@ def render(records: list[dict], failures: list[dict], epochs: int, repeats: int,
     later = [r for r in records if r["run"] >= 1]
     epoch_later, cost_later = goal_stats(later, "epoch_error", GOAL_EPOCH), goal_stats(later, "cost_error", GOAL_COST)
     noise = noise_floor(records)
+    runs = []
+    if any(r["device"] == "cpu" for r in records):
+        runs.append("digits, batch 16 per replica, SGD momentum 0.9, lr 0.05, warm workers; Local-SGD 2x1 (averaged "
+                    "once per epoch) and pipeline 1x2 (stages=2, the planner's micro-batches and schedule), and "
+                    f"{ADABATCH_MODEL} under adabatch (1 -> 2 -> 4 replicas, doubling every epoch)")
+    if gpu:
+        runs.append(f"on CUDA, {' and '.join(GPU_MODELS)} on `{GPU_DATASET}`, batch {GPU_BATCH}, SGD momentum 0.9, "
+                    "lr 0.05, warm workers, Local-SGD with 1 worker")
     lines = ["What a user sees, per run of `train/local` on the `zooid-local` process pool of a fresh local stack "
              "(empty durable store, so the first run of each model profiles it on a worker and the later ones read "
-             f"the cache): digits, batch 16 per replica, SGD momentum 0.9, lr 0.05, warm workers, {epochs} epochs; "
-             "Local-SGD 2x1 (averaged once per epoch) and pipeline 1x2 (stages=2, the planner's micro-batches and "
-             f"schedule), and {ADABATCH_MODEL} under adabatch (1 -> 2 -> 4 replicas, doubling every epoch); each "
+             f"the cache): {'; '.join(runs)}; {epochs} epochs; each "
              f"configuration runs {1 + repeats} times back to back: run 0 is a first run, on a fresh store of its "
              "own (no profile, no run terms cached), the later runs use the stack's store (the first of them "
              "profiles the model there, later ones read the cache). Epoch wall error = per run, the median over epochs 1.. of |predicted_epoch_s - seconds| / "
@@ -400,8 +410,8 @@ def render(records: list[dict], failures: list[dict], epochs: int, repeats: int,
                      "includes starting the worker that measures it, as the local pool starts workers only after "
                      "the profile where they share the coordinator's machine)")
     if not gpu:
-        lines.append("- GPU figures (resnet18, vgg11, 1 worker) are still to be taken: no CUDA device in this run; "
-                     "`--gpu` on a CUDA machine adds them.")
+        lines.append(f"- GPU figures ({', '.join(GPU_MODELS)}, 1 worker) are not in this run (no CUDA device): "
+                     f"`{GPU_COMMAND}` on a CUDA machine takes them (`benchmarks/results/{GPU_RESULTS.name}`).")
     lines += ["", "## Every run", "",
               "profile = the coordinator's `zooid profile of ...` log line; planned = the first plan's shape; "
               "epoch err = median over epochs 1..; wall = measured median epoch wall (epochs 1..); first epoch = "
@@ -556,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
     command = command_for("benchmarks.bench_prediction", flags=(
         ("--models", " ".join(args.models), " ".join(CPU_MODELS)), ("--epochs", args.epochs, DEFAULT_EPOCHS),
         ("--repeats", args.repeats, DEFAULT_REPEATS), ("--gpu", args.gpu, False),
-        ("--out", args.out.resolve(), RESULTS), ("--keep", args.keep, False)))
+        ("--out", _shown(args.out), _shown(RESULTS)), ("--keep", args.keep, False)))
     write_result(args.out, TITLE, command, prov,
                  render(records, failures, args.epochs, args.repeats, args.gpu, before_section()),
                  detail="the Prefect server, the process worker, the coordinator and the training workers share "
@@ -567,6 +577,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         shutil.rmtree(base, ignore_errors=True)
     return 0 if not failures else 1
+
+
+def _shown(path: Path) -> Path:
+    """`path` as the command names it: from the repository root where it lies inside."""
+    path = path.resolve()
+    return path.relative_to(REPO) if path.is_relative_to(REPO) else path
 
 
 # --- the instrumented worker entry, shared with benchmarks.bench_bubble --------------------

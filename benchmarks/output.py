@@ -56,7 +56,7 @@ def command_for(module: str, argv: list[str] | None = None, flags=()) -> str:
     import sys
 
     if flags:
-        args = [flag if value is True else f"{flag} {value}" for flag, value, default in flags
+        args = [flag if value is True or value == "" else f"{flag} {value}" for flag, value, default in flags
                 if value != default and value is not False]
     else:
         args = list(sys.argv[1:] if argv is None else argv)

@@ -27,6 +27,8 @@ class Section:
     module: str
     result: str
     args: tuple[str, ...] = ()
+    gpu: bool = False
+    """Runs only on a CUDA machine (elsewhere its results file is kept as it is)."""
 
     @property
     def path(self) -> Path:
@@ -88,7 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--assemble-only", action="store_true")
     args = parser.parse_args(argv)
     if not args.assemble_only:
+        import torch
+
         for section in SECTIONS:
+            if section.gpu and not torch.cuda.is_available():
+                print(f"== skipped (no CUDA device; {section.path.name} kept): {section.command}", flush=True)
+                continue
             print(f"== {section.command}", flush=True)
             subprocess.run([sys.executable, "-m", f"benchmarks.{section.module}", *section.args], cwd=ROOT, check=True)
     (ROOT / "BENCHMARKS.md").write_text(assemble())

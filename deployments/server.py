@@ -26,6 +26,12 @@ from deployments.prefect_db import DB, DB_URL_VARIABLES, MEMO, seed_home, templa
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def server_command(port: int) -> list[str]:
+    """The Prefect server of every Zooid server process on 127.0.0.1:`port`: Prefect's app, with
+    SQLite's lock conflicts retried in the server (`deployments.prefect_api`)."""
+    return [sys.executable, "-m", "deployments.prefect_api", "--host", "127.0.0.1", "--port", str(port)]
+
+
 def zooid_home() -> Path:
     return Path(os.environ.get("ZOOID_HOME", ROOT / ".zooid")).resolve()
 
@@ -170,8 +176,7 @@ class TemporaryServer:
         env = {**stack_env(home, ""), "PREFECT_API_URL": ""}
         seed_home(Path(env["PREFECT_HOME"]), {**os.environ, **env})
         self.pid: int | None = spawn([sys.executable, "-m", "deployments.orphan_guard", str(os.getpid()), "--",
-                                      bin_path("prefect"), "server", "start", "--host", "127.0.0.1", "--port",
-                                      str(port)], env, home / "logs" / f"server-{port}.log")
+                                      *server_command(port)], env, home / "logs" / f"server-{port}.log")
 
     def wait(self) -> str:
         """Block until the API answers; its URL."""
@@ -207,8 +212,8 @@ def build_db_template() -> Path:
         env = {"PREFECT_HOME": str(home), "PREFECT_API_URL": "", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                "DO_NOT_TRACK": "1", **dict.fromkeys(DB_URL_VARIABLES, f"sqlite+aiosqlite:///{home / DB}")}
         # under the guard as the command line's server is: an install killed here leaves no server
-        pid = spawn([sys.executable, "-m", "deployments.orphan_guard", str(os.getpid()), "--", bin_path("prefect"),
-                     "server", "start", "--host", "127.0.0.1", "--port", str(port)], env, Path(scratch) / "server.log")
+        pid = spawn([sys.executable, "-m", "deployments.orphan_guard", str(os.getpid()), "--", *server_command(port)],
+                    env, Path(scratch) / "server.log")
         try:
             wait_healthy(f"http://127.0.0.1:{port}/api")
         finally:

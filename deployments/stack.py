@@ -31,8 +31,8 @@ from core.kinds import TargetKind
 from deployments import docker_stack
 from deployments.engine import down as engine_down
 from deployments.prefect_db import seed_home
-from deployments.server import (FLOW_FORKS_VAR, ROOT, alive, bin_path, free_port, spawn, stack_env, stop_groups,
-                                wait_healthy, zooid_home)
+from deployments.server import (FLOW_FORKS_VAR, ROOT, alive, bin_path, free_port, server_command, spawn, stack_env,
+                                stop_groups, wait_healthy, zooid_home)
 
 POOL = "zooid-local"
 FORKED_COMMAND = f"{shlex.quote(sys.executable)} -m flows.flow_forks"
@@ -115,8 +115,7 @@ def up(home: Path | None = None, port: int | None = None, docker: bool = False) 
     api_url = f"http://127.0.0.1:{port}/api"
     env = {**stack_env(home, api_url), "DOCKER_HOST": docker_stack.docker_host(home)}
     seed_home(Path(env["PREFECT_HOME"]), {**os.environ, **env})
-    pids = {"server": spawn([bin_path("prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                             {**env, "PREFECT_API_URL": ""}, home / "logs" / "server.log"),
+    pids = {"server": spawn(server_command(port), {**env, "PREFECT_API_URL": ""}, home / "logs" / "server.log"),
             # the pool's flow runs fork from it (flows.flow_forks); its imports overlap the server's start
             "flow_forks": spawn([sys.executable, "-m", "flows.flow_forks", "serve", env[FLOW_FORKS_VAR]], env,
                                 home / "logs" / "flow-forks.log")}
