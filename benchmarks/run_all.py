@@ -50,6 +50,8 @@ SECTIONS = [
     Section("Pipeline: pipelined vs plain scatter-reduce", "bench_scatter_reduce", "scatter_reduce"),
     Section("Profiling and prediction: epoch wall and run cost, predicted vs measured", "bench_prediction",
             "prediction"),
+    Section("Profiling and prediction on a GPU", "bench_prediction", "prediction_gpu",
+            ("--models", "--gpu", "--out", "benchmarks/results/prediction_gpu.md"), gpu=True),
     Section("Pipeline: bubble and activation memory per schedule", "bench_bubble", "bubble",
             ("--steps", "6", "--schedules", "gpipe", "1f1b", "interleaved", "--stages", "2", "4",
              "--microbatches", "1", "2", "4", "8", "--chunks", "2")),
