@@ -28,15 +28,19 @@ def attempt_of(flow_run_name: str | None) -> tuple[int, int, int] | None:
 
 
 def cloud_records(run_id: str, intervals: Iterable[CloudInterval], attempts: dict[str, tuple],
-                  offer, price_per_s: float, now: float | None = None) -> list[CostRecord]:
+                  offer, price_per_s: float, now: float | None = None,
+                  asked_to_stop: Iterable[str] = ()) -> list[CostRecord]:
     """Ledger rows from the cloud's clock.
 
     `attempts` maps a worker flow run id to its (epoch, rank, attempt[, price per second]), as
     the launcher knows it (the price of the size it launched, where a plan sizes its stages
     apart); intervals of unknown flow runs (a straggler found by the sweep) are billed too,
-    with no epoch, at `price_per_s`. A worker still running is billed up to `now`.
+    with no epoch, at `price_per_s`. A worker still running is billed up to `now`. A warm worker
+    the coordinator told to stop with its work done (`asked_to_stop`: flow run ids) completed,
+    whatever its exit: one that was still exiting when its container was stopped is no failed attempt.
     """
     now = time.time() if now is None else now
+    asked_to_stop = set(asked_to_stop)
     rows = []
     for iv in intervals:
         known = attempts.get(iv.flow_run_id or "", (None, None, None))
@@ -54,10 +58,11 @@ def cloud_records(run_id: str, intervals: Iterable[CloudInterval], attempts: dic
                                    status="failed_placement", epoch=epoch, rank=rank, attempt=attempt))
             continue
         start = iv.billed_from if iv.billed_from is not None else (iv.started or iv.created or now)
-        kind = "failed_attempt" if iv.status == "failed" else "worker"  # running: billed up to now
+        status = "completed" if iv.status == "failed" and iv.flow_run_id in asked_to_stop else iv.status
+        kind = "failed_attempt" if status == "failed" else "worker"  # running: billed up to now
         rows.append(CostRecord(run_id=run_id, resource=f"worker {label}", kind=kind, offer=offer.name,
                                start=start, stop=iv.stopped if iv.stopped is not None else now,
-                               unit_price_per_s=price, status=iv.status, epoch=epoch, rank=rank,
+                               unit_price_per_s=price, status=status, epoch=epoch, rank=rank,
                                attempt=attempt, worker=iv.flow_run_id or ""))
     return rows
 

@@ -52,6 +52,10 @@ class RunState:
     last_epoch_end: float | None = None
     cloud_attempts: dict = field(default_factory=dict)
     """Worker flow run id -> (epoch, rank, attempt), to match cloud intervals to attempts."""
+    asked_to_stop: set = field(default_factory=set)
+    """Flow run ids of warm workers the coordinator told to stop with their work done (a rescale,
+    the teardown): the cloud's clock bills each as a worker that completed, even where it did not
+    exit in time and its container was stopped (a non-zero exit)."""
     attempts: dict = field(default_factory=dict)
     """Last attempt number per (epoch, rank)."""
     dataset: dict = field(default_factory=dict)

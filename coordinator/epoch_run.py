@@ -49,7 +49,7 @@ def bill_from_cloud_clock(ctx: RunContext, outcomes, epoch: int, plan: Plan | No
         print(f"zooid: cloud intervals unavailable, billing measured intervals: {exc}")
         return
     cloud_rows = cloud_records(ctx.run_id, intervals, ctx.state.cloud_attempts, ctx.resolved.offer,
-                               ctx.price_per_worker_s)
+                               ctx.price_per_worker_s, asked_to_stop=ctx.state.asked_to_stop)
     ctx.state.ledger[:] = replace_measured(ctx.state.ledger, cloud_rows)
 
 

@@ -298,6 +298,7 @@ class WarmPool:
                 try:
                     self.store.put(command_key(self.ctx.run_id, w.name, w.seq),
                                    json.dumps({"op": "stop", "reason": reason}).encode())
+                    self.ctx.state.asked_to_stop.add(w.process.ref)
                 except Exception:
                     pass
         deadline = time.time() + grace_s

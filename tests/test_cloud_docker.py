@@ -2,6 +2,8 @@
 podman's Docker API by record.py there), its job variables, template and registration."""
 from __future__ import annotations
 
+import dataclasses
+
 import json
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -130,6 +132,24 @@ def test_cloud_records_price_each_container_from_start_to_finish():
     assert by_kind["worker"].usd == pytest.approx((intervals[0].stopped - intervals[0].billed_from) * 2.0)
     assert by_kind["failed_attempt"].usd == pytest.approx((intervals[1].stopped - intervals[1].billed_from) * 2.0)
     assert by_kind["failed_placement"].usd == 0.0
+
+
+def test_a_warm_worker_told_to_stop_is_billed_as_completed_even_when_its_container_was_stopped():
+    """The teardown tells each warm worker to stop, then stops the containers that have not
+    exited in time (exit 137): their work was done, so they are no failed attempts; a container
+    killed while it worked still is."""
+    from planners.catalog import get_offer
+    from coordinator.cloud_bill import cloud_records
+
+    killed = container_interval(answer("killed"))
+    other = dataclasses.replace(killed, flow_run_id="another-flow-run", resource="0123456789ab")
+    attempts = {killed.flow_run_id: (None, 0, None, 2.0), other.flow_run_id: (None, 1, None, 2.0)}
+    rows = cloud_records("rec-run", [killed, other], attempts, get_offer("fargate-cpu"), price_per_s=1.0,
+                         asked_to_stop={killed.flow_run_id})
+    by_rank = {r.rank: r for r in rows}
+    assert (by_rank[0].kind, by_rank[0].status) == ("worker", "completed")
+    assert (by_rank[1].kind, by_rank[1].status) == ("failed_attempt", "failed")
+    assert by_rank[0].usd == pytest.approx((killed.stopped - killed.billed_from) * 2.0)
 
 
 def test_intervals_stop_and_sweep_through_the_adapter(monkeypatch):
