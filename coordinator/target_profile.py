@@ -53,6 +53,17 @@ def microbatch_size(job) -> int:
     return max(1, job.batch_size // job_microbatches(job.batch_size, job.microbatches))
 
 
+def may_pipeline(job) -> bool:
+    """Whether a pipeline may be planned for `job`: its store probe then also measures the
+    compute slowdown under transfers, and is cached under a key of its own."""
+    return job.strategy != Strategy.LOCAL_SGD
+
+
+def probe_key(ctx: RunContext, mkey: str) -> str:
+    """The store probe's cache key for `ctx`'s job and model key `mkey`."""
+    return store_key(mkey, ctx.store_ref, may_pipeline(ctx.job))
+
+
 def profile_threads(ctx: RunContext) -> int:
     """Torch threads the profiling worker runs: those of a worker of the job's first plan."""
     return worker_threads(ctx.resolved.target.kind, provisional_plan(ctx))
@@ -68,7 +79,7 @@ def profile_request(ctx: RunContext, *, model_profile: bool, store_probe: bool) 
         threads=profile_threads(ctx),
         device="cuda" if r.target.worker_gpu > 0 else "auto", model_profile=model_profile,
         store_url=ctx.store_ref if store_probe else "", probe_prefix=probe_prefix(ctx.run_id),
-        pipeline=job.strategy != Strategy.LOCAL_SGD)
+        pipeline=may_pipeline(job))
 
 
 def check_device(identity: dict, worker_gpu: int) -> None:
@@ -129,7 +140,7 @@ def _lookup(ctx: RunContext, cache: ProfileCache, tkey: str, store_max_age_s: fl
     if identity is not None:
         mkey = model_key(ctx, identity, microbatch_size(job))
         prof = cache.get("profiles", mkey)
-        store = cache.get("stores", store_key(mkey, ctx.store_ref, job.strategy != Strategy.LOCAL_SGD), max_age_s=store_max_age_s)
+        store = cache.get("stores", probe_key(ctx, mkey), max_age_s=store_max_age_s)
     return identity, prof, store
 
 
@@ -167,7 +178,7 @@ def _profile(ctx: RunContext) -> dict:
                 prof, sources["model"], seconds["model_s"] = model_answer["model"], "measured", model_answer["model_s"]
                 cache.put("profiles", mkey, prof)
             store, sources["store"], seconds["store_s"] = store_answer["store"], "measured", store_answer["store_s"]
-            cache.put("stores", store_key(mkey, ctx.store_ref, job.strategy != Strategy.LOCAL_SGD), store)
+            cache.put("stores", probe_key(ctx, mkey), store)
     finally:
         target_profiler.close()
     check_device(identity, target.worker_gpu)
@@ -302,7 +313,7 @@ def cached_profile(ctx: RunContext) -> tuple[dict, str]:
     for other, _, identity in sorted(candidates, key=lambda c: c[:2]):
         mkey = model_key(ctx, identity, microbatch_size(job))
         prof, prof_at = cache.get_dated("profiles", mkey)
-        probe, probe_at = cache.get_dated("stores", store_key(mkey, ctx.store_ref, job.strategy != Strategy.LOCAL_SGD))
+        probe, probe_at = cache.get_dated("stores", probe_key(ctx, mkey))
         if prof is None or probe is None:
             continue
         check_device(identity, target.worker_gpu)
