@@ -18,6 +18,12 @@ def mark_forked(forked_at: float) -> None:
     os.environ[STARTED_AT_VAR] = f"{os.getpid()}:{forked_at!r}"
 
 
+FLOW_FORKS_VAR = "ZOOID_FLOW_FORKS"
+"""The variable naming the socket of the local stack's flow-run fork server (`flows.flow_forks`):
+here, below both the stack that sets it and the client that reads it, because every flow run
+the stack starts imports that client afresh."""
+
+
 _IMPORTED_AT = time.time()
 """When this module was imported: the start of the process's clock where /proc cannot tell."""
 

@@ -21,6 +21,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from core.process_start import FLOW_FORKS_VAR
 from deployments.prefect_db import DB, DB_URL_VARIABLES, MEMO, seed_home, template_dir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,10 +65,6 @@ def stack_env(home: Path, api_url: str) -> dict[str, str]:
         "ZOOID_ROOT": str(ROOT),
         FLOW_FORKS_VAR: flow_forks_socket(home),
     }
-
-
-FLOW_FORKS_VAR = "ZOOID_FLOW_FORKS"
-"""The variable naming the socket of the stack's flow-run fork server (`flows.flow_forks`)."""
 
 
 def flow_forks_socket(home: Path) -> str:

@@ -90,6 +90,26 @@ def _check_concurrency_limit(env: dict) -> int:
             return client.read_global_concurrency_limit_by_name(PAID_WORKERS_LIMIT).limit
 
 
+def _wait_worker_polling(env: dict, pid: int, since: float, log: Path, timeout_s: float = 120.0) -> None:
+    """Wait until the pool's worker (`pid`, started at `since`) has reported to the API, which it
+    does as it starts polling: a run submitted before then waited for the worker's own start-up
+    (1.5 s measured from the first submit after `up`)."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    deadline = time.monotonic() + timeout_s
+    with temporary_settings(updates={PREFECT_API_URL: env["PREFECT_API_URL"]}):
+        with get_client(sync_client=True) as client:
+            while time.monotonic() < deadline:
+                if not alive(pid):
+                    raise RuntimeError(f"the {POOL} pool's worker exited (see {log})")
+                if any(w.last_heartbeat_time and w.last_heartbeat_time.timestamp() >= since - 1.0
+                       for w in client.read_workers_for_work_pool(POOL)):
+                    return
+                time.sleep(0.2)
+    raise RuntimeError(f"the {POOL} pool's worker did not report in {timeout_s:.0f} s (see {log})")
+
+
 def state_file(home: Path) -> Path:
     return home / "stack.json"
 
@@ -137,9 +157,11 @@ def up(home: Path | None = None, port: int | None = None, docker: bool = False) 
         _quiet([bin_path("prefect"), "--no-prompt", "deploy", *names], env, log)
         for deployment in _deployed(env):
             print(f"deployed {deployment}")
+        spawned = time.time()
         pids["worker"] = spawn([bin_path("prefect"), "worker", "start", "--pool", POOL, "--type", "process"],
                                 env, home / "logs" / "worker.log")
         state_file(home).write_text(json.dumps(state, indent=1))
+        _wait_worker_polling(env, pids["worker"], spawned, home / "logs" / "worker.log")
         if docker:
             add_docker(home, state)
     except BaseException:

@@ -36,13 +36,14 @@ import os
 import signal
 import socket
 import sys
-import threading
 import time
 from pathlib import Path
 
-from core.process_start import mark_forked
-from deployments.server import FLOW_FORKS_VAR
-from runtime.fork_server import ChildExits, run_as_process
+from core.process_start import FLOW_FORKS_VAR, mark_forked
+
+# The client is a fresh interpreter at every flow run's start: it imports the standard library's
+# few modules above and `core.process_start`, nothing of the project's server side (the server
+# and its child import `runtime.fork_server` and `threading` where they need them).
 
 DEFAULT_MODULE = "prefect.engine"
 """The module a client runs when its arguments name none: Prefect's flow-run entry point."""
@@ -140,10 +141,13 @@ def source_mtimes(root: Path = ROOT) -> dict[str, float]:
     return out
 
 
-def _child(conn: socket.socket, request: dict, fds: list[int], listener: socket.socket, exits: ChildExits) -> int:
+def _child(conn: socket.socket, request: dict, fds: list[int], listener: socket.socket, exits) -> int:
     """In the forked child: become the client's process and run its module; return the status."""
     import runpy
+    import threading
     import warnings
+
+    from runtime.fork_server import run_as_process  # server side: kept off the client's imports
 
     forked_at = time.time()
     os.setsid()
@@ -192,8 +196,18 @@ def _fresh_settings() -> None:
 
 def serve(path: str) -> int:
     """Listen on `path` and fork a child for every request (see the module docstring)."""
+    import threading
+
     import prefect.engine  # noqa: F401 - a child runs it: imported once here, shared by every fork
     import prefect.flow_engine  # noqa: F401
+    # what every flow run's engine imported on first use (with Python's import timing on the
+    # stack: 40-60 ms of each child's start, a train run's and each of its workers')
+    import anyio._core._sockets  # noqa: F401
+    import anyio._core._streams  # noqa: F401
+    import encodings.idna  # noqa: F401
+    import prefect.task_engine  # noqa: F401
+    import prefect.utilities.visualization  # noqa: F401
+    import rich._emoji_codes  # noqa: F401
     # what a train flow run's validation imports on first use (the dataset's loader, torch's
     # tracing of a model on `meta`): 0.8 s of every run's start, paid once here instead
     import sklearn.datasets  # noqa: F401
@@ -205,8 +219,14 @@ def serve(path: str) -> int:
     import flows.worker  # noqa: F401
     import runtime.worker_main  # noqa: F401
     from engine.optimizers import load_lazy_modules
+    from runtime.fork_server import ChildExits  # server side: kept off the client's imports
 
     load_lazy_modules()
+    # the run's report draws its curves at the end of every train run: 0.2-0.3 s of imports
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot  # noqa: F401
     if threading.active_count() > 1:  # a thread would not survive a fork: its locks might not either
         print(f"zooid flow forks: the imports started threads ({', '.join(t.name for t in threading.enumerate())}); "
               "not serving", file=sys.stderr, flush=True)

@@ -27,6 +27,13 @@ def test_cancelling_a_training_run_stops_its_workers_and_bills_it(stack):
     from coordinator.sweep import tagged_pids
 
     home = stack["home"]
+    with get_client(sync_client=True) as client:
+        # `up` returned once the pool's worker polls: a run submitted at once is picked up at once
+        assert [w.status.value for w in client.read_workers_for_work_pool(local_stack.POOL)] == ["ONLINE"]
+        # the local deployments start without a pull step, from the module the fork server imported
+        worker = client.read_deployment_by_name("worker/local")
+        assert worker.pull_steps == [] and worker.entrypoint == "flows.worker.worker"
+        assert worker.job_variables == {"working_dir": str(local_stack.ROOT)}
     with get_client(sync_client=True) as client:  # the nightly schedule ships paused
         nightly = client.read_deployment_by_name("train/nightly")
         assert [s.active for s in nightly.schedules] == [False]
