@@ -8,19 +8,22 @@ not own. A rank uploads one model size and downloads 2 (world - 1) / world of on
 never holds more than one model's worth of contributions.
 
 Keys of one call live under `prefix` (e.g. `runs/<id>/sync/e3/r7`):
-`{prefix}/part/{j}/{i}` (rank i's piece of slice j) and `{prefix}/mean/{j}` (slice j reduced).
+`{prefix}/part-{j}-{i}` (rank i's piece of slice j, `part_key`) and `{prefix}/mean-{j}` (slice j
+reduced, `mean_key`), side by side: the directory store makes a directory per key segment, and
+each directory a round adds costs a create and a removal (0.11 and 0.15 ms measured here), which
+a `part/{j}/{i}` layout paid four times a round.
 
 Every key of a call is idempotent: it is written by one rank, from state every attempt of
 that rank computes alike, so a relaunched rank may post it again. Three rules make a call
 safe to rejoin by a rank that died in it and was relaunched from an earlier state:
 
-- `mean/j` is the round's result for slice j. When it is already there, a replaying rank j
+- `mean-j` is the round's result for slice j. When it is already there, a replaying rank j
   (`replay=True`: a relaunch) adopts it
   instead of reducing again (its first life got that far), and no rank posts a piece of
   slice j any more (its reader no longer needs one);
 - a part key has one reader, rank j, which deletes its parts only *after* it posted
-  `mean/j`: a rank that dies half-way through reading finds every piece again;
-- `mean/j` is read by every rank. With `previous_prefix` rank j deletes it during the next
+  `mean-j`: a rank that dies half-way through reading finds every piece again;
+- `mean-j` is read by every rank. With `previous_prefix` rank j deletes it during the next
   call of the group, once it holds all of that call's parts (a peer that posted a part of
   call r + 1 has finished reading call r). Without it the results stay until the caller
   deletes the call's prefix: Local-SGD (`engine.local_sgd`) deletes round r - 1 only
@@ -37,13 +40,13 @@ Compressed calls (`compressor=`, `comm.compression`): every piece and reduced sl
 in the compressor's wire dtype with its error feedback, and every rank uses the decoded
 reduced slices, its own included. The parts of a call then stay until the group's next
 call (`previous_prefix`) or the caller deletes the call's prefix, so that a relaunched rank
-j that finds `mean/j` already posted recomputes it from the same parts instead of adopting
+j that finds `mean-j` already posted recomputes it from the same parts instead of adopting
 it: the residual its first life kept is rebuilt with it (adopted only if the parts are gone).
 
 Lost scratch keys (a Redis restarted without persistence). A `PostLog` remembers what this
 rank posted in the current and the previous call. While a wait stalls for `repost_s`
 seconds, the rank posts again every logged key that is gone (skipping pieces whose
-`mean/j` exists): every key a peer can still be waiting for is held by its writer, since a
+`mean-j` exists): every key a peer can still be waiting for is held by its writer, since a
 peer waits at most on the call its writer is in or the one before. So the round completes
 after the restart; only when a wait reaches `timeout` does the call raise `StoreTimeout`,
 and the coordinator then relaunches the epoch from the last sync checkpoint.
@@ -61,6 +64,16 @@ from comm.compression import Compressor
 from comm.store import Store
 from comm.tensor_codec import decode_tensors, encode_tensors
 from core.errors import StoreTimeout, ZooidValueError
+
+
+def part_key(prefix: str, j: int, i: int) -> str:
+    """The key of rank `i`'s piece of slice `j` in the call under `prefix`."""
+    return f"{prefix}/part-{j}-{i}"
+
+
+def mean_key(prefix: str, j: int) -> str:
+    """The key of slice `j` reduced, in the call under `prefix`."""
+    return f"{prefix}/mean-{j}"
 
 
 @dataclass
@@ -197,9 +210,9 @@ def _allreduce(
     for j in range(world):
         if j != rank:
             piece = wire.encode(_slice(flat, j, world), j)  # the residual moves even when not sent
-            if not reduced_already(f"{prefix}/mean/{j}"):
-                io.put(f"{prefix}/part/{j}/{rank}", piece, unless=f"{prefix}/mean/{j}")
-    mine_key = f"{prefix}/mean/{rank}"
+            if not reduced_already(mean_key(prefix, j)):
+                io.put(part_key(prefix, j, rank), piece, unless=mean_key(prefix, j))
+    mine_key = mean_key(prefix, rank)
     if reduced_already(mine_key) and not wire.recomputable(store, prefix, rank, world):
         posted = io.get(mine_key)  # reduced by this rank's previous life: adopt it
         mine = wire.decode(posted)
@@ -207,7 +220,7 @@ def _allreduce(
             log.add(mine_key, encode_tensors(posted))
     else:
         # Reduce my slice from every rank's piece, in rank order so every run sums alike.
-        pieces = [_slice(flat, rank, world) if i == rank else wire.decode(io.get(f"{prefix}/part/{rank}/{i}"))
+        pieces = [_slice(flat, rank, world) if i == rank else wire.decode(io.get(part_key(prefix, rank, i)))
                   for i in range(world)]
         mine = {dtype: reduce(torch.stack([p[dtype] for p in pieces])) for dtype in flat}
         del pieces
@@ -246,14 +259,14 @@ class Wire:
     def recomputable(self, store: Store, prefix: str, rank: int, world: int) -> bool:
         """Whether a compressed call's reduced slice can be rebuilt from its parts."""
         return self.compressor is not None and all(
-            store.exists(f"{prefix}/part/{rank}/{i}") for i in range(world) if i != rank)
+            store.exists(part_key(prefix, rank, i)) for i in range(world) if i != rank)
 
 
 def _release_and_gather(store: Store, io: "_Traffic", prefix: str, rank: int, world: int,
                         flat: dict[str, torch.Tensor], mine: dict[str, torch.Tensor],
                         tensors: dict[str, torch.Tensor], previous_prefix: str | None,
                         wire: Wire | None = None) -> dict[str, torch.Tensor]:
-    """The end of a round once this rank has posted its reduced slice (`mean/<rank>`), shared
+    """The end of a round once this rank has posted its reduced slice (`mean-<rank>`), shared
     by the plain and the pipelined scatter-reduce: delete the pieces of the slice (only now,
     so a rank that died before posting finds them all when relaunched; a compressed call
     deletes the previous call's instead) and the previous call's result (every peer posted
@@ -261,14 +274,14 @@ def _release_and_gather(store: Store, io: "_Traffic", prefix: str, rank: int, wo
     keep = wire is not None and wire.keeps_parts
     for i in range(world):
         if i != rank and not keep:
-            store.delete(f"{prefix}/part/{rank}/{i}")
+            store.delete(part_key(prefix, rank, i))
         elif i != rank and previous_prefix is not None:
-            store.delete(f"{previous_prefix}/part/{rank}/{i}")
+            store.delete(part_key(previous_prefix, rank, i))
     if previous_prefix is not None:
-        store.delete(f"{previous_prefix}/mean/{rank}")
+        store.delete(mean_key(previous_prefix, rank))
     reduced = {dtype: [] for dtype in flat}
     for j in range(world):
-        part = mine if j == rank else io.get(f"{prefix}/mean/{j}")
+        part = mine if j == rank else io.get(mean_key(prefix, j))
         if j != rank and wire is not None:
             part = wire.decode(part)
         for dtype in flat:

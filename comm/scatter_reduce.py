@@ -15,9 +15,9 @@ gradient sync of a hybrid D x M pipeline can use either:
   link are busy at once, so the two phases cost s/w + n latencies together and the whole
   sync 2 s/w + (n + 2) latencies (FuncPipe Eq. 2). Phase 3 is unchanged.
 
-Keys, cleanup and fault handling are those of `comm.collectives`: `{prefix}/part/{j}/{i}`
+Keys, cleanup and fault handling are those of `comm.collectives`: `{prefix}/part-{j}-{i}`
 is rank i's piece of slice j, deleted by its one reader once it has posted
-`{prefix}/mean/{j}`, slice j reduced, which rank j deletes in the group's next call
+`{prefix}/mean-{j}`, slice j reduced, which rank j deletes in the group's next call
 (`previous_prefix`) or `release_group` after the last; a `PostLog` re-posts keys a scratch
 store lost, and `replay` lets a relaunched rank adopt results already posted. A group may
 therefore mix the two algorithms. The pieces of a slice are reduced in rank order with the
@@ -40,7 +40,7 @@ from comm.bandwidth import TransferStats
 # The plain version's store access (counting, timeouts naming the key, re-posting lost
 # keys) and its flat layout, reused so that both algorithms behave alike in every respect
 # but the overlap. Private to comm.collectives: see the report asking to publish them.
-from comm.collectives import PostLog, Wire, flatten_by_dtype, _release_and_gather, _Traffic
+from comm.collectives import PostLog, Wire, flatten_by_dtype, mean_key, part_key, _release_and_gather, _Traffic
 from comm.compression import Compressor
 from comm.store import Store
 from comm.tensor_codec import encode_tensors
@@ -160,11 +160,11 @@ def _pipelined(
     reduced_already = (lambda key: store.exists(key)) if replay else (lambda key: False)
     order = [(rank + k) % world for k in range(1, world)]
     encoded = {j: wire.encode(piece(j), j) for j in order}
-    uploads = [j for j in order if not reduced_already(f"{prefix}/mean/{j}")]
-    uploader = _Uploader(up, [(f"{prefix}/part/{j}/{rank}", encoded[j], f"{prefix}/mean/{j}")
+    uploads = [j for j in order if not reduced_already(mean_key(prefix, j))]
+    uploader = _Uploader(up, [(part_key(prefix, j, rank), encoded[j], mean_key(prefix, j))
                               for j in uploads])
     uploader.start()
-    mine_key = f"{prefix}/mean/{rank}"
+    mine_key = mean_key(prefix, rank)
     mine = None
     adopt = reduced_already(mine_key) and not wire.recomputable(store, prefix, rank, world)
     try:
@@ -178,7 +178,7 @@ def _pipelined(
             pieces = {rank: piece(rank)}
             for k in range(1, world):
                 source = (rank - k) % world
-                pieces[source] = wire.decode(down.get(f"{prefix}/part/{rank}/{source}"))
+                pieces[source] = wire.decode(down.get(part_key(prefix, rank, source)))
     finally:
         uploader.join()
     uploader.raise_error()

@@ -75,7 +75,7 @@ def test_rounds_clean_up_every_key():
 
 def test_missing_peer_times_out_naming_the_key():
     store = MemoryStore()
-    with pytest.raises(StoreTimeout, match="runs/t/s/part/0/1"):
+    with pytest.raises(StoreTimeout, match="runs/t/s/part-0-1"):
         allreduce_mean(store, "runs/t/s", 0, 2, rank_tensors(0), 0.2)
 
 

@@ -185,7 +185,7 @@ def test_redis_restart_mid_round_loses_scratch_keys_and_the_round_completes(tmp_
     stage(scratch, "rr")  # a copy the restart will wipe, to show the keys really were lost
     # Rank 1 straggles after round 0, so rank 0 waits inside round 1 with its piece posted.
     monkeypatch.setenv("ZOOID_CHAOS", f"slow_worker:epoch=0:rank=1:step={PERIOD}:seconds=2")
-    piece = "runs/rr/sync/e0/r1/part/1/0"
+    piece = "runs/rr/sync/e0/r1/part-1-0"
 
     finished, restarted = threading.Event(), threading.Event()
 
@@ -220,9 +220,9 @@ def test_a_rank_relaunched_inside_a_round_completes_it_with_the_survivors(dies):
     inputs = [{"w": torch.randn(10, generator=torch.Generator().manual_seed(r), dtype=torch.float64)}
               for r in range(world)]
     if dies == "before_its_mean":  # it has read its pieces and posts its result
-        when = lambda op, key: op == "put" and key.endswith("/mean/1")  # noqa: E731
+        when = lambda op, key: op == "put" and key.endswith("/mean-1")  # noqa: E731
     else:  # its result is posted, its pieces are being deleted
-        when = lambda op, key: op == "delete" and "/part/1/" in key  # noqa: E731
+        when = lambda op, key: op == "delete" and "/part-1-" in key  # noqa: E731
 
     def rank(r):
         if r != 1:
@@ -350,7 +350,7 @@ def test_a_held_worker_goes_on_when_its_key_appears():
     (4, '{"error": "OutOfMemory"}', {}, FailureKind.OOM),
     (1, "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", {}, FailureKind.OOM),
     (2, '{"error": "ZooidValueError", "message": "model: ..."}', {}, FailureKind.BAD_INPUT),
-    (3, "StoreTimeout: rank 1 waited 120s for runs/x/sync/e0/r3/mean/0", {}, FailureKind.STORE_TIMEOUT),
+    (3, "StoreTimeout: rank 1 waited 120s for runs/x/sync/e0/r3/mean-0", {}, FailureKind.STORE_TIMEOUT),
     (1, "RuntimeError: boom", {}, FailureKind.CRASH),
     (None, "", {"timed_out": True}, FailureKind.TIMEOUT),
     (17, "", {"injected": {"kind": "crash_worker", "step": 0}}, FailureKind.INJECTED),

@@ -217,7 +217,7 @@ def test_a_replica_that_dies_inside_a_bucketed_round_is_relaunched_and_ends_equa
     dead = threading.Event()
 
     def when(op, key):
-        if op == "put" and key.endswith("/sync/e0/r3/b1/mean/1"):
+        if op == "put" and key.endswith("/sync/e0/r3/b1/mean-1"):
             dead.set()
         return dead.is_set()  # a killed process does nothing more
 

@@ -295,8 +295,8 @@ def test_a_rank_relaunched_inside_a_compressed_round_leaves_results_and_residual
             if not (fault and r == 1 and round_ == 1):
                 return collective(store, prefix, r, world, inputs[round_][r], 20, compressor=comps[r],
                                   previous_prefix=f"g/r{round_ - 1}" if round_ else None)
-            when = ((lambda op, key: op == "put" and key == f"{prefix}/mean/1") if dies == "before_its_mean"
-                    else (lambda op, key: op == "get" and key == f"{prefix}/mean/0"))
+            when = ((lambda op, key: op == "put" and key == f"{prefix}/mean-1") if dies == "before_its_mean"
+                    else (lambda op, key: op == "get" and key == f"{prefix}/mean-0"))
             with pytest.raises(Died):
                 collective(DyingStore(store, when), prefix, 1, world, inputs[round_][1], 20, compressor=comps[1],
                            previous_prefix=f"g/r{round_ - 1}")

@@ -179,7 +179,7 @@ def test_missing_peer_times_out_naming_the_key(tmp_path, clock):
     """Rank 2 of 3 never uploads: ranks 0 and 1 fail when their own 0.5 s are up (on a clock
     the test controls) instead of hanging."""
     url = (tmp_path / "store").as_uri()
-    posted = [tmp_path / "store" / "runs/t/missing/part/1/0", tmp_path / "store" / "runs/t/missing/part/0/1"]
+    posted = [tmp_path / "store" / "runs/t/missing/part-1-0", tmp_path / "store" / "runs/t/missing/part-0-1"]
 
     def both_ranks_posted() -> None:  # no clock moves before ranks 0 and 1 have sent each other their parts
         while not all(p.exists() for p in posted):
@@ -190,7 +190,7 @@ def test_missing_peer_times_out_naming_the_key(tmp_path, clock):
     def work(rank):
         store = open_store(url)
         began = clock.monotonic()
-        with pytest.raises(StoreTimeout, match=r"runs/t/missing/part/\d/2"):
+        with pytest.raises(StoreTimeout, match=r"runs/t/missing/part-\d-2"):
             pipelined_allreduce_mean(store, "runs/t/missing", rank, 3, {"g": torch.ones(6)}, 0.5)
         return clock.monotonic() - began
 

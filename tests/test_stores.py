@@ -459,6 +459,6 @@ def test_a_scratch_put_is_as_atomic_but_skips_the_fsync_of_the_directory_store(d
 
 
 def test_scratch_puts_reach_every_store(store):
-    store.put("runs/r1/sync/e0/r0/part/0/1", b"part", scratch=True)
-    assert store.get("runs/r1/sync/e0/r0/part/0/1") == b"part"
+    store.put("runs/r1/sync/e0/r0/part-0-1", b"part", scratch=True)
+    assert store.get("runs/r1/sync/e0/r0/part-0-1") == b"part"
     assert store.stats.bytes_up == 4
