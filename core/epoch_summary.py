@@ -62,6 +62,9 @@ class EpochSummary(JsonSpec):
     predicted_cost_so_far_usd: float | None = None
     """The bill the plan in force predicted by the end of this epoch."""
     bytes_synced: int = 0
+    """Bytes the epoch's workers moved to average across replicas (each worker's uploads plus
+    downloads, summed). 0 in an epoch of one replica, a pipeline of one replica's stages
+    included: activations and gradients between stages are not counted here."""
     checkpoint_key: str = ""
     compute_s: float = 0.0
     """The slowest worker's compute seconds."""
