@@ -209,8 +209,10 @@ class WarmPool:
         as dicts) at once, the first on rank 0's worker (started now, sized as `plan`'s, if the
         pool has none), the others on the next live ranks, each on its own device and threads;
         return their answers in order. Billed as start-up, idle and `profile` rows. Raises
-        RuntimeError when a worker dies, fails its request or shows nothing for `timeout_s`
-        (ValueError when the pool has fewer workers than requests, `profilers`)."""
+        RuntimeError when a worker dies, fails its request or shows nothing for `timeout_s`,
+        once every other request has its answer (each billed as `profile`, and the workers
+        free for a retry), or has failed in turn (ValueError when the pool has fewer workers
+        than requests, `profilers`)."""
         self._open()
         w = self.workers.get(0)
         if w is None or not w.alive:
@@ -229,31 +231,37 @@ class WarmPool:
             self.store.put(command_key(self.ctx.run_id, w.name, w.seq),
                            json.dumps({"op": "profile", "request": request}).encode())
             w.seq += 1
+        failures = []
         while pending:
             for i, (w, seq, ready) in list(pending.items()):
                 reply = read_json(self.store, reply_key(self.ctx.run_id, w.name, seq))
                 now = time.time()
                 if reply is not None:
+                    del pending[i]
                     if ready and reply.get("began_at") and reply.get("ended_at"):  # a ready worker: the round trip
                         busy = float(reply["ended_at"]) - float(reply["began_at"])  # (durations only: no clock skew)
                         self.ctx.state.dispatch_samples.append(max(0.0, now - sent - busy))
                     self._bill_reply(w, reply, now, status="profile")
-                    if not reply.get("ok"):
-                        raise RuntimeError(f"profiling on worker {w.name} failed: {reply.get('error')}: "
-                                           f"{reply.get('message', '')}")
-                    answers[i] = reply["profile"]
-                    del pending[i]
+                    if reply.get("ok"):
+                        answers[i] = reply["profile"]
+                    else:
+                        failures.append(RuntimeError(f"profiling on worker {w.name} failed: {reply.get('error')}: "
+                                                     f"{reply.get('message', '')}"))
                     continue
                 w.launcher._poll()
                 if not w.alive:
+                    del pending[i]
                     self.retire(w.rank, "it died while profiling")
-                    raise RuntimeError(f"worker {w.name} exited while profiling: "
-                                       f"{w.process.error or w.process.status}")
-                if now - sent > timeout_s:
+                    failures.append(RuntimeError(f"worker {w.name} exited while profiling: "
+                                                 f"{w.process.error or w.process.status}"))
+                elif now - sent > timeout_s:
+                    del pending[i]
                     self.retire(w.rank, f"no profile within {timeout_s:.0f} s")
-                    raise RuntimeError(f"worker {w.name} gave no profile within {timeout_s:.0f} s")
+                    failures.append(RuntimeError(f"worker {w.name} gave no profile within {timeout_s:.0f} s"))
             if pending:
                 time.sleep(max(poll_s, self.store.poll_max_s))  # each read is a billed request on a cloud store
+        if failures:
+            raise failures[0]
         return answers
 
     def wait_ready(self, timeout_s: float, poll_s: float = 0.02) -> None:

@@ -359,3 +359,30 @@ def test_a_first_runs_epoch_overhead_comes_from_what_its_profile_measured(tmp_pa
     ProfileCache(ctx.open_durable).put("timings", timings_key(ctx), {"epoch_overhead_s": [0.7, 0.9]})
     again = load_terms(ctx)
     assert again.epoch_overhead_s == pytest.approx(0.8) and again.measured["epoch_overhead_s"] is True
+
+
+def test_a_failed_profile_request_waits_for_the_other_and_bills_it_as_profile(tmp_path):
+    """Of two profile requests sent at once, the model profile fails (the input does not fit
+    the model) while the store probe runs on: the error is raised once the probe has answered,
+    its interval billed as `profile` (not as idle under the next command), and both workers
+    take the next request."""
+    from coordinator.target_profile import profile_request
+    from coordinator.warm_pool import WarmPool, provisional_plan
+
+    ctx = _ctx(TrainJob(model="digits_mlp", workers=2, store=f"file://{tmp_path}/store", warm=True))
+    pool = ctx.state.warm = WarmPool(ctx)
+    try:
+        plan = provisional_plan(ctx)
+        pool.ensure(plan, 0)
+        bad = profile_request(ctx, model_profile=True, store_probe=False).to_dict()
+        bad["input_shape"] = [3]  # digits_mlp takes 64 features
+        probe = profile_request(ctx, model_profile=False, store_probe=True).to_dict()
+        with pytest.raises(RuntimeError, match="profiling on worker .* failed"):
+            pool.profile(plan, [bad, probe], timeout_s=120)
+        rows = {r.rank: r for r in ctx.state.ledger if r.status == "profile"}
+        assert set(rows) == {0, 1}
+        assert rows[1].stop > rows[0].stop  # the probe outlasted the failure, and was billed as such
+        again = pool.profile(plan, [probe, probe], timeout_s=120)
+        assert all(answer["store"]["bandwidth_bytes_per_s"] > 0 for answer in again)
+    finally:
+        pool.stop_all("the test is over")
