@@ -22,7 +22,6 @@ import argparse
 import io
 import os
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -40,6 +39,8 @@ from comm.store_dir import DirectoryStore
 from comm.store_redis import RedisStore
 from comm.store_s3 import S3Store
 from comm.tensor_codec import decode_tensors, encode_tensors
+from deployments.server import free_port as server_port
+from deployments.server import stop_groups
 
 MB = 1_000_000
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,9 +53,7 @@ AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1
 
 def free_port() -> int:
     """A free TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return server_port(0)
 
 
 def start_server(argv: list[str], port: int, log: Path) -> subprocess.Popen:
@@ -75,14 +74,10 @@ def start_server(argv: list[str], port: int, log: Path) -> subprocess.Popen:
 
 
 def stop_server(proc: subprocess.Popen) -> None:
-    """SIGTERM the server's process group, SIGKILL if it lingers."""
+    """Stop the server's process group by its pid, as the stack stops its own (`stop_groups`)."""
     if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_groups([proc.pid])
+        proc.wait()
 
 
 # --- measurements ------------------------------------------------------------------------
