@@ -32,6 +32,7 @@ import torch.multiprocessing as mp
 from benchmarks.output import command_for, provenance, write_result
 from comm.ring_allreduce import open_ring
 from comm.store_dir import DirectoryStore
+from deployments.server import free_port
 
 RESULTS = Path(__file__).resolve().parent / "results" / "ring.md"
 TITLE = "The CPU ring's transport: TCP connections beside gloo"
@@ -73,19 +74,12 @@ def _rank(rank: int, store_dir: str, port: int, rounds: int, calls: int, out: st
         Path(out).write_text(json.dumps(timings))
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def run(rounds: int, calls: int) -> dict:
     """Spawn the two ranks and return rank 0's timings: {size: {"zooid"|"gloo": [s per call]}}."""
     with tempfile.TemporaryDirectory(prefix="zooid-bench-ring-") as scratch:
         out = os.path.join(scratch, "timings.json")
-        mp.spawn(_rank, args=(os.path.join(scratch, "store"), _free_port(), rounds, calls, out), nprocs=2)
+        mp.spawn(_rank, args=(os.path.join(scratch, "store"), free_port(0), rounds, calls, out), nprocs=2)
         return json.loads(Path(out).read_text())
 
 

@@ -39,8 +39,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.bench_stores import free_port, start_server, stop_server
+from benchmarks.bench_stores import start_server, stop_server
 from benchmarks.output import command_for, provenance, write_result
+from deployments.server import free_port
 
 MB = 1_000_000
 RESULTS = Path(__file__).resolve().parent / "results" / "scatter_reduce.md"
@@ -257,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
 
     os.environ.update(S3_ENV)
     work = Path(tempfile.mkdtemp(prefix="zooid-bench-sr-"))
-    redis_port, moto_port = free_port(), free_port()
+    redis_port, moto_port = free_port(0), free_port(0)
     servers = []
     sections, sources = [], set()
     try:

@@ -39,8 +39,7 @@ from comm.store_dir import DirectoryStore
 from comm.store_redis import RedisStore
 from comm.store_s3 import S3Store
 from comm.tensor_codec import decode_tensors, encode_tensors
-from deployments.server import free_port as server_port
-from deployments.server import stop_groups
+from deployments.server import free_port, stop_groups
 
 MB = 1_000_000
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,11 +49,6 @@ AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1
 
 
 # --- servers (own process groups, free ports, stopped by pid) ---------------------------
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1."""
-    return server_port(0)
-
 
 def start_server(argv: list[str], port: int, log: Path) -> subprocess.Popen:
     """Start `argv` in its own session and wait until 127.0.0.1:`port` accepts connections."""
@@ -184,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
            "AWS_DEFAULT_REGION": "us-east-1"}
     os.environ.update(env)
-    redis_port, moto_port, azurite_port = free_port(), free_port(), free_port()
+    redis_port, moto_port, azurite_port = free_port(0), free_port(0), free_port(0)
     servers = []
     try:
         servers.append(start_server(

@@ -16,6 +16,7 @@ Everything binds to 127.0.0.1, runs in its own process group, and lives under `$
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -63,50 +64,49 @@ DEPLOYMENTS = ("local", "nightly")
 """The deployments `up` deploys from prefect.yaml."""
 
 
-def _deployed(env: dict) -> list[str]:
-    """`flow/name on pool` of each deployment of the stack's API, read back after `prefect deploy`."""
+@contextlib.contextmanager
+def _stack_client(env: dict):
+    """A sync Prefect client of the stack's API (`env`'s `PREFECT_API_URL`), for `up`'s checks."""
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     with temporary_settings(updates={PREFECT_API_URL: env["PREFECT_API_URL"]}):
         with get_client(sync_client=True) as client:
-            flows = {f.id: f.name for f in client.read_flows()}
-            return sorted(f"{flows.get(d.flow_id, '?')}/{d.name} on pool {d.work_pool_name}"
-                          for d in client.read_deployments())
+            yield client
+
+
+def _deployed(env: dict) -> list[str]:
+    """`flow/name on pool` of each deployment of the stack's API, read back after `prefect deploy`."""
+    with _stack_client(env) as client:
+        flows = {f.id: f.name for f in client.read_flows()}
+        return sorted(f"{flows.get(d.flow_id, '?')}/{d.name} on pool {d.work_pool_name}"
+                      for d in client.read_deployments())
 
 
 def _check_concurrency_limit(env: dict) -> int:
     """The paid-workers limit the flows take slots of (`coordinator.launchers.PAID_WORKERS_LIMIT`),
     read back from the stack's API: `deployments.bootstrap` creates it."""
-    from prefect.client.orchestration import get_client
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
     # coordinator.launchers imports Prefect, which reads its settings from the environment when
     # first imported: imported here, like Prefect itself, not with this module (see run_and_wait)
     from coordinator.launchers import PAID_WORKERS_LIMIT
 
-    with temporary_settings(updates={PREFECT_API_URL: env["PREFECT_API_URL"]}):
-        with get_client(sync_client=True) as client:
-            return client.read_global_concurrency_limit_by_name(PAID_WORKERS_LIMIT).limit
+    with _stack_client(env) as client:
+        return client.read_global_concurrency_limit_by_name(PAID_WORKERS_LIMIT).limit
 
 
 def _wait_worker_polling(env: dict, pid: int, since: float, log: Path, timeout_s: float = 120.0) -> None:
     """Wait until the pool's worker (`pid`, started at `since`) has reported to the API, which it
     does as it starts polling: a run submitted before then waited for the worker's own start-up
     (1.5 s measured from the first submit after `up`)."""
-    from prefect.client.orchestration import get_client
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
     deadline = time.monotonic() + timeout_s
-    with temporary_settings(updates={PREFECT_API_URL: env["PREFECT_API_URL"]}):
-        with get_client(sync_client=True) as client:
-            while time.monotonic() < deadline:
-                if not alive(pid):
-                    raise RuntimeError(f"the {POOL} pool's worker exited (see {log})")
-                if any(w.last_heartbeat_time and w.last_heartbeat_time.timestamp() >= since - 1.0
-                       for w in client.read_workers_for_work_pool(POOL)):
-                    return
-                time.sleep(0.2)
+    with _stack_client(env) as client:
+        while time.monotonic() < deadline:
+            if not alive(pid):
+                raise RuntimeError(f"the {POOL} pool's worker exited (see {log})")
+            if any(w.last_heartbeat_time and w.last_heartbeat_time.timestamp() >= since - 1.0
+                   for w in client.read_workers_for_work_pool(POOL)):
+                return
+            time.sleep(0.2)
     raise RuntimeError(f"the {POOL} pool's worker did not report in {timeout_s:.0f} s (see {log})")
 
 

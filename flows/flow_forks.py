@@ -38,8 +38,12 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from core.process_start import FLOW_FORKS_VAR, mark_forked
+
+if TYPE_CHECKING:
+    from runtime.fork_server import ChildExits
 
 # The client is a fresh interpreter at every flow run's start: it imports the standard library's
 # few modules above and `core.process_start`, nothing of the project's server side (the server
@@ -141,7 +145,7 @@ def source_mtimes(root: Path = ROOT) -> dict[str, float]:
     return out
 
 
-def _child(conn: socket.socket, request: dict, fds: list[int], listener: socket.socket, exits) -> int:
+def _child(conn: socket.socket, request: dict, fds: list[int], listener: socket.socket, exits: ChildExits) -> int:
     """In the forked child: become the client's process and run its module; return the status."""
     import runpy
     import threading
