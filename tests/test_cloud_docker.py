@@ -3,7 +3,6 @@ podman's Docker API by record.py there), its job variables, template and registr
 from __future__ import annotations
 
 import dataclasses
-
 import json
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
