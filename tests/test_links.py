@@ -128,6 +128,47 @@ def test_layer_times_split_into_per_call_and_per_row_parts(monkeypatch):
     assert plain.forward_fixed_s == plain.backward_fixed_s == 0.0
 
 
+def test_layer_times_are_scaled_to_the_chain_they_run_in_keeping_their_shares(monkeypatch):
+    """A layer timed alone finds its data in the caches; in the chain it runs after another
+    layer and is slower. On a clock that charges a layer 1 ms (forward) and 0.5 ms
+    (backward) after itself and 50 % more after another layer, the layers' times sum to
+    the chain's and keep their shares (the second layer costs twice the first)."""
+    from types import SimpleNamespace
+
+    import profiling.timing as timing
+
+    clock, last = [0.0], [None]
+    monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    class Costed(nn.Module):
+        def __init__(self, weight: float):
+            super().__init__()
+            self.weight, self.lin = weight, nn.Linear(16, 16)
+
+        def charge(self, seconds: float) -> None:
+            clock[0] += seconds * self.weight * (1.0 if last[0] is self else 1.5)
+            last[0] = self
+
+        def forward(self, x):
+            self.charge(0.001)
+            out = self.lin(x)
+            if out.requires_grad:
+                out.register_hook(lambda g: self.charge(0.0005))
+            return out
+
+    torch.manual_seed(0)
+    layers = profile_layers(nn.Sequential(Costed(1.0), Costed(2.0)), torch.randn(8, 16), repeats=3)
+    # the chain, per call: forward 1.5 + 3 ms (each layer after the other); backward 1 ms for
+    # the second layer (right after its own forward) + 0.75 ms for the first (after the second)
+    assert sum(layer.forward_s for layer in layers) == pytest.approx(0.0045, rel=1e-9)
+    assert sum(layer.backward_s for layer in layers) == pytest.approx(0.00175, rel=1e-9)
+    assert layers[1].forward_s == pytest.approx(2 * layers[0].forward_s, rel=1e-9)
+    assert layers[1].backward_s == pytest.approx(2 * layers[0].backward_s, rel=1e-9)
+    alone = profile_layers(nn.Sequential(Costed(1.0), Costed(2.0)), torch.randn(8, 16), repeats=3,
+                           calibrate=False)
+    assert [layer.forward_s for layer in alone] == pytest.approx([0.001, 0.002], rel=1e-9)
+
+
 def test_thread_handoff_probe_measures_the_notice_delay_and_leaves_no_keys(tmp_path, monkeypatch):
     """On a clock the test moves: a reader already waiting sees each put a known delay after
     the writer finished it (1, 2, ... 12 ms); the probe reports their mean exactly."""

@@ -1,7 +1,8 @@
 """The profiler measures what the planners need, and the memory check refuses with numbers.
 
-Byte figures are asserted exactly (they are arithmetic on shapes); times only for sign,
-consistency and what a generous factor allows, since the machine is shared.
+Byte figures are asserted exactly (they are arithmetic on shapes); measured times only for
+sign, since the machine is shared and one sample may land in a busy window (the layers'
+scaling to the chain is asserted exactly on a fake clock, in test_links).
 """
 from __future__ import annotations
 
@@ -70,10 +71,6 @@ def test_digits_cnn_bytes_and_times(cnn_profile):
     assert all(layer.forward_s > 0 for layer in p.layers)
     assert p.layers[0].backward_s == 0.0  # reshaping the data input: nothing to differentiate
     assert all(layer.backward_s > 0 for layer in p.layers[1:])
-    fwd = sum(layer.forward_s for layer in p.layers)
-    bwd = sum(layer.backward_s for layer in p.layers)
-    assert p.forward_s / 4 < fwd < 4 * p.forward_s
-    assert p.backward_s / 4 < bwd < 4 * p.backward_s
     assert p.step_s > 0 and p.step_s_by_threads == {"1": pytest.approx(p.step_s_by_threads["1"])}
 
 
