@@ -15,7 +15,7 @@ import uuid
 import pytest
 
 from tests.conftest import stop_process_group
-from tests.docker_stack import ROOT, _client, _containers, _held_run, _ledger, _store, _summary, _wait_final, stack_for_the_module
+from tests.docker_stack import ROOT, _client, _containers, _held_run, _ledger, _save_target, _store, _summary, _wait_final, stack_for_the_module
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
 stack = pytest.fixture(scope="module", name="stack")(stack_for_the_module)
@@ -45,11 +45,16 @@ def test_a_killed_worker_container_is_replaced_and_its_attempt_billed(stack):
 
 @pytest.fixture(scope="module", autouse=True)
 def long_coordinator(stack):
-    """A command-line coordinator of a long run, started with the module so that its workers'
-    containers start while the other test's run trains: (process, its seed, the run keys
-    before it). The SIGKILL test kills it; where that test did not run (deselected), it is
-    stopped here as a user would, by SIGTERM, so that it tears its containers down itself."""
+    """A command-line coordinator of a run held mid-way, started with the module so that its
+    workers' containers start while the other test's run trains: (process, its seed, the run
+    keys before it). Both workers train epoch 0, then hold at the start of epoch 1 (beating,
+    reading their lease, using no CPU to speak of, so the rest of the suite is not slowed by a
+    run that trains for minutes) until the SIGKILL test kills the coordinator; where that test
+    did not run (deselected), it is stopped here as a user would, by SIGTERM, so that it tears
+    its containers down itself."""
     env = {**stack["env"], "PREFECT_API_URL": stack["api_url"]}
+    hold = ",".join(f"hold_worker:epoch=1:rank={rank}:until=never" for rank in (0, 1))
+    target = _save_target("docker-hold-long", job_variables={"env": {"ZOOID_CHAOS": hold}})
     seed = uuid.uuid4().int % 10**9  # tells this run apart from the other runs on the session's stack
     store = _store(stack)
     try:
@@ -57,8 +62,8 @@ def long_coordinator(stack):
     finally:
         store.close()
     coordinator = subprocess.Popen(
-        [sys.executable, "-m", "flows.train", "--param", "target=docker", "--param", "workers=2",
-         "--param", "epochs=200", "--param", "worker_lease_s=15", "--param", "batch_size=64",
+        [sys.executable, "-m", "flows.train", "--param", f"target={target}", "--param", "workers=2",
+         "--param", "epochs=3", "--param", "worker_lease_s=15", "--param", "batch_size=64",
          "--param", f"seed={seed}", "--param", f"store={stack['docker']['store']}"],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
