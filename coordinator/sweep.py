@@ -54,7 +54,17 @@ def tagged_pids(run_id: str) -> list[int]:
 
 def worker_pids(run_id: str) -> list[int]:
     """`tagged_pids(run_id)` less the run's fork server (`runtime.fork_server`): its workers."""
-    return sorted(pid for pid, tags in _run_processes(run_id).items() if tags["comm"] != FORK_SERVER_NAME)
+    return workers_by_run().get(run_id, [])
+
+
+def workers_by_run() -> dict[str, list[int]]:
+    """Every run's worker pids (`worker_pids`), from one reading of `/proc`: a count over
+    several runs at one moment."""
+    found: dict[str, list[int]] = {}
+    for pid, tags in sorted(_tagged_processes().items()):
+        if tags["comm"] != FORK_SERVER_NAME:
+            found.setdefault(tags.get(TAG_VAR, ""), []).append(pid)
+    return found
 
 
 def orphan_pids(home: str | None = None) -> list[int]:

@@ -149,10 +149,16 @@ def run_as_process(body: Callable[[], int | None]) -> int:
     return code
 
 
-def serve(requests, answers) -> int:
+def _own_name() -> str:
+    """This process's `comm` (the interpreter's name, before `_set_name`)."""
+    return open("/proc/self/comm").read().strip() if os.path.exists("/proc/self/comm") else "python"
+
+
+def serve(requests, answers, own_name: str | None = None) -> int:
     """Answer start requests from the file descriptor `requests` on `answers` until stdin
-    closes, or the last worker exited with no request waiting."""
-    own_name = open("/proc/self/comm").read().strip() if os.path.exists("/proc/self/comm") else "python"
+    closes, or the last worker exited with no request waiting. The workers take `own_name`
+    (default: this process's name when called) back as theirs."""
+    own_name = own_name or _own_name()
     _set_name(FORK_SERVER_NAME)
     exits = ChildExits()
     children: set[int] = set()
@@ -216,6 +222,10 @@ def serve(requests, answers) -> int:
 
 
 def main() -> int:
+    # named before the imports (a second of CPU): a count of the run's workers never takes
+    # this process for one
+    own_name = _own_name()
+    _set_name(FORK_SERVER_NAME)
     # the worker's modules, imported once here and shared by every fork
     import runtime.worker_main  # noqa: F401
     from engine.optimizers import load_lazy_modules  # imported with the worker's modules above
@@ -226,7 +236,7 @@ def main() -> int:
     null = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, 1)
     os.close(null)
-    return serve(0, answers)
+    return serve(0, answers, own_name)
 
 
 if __name__ == "__main__":

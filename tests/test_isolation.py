@@ -15,6 +15,14 @@ pytestmark = pytest.mark.usefixtures("prefect_api")
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _described(by_run: dict[str, list[int]], runs: list[str]) -> str:
+    """Each run's worker processes as `ps` shows them (what a count over the limit counted)."""
+    pids = [str(pid) for r in runs for pid in by_run.get(r, [])]
+    shown = subprocess.run(["ps", "-o", "pid,ppid,pgid,comm,etimes,args", "-p", ",".join(pids)],
+                           capture_output=True, text=True).stdout
+    return f"{len(pids)} workers alive: {({r: by_run.get(r, []) for r in runs})}\n{shown}"
+
+
 def _max_overlap(intervals: list[tuple[float, float]]) -> int:
     events = sorted([(a, 1) for a, _ in intervals] + [(b, -1) for _, b in intervals])
     most = now = 0
@@ -37,7 +45,7 @@ def test_three_concurrent_runs_are_isolated_and_capped(tmp_path):
     from comm.store_dir import DirectoryStore
     from deployments.bootstrap import ensure_concurrency_limit
     from coordinator.launchers import PAID_WORKERS_LIMIT
-    from coordinator.sweep import sweep_run, worker_pids
+    from coordinator.sweep import sweep_run, workers_by_run
 
     with get_client(sync_client=True) as client:  # another test of the session may have made it: resize it
         ensure_concurrency_limit(client, 4)
@@ -66,8 +74,9 @@ def test_three_concurrent_runs_are_isolated_and_capped(tmp_path):
             # the event: a run is held, every slot of the limit is taken and its 4 workers are up;
             # 3 runs of 2 want 6 workers, and never more than 4 are alive
             while True:
-                alive = sum(len(worker_pids(r)) for r in runs())
-                assert alive <= 4, alive
+                by_run = workers_by_run()  # one reading of /proc: the runs' workers at one moment
+                alive = sum(len(by_run.get(r, [])) for r in runs())
+                assert alive <= 4, _described(by_run, runs())
                 slots = client.read_global_concurrency_limit_by_name(PAID_WORKERS_LIMIT).active_slots
                 if held() and slots == 4 and alive == 4:
                     break
