@@ -7,13 +7,16 @@ import sys
 
 import pytest
 
-from coordinator.sweep import COORDINATOR_VAR, HOME_VAR, TAG_VAR, orphan_pids, sweep_orphans, sweep_run, tagged_pids
+from coordinator.sweep import (COORDINATOR_VAR, HOME_VAR, TAG_VAR, orphan_pids, sweep_orphans, sweep_run, tagged_pids,
+                              worker_pids, workers_by_run)
 
 
-def _spawn(env_extra: dict) -> subprocess.Popen:
-    """A tagged process that idles; returns once it runs Python with its environment
-    (it says so on stdout: an event, not a sleep)."""
-    proc = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"],
+def _spawn(env_extra: dict, name: str = "") -> subprocess.Popen:
+    """A tagged process that idles (named `name` in /proc/<pid>/comm where given, as
+    `runtime.fork_server` names itself); returns once it runs Python with its environment
+    and name (it says so on stdout: an event, not a sleep)."""
+    rename = f"from runtime.fork_server import _set_name; _set_name({name!r}); " if name else ""
+    proc = subprocess.Popen([sys.executable, "-c", rename + "import time; print('up', flush=True); time.sleep(60)"],
                             env={**os.environ, **env_extra}, start_new_session=True, stdout=subprocess.PIPE)
     assert proc.stdout.readline() == b"up\n"
     return proc
@@ -34,6 +37,24 @@ def test_sweep_by_run_id_stops_only_that_run():
     finally:
         other.kill()
         other.wait()
+
+
+@pytest.mark.timeout(60)
+def test_workers_are_counted_by_run_without_the_runs_fork_server():
+    from runtime.fork_server import FORK_SERVER_NAME
+
+    mine = [_spawn({TAG_VAR: "zsweep-w"}) for _ in range(2)]
+    server = _spawn({TAG_VAR: "zsweep-w"}, name=FORK_SERVER_NAME)
+    other = _spawn({TAG_VAR: "zsweep-x"})
+    try:
+        by_run = workers_by_run()
+        assert by_run["zsweep-w"] == worker_pids("zsweep-w") == sorted(p.pid for p in mine)
+        assert by_run["zsweep-x"] == [other.pid]
+        assert server.pid in tagged_pids("zsweep-w")  # a tagged process, but no worker
+    finally:
+        for p in (*mine, server, other):
+            p.kill()
+            p.wait()
 
 
 @pytest.mark.timeout(60)
