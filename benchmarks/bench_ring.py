@@ -74,7 +74,6 @@ def _rank(rank: int, store_dir: str, port: int, rounds: int, calls: int, out: st
         Path(out).write_text(json.dumps(timings))
 
 
-
 def run(rounds: int, calls: int) -> dict:
     """Spawn the two ranks and return rank 0's timings: {size: {"zooid"|"gloo": [s per call]}}."""
     with tempfile.TemporaryDirectory(prefix="zooid-bench-ring-") as scratch:

@@ -149,17 +149,10 @@ def run_as_process(body: Callable[[], int | None]) -> int:
     return code
 
 
-def _own_name() -> str:
-    """This process's `comm` (the interpreter's name, before `_set_name`)."""
-    return open("/proc/self/comm").read().strip() if os.path.exists("/proc/self/comm") else "python"
-
-
-def serve(requests, answers, own_name: str | None = None) -> int:
+def serve(requests, answers, own_name: str) -> int:
     """Answer start requests from the file descriptor `requests` on `answers` until stdin
-    closes, or the last worker exited with no request waiting. The workers take `own_name`
-    (default: this process's name when called) back as theirs."""
-    own_name = own_name or _own_name()
-    _set_name(FORK_SERVER_NAME)
+    closes, or the last worker exited with no request waiting. The workers take `own_name`,
+    the interpreter's name before `main` named this process, back as theirs."""
     exits = ChildExits()
     children: set[int] = set()
     buffer = b""
@@ -224,7 +217,7 @@ def serve(requests, answers, own_name: str | None = None) -> int:
 def main() -> int:
     # named before the imports (a second of CPU): a count of the run's workers never takes
     # this process for one
-    own_name = _own_name()
+    own_name = open("/proc/self/comm").read().strip() if os.path.exists("/proc/self/comm") else "python"
     _set_name(FORK_SERVER_NAME)
     # the worker's modules, imported once here and shared by every fork
     import runtime.worker_main  # noqa: F401
