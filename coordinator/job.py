@@ -30,6 +30,17 @@ class TrainJob(BaseModel):
                        description="Registry name (digits_mlp, digits_cnn, resnet18, vgg11) or `package.module:factory` returning an nn.Module.")
     dataset: str = Field("digits", title="Dataset",
                          description="`digits` (scikit-learn), `synthetic:CxHxW:classes:samples`, or `package.module:factory`.")
+    loss: Optional[str] = Field(
+        None, title="Loss",
+        description="`package.module:function(output, target) -> scalar` for any other objective; null: "
+                    "cross-entropy over the output's last dimension, against class labels [B] or a target "
+                    "per position [B, ...] (positions whose target is -100 are ignored).")
+    tokenizer: str = Field("bytes", title="Tokenizer",
+                           description="For `text:` datasets: `bytes`, or `bpe:<vocab size>` (trained on the corpus, cached).")
+    objective: Literal["causal", "mlm"] = Field(
+        "causal", title="Language-model objective",
+        description="For `text:` datasets: `causal` (next-token targets) or `mlm` (BERT's 15 % masking, fresh each epoch).")
+    seq_len: int = Field(128, gt=1, title="Sequence length", description="Tokens per sample for `text:` datasets.")
     epochs: int = Field(5, gt=0, title="Epochs", description="Epochs to train (fewer when a target is reached).")
     batch_size: int = Field(16, gt=0, title="Batch size", description="Samples per optimizer step on each replica.")
     lr: float = Field(0.05, gt=0, allow_inf_nan=False, title="Learning rate")
