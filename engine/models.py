@@ -20,6 +20,7 @@ from torch import nn
 
 from core.errors import ZooidValueError
 from engine.datasets import dataset_input_shape
+from engine.transformers import LANGUAGE_MODELS
 
 # torch.manual_seed is process-global; the lock keeps two threads that build models at the
 # same time (threads standing in for replicas in tests) from interleaving their seeds.
@@ -124,6 +125,7 @@ REGISTRY: dict[str, Callable[..., nn.Module]] = {
     "digits_cnn": digits_cnn,
     "resnet18": resnet18,
     "vgg11": vgg11,
+    **LANGUAGE_MODELS,  # gpt_mini, gpt2_small, bert_mini, bert_base, bert_large (engine/transformers.py)
 }
 
 
@@ -208,7 +210,8 @@ def keep_models() -> None:
 
 def input_shape(model_name: str, dataset: str | None = None, **kwargs: Any) -> tuple[int, ...]:
     """Per-sample input shape: the dataset's when given, else the model's natural default
-    (flat 64 features for the digits models, C x 32 x 32 images for resnet18/vgg11)."""
+    (flat 64 features for the digits models, C x 32 x 32 images for resnet18/vgg11, `max_positions`
+    token ids for the language models)."""
     if dataset is not None:
         return dataset_input_shape(dataset)
     if model_name.startswith("digits_"):
@@ -216,6 +219,9 @@ def input_shape(model_name: str, dataset: str | None = None, **kwargs: Any) -> t
     if model_name in ("resnet18", "vgg11"):
         size = kwargs.get("image_size", 32)
         return (kwargs.get("in_channels", 3), size, size)
+    if model_name in LANGUAGE_MODELS:
+        default = inspect.signature(LANGUAGE_MODELS[model_name]).parameters["max_positions"].default
+        return (kwargs.get("max_positions", default),)
     raise ZooidValueError("dataset", f"give a dataset to know the input shape of {model_name!r}")
 
 
@@ -228,9 +234,12 @@ def _first_line(exc: BaseException) -> str:
 
 
 def expected_input(model: nn.Module) -> str | None:
-    """The per-sample input the model's first layer takes, where it says (`64`, `3xHxW`); None
-    where it does not (its first layer is neither a Linear nor a convolution)."""
+    """The per-sample input the model's first layer takes, where it says (`64`, `3xHxW`, `T token
+    ids below 258`); None where it does not (its first layer is neither a Linear, a convolution
+    nor an embedding)."""
     for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            return f"T token ids below {module.num_embeddings}"
         if isinstance(module, nn.Linear):
             return str(module.in_features)
         if isinstance(module, nn.Conv1d):
@@ -248,6 +257,11 @@ META_ABOVE_ELEMENTS = 16384
 """Samples larger than this are checked on the `meta` device (shapes only, no arithmetic; its
 first use imports about a second of torch); smaller ones by one real forward on the CPU."""
 
+META_ABOVE_PARAMETERS = 50_000_000
+"""Models with more parameters than this are checked on `meta` whatever the sample (gpt2_small,
+bert_base, bert_large: bert_large's weights would take 1.5 GB of the coordinator's memory for a
+shape check)."""
+
 
 def _output_shape(model: nn.Module, x: torch.Tensor) -> tuple[int, ...]:
     model.eval()  # BatchNorm on one row, dropout off
@@ -258,41 +272,117 @@ def _output_shape(model: nn.Module, x: torch.Tensor) -> tuple[int, ...]:
     return tuple(out.shape)
 
 
-def model_fit(name: str, sample: torch.Tensor, classes: int, seed: int = 0) -> tuple[str | None, str | None]:
-    """Whether model `name` takes `sample` (one dataset row, batched: `1 x shape`) and scores at
-    least `classes` classes, cheaply: the model is built on the `meta` device (no weights drawn),
-    then given the row on the CPU with uninitialised weights under `torch.no_grad` (a large row:
-    on `meta`, shapes only). A model given by import path that cannot be built or run that way is
-    built on the CPU and run once on the row. Returns `(problem, expected)`: `problem` None when
-    it fits, else one line; `expected` the input its first layer takes, where it says."""
+def _on_meta(factory: Callable[..., nn.Module], kwargs: dict[str, Any]) -> nn.Module:
+    with _SEED_LOCK, torch.random.fork_rng(devices=[]), torch.device("meta"):
+        return factory(**kwargs)
+
+
+def _scoring_problem(shape: tuple[int, ...], target_shape: tuple[int, ...], classes: int) -> str | None:
+    """Why outputs of `shape` cannot be scored against targets of `target_shape` (cross-entropy
+    over the output's last dimension: `[B, C]` against `[B]`, `[B, T, V]` against `[B, T]`), or
+    score fewer than `classes` classes; None when they can."""
+    rows = target_shape[0]
+    if len(target_shape) == 1 and (len(shape) != 2 or shape[0] != rows):
+        return (f"gives outputs of shape {'x'.join(map(str, shape)) or 'scalar'} for {rows} row(s), "
+                f"not {rows} x classes")
+    if len(target_shape) > 1 and tuple(shape[:-1]) != tuple(target_shape):
+        return (f"gives outputs of shape {_shape(shape)} for targets of shape {_shape(target_shape)}, which "
+                f"cannot be scored together (cross-entropy needs {_shape(target_shape)}xV)")
+    if shape[-1] < classes:
+        if len(target_shape) > 1:
+            return f"scores {shape[-1]} tokens, the targets hold ids up to {classes - 1}"
+        return f"scores {shape[-1]} classes, the dataset has {classes}"
+    return None
+
+
+def _shape(shape) -> str:
+    return "x".join(map(str, shape)) or "scalar"
+
+
+def model_fit(name: str, sample: torch.Tensor, classes: int, seed: int = 0, *,
+              target: torch.Tensor | None = None,
+              model_kwargs: dict[str, Any] | None = None) -> tuple[str | None, str | None]:
+    """Whether model `name` (built with `model_kwargs`) takes `sample` (one dataset row, batched:
+    `1 x shape`; integer rows are token ids, fed as int64) and gives outputs that can be scored
+    against `target` (that row's target; None: a class label) and score at least `classes`
+    classes, cheaply: the model is built on the `meta` device (no weights drawn), then given the
+    row on the CPU with uninitialised weights under `torch.no_grad` (a large row or a large
+    model: on `meta`, shapes only). A model given by import path that cannot be built or run
+    that way is built on the CPU and run once on the row. Returns `(problem, expected)`:
+    `problem` None when it fits, else one line; `expected` the input its first layer takes,
+    where it says."""
     factory = resolve_model(name)
+    kwargs = model_kwargs or {}
+    if not sample.is_floating_point():
+        sample = sample.long()
     rows, expected = len(sample), None
-    device = "meta" if sample[0].numel() > META_ABOVE_ELEMENTS else "cpu"
+    target_shape = tuple(target.shape) if target is not None else (rows,)
     try:
-        with _SEED_LOCK, torch.random.fork_rng(devices=[]), torch.device("meta"):
-            model = factory()
+        model = _on_meta(factory, kwargs)
         expected = expected_input(model)
-        if device == "cpu":
-            model = model.to_empty(device="cpu")
-        shape = _output_shape(model, sample if device == "cpu" else torch.empty(sample.shape, dtype=sample.dtype,
-                                                                              device="meta"))
+        big = (sample[0].numel() > META_ABOVE_ELEMENTS
+               or sum(p.numel() for p in model.parameters()) > META_ABOVE_PARAMETERS)
+        if big:
+            shape = _output_shape(model, torch.empty(sample.shape, dtype=sample.dtype, device="meta"))
+        else:
+            shape = _output_shape(model.to_empty(device="cpu"), sample)
     except Exception as exc:
         if ":" not in name:  # the registry's models build and run this way: the shape is at fault
             return _first_line(exc), expected
         try:  # a user's model may need real weights: built for real, one forward on the CPU
-            model = build_model(name, seed)
+            model = build_model(name, seed, **kwargs)
             expected = expected or expected_input(model)
             shape = _output_shape(model, sample)
         except Exception as exc2:  # a user's model can fail any way; that is the mismatch
             return _first_line(exc2), expected
-    if len(shape) != 2 or shape[0] != rows:
-        return (f"gives outputs of shape {'x'.join(map(str, shape)) or 'scalar'} for {rows} row(s), "
-                f"not {rows} x classes"), expected
-    if shape[-1] < classes:
-        return f"scores {shape[-1]} classes, the dataset has {classes}", expected
-    return None, expected
+    return _scoring_problem(shape, target_shape, classes), expected
 
 
-def models_that_fit(sample: torch.Tensor, classes: int) -> list[str]:
-    """The registry models that take `sample` and score at least `classes` classes."""
-    return [name for name in REGISTRY if model_fit(name, sample, classes)[0] is None]
+def models_that_fit(sample: torch.Tensor, classes: int, *, target: torch.Tensor | None = None,
+                    data_kwargs: dict[str, Any] | None = None) -> list[str]:
+    """The registry models that take `sample` and score at least `classes` classes (against
+    `target`'s shape), each built with the `data_kwargs` its factory accepts."""
+    return [name for name in REGISTRY
+            if model_fit(name, sample, classes, target=target,
+                         model_kwargs=accepted_kwargs(REGISTRY[name], data_kwargs or {}))[0] is None]
+
+
+# --- the model's keyword arguments that follow from the dataset ------------------------------------
+
+DATA_KWARGS = ("vocab_size", "mask_token_id")
+"""The factory arguments a dataset decides: the token vocabulary and the mask token."""
+
+
+def accepted_kwargs(factory: Callable[..., Any], available: dict[str, Any]) -> dict[str, Any]:
+    """The entries of `available` that `factory` names as parameters (a `**kwargs` catch-all
+    is not taken as accepting them)."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {k: v for k, v in available.items()
+            if k in params and params[k].kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                  inspect.Parameter.KEYWORD_ONLY)}
+
+
+def dataset_model_kwargs(data) -> dict[str, Any]:
+    """What the dataset decides about a language model: `vocab_size` (the text dataset's
+    `TextInfo.vocab_size`; else, for integer inputs, the largest id over inputs and targets
+    plus one) and `mask_token_id` (the tokenizer's mask id, where it has one). Empty for
+    float inputs."""
+    info = getattr(data, "text", None)
+    if info is not None:
+        out: dict[str, Any] = {"vocab_size": int(info.vocab_size)}
+        if info.mask_id is not None:
+            out["mask_token_id"] = int(info.mask_id)
+        return out
+    if data.train_x.is_floating_point():
+        return {}
+    top = max(int(t.max()) for t in (data.train_x, data.val_x, data.train_y, data.val_y) if t.numel())
+    return {"vocab_size": top + 1}
+
+
+def data_model_kwargs(name: str, data) -> dict[str, Any]:
+    """The keyword arguments model `name` is built with for dataset `data`: those of
+    `dataset_model_kwargs` that its factory accepts (see `accepted_kwargs`)."""
+    return accepted_kwargs(resolve_model(name), dataset_model_kwargs(data))

@@ -82,7 +82,8 @@ def test_bad_model_import_paths(path, why):
 def test_user_factory_by_import_path():
     model = build_model("tests.test_models_data:tiny_factory", 0, width=3)
     assert model[0].out_features == 3
-    assert sorted(REGISTRY) == ["digits_cnn", "digits_mlp", "resnet18", "vgg11"]
+    assert sorted(REGISTRY) == ["bert_base", "bert_large", "bert_mini", "digits_cnn", "digits_mlp", "gpt2_small",
+                                "gpt_mini", "resnet18", "vgg11"]
 
 
 # --- datasets ------------------------------------------------------------------------
