@@ -105,6 +105,7 @@ def summarise(plan: Plan, epoch: int, lr: float, attempt: int, final: list[Worke
     results = [o.result for o in final]
     firsts = [r for r in results if r.rank % plan.stages == 0]
     samples = sum(r.samples for r in firsts)
+    tokens = sum(r.tokens for r in firsts)
     loss = sum(r.train_loss * r.samples for r in firsts) / max(1, samples)
     rank0 = next(r for r in results if r.checkpoint_key) if plan.stages > 1 else \
         next(r for r in results if r.rank == 0)
@@ -117,8 +118,9 @@ def summarise(plan: Plan, epoch: int, lr: float, attempt: int, final: list[Worke
         per_step = max((r.compute_s + r.sync_s) / max(1, plan.steps_per_epoch) for r in results)
     return EpochSummary(
         epoch=epoch, workers=plan.workers, stages=plan.stages, attempt=attempt, lr=lr, train_loss=loss,
-        val_loss=rank0.val_loss, val_accuracy=rank0.val_accuracy, samples=samples, seconds=wall_s,
-        samples_per_s=samples / max(wall_s, 1e-9), cost_usd=cost_usd,
+        val_loss=rank0.val_loss, val_accuracy=rank0.val_accuracy, val_perplexity=rank0.val_perplexity,
+        val_token_accuracy=rank0.val_token_accuracy, samples=samples, tokens=tokens, seconds=wall_s,
+        samples_per_s=samples / max(wall_s, 1e-9), tokens_per_s=tokens / max(wall_s, 1e-9), cost_usd=cost_usd,
         predicted_iteration_s=plan.predicted_iteration_s, measured_iteration_s=per_step,
         predicted_epoch_s=plan.predicted_epoch_s, bytes_synced=sum(r.bytes_synced for r in results),
         checkpoint_key=rank0.checkpoint_key, compute_s=max(r.compute_s for r in results),

@@ -157,6 +157,14 @@ class RunSummary(BaseModel):
     """`completed`, `target_reached`, `budget_exhausted`, `deadline_reached`, `failed` or `cancelled`."""
     final_loss: Optional[float] = None
     final_accuracy: Optional[float] = None
+    final_perplexity: Optional[float] = None
+    """Token targets: the last epoch's validation perplexity."""
+    final_token_accuracy: Optional[float] = None
+    tokens_trained: int = 0
+    """Token targets: tokens trained over the run (`core.epoch_summary.run_token_figures`)."""
+    tokens_per_s: Optional[float] = None
+    usd_per_million_tokens: Optional[float] = None
+    """The whole bill over the tokens trained, per million."""
     total_cost_usd: float = 0.0
     plan: dict[str, Any] = Field(default_factory=dict)
     epochs: list[EpochSummary] = Field(default_factory=list)

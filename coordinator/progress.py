@@ -12,13 +12,20 @@ from core.epoch_summary import EpochSummary
 
 
 def epoch_line(e: EpochSummary, epochs: int, cost_so_far_usd: float, predicted_run_cost_usd: float | None) -> str:
-    """The coordinator's line for one finished epoch: epoch i/N, workers, loss, accuracy,
-    seconds against the plan's prediction, and the bill so far against what the plan in force
-    predicted by the end of this epoch (`predicted_cost_so_far_usd`) and for the whole run."""
+    """The coordinator's line for one finished epoch: epoch i/N, workers, loss, accuracy (for
+    token targets: perplexity, token accuracy and tokens per second), seconds against the
+    plan's prediction, and the bill so far against what the plan in force predicted by the end
+    of this epoch (`predicted_cost_so_far_usd`) and for the whole run."""
     head = f"epoch {e.epoch + 1}/{epochs}:"
     parts = [f"{e.workers} worker(s)" + (f" x {e.stages} stage(s)" if e.stages > 1 else ""), f"loss {e.loss:.4g}"]
     if e.val_accuracy is not None:
         parts.append(f"accuracy {100 * e.val_accuracy:.1f}%")
+    if e.val_perplexity is not None:
+        parts.append(f"perplexity {e.val_perplexity:.4g}")
+    if e.val_token_accuracy is not None:
+        parts.append(f"token accuracy {100 * e.val_token_accuracy:.1f}%")
+    if e.tokens:
+        parts.append(f"{e.tokens_per_s:,.0f} tokens/s")
     took = seconds(e.seconds)
     if e.predicted_epoch_s:
         took += f" (predicted {seconds(e.predicted_epoch_s)})"

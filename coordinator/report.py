@@ -240,8 +240,9 @@ def _figure_png(fig) -> bytes:
 
 
 def plot_curves(epochs: list[EpochSummary], ledger_rows: list[dict] | None = None) -> bytes:
-    """PNG of training/validation loss and validation accuracy per epoch; with `ledger_rows`,
-    beside them the cumulative bill over the whole ledger (`cost_curve`)."""
+    """PNG of training/validation loss and validation accuracy (perplexity, for token targets)
+    per epoch; with `ledger_rows`, beside them the cumulative bill over the whole ledger
+    (`cost_curve`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -254,8 +255,12 @@ def plot_curves(epochs: list[EpochSummary], ledger_rows: list[dict] | None = Non
         axes[0].plot(xs, [e.val_loss for e in epochs], marker="o", label="validation")
     axes[0].set(title="loss", xlabel="epoch")
     axes[0].legend()
-    axes[1].plot(xs, [e.val_accuracy for e in epochs], marker="o", color="tab:green")
-    axes[1].set(title="validation accuracy", xlabel="epoch")
+    if trains_tokens(epochs):
+        axes[1].plot(xs, [e.val_perplexity for e in epochs], marker="o", color="tab:green")
+        axes[1].set(title="validation perplexity", xlabel="epoch")
+    else:
+        axes[1].plot(xs, [e.val_accuracy for e in epochs], marker="o", color="tab:green")
+        axes[1].set(title="validation accuracy", xlabel="epoch")
     if ledger_rows:
         _cost_axes(axes[2], ledger_rows)
     return _figure_png(fig)
@@ -433,8 +438,8 @@ def alternatives_table(plan: dict, markdown: bool) -> list[str]:
         stages = a.get("stages") or 1
         schedule = NONE if stages <= 1 else text(a.get("pipeline_schedule")) + (
             f" x{a['chunks']}" if (a.get("chunks") or 1) > 1 else "")
-        if a.get("compared") == "schedule" and a.get("fits") is False:
-            schedule += " (does not fit)"
+        if a.get("fits") is False:  # a schedule compared, or a candidate whose workers it would overfill
+            schedule = "does not fit" if schedule == NONE else schedule + " (does not fit)"
         rows.append(["chosen" if a["chosen"] else "", strategy_name(a.get("strategy")), schedule,
                      text(a.get("data_parallel")), text(stages),
                      gigabytes([g for g in _alt_size(a, plan) if g is not None] or None),
@@ -544,9 +549,14 @@ def co_optimizer_lines(co: dict) -> list[str]:
 # --- the renderings ----------------------------------------------------------------------------
 
 def headline(summary: RunSummary, ledger_rows: list[dict] | None) -> list[str]:
-    """Status, final accuracy or loss, wall time and bill, each beside its prediction."""
+    """Status, final accuracy (perplexity, for token targets) or loss, wall time and bill, each
+    beside its prediction; for token targets, the tokens trained, tokens per second and dollars
+    per million tokens."""
     p = summary.plan
-    if summary.final_accuracy is not None:
+    if summary.final_perplexity is not None:
+        result = (f"final perplexity {number(summary.final_perplexity, 4)} (loss {number(summary.final_loss, 4)}, "
+                  f"token accuracy {percent(summary.final_token_accuracy)})")
+    elif summary.final_accuracy is not None:
         result = f"final accuracy {percent(summary.final_accuracy)} (loss {number(summary.final_loss, 4)})"
     elif summary.final_loss is not None:
         result = f"final loss {number(summary.final_loss, 4)}"
@@ -559,8 +569,12 @@ def headline(summary: RunSummary, ledger_rows: list[dict] | None) -> list[str]:
     timing = (f"{basis} {duration(seconds)}, of which {duration(after)} after the plan (predicted {predicted})"
               if after is not None else f"{basis} {duration(seconds)} (predicted {predicted}"
               + (" from the plan on)" if p.get("predicted_run_s") else ")"))
-    return [f"{summary.status}: {result}" + (f" after {epochs} epoch{'s' if epochs != 1 else ''}" if epochs else ""),
-            f"{timing}; total cost {money(summary.total_cost_usd)} (predicted {money(p.get('predicted_run_cost_usd'))})"]
+    lines = [f"{summary.status}: {result}" + (f" after {epochs} epoch{'s' if epochs != 1 else ''}" if epochs else ""),
+             f"{timing}; total cost {money(summary.total_cost_usd)} (predicted {money(p.get('predicted_run_cost_usd'))})"]
+    if summary.tokens_trained:
+        lines.append(f"{summary.tokens_trained:,} tokens trained at {number(summary.tokens_per_s)} tokens/s; "
+                     f"{money(summary.usd_per_million_tokens)} per million tokens")
+    return lines
 
 
 def seconds_after_plan(plan: dict, ledger_rows: list[dict] | None) -> float | None:
@@ -572,16 +586,27 @@ def seconds_after_plan(plan: dict, ledger_rows: list[dict] | None) -> float | No
     return max(0.0, max(stops) - plan["planned_at"])
 
 
+def trains_tokens(epochs: list[EpochSummary]) -> bool:
+    """Whether a run's epochs trained on token targets (its figures are in tokens)."""
+    return any(e.tokens or e.val_perplexity is not None for e in epochs)
+
+
 def epoch_rows(summary: RunSummary) -> tuple[list[str], list[list[str]]]:
-    headers = ["epoch", "workers", "train loss", "val loss", "accuracy", "time (predicted)", "cost", "samples/s",
-               "step (predicted)"]
+    """The epochs table: accuracy and samples per second; for token targets perplexity, token
+    accuracy and tokens per second instead."""
+    tokens = trains_tokens(summary.epochs)
+    headers = (["epoch", "workers", "train loss", "val loss"]
+               + (["perplexity", "token accuracy"] if tokens else ["accuracy"])
+               + ["time (predicted)", "cost", "tokens/s" if tokens else "samples/s", "step (predicted)"])
 
     def beside(measured, predicted) -> str:
         return duration(measured) + (f" ({duration(predicted)})" if predicted is not None else "")
 
     rows = [[str(e.epoch), str(e.workers) + (f" ({e.stages} stages)" if e.stages > 1 else ""),
-             number(e.train_loss, 4), number(e.val_loss, 4), percent(e.val_accuracy),
-             beside(e.seconds, e.predicted_epoch_s), money(e.cost_usd), number(e.samples_per_s),
+             number(e.train_loss, 4), number(e.val_loss, 4),
+             *([number(e.val_perplexity, 4), percent(e.val_token_accuracy)] if tokens else [percent(e.val_accuracy)]),
+             beside(e.seconds, e.predicted_epoch_s), money(e.cost_usd),
+             number(e.tokens_per_s if tokens else e.samples_per_s),
              beside(e.measured_iteration_s, e.predicted_iteration_s)] for e in summary.epochs]
     return headers, rows
 
@@ -596,11 +621,15 @@ def bill_lines(summary: RunSummary, ledger_rows: list[dict] | None, markdown: bo
 
 
 def epoch_table(epochs: list[EpochSummary]) -> list[dict]:
-    """Rows for the per-epoch table artifact (strings only, units in the values)."""
+    """Rows for the per-epoch table artifact (strings only, units in the values); for token
+    targets perplexity, token accuracy and tokens per second beside them."""
+    tokens = trains_tokens(epochs)
     return [{"epoch": e.epoch, "workers": e.workers, "stages": e.stages,
              "train loss": number(e.train_loss, 4), "val loss": number(e.val_loss, 4),
              "val accuracy": percent(e.val_accuracy), "time": duration(e.seconds),
              "predicted": duration(e.predicted_epoch_s), "samples/s": number(e.samples_per_s),
+             **({"val perplexity": number(e.val_perplexity, 4), "token accuracy": percent(e.val_token_accuracy),
+                 "tokens/s": number(e.tokens_per_s)} if tokens else {}),
              "iteration": duration(e.measured_iteration_s),
              "predicted iteration": duration(e.predicted_iteration_s),
              "cost": money(e.cost_usd)} for e in epochs]
@@ -659,7 +688,8 @@ def markdown_report(summary: RunSummary, ledger_rows: list[dict], png: bytes | N
     ledger, drawn here)."""
     p = summary.plan
     head = headline(summary, ledger_rows)
-    md = [f"# Zooid run `{summary.run_id}`: {summary.status}", "", f"**{head[0]}**  ", head[1] + "."]
+    md = [f"# Zooid run `{summary.run_id}`: {summary.status}", "", f"**{head[0]}**  ",
+          head[1] + ("." + "  " if head[2:] else "."), *(h + "." for h in head[2:])]
     if summary.error:
         md += ["", f"Error: {summary.error}"]
     md += ["", "## Plan", "", plan_in_words(p)]

@@ -131,6 +131,25 @@ def check_model_fits(job: TrainJob, data, classes: int) -> None:
                           f"models that fit {job.dataset}: {', '.join(fit) if fit else 'none'}")
 
 
+def check_loss(job: TrainJob, data, model_kwargs: dict) -> None:
+    """The job's custom `loss` imports, is a Python function outside the standard library, and
+    scores the model's output for the first two training samples against their targets,
+    returning one scalar (two rows: a loss per sample is caught too; `engine.objective.
+    check_custom_loss`): the model built with its weights on the CPU, one forward without
+    gradients. ZooidValueError naming `loss`."""
+    # torch: `make up` and bootstrap import this module (via coordinator.context) without it
+    import torch
+    from engine.models import build_model
+    from engine.objective import check_custom_loss, resolve_loss
+
+    resolve_loss(job.loss)
+    model = build_model(job.model, job.seed, **model_kwargs).eval()
+    rows = data.train_x[:2]
+    with torch.no_grad():
+        output = model(rows if rows.is_floating_point() else rows.long())
+    check_custom_loss(job.loss, output, data.train_y[:2])
+
+
 def check_worker_sizes(target: ComputeTarget, offer: Offer) -> tuple[float, ...]:
     """The worker sizes the plan may choose among (`ComputeTarget.memory_options`); a
     ZooidValueError naming `worker_memory_options_gb` for a size that is not a positive
@@ -209,13 +228,16 @@ def validate_job(job: TrainJob, *, check_store: bool = True) -> ResolvedJob:
     # torch: `make up` and bootstrap import this module (via coordinator.context) without it
     from engine.datasets import load_dataset, validate_dataset
     from engine.models import resolve_model
+    from engine.objective import target_classes
 
     resolve_model(job.model)
     validate_dataset(job.dataset)
     data = load_dataset(job.dataset)
     n_train, n_val = len(data.train_y), len(data.val_y)
-    classes = int(max(data.train_y.max(), data.val_y.max())) + 1
+    classes = target_classes(data.train_y, data.val_y)  # token targets: the vocabulary they use
     check_model_fits(job, data, classes)  # a model that cannot take the data is refused before anything is rented
+    if job.loss:
+        check_loss(job, data, {})
     if job.batch_size > n_train:
         raise ZooidValueError("batch_size", f"{job.batch_size} is larger than the training set ({n_train} samples)")
     if job.workers * job.batch_size > n_train:

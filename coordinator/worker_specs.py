@@ -42,6 +42,7 @@ def worker_specs(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, 
                           subsets=(), steps=plan.steps_per_epoch, batch_size=plan.batch_size, lr=lr,
                           optimizer=job.optimizer, seed=job.seed, init_key=init,
                           out_key=checkpoint_key(ctx.run_id, epoch), sync_timeout_s=timeout, attempt=attempt,
+                          loss=job.loss or "",
                           sync=SyncSpec(collective="ring", ring_host=ring_host(ctx)) if job.collective == "ring"
                           else SyncSpec(collective="pipelined", sync_dtype=job.sync_dtype))
         # a planner cut i splits after layer i; the executor's cut is where a stage begins
@@ -57,5 +58,5 @@ def worker_specs(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, 
                        batch_size=plan.batch_size, lr=lr, optimizer=job.optimizer,
                        sync_period=job.sync_period, seed=job.seed, init_key=init,
                        out_key=checkpoint_key(ctx.run_id, epoch), sync_timeout_s=timeout, evaluate=True,
-                       attempt=attempt, checkpoint_store=ctx.durable_ref, sync=sync)
+                       attempt=attempt, checkpoint_store=ctx.durable_ref, sync=sync, loss=job.loss or "")
             for rank in range(plan.data_parallel)]

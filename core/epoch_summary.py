@@ -51,9 +51,19 @@ class EpochSummary(JsonSpec):
     train_loss: float
     val_loss: float | None = None
     val_accuracy: float | None = None
+    """Class targets (`engine.objective`); None for token targets and a custom loss."""
+    val_perplexity: float | None = None
+    """Token targets: exp of the mean validation token loss."""
+    val_token_accuracy: float | None = None
+    """Token targets: the fraction of scored validation positions predicted."""
     samples: int = 0
+    tokens: int = 0
+    """Token targets: tokens trained this epoch (samples x positions per sample, the input
+    tokens read; `core.specs.WorkerResult.tokens`); 0 otherwise."""
     seconds: float
     samples_per_s: float = 0.0
+    tokens_per_s: float = 0.0
+    """`tokens` over the epoch's wall `seconds`."""
     cost_usd: float = 0.0
     predicted_iteration_s: float | None = None
     measured_iteration_s: float | None = None
@@ -104,3 +114,15 @@ class EpochSummary(JsonSpec):
     def loss(self) -> float:
         """Validation loss where measured, else training loss."""
         return self.val_loss if self.val_loss is not None else self.train_loss
+
+
+def run_token_figures(epochs: list[EpochSummary], cost_usd: float) -> dict:
+    """A run's figures in tokens (`RunSummary`): tokens trained over all its epochs, tokens per
+    second of the epochs' wall time, and dollars per million tokens trained (the whole bill,
+    `cost_usd`, over them); empty when no epoch trained tokens (class targets, a custom loss)."""
+    tokens = sum(e.tokens for e in epochs)
+    if not tokens:
+        return {}
+    seconds = sum(e.seconds for e in epochs)
+    return {"tokens_trained": tokens, "tokens_per_s": tokens / seconds if seconds > 0 else None,
+            "usd_per_million_tokens": cost_usd / (tokens / 1e6)}

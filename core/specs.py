@@ -341,9 +341,12 @@ class WorkerSpec(JsonSpec):
     """Device, dtype, threads, model arguments."""
     warm: WarmSpec | None = None
     """Set on a warm worker's launch spec: serve the run's epochs (`runtime.warm`)."""
+    loss: str = ""
+    """The job's custom loss, `package.module:function(output, target) -> scalar`; empty:
+    cross-entropy over the output's last dimension (`engine.objective`)."""
 
     def __post_init__(self):
-        _check_types(self, "", ("resume", "checkpoint_store", "stage", "sync", "compute", "warm"))
+        _check_types(self, "", ("resume", "checkpoint_store", "stage", "sync", "compute", "warm", "loss"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -370,6 +373,14 @@ class WorkerResult(JsonSpec):
     """Bytes this worker uploaded plus downloaded for synchronisation."""
     val_loss: float | None = None
     val_accuracy: float | None = None
+    """Class targets only (`engine.objective`)."""
+    val_perplexity: float | None = None
+    """Token targets only: exp of the mean validation token loss."""
+    val_token_accuracy: float | None = None
+    """Token targets only: the fraction of scored validation positions predicted."""
+    tokens: int = 0
+    """Token targets: tokens trained (positions per sample x samples, ignored positions
+    included: the input tokens read); 0 otherwise."""
     checkpoint_key: str = ""
     pid: int = 0
     host: str = ""

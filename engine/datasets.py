@@ -33,6 +33,7 @@ from comm.store import Store
 from comm.tensor_codec import decode_tensors, encode_tensors
 from core.errors import ZooidValueError
 from core.keys import data_manifest_key, data_subset_key
+from engine.objective import target_classes
 
 DIGITS_VAL_FRACTION = 0.2
 SPLIT_SEED = 0
@@ -101,12 +102,28 @@ def _as_tensors(part: Any, which: str, name: str) -> tuple[torch.Tensor, torch.T
     elif hasattr(part, "__len__") and hasattr(part, "__getitem__"):
         items = [part[i] for i in range(len(part))]
         x = torch.stack([torch.as_tensor(it[0]) for it in items])
-        y = torch.as_tensor([int(it[1]) for it in items])
+        y = torch.stack([torch.as_tensor(it[1]) for it in items])
     else:
         raise ZooidValueError("dataset", f"{name!r}: {which} is neither (x, y) tensors nor a dataset")
     if len(x) != len(y) or len(x) == 0:
         raise ZooidValueError("dataset", f"{name!r}: {which} x and y must be non-empty and equally long")
-    return x.float() if not x.is_floating_point() else x, y.long()
+    return _as_inputs(x), _as_targets(y)
+
+
+def _as_inputs(x: torch.Tensor) -> torch.Tensor:
+    """Inputs as a model takes them: integers (token ids) as int64; bytes and booleans (pixels,
+    flags) as float32; floats as they are."""
+    if x.is_floating_point():
+        return x
+    if x.dtype in (torch.uint8, torch.bool):
+        return x.float()
+    return x.long()
+
+
+def _as_targets(y: torch.Tensor) -> torch.Tensor:
+    """Targets in their shape ([N] classes, [N, T] tokens, anything for a custom loss): integers
+    as int64, floats (a custom loss's values) as they are."""
+    return y if y.is_floating_point() else y.long()
 
 
 def _imported(name: str) -> DatasetSplit:
@@ -187,6 +204,8 @@ class DatasetManifest:
     n_val_subsets: int
     input_shape: tuple[int, ...]
     classes: int
+    """What the integer targets use (`engine.objective.target_classes`): classes, or the
+    vocabulary of token targets; 0 for float targets."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form."""
@@ -222,7 +241,7 @@ def publish_dataset(store: Store, run_id: str, name: str, subset_size: int = 64)
         n_subsets=n_sub,
         n_val_subsets=n_val_sub,
         input_shape=tuple(data.train_x.shape[1:]),
-        classes=int(max(data.train_y.max(), data.val_y.max())) + 1,
+        classes=target_classes(data.train_y, data.val_y),
     )
     # The manifest goes last: its presence means every subset is already readable.
     store.put(data_manifest_key(run_id), json.dumps(manifest.to_dict()).encode())

@@ -20,3 +20,9 @@ def torch_dtype(compute: ComputeSpec) -> torch.dtype:
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ZooidValueError("compute.dtype", f"must name a floating dtype, got {compute.dtype!r}")
     return dtype
+
+
+def to_compute(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Data for the model on `device`: floating tensors in the compute `dtype`, integer ones
+    (class labels, token ids and token targets) as they are."""
+    return t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)

@@ -40,8 +40,9 @@ call per bucket under `{group}/r{round}/b{bucket}`, so the relaunch protocol
 a relaunch replays from there, and each bucket's call is idempotent and replayable.
 
 This module holds the algorithm and the data order it shares with the pipeline executor
-(`LocalSGD`, `batch_stream`, `batch_seed`, `evaluate`); one replica's epoch as a worker runs
-it, with the relaunch protocol and the collective's settings, is `engine.local_sgd_epoch`.
+(`LocalSGD`, `batch_stream`, `batch_seed`, `validation_metrics`); one replica's epoch as a
+worker runs it, with the relaunch protocol and the collective's settings, is
+`engine.local_sgd_epoch`.
 """
 from __future__ import annotations
 
@@ -50,7 +51,6 @@ from typing import Callable, Iterator
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from comm import heartbeat
@@ -65,6 +65,7 @@ from core.errors import ZooidValueError
 from core.keys import sync_call_prefix
 from core.outer_sync import DEFAULT_BUCKET_MB
 from engine.gradient_buckets import GradientBuckets
+from engine.objective import CROSS_ENTROPY, Metrics, Objective, Tally
 from engine.optimizers import optimizer_state_tensors
 from engine.outer import BUFFER_PREFIX, OuterStep
 
@@ -272,20 +273,26 @@ def batch_stream(n: int, batch_size: int, steps: int, generator: torch.Generator
         pending = pending[batch_size:]
 
 
-def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, chunk: int = 1024) -> tuple[float, float]:
-    """Mean cross-entropy and accuracy of `model` on (x, y), in eval mode."""
+def validation_metrics(model: nn.Module, x: torch.Tensor, y: torch.Tensor, objective: Objective = CROSS_ENTROPY,
+                       chunk: int = 1024) -> Metrics:
+    """The objective's figures of `model` on (x, y), in eval mode (`engine.objective`: loss and
+    accuracy for class targets, loss, perplexity and token accuracy for token targets)."""
     was_training = model.training
     model.eval()
-    loss_sum, correct = 0.0, 0
+    tally = Tally()
     device = next(model.parameters()).device
     with torch.no_grad():
         for start in range(0, len(y), chunk):
             xb, yb = x[start : start + chunk].to(device), y[start : start + chunk].to(device)
-            logits = model(xb)
-            loss_sum += F.cross_entropy(logits, yb, reduction="sum").item()
-            correct += (logits.argmax(1) == yb).sum().item()
+            objective.tally(model(xb), yb, tally)
     model.train(was_training)
-    return loss_sum / len(y), correct / len(y)
+    return tally.metrics()
+
+
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, chunk: int = 1024) -> tuple[float, float]:
+    """Mean cross-entropy and accuracy of a classifier `model` on (x, y), in eval mode."""
+    m = validation_metrics(model, x, y, CROSS_ENTROPY, chunk)
+    return m.loss, m.accuracy
 
 
 def batch_seed(seed: int, epoch: int, rank: int) -> int:

@@ -99,7 +99,6 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from comm.compression import Compressor
@@ -114,10 +113,11 @@ from core.specs import WorkerResult, WorkerSpec
 from engine.chaos import chaos_for
 from engine.checkpoint import CheckpointWriter, load_checkpoint, save_checkpoint
 from engine.datasets import read_manifest, read_subsets
-from engine.devices import torch_device, torch_dtype
+from engine.devices import to_compute, torch_device, torch_dtype
 from engine.iteration_clock import IterationClock
-from engine.local_sgd import LocalSGD, batch_seed, batch_stream, evaluate
+from engine.local_sgd import LocalSGD, batch_seed, batch_stream, validation_metrics
 from engine.models import build_model
+from engine.objective import objective_for
 from engine.optimizers import build_optimizer
 from engine.outer import OuterStep
 from engine.residuals import ResidualWriter, continue_residual, read_residual
@@ -330,7 +330,9 @@ def _run(spec: WorkerSpec, store: Store, ckpt_store: Store, started: float,
     start = load_start_point(spec, ckpt_store, model, optimizer)
     # data subsets are durable: they live beside the checkpoints, not in the scratch store
     x, y = read_subsets(ckpt_store, spec.run_id, spec.subsets, timeout=spec.sync_timeout_s)
-    x, y = x.to(device=device, dtype=dtype if x.is_floating_point() else x.dtype), y.to(device)
+    x, y = to_compute(x, device, dtype), to_compute(y, device, dtype)
+    objective = objective_for(spec.loss)
+    tokens_per_row = objective.tokens(y[:1])
 
     group = _group(spec)
     sync_key = sync_checkpoint_key(spec.run_id, spec.epoch)
@@ -379,7 +381,7 @@ def _run(spec: WorkerSpec, store: Store, ckpt_store: Store, started: float,
     for step, idx in enumerate(stream, start=start.step):
         chaos.before_step(step)
         idx = idx.to(device)
-        loss = F.cross_entropy(model(x[idx]), y[idx])
+        loss = objective.loss(model(x[idx]), y[idx])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -413,11 +415,11 @@ def _run(spec: WorkerSpec, store: Store, ckpt_store: Store, started: float,
     train_loss = loss_sum.item() / max(1, trained)
     loop_s = time.perf_counter() - t0
 
-    val_loss = val_acc = None
+    val = None
     if spec.rank == 0 and spec.evaluate:
         manifest = read_manifest(ckpt_store, spec.run_id, timeout=spec.sync_timeout_s)
         vx, vy = read_subsets(ckpt_store, spec.run_id, range(manifest.n_val_subsets), split="val")
-        val_loss, val_acc = evaluate(model, vx.to(dtype), vy)
+        val = validation_metrics(model, to_compute(vx, vx.device, dtype), to_compute(vy, vy.device, dtype), objective)
     record = {"run_id": spec.run_id, "epoch": spec.epoch, "rank": spec.rank, "attempt": spec.attempt,
               "subsets": list(spec.subsets), "start_step": start.step, "end_step": spec.steps,
               "steps_trained": trained, "samples": trained * spec.batch_size,
@@ -433,6 +435,7 @@ def _run(spec: WorkerSpec, store: Store, ckpt_store: Store, started: float,
         train_loss=train_loss, samples=trained * spec.batch_size,
         compute_s=max(0.0, loop_s - stats.seconds), sync_s=stats.seconds,
         upload_s=stats.upload_s, download_s=stats.download_s, bytes_synced=stats.bytes_total,
-        val_loss=val_loss, val_accuracy=val_acc, checkpoint_key=checkpoint_key,
+        **(val.result_fields() if val else {}), tokens=trained * spec.batch_size * tokens_per_row,
+        checkpoint_key=checkpoint_key,
         pid=os.getpid(), host=socket.gethostname(), iteration_s=clock.period_s(),
     )

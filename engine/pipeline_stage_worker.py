@@ -14,7 +14,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from comm import heartbeat
@@ -33,11 +32,12 @@ from core.schedules import Action, Kind, Layout, forward_only, lower
 from core.specs import WorkerResult, WorkerSpec
 from engine.checkpoint import FORMAT as CHECKPOINT_FORMAT
 from engine.datasets import read_manifest, read_subsets
-from engine.devices import torch_device, torch_dtype
+from engine.devices import to_compute, torch_device, torch_dtype
 from engine.gradient_buckets import GradientBuckets
 from engine.iteration_clock import IterationClock
 from engine.local_sgd import batch_seed, batch_stream
 from engine.models import build_model
+from engine.objective import Metrics, Tally, objective_for
 from engine.optimizers import build_optimizer, load_optimizer_state, optimizer_state_tensors
 from engine.stages import slice_full_state, split_stages
 
@@ -94,6 +94,9 @@ class StageWorker:
         self.last_worker = self.layout.worker_of(self.last)
         self.device = torch_device(spec.compute)
         self.dtype = torch_dtype(spec.compute)
+        self.objective = objective_for(spec.loss)
+        self.tokens_per_row = 0
+        """Tokens per training row when the targets are tokens (`engine.objective`), else 0."""
         self.collective = spec.sync.collective or DEFAULT_COLLECTIVE
         if spec.batch_size < settings.microbatches:
             raise ZooidValueError("stage.microbatches", f"{settings.microbatches} micro-batches "
@@ -153,11 +156,11 @@ class StageWorker:
                               stats=self.sync_stats)
         train_loss = self._share_train_loss(loss_sum / max(1, spec.steps))
 
-        val_loss = val_acc = None
+        val = None
         checkpoint_key = ""
         if cfg.replica == 0:
             if spec.evaluate:
-                val_loss, val_acc = self._validate()
+                val = self._validate()
             checkpoint_key = self._checkpoint(init_meta)
         stats = self.sync_stats
         return WorkerResult(
@@ -166,7 +169,8 @@ class StageWorker:
             train_loss=train_loss, samples=spec.steps * spec.batch_size,
             compute_s=self.compute_s, sync_s=stats.seconds,
             upload_s=self.upload_s, download_s=self.download_s, bytes_synced=stats.bytes_total,
-            val_loss=val_loss, val_accuracy=val_acc, checkpoint_key=checkpoint_key,
+            **(val.result_fields() if val else {}), tokens=spec.steps * spec.batch_size * self.tokens_per_row,
+            checkpoint_key=checkpoint_key,
             pid=os.getpid(), host=socket.gethostname(), iteration_s=clock.period_s(),
         )
 
@@ -183,6 +187,8 @@ class StageWorker:
         worker of the last model stage)."""
         cfg = self.cfg
         chunks = torch.tensor_split(idx, cfg.microbatches) if idx is not None else None
+        # what the batch's mean loss divides by, known where the targets are (the last stage)
+        batch_scored = self.objective.scored(y[idx]) if y is not None else 0
         base = f"{self.prefix}/it{step}"
         received = self._prefetch(base, self.actions)
         # keyed by (model stage, micro-batch): an interleaved worker holds several stages
@@ -206,8 +212,9 @@ class StageWorker:
                         inp = outputs[(s - 1, m)].detach().requires_grad_(True)
                     out = self.module(inp, s)
                     if s == self.last:
-                        # Scaled by the micro-batch's share: the sum is the batch's mean loss.
-                        out = F.cross_entropy(out, y[chunks[m]]) * (len(chunks[m]) / len(idx))
+                        # The micro-batch's term of the batch's mean loss (`Objective.part_loss`):
+                        # the terms sum to it, as Local-SGD computes it on the whole batch.
+                        out = self.objective.part_loss(out, y[chunks[m]], batch_scored, len(idx))
                         loss_total += out.item()
                     inputs[(s, m)], outputs[(s, m)] = inp, out
                 else:
@@ -327,8 +334,10 @@ class StageWorker:
             return None, None
         x, y = read_subsets(self.store, self.spec.run_id, subsets, split=split,
                             timeout=self.spec.sync_timeout_s)
-        x = x.to(self.device, self.dtype if x.is_floating_point() else x.dtype)
-        return (x if first else None, y.to(self.device) if last else None)
+        if split == "train":
+            self.tokens_per_row = self.objective.tokens(y[:1])
+        x, y = to_compute(x, self.device, self.dtype), to_compute(y, self.device, self.dtype)
+        return (x if first else None, y if last else None)
 
     def _load_initial_state(self) -> dict[str, Any]:
         """Load this worker's slice of the full-model checkpoint at `spec.init_key`."""
@@ -359,7 +368,7 @@ class StageWorker:
         return float(value)
 
     @torch.no_grad()
-    def _validate(self) -> tuple[float | None, float | None]:
+    def _validate(self) -> Metrics | None:
         """Forward-only pass of replica 0 over the validation set; the last model stage's
         worker scores it."""
         cfg = self.cfg
@@ -371,7 +380,7 @@ class StageWorker:
         base = f"{self.prefix}/val"
         received = self._prefetch(base, actions)
         self.module.eval()
-        loss_sum, correct = 0.0, 0
+        tally = Tally()
         outputs: dict[tuple[int, int], torch.Tensor] = {}
         for a in actions:
             s, m = a.stage, a.microbatch
@@ -384,16 +393,14 @@ class StageWorker:
                     inp = outputs.pop((s - 1, m))
                 outputs[(s, m)] = self.module(inp, s)
                 if s == self.last:
-                    logits = outputs.pop((s, m))
-                    loss_sum += F.cross_entropy(logits, y[chunks[m]], reduction="sum").item()
-                    correct += int((logits.argmax(1) == y[chunks[m]]).sum().item())
+                    self.objective.tally(outputs.pop((s, m)), y[chunks[m]], tally)
             elif a.kind is Kind.SEND_F:
                 self._send(f"{base}/f{s}m{m}", outputs.pop((s, m)))
         self._drain_uploads()
         self.module.train()
         if self.last not in self.own_stages:
-            return None, None
-        return loss_sum / n, correct / n
+            return None
+        return tally.metrics()
 
     def _stage_tensors(self, stage: int) -> dict[str, torch.Tensor]:
         """Model stage `stage`'s weights and optimizer state under the checkpoint's keys."""

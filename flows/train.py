@@ -59,7 +59,7 @@ from coordinator.sweep import worker_pids
 from coordinator.validate import check_target_ready, validate_job
 from coordinator.warm_pool import WarmPool, provisional_plan
 from coordinator.warm_prestart import WarmPrestart
-from core.epoch_summary import EpochSummary, Replan
+from core.epoch_summary import EpochSummary, Replan, run_token_figures
 from core.errors import ZooidValueError
 from core.fast_exit import exit_now
 from core.keys import init_checkpoint_key, ledger_key, report_key, summary_key
@@ -200,7 +200,9 @@ def _finish(ctx: RunContext, status: str, history: list[EpochSummary], plan: dic
         run_id=ctx.run_id, status=status, final_loss=last.loss if last else None,
         final_accuracy=last.val_accuracy if last else None, total_cost_usd=ledger["total_usd"], plan=plan,
         epochs=history, store_url=ctx.durable_ref, checkpoint_key=last.checkpoint_key if last else "", error=error,
-        worker_seconds=worker_seconds(ledger["rows"]))
+        worker_seconds=worker_seconds(ledger["rows"]), final_perplexity=last.val_perplexity if last else None,
+        final_token_accuracy=last.val_token_accuracy if last else None,
+        **run_token_figures(history, ledger["total_usd"]))
     png = plot_curves(summary.epochs) if summary.epochs else None
     store = ctx.open_durable()
     try:
