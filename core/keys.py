@@ -31,6 +31,7 @@ below one with `prefix + "/"`, so that `r1` never covers `r10`.
 | `runs/<run>/grad/...` | deletes | gradients in flight |
 | `runs/<run>/warm/lease`, `warm/<worker>/{cmd,reply}-<n>.json`, `status.json` | deletes | `runtime.warm` |
 | `cache/<kind>/<key>.json` | keeps | the profile cache (`coordinator.profile_cache`) |
+| `cache/tokenizers/<corpus sha256>-<settings>.json` | keeps | a trained BPE tokenizer's JSON (`engine.text_data`) |
 
 Teardown deletes the `SCRATCH` kinds (`scratch_prefixes`) and keeps the rest. Keys below a
 prefix that one protocol owns alone (a collective's pieces under its group, a pipeline
@@ -274,3 +275,9 @@ def cache_prefix(kind: str) -> str:
 def cache_key(kind: str, key: str) -> str:
     """The cached document `key` of `kind`."""
     return f"{cache_prefix(kind)}{key}.json"
+
+
+def tokenizer_key(corpus_sha256: str, settings: str) -> str:
+    """A tokenizer trained on the corpus whose content hash is `corpus_sha256` with `settings`
+    (e.g. `bpe8000-bytelevel-v1`): its JSON, kept across runs like the profile cache."""
+    return cache_key("tokenizers", f"{corpus_sha256}-{settings}")

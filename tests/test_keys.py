@@ -123,6 +123,7 @@ PINNED = [
     (keys.status_key(RUN, "r0-w1-c"), "runs/abc123/warm/r0-w1-c/status.json"),
     (keys.cache_prefix("targets"), "cache/targets/"),
     (keys.cache_key("models", "0f1e"), "cache/models/0f1e.json"),
+    (keys.tokenizer_key("9a8b", "bpe512-bytelevel-v1"), "cache/tokenizers/9a8b-bpe512-bytelevel-v1.json"),
 ]
 
 
