@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Callable
 
 from core.kinds import PIPELINED_STRATEGIES, PipelineSchedule, Strategy
 from core.outer_sync import averages_gradients, wire_bytes
@@ -409,21 +410,33 @@ def candidates(x: StrategyInputs, strategy: str) -> list[Plan]:
                                             microbatch_size=max(1, x.batch_size // mb))
 
 
-def choose(x: StrategyInputs, strategy: str) -> Plan:
+NO_PLAN_FITS = "memory: no plan's workers fit their memory"
+"""What `choose` raises (as a ValueError) when `fits` refuses every candidate."""
+
+
+def choose(x: StrategyInputs, strategy: str, fits: Callable[[Plan], bool] | None = None) -> Plan:
     """The plan for `strategy` (`auto` compares all), with the alternatives considered:
-    the highest throughput, and among plans within 5 % of it the cheapest epoch."""
+    the highest throughput, and among plans within 5 % of it the cheapest epoch. With `fits`
+    (whether a plan's workers hold what it keeps: a model too large for one worker is
+    pipelined), only the candidates it accepts are chosen from; the others stay in the
+    alternatives, marked `fits: False`; ValueError(`NO_PLAN_FITS`) when it accepts none."""
     wanted = candidates(x, strategy)
     if not wanted:
         raise ValueError(f"strategy: no feasible {strategy} plan (the model needs top-level layers "
                          f"to split, and the batch must divide into whole micro-batches)")
+    fitting = [p for p in wanted if fits(p)] if fits is not None else wanted
+    if not fitting:
+        raise ValueError(NO_PLAN_FITS)
 
     def throughput(p: Plan) -> float:
         return p.data_parallel * p.batch_size / max(p.predicted_iteration_s, 1e-12)
 
-    best_throughput = max(throughput(p) for p in wanted)
-    near = [p for p in wanted if throughput(p) >= best_throughput / 1.05]
+    best_throughput = max(throughput(p) for p in fitting)
+    near = [p for p in fitting if throughput(p) >= best_throughput / 1.05]
     best = min(near, key=lambda p: (p.predicted_cost_per_epoch_usd, p.predicted_iteration_s))
-    return replace(best, alternatives=tuple(describe(p, p is best) for p in wanted))
+    fit_ids = {id(p) for p in fitting}
+    return replace(best, alternatives=tuple({**describe(p, p is best), **({} if id(p) in fit_ids else {"fits": False})}
+                                            for p in wanted))
 
 
 def plan_local_sgd(*, workers: int, train_samples: int, batch_size: int, sync_period: int | None,

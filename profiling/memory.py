@@ -3,9 +3,11 @@
 - bytes of tensors and parameters, and the distinct storages autograd saves for the
   backward pass (`_SavedTensors`, `measure_activation_bytes`);
 - the process's resident memory (`rss_bytes`) and its peak since a reset of the kernel's mark;
+- what the loss adds at the head (`loss_memory_bytes`: the logits, [B, C] for classes and
+  [B, T, V] for tokens, and the log-softmax the cross-entropy keeps for its backward);
 - the peak memory of one training step (`measure_peak_memory`: CUDA's allocator peak, or
-  on CPU parameters + gradients + optimizer state + activations + the batch, counted
-  tensor by tensor);
+  on CPU parameters + gradients + optimizer state + activations (the loss's included) + the
+  batch, counted tensor by tensor);
 - s0, the base memory of a fresh worker process (`measure_base_memory`, in a subprocess
   running `profiling.base_memory`).
 
@@ -24,6 +26,7 @@ import torch
 from torch import nn
 
 from core.errors import ZooidError
+from profiling.sample import profile_loss
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -90,19 +93,30 @@ def _peak_rss_since_reset() -> int:
     return 0
 
 
-def measure_activation_bytes(model: nn.Module, x: torch.Tensor) -> int:
-    """Bytes the whole model keeps for backward on batch `x` (each storage once)."""
+def loss_memory_bytes(output: torch.Tensor, target: torch.Tensor) -> int:
+    """Bytes the loss adds at the model's head for one batch: the `output` (the logits, held
+    from the forward until the loss's backward has made their gradient: [B, T, V] for a
+    language model, usually the largest tensor of its last stage) and what the loss keeps for
+    its backward (the log-softmax, as large again, and a scalar), the `target` not counted
+    (it is the batch's)."""
+    out = output.detach().requires_grad_(True)
+    with _SavedTensors(exclude=[target]) as saved:
+        profile_loss(out, target)
+    return _nbytes(out) + saved.bytes
+
+
+def measure_activation_bytes(model: nn.Module, x: torch.Tensor, y: torch.Tensor | None = None) -> int:
+    """Bytes the whole model keeps for backward on batch `x` (each storage once); with the
+    targets `y`, the loss's too (`loss_memory_bytes`)."""
     with _SavedTensors(exclude=list(model.parameters())) as saved:
-        model(x)
-    return saved.bytes
+        out = model(x)
+    return saved.bytes + (loss_memory_bytes(out, y) if y is not None else 0)
 
 
 def _training_step(model: nn.Module, opt: torch.optim.Optimizer, x, y) -> Callable[[], None]:
-    loss_fn = nn.CrossEntropyLoss()
-
     def step() -> None:
         opt.zero_grad(set_to_none=True)
-        loss_fn(model(x), y).backward()
+        profile_loss(model(x), y).backward()
         opt.step()
 
     return step
@@ -113,7 +127,8 @@ def measure_peak_memory(model: nn.Module, opt: torch.optim.Optimizer, x, y) -> t
 
     CUDA: `torch.cuda.max_memory_allocated` over the step (method `cuda_max_allocated`).
     CPU (`cpu_accounted`): parameters + gradients + optimizer state + the activations
-    autograd keeps + the batch, counted tensor by tensor. The allocator's own slack is
+    autograd keeps (the loss's logits and log-softmax included) + the batch, counted tensor
+    by tensor. The allocator's own slack is
     not in it; the RSS growth over the step (peak RSS after resetting the kernel's mark,
     minus RSS before) is reported beside it for comparison, 0 where it cannot be read."""
     step = _training_step(model, opt, x, y)
@@ -133,7 +148,7 @@ def measure_peak_memory(model: nn.Module, opt: torch.optim.Optimizer, x, y) -> t
         growth = max(0, _peak_rss_since_reset() - before)
     params = sum(_nbytes(p) for p in model.parameters())
     grads = sum(_nbytes(p) for p in model.parameters() if p.requires_grad)
-    acts = measure_activation_bytes(model, x)
+    acts = measure_activation_bytes(model, x, y)
     peak = params + grads + state_bytes + acts + _nbytes(x) + _nbytes(y)
     return peak, "cpu_accounted", growth, state_bytes
 

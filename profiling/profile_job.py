@@ -29,9 +29,10 @@ from core.errors import ZooidValueError
 from engine.models import build_model
 from engine.optimizers import build_optimizer
 from profiling.profiler import hardware_fingerprint, profile_model
+from profiling.sample import sample_batch
 from profiling.store_probe import probe_sizes, probe_store_side
 
-PROFILE_VERSION = 5
+PROFILE_VERSION = 6
 """Bumped whenever what a profile measures changes (part of every cache key)."""
 
 
@@ -58,6 +59,12 @@ class ProfileRequest:
     pipeline: bool = False
     """A pipeline may be planned: the store probe also measures compute under transfers of a
     typical activation (its sizes follow from the model, `probe_sizes`)."""
+    input_dtype: str = "float32"
+    """The data's inputs: `float32` rows or `int64` token ids (`profiling.sample`)."""
+    target_shape: tuple[int, ...] = ()
+    """Targets per sample: () for class labels, (T,) for a token per position."""
+    model_kwargs: dict = dataclasses.field(default_factory=dict)
+    """The model factory's arguments the dataset decides (`ResolvedJob.model_kwargs`)."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -68,7 +75,8 @@ class ProfileRequest:
         unknown = sorted(set(d) - names)
         if unknown:
             raise ZooidValueError("request", f"unknown profile request fields {unknown}")
-        return cls(**{**d, "input_shape": tuple(d["input_shape"])})
+        return cls(**{**d, "input_shape": tuple(d["input_shape"]),
+                      "target_shape": tuple(d.get("target_shape", ()))})
 
 
 def pick_device(wanted: str) -> torch.device:
@@ -104,19 +112,20 @@ def run_profile(request: ProfileRequest, open_store: Callable[[str], Any], base_
     torch.set_num_threads(request.threads)
     device = pick_device(request.device)
     out: dict[str, Any] = {"identity": device_identity(device, request.threads), "version": PROFILE_VERSION}
-    net = build_model(request.model, request.seed).to(device)
+    net = build_model(request.model, request.seed, **request.model_kwargs).to(device)
     if request.model_profile:
         t0 = time.perf_counter()
         prof = profile_model(net, request.model, request.input_shape, request.classes, request.batch_size,
                              repeats=3, microbatch_size=request.microbatch_size, optimizer=request.optimizer,
-                             base_memory=False, thread_counts=[request.threads]).to_dict()
+                             base_memory=False, thread_counts=[request.threads], input_dtype=request.input_dtype,
+                             target_shape=request.target_shape).to_dict()
         prof["base_memory_bytes"] = base_memory_bytes
         out["model"], out["model_s"] = prof, time.perf_counter() - t0
     if request.store_url:
         t0 = time.perf_counter()
-        gen = torch.Generator().manual_seed(request.seed)
-        x = torch.randn(request.batch_size, *request.input_shape, generator=gen).to(device)
-        y = torch.randint(0, request.classes, (request.batch_size,), generator=gen).to(device)
+        x, y = sample_batch(request.input_shape, request.classes, request.batch_size,
+                            generator=torch.Generator().manual_seed(request.seed), input_dtype=request.input_dtype,
+                            target_shape=request.target_shape, device=device)
         max_bytes, activation_bytes = probe_sizes(net, x[:request.microbatch_size], request.optimizer,
                                                   request.pipeline)
         store = open_store(request.store_url)

@@ -31,8 +31,9 @@ from torch import nn
 from core.errors import ZooidValueError
 from engine.malloc import pin_malloc_thresholds
 from engine.optimizers import build_optimizer
-from profiling.memory import (_param_bytes, _training_step, measure_activation_bytes, measure_base_memory,
-                              measure_peak_memory)
+from profiling.memory import (_param_bytes, _training_step, loss_memory_bytes, measure_activation_bytes,
+                              measure_base_memory, measure_peak_memory)
+from profiling.sample import profile_loss, sample_batch
 from profiling.timing import (ANCHOR_MIN_S, LayerProfile, _median_time, cpu_count, fit_serial_fraction,
                               measure_thread_scaling, profile_layers, vcpu_factor)
 
@@ -47,6 +48,10 @@ class ModelProfile:
     model: str
     input_shape: tuple[int, ...]
     batch_size: int
+    input_dtype: str = "float32"
+    """`float32` rows, or `int64` token ids ([B, T]: `input_shape` is (T,)); `profiling.sample`."""
+    target_shape: tuple[int, ...] = ()
+    """Targets per sample: () for a class label, (T,) for a token per position."""
     step_s: float
     """Seconds for one forward + backward + optimizer step at `batch_size`."""
     param_bytes: int
@@ -103,6 +108,7 @@ class ModelProfile:
         names = {f.name for f in dataclasses.fields(cls)}
         d = {k: v for k, v in d.items() if k in names}
         d["input_shape"] = tuple(d["input_shape"])
+        d["target_shape"] = tuple(d.get("target_shape", ()))
         d["layers"] = tuple(LayerProfile(**layer) for layer in d.get("layers", ()))
         return cls(**d)
 
@@ -157,14 +163,20 @@ def _model_modules(name: str) -> tuple[str, ...]:
 def profile_model(model: nn.Module, name: str, input_shape: tuple[int, ...], num_classes: int,
                   batch_size: int, repeats: int = 5, *, microbatch_size: int | None = None,
                   optimizer: str = "sgd", base_memory: bool = True,
-                  thread_counts: Sequence[int] | None = None) -> ModelProfile:
+                  thread_counts: Sequence[int] | None = None, input_dtype: str = "float32",
+                  target_shape: Sequence[int] = ()) -> ModelProfile:
     """Profile `model` on synthetic input of `input_shape` on the device its parameters live on.
 
+    The input is what the job's data is (`profiling.sample.sample_batch`): float rows, or with
+    `input_dtype` "int64" token ids (a language model's [B, T], T the job's `seq_len`), scored
+    against targets of `target_shape` per sample ([T] for tokens) by the default loss.
     Layer and whole-model forward/backward figures are per micro-batch of
     `microbatch_size` samples (default `batch_size`); the step time and peak memory are
-    for a full step at `batch_size` with `optimizer`. `base_memory=False` skips the s0
-    subprocess; `thread_counts` (default 1 and every core) are where the step is timed to
-    fit the vCPU scaling. The model's weights and buffers are restored afterwards."""
+    for a full step at `batch_size` with `optimizer`. The last layer's activation bytes
+    include what the loss adds at the head (`profiling.memory.loss_memory_bytes`: the
+    logits and the log-softmax, [B, T, V] each for a language model). `base_memory=False`
+    skips the s0 subprocess; `thread_counts` (default 1 and every core) are where the step
+    is timed to fit the vCPU scaling. The model's weights and buffers are restored afterwards."""
     for label, value in (("batch_size", batch_size), ("repeats", repeats),
                          ("microbatch_size", microbatch_size or 1), ("num_classes", num_classes)):
         if not isinstance(value, int) or value < 1:
@@ -176,12 +188,11 @@ def profile_model(model: nn.Module, name: str, input_shape: tuple[int, ...], num
     was_training = model.training
     model.train()
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(batch_size, *input_shape, generator=gen).to(device)
-    y = torch.randint(0, num_classes, (batch_size,), generator=gen).to(device)
-    xm, ym = x[:micro].contiguous(), y[:micro].contiguous()
+    shaped = dict(generator=gen, input_dtype=input_dtype, target_shape=tuple(target_shape), device=device)
+    x, y = sample_batch(input_shape, num_classes, batch_size, **shaped)
+    xm, ym = x[:micro].clone(), y[:micro].clone()  # storages of their own: a layer keeping its input keeps these
     if micro > batch_size:
-        xm = torch.randn(micro, *input_shape, generator=gen).to(device)
-        ym = torch.randint(0, num_classes, (micro,), generator=gen).to(device)
+        xm, ym = sample_batch(input_shape, num_classes, micro, **shaped)
     try:
         opt = _build_optimizer(optimizer, model)
         step = _training_step(model, opt, x, y)
@@ -190,22 +201,21 @@ def profile_model(model: nn.Module, name: str, input_shape: tuple[int, ...], num
         # first steps, and a training run is all steady state
         step_s = _median_time(step, 2 * repeats, device, warmup=3, min_time_s=ANCHOR_MIN_S)
         optimizer_step_s = _median_time(opt.step, 2 * repeats, device)  # gradients are in place
-        layers = profile_layers(model, xm, repeats, fit_rows=max(1, micro // 4))
-        loss_fn = nn.CrossEntropyLoss()
-        fwd = _median_time(lambda: loss_fn(model(xm), ym), repeats, device)
+        layers = with_loss_memory(profile_layers(model, xm, repeats, fit_rows=max(1, micro // 4)), model, xm, ym)
+        fwd = _median_time(lambda: profile_loss(model(xm), ym), repeats, device)
         bwd = _median_time(lambda loss: loss.backward(), repeats, device,
-                           setup=lambda: loss_fn(model(xm), ym))
+                           setup=lambda: profile_loss(model(xm), ym))
         peak, method, growth, state_bytes = measure_peak_memory(model, opt, x, y)
         by_threads = measure_thread_scaling(step, device, max(1, repeats // 2 + 1), thread_counts)
         by_threads.setdefault(threads, step_s)
-        activation = measure_activation_bytes(model, x)
+        activation = measure_activation_bytes(model, x, y)
     finally:
         model.load_state_dict(saved_state)
         model.zero_grad(set_to_none=True)
         model.train(was_training)
     return ModelProfile(
-        model=name, input_shape=tuple(input_shape), batch_size=batch_size, step_s=step_s,
-        optimizer_step_s=optimizer_step_s,
+        model=name, input_shape=tuple(input_shape), input_dtype=input_dtype, target_shape=tuple(target_shape),
+        batch_size=batch_size, step_s=step_s, optimizer_step_s=optimizer_step_s,
         param_bytes=_param_bytes(model),
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         layers=layers, hardware=hardware_fingerprint(threads), microbatch_size=micro,
@@ -215,6 +225,20 @@ def profile_model(model: nn.Module, name: str, input_shape: tuple[int, ...], num
         base_memory_bytes=measure_base_memory(_model_modules(name)) if base_memory else 0,
         threads=threads, step_s_by_threads={str(n): s for n, s in sorted(by_threads.items())},
         serial_fraction=fit_serial_fraction(by_threads))
+
+
+def with_loss_memory(layers: tuple[LayerProfile, ...], model: nn.Module, x: torch.Tensor,
+                     y: torch.Tensor) -> tuple[LayerProfile, ...]:
+    """`layers` with the loss's memory on micro-batch (`x`, `y`) added to the last one's
+    activation bytes (`profiling.memory.loss_memory_bytes`): the stage holding the head
+    holds the logits and the log-softmax too."""
+    if not layers:
+        return layers
+    with torch.no_grad():
+        out = model(x)
+    last = layers[-1]
+    extra = loss_memory_bytes(out, y)
+    return (*layers[:-1], dataclasses.replace(last, activation_bytes=last.activation_bytes + extra))
 
 
 # --- what the planners read ----------------------------------------------------------------

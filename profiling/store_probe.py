@@ -34,6 +34,7 @@ from engine.checkpoint import save_checkpoint
 from engine.malloc import pin_malloc_thresholds
 from core.stage_memory import optimizer_copies
 from profiling.memory import _param_bytes
+from profiling.sample import input_dtype_of, profile_loss, sample_batch
 from profiling.timing import ANCHOR_MIN_S, _median_time, layer_output_bytes
 
 
@@ -137,22 +138,22 @@ def profile_store(store, run_prefix: str, sizes: tuple[int, ...] = (1 << 10, 16 
 
 def measure_contention(model: nn.Module, input_shape: tuple[int, ...], num_classes: int,
                        microbatch_size: int, store, run_prefix: str, *,
-                       payload_bytes: int = 4 << 20, repeats: int = 5) -> ContentionResult:
+                       payload_bytes: int = 4 << 20, repeats: int = 5, input_dtype: str = "float32",
+                       target_shape: Sequence[int] = ()) -> ContentionResult:
     """Forward + backward of `model` on one micro-batch, timed alone and while a background
     thread uploads and downloads `payload_bytes` to `store` without pause (FuncPipe's
     beta: compute slows while a worker's transfers run). Each phase is a median over at
     least `ANCHOR_MIN_S` (five single calls varied the factor from 1.0 to 1.46 for one
     model); alone is timed before and after the loaded phase and averaged, so a drift in
-    machine load does not pass for contention."""
+    machine load does not pass for contention. The micro-batch is shaped as the job's data
+    (`profiling.sample.sample_batch`: `input_dtype`, `target_shape`)."""
     device = next(model.parameters(), torch.empty(0)).device
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(microbatch_size, *input_shape, generator=gen).to(device)
-    y = torch.randint(0, num_classes, (microbatch_size,), generator=gen).to(device)
-    loss_fn = nn.CrossEntropyLoss()
+    x, y = sample_batch(input_shape, num_classes, microbatch_size, generator=torch.Generator().manual_seed(1),
+                        input_dtype=input_dtype, target_shape=tuple(target_shape), device=device)
 
     def compute() -> None:
         model.zero_grad(set_to_none=True)
-        loss_fn(model(x), y).backward()
+        profile_loss(model(x), y).backward()
 
     def timed() -> float:
         # at least ANCHOR_MIN_S of samples: the factor is a ratio of two such medians
@@ -298,7 +299,8 @@ def probe_store_side(store, run_prefix: str, model: nn.Module, optimizer, x: tor
     contention = 1.0
     if activation_bytes > 0:
         contention = measure_contention(model, tuple(x.shape[1:]), num_classes, microbatch_size, store,
-                                        run_prefix, payload_bytes=int(activation_bytes)).factor
+                                        run_prefix, payload_bytes=int(activation_bytes),
+                                        input_dtype=input_dtype_of(x), target_shape=tuple(y.shape[1:])).factor
     return {"bandwidth_bytes_per_s": bandwidth, "latency_s": latency, "transfer": transfer.to_dict(),
             "checkpoint_s": checkpoint_s, "synced_step_s": synced_step_s, "contention": contention}
 
@@ -313,7 +315,6 @@ def time_steps_between_checkpoints(store, run_prefix: str, model: nn.Module, opt
     fsynced pages), by 0-60 % measured here. After a warm-up round; the keys are deleted,
     and the model's weights and optimizer state are restored."""
     saved = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
-    loss_fn = nn.CrossEntropyLoss()
     key_base = f"{run_prefix}/checkpoint-{uuid.uuid4().hex[:8]}"
     steps, writes = [], []
     began = time.perf_counter()
@@ -322,7 +323,7 @@ def time_steps_between_checkpoints(store, run_prefix: str, model: nn.Module, opt
         while i <= repeats or (time.perf_counter() - began < 2 * ANCHOR_MIN_S and i <= 100 * repeats):
             t0 = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
-            loss_fn(model(x), y).backward()
+            profile_loss(model(x), y).backward()
             optimizer.step()
             t1 = time.perf_counter()
             save_checkpoint(store, f"{key_base}/{i % 2}", model, optimizer, {"step": i})

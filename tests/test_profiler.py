@@ -49,8 +49,11 @@ def test_digits_mlp_bytes_are_exact():
     assert [layer.output_bytes for layer in p.layers] == [b * 64 * F32, b * 64 * F32, b * 10 * F32]
     assert [layer.param_bytes for layer in p.layers] == [(64 * 64 + 64) * F32, 0, (64 * 10 + 10) * F32]
     assert p.param_bytes == sum(layer.param_bytes for layer in p.layers)
-    # Whole model keeps the input and the ReLU output (the second Linear's input is the same tensor).
-    assert p.activation_bytes == b * 64 * F32 + b * 64 * F32
+    # Whole model keeps the input and the ReLU output (the second Linear's input is the same tensor);
+    # the loss adds the logits, the log-softmax it keeps and its scalar weight.
+    loss = 2 * b * 10 * F32 + F32
+    assert p.activation_bytes == b * 64 * F32 + b * 64 * F32 + loss
+    assert p.layers[-1].activation_bytes == b * 64 * F32 + loss  # the head's stage holds the loss's share
     # CPU peak: params + grads + (no SGD state) + activations + the batch (x float, y int64).
     assert p.peak_memory_method == "cpu_accounted"
     assert p.peak_memory_bytes == 2 * p.param_bytes + p.activation_bytes + b * 64 * F32 + b * 8

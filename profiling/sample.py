@@ -1,0 +1,54 @@
+"""The synthetic batch a profile is measured on, shaped as the job's data, and the loss it scores.
+
+A profile times the model on what its workers will feed it (`sample_batch`):
+
+- class data (`input_dtype` "float32"): Gaussian rows of the job's input shape, integer labels
+  [B] in [0, classes);
+- token data (`input_dtype` "int64"): token ids [B, *input_shape] (a language model's [B, T],
+  T the job's `seq_len`) in [0, classes), and targets of `target_shape` per sample ([T]: one
+  token per position), also in [0, classes).
+
+`classes` is the dataset's label count, for tokens the vocabulary the targets use: every id
+drawn is below it, so it is below the embedding's size wherever the dataset fits the model.
+The loss (`profile_loss`) is the default objective's: cross-entropy over the output's last
+dimension against integer targets of the output's shape minus that dimension, positions whose
+target is -100 ignored.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from core.errors import ZooidValueError
+
+INPUT_DTYPES = ("float32", "int64")
+"""What a sample's input is: float features, or integer token ids."""
+
+
+def input_dtype_of(x: torch.Tensor) -> str:
+    """The `INPUT_DTYPES` name of a dataset's inputs `x`: int64 for integer ids, else float32."""
+    return "float32" if x.is_floating_point() else "int64"
+
+
+def sample_batch(input_shape: Sequence[int], classes: int, rows: int, *, generator: torch.Generator,
+                 input_dtype: str = "float32", target_shape: Sequence[int] = (),
+                 device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rows` synthetic samples `(x, y)` shaped as the job's data (module docstring), drawn from
+    `generator` (inputs first, then targets), on `device`."""
+    if input_dtype not in INPUT_DTYPES:
+        raise ZooidValueError("input_dtype", f"must be one of {', '.join(INPUT_DTYPES)}, got {input_dtype!r}")
+    if input_dtype == "int64":
+        x = torch.randint(0, classes, (rows, *input_shape), generator=generator)
+    else:
+        x = torch.randn(rows, *input_shape, generator=generator)
+    y = torch.randint(0, classes, (rows, *target_shape), generator=generator)
+    return (x, y) if device is None else (x.to(device), y.to(device))
+
+
+def profile_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over `output`'s last dimension against `target` (its shape minus that
+    dimension: [B] for classes, [B, T] for tokens), positions whose target is -100 ignored; for
+    [B, C] against [B] it is `nn.CrossEntropyLoss()`'s value."""
+    return F.cross_entropy(output.flatten(0, -2), target.flatten(), ignore_index=-100)
