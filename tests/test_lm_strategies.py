@@ -1,8 +1,8 @@
 """Language models and custom losses through every strategy, in float64 (as the CNN tests in
 `test_pipeline_equivalence` and `test_pipeline_interleaved` do).
 
-A causal transformer the registry does not have (`tests.lm_helpers:tiny_causal_lm`, given only
-by import path) on token windows whose targets are partly -100 (rows score different numbers
+The registry's `gpt_mini` (shrunk by its arguments) and a causal transformer the registry does
+not have (`tests.lm_helpers:tiny_causal_lm`, given only by import path), on token windows whose targets are partly -100 (rows score different numbers
 of positions, so a micro-batch's share of the loss is its share of scored positions, not of
 rows): a pipeline is single-process training, a hybrid is Local-SGD averaging every step,
 gpipe, 1f1b and interleaved train the same weights, a replica relaunched from the sync
@@ -33,6 +33,9 @@ from tests.test_pipeline_equivalence import assert_same_weights, run_threads, we
 
 RUN = "lm"
 LM = "tests.lm_helpers:tiny_causal_lm"
+GPT_KWARGS = {"vocab_size": lm_helpers.VOCAB, "max_positions": lm_helpers.SEQ, "d_model": 16, "heads": 2}
+"""`gpt_mini` at the size of the test's vocabulary and windows."""
+MODELS = {"gpt_mini": GPT_KWARGS, LM: {}}
 MASKED = "tests.lm_helpers:masked_token_data"
 STEPS, BATCH, LR = 6, 32, 0.3
 REPO = Path(__file__).resolve().parents[1]
@@ -46,16 +49,18 @@ def staged(tmp_path_factory):
     url = (tmp_path_factory.mktemp("lm") / "store").as_uri()
     store = open_store(url)
     manifest = publish_dataset(store, RUN, MASKED, subset_size=32)
-    for optimizer in ("sgd", "momentum"):
-        initial_checkpoint(store, f"runs/{RUN}/init-{optimizer}", LM, optimizer, LR, seed=4)
+    for model, kwargs in MODELS.items():
+        for optimizer in ("sgd", "momentum"):
+            initial_checkpoint(store, f"runs/{RUN}/init-{optimizer}-{model}", model, optimizer, LR, seed=4,
+                               model_kwargs=kwargs)
     return url, manifest
 
 
-def spec(url: str, world: int, subsets, out: str, **fields) -> WorkerSpec:
-    base = WorkerSpec(run_id=RUN, epoch=0, rank=0, world=world, store_url=url, model=LM, dataset=MASKED,
-                      subsets=tuple(subsets), steps=STEPS, batch_size=BATCH, lr=LR, optimizer="sgd",
-                      sync_period=1, seed=4, init_key=f"runs/{RUN}/init-sgd", out_key=out, sync_timeout_s=60.0,
-                      compute=ComputeSpec(dtype="float64"))
+def spec(url: str, world: int, subsets, out: str, model: str = LM, optimizer: str = "sgd", **fields) -> WorkerSpec:
+    base = WorkerSpec(run_id=RUN, epoch=0, rank=0, world=world, store_url=url, model=model, dataset=MASKED,
+                      subsets=tuple(subsets), steps=STEPS, batch_size=BATCH, lr=LR, optimizer=optimizer,
+                      sync_period=1, seed=4, init_key=f"runs/{RUN}/init-{optimizer}-{model}", out_key=f"{out}-{model}",
+                      sync_timeout_s=60.0, compute=ComputeSpec(dtype="float64", model_kwargs=MODELS.get(model, {})))
     return dataclasses.replace(base, **fields)
 
 
@@ -63,13 +68,14 @@ def everything(manifest) -> tuple[int, ...]:
     return tuple(range(manifest.n_subsets))
 
 
-def test_a_pipeline_of_a_causal_lm_equals_single_process_training(staged):
+@pytest.mark.parametrize("model", MODELS)
+def test_a_pipeline_of_a_causal_lm_equals_single_process_training(staged, model):
     url, manifest = staged
-    [ref] = run_threads([spec(url, 1, everything(manifest), f"runs/{RUN}/single")], run_local_sgd_epoch)
-    specs = pipeline_worker_specs(spec(url, 1, (), f"runs/{RUN}/pipe"), cuts=[2, 4], microbatches=4,
+    [ref] = run_threads([spec(url, 1, everything(manifest), f"runs/{RUN}/single", model)], run_local_sgd_epoch)
+    specs = pipeline_worker_specs(spec(url, 1, (), f"runs/{RUN}/pipe", model), cuts=[2, 4], microbatches=4,
                                   replica_subsets=[everything(manifest)])
     results = run_threads(specs, run_pipeline_worker)
-    assert_same_weights(weights(url, f"runs/{RUN}/pipe"), weights(url, f"runs/{RUN}/single"))
+    assert_same_weights(weights(url, f"runs/{RUN}/pipe-{model}"), weights(url, f"runs/{RUN}/single-{model}"))
     last = results[-1]
     # Local-SGD sums its losses in a float32 accumulator, hence the looser tolerance here.
     assert last.train_loss == pytest.approx(ref.train_loss, rel=1e-6)
@@ -81,33 +87,34 @@ def test_a_pipeline_of_a_causal_lm_equals_single_process_training(staged):
     assert ref.tokens == results[0].tokens == STEPS * BATCH * lm_helpers.SEQ
 
 
-def test_a_hybrid_of_a_causal_lm_equals_local_sgd_averaging_every_step(staged):
+@pytest.mark.parametrize("model", MODELS)
+def test_a_hybrid_of_a_causal_lm_equals_local_sgd_averaging_every_step(staged, model):
     url, manifest = staged
     shards = assign_subsets(manifest.n_subsets, 2, epoch=0, seed=4)
-    local = [spec(url, 2, shards[r], f"runs/{RUN}/lsgd", rank=r) for r in range(2)]
+    local = [spec(url, 2, shards[r], f"runs/{RUN}/lsgd", model, rank=r) for r in range(2)]
     refs = run_threads(local, run_local_sgd_epoch)
-    out = f"runs/{RUN}/hybrid"
-    specs = pipeline_worker_specs(spec(url, 2, (), out, sync=SyncSpec(bucket_mb=4000 / 2**20)), cuts=[3],
-                                  microbatches=2, replica_subsets=shards)
+    specs = pipeline_worker_specs(spec(url, 2, (), f"runs/{RUN}/hybrid", model, sync=SyncSpec(bucket_mb=4000 / 2**20)),
+                                  cuts=[3], microbatches=2, replica_subsets=shards)
     results = run_threads(specs, run_pipeline_worker)
-    assert_same_weights(weights(url, out), weights(url, f"runs/{RUN}/lsgd"))
+    assert_same_weights(weights(url, f"runs/{RUN}/hybrid-{model}"), weights(url, f"runs/{RUN}/lsgd-{model}"))
     for r in range(2):
         assert results[2 * r + 1].train_loss == pytest.approx(refs[r].train_loss, rel=1e-6)
     assert results[1].val_perplexity == pytest.approx(refs[0].val_perplexity, rel=1e-9)
 
 
-def test_gpipe_1f1b_and_interleaved_agree_on_a_causal_lm(staged):
+@pytest.mark.parametrize("model", MODELS)
+def test_gpipe_1f1b_and_interleaved_agree_on_a_causal_lm(staged, model):
     url, manifest = staged
     cuts = [1, 2, 3]  # four model stages: embeddings | block | block | norm + head
     trained = {}
     for schedule in ("gpipe", "1f1b", "interleaved"):
         out = f"runs/{RUN}/sched-{schedule}"
-        specs = pipeline_worker_specs(spec(url, 1, (), out, optimizer="momentum", init_key=f"runs/{RUN}/init-momentum"),
+        specs = pipeline_worker_specs(spec(url, 1, (), out, model, optimizer="momentum"),
                                       cuts=cuts, microbatches=4, replica_subsets=[everything(manifest)],
                                       schedule=schedule, chunks=2 if schedule == "interleaved" else 1)
         assert len(specs) == (2 if schedule == "interleaved" else 4)
         results = run_threads(specs, run_pipeline_worker)
-        trained[schedule] = (weights(url, out), results[-1])
+        trained[schedule] = (weights(url, f"{out}-{model}"), results[-1])
     for schedule in ("1f1b", "interleaved"):
         assert_same_weights(trained[schedule][0], trained["gpipe"][0])
         assert trained[schedule][1].val_perplexity == pytest.approx(trained["gpipe"][1].val_perplexity, rel=1e-9)
@@ -148,7 +155,7 @@ def test_a_causal_lm_replica_relaunched_from_the_sync_checkpoint_ends_equal(tmp_
 
     def specs(out: str) -> list[WorkerSpec]:
         return [spec(url, 2, shards[r], out, rank=r, optimizer="momentum", init_key=f"runs/{RUN}/init",
-                     sync_period=3, evaluate=False) for r in range(2)]
+                     sync_period=3, evaluate=False, out_key=out) for r in range(2)]
 
     run_threads(specs(f"runs/{RUN}/clean"), run_local_sgd_epoch)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
