@@ -10,9 +10,9 @@ A profile times the model on what its workers will feed it (`sample_batch`):
 
 `classes` is the dataset's label count, for tokens the vocabulary the targets use: every id
 drawn is below it, so it is below the embedding's size wherever the dataset fits the model.
-The loss (`profile_loss`) is the default objective's: cross-entropy over the output's last
-dimension against integer targets of the output's shape minus that dimension, positions whose
-target is -100 ignored.
+The loss (`profile_loss`) is the default objective's (`engine.objective`): cross-entropy over the
+output's last dimension against integer targets of the output's shape minus that dimension,
+positions whose target is -100 ignored.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from core.errors import ZooidValueError
+from engine.objective import IGNORE_INDEX
 
 INPUT_DTYPES = ("float32", "int64")
 """What a sample's input is: float features, or integer token ids."""
@@ -48,7 +49,10 @@ def sample_batch(input_shape: Sequence[int], classes: int, rows: int, *, generat
 
 
 def profile_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy over `output`'s last dimension against `target` (its shape minus that
-    dimension: [B] for classes, [B, T] for tokens), positions whose target is -100 ignored; for
-    [B, C] against [B] it is `nn.CrossEntropyLoss()`'s value."""
-    return F.cross_entropy(output.flatten(0, -2), target.flatten(), ignore_index=-100)
+    """The default objective's loss (`engine.objective.CROSS_ENTROPY`): cross-entropy over
+    `output`'s last dimension against `target` (its shape minus that dimension: [B] for classes,
+    [B, T] for tokens), positions whose target is -100 ignored; for [B, C] against [B] it is
+    `nn.CrossEntropyLoss()`'s value. Written as one `F.cross_entropy` (the same value and the
+    same tensors kept for backward) so that it also traces on `meta`, where the objective's count
+    of scored positions cannot be read."""
+    return F.cross_entropy(output.flatten(0, -2), target.flatten(), ignore_index=IGNORE_INDEX)
