@@ -22,6 +22,9 @@ Metrics follow the targets (`target_kind`): `classes` ([B] integers): loss and a
 token accuracy over the scored positions, and the tokens trained (positions per sample times
 samples, ignored positions included: the input tokens a causal or masked LM reads); `custom`:
 the loss alone. `Tally` sums a validation pass; `Metrics` is what a worker reports.
+
+A profile times the model under cross-entropy against synthetic targets of the data's shape
+(`profiling.sample`); a custom loss's own cost is not profiled.
 """
 from __future__ import annotations
 
@@ -214,16 +217,6 @@ class Objective:
         """Tokens in `target`'s rows when they are token targets: positions per sample times
         samples, ignored positions included (the input tokens the model read); else 0."""
         return target.numel() if self.kind(target) == TOKENS else 0
-
-    def synthetic_targets(self, output: torch.Tensor, classes: int | None = None,
-                          generator: torch.Generator | None = None) -> torch.Tensor:
-        """Random targets the loss can score `output` against (profiling): integers below
-        `classes` (default: the output's last dimension) of the output's shape minus its
-        last dimension; for a custom loss, random values of the output's shape."""
-        if self.custom is not None:
-            return torch.randn(output.shape, generator=generator).to(output.device, output.dtype)
-        high = min(classes or output.shape[-1], output.shape[-1])
-        return torch.randint(0, max(1, high), tuple(output.shape[:-1]), generator=generator).to(output.device)
 
 
 CROSS_ENTROPY = Objective()
