@@ -10,12 +10,13 @@ import json
 import time
 
 from coordinator.context import RunContext
+from coordinator.job_data import publish_job_dataset
 from coordinator.sweep import sweep_orphans
 from core.errors import ZooidValueError
 from core.keys import data_manifest_key, init_checkpoint_key, run_doc_key
 from core.plan import Plan
 from engine.checkpoint import initial_checkpoint
-from engine.datasets import publish_dataset, read_manifest
+from engine.datasets import read_manifest
 
 
 def check_deployment(name: str) -> None:
@@ -42,7 +43,7 @@ def stage_run(ctx: RunContext, plan: Plan, fresh: bool = True) -> dict:
         if not fresh and store.exists(data_manifest_key(ctx.run_id)):
             manifest = read_manifest(store, ctx.run_id)
         else:  # the split is deterministic, so a republished subset i is the same subset i
-            manifest = publish_dataset(store, ctx.run_id, ctx.job.dataset, ctx.resolved.subset_size)
+            manifest = publish_job_dataset(store, ctx.run_id, ctx.job, ctx.resolved.subset_size)
         ctx.state.dataset = manifest.to_dict()
         init = init_checkpoint_key(ctx.run_id)
         if fresh or not store.exists(init):

@@ -226,13 +226,14 @@ def check_target_ready(resolved: "ResolvedJob") -> None:
 def validate_job(job: TrainJob, *, check_store: bool = True) -> ResolvedJob:
     """Check everything about `job` that pydantic cannot; raise ZooidValueError naming the field."""
     # torch: `make up` and bootstrap import this module (via coordinator.context) without it
-    from engine.datasets import load_dataset, validate_dataset
+    from coordinator.job_data import load_job_dataset, text_settings
+    from engine.datasets import validate_dataset
     from engine.models import resolve_model
     from engine.objective import target_classes
 
     resolve_model(job.model)
-    validate_dataset(job.dataset)
-    data = load_dataset(job.dataset)
+    validate_dataset(job.dataset, text_settings(job))
+    data = load_job_dataset(job, resolve_durable_ref(job.durable_store, resolve_store_ref(job.store)))
     n_train, n_val = len(data.train_y), len(data.val_y)
     classes = target_classes(data.train_y, data.val_y)  # token targets: the vocabulary they use
     check_model_fits(job, data, classes)  # a model that cannot take the data is refused before anything is rented

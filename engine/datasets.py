@@ -10,12 +10,17 @@ Names:
   `synthetic:3x32x32:10:2048`.
 - `package.module:function`: a function of no arguments returning `(train, val)`, each an
   `(x, y)` pair of tensors or a map-style dataset of `(x, y)` items.
+- `text:SOURCE`: a text corpus (a path, file://, s3://, az://, a store block, or `stdlib`, the
+  shipped one), tokenized and cut into blocks for a language model by the job's `tokenizer`,
+  `objective` and `seq_len` (`engine.text_data`, `TextSettings`).
 
 Staging: `publish_dataset` writes the training set as subsets of `subset_size` rows under
 `runs/<run_id>/data/train/<i>` and the validation set under `runs/<run_id>/data/val/<i>`,
 plus `runs/<run_id>/data/manifest.json` (`core.keys.data_subset_key`, `data_manifest_key`).
 A worker reads only the subsets it is assigned (`assign_subsets`), so it needs no local copy
-of the data.
+of the data. A text dataset's subsets hold int32 ids (widened to int64 when read) and say so in
+their metadata (its `TextInfo` and the global index of their first row); an `mlm` subset is
+masked when it is read, for the epoch the reader names (`engine.text_data.mlm_mask`).
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ from comm.store import Store
 from comm.tensor_codec import decode_tensors, encode_tensors
 from core.errors import ZooidValueError
 from core.keys import data_manifest_key, data_subset_key
+from engine.text_data import Opener, TextInfo, TextSettings, is_text, load_text, mlm_mask, validate_text
 from engine.objective import target_classes
 
 DIGITS_VAL_FRACTION = 0.2
@@ -46,6 +52,8 @@ class DatasetSplit(NamedTuple):
     train_y: torch.Tensor
     val_x: torch.Tensor
     val_y: torch.Tensor
+    text: TextInfo | None = None
+    """A text dataset's vocabulary, objective and special ids; None for any other dataset."""
 
 
 @dataclass(frozen=True)
@@ -151,11 +159,19 @@ def _import_loader(name: str):
     return fn
 
 
-def validate_dataset(name: str) -> None:
+def validate_dataset(name: str, text: TextSettings | None = None) -> None:
     """Raise ZooidValueError("dataset", ...) unless `name` is a dataset this module can load
-    (import paths are imported and checked to be callable, not called)."""
+    (import paths are imported and checked to be callable, not called). `text`: the job's
+    tokenizer, objective and sequence length (checked for a `text:` dataset; any other
+    dataset refuses a tokenizer or objective other than the defaults)."""
     if not isinstance(name, str) or not name:
         raise ZooidValueError("dataset", f"expected a dataset name, got {name!r}")
+    if is_text(name):
+        validate_text(name, text or TextSettings())
+        return
+    for field in ("tokenizer", "objective"):
+        if text is not None and getattr(text, field) != getattr(TextSettings, field):
+            raise ZooidValueError(field, f"{getattr(text, field)!r} is for text: datasets; {name!r} is not one")
     if name == "digits":
         return
     if name.split(":")[0] == "synthetic":
@@ -169,9 +185,14 @@ def validate_dataset(name: str) -> None:
     )
 
 
-def load_dataset(name: str) -> DatasetSplit:
-    """Load dataset `name` (see the module docstring) into memory."""
-    validate_dataset(name)
+def load_dataset(name: str, text: TextSettings | None = None, *, cache: Store | None = None,
+                 open_source: Opener | None = None) -> DatasetSplit:
+    """Load dataset `name` (see the module docstring) into memory. For a `text:` dataset:
+    `text`, the tokenizer, objective and sequence length; `cache`, the durable store that keeps
+    trained tokenizers; `open_source`, what opens an s3://, az:// or block source."""
+    validate_dataset(name, text)
+    if is_text(name):
+        return DatasetSplit(*load_text(name, text or TextSettings(), cache=cache, open_source=open_source))
     if name == "digits":
         return _digits()
     if name.split(":")[0] == "synthetic":
@@ -179,9 +200,11 @@ def load_dataset(name: str) -> DatasetSplit:
     return _imported(name)
 
 
-def dataset_input_shape(name: str) -> tuple[int, ...]:
+def dataset_input_shape(name: str, text: TextSettings | None = None) -> tuple[int, ...]:
     """Per-sample input shape of dataset `name`, without loading it where that is avoidable."""
-    validate_dataset(name)
+    validate_dataset(name, text)
+    if is_text(name):
+        return ((text or TextSettings()).seq_len,)
     if name == "digits":
         return (64,)
     if name.split(":")[0] == "synthetic":
@@ -207,6 +230,9 @@ class DatasetManifest:
     """What the integer targets use (`engine.objective.target_classes`): classes, or the
     vocabulary of token targets; 0 for float targets."""
 
+    text: TextInfo | None = None
+    """A text dataset's `TextInfo`; None for any other dataset."""
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form."""
         return dataclasses.asdict(self)
@@ -214,25 +240,33 @@ class DatasetManifest:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "DatasetManifest":
         """Inverse of `to_dict`."""
-        return cls(**{**d, "input_shape": tuple(d["input_shape"])})
+        text = TextInfo.from_dict(d["text"]) if d.get("text") else None
+        return cls(**{**d, "input_shape": tuple(d["input_shape"]), "text": text})
 
 
-def _write_subsets(store: Store, run_id: str, split: str, x: torch.Tensor, y: torch.Tensor, size: int) -> int:
+def _write_subsets(store: Store, run_id: str, split: str, x: torch.Tensor, y: torch.Tensor, size: int,
+                   text: TextInfo | None = None) -> int:
     n = 0
     for n, start in enumerate(range(0, len(y), size), start=1):
-        blob = encode_tensors({"x": x[start : start + size].contiguous(), "y": y[start : start + size].contiguous()})
-        store.put(data_subset_key(run_id, split, n - 1), blob)
+        part = {"x": x[start : start + size].contiguous(), "y": y[start : start + size].contiguous()}
+        meta = None
+        if text is not None:  # ids below the vocabulary: int32 halves the bytes stored and read
+            part = {k: v.to(torch.int32) for k, v in part.items()}
+            meta = {"text": json.dumps(text.to_dict()), "first": str(start)}
+        store.put(data_subset_key(run_id, split, n - 1), encode_tensors(part, meta))
     return n
 
 
-def publish_dataset(store: Store, run_id: str, name: str, subset_size: int = 64) -> DatasetManifest:
+def publish_dataset(store: Store, run_id: str, name: str, subset_size: int = 64,
+                    text: TextSettings | None = None, open_source: Opener | None = None) -> DatasetManifest:
     """Load `name` and write it to the store as subsets of `subset_size` rows (the last may be
-    shorter), training and validation, plus a JSON manifest; return the manifest."""
+    shorter), training and validation, plus a JSON manifest; return the manifest. A `text:`
+    dataset is loaded with `text` and `open_source` (`load_dataset`), `store` keeping its tokenizer."""
     if not isinstance(subset_size, int) or subset_size < 1:
         raise ZooidValueError("subset_size", f"must be a positive integer, got {subset_size!r}")
-    data = load_dataset(name)
-    n_sub = _write_subsets(store, run_id, "train", data.train_x, data.train_y, subset_size)
-    n_val_sub = _write_subsets(store, run_id, "val", data.val_x, data.val_y, subset_size)
+    data = load_dataset(name, text, cache=store, open_source=open_source)
+    n_sub = _write_subsets(store, run_id, "train", data.train_x, data.train_y, subset_size, data.text)
+    n_val_sub = _write_subsets(store, run_id, "val", data.val_x, data.val_y, subset_size, data.text)
     manifest = DatasetManifest(
         name=name,
         subset_size=subset_size,
@@ -241,6 +275,7 @@ def publish_dataset(store: Store, run_id: str, name: str, subset_size: int = 64)
         n_subsets=n_sub,
         n_val_subsets=n_val_sub,
         input_shape=tuple(data.train_x.shape[1:]),
+        text=data.text,
         classes=target_classes(data.train_y, data.val_y),
     )
     # The manifest goes last: its presence means every subset is already readable.
@@ -267,9 +302,13 @@ def keep_subsets() -> None:
 
 
 def read_subsets(
-    store: Store, run_id: str, indices, split: str = "train", timeout: float | None = None
+    store: Store, run_id: str, indices, split: str = "train", timeout: float | None = None,
+    *, seed: int = 0, epoch: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Concatenate the (x, y) of subsets `indices` of `split` ("train" or "val"), in order."""
+    """Concatenate the (x, y) of subsets `indices` of `split` ("train" or "val"), in order.
+    Text subsets come back as int64; `mlm` ones masked for (`seed`, `epoch`) by each row's
+    global index (the validation split with one mask for every epoch): every reader of a row,
+    whichever worker or micro-batch, sees the same mask."""
     if split not in ("train", "val"):
         raise ZooidValueError("split", f"must be 'train' or 'val', got {split!r}")
     xs, ys = [], []
@@ -277,15 +316,27 @@ def read_subsets(
         key = data_subset_key(run_id, split, i)
         cached = _SUBSETS.get((store.url, key)) if _SUBSETS is not None else None
         if cached is None:
-            tensors, _ = decode_tensors(store.get(key, timeout=timeout))
-            cached = (tensors["x"], tensors["y"])
+            tensors, meta = decode_tensors(store.get(key, timeout=timeout))
+            cached = (tensors["x"], tensors["y"], meta)
             if _SUBSETS is not None:
                 _SUBSETS[(store.url, key)] = cached
-        xs.append(cached[0])
-        ys.append(cached[1])
+        x, y, meta = cached
+        if "text" in meta:
+            x, y = _text_rows(x, y, meta, split, seed, epoch)
+        xs.append(x)
+        ys.append(y)
     if not xs:
         raise ZooidValueError("subsets", "no subsets given")
     return torch.cat(xs), torch.cat(ys)
+
+
+def _text_rows(x: torch.Tensor, y: torch.Tensor, meta: dict[str, str], split: str, seed: int,
+               epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A text subset's rows as a model reads them: int64, masked for the epoch if `mlm`."""
+    info = TextInfo.from_dict(json.loads(meta["text"]))
+    if info.objective == "mlm":
+        return mlm_mask(x, info, seed=seed, epoch=epoch, first_index=int(meta["first"]), split=split)
+    return x.long(), y.long()
 
 
 def assign_subsets(n_subsets: int, world: int, epoch: int, seed: int = 0) -> list[tuple[int, ...]]:

@@ -329,7 +329,8 @@ def _run(spec: WorkerSpec, store: Store, ckpt_store: Store, started: float,
     optimizer = build_optimizer(spec.optimizer, model, spec.lr)
     start = load_start_point(spec, ckpt_store, model, optimizer)
     # data subsets are durable: they live beside the checkpoints, not in the scratch store
-    x, y = read_subsets(ckpt_store, spec.run_id, spec.subsets, timeout=spec.sync_timeout_s)
+    x, y = read_subsets(ckpt_store, spec.run_id, spec.subsets, timeout=spec.sync_timeout_s,
+                        seed=spec.seed, epoch=spec.epoch)
     x, y = to_compute(x, device, dtype), to_compute(y, device, dtype)
     objective = objective_for(spec.loss)
     tokens_per_row = objective.tokens(y[:1])
@@ -418,7 +419,7 @@ def _run(spec: WorkerSpec, store: Store, ckpt_store: Store, started: float,
     val = None
     if spec.rank == 0 and spec.evaluate:
         manifest = read_manifest(ckpt_store, spec.run_id, timeout=spec.sync_timeout_s)
-        vx, vy = read_subsets(ckpt_store, spec.run_id, range(manifest.n_val_subsets), split="val")
+        vx, vy = read_subsets(ckpt_store, spec.run_id, range(manifest.n_val_subsets), split="val", seed=spec.seed)
         val = validation_metrics(model, to_compute(vx, vx.device, dtype), to_compute(vy, vy.device, dtype), objective)
     record = {"run_id": spec.run_id, "epoch": spec.epoch, "rank": spec.rank, "attempt": spec.attempt,
               "subsets": list(spec.subsets), "start_step": start.step, "end_step": spec.steps,

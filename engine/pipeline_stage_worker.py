@@ -333,7 +333,7 @@ class StageWorker:
         if not (first or last):
             return None, None
         x, y = read_subsets(self.store, self.spec.run_id, subsets, split=split,
-                            timeout=self.spec.sync_timeout_s)
+                            timeout=self.spec.sync_timeout_s, seed=self.spec.seed, epoch=self.spec.epoch)
         if split == "train":
             self.tokens_per_row = self.objective.tokens(y[:1])
         x, y = to_compute(x, self.device, self.dtype), to_compute(y, self.device, self.dtype)
