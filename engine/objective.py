@@ -11,10 +11,11 @@ the mean over the batch's samples of whatever it scores (a regression's MSE, say
 
 Sums and counts, so every strategy takes the same step on the same batch: `loss_sum` is
 the batch's summed loss and `scored` the count it is a mean over (scored positions for
-cross-entropy, samples for a custom loss). Local-SGD minimises `loss` (the whole batch's
-mean); a pipeline splits the batch into micro-batches and minimises each one's
-`loss_sum / scored(whole batch)`, whose sum over the micro-batches is that same mean (a
-micro-batch's mean scaled by its share of the rows would not be, once positions are ignored).
+cross-entropy, samples for a custom loss; `divisor`, the same count kept on the device).
+Local-SGD minimises `loss` (the whole batch's mean); a pipeline splits the batch into
+micro-batches and minimises each one's `loss_sum / scored(whole batch)` (`part_loss`), whose
+sum over the micro-batches is that same mean (a micro-batch's mean scaled by its share of the
+rows would not be, once positions are ignored).
 A custom loss is split by rows: its micro-batch term is its mean times rows / batch rows.
 
 Metrics follow the targets (`target_kind`): `classes` ([B] integers): loss and accuracy;
@@ -171,13 +172,20 @@ class Objective:
             return len(target)
         return int((target != IGNORE_INDEX).sum())
 
+    def divisor(self, target: torch.Tensor) -> torch.Tensor | int:
+        """`scored`, at least 1, as what the loss divides by: for cross-entropy a tensor on the
+        target's device, so a step waits for no copy to the host."""
+        if self.custom is not None:
+            return len(target)
+        return (target != IGNORE_INDEX).sum().clamp(min=1)
+
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The batch's mean loss (what a Local-SGD replica minimises)."""
         if self.custom is not None:
             return self._custom(output, target)
         if output.dim() == 2 and target.dim() == 1:
             return F.cross_entropy(output, target, ignore_index=IGNORE_INDEX)
-        return self.loss_sum(output, target) / max(1, self.scored(target))
+        return self.loss_sum(output, target) / self.divisor(target)
 
     def loss_sum(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The batch's summed loss: `loss` times `scored` (custom: its mean times the rows)."""
@@ -186,14 +194,16 @@ class Objective:
         return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1),
                                ignore_index=IGNORE_INDEX, reduction="sum")
 
-    def part_loss(self, output: torch.Tensor, target: torch.Tensor, batch_scored: int,
+    def part_loss(self, output: torch.Tensor, target: torch.Tensor, batch_scored: torch.Tensor | int,
                   batch_rows: int) -> torch.Tensor:
         """A micro-batch's term of its batch's mean loss: summed over the micro-batches it is
-        `loss` of the whole batch (`batch_scored`: `scored` of the whole batch, `batch_rows`
-        its rows)."""
+        `loss` of the whole batch (`batch_scored`: `divisor` (or `scored`) of the whole batch,
+        `batch_rows` its rows)."""
         if self.custom is not None:
             return self._custom(output, target) * (len(target) / batch_rows)
-        return self.loss_sum(output, target) / max(1, batch_scored)
+        if isinstance(batch_scored, int):
+            batch_scored = max(1, batch_scored)
+        return self.loss_sum(output, target) / batch_scored
 
     def _custom(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         value = self.custom(output, target)

@@ -188,7 +188,7 @@ class StageWorker:
         cfg = self.cfg
         chunks = torch.tensor_split(idx, cfg.microbatches) if idx is not None else None
         # what the batch's mean loss divides by, known where the targets are (the last stage)
-        batch_scored = self.objective.scored(y[idx]) if y is not None else 0
+        batch_scored = self.objective.divisor(y[idx]) if y is not None else 0
         base = f"{self.prefix}/it{step}"
         received = self._prefetch(base, self.actions)
         # keyed by (model stage, micro-batch): an interleaved worker holds several stages

@@ -64,6 +64,10 @@ def test_micro_batched_terms_sum_to_the_whole_batch_loss_and_gradient():
     n = CROSS_ENTROPY.scored(y)
     parts = [CROSS_ENTROPY.part_loss(out[i:i + 2], y[i:i + 2], n, 8) for i in range(0, 8, 2)]
     torch.testing.assert_close(sum(parts), whole, rtol=1e-13, atol=0)
+    on_device = CROSS_ENTROPY.divisor(y)  # what the pipeline passes: no copy to the host per step
+    assert isinstance(on_device, torch.Tensor) and int(on_device) == n
+    torch.testing.assert_close(sum(CROSS_ENTROPY.part_loss(out[i:i + 2], y[i:i + 2], on_device, 8)
+                                   for i in range(0, 8, 2)), whole, rtol=1e-13, atol=0)
     (part_grad,) = torch.autograd.grad(sum(parts), out)
     torch.testing.assert_close(part_grad, full_grad, rtol=1e-12, atol=1e-15)
     by_rows = sum(CROSS_ENTROPY.loss(out[i:i + 2], y[i:i + 2]) * 2 / 8 for i in range(0, 8, 2))
