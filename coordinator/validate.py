@@ -17,7 +17,7 @@ from clouds.registry import adapter_for, is_cloud
 from comm.store_dir import default_store_url, path_from_url
 from coordinator.job import TrainJob
 from core.errors import StoreError, ZooidValueError
-from core.kinds import PIPELINED_STRATEGIES, Strategy, TargetKind
+from core.kinds import BUILTIN_TARGETS, PIPELINED_STRATEGIES, Strategy, TargetKind
 from planners.catalog import Offer, get_offer
 
 SUBSET_SIZE = 64
@@ -225,20 +225,37 @@ def check_target_ready(resolved: "ResolvedJob") -> None:
 
 def validate_job(job: TrainJob, *, check_store: bool = True) -> ResolvedJob:
     """Check everything about `job` that pydantic cannot; raise ZooidValueError naming the field."""
+    n_train, n_val, input_shape, classes = check_model_and_data(job)
+    target, offer = check_target_and_offer(job)
+    store_ref, durable_ref = check_stores(job, target, ping=check_store)
+    return ResolvedJob(job=job, store_ref=store_ref, durable_ref=durable_ref, target_name=job.target, target=target,
+                       offer=offer, n_train=n_train, n_val=n_val, input_shape=input_shape, classes=classes)
+
+
+def validate_without_api(job: TrainJob) -> None:
+    """`validate_job`'s checks that need no Prefect API, for a command that has not started its
+    stack yet (`make run`): a target or store named by a block is left to the run, which looks it
+    up; the rest is checked, store URLs pinged. ZooidValueError naming the field."""
+    check_model_and_data(job)
+    if job.target not in BUILTIN_TARGETS:
+        return
+    target, _ = check_target_and_offer(job)
+    check_stores(job, target, ping=True, blocks=False)
+
+
+def check_model_and_data(job: TrainJob) -> tuple[int, int, tuple[int, ...], int]:
+    """The model, the dataset, whether one takes the other, the batch against the data, the
+    strategy and the pipeline's shape: (n_train, n_val, input shape, classes)."""
     # torch: `make up` and bootstrap import this module (via coordinator.context) without it
-    from coordinator.job_data import load_job_dataset, text_settings
-    from engine.datasets import validate_dataset
+    from engine.datasets import load_dataset, validate_dataset
     from engine.models import resolve_model
-    from engine.objective import target_classes
 
     resolve_model(job.model)
-    validate_dataset(job.dataset, text_settings(job))
-    data = load_job_dataset(job, resolve_durable_ref(job.durable_store, resolve_store_ref(job.store)))
+    validate_dataset(job.dataset)
+    data = load_dataset(job.dataset)
     n_train, n_val = len(data.train_y), len(data.val_y)
-    classes = target_classes(data.train_y, data.val_y)  # token targets: the vocabulary they use
+    classes = int(max(data.train_y.max(), data.val_y.max())) + 1
     check_model_fits(job, data, classes)  # a model that cannot take the data is refused before anything is rented
-    if job.loss:
-        check_loss(job, data, {})
     if job.batch_size > n_train:
         raise ZooidValueError("batch_size", f"{job.batch_size} is larger than the training set ({n_train} samples)")
     if job.workers * job.batch_size > n_train:
@@ -249,6 +266,12 @@ def validate_job(job: TrainJob, *, check_store: bool = True) -> ResolvedJob:
                               f"{', '.join(Strategy)}")
     if job.strategy in PIPELINED_STRATEGIES:
         check_pipeline_shape(job)
+    return n_train, n_val, tuple(data.train_x.shape[1:]), classes
+
+
+def check_target_and_offer(job: TrainJob) -> tuple[ComputeTarget, Offer]:
+    """The compute target (a block name is loaded from the Prefect API) with the job's worker
+    size, and the offer its workers are billed as."""
     try:
         target = resolve_target(job.target)
     except ValueError as exc:
@@ -261,16 +284,21 @@ def validate_job(job: TrainJob, *, check_store: bool = True) -> ResolvedJob:
     except ValueError as exc:
         raise ZooidValueError("offer", str(exc).removeprefix("offer: ")) from None
     check_worker_sizes(target, offer)
+    return target, offer
+
+
+def check_stores(job: TrainJob, target: ComputeTarget, *, ping: bool = True, blocks: bool = True) -> tuple[str, str]:
+    """The store and durable store references, reachable from the target's workers; with `ping`,
+    opened and pinged (`blocks=False`: a block-named store is not, it needs the Prefect API)."""
     store_ref = resolve_store_ref(job.store)
     durable_ref = resolve_durable_ref(job.durable_store, store_ref)
     check_reachable_from_workers(target, job.target, store_ref, durable_ref)
-    if check_store:
-        open_checked_store(store_ref).close()
-        if durable_ref != store_ref:
+    if ping:
+        for name, ref in (("store", store_ref), ("durable_store", durable_ref)):
+            if (name == "durable_store" and ref == store_ref) or (not blocks and ref.startswith(BLOCK_PREFIX)):
+                continue
             try:
-                open_checked_store(durable_ref).close()
+                open_checked_store(ref).close()
             except ZooidValueError as exc:
-                raise ZooidValueError("durable_store", str(exc).removeprefix("store: ")) from None
-    return ResolvedJob(job=job, store_ref=store_ref, durable_ref=durable_ref, target_name=job.target, target=target,
-                       offer=offer, n_train=n_train, n_val=n_val,
-                       input_shape=tuple(data.train_x.shape[1:]), classes=classes)
+                raise ZooidValueError(name, str(exc).removeprefix("store: ")) from None
+    return store_ref, durable_ref

@@ -61,6 +61,10 @@ def stack_env(home: Path, api_url: str) -> dict[str, str]:
         # measured on an idle stack, 0.5 s costs 4.1-4.8 % of a core against 1 s's 2.1-2.7 %
         "PREFECT_WORKER_QUERY_SECONDS": "0.5",
         "PREFECT_RUNNER_POLL_FREQUENCY": "1",
+        # the server streams each flow run's logs out, so `prefect deployment run --watch` shows them
+        # (a refused run's one line among them: flows.params.log_refusal), not its state changes alone
+        "PREFECT_SERVER_LOGS_STREAM_OUT_ENABLED": "true",
+        "PREFECT_SERVER_LOGS_STREAM_PUBLISHING_ENABLED": "true",
         "ZOOID_HOME": str(home),
         "ZOOID_ROOT": str(ROOT),
         FLOW_FORKS_VAR: flow_forks_socket(home),

@@ -25,8 +25,10 @@ import sys
 import time
 from pathlib import Path
 
-from coordinator.job import RunSummary, parse_param_value
+from coordinator.job import RunSummary
+from coordinator.job_fields import fields_from_args
 from coordinator.report import text_report
+from core.errors import ZooidError, ZooidValueError
 from core.keys import ledger_key, summary_key
 from core.kinds import TargetKind
 from deployments import docker_stack
@@ -219,37 +221,159 @@ def wait_final(client, flow_run_id, timeout_s: float, poll_s: float = 1.0):
         time.sleep(poll_s)
 
 
+TRAIN_DEPLOYMENT = "train/local"
+DEPLOYMENT_DEFAULTS = {"target": TargetKind.PROCESS.builtin}
+"""`train/local`'s own parameters (prefect.yaml): a run's fields are checked with them."""
+
+
+class RunEnded(ZooidError):
+    """A deployment run whose flow run ended other than Completed: its final state, its own
+    message (first line), its summary where the run wrote one, and where its logs are."""
+
+    def __init__(self, flow_run, summary: dict | None):
+        from prefect.utilities.urls import url_for  # imports Prefect: see run_and_wait
+
+        self.flow_run_id = str(flow_run.id)
+        self.ui_url = url_for(flow_run)
+        """The flow run's page in the stack's UI (Prefect's own link)."""
+        self.state = flow_run.state.name
+        self.message = ((flow_run.state.message or "").strip().splitlines() or ["(no message)"])[0]
+        self.summary = summary
+        super().__init__(f"{TRAIN_DEPLOYMENT} run {flow_run.name!r} ended {self.state}: {self.message}")
+
+    @property
+    def bad_input(self) -> bool:
+        """Whether the run refused its input (a ZooidValueError or one of its kinds, named in the
+        state message as Prefect writes it: `Flow run encountered an exception: <Type>: ...`)."""
+        kinds, todo = set(), [ZooidValueError]
+        while todo:
+            kind = todo.pop()
+            kinds.add(kind.__name__)
+            todo.extend(kind.__subclasses__())
+        return any(f"{kind}: " in self.message for kind in kinds)
+
+    def logs(self, home: Path, stack_up: bool) -> str:
+        """Where the flow run's logs are: the API (the UI's run page, `prefect flow-run logs`),
+        with the stack up, and the pool worker's log file."""
+        where = f"{self.ui_url} or `prefect flow-run logs {self.flow_run_id}`"
+        return (f"logs: {where}{'' if stack_up else ' (after `make up`)'}; "
+                f"the pool worker's output: {home / 'logs' / 'worker.log'}")
+
+
+def _stored_summary(params: dict, run_id: str, timeout_s: float) -> dict | None:
+    """The run's summary from its durable store, with its ledger (`ledger`: cost.json, or None);
+    None when it wrote none (`timeout_s` 0: not waited for)."""
+    # imports Prefect: see run_and_wait
+    from blocks.store_refs import open_store_ref
+    from coordinator.validate import resolve_durable_ref, resolve_store_ref
+
+    store = open_store_ref(resolve_durable_ref(params.get("durable_store", ""),
+                                               resolve_store_ref(params.get("store", ""))))
+    try:
+        if not timeout_s and not store.exists(summary_key(run_id)):
+            return None
+        summary = json.loads(store.get(summary_key(run_id), timeout=timeout_s))
+        ledger = ledger_key(run_id)
+        summary["ledger"] = json.loads(store.get(ledger, timeout=10)) if store.exists(ledger) else None
+    finally:
+        store.close()
+    return summary
+
+
 def run_and_wait(params: dict, timeout_s: float, poll_s: float = 1.0) -> dict:
     """Submit `train/local` with `params`, wait until its flow run is final, and return the
     run's summary from the store, with the flow run's state and times and its ledger
-    (`ledger`: cost.json) added."""
+    (`ledger`: cost.json) added. A flow run that ends other than Completed raises `RunEnded`
+    as soon as it is final, with the summary it wrote, if any."""
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
 
     # Prefect reads its settings from the environment when first imported, so the modules that
     # import it are imported here, once run_deployed has put the stack's variables there.
-    from blocks.store_refs import open_store_ref  # imports Prefect: see above
     from coordinator.context import run_id_for  # imports Prefect: see above
-    from coordinator.validate import resolve_durable_ref, resolve_store_ref  # imports Prefect: see above
 
     submitted = time.time()
-    flow_run = run_deployment("train/local", parameters=params, timeout=0)
+    flow_run = run_deployment(TRAIN_DEPLOYMENT, parameters=params, timeout=0)
     with get_client(sync_client=True) as client:
         fr = wait_final(client, flow_run.id, timeout_s, poll_s)
         seen = time.time()
     run_id = run_id_for(flow_run.id)
-    store = open_store_ref(resolve_durable_ref(params.get("durable_store", ""),
-                                           resolve_store_ref(params.get("store", ""))))
-    try:
-        summary = json.loads(store.get(summary_key(run_id), timeout=10))
-        ledger = ledger_key(run_id)
-        summary["ledger"] = json.loads(store.get(ledger, timeout=10)) if store.exists(ledger) else None
-    finally:
-        store.close()
+    if not fr.state.is_completed():
+        try:
+            summary = _stored_summary(params, run_id, 0)
+        except Exception:  # e.g. a store the run refused: the state's message says why
+            summary = None
+        raise RunEnded(fr, summary)
+    summary = _stored_summary(params, run_id, 10)
     summary.update(flow_run_state=fr.state.type.value, submitted_at=submitted, seen_final_at=seen,
                    flow_start_at=fr.start_time.timestamp() if fr.start_time else None,
                    flow_end_at=fr.end_time.timestamp() if fr.end_time else None)
     return summary
+
+
+def check_run_params(params: dict, home: Path, port: int | None) -> tuple[int | None, bool]:
+    """Check a run's fields before anything starts, with the function the flow uses
+    (`coordinator.job_fields.check_fields`); ZooidValueError naming the field. On a stack that is
+    up, everything is checked through its API; else what needs no API (a block-named target or
+    store is then left to the run), with the stack's environment already in place for the
+    Prefect this imports (it reads its settings once). Returns (the port a new stack takes, or
+    None where one is up; whether the stack is up)."""
+    state = read_state(home)
+    stack_up = bool(state) and all(alive(p) for p in state["pids"].values())
+    docker = params.get("target") == TargetKind.DOCKER.builtin
+    if stack_up:
+        os.environ.update(state["env"])
+    else:
+        port = port or free_port()
+        os.environ.update(stack_env(home, f"http://127.0.0.1:{port}/api"))
+        home.mkdir(parents=True, exist_ok=True)  # Prefect makes its home (PREFECT_HOME, in it) on import
+    from coordinator.job_fields import check_fields  # imports Prefect: see above
+
+    check_fields({**DEPLOYMENT_DEFAULTS, **params}, api=stack_up and (not docker or "docker" in state))
+    return (None if stack_up else port), stack_up
+
+
+def run_command(param_args: list[str], port: int | None = None, docker: bool = False) -> int:
+    """`run`: check the fields (bad input: one line naming the field, exit 2, nothing started),
+    start the stack if it is not up, run `train/local`, print the report, stop what it started.
+    A run that ends other than Completed prints its state's own message and where its logs are
+    (exit 2 for input the run refused, else 1); nothing here prints a traceback for it."""
+    home = zooid_home()
+    try:
+        params = fields_from_args(param_args)
+        if params.get("target") == TargetKind.DOCKER.builtin and not params.get("store"):
+            params["store"] = docker_stack.STORE_BLOCK  # containers reach the stack's S3 server, as on a cloud
+        port, was_up = check_run_params(params, home, port)
+    except ValueError as exc:  # ZooidValueError, and a --param without `=`
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    ended = summary = None
+    try:
+        up(port=port, docker=params.get("target") == TargetKind.DOCKER.builtin or docker)
+        summary = run_deployed(params)
+    except RunEnded as exc:
+        ended = exc
+    except ZooidError as exc:  # e.g. no container engine, a summary that never came
+        print(f"error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, ZooidValueError) else 1
+    except (TimeoutError, OSError, RuntimeError) as exc:
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if not was_up:
+            down()
+    if ended is not None:
+        if ended.summary:
+            ledger = ended.summary.pop("ledger", None)
+            print(text_report(RunSummary(**{k: v for k, v in ended.summary.items() if k in RunSummary.model_fields}),
+                              ledger))
+        print(f"error: {ended}", file=sys.stderr)
+        print(ended.logs(home, was_up), file=sys.stderr)
+        return 2 if ended.bad_input else 1
+    ledger = summary.pop("ledger")
+    state = summary.pop("flow_run_state")
+    print(text_report(RunSummary(**{k: v for k, v in summary.items() if k in RunSummary.model_fields}), ledger))
+    return 0 if state == "COMPLETED" and summary["status"] != "failed" else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -268,21 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "status":
         print(json.dumps(read_state(zooid_home()), indent=1))
     else:
-        params = {k: parse_param_value(v) for k, _, v in (p.partition("=") for p in args.param)}
-        started_here = read_state(zooid_home()) is None
-        docker = params.get("target") == TargetKind.DOCKER.builtin
-        state = up(port=args.port, docker=docker or args.docker)
-        if docker and not params.get("store"):  # containers reach the stack's S3 server, as on a cloud
-            params["store"] = state["docker"]["store"]
-        try:
-            summary = run_deployed(params)
-        finally:
-            if started_here:
-                down()
-        state = summary.pop("flow_run_state")
-        ledger = summary.pop("ledger")
-        print(text_report(RunSummary(**{k: v for k, v in summary.items() if k in RunSummary.model_fields}), ledger))
-        return 0 if state == "COMPLETED" and summary["status"] != "failed" else 1
+        return run_command(args.param, port=args.port, docker=args.docker)
     return 0
 
 

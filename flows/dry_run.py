@@ -25,7 +25,8 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
 from coordinator.context import RunContext, run_id_for
-from coordinator.job import TrainJob, format_validation_error
+from coordinator.job import TrainJob
+from coordinator.job_fields import fields_from_args, job_from_fields
 from coordinator.report import (
     alternatives_table,
     artifact_key,
@@ -38,7 +39,7 @@ from coordinator.report import (
 from coordinator.target_profile import cached_profile, profile_estimate, will_rent
 from coordinator.validate import check_target_ready, validate_job
 from core.errors import ZooidValueError
-from flows.params import job_fields_flow, job_fields_from_args
+from flows.params import job_fields_flow
 from tasks.plan_step import choose_plan
 from tasks.profile import profile, show_profile
 
@@ -134,7 +135,7 @@ def _with_rent(fields_flow):
     base = inspect.signature(fields_flow.fn)
 
     def run(rent: bool = True, **fields):
-        return dry_run(TrainJob(**fields), rent)
+        return dry_run(job_from_fields(fields), rent)
 
     run.__name__ = fields_flow.fn.__name__
     run.__signature__ = base.replace(parameters=[
@@ -153,18 +154,13 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m flows.dry_run --param name=value ...`: print the dry run's table."""
     import argparse
 
-    from pydantic import ValidationError
-
     parser = argparse.ArgumentParser(prog="python -m flows.dry_run", description=__doc__.splitlines()[0])
     parser.add_argument("--param", action="append", default=[], metavar="NAME=VALUE")
     args = parser.parse_args(argv)
     try:
-        fields = job_fields_from_args(args.param)
+        fields = fields_from_args(args.param)
         rent = fields.pop("rent", True)
-        plan(TrainJob(**fields), _rent_flag(rent))
-    except ValidationError as exc:
-        print(f"error: {format_validation_error(exc)}", file=sys.stderr)
-        return 2
+        plan(job_from_fields(fields), _rent_flag(rent))
     except ValueError as exc:  # ZooidValueError and a malformed --param
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -18,9 +18,11 @@ from coordinator.cleanup import cancel_flow_runs, delete_scratch, finish_cancell
 from coordinator.context import ACTIVE, run_id_for
 from coordinator.cost import CostRecord, coordinator_record, is_final, write_ledger
 from coordinator.job import TrainJob
+from coordinator.job_fields import job_from_fields
 from coordinator.ledger import record_cost_now
 from coordinator.sweep import sweep_run
 from coordinator.validate import open_checked_store, resolve_durable_ref, resolve_store_ref
+from core.errors import ZooidValueError
 from core.keys import ledger_key, run_prefix, summary_key
 from planners.catalog import get_offer
 
@@ -30,7 +32,7 @@ def _job_from_parameters(parameters: dict):
     if "job" in params:
         job = params["job"]
         return job if isinstance(job, TrainJob) else TrainJob(**job)
-    return TrainJob(**params)
+    return job_from_fields(params)
 
 
 def _rebuild_and_clean(flow_run, state) -> None:
@@ -44,8 +46,14 @@ def _rebuild_and_clean(flow_run, state) -> None:
         finish_cancelled(cancelled)
     except Exception:
         pass
-    job = _job_from_parameters(flow_run.parameters)
-    target = resolve_target(job.target)
+    try:
+        job = _job_from_parameters(flow_run.parameters)
+    except ZooidValueError:  # refused as the job was built: nothing was provisioned
+        return
+    try:
+        target = resolve_target(job.target)
+    except ValueError:  # an unknown target: refused before anything was provisioned on it
+        return
     adapter = adapter_for(target)
     if adapter is not None:
         adapter.sweep(run_id)

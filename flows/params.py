@@ -3,7 +3,8 @@
 `prefect deployment run train/local --param workers=3` and the UI's form both need flat
 parameters, while Python callers pass one `TrainJob`. `job_fields_flow` wraps a function of a
 `TrainJob` into a flow whose signature is the job's fields (with their defaults, types and
-descriptions); the job is validated by pydantic when the flow builds it.
+descriptions); the job is built by `coordinator.job_fields.job_from_fields`, so a field pydantic
+refuses fails the run with one line naming it.
 """
 from __future__ import annotations
 
@@ -12,26 +13,31 @@ from typing import Any, Callable
 
 from prefect import flow
 
-from coordinator.job import TrainJob, parse_param_value
+from coordinator.job import TrainJob
+from coordinator.job_fields import job_from_fields
+from core.errors import ZooidValueError
 
 
-def job_fields_from_args(params: list[str]) -> dict[str, Any]:
-    """`--param NAME=VALUE` items as TrainJob fields (values parsed as JSON where they can be);
-    ValueError for an item without `=`."""
-    fields = {}
-    for item in params:
-        name, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--param {item!r}: expected NAME=VALUE")
-        fields[name.strip()] = parse_param_value(value)
-    return fields
+def log_refusal(exc: ZooidValueError) -> None:
+    """The run's one-line refusal in its log, sent to the API before the run ends Failed:
+    `prefect deployment run --watch` stops at the final state's event, before Prefect's own
+    batched log of the exception arrives, so it shows this line and the state, not the reason."""
+    from prefect.logging import get_run_logger
+    from prefect.logging.handlers import APILogHandler
+
+    get_run_logger().error(f"error: {exc}")
+    APILogHandler().flush()  # (what the handler does at exit: drain the batch, 5 s at most)
 
 
 def job_fields_flow(fn: Callable[[TrainJob], Any], *, name: str, description: str, **flow_options):
     """A flow named `name` taking one keyword parameter per TrainJob field and calling `fn`."""
 
     def run(**fields):
-        return fn(TrainJob(**fields))
+        try:
+            return fn(job_from_fields(fields))  # bad input: a one-line ZooidValueError, the run's state message
+        except ZooidValueError as exc:
+            log_refusal(exc)
+            raise
 
     run.__name__ = f"{name}_with_params"
     run.__signature__ = inspect.Signature(

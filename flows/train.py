@@ -47,7 +47,8 @@ from prefect.artifacts import (
 from blocks.store_refs import open_store_ref
 from coordinator.context import ACTIVE, RunContext, run_id_for
 from coordinator.cost import read_ledger, total_usd, worker_seconds
-from coordinator.job import RunSummary, TrainJob, format_validation_error
+from coordinator.job import RunSummary, TrainJob
+from coordinator.job_fields import check_fields, fields_from_args
 from coordinator.ledger import record_cost_now, rows_now
 from coordinator.planning import strategy_inputs
 from coordinator.progress import epoch_line, interrupted_lines, money
@@ -68,7 +69,7 @@ from deployments.bootstrap import PAID_WORKERS, ensure_concurrency_limit
 from deployments.server import TemporaryServer, drain_prefect_clients, temporary_server
 from engine.optimizers import load_lazy_modules
 from flows.hooks import on_abnormal_end
-from flows.params import job_fields_flow, job_fields_from_args
+from flows.params import job_fields_flow
 from planners.calibration import Calibration, epoch_overhead, fit
 from tasks.checkpoint_step import checkpoint
 from tasks.plan_step import choose_plan, reconsider_plan
@@ -603,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument("--summary-out", metavar="PATH", help="also write the summary JSON here")
         args = parser.parse_args(argv)
         try:
-            fields = job_fields_from_args(args.param)
+            fields = fields_from_args(args.param)
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
@@ -630,14 +631,8 @@ def early_server():
 
 
 def _validated_run(args, fields: dict, server) -> int:
-    from pydantic import ValidationError
-
     try:
-        job = TrainJob(**fields)
-        validate_job(job)
-    except ValidationError as exc:
-        print(f"error: {format_validation_error(exc)}", file=sys.stderr)
-        return 2
+        job = check_fields(fields)  # what `make run` checks before it starts its stack
     except ZooidValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
