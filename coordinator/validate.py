@@ -247,15 +247,19 @@ def check_model_and_data(job: TrainJob) -> tuple[int, int, tuple[int, ...], int]
     """The model, the dataset, whether one takes the other, the batch against the data, the
     strategy and the pipeline's shape: (n_train, n_val, input shape, classes)."""
     # torch: `make up` and bootstrap import this module (via coordinator.context) without it
-    from engine.datasets import load_dataset, validate_dataset
+    from coordinator.job_data import load_job_dataset, text_settings
+    from engine.datasets import validate_dataset
     from engine.models import resolve_model
+    from engine.objective import target_classes
 
     resolve_model(job.model)
-    validate_dataset(job.dataset)
-    data = load_dataset(job.dataset)
+    validate_dataset(job.dataset, text_settings(job))
+    data = load_job_dataset(job, resolve_durable_ref(job.durable_store, resolve_store_ref(job.store)))
     n_train, n_val = len(data.train_y), len(data.val_y)
-    classes = int(max(data.train_y.max(), data.val_y.max())) + 1
+    classes = target_classes(data.train_y, data.val_y)  # token targets: the vocabulary they use
     check_model_fits(job, data, classes)  # a model that cannot take the data is refused before anything is rented
+    if job.loss:
+        check_loss(job, data, {})
     if job.batch_size > n_train:
         raise ZooidValueError("batch_size", f"{job.batch_size} is larger than the training set ({n_train} samples)")
     if job.workers * job.batch_size > n_train:
