@@ -29,7 +29,9 @@ class TrainJob(BaseModel):
     model: str = Field("digits_mlp", title="Model",
                        description="Registry name (digits_mlp, digits_cnn, resnet18, vgg11) or `package.module:factory` returning an nn.Module.")
     dataset: str = Field("digits", title="Dataset",
-                         description="`digits` (scikit-learn), `synthetic:CxHxW:classes:samples`, or `package.module:factory`.")
+                         description="`digits` (scikit-learn), `synthetic:CxHxW:classes:samples`, `package.module:factory`, or "
+                                     "`text:SOURCE` for a language model: a path, file://, s3://, az://, a store block, "
+                                     "or `stdlib` (Python's standard-library source, shipped).")
     loss: Optional[str] = Field(
         None, title="Loss",
         description="`package.module:function(output, target) -> scalar` for any other objective; null: "
