@@ -114,7 +114,7 @@ def co_optimized(ctx, profile: dict, x: StrategyInputs, uniform: Plan | None, wo
     sizes = target.memory_options()
     if len(sizes) < 2:
         return uniform and not_needed(uniform, f"the target offers one worker size ({sizes[0]:g} GB)")
-    if job.strategy == Strategy.LOCAL_SGD or job.outer_optimizer == "nesterov":
+    if job.strategy == Strategy.LOCAL_SGD or job.outer_optimizer == "nesterov" or ctx.resolved.shared_parameters:
         return uniform and not_needed(uniform, "the job's strategy is local_sgd; the co-optimiser plans "
                                                "pipelines (partition, per-stage size, D)")
     mb = job_microbatches(x.batch_size, x.microbatches)

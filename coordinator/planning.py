@@ -114,9 +114,11 @@ def scaled_plans(ctx: RunContext, profile: dict, chosen: Plan, workers: int, cal
 def uniform_plan(ctx: RunContext, profile: dict, x) -> Plan:
     """The job strategy's plan with every worker at the target's size, memory checked."""
     try:
-        # DiLoCo's outer step runs over Local-SGD rounds: `auto` then plans Local-SGD only
-        strategy = Strategy.LOCAL_SGD if ctx.job.outer_optimizer == "nesterov" and ctx.job.strategy == AUTO \
-            else ctx.job.strategy
+        # DiLoCo's outer step runs over Local-SGD rounds, and no pipeline splits a parameter that two
+        # children share (tied weights, `ResolvedJob.shared_parameters`): `auto` then plans Local-SGD only
+        local_only = ctx.job.strategy == AUTO and (ctx.job.outer_optimizer == "nesterov"
+                                                   or bool(ctx.resolved.shared_parameters))
+        strategy = Strategy.LOCAL_SGD if local_only else ctx.job.strategy
         chosen = choose(x, strategy)
     except ValueError as exc:
         raise ZooidValueError("strategy", str(exc).removeprefix("strategy: ")) from None

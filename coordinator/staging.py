@@ -48,7 +48,7 @@ def stage_run(ctx: RunContext, plan: Plan, fresh: bool = True) -> dict:
         init = init_checkpoint_key(ctx.run_id)
         if fresh or not store.exists(init):
             initial_checkpoint(store, init, ctx.job.model, ctx.job.optimizer, ctx.job.lr,
-                               seed=ctx.job.seed, meta={"run_id": ctx.run_id})
+                               seed=ctx.job.seed, model_kwargs=ctx.resolved.model_kwargs, meta={"run_id": ctx.run_id})
         run_doc = {"run_id": ctx.run_id, "flow_run_id": ctx.flow_run_id, "job": ctx.job.model_dump(),
                    "plan": plan.to_dict(), "target": ctx.job.target, "dataset": ctx.state.dataset,
                    "started_at": ctx.started_at, "provisioned_at": time.time()}

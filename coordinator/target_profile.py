@@ -23,6 +23,7 @@ The run log says what was measured, what came from the cache and how long it too
 """
 from __future__ import annotations
 
+import functools
 import re
 import statistics
 import time
@@ -75,6 +76,7 @@ def profile_request(ctx: RunContext, *, model_profile: bool, store_probe: bool) 
     job, r = ctx.job, ctx.resolved
     return ProfileRequest(
         model=job.model, input_shape=tuple(r.input_shape), classes=r.classes, batch_size=job.batch_size,
+        model_kwargs=dict(r.model_kwargs),
         microbatch_size=microbatch_size(job), optimizer=job.optimizer, lr=job.lr, seed=job.seed,
         threads=profile_threads(ctx),
         device="cuda" if r.target.worker_gpu > 0 else "auto", model_profile=model_profile,
@@ -356,7 +358,8 @@ def catalog_profile(ctx: RunContext) -> tuple[dict, str]:
     except ValueError as exc:
         raise ZooidValueError("rent", f"is false, no profile of {job.model} is cached and {exc}") from None
     figures = DeviceFigures(**{k: fig[k] for k in DeviceFigures.__dataclass_fields__})
-    prof = estimate_profile(resolve_model(job.model), job.model, tuple(r.input_shape), job.batch_size,
+    factory = functools.partial(resolve_model(job.model), **r.model_kwargs)  # the dataset's vocabulary
+    prof = estimate_profile(factory, job.model, tuple(r.input_shape), job.batch_size,
                             microbatch_size(job), job.optimizer, optimizer_copies(job.optimizer), figures,
                             threads).to_dict()
     ref = ctx.store_ref

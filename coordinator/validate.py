@@ -8,7 +8,7 @@ Every failure is a `ZooidValueError` naming the field. Nothing is written anywhe
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from blocks.compute import ComputeTarget, memory_options_problem, resolve_target
 from blocks.store_block import BLOCK_PREFIX, block_ref
@@ -18,6 +18,7 @@ from comm.store_dir import default_store_url, path_from_url
 from coordinator.job import TrainJob
 from core.errors import StoreError, ZooidValueError
 from core.kinds import BUILTIN_TARGETS, PIPELINED_STRATEGIES, Strategy, TargetKind
+from core.shared_parameters import shared_across
 from planners.catalog import Offer, get_offer
 
 SUBSET_SIZE = 64
@@ -40,6 +41,12 @@ class ResolvedJob:
     n_val: int
     input_shape: tuple[int, ...]
     classes: int
+    model_kwargs: dict = field(default_factory=dict)
+    """The model factory's arguments that the dataset decides (`vocab_size`, `mask_token_id`:
+    `engine.models.data_model_kwargs`); every place that builds the model passes them."""
+    shared_parameters: tuple = ()
+    """Parameters two top-level children hold (tied weights, `core.shared_parameters`): `auto`
+    then plans Local-SGD only, and a pipeline is refused."""
 
     @property
     def subset_size(self) -> int:
@@ -93,14 +100,19 @@ def open_checked_store(store_ref: str):
     return store
 
 
-def check_pipeline_shape(job: TrainJob) -> None:
-    """A pipeline needs a model of at least `stages` top-level layers and a batch that splits
-    into whole micro-batches."""
+def check_pipeline_shape(job: TrainJob, model_kwargs: dict | None = None) -> None:
+    """A pipeline needs a model of at least `stages` top-level layers, none of whose parameters
+    two children share (tied weights: refused naming the parameter), and a batch that splits
+    into whole micro-batches. The model is built on `meta` (`engine.models.shape_model`)."""
     # torch: `make up` and bootstrap import this module (via coordinator.context) without it
-    from engine.models import build_model
-    from engine.stages import sequential_children
+    from engine.models import shape_model
+    from engine.stages import sequential_children, shared_parameters
 
-    children = sequential_children(build_model(job.model, job.seed))  # names the model if unsplittable
+    model = shape_model(job.model, job.seed, **(model_kwargs or {}))
+    children = sequential_children(model)  # names the model if unsplittable
+    problem = shared_across(shared_parameters(model), len(children))
+    if problem:
+        raise ZooidValueError("model", f"{job.model}: {problem}")
     if job.stages is not None and not 2 <= job.stages <= len(children):
         raise ZooidValueError("stages", f"must be 2..{len(children)} for {job.model} "
                               f"({len(children)} top-level layers), got {job.stages}")
@@ -112,22 +124,43 @@ def _shape_text(shape) -> str:
     return "x".join(str(d) for d in shape) or "a scalar"
 
 
-def check_model_fits(job: TrainJob, data, classes: int) -> None:
-    """The model takes the dataset's samples and scores all its classes: built without its
-    weights (`engine.models.model_fit`: the `meta` device, one row on the CPU, no gradients),
-    on this machine, before anything is rented. A mismatch is one line naming `model` and
-    `dataset`, their shapes, and the registry models that fit the dataset."""
+def check_model_fits(job: TrainJob, data, classes: int) -> tuple[dict, tuple]:
+    """The model takes the dataset's samples and its outputs can be scored against the targets
+    (`[B, C]` against `[B]`, `[B, T, V]` against `[B, T]`; not checked with a custom `loss`):
+    built without its weights (`engine.models.model_fit`: the `meta` device, one row on the CPU,
+    no gradients), on this machine, before anything is rented, with the arguments the dataset
+    decides (`engine.models.data_model_kwargs`: a language model's vocabulary and mask token).
+    Token inputs are checked first (`engine.models.check_token_inputs`: ids against the
+    embedding, `seq_len` against the positions, `mlm` against the mask token). A mismatch is
+    one line naming `model` and `dataset`, their shapes, and the registry models that fit the
+    dataset. Returns the model's arguments and its shared parameters (`ResolvedJob`)."""
     # torch: `make up` and bootstrap import this module (via coordinator.context) without it
-    from engine.models import model_fit, models_that_fit
+    from engine.stages import shared_parameters
+    from engine.models import (check_token_inputs, data_model_kwargs, dataset_model_kwargs, model_fit,
+                               models_that_fit, shape_model)
 
+    kwargs = data_model_kwargs(job.model, data)
+    try:
+        model = shape_model(job.model, job.seed, **kwargs)
+    except ZooidValueError:
+        raise
+    except Exception:  # a model that cannot be built: model_fit below says why, naming the pair
+        model = None
+    if model is not None:
+        check_token_inputs(model, job.model, data, job.objective)
     sample = data.train_x[:1]
-    problem, expected = model_fit(job.model, sample, classes, job.seed)
+    target = None if job.loss else data.train_y[:1]
+    scored = None if job.loss else classes  # a custom loss scores outputs of any shape
+    problem, expected = model_fit(job.model, sample, scored, job.seed, target=target, model_kwargs=kwargs)
     if problem is None:
-        return
-    fit = [m for m in models_that_fit(sample, classes) if m != job.model]
+        return kwargs, shared_parameters(model) if model is not None else ()
+    fit = [m for m in models_that_fit(sample, scored, target=target, data_kwargs=dataset_model_kwargs(data))
+           if m != job.model]
     takes = f"; {job.model} takes {expected}" if expected else ""
+    scores = (f"targets {_shape_text(target.shape[1:])} of {classes} token ids" if target is not None
+              and target.dim() > 1 else f"{classes} classes")
     raise ZooidValueError("model", f"{job.model} does not fit dataset {job.dataset} (a sample is "
-                          f"{_shape_text(sample.shape[1:])}, {classes} classes{takes}): {problem}; registry "
+                          f"{_shape_text(sample.shape[1:])}, {scores}{takes}): {problem}; registry "
                           f"models that fit {job.dataset}: {', '.join(fit) if fit else 'none'}")
 
 
@@ -225,11 +258,12 @@ def check_target_ready(resolved: "ResolvedJob") -> None:
 
 def validate_job(job: TrainJob, *, check_store: bool = True) -> ResolvedJob:
     """Check everything about `job` that pydantic cannot; raise ZooidValueError naming the field."""
-    n_train, n_val, input_shape, classes = check_model_and_data(job)
+    n_train, n_val, input_shape, classes, model_facts = check_model_and_data(job)
     target, offer = check_target_and_offer(job)
     store_ref, durable_ref = check_stores(job, target, ping=check_store)
     return ResolvedJob(job=job, store_ref=store_ref, durable_ref=durable_ref, target_name=job.target, target=target,
-                       offer=offer, n_train=n_train, n_val=n_val, input_shape=input_shape, classes=classes)
+                       offer=offer, n_train=n_train, n_val=n_val, input_shape=input_shape, classes=classes,
+                       **model_facts)
 
 
 def validate_without_api(job: TrainJob) -> None:
@@ -243,9 +277,10 @@ def validate_without_api(job: TrainJob) -> None:
     check_stores(job, target, ping=True, blocks=False)
 
 
-def check_model_and_data(job: TrainJob) -> tuple[int, int, tuple[int, ...], int]:
+def check_model_and_data(job: TrainJob) -> tuple[int, int, tuple[int, ...], int, dict]:
     """The model, the dataset, whether one takes the other, the batch against the data, the
-    strategy and the pipeline's shape: (n_train, n_val, input shape, classes)."""
+    strategy and the pipeline's shape: (n_train, n_val, input shape, classes, and the model's
+    `ResolvedJob` fields: `model_kwargs`, `shared_parameters`)."""
     # torch: `make up` and bootstrap import this module (via coordinator.context) without it
     from coordinator.job_data import load_job_dataset, text_settings
     from engine.datasets import validate_dataset
@@ -257,9 +292,10 @@ def check_model_and_data(job: TrainJob) -> tuple[int, int, tuple[int, ...], int]
     data = load_job_dataset(job, resolve_durable_ref(job.durable_store, resolve_store_ref(job.store)))
     n_train, n_val = len(data.train_y), len(data.val_y)
     classes = target_classes(data.train_y, data.val_y)  # token targets: the vocabulary they use
-    check_model_fits(job, data, classes)  # a model that cannot take the data is refused before anything is rented
+    # a model that cannot take the data is refused before anything is rented
+    model_kwargs, shared = check_model_fits(job, data, classes)
     if job.loss:
-        check_loss(job, data, {})
+        check_loss(job, data, model_kwargs)
     if job.batch_size > n_train:
         raise ZooidValueError("batch_size", f"{job.batch_size} is larger than the training set ({n_train} samples)")
     if job.workers * job.batch_size > n_train:
@@ -269,8 +305,9 @@ def check_model_and_data(job: TrainJob) -> tuple[int, int, tuple[int, ...], int]
         raise ZooidValueError("strategy", f"{job.strategy!r} is not available yet; use one of "
                               f"{', '.join(Strategy)}")
     if job.strategy in PIPELINED_STRATEGIES:
-        check_pipeline_shape(job)
-    return n_train, n_val, tuple(data.train_x.shape[1:]), classes
+        check_pipeline_shape(job, model_kwargs)
+    return n_train, n_val, tuple(data.train_x.shape[1:]), classes, {"model_kwargs": model_kwargs,
+                                                                     "shared_parameters": shared}
 
 
 def check_target_and_offer(job: TrainJob) -> tuple[ComputeTarget, Offer]:

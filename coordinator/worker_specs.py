@@ -11,7 +11,7 @@ from coordinator.context import RunContext
 from core.keys import checkpoint_key
 from core.kinds import PIPELINED_STRATEGIES
 from core.plan import Plan
-from core.specs import SyncSpec, WorkerSpec
+from core.specs import ComputeSpec, SyncSpec, WorkerSpec
 from engine.datasets import assign_subsets
 from engine.pipeline_executor import pipeline_worker_specs
 
@@ -35,6 +35,7 @@ def worker_specs(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, 
     shards = assign_subsets(ctx.state.dataset["n_subsets"], plan.data_parallel, epoch, job.seed)
     # survivors wait at a sync long enough for a failed peer to be detected and relaunched
     timeout = job.worker_timeout_s + (300.0 if ctx.resolved.target.remote else 120.0)
+    compute = ComputeSpec(model_kwargs=dict(ctx.resolved.model_kwargs))  # the dataset's vocabulary, mask token
     if plan.strategy in PIPELINED_STRATEGIES:
         # a stage reads data and checkpoints from its one store: the durable one
         base = WorkerSpec(run_id=ctx.run_id, epoch=epoch, rank=0, world=plan.workers,
@@ -42,7 +43,7 @@ def worker_specs(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, 
                           subsets=(), steps=plan.steps_per_epoch, batch_size=plan.batch_size, lr=lr,
                           optimizer=job.optimizer, seed=job.seed, init_key=init,
                           out_key=checkpoint_key(ctx.run_id, epoch), sync_timeout_s=timeout, attempt=attempt,
-                          loss=job.loss or "",
+                          loss=job.loss or "", compute=compute,
                           sync=SyncSpec(collective="ring", ring_host=ring_host(ctx)) if job.collective == "ring"
                           else SyncSpec(collective="pipelined", sync_dtype=job.sync_dtype))
         # a planner cut i splits after layer i; the executor's cut is where a stage begins
@@ -58,5 +59,6 @@ def worker_specs(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, 
                        batch_size=plan.batch_size, lr=lr, optimizer=job.optimizer,
                        sync_period=job.sync_period, seed=job.seed, init_key=init,
                        out_key=checkpoint_key(ctx.run_id, epoch), sync_timeout_s=timeout, evaluate=True,
-                       attempt=attempt, checkpoint_store=ctx.durable_ref, sync=sync, loss=job.loss or "")
+                       attempt=attempt, checkpoint_store=ctx.durable_ref, sync=sync, loss=job.loss or "",
+                       compute=compute)
             for rank in range(plan.data_parallel)]

@@ -152,10 +152,12 @@ def initial_checkpoint(
     meta: dict[str, Any] | None = None,
 ) -> int:
     """Write the reference checkpoint an epoch-0 worker starts from: model `model` built from
-    `seed`, empty optimizer state. Return the bytes written."""
+    `seed` and `model_kwargs` (recorded in its metadata: what rebuilds the model), empty
+    optimizer state. Return the bytes written."""
     net = build_model(model, seed, **(model_kwargs or {}))
     opt = build_optimizer(optimizer, net, lr)
-    base = {"model": model, "optimizer": optimizer, "seed": seed, "epoch": -1, "step": 0}
+    base = {"model": model, "model_kwargs": dict(model_kwargs or {}), "optimizer": optimizer, "seed": seed,
+            "epoch": -1, "step": 0}
     return save_checkpoint(store, key, net, opt, {**base, **(meta or {})})
 
 

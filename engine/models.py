@@ -299,15 +299,15 @@ def _shape(shape) -> str:
     return "x".join(map(str, shape)) or "scalar"
 
 
-def model_fit(name: str, sample: torch.Tensor, classes: int, seed: int = 0, *,
+def model_fit(name: str, sample: torch.Tensor, classes: int | None, seed: int = 0, *,
               target: torch.Tensor | None = None,
               model_kwargs: dict[str, Any] | None = None) -> tuple[str | None, str | None]:
     """Whether model `name` (built with `model_kwargs`) takes `sample` (one dataset row, batched:
     `1 x shape`; integer rows are token ids, fed as int64) and gives outputs that can be scored
     against `target` (that row's target; None: a class label) and score at least `classes`
-    classes, cheaply: the model is built on the `meta` device (no weights drawn), then given the
-    row on the CPU with uninitialised weights under `torch.no_grad` (a large row or a large
-    model: on `meta`, shapes only). A model given by import path that cannot be built or run
+    classes (None: a custom loss, any output is scored), cheaply: the model is built on the
+    `meta` device (no weights drawn), then given the row on the CPU with uninitialised weights
+    under `torch.no_grad` (a large row or a large model: on `meta`, shapes only). A model given by import path that cannot be built or run
     that way is built on the CPU and run once on the row. Returns `(problem, expected)`:
     `problem` None when it fits, else one line; `expected` the input its first layer takes,
     where it says."""
@@ -335,10 +335,10 @@ def model_fit(name: str, sample: torch.Tensor, classes: int, seed: int = 0, *,
             shape = _output_shape(model, sample)
         except Exception as exc2:  # a user's model can fail any way; that is the mismatch
             return _first_line(exc2), expected
-    return _scoring_problem(shape, target_shape, classes), expected
+    return None if classes is None else _scoring_problem(shape, target_shape, classes), expected
 
 
-def models_that_fit(sample: torch.Tensor, classes: int, *, target: torch.Tensor | None = None,
+def models_that_fit(sample: torch.Tensor, classes: int | None, *, target: torch.Tensor | None = None,
                     data_kwargs: dict[str, Any] | None = None) -> list[str]:
     """The registry models that take `sample` and score at least `classes` classes (against
     `target`'s shape), each built with the `data_kwargs` its factory accepts."""
@@ -386,3 +386,54 @@ def data_model_kwargs(name: str, data) -> dict[str, Any]:
     """The keyword arguments model `name` is built with for dataset `data`: those of
     `dataset_model_kwargs` that its factory accepts (see `accepted_kwargs`)."""
     return accepted_kwargs(resolve_model(name), dataset_model_kwargs(data))
+
+
+# --- language models against their data (checked on the coordinator before anything is rented) ----
+
+
+def shape_model(name: str, seed: int = 0, **kwargs: Any) -> nn.Module:
+    """Model `name` built for its shapes and attributes: on `meta` (no weights drawn, no memory:
+    bert_large in milliseconds), or, for a factory given by import path that cannot be built
+    there, on the CPU (`build_model`)."""
+    try:
+        return _on_meta(resolve_model(name), kwargs)
+    except Exception:
+        if ":" not in name:  # the registry's models build on meta: the arguments are at fault
+            raise
+        return build_model(name, seed, **kwargs)
+
+
+def check_token_inputs(model: nn.Module, name: str, data, objective: str = "causal") -> None:
+    """A model taking token ids (integer inputs) against its dataset `data` (a `DatasetSplit`):
+    raise a ZooidValueError, one line, for a token id at or above the size of the model's
+    embedding (its first `nn.Embedding`; naming `tokenizer` for a text dataset, else `dataset`,
+    with both numbers), tokens per sample above the model's `max_positions` (naming `seq_len`),
+    or `objective=mlm` with a model that has no `mask_token_id` or another mask id than the
+    tokenizer's (naming `objective`). Float inputs are not token ids: nothing to check."""
+    if data.train_x.is_floating_point():
+        return
+    info = getattr(data, "text", None)
+    embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    top = max(int(t.max()) for t in (data.train_x, data.val_x) if t.numel())
+    if embedding is not None and top >= embedding.num_embeddings:
+        if info is not None:
+            raise ZooidValueError("tokenizer", f"{info.tokenizer} gives token ids up to {top} ({info.vocab_size} "
+                                  f"tokens), at or above {name}'s embedding of {embedding.num_embeddings}; give "
+                                  f"{name} vocab_size={info.vocab_size} or a tokenizer of at most "
+                                  f"{embedding.num_embeddings} tokens")
+        raise ZooidValueError("dataset", f"token id {top} is at or above {name}'s embedding of "
+                              f"{embedding.num_embeddings} tokens; the ids must be below {embedding.num_embeddings}")
+    positions = getattr(model, "max_positions", None)
+    tokens = data.train_x.shape[-1] if data.train_x.dim() > 1 else 1
+    if positions is not None and tokens > positions:
+        raise ZooidValueError("seq_len", f"{tokens} tokens per sample are above {name}'s {positions} positions "
+                              f"(max_positions); use seq_len <= {positions}")
+    if objective == "mlm":
+        mask = getattr(model, "mask_token_id", None)
+        if mask is None:
+            fit = ", ".join(n for n in REGISTRY if n.startswith("bert_"))
+            raise ZooidValueError("objective", f"mlm masks tokens, and {name} has no mask token (no "
+                                  f"mask_token_id); use a masked LM ({fit}) or objective=causal")
+        if info is not None and info.mask_id is not None and mask != info.mask_id:
+            raise ZooidValueError("objective", f"mlm: {name}'s mask token is {mask}, {info.tokenizer}'s is "
+                                  f"{info.mask_id}; give {name} mask_token_id={info.mask_id}")

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from core.errors import ZooidValueError
+from core.shared_parameters import SharedParameter, split_shared
 from core.stage_memory import stage_bounds
 
 
@@ -27,7 +28,8 @@ def split_stages(model: nn.Module, cuts: Sequence[int]) -> list[nn.Module]:
     """Split `model` at the child indices in `cuts` into `len(cuts) + 1` stage modules.
 
     The stages share parameters with `model` (no copy). Raises `ZooidValueError` naming the
-    model when its children do not run in order, or naming `cuts` when they are invalid.
+    model when its children do not run in order or when two stages would hold one parameter
+    (tied weights, `core.shared_parameters`), or naming `cuts` when they are invalid.
     """
     children = sequential_children(model)
     try:
@@ -35,6 +37,9 @@ def split_stages(model: nn.Module, cuts: Sequence[int]) -> list[nn.Module]:
     except ZooidValueError as exc:  # the same check, its message naming the model
         raise ZooidValueError("cuts", f"{type(model).__name__} has {len(children)} children: "
                                       f"{str(exc).removeprefix('cuts: ')}") from None
+    problem = split_shared(shared_parameters(model), cuts, len(children))
+    if problem:
+        raise ZooidValueError("model", problem)
     return [nn.Sequential(OrderedDict(children[first:last + 1])) for first, last in bounds]
 
 
@@ -63,6 +68,18 @@ def sequential_children(model: nn.Module) -> list[tuple[str, nn.Module]]:
             f"(traced {order or 'other operations'}); wrap the model in nn.Sequential "
             "or move the extra operations into child modules")
     return children
+
+
+def shared_parameters(model: nn.Module) -> tuple[SharedParameter, ...]:
+    """The parameters that two top-level children or more hold (tied weights), each as its
+    name in `model.named_parameters()` and the indices of the children holding it, in the
+    order `named_parameters` gives them; empty when no child shares one."""
+    holders: dict[int, list[int]] = {}
+    for index, child in enumerate(model.children()):
+        for param in child.parameters():
+            holders.setdefault(id(param), []).append(index)
+    return tuple((name, tuple(holders[id(p)])) for name, p in model.named_parameters()
+                 if len(holders.get(id(p), ())) > 1)
 
 
 def _traced_chain(model: nn.Module) -> list[str]:

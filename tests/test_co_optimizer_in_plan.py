@@ -41,7 +41,8 @@ def profile(layers=LAYERS) -> dict:
 
 def context(job: TrainJob, target: ComputeTarget, n_train: int = 64):
     offer = get_offer(target.offer)
-    return SimpleNamespace(job=job, resolved=SimpleNamespace(target=target, offer=offer, n_train=n_train),
+    return SimpleNamespace(job=job, resolved=SimpleNamespace(target=target, offer=offer, n_train=n_train,
+                                                             shared_parameters=()),
                            price_per_worker_s=offer.price_per_s(target.worker_vcpu, target.worker_memory_gb,
                                                                 target.worker_gpu))
 
@@ -272,7 +273,8 @@ def test_each_stage_is_launched_predicted_and_billed_at_its_own_size():
     assert [plan.memory_gb_of(rank) for rank in range(plan.workers)] == [4.0, 1.0, 4.0, 1.0]
 
     offer = get_offer(target.offer)
-    ctx = RunContext(run_id="zsizes", job=job, resolved=SimpleNamespace(target=target, offer=offer))
+    ctx = RunContext(run_id="zsizes", job=job, resolved=SimpleNamespace(target=target, offer=offer,
+                                                                        shared_parameters=()))
     launcher = make_launcher(ctx, plan)
     assert [launcher.variables_of(rank)["memory"] for rank in range(plan.workers)] == [4.0, 1.0, 4.0, 1.0]
     assert launch_identity(launcher, 0) == launch_identity(launcher, 2) != launch_identity(launcher, 1)

@@ -439,7 +439,7 @@ def test_a_job_s_outer_settings_reach_every_replica_s_spec():
 
     job = TrainJob(outer_optimizer="nesterov", outer_lr=0.5, outer_momentum=0.8, sync_dtype="bfloat16", workers=2)
     ctx = SimpleNamespace(job=job, run_id="s", store_ref="file:///tmp/x", durable_ref="file:///tmp/x",
-                          resolved=SimpleNamespace(target=SimpleNamespace(remote=False)),
+                          resolved=SimpleNamespace(target=SimpleNamespace(remote=False), model_kwargs={}),
                           state=SimpleNamespace(dataset={"n_subsets": 8}, attempts={}))
     plan = Plan(strategy="local_sgd", data_parallel=2, steps_per_epoch=3, batch_size=16)
     specs = worker_specs(ctx, plan, 0, "init", 0.05, 0)
