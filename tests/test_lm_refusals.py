@@ -242,9 +242,23 @@ def test_a_tied_gpt_pipelined_is_refused_naming_the_shared_parameter(tmp_path, s
                               "which the first and the last stage of every pipeline would hold")
 
 
-def test_a_tied_gpt_is_planned_as_local_sgd_under_auto(tmp_path):
+def test_a_tied_gpt_is_planned_as_local_sgd_under_auto(tmp_path, monkeypatch):
+    """Validation records the shared parameter; the planner, which picks a 2 x 2 hybrid for
+    the same profile without it, then plans Local-SGD."""
+    import coordinator.planning
+    from blocks.compute import ComputeTarget
+    from tests.test_co_optimizer_in_plan import context, profile
+
     resolved = _validate(tmp_path, model=f"{HERE}:tied_gpt", dataset=f"{HERE}:byte_windows", workers=2)
     assert resolved.shared_parameters == (("0.tok.weight", (0, 4)),)
+    monkeypatch.setattr(coordinator.planning, "with_run", lambda ctx, chosen, calibration, epochs_left, **kw: chosen)
+    job = TrainJob(strategy="auto", workers=4, batch_size=8, microbatches=2)
+    ctx = context(job, ComputeTarget(kind="aci", offer="aci-cpu", worker_memory_gb=2.0))
+    untied = coordinator.planning.make_plan(ctx, profile(), 4)
+    assert (untied.strategy, untied.data_parallel, untied.stages) == ("hybrid", 2, 2)
+    ctx.resolved.shared_parameters = resolved.shared_parameters
+    tied = coordinator.planning.make_plan(ctx, profile(), 4)
+    assert (tied.strategy, tied.data_parallel, tied.stages) == ("local_sgd", 4, 1)
 
 
 def test_a_tied_gpt_trains_as_local_sgd_and_stays_tied(tmp_path):
