@@ -69,10 +69,17 @@ class TrainJob(BaseModel):
         "average", title="Outer optimizer",
         description="What a Local-SGD sync does with the replicas' weights: `average` (K-AVG) or `nesterov` "
                     "(DiLoCo: the round's mean change is an outer gradient for a Nesterov step).")
-    outer_lr: float = Field(0.7, gt=0, allow_inf_nan=False, title="Outer learning rate",
-                            description="The `nesterov` outer step's learning rate (1 with momentum 0 is `average`).")
-    outer_momentum: float = Field(0.9, ge=0, lt=1, allow_inf_nan=False, title="Outer momentum",
-                                  description="The `nesterov` outer step's momentum.")
+    outer_lr: Optional[float] = Field(
+        None, gt=0, allow_inf_nan=False, title="Outer learning rate",
+        description="The `nesterov` outer step's learning rate (1 with momentum 0 is `average`); null: "
+                    "follows the sync period (DiLoCo's 0.7; with only outer_momentum set, what the period's "
+                    "bound leaves, at most 1: core.outer_defaults).")
+    outer_momentum: Optional[float] = Field(
+        None, ge=0, lt=1, allow_inf_nan=False, title="Outer momentum",
+        description="The `nesterov` outer step's momentum; null: follows the sync period (core.outer_defaults: "
+                    "0.3 at 4 to 10 steps a round, 0.6 at 32, 0.8 at 128, DiLoCo's 0.9 from 500; a round is "
+                    "the epoch when sync_period is null). Explicit values are kept, with a warning when they "
+                    "exceed what the period bears.")
     sync_dtype: Literal["float32", "bfloat16", "int8"] = Field(
         "float32", title="Sync dtype",
         description="What syncs move through the store: `float32`, `bfloat16`, or `int8` (per-block scaled); "

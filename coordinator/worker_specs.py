@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from clouds.registry import is_cloud
 from coordinator.context import RunContext
+from coordinator.outer_step import job_outer_settings
 from core.keys import checkpoint_key
 from core.kinds import PIPELINED_STRATEGIES
 from core.plan import Plan
@@ -49,8 +50,9 @@ def worker_specs(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, 
         # a planner cut i splits after layer i; the executor's cut is where a stage begins
         return pipeline_worker_specs(base, cuts=[c + 1 for c in plan.cuts], microbatches=plan.microbatches,
                                      replica_subsets=shards, schedule=plan.pipeline_schedule, chunks=plan.chunks)
-    outer = {"outer_optimizer": job.outer_optimizer, "outer_lr": job.outer_lr,
-             "outer_momentum": job.outer_momentum, "sync_dtype": job.sync_dtype}
+    settings = job_outer_settings(job, plan.steps_per_epoch)  # null fields follow the sync period
+    outer = {"outer_optimizer": job.outer_optimizer, "outer_lr": settings.lr,
+             "outer_momentum": settings.momentum, "sync_dtype": job.sync_dtype}
     sync = (SyncSpec(collective="ring", ring_host=ring_host(ctx), ring_timeout_s=120.0, **outer)
             if job.collective == "ring" else SyncSpec(**outer))
     return [WorkerSpec(run_id=ctx.run_id, epoch=epoch, rank=rank, world=plan.data_parallel,

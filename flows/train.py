@@ -50,6 +50,7 @@ from coordinator.cost import read_ledger, total_usd, worker_seconds
 from coordinator.job import RunSummary, TrainJob
 from coordinator.job_fields import check_fields, fields_from_args
 from coordinator.ledger import record_cost_now, rows_now
+from coordinator.outer_step import log_outer_settings
 from coordinator.planning import strategy_inputs
 from coordinator.progress import epoch_line, interrupted_lines, money
 from coordinator.report import artifact_key, epoch_table, markdown_report, plot_curves, text_report
@@ -321,6 +322,7 @@ def profile_plan_and_provision(run: Training) -> None:
     else:
         run.plan = choose_plan(ctx, run.profile, run.workers, run.calibration, job.epochs - run.first_epoch)
     run.plan_since, run.first_plan = run.first_epoch, run.plan.to_dict()
+    log_outer_settings(job, run.plan.steps_per_epoch)  # what the sync period chose, or a warning
     run.clock.planned_at = run.first_plan["planned_at"] = time.time()  # its run prediction counts from here
     if ctx.state.warm is not None:  # start-up overlaps provisioning
         ctx.state.warm.ensure(run.plan, run.first_epoch)
