@@ -29,6 +29,7 @@ from planners.calibration import Calibration, calibrated
 from planners.pipeline_time import TransferCosts
 from planners.run_prediction import predict_run, with_run_prediction
 from planners.strategy import (
+    NO_PLAN_FITS,
     StrategyInputs,
     choose,
     choose_schedule,
@@ -112,19 +113,39 @@ def scaled_plans(ctx: RunContext, profile: dict, chosen: Plan, workers: int, cal
 
 
 def uniform_plan(ctx: RunContext, profile: dict, x) -> Plan:
-    """The job strategy's plan with every worker at the target's size, memory checked."""
+    """The job strategy's plan with every worker at the target's size, chosen among the
+    candidates whose workers fit their memory (a model too large for one worker, a language
+    model's embedding, head and logits say, is pipelined); ZooidValueError naming `memory`,
+    with each candidate's numbers, when none fits."""
+    misfits = []
+
+    def fits(plan: Plan) -> bool:
+        try:
+            if plan.stages > 1:
+                pick_schedule(ctx, profile, x, plan)
+            else:
+                check_memory(ctx, profile, plan)
+            return True
+        except ZooidValueError as exc:
+            if exc.field != "memory":
+                raise
+            misfits.append(f"{plan.strategy} D={plan.data_parallel} M={plan.stages}: "
+                           f"{str(exc).removeprefix('memory: ')}")
+            return False
+
     try:
         # DiLoCo's outer step runs over Local-SGD rounds, and no pipeline splits a parameter that two
         # children share (tied weights, `ResolvedJob.shared_parameters`): `auto` then plans Local-SGD only
         local_only = ctx.job.strategy == AUTO and (ctx.job.outer_optimizer == "nesterov"
                                                    or bool(ctx.resolved.shared_parameters))
         strategy = Strategy.LOCAL_SGD if local_only else ctx.job.strategy
-        chosen = choose(x, strategy)
+        chosen = choose(x, strategy, fits=fits)
     except ValueError as exc:
+        if str(exc) == NO_PLAN_FITS:
+            raise ZooidValueError("memory", "; ".join(misfits)) from None
         raise ZooidValueError("strategy", str(exc).removeprefix("strategy: ")) from None
     if chosen.stages > 1:
         return with_sync(x, pick_schedule(ctx, profile, x, chosen))
-    check_memory(ctx, profile, chosen)
     return with_sync(x, chosen)
 
 

@@ -59,7 +59,9 @@ def model_key(ctx, identity: dict, microbatch_size: int) -> str:
                     "classes": r.classes, "batch_size": job.batch_size, "microbatch_size": microbatch_size,
                     "optimizer": job.optimizer, "device": identity["device"],
                     "device_name": identity["device_name"], "threads": identity["threads"],
-                    "torch": identity["torch"], **({"model_kwargs": r.model_kwargs} if r.model_kwargs else {})})
+                    "torch": identity["torch"], **({"model_kwargs": r.model_kwargs} if r.model_kwargs else {}),
+                    **({"input_dtype": r.input_dtype, "target_shape": list(r.target_shape)}
+                       if r.input_dtype != "float32" or r.target_shape else {})})
 
 
 def store_key(model_key_: str, store_ref: str, pipeline: bool) -> str:

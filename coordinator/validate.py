@@ -47,6 +47,10 @@ class ResolvedJob:
     shared_parameters: tuple = ()
     """Parameters two top-level children hold (tied weights, `core.shared_parameters`): `auto`
     then plans Local-SGD only, and a pipeline is refused."""
+    input_dtype: str = "float32"
+    """The samples' inputs: `float32` rows or `int64` token ids (`profiling.sample`)."""
+    target_shape: tuple[int, ...] = ()
+    """Targets per sample: () for class labels, (T,) for a token per position."""
 
     @property
     def subset_size(self) -> int:
@@ -307,7 +311,16 @@ def check_model_and_data(job: TrainJob) -> tuple[int, int, tuple[int, ...], int,
     if job.strategy in PIPELINED_STRATEGIES:
         check_pipeline_shape(job, model_kwargs)
     return n_train, n_val, tuple(data.train_x.shape[1:]), classes, {"model_kwargs": model_kwargs,
-                                                                     "shared_parameters": shared}
+                                                                     "shared_parameters": shared,
+                                                                     **data_form(data)}
+
+
+def data_form(data) -> dict:
+    """What a profile's synthetic batch must look like (`ResolvedJob.input_dtype`, `target_shape`)."""
+    # torch: `make up` and bootstrap import this module (via coordinator.context) without it
+    from profiling.sample import input_dtype_of
+
+    return {"input_dtype": input_dtype_of(data.train_x), "target_shape": tuple(data.train_y.shape[1:])}
 
 
 def check_target_and_offer(job: TrainJob) -> tuple[ComputeTarget, Offer]:
