@@ -185,3 +185,15 @@ def test_a_custom_loss_is_run_on_the_models_output_before_anything_is_rented(los
     with pytest.raises(ZooidValueError, match=error) as info:
         check_loss(job, data, {})
     assert info.value.field == "loss" and str(info.value).count("\n") == 0
+
+
+def test_the_loss_is_computed_in_one_place():
+    """Every strategy and metric scores through engine.objective; profiling.sample's one
+    cross-entropy (written to trace on `meta`) is the only other."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    found = [str(p.relative_to(root)) for folder in ("engine", "profiling", "runtime", "coordinator", "comm")
+             for p in sorted((root / folder).rglob("*.py"))
+             if "cross_entropy(" in p.read_text() or "CrossEntropyLoss(" in p.read_text()]
+    assert found == ["engine/objective.py", "profiling/sample.py"]
