@@ -63,6 +63,8 @@ SECTIONS = [
     Section("Peers: the CPU ring's transport beside gloo", "bench_ring", "ring"),
 ]
 
+    Section("Language models: sync methods, plain PyTorch, the seeds' workloads planned", "bench_language_models",
+            "language_models", ("--part", "c", "--seq-len", "128", "512")),
 HEADER = """# Zooid benchmarks
 
 Every number below was measured by the command printed with it, on the machine named beside
