@@ -27,6 +27,7 @@ from pathlib import Path
 
 from benchmarks.lm_plain import RESULTS_GPU, add_plain_arguments, part_b
 from benchmarks.lm_results import merged_body
+from benchmarks.lm_sync import add_sync_arguments, part_a
 from benchmarks.output import command_for, money, provenance, write_result
 
 RESULTS = Path(__file__).resolve().parent / "results" / "language_models.md"
@@ -227,7 +228,7 @@ def part_c(args: argparse.Namespace) -> str:
     return "\n".join(out)
 
 
-PARTS = {"b": part_b, "c": part_c}
+PARTS = {"a": part_a, "b": part_b, "c": part_c}
 """The benchmark's parts by letter, each a function of the parsed arguments returning its section's
 markdown; a and b join here."""
 
@@ -240,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"tokens per sample (part c: {' and/or '.join(map(str, DATASETS))}; parts a and b: the first)")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS, help="part c's models")
     parser.add_argument("--batches", type=int, nargs="+", default=list(GLOBAL_BATCHES), help="part c's global batches")
+    add_sync_arguments(parser)
     add_plain_arguments(parser)
     parser.add_argument("--out", type=Path, default=None,
                         help=f"default {RESULTS.name}, or {RESULTS_GPU.name} for part b with --device cuda")

@@ -51,6 +51,7 @@ import statistics
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -293,6 +294,8 @@ class PoolRun(Trace):
 
     run_id: str = ""
     status: str = ""
+    perplexity: list[float] = field(default_factory=list)
+    """Each epoch's validation perplexity (summary `val_perplexity`; NaN for a classifier)."""
     cost_usd: list[float] = field(default_factory=list)
     startup_s: list[float] = field(default_factory=list)
     """Each epoch's worker start-up inside its `seconds` (summary `startup.exposed_s`: the first
@@ -316,8 +319,13 @@ class PoolRun(Trace):
 
 
 def run_outer(home: Path, setup: Setup, config: tuple, seed: int, epochs: int) -> PoolRun:
-    """Run one configuration as a `train/local` flow run on the stack under `home` (its API
-    configured in this process) and read back its summary and ledger from the stack's store;
+    """Run one configuration as a `train/local` flow run on the stack under `home` (`pool_run`)."""
+    return pool_run(home, outer_params(setup, config, seed, epochs), config[0], seed)
+
+
+def pool_run(home: Path, params: dict, name: str, seed: int) -> PoolRun:
+    """Run `params` (TrainJob fields) as a `train/local` flow run on the stack under `home` (its
+    API configured in this process) and read back its summary and ledger from the stack's store;
     the run's folder there is removed afterwards (a synthetic dataset is 100 MB a run)."""
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
@@ -329,8 +337,8 @@ def run_outer(home: Path, setup: Setup, config: tuple, seed: int, epochs: int) -
     from coordinator.sweep import tagged_pids
 
     t0 = time.monotonic()
-    flow_run = run_deployment("train/local", parameters=outer_params(setup, config, seed, epochs), timeout=0)
-    trace = PoolRun(config[0], seed, run_id=run_id_for(flow_run.id))
+    flow_run = run_deployment("train/local", parameters=params, timeout=0)
+    trace = PoolRun(name, seed, run_id=run_id_for(flow_run.id))
     with get_client(sync_client=True) as client:
         try:
             fr = wait_final(client, flow_run.id, RUN_TIMEOUT_S)
@@ -349,6 +357,7 @@ def run_outer(home: Path, setup: Setup, config: tuple, seed: int, epochs: int) -
     for e in sorted(summary.get("epochs", []), key=lambda e: e["epoch"]):
         acc = e.get("val_accuracy")
         trace.accuracy.append(math.nan if acc is None else float(acc))
+        trace.perplexity.append(math.nan if e.get("val_perplexity") is None else float(e["val_perplexity"]))
         trace.seconds.append(float(e["seconds"]))
         trace.bytes_synced.append(int(e.get("bytes_synced", 0)))
         trace.cost_usd.append(float(e.get("cost_usd", 0.0)))
@@ -500,31 +509,44 @@ def render_outer(results: dict[str, list[PoolRun]], epochs: dict[str, int], seed
 def run_outer_section(seeds, digits_epochs: int, cifar_epochs: int) -> str:
     """Every setup x configuration x seed, interleaved by seed, as `train/local` runs on one
     local stack brought up for the section and stopped (by pid) however it ends; the markdown."""
+    epochs = {OUTER_SETUPS[0].label: digits_epochs, OUTER_SETUPS[1].label: cifar_epochs}
+    results: dict[str, list[PoolRun]] = {s.label: [] for s in OUTER_SETUPS}
+    with local_stack("zooid-bench-outer-") as (home, ran):
+        for setup in OUTER_SETUPS:
+            for seed in seeds:
+                for config in OUTER_CONFIGS:
+                    t = run_outer(home, setup, config, seed, epochs[setup.label])
+                    results[setup.label].append(t)
+                    ran.append(t)
+                    e, s, b = t.totals(setup.target) if t.accuracy else (None, 0.0, 0)
+                    print(f"{setup.label[:12]} seed {seed} {t.name:22s} {t.run_id} {t.status[:60]}: target at "
+                          f"epoch {e or 'not reached'} {s:.1f} s {b / 1e6:.2f} MB final "
+                          f"{t.accuracy[-1] if t.accuracy else math.nan:.3f} run {t.run_s:.0f} s", flush=True)
+    return render_outer(results, epochs, seeds)
+
+
+@contextmanager
+def local_stack(prefix: str):
+    """A local stack (`deployments.stack.up`: Prefect server on a free port, the `zooid-local`
+    pool and its worker, `train/local`) under a temporary home, its API set in this process;
+    yields (home, runs): append each `PoolRun` to `runs`. Stopped (by pid) however the block
+    ends; the home is removed when every run in `runs` ended well, kept for a look otherwise."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from deployments.server import free_port
     from deployments.stack import down, up
 
-    epochs = {OUTER_SETUPS[0].label: digits_epochs, OUTER_SETUPS[1].label: cifar_epochs}
-    results: dict[str, list[PoolRun]] = {s.label: [] for s in OUTER_SETUPS}
-    home = Path(tempfile.mkdtemp(prefix="zooid-bench-outer-"))
+    home = Path(tempfile.mkdtemp(prefix=prefix))
     saved = dict(os.environ)
+    runs: list[PoolRun] = []
     clean = False
     try:
         # any free port, never the stack's preferred 4200, so a developer's `make up` keeps it
         state = up(home=home, port=free_port(0))
         os.environ.update(state["env"])
         with temporary_settings(updates={PREFECT_API_URL: state["api_url"]}):
-            for setup in OUTER_SETUPS:
-                for seed in seeds:
-                    for config in OUTER_CONFIGS:
-                        t = run_outer(home, setup, config, seed, epochs[setup.label])
-                        results[setup.label].append(t)
-                        e, s, b = t.totals(setup.target) if t.accuracy else (None, 0.0, 0)
-                        print(f"{setup.label[:12]} seed {seed} {t.name:22s} {t.run_id} {t.status[:60]}: target at "
-                              f"epoch {e or 'not reached'} {s:.1f} s {b / 1e6:.2f} MB final "
-                              f"{t.accuracy[-1] if t.accuracy else math.nan:.3f} run {t.run_s:.0f} s", flush=True)
-        clean = all(t.ok for ts in results.values() for t in ts)
+            yield home, runs
+        clean = all(t.ok for t in runs)
     finally:
         down(home)
         os.environ.clear()
@@ -533,7 +555,6 @@ def run_outer_section(seeds, digits_epochs: int, cifar_epochs: int) -> str:
             shutil.rmtree(home, ignore_errors=True)
         else:
             print(f"the stack's home (logs, store) is kept for a look: {home}", flush=True)
-    return render_outer(results, epochs, seeds)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -273,14 +273,29 @@ def batch_stream(n: int, batch_size: int, steps: int, generator: torch.Generator
         pending = pending[batch_size:]
 
 
+VALIDATION_ROWS, VALIDATION_TOKENS = 1024, 16384
+"""Rows a validation forward pass scores at most; for token inputs, positions at most (GPT-2's
+[rows, T, 50257] logits of 1024 rows of 128 tokens would take 26 GB, 16384 positions 3.3 GB)."""
+
+
+def validation_chunk(x: torch.Tensor) -> int:
+    """Rows of `x` a validation forward pass takes: VALIDATION_ROWS, or for integer token rows
+    [N, T] as many as hold VALIDATION_TOKENS positions (at least one)."""
+    if x.dim() == 2 and not x.is_floating_point():
+        return max(1, min(VALIDATION_ROWS, VALIDATION_TOKENS // max(1, x.shape[1])))
+    return VALIDATION_ROWS
+
+
 def validation_metrics(model: nn.Module, x: torch.Tensor, y: torch.Tensor, objective: Objective = CROSS_ENTROPY,
-                       chunk: int = 1024) -> Metrics:
+                       chunk: int | None = None) -> Metrics:
     """The objective's figures of `model` on (x, y), in eval mode (`engine.objective`: loss and
-    accuracy for class targets, loss, perplexity and token accuracy for token targets)."""
+    accuracy for class targets, loss, perplexity and token accuracy for token targets), scored
+    `chunk` rows at a time (None: `validation_chunk`)."""
     was_training = model.training
     model.eval()
     tally = Tally()
     device = next(model.parameters()).device
+    chunk = chunk or validation_chunk(x)
     with torch.no_grad():
         for start in range(0, len(y), chunk):
             xb, yb = x[start : start + chunk].to(device), y[start : start + chunk].to(device)
@@ -289,7 +304,7 @@ def validation_metrics(model: nn.Module, x: torch.Tensor, y: torch.Tensor, objec
     return tally.metrics()
 
 
-def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, chunk: int = 1024) -> tuple[float, float]:
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, chunk: int = VALIDATION_ROWS) -> tuple[float, float]:
     """Mean cross-entropy and accuracy of a classifier `model` on (x, y), in eval mode."""
     m = validation_metrics(model, x, y, CROSS_ENTROPY, chunk)
     return m.loss, m.accuracy

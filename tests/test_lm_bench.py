@@ -1,0 +1,62 @@
+"""The language-model benchmark's parts a and b (benchmarks/lm_sync.py, benchmarks/lm_plain.py):
+the results file keeps each part's last section, part a's target rule, and part b's two sides
+training the same numbers; and the validation chunk a token model is scored in."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from benchmarks.lm_results import merged_body, sections
+from benchmarks.lm_sync import KAVG, configs, reached
+from engine.local_sgd import VALIDATION_ROWS, VALIDATION_TOKENS, validation_chunk, validation_metrics
+from engine.objective import CROSS_ENTROPY
+
+
+def test_a_run_keeps_the_other_parts_sections(tmp_path):
+    path = tmp_path / "lm.md"
+    path.write_text("# Title\n\nCommand: `x`\n\n## b. Old b\n\nold b body\n\n## c. Planned\n\n### T = 128\n\nc body\n")
+    body = merged_body(path, {"a": "## a. Sync\n\na body\n", "b": "## b. New b\n\nnew b body"})
+    assert list(sections(body)) == ["a", "b", "c"]
+    assert sections(body)["c"] == "## c. Planned\n\n### T = 128\n\nc body"
+    assert "old b body" not in body and "new b body" in body
+    assert merged_body(tmp_path / "none.md", {"b": "## b. B"}) == "## b. B"
+
+
+def test_part_a_target_rule_and_order():
+    args = argparse.Namespace(sync_k=8, diloco_k=32)
+    rows = configs(args)
+    assert rows[0].name.startswith(KAVG)  # its run fixes the target before any DiLoCo row exists
+    assert [(c.period, c.outer, c.dtype) for c in rows] == [
+        (8, "average", "float32"), (1, "average", "float32"), (32, "nesterov", "float32"), (32, "nesterov", "int8")]
+    assert reached([9.0, 7.5, 7.0, 6.9], 7.0) == 3
+    assert reached([9.0, 8.0], 7.0) is None
+
+
+def test_validation_chunk_bounds_token_positions():
+    assert validation_chunk(torch.zeros(5000, 128, dtype=torch.int64)) == VALIDATION_TOKENS // 128
+    assert validation_chunk(torch.zeros(10, 4 * VALIDATION_TOKENS, dtype=torch.int64)) == 1
+    assert validation_chunk(torch.zeros(10, 3, 32, 32)) == VALIDATION_ROWS
+    assert validation_chunk(torch.zeros(5000, 2, dtype=torch.int64)) == VALIDATION_ROWS
+
+
+def test_token_validation_in_chunks_scores_like_one_pass():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(11, 8), torch.nn.Linear(8, 11)).double()
+    x = torch.randint(0, 11, (300, 64))
+    y = torch.randint(0, 11, (300, 64))
+    chunked = validation_metrics(model, x, y, CROSS_ENTROPY)  # 256 rows, then 44
+    whole = validation_metrics(model, x, y, CROSS_ENTROPY, chunk=300)
+    assert chunked.loss == pytest.approx(whole.loss, rel=1e-12)
+    assert chunked.token_accuracy == whole.token_accuracy
+
+
+def test_part_b_sides_train_the_same_numbers():
+    from benchmarks.lm_plain import run_plain_vs_zooid
+
+    zooid, plain, facts = run_plain_vs_zooid("gpt_mini", "cpu", batch=4, seq_len=32, steps=3, kb=20, epochs=2, lr=1e-3)
+    assert facts["steps"] == 3 and facts["tokens_per_epoch"] == 3 * 4 * 32
+    assert len(zooid.seconds) == len(plain.seconds) == 2
+    assert zooid.perplexity == pytest.approx(plain.perplexity, rel=1e-5)
+    assert zooid.perplexity[1] < zooid.perplexity[0]
