@@ -15,11 +15,12 @@ Three settings of the outer step per period:
 - the rule (`core.outer_defaults.outer_settings`: what a job whose `outer_lr` and
   `outer_momentum` are null now gets for rounds of that many steps).
 
-Two setups. A, where the rule was tuned: `digits_convnet` below (a conv net the registry does
-not have), seeds 0, 1, 2. B, out of sample: the registry's `digits_cnn` and `digits_mlp`, seeds
-3, 4, 5, at periods 4, 8, 16, 32 and 128 (128 > 45: once an epoch). The goal, judged on B: at
-every period, the rule's final accuracy (mean over the seeds) no more than 1 point below
-K-AVG's.
+Three setups. A, where the rule was tuned: `digits_convnet` below (a conv net the registry does
+not have), seeds 0, 1, 2. Out of sample, the registry's `digits_cnn` and `digits_mlp` at periods
+4, 8, 16, 32 and 128 (128 > 45: once an epoch): B, seeds 3, 4, 5, on which the rule's first
+version (a gain bound growing like √k) missed the goal, so B is no longer unseen; and C, seeds
+6, 7, 8, first run with the rule as it is. The goal, judged on C: at every period, the rule's
+final accuracy (mean over the seeds) no more than 1 point below K-AVG's.
 
     .venv/bin/python -m benchmarks.bench_diloco_defaults [--epochs 6] [--out PATH]
 """
@@ -49,7 +50,8 @@ RESULTS = Path(__file__).resolve().parent / "results" / "diloco_defaults.md"
 WORKERS, BATCH, EPOCHS, OPTIMIZER, LR, SUBSET_ROWS, DATASET = 2, 16, 6, "momentum", 0.05, 64, "digits"
 CONVNET = "benchmarks.bench_diloco_defaults:digits_convnet"
 SETUP_A = ("A (tuned on)", (CONVNET,), (0, 1, 2), (1, 2, 4, 8, 16, 32, None))
-SETUP_B = ("B (out of sample)", ("digits_cnn", "digits_mlp"), (3, 4, 5), (4, 8, 16, 32, 128))
+SETUP_B = ("B (out of sample for the first version)", ("digits_cnn", "digits_mlp"), (3, 4, 5), (4, 8, 16, 32, 128))
+SETUP_C = ("C (out of sample)", ("digits_cnn", "digits_mlp"), (6, 7, 8), (4, 8, 16, 32, 128))
 GOAL_POINTS = 1.0
 
 
@@ -154,7 +156,7 @@ def goal_line(traces: list[Trace]) -> str:
                                         - _mean(traces, t.model, t.period, "K-AVG")) for t in traces}
     (model, period), worst = min(gaps.items(), key=lambda kv: kv[1])
     met = worst >= -GOAL_POINTS
-    return (f"Goal (setup B, out of sample): the rule ends no more than {GOAL_POINTS:.0f} point below K-AVG at every "
+    return (f"Goal (setup C, out of sample): the rule ends no more than {GOAL_POINTS:.0f} point below K-AVG at every "
             f"period: **{'met' if met else 'not met'}** (the worst: `{model}` at sync_period {period}, "
             f"{worst:+.1f} points).")
 
@@ -165,13 +167,15 @@ def render(setups: list[tuple], traces: dict[str, list[Trace]], steps: int, epoc
              f"momentum SGD lr {LR}, batch {BATCH} per replica, {steps} steps per replica per epoch, {epochs} "
              "epochs, no early stop; figures are rank 0's validation accuracy after the last epoch, the mean "
              "over the seeds. `rule` = `core.outer_defaults.outer_settings(round steps)`: what a job with "
-             "`outer_lr` and `outer_momentum` null gets (outer lr 0.7, momentum 1 - 0.7 / max(1, 7 sqrt(k / 500)), "
+             "`outer_lr` and `outer_momentum` null gets (outer lr 0.7, momentum 1 - 0.7 / max(1, 7 k / 500), "
              f"at most 0.9 (1 - 0.9^k)). A round is the period, or the epoch ({steps} steps) when the period is "
-             "null or longer. The rule was chosen on setup A alone; B was run once it was fixed."), ""]
+             "null or longer. The rule's first version (bound 7 sqrt(k / 500)) was chosen on setup A and missed the "
+             "goal on B (benchmarks/results/diloco_defaults.md at a3e44b8); the rule as it is was chosen on A and "
+             "that miss, and C was run once it was fixed."), ""]
     for setup in setups:
         lines += render_setup(setup, traces[setup[0]], steps) + [""]
-    if SETUP_B[0] in traces:
-        lines += [goal_line(traces[SETUP_B[0]]), ""]
+    if SETUP_C[0] in traces:
+        lines += [goal_line(traces[SETUP_C[0]]), ""]
     lines += ["Every run: validation accuracy after each epoch.", "",
               "| setup | model | sync_period | setting | seed | accuracy per epoch |", "|---|---|---|---|---|---|"]
     for label, ts in traces.items():
@@ -186,13 +190,13 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=EPOCHS)
     parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--only", choices=("all", "A", "B"), default="all")
+    parser.add_argument("--only", choices=("all", "A", "B", "C"), default="all")
     args = parser.parse_args(argv)
     if args.epochs < 1:
         raise SystemExit("error: --epochs: must be positive")
     torch.set_num_threads(1)
     prov = provenance()
-    setups = [s for s in (SETUP_A, SETUP_B) if args.only in ("all", s[0][0])]
+    setups = [s for s in (SETUP_A, SETUP_B, SETUP_C) if args.only in ("all", s[0][0])]
     steps = steps_per_epoch(1437, WORKERS, BATCH)
     root = Path(tempfile.mkdtemp(prefix="zooid-bench-diloco-"))
     try:

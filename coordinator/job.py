@@ -77,7 +77,7 @@ class TrainJob(BaseModel):
     outer_momentum: Optional[float] = Field(
         None, ge=0, lt=1, allow_inf_nan=False, title="Outer momentum",
         description="The `nesterov` outer step's momentum; null: follows the sync period (core.outer_defaults: "
-                    "0.3 at 4 to 10 steps a round, 0.6 at 32, 0.8 at 128, DiLoCo's 0.9 from 500; a round is "
+                    "0.3 at 4 to 71 steps a round, 0.61 at 128, 0.8 at 250, DiLoCo's 0.9 from 500; a round is "
                     "the epoch when sync_period is null). Explicit values are kept, with a warning when they "
                     "exceed what the period bears.")
     sync_dtype: Literal["float32", "bfloat16", "int8"] = Field(
