@@ -44,6 +44,8 @@ SECTIONS = [
     Section("Warm workers: orchestration overhead, warm vs cold", "bench_orchestration", "orchestration"),
     Section("Foundation: store throughput", "bench_stores", "stores", ("--repeats-large", "5")),
     Section("Foundation: Local-SGD period to 95 % accuracy", "bench_local_sgd", "local_sgd"),
+    Section("Local-SGD: DiLoCo's outer settings that follow the sync period", "bench_diloco_defaults",
+            "diloco_defaults"),
     Section("Planners: partition, hybrid, provision", "bench_planners", "planners_partition_provision"),
     Section("Planners: co-optimisation (exact vs SCIP vs gurobipy)", "bench_co_optimize", "co_optimize",
             ("--scip-time-limit", "60")),
