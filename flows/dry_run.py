@@ -27,6 +27,7 @@ from prefect.artifacts import create_markdown_artifact
 from coordinator.context import RunContext, run_id_for
 from coordinator.job import TrainJob
 from coordinator.job_fields import fields_from_args, job_from_fields
+from coordinator.outer_step import log_outer_settings
 from coordinator.report import (
     alternatives_table,
     artifact_key,
@@ -109,7 +110,9 @@ def dry_run(job: TrainJob, rent: bool = True) -> dict:
         ctx.state.profile = prof
         print(note)
         show_profile(prof)
-    chosen = choose_plan(ctx, prof).to_dict()
+    planned = choose_plan(ctx, prof)
+    log_outer_settings(job, planned.steps_per_epoch)  # what the sync period chose, or a warning
+    chosen = planned.to_dict()
     markdown = plan_report(job, chosen)
     create_markdown_artifact(key=artifact_key(ctx.run_id, "plan"), markdown=markdown,
                              description=f"Dry run of {job.model}: strategies, time and cost")
