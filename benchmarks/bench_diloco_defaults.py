@@ -176,13 +176,13 @@ def render(setups: list[tuple], traces: dict[str, list[Trace]], steps: int, epoc
         lines += render_setup(setup, traces[setup[0]], steps) + [""]
     if SETUP_C[0] in traces:
         lines += [goal_line(traces[SETUP_C[0]]), ""]
-    lines += ["Every run: validation accuracy after each epoch.", "",
+    lines += ["<details><summary>Every run: validation accuracy after each epoch</summary>", "",
               "| setup | model | sync_period | setting | seed | accuracy per epoch |", "|---|---|---|---|---|---|"]
     for label, ts in traces.items():
         for t in ts:
             lines.append(f"| {label[:1]} | `{t.model.rsplit(':', 1)[-1]}` | {t.period or 'null'} | {t.setting} | "
                          f"{t.seed} | {' '.join(f'{a:.3f}' for a in t.accuracy)} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + ["", "</details>"]) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
