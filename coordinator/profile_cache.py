@@ -61,7 +61,8 @@ def model_key(ctx, identity: dict, microbatch_size: int) -> str:
                     "device_name": identity["device_name"], "threads": identity["threads"],
                     "torch": identity["torch"], **({"model_kwargs": r.model_kwargs} if r.model_kwargs else {}),
                     **({"input_dtype": r.input_dtype, "target_shape": list(r.target_shape)}
-                       if r.input_dtype != "float32" or r.target_shape else {})})
+                       if r.input_dtype != "float32" or r.target_shape else {}),
+                    **({"target_dtype": r.target_dtype, "loss": job.loss} if job.loss else {})})
 
 
 def store_key(model_key_: str, store_ref: str, pipeline: bool) -> str:

@@ -77,6 +77,7 @@ def profile_request(ctx: RunContext, *, model_profile: bool, store_probe: bool) 
     return ProfileRequest(
         model=job.model, input_shape=tuple(r.input_shape), classes=r.classes, batch_size=job.batch_size,
         model_kwargs=dict(r.model_kwargs), input_dtype=r.input_dtype, target_shape=tuple(r.target_shape),
+        target_dtype=r.target_dtype, loss=job.loss or "",
         microbatch_size=microbatch_size(job), optimizer=job.optimizer, lr=job.lr, seed=job.seed,
         threads=profile_threads(ctx),
         device="cuda" if r.target.worker_gpu > 0 else "auto", model_profile=model_profile,
@@ -362,7 +363,7 @@ def catalog_profile(ctx: RunContext) -> tuple[dict, str]:
     prof = estimate_profile(factory, job.model, tuple(r.input_shape), job.batch_size,
                             microbatch_size(job), job.optimizer, optimizer_copies(job.optimizer), figures,
                             threads, input_dtype=r.input_dtype, target_shape=tuple(r.target_shape),
-                            gpu=bool(gpu_type)).to_dict()
+                            gpu=bool(gpu_type), target_dtype=r.target_dtype, loss=job.loss).to_dict()
     ref = ctx.store_ref
     scheme = urlsplit(load_store_block(ref).url() if ref.startswith(BLOCK_PREFIX) else ref).scheme
     medium = store_figures(scheme, r.offer.network_bytes_per_s)

@@ -51,6 +51,8 @@ class ResolvedJob:
     """The samples' inputs: `float32` rows or `int64` token ids (`profiling.sample`)."""
     target_shape: tuple[int, ...] = ()
     """Targets per sample: () for class labels, (T,) for a token per position."""
+    target_dtype: str = "int64"
+    """`int64` labels or token ids, `float32` values (a custom loss's)."""
 
     @property
     def subset_size(self) -> int:
@@ -316,11 +318,13 @@ def check_model_and_data(job: TrainJob) -> tuple[int, int, tuple[int, ...], int,
 
 
 def data_form(data) -> dict:
-    """What a profile's synthetic batch must look like (`ResolvedJob.input_dtype`, `target_shape`)."""
+    """What a profile's synthetic batch must look like (`ResolvedJob.input_dtype`, `target_shape`,
+    `target_dtype`)."""
     # torch: `make up` and bootstrap import this module (via coordinator.context) without it
-    from profiling.sample import input_dtype_of
+    from profiling.sample import input_dtype_of, target_dtype_of
 
-    return {"input_dtype": input_dtype_of(data.train_x), "target_shape": tuple(data.train_y.shape[1:])}
+    return {"input_dtype": input_dtype_of(data.train_x), "target_shape": tuple(data.train_y.shape[1:]),
+            "target_dtype": target_dtype_of(data.train_y)}
 
 
 def check_target_and_offer(job: TrainJob) -> tuple[ComputeTarget, Offer]:

@@ -141,9 +141,9 @@ def _traced(layer: nn.Module, h: torch.Tensor, index: int, gpu: bool = False, ke
     return out.detach(), fwd.get_total_flops(), back, kept[0]
 
 
-def _loss_bytes(out: torch.Tensor, target: torch.Tensor) -> int:
+def _loss_bytes(out: torch.Tensor, target: torch.Tensor, loss: str | None = None) -> int:
     """`profiling.memory.loss_memory_bytes` on `meta`: the logits `out` and what the loss keeps
-    (the log-softmax and a scalar), the target aside."""
+    (the log-softmax and a scalar; a custom `loss`: what it keeps), the target aside."""
     seen, kept = {target.untyped_storage()._cdata}, [0]
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -155,7 +155,7 @@ def _loss_bytes(out: torch.Tensor, target: torch.Tensor) -> int:
 
     logits = out.detach().requires_grad_(True)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        profile_loss(logits, target)
+        profile_loss(logits, target, loss)
     return _nbytes(logits) + kept[0]
 
 
@@ -165,11 +165,12 @@ def _seconds(flops: int, touched: int, call_s: float, fig: DeviceFigures) -> flo
 
 def estimate_profile(factory, name: str, input_shape: tuple[int, ...], batch_size: int, microbatch_size: int,
                      optimizer: str, optimizer_copies: int, figures: DeviceFigures, threads: int, *,
-                     input_dtype: str = "float32", target_shape: tuple[int, ...] = (), gpu: bool = False
-                     ) -> ModelProfile:
+                     input_dtype: str = "float32", target_shape: tuple[int, ...] = (), gpu: bool = False,
+                     target_dtype: str = "int64", loss: str | None = None) -> ModelProfile:
     """The `ModelProfile` of the model `factory` builds, estimated from its shapes and `figures`
     (a device's assumed rates), per micro-batch of `microbatch_size` samples of `input_dtype`
-    (`int64`: token ids) scored against targets of `target_shape` per sample; the whole step at
+    (`int64`: token ids) scored against targets of `target_shape` per sample (`target_dtype`
+    `float32`: a custom `loss`'s values) by the job's loss; the whole step at
     `batch_size`; attention as a GPU's kernel keeps it when `gpu`, else a CPU's (module
     docstring). Nothing is computed: the model lives on `meta`."""
     if input_dtype not in INPUT_DTYPES:
@@ -182,13 +183,14 @@ def estimate_profile(factory, name: str, input_shape: tuple[int, ...], batch_siz
         children = [("model", model)]
     dtype = torch.int64 if input_dtype == "int64" else torch.get_default_dtype()
     h = torch.zeros(microbatch_size, *input_shape, dtype=dtype, device="meta")
-    target = torch.zeros(microbatch_size, *target_shape, dtype=torch.int64, device="meta")
+    target = torch.zeros(microbatch_size, *target_shape, device="meta",
+                         dtype=torch.get_default_dtype() if target_dtype == "float32" else torch.int64)
     layers, total_f, total_b, activation, kernels = [], 0.0, 0.0, 0, []
     for index, (lname, layer) in enumerate(children):
         params = sum(_nbytes(p) for p in layer.parameters())
         out, f_flops, b_flops, kept = _traced(layer, h, index, gpu, kernels)
         if index == len(children) - 1:  # the head's stage holds the logits and the loss's log-softmax too
-            kept += _loss_bytes(out, target)
+            kept += _loss_bytes(out, target, loss)
         touched = _nbytes(h) + _nbytes(out) + params
         fwd = _seconds(f_flops, touched, figures.forward_call_s, figures)
         bwd = _seconds(b_flops, 2 * touched, figures.backward_call_s, figures)

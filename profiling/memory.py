@@ -93,36 +93,38 @@ def _peak_rss_since_reset() -> int:
     return 0
 
 
-def loss_memory_bytes(output: torch.Tensor, target: torch.Tensor) -> int:
+def loss_memory_bytes(output: torch.Tensor, target: torch.Tensor, loss: str | None = None) -> int:
     """Bytes the loss adds at the model's head for one batch: the `output` (the logits, held
     from the forward until the loss's backward has made their gradient: [B, T, V] for a
     language model, usually the largest tensor of its last stage) and what the loss keeps for
-    its backward (the log-softmax, as large again, and a scalar), the `target` not counted
-    (it is the batch's)."""
+    its backward (the log-softmax, as large again, and a scalar; a custom `loss`: what it keeps),
+    the `target` not counted (it is the batch's)."""
     out = output.detach().requires_grad_(True)
     with _SavedTensors(exclude=[target]) as saved:
-        profile_loss(out, target)
+        profile_loss(out, target, loss)
     return _nbytes(out) + saved.bytes
 
 
-def measure_activation_bytes(model: nn.Module, x: torch.Tensor, y: torch.Tensor | None = None) -> int:
+def measure_activation_bytes(model: nn.Module, x: torch.Tensor, y: torch.Tensor | None = None,
+                             loss: str | None = None) -> int:
     """Bytes the whole model keeps for backward on batch `x` (each storage once); with the
-    targets `y`, the loss's too (`loss_memory_bytes`)."""
+    targets `y`, the loss's too (`loss_memory_bytes`, the job's `loss`)."""
     with _SavedTensors(exclude=list(model.parameters())) as saved:
         out = model(x)
-    return saved.bytes + (loss_memory_bytes(out, y) if y is not None else 0)
+    return saved.bytes + (loss_memory_bytes(out, y, loss) if y is not None else 0)
 
 
-def _training_step(model: nn.Module, opt: torch.optim.Optimizer, x, y) -> Callable[[], None]:
+def _training_step(model: nn.Module, opt: torch.optim.Optimizer, x, y, loss: str | None = None) -> Callable[[], None]:
     def step() -> None:
         opt.zero_grad(set_to_none=True)
-        profile_loss(model(x), y).backward()
+        profile_loss(model(x), y, loss).backward()
         opt.step()
 
     return step
 
 
-def measure_peak_memory(model: nn.Module, opt: torch.optim.Optimizer, x, y) -> tuple[int, str, int, int]:
+def measure_peak_memory(model: nn.Module, opt: torch.optim.Optimizer, x, y,
+                        loss: str | None = None) -> tuple[int, str, int, int]:
     """(peak bytes, method, RSS growth bytes, optimizer state bytes) of one training step.
 
     CUDA: `torch.cuda.max_memory_allocated` over the step (method `cuda_max_allocated`).
@@ -131,7 +133,7 @@ def measure_peak_memory(model: nn.Module, opt: torch.optim.Optimizer, x, y) -> t
     by tensor. The allocator's own slack is
     not in it; the RSS growth over the step (peak RSS after resetting the kernel's mark,
     minus RSS before) is reported beside it for comparison, 0 where it cannot be read."""
-    step = _training_step(model, opt, x, y)
+    step = _training_step(model, opt, x, y, loss)
     step()  # the optimizer allocates its state on the first step
     state_bytes = sum(_nbytes(v) for s in opt.state.values() for v in s.values()
                       if isinstance(v, torch.Tensor))
@@ -148,7 +150,7 @@ def measure_peak_memory(model: nn.Module, opt: torch.optim.Optimizer, x, y) -> t
         growth = max(0, _peak_rss_since_reset() - before)
     params = sum(_nbytes(p) for p in model.parameters())
     grads = sum(_nbytes(p) for p in model.parameters() if p.requires_grad)
-    acts = measure_activation_bytes(model, x, y)
+    acts = measure_activation_bytes(model, x, y, loss)
     peak = params + grads + state_bytes + acts + _nbytes(x) + _nbytes(y)
     return peak, "cpu_accounted", growth, state_bytes
 

@@ -63,6 +63,10 @@ class ProfileRequest:
     """The data's inputs: `float32` rows or `int64` token ids (`profiling.sample`)."""
     target_shape: tuple[int, ...] = ()
     """Targets per sample: () for class labels, (T,) for a token per position."""
+    target_dtype: str = "int64"
+    """`int64` labels or token ids, `float32` values (a custom loss's)."""
+    loss: str = ""
+    """The job's custom loss (`package.module:function`); empty: the default cross-entropy."""
     model_kwargs: dict = dataclasses.field(default_factory=dict)
     """The model factory's arguments the dataset decides (`ResolvedJob.model_kwargs`)."""
 
@@ -118,14 +122,15 @@ def run_profile(request: ProfileRequest, open_store: Callable[[str], Any], base_
         prof = profile_model(net, request.model, request.input_shape, request.classes, request.batch_size,
                              repeats=3, microbatch_size=request.microbatch_size, optimizer=request.optimizer,
                              base_memory=False, thread_counts=[request.threads], input_dtype=request.input_dtype,
-                             target_shape=request.target_shape).to_dict()
+                             target_shape=request.target_shape, target_dtype=request.target_dtype,
+                             loss=request.loss or None).to_dict()
         prof["base_memory_bytes"] = base_memory_bytes
         out["model"], out["model_s"] = prof, time.perf_counter() - t0
     if request.store_url:
         t0 = time.perf_counter()
         x, y = sample_batch(request.input_shape, request.classes, request.batch_size,
                             generator=torch.Generator().manual_seed(request.seed), input_dtype=request.input_dtype,
-                            target_shape=request.target_shape, device=device)
+                            target_shape=request.target_shape, target_dtype=request.target_dtype, device=device)
         max_bytes, activation_bytes = probe_sizes(net, x[:request.microbatch_size], request.optimizer,
                                                   request.pipeline)
         store = open_store(request.store_url)
@@ -133,7 +138,7 @@ def run_profile(request: ProfileRequest, open_store: Callable[[str], Any], base_
             out["store"] = probe_store_side(
                 store, request.probe_prefix, net, build_optimizer(request.optimizer, net, request.lr), x, y,
                 request.classes, max_bytes=max_bytes, microbatch_size=request.microbatch_size,
-                activation_bytes=activation_bytes)
+                activation_bytes=activation_bytes, loss=request.loss or None)
         finally:
             store.close()
         out["store_s"] = time.perf_counter() - t0

@@ -164,12 +164,15 @@ def profile_model(model: nn.Module, name: str, input_shape: tuple[int, ...], num
                   batch_size: int, repeats: int = 5, *, microbatch_size: int | None = None,
                   optimizer: str = "sgd", base_memory: bool = True,
                   thread_counts: Sequence[int] | None = None, input_dtype: str = "float32",
-                  target_shape: Sequence[int] = ()) -> ModelProfile:
+                  target_shape: Sequence[int] = (), target_dtype: str = "int64",
+                  loss: str | None = None) -> ModelProfile:
     """Profile `model` on synthetic input of `input_shape` on the device its parameters live on.
 
     The input is what the job's data is (`profiling.sample.sample_batch`): float rows, or with
     `input_dtype` "int64" token ids (a language model's [B, T], T the job's `seq_len`), scored
-    against targets of `target_shape` per sample ([T] for tokens) by the default loss.
+    against targets of `target_shape` per sample ([T] for tokens; `target_dtype` "float32": a
+    custom loss's values) by the job's loss (`loss`, a custom function's import path; None: the
+    default cross-entropy).
     Layer and whole-model forward/backward figures are per micro-batch of
     `microbatch_size` samples (default `batch_size`); the step time and peak memory are
     for a full step at `batch_size` with `optimizer`. The last layer's activation bytes
@@ -177,8 +180,9 @@ def profile_model(model: nn.Module, name: str, input_shape: tuple[int, ...], num
     logits and the log-softmax, [B, T, V] each for a language model). `base_memory=False`
     skips the s0 subprocess; `thread_counts` (default 1 and every core) are where the step
     is timed to fit the vCPU scaling. The model's weights and buffers are restored afterwards."""
+    labels_drawn = target_dtype == "int64" or input_dtype == "int64"  # a custom loss's float targets need none
     for label, value in (("batch_size", batch_size), ("repeats", repeats),
-                         ("microbatch_size", microbatch_size or 1), ("num_classes", num_classes)):
+                         ("microbatch_size", microbatch_size or 1), ("num_classes", num_classes if labels_drawn else 1)):
         if not isinstance(value, int) or value < 1:
             raise ZooidValueError(label, f"must be a positive integer, got {value!r}")
     micro = microbatch_size or batch_size
@@ -188,27 +192,29 @@ def profile_model(model: nn.Module, name: str, input_shape: tuple[int, ...], num
     was_training = model.training
     model.train()
     gen = torch.Generator().manual_seed(0)
-    shaped = dict(generator=gen, input_dtype=input_dtype, target_shape=tuple(target_shape), device=device)
+    shaped = dict(generator=gen, input_dtype=input_dtype, target_shape=tuple(target_shape), target_dtype=target_dtype,
+                  device=device)
     x, y = sample_batch(input_shape, num_classes, batch_size, **shaped)
     xm, ym = x[:micro].clone(), y[:micro].clone()  # storages of their own: a layer keeping its input keeps these
     if micro > batch_size:
         xm, ym = sample_batch(input_shape, num_classes, micro, **shaped)
     try:
         opt = _build_optimizer(optimizer, model)
-        step = _training_step(model, opt, x, y)
+        step = _training_step(model, opt, x, y, loss)
         threads = torch.get_num_threads()
         # a few more warm-up steps than elsewhere: the allocator and caches settle over the
         # first steps, and a training run is all steady state
         step_s = _median_time(step, 2 * repeats, device, warmup=3, min_time_s=ANCHOR_MIN_S)
         optimizer_step_s = _median_time(opt.step, 2 * repeats, device)  # gradients are in place
-        layers = with_loss_memory(profile_layers(model, xm, repeats, fit_rows=max(1, micro // 4)), model, xm, ym)
-        fwd = _median_time(lambda: profile_loss(model(xm), ym), repeats, device)
-        bwd = _median_time(lambda loss: loss.backward(), repeats, device,
-                           setup=lambda: profile_loss(model(xm), ym))
-        peak, method, growth, state_bytes = measure_peak_memory(model, opt, x, y)
+        layers = with_loss_memory(profile_layers(model, xm, repeats, fit_rows=max(1, micro // 4)), model, xm, ym,
+                                  loss)
+        fwd = _median_time(lambda: profile_loss(model(xm), ym, loss), repeats, device)
+        bwd = _median_time(lambda value: value.backward(), repeats, device,
+                           setup=lambda: profile_loss(model(xm), ym, loss))
+        peak, method, growth, state_bytes = measure_peak_memory(model, opt, x, y, loss)
         by_threads = measure_thread_scaling(step, device, max(1, repeats // 2 + 1), thread_counts)
         by_threads.setdefault(threads, step_s)
-        activation = measure_activation_bytes(model, x, y)
+        activation = measure_activation_bytes(model, x, y, loss)
     finally:
         model.load_state_dict(saved_state)
         model.zero_grad(set_to_none=True)
@@ -228,7 +234,7 @@ def profile_model(model: nn.Module, name: str, input_shape: tuple[int, ...], num
 
 
 def with_loss_memory(layers: tuple[LayerProfile, ...], model: nn.Module, x: torch.Tensor,
-                     y: torch.Tensor) -> tuple[LayerProfile, ...]:
+                     y: torch.Tensor, loss: str | None = None) -> tuple[LayerProfile, ...]:
     """`layers` with the loss's memory on micro-batch (`x`, `y`) added to the last one's
     activation bytes (`profiling.memory.loss_memory_bytes`): the stage holding the head
     holds the logits and the log-softmax too."""
@@ -237,7 +243,7 @@ def with_loss_memory(layers: tuple[LayerProfile, ...], model: nn.Module, x: torc
     with torch.no_grad():
         out = model(x)
     last = layers[-1]
-    extra = loss_memory_bytes(out, y)
+    extra = loss_memory_bytes(out, y, loss)
     return (*layers[:-1], dataclasses.replace(last, activation_bytes=last.activation_bytes + extra))
 
 

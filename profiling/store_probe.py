@@ -34,7 +34,7 @@ from engine.checkpoint import save_checkpoint
 from engine.malloc import pin_malloc_thresholds
 from core.stage_memory import optimizer_copies
 from profiling.memory import _param_bytes
-from profiling.sample import input_dtype_of, profile_loss, sample_batch
+from profiling.sample import input_dtype_of, profile_loss, sample_batch, target_dtype_of
 from profiling.timing import ANCHOR_MIN_S, _median_time, layer_output_bytes
 
 
@@ -139,21 +139,24 @@ def profile_store(store, run_prefix: str, sizes: tuple[int, ...] = (1 << 10, 16 
 def measure_contention(model: nn.Module, input_shape: tuple[int, ...], num_classes: int,
                        microbatch_size: int, store, run_prefix: str, *,
                        payload_bytes: int = 4 << 20, repeats: int = 5, input_dtype: str = "float32",
-                       target_shape: Sequence[int] = ()) -> ContentionResult:
+                       target_shape: Sequence[int] = (), target_dtype: str = "int64",
+                       loss: str | None = None) -> ContentionResult:
     """Forward + backward of `model` on one micro-batch, timed alone and while a background
     thread uploads and downloads `payload_bytes` to `store` without pause (FuncPipe's
     beta: compute slows while a worker's transfers run). Each phase is a median over at
     least `ANCHOR_MIN_S` (five single calls varied the factor from 1.0 to 1.46 for one
     model); alone is timed before and after the loaded phase and averaged, so a drift in
     machine load does not pass for contention. The micro-batch is shaped as the job's data
-    (`profiling.sample.sample_batch`: `input_dtype`, `target_shape`)."""
+    (`profiling.sample.sample_batch`: `input_dtype`, `target_shape`, `target_dtype`) and scored by
+    the job's `loss`."""
     device = next(model.parameters(), torch.empty(0)).device
     x, y = sample_batch(input_shape, num_classes, microbatch_size, generator=torch.Generator().manual_seed(1),
-                        input_dtype=input_dtype, target_shape=tuple(target_shape), device=device)
+                        input_dtype=input_dtype, target_shape=tuple(target_shape), target_dtype=target_dtype,
+                        device=device)
 
     def compute() -> None:
         model.zero_grad(set_to_none=True)
-        profile_loss(model(x), y).backward()
+        profile_loss(model(x), y, loss).backward()
 
     def timed() -> float:
         # at least ANCHOR_MIN_S of samples: the factor is a ratio of two such medians
@@ -283,7 +286,7 @@ def probe_sizes(model: nn.Module, x_micro: torch.Tensor, optimizer: str, pipelin
 
 def probe_store_side(store, run_prefix: str, model: nn.Module, optimizer, x: torch.Tensor, y: torch.Tensor,
                      num_classes: int, *, max_bytes: float = 0, microbatch_size: int = 1,
-                     activation_bytes: float = 0) -> dict:
+                     activation_bytes: float = 0, loss: str | None = None) -> dict:
     """The store side of a profile, as the worker running it sees it (its own threads, the
     allocator pinned): the contract's bandwidth and latency (`profile_store`) and a
     worker's put and get costs up to `max_bytes` (`profile_transfers`), both with one
@@ -295,18 +298,20 @@ def probe_store_side(store, run_prefix: str, model: nn.Module, optimizer, x: tor
     handoff_s = measure_handoff(store, run_prefix)
     bandwidth, latency = profile_store(store, run_prefix, handoff_s=handoff_s)
     transfer = profile_transfers(store, run_prefix, max_bytes, handoff_s=handoff_s)
-    synced_step_s, checkpoint_s = time_steps_between_checkpoints(store, run_prefix, model, optimizer, x, y)
+    synced_step_s, checkpoint_s = time_steps_between_checkpoints(store, run_prefix, model, optimizer, x, y,
+                                                                 loss=loss)
     contention = 1.0
     if activation_bytes > 0:
         contention = measure_contention(model, tuple(x.shape[1:]), num_classes, microbatch_size, store,
                                         run_prefix, payload_bytes=int(activation_bytes),
-                                        input_dtype=input_dtype_of(x), target_shape=tuple(y.shape[1:])).factor
+                                        input_dtype=input_dtype_of(x), target_shape=tuple(y.shape[1:]),
+                                        target_dtype=target_dtype_of(y), loss=loss).factor
     return {"bandwidth_bytes_per_s": bandwidth, "latency_s": latency, "transfer": transfer.to_dict(),
             "checkpoint_s": checkpoint_s, "synced_step_s": synced_step_s, "contention": contention}
 
 
 def time_steps_between_checkpoints(store, run_prefix: str, model: nn.Module, optimizer, x: torch.Tensor,
-                                   y: torch.Tensor, repeats: int = 5) -> tuple[float, float]:
+                                   y: torch.Tensor, repeats: int = 5, loss: str | None = None) -> tuple[float, float]:
     """(step seconds, checkpoint seconds), medians over `repeats` rounds (more while the rounds
     have taken under 2 x `ANCHOR_MIN_S`) of one training step
     on (`x`, `y`) followed by a checkpoint write (`engine.checkpoint.save_checkpoint`), as
@@ -323,7 +328,7 @@ def time_steps_between_checkpoints(store, run_prefix: str, model: nn.Module, opt
         while i <= repeats or (time.perf_counter() - began < 2 * ANCHOR_MIN_S and i <= 100 * repeats):
             t0 = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
-            profile_loss(model(x), y).backward()
+            profile_loss(model(x), y, loss).backward()
             optimizer.step()
             t1 = time.perf_counter()
             save_checkpoint(store, f"{key_base}/{i % 2}", model, optimizer, {"step": i})

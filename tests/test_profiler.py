@@ -16,10 +16,12 @@ from comm.store import open_store
 from core.errors import ZooidValueError
 from core.stage_memory import GB, check_plan_memory, stage_bounds, stage_memory
 from engine.models import build_model
+from profiling.estimate import DeviceFigures, estimate_profile
 from profiling.memory import measure_base_memory
 from profiling.profiler import ModelProfile, hardware_fingerprint, profile_model, to_planner_layers
 from profiling.timing import fit_serial_fraction, profile_layers, vcpu_factor
 from profiling.store_probe import measure_contention, probe_sizes, profile_store
+from tests.lm_helpers import tiny_regressor
 
 F32 = 4
 
@@ -75,6 +77,21 @@ def test_digits_cnn_bytes_and_times(cnn_profile):
     assert p.layers[0].backward_s == 0.0  # reshaping the data input: nothing to differentiate
     assert all(layer.backward_s > 0 for layer in p.layers[1:])
     assert p.step_s > 0 and p.step_s_by_threads == {"1": pytest.approx(p.step_s_by_threads["1"])}
+
+
+def test_a_custom_loss_job_is_profiled_on_float_targets_with_its_own_loss():
+    """A regression under a custom loss (`tests.lm_helpers:mse`): float targets [B], the step and
+    the head's memory those of its loss (the [B, 1] output and the difference it squares), not a
+    cross-entropy's; the dataset's label count is not used."""
+    b = 16
+    p = profile_model(tiny_regressor(), "tests.lm_helpers:tiny_regressor", (8,), 0, b, repeats=1,
+                      base_memory=False, thread_counts=(1,), target_dtype="float32", loss="tests.lm_helpers:mse")
+    assert p.layers[-1].activation_bytes == b * 16 * F32 + b * 1 * F32 + b * F32
+    assert p.peak_memory_bytes == 2 * p.param_bytes + p.activation_bytes + b * 8 * F32 + b * F32
+    figures = DeviceFigures(flops_per_s=1e9, bytes_per_s=1e8, forward_call_s=0, backward_call_s=0, base_memory_bytes=0)
+    est = estimate_profile(tiny_regressor, "tests.lm_helpers:tiny_regressor", (8,), b, b, "sgd", 0, figures, 1,
+                           target_dtype="float32", loss="tests.lm_helpers:mse")  # the loss traced on `meta` too
+    assert [l.activation_bytes for l in est.layers] == [l.activation_bytes for l in p.layers]
 
 
 def test_activation_bytes_of_a_linear_relu_stack_are_exact():
