@@ -147,7 +147,7 @@ def _model_facts(seq_len: int) -> tuple[list[str], dict[str, float]]:
 def part_c(args: argparse.Namespace) -> str:
     """Part c's markdown: every model x global batch x size dry run (module docstring), at each
     of `args.seq_len`, for `args.models` and `args.batches`."""
-    seq_lens, models, batches = tuple(args.seq_len), tuple(args.models), tuple(args.batches)
+    seq_lens, models, batches = tuple(args.seq_len or [128]), tuple(args.models), tuple(args.batches)
     if set(seq_lens) - set(DATASETS):
         raise SystemExit(f"error: --seq-len: part c plans at {' or '.join(map(str, DATASETS))} tokens")
     from moto.server import ThreadedMotoServer
@@ -237,8 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=sorted(PARTS), nargs="+", default=sorted(PARTS),
                         help="the parts to run (default: all); the results file holds the parts that ran")
-    parser.add_argument("--seq-len", type=int, nargs="+", default=[128],
-                        help=f"tokens per sample (part c: {' and/or '.join(map(str, DATASETS))}; parts a and b: the first)")
+    parser.add_argument("--seq-len", type=int, nargs="+", default=None,
+                        help=f"tokens per sample (part c: {' and/or '.join(map(str, DATASETS))}, default 128; "
+                             "parts a and b: the first, default 64 and 128)")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS, help="part c's models")
     parser.add_argument("--batches", type=int, nargs="+", default=list(GLOBAL_BATCHES), help="part c's global batches")
     add_sync_arguments(parser)

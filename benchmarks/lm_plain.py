@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks.lm_results import run_line
+
 RESULTS_GPU = Path(__file__).resolve().parent / "results" / "language_models_gpu.md"
 """Where a run on a GPU writes part b (another machine than the one that runs parts a and c)."""
 PLAIN_MODELS = ("gpt_mini", "gpt2_small")
@@ -57,6 +59,8 @@ def add_plain_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kb", type=int, default=None, help="part b: KB of text:stdlib (default: by model)")
     parser.add_argument("--plain-epochs", type=int, default=5, help="part b: epochs of each side")
     parser.add_argument("--lr", type=float, default=None, help="part b: Adam's learning rate (default: by model)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="part b on the CPU: torch threads for both sides (a pool worker's 1 by default)")
 
 
 @dataclass
@@ -203,7 +207,10 @@ def run_plain_vs_zooid(model_name: str, device_name: str, batch: int, seq_len: i
         import shutil
 
         shutil.rmtree(root, ignore_errors=True)
-    facts = {"params": params, "steps": steps, "n_train": manifest.n_train, "n_val": manifest.n_val,
+    state_mb = (sum(t.numel() * t.element_size() for t in plain_model.parameters())
+                + sum(v.numel() * v.element_size() for st in plain_opt.state.values() for v in st.values()
+                      if torch.is_tensor(v))) / 1e6
+    facts = {"params": params, "state_mb": state_mb, "steps": steps, "n_train": manifest.n_train, "n_val": manifest.n_val,
              "tokens_per_epoch": steps * batch * seq_len, "val_tokens": manifest.n_val * seq_len,
              "publish_s": publish_s, "kwargs": kwargs, "device": _device_words(device), "threads": torch.get_num_threads()}
     return zooid, plain, facts
@@ -214,7 +221,8 @@ def _device_words(device) -> str:
 
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"CPU, {torch.get_num_threads()} torch threads"
+    n = torch.get_num_threads()
+    return f"CPU, {n} torch thread{'s' if n > 1 else ''}"
 
 
 def render_plain(zooid: Side, plain: Side, facts: dict, args: argparse.Namespace, command: str) -> str:
@@ -228,7 +236,7 @@ def render_plain(zooid: Side, plain: Side, facts: dict, args: argparse.Namespace
     gap = max(abs(a - b) / b for a, b in zip(zooid.perplexity, plain.perplexity))
     lines = [
         f"## b. Against plain PyTorch{' on the GPU' if gpu else ''}", "",
-        f"Run: `{command}` on {facts['device']}.", "",
+        run_line(command, facts["device"]), "",
         f"`{args.model}` ({facts['params'] / 1e6:.2f}M parameters, model arguments {facts['kwargs'] or 'its defaults'}) "
         f"on `text:stdlib:{args.kb}` (bytes tokenizer, causal blocks of {args.seq_len_b} tokens: "
         f"{facts['n_train']} training and {facts['n_val']} validation blocks), Adam lr {args.lr:g}, batch "
@@ -237,7 +245,8 @@ def render_plain(zooid: Side, plain: Side, facts: dict, args: argparse.Namespace
         "alternating, seed 0, float32. One process, one device: Zooid's side is the worker's epoch "
         "(`run_local_sgd_epoch`, one replica, against a directory store in a temporary folder: the model "
         "rebuilt from its template and the previous checkpoint loaded, training, the sync checkpoint and the "
-        "epoch checkpoint written and fsynced, the history record, the validation set scored); plain "
+        f"epoch checkpoint written and fsynced, {facts['state_mb']:,.1f} MB each (weights and Adam's moments), the "
+        "history record, the validation set scored); plain "
         "PyTorch trains the same model from the same weights on the same batches in the same order, scores "
         "the same validation set and `torch.save`s the model's and the optimizer's state once an epoch "
         "(`benchmarks/lm_plain.py`). Seconds per epoch: the median over the epochs after the first (which "
@@ -272,9 +281,13 @@ def part_b(args: argparse.Namespace) -> str:
     if args.batch < 1 or (args.steps is not None and args.steps < 1) or args.plain_epochs < 2:
         raise SystemExit("error: --batch and --steps must be positive, --plain-epochs at least 2")
     lr, kb = DEFAULTS[args.model]
+    if args.device == "cpu":
+        if args.threads < 1:
+            raise SystemExit("error: --threads: must be at least 1")
+        torch.set_num_threads(args.threads)
     args.lr = args.lr or lr
     args.kb = args.kb or kb
-    args.seq_len_b = args.seq_len[0]
+    args.seq_len_b = args.seq_len[0] if args.seq_len else 128
     zooid, plain, facts = run_plain_vs_zooid(args.model, args.device, args.batch, args.seq_len_b, args.steps, args.kb,
                                              args.plain_epochs, args.lr)
     from benchmarks.output import command_for

@@ -4,6 +4,7 @@ section of every other part from the file as it was."""
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 _SECTION = re.compile(r"^## ([a-z])\. ", re.MULTILINE)
@@ -23,3 +24,14 @@ def merged_body(path: Path, new: dict[str, str]) -> str:
     old = sections(path.read_text()) if path.exists() else {}
     kept = {**old, **{part: body.strip() for part, body in new.items()}}
     return "\n\n".join(kept[part] for part in sorted(kept))
+
+
+def run_line(command: str, where: str = "") -> str:
+    """A section's own first line: its command, the commit checked out and when it ran (the file's
+    header names only the last run's)."""
+    from benchmarks.output import code_state
+
+    state = code_state()
+    dirty = f", {len(state.dirty)} source file(s) uncommitted" if state.dirty else ""
+    return (f"Run: `{command}`{(' on ' + where) if where else ''}, at `{state.head[:12]}`{dirty}, "
+            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.")

@@ -20,16 +20,20 @@ import argparse
 import math
 from dataclasses import dataclass
 
+from benchmarks.lm_results import run_line
+
 WORKERS = 2
 BATCH = 16
 OPTIMIZER = "momentum"
 MODEL = "gpt_mini"
 KAVG = "K-AVG"
+SEQ_LEN = 64
+"""Part a's default tokens per block: gpt_mini's attention costs more than its MLPs beyond that."""
 
 
 def add_sync_arguments(parser: argparse.ArgumentParser) -> None:
     """Part a's options (`--seq-len` is the script's own)."""
-    parser.add_argument("--sync-kb", type=int, default=300, help="part a: KB of text:stdlib")
+    parser.add_argument("--sync-kb", type=int, default=200, help="part a: KB of text:stdlib")
     parser.add_argument("--sync-epochs", type=int, default=5, help="part a: epochs of every run")
     parser.add_argument("--sync-lr", type=float, default=0.05, help="part a: the inner SGD's learning rate")
     parser.add_argument("--sync-k", type=int, default=8, help="part a: K-AVG's period")
@@ -46,6 +50,11 @@ class Config:
     dtype: str
 
 
+def seq_len(args: argparse.Namespace) -> int:
+    """Tokens per block: the first `--seq-len`, default `SEQ_LEN`."""
+    return args.seq_len[0] if args.seq_len else SEQ_LEN
+
+
 def configs(args: argparse.Namespace) -> list[Config]:
     """K-AVG first: its run fixes the target before the DiLoCo rows exist."""
     return [Config(f"{KAVG} k={args.sync_k}", args.sync_k, "average", "float32"),
@@ -58,7 +67,7 @@ def sync_params(args: argparse.Namespace, config: Config) -> dict:
     """The `train/local` parameters (TrainJob fields) of one configuration's run."""
     return {"target": "local", "strategy": "local_sgd", "workers": WORKERS, "scaling": "static",
             "model": MODEL, "dataset": f"text:stdlib:{args.sync_kb}", "tokenizer": "bytes", "objective": "causal",
-            "seq_len": args.seq_len[0], "epochs": args.sync_epochs, "batch_size": BATCH, "optimizer": OPTIMIZER,
+            "seq_len": seq_len(args), "epochs": args.sync_epochs, "batch_size": BATCH, "optimizer": OPTIMIZER,
             "lr": args.sync_lr, "seed": 0, "sync_period": config.period, "outer_optimizer": config.outer,
             "sync_dtype": config.dtype}
 
@@ -106,7 +115,7 @@ def _steps(args: argparse.Namespace) -> tuple[int, int, int]:
     from engine.local_sgd import steps_per_epoch
     from engine.text_data import TextSettings
 
-    data = load_dataset(f"text:stdlib:{args.sync_kb}", TextSettings(seq_len=args.seq_len[0]))
+    data = load_dataset(f"text:stdlib:{args.sync_kb}", TextSettings(seq_len=seq_len(args)))
     return len(data.train_y), len(data.val_y), steps_per_epoch(len(data.train_y), WORKERS, BATCH)
 
 
@@ -117,8 +126,8 @@ def render_sync(runs: list, args: argparse.Namespace, command: str) -> str:
     target = kavg.perplexity[-2] if len(kavg.perplexity) >= 2 else math.nan
     lines = [
         "## a. Sync methods on the real corpus", "",
-        f"Run: `{command}`.", "",
-        f"`{MODEL}` on `text:stdlib:{args.sync_kb}` (bytes tokenizer, causal blocks of {args.seq_len[0]} tokens: "
+        run_line(command), "",
+        f"`{MODEL}` on `text:stdlib:{args.sync_kb}` (bytes tokenizer, causal blocks of {seq_len(args)} tokens: "
         f"{n_train} training and {n_val} validation blocks), {WORKERS} workers on the local pool (`zooid-local`: "
         f"one warm worker process per rank), strategy `local_sgd`, static scaling, SGD with momentum 0.9 lr "
         f"{args.sync_lr:g} (int8 syncs refuse Adam, so every row uses the same inner optimizer), batch {BATCH} per "
