@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the parts to run (default: all); the results file holds the parts that ran")
     parser.add_argument("--seq-len", type=int, nargs="+", default=None,
                         help=f"tokens per sample (part c: {' and/or '.join(map(str, DATASETS))}, default 128; "
-                             "parts a and b: the first, default 64 and 128)")
+                             "part b: the first, default 128)")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS, help="part c's models")
     parser.add_argument("--batches", type=int, nargs="+", default=list(GLOBAL_BATCHES), help="part c's global batches")
     add_sync_arguments(parser)

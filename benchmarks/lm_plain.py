@@ -7,8 +7,8 @@ directory store in a temporary folder, the data published there as the flow publ
 (`engine.datasets.publish_dataset`, subsets of 64 rows), the model and subsets kept across
 epochs as a warm worker keeps them (`keep_models`, `keep_subsets`); every epoch it builds the
 model from the template, loads the previous epoch's checkpoint (weights and optimizer state),
-trains, writes its sync checkpoint and the epoch checkpoint (fsynced) and its history record,
-and evaluates the validation set. Plain PyTorch is a loop over the same tensors
+trains, writes the epoch checkpoint (fsynced) and its history record, and evaluates the
+validation set. Plain PyTorch is a loop over the same tensors
 (`engine.datasets.load_dataset`, the rows the subsets hold, in the same order) with the same
 model and initial weights (`build_model(name, seed)`), the same batches in the same order
 (`engine.local_sgd.batch_stream` seeded by `batch_seed(seed, epoch, 0)`), the same optimizer
@@ -18,9 +18,16 @@ alternate epoch by epoch (Zooid first in even epochs, plain first in odd ones), 
 other jobs on a shared machine hits both; each epoch's clock stops after the device is
 synchronised.
 
-The measuring path imports torch, numpy and safetensors-free project modules only (`core`,
-`comm`, `engine`): no Prefect, pydantic, boto3 or redis, so the same command runs on a GPU
-machine that has only torch, numpy, safetensors and tokenizers.
+The measuring path imports torch, numpy, safetensors and the project's `core`, `comm` and
+`engine` only: no Prefect, pydantic, boto3 or redis, so the same command runs, from the
+repository root, on a GPU machine that has only torch, numpy, safetensors and tokenizers:
+
+    .venv/bin/python -m benchmarks.bench_language_models --part b --kb 100 --steps 50 --plain-epochs 10
+    python3 -m benchmarks.bench_language_models --part b --device cuda --model gpt2_small \
+        --batch 16 --seq-len 256 --steps 120 --kb 1000 --plain-epochs 3
+
+The first writes `benchmarks/results/language_models.md` (its other parts' sections kept), the
+second `benchmarks/results/language_models_gpu.md`.
 """
 from __future__ import annotations
 
@@ -244,9 +251,9 @@ def render_plain(zooid: Side, plain: Side, facts: dict, args: argparse.Namespace
         f"{facts['val_tokens']:,} tokens scored at every epoch end), {args.plain_epochs} epochs of each side, "
         "alternating, seed 0, float32. One process, one device: Zooid's side is the worker's epoch "
         "(`run_local_sgd_epoch`, one replica, against a directory store in a temporary folder: the model "
-        "rebuilt from its template and the previous checkpoint loaded, training, the sync checkpoint and the "
-        f"epoch checkpoint written and fsynced, {facts['state_mb']:,.1f} MB each (weights and Adam's moments), the "
-        "history record, the validation set scored); plain "
+        "rebuilt from its template and the previous checkpoint loaded, training, the epoch checkpoint written "
+        f"and fsynced, {facts['state_mb']:,.1f} MB (weights and Adam's moments; a lone replica writes no sync "
+        "checkpoint at its last round), the history record, the validation set scored); plain "
         "PyTorch trains the same model from the same weights on the same batches in the same order, scores "
         "the same validation set and `torch.save`s the model's and the optimizer's state once an epoch "
         "(`benchmarks/lm_plain.py`). Seconds per epoch: the median over the epochs after the first (which "

@@ -32,8 +32,9 @@ SEQ_LEN = 64
 
 
 def add_sync_arguments(parser: argparse.ArgumentParser) -> None:
-    """Part a's options (`--seq-len` is the script's own)."""
+    """Part a's options."""
     parser.add_argument("--sync-kb", type=int, default=200, help="part a: KB of text:stdlib")
+    parser.add_argument("--sync-seq-len", type=int, default=SEQ_LEN, help="part a: tokens per block")
     parser.add_argument("--sync-epochs", type=int, default=5, help="part a: epochs of every run")
     parser.add_argument("--sync-lr", type=float, default=0.05, help="part a: the inner SGD's learning rate")
     parser.add_argument("--sync-k", type=int, default=8, help="part a: K-AVG's period")
@@ -51,8 +52,8 @@ class Config:
 
 
 def seq_len(args: argparse.Namespace) -> int:
-    """Tokens per block: the first `--seq-len`, default `SEQ_LEN`."""
-    return args.seq_len[0] if args.seq_len else SEQ_LEN
+    """Tokens per block (`--sync-seq-len`)."""
+    return args.sync_seq_len
 
 
 def configs(args: argparse.Namespace) -> list[Config]:
@@ -85,8 +86,10 @@ def _to_target(run, target: float) -> tuple[int | None, float, int]:
 
 def part_a(args: argparse.Namespace) -> str:
     """Run every configuration on one local stack; part a's markdown."""
-    if args.sync_epochs < 2 or min(args.sync_k, args.diloco_k, args.sync_kb) < 1 or args.sync_lr <= 0:
-        raise SystemExit("error: --sync-epochs must be at least 2; --sync-k, --diloco-k, --sync-kb and --sync-lr positive")
+    if args.sync_epochs < 2 or min(args.sync_k, args.diloco_k, args.sync_kb) < 1 or args.sync_lr <= 0 \
+            or args.sync_seq_len < 2:
+        raise SystemExit("error: --sync-epochs and --sync-seq-len must be at least 2; --sync-k, --diloco-k, "
+                         "--sync-kb and --sync-lr positive")
     from benchmarks.bench_local_sgd import local_stack, pool_run
     from benchmarks.output import command_for
 

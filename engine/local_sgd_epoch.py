@@ -77,6 +77,11 @@ posts its reduced slice; so a relaunch at round c resumes both from round c as i
 and the epoch checkpoint names the residuals the next epoch continues from (its own per
 rank, or a world of another size its share of what is still owed).
 
+A lone replica (world 1) writes no sync checkpoint at its last round: the epoch checkpoint
+written next holds the same state (2 GB a write for GPT-2 small with Adam's moments) and names
+the same point of the epoch (`position` in its metadata), so a relaunch that finds it complete
+resumes from it with no step left (`load_start_point`); no peer waits on the relaunch.
+
 Work lost to a kill is therefore at most the steps since the last sync point, redone from
 identical inputs; nothing is repeated or skipped beyond that interval. Every attempt
 records what it trained in `runs/<id>/history/e<e>/r<rank>-a<attempt>.json`
@@ -193,6 +198,9 @@ def load_start_point(spec: WorkerSpec, ckpt_store: Store, model: nn.Module,
     compressed = spec.sync.sync_dtype != "float32"
     outer: dict = {}
     if wants_resume(spec):
+        done = _completed_epoch(spec, ckpt_store, model, optimizer, outer)  # a lone replica's furthest point
+        if done is not None:
+            return done
         try:
             # One read: the checkpoint may be overwritten meanwhile, so the meta must come
             # from the same blob as the tensors.
@@ -211,6 +219,29 @@ def load_start_point(spec: WorkerSpec, ckpt_store: Store, model: nn.Module,
     residual = (continue_residual(ckpt_store, list(init_meta.get("residual_keys") or ()), spec.rank, spec.world)
                 if compressed else {})
     return StartPoint(0, 0, int(init_meta.get("global_step", 0)), False, outer, residual)
+
+
+def _lone_last_round(spec: WorkerSpec, step: int) -> bool:
+    """Whether a sync at `step` is a lone replica's last: its epoch checkpoint, written next,
+    stands in for the sync checkpoint (module docstring)."""
+    return spec.world == 1 and step >= spec.steps
+
+
+def _completed_epoch(spec: WorkerSpec, ckpt_store: Store, model: nn.Module, optimizer: torch.optim.Optimizer,
+                     outer: dict) -> StartPoint | None:
+    """A lone replica's relaunch after its epoch checkpoint was written: the point at the
+    epoch's end, loaded into `model` and `optimizer` (and `outer`); None when `spec.out_key`
+    holds no complete checkpoint of this very epoch."""
+    if spec.world != 1 or not spec.out_key:
+        return None
+    try:
+        meta = load_checkpoint(ckpt_store, spec.out_key, model, optimizer, extra=outer)
+    except KeyError:
+        return None
+    position = meta.get("position") or {}
+    if not meta.get("epoch_complete") or any(position.get(k) != v for k, v in _position_identity(spec).items()):
+        return None
+    return StartPoint(spec.steps, int(position["round"]) + 1, int(position["global_step_before"]), True, outer)
 
 
 def run_local_sgd_epoch(spec: WorkerSpec, store: Store, open_ref: Callable[[str], Store] = open_store) -> WorkerResult:
@@ -345,7 +376,7 @@ def _run(spec: WorkerSpec, store: Store, ckpt_store: Store, started: float,
     writer = CheckpointWriter(ckpt_store)
 
     def on_sync(round_: int, step: int) -> None:
-        if spec.rank == 0 and cadence.due(round_, step):
+        if spec.rank == 0 and cadence.due(round_, step) and not _lone_last_round(spec, step):
             # in the background (step 1 of the module docstring); this waits for the one before
             writer.write(sync_key, model, optimizer, {**position, "step": step, "round": round_},
                          extra=outer.state_tensors() if outer else None,
@@ -408,6 +439,8 @@ def _run(spec: WorkerSpec, store: Store, ckpt_store: Store, started: float,
             "steps": spec.steps, "global_step": start.global_step_before + spec.steps,
             "world": spec.world, "model": spec.model, "optimizer": spec.optimizer,
             "outer_optimizer": spec.sync.outer_optimizer, "sync_dtype": spec.sync.sync_dtype, **residual_meta,
+            "position": {**_position_identity(spec), "round": averaging.rounds - 1,
+                         "global_step_before": start.global_step_before},
         }
         save_checkpoint(ckpt_store, spec.out_key, model, optimizer, meta,
                         extra=outer.state_tensors() if outer else None)

@@ -60,3 +60,33 @@ def test_part_b_sides_train_the_same_numbers():
     assert len(zooid.seconds) == len(plain.seconds) == 2
     assert zooid.perplexity == pytest.approx(plain.perplexity, rel=1e-5)
     assert zooid.perplexity[1] < zooid.perplexity[0]
+
+
+def test_a_lone_replica_writes_one_checkpoint_and_its_relaunch_resumes_from_it(tmp_path):
+    """World 1: no sync checkpoint at the last round (the epoch checkpoint stands in for it);
+    a relaunch after the epoch checkpoint trains nothing and ends on the same weights."""
+    from comm.store_dir import DirectoryStore
+    from core.keys import sync_checkpoint_key
+    from core.specs import WorkerSpec
+    from engine.checkpoint import initial_checkpoint, load_checkpoint
+    from engine.datasets import publish_dataset
+    from engine.local_sgd_epoch import run_local_sgd_epoch
+    from engine.models import build_model
+
+    store = DirectoryStore(tmp_path)
+    publish_dataset(store, "lone", "digits", subset_size=256)
+    initial_checkpoint(store, "runs/lone/ckpt/init", "digits_mlp", "adam", lr=0.01)
+    spec = WorkerSpec(run_id="lone", epoch=0, rank=0, world=1, store_url=store.url, model="digits_mlp",
+                      dataset="digits", subsets=(0, 1), steps=4, batch_size=16, lr=0.01, optimizer="adam",
+                      init_key="runs/lone/ckpt/init", out_key="runs/lone/ckpt/e0")
+    first = run_local_sgd_epoch(spec, store)
+    assert first.samples == 64
+    assert store.list(sync_checkpoint_key("lone", 0)) == []
+    before = build_model("digits_mlp")
+    load_checkpoint(store, "runs/lone/ckpt/e0", before)
+    again = run_local_sgd_epoch(WorkerSpec.from_dict({**spec.to_dict(), "attempt": 1}), store)
+    assert again.samples == 0 and again.checkpoint_key == "runs/lone/ckpt/e0"
+    after = build_model("digits_mlp")
+    meta = load_checkpoint(store, "runs/lone/ckpt/e0", after)
+    assert meta["global_step"] == 4
+    assert all(torch.equal(a, b) for a, b in zip(before.state_dict().values(), after.state_dict().values()))
