@@ -1,7 +1,10 @@
 """Language models (issue #42), benchmarked in parts that write one results file,
 `benchmarks/results/language_models.md`:
 
-- a. sync methods on the real corpus, and b. against plain PyTorch: to come (`PARTS`);
+- a. sync methods on the real corpus: `gpt_mini` on `text:stdlib`, 2 workers on the local pool,
+  every step, K-AVG and DiLoCo (float32, int8) to a perplexity target (`benchmarks/lm_sync.py`);
+- b. against plain PyTorch: the worker's epoch and a plain loop in one process, on the CPU or a
+  GPU (`--device cuda`: `benchmarks/results/language_models_gpu.md`; `benchmarks/lm_plain.py`);
 - c. the seeds' workloads, planned: dry runs (`flows.dry_run`, rent=false: nothing rented, the
   profile estimated from the catalog's figures on `meta`) of `bert_base` (Hydrozoa's BERT-12
   shape) and `bert_large` (FuncPipe's BERT-Large) at global batch 64 and 256 on the catalog's
@@ -230,7 +233,8 @@ def part_c(args: argparse.Namespace) -> str:
 
 PARTS = {"a": part_a, "b": part_b, "c": part_c}
 """The benchmark's parts by letter, each a function of the parsed arguments returning its section's
-markdown; a and b join here."""
+markdown (a: `benchmarks/lm_sync.py`, b: `benchmarks/lm_plain.py`); a run rewrites the sections of the
+parts it ran and keeps the others' last ones (`benchmarks/lm_results.py`)."""
 
 
 def main(argv: list[str] | None = None) -> int:
