@@ -185,11 +185,11 @@ def render(setups: list[tuple], traces: dict[str, list[Trace]], steps: int, epoc
              f"momentum SGD lr {LR}, batch {BATCH} per replica ({steps} steps per replica per epoch on digits), {epochs} "
              "epochs, no early stop; figures are rank 0's validation accuracy after the last epoch, the mean "
              "over the seeds. `rule` = `core.outer_defaults.outer_settings(round steps)`: what a job with "
-             "`outer_lr` and `outer_momentum` null gets (outer lr 0.7, momentum 1 - 0.7 / max(1, 7 k / 500), "
+             "`outer_lr` and `outer_momentum` null gets (outer lr 0.7, momentum 0.3: K-AVG's gain 1, "
              "at most 0.9 (1 - 0.9^k)). A round is the period, or the epoch when the period is "
-             "null or longer. The rule's first version (bound 7 sqrt(k / 500)) was chosen on setup A and missed the "
-             "goal on B (benchmarks/results/diloco_defaults.md at a3e44b8); the rule as it is was chosen on A and "
-             "that miss, and C was run once it was fixed."), ""]
+             "null or longer. The rule's first version (gain bound 7 sqrt(k / 500)) was chosen on setup A and missed "
+             "the goal on B (this file at a3e44b8); the second (7 k / 500) met it on C and missed it on D (at "
+             "629857e); the rule as it is (bound 1) was chosen from those misses."), ""]
     for setup in setups:
         lines += render_setup(setup, traces[setup[0]]) + [""]
     for setup in (SETUP_C, SETUP_D):

@@ -72,12 +72,12 @@ class TrainJob(BaseModel):
     outer_lr: Optional[float] = Field(
         None, gt=0, allow_inf_nan=False, title="Outer learning rate",
         description="The `nesterov` outer step's learning rate (1 with momentum 0 is `average`); null: "
-                    "follows the sync period (DiLoCo's 0.7; with only outer_momentum set, what the period's "
-                    "bound leaves, at most 1: core.outer_defaults).")
+                    "follows the sync period (DiLoCo's 0.7; with only outer_momentum set, 1 - outer_momentum: "
+                    "core.outer_defaults).")
     outer_momentum: Optional[float] = Field(
         None, ge=0, lt=1, allow_inf_nan=False, title="Outer momentum",
         description="The `nesterov` outer step's momentum; null: follows the sync period (core.outer_defaults: "
-                    "0.3 at 4 to 71 steps a round, 0.61 at 128, 0.8 at 250, DiLoCo's 0.9 from 500; a round is "
+                    "0.3 from 4 steps a round, K-AVG's gain 0.7 / (1 - 0.3) = 1; less below: 0.09 at 1; a round is "
                     "the epoch when sync_period is null). Explicit values are kept, with a warning when they "
                     "exceed what the period bears.")
     sync_dtype: Literal["float32", "bfloat16", "int8"] = Field(
