@@ -64,7 +64,7 @@ SECTIONS = [
     Section("Peers: Zooid beside Ray Train on the same job", "bench_peers", "peers"),
     Section("Peers: the CPU ring's transport beside gloo", "bench_ring", "ring"),
     Section("Language models: sync methods, plain PyTorch, the seeds' workloads planned", "bench_language_models",
-            "language_models", ("--part", "c", "--seq-len", "128", "512")),
+            "language_models", ("--seq-len", "128", "512")),
 ]
 
 HEADER = """# Zooid benchmarks

@@ -112,6 +112,14 @@ def scaled_plans(ctx: RunContext, profile: dict, chosen: Plan, workers: int, cal
     return [plans[c] for c in counts]
 
 
+def no_plan_fits(misfits: list[tuple[str, str]]) -> str:
+    """One line for a job no candidate plan fits: the first candidate's numbers in full, the
+    others named (the dry run lists each)."""
+    (label, detail), others = misfits[0], [label for label, _ in misfits[1:]]
+    also = f"; nor do {', '.join(others)} (the dry run lists each)" if others else ""
+    return f"no plan fits the workers: {label}: {detail}{also}"
+
+
 def uniform_plan(ctx: RunContext, profile: dict, x) -> Plan:
     """The job strategy's plan with every worker at the target's size, chosen among the
     candidates whose workers fit their memory (a model too large for one worker, a language
@@ -129,8 +137,8 @@ def uniform_plan(ctx: RunContext, profile: dict, x) -> Plan:
         except ZooidValueError as exc:
             if exc.field != "memory":
                 raise
-            misfits.append(f"{plan.strategy} D={plan.data_parallel} M={plan.stages}: "
-                           f"{str(exc).removeprefix('memory: ')}")
+            misfits.append((f"{plan.strategy} D={plan.data_parallel} M={plan.stages}",
+                            str(exc).removeprefix("memory: ")))
             return False
 
     try:
@@ -142,7 +150,7 @@ def uniform_plan(ctx: RunContext, profile: dict, x) -> Plan:
         chosen = choose(x, strategy, fits=fits)
     except ValueError as exc:
         if str(exc) == NO_PLAN_FITS:
-            raise ZooidValueError("memory", "; ".join(misfits)) from None
+            raise ZooidValueError("memory", no_plan_fits(misfits)) from None
         raise ZooidValueError("strategy", str(exc).removeprefix("strategy: ")) from None
     if chosen.stages > 1:
         return with_sync(x, pick_schedule(ctx, profile, x, chosen))

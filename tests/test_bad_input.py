@@ -59,7 +59,8 @@ def test_plan_that_does_not_fit_memory_is_refused_with_the_numbers(tmp_path, cap
     assert main(["--param", f"store=file://{store}", "--param", "worker_memory_gb=0.05",
                  "--param", "epochs=1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("error: memory: stage 0") and "worker has 51.2 MB" in err
+    assert err.startswith("error: memory: no plan fits the workers: local_sgd D=4 M=1: stage 0")
+    assert "worker has 51.2 MB" in err and "nor do pipeline D=1 M=2" in err
     runs = list((store / "runs").glob("*")) if (store / "runs").exists() else []
     assert all(not (r / "ckpt").exists() and not (r / "data").exists() for r in runs)
 
