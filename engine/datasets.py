@@ -25,9 +25,7 @@ masked when it is read, for the epoch the reader names (`engine.text_data.mlm_ma
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
-import sys
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -40,6 +38,7 @@ from core.errors import ZooidValueError
 from core.keys import data_manifest_key, data_subset_key
 from engine.text_data import Opener, TextInfo, TextSettings, is_text, load_text, mlm_mask, validate_text
 from engine.objective import target_classes
+from engine.user_code import import_callable
 
 DIGITS_VAL_FRACTION = 0.2
 SPLIT_SEED = 0
@@ -147,16 +146,7 @@ def _imported(name: str) -> DatasetSplit:
 
 
 def _import_loader(name: str):
-    module_name, _, attr = name.partition(":")
-    if not module_name or not attr or module_name.split(".")[0] in sys.stdlib_module_names:
-        raise ZooidValueError("dataset", f"{name!r} is not a `package.module:function` loader")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr, None)
-    except ImportError as exc:
-        raise ZooidValueError("dataset", f"cannot import {module_name!r}: {exc}") from None
-    if not callable(fn):
-        raise ZooidValueError("dataset", f"{name!r} is not a callable loader")
-    return fn
+    return import_callable(name, "dataset", "a callable loader", allow_class=True)
 
 
 def validate_dataset(name: str, text: TextSettings | None = None) -> None:

@@ -8,10 +8,8 @@ deterministic: the same name, seed and keyword arguments give bitwise-equal weig
 from __future__ import annotations
 
 import copy
-import importlib
 import inspect
 import math
-import sys
 import threading
 from typing import Any, Callable
 
@@ -21,6 +19,7 @@ from torch import nn
 from core.errors import ZooidValueError
 from engine.datasets import dataset_input_shape
 from engine.transformers import LANGUAGE_MODELS
+from engine.user_code import import_callable
 
 # torch.manual_seed is process-global; the lock keeps two threads that build models at the
 # same time (threads standing in for replicas in tests) from interleaving their seeds.
@@ -130,22 +129,7 @@ REGISTRY: dict[str, Callable[..., nn.Module]] = {
 
 
 def _import_factory(path: str) -> Callable[..., Any]:
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise ZooidValueError("model", f"{path!r} is not `package.module:factory`")
-    if module_name.split(".")[0] in sys.stdlib_module_names:
-        # Never call into the standard library (`os:system`, `sys:exit`): no model lives there.
-        raise ZooidValueError("model", f"{path!r} is in the standard library, not a model factory")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ZooidValueError("model", f"cannot import {module_name!r}: {exc}") from None
-    factory = getattr(module, attr, None)
-    if factory is None:
-        raise ZooidValueError("model", f"{module_name!r} has no attribute {attr!r}")
-    if not callable(factory) or inspect.isbuiltin(factory):
-        raise ZooidValueError("model", f"{path!r} is not a model factory (not a Python callable)")
-    return factory
+    return import_callable(path, "model", "a model factory", form="factory", allow_class=True)
 
 
 def resolve_model(name: str) -> Callable[..., nn.Module]:

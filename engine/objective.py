@@ -29,10 +29,7 @@ A profile times the model under cross-entropy against synthetic targets of the d
 """
 from __future__ import annotations
 
-import importlib
-import inspect
 import math
-import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -40,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from core.errors import ZooidValueError
+from engine.user_code import import_callable
 
 IGNORE_INDEX = -100
 """A target position with this value is not scored (PyTorch's `ignore_index`)."""
@@ -54,23 +52,7 @@ def resolve_loss(path: str) -> LossFunction:
     """The function a job's `loss` names (`package.module:function`), imported and checked
     to be a Python callable outside the standard library; ZooidValueError("loss", ...) else.
     It is not called here (`check_loss` runs it on a model's output)."""
-    if not isinstance(path, str) or ":" not in path:
-        raise ZooidValueError("loss", f"{path!r} is not `package.module:function`")
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise ZooidValueError("loss", f"{path!r} is not `package.module:function`")
-    if module_name.split(".")[0] in sys.stdlib_module_names:
-        raise ZooidValueError("loss", f"{path!r} is in the standard library, not a loss function")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ZooidValueError("loss", f"cannot import {module_name!r}: {exc}") from None
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise ZooidValueError("loss", f"{module_name!r} has no attribute {attr!r}")
-    if not callable(fn) or inspect.isbuiltin(fn) or inspect.isclass(fn):
-        raise ZooidValueError("loss", f"{path!r} is not a loss function (a Python function of output and target)")
-    return fn
+    return import_callable(path, "loss", "a loss function")
 
 
 def target_kind(target: torch.Tensor, custom: bool = False) -> str:
