@@ -32,21 +32,18 @@ import argparse
 import shutil
 import statistics
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from benchmarks.bench_local_sgd import train_replicas
 from benchmarks.output import command_for, provenance, write_result
 from comm.store_dir import DirectoryStore
 from core.outer_defaults import outer_settings, round_steps
-from core.specs import ComputeSpec, SyncSpec, WorkerSpec
-from engine.checkpoint import initial_checkpoint
-from engine.datasets import assign_subsets, publish_dataset
+from core.specs import SyncSpec
 from engine.local_sgd import steps_per_epoch
-from engine.local_sgd_epoch import run_local_sgd_epoch
 
 RESULTS = Path(__file__).resolve().parent / "results" / "diloco_defaults.md"
 WORKERS, BATCH, EPOCHS, OPTIMIZER, LR, SUBSET_ROWS, DATASET = 2, 16, 6, "momentum", 0.05, 64, "digits"
@@ -87,26 +84,9 @@ def train(root: Path, model: str, seed: int, period: int | None, sync: SyncSpec,
           epochs: int, dataset: str = DATASET) -> Trace:
     """WORKERS replicas of `model` as threads through a fresh directory store under `root`."""
     folder = root / f"{model.rsplit(':', 1)[-1]}-k{period}-{setting.replace(' ', '').replace('/', '-')}-s{seed}"
-    store = DirectoryStore(folder)
-    run_id = "bench"
-    manifest = publish_dataset(store, run_id, dataset, subset_size=SUBSET_ROWS)
-    init = f"runs/{run_id}/ckpt/init"
-    initial_checkpoint(store, init, model, OPTIMIZER, LR, seed=seed)
-    steps = steps_per_epoch(manifest.n_train, WORKERS, BATCH)
-    trace = Trace(model, period, setting, seed)
-    with ThreadPoolExecutor(WORKERS) as pool:
-        for epoch in range(epochs):
-            shards = assign_subsets(manifest.n_subsets, WORKERS, epoch, seed)
-            out = f"runs/{run_id}/ckpt/e{epoch}"
-            specs = [WorkerSpec(run_id=run_id, epoch=epoch, rank=r, world=WORKERS, store_url=store.url,
-                                model=model, dataset=dataset, subsets=shards[r], steps=steps,
-                                batch_size=BATCH, lr=LR, optimizer=OPTIMIZER, sync_period=period,
-                                seed=seed, init_key=init, out_key=out, evaluate=True,
-                                compute=ComputeSpec(device="cpu"), sync=sync)
-                     for r in range(WORKERS)]
-            results = list(pool.map(lambda s: run_local_sgd_epoch(s, store), specs))
-            trace.accuracy.append(next(r.val_accuracy for r in results if r.rank == 0))
-            init = out
+    ran = train_replicas(DirectoryStore(folder), model, dataset, BATCH, OPTIMIZER, LR, setting, seed, period, epochs,
+                         sync=sync, workers=WORKERS)
+    trace = Trace(model, period, setting, seed, ran.accuracy)
     shutil.rmtree(folder, ignore_errors=True)
     return trace
 

@@ -103,26 +103,26 @@ def run_local_sgd(root: Path, seed: int, period: int | None, max_epochs: int, ta
 
 def train_replicas(store: DirectoryStore, model: str, dataset: str, batch: int, optimizer: str, lr: float,
                    name: str, seed: int, period: int | None, epochs: int, *, sync: SyncSpec | None = None,
-                   stop_at: float | None = None) -> Trace:
-    """WORKERS replicas of `model` as threads, through `store`, for `epochs` epochs (or until rank
+                   stop_at: float | None = None, workers: int = WORKERS) -> Trace:
+    """`workers` replicas of `model` as threads, through `store`, for `epochs` epochs (or until rank
     0's validation accuracy reaches `stop_at`), synced every `period` steps (None: once per
     epoch) as `sync` says (default: K-AVG in float32)."""
     run_id = "bench"
     manifest = publish_dataset(store, run_id, dataset, subset_size=SUBSET_ROWS)
     init = f"runs/{run_id}/ckpt/init"
     initial_checkpoint(store, init, model, optimizer, lr, seed=seed)
-    steps = steps_per_epoch(manifest.n_train, WORKERS, batch)
+    steps = steps_per_epoch(manifest.n_train, workers, batch)
     trace = Trace(name, seed)
-    with ThreadPoolExecutor(WORKERS) as pool:
+    with ThreadPoolExecutor(workers) as pool:
         for epoch in range(epochs):
-            shards = assign_subsets(manifest.n_subsets, WORKERS, epoch, seed)
+            shards = assign_subsets(manifest.n_subsets, workers, epoch, seed)
             out = f"runs/{run_id}/ckpt/e{epoch}"
-            specs = [WorkerSpec(run_id=run_id, epoch=epoch, rank=r, world=WORKERS, store_url=store.url,
+            specs = [WorkerSpec(run_id=run_id, epoch=epoch, rank=r, world=workers, store_url=store.url,
                                 model=model, dataset=dataset, subsets=shards[r], steps=steps,
                                 batch_size=batch, lr=lr, optimizer=optimizer, sync_period=period,
                                 seed=seed, init_key=init, out_key=out, evaluate=True,
                                 compute=ComputeSpec(device="cpu"), sync=sync or SyncSpec())
-                     for r in range(WORKERS)]
+                     for r in range(workers)]
             t0 = time.perf_counter()
             results = list(pool.map(lambda s: run_local_sgd_epoch(s, store), specs))
             trace.seconds.append(time.perf_counter() - t0)
