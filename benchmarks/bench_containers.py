@@ -100,8 +100,8 @@ def run_once(target: str, params: dict, store_block: str, timeout_s: float = 900
     from prefect.deployments import run_deployment
 
     from blocks.store_block import block_ref
+    from coordinator.run.context import run_id_for
     from deployments.stack import run_and_wait  # noqa: F401  (same stack helpers as the other benches)
-    from coordinator.context import run_id_for
 
     params = {**params, "target": target, "store": store_block}
     fr = run_deployment("train/local", parameters=params, timeout=0)
@@ -127,8 +127,8 @@ def _wait_summary(flow_run_id, store_ref: str, timeout_s: float) -> dict:
     from prefect.client.orchestration import get_client
 
     from blocks.store_refs import open_store_ref
+    from coordinator.run.context import run_id_for
     from deployments.stack import wait_final
-    from coordinator.context import run_id_for
 
     with get_client(sync_client=True) as api:
         fr = wait_final(api, flow_run_id, timeout_s, poll_s=0.2)

@@ -84,7 +84,7 @@ PAPERS = """### What the papers publish for the same models
 
 def _dry_run(model: str, size: Size, global_batch: int, seq_len: int, store: str) -> dict:
     """The dry run's chosen plan (as a dict) for `model` on `size` at `global_batch`."""
-    from coordinator.job import TrainJob
+    from coordinator.run.job import TrainJob
     from flows.dry_run import dry_run
 
     batch = global_batch // WORKERS

@@ -331,10 +331,10 @@ def pool_run(home: Path, params: dict, name: str, seed: int) -> PoolRun:
     from prefect.deployments import run_deployment
     from prefect.states import Cancelling
 
+    from coordinator.bill.cost import ledger_key
+    from coordinator.run.context import run_id_for
+    from coordinator.workers.sweep import tagged_pids
     from deployments.stack import wait_final
-    from coordinator.context import run_id_for
-    from coordinator.cost import ledger_key
-    from coordinator.sweep import tagged_pids
 
     t0 = time.monotonic()
     flow_run = run_deployment("train/local", parameters=params, timeout=0)
@@ -581,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("error: --outer-epochs must be >= 0 and --cifar-epochs positive")
 
     # One intra-op thread, as the inline target gives each of 4 workers on 2 cores
-    # (coordinator.launchers.make_launcher); a 64-wide MLP gains nothing from more.
+    # (coordinator.workers.launchers.make_launcher); a 64-wide MLP gains nothing from more.
     torch.set_num_threads(1)
     prov = provenance()
     traces: list[Trace] = []

@@ -190,7 +190,7 @@ def profile_lines(api_url: str, run_ids: list[str]) -> dict[str, dict]:
     from prefect.client.schemas.filters import FlowFilter, FlowFilterName, LogFilter, LogFilterFlowRunId
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from coordinator.context import run_id_for
+    from coordinator.run.context import run_id_for
 
     found: dict[str, dict] = {}
     with temporary_settings(updates={PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:

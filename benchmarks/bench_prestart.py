@@ -111,7 +111,7 @@ def job_params(args: argparse.Namespace, config: Config) -> dict:
 def outcome_from(home: Path, config: Config, repeat: int, summary: dict, wall_s: float) -> Outcome:
     """Join a run's summary with its ledger (read from the stack's directory store)."""
     from comm.store_dir import DirectoryStore
-    from coordinator.cost import read_ledger
+    from coordinator.bill.cost import read_ledger
 
     ledger = read_ledger(DirectoryStore(home / "store"), summary["run_id"])
     workers = [r for r in ledger["rows"] if r["kind"] in ("worker", "failed_attempt")]

@@ -149,7 +149,7 @@ def worker_results(store, run_id: str, epoch: int) -> list[dict]:
 def collect(home: Path, config: Config, repeat: int, summary: dict, run_wall_s: float) -> Outcome:
     """Join the run's summary, its workers' history records and ledger into per-epoch rows."""
     from comm.store_dir import DirectoryStore
-    from coordinator.cost import read_ledger
+    from coordinator.bill.cost import read_ledger
 
     store = DirectoryStore(home / "store")
     run_id = summary["run_id"]

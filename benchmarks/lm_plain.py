@@ -44,7 +44,7 @@ RESULTS_GPU = Path(__file__).resolve().parent / "results" / "language_models_gpu
 """Where a run on a GPU writes part b (another machine than the one that runs parts a and c)."""
 PLAIN_MODELS = ("gpt_mini", "gpt2_small")
 SUBSET_ROWS = 64
-"""Rows per published subset: `coordinator.validate.SUBSET_SIZE`, as the flow publishes a dataset
+"""Rows per published subset: `coordinator.run.validate.SUBSET_SIZE`, as the flow publishes a dataset
 for up to 8 workers (not imported: the coordinator's modules import pydantic)."""
 DEFAULTS = {
     # model: (lr, KB of text:stdlib) on the device types it is meant for

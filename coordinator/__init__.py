@@ -1,6 +1,7 @@
-"""The coordinator's machinery below the Prefect tasks: the run's context and state, the job
-schema and its validation, launchers and the warm pool, the ledger and the cloud bill, failures,
-sweeps, pre-start, the co-planner's adapter, resume and the report. tasks/ wraps its steps."""
+"""The coordinator's machinery below the Prefect tasks, in five rooms whose imports run one way
+(lowest first): `run` (job, validation, context, resume), `bill` (ledger, cloud bill),
+`workers` (launchers, warm pool, epoch run, failures, cleanup), `plan` (profile on the target,
+planning, scaling policy) and `report`. tasks/ wraps their steps."""
 import os as _os
 
 # Set before Prefect is imported anywhere: no telemetry from a training tool.

@@ -1,6 +1,6 @@
 """One epoch of a run, as the coordinator records it: the typed row of the per-epoch history.
 
-`coordinator.epoch_run` builds it from the workers' `WorkerResult`s; the flow adds what is
+`coordinator.workers.epoch_run` builds it from the workers' `WorkerResult`s; the flow adds what is
 known only after the epoch (the prediction in force, the bill predicted by now, the overhead,
 the scaling policy's decision, the re-plan and the plan in force for the next epoch) as
 fields, so nothing is dropped between the epoch and `summary.json`. Rescale, calibration,

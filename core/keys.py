@@ -13,8 +13,8 @@ below one with `prefix + "/"`, so that `r1` never covers `r10`.
 |---|---|---|
 | `runs/<run>/run.json` | keeps | the job, plan and dataset the run started with |
 | `runs/<run>/summary.json` | keeps | the run's `RunSummary` |
-| `runs/<run>/cost.json` | keeps | the ledger (`coordinator.cost`) |
-| `runs/<run>/history.json` | keeps | the per-epoch history (`coordinator.resume`) |
+| `runs/<run>/cost.json` | keeps | the ledger (`coordinator.bill.cost`) |
+| `runs/<run>/history.json` | keeps | the per-epoch history (`coordinator.run.resume`) |
 | `runs/<run>/report/<name>` | keeps | report files (the curves' PNG) |
 | `runs/<run>/ckpt/init.safetensors` | keeps | the reference checkpoint epoch 0 starts from |
 | `runs/<run>/ckpt/epoch-<EEEE>.safetensors` | keeps | an epoch's checkpoint |
@@ -30,7 +30,7 @@ below one with `prefix + "/"`, so that `r1` never covers `r10`.
 | `runs/<run>/probe/...` | deletes | the store probe's transfers |
 | `runs/<run>/grad/...` | deletes | gradients in flight |
 | `runs/<run>/warm/lease`, `warm/<worker>/{cmd,reply}-<n>.json`, `status.json` | deletes | `runtime.warm` |
-| `cache/<kind>/<key>.json` | keeps | the profile cache (`coordinator.profile_cache`) |
+| `cache/<kind>/<key>.json` | keeps | the profile cache (`coordinator.plan.profile_cache`) |
 | `cache/tokenizers/<corpus sha256>-<settings>.json` | keeps | a trained BPE tokenizer's JSON (`engine.text_data`) |
 
 Teardown deletes the `SCRATCH` kinds (`scratch_prefixes`) and keeps the rest. Keys below a
@@ -76,12 +76,12 @@ def summary_key(run_id: str) -> str:
 
 
 def ledger_key(run_id: str) -> str:
-    """The run's ledger: cost rows and total (`coordinator.cost`)."""
+    """The run's ledger: cost rows and total (`coordinator.bill.cost`)."""
     return run_key(run_id, "cost.json")
 
 
 def history_key(run_id: str) -> str:
-    """The run's per-epoch history (`coordinator.resume.write_history`)."""
+    """The run's per-epoch history (`coordinator.run.resume.write_history`)."""
     return run_key(run_id, "history.json")
 
 
@@ -281,3 +281,9 @@ def tokenizer_key(corpus_sha256: str, settings: str) -> str:
     """A tokenizer trained on the corpus whose content hash is `corpus_sha256` with `settings`
     (e.g. `bpe8000-bytelevel-v1`): its JSON, kept across runs like the profile cache."""
     return cache_key("tokenizers", f"{corpus_sha256}-{settings}")
+
+
+def artifact_key(run_id: str, what: str) -> str:
+    """The Prefect artifact key of a run's `what` (report, ledger, ...): Prefect allows lowercase
+    letters, digits and dashes."""
+    return f"zooid-{what}-{run_id}".lower().replace("_", "-")

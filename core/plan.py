@@ -1,7 +1,7 @@
 """A plan is data: the strategy, the degrees of parallelism, worker sizes and predictions.
 
 Every planner (`planners.strategy` for Local-SGD, `partition`, `hybrid`; `co_optimize`'s
-`CoOptSolution` through `coordinator.co_plan`) ends in this one `Plan`; the coordinator runs it and
+`CoOptSolution` through `coordinator.plan.co_plan`) ends in this one `Plan`; the coordinator runs it and
 the report shows it. Per-stage worker sizes (the co-optimiser's) travel in `stage_memory_gb`.
 """
 from __future__ import annotations

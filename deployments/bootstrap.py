@@ -39,7 +39,7 @@ from deployments.azure_blob import bootstrap_blob_store
 
 POOL_TYPES = {kind.builtin: kind.pool_type for kind in TargetKind if kind.pool_type}
 TEMPLATES = Path(__file__).with_name("templates")
-from coordinator.launchers import PAID_WORKERS_LIMIT as CONCURRENCY_LIMIT
+from coordinator.workers.launchers import PAID_WORKERS_LIMIT as CONCURRENCY_LIMIT
 
 PAID_WORKERS = 16
 """Workers the paid-workers limit lets run at once, unless `--paid-worker-limit` says otherwise."""

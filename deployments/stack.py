@@ -25,17 +25,28 @@ import sys
 import time
 from pathlib import Path
 
-from coordinator.job import RunSummary
-from coordinator.job_fields import fields_from_args
-from coordinator.report import text_report
+from coordinator.report.report import text_report
+from coordinator.run.job import RunSummary
+from coordinator.run.job_fields import fields_from_args
 from core.errors import ZooidError, ZooidValueError
 from core.keys import ledger_key, summary_key
 from core.kinds import TargetKind
 from deployments import docker_stack
 from deployments.engine import down as engine_down
 from deployments.prefect_db import seed_home
-from deployments.server import (FLOW_FORKS_VAR, ROOT, alive, bin_path, free_port, server_command, spawn, stack_env,
-                                stop_groups, wait_healthy, zooid_home)
+from deployments.server import (
+    FLOW_FORKS_VAR,
+    ROOT,
+    alive,
+    bin_path,
+    free_port,
+    server_command,
+    spawn,
+    stack_env,
+    stop_groups,
+    wait_healthy,
+    zooid_home,
+)
 
 POOL = "zooid-local"
 FORKED_COMMAND = f"{shlex.quote(sys.executable)} -m flows.flow_forks"
@@ -86,11 +97,11 @@ def _deployed(env: dict) -> list[str]:
 
 
 def _check_concurrency_limit(env: dict) -> int:
-    """The paid-workers limit the flows take slots of (`coordinator.launchers.PAID_WORKERS_LIMIT`),
+    """The paid-workers limit the flows take slots of (`coordinator.workers.launchers.PAID_WORKERS_LIMIT`),
     read back from the stack's API: `deployments.bootstrap` creates it."""
-    # coordinator.launchers imports Prefect, which reads its settings from the environment when
+    # coordinator.workers.launchers imports Prefect, which reads its settings from the environment when
     # first imported: imported here, like Prefect itself, not with this module (see run_and_wait)
-    from coordinator.launchers import PAID_WORKERS_LIMIT
+    from coordinator.workers.launchers import PAID_WORKERS_LIMIT
 
     with _stack_client(env) as client:
         return client.read_global_concurrency_limit_by_name(PAID_WORKERS_LIMIT).limit
@@ -265,7 +276,7 @@ def _stored_summary(params: dict, run_id: str, timeout_s: float) -> dict | None:
     None when it wrote none (`timeout_s` 0: not waited for)."""
     # imports Prefect: see run_and_wait
     from blocks.store_refs import open_store_ref
-    from coordinator.validate import resolve_durable_ref, resolve_store_ref
+    from coordinator.run.validate import resolve_durable_ref, resolve_store_ref
 
     store = open_store_ref(resolve_durable_ref(params.get("durable_store", ""),
                                                resolve_store_ref(params.get("store", ""))))
@@ -290,7 +301,7 @@ def run_and_wait(params: dict, timeout_s: float, poll_s: float = 1.0) -> dict:
 
     # Prefect reads its settings from the environment when first imported, so the modules that
     # import it are imported here, once run_deployed has put the stack's variables there.
-    from coordinator.context import run_id_for  # imports Prefect: see above
+    from coordinator.run.context import run_id_for  # imports Prefect: see above
 
     submitted = time.time()
     flow_run = run_deployment(TRAIN_DEPLOYMENT, parameters=params, timeout=0)
@@ -313,7 +324,7 @@ def run_and_wait(params: dict, timeout_s: float, poll_s: float = 1.0) -> dict:
 
 def check_run_params(params: dict, home: Path, port: int | None) -> tuple[int | None, bool]:
     """Check a run's fields before anything starts, with the function the flow uses
-    (`coordinator.job_fields.check_fields`); ZooidValueError naming the field. On a stack that is
+    (`coordinator.run.job_fields.check_fields`); ZooidValueError naming the field. On a stack that is
     up, everything is checked through its API; else what needs no API (a block-named target or
     store is then left to the run), with the stack's environment already in place for the
     Prefect this imports (it reads its settings once). Returns (the port a new stack takes, or
@@ -327,7 +338,7 @@ def check_run_params(params: dict, home: Path, port: int | None) -> tuple[int | 
         port = port or free_port()
         os.environ.update(stack_env(home, f"http://127.0.0.1:{port}/api"))
         home.mkdir(parents=True, exist_ok=True)  # Prefect makes its home (PREFECT_HOME, in it) on import
-    from coordinator.job_fields import check_fields  # imports Prefect: see above
+    from coordinator.run.job_fields import check_fields  # imports Prefect: see above
 
     check_fields({**DEPLOYMENT_DEFAULTS, **params}, api=stack_up and (not docker or "docker" in state))
     return (None if stack_up else port), stack_up

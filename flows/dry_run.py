@@ -8,7 +8,7 @@ To measure the profile it rents one worker on the target (unless the profile is 
 so before it starts, with what that is predicted to cost. With `rent=false` it rents nothing: it
 plans from a cached profile of the same device class and says where and when that was taken, or,
 with none cached, from the catalog's figures (the model's flops and bytes at the target device's
-assumed rates, `coordinator.target_profile.catalog_profile`) and says how uncertain that plan is.
+assumed rates, `coordinator.plan.target_profile.catalog_profile`) and says how uncertain that plan is.
 
 For each candidate (Local-SGD, pipeline, hybrid D x M at the job's worker budget) it reports
 the predicted iteration time, epoch time, cost per epoch and throughput per dollar, and which
@@ -24,11 +24,8 @@ import uuid
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
-from coordinator.context import RunContext, run_id_for
-from coordinator.job import TrainJob
-from coordinator.job_fields import fields_from_args, job_from_fields
-from coordinator.outer_step import log_outer_settings
-from coordinator.report import (
+from coordinator.plan.target_profile import cached_profile, profile_estimate, will_rent
+from coordinator.report.report import (
     alternatives_table,
     artifact_key,
     co_optimizer_lines,
@@ -37,8 +34,11 @@ from coordinator.report import (
     plan_in_words,
     run_terms_text,
 )
-from coordinator.target_profile import cached_profile, profile_estimate, will_rent
-from coordinator.validate import check_target_ready, validate_job
+from coordinator.run.context import RunContext, run_id_for
+from coordinator.run.job import TrainJob
+from coordinator.run.job_fields import fields_from_args, job_from_fields
+from coordinator.run.outer_step import log_outer_settings
+from coordinator.run.validate import check_target_ready, validate_job
 from core.errors import ZooidValueError
 from flows.params import job_fields_flow
 from tasks.plan_step import choose_plan
@@ -94,7 +94,7 @@ def _rent_flag(rent) -> bool:
 def dry_run(job: TrainJob, rent: bool = True) -> dict:
     """Profile and plan `job` without provisioning; return the chosen plan and its alternatives.
     `rent` False: rent nothing, plan from a cached profile or the catalog's figures
-    (`coordinator.target_profile.cached_profile`)."""
+    (`coordinator.plan.target_profile.cached_profile`)."""
     from prefect.runtime import flow_run
 
     rent = _rent_flag(rent)

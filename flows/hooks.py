@@ -14,14 +14,15 @@ import time
 
 from blocks.compute import resolve_target
 from clouds.registry import adapter_for
-from coordinator.cleanup import cancel_flow_runs, delete_scratch, finish_cancelled, teardown_run
-from coordinator.context import ACTIVE, run_id_for
-from coordinator.cost import CostRecord, coordinator_record, is_final, write_ledger
-from coordinator.job import TrainJob
-from coordinator.job_fields import job_from_fields
-from coordinator.ledger import record_cost_now
-from coordinator.sweep import sweep_run
-from coordinator.validate import open_checked_store, resolve_durable_ref, resolve_store_ref
+from coordinator.bill.cost import coordinator_record, is_final, write_ledger
+from coordinator.bill.ledger import record_cost_now
+from coordinator.run.context import ACTIVE, run_id_for
+from coordinator.run.job import TrainJob
+from coordinator.run.job_fields import job_from_fields
+from coordinator.run.validate import open_checked_store, resolve_durable_ref, resolve_store_ref
+from coordinator.workers.cleanup import cancel_flow_runs, delete_scratch, finish_cancelled, teardown_run
+from coordinator.workers.sweep import sweep_run
+from core.cost_record import CostRecord
 from core.errors import ZooidValueError
 from core.keys import ledger_key, run_prefix, summary_key
 from planners.catalog import get_offer

@@ -3,7 +3,7 @@
 `prefect deployment run train/local --param workers=3` and the UI's form both need flat
 parameters, while Python callers pass one `TrainJob`. `job_fields_flow` wraps a function of a
 `TrainJob` into a flow whose signature is the job's fields (with their defaults, types and
-descriptions); the job is built by `coordinator.job_fields.job_from_fields`, so a field pydantic
+descriptions); the job is built by `coordinator.run.job_fields.job_from_fields`, so a field pydantic
 refuses fails the run with one line naming it.
 """
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any, Callable
 
 from prefect import flow
 
-from coordinator.job import TrainJob
-from coordinator.job_fields import job_from_fields
+from coordinator.run.job import TrainJob
+from coordinator.run.job_fields import job_from_fields
 from core.errors import ZooidValueError
 
 

@@ -3,7 +3,7 @@ re-plan] x epochs -> teardown -> record_cost.
 
 After every epoch the planner is calibrated from what the workers measured
 (`planners.calibration`); the next epoch runs the plan a rescale asked for, or else the
-plan in force, unless a re-plan found one at least 10 % faster or cheaper (`coordinator.planning.replan`).
+plan in force, unless a re-plan found one at least 10 % faster or cheaper (`coordinator.plan.planning.replan`).
 
 `train(job)` takes a `TrainJob`; `train_with_params(**fields)` is the same flow with one
 parameter per `TrainJob` field, which is what deployments run, so that
@@ -45,26 +45,26 @@ from prefect.artifacts import (
 )
 
 from blocks.store_refs import open_store_ref
-from coordinator.context import ACTIVE, RunContext, run_id_for
-from coordinator.cost import read_ledger, total_usd, worker_seconds
-from coordinator.job import RunSummary, TrainJob
-from coordinator.job_fields import check_fields, fields_from_args
-from coordinator.ledger import record_cost_now, rows_now
-from coordinator.outer_step import log_outer_settings
-from coordinator.planning import strategy_inputs
-from coordinator.progress import epoch_line, interrupted_lines, money
-from coordinator.report import artifact_key, epoch_table, markdown_report, plot_curves, text_report
-from coordinator.resume import ResumePoint, find_resume_point, write_history
-from coordinator.run_terms import RunClock, record_terms
-from coordinator.scaling_policy import forecast_workers
-from coordinator.sweep import worker_pids
-from coordinator.validate import check_target_ready, validate_job
-from coordinator.warm_pool import WarmPool, provisional_plan
-from coordinator.warm_prestart import WarmPrestart
+from coordinator.bill.cost import read_ledger, total_usd, worker_seconds
+from coordinator.bill.ledger import record_cost_now, rows_now
+from coordinator.plan.planning import strategy_inputs
+from coordinator.plan.run_terms import RunClock, record_terms
+from coordinator.plan.scaling_policy import forecast_workers
+from coordinator.report.progress import epoch_line, interrupted_lines, money
+from coordinator.report.report import epoch_table, markdown_report, plot_curves, text_report
+from coordinator.run.context import ACTIVE, RunContext, run_id_for
+from coordinator.run.job import RunSummary, TrainJob
+from coordinator.run.job_fields import check_fields, fields_from_args
+from coordinator.run.outer_step import log_outer_settings
+from coordinator.run.resume import ResumePoint, find_resume_point, write_history
+from coordinator.run.validate import check_target_ready, validate_job
+from coordinator.workers.sweep import worker_pids
+from coordinator.workers.warm_pool import WarmPool, provisional_plan
+from coordinator.workers.warm_prestart import WarmPrestart
 from core.epoch_summary import EpochSummary, Replan, run_token_figures
 from core.errors import ZooidValueError
 from core.fast_exit import exit_now
-from core.keys import init_checkpoint_key, ledger_key, report_key, summary_key
+from core.keys import artifact_key, init_checkpoint_key, ledger_key, report_key, summary_key
 from core.plan import Plan
 from deployments.bootstrap import PAID_WORKERS, ensure_concurrency_limit
 from deployments.server import TemporaryServer, drain_prefect_clients, temporary_server

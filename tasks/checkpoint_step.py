@@ -1,13 +1,13 @@
-"""The `checkpoint` step (`coordinator.retention`): confirm the epoch's reference checkpoint,
+"""The `checkpoint` step (`coordinator.workers.retention`): confirm the epoch's reference checkpoint,
 point `latest` at it, and keep only the checkpoints the job asked for."""
 from __future__ import annotations
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from coordinator.context import RunContext
-from coordinator.retention import commit_checkpoint
-from coordinator.retry import task_options
+from coordinator.run.context import RunContext
+from coordinator.run.retry import task_options
+from coordinator.workers.retention import commit_checkpoint
 from core.epoch_summary import EpochSummary
 
 

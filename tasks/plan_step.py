@@ -1,4 +1,4 @@
-"""The `plan` and `replan` steps (`coordinator.planning`): choose the parallelism and predict
+"""The `plan` and `replan` steps (`coordinator.plan.planning`): choose the parallelism and predict
 the run's time and bill; after an epoch, keep the plan in force or switch to a clearly better one.
 """
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from coordinator.context import RunContext
-from coordinator.planning import make_plan, replan
-from coordinator.retry import task_options
+from coordinator.plan.planning import make_plan, replan
+from coordinator.run.context import RunContext
+from coordinator.run.retry import task_options
 from core.epoch_summary import Replan
 from core.plan import Plan
 from planners.calibration import Calibration

@@ -1,13 +1,13 @@
-"""The `profile` step (`coordinator.target_profile`): the model and the store, measured where
+"""The `profile` step (`coordinator.plan.target_profile`): the model and the store, measured where
 the workers run, and cached."""
 from __future__ import annotations
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from coordinator.context import RunContext
-from coordinator.retry import task_options
-from coordinator.target_profile import measure_profile
+from coordinator.plan.target_profile import measure_profile
+from coordinator.run.context import RunContext
+from coordinator.run.retry import task_options
 
 
 def profile(ctx: RunContext) -> dict:

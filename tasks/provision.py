@@ -1,13 +1,13 @@
-"""The `provision` step (`coordinator.staging`): stage the data, write the first reference
+"""The `provision` step (`coordinator.workers.staging`): stage the data, write the first reference
 checkpoint, check the pool."""
 from __future__ import annotations
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from coordinator.context import RunContext
-from coordinator.retry import task_options
-from coordinator.staging import stage_run
+from coordinator.run.context import RunContext
+from coordinator.run.retry import task_options
+from coordinator.workers.staging import stage_run
 from core.plan import Plan
 
 

@@ -1,12 +1,12 @@
-"""The `record_cost` step (`coordinator.ledger`): close the coordinator's interval, write the
+"""The `record_cost` step (`coordinator.bill.ledger`): close the coordinator's interval, write the
 ledger, show the bill."""
 from __future__ import annotations
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from coordinator.context import RunContext
-from coordinator.ledger import record_final_bill
+from coordinator.bill.ledger import record_final_bill
+from coordinator.run.context import RunContext
 
 
 @task(name="record_cost", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2, timeout_seconds=120)

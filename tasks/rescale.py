@@ -1,4 +1,4 @@
-"""The `rescale` step (`coordinator.scaling_policy`): the job's scaling policy picks the next
+"""The `rescale` step (`coordinator.plan.scaling_policy`): the job's scaling policy picks the next
 epoch's worker count and learning rate.
 """
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from coordinator import scaling_policy
-from coordinator.context import RunContext
-from coordinator.retry import task_options
+from coordinator.plan import scaling_policy
+from coordinator.run.context import RunContext
+from coordinator.run.retry import task_options
 from core.epoch_summary import EpochSummary, Rescale
 
 

@@ -1,4 +1,4 @@
-"""The `run_epoch` step (`coordinator.epoch_run`): fan out one worker per replica or stage,
+"""The `run_epoch` step (`coordinator.workers.epoch_run`): fan out one worker per replica or stage,
 wait, and aggregate their reports; retried as a whole on a transient worker failure."""
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import task_run
 
-from coordinator.context import RunContext
-from coordinator.epoch_run import run_epoch_on_target
-from coordinator.retry import task_options
+from coordinator.run.context import RunContext
+from coordinator.run.retry import task_options
+from coordinator.workers.epoch_run import run_epoch_on_target
 from core.plan import Plan
 
 

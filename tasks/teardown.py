@@ -11,8 +11,8 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from coordinator.cleanup import teardown_run
-from coordinator.context import RunContext
+from coordinator.run.context import RunContext
+from coordinator.workers.cleanup import teardown_run
 
 
 @task(name="teardown", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2, timeout_seconds=300)

@@ -103,8 +103,8 @@ def _containers(run_id: str, running_only: bool = False) -> list:
 
 
 def _store(stack):
-    from blocks.store_refs import open_store_ref
     from blocks.store_block import block_ref
+    from blocks.store_refs import open_store_ref
 
     return open_store_ref(block_ref(stack["docker"]["store"]))
 
@@ -153,7 +153,7 @@ def _ledger(stack, run_id: str) -> list[dict]:
 
 
 def _run_id(flow_run_id: str) -> str:
-    from coordinator.context import run_id_for
+    from coordinator.run.context import run_id_for
 
     return run_id_for(flow_run_id)
 

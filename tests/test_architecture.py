@@ -32,7 +32,7 @@ class Import:
     source: str
     """The importing module, e.g. `tasks.run_epoch`."""
     target: str
-    """The imported name, e.g. `prefect.task` or `coordinator.warm_prestart`."""
+    """The imported name, e.g. `prefect.task` or `coordinator.workers.warm_prestart`."""
     path: str
     line: int
 
@@ -249,6 +249,22 @@ def test_every_folder_is_a_layer():
     assert set(LAYERS) == set(PACKAGES) - {"benchmarks"}
 
 
+COORDINATOR_ROOMS = ("run", "bill", "workers", "plan", "report")
+"""coordinator/'s sub-packages, lowest first: each imports only the rooms before it (the bill
+never imports the report; the plan may read the workers, which take the profile)."""
+
+
+def test_the_coordinator_is_rooms_whose_arrows_point_down():
+    modules = [m for m in project_files() if m.startswith("coordinator.")]
+    assert modules and all(m.split(".")[1] in COORDINATOR_ROOMS for m in modules), \
+        [m for m in modules if m.split(".")[1] not in COORDINATOR_ROOMS]
+    bad = []
+    for i, room in enumerate(COORDINATOR_ROOMS):
+        bad += layer_violations(f"coordinator.{room}", tuple(f"coordinator.{r}" for r in COORDINATOR_ROOMS[i + 1:]))
+    assert not bad, "imports against the coordinator's rooms:\n" + "\n".join(bad)
+    assert "coordinator.bill.cost" in import_graph()["coordinator.workers.epoch_run"]  # the reader sees rooms
+
+
 def test_arrows_point_down_only():
     """No folder imports a folder above it (docs/ARCHITECTURE.md draws the same picture)."""
     bad = []
@@ -351,9 +367,9 @@ def _registries() -> list[str]:
 def test_a_runs_configuration_is_immutable_and_its_state_is_one_object():
     import dataclasses
 
-    from coordinator.context import RunContext, RunState
-    from coordinator.job import TrainJob
-    from coordinator.validate import ResolvedJob
+    from coordinator.run.context import RunContext, RunState
+    from coordinator.run.job import TrainJob
+    from coordinator.run.validate import ResolvedJob
 
     assert RunContext.__dataclass_params__.frozen and ResolvedJob.__dataclass_params__.frozen
     assert TrainJob.model_config.get("frozen")
@@ -363,10 +379,10 @@ def test_a_runs_configuration_is_immutable_and_its_state_is_one_object():
 
 
 def test_the_coordinator_keeps_one_registry_the_failure_hooks():
-    """tasks/ and flows/ keep no state in modules except `coordinator.context.ACTIVE`, which the
+    """tasks/ and flows/ keep no state in modules except `coordinator.run.context.ACTIVE`, which the
     flow's failure hooks need (Prefect hands a hook the flow run alone)."""
     found = _registries()
-    assert [r for r in found if r.split(".")[0] in ("coordinator", "tasks", "flows")] == ["coordinator.context.ACTIVE"], found
+    assert [r for r in found if r.split(".")[0] in ("coordinator", "tasks", "flows")] == ["coordinator.run.context.ACTIVE"], found
 
 
 def test_tasks_holds_only_thin_prefect_tasks():

@@ -47,8 +47,8 @@ def test_refused_with_field_named(params, field, tmp_path, capsys):
 
 
 def test_user_model_factory_by_import_path_is_accepted():
-    from coordinator.job import TrainJob
-    from coordinator.validate import validate_job
+    from coordinator.run.job import TrainJob
+    from coordinator.run.validate import validate_job
 
     resolved = validate_job(TrainJob(model="tests.user_models:tiny_mlp"))
     assert resolved.n_train == 1437

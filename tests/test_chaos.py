@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from coordinator.job import TrainJob
+from coordinator.run.job import TrainJob
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
@@ -31,8 +31,8 @@ def fault_free(tmp_path_factory):
 
 def test_worker_killed_at_a_sync_point_is_relaunched_and_ends_equal(tmp_path, monkeypatch, fault_free):
     from comm.store import open_store
+    from coordinator.bill.cost import read_ledger
     from flows.train import train
-    from coordinator.cost import read_ledger
 
     clean, clean_weights = fault_free
     monkeypatch.setenv("ZOOID_CHAOS", "kill_worker:epoch=0:rank=1:step=8:at=sync")
@@ -54,8 +54,8 @@ def test_worker_killed_at_a_sync_point_is_relaunched_and_ends_equal(tmp_path, mo
 @pytest.mark.slow
 def test_hung_worker_times_out_and_is_relaunched(tmp_path, monkeypatch, fault_free):
     from comm.store import open_store
+    from coordinator.bill.cost import read_ledger
     from flows.train import train
-    from coordinator.cost import read_ledger
 
     clean, _ = fault_free
     monkeypatch.setenv("ZOOID_CHAOS", "hang_worker:epoch=0:rank=0:step=4")
@@ -79,9 +79,9 @@ def test_redis_restarted_mid_epoch_loses_only_scratch(tmp_path, monkeypatch, red
     import threading
 
     from comm.store import open_store
+    from coordinator.bill.cost import read_ledger
     from core.keys import sync_checkpoint_key
     from flows.train import train
-    from coordinator.cost import read_ledger
 
     clean, clean_weights = fault_free
     durable = tmp_path / "durable"

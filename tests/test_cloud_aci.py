@@ -210,8 +210,8 @@ def test_create_cancel_and_sweep_through_the_sdk():
 
 
 def test_cost_from_container_group_events():
+    from coordinator.bill.cloud_bill import cloud_records
     from planners.catalog import get_offer
-    from coordinator.cloud_bill import cloud_records
 
     ids = [str(uuid.uuid4()) for _ in range(3)]
     arm = FakeArm()

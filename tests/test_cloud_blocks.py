@@ -186,7 +186,7 @@ def run_evidence(run_id: str, bucket: str, s3_client, worker_envs: list[dict]) -
     import asyncio
 
     from comm.store_dir import zooid_home
-    from coordinator.context import run_id_for
+    from coordinator.run.context import run_id_for
 
     async def from_api() -> dict[str, bytes]:
         from prefect.client.orchestration import get_client
@@ -275,7 +275,7 @@ def secret_run(s3_server, tmp_path, monkeypatch):
             super().__init__(args, *rest, **kwargs)
 
     monkeypatch.setattr(subprocess, "Popen", RecordingPopen)
-    from coordinator.worker_forks import WorkerForks
+    from coordinator.workers.worker_forks import WorkerForks
 
     real_start = WorkerForks.start
 
@@ -288,8 +288,8 @@ def secret_run(s3_server, tmp_path, monkeypatch):
     def run(plant=None):
         from prefect.logging.handlers import APILogHandler
 
+        from coordinator.run.job import TrainJob
         from flows.train import train
-        from coordinator.job import TrainJob
 
         ZooidStore(url=f"s3://{bucket}/runs", aws_access_key_id=key_id, aws_secret_access_key=SecretStr(secret),
                    region_name="us-east-1", endpoint_url=proxy.endpoint).save("secret-run-store", overwrite=True)
@@ -354,11 +354,11 @@ def test_the_leak_check_catches_planted_leaks(secret_run, monkeypatch):
     """The same run with three leaks planted: an INFO line in the flow run's log, the key
     inside a binary object of the run, and the secret in the workers' environment. The
     check names each of them."""
+    import coordinator.workers.launchers
     import flows.train
-    import coordinator.launchers
 
     def plant(secret, key_id):
-        real_guardrail, real_init = flows.train.guardrail, coordinator.launchers.InlineLauncher.__init__
+        real_guardrail, real_init = flows.train.guardrail, coordinator.workers.launchers.InlineLauncher.__init__
 
         def guardrail(job, ctx, plan, history):
             from prefect import get_run_logger
@@ -377,7 +377,7 @@ def test_the_leak_check_catches_planted_leaks(secret_run, monkeypatch):
             real_init(self, run_id, log_dir, env={**(env or {}), "ZOOID_PLANTED": secret}, forks=forks)
 
         monkeypatch.setattr(flows.train, "guardrail", guardrail)
-        monkeypatch.setattr(coordinator.launchers.InlineLauncher, "__init__", launcher_init)
+        monkeypatch.setattr(coordinator.workers.launchers.InlineLauncher, "__init__", launcher_init)
 
     summary, evidence = secret_run(plant)
     assert summary.status == "completed"

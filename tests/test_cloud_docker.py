@@ -9,8 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from clouds.docker import (FLOW_RUN_LABEL, RUN_LABEL, DockerAdapter, container_interval,
-                           container_of_flow_run, run_intervals, stop_containers, sweep)
+from clouds.docker import (
+    FLOW_RUN_LABEL,
+    RUN_LABEL,
+    DockerAdapter,
+    container_interval,
+    container_of_flow_run,
+    run_intervals,
+    stop_containers,
+    sweep,
+)
 from clouds.job_variables import WorkerResources, job_variables
 from clouds.timestamps import epoch_seconds
 
@@ -120,8 +128,8 @@ def test_each_recorded_container_state_is_billed_on_the_engines_clock():
 
 
 def test_cloud_records_price_each_container_from_start_to_finish():
+    from coordinator.bill.cloud_bill import cloud_records
     from planners.catalog import get_offer
-    from coordinator.cloud_bill import cloud_records
 
     intervals = [container_interval(answer(n)) for n in ("completed", "killed", "never_started")]
     attempts = {intervals[0].flow_run_id: (0, 0, 0, 2.0), intervals[1].flow_run_id: (0, 1, 0, 2.0)}
@@ -137,8 +145,8 @@ def test_a_warm_worker_told_to_stop_is_billed_as_completed_even_when_its_contain
     """The teardown tells each warm worker to stop, then stops the containers that have not
     exited in time (exit 137): their work was done, so they are no failed attempts; a container
     killed while it worked still is."""
+    from coordinator.bill.cloud_bill import cloud_records
     from planners.catalog import get_offer
-    from coordinator.cloud_bill import cloud_records
 
     killed = container_interval(answer("killed"))
     other = dataclasses.replace(killed, flow_run_id="another-flow-run", resource="0123456789ab")
@@ -251,9 +259,9 @@ def test_the_docker_template_extends_prefect_dockers_default():
 def test_the_docker_target_is_registered_once_and_refuses_a_local_directory_store(tmp_path):
     from blocks.compute import resolve_target
     from clouds.registry import adapter_for, is_cloud
+    from coordinator.run.job import TrainJob
+    from coordinator.run.validate import validate_job
     from core.errors import ZooidValueError
-    from coordinator.job import TrainJob
-    from coordinator.validate import validate_job
 
     target = resolve_target("docker")
     assert target.kind == "docker" and is_cloud(target) and isinstance(adapter_for(target), DockerAdapter)

@@ -142,8 +142,8 @@ def test_cost_from_describe_tasks_clock():
     import boto3
     from botocore.stub import Stubber
 
+    from coordinator.bill.cloud_bill import cloud_records
     from planners.catalog import get_offer
-    from coordinator.cloud_bill import cloud_records
 
     ids = (str(uuid.uuid4()), str(uuid.uuid4()), str(uuid.uuid4()))
     ecs = boto3.client("ecs", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="y")

@@ -217,8 +217,8 @@ def test_create_cancel_and_sweep_through_the_client():
 def test_cost_from_pod_start_and_finish():
     from kubernetes_asyncio import config
 
+    from coordinator.bill.cloud_bill import cloud_records
     from planners.catalog import get_offer
-    from coordinator.cloud_bill import cloud_records
 
     ids = [str(uuid.uuid4()) for _ in range(3)]
     fake = FakeKubernetes()

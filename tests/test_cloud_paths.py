@@ -1,5 +1,5 @@
-"""The cloud path end to end, per provider: `coordinator.epoch_run.bill_from_cloud_clock` and
-`coordinator.cleanup.teardown_run` through the real adapter (`clouds.registry.adapter_for` on a
+"""The cloud path end to end, per provider: `coordinator.workers.epoch_run.bill_from_cloud_clock` and
+`coordinator.workers.cleanup.teardown_run` through the real adapter (`clouds.registry.adapter_for` on a
 `ComputeTarget` of the provider's kind), with the cloud faked at its HTTP boundary by recorded
 answers: ECS through botocore (wire JSON, parsed by botocore), ACI through the Azure SDK's
 transport (`tests.test_cloud_aci.FakeArm`), Kubernetes through kubernetes_asyncio against a
@@ -36,13 +36,13 @@ from blocks.compute import ComputeTarget
 from clouds import aci as cloud_aci
 from clouds import ecs as cloud_ecs
 from clouds import kubernetes as cloud_k8s
+from coordinator.bill import cloud_bill
+from coordinator.bill.cost import coordinator_record, worker_records
+from coordinator.run.context import RunContext
+from coordinator.run.job import TrainJob
+from coordinator.workers import cleanup as teardown_mod
+from coordinator.workers import epoch_run as run_epoch_mod
 from planners.catalog import get_offer
-from coordinator import cloud_bill
-from coordinator import epoch_run as run_epoch_mod
-from coordinator import cleanup as teardown_mod
-from coordinator.context import RunContext
-from coordinator.cost import coordinator_record, worker_records
-from coordinator.job import TrainJob
 from tests.cloud_fixtures import _container, _task, describe_tasks_response, flow_run
 
 pytestmark = pytest.mark.timeout(60)
@@ -457,7 +457,7 @@ CLOUDS = [EcsCase, AciCase, K8sCase, DockerCase]
 # ----------------------------------------------------------------------------- the run
 
 class Clock:
-    """`coordinator.cloud_bill`'s clock (a worker still running is billed up to it), set per bill."""
+    """`coordinator.bill.cloud_bill`'s clock (a worker still running is billed up to it), set per bill."""
 
     def __init__(self):
         self.now = 0.0

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from blocks.compute import ComputeTarget
+from coordinator.run.job import TrainJob
 from core.errors import ZooidValueError
 from core.plan import Plan
 from core.stage_memory import GB
@@ -19,7 +20,6 @@ from planners.catalog import get_offer
 from planners.co_optimize import evaluate
 from planners.co_optimize_flow import Point
 from planners.co_optimize_problem import CoOptProblem, CoOptSolution, plan_fits
-from coordinator.job import TrainJob
 
 MB = float(1 << 20)
 LAYERS = [  # per micro-batch of 4 rows (the profile's micro-batch): seconds, bytes
@@ -49,13 +49,13 @@ def context(job: TrainJob, target: ComputeTarget, n_train: int = 64):
 
 @pytest.fixture(autouse=True)
 def no_run_prediction(monkeypatch):
-    import coordinator.planning
+    import coordinator.plan.planning
 
-    monkeypatch.setattr(coordinator.planning, "with_run", lambda ctx, chosen, calibration, epochs_left, **kw: chosen)
+    monkeypatch.setattr(coordinator.plan.planning, "with_run", lambda ctx, chosen, calibration, epochs_left, **kw: chosen)
 
 
 def make(job: TrainJob, target: ComputeTarget, layers=LAYERS) -> Plan:
-    from coordinator.planning import make_plan
+    from coordinator.plan.planning import make_plan
 
     return make_plan(context(job, target), profile(layers), job.workers)
 
@@ -184,7 +184,7 @@ def test_a_stage_that_does_not_fit_the_small_size_alone_gets_a_larger_one():
 
 
 def test_one_size_plans_as_today_and_says_why():
-    from coordinator.planning import strategy_inputs, uniform_plan
+    from coordinator.plan.planning import strategy_inputs, uniform_plan
 
     job = TrainJob(strategy="auto", workers=4, batch_size=8, microbatches=2)
     target = ComputeTarget(kind="aci", offer="aci-cpu", worker_memory_gb=2.0)
@@ -200,7 +200,7 @@ def test_one_size_plans_as_today_and_says_why():
 def test_bad_sizes_are_refused_in_one_line_naming_the_parameter():
     from pydantic import ValidationError
 
-    from coordinator.validate import check_worker_sizes
+    from coordinator.run.validate import check_worker_sizes
 
     with pytest.raises(ValidationError, match="worker_memory_options_gb"):
         ComputeTarget(worker_memory_options_gb=[2.0, -1.0])
@@ -224,10 +224,9 @@ def test_plan_round_trips_with_per_stage_sizes_and_reads_old_dicts():
 
 
 def test_the_exact_frontier_with_stage_limits_matches_brute_force():
-    from tests.test_planners_co_optimize import all_plans, random_doc
-
     from planners.co_optimize import parse_problem
     from planners.co_optimize_flow import frontier
+    from tests.test_planners_co_optimize import all_plans, random_doc
 
     for seed in range(25):
         rng = random.Random(seed)
@@ -244,8 +243,8 @@ def test_the_exact_frontier_with_stage_limits_matches_brute_force():
 
 
 def test_the_dry_run_report_lists_what_the_co_optimiser_compared():
+    from coordinator.report.report import co_optimizer_lines
     from flows.dry_run import plan_report
-    from coordinator.report import co_optimizer_lines
 
     job = TrainJob(strategy="auto", workers=4, batch_size=8, microbatches=2)
     several = make(job, ComputeTarget(**LAMBDA)).to_dict()
@@ -261,9 +260,9 @@ def test_the_dry_run_report_lists_what_the_co_optimiser_compared():
 def test_each_stage_is_launched_predicted_and_billed_at_its_own_size():
     """The co-optimised 4 GB + 1 GB pipeline, as hybrid D = 2: a worker asks the cloud for its
     stage's size, the ledger bills it at that size, and the prediction prices the same mix."""
-    from coordinator.context import RunContext
-    from coordinator.cost import worker_records
-    from coordinator.launchers import launch_identity, make_launcher
+    from coordinator.bill.cost import worker_records
+    from coordinator.run.context import RunContext
+    from coordinator.workers.launchers import launch_identity, make_launcher
 
     layers = [dict(LAYERS[0], param_bytes=400 * MB)] + LAYERS[1:]
     job = TrainJob(strategy="hybrid", workers=2, batch_size=8, microbatches=2, stages=2)

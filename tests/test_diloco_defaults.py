@@ -8,16 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from coordinator.job import TrainJob
-from coordinator.outer_step import job_outer_settings, log_outer_settings
-from coordinator.worker_specs import worker_specs
-from core.outer_defaults import (
-    max_outer_gain,
-    max_outer_momentum,
-    outer_gain,
-    outer_settings,
-    round_steps,
-)
+from coordinator.run.job import TrainJob
+from coordinator.run.outer_step import job_outer_settings, log_outer_settings
+from coordinator.workers.worker_specs import worker_specs
+from core.outer_defaults import max_outer_gain, max_outer_momentum, outer_gain, outer_settings, round_steps
 from core.plan import Plan
 
 EXACT = 1e-12
@@ -84,7 +78,7 @@ def test_a_job_s_null_outer_settings_follow_its_period_into_every_spec():
 def test_explicit_settings_are_kept_and_an_unstable_pair_is_warned_in_one_line(caplog):
     job = TrainJob(outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9, sync_period=8, workers=2)
     assert {(s.sync.outer_lr, s.sync.outer_momentum) for s in _specs(job, 45)} == {(0.7, 0.9)}
-    with caplog.at_level(logging.INFO, logger="coordinator.outer_step"):
+    with caplog.at_level(logging.INFO, logger="coordinator.run.outer_step"):
         line = log_outer_settings(job, 45)
     assert [(r.levelno, r.getMessage()) for r in caplog.records] == [(logging.WARNING, line)]
     assert "\n" not in line and line.startswith("outer_lr and outer_momentum: outer_lr 0.7, outer_momentum 0.9 on "
@@ -93,13 +87,13 @@ def test_explicit_settings_are_kept_and_an_unstable_pair_is_warned_in_one_line(c
     # a pair the rounds bear: said as set, no warning
     caplog.clear()
     job = TrainJob(outer_optimizer="nesterov", outer_lr=0.5, outer_momentum=0.5, sync_period=500, workers=2)
-    with caplog.at_level(logging.INFO, logger="coordinator.outer_step"):
+    with caplog.at_level(logging.INFO, logger="coordinator.run.outer_step"):
         line = log_outer_settings(job, 1000)
     assert [r.levelno for r in caplog.records] == [logging.INFO] and line.endswith("as set (gain 1.00x)")
 
 
 def test_the_defaults_are_said_in_one_info_line_and_k_avg_says_nothing(caplog):
-    with caplog.at_level(logging.INFO, logger="coordinator.outer_step"):
+    with caplog.at_level(logging.INFO, logger="coordinator.run.outer_step"):
         assert log_outer_settings(TrainJob(workers=2, sync_period=8), 45) is None
         line = log_outer_settings(TrainJob(outer_optimizer="nesterov", sync_period=8, workers=2), 45)
     assert [(r.levelno, r.getMessage()) for r in caplog.records] == [(logging.INFO, line)]

@@ -37,10 +37,10 @@ def test_teardown_sweeps_a_container_left_behind_by_label(stack):
     from types import SimpleNamespace
 
     from blocks.compute import resolve_target
+    from coordinator.run.context import RunContext
+    from coordinator.run.job import TrainJob
+    from coordinator.workers.cleanup import teardown_run
     from planners.catalog import get_offer
-    from coordinator.context import RunContext
-    from coordinator.job import TrainJob
-    from coordinator.cleanup import teardown_run
 
     run_id = f"left-{uuid.uuid4().hex[:8]}"
     client = _client()

@@ -5,7 +5,18 @@ from __future__ import annotations
 
 import pytest
 
-from tests.docker_stack import _container_ids, _containers, _ledger, _run_id, _save_target, _store, _submit, _summary, _wait_final, stack_for_the_module
+from tests.docker_stack import (
+    _container_ids,
+    _containers,
+    _ledger,
+    _run_id,
+    _save_target,
+    _store,
+    _submit,
+    _summary,
+    _wait_final,
+    stack_for_the_module,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
 stack = pytest.fixture(scope="module", name="stack")(stack_for_the_module)
@@ -42,7 +53,8 @@ def test_training_on_containers_completes_warm_and_is_billed_on_the_engines_cloc
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
-    from coordinator.report import artifact_key, infrastructure_ids
+    from coordinator.report.report import infrastructure_ids
+    from core.keys import artifact_key
 
     assert set(infrastructure_ids(rows)) == ids
     with get_client(sync_client=True) as client:
@@ -55,9 +67,9 @@ def test_training_on_containers_completes_warm_and_is_billed_on_the_engines_cloc
 
 def test_a_missing_image_or_engine_is_one_clear_error_before_anything_is_paid(stack, monkeypatch):
     from blocks.compute import resolve_target
+    from coordinator.run.job import TrainJob
+    from coordinator.run.validate import check_target_ready, validate_job
     from core.errors import ZooidValueError
-    from coordinator.job import TrainJob
-    from coordinator.validate import check_target_ready, validate_job
 
     target = _save_target("docker-no-image", image="localhost/zooid-no-such-image:0")
     flow_run_id = _submit(stack, workers=2, epochs=1, target=target)

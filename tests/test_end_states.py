@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.job import TrainJob
+from coordinator.run.job import TrainJob
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -61,8 +61,8 @@ END_STATES = {
 def test_the_report_and_cost_json_show_one_bill_whatever_ended_the_run(tmp_path, monkeypatch, status):
     """The final ledger is written before the report, marked final, and the failure hooks (which
     run after the flow's own teardown) leave it as it is: summary, report and cost.json agree."""
+    from coordinator.workers.sweep import tagged_pids
     from flows.train import train
-    from coordinator.sweep import tagged_pids
 
     store = tmp_path / "store"
     fields = END_STATES.get(status, dict(epochs=1))
@@ -86,11 +86,13 @@ def test_a_hook_after_the_coordinator_billed_itself_does_not_rewrite_the_bill(tm
     run ended."""
     from types import SimpleNamespace
 
-    from flows.hooks import _rebuild_and_clean, end_status
     from prefect.states import Cancelling
-    from coordinator.context import run_id_for
-    from coordinator.cost import CostRecord, write_ledger
+
     from comm.store import open_store
+    from coordinator.bill.cost import write_ledger
+    from coordinator.run.context import run_id_for
+    from core.cost_record import CostRecord
+    from flows.hooks import _rebuild_and_clean, end_status
 
     url = f"file://{tmp_path}/store"
     flow_run = SimpleNamespace(id="0123456789abcdef0123", start_time=None,
@@ -167,9 +169,9 @@ def test_a_run_cancelled_through_prefect_is_cancelled_everywhere(tmp_path, monke
     from prefect.client.orchestration import get_client
     from prefect.exceptions import TerminationSignal
 
+    from coordinator.workers.sweep import tagged_pids
     from flows.hooks import on_abnormal_end
     from flows.train import train
-    from coordinator.sweep import tagged_pids
 
     if not engine_owns:
         monkeypatch.setenv("PREFECT__ENABLE_CANCELLATION_AND_CRASHED_HOOKS", "false")
@@ -217,7 +219,7 @@ def test_a_command_line_run_stopped_by_a_signal_says_three_lines_and_exits_128_p
     """`python -m flows.train` on the inline target with a long job, stopped once its first
     epoch is in the store: after the signal it prints at most three lines (torn down, bill,
     resume), no traceback, exits 143 (SIGTERM) or 130 (SIGINT), and leaves nothing running."""
-    from coordinator.sweep import tagged_pids
+    from coordinator.workers.sweep import tagged_pids
 
     home = tmp_path / "zooid"
     out_path = tmp_path / "out.txt"
@@ -250,7 +252,7 @@ def test_a_command_line_run_stopped_by_a_signal_says_three_lines_and_exits_128_p
     assert 1 <= len(after) <= 3, after
     assert any("torn down" in line for line in after)
     ledger = json.loads((runs / run_id / "cost.json").read_text())
-    from coordinator.progress import money
+    from coordinator.report.progress import money
 
     assert any(f"bill so far: {money(ledger['total_usd'])}" in line for line in after), after
     assert any(f"--param resume={run_id}" in line for line in after), after

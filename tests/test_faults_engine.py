@@ -25,6 +25,7 @@ import comm.store_base as store_base
 from comm.collectives import allreduce_mean, release_group
 from comm.store_dir import DirectoryStore
 from comm.store_redis import RedisStore
+from coordinator.workers.failures import FailureKind, MemoryEvents, classify_failure, read_memory_events
 from core.errors import StoreTimeout, ZooidValueError
 from core.keys import sync_checkpoint_key
 from core.specs import ComputeSpec, SyncSpec, WorkerSpec
@@ -33,7 +34,6 @@ from engine.checkpoint import initial_checkpoint, load_checkpoint, read_checkpoi
 from engine.datasets import assign_subsets, publish_dataset
 from engine.local_sgd_epoch import read_epoch_history, run_local_sgd_epoch
 from engine.models import build_model
-from coordinator.failures import FailureKind, MemoryEvents, classify_failure, read_memory_events
 from tests.memory_store import Died, DyingStore, MemoryStore
 
 REPO = Path(__file__).resolve().parents[1]
@@ -80,7 +80,7 @@ def reference(tmp_path_factory):
 
 
 class Coordinator:
-    """Launch workers as processes, as `coordinator.launchers.InlineLauncher` does."""
+    """Launch workers as processes, as `coordinator.workers.launchers.InlineLauncher` does."""
 
     def __init__(self, logs: Path, chaos: str):
         self.logs, self.chaos = logs, chaos

@@ -43,9 +43,9 @@ def test_three_concurrent_runs_are_isolated_and_capped(tmp_path):
     from prefect.settings import PREFECT_API_URL
 
     from comm.store_dir import DirectoryStore
+    from coordinator.workers.launchers import PAID_WORKERS_LIMIT
+    from coordinator.workers.sweep import sweep_run, workers_by_run
     from deployments.bootstrap import ensure_concurrency_limit
-    from coordinator.launchers import PAID_WORKERS_LIMIT
-    from coordinator.sweep import sweep_run, workers_by_run
 
     with get_client(sync_client=True) as client:  # another test of the session may have made it: resize it
         ensure_concurrency_limit(client, 4)

@@ -10,9 +10,8 @@ import ast
 
 import pytest
 
-from tests.source_tree import sources
-
 from core import keys
+from tests.source_tree import sources
 
 OWNER = "core/keys.py"
 RUN = "abc123"
@@ -160,10 +159,10 @@ def test_the_key_parsers_read_what_the_builders_write():
 def test_the_old_homes_of_the_key_helpers_give_the_same_keys():
     """Names other modules and tests import from where they used to live."""
 
+    from coordinator.bill.cost import ledger_key
     from engine.chaos import fault_marker_key
     from engine.residuals import residual_key
     from runtime.warm import command_key, reply_key, status_key
-    from coordinator.cost import ledger_key
 
     assert fault_marker_key(RUN, 1, 2, 3) == keys.fault_marker_key(RUN, 1, 2, 3)
     assert residual_key(RUN, 2, 1, 7) == keys.residual_key(RUN, 2, 1, 7)

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from coordinator.job import RunSummary
-from coordinator.progress import epoch_line
-from coordinator.report import epoch_table, markdown_report, text_report
+from coordinator.report.progress import epoch_line
+from coordinator.report.report import epoch_table, markdown_report, text_report
+from coordinator.run.job import RunSummary
 from core.epoch_summary import EpochSummary, run_token_figures
 from core.specs import WorkerResult
 

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from coordinator.job import TrainJob
+from coordinator.run.job import TrainJob
 from tests import lm_helpers
 from tests.test_resume import _weights
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from comm.store import open_store
-from coordinator.job import TrainJob
+from coordinator.run.job import TrainJob
 from core.errors import ZooidValueError
 from core.shared_parameters import split_shared
 from core.specs import ComputeSpec, WorkerSpec
@@ -87,7 +87,7 @@ HERE = "tests.test_lm_refusals"
 
 
 def _validate(tmp_path, **params):
-    from coordinator.validate import validate_job
+    from coordinator.run.validate import validate_job
 
     return validate_job(TrainJob(store=f"file://{tmp_path}/store", batch_size=8, **params))
 
@@ -139,14 +139,14 @@ def test_the_dataset_decides_vocab_and_mask_from_its_text_info_else_its_ids():
 
 
 def test_workers_the_profile_and_the_initial_checkpoint_get_the_model_kwargs(tmp_path):
-    from coordinator.context import RunContext
-    from coordinator.target_profile import profile_request
-    from coordinator.worker_specs import worker_specs
+    from coordinator.plan.target_profile import profile_request
+    from coordinator.run.context import RunContext
+    from coordinator.workers.worker_specs import worker_specs
     from core.plan import Plan
 
     job = TrainJob(model="gpt_mini", dataset=f"{HERE}:byte_windows", batch_size=8, workers=2,
                    store=f"file://{tmp_path}/store")
-    from coordinator.validate import validate_job
+    from coordinator.run.validate import validate_job
 
     ctx = RunContext(run_id="zlmkw", job=job, resolved=validate_job(job))
     ctx.state.dataset = {"n_subsets": 4}
@@ -169,7 +169,7 @@ def test_a_token_id_at_or_above_the_embedding_is_refused_naming_dataset(tmp_path
 
 
 def test_a_tokenizers_id_above_the_embedding_is_refused_naming_tokenizer():
-    from coordinator.validate import check_model_fits
+    from coordinator.run.validate import check_model_fits
 
     (x, y), (vx, vy) = byte_windows()
     info = SimpleNamespace(vocab_size=127, mask_id=None, tokenizer="bpe:127", objective="causal")
@@ -195,7 +195,7 @@ def test_outputs_that_cannot_score_the_targets_are_refused_naming_model(tmp_path
 
 
 def test_mlm_with_a_model_without_a_mask_token_is_refused_naming_objective():
-    from coordinator.validate import check_model_fits
+    from coordinator.run.validate import check_model_fits
 
     (x, y), (vx, vy) = byte_windows()
     info = SimpleNamespace(vocab_size=258, mask_id=257, tokenizer="bytes", objective="mlm")
@@ -245,19 +245,19 @@ def test_a_tied_gpt_pipelined_is_refused_naming_the_shared_parameter(tmp_path, s
 def test_a_tied_gpt_is_planned_as_local_sgd_under_auto(tmp_path, monkeypatch):
     """Validation records the shared parameter; the planner, which picks a 2 x 2 hybrid for
     the same profile without it, then plans Local-SGD."""
-    import coordinator.planning
+    import coordinator.plan.planning
     from blocks.compute import ComputeTarget
     from tests.test_co_optimizer_in_plan import context, profile
 
     resolved = _validate(tmp_path, model=f"{HERE}:tied_gpt", dataset=f"{HERE}:byte_windows", workers=2)
     assert resolved.shared_parameters == (("0.tok.weight", (0, 4)),)
-    monkeypatch.setattr(coordinator.planning, "with_run", lambda ctx, chosen, calibration, epochs_left, **kw: chosen)
+    monkeypatch.setattr(coordinator.plan.planning, "with_run", lambda ctx, chosen, calibration, epochs_left, **kw: chosen)
     job = TrainJob(strategy="auto", workers=4, batch_size=8, microbatches=2)
     ctx = context(job, ComputeTarget(kind="aci", offer="aci-cpu", worker_memory_gb=2.0))
-    untied = coordinator.planning.make_plan(ctx, profile(), 4)
+    untied = coordinator.plan.planning.make_plan(ctx, profile(), 4)
     assert (untied.strategy, untied.data_parallel, untied.stages) == ("hybrid", 2, 2)
     ctx.resolved.shared_parameters = resolved.shared_parameters
-    tied = coordinator.planning.make_plan(ctx, profile(), 4)
+    tied = coordinator.plan.planning.make_plan(ctx, profile(), 4)
     assert (tied.strategy, tied.data_parallel, tied.stages) == ("local_sgd", 4, 1)
 
 

@@ -54,7 +54,7 @@ def test_train_local_deployment_through_process_pool(tmp_path):
 
     # `run` stopped everything it started
     assert not (home / "stack.json").exists()
-    from coordinator.sweep import tagged_pids
+    from coordinator.workers.sweep import tagged_pids
 
     assert tagged_pids(runs[0].name) == []
 

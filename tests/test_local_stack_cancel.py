@@ -22,9 +22,9 @@ def test_cancelling_a_training_run_stops_its_workers_and_bills_it(stack):
     from prefect.deployments import run_deployment
     from prefect.states import Cancelling
 
+    from coordinator.run.context import run_id_for
+    from coordinator.workers.sweep import tagged_pids
     from deployments import stack as local_stack
-    from coordinator.context import run_id_for
-    from coordinator.sweep import tagged_pids
 
     home = stack["home"]
     with get_client(sync_client=True) as client:

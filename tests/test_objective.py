@@ -12,8 +12,16 @@ import torch.nn.functional as F
 from core.errors import ZooidValueError
 from engine.datasets import load_dataset, publish_dataset
 from engine.local_sgd import evaluate, validation_metrics
-from engine.objective import (CROSS_ENTROPY, IGNORE_INDEX, Objective, Tally, objective_for, resolve_loss,
-                              shapes_problem, target_classes)
+from engine.objective import (
+    CROSS_ENTROPY,
+    IGNORE_INDEX,
+    Objective,
+    Tally,
+    objective_for,
+    resolve_loss,
+    shapes_problem,
+    target_classes,
+)
 from tests import lm_helpers
 
 
@@ -174,8 +182,8 @@ def strict(output, target):
     ("os.path:join", "standard library"),
 ])
 def test_a_custom_loss_is_run_on_the_models_output_before_anything_is_rented(loss, error):
-    from coordinator.job import TrainJob
-    from coordinator.validate import check_loss
+    from coordinator.run.job import TrainJob
+    from coordinator.run.validate import check_loss
 
     job = TrainJob(model="tests.lm_helpers:tiny_regressor", dataset="tests.lm_helpers:regression_data", loss=loss)
     data = load_dataset(job.dataset)

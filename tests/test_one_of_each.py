@@ -200,9 +200,9 @@ def exception_classes() -> dict[str, tuple[str, ast.ClassDef]]:
 
 def test_every_project_exception_is_a_zooid_error():
     from clouds.job_variables import JobVariablesError, WorkerResources
+    from coordinator.workers.launchers import WorkerOutcome, WorkersFailed
     from core.errors import ZooidError, ZooidValueError
     from planners.prestart import PrestartError, startup_estimate
-    from coordinator.launchers import WorkerOutcome, WorkersFailed
 
     found = exception_classes()
     assert {"WorkersFailed", "JobVariablesError", "PrestartError"} <= set(found)
@@ -242,8 +242,8 @@ def test_store_blocks_are_one_family_with_one_reference_and_one_opener(prefect_a
     from prefect_redis.blocks import RedisDatabase
     from pydantic import SecretStr
 
-    from blocks.store_refs import ZooidStore, load_store_block, open_store_ref, store_block_types
     from blocks.store_block import BLOCK_PREFIX, StoreBlock, block_ref, parse_block_ref
+    from blocks.store_refs import ZooidStore, load_store_block, open_store_ref, store_block_types
 
     secret = "s3cr3t-one-of-each"
     blocks = {
@@ -348,7 +348,7 @@ def test_strategies_schedules_and_target_kinds_are_named_once():
     from blocks.compute import BUILTIN, ComputeTarget, resolve_target
     from clouds.job_variables import WorkerResources, job_variables
     from clouds.registry import adapter_for, is_cloud
-    from coordinator.job import BUILTIN_TARGETS, TrainJob
+    from coordinator.run.job import BUILTIN_TARGETS, TrainJob
     from core.kinds import (AUTO, CLOUD_KINDS, PIPELINED_STRATEGIES, SHARED_HOST_KINDS, PipelineSchedule, Strategy,
                             TargetKind, builtin_kind)
     from core.plan import Plan

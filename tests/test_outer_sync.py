@@ -422,7 +422,7 @@ def test_hybrid_compressed_gradient_syncs_owe_nothing_when_the_epoch_ends(tmp_pa
 def test_a_job_with_bad_outer_settings_is_refused_in_one_line_naming_the_field(fields, field):
     from pydantic import ValidationError
 
-    from coordinator.job import TrainJob, format_validation_error
+    from coordinator.run.job import TrainJob, format_validation_error
 
     with pytest.raises(ValidationError) as err:
         TrainJob(**fields)
@@ -433,9 +433,9 @@ def test_a_job_with_bad_outer_settings_is_refused_in_one_line_naming_the_field(f
 def test_a_job_s_outer_settings_reach_every_replica_s_spec():
     from types import SimpleNamespace
 
+    from coordinator.run.job import TrainJob
+    from coordinator.workers.worker_specs import worker_specs
     from core.plan import Plan
-    from coordinator.job import TrainJob
-    from coordinator.worker_specs import worker_specs
 
     job = TrainJob(outer_optimizer="nesterov", outer_lr=0.5, outer_momentum=0.8, sync_dtype="bfloat16", workers=2)
     ctx = SimpleNamespace(job=job, run_id="s", store_ref="file:///tmp/x", durable_ref="file:///tmp/x",
@@ -459,7 +459,7 @@ def test_a_worker_refuses_int8_syncs_of_adam_before_training(tmp_path):
 
 
 def test_pruning_keeps_the_residuals_of_the_checkpoints_it_keeps(tmp_path):
-    from coordinator.retention import prune_checkpoints
+    from coordinator.workers.retention import prune_checkpoints
 
     store, run = DirectoryStore(tmp_path), "prune"
     for epoch in range(4):

@@ -95,7 +95,7 @@ def test_a_momentum_job_s_sync_moves_the_gradients_alone_only_when_it_averages_t
 
 
 def _summary(plan: dict, bytes_synced: int):
-    from coordinator.job import EpochSummary, RunSummary
+    from coordinator.run.job import EpochSummary, RunSummary
 
     epoch = EpochSummary(epoch=0, workers=4, train_loss=1.0, seconds=10.0, samples_per_s=1.0, cost_usd=0.01,
                          bytes_synced=bytes_synced)
@@ -103,9 +103,9 @@ def _summary(plan: dict, bytes_synced: int):
 
 
 def test_the_report_and_the_dry_run_say_the_outer_optimizer_the_dtype_and_the_bytes_per_sync():
+    from coordinator.report.report import plan_details, plan_in_words
+    from coordinator.run.job import TrainJob
     from flows.dry_run import plan_report
-    from coordinator.job import TrainJob
-    from coordinator.report import plan_details, plan_in_words
 
     x = _inputs(sync_dtype="int8", outer_optimizer="nesterov", sync_period=8)
     plan = with_run_fields(with_sync(x, choose(x, "local_sgd")))
@@ -135,19 +135,19 @@ def test_the_co_optimiser_prices_a_hybrid_s_syncs_in_the_job_s_dtype(monkeypatch
     record says so, and the choice is the brute-force optimum of that problem."""
     from dataclasses import replace
 
-    import coordinator.co_plan
-    import coordinator.planning
+    import coordinator.plan.co_plan
+    import coordinator.plan.planning
     from blocks.compute import ComputeTarget
+    from coordinator.run.job import TrainJob
     from planners.co_optimize import evaluate
     from planners.co_optimize_flow import Point
-    from coordinator.job import TrainJob
     from tests.test_co_optimizer_in_plan import (LAMBDA, LAYERS, assert_same_choice, brute_force_optimum,
                                                  brute_points, make)
 
-    monkeypatch.setattr(coordinator.planning, "with_run", lambda ctx, chosen, calibration, epochs_left, **kw: chosen)
+    monkeypatch.setattr(coordinator.plan.planning, "with_run", lambda ctx, chosen, calibration, epochs_left, **kw: chosen)
     solved = []
-    frontier = coordinator.co_plan.frontier
-    monkeypatch.setattr(coordinator.co_plan, "frontier", lambda problem, stages=None: solved.append(problem)
+    frontier = coordinator.plan.co_plan.frontier
+    monkeypatch.setattr(coordinator.plan.co_plan, "frontier", lambda problem, stages=None: solved.append(problem)
                         or frontier(problem, stages))
     job = TrainJob(strategy="hybrid", workers=2, max_workers=8, batch_size=8, microbatches=2, epochs=2,
                    sync_dtype=sync_dtype)

@@ -176,7 +176,7 @@ def test_worker_specs_refuse_a_schedule_before_any_worker_starts():
 # --- the planner ------------------------------------------------------------------------------
 
 def _job_ctx(schedule: str, memory_gb: float = 2.0):
-    from coordinator.job import TrainJob
+    from coordinator.run.job import TrainJob
 
     target = SimpleNamespace(worker_memory_gb=memory_gb)
     return SimpleNamespace(job=TrainJob(pipeline_schedule=schedule), resolved=SimpleNamespace(target=target))
@@ -191,7 +191,7 @@ def _profile(layers: int, activation_bytes: int = 1000) -> dict:
 
 def _fake_predictions(monkeypatch, times: dict) -> list:
     """`with_schedule` answering `times[name]` (a ValueError: cannot predict), recording calls."""
-    import coordinator.planning
+    import coordinator.plan.planning
 
     calls = []
 
@@ -202,17 +202,17 @@ def _fake_predictions(monkeypatch, times: dict) -> list:
         cuts = tuple(range(plan.stages * chunks - 1))
         return replace(plan, pipeline_schedule=name, chunks=chunks, cuts=cuts, predicted_iteration_s=times[name])
 
-    monkeypatch.setattr(coordinator.planning, "with_schedule", fake)  # the name the planning module calls
+    monkeypatch.setattr(coordinator.plan.planning, "with_schedule", fake)  # the name the planning module calls
     return calls
 
 
 def test_auto_considers_interleaved_and_takes_it_when_fastest_and_fitting(monkeypatch):
-    import coordinator.planning
+    import coordinator.plan.planning
     from core.plan import Plan
 
     calls = _fake_predictions(monkeypatch, {"gpipe": 1.0, "1f1b": 1.0, "interleaved": 0.8})
     plan = Plan(strategy="pipeline", data_parallel=1, stages=2, cuts=(3,), microbatches=8, batch_size=16)
-    chosen = coordinator.planning.pick_schedule(_job_ctx("auto"), _profile(8), None, plan)
+    chosen = coordinator.plan.planning.pick_schedule(_job_ctx("auto"), _profile(8), None, plan)
     assert (chosen.pipeline_schedule, chosen.chunks, len(chosen.cuts)) == ("interleaved", 2, 3)
     # listed by the stage-sized activation sets worker 0 holds: 1F1B 2, interleaved 2.5, GPipe 8
     assert calls == [("1f1b", 1), ("interleaved", 2), ("gpipe", 1)]
@@ -221,20 +221,20 @@ def test_auto_considers_interleaved_and_takes_it_when_fastest_and_fitting(monkey
 
 
 def test_auto_keeps_1f1b_within_one_percent_and_skips_interleaved_where_it_cannot_run(monkeypatch):
-    import coordinator.planning
+    import coordinator.plan.planning
     from core.plan import Plan
 
     calls = _fake_predictions(monkeypatch, {"gpipe": 1.0, "1f1b": 1.0, "interleaved": 0.995})
     plan = Plan(strategy="pipeline", data_parallel=1, stages=2, cuts=(3,), microbatches=8, batch_size=16)
-    assert coordinator.planning.pick_schedule(_job_ctx("auto"), _profile(8), None, plan).pipeline_schedule == "1f1b"
+    assert coordinator.plan.planning.pick_schedule(_job_ctx("auto"), _profile(8), None, plan).pipeline_schedule == "1f1b"
     for microbatches, layers in ((3, 8), (8, 3)):  # M not a multiple of p; fewer than p * v layers
         calls.clear()
         odd = replace(plan, microbatches=microbatches, batch_size=2 * microbatches)
-        assert coordinator.planning.pick_schedule(_job_ctx("auto"), _profile(layers), None, odd).pipeline_schedule == "1f1b"
+        assert coordinator.plan.planning.pick_schedule(_job_ctx("auto"), _profile(layers), None, odd).pipeline_schedule == "1f1b"
         assert [name for name, _ in calls] == ["1f1b", "gpipe"]
     # a planner that cannot predict interleaved drops it from the comparison
     _fake_predictions(monkeypatch, {"gpipe": 1.0, "1f1b": 1.2, "interleaved": ValueError("chunks: no")})
-    chosen = coordinator.planning.pick_schedule(_job_ctx("auto"), _profile(8), None, plan)
+    chosen = coordinator.plan.planning.pick_schedule(_job_ctx("auto"), _profile(8), None, plan)
     assert [a["pipeline_schedule"] for a in chosen.alternatives] == ["1f1b", "gpipe"]
 
 
@@ -243,19 +243,19 @@ def test_interleaved_that_does_not_fit_its_workers_is_not_chosen(monkeypatch):
     plus its chunks' parameters. 4 layers of 0.3 GB activations per micro-batch, M = 2:
     interleaved's worker 0 holds all 4 chunk sets (1.2 GB); 1F1B's stage 1 (layers 1-3 here)
     one set of 0.9 GB; GPipe's stage 1 two (1.8 GB)."""
-    import coordinator.planning
+    import coordinator.plan.planning
     from core.plan import Plan
 
     _fake_predictions(monkeypatch, {"gpipe": 1.0, "1f1b": 1.0, "interleaved": 0.5})
     plan = Plan(strategy="pipeline", data_parallel=1, stages=2, cuts=(0,), microbatches=2, batch_size=4)
     big = _profile(4, activation_bytes=int(0.3 * 2 ** 30))
-    assert coordinator.planning.pick_schedule(_job_ctx("auto", memory_gb=2.0), big, None, plan).pipeline_schedule == "interleaved"
-    chosen = coordinator.planning.pick_schedule(_job_ctx("auto", memory_gb=1.0), big, None, plan)
+    assert coordinator.plan.planning.pick_schedule(_job_ctx("auto", memory_gb=2.0), big, None, plan).pipeline_schedule == "interleaved"
+    chosen = coordinator.plan.planning.pick_schedule(_job_ctx("auto", memory_gb=1.0), big, None, plan)
     assert [(a["pipeline_schedule"], a["fits"], a["chosen"]) for a in chosen.alternatives] == [
         ("1f1b", True, True), ("gpipe", False, False), ("interleaved", False, False)]
     with pytest.raises(ZooidValueError, match=r"^memory: .*interleaved: worker 0 \(model stages 0, 2\) needs "
                                               r"1\.20 GB \(activations 1\.20 GB\), worker has 0\.50 GB"):
-        coordinator.planning.pick_schedule(_job_ctx("auto", memory_gb=0.5), big, None, plan)
+        coordinator.plan.planning.pick_schedule(_job_ctx("auto", memory_gb=0.5), big, None, plan)
 
 
 def test_with_schedule_cuts_the_model_into_p_times_v_stages_with_parameters(monkeypatch):
@@ -300,8 +300,8 @@ def test_the_time_model_replays_interleaved_per_worker_with_a_smaller_bubble():
 @pytest.mark.slow
 @pytest.mark.usefixtures("prefect_api")
 def test_an_interleaved_job_runs_through_the_flow(tmp_path):
+    from coordinator.run.job import TrainJob
     from flows.train import train
-    from coordinator.job import TrainJob
 
     summary = train(TrainJob(model="digits_cnn", strategy="pipeline", stages=2, microbatches=4,
                              pipeline_schedule="interleaved", epochs=2, workers=2,

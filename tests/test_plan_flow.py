@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.job import TrainJob
+from coordinator.run.job import TrainJob
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
@@ -12,9 +12,9 @@ pytestmark = pytest.mark.usefixtures("prefect_api")
 def test_dry_run_reports_candidates_and_rents_only_its_profiling_worker(tmp_path, monkeypatch):
     """The dry run starts one worker, to profile on the target, and stops it; it trains
     nothing: no second worker, no data, checkpoint, history or ledger under its run."""
+    from coordinator.workers import warm_pool
+    from coordinator.workers.sweep import tagged_pids
     from flows.dry_run import plan
-    from coordinator import warm_pool
-    from coordinator.sweep import tagged_pids
 
     started, real_start = [], warm_pool.WarmPool._start
     monkeypatch.setattr(warm_pool.WarmPool, "_start",

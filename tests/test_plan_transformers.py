@@ -124,8 +124,8 @@ def test_bert_large_on_a_worker_too_small_for_it_is_pipelined_and_every_stage_fi
     (weights, gradients, two moments) before any activation: the dry run (renting nothing,
     planning from the catalog's estimate) chooses a pipeline, and each stage's need, counted here
     by hand, is the memory model's and fits the worker."""
+    from coordinator.run.job import TrainJob
     from flows.dry_run import dry_run
-    from coordinator.job import TrainJob
 
     gb, d, blocks, heads, t = 4.0, 1024, 24, 16, 128
     params = layer_params(d, blocks)

@@ -8,17 +8,17 @@ from dataclasses import replace
 import pytest
 import torch
 
+from coordinator.run.job import TrainJob
 from core.epoch_summary import EpochSummary
 from core.errors import ZooidValueError
 from core.plan import Plan
 from planners.calibration import Calibration, calibrated, epoch_overhead, fit
 from planners.run_prediction import RunTerms, predict_run
-from coordinator.job import TrainJob
 
 
 def _ctx(job: TrainJob):
-    from coordinator.context import RunContext
-    from coordinator.validate import validate_job
+    from coordinator.run.context import RunContext
+    from coordinator.run.validate import validate_job
 
     return RunContext(run_id="zprof" + str(abs(hash(job.model)) % 10**6), job=job, resolved=validate_job(job))
 
@@ -97,7 +97,7 @@ def test_run_prediction_adds_startup_idle_gaps_and_the_coordinator():
 
 
 def test_a_gpu_job_is_never_planned_from_a_cpu_profile():
-    from coordinator.target_profile import check_device
+    from coordinator.plan.target_profile import check_device
 
     check_device({"device": "cuda", "device_name": "H100"}, worker_gpu=1)
     check_device({"device": "cpu", "device_name": "EPYC"}, worker_gpu=0)
@@ -106,7 +106,7 @@ def test_a_gpu_job_is_never_planned_from_a_cpu_profile():
 
 
 def test_model_identity_hashes_the_source_of_a_model_given_by_import_path(tmp_path, monkeypatch):
-    from coordinator.profile_cache import model_identity
+    from coordinator.plan.profile_cache import model_identity
 
     (tmp_path / "idmodel.py").write_text("from torch import nn\ndef net():\n    return nn.Linear(64, 10)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -122,10 +122,10 @@ def test_model_identity_hashes_the_source_of_a_model_given_by_import_path(tmp_pa
 
 @pytest.mark.usefixtures("prefect_api")
 def test_the_profile_is_taken_by_a_worker_and_says_where(tmp_path):
-    from coordinator.launchers import worker_threads
-    from coordinator.target_profile import _profile
-    from coordinator.sweep import tagged_pids
-    from coordinator.warm_pool import provisional_plan
+    from coordinator.plan.target_profile import _profile
+    from coordinator.workers.launchers import worker_threads
+    from coordinator.workers.sweep import tagged_pids
+    from coordinator.workers.warm_pool import provisional_plan
 
     ctx = _ctx(TrainJob(model="digits_mlp", workers=2, store=f"file://{tmp_path}/store", warm=False))
     prof = _profile(ctx)
@@ -152,8 +152,8 @@ def test_on_a_shared_host_every_warm_worker_is_ready_before_the_profile_starts(t
     cores the profile waits until they have all started (their start-up would slow its
     timings), so no rank is left to start after the plan. Then rank 0 profiles the model
     while rank 1 probes the store: the two measurements overlap."""
-    from coordinator.target_profile import _profile
-    from coordinator.warm_pool import WarmPool, provisional_plan
+    from coordinator.plan.target_profile import _profile
+    from coordinator.workers.warm_pool import WarmPool, provisional_plan
 
     ctx = _ctx(TrainJob(model="digits_mlp", workers=2, store=f"file://{tmp_path}/store", warm=True))
     ctx.state.warm = WarmPool(ctx)
@@ -173,7 +173,7 @@ def test_on_a_shared_host_every_warm_worker_is_ready_before_the_profile_starts(t
 
 @pytest.mark.usefixtures("prefect_api")
 def test_the_cache_hits_on_a_second_run_and_misses_when_the_models_source_changes(tmp_path, monkeypatch):
-    from coordinator.target_profile import _profile
+    from coordinator.plan.target_profile import _profile
 
     source = tmp_path / "cachedmodel.py"
     source.write_text("from torch import nn\ndef net():\n    return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), "
@@ -196,7 +196,7 @@ def test_the_cache_hits_on_a_second_run_and_misses_when_the_models_source_change
 def test_a_gpu_target_without_a_gpu_is_refused_by_its_profile(tmp_path, monkeypatch):
     import dataclasses
 
-    from coordinator.target_profile import _profile
+    from coordinator.plan.target_profile import _profile
 
     ctx = _ctx(TrainJob(model="digits_mlp", workers=1, store=f"file://{tmp_path}/store", warm=False))
     target = ctx.resolved.target.model_copy(update={"worker_gpu": 1})
@@ -211,7 +211,7 @@ def test_a_gpu_target_without_a_gpu_is_refused_by_its_profile(tmp_path, monkeypa
 @pytest.mark.gpu
 @pytest.mark.usefixtures("prefect_api")
 def test_a_gpu_worker_profiles_on_its_gpu(tmp_path):
-    from coordinator.target_profile import _profile
+    from coordinator.plan.target_profile import _profile
 
     ctx = _ctx(TrainJob(model="digits_cnn", workers=1, store=f"file://{tmp_path}/store", warm=False))
     prof = _profile(ctx)
@@ -223,9 +223,9 @@ def test_replanning_after_the_first_epoch_leaves_a_plan_its_measurements_refute(
     """A profile that says activations cross the store for free and averaging the model
     through it is slow makes a pipeline the plan. The first epoch measures the transfers,
     and the re-plan moves to Local-SGD, which averages a few kilobytes once an epoch."""
+    from coordinator.plan.profile_cache import ProfileCache, model_key, store_key
+    from coordinator.plan.target_profile import _profile
     from flows.train import train
-    from coordinator.target_profile import _profile
-    from coordinator.profile_cache import ProfileCache, model_key, store_key
 
     store = f"file://{tmp_path}/store"
     job = TrainJob(model="digits_mlp", workers=2, epochs=3, batch_size=16, microbatches=8, optimizer="sgd",
@@ -311,11 +311,11 @@ def test_an_adabatch_plan_predicts_each_budget_the_policy_will_run(tmp_path):
     """The first plan of an adabatch job predicts the run as the policy will run it: the budget
     doubles every epoch up to max_workers, each budget planned as the flow will plan it, and the
     bill is the per-epoch prediction's (more than the same job kept at one worker)."""
-    from coordinator.context import RunContext
-    from coordinator.planning import make_plan
-    from coordinator.target_profile import catalog_profile
-    from coordinator.scaling_policy import worker_schedule
-    from coordinator.validate import validate_job
+    from coordinator.plan.planning import make_plan
+    from coordinator.plan.scaling_policy import worker_schedule
+    from coordinator.plan.target_profile import catalog_profile
+    from coordinator.run.context import RunContext
+    from coordinator.run.validate import validate_job
 
     def context(scaling):
         job = TrainJob(model="digits_mlp", workers=1, max_workers=4, scaling=scaling, scale_every_epochs=1,
@@ -340,11 +340,11 @@ def test_a_first_runs_epoch_overhead_comes_from_what_its_profile_measured(tmp_pa
     """Before any epoch, the per-epoch overhead is the profile's command round trip to a ready
     worker, rank 0's validation pass and the checkpoint write, marked as from the profile; a term
     the target measured in earlier runs wins, and one nothing measured stays assumed."""
-    from coordinator.context import RunContext
-    from coordinator.profile_cache import ProfileCache
-    from coordinator.report import run_terms_text
-    from coordinator.run_terms import load_terms, timings_key
-    from coordinator.validate import validate_job
+    from coordinator.plan.profile_cache import ProfileCache
+    from coordinator.plan.run_terms import load_terms, timings_key
+    from coordinator.report.report import run_terms_text
+    from coordinator.run.context import RunContext
+    from coordinator.run.validate import validate_job
 
     job = TrainJob(model="digits_mlp", workers=2, store=f"file://{tmp_path}/store")
     ctx = RunContext(run_id="zterms", job=job, resolved=validate_job(job))
@@ -366,8 +366,8 @@ def test_a_failed_profile_request_waits_for_the_other_and_bills_it_as_profile(tm
     the model) while the store probe runs on: the error is raised once the probe has answered,
     its interval billed as `profile` (not as idle under the next command), and both workers
     take the next request."""
-    from coordinator.target_profile import profile_request
-    from coordinator.warm_pool import WarmPool, provisional_plan
+    from coordinator.plan.target_profile import profile_request
+    from coordinator.workers.warm_pool import WarmPool, provisional_plan
 
     ctx = _ctx(TrainJob(model="digits_mlp", workers=2, store=f"file://{tmp_path}/store", warm=True))
     pool = ctx.state.warm = WarmPool(ctx)

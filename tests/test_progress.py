@@ -8,14 +8,13 @@ import re
 
 import pytest
 
-from coordinator.job import TrainJob
-
+from coordinator.run.job import TrainJob
 
 # --- formatting, pure -----------------------------------------------------------------------
 
 
 def test_the_epoch_line_names_epoch_workers_loss_accuracy_time_and_cost_against_predictions():
-    from coordinator.progress import epoch_line
+    from coordinator.report.progress import epoch_line
     from core.epoch_summary import EpochSummary
 
     line = epoch_line(EpochSummary(epoch=1, workers=2, train_loss=0.5, val_loss=0.41234, val_accuracy=0.873,
@@ -46,7 +45,7 @@ def test_the_plan_predicts_the_bill_at_each_epochs_end():
 
 
 def test_a_stopped_command_line_says_three_lines_at_most():
-    from coordinator.progress import interrupted_lines
+    from coordinator.report.progress import interrupted_lines
 
     lines = interrupted_lines("SIGTERM", "zabc", {"workers": 2}, 0.00012, "/s/runs/zabc/cost.json",
                               "--param workers=2 ")
@@ -92,8 +91,8 @@ def test_the_profile_line_says_what_each_part_measured():
 def test_a_warm_worker_flow_run_is_not_tagged_with_one_epoch():
     from types import SimpleNamespace
 
+    from coordinator.workers.launchers import run_tags
     from core.specs import WarmSpec
-    from coordinator.launchers import run_tags
 
     cold = SimpleNamespace(epoch=3, rank=1, warm=None)
     assert run_tags("z1", cold) == ["zooid-run:z1", "rank:1", "epoch:3"]
@@ -114,9 +113,9 @@ def test_the_coordinator_logs_one_line_per_epoch_through_the_flow_logger(tmp_pat
 
     from comm.store import open_store
     from comm.store_dir import zooid_home
+    from coordinator.bill.cost import read_ledger
+    from coordinator.report.progress import money
     from flows.train import train
-    from coordinator.cost import read_ledger
-    from coordinator.progress import money
 
     flow_logger = logging.getLogger("prefect.flow_runs")  # the suite logs warnings only
     request.addfinalizer(lambda level=flow_logger.level: flow_logger.setLevel(level))

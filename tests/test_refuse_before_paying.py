@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
+from coordinator.run.job import TrainJob
 from core.errors import ZooidValueError
-from coordinator.job import TrainJob
 
 # --- models given by import path in these tests ----------------------------------------------
 
@@ -121,7 +121,7 @@ def test_a_large_sample_is_checked_on_meta_without_arithmetic():
      ("a sample is 3x32x32", "models that fit synthetic:3x32x32:10: resnet18, vgg11")),
 ])
 def test_validation_refuses_the_pair_in_one_line_naming_both(params, names, tmp_path):
-    from coordinator.validate import validate_job
+    from coordinator.run.validate import validate_job
 
     with pytest.raises(ZooidValueError) as err:
         validate_job(TrainJob(store=f"file://{tmp_path}/store", **params))
@@ -137,8 +137,8 @@ def test_the_check_reads_one_row_and_trains_nothing_on_digits(monkeypatch):
     one row (on the CPU or on `meta`), and nothing computes a gradient or steps an optimiser."""
     import torch
 
+    from coordinator.run.validate import check_model_fits
     from engine.datasets import load_dataset
-    from coordinator.validate import check_model_fits
 
     def refuse(*args, **kwargs):
         raise AssertionError("the fit check trained")
@@ -182,8 +182,8 @@ def _worker_flow_runs() -> int:
 @pytest.mark.usefixtures("prefect_api")
 @pytest.mark.parametrize("params", [["dataset=synthetic:3x32:10"], ["model=resnet18"]])
 def test_an_impossible_pair_rents_nothing_through_the_train_flow(params, tmp_path, capsys, monkeypatch):
+    from coordinator.workers import warm_pool
     from flows import train as train_flow
-    from coordinator import warm_pool
 
     started = []
     monkeypatch.setattr(warm_pool.WarmPool, "_start", lambda self, *a, **k: started.append(a) or 1 / 0)
@@ -209,8 +209,8 @@ def test_an_impossible_pair_rents_nothing_through_the_train_flow(params, tmp_pat
 
 @pytest.mark.usefixtures("prefect_api")
 def test_an_impossible_pair_rents_nothing_through_the_dry_run(tmp_path, monkeypatch):
+    from coordinator.workers import warm_pool
     from flows.dry_run import plan
-    from coordinator import warm_pool
 
     monkeypatch.setattr(warm_pool.WarmPool, "_start", lambda self, *a, **k: 1 / 0)
     state = plan(TrainJob(model="resnet18", store=f"file://{tmp_path}/store"), return_state=True)
@@ -231,11 +231,11 @@ def _batch_of_one(tmp_path, monkeypatch) -> str:
 
 @pytest.mark.usefixtures("prefect_api")
 def test_a_profile_that_no_retry_can_fix_launches_exactly_one_worker(tmp_path, monkeypatch):
-    from coordinator import warm_pool
-    from coordinator.context import RunContext
+    from coordinator.run.context import RunContext
+    from coordinator.run.validate import validate_job
+    from coordinator.workers import warm_pool
+    from coordinator.workers.sweep import tagged_pids
     from tasks.profile import profile
-    from coordinator.sweep import tagged_pids
-    from coordinator.validate import validate_job
 
     model = _batch_of_one(tmp_path, monkeypatch)
     started, real_start = [], warm_pool.WarmPool._start
@@ -256,10 +256,10 @@ def test_a_profile_that_no_retry_can_fix_launches_exactly_one_worker(tmp_path, m
 
 @pytest.mark.usefixtures("prefect_api")
 def test_a_worker_that_died_is_still_replaced_once(tmp_path, monkeypatch):
-    from coordinator import target_profile
+    from coordinator.plan import target_profile
+    from coordinator.run.context import RunContext
+    from coordinator.run.validate import validate_job
     from tasks import profile as profile_mod
-    from coordinator.context import RunContext
-    from coordinator.validate import validate_job
 
     job = TrainJob(workers=1, store=f"file://{tmp_path}/store", warm=False)
     ctx = RunContext(run_id="zrefuse2", job=job, resolved=validate_job(job))
@@ -288,7 +288,7 @@ def test_a_worker_that_died_is_still_replaced_once(tmp_path, monkeypatch):
     ("worker w gave no profile within 600 s", False),
 ])
 def test_which_profiling_failures_are_not_retried(message, unfixable):
-    from coordinator.target_profile import unfixable_reason
+    from coordinator.plan.target_profile import unfixable_reason
 
     assert (unfixable_reason(RuntimeError(message)) is not None) == unfixable
 
@@ -297,8 +297,8 @@ def test_which_profiling_failures_are_not_retried(message, unfixable):
 def test_an_unfixable_profile_failure_ends_the_train_flow_with_one_line_and_one_worker(tmp_path, monkeypatch,
                                                                                         capsys):
     from comm.store import open_store
+    from coordinator.bill.cost import read_ledger
     from flows.train import main
-    from coordinator.cost import read_ledger
 
     model = _batch_of_one(tmp_path, monkeypatch)
     store_url = f"file://{tmp_path}/store"
@@ -319,20 +319,20 @@ def test_an_unfixable_profile_failure_ends_the_train_flow_with_one_line_and_one_
 def flow_log(monkeypatch):
     """What the dry run and the profile step print (in a flow, `log_prints` sends it to the run's
     logger, which tests run at WARNING), as it is said."""
+    import coordinator.plan.target_profile
     import flows.dry_run
-    import coordinator.target_profile
 
     said: list[str] = []
-    for module in (flows.dry_run, coordinator.target_profile):
+    for module in (flows.dry_run, coordinator.plan.target_profile):
         monkeypatch.setattr(module, "print", lambda *a, **k: said.append(" ".join(map(str, a))), raising=False)
     return said
 
 
 @pytest.mark.usefixtures("prefect_api")
 def test_the_dry_run_says_what_it_rents_and_with_rent_false_plans_from_the_catalog_or_the_cache(tmp_path, monkeypatch, capsys, flow_log):
+    from coordinator.plan import target_profile
+    from coordinator.workers import warm_pool
     from flows.dry_run import main, plan
-    from coordinator import target_profile
-    from coordinator import warm_pool
 
     store = f"file://{tmp_path}/store"
     job = TrainJob(model="digits_mlp", workers=2, store=store)

@@ -31,7 +31,7 @@ REFUSED = [
     (["model=digits_cnn", "dataset=synthetic:64:20"], "model", "scores 10 classes, the dataset has 20"),
     (["model=tests.user_models:tiny_mlp", "dataset=synthetic:3x32x32:10"], "model", "a sample is 3x32x32"),
     # and tests/test_bad_input.py's kinds of bad values (each of its cases goes through the same
-    # `coordinator.job_fields.check_fields` there, in `python -m flows.train`)
+    # `coordinator.run.job_fields.check_fields` there, in `python -m flows.train`)
     (["lr=nan"], "lr", "finite number"),
     (["strategy=telepathy"], "strategy", ""),
     (["epochs"], "--param 'epochs'", "expected NAME=VALUE"),
@@ -180,7 +180,7 @@ def test_a_deployment_run_with_bad_input_fails_with_the_one_line_as_its_state_me
     run page shows), the same line is in its log, and it started no worker and made no run."""
     from prefect.client.orchestration import get_client
 
-    from coordinator.context import run_id_for
+    from coordinator.run.context import run_id_for
 
     workers_before = _flow_runs("worker")
     with get_client(sync_client=True) as client:

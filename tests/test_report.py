@@ -1,4 +1,4 @@
-"""The report a person reads (`coordinator.report`): golden files for a Local-SGD run, a pipeline run
+"""The report a person reads (`coordinator.report.report`): golden files for a Local-SGD run, a pipeline run
 whose plan compared schedules and the co-optimiser, and a cancelled run, in text and markdown;
 and the rules every rendering keeps: no Python reprs, text lines of at most 120 characters,
 money and times in one format, alternatives each once with one chosen, and a cost curve over
@@ -15,9 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from core.plan import Plan
-from coordinator.job import EpochSummary, RunSummary
-from coordinator.report import (
+from coordinator.report.report import (
     MAX_WIDTH,
     alternatives,
     alternatives_table,
@@ -29,6 +27,8 @@ from coordinator.report import (
     plot_curves,
     text_report,
 )
+from coordinator.run.job import EpochSummary, RunSummary
+from core.plan import Plan
 
 GOLDEN = Path(__file__).parent / "golden"
 T0 = 1_700_000_000.0
@@ -296,7 +296,7 @@ def test_the_plots_are_pngs():
 
 
 def test_the_readme_documents_every_job_field():
-    from coordinator.job import TrainJob
+    from coordinator.run.job import TrainJob
 
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     table = readme.split("| parameter | default | meaning |", 1)[1].split("\n\n", 1)[0]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.job import TrainJob
+from coordinator.run.job import TrainJob
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,8 +32,8 @@ def _weights(url: str, key: str) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 def test_resume_continues_from_the_last_checkpoint_and_ends_equal(tmp_path):
     from comm.store import open_store
+    from coordinator.bill.cost import read_ledger
     from flows.train import train
-    from coordinator.cost import read_ledger
 
     clean_url = f"file://{tmp_path}/clean"
     clean = train(TrainJob(store=clean_url, epochs=2, **JOB))
@@ -62,10 +62,10 @@ def test_resume_of_an_unknown_run_is_refused(tmp_path):
 def test_killed_coordinator_is_swept_and_its_epoch_resumes_from_the_sync_point(tmp_path):
     from prefect.settings import PREFECT_API_URL
 
-    from engine.chaos import fault_marker_key
+    from coordinator.workers.sweep import orphan_pids, tagged_pids
     from core.keys import sync_checkpoint_key
+    from engine.chaos import fault_marker_key
     from flows.train import train
-    from coordinator.sweep import orphan_pids, tagged_pids
 
     store_dir = tmp_path / "store"
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(),

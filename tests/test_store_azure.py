@@ -5,7 +5,6 @@ block that hands its key to the client, and a restart survived. The Store contra
 from __future__ import annotations
 
 import json
-
 import os
 import threading
 import uuid
@@ -160,9 +159,9 @@ def test_a_store_survives_an_azurite_restart(azurite, monkeypatch):
 def test_an_aci_job_without_a_store_is_pointed_at_azure_blob(capsys):
     """The validation error and the dry run of an ACI job with no store suggest Azure Blob,
     not S3 (a docker job is still pointed at S3 or Redis)."""
+    from coordinator.run.job import TrainJob
+    from coordinator.run.validate import validate_job
     from flows.dry_run import main
-    from coordinator.job import TrainJob
-    from coordinator.validate import validate_job
 
     with pytest.raises(ZooidValueError, match=r"^store: .*target 'aci'.*use an Azure Blob store") as refused:
         validate_job(TrainJob(target="aci"), check_store=False)

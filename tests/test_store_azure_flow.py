@@ -19,7 +19,7 @@ import uuid
 import pytest
 import torch
 
-from coordinator.job import TrainJob
+from coordinator.run.job import TrainJob
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 JOB = dict(workers=2, epochs=2, optimizer="sgd", lr=0.1, sync_period=4, batch_size=32, strategy="local_sgd")
@@ -51,8 +51,8 @@ def _final_weights(store, key: str) -> dict[str, torch.Tensor]:
 
 
 def _open(store_name: str):
-    from blocks.store_refs import open_store_ref
     from blocks.store_block import block_ref
+    from blocks.store_refs import open_store_ref
 
     return open_store_ref(block_ref(store_name))
 
@@ -61,7 +61,7 @@ def _open(store_name: str):
 def local_sgd_run(azurite, tmp_path_factory):
     """Local-SGD, 2 workers, on the block: at INFO everywhere, with every worker process's
     environment and arguments and everything the run printed kept for the secret test."""
-    import coordinator.launchers
+    import coordinator.workers.launchers
     from flows.train import train
 
     store_name, container = _save_block(azurite, "azure-run")
@@ -76,8 +76,8 @@ def local_sgd_run(azurite, tmp_path_factory):
     saved_env = {k: os.environ.get(k) for k in ("PREFECT_LOGGING_LEVEL", "ZOOID_HOME")}
     os.environ["PREFECT_LOGGING_LEVEL"] = "INFO"  # the workers log at INFO too
     os.environ["ZOOID_HOME"] = str(tmp_path_factory.mktemp("azure-home"))
-    real = coordinator.launchers.subprocess
-    coordinator.launchers.subprocess = types.SimpleNamespace(**{**vars(real), "Popen": popen})
+    real = coordinator.workers.launchers.subprocess
+    coordinator.workers.launchers.subprocess = types.SimpleNamespace(**{**vars(real), "Popen": popen})
     printed = io.StringIO()
     handler = logging.StreamHandler(printed)  # every line the flows and tasks log or print, at INFO
     handler.setLevel(logging.INFO)
@@ -87,7 +87,7 @@ def local_sgd_run(azurite, tmp_path_factory):
             lg.addHandler(handler)
         summary = train(TrainJob(store=store_name, durable_store=store_name, **JOB))
     finally:
-        coordinator.launchers.subprocess = real
+        coordinator.workers.launchers.subprocess = real
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
             lg.removeHandler(handler)
@@ -100,7 +100,7 @@ def local_sgd_run(azurite, tmp_path_factory):
 
 
 def test_local_sgd_trains_on_azure_blob(azurite, local_sgd_run):
-    from coordinator.cost import read_ledger
+    from coordinator.bill.cost import read_ledger
 
     summary = local_sgd_run.summary
     assert summary.status == "completed" and summary.plan["strategy"] == "local_sgd"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.job import TrainJob
+from coordinator.run.job import TrainJob
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 BASE = dict(epochs=1, optimizer="sgd", lr=0.1, batch_size=16, prestart=False)

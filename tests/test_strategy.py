@@ -171,8 +171,8 @@ def test_workers_sharing_one_machine_time_share_its_cores():
 def test_the_plan_step_counts_this_machines_cores_only_where_workers_share_it():
     from types import SimpleNamespace
 
+    from coordinator.plan.planning import strategy_inputs
     from profiling.timing import cpu_count
-    from coordinator.planning import strategy_inputs
 
     job = SimpleNamespace(optimizer="sgd", batch_size=32, stages=None, microbatches=4, sync_period=1,
                           sync_dtype="float32", outer_optimizer="average")
@@ -227,26 +227,26 @@ def test_pick_schedule_keeps_the_one_that_fits_and_lists_both(monkeypatch):
     from dataclasses import replace
     from types import SimpleNamespace
 
-    import coordinator.planning
+    import coordinator.plan.planning
+    from coordinator.run.job import TrainJob
     from core.errors import ZooidValueError
     from core.plan import Plan
-    from coordinator.job import TrainJob
 
     times = {"gpipe": 1.0, "1f1b": 1.2}
-    monkeypatch.setattr(coordinator.planning, "with_schedule",
+    monkeypatch.setattr(coordinator.plan.planning, "with_schedule",
                         lambda x, plan, name: replace(plan, pipeline_schedule=name, predicted_iteration_s=times[name]))
 
     def check(ctx, profile, plan):
         if plan.pipeline_schedule == "gpipe":
             raise ZooidValueError("memory", "stage 0 needs 9 GB of 2 GB")
 
-    monkeypatch.setattr(coordinator.planning, "check_memory", check)
+    monkeypatch.setattr(coordinator.plan.planning, "check_memory", check)
     plan = Plan(strategy="pipeline", data_parallel=1, stages=2, cuts=(1,), microbatches=4)
     ctx = SimpleNamespace(job=TrainJob(pipeline_schedule="auto"))
-    chosen = coordinator.planning.pick_schedule(ctx, {}, None, plan)
+    chosen = coordinator.plan.planning.pick_schedule(ctx, {}, None, plan)
     assert chosen.pipeline_schedule == "1f1b"
     assert [(a["pipeline_schedule"], a["fits"], a["chosen"]) for a in chosen.alternatives] == [
         ("1f1b", True, True), ("gpipe", False, False)]
     ctx = SimpleNamespace(job=TrainJob(pipeline_schedule="gpipe"))
     with pytest.raises(ZooidValueError, match="^memory: gpipe: stage 0 needs 9 GB"):
-        coordinator.planning.pick_schedule(ctx, {}, None, plan)
+        coordinator.plan.planning.pick_schedule(ctx, {}, None, plan)

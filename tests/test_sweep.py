@@ -7,8 +7,17 @@ import sys
 
 import pytest
 
-from coordinator.sweep import (COORDINATOR_VAR, HOME_VAR, TAG_VAR, orphan_pids, sweep_orphans, sweep_run, tagged_pids,
-                              worker_pids, workers_by_run)
+from coordinator.workers.sweep import (
+    COORDINATOR_VAR,
+    HOME_VAR,
+    TAG_VAR,
+    orphan_pids,
+    sweep_orphans,
+    sweep_run,
+    tagged_pids,
+    worker_pids,
+    workers_by_run,
+)
 
 
 def _spawn(env_extra: dict, name: str = "") -> subprocess.Popen:

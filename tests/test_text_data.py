@@ -235,8 +235,8 @@ def test_bpe_trains_offline_deterministically_and_is_cached_in_the_durable_store
 
 
 def test_the_coordinator_caches_the_job_s_tokenizer_in_its_durable_store(tmp_path):
-    from coordinator.job import TrainJob
-    from coordinator.job_data import load_job_dataset, text_settings
+    from coordinator.run.job import TrainJob
+    from coordinator.run.job_data import load_job_dataset, text_settings
 
     job = TrainJob(dataset="text:stdlib:60", tokenizer="bpe:300", objective="mlm", seq_len=32,
                    durable_store=f"file://{tmp_path}/durable")

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from coordinator.job import TrainJob
+from coordinator.run.job import TrainJob
 from core.epoch_summary import EpochSummary
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
@@ -20,9 +20,9 @@ def _store_root() -> str:
 @pytest.mark.parametrize("warm", [True, False])
 def test_train_flow_trains_bills_and_cleans_up(tmp_path, warm):
     from comm.store import open_store
+    from coordinator.bill.cost import read_ledger
+    from coordinator.workers.sweep import tagged_pids
     from flows.train import train
-    from coordinator.cost import read_ledger
-    from coordinator.sweep import tagged_pids
 
     store_url = f"file://{tmp_path}/store"
     summary = train(TrainJob(workers=2, epochs=2, store=store_url, batch_size=16, warm=warm))
@@ -63,7 +63,7 @@ def test_an_epoch_record_survives_the_run_summary_with_every_field():
     through the run summary's JSON (summary.json) and the history's (history.json)."""
     import dataclasses
 
-    from coordinator.job import RunSummary
+    from coordinator.run.job import RunSummary
     from core.epoch_summary import Replan, Rescale
 
     values = {int: 3, float: 0.25, str: "k", bool: True, dict: {"a": 1}, list: [{"rank": 1}]}
@@ -102,9 +102,9 @@ def test_budget_stops_before_spending_it(tmp_path):
 
 def test_a_deadline_the_first_epoch_would_pass_stops_the_run_cleanly(tmp_path):
     from comm.store import open_store
+    from coordinator.bill.cost import read_ledger
+    from coordinator.workers.sweep import tagged_pids
     from flows.train import train
-    from coordinator.cost import read_ledger
-    from coordinator.sweep import tagged_pids
 
     url = f"file://{tmp_path}/s"
     summary = train(TrainJob(workers=2, epochs=4, deadline_s=1e-3, store=url))
@@ -119,9 +119,8 @@ def test_a_deadline_the_first_epoch_would_pass_stops_the_run_cleanly(tmp_path):
 
 class _Ctx:
     def __init__(self, started_at, spent_usd=0.0, price=0.0):
-        from coordinator.cost import CostRecord
-
-        from coordinator.context import RunState
+        from coordinator.run.context import RunState
+        from core.cost_record import CostRecord
 
         self.started_at, self.price_per_worker_s = started_at, price
         self.state = RunState(ledger=[CostRecord(run_id="r", resource="w", kind="worker", offer="o", start=0.0,
@@ -174,9 +173,9 @@ def test_guardrail_stops_before_the_budget_is_spent(monkeypatch):
 
 def test_out_of_memory_is_not_retried_and_teardown_leaves_nothing(tmp_path, monkeypatch):
     from comm.store import open_store
+    from coordinator.bill.cost import read_ledger
+    from coordinator.workers.sweep import tagged_pids
     from flows.train import train
-    from coordinator.cost import read_ledger
-    from coordinator.sweep import tagged_pids
 
     monkeypatch.setenv("ZOOID_CHAOS", "oom_worker:epoch=0:rank=1:mode=kill")
     store_url = f"file://{tmp_path}/store"

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from coordinator.run.job import TrainJob
 from core.errors import ZooidValueError
 from core.specs import ComputeSpec, WarmSpec, WorkerSpec
 from runtime.warm import LEASE_EXIT, LeaseClock, command_key, read_json, reply_key, status_key
-from coordinator.job import TrainJob
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -94,8 +94,8 @@ def _await_reply(store, run_id, worker, seq, proc) -> dict:
 
 @pytest.mark.timeout(300)
 def test_a_warm_worker_trains_epoch_after_epoch_in_one_process_then_stops(dir_store, tmp_path):
+    from coordinator.workers.warm_pool import LeaseRenewer
     from engine.datasets import assign_subsets
-    from coordinator.warm_pool import LeaseRenewer
 
     run_id = "warmengine"
     manifest = _publish_run(dir_store, run_id)
@@ -156,9 +156,9 @@ def _lives(rows: list[dict]) -> dict[str, list[dict]]:
 @pytest.mark.usefixtures("prefect_api")
 def test_warm_run_keeps_one_process_per_rank_and_bills_its_whole_life(tmp_path):
     from comm.store import open_store
+    from coordinator.bill.cost import read_ledger
+    from coordinator.workers.sweep import tagged_pids
     from flows.train import train
-    from coordinator.cost import read_ledger
-    from coordinator.sweep import tagged_pids
 
     store_url = f"file://{tmp_path}/store"
     summary = train(TrainJob(workers=2, epochs=3, store=store_url, batch_size=32, target="inline",
@@ -189,7 +189,7 @@ def test_warm_run_keeps_one_process_per_rank_and_bills_its_whole_life(tmp_path):
 
 
 def test_pruning_keeps_the_last_checkpoints_and_the_best(dir_store):
-    from coordinator.retention import prune_checkpoints, update_best
+    from coordinator.workers.retention import prune_checkpoints, update_best
 
     run = "prune"
     for epoch in range(6):
@@ -238,12 +238,12 @@ def _final_weights(store_url: str, summary) -> dict[str, torch.Tensor]:
 def test_rescaling_warm_workers_up_and_down_trains_as_the_cold_path(tmp_path, monkeypatch):
     """Workers 2 -> 3 -> 1 -> 2 under plain SGD: warm and cold end with the same weights; the
     warm run kept rank 0's process, retired ranks the plan dropped and started new ones."""
-    import coordinator.scaling_policy
+    import coordinator.plan.scaling_policy
     from core.epoch_summary import Rescale
     from flows.train import train
 
     script = {0: 3, 1: 1, 2: 2}
-    monkeypatch.setattr(coordinator.scaling_policy, "decide_next", lambda ctx, prof, history, workers, lr: Rescale(
+    monkeypatch.setattr(coordinator.plan.scaling_policy, "decide_next", lambda ctx, prof, history, workers, lr: Rescale(
         workers=script[history[-1].epoch], lr=lr, reason="scripted"))
     weights, runs = [], []
     for warm in (True, False):
@@ -266,9 +266,9 @@ def test_rescaling_warm_workers_up_and_down_trains_as_the_cold_path(tmp_path, mo
 @pytest.mark.usefixtures("prefect_api")
 def test_a_warm_worker_killed_mid_epoch_is_replaced_and_the_epoch_completes(tmp_path, monkeypatch):
     from comm.store import open_store
+    from coordinator.bill.cost import read_ledger
+    from coordinator.workers.sweep import tagged_pids
     from flows.train import train
-    from coordinator.cost import read_ledger
-    from coordinator.sweep import tagged_pids
 
     monkeypatch.setenv("ZOOID_CHAOS", "kill_worker:epoch=1:rank=1:step=3")
     store_url = f"file://{tmp_path}/store"
@@ -293,7 +293,7 @@ def test_a_warm_worker_killed_mid_epoch_is_replaced_and_the_epoch_completes(tmp_
 def test_workers_of_a_killed_coordinator_exit_within_their_lease(tmp_path):
     """SIGKILL the whole coordinator (its process group: the flow and its temporary Prefect
     server) mid-run: its warm workers, in sessions of their own, stop once the lease is stale."""
-    from coordinator.sweep import tagged_pids, worker_pids
+    from coordinator.workers.sweep import tagged_pids, worker_pids
 
     home = tmp_path / "zooid"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
@@ -331,20 +331,19 @@ def test_workers_of_a_killed_coordinator_exit_within_their_lease(tmp_path):
 def test_workers_a_known_rescale_adds_are_started_during_the_epoch_before(tmp_path, monkeypatch):
     """adabatch doubles 1 -> 2 workers after epoch 0, which is known before epoch 0 ends: the
     second worker is launched while epoch 0 trains, and epoch 1 starts on it warm."""
+    import coordinator.workers.launchers
     from comm.store import open_store
+    from coordinator.bill.cost import read_ledger
     from flows.train import train
-    from coordinator.cost import read_ledger
 
-    import coordinator.launchers
-
-    launched, real_start = [], coordinator.launchers.InlineLauncher._start
+    launched, real_start = [], coordinator.workers.launchers.InlineLauncher._start
 
     def record(self, spec):  # every worker process started, in order: (rank, pid)
         proc, outcome = real_start(self, spec)
         launched.append((spec.rank, proc.pid))
         return proc, outcome
 
-    monkeypatch.setattr(coordinator.launchers.InlineLauncher, "_start", record)
+    monkeypatch.setattr(coordinator.workers.launchers.InlineLauncher, "_start", record)
     store_url = f"file://{tmp_path}/store"
     # epoch 0's worker holds before its step 5 until a warm worker of rank 1 exists, however
     # loaded the machine: the pre-start is ordered by that event, not by the epoch's length
@@ -373,7 +372,7 @@ def test_sigterm_to_the_command_line_tears_down_and_bills_before_exiting(tmp_pat
     bill; then the server is stopped too."""
     import socket
 
-    from coordinator.sweep import tagged_pids
+    from coordinator.workers.sweep import tagged_pids
 
     home = tmp_path / "zooid"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}

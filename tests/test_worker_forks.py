@@ -1,4 +1,4 @@
-"""Inline workers forked ready-imported (`coordinator.worker_forks`, `runtime.fork_server`):
+"""Inline workers forked ready-imported (`coordinator.workers.worker_forks`, `runtime.fork_server`):
 a forked worker answers as a started process would (exit status, output, a signal's death),
 trains in the environment it was given, carries the run's tag in a session of its own, and
 the fork server leaves with its last worker."""
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.sweep import COORDINATOR_VAR, TAG_VAR, stop_pids, tagged_pids, worker_pids
-from coordinator.worker_forks import WorkerForks
+from coordinator.workers.sweep import COORDINATOR_VAR, TAG_VAR, stop_pids, tagged_pids, worker_pids
+from coordinator.workers.worker_forks import WorkerForks
 from core.keys import command_key, reply_key
 from core.specs import ComputeSpec, WarmSpec, WorkerSpec
 from runtime.warm import read_json
@@ -46,7 +46,7 @@ def test_a_forked_worker_exits_and_writes_as_a_started_process_does(tmp_path):
 
 
 def test_a_forked_warm_worker_trains_tagged_in_its_own_session_and_the_server_leaves_with_it(dir_store, tmp_path):
-    from coordinator.warm_pool import LeaseRenewer
+    from coordinator.workers.warm_pool import LeaseRenewer
     from engine.datasets import assign_subsets
 
     run_id = "zforks-b"

@@ -86,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         from prefect.settings import PREFECT_API_URL, temporary_settings
         from prefect.states import Cancelling
 
-        from coordinator.context import run_id_for
-        from coordinator.report import artifact_key
+        from coordinator.run.context import run_id_for
+        from core.keys import artifact_key
 
         ui = state["api_url"].removesuffix("/api")
         with temporary_settings(updates={PREFECT_API_URL: state["api_url"]}), get_client(sync_client=True) as client:

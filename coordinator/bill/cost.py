@@ -1,0 +1,79 @@
+"""The cost ledger: one row per resource interval, priced from the catalog.
+
+Cost comes from measured intervals (a worker's launch to its exit, failed and cancelled
+attempts included, and the coordinator's whole run) times the offer's unit price.
+The ledger lives at `runs/<run_id>/cost.json` and is rewritten after every epoch, so a run
+that dies still leaves a bill up to its last epoch. The run's last write (`final`) comes
+before its report is rendered, and nothing rewrites it: the report and cost.json agree.
+"""
+from __future__ import annotations
+
+import json
+from typing import Callable, Iterable
+
+from core.cost_record import CostRecord
+from core.keys import ledger_key
+from planners.catalog import Offer
+
+
+def worker_records(run_id: str, epoch: int, outcomes: Iterable[dict], offer: Offer,
+                   price_of: Callable[[int], float]) -> list[CostRecord]:
+    """Ledger rows for one epoch's worker attempts (dicts of `WorkerOutcome.to_dict()`), each
+    priced by its rank (`coordinator.run.context.RunContext.price_of`: per-stage sizes)."""
+    rows = []
+    for o in outcomes:
+        stop = o.get("stopped_at") or o["started_at"]
+        kind = "worker" if o["status"] == "completed" else "failed_attempt"
+        failure = (o.get("extra") or {}).get("failure")
+        status = o["status"] if not failure else f"{o['status']}:{failure['kind']}"
+        rows.append(CostRecord(run_id=run_id, resource=f"worker e{epoch} r{o['rank']} a{o['attempt']}",
+                               kind=kind, offer=offer.name, start=o["started_at"], stop=stop,
+                               unit_price_per_s=price_of(o["rank"]), status=status, epoch=epoch,
+                               rank=o["rank"], attempt=o["attempt"]))
+    return rows
+
+
+def coordinator_record(run_id: str, start: float, stop: float, offer: Offer,
+                       price_per_s: float) -> CostRecord:
+    """The coordinator's own interval, billed like one worker."""
+    return CostRecord(run_id=run_id, resource="coordinator", kind="coordinator", offer=offer.name,
+                      start=start, stop=stop, unit_price_per_s=price_per_s)
+
+
+def worker_seconds(rows: Iterable[dict]) -> dict[str, float]:
+    """Worker-seconds of a ledger (row dicts) by what they paid for: `startup`, `busy` and
+    `idle` and `profile` (warm workers), `cold` (a cold worker's whole attempt), `failed`
+    (failed attempts)."""
+    out = {"startup": 0.0, "busy": 0.0, "idle": 0.0, "profile": 0.0, "cold": 0.0, "failed": 0.0}
+    for r in rows:
+        if r["kind"] == "failed_attempt":
+            out["failed"] += r["seconds"]
+        elif r["kind"] == "worker":
+            out[r["status"] if r["status"] in ("startup", "busy", "idle", "profile") else "cold"] += r["seconds"]
+    return out
+
+
+def total_usd(rows: Iterable[CostRecord]) -> float:
+    """Dollars of every row."""
+    return sum(r.usd for r in rows)
+
+
+def write_ledger(store, run_id: str, rows: list[CostRecord], final: bool = False) -> str:
+    """Write the ledger (rows and total) atomically; return its key. `final`: the run's last
+    bill, the one its report shows; nothing rewrites a final ledger (`is_final`)."""
+    doc = {"run_id": run_id, "currency": "USD", "total_usd": total_usd(rows), "final": final,
+           "rows": [r.to_dict() for r in rows]}
+    key = ledger_key(run_id)
+    store.put(key, json.dumps(doc, indent=1).encode())
+    return key
+
+
+def is_final(doc: dict | None) -> bool:
+    """Whether a ledger document is a run's last bill (written by `record_cost` before its
+    report): a failure or cancellation hook that runs afterwards leaves it as it is."""
+    return bool(doc and doc.get("final"))
+
+
+def read_ledger(store, run_id: str) -> dict:
+    """The ledger a run wrote."""
+    return json.loads(store.get(ledger_key(run_id)))

@@ -1,0 +1,46 @@
+"""The run's bill now: the ledger, the live warm workers' open intervals and the coordinator's
+interval so far, written to the run's ledger (`coordinator.bill.cost`).
+"""
+from __future__ import annotations
+
+import time
+
+from prefect.artifacts import create_table_artifact
+
+from coordinator.bill.cost import coordinator_record, total_usd, write_ledger
+from coordinator.run.context import RunContext
+from core.formats import money
+from core.keys import artifact_key
+
+
+def rows_now(ctx: RunContext) -> list:
+    """The bill up to now: the ledger, the live warm workers' open intervals and the
+    coordinator's interval so far."""
+    rows = list(ctx.state.ledger) + (ctx.state.warm.open_rows() if ctx.state.warm is not None else [])
+    rows.append(coordinator_record(ctx.run_id, ctx.started_at, time.time(), ctx.resolved.offer,
+                                   ctx.price_per_worker_s))
+    return rows
+
+
+def record_cost_now(ctx: RunContext, final: bool = True) -> dict:
+    """Write the ledger with the coordinator's interval up to now; returns the ledger doc.
+    `final`: the run's last bill (its coordinator interval closes here); written once."""
+    rows = rows_now(ctx)
+    store = ctx.open_durable()
+    try:
+        write_ledger(store, ctx.run_id, rows, final=final)
+    finally:
+        store.close()
+    if final:
+        ctx.state.cost_recorded = True
+    return {"run_id": ctx.run_id, "total_usd": total_usd(rows), "final": final,
+            "rows": [r.to_dict() for r in rows]}
+
+
+def record_final_bill(ctx: RunContext) -> dict:
+    """Write the run's final ledger and a table artifact of it; returns the ledger doc."""
+    ledger = record_cost_now(ctx)
+    create_table_artifact(key=artifact_key(ctx.run_id, "ledger"), table=[
+        {k: r[k] for k in ("resource", "kind", "offer", "status", "seconds", "unit_price_per_s", "usd")}
+        for r in ledger["rows"]], description=f"Cost ledger of run {ctx.run_id}: {money(ledger['total_usd'])}")
+    return ledger

@@ -1,0 +1,338 @@
+"""Choosing the plan: the measured profile and the job go to the planners (`planners.strategy`,
+which calls `hybrid` with store transport and the store collectives' sync model); the
+alternatives they considered, with predicted iteration time, epoch time and cost, travel with
+the plan to the report. Where the target offers several worker sizes, the co-optimiser
+(`coordinator.plan.co_plan`) chooses the partition, each stage's size and D together;
+`plan.co_optimizer` says what it compared, or why it was not needed. After an epoch,
+`replan` predicts the plan in force again from the calibrated inputs and switches when
+another is clearly better.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from coordinator.bill.cost import total_usd
+from coordinator.bill.ledger import rows_now
+from coordinator.plan.co_plan import co_optimized, launched_inputs
+from coordinator.plan.run_terms import load_terms
+from coordinator.plan.scaling_policy import worker_schedule
+from coordinator.run.context import RunContext
+from core.epoch_summary import Replan
+from core.errors import ZooidValueError
+from core.kinds import AUTO, SHARED_HOST_KINDS, PipelineSchedule, Strategy
+from core.plan import Plan
+from core.schedule_costs import ideal_peak_in_flight
+from core.schedules import Kind, build_schedule
+from core.stage_memory import check_plan_memory, format_bytes, optimizer_copies, stage_memory
+from planners.calibration import Calibration, calibrated
+from planners.pipeline_time import TransferCosts
+from planners.run_prediction import predict_run, with_run_prediction
+from planners.strategy import (
+    NO_PLAN_FITS,
+    StrategyInputs,
+    choose,
+    choose_schedule,
+    describe,
+    local_sgd,
+    predicted,
+    with_schedule,
+    with_sync,
+)
+from profiling.profiler import ModelProfile
+from profiling.timing import cpu_count
+
+LAYER_FIELDS = ("forward_s", "backward_s", "output_bytes", "param_bytes", "forward_fixed_s",
+                "backward_fixed_s")
+
+
+def strategy_inputs(ctx: RunContext, profile: dict, workers: int) -> StrategyInputs:
+    """The planner's view of the job, its profile (taken on the target, `tasks.profile`)
+    and its target: the store's contract bandwidth and latency, a worker's measured put
+    and get costs, the sync checkpoint write and a step right after it. Where the workers
+    share this machine, a plan of more worker processes than cores time-shares them."""
+    job, target = ctx.job, ctx.resolved.target
+    transfer = profile.get("store_transfer")
+    return StrategyInputs(
+        layers=tuple({k: l[k] for k in LAYER_FIELDS if k in l} for l in profile.get("layers", ())),
+        profile_batch=profile.get("microbatch_size") or profile["batch_size"], step_s=profile["step_s"],
+        param_bytes=profile["param_bytes"], optimizer_copies=optimizer_copies(job.optimizer),
+        n_train=ctx.resolved.n_train, batch_size=job.batch_size, workers=workers,
+        stages=job.stages, microbatches=job.microbatches, sync_period=job.sync_period,
+        bandwidth=profile["store_bandwidth_bytes_per_s"], latency=profile["store_latency_s"],
+        offer=ctx.resolved.offer.name, price_per_worker_s=ctx.price_per_worker_s,
+        worker_vcpu=target.worker_vcpu, worker_memory_gb=target.worker_memory_gb,
+        worker_gpu=target.worker_gpu, optimizer_step_s=profile.get("optimizer_step_s", 0.0),
+        transfer=TransferCosts(**transfer) if transfer else None,
+        checkpoint_s=profile.get("checkpoint_s"), synced_step_s=profile.get("synced_step_s"),
+        contention=profile.get("contention") or 1.0,
+        host_cores=cpu_count() if target.kind in SHARED_HOST_KINDS else None,
+        sync_dtype=job.sync_dtype, outer_optimizer=job.outer_optimizer)
+
+
+def make_plan(ctx: RunContext, profile: dict, workers: int, calibration: Calibration | None = None,
+              epochs_left: int | None = None) -> Plan:
+    """The plan for the job's strategy with `workers` replicas, its inputs calibrated by
+    the epochs measured so far, with its epoch and run predicted start-up aware
+    (`with_run`); refused (ZooidValueError naming `memory`, with the numbers per stage)
+    when a stage does not fit its worker."""
+    x = calibrated(strategy_inputs(ctx, profile, workers), calibration or Calibration())
+    several = len(ctx.resolved.target.memory_options()) > 1
+    uniform, why = None, ""
+    try:
+        uniform = uniform_plan(ctx, profile, x)
+    except ZooidValueError as exc:
+        if not several or exc.field != "memory":
+            raise
+        why = str(exc)  # at the target's size it does not fit: a larger size for some stage may
+    chosen = co_optimized(ctx, profile, x, uniform, workers, why_uniform=why,
+                          check_memory=lambda p: check_memory(ctx, profile, p))
+    chosen = with_sync(x, chosen)
+    return with_run(ctx, chosen, calibration, epochs_left,
+                    per_epoch=scaled_plans(ctx, profile, chosen, workers, calibration, epochs_left))
+
+
+def scaled_plans(ctx: RunContext, profile: dict, chosen: Plan, workers: int, calibration: Calibration | None,
+                 epochs_left: int | None) -> list[Plan] | None:
+    """The plan of each epoch to come where the job's scaling policy changes the worker budget
+    in advance (`coordinator.plan.scaling_policy.worker_schedule`: adabatch), each budget planned as the flow will
+    plan it when it gets there; None where every epoch runs `chosen`."""
+    left = ctx.job.epochs if epochs_left is None else epochs_left
+    counts = worker_schedule(ctx, workers, left)
+    if not counts or set(counts) == {workers}:
+        return None
+    plans = {workers: chosen}
+    for count in counts:
+        if count not in plans:
+            try:
+                plans[count] = make_plan(ctx, profile, count, calibration, epochs_left=0)
+            except ZooidValueError:  # a budget the planner cannot use: the flow keeps the plan it has
+                smaller = [c for c in plans if c <= count]
+                plans[count] = plans[max(smaller)] if smaller else chosen
+    return [plans[c] for c in counts]
+
+
+def no_plan_fits(misfits: list[tuple[str, str]]) -> str:
+    """One line for a job no candidate plan fits: the first candidate's numbers in full, the
+    others named (the dry run lists each)."""
+    (label, detail), others = misfits[0], [label for label, _ in misfits[1:]]
+    also = f"; nor do {', '.join(others)} (the dry run lists each)" if others else ""
+    return f"no plan fits the workers: {label}: {detail}{also}"
+
+
+def uniform_plan(ctx: RunContext, profile: dict, x) -> Plan:
+    """The job strategy's plan with every worker at the target's size, chosen among the
+    candidates whose workers fit their memory (a model too large for one worker, a language
+    model's embedding, head and logits say, is pipelined); ZooidValueError naming `memory`,
+    with each candidate's numbers, when none fits."""
+    misfits = []
+
+    def fits(plan: Plan) -> bool:
+        try:
+            if plan.stages > 1:
+                pick_schedule(ctx, profile, x, plan)
+            else:
+                check_memory(ctx, profile, plan)
+            return True
+        except ZooidValueError as exc:
+            if exc.field != "memory":
+                raise
+            misfits.append((f"{plan.strategy} D={plan.data_parallel} M={plan.stages}",
+                            str(exc).removeprefix("memory: ")))
+            return False
+
+    try:
+        # DiLoCo's outer step runs over Local-SGD rounds, and no pipeline splits a parameter that two
+        # children share (tied weights, `ResolvedJob.shared_parameters`): `auto` then plans Local-SGD only
+        local_only = ctx.job.strategy == AUTO and (ctx.job.outer_optimizer == "nesterov"
+                                                   or bool(ctx.resolved.shared_parameters))
+        strategy = Strategy.LOCAL_SGD if local_only else ctx.job.strategy
+        chosen = choose(x, strategy, fits=fits)
+    except ValueError as exc:
+        if str(exc) == NO_PLAN_FITS:
+            raise ZooidValueError("memory", no_plan_fits(misfits)) from None
+        raise ZooidValueError("strategy", str(exc).removeprefix("strategy: ")) from None
+    if chosen.stages > 1:
+        return with_sync(x, pick_schedule(ctx, profile, x, chosen))
+    return with_sync(x, chosen)
+
+
+def with_run(ctx: RunContext, chosen: Plan, calibration: Calibration | None, epochs_left: int | None,
+             per_epoch: list[Plan] | None = None) -> Plan:
+    """`chosen` and its alternatives with each epoch's overhead and the run's time and bill
+    (`planners.run_prediction`), from the target's measured terms (`coordinator.plan.run_terms`)."""
+    terms = load_terms(ctx, calibration.overhead_s if calibration else None)
+    launched = [w.launched_at for w in ctx.state.warm.workers.values()] if ctx.state.warm is not None else []
+    since = None  # no worker yet: all start at the plan, and wait as long as earlier such runs did
+    if launched:  # some started before the plan (to profile, or while it ran): the youngest decides
+        since = time.time() - max(launched) if len(launched) >= chosen.workers else 0.0
+        terms = dataclasses.replace(terms, exposed_s=None)
+    shared = ctx.resolved.target.kind in SHARED_HOST_KINDS  # added workers start on the coordinator's cores
+    kwargs = dict(epochs=ctx.job.epochs if epochs_left is None else epochs_left, warm=ctx.job.warm,
+                  workers_launched_s=since, host_cores=cpu_count() if shared else None,
+                  billed_usd=0.0 if ctx.dry_run else total_usd(rows_now(ctx)),
+                  coordinator_price_per_s=ctx.price_per_worker_s)
+    alternatives = []
+    for a in chosen.alternatives:
+        compute = a.get("predicted_compute_epoch_s", a["predicted_epoch_s"])
+        alt = Plan(strategy=a["strategy"], data_parallel=a["data_parallel"], stages=a["stages"],
+                   price_per_worker_s=a.get("price_per_worker_s", chosen.price_per_worker_s),
+                   predicted_compute_epoch_s=compute)
+        p = predict_run(alt, terms, **kwargs)
+        alternatives.append({**a, "predicted_compute_epoch_s": compute, "predicted_epoch_s": p.epoch_s,
+                             "predicted_cost_per_epoch_usd": p.epoch_s * alt.workers * alt.price_per_worker_s,
+                             "predicted_run_s": p.run_s, "predicted_run_cost_usd": p.cost_usd})
+    out = with_run_prediction(dataclasses.replace(chosen, alternatives=tuple(alternatives)), terms, **kwargs,
+                              per_epoch=per_epoch)
+    if per_epoch is None:
+        return out
+    # the chosen plan's row carries its run as the scaling policy will run it
+    run = {"predicted_run_s": out.predicted_run_s, "predicted_run_cost_usd": out.predicted_run_cost_usd}
+    return dataclasses.replace(out, predicted_workers_by_epoch=tuple(p.workers for p in per_epoch),
+                               alternatives=tuple({**a, **run} if a.get("chosen") else a for a in out.alternatives))
+
+
+def shape(plan: Plan) -> tuple:
+    """What the workers run: two plans of one shape need no change of workers."""
+    return (plan.strategy, plan.data_parallel, plan.stages, tuple(plan.cuts), plan.microbatches,
+            plan.pipeline_schedule, plan.chunks, tuple(plan.stage_memory_gb))
+
+
+def replan(ctx: RunContext, profile: dict, current: Plan, calibration: Calibration,
+           epochs_left: int, budget: int, gain: float = 0.10) -> tuple[Plan, Replan]:
+    """After an epoch: the plan in force predicted again from the calibrated inputs, and the
+    planner's choice for the same worker budget (`budget`, what the plan in force was
+    planned for); the choice replaces it when it is at least `gain` faster, or `gain`
+    cheaper while no more than 5 % slower. Returns the plan for the next epoch and the
+    decision (for the epoch history)."""
+    same = make_same(ctx, profile, current, calibration, epochs_left)
+    try:
+        best = make_plan(ctx, profile, budget, calibration, epochs_left)
+    except ZooidValueError as exc:
+        best, why = None, str(exc)
+    decision = Replan(calibration=calibration.to_dict(), predicted_epoch_s=same.predicted_epoch_s)
+    if best is None or shape(best) == shape(same):
+        decision.reason = (f"the plan in force is still the best for {current.workers} worker(s)"
+                           if best is not None else f"no other plan: {why}")
+        return same, decision
+    faster = best.predicted_epoch_s <= (1 - gain) * same.predicted_epoch_s
+    def name(p: Plan) -> str:
+        return (f"{p.strategy} D={p.data_parallel} M={p.stages}" + (f" cuts={list(p.cuts)} micro-batches="
+                f"{p.microbatches} {p.pipeline_schedule}" if p.stages > 1 else ""))
+
+    cheaper = (best.predicted_cost_per_epoch_usd <= (1 - gain) * same.predicted_cost_per_epoch_usd
+               and best.predicted_epoch_s <= 1.05 * same.predicted_epoch_s)
+    summary = (f"{name(best)}: {best.predicted_epoch_s:.3g} s, ${best.predicted_cost_per_epoch_usd:.3g} per epoch "
+               f"vs {name(same)}: {same.predicted_epoch_s:.3g} s, ${same.predicted_cost_per_epoch_usd:.3g}")
+    if faster or cheaper:
+        decision.switched, decision.reason = True, f"{'faster' if faster else 'cheaper'}: {summary}"
+        decision.to = {"strategy": best.strategy, "data_parallel": best.data_parallel, "stages": best.stages}
+        return best, decision
+    decision.reason = f"kept: the best other plan gains less than {gain:.0%} ({summary})"
+    return same, decision
+
+
+def make_same(ctx: RunContext, profile: dict, current: Plan, calibration: Calibration, epochs_left: int) -> Plan:
+    """The plan in force (its shape unchanged) predicted again from calibrated inputs."""
+    x = calibrated(strategy_inputs(ctx, profile, current.data_parallel), calibration)
+    x = launched_inputs(ctx, x, current, profile)  # a co-optimised plan's stages run at their sizes
+    again = local_sgd(x, current.data_parallel) if current.stages == 1 else predicted(x, current)
+    again = dataclasses.replace(again, alternatives=current.alternatives, co_optimizer=current.co_optimizer)
+    return with_run(ctx, again, calibration, epochs_left)
+
+
+def pick_schedule(ctx: RunContext, profile: dict, x, plan: Plan) -> Plan:
+    """The pipeline `plan` under the job's schedule, or for `auto` the fastest predicted of
+    1F1B, GPipe and interleaved 1F1B (v = 2; considered when M is a multiple of the p
+    workers and the profile has p x 2 layers with parameters, and dropped when the planner
+    cannot predict it) whose workers fit their memory (1F1B holds min(k - s, M)
+    micro-batches of activations on stage s, GPipe all M, interleaved min(W_w + 1, 2M)
+    half-stage sets on worker w); within 1 % of the fastest, the one holding fewer
+    stage-sized sets on worker 0. The schedules compared join the plan's alternatives."""
+    chunks = 2
+    names = ([PipelineSchedule.ONE_F_ONE_B, PipelineSchedule.GPIPE] if ctx.job.pipeline_schedule == AUTO
+             else [ctx.job.pipeline_schedule])
+    with_params = sum(1 for l in profile.get("layers", ()) if l.get("param_bytes", 0) > 0)
+    if ctx.job.pipeline_schedule == AUTO and plan.microbatches % plan.stages == 0 \
+            and with_params >= plan.stages * chunks:
+        names.append(PipelineSchedule.INTERLEAVED)
+
+    def held(name: str) -> float:  # stage-sized activation sets worker 0 holds at its peak
+        v = chunks if name == PipelineSchedule.INTERLEAVED else 1
+        return ideal_peak_in_flight(name, plan.stages, plan.microbatches, 0, v) / v
+
+    options, errors = [], []
+    for name in sorted(names, key=held):
+        try:
+            options.append(with_schedule(x, plan, name) if name != PipelineSchedule.INTERLEAVED
+                           else with_schedule(x, plan, name, chunks=chunks))
+        except ValueError as exc:
+            if ctx.job.pipeline_schedule != AUTO:
+                raise
+            errors.append(f"{name}: not predicted ({exc})")
+    def check_workers(option: Plan) -> None:
+        """`check_memory` for several model stages per worker: the worker's peak of the
+        activations its row holds at once (walking the schedule, each model stage's own
+        bytes per micro-batch), its stages' parameters with gradients, sync buffers and
+        optimizer state, its base memory once."""
+        prof = ModelProfile.from_dict(profile)
+        if not prof.layers:
+            return
+        p, m = option.stages, option.microbatches
+        available = ctx.resolved.target.worker_memory_gb * 2**30
+        one_set = stage_memory(  # per model stage: one micro-batch's activations, the parameters
+            activation_bytes=prof.layer_activation_bytes(max(1, option.batch_size // m)),
+            param_bytes=[l.param_bytes for l in prof.layers], cuts=[c + 1 for c in option.cuts], microbatches=m,
+            available_bytes=available, optimizer_state_factor=optimizer_copies(ctx.job.optimizer),
+            data_parallel=option.data_parallel, in_flight=[1] * (len(option.cuts) + 1))
+        over = []
+        for w, row in enumerate(build_schedule(PipelineSchedule.INTERLEAVED, p, m, option.chunks)):
+            held = peak = 0.0
+            for a in row:
+                held += one_set[a.stage].activation_bytes * ((a.kind is Kind.F) - (a.kind is Kind.B))
+                peak = max(peak, held)
+            own = one_set[w::p]
+            need = peak + sum(s.parameter_bytes for s in own) + (prof.base_memory_bytes or 0.0)
+            if need > available:
+                over.append(f"worker {w} (model stages {', '.join(str(s.stage) for s in own)}) needs "
+                            f"{format_bytes(need)} (activations {format_bytes(peak)}), worker has "
+                            f"{format_bytes(available)}")
+        if over:
+            raise ZooidValueError("memory", "; ".join(over))
+
+    fitting = []
+    for option in options:
+        try:
+            if option.chunks == 1:
+                check_memory(ctx, profile, option)
+            else:
+                check_workers(option)
+            fitting.append(option)
+        except ZooidValueError as exc:
+            errors.append(f"{option.pipeline_schedule}: {str(exc).removeprefix('memory: ')}")
+    if not fitting:
+        raise ZooidValueError("memory", "; ".join(errors))
+    best = choose_schedule(fitting)
+    compared = tuple({**describe(o, o is best), "compared": "schedule", "fits": o in fitting} for o in options)
+    return dataclasses.replace(best, alternatives=plan.alternatives + compared)
+
+
+def check_memory(ctx: RunContext, profile: dict, plan: Plan) -> None:
+    """Every stage's activations, parameters, gradients, optimizer state and the worker
+    process's base memory must fit the worker's memory (each stage's own size where the
+    co-optimiser chose them, `plan.stage_memory_gb`)."""
+    prof = ModelProfile.from_dict(profile)
+    if not prof.layers:
+        return
+
+    micro = max(1, plan.batch_size // max(1, plan.microbatches))
+    in_flight = [ideal_peak_in_flight(plan.pipeline_schedule, plan.stages, plan.microbatches, worker=s)
+                 for s in range(plan.stages)]
+    check_plan_memory(activation_bytes=prof.layer_activation_bytes(micro), in_flight=in_flight,
+                      param_bytes=[l.param_bytes for l in prof.layers],
+                      cuts=[c + 1 for c in plan.cuts], microbatches=plan.microbatches,
+                      available_bytes=([g * 2**30 for g in plan.stage_memory_gb] if plan.stage_memory_gb
+                                       else ctx.resolved.target.worker_memory_gb * 2**30),
+                      base_memory_bytes=prof.base_memory_bytes or 0.0,
+                      optimizer_state_factor=optimizer_copies(ctx.job.optimizer),
+                      data_parallel=plan.data_parallel)

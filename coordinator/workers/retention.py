@@ -1,0 +1,70 @@
+"""Committing an epoch's checkpoint: confirm the epoch's reference checkpoint, point `latest`
+at it, and keep only the checkpoints the job asked for.
+
+Rank 0 wrote the averaged model and optimizer state in one atomic put; this step reads it
+back (it must decode), then writes `runs/<run_id>/ckpt/latest.json`, also atomically, so a
+resume always finds a complete checkpoint. Then it prunes: the last `keep_checkpoints` epoch
+checkpoints stay, and the best by validation loss (`ckpt/best.json`) when the job has a
+target; the mid-epoch sync checkpoints of finished epochs go (a resume starts after the
+latest epoch). Pruning runs after `latest.json` moved, so a kill between the two leaves
+more checkpoints, never fewer.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+from comm.tensor_codec import read_header
+from coordinator.run.context import RunContext
+from core.epoch_summary import EpochSummary
+from core.keys import EPOCH_CHECKPOINT, RESIDUAL, SYNC_CHECKPOINT, best_key, checkpoint_prefix, latest_key
+
+
+def update_best(store, run_id: str, epoch: int, key: str, val_loss: float | None) -> dict | None:
+    """Record `key` as the best checkpoint when its validation loss beats the best so far;
+    return the best record (None when no epoch reported a validation loss)."""
+    doc = json.loads(store.get(best_key(run_id))) if store.exists(best_key(run_id)) else None
+    if val_loss is not None and (doc is None or val_loss < doc["val_loss"]):
+        doc = {"epoch": epoch, "key": key, "val_loss": val_loss}
+        store.put(best_key(run_id), json.dumps(doc).encode())
+    return doc
+
+
+def prune_checkpoints(store, run_id: str, latest_epoch: int, keep: int, best: dict | None = None) -> list[str]:
+    """Delete epoch checkpoints older than the last `keep` (up to `latest_epoch`), except the
+    best one (with the error-feedback residuals each names), and the sync checkpoints of epochs
+    up to `latest_epoch`; return the deleted keys."""
+    keys = store.list(checkpoint_prefix(run_id) + "/")
+    epochs = sorted(int(m.group(1)) for k in keys
+                    if (m := EPOCH_CHECKPOINT.search(k)) and int(m.group(1)) <= latest_epoch)
+    keep_epochs = set(epochs[-keep:]) | ({best["epoch"]} if best else set())
+    deleted = []
+    for k in keys:
+        # a replica's error-feedback residuals (`engine.residuals`) are kept while their epoch's checkpoint is
+        epoch_match, sync_match = EPOCH_CHECKPOINT.search(k) or RESIDUAL.search(k), SYNC_CHECKPOINT.search(k)
+        if ((epoch_match and int(epoch_match.group(1)) <= latest_epoch
+             and int(epoch_match.group(1)) not in keep_epochs)
+                or (sync_match and int(sync_match.group(1)) <= latest_epoch)):
+            store.delete(k)
+            deleted.append(k)
+    return deleted
+
+
+def commit_checkpoint(ctx: RunContext, summary: EpochSummary) -> str:
+    """Verify the epoch's checkpoint (`summary.checkpoint_key`) decodes, record it as the
+    latest, prune; return its key."""
+    job, epoch, key = ctx.job, summary.epoch, summary.checkpoint_key
+    store = ctx.open_durable()
+    try:
+        header = read_header(store.get(key, timeout=30))
+        if not header:
+            raise RuntimeError(f"checkpoint {key} has no header")
+        store.put(latest_key(ctx.run_id), json.dumps(
+            {"epoch": epoch, "key": key, "written_at": time.time(),
+             "val_accuracy": summary.val_accuracy, "val_loss": summary.val_loss}).encode())
+        targeted = job.target_loss is not None or job.target_accuracy is not None
+        best = update_best(store, ctx.run_id, epoch, key, summary.val_loss) if targeted else None
+        prune_checkpoints(store, ctx.run_id, epoch, job.keep_checkpoints, best)
+    finally:
+        store.close()
+    return key

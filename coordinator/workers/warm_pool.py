@@ -1,0 +1,527 @@
+"""Warm workers, the coordinator's side: one long-lived worker per rank, each epoch sent as
+commands through the store (`runtime.warm` is the worker's side).
+
+`WarmPool` starts the workers through the target's launcher (an inline process, or one
+`worker` flow run per rank on a work pool), renews the run's lease, sends each epoch's
+specs, waits for the replies while it watches the workers, replaces a worker that dies or
+stops making progress with a cold one, and retires the ones a smaller plan no longer needs.
+
+The bill: each worker's life, launch to stop, is cut into ledger rows by what it did:
+`startup` (launch to ready), `busy` (an epoch), `profile` (measuring the model and the
+store for the plan, `profiling.profile_job`), `idle` (ready and waiting: for the first
+command, or between epochs while the coordinator checkpoints and plans), and
+`failed_attempt` (the epoch it was in when it died). The rows of one worker add up to its
+whole interval. Rows close as the replies come; `open_rows` bills what is still open, so
+the ledger written after each epoch leaves no interval out.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from prefect.concurrency.sync import concurrency
+
+from clouds.registry import is_cloud
+from coordinator.workers.launchers import (
+    FAILED,
+    PAID_WORKERS_LIMIT,
+    WorkerOutcome,
+    WorkersFailed,
+    launch_identity,
+    make_launcher,
+)
+from core.cost_record import CostRecord
+from core.keys import command_key, lease_key, reply_key, status_key, warm_prefix
+from core.kinds import PIPELINED_STRATEGIES, SHARED_HOST_KINDS, Strategy
+from core.plan import Plan
+from core.specs import WarmSpec, WorkerResult, WorkerSpec
+from runtime.warm import read_json, worker_name
+
+
+class LeaseRenewer(threading.Thread):
+    """Renews the run's lease every `every_s` seconds until stopped (its own store client)."""
+
+    def __init__(self, open_store: Callable[[], Any], run_id: str, every_s: float):
+        super().__init__(name="zooid-lease", daemon=True)
+        self.open_store, self.run_id, self.every_s = open_store, run_id, every_s
+        self.stopped = threading.Event()
+        self.renewed = threading.Event()
+        self.seq = 0
+
+    def run(self) -> None:
+        store = self.open_store()
+        try:
+            while not self.stopped.is_set():
+                self.seq += 1
+                try:
+                    store.put(lease_key(self.run_id), json.dumps({"seq": self.seq, "at": time.time()}).encode())
+                    self.renewed.set()
+                except Exception as exc:  # workers outlive a short blip: the lease is minutes
+                    print(f"zooid: lease renewal failed: {type(exc).__name__}: {exc}")
+                self.stopped.wait(self.every_s)
+        finally:
+            store.close()
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.join(timeout=10)
+
+
+@dataclass
+class Command:
+    """One epoch command in flight on one worker."""
+
+    seq: int
+    spec: WorkerSpec
+    outcome: WorkerOutcome
+    """The attempt as the epoch sees it (sent to reply)."""
+
+
+@dataclass
+class WarmWorker:
+    """One warm worker process (or flow run) of one rank."""
+
+    rank: int
+    name: str
+    launcher: Any
+    identity: str
+    launched_at: float
+    seq: int = 0
+    """Commands sent so far."""
+    billed_to: float = 0.0
+    ready_at: float | None = None
+    command: Command | None = None
+    steps: int = 0
+    progress_at: float = 0.0
+    """Coordinator time the worker last showed progress (a new beat or step)."""
+    beat_at: float = 0.0
+    status_read_at: float = 0.0
+    slot: Any = None
+    """Its paid-worker concurrency slot, released when it stops."""
+    price_per_s: float = 0.0
+    """What it costs per second, at the size it was launched with."""
+
+    @property
+    def process(self) -> WorkerOutcome:
+        """The launcher's record of the process or flow run itself."""
+        return self.launcher.outcomes[0]
+
+    @property
+    def alive(self) -> bool:
+        return self.process.status == "running"
+
+
+@dataclass
+class WarmPool:
+    """A run's warm workers (`RunContext.warm`)."""
+
+    ctx: Any
+    workers: dict[int, WarmWorker] = field(default_factory=dict)
+    serial: int = 0
+    token: str = field(default_factory=lambda: uuid.uuid4().hex[:6])
+    """This coordinator's mark in its workers' names (a resumed run's workers never share one)."""
+    renewer: LeaseRenewer | None = None
+    store: Any = None
+    status_every_s: float = 1.0
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    def _open(self) -> None:
+        if self.store is None:
+            # the durable store: a scratch store that restarts (Redis) must not lose a command or a reply
+            self.store = self.ctx.open_durable()
+            # a coordinator that died (resume) leaves its commands and replies behind
+            self.store.delete_prefix(warm_prefix(self.ctx.run_id) + "/")
+        if self.renewer is None:
+            lease_s = self.ctx.job.worker_lease_s
+            self.renewer = LeaseRenewer(self.ctx.open_durable, self.ctx.run_id, max(0.2, lease_s / 4))
+            self.renewer.start()
+            self.renewer.renewed.wait(10)
+
+    def ensure(self, plan, epoch: int) -> list[int]:
+        """Workers for ranks 0..plan.workers-1: start the missing ones (and replace those whose
+        launch no longer fits the plan: another size or image), retire the rest. Returns the
+        ranks started."""
+        self._open()
+        launcher = make_launcher(self.ctx, plan)
+        for rank in [r for r in self.workers if r >= plan.workers]:
+            self.retire(rank, "the plan needs fewer workers")
+        started = []
+        for rank in range(plan.workers):
+            w, identity = self.workers.get(rank), launch_identity(launcher, rank)
+            if w is not None and w.alive and w.identity == identity:
+                continue
+            if w is not None:
+                self.retire(rank, "its launch no longer fits the plan" if w.alive else "it stopped")
+            self._start(rank, plan, epoch, make_launcher(self.ctx, plan), identity)
+            started.append(rank)
+        return started
+
+    def _start(self, rank: int, plan, epoch: int, launcher, identity: str) -> WarmWorker:
+        ctx, job = self.ctx, self.ctx.job
+        name = worker_name(rank, self.serial, self.token)
+        warm = WarmSpec(worker=name, lease_s=job.worker_lease_s, check_s=min(1.0, job.worker_lease_s / 4))
+        spec = WorkerSpec(run_id=ctx.run_id, epoch=epoch, rank=rank, world=plan.workers,
+                          store_url=ctx.durable_ref, model=job.model, dataset=job.dataset, subsets=(),
+                          steps=0, batch_size=plan.batch_size or job.batch_size, lr=job.lr,
+                          optimizer=job.optimizer, seed=job.seed, attempt=self.serial,
+                          warm=warm)
+        self.serial += 1
+        slot = contextlib.ExitStack()  # no-op when the limit does not exist (deployments.bootstrap makes it)
+        slot.enter_context(concurrency(PAID_WORKERS_LIMIT, occupy=1, timeout_seconds=job.worker_timeout_s,
+                                       strict=False))
+        outcome = launcher.launch(spec)
+        ctx.state.launchers.append(launcher)
+        price = ctx.price_of(plan)(rank)
+        if is_cloud(ctx.resolved.target):
+            ctx.state.cloud_attempts[outcome.ref] = (None, rank, None, price)  # billed by the cloud's clock
+        worker = WarmWorker(rank=rank, name=name, launcher=launcher, identity=identity,
+                            launched_at=outcome.started_at, billed_to=outcome.started_at, slot=slot,
+                            price_per_s=price)
+        self.workers[rank] = worker
+        return worker
+
+    def prestart(self, workers: int, plan, epoch: int) -> list[int]:
+        """Start ranks plan.workers..workers-1 now, sized as `plan`'s, for a next epoch known to
+        need `workers` (they wait, billed, until it starts). Returns the ranks started."""
+        self._open()
+        started = []
+        for rank in range(plan.workers, workers):
+            if rank not in self.workers:
+                launcher = make_launcher(self.ctx, plan)
+                self._start(rank, plan, epoch, launcher, launch_identity(launcher, rank))
+                started.append(rank)
+        return started
+
+    def profilers(self) -> int:
+        """How many workers could take a profile request at once: the live ones (at least one:
+        `profile` starts rank 0 where the pool has none)."""
+        return max(1, sum(1 for w in self.workers.values() if w.alive))
+
+    def profile(self, plan, requests: list[dict], timeout_s: float, poll_s: float = 0.05) -> list[dict]:
+        """Have the pool's workers measure `requests` (`profiling.profile_job.ProfileRequest`s
+        as dicts) at once, the first on rank 0's worker (started now, sized as `plan`'s, if the
+        pool has none), the others on the next live ranks, each on its own device and threads;
+        return their answers in order. Billed as start-up, idle and `profile` rows. Raises
+        RuntimeError when a worker dies, fails its request or shows nothing for `timeout_s`,
+        once every other request has its answer (each billed as `profile`, and the workers
+        free for a retry), or has failed in turn (ValueError when the pool has fewer workers
+        than requests, `profilers`)."""
+        self._open()
+        w = self.workers.get(0)
+        if w is None or not w.alive:
+            if w is not None:
+                self.retire(0, "it stopped")
+            launcher = make_launcher(self.ctx, plan)
+            self._start(0, plan, 0, launcher, launch_identity(launcher, 0))
+        if self.ctx.resolved.target.kind in SHARED_HOST_KINDS:  # their start-up would slow the timings taken
+            self.wait_ready(timeout_s)
+        live = [w for _, w in sorted(self.workers.items()) if w.alive]
+        if len(requests) > len(live):
+            raise ValueError(f"{len(requests)} profile requests for {len(live)} live worker(s)")
+        pending, answers, sent = {}, [None] * len(requests), time.time()
+        for i, (w, request) in enumerate(zip(live, requests)):
+            pending[i] = (w, w.seq, w.ready_at is not None)
+            self.store.put(command_key(self.ctx.run_id, w.name, w.seq),
+                           json.dumps({"op": "profile", "request": request}).encode())
+            w.seq += 1
+        failures = []
+        while pending:
+            for i, (w, seq, ready) in list(pending.items()):
+                reply = read_json(self.store, reply_key(self.ctx.run_id, w.name, seq))
+                now = time.time()
+                if reply is not None:
+                    del pending[i]
+                    if ready and reply.get("began_at") and reply.get("ended_at"):  # a ready worker: the round trip
+                        busy = float(reply["ended_at"]) - float(reply["began_at"])  # (durations only: no clock skew)
+                        self.ctx.state.dispatch_samples.append(max(0.0, now - sent - busy))
+                    self._bill_reply(w, reply, now, status="profile")
+                    if reply.get("ok"):
+                        answers[i] = reply["profile"]
+                    else:
+                        failures.append(RuntimeError(f"profiling on worker {w.name} failed: {reply.get('error')}: "
+                                                     f"{reply.get('message', '')}"))
+                    continue
+                w.launcher._poll()
+                if not w.alive:
+                    del pending[i]
+                    self.retire(w.rank, "it died while profiling")
+                    failures.append(RuntimeError(f"worker {w.name} exited while profiling: "
+                                                 f"{w.process.error or w.process.status}"))
+                elif now - sent > timeout_s:
+                    del pending[i]
+                    self.retire(w.rank, f"no profile within {timeout_s:.0f} s")
+                    failures.append(RuntimeError(f"worker {w.name} gave no profile within {timeout_s:.0f} s"))
+            if pending:
+                time.sleep(max(poll_s, self.store.poll_max_s))  # each read is a billed request on a cloud store
+        if failures:
+            raise failures[0]
+        return answers
+
+    def wait_ready(self, timeout_s: float, poll_s: float = 0.02) -> None:
+        """Wait until every live worker of the pool has started (its status says so; billed as
+        start-up to then), or died, or `timeout_s` passed."""
+        deadline = time.time() + timeout_s
+        waiting = [w for w in self.workers.values() if w.ready_at is None]
+        while waiting and time.time() < deadline:
+            for w in list(waiting):
+                status = read_json(self.store, status_key(self.ctx.run_id, w.name)) or {}
+                w.launcher._poll()
+                if status.get("ready_at"):
+                    self._mark_ready(w, float(status["ready_at"]), time.time(), None)
+                if w.ready_at is not None or not w.alive:
+                    waiting.remove(w)
+            if waiting:
+                time.sleep(max(poll_s, self.store.poll_max_s))
+
+    def retire(self, rank: int, reason: str, grace_s: float = 10.0) -> None:
+        """Stop the worker of `rank` (asked through the store, then stopped by its launcher
+        if it has not exited within `grace_s`), and bill it to its stop."""
+        w = self.workers.pop(rank, None)
+        if w is None:
+            return
+        self._stop([w], reason, grace_s)
+
+    def stop_all(self, reason: str, grace_s: float = 10.0) -> None:
+        """Stop every worker and the lease (teardown)."""
+        workers, self.workers = list(self.workers.values()), {}
+        self._stop(workers, reason, grace_s)
+        if self.renewer is not None:
+            self.renewer.stop()
+            self.renewer = None
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+
+    def _stop(self, workers: list[WarmWorker], reason: str, grace_s: float) -> None:
+        for w in workers:
+            w.launcher._poll()
+            if w.alive and w.command is None and self.store is not None:
+                try:
+                    self.store.put(command_key(self.ctx.run_id, w.name, w.seq),
+                                   json.dumps({"op": "stop", "reason": reason}).encode())
+                    self.ctx.state.asked_to_stop.add(w.process.ref)
+                except Exception:
+                    pass
+        deadline = time.time() + grace_s
+        while any(w.alive and w.command is None for w in workers) and time.time() < deadline:
+            time.sleep(0.05)
+            for w in workers:
+                if w.alive:
+                    w.launcher._poll()
+        for w in workers:
+            if w.alive:
+                w.launcher.stop(f"warm worker stopped: {reason}")
+            if w.launcher in self.ctx.state.launchers:
+                self.ctx.state.launchers.remove(w.launcher)
+            self._bill_end(w)
+
+    # --- one epoch ------------------------------------------------------------------
+
+    def run_epoch(self, plan, specs: list[WorkerSpec], timeout_s: float,
+                  on_failure: Callable[[WorkerOutcome, WorkerSpec], WorkerSpec | None] | None = None,
+                  on_tick: Callable[[], None] | None = None, poll_s: float = 0.005) -> tuple[list, list]:
+        """Send `specs` (one per rank) and wait for every rank's reply. Returns (the final
+        attempt of every rank, every attempt). A worker that dies, fails its epoch or shows no
+        progress for `timeout_s` is stopped and passed to `on_failure`: a returned spec is sent
+        to a cold replacement of that rank; None stops the epoch's other workers and raises
+        `WorkersFailed`."""
+        attempts: list[WorkerOutcome] = []
+        for spec in specs:
+            attempts.append(self._send(self.workers[spec.rank], spec))
+        # replies are read every `poll_s` (a reply waits half of it on average: 2.5 ms here, where
+        # a directory store's read of a missing key costs ~8 us) or the store's own poll where that
+        # is slower: each read is a billed request on a cloud store
+        poll_s = max(poll_s, self.store.poll_max_s)
+        last_relaunch = 0.0
+        while True:
+            now = time.time()
+            for w in list(self.workers.values()):
+                if w.command is not None:
+                    self._check(w, now, max(timeout_s, 0.0), last_relaunch)
+            for w in [w for w in self.workers.values() if w.command is not None
+                      and w.command.outcome.status in FAILED]:
+                failed, spec = w.command.outcome, w.command.spec
+                if w.alive:
+                    w.launcher.stop("its epoch failed")
+                try:  # classifies the failure (into failed.extra) before the bill closes
+                    retry = on_failure(failed, spec) if on_failure else None
+                except BaseException:
+                    self._bury(w)
+                    self._abort("another worker cannot be retried")
+                    raise
+                self._bury(w)
+                if retry is None:
+                    self._abort("another worker failed")
+                    raise WorkersFailed(attempts, f"rank {failed.rank} {failed.status}")
+                launcher = make_launcher(self.ctx, plan)
+                self._start(spec.rank, plan, spec.epoch, launcher, launch_identity(launcher, spec.rank))
+                attempts.append(self._send(self.workers[spec.rank], retry))
+                last_relaunch = time.time()
+            latest = {o.rank: o for o in attempts}
+            if all(o.status == "completed" for o in latest.values()):
+                return [latest[r] for r in sorted(latest)], attempts
+            if on_tick is not None:
+                on_tick()
+            time.sleep(poll_s)
+
+    def progress(self) -> tuple[int, int]:
+        """(steps reported so far by the workers of the epoch in flight, their step target)."""
+        busy = [w for w in self.workers.values() if w.command is not None]
+        return sum(min(w.steps, w.command.spec.steps) for w in busy), sum(w.command.spec.steps for w in busy)
+
+    def _send(self, w: WarmWorker, spec: WorkerSpec) -> WorkerOutcome:
+        log = w.process.extra.get("log")
+        outcome = WorkerOutcome(rank=spec.rank, attempt=spec.attempt, started_at=time.time(), ref=w.name,
+                                extra={"worker": w.name, "warm": True, "process_ref": w.process.ref,
+                                       **({"log": log, "log_offset": _size(log)} if log else {})})
+        w.command = Command(seq=w.seq, spec=spec, outcome=outcome)
+        w.steps, w.progress_at = 0, outcome.started_at
+        self.store.put(command_key(self.ctx.run_id, w.name, w.seq),
+                       json.dumps({"op": "epoch", "spec": spec.to_dict()}).encode())
+        return outcome
+
+    def _check(self, w: WarmWorker, now: float, timeout_s: float, last_relaunch: float) -> None:
+        """Read the reply of `w`'s command; else see whether the worker died or hangs."""
+        cmd = w.command
+        reply = read_json(self.store, reply_key(self.ctx.run_id, w.name, cmd.seq))
+        if reply is not None and reply.get("ok"):
+            now = time.time()  # after the read: the reply may be younger than the poll
+            got = reply["result"]
+            if (got.get("epoch"), got.get("rank")) != (cmd.spec.epoch, cmd.spec.rank):
+                raise RuntimeError(f"{w.name} answered epoch {got.get('epoch')} rank {got.get('rank')} "
+                                   f"to a command for epoch {cmd.spec.epoch} rank {cmd.spec.rank}")
+            cmd.outcome.result, cmd.outcome.status = WorkerResult.from_dict(got), "completed"
+            cmd.outcome.stopped_at = now
+            self._bill_reply(w, reply, now, epoch=cmd.spec.epoch, attempt=cmd.spec.attempt)
+            w.command, w.seq = None, w.seq + 1
+            return
+        if reply is not None:  # the epoch raised; the worker exits with its status
+            cmd.outcome.error = f"{reply.get('error')}: {reply.get('message', '')}"
+        w.launcher._poll()
+        if not w.alive:
+            process = w.process
+            cmd.outcome.status = process.status if process.status in FAILED else "failed"
+            cmd.outcome.stopped_at = process.stopped_at or now
+            cmd.outcome.extra["exit_code"] = process.extra.get("exit_code")
+            cmd.outcome.error = cmd.outcome.error or process.error
+            return
+        if now - w.status_read_at >= self.status_every_s:
+            w.status_read_at = now
+            status = read_json(self.store, status_key(self.ctx.run_id, w.name)) or {}
+            if status.get("seq") == cmd.seq and status.get("state") == "busy":
+                steps, beat = int(status.get("steps") or 0), float(status.get("beat_at") or 0.0)
+                if steps != w.steps or beat != w.beat_at:
+                    w.steps, w.beat_at, w.progress_at = steps, beat, now
+        if now - max(w.progress_at, last_relaunch) > timeout_s:
+            w.launcher.stop(f"no progress for {timeout_s:.0f} s")
+            cmd.outcome.status, cmd.outcome.stopped_at = "timeout", time.time()
+            cmd.outcome.error = f"no progress for {timeout_s:.0f} s"
+
+    def _bury(self, w: WarmWorker) -> None:
+        """Stop a worker whose epoch failed and bill it; its rank gets a cold replacement."""
+        if w.alive:
+            w.launcher.stop("its epoch failed")
+        if self.workers.get(w.rank) is w:
+            del self.workers[w.rank]
+        if w.launcher in self.ctx.state.launchers:
+            self.ctx.state.launchers.remove(w.launcher)
+        self._bill_end(w)
+
+    def _abort(self, reason: str) -> None:
+        """Stop every worker still in the epoch (they wait on peers that will not come)."""
+        for w in [w for w in self.workers.values() if w.command is not None]:
+            if w.command.outcome.status == "running":
+                w.command.outcome.status, w.command.outcome.error = "cancelled", reason
+                w.command.outcome.stopped_at = time.time()
+            self._bury(w)
+
+    # --- the bill -------------------------------------------------------------------
+
+    def _row(self, w: WarmWorker, status: str, stop: float, epoch: int | None, attempt: int | None = None,
+             kind: str = "worker") -> None:
+        start = w.billed_to
+        stop = max(start, stop)
+        if stop > start or attempt is not None:  # an epoch's row stays, however short
+            self.ctx.state.ledger.append(self._record(w, status, start, stop, epoch, attempt, kind))
+        w.billed_to = stop
+
+    def _record(self, w: WarmWorker, status: str, start: float, stop: float, epoch, attempt, kind) -> CostRecord:
+        ctx = self.ctx
+        return CostRecord(run_id=ctx.run_id, resource=f"worker {w.name}", kind=kind, offer=ctx.resolved.offer.name,
+                          start=start, stop=stop, unit_price_per_s=w.price_per_s, status=status,
+                          epoch=epoch, rank=w.rank, attempt=attempt,
+                          worker=w.process.ref if is_cloud(ctx.resolved.target) else w.name)
+
+    def _bill_reply(self, w: WarmWorker, reply: dict, now: float, status: str = "busy",
+                    epoch: int | None = None, attempt: int | None = None) -> None:
+        """startup (first reply), idle, then the command's own row (`status`: an epoch is
+        `busy`, a profile `profile`), from the worker's own times (clamped)."""
+        if w.ready_at is None:
+            self._mark_ready(w, float(reply.get("ready_at") or w.billed_to), now, epoch)
+        began = min(float(reply.get("began_at") or now), now)
+        ended = min(float(reply.get("ended_at") or now), now)
+        self._row(w, "idle", began, epoch)
+        self._row(w, status, ended, epoch, attempt)
+
+    def _mark_ready(self, w: WarmWorker, ready_at: float, now: float, epoch: int | None) -> None:
+        """The worker started at `ready_at` (its own clock, clamped to `now`): its start-up row."""
+        w.ready_at = min(ready_at, now)
+        self._row(w, "startup", w.ready_at, epoch)
+        self.ctx.state.startup_samples.append(w.ready_at - w.launched_at)
+
+    def _bill_end(self, w: WarmWorker) -> None:
+        """Close the worker's bill at its stop (what was open is start-up, idle, or the epoch
+        it failed in) and give its paid-worker slot back."""
+        if w.slot is not None:
+            try:
+                w.slot.close()
+            except Exception as exc:  # the API may be gone when the run crashed with it
+                print(f"zooid: releasing {w.name}'s concurrency slot failed: {exc}")
+            w.slot = None
+        stop = w.process.stopped_at or time.time()
+        if w.command is not None:
+            o = w.command.outcome
+            failure = o.extra.get("failure")
+            status = o.status if not failure else f"{o.status}:{failure['kind']}"
+            kind = "worker" if o.status == "completed" else "failed_attempt"
+            self._row(w, status, stop, w.command.spec.epoch, w.command.spec.attempt, kind)
+        else:
+            self._row(w, "startup" if w.ready_at is None else "idle", stop, None)
+
+    def open_rows(self, now: float | None = None) -> list[CostRecord]:
+        """Rows for what the live workers have used since their last closed row (provisional:
+        the ledger written mid-run must leave nothing unbilled)."""
+        now = time.time() if now is None else now
+        return [self._record(w, "open", w.billed_to, now, None, None, "worker")
+                for w in self.workers.values() if now > w.billed_to]
+
+
+def _size(path: str) -> int:
+    try:
+        import os
+
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def warm_epoch_specs(specs: list[WorkerSpec], threads: int) -> list[WorkerSpec]:
+    """The epoch's specs as commands: each carries the worker's thread count."""
+    return [dataclasses.replace(s, compute=dataclasses.replace(s.compute, threads=threads)) for s in specs]
+
+
+def provisional_plan(ctx):
+    """The job's worker count and the target's worker size, before any plan: what the first
+    warm workers are started with (the plan then adds, retires or resizes them)."""
+    job, target = ctx.job, ctx.resolved.target
+    stages = job.stages or 1 if job.strategy in PIPELINED_STRATEGIES else 1
+    return Plan(strategy=job.strategy if job.strategy != Strategy.AUTO else Strategy.LOCAL_SGD, data_parallel=job.workers,
+                stages=stages, batch_size=job.batch_size, worker_vcpu=target.worker_vcpu,
+                worker_memory_gb=target.worker_memory_gb, worker_gpu=target.worker_gpu)

@@ -1,0 +1,66 @@
+"""The workers of one epoch: one `WorkerSpec` per replica (or per stage of each replica), the
+attempt numbers that tell their tries apart, and where a direct ring allreduce listens.
+
+`tasks.run_epoch` launches these specs and `coordinator.workers.warm_prestart` launches the next epoch's early;
+both import them from here, so neither depends on the other for them.
+"""
+from __future__ import annotations
+
+from clouds.registry import is_cloud
+from coordinator.run.context import RunContext
+from coordinator.run.outer_step import job_outer_settings
+from core.keys import checkpoint_key
+from core.kinds import PIPELINED_STRATEGIES
+from core.plan import Plan
+from core.specs import ComputeSpec, SyncSpec, WorkerSpec
+from engine.datasets import assign_subsets
+from engine.pipeline_executor import pipeline_worker_specs
+
+
+def ring_host(ctx: RunContext) -> str:
+    """Where rank 0 of a direct ring listens: workers on other hosts publish their resolved
+    address; local ones stay on 127.0.0.1."""
+    return "auto" if is_cloud(ctx.resolved.target) else "127.0.0.1"
+
+
+def next_attempt(ctx: RunContext, epoch: int, rank: int) -> int:
+    """A fresh attempt number for (epoch, rank), unique across relaunches and task retries."""
+    key = (epoch, rank)
+    ctx.state.attempts[key] = ctx.state.attempts.get(key, -1) + 1
+    return ctx.state.attempts[key]
+
+
+def worker_specs(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, attempt: int) -> list[WorkerSpec]:
+    """One spec per replica: its data subsets, step count and the keys to read and write."""
+    job = ctx.job
+    shards = assign_subsets(ctx.state.dataset["n_subsets"], plan.data_parallel, epoch, job.seed)
+    # survivors wait at a sync long enough for a failed peer to be detected and relaunched
+    timeout = job.worker_timeout_s + (300.0 if ctx.resolved.target.remote else 120.0)
+    compute = ComputeSpec(model_kwargs=dict(ctx.resolved.model_kwargs))  # the dataset's vocabulary, mask token
+    if plan.strategy in PIPELINED_STRATEGIES:
+        # a stage reads data and checkpoints from its one store: the durable one
+        base = WorkerSpec(run_id=ctx.run_id, epoch=epoch, rank=0, world=plan.workers,
+                          store_url=ctx.durable_ref, model=job.model, dataset=job.dataset,
+                          subsets=(), steps=plan.steps_per_epoch, batch_size=plan.batch_size, lr=lr,
+                          optimizer=job.optimizer, seed=job.seed, init_key=init,
+                          out_key=checkpoint_key(ctx.run_id, epoch), sync_timeout_s=timeout, attempt=attempt,
+                          loss=job.loss or "", compute=compute,
+                          sync=SyncSpec(collective="ring", ring_host=ring_host(ctx)) if job.collective == "ring"
+                          else SyncSpec(collective="pipelined", sync_dtype=job.sync_dtype))
+        # a planner cut i splits after layer i; the executor's cut is where a stage begins
+        return pipeline_worker_specs(base, cuts=[c + 1 for c in plan.cuts], microbatches=plan.microbatches,
+                                     replica_subsets=shards, schedule=plan.pipeline_schedule, chunks=plan.chunks)
+    settings = job_outer_settings(job, plan.steps_per_epoch)  # null fields follow the sync period
+    outer = {"outer_optimizer": job.outer_optimizer, "outer_lr": settings.lr,
+             "outer_momentum": settings.momentum, "sync_dtype": job.sync_dtype}
+    sync = (SyncSpec(collective="ring", ring_host=ring_host(ctx), ring_timeout_s=120.0, **outer)
+            if job.collective == "ring" else SyncSpec(**outer))
+    return [WorkerSpec(run_id=ctx.run_id, epoch=epoch, rank=rank, world=plan.data_parallel,
+                       store_url=ctx.store_ref, model=job.model, dataset=job.dataset,
+                       subsets=tuple(shards[rank]), steps=plan.steps_per_epoch,
+                       batch_size=plan.batch_size, lr=lr, optimizer=job.optimizer,
+                       sync_period=job.sync_period, seed=job.seed, init_key=init,
+                       out_key=checkpoint_key(ctx.run_id, epoch), sync_timeout_s=timeout, evaluate=True,
+                       attempt=attempt, checkpoint_store=ctx.durable_ref, sync=sync, loss=job.loss or "",
+                       compute=compute)
+            for rank in range(plan.data_parallel)]

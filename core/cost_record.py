@@ -1,0 +1,44 @@
+"""One billed interval of a run (`CostRecord`): made by the launchers, the warm pool and the
+cloud clocks, kept in the run's state, written to `runs/<run_id>/cost.json` by the bill
+(`coordinator.bill.cost`) and read back by resume and the report."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class CostRecord:
+    """One billed interval."""
+
+    run_id: str
+    resource: str
+    """e.g. `worker e1 r0 a0`, `coordinator`."""
+    kind: str
+    """`worker`, `coordinator`, `failed_attempt` or `failed_placement`."""
+    # A warm worker's rows split its life: status `startup`, `busy`, `idle` (and a failed
+    # attempt's `failed_attempt` row); together they cover its launch to its stop.
+    offer: str
+    start: float
+    stop: float
+    unit_price_per_s: float
+    status: str = "completed"
+    epoch: int | None = None
+    rank: int | None = None
+    attempt: int | None = None
+    worker: str = ""
+    """The worker process or flow run the interval belongs to (warm workers, cloud clocks)."""
+
+    @property
+    def seconds(self) -> float:
+        return max(0.0, self.stop - self.start)
+
+    @property
+    def usd(self) -> float:
+        return self.seconds * self.unit_price_per_s
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["seconds"] = round(self.seconds, 6)
+        d["usd"] = self.usd
+        return d
