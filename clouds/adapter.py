@@ -4,7 +4,7 @@ pool's job configuration.
 
 A worker is launched and polled through the target's Prefect work pool: the pool's own
 Prefect worker (prefect-aws, prefect-azure, prefect-kubernetes) starts the container and
-`coordinator.launchers.PoolLauncher` watches the flow run, the same for every provider. What
+`coordinator.workers.launchers.PoolLauncher` watches the flow run, the same for every provider. What
 differs per provider is what the cloud itself says and does, and that is an adapter:
 
 - `intervals(run_id)`: every worker of the run on the cloud's billing clock;

@@ -1,6 +1,6 @@
 """Which cloud adapter serves a compute target: the one place that maps a target's kind to its
 provider module. Local targets (inline processes, the process pool) have no cloud clock, no
-cloud resources to stop and nothing to sweep there; the process sweep (`coordinator.sweep`) covers
+cloud resources to stop and nothing to sweep there; the process sweep (`coordinator.workers.sweep`) covers
 them.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The co-optimiser as the flow's plan step uses it: a problem from measured layers and a
 target's worker sizes, the exact frontier, and the choice under a budget or a deadline.
 
-Pure and plain data in, plain data out; `coordinator.co_plan` feeds it the profile and turns the
+Pure and plain data in, plain data out; `coordinator.plan.co_plan` feeds it the profile and turns the
 choice into the flow's `core.plan.Plan`.
 
 - `SizeOption`: one worker size the target can launch, with what it changes: the compute

@@ -6,7 +6,7 @@ dispatcher depends on the solvers and the solvers never depend on the dispatcher
 
 Solutions are `CoOptSolution(cuts, d, options)`: sorted cut positions (a cut i splits layers
 i and i+1, the planners' convention and `core.plan.Plan.cuts`), the data-parallel degree and
-one memory-option index per stage. The flow's plan is `core.plan.Plan`; `coordinator.co_plan` turns
+one memory-option index per stage. The flow's plan is `core.plan.Plan`; `coordinator.plan.co_plan` turns
 a solution into one (`Plan.stage_memory_gb` carries the per-stage sizes). Stage bounds and
 stage memory are `core.stage_memory`'s, the same arithmetic the flow's memory check uses.
 """
@@ -83,7 +83,7 @@ class CoOptProblem:
 @dataclass(frozen=True)
 class CoOptSolution:
     """One decision of the co-optimisation, not a runnable plan: cuts (after layer i), the
-    data-parallel degree d and one memory-option index per stage. `coordinator.co_plan` turns it
+    data-parallel degree d and one memory-option index per stage. `coordinator.plan.co_plan` turns it
     into the flow's `core.plan.Plan`."""
 
     cuts: tuple[int, ...]

@@ -6,7 +6,7 @@ once when they stay warm), the per-epoch overhead around the compute (sending th
 loading data, validating, writing the checkpoint, collecting replies), the coordinator's
 time between epochs, before the first and after the last, and the coordinator itself,
 billed like one worker. `RunTerms` holds those figures, measured on the target and offer
-(cached from earlier runs, `coordinator.run_terms`) or assumed until measured; `predict_run`
+(cached from earlier runs, `coordinator.plan.run_terms`) or assumed until measured; `predict_run`
 turns a plan and the terms into the epoch's wall time and the whole run's time and bill.
 """
 from __future__ import annotations

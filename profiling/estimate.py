@@ -1,5 +1,5 @@
 """A model profile estimated without running the model: what a dry run told to rent nothing plans
-from when no profile of the model is cached (`coordinator.target_profile.catalog_profile`).
+from when no profile of the model is cached (`coordinator.plan.target_profile.catalog_profile`).
 
 The model is built on the `meta` device (no weights, no arithmetic) and each top-level layer is
 traced forward and backward on one micro-batch under `torch.utils.flop_counter.FlopCounterMode`.

@@ -2,7 +2,7 @@
 
 The coordinator never times a model whose workers run elsewhere. It sends a
 `ProfileRequest` to a worker on the target (a warm worker, or a one-off worker on the same
-pool and offer, `coordinator.target_profile`), which measures, on its own device and at its
+pool and offer, `coordinator.plan.target_profile`), which measures, on its own device and at its
 own thread count (a warm run with two workers or more has one measure the model while
 another probes the store):
 

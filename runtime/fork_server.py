@@ -3,7 +3,7 @@ imported the worker's modules.
 
 A worker started as `python -m runtime.worker_main` spends about 1.5 s of CPU importing torch
 before it does anything; a run starts one per rank, a relaunch or a cold epoch another. The
-coordinator of an `inline` run starts this process once (`coordinator.worker_forks`): it
+coordinator of an `inline` run starts this process once (`coordinator.workers.worker_forks`): it
 imports `runtime.worker_main` (torch, the stores, the engine) and then forks each worker from
 itself, so a worker is ready in milliseconds.
 
@@ -16,7 +16,7 @@ C as `subprocess.Popen.returncode` reads it (negative: killed by that signal), a
 
 Each worker is a session of its own, like a `subprocess.Popen(start_new_session=True)`: stopped
 by its pid's process group, never by this process's. This process runs in the run's
-environment, so its workers carry the run's tag in `/proc/<pid>/environ` (`coordinator.sweep`);
+environment, so its workers carry the run's tag in `/proc/<pid>/environ` (`coordinator.workers.sweep`);
 it names itself `FORK_SERVER_NAME` (`/proc/<pid>/comm`) so a count of the run's workers can
 leave it out, and its workers take back the interpreter's name. It exits when its stdin closes
 (the coordinator ended or died: its workers go on until stopped or their lease ends) and when

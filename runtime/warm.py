@@ -4,7 +4,7 @@ A cold worker lives for one epoch: it imports torch, builds the model, reads its
 trains a fraction of a second and exits. A warm worker is started once per rank and then
 waits for the coordinator's commands, so it imports once, builds the model once
 (`models.keep_models`), reads each data subset once (`datasets.keep_subsets`) and keeps its
-CUDA context. The coordinator side is `coordinator.warm_pool`.
+CUDA context. The coordinator side is `coordinator.workers.warm_pool`.
 
 Keys (`core.keys`), all under `runs/<run_id>/warm/` of the run's durable store (a scratch store that
 restarts, such as Redis without persistence, would lose a command or a reply in flight;
@@ -149,7 +149,7 @@ def serve(spec: WorkerSpec, store: Store, execute: Callable[[WorkerSpec], Worker
     `comm.store.open_store`). Raises `LeaseExpired` when the lease runs out, and whatever
     `execute` raised after posting it as the reply."""
     # torch and the engine, imported when a worker starts serving: the coordinator imports
-    # this module (coordinator.warm_pool: read_json, worker_name) and runs without torch.
+    # this module (coordinator.workers.warm_pool: read_json, worker_name) and runs without torch.
     from engine.datasets import keep_subsets  # torch: see above
     from engine.models import keep_models  # torch: see above
     from profiling.memory import rss_bytes  # torch: see above

@@ -9,7 +9,7 @@ MemoryError), 5 for a warm worker whose lease expired, 1 for anything else.
 
 A spec with `warm` set starts a warm worker (`runtime.warm`): it serves the run's
 epochs from the store until the coordinator stops it or its lease expires, and prints its
-log lines; it exits 0 when stopped. `coordinator.failures.classify_failure` reads these back.
+log lines; it exits 0 when stopped. `coordinator.workers.failures.classify_failure` reads these back.
 """
 from __future__ import annotations
 
