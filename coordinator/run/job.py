@@ -3,6 +3,23 @@
 Both are pydantic models at the Prefect boundary: `TrainJob` becomes the form in the Prefect
 UI and is validated (types, ranges, NaN) before anything is provisioned; the deeper checks
 that need the model registry, the dataset or the store live in `coordinator.run.validate`.
+
+`TrainJob` is flat (one form entry and one `--param` per field) and made of sections, one
+concern each: small models (`JobSection`) whose fields carry the title and description the
+form shows. The form and `flows.train.train_with_params` list the fields in this order:
+
+| section | fields | what it says |
+|---|---|---|
+| `ModelAndData` | model, dataset, loss, tokenizer, objective, seq_len, seed | what to train, on what, from which seed |
+| `Optimization` | epochs, batch_size, lr, optimizer | each replica's training loop |
+| `Parallelism` | strategy, workers, stages, microbatches, pipeline_schedule | replicas, pipeline stages, their schedule |
+| `Sync` | sync_period, collective, outer_optimizer, outer_lr, outer_momentum, sync_dtype | how Local-SGD replicas meet |
+| `Scaling` | scaling, scale_every_epochs, min_workers, max_workers | the worker count between epochs |
+| `TargetAndStore` | store, durable_store, target, worker_vcpu, worker_memory_gb, offer | where workers run and tensors live |
+| `BudgetAndStopping` | budget_usd, deadline_s, target_accuracy, target_loss | when a run ends before its last epoch |
+| `WorkersLife` | prestart, resume, warm, worker_lease_s, keep_checkpoints, worker_timeout_s | workers' start, lease, stall; checkpoints |
+
+A check that reads one field lives on its section; those that read several, on `TrainJob`.
 """
 from __future__ import annotations
 
@@ -18,13 +35,18 @@ from core.kinds import AUTO, BUILTIN_TARGETS, PIPELINED_STRATEGIES, PipelineSche
 StrategyName = choices(*Strategy)
 ScheduleName = choices(AUTO, *PipelineSchedule)
 Optimizer = Literal["sgd", "momentum", "adam"]
-Scaling = Literal["static", "adabatch", "reactive", "deadline"]
+ScalingPolicy = Literal["static", "adabatch", "reactive", "deadline"]
 
 
-class TrainJob(BaseModel):
-    """One training job: what to train, how to split it, where to run it, and its limits."""
+class JobSection(BaseModel):
+    """One concern of a `TrainJob`; its fields are the job's own (flat), each with the title and
+    description that the UI form shows."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelAndData(JobSection):
+    """What to train, on what data, and the seed that fixes both."""
 
     model: str = Field("digits_mlp", title="Model",
                        description="Registry name (digits_mlp, digits_cnn, resnet18, vgg11) or `package.module:factory` returning an nn.Module.")
@@ -43,10 +65,30 @@ class TrainJob(BaseModel):
         "causal", title="Language-model objective",
         description="For `text:` datasets: `causal` (next-token targets) or `mlm` (BERT's 15 % masking, fresh each epoch).")
     seq_len: int = Field(128, gt=1, title="Sequence length", description="Tokens per sample for `text:` datasets.")
+    seed: int = Field(0, ge=0, title="Seed",
+                      description="Seed of the model's initial weights, the dealing of data subsets to workers and the batch order.")
+
+    @field_validator("model", "dataset")
+    @classmethod
+    def _not_blank(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must not be empty")
+        return v.strip()
+
+
+class Optimization(JobSection):
+    """The training loop each replica runs: how long, in what steps, with which optimizer."""
+
     epochs: int = Field(5, gt=0, title="Epochs", description="Epochs to train (fewer when a target is reached).")
     batch_size: int = Field(16, gt=0, title="Batch size", description="Samples per optimizer step on each replica.")
-    lr: float = Field(0.05, gt=0, allow_inf_nan=False, title="Learning rate")
+    lr: float = Field(0.05, gt=0, allow_inf_nan=False, title="Learning rate",
+                      description="The optimizer's step size (`adabatch` scales it by 0.75 per doubling of the workers).")
     optimizer: Optimizer = Field("momentum", title="Optimizer", description="`sgd`, `momentum` (0.9) or `adam`.")
+
+
+class Parallelism(JobSection):
+    """How the work is split: data-parallel replicas, pipeline stages, and their schedule."""
+
     strategy: StrategyName = Field("auto", title="Strategy",
                                    description="`auto` plans from the profile; `local_sgd`, `pipeline` or `hybrid` force one.")
     workers: int = Field(4, gt=0, title="Workers", description="Data-parallel replicas in the first epoch.")
@@ -58,6 +100,12 @@ class TrainJob(BaseModel):
                     "(one forward, one backward: stage s holds at most stages - s), `interleaved` (1F1B over "
                     "2 model chunks per worker: a smaller bubble, more transfers; micro-batches a multiple of "
                     "the stages), or `auto`: the fastest predicted of those whose stages fit the worker's memory.")
+
+
+class Sync(JobSection):
+    """How Local-SGD replicas meet: how often, over which collective, with which outer step, in
+    which dtype."""
+
     sync_period: Optional[int] = Field(None, gt=0, title="Local-SGD period k",
                                        description="Steps between model averages; null averages once per epoch.")
     collective: Literal["store", "ring"] = Field(
@@ -84,11 +132,23 @@ class TrainJob(BaseModel):
         "float32", title="Sync dtype",
         description="What syncs move through the store: `float32`, `bfloat16`, or `int8` (per-block scaled); "
                     "compressed syncs carry the rounding error to the next sync (error feedback).")
-    scaling: Scaling = Field("static", title="Scaling policy", description="How the worker count changes between epochs.")
-    scale_every_epochs: int = Field(1, gt=0, title="Epochs between doublings (adabatch)")
-    min_workers: int = Field(1, gt=0, title="Minimum workers")
-    max_workers: int = Field(8, gt=0, title="Maximum workers")
-    seed: int = Field(0, ge=0, title="Seed")
+
+
+class Scaling(JobSection):
+    """How the worker count changes between epochs, and its bounds."""
+
+    scaling: ScalingPolicy = Field("static", title="Scaling policy", description="How the worker count changes between epochs.")
+    scale_every_epochs: int = Field(1, gt=0, title="Epochs between doublings (adabatch)",
+                                    description="For `adabatch`: epochs between doublings of the workers (up to max_workers).")
+    min_workers: int = Field(1, gt=0, title="Minimum workers",
+                             description="The fewest data-parallel replicas a scaling policy shrinks to.")
+    max_workers: int = Field(8, gt=0, title="Maximum workers",
+                             description="The most data-parallel replicas a scaling policy grows to.")
+
+
+class TargetAndStore(JobSection):
+    """Where the workers run, their size and price, and where tensors and checkpoints live."""
+
     store: str = Field("", title="Store",
                        description="Store block name or URL (file://..., redis://..., s3://bucket/prefix); empty: the local directory store.")
     durable_store: str = Field("", title="Durable store",
@@ -102,11 +162,34 @@ class TrainJob(BaseModel):
                                               description="Overrides the compute target's worker size; a plan whose stage does not fit is refused.")
     offer: Optional[str] = Field(None, title="Billing offer",
                                  description="Price-catalog offer the workers are billed as; null: the target's default (local targets: an ACI CPU container).")
-    budget_usd: Optional[float] = Field(None, gt=0, allow_inf_nan=False, title="Budget (USD)")
-    deadline_s: Optional[float] = Field(None, gt=0, allow_inf_nan=False, title="Deadline (s)")
+
+    @field_validator("target")
+    @classmethod
+    def _target_name(cls, v: str) -> str:
+        v = v.strip()
+        if not v:
+            raise ValueError(f"must be one of {', '.join(BUILTIN_TARGETS)} or a ComputeTarget block name")
+        return v
+
+
+class BudgetAndStopping(JobSection):
+    """When a run ends before its last epoch: a limit it would pass, or a target it reached."""
+
+    budget_usd: Optional[float] = Field(None, gt=0, allow_inf_nan=False, title="Budget (USD)",
+                                        description="Stop (status budget_exhausted) before the next epoch would spend past it.")
+    deadline_s: Optional[float] = Field(None, gt=0, allow_inf_nan=False, title="Deadline (s)",
+                                        description="Seconds from the run's start; stop (status deadline_reached) before the "
+                                                    "next epoch would end past it. Required by scaling=deadline.")
     target_accuracy: Optional[float] = Field(None, gt=0, le=1, allow_inf_nan=False, title="Target validation accuracy",
                                              description="Stop early (status target_reached) once reached.")
-    target_loss: Optional[float] = Field(None, gt=0, allow_inf_nan=False, title="Target validation loss")
+    target_loss: Optional[float] = Field(None, gt=0, allow_inf_nan=False, title="Target validation loss",
+                                         description="Stop early (status target_reached) once the validation loss is at most this.")
+
+
+class WorkersLife(JobSection):
+    """The workers' life: started early, kept warm under a lease, replaced when stalled; and what
+    outlives them (the checkpoints kept, a run resumed from them)."""
+
     prestart: bool = Field(True, title="Pre-start workers",
                            description="Launch the next epoch's workers before this one ends, to hide their start-up.")
     resume: Optional[str] = Field(None, title="Resume run",
@@ -123,23 +206,22 @@ class TrainJob(BaseModel):
     worker_timeout_s: float = Field(900.0, gt=0, allow_inf_nan=False, title="Worker timeout (s)",
                                     description="A worker that shows no progress for this long is stopped and replaced.")
 
-    @field_validator("model", "dataset")
-    @classmethod
-    def _not_blank(cls, v: str) -> str:
-        if not v.strip():
-            raise ValueError("must not be empty")
-        return v.strip()
 
-    @field_validator("target")
-    @classmethod
-    def _target_name(cls, v: str) -> str:
-        v = v.strip()
-        if not v:
-            raise ValueError(f"must be one of {', '.join(BUILTIN_TARGETS)} or a ComputeTarget block name")
-        return v
+SECTIONS: tuple[type[JobSection], ...] = (ModelAndData, Optimization, Parallelism, Sync, Scaling, TargetAndStore,
+                                          BudgetAndStopping, WorkersLife)
+"""The job's sections in the order the form and `train_with_params` list their fields."""
+
+
+# pydantic orders a model's fields from its last base to its first: the bases are named last section first
+class TrainJob(WorkersLife, BudgetAndStopping, TargetAndStore, Scaling, Sync, Parallelism, Optimization,
+               ModelAndData):
+    """One training job: what to train, how to split it, where to run it, and its limits."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     @model_validator(mode="after")
     def _worker_bounds(self) -> "TrainJob":
+        # (the checks that read several fields, in this order: a job with several problems gets the first's line)
         if self.scaling == "deadline" and self.deadline_s is None:
             raise ValueError("deadline_s: required by scaling=deadline")
         if self.outer_optimizer == "nesterov" and self.strategy in PIPELINED_STRATEGIES:
