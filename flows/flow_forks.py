@@ -27,7 +27,9 @@ and a signal it gets (SIGTERM, SIGINT: a cancel) is passed on to the child.
 Protocol on the socket: the client sends one JSON line `{"argv", "env", "cwd"}` with its
 descriptors 0, 1 and 2 attached (SCM_RIGHTS); the server answers `{"pid": N}` (or
 `{"stale": true}`, or `{"error": "..."}`), then `{"exit": C}` when the child ends (C as
-`subprocess.Popen.returncode` reads it: negative, killed by that signal).
+`subprocess.Popen.returncode` reads it: negative, killed by that signal). The server's loop
+(wait, tell of exits, fork, answer) is `runtime.fork_loop`'s, shared with the worker side's
+fork server; `_FlowRuns` says what differs here.
 """
 from __future__ import annotations
 
@@ -36,18 +38,13 @@ import os
 import signal
 import socket
 import sys
-import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from core.process_start import FLOW_FORKS_VAR, mark_forked
 
-if TYPE_CHECKING:
-    from runtime.fork_server import ChildExits
-
 # The client is a fresh interpreter at every flow run's start: it imports the standard library's
 # few modules above and `core.process_start`, nothing of the project's server side (the server
-# and its child import `runtime.fork_server` and `threading` where they need them).
+# and its child import `runtime.fork_loop` and `threading` where they need them).
 
 DEFAULT_MODULE = "prefect.engine"
 """The module a client runs when its arguments name none: Prefect's flow-run entry point."""
@@ -145,18 +142,101 @@ def source_mtimes(root: Path = ROOT) -> dict[str, float]:
     return out
 
 
-def _child(conn: socket.socket, request: dict, fds: list[int], listener: socket.socket, exits: ChildExits) -> int:
-    """In the forked child: become the client's process and run its module; return the status."""
+class _FlowRuns:
+    """The stack's `ForkServer` (`runtime.fork_loop`): a request is one connection on the
+    listening socket, with its JSON line and the client's descriptors 0, 1 and 2; its answers
+    go back on that connection, which the child keeps to watch its client."""
+
+    def __init__(self, path: str, listener: socket.socket, started_with: dict[str, float]):
+        self.path, self.listener, self.started_with = path, listener, started_with
+        self.stale = False
+
+    def receive(self) -> list[tuple[socket.socket, dict, list[int]]]:
+        """The connection waiting, with its request; none when the request is bad, or when the
+        sources changed (answered `stale`: the client runs its module itself)."""
+        conn, _ = self.listener.accept()
+        try:
+            request, fds = _read_request(conn)
+        except (OSError, ValueError) as exc:
+            print(f"zooid flow forks: a bad request ({type(exc).__name__}: {exc})", flush=True)
+            conn.close()
+            return []
+        if self.stale or source_mtimes() != self.started_with:
+            self.stale = True
+            _answer(conn, {"stale": True})
+            _close(conn, fds)
+            return []
+        return [(conn, request, fds)]
+
+    def detach(self, request, others) -> None:
+        self.listener.close()
+        for other in others:
+            other.close()
+
+    def run_child(self, request, forked_at: float) -> int:
+        conn, message, fds = request
+        return _child(conn, message, fds, forked_at)
+
+    def started(self, request, pid: int) -> socket.socket:
+        conn, _, fds = request
+        for fd in fds:
+            os.close(fd)
+        _answer(conn, {"pid": pid})
+        return conn
+
+    def failed(self, request, exc: OSError) -> None:
+        conn, _, fds = request
+        _answer(conn, {"error": f"{type(exc).__name__}: {exc}"})
+        _close(conn, fds)
+
+    def exited(self, pid: int, conn: socket.socket | None, code: int, last: bool) -> bool:
+        """Tell the client its child's exit status."""
+        if conn is not None:
+            _answer(conn, {"exit": code})
+            conn.close()
+        return False
+
+    def finished(self, running: int) -> None:
+        """Once stale with no child left: replace this process with a fresh server."""
+        if self.stale and not running:
+            self.listener.close()
+            os.unlink(self.path)
+            print("zooid flow forks: the project's sources changed; starting afresh", flush=True)
+            os.execv(sys.executable, [sys.executable, "-m", "flows.flow_forks", "serve", self.path])
+
+
+def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:
+    """A client's request line and its three descriptors (OSError or ValueError when bad)."""
+    conn.settimeout(5.0)
+    msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+    while not msg.endswith(b"\n"):
+        more = conn.recv(1 << 20)
+        if not more:
+            raise OSError("the client left mid-request")
+        msg += more
+    request = json.loads(msg)
+    if len(fds) != 3:
+        raise OSError(f"expected 3 descriptors, got {len(fds)}")
+    conn.settimeout(None)
+    return request, fds
+
+
+def _close(conn: socket.socket, fds: list[int]) -> None:
+    """Let go of a request that gets no child."""
+    for fd in fds:
+        os.close(fd)
+    conn.close()
+
+
+def _child(conn: socket.socket, request: dict, fds: list[int], forked_at: float) -> int:
+    """In the forked child (a session of its own, the server's socket let go): become the
+    client's process and run its module; return the status."""
     import runpy
     import threading
     import warnings
 
-    from runtime.fork_server import run_as_process  # server side: kept off the client's imports
+    from runtime.fork_loop import run_as_process  # server side: kept off the client's imports
 
-    forked_at = time.time()
-    os.setsid()
-    listener.close()
-    exits.forget()
     for signum in _SIGNALS:
         signal.signal(signum, signal.SIG_DFL)
     for target, fd in zip((0, 1, 2), fds):
@@ -198,11 +278,9 @@ def _fresh_settings() -> None:
     refresh_global_settings_context()
 
 
-def serve(path: str) -> int:
-    """Listen on `path` and fork a child for every request (see the module docstring)."""
-    import threading
-
-    import prefect.engine  # noqa: F401 - a child runs it: imported once here, shared by every fork
+def _preload() -> None:
+    """Import once, in the server, what every child would import: shared by every fork."""
+    import prefect.engine  # noqa: F401 - a child runs it
     import prefect.flow_engine  # noqa: F401
     # what every flow run's engine imported on first use (with Python's import timing on the
     # stack: 40-60 ms of each child's start, a train run's and each of its workers')
@@ -217,13 +295,12 @@ def serve(path: str) -> int:
     import sklearn.datasets  # noqa: F401
     import torch.fx.experimental.symbolic_shapes  # noqa: F401
 
-    # the flows and the worker's engine a child runs, imported once here and shared by every fork
+    # the flows and the worker's engine a child runs
     # (at the top they would weigh on the client, which imports this module too)
     import flows.train  # noqa: F401
     import flows.worker  # noqa: F401
     import runtime.worker_main  # noqa: F401
     from engine.optimizers import load_lazy_modules
-    from runtime.fork_server import ChildExits  # server side: kept off the client's imports
 
     load_lazy_modules()
     # the run's report draws its curves at the end of every train run: 0.2-0.3 s of imports
@@ -231,94 +308,39 @@ def serve(path: str) -> int:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot  # noqa: F401
-    if threading.active_count() > 1:  # a thread would not survive a fork: its locks might not either
-        print(f"zooid flow forks: the imports started threads ({', '.join(t.name for t in threading.enumerate())}); "
-              "not serving", file=sys.stderr, flush=True)
-        return 1
-    started_with = source_mtimes()
+
+
+def _listen(path: str) -> socket.socket:
+    """A socket listening on `path` (whatever was there replaced), this user's alone."""
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old_mask = os.umask(0o177)  # the socket is this user's alone
+    old_mask = os.umask(0o177)
     try:
         listener.bind(path)
     finally:
         os.umask(old_mask)
     listener.listen(64)
-    exits = ChildExits()
-    children: dict[int, socket.socket] = {}
-    stale = False
-    print(f"zooid flow forks: listening on {path} (pid {os.getpid()})", flush=True)
-    while True:
-        while children:  # tell each client its child's exit status
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if pid == 0:
-                break
-            conn = children.pop(pid, None)
-            if conn is not None:
-                try:
-                    conn.sendall((json.dumps({"exit": os.waitstatus_to_exitcode(status)}) + "\n").encode())
-                except OSError:
-                    pass
-                conn.close()
-        if stale and not children:
-            listener.close()
-            os.unlink(path)
-            print("zooid flow forks: the project's sources changed; starting afresh", flush=True)
-            os.execv(sys.executable, [sys.executable, "-m", "flows.flow_forks", "serve", path])
-        if not exits.wait(listener):
-            continue
-        conn, _ = listener.accept()
-        try:
-            conn.settimeout(5.0)
-            msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
-            while not msg.endswith(b"\n"):
-                more = conn.recv(1 << 20)
-                if not more:
-                    raise OSError("the client left mid-request")
-                msg += more
-            request = json.loads(msg)
-            if len(fds) != 3:
-                raise OSError(f"expected 3 descriptors, got {len(fds)}")
-            conn.settimeout(None)
-        except (OSError, ValueError) as exc:
-            print(f"zooid flow forks: a bad request ({type(exc).__name__}: {exc})", flush=True)
-            conn.close()
-            continue
-        if stale or source_mtimes() != started_with:
-            stale = True
-            _answer(conn, {"stale": True})
-            for fd in fds:
-                os.close(fd)
-            conn.close()
-            continue
-        try:
-            pid = os.fork()
-        except OSError as exc:
-            _answer(conn, {"error": f"{type(exc).__name__}: {exc}"})
-            conn.close()
-            continue
-        if pid == 0:
-            code = 1
-            try:
-                for other in children.values():
-                    other.close()
-                code = _child(conn, request, fds, listener, exits)
-            except BaseException:
-                import traceback
+    return listener
 
-                traceback.print_exc()
-            finally:
-                os._exit(code & 0xFF if code >= 0 else 1)
-        for fd in fds:
-            os.close(fd)
-        children[pid] = conn
-        _answer(conn, {"pid": pid})
+
+def serve(path: str) -> int:
+    """Listen on `path` and fork a child for every request (see the module docstring)."""
+    import threading
+
+    from runtime.fork_loop import serve_forks  # server side: kept off the client's imports
+
+    _preload()
+    if threading.active_count() > 1:  # a thread would not survive a fork: its locks might not either
+        print(f"zooid flow forks: the imports started threads ({', '.join(t.name for t in threading.enumerate())}); "
+              "not serving", file=sys.stderr, flush=True)
+        return 1
+    started_with = source_mtimes()
+    listener = _listen(path)
+    print(f"zooid flow forks: listening on {path} (pid {os.getpid()})", flush=True)
+    return serve_forks(listener, _FlowRuns(path, listener, started_with))
 
 
 def _answer(conn: socket.socket, message: dict) -> None:

@@ -14,6 +14,7 @@ worker's whole environment, the file its stdout and stderr go to). On stdout, ea
 C as `subprocess.Popen.returncode` reads it (negative: killed by that signal), and
 `"idle": true` once it was the last worker.
 
+The loop is `runtime.fork_loop`'s, shared with the local stack's flow-run fork server.
 Each worker is a session of its own, like a `subprocess.Popen(start_new_session=True)`: stopped
 by its pid's process group, never by this process's. This process runs in the run's
 environment, so its workers carry the run's tag in `/proc/<pid>/environ` (`coordinator.workers.sweep`);
@@ -28,13 +29,10 @@ import ctypes
 import json
 import os
 import select
-import signal
 import sys
-import time
-from typing import Callable
 
-from core.fast_exit import run_exit_handlers
 from core.process_start import mark_forked
+from runtime.fork_loop import run_as_process, serve_forks
 
 FORK_SERVER_NAME = "zooid-forks"
 """This process's name in `/proc/<pid>/comm` (at most 15 bytes)."""
@@ -50,56 +48,12 @@ def _set_name(name: str) -> None:
         pass
 
 
-def _exit_code(status: int) -> int:
-    """A wait status as `Popen.returncode` reads it: the exit code, or minus the signal."""
-    return os.waitstatus_to_exitcode(status)
-
-
-class ChildExits:
-    """A fork server's wake-up on its children's exits: SIGCHLD writes to a pipe (the
-    interpreter's wakeup fd), so one `select` waits for a request and for exits alike."""
-
-    def __init__(self):
-        self.r, self.w = os.pipe()
-        os.set_blocking(self.w, False)
-        signal.set_wakeup_fd(self.w)
-        signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so the wakeup fd hears of exits
-
-    def wait(self, fd) -> bool:
-        """Block until `fd` is readable or a child exited (or both); whether `fd` is readable."""
-        while True:
-            try:
-                ready, _, _ = select.select([fd, self.r], [], [])
-                break
-            except InterruptedError:
-                continue
-        if self.r in ready:
-            try:
-                os.read(self.r, 512)
-            except BlockingIOError:
-                pass
-        return fd in ready
-
-    def forget(self) -> None:
-        """In a forked child: no wake-up, SIGCHLD as by default, the pipe closed."""
-        signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        os.close(self.r)
-        os.close(self.w)
-
-
-def _run_worker(argv: list[str], env: dict[str, str], log: str, own_name: str, started: int,
-                keep_fds: tuple[int, ...], exits: ChildExits) -> int:
-    """In the forked child: become a fresh worker process in a session of its own, under the
-    interpreter's name (then close `started`, which tells the server so), run it, return its
-    exit status."""
+def _run_worker(argv: list[str], env: dict[str, str], log: str, forked_at: float,
+                keep_fds: tuple[int, ...]) -> int:
+    """In the forked child (a session of its own, under the interpreter's name): become a
+    fresh worker process, run it, return its exit status."""
     import random
 
-    forked_at = time.time()
-    os.setsid()
-    _set_name(own_name)  # a worker again, not the server, by the time the server answers
-    os.close(started)
-    exits.forget()
     out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -123,95 +77,61 @@ def _run_worker(argv: list[str], env: dict[str, str], log: str, own_name: str, s
     return run_as_process(lambda: main(argv))
 
 
-def run_as_process(body: Callable[[], int | None]) -> int:
-    """Run `body` in a forked child as an interpreter runs a program; its exit status: what
-    it returns or a `SystemExit` says (a message printed, as the interpreter does), 1 after an
-    uncaught exception (its traceback on stderr); then the exit handlers run, and a Ctrl-C
-    ends the process by the signal itself."""
-    import traceback
+class _WorkerStarts:
+    """The worker side's `ForkServer`: requests are JSON lines on the descriptor `requests`,
+    answers JSON lines on `answers` (see the module docstring)."""
 
-    try:
-        code = body() or 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        if not isinstance(exc.code, (int, type(None))):
-            print(exc.code, file=sys.stderr)
-    except KeyboardInterrupt:
-        traceback.print_exc()
-        code = -signal.SIGINT
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    run_exit_handlers()
-    if code < 0:  # as an uncaught Ctrl-C ends an interpreter: by the signal itself
-        signal.signal(-code, signal.SIG_DFL)
-        os.kill(os.getpid(), -code)
-    return code
+    def __init__(self, requests: int, answers: int, own_name: str):
+        self.requests, self.answers, self.own_name = requests, answers, own_name
+        self.buffer = b""
+
+    def send(self, message: dict) -> None:
+        os.write(self.answers, (json.dumps(message) + "\n").encode())
+
+    def receive(self) -> list[dict] | None:
+        """The whole lines read so far (a line that is no JSON answered as an error); None at EOF."""
+        chunk = os.read(self.requests, 65536)
+        if not chunk:
+            return None
+        self.buffer += chunk
+        requests = []
+        while b"\n" in self.buffer:
+            line, self.buffer = self.buffer.split(b"\n", 1)
+            try:
+                requests.append(json.loads(line))
+            except ValueError as exc:
+                self.send({"error": f"{type(exc).__name__}: {exc}"})
+        return requests
+
+    def detach(self, request: dict, others) -> None:
+        _set_name(self.own_name)  # a worker again, not the server, by the time the server answers
+
+    def run_child(self, request: dict, forked_at: float) -> int:
+        return _run_worker(request["argv"], request["env"], request["log"], forked_at,
+                           (self.requests, self.answers))
+
+    def started(self, request: dict, pid: int) -> None:
+        self.send({"pid": pid})  # as `Popen(start_new_session=True)` returns: its session exists
+
+    def failed(self, request: dict, exc: OSError) -> None:
+        self.send({"error": f"{type(exc).__name__}: {exc}"})
+
+    def exited(self, pid: int, to: None, code: int, last: bool) -> bool:
+        """Tell of the exit; when it was the last worker with no request waiting, its message
+        says `idle` and the server ends at once."""
+        idle = last and not self.buffer and not select.select([self.requests], [], [], 0)[0]
+        self.send({"exit": pid, "code": code, **({"idle": True} if idle else {})})
+        return idle
+
+    def finished(self, running: int) -> None:
+        return None
 
 
-def serve(requests, answers, own_name: str) -> int:
+def serve(requests: int, answers: int, own_name: str) -> int:
     """Answer start requests from the file descriptor `requests` on `answers` until stdin
     closes, or the last worker exited with no request waiting. The workers take `own_name`,
     the interpreter's name before `main` named this process, back as theirs."""
-    exits = ChildExits()
-    children: set[int] = set()
-    buffer = b""
-
-    def send(message: dict) -> None:
-        os.write(answers, (json.dumps(message) + "\n").encode())
-
-    def reap() -> bool:
-        """Tell of every worker that exited; True when the last one did with no request
-        waiting: its exit message says `idle`, and the server ends at once."""
-        while children:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                children.clear()
-                return False
-            if pid == 0:
-                return False
-            children.discard(pid)
-            last = not children and not buffer and not select.select([requests], [], [], 0)[0]
-            send({"exit": pid, "code": _exit_code(status), **({"idle": True} if last else {})})
-            if last:
-                return True
-        return False
-
-    while True:
-        asked = exits.wait(requests)
-        if reap():
-            return 0
-        if asked:
-            chunk = os.read(requests, 65536)
-            if not chunk:
-                return 0
-            buffer += chunk
-            while b"\n" in buffer:
-                line, buffer = buffer.split(b"\n", 1)
-                try:
-                    request = json.loads(line)
-                    started_r, started_w = os.pipe()
-                    pid = os.fork()
-                except (ValueError, OSError) as exc:
-                    send({"error": f"{type(exc).__name__}: {exc}"})
-                    continue
-                if pid == 0:
-                    code = 1
-                    try:
-                        code = _run_worker(request["argv"], request["env"], request["log"], own_name, started_w,
-                                           (requests, answers, started_r), exits)
-                    except BaseException:  # before the worker ran: in its log, or this process's
-                        import traceback
-
-                        traceback.print_exc()
-                    finally:
-                        os._exit(code & 0xFF if code >= 0 else 1)
-                os.close(started_w)
-                os.read(started_r, 1)  # returns once the worker has its own session (or died)
-                os.close(started_r)
-                children.add(pid)
-                send({"pid": pid})  # as `Popen(start_new_session=True)` returns: its session exists
+    return serve_forks(requests, _WorkerStarts(requests, answers, own_name))
 
 
 def main() -> int:
