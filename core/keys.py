@@ -32,6 +32,7 @@ below one with `prefix + "/"`, so that `r1` never covers `r10`.
 | `runs/<run>/warm/lease`, `warm/<worker>/{cmd,reply}-<n>.json`, `status.json` | deletes | `runtime.warm` |
 | `cache/<kind>/<key>.json` | keeps | the profile cache (`coordinator.plan.profile_cache`) |
 | `cache/tokenizers/<corpus sha256>-<settings>.json` | keeps | a trained BPE tokenizer's JSON (`engine.text_data`) |
+| `[<prefix>/]{train,val}/<i>`, `[<prefix>/]manifest.json` | the user's | a dataset prepared into a bucket (`engine.shards`, `flows.prepare`): at a store's root, or a run's staged data above |
 
 Teardown deletes the `SCRATCH` kinds (`scratch_prefixes`) and keeps the rest. Keys below a
 prefix that one protocol owns alone (a collective's pieces under its group, a pipeline
@@ -216,17 +217,40 @@ def data_prefix(run_id: str) -> str:
 
 def data_split_prefix(run_id: str, split: str) -> str:
     """Key prefix of one split's subsets (`train` or `val`)."""
-    return f"{data_prefix(run_id)}/{split}"
+    return shard_split_prefix(data_prefix(run_id), split)
 
 
 def data_subset_key(run_id: str, split: str, index: int) -> str:
     """Subset `index` of `split`."""
-    return f"{data_split_prefix(run_id, split)}/{int(index)}"
+    return shard_key(data_prefix(run_id), split, index)
 
 
 def data_manifest_key(run_id: str) -> str:
     """The staged data's manifest (written last: its presence means every subset is readable)."""
-    return f"{data_prefix(run_id)}/manifest.json"
+    return shard_manifest_key(data_prefix(run_id))
+
+
+# A prepared dataset (`engine.shards`): shards and a manifest under one prefix of any store; a
+# run's staged data is the one prepared under `runs/<run>/data`, a bucket's is at its root ("").
+
+def _under(prefix: str, rest: str) -> str:
+    return f"{prefix}/{rest}" if prefix else rest
+
+
+def shard_split_prefix(prefix: str, split: str) -> str:
+    """Key prefix of one split's shards (`train` or `val`) of the dataset at `prefix`."""
+    return _under(prefix, split)
+
+
+def shard_key(prefix: str, split: str, index: int) -> str:
+    """Shard `index` of `split` of the dataset at `prefix`."""
+    return f"{shard_split_prefix(prefix, split)}/{int(index)}"
+
+
+def shard_manifest_key(prefix: str) -> str:
+    """The manifest of the dataset at `prefix` (written last: its presence means every shard is
+    readable)."""
+    return _under(prefix, "manifest.json")
 
 
 def probe_prefix(run_id: str) -> str:

@@ -14,13 +14,13 @@ Names:
   shipped one), tokenized and cut into blocks for a language model by the job's `tokenizer`,
   `objective` and `seq_len` (`engine.text_data`, `TextSettings`).
 
-Staging: `publish_dataset` writes the training set as subsets of `subset_size` rows under
-`runs/<run_id>/data/train/<i>` and the validation set under `runs/<run_id>/data/val/<i>`,
-plus `runs/<run_id>/data/manifest.json` (`core.keys.data_subset_key`, `data_manifest_key`).
-A worker reads only the subsets it is assigned (`assign_subsets`), so it needs no local copy
-of the data. A text dataset's subsets hold int32 ids (widened to int64 when read) and say so in
-their metadata (its `TextInfo` and the global index of their first row); an `mlm` subset is
-masked when it is read, for the epoch the reader names (`engine.text_data.mlm_mask`).
+Staging: a dataset is prepared as shards and a manifest under a prefix of a store
+(`prepare_dataset`, `engine.shards`): a run's under `runs/<run_id>/data` (`publish_dataset`),
+a user's into a bucket by `flows.prepare`. A worker reads only the shards it is assigned
+(`assign_subsets`, `read_shards`), so it needs no local copy of the data, and keeps what it read
+within a bound (`keep_subsets`). A text dataset's shards hold int32 ids (widened to int64 when
+read) and say so in their metadata (its `TextInfo` and the global index of their first row); an
+`mlm` shard is masked when it is read, for the epoch the reader names (`engine.text_data.mlm_mask`).
 """
 from __future__ import annotations
 
@@ -35,9 +35,11 @@ import torch
 from comm.store import Store
 from comm.tensor_codec import decode_tensors, encode_tensors
 from core.errors import ZooidValueError
-from core.keys import data_manifest_key, data_subset_key
+from core.keys import data_prefix, shard_key, shard_manifest_key
 from engine.text_data import Opener, TextInfo, TextSettings, is_text, load_text, mlm_mask, validate_text
 from engine.objective import target_classes
+from engine.shards import (SPLITS, DatasetManifest, ShardCache, fetch_shard, read_dataset_manifest, write_manifest,
+                           write_shard)
 from engine.user_code import import_callable
 
 DIGITS_VAL_FRACTION = 0.2
@@ -205,111 +207,118 @@ def dataset_input_shape(name: str, text: TextSettings | None = None) -> tuple[in
 # --- staging in the store --------------------------------------------------------------
 
 
-@dataclass(frozen=True, kw_only=True)
-class DatasetManifest:
-    """What `publish_dataset` wrote: sizes and subset counts, JSON-able."""
+class Prepared(NamedTuple):
+    """What `prepare_dataset` did: the manifest, and the shards it wrote and kept (a resumed
+    prepare keeps the whole ones already there); `already`: an equal preparation was there."""
 
-    name: str
-    subset_size: int
-    n_train: int
-    n_val: int
-    n_subsets: int
-    n_val_subsets: int
-    input_shape: tuple[int, ...]
-    classes: int
-    """What the integer targets use (`engine.objective.target_classes`): classes, or the
-    vocabulary of token targets; 0 for float targets."""
-
-    text: TextInfo | None = None
-    """A text dataset's `TextInfo`; None for any other dataset."""
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-able form."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "DatasetManifest":
-        """Inverse of `to_dict`."""
-        text = TextInfo.from_dict(d["text"]) if d.get("text") else None
-        return cls(**{**d, "input_shape": tuple(d["input_shape"]), "text": text})
+    manifest: DatasetManifest
+    written: int
+    kept: int
+    already: bool
 
 
-def _write_subsets(store: Store, run_id: str, split: str, x: torch.Tensor, y: torch.Tensor, size: int,
-                   text: TextInfo | None = None) -> int:
-    n = 0
-    for n, start in enumerate(range(0, len(y), size), start=1):
+def prepare_settings(name: str, subset_size: int, text: TextSettings | None) -> dict[str, Any]:
+    """What makes two preparations of a source equal: the source, the shard rows and, for text,
+    the tokenizer, objective and sequence length."""
+    return {"source": name, "subset_size": subset_size,
+            "text": dataclasses.asdict(text or TextSettings()) if is_text(name) else None}
+
+
+def _shards_of(x: torch.Tensor, y: torch.Tensor, size: int, text: TextInfo | None):
+    """(bytes, rows) of each shard of `size` rows, in order."""
+    for start in range(0, len(y), size):
         part = {"x": x[start : start + size].contiguous(), "y": y[start : start + size].contiguous()}
         meta = None
         if text is not None:  # ids below the vocabulary: int32 halves the bytes stored and read
             part = {k: v.to(torch.int32) for k, v in part.items()}
             meta = {"text": json.dumps(text.to_dict()), "first": str(start)}
-        store.put(data_subset_key(run_id, split, n - 1), encode_tensors(part, meta))
-    return n
+        yield encode_tensors(part, meta), len(part["y"])
+
+
+def prepare_dataset(store: Store, prefix: str, name: str, subset_size: int = 64,
+                    text: TextSettings | None = None, open_source: Opener | None = None, *,
+                    prepared_by: str = "", resume: bool = True) -> Prepared:
+    """Load `name` and write it under `prefix` of `store` as shards of `subset_size` rows (the
+    last of a split may be shorter), training and validation, then the manifest (`engine.shards`).
+    An equal preparation already there (same format and `prepare_settings`) is left as it is;
+    with `resume`, a shard already there with the same bytes is kept, not written again. A
+    `text:` dataset is loaded with `text` and `open_source` (`load_dataset`), `store` keeping its
+    tokenizer."""
+    if not isinstance(subset_size, int) or isinstance(subset_size, bool) or subset_size < 1:
+        raise ZooidValueError("subset_size", f"must be a positive integer, got {subset_size!r}")
+    settings = prepare_settings(name, subset_size, text)
+    if store.exists(shard_manifest_key(prefix)):
+        try:
+            there = read_dataset_manifest(store, prefix)
+        except ZooidValueError:
+            there = None  # another format: prepared again below
+        if there is not None and there.settings == settings:
+            return Prepared(there, 0, 0, True)
+    data = load_dataset(name, text, cache=store, open_source=open_source)
+    shards, dtypes, written = {}, {}, 0
+    for split, x, y in (("train", data.train_x, data.train_y), ("val", data.val_x, data.val_y)):
+        shards[split] = []
+        for i, (blob, rows) in enumerate(_shards_of(x, y, subset_size, data.text)):
+            info, wrote = write_shard(store, prefix, split, i, blob, rows, resume=resume)
+            shards[split].append(info)
+            written += wrote
+        dtypes = {"x": str(torch.int32 if data.text else x.dtype), "y": str(torch.int32 if data.text else y.dtype)}
+    manifest = DatasetManifest(
+        name=name, subset_size=subset_size, n_train=len(data.train_y), n_val=len(data.val_y),
+        n_subsets=len(shards["train"]), n_val_subsets=len(shards["val"]),
+        input_shape=tuple(data.train_x.shape[1:]), text=data.text,
+        classes=target_classes(data.train_y, data.val_y), dtypes=dtypes, shards=shards,
+        settings=settings, prepared_by=prepared_by)
+    write_manifest(store, prefix, manifest)  # last: its presence means every shard is readable
+    return Prepared(manifest, written, sum(map(len, shards.values())) - written, False)
 
 
 def publish_dataset(store: Store, run_id: str, name: str, subset_size: int = 64,
                     text: TextSettings | None = None, open_source: Opener | None = None) -> DatasetManifest:
-    """Load `name` and write it to the store as subsets of `subset_size` rows (the last may be
-    shorter), training and validation, plus a JSON manifest; return the manifest. A `text:`
-    dataset is loaded with `text` and `open_source` (`load_dataset`), `store` keeping its tokenizer."""
-    if not isinstance(subset_size, int) or subset_size < 1:
-        raise ZooidValueError("subset_size", f"must be a positive integer, got {subset_size!r}")
-    data = load_dataset(name, text, cache=store, open_source=open_source)
-    n_sub = _write_subsets(store, run_id, "train", data.train_x, data.train_y, subset_size, data.text)
-    n_val_sub = _write_subsets(store, run_id, "val", data.val_x, data.val_y, subset_size, data.text)
-    manifest = DatasetManifest(
-        name=name,
-        subset_size=subset_size,
-        n_train=len(data.train_y),
-        n_val=len(data.val_y),
-        n_subsets=n_sub,
-        n_val_subsets=n_val_sub,
-        input_shape=tuple(data.train_x.shape[1:]),
-        text=data.text,
-        classes=target_classes(data.train_y, data.val_y),
-    )
-    # The manifest goes last: its presence means every subset is already readable.
-    store.put(data_manifest_key(run_id), json.dumps(manifest.to_dict()).encode())
-    return manifest
+    """Stage `name` for run `run_id`: prepared into the run's own data prefix (`prepare_dataset`);
+    return the manifest."""
+    return prepare_dataset(store, data_prefix(run_id), name, subset_size, text, open_source).manifest
 
 
 def read_manifest(store: Store, run_id: str, timeout: float | None = None) -> DatasetManifest:
-    """The manifest `publish_dataset` wrote for `run_id`."""
-    raw = store.get(data_manifest_key(run_id), timeout=timeout)
-    return DatasetManifest.from_dict(json.loads(raw))
+    """The manifest of the data staged for `run_id`."""
+    return read_dataset_manifest(store, data_prefix(run_id), timeout=timeout)
 
 
-_SUBSETS: dict | None = None
-"""Decoded subsets by (store URL, key), kept by a warm worker (`keep_subsets`); None: off."""
+_CACHE: ShardCache | None = None
+"""Decoded shards by (store URL, key), kept by a worker (`keep_subsets`); None: off."""
 
 
-def keep_subsets() -> None:
-    """Keep every subset this process reads in memory: a warm worker reads each once per run
-    (a run's subsets never change once published)."""
-    global _SUBSETS
-    if _SUBSETS is None:
-        _SUBSETS = {}
+def keep_subsets(max_mb: float | None = None) -> None:
+    """Keep the shards this process reads in memory, at most `max_mb` MB of their stored bytes
+    (None: all; a warm worker reads each of a run's staged subsets once per run)."""
+    global _CACHE
+    if _CACHE is None or _CACHE.max_bytes != (None if max_mb is None else int(max_mb * 2**20)):
+        _CACHE = ShardCache(None if max_mb is None else int(max_mb * 2**20))
 
 
-def read_subsets(
-    store: Store, run_id: str, indices, split: str = "train", timeout: float | None = None,
-    *, seed: int = 0, epoch: int = 0,
+def read_shards(
+    store: Store, prefix: str, indices, split: str = "train", timeout: float | None = None,
+    *, seed: int = 0, epoch: int = 0, manifest: DatasetManifest | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Concatenate the (x, y) of subsets `indices` of `split` ("train" or "val"), in order.
-    Text subsets come back as int64; `mlm` ones masked for (`seed`, `epoch`) by each row's
-    global index (the validation split with one mask for every epoch): every reader of a row,
+    """Concatenate the (x, y) of shards `indices` of `split` ("train" or "val") of the dataset at
+    `prefix`, in order, each checked against `manifest`'s checksum when given (`fetch_shard`).
+    Text shards come back as int64; `mlm` ones masked for (`seed`, `epoch`) by each row's global
+    index (the validation split with one mask for every epoch): every reader of a row,
     whichever worker or micro-batch, sees the same mask."""
-    if split not in ("train", "val"):
+    if split not in SPLITS:
         raise ZooidValueError("split", f"must be 'train' or 'val', got {split!r}")
     xs, ys = [], []
     for i in indices:
-        key = data_subset_key(run_id, split, i)
-        cached = _SUBSETS.get((store.url, key)) if _SUBSETS is not None else None
+        key = (store.url, shard_key(prefix, split, i))
+        cached = _CACHE.get(key) if _CACHE is not None else None
         if cached is None:
-            tensors, meta = decode_tensors(store.get(key, timeout=timeout))
+            info = manifest.shard(split, i) if manifest is not None else None
+            blob = fetch_shard(store, prefix, split, i, info, timeout=timeout)
+            tensors, meta = decode_tensors(blob)
             cached = (tensors["x"], tensors["y"], meta)
-            if _SUBSETS is not None:
-                _SUBSETS[(store.url, key)] = cached
+            if _CACHE is not None:
+                _CACHE.put(key, cached, len(blob))
         x, y, meta = cached
         if "text" in meta:
             x, y = _text_rows(x, y, meta, split, seed, epoch)
@@ -318,6 +327,15 @@ def read_subsets(
     if not xs:
         raise ZooidValueError("subsets", "no subsets given")
     return torch.cat(xs), torch.cat(ys)
+
+
+def read_subsets(
+    store: Store, run_id: str, indices, split: str = "train", timeout: float | None = None,
+    *, seed: int = 0, epoch: int = 0, manifest: DatasetManifest | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`read_shards` of the data staged for `run_id`."""
+    return read_shards(store, data_prefix(run_id), indices, split, timeout, seed=seed, epoch=epoch,
+                       manifest=manifest)
 
 
 def _text_rows(x: torch.Tensor, y: torch.Tensor, meta: dict[str, str], split: str, seed: int,
