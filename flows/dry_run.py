@@ -25,21 +25,15 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
 from coordinator.plan.target_profile import cached_profile, profile_estimate, will_rent
-from coordinator.report.report import (
-    alternatives_table,
-    artifact_key,
-    co_optimizer_lines,
-    duration,
-    money,
-    plan_in_words,
-    run_terms_text,
-)
+from coordinator.report.report import alternatives_table, co_optimizer_lines, plan_in_words, run_terms_text
 from coordinator.run.context import RunContext, run_id_for
 from coordinator.run.job import TrainJob
 from coordinator.run.job_fields import fields_from_args, job_from_fields
 from coordinator.run.outer_step import log_outer_settings
 from coordinator.run.validate import check_target_ready, validate_job
 from core.errors import ZooidValueError
+from core.formats import duration, money
+from core.keys import artifact_key
 from flows.params import job_fields_flow
 from tasks.plan_step import choose_plan
 from tasks.profile import profile, show_profile
