@@ -267,7 +267,7 @@ def test_a_noted_stop_is_raised_again_at_the_next_boundary():
     """A command line's stop signal, once noted, is raised again by the recipe's next boundary
     and by every poll of an epoch: a library that caught the first raise cannot keep the run
     training. Another process's run (not a command line) is not affected."""
-    from flows.train import CommandLine
+    from flows.train_cli import CommandLine
 
     line = CommandLine()
     line.reset(active=True)
@@ -286,7 +286,7 @@ def test_a_command_line_whose_flow_run_prefect_set_cancelling_stops(monkeypatch)
     import prefect.client.orchestration as orchestration
     from prefect.states import Cancelling, Running
 
-    from flows.train import CommandLine
+    from flows.train_cli import CommandLine
 
     states = [Running(), Cancelling()]
 
@@ -301,7 +301,7 @@ def test_a_command_line_whose_flow_run_prefect_set_cancelling_stops(monkeypatch)
             return type("FlowRun", (), {"state": states.pop(0)})()
 
     monkeypatch.setattr(orchestration, "get_client", lambda sync_client: Client())
-    monkeypatch.setattr("flows.train._quiet_console", lambda: None)
+    monkeypatch.setattr("flows.train_cli._quiet_console", lambda: None)
     line = CommandLine()
     line.reset(active=True)
     line.raise_if_cancelling("fr", every_s=0.0)  # running: goes on
