@@ -22,8 +22,8 @@ stage s // v, so its F and B are that stage's divided by v; the transfers are th
 
 Timing. `WorkerResult` reports a stage's summed compute time, not when each action ran, so
 the benchmark starts its own worker processes (`python -m benchmarks.bench_bubble --worker`,
-through `bench_prediction.run_workers`) which wrap the executor
-(`bench_prediction.install_timers`): a forward hook and a wrapper of `Tensor.backward` stamp
+through `benchmarks.harness.workers.run_workers`) which wrap the executor
+(`benchmarks.harness.workers.install_timers`): a forward hook and a wrapper of `Tensor.backward` stamp
 every F and B, and the iteration, every upload and every store read are stamped too. All
 stamps come from one monotonic clock shared by the processes. For each iteration after the
 first two (warm-up):
@@ -90,17 +90,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import statistics
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.bench_prediction import REPO, WARMUP_ITERATIONS, run_workers
+from benchmarks.harness.home import REPO, scratch
+from benchmarks.harness.tables import median
+from benchmarks.harness.workers import WARMUP_ITERATIONS, run_workers, worker_main as timed_worker_main
 from benchmarks.output import Provenance, provenance, write_result
+from core.keys import checkpoint_key, init_checkpoint_key
 
 RESULTS = REPO / "benchmarks" / "results" / "bubble.md"
 MODEL = "benchmarks.bench_bubble:uniform_mlp"
@@ -256,9 +256,7 @@ def install_memory_tracker(mem: dict) -> None:
 
 def worker_main(spec_path: str, out_path: str) -> None:
     """Run one stage worker's WorkerSpec with timers and the memory counter; write JSON."""
-    from benchmarks import bench_prediction
-
-    bench_prediction.worker_main(spec_path, out_path, probes={"memory": install_memory_tracker})
+    timed_worker_main(spec_path, out_path, probes={"memory": install_memory_tracker})
 
 
 # --- analysis -----------------------------------------------------------------------------
@@ -330,11 +328,6 @@ class Row:
 def _within(stamps, window) -> list[tuple[float, float]]:
     lo, hi = window
     return [(a, b) for a, b, *_ in stamps if a >= lo and b <= hi]
-
-
-def _median(values) -> float:
-    values = list(values)
-    return statistics.median(values) if values else 0.0
 
 
 def _mean(values) -> float:
@@ -423,23 +416,23 @@ def analyse(name: str, stages: int, microbatches: int, chunks: int, outs: list[d
             of_period[w].append(1 - busy / period)
             periods.append(period)
 
-    fwd = [_median(d) for d in per_stage[Kind.F]]
-    bwd = [_median(d) for d in per_stage[Kind.B]]
-    put = _median(p[1] - p[0] for o in by_worker for p in o["timings"]["put"])
-    read = _median(r[1] - r[0] for o in by_worker for r in o["timings"]["read"])
-    handoff = _median(handoffs(by_worker))
+    fwd = [median(d, 0.0) for d in per_stage[Kind.F]]
+    bwd = [median(d, 0.0) for d in per_stage[Kind.B]]
+    put = median((p[1] - p[0] for o in by_worker for p in o["timings"]["put"]), 0.0)
+    read = median((r[1] - r[0] for o in by_worker for r in o["timings"]["read"]), 0.0)
+    handoff = median(handoffs(by_worker), 0.0)
     compute_only, with_transfers = simulate_shares(name, stages, microbatches, chunks, fwd, bwd, put, read,
                                                    handoff)
     replays = [replay_shares(name, stages, microbatches, chunks, a, fwd, bwd, put, read, handoff) for a in actual]
-    replay = [statistics.median(r[w] for r in replays) for w in range(stages)] if replays else None
+    replay = [median(r[w] for r in replays) for w in range(stages)] if replays else None
     memory = [{"distinct": _peak_after_warmup(o["memory"]["saved_distinct"]),
                "summed": _peak_after_warmup(o["memory"]["saved_summed"]),
                "cuda": _peak_after_warmup(o["memory"]["cuda"]),
                "left": max(o["memory"]["left"] or [0])} for o in by_worker]
     return Row(name, stages, microbatches, chunks, ideal_bubble(name, stages, microbatches, chunks),
-               [statistics.median(m) for m in measured], [statistics.median(m) for m in of_period],
+               [median(m) for m in measured], [median(m) for m in of_period],
                compute_only, with_transfers, [f * 1e3 for f in fwd], [b * 1e3 for b in bwd],
-               put * 1e3, read * 1e3, statistics.median(spans) * 1e3, statistics.median(periods) * 1e3,
+               put * 1e3, read * 1e3, median(spans) * 1e3, median(periods) * 1e3,
                load, seconds, memory, handoff_ms=handoff * 1e3, simulated_replay=replay)
 
 
@@ -497,7 +490,7 @@ def simulated_only(name: str, stages: int, microbatches: int, chunks: int, sourc
 
 
 def run_one(name: str, stages: int, microbatches: int, chunks: int, url: str, epoch: int, n_subsets: int,
-            steps: int, scratch: Path, width: int = WIDTH, batch: int = BATCH) -> Row:
+            steps: int, folder: Path, width: int = WIDTH, batch: int = BATCH) -> Row:
     """One pipeline of `stages` stage workers running schedule `name`, measured."""
     from core.specs import ComputeSpec, WorkerSpec
     from engine.pipeline_executor import pipeline_worker_specs
@@ -505,15 +498,15 @@ def run_one(name: str, stages: int, microbatches: int, chunks: int, url: str, ep
     base = WorkerSpec(run_id="bubble", epoch=epoch, rank=0, world=stages, store_url=url, model=MODEL,
                       dataset=dataset_name(width, batch), subsets=(), steps=steps, batch_size=batch, lr=LR,
                       compute=ComputeSpec(model_kwargs={"width": width}),
-                      optimizer="sgd", seed=SEED, init_key="runs/bubble/init",
-                      out_key=f"runs/bubble/out-e{epoch}", sync_timeout_s=300.0, evaluate=False)
+                      optimizer="sgd", seed=SEED, init_key=init_checkpoint_key("bubble"),
+                      out_key=checkpoint_key("bubble", epoch), sync_timeout_s=300.0, evaluate=False)
     specs = pipeline_worker_specs(base, cuts=equal_cuts(stages * chunks), microbatches=microbatches,
                                   replica_subsets=[tuple(range(n_subsets))], schedule=name, chunks=chunks)
     if len(specs) != stages:
         raise RuntimeError(f"pipeline_worker_specs gave {len(specs)} worker specs for {stages} stage workers")
-    scratch.mkdir()
+    folder.mkdir()
     before, began = os.getloadavg()[0], time.perf_counter()
-    outs = run_workers(specs, scratch, module="benchmarks.bench_bubble")
+    outs = run_workers(specs, folder, module="benchmarks.bench_bubble")
     return analyse(name, stages, microbatches, chunks, outs, (before, os.getloadavg()[0]),
                    time.perf_counter() - began)
 
@@ -792,14 +785,13 @@ def main(argv: list[str] | None = None) -> int:
 
     cores = os.cpu_count() or 1
     prov = provenance()
-    root = Path(tempfile.mkdtemp(prefix="zooid-bubble-"))
     rows: list[Row] = []
     skipped: list[str] = []
-    try:
+    with scratch("bubble") as root:
         url = (root / "store").as_uri()
         store = open_store(url)
         manifest = publish_dataset(store, "bubble", dataset_name(args.width, args.batch), subset_size=64)
-        initial_checkpoint(store, "runs/bubble/init", MODEL, "sgd", LR, SEED, model_kwargs={"width": args.width})
+        initial_checkpoint(store, init_checkpoint_key("bubble"), MODEL, "sgd", LR, SEED, model_kwargs={"width": args.width})
         store.close()
         epoch = 0
         for k in args.stages:
@@ -828,8 +820,6 @@ def main(argv: list[str] | None = None) -> int:
                           f"peak MiB {' / '.join(_mib(row.peak_bytes(w)) for w in range(k)) if row.memory else '-'} "
                           f"[{row.source}] ({time.perf_counter() - began:.1f} s, "
                           f"load {os.getloadavg()[0]:.1f})", flush=True)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
     add_fitting_simulations(rows, cores)
     write_report(rows, skipped, args, prov, cores, out)
     print("\n".join(goals(rows, args, cores)))

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import time
 from pathlib import Path
 
+from benchmarks.harness.tables import median
 from benchmarks.output import command_for, provenance, write_result
 from planners.co_optimize import CoOptProblem, evaluate, merge_layers, parse_problem
 from planners.co_optimize_exact import solve_exact
@@ -66,7 +66,7 @@ def time_exact(problem: CoOptProblem, repeats: int = 3):
         walls.append(time.perf_counter() - start)
         cpus.append(time.process_time() - start_cpu)
     objective = evaluate(problem, plan.cuts, plan.d, plan.options)[2]
-    return statistics.median(walls), statistics.median(cpus), objective, plan
+    return median(walls), median(cpus), objective, plan
 
 
 def time_miqp(problem: CoOptProblem, backend: str, limit: float):

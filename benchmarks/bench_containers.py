@@ -27,14 +27,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
-from benchmarks.bench_orchestration import MACHINE_DETAIL, epoch_rows, job_params, summarise_rows
+from benchmarks.harness.home import scratch
+from benchmarks.harness.overhead import DETAIL, epoch_rows, summarise_rows
+from benchmarks.harness.stack import local_stack
+from benchmarks.harness.tables import fmt, median
+from benchmarks.harness.train import digits_job
 from benchmarks.output import command_for, provenance, write_result
+from core.keys import summary_key, warm_prefix
 
 RESULTS = Path(__file__).resolve().parent / "results" / "containers.md"
 TITLE = "Workers in containers: docker target against the process pool"
@@ -65,7 +68,7 @@ class Watcher(threading.Thread):
 
         store = open_store_ref(self.store_ref)
         engine = docker_client() if os.environ.get("DOCKER_HOST") else None
-        prefix = f"runs/{self.run_id}/warm/"
+        prefix = warm_prefix(self.run_id) + "/"
         try:
             with get_client(sync_client=True) as api:
                 while not self.stopped.is_set():
@@ -101,7 +104,6 @@ def run_once(target: str, params: dict, store_block: str, timeout_s: float = 900
 
     from blocks.store_block import block_ref
     from coordinator.run.context import run_id_for
-    from deployments.stack import run_and_wait  # noqa: F401  (same stack helpers as the other benches)
 
     params = {**params, "target": target, "store": store_block}
     fr = run_deployment("train/local", parameters=params, timeout=0)
@@ -136,18 +138,9 @@ def _wait_summary(flow_run_id, store_ref: str, timeout_s: float) -> dict:
         raise RuntimeError(f"run {flow_run_id} ended {fr.state.type.value}: {fr.state.message}")
     store = open_store_ref(store_ref)
     try:
-        return json.loads(store.get(f"runs/{run_id_for(flow_run_id)}/summary.json", timeout=30))
+        return json.loads(store.get(summary_key(run_id_for(flow_run_id)), timeout=30))
     finally:
         store.close()
-
-
-def _med(values) -> float | None:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
-
-
-def _f(x, fmt: str = "{:.2f}") -> str:
-    return "-" if x is None else fmt.format(x)
 
 
 def render(runs: list[dict], image: dict, epochs: int) -> str:
@@ -166,8 +159,8 @@ def render(runs: list[dict], image: dict, epochs: int) -> str:
             agg["container"].append(w["container_to_ready_s"])
             agg["first"].append(w["ready_to_first_step_s"])
     local, docker = by_target.get("local", {}), by_target.get("docker", {})
-    delta = (_med(docker.get("over", [])) - _med(local.get("over", []))
-             if _med(docker.get("over", [])) is not None and _med(local.get("over", [])) is not None else None)
+    delta = (median(docker.get("over", [])) - median(local.get("over", []))
+             if median(docker.get("over", [])) is not None and median(local.get("over", [])) is not None else None)
     met = delta is not None and delta <= GOAL_DELTA_S
     lines = [f"Job: digits, `digits_mlp`, Local-SGD once per epoch, {WORKERS} warm workers x batch 16, momentum, "
              f"lr 0.05, {epochs} epochs, the stack's S3 store (moto, 127.0.0.1) on both targets; runs alternate "
@@ -175,7 +168,7 @@ def render(runs: list[dict], image: dict, epochs: int) -> str:
              "`zooid-docker` pool (a worker is a container of the worker image on podman's Docker API, host "
              f"network, 1 vCPU quota each). Image `{image.get('image')}`, {image.get('size', '?')}.", "",
              f"**Goal: docker's median warm per-epoch overhead within {GOAL_DELTA_S} s of the process pool's: "
-             f"{'met' if met else 'not met'}** (docker - local = {_f(delta, '{:+.2f}')} s).", "",
+             f"{'met' if met else 'not met'}** (docker - local = {fmt(delta, '{:+.2f}')} s).", "",
              "| target | runs | launch -> ready (s) | container -> ready (s) | ready -> first epoch (s) | "
              "epoch 0 overhead (s) | warm overhead, epochs 1.. (s) | epoch wall (s) | final accuracy |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -183,9 +176,9 @@ def render(runs: list[dict], image: dict, epochs: int) -> str:
         a = by_target.get(name)
         if not a:
             continue
-        lines.append(f"| {name} | {len(a['wall'])} | {_f(_med(a['launch']))} | {_f(_med(a['container']))} | "
-                     f"{_f(_med(a['first']))} | {_f(_med(a['epoch0']))} | {_f(_med(a['over']), '{:.3f}')} | "
-                     f"{_f(_med(a['wall']))} | {_f(_med(a['acc']), '{:.3f}')} |")
+        lines.append(f"| {name} | {len(a['wall'])} | {fmt(median(a['launch']))} | {fmt(median(a['container']))} | "
+                     f"{fmt(median(a['first']))} | {fmt(median(a['epoch0']))} | {fmt(median(a['over']), '{:.3f}')} | "
+                     f"{fmt(median(a['wall']))} | {fmt(median(a['acc']), '{:.3f}')} |")
     lines += ["", "Medians over workers (start-up) and over epochs 1.. of every run (overhead). launch -> ready: "
               "the worker flow run's creation to the worker's `ready_at` (imports, model, data); container -> "
               "ready: the engine's `Created` to `ready_at`; ready -> first epoch: waiting while rank 0 profiles "
@@ -205,31 +198,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
-    from deployments import stack
-
-    prov = provenance()
-    home = Path(tempfile.mkdtemp(prefix="zooid-bench-containers-"))
-    os.environ["ZOOID_HOME"] = str(home)
-    state = stack.up(home=home, docker=True)
     from deployments.images import ensure_image
 
-    image = ensure_image(home=home)  # the stack's image (a no-op check): its reference and size
+    prov = provenance()
     runs = []
-    try:
-        os.environ.update(state["env"])
-        from prefect.settings import PREFECT_API_URL, temporary_settings
-
-        with temporary_settings(updates={PREFECT_API_URL: state["api_url"]}):
-            params = job_params(WORKERS, args.epochs, True)
-            for i in range(args.repeats):
-                for target in ("local", "docker"):
-                    run = run_once(target, params, state["docker"]["store"])
-                    runs.append(run)
-                    print(f"{target} run {i}: overhead {[round(r['overhead_s'], 3) for r in epoch_rows(target, 'warm', run['summary'])]}, "
-                          f"workers {run['workers']}", flush=True)
-    finally:
-        stack.down(home)
-    write_result(args.out, TITLE, command_for("benchmarks.bench_containers", argv), prov, render(runs, image, args.epochs), detail=MACHINE_DETAIL,
+    with scratch("containers", home=True) as home, local_stack(home, docker=True) as state:
+        image = ensure_image(home=home)  # the stack's image (a no-op check): its reference and size
+        params = digits_job(WORKERS, args.epochs, True)
+        for i in range(args.repeats):
+            for target in ("local", "docker"):
+                run = run_once(target, params, state["docker"]["store"])
+                runs.append(run)
+                print(f"{target} run {i}: overhead {[round(r['overhead_s'], 3) for r in epoch_rows(target, 'warm', run['summary'])]}, "
+                      f"workers {run['workers']}", flush=True)
+    write_result(args.out, TITLE, command_for("benchmarks.bench_containers", argv), prov, render(runs, image, args.epochs), detail=DETAIL,
                  echo=True)
     return 0
 

@@ -2,7 +2,8 @@
 
 Every run is the engine itself, `engine.local_sgd_epoch.run_local_sgd_epoch`, with 2 replicas
 as threads of this process against a directory store in a temporary folder, as `run_epoch`
-drives them minus the process launches (as bench_local_sgd's first section does): digits
+drives them minus the process launches (`benchmarks.harness.replicas.train_replicas`, as
+bench_local_sgd's first section does): digits
 published once as subsets of 64 rows, each epoch dealt to the replicas (`assign_subsets`),
 `steps_per_epoch(1437, 2, 16)` = 45 steps per replica per epoch from the previous epoch's
 checkpoint (the outer momentum travels in it), rank 0's validation accuracy at each epoch end.
@@ -31,14 +32,14 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from benchmarks.bench_local_sgd import train_replicas
+from benchmarks.harness.home import scratch
+from benchmarks.harness.replicas import train_replicas
 from benchmarks.output import command_for, provenance, write_result
 from comm.store_dir import DirectoryStore
 from core.outer_defaults import outer_settings, round_steps
@@ -46,7 +47,7 @@ from core.specs import SyncSpec
 from engine.local_sgd import steps_per_epoch
 
 RESULTS = Path(__file__).resolve().parent / "results" / "diloco_defaults.md"
-WORKERS, BATCH, EPOCHS, OPTIMIZER, LR, SUBSET_ROWS, DATASET = 2, 16, 6, "momentum", 0.05, 64, "digits"
+WORKERS, BATCH, EPOCHS, OPTIMIZER, LR, DATASET = 2, 16, 6, "momentum", 0.05, "digits"
 CONVNET = "benchmarks.bench_diloco_defaults:digits_convnet"
 SETUP_A = ("A (tuned on)", (CONVNET,), (0, 1, 2), (1, 2, 4, 8, 16, 32, None))
 SETUP_B = ("B (out of sample for the first version)", ("digits_cnn", "digits_mlp"), (3, 4, 5), (4, 8, 16, 32, 128))
@@ -197,11 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     prov = provenance()
     setups = [s for s in (SETUP_A, SETUP_B, SETUP_C, SETUP_D) if args.only in ("all", s[0][0])]
     steps = setup_steps(SETUP_A)
-    root = Path(tempfile.mkdtemp(prefix="zooid-bench-diloco-"))
-    try:
+    with scratch("diloco") as root:
         traces = {s[0]: run_setup(root, s, args.epochs) for s in setups}
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
     command = command_for("benchmarks.bench_diloco_defaults", flags=[
         ("--epochs", args.epochs, EPOCHS), ("--out", args.out.resolve(), RESULTS), ("--only", args.only, "all")])
     write_result(args.out, "DiLoCo's outer settings follow the sync period: 2 workers on digits against K-AVG",

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.harness.home import scratch
+from benchmarks.harness.tables import merged_body
 from benchmarks.lm_plain import RESULTS_GPU, add_plain_arguments, part_b
-from benchmarks.lm_results import merged_body
 from benchmarks.lm_sync import add_sync_arguments, part_a
 from benchmarks.output import command_for, money, provenance, write_result
 
@@ -156,40 +156,40 @@ def part_c(args: argparse.Namespace) -> str:
     from moto.server import ThreadedMotoServer
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
+    from benchmarks.harness.servers import S3_ENV
     from deployments.server import free_port, temporary_server
 
-    home = Path(tempfile.mkdtemp(prefix="zooid-bench-lm-"))
-    os.environ.update({"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                       "AWS_DEFAULT_REGION": "us-east-1"})
-    port = free_port(0)
-    s3 = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    s3.start()
     rows = {seq_len: [] for seq_len in seq_lens}
-    try:
-        import boto3
+    with scratch("lm") as home:
+        os.environ.update(S3_ENV)
+        port = free_port(0)
+        s3 = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        s3.start()
+        try:
+            import boto3
 
-        boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1").create_bucket(
-            Bucket="zooid-plans")
-        store = f"s3://zooid-plans/lm?endpoint=http://127.0.0.1:{port}"
-        with temporary_server(home) as api_url, temporary_settings(updates={PREFECT_API_URL: api_url}):
-            _save_targets()
-            for seq_len in seq_lens:
-                for model in models:
-                    for global_batch in batches:
-                        for size in SIZES:
-                            began = time.perf_counter()
-                            try:
-                                chosen = _dry_run(model, size, global_batch, seq_len, store)
-                                row = _row(model, size, global_batch, chosen, time.perf_counter() - began)
-                            except ValueError as exc:  # ZooidValueError: no plan fits, in one line
-                                first = str(exc).split("; ")[0]  # its first candidate's numbers
-                                row = (f"| `{model}` | {global_batch} | {size.label} | refused, no candidate fits "
-                                       f"(the first: {first}) | - | - | - | no | - | - | - | "
-                                       f"{time.perf_counter() - began:.0f} s |")
-                            print(row, flush=True)
-                            rows[seq_len].append(row)
-    finally:
-        s3.stop()
+            boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1").create_bucket(
+                Bucket="zooid-plans")
+            store = f"s3://zooid-plans/lm?endpoint=http://127.0.0.1:{port}"
+            with temporary_server(home) as api_url, temporary_settings(updates={PREFECT_API_URL: api_url}):
+                _save_targets()
+                for seq_len in seq_lens:
+                    for model in models:
+                        for global_batch in batches:
+                            for size in SIZES:
+                                began = time.perf_counter()
+                                try:
+                                    chosen = _dry_run(model, size, global_batch, seq_len, store)
+                                    row = _row(model, size, global_batch, chosen, time.perf_counter() - began)
+                                except ValueError as exc:  # ZooidValueError: no plan fits, in one line
+                                    first = str(exc).split("; ")[0]  # its first candidate's numbers
+                                    row = (f"| `{model}` | {global_batch} | {size.label} | refused, no candidate fits "
+                                           f"(the first: {first}) | - | - | - | no | - | - | - | "
+                                           f"{time.perf_counter() - began:.0f} s |")
+                                print(row, flush=True)
+                                rows[seq_len].append(row)
+        finally:
+            s3.stop()
     out = ["## c. The seeds' workloads, planned", "",
            "**Simulated, not measured**: every time and dollar below is the dry run's prediction "
            "(`python -m flows.dry_run --param rent=false ...`) from the catalog's estimate of each model (its "
@@ -234,7 +234,7 @@ def part_c(args: argparse.Namespace) -> str:
 PARTS = {"a": part_a, "b": part_b, "c": part_c}
 """The benchmark's parts by letter, each a function of the parsed arguments returning its section's
 markdown (a: `benchmarks/lm_sync.py`, b: `benchmarks/lm_plain.py`); a run rewrites the sections of the
-parts it ran and keeps the others' last ones (`benchmarks/lm_results.py`)."""
+parts it ran and keeps the others' last ones (`benchmarks.harness.tables.merged_body`)."""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,28 +43,22 @@ A small try of the pool section (one seed, one epoch a run, 14 runs):
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
-import shutil
-import statistics
-import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.harness.home import scratch
+from benchmarks.harness.replicas import Trace, train_replicas
+from benchmarks.harness.stack import POOL, PoolRun, local_stack, pool_trace
+from benchmarks.harness.tables import fmt, median
 from benchmarks.output import command_for, provenance, write_result
 from comm.store_dir import DirectoryStore
-from core.specs import ComputeSpec, SyncSpec, WorkerSpec
-from engine.checkpoint import initial_checkpoint
-from engine.datasets import assign_subsets, load_dataset, publish_dataset
+from engine.datasets import load_dataset
 from engine.local_sgd import batch_seed, batch_stream, evaluate, steps_per_epoch
-from engine.local_sgd_epoch import run_local_sgd_epoch
 from engine.models import build_model
 from engine.optimizers import build_optimizer
 
@@ -73,65 +67,12 @@ MODEL, DATASET, OPTIMIZER, LR = "digits_mlp", "digits", "momentum", 0.05
 WORKERS, BATCH, SUBSET_ROWS = 4, 16, 64
 
 
-@dataclass
-class Trace:
-    """One configuration's run: accuracy, wall seconds and bytes after each epoch."""
-
-    name: str
-    seed: int
-    accuracy: list[float] = field(default_factory=list)
-    seconds: list[float] = field(default_factory=list)
-    bytes_synced: list[int] = field(default_factory=list)
-
-    def reached(self, target: float) -> int | None:
-        """1-based epoch at which validation accuracy first reached `target`, or None."""
-        return next((i + 1 for i, a in enumerate(self.accuracy) if a >= target), None)
-
-    def totals(self, target: float) -> tuple[int | None, float, int]:
-        """(epochs, wall seconds, bytes) up to the target, or over every epoch when missed."""
-        n = self.reached(target) or len(self.accuracy)
-        return self.reached(target), sum(self.seconds[:n]), sum(self.bytes_synced[:n])
-
-
 def run_local_sgd(root: Path, seed: int, period: int | None, max_epochs: int, target: float) -> Trace:
     """4 replicas as threads, synced every `period` steps (None: once per epoch), until
     rank 0's validation accuracy reaches `target` or `max_epochs` pass."""
     return train_replicas(DirectoryStore(root / f"k{period or 'epoch'}-s{seed}"), MODEL, DATASET, BATCH,
                           OPTIMIZER, LR, f"Local-SGD k={period or 'epoch'}", seed, period, max_epochs,
-                          stop_at=target)
-
-
-def train_replicas(store: DirectoryStore, model: str, dataset: str, batch: int, optimizer: str, lr: float,
-                   name: str, seed: int, period: int | None, epochs: int, *, sync: SyncSpec | None = None,
-                   stop_at: float | None = None, workers: int = WORKERS) -> Trace:
-    """`workers` replicas of `model` as threads, through `store`, for `epochs` epochs (or until rank
-    0's validation accuracy reaches `stop_at`), synced every `period` steps (None: once per
-    epoch) as `sync` says (default: K-AVG in float32)."""
-    run_id = "bench"
-    manifest = publish_dataset(store, run_id, dataset, subset_size=SUBSET_ROWS)
-    init = f"runs/{run_id}/ckpt/init"
-    initial_checkpoint(store, init, model, optimizer, lr, seed=seed)
-    steps = steps_per_epoch(manifest.n_train, workers, batch)
-    trace = Trace(name, seed)
-    with ThreadPoolExecutor(workers) as pool:
-        for epoch in range(epochs):
-            shards = assign_subsets(manifest.n_subsets, workers, epoch, seed)
-            out = f"runs/{run_id}/ckpt/e{epoch}"
-            specs = [WorkerSpec(run_id=run_id, epoch=epoch, rank=r, world=workers, store_url=store.url,
-                                model=model, dataset=dataset, subsets=shards[r], steps=steps,
-                                batch_size=batch, lr=lr, optimizer=optimizer, sync_period=period,
-                                seed=seed, init_key=init, out_key=out, evaluate=True,
-                                compute=ComputeSpec(device="cpu"), sync=sync or SyncSpec())
-                     for r in range(workers)]
-            t0 = time.perf_counter()
-            results = list(pool.map(lambda s: run_local_sgd_epoch(s, store), specs))
-            trace.seconds.append(time.perf_counter() - t0)
-            trace.accuracy.append(next(r.val_accuracy for r in results if r.rank == 0))
-            trace.bytes_synced.append(sum(r.bytes_synced for r in results))
-            init = out
-            if stop_at is not None and trace.accuracy[-1] >= stop_at:
-                break
-    return trace
+                          workers=WORKERS, stop_at=target)
 
 
 def run_plain(seed: int, batch: int, max_epochs: int, target: float) -> Trace:
@@ -165,8 +106,8 @@ def warm_up() -> None:
     run_plain(seed=0, batch=BATCH, max_epochs=1, target=0.0)
 
 
-def _cell(values: list[float], fmt: str) -> str:
-    return fmt.format(statistics.median(values)) if values else "-"
+def _cell(values: list[float], spec: str) -> str:
+    return fmt(median(values), spec)
 
 
 def title(target: float) -> str:
@@ -268,10 +209,6 @@ OUTER_CONFIGS = (
     ("DiLoCo k=32 bfloat16", 32, "nesterov", "bfloat16"),
     ("DiLoCo k=32 int8", 32, "nesterov", "int8"),
 )
-POOL = "zooid-local"
-"""The local stack's process work pool the workers run on (`deployments.stack.POOL`)."""
-RUN_TIMEOUT_S = 3600.0
-"""How long one configuration's flow run may take before it is cancelled and recorded as such."""
 
 
 def outer_params(setup: Setup, config: tuple, seed: int, epochs: int) -> dict:
@@ -286,94 +223,9 @@ def outer_params(setup: Setup, config: tuple, seed: int, epochs: int) -> dict:
             "sync_dtype": dtype}
 
 
-@dataclass
-class PoolRun(Trace):
-    """One configuration's `train/local` flow run: the per-epoch figures of its summary.json
-    (`accuracy`, `seconds`, `bytes_synced`, and each epoch's ledger rows, `cost_usd`), its
-    ledger's total (cost.json) and how it ended."""
-
-    run_id: str = ""
-    status: str = ""
-    perplexity: list[float] = field(default_factory=list)
-    """Each epoch's validation perplexity (summary `val_perplexity`; NaN for a classifier)."""
-    cost_usd: list[float] = field(default_factory=list)
-    startup_s: list[float] = field(default_factory=list)
-    """Each epoch's worker start-up inside its `seconds` (summary `startup.exposed_s`: the first
-    epoch waits for the warm workers to start; later ones find them up)."""
-    workers: list[int] = field(default_factory=list)
-    bill_usd: float | None = None
-    run_s: float = 0.0
-    """Submitted to final, as the benchmark saw it (profile, plan, start-up and teardown included)."""
-    offers: dict[str, float] = field(default_factory=dict)
-    """Offer -> price per second of the ledger's worker rows."""
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "COMPLETED / completed" and bool(self.accuracy)
-
-    def cost_to(self, target: float) -> float:
-        return sum(self.cost_usd[:self.reached(target) or len(self.cost_usd)])
-
-    def startup_to(self, target: float) -> float:
-        return sum(self.startup_s[:self.reached(target) or len(self.startup_s)])
-
-
 def run_outer(home: Path, setup: Setup, config: tuple, seed: int, epochs: int) -> PoolRun:
-    """Run one configuration as a `train/local` flow run on the stack under `home` (`pool_run`)."""
-    return pool_run(home, outer_params(setup, config, seed, epochs), config[0], seed)
-
-
-def pool_run(home: Path, params: dict, name: str, seed: int) -> PoolRun:
-    """Run `params` (TrainJob fields) as a `train/local` flow run on the stack under `home` (its
-    API configured in this process) and read back its summary and ledger from the stack's store;
-    the run's folder there is removed afterwards (a synthetic dataset is 100 MB a run)."""
-    from prefect.client.orchestration import get_client
-    from prefect.deployments import run_deployment
-    from prefect.states import Cancelling
-
-    from coordinator.bill.cost import ledger_key
-    from coordinator.run.context import run_id_for
-    from coordinator.workers.sweep import tagged_pids
-    from deployments.stack import wait_final
-
-    t0 = time.monotonic()
-    flow_run = run_deployment("train/local", parameters=params, timeout=0)
-    trace = PoolRun(name, seed, run_id=run_id_for(flow_run.id))
-    with get_client(sync_client=True) as client:
-        try:
-            fr = wait_final(client, flow_run.id, RUN_TIMEOUT_S)
-        except TimeoutError:
-            print(f"run {trace.run_id} still running after {RUN_TIMEOUT_S:.0f} s: cancelling it", flush=True)
-            client.set_flow_run_state(flow_run.id, Cancelling(message="benchmark time limit"), force=True)
-            fr = wait_final(client, flow_run.id, 300)
-    trace.run_s = time.monotonic() - t0
-    store = home / "store"
-    summary_file, ledger_file = store / "runs" / trace.run_id / "summary.json", store / ledger_key(trace.run_id)
-    summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
-    ledger = json.loads(ledger_file.read_text()) if ledger_file.exists() else {}
-    trace.status = f"{fr.state.type.value} / {summary.get('status', 'no summary')}"
-    if summary.get("error"):
-        trace.status += f": {summary['error'][:200]}"
-    for e in sorted(summary.get("epochs", []), key=lambda e: e["epoch"]):
-        acc = e.get("val_accuracy")
-        trace.accuracy.append(math.nan if acc is None else float(acc))
-        trace.perplexity.append(math.nan if e.get("val_perplexity") is None else float(e["val_perplexity"]))
-        trace.seconds.append(float(e["seconds"]))
-        trace.bytes_synced.append(int(e.get("bytes_synced", 0)))
-        trace.cost_usd.append(float(e.get("cost_usd", 0.0)))
-        startup = e.get("startup") or {}
-        trace.startup_s.append(float(startup.get("exposed_s", startup.get("critical_exposed_s", 0.0))))
-        trace.workers.append(int(e["workers"]))
-    trace.bill_usd = ledger.get("total_usd")
-    trace.offers = {r["offer"]: r["unit_price_per_s"] for r in ledger.get("rows", []) if r.get("kind") == "worker"}
-    deadline = time.monotonic() + 60  # the next run starts on an idle pool
-    while tagged_pids(trace.run_id) and time.monotonic() < deadline:
-        time.sleep(1)
-    if tagged_pids(trace.run_id):
-        trace.status += f"; worker processes {tagged_pids(trace.run_id)} still alive 60 s after its end"
-    if trace.ok:
-        shutil.rmtree(store / "runs" / trace.run_id, ignore_errors=True)
-    return trace
+    """Run one configuration as a `train/local` flow run on the stack under `home` (`pool_trace`)."""
+    return pool_trace(home, outer_params(setup, config, seed, epochs), config[0], seed)
 
 
 @dataclass
@@ -395,18 +247,17 @@ class OuterRow:
 def outer_rows(traces: list[PoolRun], target: float) -> list[OuterRow]:
     """One row per configuration: medians over the seeds whose run reached the target (time, MB
     and bill to it) or trained at all (final accuracy, MB per epoch, the run's bill)."""
-    med = (lambda xs: statistics.median(xs) if xs else None)  # noqa: E731
     rows = []
     for name in dict.fromkeys(t.name for t in traces):
         runs = [t for t in traces if t.name == name]
         trained = [t for t in runs if t.accuracy]
         hit = [t for t in trained if t.reached(target)]
         tot = [t.totals(target) for t in hit]
-        rows.append(OuterRow(name, len(hit), len(runs), med([s for _, s, _ in tot]),
-                             med([t.startup_to(target) for t in hit]), med([b / 1e6 for _, _, b in tot]), med([t.cost_to(target) for t in hit]),
-                             med([t.bill_usd for t in trained if t.bill_usd is not None]),
-                             med([t.accuracy[-1] for t in trained]),
-                             med([sum(t.bytes_synced) / 1e6 / len(t.bytes_synced) for t in trained])))
+        rows.append(OuterRow(name, len(hit), len(runs), median([s for _, s, _ in tot]),
+                             median([t.startup_to(target) for t in hit]), median([b / 1e6 for _, _, b in tot]), median([t.cost_to(target) for t in hit]),
+                             median([t.bill_usd for t in trained if t.bill_usd is not None]),
+                             median([t.accuracy[-1] for t in trained]),
+                             median([sum(t.bytes_synced) / 1e6 / len(t.bytes_synced) for t in trained])))
     return rows
 
 
@@ -443,10 +294,6 @@ def outer_goals(rows: list[OuterRow]) -> list[str]:
         out.append("- int8 at <= 30 % of float32's bytes, final accuracy within 0.5 points: **not judged** "
                    "(a DiLoCo k=32 float32 or int8 run trained no epoch).")
     return out
-
-
-def _f(x: float | None, fmt: str) -> str:
-    return "-" if x is None else fmt.format(x)
 
 
 def render_outer(results: dict[str, list[PoolRun]], epochs: dict[str, int], seeds) -> str:
@@ -491,10 +338,10 @@ def render_outer(results: dict[str, list[PoolRun]], epochs: dict[str, int], seed
                    "run bill | final accuracy | MB / epoch |"),
                   "|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
-            lines.append(f"| {r.name} | {r.reached} of {r.runs} | {_f(r.seconds, '{:.1f}')} | {_f(r.startup, '{:.1f}')} | "
-                         f"{_f(r.mb, '{:.2f}')} | "
-                         f"{_f(r.bill, '${:.5f}')} | {_f(r.run_bill, '${:.5f}')} | "
-                         f"{_f(None if r.final is None else 100 * r.final, '{:.2f} %')} | {_f(r.mb_per_epoch, '{:.2f}')} |")
+            lines.append(f"| {r.name} | {r.reached} of {r.runs} | {fmt(r.seconds, '{:.1f}')} | {fmt(r.startup, '{:.1f}')} | "
+                         f"{fmt(r.mb, '{:.2f}')} | "
+                         f"{fmt(r.bill, '${:.5f}')} | {fmt(r.run_bill, '${:.5f}')} | "
+                         f"{fmt(None if r.final is None else 100 * r.final, '{:.2f} %')} | {fmt(r.mb_per_epoch, '{:.2f}')} |")
         lines += ["", "Goals, from the medians above:", "", *outer_goals(rows), "",
                   "| configuration | seed | run | run s | accuracy per epoch | epoch s |", "|---|---|---|---|---|---|"]
         for t in traces:
@@ -511,7 +358,8 @@ def run_outer_section(seeds, digits_epochs: int, cifar_epochs: int) -> str:
     local stack brought up for the section and stopped (by pid) however it ends; the markdown."""
     epochs = {OUTER_SETUPS[0].label: digits_epochs, OUTER_SETUPS[1].label: cifar_epochs}
     results: dict[str, list[PoolRun]] = {s.label: [] for s in OUTER_SETUPS}
-    with local_stack("zooid-bench-outer-") as (home, ran):
+    ran: list[PoolRun] = []
+    with scratch("outer", keep=lambda: not all(t.ok for t in ran)) as home, local_stack(home):
         for setup in OUTER_SETUPS:
             for seed in seeds:
                 for config in OUTER_CONFIGS:
@@ -523,38 +371,6 @@ def run_outer_section(seeds, digits_epochs: int, cifar_epochs: int) -> str:
                           f"epoch {e or 'not reached'} {s:.1f} s {b / 1e6:.2f} MB final "
                           f"{t.accuracy[-1] if t.accuracy else math.nan:.3f} run {t.run_s:.0f} s", flush=True)
     return render_outer(results, epochs, seeds)
-
-
-@contextmanager
-def local_stack(prefix: str):
-    """A local stack (`deployments.stack.up`: Prefect server on a free port, the `zooid-local`
-    pool and its worker, `train/local`) under a temporary home, its API set in this process;
-    yields (home, runs): append each `PoolRun` to `runs`. Stopped (by pid) however the block
-    ends; the home is removed when every run in `runs` ended well, kept for a look otherwise."""
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    from deployments.server import free_port
-    from deployments.stack import down, up
-
-    home = Path(tempfile.mkdtemp(prefix=prefix))
-    saved = dict(os.environ)
-    runs: list[PoolRun] = []
-    clean = False
-    try:
-        # any free port, never the stack's preferred 4200, so a developer's `make up` keeps it
-        state = up(home=home, port=free_port(0))
-        os.environ.update(state["env"])
-        with temporary_settings(updates={PREFECT_API_URL: state["api_url"]}):
-            yield home, runs
-        clean = all(t.ok for t in runs)
-    finally:
-        down(home)
-        os.environ.clear()
-        os.environ.update(saved)
-        if clean:
-            shutil.rmtree(home, ignore_errors=True)
-        else:
-            print(f"the stack's home (logs, store) is kept for a look: {home}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -587,8 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     traces: list[Trace] = []
     if args.only != "outer":
         warm_up()
-        root = Path(tempfile.mkdtemp(prefix="zooid-bench-lsgd-"))
-        try:
+        with scratch("lsgd") as root:
             for seed in args.seeds:
                 # Interleaved by seed, so a burst of load from other jobs hits every configuration.
                 for period in (1, 4, None):
@@ -599,8 +414,6 @@ def main(argv: list[str] | None = None) -> int:
                     e, s, b = t.totals(args.target)
                     print(f"seed {seed} {t.name:28s} epochs {e or 'not reached'} {s:.2f} s {b / 1e6:.1f} MB",
                           flush=True)
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
     outer = (run_outer_section(args.seeds, args.outer_epochs, args.cifar_epochs)
              if args.outer_epochs and args.only != "threads" else "")
     command = command_for("benchmarks.bench_local_sgd", flags=[

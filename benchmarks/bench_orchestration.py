@@ -48,17 +48,20 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import time
 from pathlib import Path
 
 from torch import nn
 
+from benchmarks.harness.home import REPO, scratch
+from benchmarks.harness.overhead import DETAIL, epoch_rows, summarise_rows
+from benchmarks.harness.stack import local_stack, pool_summary
+from benchmarks.harness.tables import fmt, pct
+from benchmarks.harness.train import DIGITS_BATCH, DIGITS_LR, digits_job, run_train
 from benchmarks.output import provenance, write_result
 
 RESULTS = Path(__file__).resolve().parent / "results" / "orchestration.md"
 TITLE = "Orchestration overhead per epoch: warm vs cold workers, inline and process pool"
-MACHINE_DETAIL = "more workers than cores wait for CPU, which lands in both busy and overhead"
 
 DEFAULT_WORKERS = [1, 2, 4, 8]
 DEFAULT_EPOCHS = 3
@@ -76,8 +79,8 @@ LONG_EPOCHS = 3
 
 WHOLE_WORKERS = 2
 WHOLE_EPOCHS = 20
-WHOLE_BATCH = 16
-WHOLE_LR = 0.05
+WHOLE_BATCH = DIGITS_BATCH
+WHOLE_LR = DIGITS_LR
 
 
 # --- the long epoch's model: imported by worker processes, so this module stays light ----
@@ -95,104 +98,19 @@ def long_mlp(in_features: int = 64, hidden: int = LONG_HIDDEN, classes: int = 10
 
 # --- jobs and the two targets ------------------------------------------------------------
 
-def job_params(workers: int, epochs: int, warm: bool, **overrides) -> dict:
-    """The benchmark's job: digits, Local-SGD once per epoch, batch 16, fixed worker count."""
-    return {"model": "digits_mlp", "dataset": "digits", "workers": workers, "epochs": epochs,
-            "batch_size": WHOLE_BATCH, "lr": WHOLE_LR, "optimizer": "momentum", "strategy": "local_sgd",
-            "scaling": "static", "seed": 0, "warm": warm, **overrides}
-
-
 def long_params(samples: int, batch: int, epochs: int = LONG_EPOCHS) -> dict:
     """The long-epoch job: `long_mlp` on synthetic data, 2 warm workers."""
-    return job_params(LONG_WORKERS, epochs, True, model=LONG_MODEL,
+    return digits_job(LONG_WORKERS, epochs, True, model=LONG_MODEL,
                       dataset=f"synthetic:64:10:{samples}:{LONG_VAL}", batch_size=batch)
 
 
-def _param_text(v) -> str:
-    return json.dumps(v) if isinstance(v, bool) else str(v)
-
-
-def run_inline(params: dict, stack_env: dict, home: Path, timeout_s: float = 900) -> dict:
-    """`python -m flows.train` (target inline) against the stack's server, store under
-    `home`; returns the run's summary plus `wall_s` (the subprocess, spawn to exit)."""
-    import subprocess
-    import sys
-
-    from deployments.stack import ROOT
-
-    out = home / f"summary-{time.time_ns()}.json"
-    argv = [sys.executable, "-m", "flows.train", "--summary-out", str(out), "--param", "target=inline"]
-    argv += [a for k, v in params.items() for a in ("--param", f"{k}={_param_text(v)}")]
-    env = {**os.environ, **stack_env, "ZOOID_HOME": str(home)}
-    began = time.time()
-    proc = subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
-    wall = time.time() - began
-    if proc.returncode != 0:
-        raise RuntimeError(f"inline run failed ({proc.returncode}): {proc.stderr[-3000:]}")
-    summary = json.loads(out.read_text())
-    summary["wall_s"] = wall
-    return summary
-
-
-def run_pool(params: dict, home: Path, timeout_s: float = 900) -> dict:
-    """`train/local` on the stack's process pool (the stack must be up under `home`).
-
-    Returns the run's summary (from the store) plus timings: `submitted_at` (just before
-    `run_deployment`), `seen_final_at` (the first poll, every 0.1 s, that found the flow run
-    final), and the flow run's own `flow_start_at` / `flow_end_at` from Prefect."""
-    from deployments.stack import read_state, run_and_wait
-
-    state = read_state(home)
-    if state is None:
-        raise RuntimeError(f"no stack up under {home}")
-    os.environ.update(state["env"])
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    with temporary_settings(updates={PREFECT_API_URL: state["api_url"]}):
-        summary = run_and_wait({**params, "target": "local"}, timeout_s, poll_s=0.1)
-    if summary.get("flow_run_state") != "COMPLETED" or summary.get("status") == "failed":
-        raise RuntimeError(f"pool run ended {summary.get('flow_run_state')} / {summary.get('status')}: "
-                           f"{summary.get('error')}")
-    return summary
-
-
-# --- per-epoch figures -------------------------------------------------------------------
-
-def busy_s(e: dict) -> float:
-    """The slowest worker's compute + sync seconds of epoch summary `e`."""
-    b = e.get("critical_busy_s")
-    if b is None:
-        if e.get("compute_s") is None or e.get("sync_s") is None:
-            raise RuntimeError(f"epoch {e.get('epoch')}: the summary has neither critical_busy_s nor compute_s/sync_s")
-        b = float(e["compute_s"]) + float(e["sync_s"])
-    return float(b)
-
-
-def epoch_rows(target: str, mode: str, summary: dict) -> list[dict]:
-    """One row per epoch of a run: wall, busy, overhead, share, and (warm) how many of the
-    epoch's worker processes were not there the epoch before."""
-    rows, before = [], None
-    for e in sorted(summary["epochs"], key=lambda e: e["epoch"]):
-        wall, busy = float(e["seconds"]), busy_s(e)
-        pids = set((e.get("worker_pids") or {}).values()) - {None}
-        new = (len(pids - before) if before is not None else len(pids)) if pids else None
-        before = pids if pids else None
-        rows.append({"target": target, "mode": mode, "workers": e["workers"], "epoch": e["epoch"],
-                     "wall_s": wall, "busy_s": busy, "overhead_s": wall - busy,
-                     "share": (wall - busy) / wall if wall > 0 else float("nan"),
-                     "new_procs": new, "val_accuracy": e.get("val_accuracy")})
-    return rows
-
-
-def summarise_rows(rows: list[dict]) -> dict:
-    """Epoch 0's overhead, and medians over epochs 1.. (None where the run had one epoch)."""
-    first = [r for r in rows if r["epoch"] == 0]
-    later = [r for r in rows if r["epoch"] >= 1]
-    med = (lambda k: statistics.median(r[k] for r in later)) if later else (lambda k: None)
-    return {"epoch0_overhead_s": first[0]["overhead_s"] if first else None,
-            "epoch0_wall_s": first[0]["wall_s"] if first else None,
-            "overhead_s": med("overhead_s"), "wall_s": med("wall_s"), "share": med("share"),
-            "epochs_after_first": len(later)}
+def run_inline(params: dict, home: Path, timeout_s: float = 900) -> dict:
+    """`python -m flows.train` (target inline) against the stack's server (its environment is
+    this process's), store under `home`; returns the run's summary plus `wall_s` (the
+    subprocess, spawn to exit)."""
+    run = run_train({"target": "inline", **params}, home / f"summary-{time.time_ns()}.json",
+                    env={**os.environ, "ZOOID_HOME": str(home)}, timeout_s=timeout_s)
+    return {**run.summary, "wall_s": run.wall_s}
 
 
 # --- plain PyTorch, for the whole-run comparison ----------------------------------------
@@ -240,12 +158,10 @@ def run_plain(epochs: int, batch_size: int, lr: float) -> dict:
     import subprocess
     import sys
 
-    from deployments.stack import ROOT
-
     argv = [sys.executable, "-m", "benchmarks.bench_orchestration", "--plain", str(epochs),
             "--plain-batch", str(batch_size), "--plain-lr", str(lr)]
     began = time.time()
-    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600)
     wall = time.time() - began
     if proc.returncode != 0:
         raise RuntimeError(f"plain run failed ({proc.returncode}): {proc.stderr[-2000:]}")
@@ -255,14 +171,6 @@ def run_plain(epochs: int, batch_size: int, lr: float) -> dict:
 
 
 # --- report ------------------------------------------------------------------------------
-
-def _f(x, fmt: str = "{:.2f}", none: str = "-") -> str:
-    return none if x is None else fmt.format(x)
-
-
-def _pct(x) -> str:
-    return _f(None if x is None else 100 * x, "{:.1f} %")
-
 
 def render(rows: list[dict], long_rows: list[dict] | None, long_info: dict | None, whole: dict | None,
            epochs: int) -> str:
@@ -296,7 +204,7 @@ def render(rows: list[dict], long_rows: list[dict] | None, long_info: dict | Non
         else:
             ok = s["share"] <= GOAL_LONG_SHARE
             lines.append(f"Goal (long epoch, overhead <= {100 * GOAL_LONG_SHARE:.0f} % of wall, median "
-                         f"from epoch 1 on): **{'met' if ok else 'missed'}**, {_pct(s['share'])}.")
+                         f"from epoch 1 on): **{'met' if ok else 'missed'}**, {pct(s['share'])}.")
     lines += ["", "## Summary", "",
               "Epoch 0 separately (a warm run starts its workers there); the rest are medians over "
               "epochs 1.. . cold / warm = cold's median overhead over warm's, same target and workers.", "",
@@ -313,8 +221,8 @@ def render(rows: list[dict], long_rows: list[dict] | None, long_info: dict | Non
                     wm = stats.get((target, "warm", w))
                     if wm and wm["overhead_s"] and s["overhead_s"] is not None and wm["overhead_s"] > 0:
                         ratio = f"{s['overhead_s'] / wm['overhead_s']:.1f}x"
-                lines.append(f"| {target} | {w} | {mode} | {_f(s['epoch0_overhead_s'])} | {_f(s['overhead_s'])} | "
-                             f"{_f(s['wall_s'])} | {_pct(s['share'])} | {ratio} |")
+                lines.append(f"| {target} | {w} | {mode} | {fmt(s['epoch0_overhead_s'])} | {fmt(s['overhead_s'])} | "
+                             f"{fmt(s['wall_s'])} | {pct(s['share'])} | {ratio} |")
     lines += ["", "## Every epoch", "",
               "new procs = worker processes (by pid) not present the epoch before (warm runs only; "
               "0 means every rank was served by the same process as before).", "",
@@ -327,10 +235,10 @@ def render(rows: list[dict], long_rows: list[dict] | None, long_info: dict | Non
                   f"Model `{LONG_MODEL}` ({long_info['params']:,} parameters), dataset "
                   f"`{long_info['params_job']['dataset']}`, batch {long_info['params_job']['batch_size']} per "
                   f"worker, {LONG_WORKERS} warm workers on the pool, {long_info['params_job']['epochs']} epochs. "
-                  f"Median from epoch 1 on: overhead {_f(long_info['stats']['overhead_s'])} s of "
-                  f"{_f(long_info['stats']['wall_s'])} s wall, share {_pct(long_info['stats']['share'])}; "
-                  f"epoch 0 overhead {_f(long_info['stats']['epoch0_overhead_s'])} s "
-                  f"of {_f(long_info['stats']['epoch0_wall_s'])} s.", "",
+                  f"Median from epoch 1 on: overhead {fmt(long_info['stats']['overhead_s'])} s of "
+                  f"{fmt(long_info['stats']['wall_s'])} s wall, share {pct(long_info['stats']['share'])}; "
+                  f"epoch 0 overhead {fmt(long_info['stats']['epoch0_overhead_s'])} s "
+                  f"of {fmt(long_info['stats']['epoch0_wall_s'])} s.", "",
                   "| target | mode | workers | epoch | wall s | busy s | overhead s | share | new procs | val acc |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         lines += [_row(r) for r in long_rows or []]
@@ -350,24 +258,24 @@ def render(rows: list[dict], long_rows: list[dict] | None, long_info: dict | Non
                   "| | seconds | / plain process |", "|---|---|---|",
                   f"| Zooid: submit `train/local` -> flow run seen final (0.1 s polls) | {submit_done:.2f} | "
                   f"{submit_done / p['wall_s']:.1f}x |",
-                  f"| Zooid: flow run start -> end (Prefect's timestamps) | {_f(flow)} | "
-                  f"{_f(None if flow is None else flow / p['wall_s'], '{:.1f}x')} |",
+                  f"| Zooid: flow run start -> end (Prefect's timestamps) | {fmt(flow)} | "
+                  f"{fmt(None if flow is None else flow / p['wall_s'], '{:.1f}x')} |",
                   f"| Zooid: submit -> flow run start (queue, worker poll, process start) | "
-                  f"{_f(z['flow_start_at'] - z['submitted_at'] if z['flow_start_at'] else None)} | |",
+                  f"{fmt(z['flow_start_at'] - z['submitted_at'] if z['flow_start_at'] else None)} | |",
                   f"| Zooid: sum of the {len(z['epochs'])} epochs' wall | {in_epochs:.2f} | |",
                   f"| Plain PyTorch: process spawn -> exit (imports included) | {p['wall_s']:.2f} | 1.0x |",
                   f"| Plain PyTorch: data + model setup in the process | {p['setup_s']:.2f} | |",
                   f"| Plain PyTorch: training loop (+ validation) | {p['loop_s']:.2f} | |",
                   "",
-                  f"Final validation accuracy: Zooid {_f(z.get('final_accuracy'), '{:.3f}')}, plain PyTorch "
-                  f"{_f(p['val_accuracy'], '{:.3f}')}."]
+                  f"Final validation accuracy: Zooid {fmt(z.get('final_accuracy'), '{:.3f}')}, plain PyTorch "
+                  f"{fmt(p['val_accuracy'], '{:.3f}')}."]
     return "\n".join(lines) + "\n"
 
 
 def _row(r: dict) -> str:
     return (f"| {r['target']} | {r['mode']} | {r['workers']} | {r['epoch']} | {r['wall_s']:.2f} | "
-            f"{r['busy_s']:.2f} | {r['overhead_s']:.2f} | {_pct(r['share'])} | "
-            f"{_f(r['new_procs'], '{}')} | {_f(r['val_accuracy'], '{:.3f}')} |")
+            f"{r['busy_s']:.2f} | {r['overhead_s']:.2f} | {pct(r['share'])} | "
+            f"{fmt(r['new_procs'], '{}')} | {fmt(r['val_accuracy'], '{:.3f}')} |")
 
 
 def _print_rows(label: str, rows: list[dict]) -> None:
@@ -398,48 +306,32 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(plain_pytorch(args.plain, args.plain_batch, args.plain_lr)))
         return 0
 
-    import shutil
-    import socket
-    import tempfile
-
-    from deployments.stack import down, up
-
     prov = provenance()
-    base = Path(tempfile.mkdtemp(prefix="zooid-bench-orch-"))
-    stack_home, inline_home = base / "stack", base / "inline"
-    inline_home.mkdir(parents=True)
     rows: list[dict] = []
     long_rows = long_info = whole = None
-    # Any free port, never the stack's preferred 4200, so a developer's `make up` keeps it.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    state = up(home=stack_home, port=port)
-    try:
+    with scratch("orch", keep=args.keep) as base, local_stack(base / "stack"):
+        inline_home = base / "inline"
+        inline_home.mkdir(parents=True)
         for w in args.workers:
             for mode in ("warm", "cold"):
-                params = job_params(w, args.epochs, warm=mode == "warm")
+                params = digits_job(w, args.epochs, warm=mode == "warm")
                 for target in ("inline", "pool"):
-                    summary = (run_inline(params, state["env"], inline_home) if target == "inline"
-                               else run_pool(params, stack_home))
+                    summary = run_inline(params, inline_home) if target == "inline" else pool_summary(params)
                     got = epoch_rows(target, mode, summary)
                     rows += got
                     _print_rows(f"{target:6s} {mode} workers={w}", got)
         if not args.no_long:
             params = long_params(args.long_samples, args.long_batch)
-            summary = run_pool(params, stack_home, timeout_s=1800)
-            long_rows = epoch_rows("pool", "warm", summary)
+            long_rows = epoch_rows("pool", "warm", pool_summary(params, timeout_s=1800))
             _print_rows("long   warm workers=2", long_rows)
             long_info = {"params_job": params, "stats": summarise_rows(long_rows),
                          "params": sum(p.numel() for p in long_mlp().parameters())}
         if not args.no_whole_run:
-            zooid = run_pool(job_params(WHOLE_WORKERS, WHOLE_EPOCHS, warm=True), stack_home, timeout_s=1800)
+            zooid = pool_summary(digits_job(WHOLE_WORKERS, WHOLE_EPOCHS, warm=True), timeout_s=1800)
             plain = run_plain(WHOLE_EPOCHS, WHOLE_WORKERS * WHOLE_BATCH, WHOLE_LR)
             whole = {"zooid": zooid, "plain": plain}
             print(f"whole run: zooid {zooid['seen_final_at'] - zooid['submitted_at']:.2f} s, "
                   f"plain {plain['wall_s']:.2f} s", flush=True)
-    finally:
-        down(stack_home)
     command = ".venv/bin/python -m benchmarks.bench_orchestration"
     if args.workers != DEFAULT_WORKERS:
         command += f" --workers {' '.join(map(str, args.workers))}"
@@ -455,11 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out.resolve() != RESULTS:
         command += f" --out {args.out}"
     write_result(args.out, TITLE, command, prov, render(rows, long_rows, long_info, whole, args.epochs),
-                 detail=MACHINE_DETAIL, echo=True)
-    if args.keep:
-        print(f"scratch kept in {base}")
-    else:
-        shutil.rmtree(base, ignore_errors=True)
+                 detail=DETAIL, echo=True)
     return 0
 
 

@@ -41,19 +41,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.harness.home import REPO, scratch
+from benchmarks.harness.stack import local_stack
+from benchmarks.harness.tables import median
+from benchmarks.harness.train import run_train
 from benchmarks.output import command_for, provenance, write_result
+from core.keys import ledger_key
 
 RESULTS = Path(__file__).resolve().parent / "results" / "peers.md"
 TITLE = "Ahead of Ray Train? The same job, side by side"
-REPO = Path(__file__).resolve().parent.parent
 WHEELS = REPO / "worker_images" / "wheels"
 RAY_VERSION = "2.60.0"
 RAY_POLL_S = 0.1
@@ -157,13 +159,13 @@ def _result(stdout: str) -> dict:
     return json.loads(line.removeprefix("RESULT "))
 
 
-def run_script(python: Path, code: str, env: dict, scratch: Path) -> dict:
-    """A driver script (Ray's or plain PyTorch's): its wall, first step and epochs."""
-    script = scratch / "driver.py"
+def run_script(python: Path, code: str, env: dict, folder: Path) -> dict:
+    """A driver script (Ray's or plain PyTorch's), run in `folder`: its wall, first step and epochs."""
+    script = folder / "driver.py"
     script.write_text(code)
     began = time.time()
     proc = subprocess.run([str(python), str(script), json.dumps(JOB)], env=env, capture_output=True,
-                          text=True, timeout=900, cwd=scratch)
+                          text=True, timeout=900, cwd=folder)
     wall = time.time() - began
     if proc.returncode:
         raise RuntimeError(f"{script} failed: {proc.stderr[-2000:]}")
@@ -173,22 +175,14 @@ def run_script(python: Path, code: str, env: dict, scratch: Path) -> dict:
 
 def run_zooid(home: Path, collective: str) -> dict:
     """One `python -m flows.train` command on `home` (fresh or as an earlier run left it)."""
-    summary_path = home / "summary.json"
     params = {**JOB, "target": "inline", "sync_period": 1, "collective": collective, "store": f"file://{home}/store"}
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
     env.update(ZOOID_HOME=str(home / "zooid"), PREFECT_HOME=str(home / "prefect"))
-    began = time.time()
-    proc = subprocess.run([sys.executable, "-m", "flows.train", *[a for k, v in params.items()
-                                                                  for a in ("--param", f"{k}={v}")],
-                           "--summary-out", str(summary_path)], env=env, capture_output=True, text=True,
-                          timeout=900, cwd=REPO)
-    wall = time.time() - began
-    if proc.returncode:
-        raise RuntimeError(f"zooid run failed: {proc.stderr[-2000:]}")
-    summary = json.loads(summary_path.read_text())
-    ledger = json.loads((home / "store" / "runs" / summary["run_id"] / "cost.json").read_text())
+    run = run_train(params, home / "summary.json", env=env)
+    summary = run.summary
+    ledger = json.loads((home / "store" / ledger_key(summary["run_id"])).read_text())
     first = first_step_at(ledger)
-    return {"wall_s": wall, "to_first_step_s": first - began if first else None,
+    return {"wall_s": run.wall_s, "to_first_step_s": first - run.began if first else None,
             "epochs": _epochs(summary["epochs"]), "profile": summary["plan"].get("profile_sources")}
 
 
@@ -236,28 +230,22 @@ ROWS = ("Ray Train", "Zooid ring, first run", "Zooid ring, cached profile", "Zoo
 STACK_ROWS = ("Zooid on the running stack, first run", "Zooid on the running stack, cached profile")
 
 
-def stack_rounds(scratch: Path, rounds: int) -> list[dict[str, dict]]:
+def stack_rounds(folder: Path, rounds: int) -> list[dict[str, dict]]:
     """`rounds` pairs of deployment runs (fresh store, then the same store) on one local stack
     (`deployments.stack.up`, scratch home), started before and stopped after."""
-    from deployments import stack
-
-    home = scratch / "stack"
-    stack.up(home=home)
-    try:
-        out = []
+    home, out = folder / "stack", []
+    with local_stack(home):
         for k in range(rounds):
-            store = scratch / f"stack-store-{k}"
+            store = folder / f"stack-store-{k}"
             out.append({row: run_on_stack(home, store) for row in STACK_ROWS})
             print(f"stack round {k}: " + ", ".join(f"{row} {r['to_first_step_s']:.1f} s to first step"
                                                    for row, r in out[-1].items()), flush=True)
-        return out
-    finally:
-        stack.down(home)
+    return out
 
 
-def one_round(scratch: Path, ray_py: Path, k: int) -> dict[str, dict]:
+def one_round(folder: Path, ray_py: Path, k: int) -> dict[str, dict]:
     out = {}
-    ray_dir = scratch / f"ray-{k}"
+    ray_dir = folder / f"ray-{k}"
     ray_dir.mkdir()
     (ray_dir / "tmp").mkdir()
     env = {"PATH": os.environ.get("PATH", ""), "HOME": str(ray_dir), "PYTHONPATH": str(REPO),
@@ -266,20 +254,15 @@ def one_round(scratch: Path, ray_py: Path, k: int) -> dict[str, dict]:
            "OMP_NUM_THREADS": "1"}
     out["Ray Train"] = run_script(ray_py, RAY_DRIVER, env, ray_dir)
     for collective in ("ring", "store"):
-        home = scratch / f"zooid-{collective}-{k}"
+        home = folder / f"zooid-{collective}-{k}"
         home.mkdir()
         out[f"Zooid {collective}, first run"] = run_zooid(home, collective)
         out[f"Zooid {collective}, cached profile"] = run_zooid(home, collective)
-    plain_dir = scratch / f"plain-{k}"
+    plain_dir = folder / f"plain-{k}"
     plain_dir.mkdir()
     out["plain PyTorch, 1 process"] = run_script(Path(sys.executable), PLAIN,
                                                  {**os.environ, "PYTHONPATH": str(REPO)}, plain_dir)
     return out
-
-
-def _med(values) -> float | None:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
 
 
 def _s(x) -> str:
@@ -292,9 +275,9 @@ def render(rounds: list[dict[str, dict]], stack: list[dict[str, dict]]) -> str:
     rows = ROWS + (STACK_ROWS if stack else ())
     for row in rows:
         runs = [r[row] for r in rounds]
-        stats[row] = {"wall": _med(r["wall_s"] for r in runs), "first": _med(r["to_first_step_s"] for r in runs),
-                      "epochs": _med(statistics.mean(e["seconds"] for e in r["epochs"][1:4]) for r in runs),
-                      "acc": _med(r["epochs"][-1]["val_accuracy"] for r in runs)}
+        stats[row] = {"wall": median(r["wall_s"] for r in runs), "first": median(r["to_first_step_s"] for r in runs),
+                      "epochs": median(statistics.mean(e["seconds"] for e in r["epochs"][1:4]) for r in runs),
+                      "acc": median(r["epochs"][-1]["val_accuracy"] for r in runs)}
     lines = ["| | whole command | to first step | epochs 1-3 (mean) | final accuracy |", "|---|---|---|---|---|"]
     for row in rows:
         s = stats[row]
@@ -337,25 +320,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-stack", action="store_true", help="leave out the rows on a running local stack")
     args = parser.parse_args(argv)
     prov = provenance()
-    scratch = args.scratch or Path(tempfile.mkdtemp(prefix="zooid-peers-"))
-    scratch.mkdir(parents=True, exist_ok=True)
-    try:
-        ray_py = ray_python(scratch)
+    with scratch("peers", keep=args.keep, folder=args.scratch) as folder:
+        ray_py = ray_python(folder)
         rounds = []
         for k in range(args.rounds):
-            rounds.append(one_round(scratch, ray_py, k))
+            rounds.append(one_round(folder, ray_py, k))
             print(f"round {k}: " + ", ".join(f"{row} {r['wall_s']:.1f} s" for row, r in rounds[-1].items()),
                   flush=True)
-        stack = stack_rounds(scratch, args.rounds) if not args.no_stack else []
+        stack = stack_rounds(folder, args.rounds) if not args.no_stack else []
         body = (f"Job: {json.dumps(JOB)}; every step averaged (Zooid `sync_period=1`, Ray DDP); "
                 f"Ray {RAY_VERSION}, controller poll {RAY_POLL_S} s; {args.rounds} rounds, interleaved; "
                 "medians over the rounds. Method: the module docstring of `benchmarks/bench_peers.py`.\n\n"
                 + render(rounds, stack))
         write_result(args.out, TITLE, command_for("benchmarks.bench_peers", argv), prov, body)
         print(body)
-    finally:
-        if not args.keep and args.scratch is None:
-            shutil.rmtree(scratch, ignore_errors=True)
     return 0
 
 

@@ -21,12 +21,12 @@ import argparse
 import math
 import platform
 import random
-import statistics
 import time
 from pathlib import Path
 
 import numpy as np
 
+from benchmarks.harness.tables import median
 from benchmarks.output import command_for, provenance, write_result
 from planners.hybrid import HybridProblem, best_candidate, plan_hybrid
 from planners.partition import (PartitionProblem, PipelineLayer, best_of, cut_times,
@@ -46,7 +46,7 @@ def timed(fn, repeats: int):
         start = time.process_time()
         result = fn()
         times.append(time.process_time() - start)
-    return statistics.median(times), result
+    return median(times), result
 
 
 # --- partition -----------------------------------------------------------------------------
@@ -233,7 +233,7 @@ def bench_provision(repeats: int, instances: int) -> list[str]:
             elif theirs.cost > exact.cost * (1 + 1e-9):
                 costlier += 1
                 excess.append(theirs.cost / exact.cost - 1)
-        ex = (f"{100 * statistics.median(excess):.1f} % / {100 * max(excess):.1f} %"
+        ex = (f"{100 * median(excess):.1f} % / {100 * max(excess):.1f} %"
               if excess else "-")
         rows.append(f"| {mode} | 3 types x 256 workers x all PS counts | {1000 * t:.1f} | "
                     f"{instances} | {feasible} | {none} | {costlier} | {ex} |")

@@ -2,12 +2,12 @@
 
 One run brings up a local stack (`deployments.stack.up` on a free port in a scratch home, so
 the durable store and its caches start empty) and runs `train/local` on the `zooid-local`
-process pool (`benchmarks.bench_orchestration.run_pool`) for every configuration:
+process pool (`benchmarks.harness.stack.pool_summary`) for every configuration:
 
 - models: `digits_mlp` and `digits_cnn` (registry names) and
   `benchmarks.prediction_models:wide_mlp` (known only by its import path), on `digits`;
   batch 16 per replica, SGD momentum 0.9, lr 0.05, seed 0, warm workers, static scaling
-  (`bench_orchestration.job_params`), `--epochs` epochs (default 5);
+  (`benchmarks.harness.train.digits_job`), `--epochs` epochs (default 5);
 - plans: Local-SGD 2x1 (`strategy=local_sgd`, 2 workers, averaged once per epoch) and
   pipeline 1x2 (`strategy=pipeline`, 1 replica, `stages=2`, the planner's micro-batches and
   schedule): two worker processes on the machine's two cores;
@@ -47,32 +47,25 @@ The GPU figures have a results file of their own, taken with no CPU model (`GPU_
 
     .venv/bin/python -m benchmarks.bench_prediction [--models M ...] [--epochs 5] [--repeats 2]
         [--gpu] [--out PATH] [--keep]
-
-The end of this module keeps the instrumented worker entry (`install_timers`,
-`worker_main`, `run_workers`) that `benchmarks.bench_bubble` times pipeline stages with.
 """
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import statistics
 import subprocess
-import sys
-import time
 from pathlib import Path
 
+from benchmarks.harness.home import REPO, scratch
+from benchmarks.harness.stack import local_stack, pool_summary
+from benchmarks.harness.tables import fmt, median
+from benchmarks.harness.train import digits_job
 from benchmarks.output import command_for, provenance, write_result
-from engine.iteration_clock import WARMUP
 
-REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "prediction.md"
 GPU_RESULTS = REPO / "benchmarks" / "results" / "prediction_gpu.md"
 GPU_COMMAND = f".venv/bin/python -m benchmarks.bench_prediction --models --gpu --out {GPU_RESULTS.relative_to(REPO)}"
 """The GPU figures alone, in a results file of their own (a CUDA machine runs no CPU model here)."""
 TITLE = "Profiling and prediction: epoch wall and run cost, predicted vs measured"
-WARMUP_ITERATIONS = WARMUP  # as the workers' own clocks
 
 CPU_MODELS = ("digits_mlp", "digits_cnn", "benchmarks.prediction_models:wide_mlp")
 GPU_MODELS = ("resnet18", "vgg11")
@@ -92,22 +85,20 @@ PROFILE_LINE = re.compile(
 
 def configurations(models: list[str], gpu: bool, epochs: int) -> list[dict]:
     """Each model as Local-SGD 2x1 and pipeline 1x2 (CPU), or Local-SGD 1x1 (GPU)."""
-    from benchmarks.bench_orchestration import job_params
-
     out = []
     for model in models:
         out.append({"model": model, "plan": "local_sgd 2x1", "device": "cpu",
-                    "params": job_params(2, epochs, True, model=model)})
+                    "params": digits_job(2, epochs, True, model=model)})
         out.append({"model": model, "plan": "pipeline 1x2", "device": "cpu",
-                    "params": job_params(1, epochs, True, model=model, strategy="pipeline", stages=2)})
+                    "params": digits_job(1, epochs, True, model=model, strategy="pipeline", stages=2)})
     if models:  # a policy that adds workers as it goes: 1 -> 2 -> 4 replicas
         out.append({"model": ADABATCH_MODEL, "plan": "adabatch 1->4", "device": "cpu",
-                    "params": job_params(1, epochs, True, model=ADABATCH_MODEL, scaling="adabatch", max_workers=4,
+                    "params": digits_job(1, epochs, True, model=ADABATCH_MODEL, scaling="adabatch", max_workers=4,
                                          scale_every_epochs=1)})
     if gpu:
         for model in GPU_MODELS:
             out.append({"model": model, "plan": "local_sgd 1x1", "device": "cuda",
-                        "params": job_params(1, epochs, True, model=model, dataset=GPU_DATASET,
+                        "params": digits_job(1, epochs, True, model=model, dataset=GPU_DATASET,
                                              batch_size=GPU_BATCH)})
     return out
 
@@ -139,8 +130,8 @@ def run_record(cfg: dict, index: int, summary: dict) -> dict:
         "run_id": summary["run_id"], "status": summary["status"], "planned": f"{plan.get('strategy')} "
         f"{plan.get('data_parallel')}x{plan.get('stages')}" + (f" {plan.get('pipeline_schedule')} M={plan.get('microbatches')}"
                                                                if plan.get("stages", 1) > 1 else ""),
-        "epoch_error": statistics.median(epoch_errors) if epoch_errors else None,
-        "wall_s": statistics.median(e["seconds"] for e in later) if later else None,
+        "epoch_error": median(epoch_errors),
+        "wall_s": median(e["seconds"] for e in later),
         "predicted_cost": plan.get("predicted_run_cost_usd"), "billed": billed,
         "cost_error": _rel(plan.get("predicted_run_cost_usd"), billed),
         "first_pred_s": first_pred, "first_meas_s": first_meas,
@@ -151,7 +142,7 @@ def run_record(cfg: dict, index: int, summary: dict) -> dict:
         "first_miss_usd": (first_meas - first_pred) * (int(plan.get("workers") or 0) + 1) * price
         if first_pred is not None and first_meas is not None else None,
         "iteration0_error": _rel(e0.get("predicted_iteration_s"), e0.get("measured_iteration_s")),
-        "iteration_error": _median(abs(x) for x in (_rel(e.get("predicted_iteration_s"), e.get("measured_iteration_s"))
+        "iteration_error": median(abs(x) for x in (_rel(e.get("predicted_iteration_s"), e.get("measured_iteration_s"))
                                                     for e in later) if x is not None),
         "predicted_run_s": plan.get("predicted_run_s"), "flow_s": flow_s,
         "terms": {k: terms.get(k) for k in ("startup_s", "provision_s", "warmup_s", "epoch_overhead_s",
@@ -171,7 +162,7 @@ def run_record(cfg: dict, index: int, summary: dict) -> dict:
 
 def ledger_startups(summary: dict) -> list[float]:
     """Each worker's billed start-up seconds (launch to ready) from the run's ledger, by rank:
-    the `ledger` (cost.json) that `run_pool` read from the run's own durable store."""
+    the `ledger` (cost.json) that `pool_summary` read from the run's own durable store."""
     rows = (summary.get("ledger") or {}).get("rows")
     if rows is None:
         raise KeyError(f"no ledger for {summary.get('run_id')}")
@@ -213,15 +204,10 @@ def profile_lines(api_url: str, run_ids: list[str]) -> dict[str, dict]:
 
 # --- summary -------------------------------------------------------------------------------
 
-def _median(values):
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
-
-
 def goal_stats(records: list[dict], key: str, goal: float) -> dict:
     """Median and worst |error| over runs and how many are within `goal`."""
     errors = [abs(r[key]) for r in records if r.get(key) is not None]
-    return {"n": len(errors), "median": _median(errors), "max": max(errors) if errors else None,
+    return {"n": len(errors), "median": median(errors), "max": max(errors) if errors else None,
             "within": sum(e <= goal for e in errors)}
 
 
@@ -236,8 +222,8 @@ def noise_floor(records: list[dict]) -> list[dict]:
             continue
         d = lambda a, b: abs(a - b) / ((a + b) / 2) if a + b > 0 else None
         out.append({"model": cfg[0], "plan": cfg[1], "pairs": len(pairs),
-                    "wall": _median(d(a["wall_s"], b["wall_s"]) for a, b in pairs),
-                    "bill": _median(d(a["billed"], b["billed"]) for a, b in pairs),
+                    "wall": median(d(a["wall_s"], b["wall_s"]) for a, b in pairs),
+                    "bill": median(d(a["billed"], b["billed"]) for a, b in pairs),
                     "walls": [r["wall_s"] for r in reps], "bills": [r["billed"] for r in reps]})
     return out
 
@@ -292,10 +278,6 @@ def before_section() -> list[str]:
 
 
 # --- report --------------------------------------------------------------------------------
-
-def _f(x, fmt: str = "{:.2f}") -> str:
-    return "-" if x is None else fmt.format(x)
-
 
 def _pct(x, signed: bool = False) -> str:
     return "-" if x is None else (f"{100 * x:+.1f} %" if signed else f"{100 * x:.1f} %")
@@ -363,19 +345,19 @@ def render(records: list[dict], failures: list[dict], epochs: int, repeats: int,
                          f"{stats['within']} within {100 * GOAL_COST:.0f} %).")
     if noise:
         lines.append(f"- Noise floor, the same run repeated (consecutive runs after the first of each configuration): the measured median "
-                     f"epoch wall differs by a median {_pct(_median(n['wall'] for n in noise))} (max "
-                     f"{_pct(max(n['wall'] for n in noise))}) and the bill by {_pct(_median(n['bill'] for n in noise))} "
+                     f"epoch wall differs by a median {_pct(median(n['wall'] for n in noise))} (max "
+                     f"{_pct(max(n['wall'] for n in noise))}) and the bill by {_pct(median(n['bill'] for n in noise))} "
                      f"(max {_pct(max(n['bill'] for n in noise))}) over {len(noise)} configurations.")
     signed = [r["cost_error"] for r in records if r["cost_error"] is not None]
     if signed:
-        low = _median(signed) < 0
+        low = median(signed) < 0
         lines.append(f"- The bill is predicted {'low' if low else 'high'} in {sum((x < 0) == low for x in signed)} of "
-                     f"{len(signed)} runs (median {_pct(_median(signed), True)}). The first epoch is predicted at a "
-                     f"median {_f(_median(r['first_pred_s'] for r in records))} s and measured at "
-                     f"{_f(_median(r['first_meas_s'] for r in records))} s; that miss, at the plan's price for its "
-                     f"workers and the coordinator, is a median {_usd(_median(r['first_miss_usd'] for r in records))} "
+                     f"{len(signed)} runs (median {_pct(median(signed), True)}). The first epoch is predicted at a "
+                     f"median {fmt(median(r['first_pred_s'] for r in records))} s and measured at "
+                     f"{fmt(median(r['first_meas_s'] for r in records))} s; that miss, at the plan's price for its "
+                     f"workers and the coordinator, is a median {_usd(median(r['first_miss_usd'] for r in records))} "
                      f"per run against a median bill miss of "
-                     f"{_usd(_median(r['billed'] - r['predicted_cost'] for r in records if r['predicted_cost'] is not None))}. "
+                     f"{_usd(median(r['billed'] - r['predicted_cost'] for r in records if r['predicted_cost'] is not None))}. "
                      "The first epoch's start-up exposed (the epoch waits for its last worker), predicted "
                      "(predicted_first_epoch_s - predicted_epoch_s - warm-up term) vs measured:")
         for label, group in (("runs that measured a profile (a worker was started for it before the plan)",
@@ -385,10 +367,10 @@ def render(records: list[dict], failures: list[dict], epochs: int, repeats: int,
             if not group:
                 continue
             slowest = [max(r["startups"]) for r in group if r["startups"]]
-            lines.append(f"  - {label}: {_f(_median(r['predicted_exposed_s'] for r in group))} s predicted, "
-                         f"{_f(_median(r['first_exposed_s'] for r in group))} s measured (medians over {len(group)} "
-                         f"runs); the slowest worker's start-up (ledger) a median {_f(_median(slowest))} s against "
-                         f"the plan's start-up term {_f(_median(r['terms'].get('startup_s') for r in group))} s.")
+            lines.append(f"  - {label}: {fmt(median(r['predicted_exposed_s'] for r in group))} s predicted, "
+                         f"{fmt(median(r['first_exposed_s'] for r in group))} s measured (medians over {len(group)} "
+                         f"runs); the slowest worker's start-up (ledger) a median {fmt(median(slowest))} s against "
+                         f"the plan's start-up term {fmt(median(r['terms'].get('startup_s') for r in group))} s.")
     it0 = goal_stats(records, "iteration0_error", GOAL_EPOCH)
     it = goal_stats(records, "iteration_error", GOAL_EPOCH)
     if it0["n"]:
@@ -428,19 +410,19 @@ def render(records: list[dict], failures: list[dict], epochs: int, repeats: int,
         ws = r["worker_seconds"]
         lines.append(
             f"| {r['model']} | {r['plan']} | {r['run']} | {_profile_cell(r['profile'])} | {r['planned']} | "
-            f"{_pct(r['epoch_error'])} | {_f(r['wall_s'], '{:.3f}')} | {_usd(r['predicted_cost'])} | {_usd(r['billed'])} | "
-            f"{_pct(r['cost_error'], True)} | {_f(r['first_pred_s'])} / {_f(r['first_meas_s'])} "
-            f"({_f(r['predicted_exposed_s'])} / {_f(r['first_exposed_s'])}) | "
+            f"{_pct(r['epoch_error'])} | {fmt(r['wall_s'], '{:.3f}')} | {_usd(r['predicted_cost'])} | {_usd(r['billed'])} | "
+            f"{_pct(r['cost_error'], True)} | {fmt(r['first_pred_s'])} / {fmt(r['first_meas_s'])} "
+            f"({fmt(r['predicted_exposed_s'])} / {fmt(r['first_exposed_s'])}) | "
             f"{', '.join(f'{x:.1f}' for x in r['startups']) or '-'} | {_usd(r['first_miss_usd'])} | {_pct(r['iteration0_error'], True)} | "
-            f"{_f(r['predicted_run_s'], '{:.1f}')} / {_f(r['flow_s'], '{:.1f}')} | "
-            f"{' / '.join(_f(ws.get(k), '{:.1f}') for k in ('startup', 'busy', 'idle', 'profile'))} | "
+            f"{fmt(r['predicted_run_s'], '{:.1f}')} / {fmt(r['flow_s'], '{:.1f}')} | "
+            f"{' / '.join(fmt(ws.get(k), '{:.1f}') for k in ('startup', 'busy', 'idle', 'profile'))} | "
             f"{', '.join(r['assumed']) or '-'} | {r['switched']} |")
     if noise:
         lines += ["", "## Noise floor", "",
                   "| model | plan | median epoch wall s (runs 1..) | difference | bill (runs 1..) | difference |",
                   "|---|---|---|---|---|---|"]
         for n in noise:
-            lines.append(f"| {n['model']} | {n['plan']} | {', '.join(_f(w, '{:.3f}') for w in n['walls'])} | "
+            lines.append(f"| {n['model']} | {n['plan']} | {', '.join(fmt(w, '{:.3f}') for w in n['walls'])} | "
                          f"{_pct(n['wall'])} | {', '.join(_usd(b) for b in n['bills'])} | {_pct(n['bill'])} |")
     lines += ["", "## Run terms of the first plan", "",
               "Seconds; the plan's `run_terms` (medians of the target's cached samples, or assumed where not yet "
@@ -450,7 +432,7 @@ def render(records: list[dict], failures: list[dict], epochs: int, repeats: int,
     for r in records:
         t = r["terms"]
         lines.append(f"| {r['model']} | {r['plan']} | {r['run']} | " + " | ".join(
-            _f(t.get(k)) for k in ("startup_s", "provision_s", "warmup_s", "epoch_overhead_s", "gap_s",
+            fmt(t.get(k)) for k in ("startup_s", "provision_s", "warmup_s", "epoch_overhead_s", "gap_s",
                                    "teardown_s", "stop_s")) + " |")
     lines += ["", "## Every epoch", "",
               "predicted = `predicted_epoch_s` in force for the epoch; iteration = predicted / measured ms per step; "
@@ -461,9 +443,9 @@ def render(records: list[dict], failures: list[dict], epochs: int, repeats: int,
         for e in r["epochs"]:
             lines.append(
                 f"| {r['model']} | {r['plan']} | {r['run']} | {e['epoch']} | {e['seconds']:.3f} | "
-                f"{_f(e['predicted_epoch_s'], '{:.3f}')} | {_pct(_rel(e['predicted_epoch_s'], e['seconds']), True)} | "
-                f"{_f(e['overhead_s'], '{:.3f}')} | {_f(_ms(e['predicted_iteration_s']), '{:.2f}')} / "
-                f"{_f(_ms(e['measured_iteration_s']), '{:.2f}')} | {_f(e['exposed_s'])} | "
+                f"{fmt(e['predicted_epoch_s'], '{:.3f}')} | {_pct(_rel(e['predicted_epoch_s'], e['seconds']), True)} | "
+                f"{fmt(e['overhead_s'], '{:.3f}')} | {fmt(_ms(e['predicted_iteration_s']), '{:.2f}')} / "
+                f"{fmt(_ms(e['measured_iteration_s']), '{:.2f}')} | {fmt(e['exposed_s'])} | "
                 f"{e['replan'].replace('|', '/') or '-'} |")
     lines += ["", "## Before: the benchmark this one replaces", ""] + before
     return "\n".join(lines) + "\n"
@@ -484,7 +466,7 @@ def _profile_summary(records: list[dict]) -> list[dict]:
         out.append({"model": model,
                     "fresh": "; ".join(f"{r['plan']} run {r['run']}: {_profile_cell(r['profile'], False)}" for r in fresh)
                              or "not seen",
-                    "cached": (f"{_median(cached):.1f} s in all (median of {len(cached)} runs, max {max(cached):.1f} s; "
+                    "cached": (f"{median(cached):.1f} s in all (median of {len(cached)} runs, max {max(cached):.1f} s; "
                                "the log line gives 0.1 s)" if cached else "not seen")})
     return out
 
@@ -492,8 +474,8 @@ def _profile_summary(records: list[dict]) -> list[dict]:
 def _print_run(r: dict) -> None:
     print(f"{r['model']:40s} {r['plan']:13s} run {r['run']}: epoch err {_pct(r['epoch_error'])}, bill "
           f"{_usd(r['predicted_cost'])} predicted vs {_usd(r['billed'])} billed ({_pct(r['cost_error'], True)}), "
-          f"first epoch {_f(r['first_pred_s'])} / {_f(r['first_meas_s'])} s, epochs "
-          + ", ".join(f"{e['seconds']:.3f}/{_f(e['predicted_epoch_s'], '{:.3f}')}" for e in r["epochs"]), flush=True)
+          f"first epoch {fmt(r['first_pred_s'])} / {fmt(r['first_meas_s'])} s, epochs "
+          + ", ".join(f"{e['seconds']:.3f}/{fmt(e['predicted_epoch_s'], '{:.3f}')}" for e in r["epochs"]), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -508,11 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu", action="store_true", help="also resnet18 and vgg11, 1 worker, on CUDA")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--keep", action="store_true", help="keep the scratch folder (stack, store, logs)")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)  # the instrumented worker entry: --worker SPEC --out JSON
     args = parser.parse_args(argv)
-    if args.worker:
-        worker_main(args.worker, str(args.out))
-        return 0
     if args.epochs < 2:
         parser.error("--epochs must be at least 2 (epoch 0 starts the workers)")
     if args.gpu:
@@ -521,61 +499,43 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():
             parser.error("--gpu: this machine has no CUDA device")
 
-    import shutil
-    import socket
-    import tempfile
-
-    from benchmarks.bench_orchestration import run_pool
-    from deployments.stack import down, up
-
     prov = provenance()
-    base = Path(tempfile.mkdtemp(prefix="zooid-bench-pred-"))
-    home = base / "stack"
     records, failures = [], []
-    with socket.socket() as s:  # any free port, never the stack's preferred 4200
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    state = up(home=home, port=port)
-    try:
-        for cfg in configurations(args.models, args.gpu, args.epochs):
-            for i in range(1 + args.repeats):
-                # run 0: a first run, its own fresh store (no profile, no run terms cached); then the stack's
-                params = {**cfg["params"], "store": f"file://{base}/fresh-{len(records)}"} if i == 0 else cfg["params"]
-                try:
-                    summary = run_pool(params, home)
-                except (RuntimeError, TimeoutError) as exc:
-                    failures.append({"model": cfg["model"], "plan": cfg["plan"], "run": i,
-                                     "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
-                    print(f"{cfg['model']} {cfg['plan']} run {i} failed: {exc}", flush=True)
-                    continue
-                records.append(run_record(cfg, i, summary))
-                try:
-                    records[-1]["startups"] = ledger_startups(summary)
-                except (KeyError, ValueError, OSError) as exc:
-                    print(f"no ledger for {summary['run_id']}: {type(exc).__name__}: {exc}", flush=True)
-                _print_run(records[-1])
-        try:
-            lines = profile_lines(state["api_url"], [r["run_id"] for r in records])
-        except Exception as exc:  # the figures stand without it; the table says "no log line"
-            print(f"could not read the profile log lines: {type(exc).__name__}: {exc}", flush=True)
-            lines = {}
-        for r in records:
-            r["profile"] = lines.get(r["run_id"])
-    finally:
-        down(home)
-    command = command_for("benchmarks.bench_prediction", flags=(
-        ("--models", " ".join(args.models), " ".join(CPU_MODELS)), ("--epochs", args.epochs, DEFAULT_EPOCHS),
-        ("--repeats", args.repeats, DEFAULT_REPEATS), ("--gpu", args.gpu, False),
-        ("--out", _shown(args.out), _shown(RESULTS)), ("--keep", args.keep, False)))
-    write_result(args.out, TITLE, command, prov,
-                 render(records, failures, args.epochs, args.repeats, args.gpu, before_section()),
-                 detail="the Prefect server, the process worker, the coordinator and the training workers share "
-                        "these cores", echo=True)
-    (base / "records.json").write_text(json.dumps(records, indent=1))
-    if args.keep:
-        print(f"scratch kept in {base}")
-    else:
-        shutil.rmtree(base, ignore_errors=True)
+    with scratch("pred", keep=args.keep) as base:
+        with local_stack(base / "stack") as state:
+            for cfg in configurations(args.models, args.gpu, args.epochs):
+                for i in range(1 + args.repeats):
+                    # run 0: a first run, its own fresh store (no profile, no run terms cached); then the stack's
+                    params = {**cfg["params"], "store": f"file://{base}/fresh-{len(records)}"} if i == 0 else cfg["params"]
+                    try:
+                        summary = pool_summary(params)
+                    except (RuntimeError, TimeoutError) as exc:
+                        failures.append({"model": cfg["model"], "plan": cfg["plan"], "run": i,
+                                         "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+                        print(f"{cfg['model']} {cfg['plan']} run {i} failed: {exc}", flush=True)
+                        continue
+                    records.append(run_record(cfg, i, summary))
+                    try:
+                        records[-1]["startups"] = ledger_startups(summary)
+                    except (KeyError, ValueError, OSError) as exc:
+                        print(f"no ledger for {summary['run_id']}: {type(exc).__name__}: {exc}", flush=True)
+                    _print_run(records[-1])
+            try:
+                lines = profile_lines(state["api_url"], [r["run_id"] for r in records])
+            except Exception as exc:  # the figures stand without it; the table says "no log line"
+                print(f"could not read the profile log lines: {type(exc).__name__}: {exc}", flush=True)
+                lines = {}
+            for r in records:
+                r["profile"] = lines.get(r["run_id"])
+        command = command_for("benchmarks.bench_prediction", flags=(
+            ("--models", " ".join(args.models), " ".join(CPU_MODELS)), ("--epochs", args.epochs, DEFAULT_EPOCHS),
+            ("--repeats", args.repeats, DEFAULT_REPEATS), ("--gpu", args.gpu, False),
+            ("--out", _shown(args.out), _shown(RESULTS)), ("--keep", args.keep, False)))
+        write_result(args.out, TITLE, command, prov,
+                     render(records, failures, args.epochs, args.repeats, args.gpu, before_section()),
+                     detail="the Prefect server, the process worker, the coordinator and the training workers share "
+                            "these cores", echo=True)
+        (base / "records.json").write_text(json.dumps(records, indent=1))
     return 0 if not failures else 1
 
 
@@ -583,180 +543,6 @@ def _shown(path: Path) -> Path:
     """`path` as the command names it: from the repository root where it lies inside."""
     path = path.resolve()
     return path.relative_to(REPO) if path.is_relative_to(REPO) else path
-
-
-# --- the instrumented worker entry, shared with benchmarks.bench_bubble --------------------
-
-
-def _now() -> float:
-    # CLOCK_MONOTONIC on Linux: one clock for every process, so stages' stamps compare.
-    return time.perf_counter()
-
-
-def one_thread_env() -> dict[str, str]:
-    """This process's environment with one OpenMP/MKL thread, as workers run, and the
-    repository importable."""
-    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-
-
-def install_timers(t: dict) -> None:
-    """Wrap the engine's loop points to append (start, end) stamps to the lists in `t`:
-    `steps` (Local-SGD: compute end, sync end), `ckpt` (Local-SGD's sync checkpoint writes,
-    inside the sync), `iterations`, `F`, `B`, `sync`, `put`, `read` (the read that found an
-    activation's key) and `fetch` (a download thread's whole get: waiting, reading,
-    deleting, decoding) of a pipeline stage worker, the last three with their keys. Only
-    the benchmarks' worker processes call this."""
-    import torch
-
-    from engine import local_sgd, local_sgd_epoch, pipeline_stage_worker
-
-    for name in ("steps", "ckpt", "iterations", "F", "B", "sync", "put", "read", "fetch"):
-        t.setdefault(name, [])
-    inside = [False]  # validation forwards and the checkpoint are not iterations
-
-    after_step = local_sgd.LocalSGD.after_step
-
-    def timed_after_step(self):
-        t0 = _now()
-        after_step(self)
-        t["steps"].append((t0, _now()))
-
-    local_sgd.LocalSGD.after_step = timed_after_step
-    save_checkpoint = local_sgd_epoch.save_checkpoint
-
-    def timed_save_checkpoint(*args, **kwargs):
-        t0 = _now()
-        written = save_checkpoint(*args, **kwargs)
-        t["ckpt"].append((t0, _now()))
-        return written
-
-    local_sgd_epoch.save_checkpoint = timed_save_checkpoint  # the sync checkpoint rank 0 writes
-
-    worker = pipeline_stage_worker.StageWorker
-    init, iteration, sync, put = worker.__init__, worker._iteration, worker._sync_gradients, worker._put
-    fetch = worker._fetch
-
-    def timed_init(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        began = [0.0]
-
-        def forward_began(*_):
-            began[0] = _now()
-
-        def forward_ended(*_):
-            if inside[0]:
-                t["F"].append((began[0], _now()))
-
-        self.module.register_forward_pre_hook(forward_began)
-        self.module.register_forward_hook(forward_ended)
-        store_type, read = type(self.store), type(self.store)._read
-
-        def timed_read(store, key):
-            t0 = _now()
-            data = read(store, key)
-            if data is not None and "/act/" in key:
-                t["read"].append((t0, _now(), len(data), key))
-            return data
-
-        store_type._read = timed_read
-
-    def timed_iteration(self, *args, **kwargs):
-        inside[0], t0 = True, _now()
-        try:
-            return iteration(self, *args, **kwargs)
-        finally:
-            inside[0] = False
-            t["iterations"].append((t0, _now()))
-
-    def timed_sync(self, *args, **kwargs):
-        t0 = _now()
-        sync(self, *args, **kwargs)
-        t["sync"].append((t0, _now()))
-
-    def timed_put(self, key, tensor):
-        t0 = _now()
-        put(self, key, tensor)
-        t["put"].append((t0, _now(), tensor.numel() * tensor.element_size(), key))
-
-    def timed_fetch(self, key):
-        t0 = _now()
-        tensor = fetch(self, key)
-        if inside[0]:
-            t["fetch"].append((t0, _now(), key))
-        return tensor
-
-    worker.__init__, worker._iteration, worker._fetch = timed_init, timed_iteration, timed_fetch
-    worker._sync_gradients, worker._put = timed_sync, timed_put
-
-    backward = torch.Tensor.backward
-
-    def timed_backward(self, *args, **kwargs):
-        t0 = _now()
-        backward(self, *args, **kwargs)
-        if inside[0]:
-            t["B"].append((t0, _now()))
-
-    torch.Tensor.backward = timed_backward
-
-
-def worker_main(spec_path: str, out_path: str, probes: dict | None = None) -> None:
-    """Run one WorkerSpec (Local-SGD replica or pipeline stage) with timers, and each of
-    `probes` (name -> installer filling a dict, e.g. a memory counter); write JSON."""
-    import torch
-
-    from comm.store import open_store
-    from core.specs import WorkerSpec
-    from runtime.run_spec import run_spec
-
-    torch.set_num_threads(1)
-    timings: dict = {}
-    install_timers(timings)
-    measured = {name: {} for name in probes or {}}
-    for name, install in (probes or {}).items():  # outside the timers: their bookkeeping is not stamped
-        install(measured[name])
-    spec = WorkerSpec.from_dict(json.loads(Path(spec_path).read_text()))
-    store = open_store(spec.store_url)
-    try:
-        result = run_spec(spec, store)
-    finally:
-        store.close()
-    Path(out_path).write_text(json.dumps({"result": result.to_dict(), "timings": timings, **measured}))
-
-
-def run_workers(specs, scratch: Path, timeout_s: float = 300.0,
-                module: str = "benchmarks.bench_prediction") -> list[dict]:
-    """Start one worker process per spec (own process group, one torch thread), wait for all;
-    return each one's {"result", "timings"} in spec order. A failure stops the others.
-    `module` is the entry point each runs (`python -m <module> --worker SPEC --out JSON`)."""
-    env = one_thread_env()
-    procs, outs = [], []
-    for i, spec in enumerate(specs):
-        spec_file, out_file = scratch / f"spec-{i}.json", scratch / f"out-{i}.json"
-        spec_file.write_text(json.dumps(spec.to_dict()))
-        out_file.unlink(missing_ok=True)
-        log = open(scratch / f"worker-{i}.log", "w")
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", module, "--worker", str(spec_file),
-             "--out", str(out_file)], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True))
-        outs.append(out_file)
-    deadline = time.monotonic() + timeout_s
-    try:
-        while any(p.poll() is None for p in procs):
-            if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-                p.wait(10)
-    bad = [i for i, p in enumerate(procs) if p.returncode != 0]
-    if bad:
-        tail = (scratch / f"worker-{bad[0]}.log").read_text()[-1500:]
-        raise RuntimeError(f"worker {bad[0]} exited {procs[bad[0]].returncode}:\n{tail}")
-    return [json.loads(o.read_text()) for o in outs]
 
 
 if __name__ == "__main__":

@@ -32,20 +32,17 @@ off, ...) and the ratios use medians over the repeats.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import shutil
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks.harness.home import scratch
+from benchmarks.harness.stack import local_stack
+from benchmarks.harness.tables import median
+from benchmarks.harness.train import run_train
 from benchmarks.output import command_for, money, provenance, write_result
 
-ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results" / "prestart.md"
 MODEL = "digits_mlp"
 FIRST_PRESTARTABLE = 2
@@ -146,23 +143,15 @@ def run_local(home: Path, args: argparse.Namespace, config: Config, repeat: int)
     return outcome_from(home, config, repeat, summary, wall)
 
 
-def inline_command(args: argparse.Namespace, config: Config, out: Path) -> list[str]:
-    """`python -m flows.train` for one inline run."""
-    params = [f"--param={k}={json.dumps(v) if not isinstance(v, str) else v}"
-              for k, v in job_params(args, config).items()]
-    return [sys.executable, "-m", "flows.train", *params, "--summary-out", str(out)]
-
-
-def run_inline(home: Path, state: dict, args: argparse.Namespace, config: Config, repeat: int) -> Outcome:
-    """The inline target through the CLI, pointed at the stack's server and store."""
-    out = home / f"summary-inline-{int(config.prestart)}-{repeat}.json"
-    began = time.monotonic()
-    proc = subprocess.run(inline_command(args, config, out), cwd=ROOT, env={**os.environ, **state["env"]},
-                          capture_output=True, text=True, timeout=args.run_timeout, stdin=subprocess.DEVNULL)
-    wall = time.monotonic() - began
-    if proc.returncode != 0 or not out.exists():
-        raise SystemExit(f"error: {config.name} #{repeat}: exit {proc.returncode}: {proc.stderr.strip()[-500:]}")
-    return outcome_from(home, config, repeat, json.loads(out.read_text()), wall)
+def run_inline(home: Path, args: argparse.Namespace, config: Config, repeat: int) -> Outcome:
+    """The inline target through the train command, pointed at the stack's server and store (the
+    stack's environment is this process's)."""
+    try:
+        run = run_train(job_params(args, config), home / f"summary-inline-{int(config.prestart)}-{repeat}.json",
+                        timeout_s=args.run_timeout)
+    except RuntimeError as exc:
+        raise SystemExit(f"error: {config.name} #{repeat}: {str(exc)[-500:]}") from None
+    return outcome_from(home, config, repeat, run.summary, run.wall_s)
 
 
 def by_config(outcomes: list[Outcome]) -> dict[str, list[Outcome]]:
@@ -173,9 +162,9 @@ def by_config(outcomes: list[Outcome]) -> dict[str, list[Outcome]]:
     return groups
 
 
-def median(runs: list[Outcome], key: str) -> float:
+def repeat_median(runs: list[Outcome], key: str) -> float:
     """The median of one total over a configuration's repeats."""
-    return statistics.median(o.totals[key] for o in runs)
+    return median(o.totals[key] for o in runs)
 
 
 def _ratio(a: float, b: float) -> str:
@@ -228,12 +217,12 @@ def render(outcomes: list[Outcome], args: argparse.Namespace) -> str:
     lines += ["", "Medians over the repeats, and the ratio prestart on / off:", "",
               "| configuration " + head, "|---|" + "---|" * len(COLUMNS)]
     for name, runs in groups.items():
-        lines.append(f"| {name} | " + " | ".join(_cell(k, median(runs, k)) for k, _, _ in COLUMNS) + " |")
+        lines.append(f"| {name} | " + " | ".join(_cell(k, repeat_median(runs, k)) for k, _, _ in COLUMNS) + " |")
     for target in dict.fromkeys(o.config.target for o in outcomes):
         on, off = groups.get(f"{target} prestart=on"), groups.get(f"{target} prestart=off")
         if on and off:
             lines.append(f"| **{target}: on / off** | "
-                         + " | ".join(_ratio(median(on, k), median(off, k)) for k, _, _ in COLUMNS) + " |")
+                         + " | ".join(_ratio(repeat_median(on, k), repeat_median(off, k)) for k, _, _ in COLUMNS) + " |")
     lines += ["", *findings(groups), "", "Every epoch (start-up in worker-seconds; s = the epoch's seconds):", "",
               "| configuration | repeat | epoch | pre-started (launched s before previous end) | hidden | exposed "
               "| idle | critical exposed | s | val acc | $ |", "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -258,17 +247,17 @@ def findings(groups: dict[str, list[Outcome]]) -> list[str]:
             continue
         leads = [(lead, prev["seconds"]) for o in on for ep, lead in o.leads.items()
                  for prev in o.epochs if prev["epoch"] == ep - 1]
-        lead = (f"; pre-started workers were launched a median {statistics.median(a for a, _ in leads):.1f} s "
+        lead = (f"; pre-started workers were launched a median {median(a for a, _ in leads):.1f} s "
                 f"before the previous epoch ended (those epochs took a median "
-                f"{statistics.median(b for _, b in leads):.1f} s)") if leads else ""
-        out.append(f"- {target}, medians prestart off -> on: start-up hidden {median(off, 'hidden_s'):.1f} -> "
-                   f"{median(on, 'hidden_s'):.1f} worker-s, exposed {median(off, 'exposed_s'):.1f} -> "
-                   f"{median(on, 'exposed_s'):.1f} worker-s, critical exposed {median(off, 'critical_exposed_s'):.1f}"
-                   f" -> {median(on, 'critical_exposed_s'):.1f} s, idle (billed) {median(off, 'idle_s'):.1f} -> "
-                   f"{median(on, 'idle_s'):.1f} worker-s; mean epoch (epochs >= {FIRST_PRESTARTABLE}) "
-                   f"{median(off, 'late_epoch_s'):.2f} -> {median(on, 'late_epoch_s'):.2f} s; worker-s billed "
-                   f"{median(off, 'worker_s'):.1f} -> {median(on, 'worker_s'):.1f}; total cost "
-                   f"{money(median(off, 'cost_usd'))} -> {money(median(on, 'cost_usd'))}{lead}.")
+                f"{median(b for _, b in leads):.1f} s)") if leads else ""
+        out.append(f"- {target}, medians prestart off -> on: start-up hidden {repeat_median(off, 'hidden_s'):.1f} -> "
+                   f"{repeat_median(on, 'hidden_s'):.1f} worker-s, exposed {repeat_median(off, 'exposed_s'):.1f} -> "
+                   f"{repeat_median(on, 'exposed_s'):.1f} worker-s, critical exposed {repeat_median(off, 'critical_exposed_s'):.1f}"
+                   f" -> {repeat_median(on, 'critical_exposed_s'):.1f} s, idle (billed) {repeat_median(off, 'idle_s'):.1f} -> "
+                   f"{repeat_median(on, 'idle_s'):.1f} worker-s; mean epoch (epochs >= {FIRST_PRESTARTABLE}) "
+                   f"{repeat_median(off, 'late_epoch_s'):.2f} -> {repeat_median(on, 'late_epoch_s'):.2f} s; worker-s billed "
+                   f"{repeat_median(off, 'worker_s'):.1f} -> {repeat_median(on, 'worker_s'):.1f}; total cost "
+                   f"{money(repeat_median(off, 'cost_usd'))} -> {money(repeat_median(on, 'cost_usd'))}{lead}.")
     return out
 
 
@@ -305,15 +294,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Bring the stack up, run the configurations alternated, bring it down, write the markdown."""
-    from deployments import stack
-
     args = parse_args(argv)
     prov = provenance()
-    home = Path(tempfile.mkdtemp(prefix="zooid-bench-prestart-"))
     outcomes: list[Outcome] = []
-    try:
-        # any free port, not the stack's preferred 4200: other people's stacks come and go there
-        state = stack.up(home=home, port=stack.free_port(0))
+    with scratch("prestart", keep=args.keep) as home, local_stack(home):
         targets = ["local"] + (["inline"] if args.inline else [])
         for repeat in range(args.repeats):
             for target in targets:
@@ -323,16 +307,10 @@ def main(argv: list[str] | None = None) -> int:
                     if target == "local":
                         outcome = run_local(home, args, config, repeat)
                     else:
-                        outcome = run_inline(home, state, args, config, repeat)
+                        outcome = run_inline(home, args, config, repeat)
                     outcomes.append(outcome)
                     print(f"{config.name} #{repeat}: " + ", ".join(f"{k} {_cell(k, v)}" for k, v in outcome.totals.items()),
                           flush=True)
-    finally:
-        stack.down(home)
-        if args.keep:
-            print(f"kept {home}")
-        else:
-            shutil.rmtree(home, ignore_errors=True)
     write_result(args.out, TITLE, command_line(args), prov, render(outcomes, args), detail=MACHINE_DETAIL, echo=True)
     return 0
 

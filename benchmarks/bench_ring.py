@@ -19,9 +19,7 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -29,6 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from benchmarks.harness.home import scratch
+from benchmarks.harness.tables import median
 from benchmarks.output import command_for, provenance, write_result
 from comm.ring_allreduce import open_ring
 from comm.store_dir import DirectoryStore
@@ -76,16 +76,16 @@ def _rank(rank: int, store_dir: str, port: int, rounds: int, calls: int, out: st
 
 def run(rounds: int, calls: int) -> dict:
     """Spawn the two ranks and return rank 0's timings: {size: {"zooid"|"gloo": [s per call]}}."""
-    with tempfile.TemporaryDirectory(prefix="zooid-bench-ring-") as scratch:
-        out = os.path.join(scratch, "timings.json")
-        mp.spawn(_rank, args=(os.path.join(scratch, "store"), free_port(0), rounds, calls, out), nprocs=2)
+    with scratch("ring") as folder:
+        out = os.path.join(folder, "timings.json")
+        mp.spawn(_rank, args=(os.path.join(folder, "store"), free_port(0), rounds, calls, out), nprocs=2)
         return json.loads(Path(out).read_text())
 
 
 def render(timings: dict) -> str:
     lines = ["| buffer | Zooid's ring (TCP), per call | gloo, per call | Zooid / gloo |", "|---|---|---|---|"]
     for size, by in timings.items():
-        z, g = statistics.median(by["zooid"]), statistics.median(by["gloo"])
+        z, g = median(by["zooid"]), median(by["gloo"])
         lines.append(f"| {size} | {z * 1e3:.3f} ms | {g * 1e3:.3f} ms | {z / g:.2f}x |")
     return "\n".join(lines) + "\n"
 

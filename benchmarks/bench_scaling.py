@@ -45,13 +45,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import statistics
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks.harness.home import scratch
+from benchmarks.harness.tables import median
+from benchmarks.harness.train import param_args
 from benchmarks.output import command_for, money, provenance, write_result
 
 RESULTS = Path(__file__).resolve().parent / "results" / "scaling.md"
@@ -129,11 +129,6 @@ def configurations(args: argparse.Namespace) -> list[Config]:
     ]
 
 
-def cli_args(config: Config) -> list[str]:
-    """The `--param` arguments of `python -m flows.train` for `config`."""
-    return [f"--param={k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in config.params.items()]
-
-
 def worker_results(store, run_id: str, epoch: int) -> list[dict]:
     """What each rank's attempt that completed `epoch` trained: its history record (samples,
     compute and sync seconds), the latest attempt per rank."""
@@ -177,7 +172,7 @@ def run_config(home: Path, config: Config, repeat: int) -> Outcome:
 
     out = home / f"summary-{config.name.split()[0].replace('(', '').replace(')', '')}-{repeat}.json"
     began = time.monotonic()
-    code = train_main(cli_args(config) + ["--summary-out", str(out)])
+    code = train_main(param_args(config.params) + ["--summary-out", str(out)])
     wall = time.monotonic() - began
     if code != 0 or not out.exists():
         raise SystemExit(f"error: {config.name}: the train flow failed (exit {code})")
@@ -190,8 +185,8 @@ def _same(values: list) -> str:
     return texts[0] if len(set(texts)) == 1 else ", ".join(texts)
 
 
-def _median(outcomes: list[Outcome], target: float, key: str) -> float:
-    return statistics.median(o.to_target(target)[key] for o in outcomes)
+def _median_to_target(outcomes: list[Outcome], target: float, key: str) -> float:
+    return median(o.to_target(target)[key] for o in outcomes)
 
 
 NOTES = [
@@ -251,9 +246,9 @@ def render(outcomes: list[Outcome], args: argparse.Namespace) -> str:
             _same([o.reached(target) or f"not reached ({max(r.val_accuracy for r in o.rows):.3f} best)"
                    for o in runs]),
             _same([o.to_target(target)["samples"] for o in runs]),
-            f"{_median(runs, target, 'cluster_s'):.1f}", f"{_median(runs, target, 'wall_s'):.1f}",
-            f"{_median(runs, target, 'worker_s'):.1f}", money(_median(runs, target, "cost_usd")),
-            money(_median(runs, target, "cluster_cost_usd")),
+            f"{_median_to_target(runs, target, 'cluster_s'):.1f}", f"{_median_to_target(runs, target, 'wall_s'):.1f}",
+            f"{_median_to_target(runs, target, 'worker_s'):.1f}", money(_median_to_target(runs, target, "cost_usd")),
+            money(_median_to_target(runs, target, "cluster_cost_usd")),
             _same([f"{o.rows[n - 1].val_accuracy:.3f}" if len(o.rows) >= n else "-" for o in runs]),
             _same([f"{o.rows[-1].val_accuracy:.3f} ({len(o.rows)})" for o in runs]),
         ]) + " |")
@@ -297,7 +292,7 @@ def goal_lines(groups: dict[str, list[Outcome]], target: float) -> list[str]:
         if not all(o.reached(target) for o in ada + other):
             out.append(f"- {label} vs {name}: not comparable, a run missed the target.")
             continue
-        a, b = _median(ada, target, key), _median(other, target, key)
+        a, b = _median_to_target(ada, target, key), _median_to_target(other, target, key)
         wins = sum(x.to_target(target)[key] < y.to_target(target)[key] for x, y in zip(ada, other))
         out.append(f"- Goal, less {label} than {name} to {100 * target:.0f} %: "
                    f"{'met' if a < b else 'NOT met'} on the medians: adabatch {fmt.format(a)} vs "
@@ -341,27 +336,20 @@ def main(argv: list[str] | None = None) -> int:
     """Run the three configurations `--repeats` times, interleaved, and write the markdown."""
     args = parse_args(argv)
     prov = provenance()
-    home = Path(tempfile.mkdtemp(prefix="zooid-bench-scaling-"))
-    # Set before Prefect and the engine are imported: they read these once.
-    os.environ.update(ZOOID_HOME=str(home), PREFECT_HOME=str(home / "prefect"), DO_NOT_TRACK="1",
-                      PREFECT_SERVER_ANALYTICS_ENABLED="false")
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     outcomes = []
-    try:
+    # The scratch folder is Zooid's and Prefect's home before Prefect and the engine are imported:
+    # they read these once.
+    with scratch("scaling", keep=args.keep, home=True) as home:
+        os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
         for repeat in range(args.repeats):
             for config in configurations(args):
-                print(f"--- {config.name} #{repeat}: python -m flows.train {' '.join(cli_args(config))}",
+                print(f"--- {config.name} #{repeat}: python -m flows.train {' '.join(param_args(config.params))}",
                       flush=True)
                 outcome = run_config(home, config, repeat)
                 outcomes.append(outcome)
                 for r in outcome.rows:
                     print(f"{config.name} #{repeat} epoch {r.epoch} workers {r.workers} acc {r.val_accuracy:.3f} "
                           f"cluster {r.cluster_s:.2f} s wall {r.wall_s:.1f} s cost ${r.cost_usd:.6f}", flush=True)
-    finally:
-        if args.keep:
-            print(f"kept {home}")
-        else:
-            shutil.rmtree(home, ignore_errors=True)
     write_result(args.out, title(args.target), command_line(args), prov, render(outcomes, args),
                  detail=MACHINE_DETAIL, echo=True)
     return 0

@@ -31,22 +31,19 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import shutil
-import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.bench_stores import start_server, stop_server
+from benchmarks.harness.home import scratch
+from benchmarks.harness.servers import moto_server, redis_server, stop_server
+from benchmarks.harness.tables import median
 from benchmarks.output import command_for, provenance, write_result
-from deployments.server import free_port
+from core.keys import run_key
 
 MB = 1_000_000
 RESULTS = Path(__file__).resolve().parent / "results" / "scatter_reduce.md"
-S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-          "AWS_DEFAULT_REGION": "us-east-1"}
 
 
 @dataclass(frozen=True)
@@ -131,7 +128,7 @@ def rank_main(rank: int, ranks: int, url: str, bandwidth, plan, barrier, results
 
     store = open_store(url)
     store.link = causal_link(bandwidth)
-    group = f"runs/bench/sync/n{ranks}"
+    group = run_key("bench", "sync", f"n{ranks}")
     previous = None
     try:
         for i, (size, algorithm, repeat) in enumerate(plan):
@@ -183,8 +180,8 @@ def run_sweep_point(url: str, ranks: int, sizes: list[int], bandwidth, repeats: 
         key = (size, algorithm, repeat)
         slowest[key] = max(slowest.get(key, 0.0), seconds)
         cpu[key] = max(cpu.get(key, 0.0), cpu_s)
-    return {(size, algorithm): (statistics.median(slowest[(size, algorithm, r)] for r in range(repeats)),
-                                statistics.median(cpu[(size, algorithm, r)] for r in range(repeats)))
+    return {(size, algorithm): (median(slowest[(size, algorithm, r)] for r in range(repeats)),
+                                median(cpu[(size, algorithm, r)] for r in range(repeats)))
             for size in sizes for algorithm in ("plain", "pipelined")}
 
 
@@ -196,12 +193,12 @@ def measure_latency(url: str) -> float:
     samples = []
     for i in range(30):
         t0 = time.perf_counter()
-        store.put(f"runs/bench/lat/{i}", b"x" * 1000)
-        store.get(f"runs/bench/lat/{i}")
+        store.put(run_key("bench", "lat", str(i)), b"x" * 1000)
+        store.get(run_key("bench", "lat", str(i)))
         samples.append((time.perf_counter() - t0) / 2)
-    store.delete_prefix("runs/bench/lat/")
+    store.delete_prefix(run_key("bench", "lat") + "/")
     store.close()
-    return statistics.median(samples)
+    return median(samples)
 
 
 def measure_bandwidth(url: str, size: int) -> float:
@@ -214,10 +211,10 @@ def measure_bandwidth(url: str, size: int) -> float:
     times = []
     for i in range(2):
         t0 = time.perf_counter()
-        store.put(f"runs/bench/bw/{i}", blob)
-        store.get(f"runs/bench/bw/{i}")
+        store.put(run_key("bench", "bw", str(i)), blob)
+        store.get(run_key("bench", "bw", str(i)))
         times.append((time.perf_counter() - t0) / 2)
-    store.delete_prefix("runs/bench/bw/")
+    store.delete_prefix(run_key("bench", "bw") + "/")
     store.close()
     return size / min(times)
 
@@ -256,43 +253,32 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     prov = provenance()
 
-    os.environ.update(S3_ENV)
-    work = Path(tempfile.mkdtemp(prefix="zooid-bench-sr-"))
-    redis_port, moto_port = free_port(0), free_port(0)
     servers = []
     sections, sources = [], set()
-    try:
-        servers.append(start_server(
-            [shutil.which("redis-server") or "redis-server", "--bind", "127.0.0.1", "--port",
-             str(redis_port), "--save", "", "--appendonly", "no", "--dir", str(work)],
-            redis_port, work / "redis.log"))
-        servers.append(start_server([str(Path(sys.executable).with_name("moto_server")),
-                                     "-H", "127.0.0.1", "-p", str(moto_port)],
-                                    moto_port, work / "moto.log"))
-        endpoint = f"http://127.0.0.1:{moto_port}"
-        import boto3
-
-        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket="bench")
-        urls = {"redis": f"redis://127.0.0.1:{redis_port}/0",
-                "s3": f"s3://bench/zooid?endpoint={endpoint}"}
-        for sweep in sweeps(args.quick):
-            url = urls[sweep.store]
-            latency = measure_latency(url)
-            sizes = [int(s * MB) for s in sweep.sizes_mb]
-            bandwidth = sweep.bandwidth or measure_bandwidth(url, max(sizes))
-            measured = {}
-            for ranks in sweep.ranks:
-                print(f"{sweep.store} w={sweep.bandwidth} n={ranks} ...", file=sys.stderr, flush=True)
-                point = run_sweep_point(url, ranks, sizes, sweep.bandwidth, args.repeats)
-                for size in sizes:
-                    measured[(ranks, size)] = (point[(size, "plain")], point[(size, "pipelined")])
-            text, source = table(sweep, measured, latency, bandwidth)
-            sections.append(text)
-            sources.add(source)
-    finally:
-        for proc in servers:
-            stop_server(proc)
-        shutil.rmtree(work, ignore_errors=True)
+    with scratch("sr") as work:
+        try:
+            redis, redis_url = redis_server(work)
+            servers.append(redis)
+            moto, endpoint = moto_server(work)
+            servers.append(moto)
+            urls = {"redis": redis_url, "s3": f"s3://bench/zooid?endpoint={endpoint}"}
+            for sweep in sweeps(args.quick):
+                url = urls[sweep.store]
+                latency = measure_latency(url)
+                sizes = [int(s * MB) for s in sweep.sizes_mb]
+                bandwidth = sweep.bandwidth or measure_bandwidth(url, max(sizes))
+                measured = {}
+                for ranks in sweep.ranks:
+                    print(f"{sweep.store} w={sweep.bandwidth} n={ranks} ...", file=sys.stderr, flush=True)
+                    point = run_sweep_point(url, ranks, sizes, sweep.bandwidth, args.repeats)
+                    for size in sizes:
+                        measured[(ranks, size)] = (point[(size, "plain")], point[(size, "pipelined")])
+                text, source = table(sweep, measured, latency, bandwidth)
+                sections.append(text)
+                sources.add(source)
+        finally:
+            for proc in servers:
+                stop_server(proc)
 
     command = command_for("benchmarks.bench_scatter_reduce", argv)
     text = "\n".join([

@@ -22,16 +22,15 @@ import argparse
 import io
 import os
 import shutil
-import socket
-import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from benchmarks.harness.home import REPO, scratch
+from benchmarks.harness.servers import moto_server, redis_server, start_server, stop_server
+from benchmarks.harness.tables import median
 from benchmarks.output import command_for, provenance, write_result
 from comm.store import Store
 from comm.store_azure import AzureBlobStore
@@ -39,39 +38,13 @@ from comm.store_dir import DirectoryStore
 from comm.store_redis import RedisStore
 from comm.store_s3 import S3Store
 from comm.tensor_codec import decode_tensors, encode_tensors
-from deployments.server import free_port, stop_groups
+from core.keys import run_key, run_prefix
+from deployments.server import free_port
 
 MB = 1_000_000
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results" / "stores.md"
-AZURITE = ROOT / ".azurite" / "node_modules" / ".bin" / "azurite-blob"
+RESULTS = REPO / "benchmarks" / "results" / "stores.md"
+AZURITE = REPO / ".azurite" / "node_modules" / ".bin" / "azurite-blob"
 AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
-
-
-# --- servers (own process groups, free ports, stopped by pid) ---------------------------
-
-def start_server(argv: list[str], port: int, log: Path) -> subprocess.Popen:
-    """Start `argv` in its own session and wait until 127.0.0.1:`port` accepts connections."""
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return proc
-        except OSError:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{argv[0]} exited; see {log}")
-            time.sleep(0.05)
-    stop_server(proc)
-    raise RuntimeError(f"{argv[0]} did not listen on {port}; see {log}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    """Stop the server's process group by its pid, as the stack stops its own (`stop_groups`)."""
-    if proc.poll() is None:
-        stop_groups([proc.pid])
-        proc.wait()
 
 
 # --- measurements ------------------------------------------------------------------------
@@ -90,7 +63,7 @@ def interleaved_medians(ops: dict[str, callable], repeats: int) -> dict[str, flo
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return {name: median(t) for name, t in times.items()}
 
 
 def raw_ops(medium: str, handle, data: bytes):
@@ -135,7 +108,7 @@ def measure(medium: str, store: Store, raw_handle, size: int, repeats: int) -> d
     tensor = torch.randn(size // 4)
     data = tensor.numpy().tobytes()
     raw_put, raw_get = raw_ops(medium, raw_handle, data)
-    key = f"runs/bench/{size}"
+    key = run_key("bench", str(size))
     row = interleaved_medians({
         "raw_put": raw_put,
         "raw_get": raw_get,
@@ -145,7 +118,7 @@ def measure(medium: str, store: Store, raw_handle, size: int, repeats: int) -> d
         "codec_get": lambda: decode_tensors(store.get(key)),
     }, repeats)
     assert torch.equal(decode_tensors(store.get(key))[0]["t"], tensor)
-    store.delete_prefix("runs/bench/")
+    store.delete_prefix(run_prefix("bench") + "/")
     return row
 
 
@@ -174,46 +147,36 @@ def main(argv: list[str] | None = None) -> None:
     import redis
     from azure.storage.blob import BlobServiceClient
 
-    work = Path(tempfile.mkdtemp(prefix="zooid-bench-stores-"))
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-           "AWS_DEFAULT_REGION": "us-east-1"}
-    os.environ.update(env)
-    redis_port, moto_port, azurite_port = free_port(0), free_port(0), free_port(0)
     servers = []
-    try:
-        servers.append(start_server(
-            [shutil.which("redis-server") or "redis-server", "--bind", "127.0.0.1", "--port",
-             str(redis_port), "--save", "", "--appendonly", "no", "--dir", str(work)],
-            redis_port, work / "redis.log"))
-        moto = Path(sys.executable).with_name("moto_server")
-        servers.append(start_server([str(moto), "-H", "127.0.0.1", "-p", str(moto_port)],
-                                    moto_port, work / "moto.log"))
-        endpoint = f"http://127.0.0.1:{moto_port}"
-        s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-        s3.create_bucket(Bucket="bench")
-        servers.append(start_server([str(AZURITE), "--blobHost", "127.0.0.1", "--blobPort", str(azurite_port),
-                                     "--location", str(work / "azurite"), "--skipApiVersionCheck",
-                                     "--disableTelemetry", "--silent"], azurite_port, work / "azurite.log"))
-        azure = (f"DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;AccountKey={AZURITE_KEY};"
-                 f"BlobEndpoint=http://127.0.0.1:{azurite_port}/devstoreaccount1;")
-        container = BlobServiceClient.from_connection_string(azure).create_container("bench")
-        media = [
-            ("directory", DirectoryStore(work / "store"), work),
-            ("redis", RedisStore(f"redis://127.0.0.1:{redis_port}/0"),
-             redis.Redis(port=redis_port, socket_timeout=120)),
-            ("s3 (moto)", S3Store("bench", "zooid", endpoint=endpoint), (s3, "bench")),
-            ("azure blob (Azurite)", AzureBlobStore("bench", "zooid", connection_string=azure), container),
-        ]
-        rows = []
-        for size, repeats in ((1 * MB, args.repeats_small), (100 * MB, args.repeats_large)):
-            for medium, store, handle in media:
-                kind = medium.split()[0]
-                print(f"{medium} {size // MB} MB ...", file=sys.stderr, flush=True)
-                rows.append((medium, size, measure(kind, store, handle, size, repeats)))
-    finally:
-        for proc in servers:
-            stop_server(proc)
-        shutil.rmtree(work, ignore_errors=True)
+    with scratch("stores") as work:
+        try:
+            redis_proc, redis_url = redis_server(work)
+            servers.append(redis_proc)
+            moto, endpoint = moto_server(work)
+            servers.append(moto)
+            s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+            azurite_port = free_port(0)
+            servers.append(start_server([str(AZURITE), "--blobHost", "127.0.0.1", "--blobPort", str(azurite_port),
+                                         "--location", str(work / "azurite"), "--skipApiVersionCheck",
+                                         "--disableTelemetry", "--silent"], azurite_port, work / "azurite.log"))
+            azure = (f"DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;AccountKey={AZURITE_KEY};"
+                     f"BlobEndpoint=http://127.0.0.1:{azurite_port}/devstoreaccount1;")
+            container = BlobServiceClient.from_connection_string(azure).create_container("bench")
+            media = [
+                ("directory", DirectoryStore(work / "store"), work),
+                ("redis", RedisStore(redis_url), redis.Redis.from_url(redis_url, socket_timeout=120)),
+                ("s3 (moto)", S3Store("bench", "zooid", endpoint=endpoint), (s3, "bench")),
+                ("azure blob (Azurite)", AzureBlobStore("bench", "zooid", connection_string=azure), container),
+            ]
+            rows = []
+            for size, repeats in ((1 * MB, args.repeats_small), (100 * MB, args.repeats_large)):
+                for medium, store, handle in media:
+                    kind = medium.split()[0]
+                    print(f"{medium} {size // MB} MB ...", file=sys.stderr, flush=True)
+                    rows.append((medium, size, measure(kind, store, handle, size, repeats)))
+        finally:
+            for proc in servers:
+                stop_server(proc)
 
     command = command_for("benchmarks.bench_stores", argv)
     text = "\n".join([

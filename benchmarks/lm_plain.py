@@ -32,20 +32,19 @@ second `benchmarks/results/language_models_gpu.md`.
 from __future__ import annotations
 
 import argparse
-import statistics
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.lm_results import run_line
+from benchmarks.harness.home import scratch
+from benchmarks.harness.replicas import SUBSET_ROWS
+from benchmarks.harness.tables import median, run_line
+from benchmarks.output import command_for
+from core.keys import checkpoint_key, init_checkpoint_key
 
 RESULTS_GPU = Path(__file__).resolve().parent / "results" / "language_models_gpu.md"
 """Where a run on a GPU writes part b (another machine than the one that runs parts a and c)."""
 PLAIN_MODELS = ("gpt_mini", "gpt2_small")
-SUBSET_ROWS = 64
-"""Rows per published subset: `coordinator.run.validate.SUBSET_SIZE`, as the flow publishes a dataset
-for up to 8 workers (not imported: the coordinator's modules import pydantic)."""
 DEFAULTS = {
     # model: (lr, KB of text:stdlib) on the device types it is meant for
     "gpt_mini": (1e-3, 400),
@@ -81,7 +80,7 @@ class Side:
 
     def median_s(self) -> float:
         """Median epoch seconds after the first (the first pays one-time costs: kernels, caches)."""
-        return statistics.median(self.seconds[1:] or self.seconds)
+        return median(self.seconds[1:] or self.seconds)
 
 
 def _synchronize(device) -> None:
@@ -138,6 +137,13 @@ def _plain_epoch(model, optimizer, x, y, vx, vy, batch: int, steps: int, seed: i
 def run_plain_vs_zooid(model_name: str, device_name: str, batch: int, seq_len: int, steps: int | None, kb: int,
                        epochs: int, lr: float, seed: int = 0) -> tuple[Side, Side, dict]:
     """Both sides, alternating epochs (module docstring): (zooid, plain, facts)."""
+    with scratch("lm-plain") as root:
+        return _alternate(root, model_name, device_name, batch, seq_len, steps, kb, epochs, lr, seed)
+
+
+def _alternate(root: Path, model_name: str, device_name: str, batch: int, seq_len: int, steps: int | None, kb: int,
+               epochs: int, lr: float, seed: int) -> tuple[Side, Side, dict]:
+    """`run_plain_vs_zooid` in the folder `root`."""
     import math
 
     import torch
@@ -154,7 +160,6 @@ def run_plain_vs_zooid(model_name: str, device_name: str, batch: int, seq_len: i
 
     device = torch.device(device_name)
     dataset, text = f"text:stdlib:{kb}", TextSettings(tokenizer="bytes", objective="causal", seq_len=seq_len)
-    root = Path(tempfile.mkdtemp(prefix="zooid-bench-lm-plain-"))
     store = DirectoryStore(root / "store")
     run_id = "lm-plain"
     t0 = time.perf_counter()
@@ -163,7 +168,7 @@ def run_plain_vs_zooid(model_name: str, device_name: str, batch: int, seq_len: i
     publish_s = time.perf_counter() - t0
     kwargs = _model_kwargs(model_name, data, seq_len)
     steps = steps or steps_per_epoch(manifest.n_train, 1, batch)
-    init = f"runs/{run_id}/ckpt/init"
+    init = init_checkpoint_key(run_id)
     initial_checkpoint(store, init, model_name, "adam", lr, seed=seed, model_kwargs=kwargs)
     keep_models()
     keep_subsets()
@@ -177,11 +182,11 @@ def run_plain_vs_zooid(model_name: str, device_name: str, batch: int, seq_len: i
     zooid, plain = Side("Zooid"), Side("plain PyTorch")
 
     def zooid_epoch(epoch: int) -> None:
-        out = f"runs/{run_id}/ckpt/e{epoch}"
+        out = checkpoint_key(run_id, epoch)
         spec = WorkerSpec(run_id=run_id, epoch=epoch, rank=0, world=1, store_url=store.url, model=model_name,
                           dataset=dataset, subsets=tuple(range(manifest.n_subsets)), steps=steps, batch_size=batch,
                           lr=lr, optimizer="adam", sync_period=None, seed=seed,
-                          init_key=init if epoch == 0 else f"runs/{run_id}/ckpt/e{epoch - 1}", out_key=out,
+                          init_key=init if epoch == 0 else checkpoint_key(run_id, epoch - 1), out_key=out,
                           evaluate=True, compute=ComputeSpec(device=device_name, model_kwargs=kwargs))
         _synchronize(device)
         began = time.perf_counter()
@@ -191,7 +196,7 @@ def run_plain_vs_zooid(model_name: str, device_name: str, batch: int, seq_len: i
         zooid.perplexity.append(result.val_perplexity)
         zooid.loss.append(result.train_loss)
         if epoch > 1:  # as the flow keeps the last checkpoints, not every one
-            store.delete(f"runs/{run_id}/ckpt/e{epoch - 2}")
+            store.delete(checkpoint_key(run_id, epoch - 2))
 
     def plain_epoch(epoch: int) -> None:
         _synchronize(device)
@@ -203,17 +208,12 @@ def run_plain_vs_zooid(model_name: str, device_name: str, batch: int, seq_len: i
         plain.perplexity.append(math.exp(val_loss))
         plain.loss.append(train_loss)
 
-    try:
-        for epoch in range(epochs):
-            order = (zooid_epoch, plain_epoch) if epoch % 2 == 0 else (plain_epoch, zooid_epoch)
-            for run in order:
-                run(epoch)
-            print(f"epoch {epoch}: Zooid {zooid.seconds[-1]:.2f} s ppl {zooid.perplexity[-1]:.4f}, "
-                  f"plain {plain.seconds[-1]:.2f} s ppl {plain.perplexity[-1]:.4f}", flush=True)
-    finally:
-        import shutil
-
-        shutil.rmtree(root, ignore_errors=True)
+    for epoch in range(epochs):
+        order = (zooid_epoch, plain_epoch) if epoch % 2 == 0 else (plain_epoch, zooid_epoch)
+        for run in order:
+            run(epoch)
+        print(f"epoch {epoch}: Zooid {zooid.seconds[-1]:.2f} s ppl {zooid.perplexity[-1]:.4f}, "
+              f"plain {plain.seconds[-1]:.2f} s ppl {plain.perplexity[-1]:.4f}", flush=True)
     state_mb = (sum(t.numel() * t.element_size() for t in plain_model.parameters())
                 + sum(v.numel() * v.element_size() for st in plain_opt.state.values() for v in st.values()
                       if torch.is_tensor(v))) / 1e6
@@ -269,7 +269,7 @@ def render_plain(zooid: Side, plain: Side, facts: dict, args: argparse.Namespace
                      f"{' '.join(f'{v:.4f}' for v in side.perplexity)} |")
     what = (f"`{args.model}` tokens per second within {goal:.2f}x of plain PyTorch's on the GPU" if gpu
             else f"Zooid's epochs at most {goal:.1f}x plain PyTorch's")
-    pairs = statistics.median(a / b for a, b in zip(zooid.seconds[1:], plain.seconds[1:]))
+    pairs = median(a / b for a, b in zip(zooid.seconds[1:], plain.seconds[1:]))
     lines += ["", f"Ratio Zooid / plain: **{ratio:.3f}x** seconds per epoch ({p / z:.3f} of plain's tokens per "
                   f"second); the median of each epoch's own ratio (the two sides' epochs run back to back, so a "
                   f"burst of load from other jobs hits both): {pairs:.3f}x. Goal, {what}: "
@@ -297,6 +297,4 @@ def part_b(args: argparse.Namespace) -> str:
     args.seq_len_b = args.seq_len[0] if args.seq_len else 128
     zooid, plain, facts = run_plain_vs_zooid(args.model, args.device, args.batch, args.seq_len_b, args.steps, args.kb,
                                              args.plain_epochs, args.lr)
-    from benchmarks.output import command_for
-
     return render_plain(zooid, plain, facts, args, command_for("benchmarks.bench_language_models"))

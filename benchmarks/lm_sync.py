@@ -5,7 +5,7 @@ the local pool, strategy `local_sgd`, SGD with momentum (int8 syncs refuse Adam,
 trains with the same inner optimizer): every-step averaging (k = 1, gradients averaged in
 buckets), K-AVG at k = `--sync-k`, DiLoCo (outer Nesterov) at k = `--diloco-k` syncing float32
 and int8. Each configuration is one `train/local` flow run on one local stack
-(`benchmarks.bench_local_sgd.local_stack`, `pool_run`) for a fixed number of epochs; every
+(`benchmarks.harness.stack.local_stack`, `pool_trace`) for a fixed number of epochs; every
 figure comes from the run's summary.json: validation perplexity, seconds and bytes synced per
 epoch. DiLoCo's outer lr and momentum are the job's defaults (null: they follow the sync period,
 `core.outer_defaults`), as a user who sets neither gets them.
@@ -20,7 +20,10 @@ import argparse
 import math
 from dataclasses import dataclass
 
-from benchmarks.lm_results import run_line
+from benchmarks.harness.home import scratch
+from benchmarks.harness.stack import local_stack, pool_trace
+from benchmarks.harness.tables import run_line
+from benchmarks.output import command_for
 
 WORKERS = 2
 BATCH = 16
@@ -90,13 +93,10 @@ def part_a(args: argparse.Namespace) -> str:
             or args.sync_seq_len < 2:
         raise SystemExit("error: --sync-epochs and --sync-seq-len must be at least 2; --sync-k, --diloco-k, "
                          "--sync-kb and --sync-lr positive")
-    from benchmarks.bench_local_sgd import local_stack, pool_run
-    from benchmarks.output import command_for
-
-    runs = []
-    with local_stack("zooid-bench-lm-sync-") as (home, ran):
+    runs, ran = [], []  # (Config, PoolRun) pairs; every PoolRun, for keeping the stack's home
+    with scratch("lm-sync", keep=lambda: not all(r.ok for r in ran)) as home, local_stack(home):
         for config in configs(args):
-            run = pool_run(home, sync_params(args, config), config.name, 0)
+            run = pool_trace(home, sync_params(args, config), config.name, 0)
             ran.append(run)
             runs.append((config, run))
             print(f"{config.name:22s} {run.run_id} {run.status[:80]}: perplexity "

@@ -8,7 +8,7 @@ import argparse
 import pytest
 import torch
 
-from benchmarks.lm_results import merged_body, sections
+from benchmarks.harness.tables import merged_body, sections
 from benchmarks.lm_sync import KAVG, configs, reached
 from engine.local_sgd import VALIDATION_ROWS, VALIDATION_TOKENS, validation_chunk, validation_metrics
 from engine.objective import CROSS_ENTROPY
