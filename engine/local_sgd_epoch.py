@@ -353,123 +353,195 @@ def _open_ring(spec: WorkerSpec, store: Store) -> RingGroup | None:
 
 def _run(spec: WorkerSpec, store: Store, ckpt_store: Store, started: float,
          ring: RingGroup | None = None) -> WorkerResult:
-    device, dtype = torch_device(spec.compute), torch_dtype(spec.compute)
-    chaos = chaos_for(spec, store)
-    model = build_model(spec.model, spec.seed, **spec.compute.model_kwargs)
-    model = model.to(device=device, dtype=dtype)
-    optimizer = build_optimizer(spec.optimizer, model, spec.lr)
-    start = load_start_point(spec, ckpt_store, model, optimizer)
-    # data subsets are durable: they live beside the checkpoints, not in the scratch store
-    x, y = read_subsets(ckpt_store, spec.run_id, spec.subsets, timeout=spec.sync_timeout_s,
-                        seed=spec.seed, epoch=spec.epoch)
-    x, y = to_compute(x, device, dtype), to_compute(y, device, dtype)
-    objective = objective_for(spec.loss)
-    tokens_per_row = objective.tokens(y[:1])
+    """One replica's epoch in its steps (`_ReplicaEpoch`): set up, the inner loop with its
+    syncs, the epoch's end (residuals, epoch checkpoint, release), evaluation and record."""
+    epoch = _ReplicaEpoch(spec, store, ckpt_store, ring)
+    loss_sum = epoch.train()
+    checkpoint_key = epoch.finish()
+    train_loss = loss_sum.item() / max(1, epoch.trained)
+    loop_s = time.perf_counter() - epoch.loop_started
+    val = epoch.validate()
+    epoch.record_history(loop_s)
+    return epoch.result(started, train_loss, loop_s, val, checkpoint_key)
 
-    group = _group(spec)
-    sync_key = sync_checkpoint_key(spec.run_id, spec.epoch)
-    position = {**_position_identity(spec), "kind": "sync", "global_step_before": start.global_step_before,
-                "model": spec.model, "optimizer": spec.optimizer}
-    outer, compressor, residuals = _outer_and_wire(spec, start, device, ckpt_store)
 
-    cadence = cadence_for(spec, model, ring)
-    writer = CheckpointWriter(ckpt_store)
+class _ReplicaEpoch:
+    """One replica's epoch as named steps over its state, called in order by `_run`."""
 
-    def on_sync(round_: int, step: int) -> None:
-        if spec.rank == 0 and cadence.due(round_, step) and not _lone_last_round(spec, step):
-            # in the background (step 1 of the module docstring); this waits for the one before
-            writer.write(sync_key, model, optimizer, {**position, "step": step, "round": round_},
-                         extra=outer.state_tensors() if outer else None,
-                         then=lambda: averaging.drop_rounds_before(round_))
-            cadence.written(round_)
-            if chaos.pending:
-                writer.wait()  # a planned fault finds the checkpoint where it always did
-        chaos.after_sync(step)
+    def __init__(self, spec: WorkerSpec, store: Store, ckpt_store: Store, ring: RingGroup | None):
+        """Set-up: the model and optimizer at the start point (`load_start_point`), this
+        replica's subsets on the device, then the syncs' machinery (`_set_up_syncs`)."""
+        self.spec, self.ckpt_store = spec, ckpt_store
+        self.device, self.dtype = device, dtype = torch_device(spec.compute), torch_dtype(spec.compute)
+        self.chaos = chaos_for(spec, store)
+        model = build_model(spec.model, spec.seed, **spec.compute.model_kwargs)
+        self.model = model = model.to(device=device, dtype=dtype)
+        self.optimizer = build_optimizer(spec.optimizer, model, spec.lr)
+        self.start = load_start_point(spec, ckpt_store, model, self.optimizer)
+        # data subsets are durable: they live beside the checkpoints, not in the scratch store
+        x, y = read_subsets(ckpt_store, spec.run_id, spec.subsets, timeout=spec.sync_timeout_s,
+                            seed=spec.seed, epoch=spec.epoch)
+        self.x, self.y = to_compute(x, device, dtype), to_compute(y, device, dtype)
+        self.objective = objective_for(spec.loss)
+        self.tokens_per_row = self.objective.tokens(self.y[:1])
+        self._set_up_syncs(store, ring)
 
-    if compressor is not None:
-        # before this rank posts its reduced slice: see engine.residuals
-        compressor.before_result = lambda: (
-            residuals.write(averaging.rounds, compressor.residual)
-            if cadence.due(averaging.rounds, averaging.steps) or averaging.steps >= spec.steps else None)
+    def _set_up_syncs(self, store: Store, ring: RingGroup | None) -> None:
+        """The sync checkpoint's key and position, the outer step and wire, the checkpoint
+        cadence and writer, and `averaging` (`LocalSGD`), which calls `_on_sync` after
+        each round and, with a compressed sync, `_write_residual` before a rank posts."""
+        spec = self.spec
+        self.sync_key = sync_checkpoint_key(spec.run_id, spec.epoch)
+        self.position = {**_position_identity(spec), "kind": "sync",
+                         "global_step_before": self.start.global_step_before,
+                         "model": spec.model, "optimizer": spec.optimizer}
+        self.outer, self.compressor, self.residuals = _outer_and_wire(spec, self.start, self.device,
+                                                                      self.ckpt_store)
+        self.cadence = cadence_for(spec, self.model, ring)
+        self.writer = CheckpointWriter(self.ckpt_store)
+        if self.compressor is not None:
+            self.compressor.before_result = self._write_residual
+        self.averaging = LocalSGD(
+            self.model, self.optimizer, store, _group(spec), spec.rank, spec.world, spec.sync_period,
+            spec.sync_timeout_s, replayable=bool(spec.sync.checkpoint_every),
+            repost_s=float(spec.sync.repost_s) or None,
+            on_sync=self._on_sync, start_round=self.start.round, start_step=self.start.step,
+            replay=wants_resume(spec),
+            allreduce=allreduce_for(spec.sync.collective or DEFAULT_COLLECTIVE, "mean", ring=ring),
+            outer=self.outer, compressor=self.compressor, ring=ring,
+            average_gradients=averages_gradients(spec.sync_period, spec.sync.outer_optimizer,
+                                                 spec.sync.sync_dtype, spec.sync.every_step),
+            bucket_bytes=int(spec.sync.bucket_mb * 2**20))
 
-    averaging = LocalSGD(model, optimizer, store, group, spec.rank, spec.world, spec.sync_period,
-                         spec.sync_timeout_s, replayable=bool(spec.sync.checkpoint_every),
-                         repost_s=float(spec.sync.repost_s) or None,
-                         on_sync=on_sync, start_round=start.round, start_step=start.step,
-                         replay=wants_resume(spec),
-                         allreduce=allreduce_for(spec.sync.collective or DEFAULT_COLLECTIVE, "mean", ring=ring),
-                         outer=outer, compressor=compressor, ring=ring,
-                         average_gradients=averages_gradients(spec.sync_period, spec.sync.outer_optimizer,
-                                                              spec.sync.sync_dtype, spec.sync.every_step),
-                         bucket_bytes=int(spec.sync.bucket_mb * 2**20))
-    generator = torch.Generator().manual_seed(batch_seed(spec.seed, spec.epoch, spec.rank))
-    stream = batch_stream(len(y), spec.batch_size, spec.steps, generator)
-    for _ in range(start.step):
-        next(stream)  # batches the checkpointed state already covers
-    loss_sum = torch.zeros((), device=device)
-    model.train()
-    clock = IterationClock()
-    t0 = time.perf_counter()
-    for step, idx in enumerate(stream, start=start.step):
-        chaos.before_step(step)
-        idx = idx.to(device)
-        loss = objective.loss(model(x[idx]), y[idx])
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        loss_sum += loss.detach()
-        averaging.after_step()
-        clock.tick()
-    averaging.flush()
-    writer.wait()
-    trained = spec.steps - start.step
-    residual_meta = {}
-    if compressor is not None:
-        last = averaging.rounds - 1
+    def _on_sync(self, round_: int, step: int) -> None:
+        """After sync round `round_` (at a period boundary): rank 0 starts the round's sync
+        checkpoint when the cadence says it is due (step 1 of the module docstring)."""
+        spec, averaging = self.spec, self.averaging
+        if spec.rank == 0 and self.cadence.due(round_, step) and not _lone_last_round(spec, step):
+            # in the background; this waits for the one before
+            meta = {**self.position, "step": step, "round": round_}
+            self.writer.write(self.sync_key, self.model, self.optimizer, meta,
+                              extra=self.outer.state_tensors() if self.outer else None,
+                              then=lambda: averaging.drop_rounds_before(round_))
+            self.cadence.written(round_)
+            if self.chaos.pending:
+                self.writer.wait()  # a planned fault finds the checkpoint where it always did
+        self.chaos.after_sync(step)
+
+    def _write_residual(self) -> None:
+        """Before this rank posts its reduced slice (`engine.residuals`): its error-feedback
+        residual, at every round the sync checkpoint is written and at the epoch's last."""
+        averaging = self.averaging
+        if self.cadence.due(averaging.rounds, averaging.steps) or averaging.steps >= self.spec.steps:
+            self.residuals.write(averaging.rounds, self.compressor.residual)
+
+    def train(self) -> torch.Tensor:
+        """The inner loop: from the start point's step (its batches drawn and discarded),
+        each step's forward, backward and optimizer step, then `averaging.after_step`, which
+        syncs at a period boundary. Returns the summed loss; `loop_started` and `clock` time it."""
+        spec, model, optimizer, averaging, x, y = (self.spec, self.model, self.optimizer, self.averaging,
+                                                   self.x, self.y)
+        generator = torch.Generator().manual_seed(batch_seed(spec.seed, spec.epoch, spec.rank))
+        stream = batch_stream(len(y), spec.batch_size, spec.steps, generator)
+        for _ in range(self.start.step):
+            next(stream)  # batches the checkpointed state already covers
+        loss_sum = torch.zeros((), device=self.device)
+        model.train()
+        self.clock = IterationClock()
+        self.loop_started = time.perf_counter()
+        for step, idx in enumerate(stream, start=self.start.step):
+            self.chaos.before_step(step)
+            idx = idx.to(self.device)
+            loss = self.objective.loss(model(x[idx]), y[idx])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            loss_sum += loss.detach()
+            averaging.after_step()
+            self.clock.tick()
+        return loss_sum
+
+    @property
+    def trained(self) -> int:
+        """Steps this attempt trained."""
+        return self.spec.steps - self.start.step
+
+    def finish(self) -> str:
+        """The epoch's end: the last sync and checkpoint put, the residuals' keys, rank 0's
+        epoch checkpoint, then the group's release. Returns the epoch checkpoint's key
+        (rank 0; "" for the others)."""
+        self.averaging.flush()
+        self.writer.wait()
+        residual_meta = self._finish_residuals()
+        checkpoint_key = ""
+        if self.spec.rank == 0:
+            # Written before the release: a relaunched rank 0 that finds the group released
+            # knows this checkpoint is already there (it rewrites it anyway, same bytes).
+            checkpoint_key = self._epoch_checkpoint(residual_meta)
+        self.averaging.release(resumed=wants_resume(self.spec))
+        return checkpoint_key
+
+    def _finish_residuals(self) -> dict:
+        """With a compressed sync, this rank's last residual and the metadata that names every
+        rank's for the next epoch (`residual_keys`); {} otherwise."""
+        spec = self.spec
+        if self.compressor is None:
+            return {}
+        last = self.averaging.rounds - 1
         if spec.world == 1:  # no collective ran: the residual is the one this rank started with
-            residuals.write(last, compressor.residual)
-        residuals.finish(last)
-        residual_meta = {"residual_keys": [residual_key(spec.run_id, spec.epoch, r, last) for r in range(spec.world)]}
-    checkpoint_key = ""
-    if spec.rank == 0:
-        # Written before the release: a relaunched rank 0 that finds the group released
-        # knows this checkpoint is already there (it rewrites it anyway, same bytes).
+            self.residuals.write(last, self.compressor.residual)
+        self.residuals.finish(last)
+        return {"residual_keys": [residual_key(spec.run_id, spec.epoch, r, last) for r in range(spec.world)]}
+
+    def _epoch_checkpoint(self, residual_meta: dict) -> str:
+        """Rank 0's epoch checkpoint at `spec.out_key`: the averaged state, the outer state and
+        a position that names the epoch's end (`_completed_epoch`). Returns its key."""
+        spec, start = self.spec, self.start
         meta = {
             "run_id": spec.run_id, "epoch": spec.epoch, "epoch_complete": True,
             "steps": spec.steps, "global_step": start.global_step_before + spec.steps,
             "world": spec.world, "model": spec.model, "optimizer": spec.optimizer,
             "outer_optimizer": spec.sync.outer_optimizer, "sync_dtype": spec.sync.sync_dtype, **residual_meta,
-            "position": {**_position_identity(spec), "round": averaging.rounds - 1,
+            "position": {**_position_identity(spec), "round": self.averaging.rounds - 1,
                          "global_step_before": start.global_step_before},
         }
-        save_checkpoint(ckpt_store, spec.out_key, model, optimizer, meta,
-                        extra=outer.state_tensors() if outer else None)
-        checkpoint_key = spec.out_key
-    averaging.release(resumed=wants_resume(spec))
-    train_loss = loss_sum.item() / max(1, trained)
-    loop_s = time.perf_counter() - t0
+        save_checkpoint(self.ckpt_store, spec.out_key, self.model, self.optimizer, meta,
+                        extra=self.outer.state_tensors() if self.outer else None)
+        return spec.out_key
 
-    val = None
-    if spec.rank == 0 and spec.evaluate:
-        manifest = read_manifest(ckpt_store, spec.run_id, timeout=spec.sync_timeout_s)
-        vx, vy = read_subsets(ckpt_store, spec.run_id, range(manifest.n_val_subsets), split="val", seed=spec.seed)
-        val = validation_metrics(model, to_compute(vx, vx.device, dtype), to_compute(vy, vy.device, dtype), objective)
-    record = {"run_id": spec.run_id, "epoch": spec.epoch, "rank": spec.rank, "attempt": spec.attempt,
-              "subsets": list(spec.subsets), "start_step": start.step, "end_step": spec.steps,
-              "steps_trained": trained, "samples": trained * spec.batch_size,
-              "start_round": start.round, "end_round": averaging.rounds,
-              "from_sync_checkpoint": start.from_sync_checkpoint, "reposts": averaging.stats.reposts,
-              "compute_s": max(0.0, loop_s - averaging.stats.seconds), "sync_s": averaging.stats.seconds}
-    ckpt_store.put(worker_history_key(spec.run_id, spec.epoch, spec.rank, spec.attempt),
-                   json.dumps(record).encode())
-    stats = averaging.stats
-    return WorkerResult(
-        run_id=spec.run_id, epoch=spec.epoch, rank=spec.rank,
-        started_at=started, stopped_at=time.time(),
-        train_loss=train_loss, samples=trained * spec.batch_size,
-        compute_s=max(0.0, loop_s - stats.seconds), sync_s=stats.seconds,
-        upload_s=stats.upload_s, download_s=stats.download_s, bytes_synced=stats.bytes_total,
-        **(val.result_fields() if val else {}), tokens=trained * spec.batch_size * tokens_per_row,
-        checkpoint_key=checkpoint_key,
-        pid=os.getpid(), host=socket.gethostname(), iteration_s=clock.period_s(),
-    )
+    def validate(self):
+        """Rank 0's validation metrics of the averaged model when `spec.evaluate`, else None."""
+        spec, dtype = self.spec, self.dtype
+        if spec.rank != 0 or not spec.evaluate:
+            return None
+        manifest = read_manifest(self.ckpt_store, spec.run_id, timeout=spec.sync_timeout_s)
+        vx, vy = read_subsets(self.ckpt_store, spec.run_id, range(manifest.n_val_subsets), split="val",
+                              seed=spec.seed)
+        return validation_metrics(self.model, to_compute(vx, vx.device, dtype), to_compute(vy, vy.device, dtype),
+                                  self.objective)
+
+    def record_history(self, loop_s: float) -> None:
+        """This attempt's record of what it trained (`read_epoch_history`)."""
+        spec, start, stats = self.spec, self.start, self.averaging.stats
+        record = {"run_id": spec.run_id, "epoch": spec.epoch, "rank": spec.rank, "attempt": spec.attempt,
+                  "subsets": list(spec.subsets), "start_step": start.step, "end_step": spec.steps,
+                  "steps_trained": self.trained, "samples": self.trained * spec.batch_size,
+                  "start_round": start.round, "end_round": self.averaging.rounds,
+                  "from_sync_checkpoint": start.from_sync_checkpoint, "reposts": stats.reposts,
+                  "compute_s": max(0.0, loop_s - stats.seconds), "sync_s": stats.seconds}
+        self.ckpt_store.put(worker_history_key(spec.run_id, spec.epoch, spec.rank, spec.attempt),
+                            json.dumps(record).encode())
+
+    def result(self, started: float, train_loss: float, loop_s: float, val, checkpoint_key: str) -> WorkerResult:
+        """The worker's answer: losses, samples, tokens, seconds and bytes of the epoch."""
+        spec, stats, trained = self.spec, self.averaging.stats, self.trained
+        return WorkerResult(
+            run_id=spec.run_id, epoch=spec.epoch, rank=spec.rank,
+            started_at=started, stopped_at=time.time(),
+            train_loss=train_loss, samples=trained * spec.batch_size,
+            compute_s=max(0.0, loop_s - stats.seconds), sync_s=stats.seconds,
+            upload_s=stats.upload_s, download_s=stats.download_s, bytes_synced=stats.bytes_total,
+            **(val.result_fields() if val else {}), tokens=trained * spec.batch_size * self.tokens_per_row,
+            checkpoint_key=checkpoint_key,
+            pid=os.getpid(), host=socket.gethostname(), iteration_s=self.clock.period_s(),
+        )
