@@ -258,9 +258,42 @@ class FakeClock:
         self.now += seconds
 
 
-def test_a_relaunched_rank_0_after_the_release_returns_at_once():
-    store = MemoryStore()
-    release_group(store, "runs/t/sync/e0", 0, 2, 0.5, resumed=True)  # no call keys left: released
+class RecordingStore(MemoryStore):
+    """A MemoryStore that records the calls made on it and refuses to wait: `get`, the one
+    call that waits for a key, fails the test."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[tuple[str, str]] = []
+
+    def put(self, key, data, **kwargs):
+        self.ops.append(("put", key))
+        super().put(key, data, **kwargs)
+
+    def get(self, key, timeout=None):
+        raise AssertionError(f"waited for {key}")
+
+    def list(self, prefix):
+        self.ops.append(("list", prefix))
+        return super().list(prefix)
+
+    def delete_prefix(self, prefix):
+        self.ops.append(("delete_prefix", prefix))
+        return super().delete_prefix(prefix)
+
+
+def test_a_relaunched_rank_0_after_the_release_returns_at_once(monkeypatch):
+    """Its previous life released the group (no call keys left) and left a done key behind:
+    the relaunch looks for call keys once, deletes what is left and returns, posting no done
+    key and waiting for none (no `get`; the fake clock never moves)."""
+    store = RecordingStore()
+    store._data["runs/t/sync/e0/done/1"] = b"1"  # a peer's, posted after the release
+    clock = FakeClock()
+    monkeypatch.setattr(collectives, "time", clock)
+    monkeypatch.setattr(store_base, "time", clock)
+    release_group(store, "runs/t/sync/e0", 0, 2, 0.5, resumed=True)
+    assert store.ops == [("list", "runs/t/sync/e0/r"), ("delete_prefix", "runs/t/sync/e0/")]
+    assert clock.now == clock.start
     assert store.list("runs/") == []
 
 

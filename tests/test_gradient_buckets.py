@@ -26,9 +26,9 @@ from core.schedules import Kind
 from core.specs import ComputeSpec, SyncSpec, WorkerSpec
 from engine.chaos import Chaos
 from engine.checkpoint import initial_checkpoint, load_checkpoint
-from engine.datasets import publish_dataset
+from engine.datasets import publish_dataset, read_subsets
 from engine.gradient_buckets import GradientBuckets, plan_buckets
-from engine.local_sgd import LocalSGD
+from engine.local_sgd import LocalSGD, batch_seed, batch_stream
 from engine.local_sgd_epoch import read_epoch_history, run_local_sgd_epoch
 from engine.models import build_model
 from engine.optimizers import build_optimizer, optimizer_state_tensors
@@ -110,14 +110,45 @@ def test_every_step_gradient_averaging_equals_parameter_averaging(tmp_path, coll
     assert store.list("runs/gradients/sync/") == []
 
 
-def test_adam_takes_the_moments_of_the_averaged_gradient_on_every_replica(tmp_path):
-    """DDP's semantics: one process's Adam step on the two batches together, not the mean of
-    the replicas' moments (which averaging parameters keeps)."""
+def adam_on_averaged_gradients(store, run_id: str):
+    """The reference: one process, one model from the run's initial checkpoint and one
+    `torch.optim.Adam`, stepping each step on the mean of the two replicas' gradients (each
+    replica's batch drawn as the engine draws it); its weights and optimizer state."""
+    model = build_model("digits_mlp", 0).double()
+    opt = build_optimizer("adam", model, LR)
+    load_checkpoint(store, f"runs/{run_id}/ckpt/init", model, opt)
+    assert isinstance(opt, torch.optim.Adam)
+    data = [read_subsets(store, run_id, s, seed=1, epoch=0) for s in SUBSETS]
+    streams = [batch_stream(len(y), BATCH, STEPS, torch.Generator().manual_seed(batch_seed(1, 0, r)))
+               for r, (_, y) in enumerate(data)]
+    for idx in zip(*streams):
+        grads = []
+        for r, (x, y) in enumerate(data):
+            model.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x[idx[r]].double()), y[idx[r]]).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for p, *gs in zip(model.parameters(), *grads):
+            p.grad = torch.stack(gs).mean(0)
+        opt.step()
+    return model.state_dict(), optimizer_state_tensors(model, opt)
+
+
+def test_adam_takes_the_moments_of_the_averaged_gradient(tmp_path):
+    """DDP's semantics: the checkpoint holds what `torch.optim.Adam` in one process reaches,
+    stepping on the mean of the two replicas' gradients (weights, both moments and the step
+    count); averaging parameters instead keeps the mean of the replicas' moments, which differs."""
     store = DirectoryStore(tmp_path)
     for mode in ("gradients", "parameters"):
         stage(store, mode, "adam")
         run_threads(store, specs(store, mode, "adam", dataclasses.replace(SMALL_BUCKETS, every_step=mode)))
     grads, params = final_state(store, "gradients", "adam"), final_state(store, "parameters", "adam")
+    reference = adam_on_averaged_gradients(store, "gradients")
+    assert {k.rpartition(".")[2] for k in reference[1]} == {"step", "exp_avg", "exp_avg_sq"}
+    steps = {k: v for k, v in grads[1].items() if k.endswith(".step")}
+    assert steps.keys() == {k for k in reference[1] if k.endswith(".step")}
+    assert all(v.item() == STEPS == reference[1][k].item() for k, v in steps.items())
+    tensors = {k: v for k, v in grads[1].items() if k not in steps}
+    assert_same_state((grads[0], tensors), (reference[0], {k: reference[1][k] for k in tensors}), 1e-12)
     moments = [k for k in grads[1] if k.endswith("exp_avg_sq")]
     assert moments and not all(torch.allclose(grads[1][k], params[1][k], rtol=1e-9) for k in moments)
 

@@ -1,5 +1,6 @@
 """New Prefect homes start from the install's migrated database (`deployments.prefect_db`)."""
 import sqlite3
+from pathlib import Path
 
 import pytest
 
@@ -55,5 +56,15 @@ def test_the_installed_template_is_a_migrated_database_with_its_blocks_registere
     with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
         (revision,) = conn.execute("select version_num from alembic_version").fetchone()
         block_types = {name for (name,) in conn.execute("select slug from block_type")}
-    assert revision
+    assert [revision] == sqlite_migration_heads()
     assert {"secret", "local-file-system"} <= block_types
+
+
+def sqlite_migration_heads() -> list[str]:
+    """The heads of the installed Prefect's own SQLite migrations (alembic's view of them)."""
+    from alembic.script import ScriptDirectory
+    from prefect.server import database
+
+    migrations = Path(database.__file__).parent / "_migrations"
+    scripts = ScriptDirectory(str(migrations), version_locations=[str(migrations / "versions" / "sqlite")])
+    return scripts.get_heads()

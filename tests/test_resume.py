@@ -51,10 +51,15 @@ def test_resume_continues_from_the_last_checkpoint_and_ends_equal(tmp_path):
     assert sum(r["kind"] == "worker" and r["attempt"] is not None for r in ledger["rows"]) == 4
 
 
-def test_resume_of_an_unknown_run_is_refused(tmp_path):
+def test_resume_of_an_unknown_run_is_refused(tmp_path, capsys):
+    """Exit 2 (bad input), the command line's one line last on stderr naming the field and the
+    run it did not find (the lines above it are the flow run's own log)."""
     from flows.train import main
 
-    assert main(["--param", f"store=file://{tmp_path}/s", "--param", "resume=znothere"]) != 0
+    assert main(["--param", f"store=file://{tmp_path}/s", "--param", "resume=znothere"]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert [line for line in lines if line.startswith("error:")] == [lines[-1]]
+    assert lines[-1] == f"error: resume: no run 'znothere' in file://{tmp_path}/s"
 
 
 @pytest.mark.slow
