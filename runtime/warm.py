@@ -39,6 +39,7 @@ import os
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 from comm import heartbeat
@@ -135,6 +136,16 @@ class _Watch(threading.Thread):
         except Exception:
             pass
 
+    def busy(self, seq: int, epoch: int | None, since: float) -> None:
+        """Command `seq` runs from `since` (an epoch's number; None for a profile)."""
+        self.busy_since = since
+        self.doc.update(state="busy", seq=seq, epoch=epoch)
+
+    def idle(self, seq: int) -> None:
+        """Command `seq` is answered: waiting for the next."""
+        self.busy_since = None
+        self.doc.update(state="idle", seq=seq + 1)
+
 
 def serve(spec: WorkerSpec, store: Store, execute: Callable[[WorkerSpec], WorkerResult],
           store_factory: Callable[[], Store], log: Callable[[str], None] | None = None,
@@ -148,13 +159,47 @@ def serve(spec: WorkerSpec, store: Store, execute: Callable[[WorkerSpec], Worker
     `open_ref(url)` opens the store a `profile` command probes (default
     `comm.store.open_store`). Raises `LeaseExpired` when the lease runs out, and whatever
     `execute` raised after posting it as the reply."""
+    worker = _start(spec, store, store_factory, log or (lambda line: print(line)))
+    seq = 0
+    try:
+        while True:
+            command = _next_command(store, spec.run_id, worker.settings, seq, worker.watch)
+            if _obey(worker, seq, command, execute, open_ref):
+                return "stopped"
+            seq += 1
+    finally:
+        heartbeat.set_guard(None)
+        worker.watch.stopped.set()
+        worker.watch.join(timeout=5)
+
+
+@dataclass
+class _Serving:
+    """What each step of `serve` shares: the command store, the run, this worker's settings,
+    its watch thread, when it became ready, and where it reports."""
+
+    store: Store
+    run_id: str
+    settings: WarmSpec
+    watch: _Watch
+    ready_at: float
+    log: Callable[[str], None]
+
+    def reply(self, seq: int, doc: dict) -> None:
+        """Post the reply to command `seq`."""
+        self.store.put(reply_key(self.run_id, self.settings.worker, seq), json.dumps(doc).encode())
+
+
+def _start(spec: WorkerSpec, store: Store, store_factory: Callable[[], Store],
+           log: Callable[[str], None]) -> _Serving:
+    """Start up: keep the models and data subsets, start the lease watch and the training
+    thread's guard, publish the `idle` status at once and say how long the start took."""
     # torch and the engine, imported when a worker starts serving: the coordinator imports
     # this module (coordinator.workers.warm_pool: read_json, worker_name) and runs without torch.
     from engine.datasets import keep_subsets  # torch: see above
     from engine.models import keep_models  # torch: see above
     from profiling.memory import rss_bytes  # torch: see above
 
-    log = log or (lambda line: print(line))
     settings = spec.warm
     if settings is None:
         raise ZooidValueError("warm", "a warm worker's launch spec needs its WarmSpec")
@@ -177,74 +222,73 @@ def serve(spec: WorkerSpec, store: Store, execute: Callable[[WorkerSpec], Worker
     log(f"zooid warm worker {settings.worker} ready {max(0.0, ready_at - began_at):.3f} s after its {since} "
         f"(interpreter, imports of torch and the store client, the store's connection, the lease watch; "
         f"pid {os.getpid()})")
-    seq = 0
+    return _Serving(store, spec.run_id, settings, watch, ready_at, log)
+
+
+def _obey(worker: _Serving, seq: int, command: dict, execute: Callable[[WorkerSpec], WorkerResult],
+          open_ref: Callable[[str], Store] | None) -> bool:
+    """Carry out command `seq` and post its reply; True when it was `stop`."""
+    op = command.get("op")
+    if op == "stop":
+        worker.reply(seq, {"ok": True, "stopped": True, "at": time.time()})
+        worker.log(f"zooid warm worker {worker.settings.worker}: stopped by the coordinator "
+                   f"({command.get('reason', 'no reason given')})")
+        return True
+    if op == "profile":
+        _serve_profile(worker, seq, command, open_ref)
+    elif op == "epoch":
+        _run_epoch(worker, seq, command, execute)
+    else:
+        raise ZooidValueError("command.op", f"must be 'epoch', 'profile' or 'stop', got {op!r}")
+    return False
+
+
+def _run_epoch(worker: _Serving, seq: int, command: dict, execute: Callable[[WorkerSpec], WorkerResult]) -> None:
+    """Train the epoch an `epoch` command names and post its result; an epoch that raises
+    posts its error and raises it on (the worker ends)."""
+    job = WorkerSpec.from_dict(command["spec"])
+    began = time.time()
+    heartbeat.reset_steps()
+    worker.watch.busy(seq, job.epoch, began)
     try:
-        while True:
-            command = _next_command(store, spec.run_id, settings, seq, watch)
-            op = command.get("op")
-            if op == "stop":
-                store.put(reply_key(spec.run_id, settings.worker, seq),
-                          json.dumps({"ok": True, "stopped": True, "at": time.time()}).encode())
-                log(f"zooid warm worker {settings.worker}: stopped by the coordinator "
-                    f"({command.get('reason', 'no reason given')})")
-                return "stopped"
-            if op == "profile":
-                _serve_profile(store, spec, settings, seq, command, open_ref, watch, ready_at, log)
-                seq += 1
-                continue
-            if op != "epoch":
-                raise ZooidValueError("command.op", f"must be 'epoch', 'profile' or 'stop', got {op!r}")
-            job = WorkerSpec.from_dict(command["spec"])
-            began = time.time()
-            heartbeat.reset_steps()
-            watch.busy_since = began
-            watch.doc.update(state="busy", seq=seq, epoch=job.epoch)
-            try:
-                result = execute(job)
-            except BaseException as exc:
-                store.put(reply_key(spec.run_id, settings.worker, seq), json.dumps(
-                    {"ok": False, "error": type(exc).__name__, "message": str(exc)[-2000:],
-                     "began_at": began, "ended_at": time.time(), "ready_at": ready_at}).encode())
-                raise
-            ended = time.time()
-            store.put(reply_key(spec.run_id, settings.worker, seq), json.dumps(
-                {"ok": True, "result": result.to_dict(), "began_at": began, "ended_at": ended,
-                 "ready_at": ready_at}).encode())
-            watch.busy_since = None
-            watch.doc.update(state="idle", seq=seq + 1)
-            log(f"zooid warm worker {settings.worker}: epoch {job.epoch} rank {job.rank} "
-                f"attempt {job.attempt} done in {ended - began:.2f} s")
-            seq += 1
-    finally:
-        heartbeat.set_guard(None)
-        watch.stopped.set()
-        watch.join(timeout=5)
+        result = execute(job)
+    except BaseException as exc:
+        worker.reply(seq, {**_failure(exc), "began_at": began, "ended_at": time.time(), "ready_at": worker.ready_at})
+        raise
+    ended = time.time()
+    worker.reply(seq, {"ok": True, "result": result.to_dict(), "began_at": began, "ended_at": ended,
+                       "ready_at": worker.ready_at})
+    worker.watch.idle(seq)
+    worker.log(f"zooid warm worker {worker.settings.worker}: epoch {job.epoch} rank {job.rank} "
+               f"attempt {job.attempt} done in {ended - began:.2f} s")
 
 
-def _serve_profile(store: Store, spec: WorkerSpec, settings: WarmSpec, seq: int, command: dict,
-                   open_ref: Callable[[str], Store] | None, watch: "_Watch", ready_at: float,
-                   log: Callable[[str], None]) -> None:
+def _failure(exc: BaseException) -> dict:
+    """The reply's part that tells of a command that raised `exc`."""
+    return {"ok": False, "error": type(exc).__name__, "message": str(exc)[-2000:]}
+
+
+def _serve_profile(worker: _Serving, seq: int, command: dict, open_ref: Callable[[str], Store] | None) -> None:
     """Answer a `profile` command (`profiling.profile_job`): measured here, on this worker's
     device and threads, with the store seen from here. A profile that fails is reported and
     the worker stays: nothing of a run's state was touched."""
     from profiling.profile_job import ProfileRequest, run_profile  # torch: as in serve, kept off the coordinator's path
 
     began = time.time()
-    watch.busy_since = began
-    watch.doc.update(state="busy", seq=seq, epoch=None)
-    reply: dict = {"began_at": began, "ready_at": ready_at}
+    worker.watch.busy(seq, None, began)
+    reply: dict = {"began_at": began, "ready_at": worker.ready_at}
     try:
         request = ProfileRequest.from_dict(command.get("request") or {})
         reply.update(ok=True, profile=run_profile(request, open_ref or open_store,
-                                                  base_memory_bytes=int(watch.doc.get("base_memory_bytes") or 0)))
-        log(f"zooid warm worker {settings.worker}: {_profiled(request.model, reply['profile'], time.time() - began)}")
+                                                  base_memory_bytes=int(worker.watch.doc.get("base_memory_bytes") or 0)))
+        worker.log(f"zooid warm worker {worker.settings.worker}: "
+                   f"{_profiled(request.model, reply['profile'], time.time() - began)}")
     except Exception as exc:
-        reply.update(ok=False, error=type(exc).__name__, message=str(exc)[-2000:])
-        log(f"zooid warm worker {settings.worker}: profile failed: {type(exc).__name__}: {exc}")
+        reply.update(_failure(exc))
+        worker.log(f"zooid warm worker {worker.settings.worker}: profile failed: {type(exc).__name__}: {exc}")
     reply["ended_at"] = time.time()
-    store.put(reply_key(spec.run_id, settings.worker, seq), json.dumps(reply).encode())
-    watch.busy_since = None
-    watch.doc.update(state="idle", seq=seq + 1)
+    worker.reply(seq, reply)
+    worker.watch.idle(seq)
 
 
 def _profiled(model: str, profile: dict, took_s: float) -> str:
