@@ -13,16 +13,25 @@ region, an image that cannot be pulled) is a failed placement: listed, not bille
 
 The functions take a `ContainerInstanceManagementClient`; `aci_session` builds one from the
 work pool, with the credentials block the pool names.
+
+The provider (`Aci`): workers carry cpu, memory (0.1 GB steps) and, for GPUs, `{"count", "sku"}`
+(one of `ACI_GPU_SKUS`) in the ARM template. Its cloud bootstrap needs a resource group and a
+subscription, makes an `AzureContainerInstanceCredentials` block from AZURE_* variables, and
+may create the Azure Blob container its workers' store lives in.
 """
 from __future__ import annotations
 
+import math
 import re
-from typing import Iterable
+from typing import Any, Iterable, Mapping
 
-from clouds.adapter import CloudAdapter, CloudInterval, pool_job_configuration
+from clouds.adapter import RUN_LABEL, CloudAdapter, CloudInterval, pool_job_configuration
+from clouds.provider import JobVariablesError, Provider, WorkerResources, run_labels
 from clouds.timestamps import epoch_seconds
+from core.kinds import TargetKind
 
-RUN_TAG = "zooid-run"
+ACI_GPU_SKUS = ("K80", "P100", "V100")
+"""The GPU SKUs a container group may ask for."""
 _UUID_SUFFIX = re.compile(r"([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})$")
 
 
@@ -59,7 +68,7 @@ def aci_interval(group) -> CloudInterval:
 def list_run_groups(aci, resource_group: str, run_id: str) -> list[str]:
     """Names of the run's container groups (tag `zooid-run`) in `resource_group`."""
     return [g.name for g in aci.container_groups.list_by_resource_group(resource_group)
-            if (g.tags or {}).get(RUN_TAG) == run_id]
+            if (g.tags or {}).get(RUN_LABEL) == run_id]
 
 
 def run_intervals(aci, resource_group: str, run_id: str) -> list[CloudInterval]:
@@ -142,3 +151,45 @@ class AciAdapter(CloudAdapter):
     def sweep(self, run_id: str) -> list[str]:
         aci, group = self._session()
         return sweep(aci, group, run_id)
+
+
+def aci_job_variables(res: WorkerResources, run_id: str) -> dict:
+    """ACI: cpu and memory (0.1 GB steps) and, for GPU workers, `{"count", "sku"}`."""
+    # Keep the group after the container exits: its events are the bill (the sweep deletes it).
+    out = {"cpu": math.ceil(res.vcpu * 10 - 1e-9) / 10, "memory": math.ceil(res.requested_memory_gb * 10 - 1e-9) / 10,
+           "keep_container_group": True, "zooid_run_id": run_id, "labels": run_labels(run_id)}
+    if res.gpu:
+        sku = (res.gpu_type or "").upper()
+        if sku not in ACI_GPU_SKUS:
+            raise JobVariablesError("gpu_type", f"ACI offers {', '.join(ACI_GPU_SKUS)}, got {res.gpu_type!r}")
+        out["gpu"] = {"count": res.gpu, "sku": sku}
+    return out
+
+
+class Aci(Provider):
+    """The `aci` target: container groups started by prefect-azure's ACI worker."""
+
+    kind = TargetKind.ACI
+    title = "ACI"
+    adapter = AciAdapter
+    account_options = {"resource_group": "resource_group_name", "subscription_id": "subscription_id"}
+    account_required = ("resource_group", "subscription_id")
+    credentials_variable = "aci_credentials"
+    blob_store = True
+    store_suggestion = ("an Azure Blob store (a zooid-azure-blob-store block on az://<container>/<prefix>; "
+                        "`python -m deployments.bootstrap --target aci --blob-container <name>` creates both)")
+
+    @classmethod
+    def size(cls, res: WorkerResources, run_id: str) -> dict:
+        return aci_job_variables(res, run_id)
+
+    @classmethod
+    def credentials_block(cls, environ: Mapping[str, str]) -> tuple[str, Any] | None:
+        """`zooid-azure`, an `AzureContainerInstanceCredentials` from AZURE_CLIENT_ID and its companions."""
+        if not environ.get("AZURE_CLIENT_ID"):
+            return None
+        from prefect_azure import AzureContainerInstanceCredentials
+
+        return "zooid-azure", AzureContainerInstanceCredentials(
+            client_id=environ["AZURE_CLIENT_ID"], tenant_id=environ.get("AZURE_TENANT_ID"),
+            client_secret=environ.get("AZURE_CLIENT_SECRET"))

@@ -14,7 +14,8 @@ differs per provider is what the cloud itself says and does, and that is an adap
 - `ended(infrastructure_pid)`: whether a worker's infrastructure died under a running flow run;
 - `preflight(image)`: refuse, before anything is paid, a target that cannot start a worker.
 
-One module per provider (`clouds.ecs`, `clouds.aci`, `clouds.kubernetes`) implements it;
+One module per provider (`clouds.ecs`, `clouds.aci`, `clouds.kubernetes`, `clouds.docker`)
+implements it, and names it as its `clouds.provider.Provider`'s `adapter`;
 `clouds.registry.adapter_for(target)` picks one for a `ComputeTarget`, so `tasks/` never
 names a provider.
 """
@@ -25,6 +26,8 @@ from dataclasses import dataclass
 from typing import Iterable
 
 FLOW_RUN_ID_LABEL = "prefect.io/flow-run-id"
+RUN_LABEL = "zooid-run"
+"""The label (ECS and ACI: the tag) that carries the run id on every worker's infrastructure."""
 
 
 @dataclass(frozen=True, kw_only=True)

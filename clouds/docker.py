@@ -17,18 +17,24 @@ pool's template) so their clock can be read after the epoch; the sweep removes t
 The functions take a `docker.DockerClient`, so they run the same against a real engine or
 recorded API answers; `docker_client()` opens one at `DOCKER_HOST` (what the pool's worker
 uses too).
+
+The provider (`Docker`): a container gets a memory limit without extra swap and a CPU quota
+(`nano_cpus`), and, for GPUs, a device request; `deployments.docker_stack` starts the engine
+and the pool's worker it needs, and its adapter's `preflight` checks the engine and the image.
 """
 from __future__ import annotations
 
+import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
-from clouds.adapter import CloudAdapter, CloudInterval
+from clouds.adapter import RUN_LABEL, CloudAdapter, CloudInterval
+from clouds.provider import Provider, WorkerResources, run_labels
 from clouds.timestamps import epoch_seconds
 from core.errors import ZooidValueError
+from core.kinds import TargetKind
 
-RUN_LABEL = "zooid-run"
 FLOW_RUN_LABEL = "io.prefect.flow-run-id"
 """Prefect's `prefect.io/flow-run-id` as prefect-docker labels a container."""
 RUNNING = ("running", "paused", "restarting")
@@ -241,3 +247,30 @@ class DockerAdapter(CloudAdapter):
                                       "the worker image (the pool never pulls)") from None
         finally:
             client.close()
+
+
+def docker_job_variables(res: WorkerResources, run_id: str) -> dict:
+    """A Docker-API container: `mem_limit` (MiB, no swap beyond it) and a CPU quota in
+    `nano_cpus`; GPUs through a device request (Docker's `--gpus`)."""
+    memory = f"{math.ceil(res.requested_memory_gb * 1024 - 1e-9)}m"
+    create = {"nano_cpus": math.ceil(res.vcpu * 1e9 - 1e-9)}
+    if res.gpu:
+        create["device_requests"] = [{"driver": "nvidia", "count": res.gpu, "capabilities": [["gpu"]]}]
+    return {"mem_limit": memory, "memswap_limit": memory, "container_create_kwargs": create,
+            "zooid_run_id": run_id, "labels": run_labels(run_id)}
+
+
+class Docker(Provider):
+    """The `docker` target: containers on a Docker-API engine started by prefect-docker's worker."""
+
+    kind = TargetKind.DOCKER
+    title = "Docker"
+    adapter = DockerAdapter
+
+    @classmethod
+    def setup_command(cls) -> str:
+        return "`python -m deployments.stack up --docker`"
+
+    @classmethod
+    def size(cls, res: WorkerResources, run_id: str) -> dict:
+        return docker_job_variables(res, run_id)

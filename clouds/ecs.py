@@ -9,15 +9,32 @@ Billing follows AWS's rules for Fargate: from the start of the image pull to the
 A task that stopped without ever starting (`TaskFailedToStart`, no capacity, a bad image) is
 a failed placement: listed, not billed. AWS keeps stopped tasks visible for about an hour, so
 cost is collected after each epoch, not only at the end of the run.
+
+The provider (`Ecs`): CPU workers run on Fargate, rounded up to the smallest valid Fargate
+size (`FARGATE_SIZES`); GPU workers run on an EC2 capacity provider with a
+`resourceRequirements` GPU reservation. Its cloud bootstrap points the pool at a cluster and,
+from AWS_* variables, an `AwsCredentials` block.
 """
 from __future__ import annotations
 
-from typing import Iterable
+import math
+from typing import Any, Iterable, Mapping
 
 from clouds.adapter import FLOW_RUN_ID_LABEL, CloudAdapter, CloudInterval, pool_job_configuration
+from clouds.provider import JobVariablesError, Provider, WorkerResources, run_labels
 from clouds.timestamps import epoch_seconds
+from core.kinds import TargetKind
 
-RUN_TAG = "zooid-run"
+# Fargate's valid (CPU units, allowed memory MiB) pairs, smallest first.
+FARGATE_SIZES: tuple[tuple[int, tuple[int, ...]], ...] = (
+    (256, (512, 1024, 2048)),
+    (512, tuple(range(1024, 4096 + 1, 1024))),
+    (1024, tuple(range(2048, 8192 + 1, 1024))),
+    (2048, tuple(range(4096, 16384 + 1, 1024))),
+    (4096, tuple(range(8192, 30720 + 1, 1024))),
+    (8192, tuple(range(16384, 61440 + 1, 4096))),
+    (16384, tuple(range(32768, 122880 + 1, 8192))),
+)
 _DESCRIBE_BATCH = 100  # DescribeTasks accepts at most 100 tasks per call
 _FAILED_TO_START = ("TaskFailedToStart",)
 
@@ -130,3 +147,56 @@ class EcsAdapter(CloudAdapter):
     def sweep(self, run_id: str) -> list[str]:
         ecs, cluster = self._session()
         return sweep(ecs, cluster, run_id)
+
+
+def fargate_size(vcpu: float, memory_gb: float) -> tuple[int, int]:
+    """The smallest valid Fargate (CPU units, memory MiB) with at least `vcpu` and `memory_gb`."""
+    units = math.ceil(vcpu * 1024 - 1e-9)
+    mib = math.ceil(memory_gb * 1024 - 1e-9)
+    for cpu, memories in FARGATE_SIZES:
+        if cpu < units:
+            continue
+        fits = [m for m in memories if m >= mib]
+        if fits:
+            return cpu, fits[0]
+    raise JobVariablesError("memory_gb", f"{memory_gb:g} GB with {vcpu:g} vCPU exceeds the largest Fargate "
+                            "task (16 vCPU, 120 GB); use an EC2 capacity provider")
+
+
+def ecs_job_variables(res: WorkerResources, run_id: str, gpu_capacity_provider: str = "zooid-gpu") -> dict:
+    """ECS: Fargate for CPU workers, an EC2 capacity provider plus a GPU reservation otherwise."""
+    if res.gpu == 0:
+        cpu, memory = fargate_size(res.vcpu, res.requested_memory_gb)
+        return {"launch_type": "FARGATE", "cpu": cpu, "memory": memory,
+                "zooid_run_id": run_id, "labels": run_labels(run_id)}
+    # On EC2 the container reserves CPU units and MiB on an instance: no Fargate grid to round to.
+    return {"launch_type": "EC2",
+            "capacity_provider_strategy": [{"capacityProvider": gpu_capacity_provider, "weight": 1, "base": 0}],
+            "cpu": math.ceil(res.vcpu * 1024 - 1e-9), "memory": math.ceil(res.requested_memory_gb * 1024 - 1e-9),
+            "resource_requirements": [{"type": "GPU", "value": str(res.gpu)}],
+            "zooid_run_id": run_id, "labels": run_labels(run_id)}
+
+
+class Ecs(Provider):
+    """The `ecs` target: ECS tasks (Fargate, or EC2 for GPUs) started by prefect-aws's ECS worker."""
+
+    kind = TargetKind.ECS
+    title = "ECS"
+    adapter = EcsAdapter
+    account_options = {"cluster": "cluster"}
+    credentials_variable = "aws_credentials"
+
+    @classmethod
+    def size(cls, res: WorkerResources, run_id: str, gpu_capacity_provider: str = "zooid-gpu") -> dict:
+        return ecs_job_variables(res, run_id, gpu_capacity_provider)
+
+    @classmethod
+    def credentials_block(cls, environ: Mapping[str, str]) -> tuple[str, Any] | None:
+        """`zooid-aws`, an `AwsCredentials` from AWS_ACCESS_KEY_ID and its companions."""
+        if not environ.get("AWS_ACCESS_KEY_ID"):
+            return None
+        from prefect_aws import AwsCredentials
+
+        return "zooid-aws", AwsCredentials(aws_access_key_id=environ["AWS_ACCESS_KEY_ID"],
+                                           aws_secret_access_key=environ.get("AWS_SECRET_ACCESS_KEY"),
+                                           region_name=environ.get("AWS_DEFAULT_REGION"))

@@ -13,16 +13,26 @@ failed before its container ever ran is a failed placement: listed, not billed.
 The functions are coroutines over a `kubernetes_asyncio` `ApiClient` (what the Kubernetes
 worker uses); `run_sync` runs one from synchronous code and `k8s_session` opens a client
 from the work pool's cluster config block.
+
+The provider (`Kubernetes`): workers get requests = limits (a Guaranteed pod), an
+`nvidia.com/gpu` limit for GPUs and a node selector for the GPU model (`K8S_GPU_PRODUCTS`). Its
+cloud bootstrap points the pool at a namespace.
 """
 from __future__ import annotations
 
+import math
 from contextlib import asynccontextmanager
 from typing import Iterable
 
-from clouds.adapter import FLOW_RUN_ID_LABEL, CloudAdapter, CloudInterval, read_pool_job_configuration
+from clouds.adapter import FLOW_RUN_ID_LABEL, RUN_LABEL, CloudAdapter, CloudInterval, read_pool_job_configuration
+from clouds.provider import Provider, WorkerResources, run_labels
 from clouds.timestamps import epoch_seconds
+from core.kinds import TargetKind
 
-RUN_LABEL = "zooid-run"
+# GPU type as the price catalog names it -> the Kubernetes node label value that selects it
+# (NVIDIA GPU feature discovery's `nvidia.com/gpu.product`).
+K8S_GPU_PRODUCTS = {"T4": "Tesla-T4", "V100": "Tesla-V100-SXM2-16GB", "A10G": "NVIDIA-A10G",
+                    "K80": "Tesla-K80", "P100": "Tesla-P100-PCIE-16GB", "A100": "NVIDIA-A100-SXM4-40GB"}
 
 
 def _unschedulable(pod) -> bool:
@@ -180,3 +190,31 @@ class KubernetesAdapter(CloudAdapter):
                 return done["jobs"] + done["pods"]
 
         return run_sync(_sweep())
+
+
+def k8s_job_variables(res: WorkerResources, run_id: str) -> dict:
+    """Kubernetes: requests equal limits (a Guaranteed pod), an `nvidia.com/gpu` limit for GPUs."""
+    cpu = f"{math.ceil(res.vcpu * 1000 - 1e-9)}m"
+    memory = f"{math.ceil(res.requested_memory_gb * 1024 - 1e-9)}Mi"
+    out = {"cpu_request": cpu, "cpu_limit": cpu, "memory_request": memory, "memory_limit": memory,
+           "zooid_run_id": run_id, "labels": run_labels(run_id)}
+    if res.gpu:
+        out["gpu_limit"] = res.gpu
+        out["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+        product = K8S_GPU_PRODUCTS.get(res.gpu_type or "")
+        if product:
+            out["node_selector"] = {"nvidia.com/gpu.product": product}
+    return out
+
+
+class Kubernetes(Provider):
+    """The `k8s` target: Jobs started by prefect-kubernetes's worker."""
+
+    kind = TargetKind.K8S
+    title = "Kubernetes"
+    adapter = KubernetesAdapter
+    account_options = {"namespace": "namespace"}
+
+    @classmethod
+    def size(cls, res: WorkerResources, run_id: str) -> dict:
+        return k8s_job_variables(res, run_id)

@@ -13,8 +13,9 @@ lists none of these names again (`tests/test_one_of_each.py` reads the source to
 - `TargetKind`: where workers run, one row per kind with its facts (the built-in target of
   that kind, its Prefect work-pool type, whether its workers share this machine's cores, run
   in containers on a provider's or engine's clock, or need a cloud account at bootstrap, and
-  the offer the built-in target is billed as). Adding a kind is one row here; its adapter
-  (`clouds.registry`), job variables (`clouds.job_variables`) and pool template follow.
+  the offer the built-in target is billed as). Adding a kind is one row here; its provider
+  module in `clouds/` (job variables, adapter, bootstrap data), named once in
+  `clouds.registry.PROVIDERS`, and its pool template follow.
 """
 from __future__ import annotations
 

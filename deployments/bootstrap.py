@@ -33,11 +33,13 @@ from typing import Any
 
 from blocks.compute import BUILTIN, ComputeTarget
 from blocks.store_refs import ZooidStore, store_block_types
+from clouds.registry import PROVIDERS, provider_of_builtin
 from core.errors import StoreError
-from core.kinds import CLOUD_ACCOUNT_TARGETS, TargetKind
+from core.kinds import CLOUD_ACCOUNT_TARGETS
 from deployments.azure_blob import bootstrap_blob_store
 
-POOL_TYPES = {kind.builtin: kind.pool_type for kind in TargetKind if kind.pool_type}
+POOL_TYPES = {provider.kind.builtin: provider.pool_type() for provider in PROVIDERS.values()}
+"""Built-in target name -> its pool's type, one per provider in `clouds.registry.PROVIDERS`."""
 TEMPLATES = Path(__file__).with_name("templates")
 from coordinator.workers.launchers import PAID_WORKERS_LIMIT as CONCURRENCY_LIMIT
 
@@ -144,23 +146,6 @@ def with_variable_defaults(base_job_template: dict, defaults: dict[str, Any]) ->
     return out
 
 
-def _credentials_block(target: str):
-    """A credentials block from the standard environment variables, or None when they are unset."""
-    if target == TargetKind.ECS.builtin and os.environ.get("AWS_ACCESS_KEY_ID"):
-        from prefect_aws import AwsCredentials
-
-        return "zooid-aws", AwsCredentials(aws_access_key_id=os.environ["AWS_ACCESS_KEY_ID"],
-                                           aws_secret_access_key=os.environ.get("AWS_SECRET_ACCESS_KEY"),
-                                           region_name=os.environ.get("AWS_DEFAULT_REGION"))
-    if target == TargetKind.ACI.builtin and os.environ.get("AZURE_CLIENT_ID"):
-        from prefect_azure import AzureContainerInstanceCredentials
-
-        return "zooid-azure", AzureContainerInstanceCredentials(
-            client_id=os.environ["AZURE_CLIENT_ID"], tenant_id=os.environ.get("AZURE_TENANT_ID"),
-            client_secret=os.environ.get("AZURE_CLIENT_SECRET"))
-    return None
-
-
 def bootstrap_cloud(target: str, *, cluster: str | None = None, resource_group: str | None = None,
                     subscription_id: str | None = None, namespace: str | None = None,
                     paid_worker_limit: int = PAID_WORKERS, image: str | None = None,
@@ -169,6 +154,9 @@ def bootstrap_cloud(target: str, *, cluster: str | None = None, resource_group: 
 
     The credentials block is created from AWS_* / AZURE_* variables when they are set (else the
     workers use their role or identity), and the pool's template defaults then reference it.
+    Which options a target takes, which it needs, and its credentials block are its provider's
+    (`clouds.registry.provider_of_builtin`: `account_options`, `account_required`,
+    `credentials_block`, `credentials_variable`).
     """
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolUpdate
@@ -176,21 +164,21 @@ def bootstrap_cloud(target: str, *, cluster: str | None = None, resource_group: 
     if target not in CLOUD_ACCOUNT_TARGETS:
         raise ValueError(f"target: must be {', '.join(CLOUD_ACCOUNT_TARGETS[:-1])} or {CLOUD_ACCOUNT_TARGETS[-1]}, "
                          f"got {target!r}")
-    if target == TargetKind.ACI.builtin and not (resource_group and subscription_id):
-        raise ValueError("resource_group: ACI needs resource_group and subscription_id")
+    provider = provider_of_builtin(target)
+    account = {"cluster": cluster, "resource_group": resource_group, "subscription_id": subscription_id,
+               "namespace": namespace}
+    missing = [option for option in provider.account_required if not account[option]]
+    if missing:
+        raise ValueError(f"{missing[0]}: {provider.title} needs {' and '.join(provider.account_required)}")
     done = bootstrap(target, paid_worker_limit, image, env)
     for cls in store_block_types():
         register(cls)
-    defaults: dict[str, Any] = {"cluster": cluster} if target == TargetKind.ECS.builtin else {}
-    if target == TargetKind.ACI.builtin:
-        defaults.update(resource_group_name=resource_group, subscription_id=subscription_id)
-    if target == TargetKind.K8S.builtin:
-        defaults["namespace"] = namespace
-    creds = _credentials_block(target)
+    defaults: dict[str, Any] = {variable: account[option] for option, variable in provider.account_options.items()}
+    creds = provider.credentials_block(os.environ)
     if creds is not None:
         name, block = creds
         block_id = block.save(name, overwrite=True)
-        defaults["aws_credentials" if target == TargetKind.ECS.builtin else "aci_credentials"] = block_reference(block_id)
+        defaults[provider.credentials_variable] = block_reference(block_id)
         done["credentials_block"] = name
     with get_client(sync_client=True) as client:
         pool = client.read_work_pool(done["work_pool"])
@@ -226,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     env = dict(item.split("=", 1) for item in args.env)
     try:
-        if args.blob_container and args.target != TargetKind.ACI.builtin:
+        if args.blob_container and not provider_of_builtin(args.target).blob_store:
             raise ValueError(f"blob_container: only the aci target's store is an Azure Blob container, "
                              f"not the {args.target} target's")
         if not (args.cloud or args.cluster or args.resource_group or args.subscription_id or args.namespace):

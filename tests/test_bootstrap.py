@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from clouds.registry import PROVIDERS
 from deployments.bootstrap import bootstrap, bootstrap_cloud, main
 
 
@@ -43,10 +44,11 @@ def test_a_cloud_bootstrap_takes_the_environment_and_a_later_one_keeps_the_clust
 
 
 @pytest.mark.usefixtures("prefect_api")
-@pytest.mark.parametrize("target", ["local", "docker", "ecs", "aci", "k8s"])
+@pytest.mark.parametrize("target", [provider.kind.builtin for provider in PROVIDERS.values()])
 def test_every_targets_pool_is_accepted_by_the_api(target):
     """The server validates a pool's template (every placeholder a declared variable): each
-    target's pool is created with the template Zooid ships, and reads back with it."""
+    provider's pool (`clouds.registry.PROVIDERS`) is created with the template Zooid ships, and
+    reads back with it."""
     from prefect.client.orchestration import get_client
 
     from deployments.bootstrap import POOL_TYPES, base_job_template
@@ -58,3 +60,19 @@ def test_every_targets_pool_is_accepted_by_the_api(target):
     assert pool.type == POOL_TYPES[target]
     shipped = base_job_template(POOL_TYPES[target])
     assert pool.base_job_template["job_configuration"] == shipped["job_configuration"]
+
+
+@pytest.mark.usefixtures("prefect_api")
+@pytest.mark.parametrize("target", [p.kind.builtin for p in PROVIDERS.values() if p.account_options])
+def test_a_cloud_bootstrap_writes_each_providers_account_options(target, monkeypatch):
+    """`bootstrap_cloud` is one loop over the provider's data: each option it takes lands in the
+    pool variable its provider names, and nothing else does."""
+    for name in ("AWS_ACCESS_KEY_ID", "AZURE_CLIENT_ID"):
+        monkeypatch.delenv(name, raising=False)
+    provider = PROVIDERS[next(k for k in PROVIDERS if k.builtin == target)]
+    given = {"cluster": "c1", "resource_group": "rg1", "subscription_id": "sub1", "namespace": "ns1"}
+    done = bootstrap_cloud(target, **given)
+    wanted = {variable: given[option] for option, variable in provider.account_options.items()}
+    assert done["defaults"] == sorted(wanted) and "credentials_block" not in done
+    got = _defaults(f"zooid-{target}")
+    assert {k: got[k] for k in wanted} == wanted

@@ -17,7 +17,8 @@ import requests
 import urllib3
 
 from clouds import aci as cloud_aci
-from clouds.job_variables import WorkerResources, job_variables
+from clouds.provider import WorkerResources
+from clouds.registry import job_variables
 from tests.cloud_fixtures import flow_run, render, template
 
 pytestmark = pytest.mark.timeout(60)

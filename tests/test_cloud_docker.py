@@ -19,7 +19,8 @@ from clouds.docker import (
     stop_containers,
     sweep,
 )
-from clouds.job_variables import WorkerResources, job_variables
+from clouds.provider import WorkerResources
+from clouds.registry import job_variables
 from clouds.timestamps import epoch_seconds
 
 DATA = Path(__file__).resolve().parent / "data" / "docker"

@@ -12,7 +12,8 @@ import uuid
 import pytest
 
 from clouds import ecs as cloud_ecs
-from clouds.job_variables import WorkerResources, job_variables
+from clouds.provider import WorkerResources
+from clouds.registry import job_variables
 from tests.cloud_fixtures import describe_tasks_response, flow_run, render, template
 
 pytestmark = pytest.mark.timeout(120)

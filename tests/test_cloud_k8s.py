@@ -12,7 +12,8 @@ import uuid
 import pytest
 
 from clouds import kubernetes as cloud_k8s
-from clouds.job_variables import WorkerResources, job_variables
+from clouds.provider import WorkerResources
+from clouds.registry import job_variables
 from tests.cloud_fixtures import flow_run, render, render_async, template
 
 pytestmark = pytest.mark.timeout(60)

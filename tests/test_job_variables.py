@@ -5,7 +5,9 @@ import json
 
 import pytest
 
-from clouds.job_variables import (JobVariablesError, WorkerResources, fargate_size, job_variables)
+from clouds.ecs import fargate_size
+from clouds.provider import JobVariablesError, WorkerResources
+from clouds.registry import job_variables
 from tests.cloud_fixtures import template
 
 

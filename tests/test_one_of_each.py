@@ -199,7 +199,7 @@ def exception_classes() -> dict[str, tuple[str, ast.ClassDef]]:
 
 
 def test_every_project_exception_is_a_zooid_error():
-    from clouds.job_variables import JobVariablesError, WorkerResources
+    from clouds.provider import JobVariablesError, WorkerResources
     from coordinator.workers.launchers import WorkerOutcome, WorkersFailed
     from core.errors import ZooidError, ZooidValueError
     from planners.prestart import PrestartError, startup_estimate
@@ -346,8 +346,8 @@ def test_strategies_schedules_and_target_kinds_are_named_once():
     import json
 
     from blocks.compute import BUILTIN, ComputeTarget, resolve_target
-    from clouds.job_variables import WorkerResources, job_variables
-    from clouds.registry import adapter_for, is_cloud
+    from clouds.provider import WorkerResources
+    from clouds.registry import adapter_for, is_cloud, job_variables
     from coordinator.run.job import BUILTIN_TARGETS, TrainJob
     from core.kinds import (AUTO, CLOUD_KINDS, PIPELINED_STRATEGIES, SHARED_HOST_KINDS, PipelineSchedule, Strategy,
                             TargetKind, builtin_kind)

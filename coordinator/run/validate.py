@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from blocks.compute import ComputeTarget, memory_options_problem, resolve_target
 from blocks.store_block import BLOCK_PREFIX, block_ref
 from blocks.store_refs import is_store_url, load_store_block, open_store_ref
-from clouds.registry import adapter_for, is_cloud
+from clouds.registry import adapter_for, is_cloud, provider_for
 from comm.store_dir import default_store_url, path_from_url
 from coordinator.run.job import TrainJob
 from core.errors import StoreError, ZooidValueError
-from core.kinds import BUILTIN_TARGETS, PIPELINED_STRATEGIES, Strategy, TargetKind
+from core.kinds import BUILTIN_TARGETS, PIPELINED_STRATEGIES, Strategy
 from core.shared_parameters import shared_across
 from planners.catalog import Offer, get_offer
 
@@ -204,20 +204,13 @@ def check_worker_sizes(target: ComputeTarget, offer: Offer) -> tuple[float, ...]
     return sizes
 
 
-STORE_SUGGESTIONS = {
-    TargetKind.ACI: "an Azure Blob store (a zooid-azure-blob-store block on az://<container>/<prefix>; "
-                    "`python -m deployments.bootstrap --target aci --blob-container <name>` creates both)",
-}
-"""The store a worker of a target kind should use, where it is not the default below."""
-
-
 def check_reachable_from_workers(target: ComputeTarget, target_name: str, store_ref: str, durable_ref: str) -> None:
     """Workers in containers (docker and the clouds) reach their stores over the network: a
     directory on this machine is refused, naming `store` or `durable_store` and the store the
-    target's workers should use (ACI: Azure Blob; the others: S3 or Redis)."""
+    target's workers should use (its provider's `store_suggestion`: ACI Azure Blob, the others S3 or Redis)."""
     if not is_cloud(target):
         return
-    suggestion = STORE_SUGGESTIONS.get(target.kind, "an S3 or Redis store (a URL or a Zooid Store block)")
+    suggestion = provider_for(target.kind).store_suggestion
     for name, ref in (("store", store_ref), ("durable_store", durable_ref)):
         if ref.startswith("file://"):
             raise ZooidValueError(name, f"{ref} is a directory on this machine, which workers in containers "
@@ -243,9 +236,7 @@ def check_target_ready(resolved: "ResolvedJob") -> None:
     target, name = resolved.target, resolved.target_name
     if not target.remote:
         return
-    setup = ("`python -m deployments.stack up --docker`" if target.kind == TargetKind.DOCKER else
-             f"`python -m deployments.bootstrap --target {TargetKind(target.kind).builtin}` "
-             "and `prefect deploy`")
+    setup = provider_for(target.kind).setup_command()
     with get_client(sync_client=True) as client:
         try:
             client.read_deployment_by_name(target.worker_deployment or "")

@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from blocks.store_block import BLOCK_PREFIX
-from clouds.job_variables import job_variables as cloud_job_variables
-from clouds.job_variables import resources_from_plan
+from clouds.provider import resources_from_plan
 from clouds.registry import adapter_for, is_cloud
+from clouds.registry import job_variables as cloud_job_variables
 from comm import heartbeat
 from coordinator.workers.sweep import COORDINATOR_VAR, TAG_VAR, stop_pids
 from coordinator.workers.worker_forks import WorkerForks
