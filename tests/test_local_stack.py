@@ -71,7 +71,8 @@ def test_local_deployments_start_without_a_pull_step_from_the_module_the_fork_se
     config = yaml.safe_load((ROOT / "prefect.yaml").read_text())
     assert config["pull"] == []  # explicit: `prefect deploy` would otherwise make one
     local = [d for d in config["deployments"] if d["work_pool"]["name"] == "zooid-local"]
-    assert {d["entrypoint"].rsplit(".", 1)[-1] for d in local} == {"train_with_params", "plan_with_params", "worker"}
+    assert {d["entrypoint"].rsplit(".", 1)[-1] for d in local} == {"train_with_params", "plan_with_params", "prepare",
+                                                                   "worker"}
     for deployment in local:
         assert "pull" not in deployment and ":" not in deployment["entrypoint"]
         assert deployment["work_pool"]["job_variables"] == {"working_dir": "{{ $ZOOID_ROOT }}"}
