@@ -15,7 +15,7 @@ import random
 import time
 from pathlib import Path
 
-from benchmarks.harness.tables import median
+from benchmarks.harness.tables import median, table
 from benchmarks.output import command_for, provenance, write_result
 from planners.co_optimize import CoOptProblem, evaluate, merge_layers, parse_problem
 from planners.co_optimize_exact import solve_exact
@@ -115,9 +115,8 @@ def main(argv=None) -> int:
         f"time where SCIP proved optimality. gurobipy runs where its bundled licence accepts the model "
         f"(at most {GUROBI_QUADRATIC_LIMIT} variables with a quadratic objective).",
         "",
-        "| L | MIQP vars / rows | exact time | exact objective | exact plan | SCIP time, objective "
-        "| SCIP status | SCIP gap | speed-up | gurobipy |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        *table(["L", "MIQP vars / rows", "exact time", "exact objective", "exact plan", "SCIP time, objective",
+                "SCIP status", "SCIP gap", "speed-up", "gurobipy"]),
         *rows, ""])
     write_result(args.out, "co-optimize: exact combinatorial solver vs SCIP vs gurobipy", command, prov, text,
                  detail="wall times are inflated by other users' work; CPU time is the exact solver's own process time")

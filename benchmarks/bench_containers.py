@@ -34,7 +34,7 @@ from pathlib import Path
 from benchmarks.harness.home import scratch
 from benchmarks.harness.overhead import DETAIL, epoch_rows, summarise_rows
 from benchmarks.harness.stack import local_stack
-from benchmarks.harness.tables import fmt, median
+from benchmarks.harness.tables import fmt, median, table
 from benchmarks.harness.train import digits_job
 from benchmarks.output import command_for, provenance, write_result
 from core.keys import summary_key, warm_prefix
@@ -169,9 +169,8 @@ def render(runs: list[dict], image: dict, epochs: int) -> str:
              f"network, 1 vCPU quota each). Image `{image.get('image')}`, {image.get('size', '?')}.", "",
              f"**Goal: docker's median warm per-epoch overhead within {GOAL_DELTA_S} s of the process pool's: "
              f"{'met' if met else 'not met'}** (docker - local = {fmt(delta, '{:+.2f}')} s).", "",
-             "| target | runs | launch -> ready (s) | container -> ready (s) | ready -> first epoch (s) | "
-             "epoch 0 overhead (s) | warm overhead, epochs 1.. (s) | epoch wall (s) | final accuracy |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             *table(["target", "runs", "launch -> ready (s)", "container -> ready (s)", "ready -> first epoch (s)",
+                     "epoch 0 overhead (s)", "warm overhead, epochs 1.. (s)", "epoch wall (s)", "final accuracy"])]
     for name in ("local", "docker"):
         a = by_target.get(name)
         if not a:
@@ -184,7 +183,7 @@ def render(runs: list[dict], image: dict, epochs: int) -> str:
               "ready: the engine's `Created` to `ready_at`; ready -> first epoch: waiting while rank 0 profiles "
               "and the coordinator plans. Overhead = the summary's `seconds` less the slowest worker's compute + "
               "sync (`critical_busy_s`).", "", "Per run:", "",
-              "| target | run | epoch | wall (s) | busy (s) | overhead (s) |", "|---|---|---|---|---|---|"]
+              *table(["target", "run", "epoch", "wall (s)", "busy (s)", "overhead (s)"])]
     for i, run in enumerate(runs):
         for r in epoch_rows(run["target"], "warm", run["summary"]):
             lines.append(f"| {run['target']} | {i} | {r['epoch']} | {r['wall_s']:.2f} | {r['busy_s']:.2f} | "

@@ -40,6 +40,7 @@ from torch import nn
 
 from benchmarks.harness.home import scratch
 from benchmarks.harness.replicas import train_replicas
+from benchmarks.harness.tables import table
 from benchmarks.output import command_for, provenance, write_result
 from comm.store_dir import DirectoryStore
 from core.outer_defaults import outer_settings, round_steps
@@ -136,8 +137,8 @@ def render_setup(setup: tuple, traces: list[Trace]) -> list[str]:
     label, models, seeds, periods, dataset = setup_parts(setup)
     steps = setup_steps(setup)
     lines = [f"### Setup {label}: `{dataset}`, {steps} steps per replica per epoch, seeds {list(seeds)}", "",
-             ("| model | sync_period | round steps | rule's outer lr / momentum | K-AVG | DiLoCo 0.7 / 0.9 | rule | "
-              "rule - K-AVG (points) |"), "|---|---|---|---|---|---|---|---|"]
+             *table(["model", "sync_period", "round steps", "rule's outer lr / momentum", "K-AVG", "DiLoCo 0.7 / 0.9",
+                     "rule", "rule - K-AVG (points)"])]
     for model in models:
         for period in periods:
             k = round_steps(period, steps)
@@ -177,7 +178,7 @@ def render(setups: list[tuple], traces: dict[str, list[Trace]], steps: int, epoc
         if setup[0] in traces:
             lines += [goal_line(setup[0], traces[setup[0]]), ""]
     lines += ["<details><summary>Every run: validation accuracy after each epoch</summary>", "",
-              "| setup | model | sync_period | setting | seed | accuracy per epoch |", "|---|---|---|---|---|---|"]
+              *table(["setup", "model", "sync_period", "setting", "seed", "accuracy per epoch"])]
     for label, ts in traces.items():
         for t in ts:
             lines.append(f"| {label[:1]} | `{t.model.rsplit(':', 1)[-1]}` | {t.period or 'null'} | {t.setting} | "

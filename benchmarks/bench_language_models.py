@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.harness.home import scratch
-from benchmarks.harness.tables import merged_body
+from benchmarks.harness.tables import merged_body, table
 from benchmarks.lm_plain import RESULTS_GPU, add_plain_arguments, part_b
 from benchmarks.lm_sync import add_sync_arguments, part_a
 from benchmarks.output import command_for, money, provenance, write_result
@@ -219,9 +219,8 @@ def part_c(args: argparse.Namespace) -> str:
         facts, per_sample = _model_facts(seq_len)
         beside.append(f"{per_sample['bert_large']:.0f} MB at T = {seq_len}")
         out += ["", f"### T = {seq_len} tokens per sample", "", *facts, "",
-                "| model | global batch | worker size | plan | cuts | workers | worker memory | whole model on one "
-                "worker | co-opt | iteration | $ / iteration | dry run |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|", *rows[seq_len]]
+                *table(["model", "global batch", "worker size", "plan", "cuts", "workers", "worker memory",
+                        "whole model on one worker", "co-opt", "iteration", "$ / iteration", "dry run"]), *rows[seq_len]]
     out += ["", PAPERS, f"Beside FuncPipe's 263 MB of activations per sample for BERT-Large (Table 1; its sequence "
             f"length is not stated), the estimate here keeps {' and '.join(beside)}, the loss's [T, V] logits and "
             "log-softmax included; its parameters (1,153 MB) are fewer than the untied registry model's, whose "

@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from benchmarks.harness.home import scratch
 from benchmarks.harness.replicas import Trace, train_replicas
 from benchmarks.harness.stack import POOL, PoolRun, local_stack, pool_trace
-from benchmarks.harness.tables import fmt, median
+from benchmarks.harness.tables import fmt, median, table
 from benchmarks.output import command_for, provenance, write_result
 from comm.store_dir import DirectoryStore
 from engine.datasets import load_dataset
@@ -126,8 +126,7 @@ def render(traces: list[Trace], target: float, max_epochs: int) -> str:
         "runs that reached the target; `reached` counts them. MB = bytes uploaded plus downloaded "
         "for averaging by all replicas (10^6 bytes).",
         "",
-        "| configuration | reached | epochs | wall s | MB synced | MB / epoch | epochs per seed |",
-        "|---|---|---|---|---|---|---|",
+        *table(["configuration", "reached", "epochs", "wall s", "MB synced", "MB / epoch", "epochs per seed"]),
     ]
     for name in names:
         runs = [t for t in traces if t.name == name]
@@ -141,7 +140,7 @@ def render(traces: list[Trace], target: float, max_epochs: int) -> str:
             ", ".join(str(t.reached(target) or f"not reached ({max(t.accuracy):.3f} best)") for t in runs),
         ]) + " |")
     lines += ["", "Every run: validation accuracy after each epoch.", "",
-              "| configuration | seed | accuracy per epoch |", "|---|---|---|"]
+              *table(["configuration", "seed", "accuracy per epoch"])]
     for t in traces:
         lines.append(f"| {t.name} | {t.seed} | {' '.join(f'{a:.3f}' for a in t.accuracy)} |")
     return "\n".join(lines) + "\n"
@@ -334,16 +333,15 @@ def render_outer(results: dict[str, list[PoolRun]], epochs: dict[str, int], seed
                       f"{epochs[setup.label]} epochs", "",
                   f"`{setup.model}`, {setup.optimizer} lr {setup.lr}, batch {setup.batch} per replica; DiLoCo "
                   f"outer lr {setup.outer_lr}, momentum {setup.outer_momentum}.", "",
-                  ("| configuration | reached | time to target s | of which start-up s | MB to target | bill to target | "
-                   "run bill | final accuracy | MB / epoch |"),
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  *table(["configuration", "reached", "time to target s", "of which start-up s", "MB to target",
+                          "bill to target", "run bill", "final accuracy", "MB / epoch"])]
         for r in rows:
             lines.append(f"| {r.name} | {r.reached} of {r.runs} | {fmt(r.seconds, '{:.1f}')} | {fmt(r.startup, '{:.1f}')} | "
                          f"{fmt(r.mb, '{:.2f}')} | "
                          f"{fmt(r.bill, '${:.5f}')} | {fmt(r.run_bill, '${:.5f}')} | "
                          f"{fmt(None if r.final is None else 100 * r.final, '{:.2f} %')} | {fmt(r.mb_per_epoch, '{:.2f}')} |")
         lines += ["", "Goals, from the medians above:", "", *outer_goals(rows), "",
-                  "| configuration | seed | run | run s | accuracy per epoch | epoch s |", "|---|---|---|---|---|---|"]
+                  *table(["configuration", "seed", "run", "run s", "accuracy per epoch", "epoch s"])]
         for t in traces:
             note = "" if t.ok else f" ({t.status})"
             if t.workers and set(t.workers) != {WORKERS}:

@@ -56,7 +56,7 @@ from torch import nn
 from benchmarks.harness.home import REPO, scratch
 from benchmarks.harness.overhead import DETAIL, epoch_rows, summarise_rows
 from benchmarks.harness.stack import local_stack, pool_summary
-from benchmarks.harness.tables import fmt, pct
+from benchmarks.harness.tables import fmt, pct, table
 from benchmarks.harness.train import DIGITS_BATCH, DIGITS_LR, digits_job, run_train
 from benchmarks.output import provenance, write_result
 
@@ -208,8 +208,8 @@ def render(rows: list[dict], long_rows: list[dict] | None, long_info: dict | Non
     lines += ["", "## Summary", "",
               "Epoch 0 separately (a warm run starts its workers there); the rest are medians over "
               "epochs 1.. . cold / warm = cold's median overhead over warm's, same target and workers.", "",
-              "| target | workers | mode | epoch 0 overhead | overhead (1..) | wall (1..) | share (1..) | cold / warm |",
-              "|---|---|---|---|---|---|---|---|"]
+              *table(["target", "workers", "mode", "epoch 0 overhead", "overhead (1..)", "wall (1..)", "share (1..)",
+                      "cold / warm"])]
     for target in ("inline", "pool"):
         for w in sorted({k[2] for k in groups}):
             for mode in ("warm", "cold"):
@@ -226,8 +226,8 @@ def render(rows: list[dict], long_rows: list[dict] | None, long_info: dict | Non
     lines += ["", "## Every epoch", "",
               "new procs = worker processes (by pid) not present the epoch before (warm runs only; "
               "0 means every rank was served by the same process as before).", "",
-              "| target | mode | workers | epoch | wall s | busy s | overhead s | share | new procs | val acc |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              *table(["target", "mode", "workers", "epoch", "wall s", "busy s", "overhead s", "share", "new procs",
+                      "val acc"])]
     for r in rows:
         lines.append(_row(r))
     if long_info is not None:
@@ -239,8 +239,8 @@ def render(rows: list[dict], long_rows: list[dict] | None, long_info: dict | Non
                   f"{fmt(long_info['stats']['wall_s'])} s wall, share {pct(long_info['stats']['share'])}; "
                   f"epoch 0 overhead {fmt(long_info['stats']['epoch0_overhead_s'])} s "
                   f"of {fmt(long_info['stats']['epoch0_wall_s'])} s.", "",
-                  "| target | mode | workers | epoch | wall s | busy s | overhead s | share | new procs | val acc |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  *table(["target", "mode", "workers", "epoch", "wall s", "busy s", "overhead s", "share",
+                          "new procs", "val acc"])]
         lines += [_row(r) for r in long_rows or []]
     if whole is not None:
         z, p = whole["zooid"], whole["plain"]

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.harness.tables import median
+from benchmarks.harness.tables import median, table
 from benchmarks.output import command_for, provenance, write_result
 from planners.hybrid import HybridProblem, best_candidate, plan_hybrid
 from planners.partition import (PartitionProblem, PipelineLayer, best_of, cut_times,
@@ -142,8 +142,7 @@ def bench_partition(sizes, repeats: int, grids=GRIDS, fine_grid_up_to: int = 256
 # --- hybrid --------------------------------------------------------------------------------
 
 def bench_hybrid(repeats: int) -> list[str]:
-    rows = ["| L | cluster G | sync | CPU s | (A, B, M) chosen | candidates |",
-            "|---|---|---|---|---|---|"]
+    rows = table(["L", "cluster G", "sync", "CPU s", "(A, B, M) chosen", "candidates"])
     for n in (32, 128):
         for g in (16, 64):
             rng = random.Random(7 + n)
@@ -214,8 +213,8 @@ def cynthia(problem: ProvisionProblem):
 
 
 def bench_provision(repeats: int, instances: int) -> list[str]:
-    rows = ["| mode | search | CPU ms | instances | Zooid feasible | Cynthia finds none | "
-            "Cynthia costlier | median / max excess |", "|---|---|---|---|---|---|---|---|"]
+    rows = table(["mode", "search", "CPU ms", "instances", "Zooid feasible", "Cynthia finds none", "Cynthia costlier",
+                  "median / max excess"])
     for mode in ("BSP", "ASP"):
         rng = random.Random(3 if mode == "BSP" else 4)
         problems = [random_provision(rng, mode) for _ in range(instances)]

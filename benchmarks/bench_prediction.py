@@ -57,7 +57,7 @@ from pathlib import Path
 
 from benchmarks.harness.home import REPO, scratch
 from benchmarks.harness.stack import local_stack, pool_summary
-from benchmarks.harness.tables import fmt, median
+from benchmarks.harness.tables import fmt, median, table
 from benchmarks.harness.train import digits_job
 from benchmarks.output import command_for, provenance, write_result
 
@@ -403,9 +403,9 @@ def render(records: list[dict], failures: list[dict], epochs: int, repeats: int,
               "uncalibrated) / measured - 1; run s = predicted_run_s (from the plan) / the flow run's start -> end "
               "(from before the profile); worker-s = billed start-up / busy / idle / profile; assumed = run terms "
               "not yet measured on this target at the plan.", "",
-              "| model | plan | run | profile | planned | epoch err | wall s | bill predicted | billed | bill err | "
-              "first epoch s | start-ups s | first miss | it0 err | run s | worker-s | assumed | re-plans |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              *table(["model", "plan", "run", "profile", "planned", "epoch err", "wall s", "bill predicted", "billed",
+                      "bill err", "first epoch s", "start-ups s", "first miss", "it0 err", "run s", "worker-s",
+                      "assumed", "re-plans"])]
     for r in records:
         ws = r["worker_seconds"]
         lines.append(
@@ -419,16 +419,16 @@ def render(records: list[dict], failures: list[dict], epochs: int, repeats: int,
             f"{', '.join(r['assumed']) or '-'} | {r['switched']} |")
     if noise:
         lines += ["", "## Noise floor", "",
-                  "| model | plan | median epoch wall s (runs 1..) | difference | bill (runs 1..) | difference |",
-                  "|---|---|---|---|---|---|"]
+                  *table(["model", "plan", "median epoch wall s (runs 1..)", "difference", "bill (runs 1..)",
+                          "difference"])]
         for n in noise:
             lines.append(f"| {n['model']} | {n['plan']} | {', '.join(fmt(w, '{:.3f}') for w in n['walls'])} | "
                          f"{_pct(n['wall'])} | {', '.join(_usd(b) for b in n['bills'])} | {_pct(n['bill'])} |")
     lines += ["", "## Run terms of the first plan", "",
               "Seconds; the plan's `run_terms` (medians of the target's cached samples, or assumed where not yet "
               "measured).", "",
-              "| model | plan | run | start-up | provision | warm-up | epoch overhead | gap | teardown | stop |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              *table(["model", "plan", "run", "start-up", "provision", "warm-up", "epoch overhead", "gap", "teardown",
+                      "stop"])]
     for r in records:
         t = r["terms"]
         lines.append(f"| {r['model']} | {r['plan']} | {r['run']} | " + " | ".join(
@@ -437,8 +437,8 @@ def render(records: list[dict], failures: list[dict], epochs: int, repeats: int,
     lines += ["", "## Every epoch", "",
               "predicted = `predicted_epoch_s` in force for the epoch; iteration = predicted / measured ms per step; "
               "exposed = start-up the epoch waited for; re-plan = the decision taken after the epoch.", "",
-              "| model | plan | run | epoch | measured s | predicted s | error | overhead s | iteration ms | exposed s | re-plan |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              *table(["model", "plan", "run", "epoch", "measured s", "predicted s", "error", "overhead s",
+                      "iteration ms", "exposed s", "re-plan"])]
     for r in records:
         for e in r["epochs"]:
             lines.append(

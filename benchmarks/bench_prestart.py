@@ -39,7 +39,7 @@ from pathlib import Path
 
 from benchmarks.harness.home import scratch
 from benchmarks.harness.stack import local_stack
-from benchmarks.harness.tables import median
+from benchmarks.harness.tables import median, table
 from benchmarks.harness.train import run_train
 from benchmarks.output import command_for, money, provenance, write_result
 
@@ -224,8 +224,8 @@ def render(outcomes: list[Outcome], args: argparse.Namespace) -> str:
             lines.append(f"| **{target}: on / off** | "
                          + " | ".join(_ratio(repeat_median(on, k), repeat_median(off, k)) for k, _, _ in COLUMNS) + " |")
     lines += ["", *findings(groups), "", "Every epoch (start-up in worker-seconds; s = the epoch's seconds):", "",
-              "| configuration | repeat | epoch | pre-started (launched s before previous end) | hidden | exposed "
-              "| idle | critical exposed | s | val acc | $ |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+              *table(["configuration", "repeat", "epoch", "pre-started (launched s before previous end)", "hidden",
+                      "exposed", "idle", "critical exposed", "s", "val acc", "$"])]
     for o in outcomes:
         for e in o.epochs:
             st = e.get("startup") or {}

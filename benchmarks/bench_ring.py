@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from benchmarks.harness.home import scratch
-from benchmarks.harness.tables import median
+from benchmarks.harness.tables import median, table
 from benchmarks.output import command_for, provenance, write_result
 from comm.ring_allreduce import open_ring
 from comm.store_dir import DirectoryStore
@@ -83,7 +83,7 @@ def run(rounds: int, calls: int) -> dict:
 
 
 def render(timings: dict) -> str:
-    lines = ["| buffer | Zooid's ring (TCP), per call | gloo, per call | Zooid / gloo |", "|---|---|---|---|"]
+    lines = table(["buffer", "Zooid's ring (TCP), per call", "gloo, per call", "Zooid / gloo"])
     for size, by in timings.items():
         z, g = median(by["zooid"]), median(by["gloo"])
         lines.append(f"| {size} | {z * 1e3:.3f} ms | {g * 1e3:.3f} ms | {z / g:.2f}x |")

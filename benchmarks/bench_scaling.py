@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.harness.home import scratch
-from benchmarks.harness.tables import median
+from benchmarks.harness.tables import median, table
 from benchmarks.harness.train import param_args
 from benchmarks.output import command_for, money, provenance, write_result
 
@@ -266,9 +266,8 @@ def render(outcomes: list[Outcome], args: argparse.Namespace) -> str:
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", "Every epoch. Cluster s = the slowest worker's compute + sync (its split beside); wall s = "
               "first launch to last exit (worker start-up included); worker-s and cost from the ledger.", "",
-              "| configuration | repeat | epoch | workers | lr | val acc | samples | cluster s | compute + sync s "
-              "| wall s | worker-s | cost | failed attempts |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              *table(["configuration", "repeat", "epoch", "workers", "lr", "val acc", "samples", "cluster s",
+                      "compute + sync s", "wall s", "worker-s", "cost", "failed attempts"])]
     for name, runs in groups.items():
         for o in runs:
             for r in o.rows:

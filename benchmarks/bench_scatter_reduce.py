@@ -38,7 +38,7 @@ from pathlib import Path
 
 from benchmarks.harness.home import scratch
 from benchmarks.harness.servers import moto_server, redis_server, stop_server
-from benchmarks.harness.tables import median
+from benchmarks.harness.tables import median, table
 from benchmarks.output import command_for, provenance, write_result
 from core.keys import run_key
 
@@ -221,7 +221,7 @@ def measure_bandwidth(url: str, size: int) -> float:
 
 # --- report ------------------------------------------------------------------------------
 
-def table(sweep: Sweep, measured: dict, latency: float, bandwidth: float) -> tuple[str, str]:
+def sweep_table(sweep: Sweep, measured: dict, latency: float, bandwidth: float) -> tuple[str, str]:
     """Markdown rows for one sweep, and where the model came from."""
     link = (f"emulated {sweep.bandwidth / MB:g} MB/s per direction per worker"
             if sweep.bandwidth else f"loopback, no emulation (model w = one client's {bandwidth / MB:.0f} MB/s)")
@@ -229,10 +229,9 @@ def table(sweep: Sweep, measured: dict, latency: float, bandwidth: float) -> tup
         if sweep.scale > 1 else ""
     head = [f"### {sweep.store}, {link}{scaled}", "",
             f"t_lat = {latency * 1000:.1f} ms (measured).", "",
-            "| n | size MB | (paper-equiv. MB) | plain s | pipelined s | lower by | "
-            "model plain s | model pipelined s | model lower by | plain vs model | pipelined vs model "
-            "| CPU s/rank plain, pipelined |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            *table(["n", "size MB", "(paper-equiv. MB)", "plain s", "pipelined s", "lower by", "model plain s",
+                    "model pipelined s", "model lower by", "plain vs model", "pipelined vs model",
+                    "CPU s/rank plain, pipelined"])]
     source = ""
     for (ranks, size), ((plain, cpu_plain), (piped, cpu_piped)) in sorted(measured.items()):
         m_plain, m_piped, source = model_times(size, bandwidth, ranks, latency)
@@ -273,7 +272,7 @@ def main(argv: list[str] | None = None) -> None:
                     point = run_sweep_point(url, ranks, sizes, sweep.bandwidth, args.repeats)
                     for size in sizes:
                         measured[(ranks, size)] = (point[(size, "plain")], point[(size, "pipelined")])
-                text, source = table(sweep, measured, latency, bandwidth)
+                text, source = sweep_table(sweep, measured, latency, bandwidth)
                 sections.append(text)
                 sources.add(source)
         finally:

@@ -30,7 +30,7 @@ import torch
 
 from benchmarks.harness.home import REPO, scratch
 from benchmarks.harness.servers import moto_server, redis_server, start_server, stop_server
-from benchmarks.harness.tables import median
+from benchmarks.harness.tables import median, table
 from benchmarks.output import command_for, provenance, write_result
 from comm.store import Store
 from comm.store_azure import AzureBlobStore
@@ -122,10 +122,10 @@ def measure(medium: str, store: Store, raw_handle, size: int, repeats: int) -> d
     return row
 
 
-def table(rows: list[tuple[str, int, dict]]) -> str:
+def throughput_table(rows: list[tuple[str, int, dict]]) -> str:
     """Markdown table of throughputs (MB/s) and ratios to the raw medium."""
-    lines = ["| store | size | op | raw MB/s | store MB/s | store / raw | store+codec MB/s | store+codec / raw |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = table(["store", "size", "op", "raw MB/s", "store MB/s", "store / raw", "store+codec MB/s",
+                   "store+codec / raw"])
     for medium, size, r in rows:
         for op in ("put", "get"):
             raw, st, co = (size / MB / r[f"{k}_{op}"] for k in ("raw", "store", "codec"))
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
         "go as 8 MiB blocks staged 4 at a time and committed at once, its gets of more than 32 MiB in "
         "8 MiB ranges 4 at a time (the raw SDK calls: 4 MiB blocks, one at a time).",
         "",
-        table(rows),
+        throughput_table(rows),
         "",
     ])
     write_result(args.out, "Store throughput: Zooid's stores next to the bare medium", command, prov, text,

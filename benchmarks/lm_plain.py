@@ -38,7 +38,7 @@ from pathlib import Path
 
 from benchmarks.harness.home import scratch
 from benchmarks.harness.replicas import SUBSET_ROWS
-from benchmarks.harness.tables import median, run_line
+from benchmarks.harness.tables import median, run_line, table
 from benchmarks.output import command_for
 from core.keys import checkpoint_key, init_checkpoint_key
 
@@ -260,8 +260,7 @@ def render_plain(zooid: Side, plain: Side, facts: dict, args: argparse.Namespace
         "pays one-time costs on both sides); tokens per second = tokens trained an epoch over that median "
         f"(the whole epoch: evaluation and checkpoint included). Publishing the data: {facts['publish_s']:.1f} s, "
         "once, not counted.", "",
-        "| side | s / epoch (median) | tokens / s | epochs' seconds | validation perplexity per epoch |",
-        "|---|---|---|---|---|",
+        *table(["side", "s / epoch (median)", "tokens / s", "epochs' seconds", "validation perplexity per epoch"]),
     ]
     for side, med in ((zooid, z), (plain, p)):
         lines.append(f"| {side.name} | {med:.2f} | {tokens / med:,.0f} | "

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from benchmarks.harness.home import scratch
 from benchmarks.harness.stack import local_stack, pool_trace
-from benchmarks.harness.tables import run_line
+from benchmarks.harness.tables import run_line, table
 from benchmarks.output import command_for
 
 WORKERS = 2
@@ -148,9 +148,8 @@ def render_sync(runs: list, args: argparse.Namespace, command: str) -> str:
         f"Target, by the rule fixed before the DiLoCo rows were read: the validation perplexity K-AVG reaches at its "
         f"second-to-last epoch, **{target:.4f}**. Time and MB to target = sums over the epochs up to the first "
         "at or below it.", "",
-        "| configuration | epochs to target | s to target | MB to target | MB / epoch | final perplexity | "
-        "perplexity per epoch | seconds per epoch | run |",
-        "|---|---|---|---|---|---|---|---|---|",
+        *table(["configuration", "epochs to target", "s to target", "MB to target", "MB / epoch", "final perplexity",
+                "perplexity per epoch", "seconds per epoch", "run"]),
     ]
     totals = {}
     for config, run in runs:
