@@ -224,6 +224,7 @@ def train_one_epoch(run: Training, epoch: int) -> EpochSummary:
                           inputs=strategy_inputs(ctx, run.profile, run.workers))
     summary.overhead_s = epoch_overhead(run.plan, summary)
     run.history.append(summary)
+    # in the flow, not a task: the UI's progress, the epoch's line in the flow run's own log; nothing to retry
     _epoch_progress(ctx, run.progress_id, run.history, run.first_plan.get("predicted_run_cost_usd"))
     return summary
 
@@ -255,8 +256,7 @@ def finish_run(run: Training) -> RunSummary:
     teardown(ctx)
     ledger = record_cost(ctx)  # final before the report renders it; nothing rewrites it
     summary = summarize(ctx, run.status, run.history, run.first_plan, ledger, run.error)
-    # the next plan on this target predicts from them; in the flow, not a task: it is best effort
-    # (a store it cannot write costs a later plan its accuracy, in one printed line), nothing to retry
+    # the next plan on this target predicts from them; in the flow, not a task: best effort, it never raises
     record_terms(ctx, run.clock, run.history)
     ACTIVE.pop(ctx.flow_run_id, None)
     COMMAND_LINE.ended(ctx, live, ledger["total_usd"])

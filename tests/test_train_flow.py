@@ -58,6 +58,37 @@ def test_train_flow_trains_bills_and_cleans_up(tmp_path, warm):
     assert tagged_pids(summary.run_id) == []
 
 
+def test_the_recipes_steps_are_the_flow_runs_task_runs_in_its_order(tmp_path):
+    """Each step that goes through tasks/ is a task run of the flow run, in the recipe's order:
+    resume, profile, plan, provision; per epoch run_epoch, checkpoint, (before a next epoch)
+    rescale and replan, save_progress; then teardown, record_cost, summary."""
+    import time
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterFlowRunId
+
+    from deployments.server import drain_prefect_clients
+    from flows.train import train
+
+    state = train(TrainJob(workers=1, epochs=2, store=f"file://{tmp_path}/s", warm=False), return_state=True)
+    assert state.is_completed()
+    epoch = ["run_epoch", "checkpoint"]
+    expected = (["resume", "profile", "plan", "provision"] + epoch + ["rescale", "replan", "save_progress"]
+                + epoch + ["save_progress", "teardown", "record_cost", "summary"])
+    drain_prefect_clients()
+    deadline = time.monotonic() + 60  # the server records a task run from its events, after they arrive
+    with get_client(sync_client=True) as client:
+        while True:
+            runs = client.read_task_runs(task_run_filter=TaskRunFilter(
+                flow_run_id=TaskRunFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+            if len(runs) >= len(expected) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+    runs.sort(key=lambda r: r.start_time or r.expected_start_time)
+    assert [r.name.rsplit("-", 1)[0] for r in runs] == expected
+    assert all(r.state.is_completed() for r in runs)
+
+
 def test_an_epoch_record_survives_the_run_summary_with_every_field():
     """Every field of `EpochSummary`, set to a value that is not its default, comes back equal
     through the run summary's JSON (summary.json) and the history's (history.json)."""
