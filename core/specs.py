@@ -7,7 +7,8 @@ workers exchange tensors through the store and report keys.
 A `WorkerSpec` is the common part of one worker's epoch plus small typed groups: `stage`
 (`StageSpec`: which pipeline stage worker it is; None for a Local-SGD replica), `sync`
 (`SyncSpec`: the collective and its knobs), `compute` (`ComputeSpec`: device, dtype,
-threads, model arguments) and `warm` (`WarmSpec`: set only on a warm worker's launch spec).
+threads, model arguments), `data` (`DataSpec`: where its shards are, how many MB it keeps) and
+`warm` (`WarmSpec`: set only on a warm worker's launch spec).
 `WorkerSpec.from_dict` refuses a key it does not know, naming it, so a typo (or a spec from
 another Zooid version) fails at the worker's door instead of silently training something
 else. `WorkerResult.from_dict` drops unknown keys on purpose: a result is read, not obeyed,
@@ -287,6 +288,27 @@ class WarmSpec(JsonSpec):
 
 
 @dataclass(frozen=True, kw_only=True)
+class DataSpec(JsonSpec):
+    """Where a worker reads its data shards (`engine.shards`), and how much of them it keeps."""
+
+    PATH = "data."
+
+    store: str = ""
+    """A prepared dataset's store (a URL, or `block:<type slug>/<name>`); empty: the data this
+    run staged, beside its checkpoints (`runs/<run_id>/data`)."""
+    prefix: str = ""
+    """The prepared dataset's key prefix in `store` (its root: empty)."""
+    cache_mb: float | None = None
+    """The most MB of shards (as stored) the worker keeps in memory between reads (the job's
+    `data_cache_mb`); None: no bound."""
+
+    def __post_init__(self):
+        _check_types(self, "data.")
+        if self.cache_mb is not None and not self.cache_mb > 0:
+            raise ZooidValueError("data.cache_mb", f"must be > 0 MB or None, got {self.cache_mb!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class WorkerSpec(JsonSpec):
     """One worker's share of one epoch: Local-SGD replica `rank` of `world`, or (with
     `stage`) one stage worker of a pipeline replica."""
@@ -344,9 +366,11 @@ class WorkerSpec(JsonSpec):
     loss: str = ""
     """The job's custom loss, `package.module:function(output, target) -> scalar`; empty:
     cross-entropy over the output's last dimension (`engine.objective`)."""
+    data: DataSpec = field(default_factory=DataSpec)
+    """Where the worker reads its shards: the run's staged data, or a prepared dataset."""
 
     def __post_init__(self):
-        _check_types(self, "", ("resume", "checkpoint_store", "stage", "sync", "compute", "warm", "loss"))
+        _check_types(self, "", ("resume", "checkpoint_store", "stage", "sync", "compute", "warm", "loss", "data"))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -24,10 +24,11 @@ read) and say so in their metadata (its `TextInfo` and the global index of their
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -36,6 +37,7 @@ from comm.store import Store
 from comm.tensor_codec import decode_tensors, encode_tensors
 from core.errors import ZooidValueError
 from core.keys import data_prefix, shard_key, shard_manifest_key
+from core.specs import WorkerSpec
 from engine.text_data import Opener, TextInfo, TextSettings, is_text, load_text, mlm_mask, validate_text
 from engine.objective import target_classes
 from engine.shards import (SPLITS, DatasetManifest, ShardCache, fetch_shard, read_dataset_manifest, write_manifest,
@@ -327,6 +329,44 @@ def read_shards(
     if not xs:
         raise ZooidValueError("subsets", "no subsets given")
     return torch.cat(xs), torch.cat(ys)
+
+
+class ShardSource:
+    """Where one worker reads its shards: a store and the dataset's prefix there, with the
+    dataset's manifest read once (its checksums check every shard read)."""
+
+    def __init__(self, store: Store, prefix: str, timeout: float | None = None):
+        self.store, self.prefix, self.timeout = store, prefix, timeout
+        self._manifest: DatasetManifest | None = None
+
+    @property
+    def manifest(self) -> DatasetManifest:
+        if self._manifest is None:
+            self._manifest = read_dataset_manifest(self.store, self.prefix, timeout=self.timeout)
+        return self._manifest
+
+    def read(self, indices, split: str = "train", *, seed: int = 0, epoch: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """`read_shards` of this dataset, each shard checked against the manifest."""
+        return read_shards(self.store, self.prefix, indices, split, self.timeout, seed=seed, epoch=epoch,
+                           manifest=self.manifest)
+
+
+@contextlib.contextmanager
+def worker_shards(spec: WorkerSpec, run_store: Store, open_ref: Callable[[str], Store]):
+    """The shards `spec` reads (`spec.data`): the run's staged data in `run_store` (the store of
+    its checkpoints), or a prepared dataset's store, opened with `open_ref` and closed after. A
+    `cache_mb` bounds what the worker keeps of them (`keep_subsets`)."""
+    data = spec.data
+    if data.cache_mb is not None:
+        keep_subsets(data.cache_mb)
+    if not data.store:
+        yield ShardSource(run_store, data_prefix(spec.run_id), spec.sync_timeout_s)
+        return
+    store = open_ref(data.store)
+    try:
+        yield ShardSource(store, data.prefix, spec.sync_timeout_s)
+    finally:
+        store.close()
 
 
 def read_subsets(

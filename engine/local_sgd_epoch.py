@@ -117,7 +117,7 @@ from core.outer_sync import averages_gradients, is_default
 from core.specs import WorkerResult, WorkerSpec
 from engine.chaos import chaos_for
 from engine.checkpoint import CheckpointWriter, load_checkpoint, save_checkpoint
-from engine.datasets import read_manifest, read_subsets
+from engine.datasets import ShardSource, worker_shards
 from engine.devices import to_compute, torch_device, torch_dtype
 from engine.iteration_clock import IterationClock
 from engine.local_sgd import LocalSGD, batch_seed, batch_stream, validation_metrics
@@ -254,7 +254,8 @@ def run_local_sgd_epoch(spec: WorkerSpec, store: Store, open_ref: Callable[[str]
     ring = None
     try:
         ring = _open_ring(spec, store)
-        return _run(spec, store, ckpt_store, started, ring)
+        with worker_shards(spec, ckpt_store, open_ref) as shards:
+            return _run(spec, store, ckpt_store, started, ring, shards)
     except (torch.OutOfMemoryError, MemoryError) as exc:
         raise OutOfMemory(f"rank {spec.rank} of {spec.model}, batch {spec.batch_size}: "
                           f"{type(exc).__name__}: {exc}") from None
@@ -352,10 +353,10 @@ def _open_ring(spec: WorkerSpec, store: Store) -> RingGroup | None:
 
 
 def _run(spec: WorkerSpec, store: Store, ckpt_store: Store, started: float,
-         ring: RingGroup | None = None) -> WorkerResult:
+         ring: RingGroup | None, shards: ShardSource) -> WorkerResult:
     """One replica's epoch in its steps (`_ReplicaEpoch`): set up, the inner loop with its
     syncs, the epoch's end (residuals, epoch checkpoint, release), evaluation and record."""
-    epoch = _ReplicaEpoch(spec, store, ckpt_store, ring)
+    epoch = _ReplicaEpoch(spec, store, ckpt_store, ring, shards)
     loss_sum = epoch.train()
     checkpoint_key = epoch.finish()
     train_loss = loss_sum.item() / max(1, epoch.trained)
@@ -368,19 +369,19 @@ def _run(spec: WorkerSpec, store: Store, ckpt_store: Store, started: float,
 class _ReplicaEpoch:
     """One replica's epoch as named steps over its state, called in order by `_run`."""
 
-    def __init__(self, spec: WorkerSpec, store: Store, ckpt_store: Store, ring: RingGroup | None):
+    def __init__(self, spec: WorkerSpec, store: Store, ckpt_store: Store, ring: RingGroup | None,
+                 shards: ShardSource):
         """Set-up: the model and optimizer at the start point (`load_start_point`), this
         replica's subsets on the device, then the syncs' machinery (`_set_up_syncs`)."""
-        self.spec, self.ckpt_store = spec, ckpt_store
+        self.spec, self.ckpt_store, self.shards = spec, ckpt_store, shards
         self.device, self.dtype = device, dtype = torch_device(spec.compute), torch_dtype(spec.compute)
         self.chaos = chaos_for(spec, store)
         model = build_model(spec.model, spec.seed, **spec.compute.model_kwargs)
         self.model = model = model.to(device=device, dtype=dtype)
         self.optimizer = build_optimizer(spec.optimizer, model, spec.lr)
         self.start = load_start_point(spec, ckpt_store, model, self.optimizer)
-        # data subsets are durable: they live beside the checkpoints, not in the scratch store
-        x, y = read_subsets(ckpt_store, spec.run_id, spec.subsets, timeout=spec.sync_timeout_s,
-                            seed=spec.seed, epoch=spec.epoch)
+        # data shards are durable: beside the checkpoints (or a prepared dataset's), not in the scratch store
+        x, y = shards.read(spec.subsets, seed=spec.seed, epoch=spec.epoch)
         self.x, self.y = to_compute(x, device, dtype), to_compute(y, device, dtype)
         self.objective = objective_for(spec.loss)
         self.tokens_per_row = self.objective.tokens(self.y[:1])
@@ -514,9 +515,7 @@ class _ReplicaEpoch:
         spec, dtype = self.spec, self.dtype
         if spec.rank != 0 or not spec.evaluate:
             return None
-        manifest = read_manifest(self.ckpt_store, spec.run_id, timeout=spec.sync_timeout_s)
-        vx, vy = read_subsets(self.ckpt_store, spec.run_id, range(manifest.n_val_subsets), split="val",
-                              seed=spec.seed)
+        vx, vy = self.shards.read(range(self.shards.manifest.n_val_subsets), split="val", seed=spec.seed)
         return validation_metrics(self.model, to_compute(vx, vx.device, dtype), to_compute(vy, vy.device, dtype),
                                   self.objective)
 

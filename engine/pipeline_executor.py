@@ -65,17 +65,19 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Callable
 
 import torch
 
 from comm.scatter_reduce import COLLECTIVES
-from comm.store import Store
+from comm.store import Store, open_store
 from core.errors import OutOfMemory, ZooidValueError
 from core.kinds import PipelineSchedule
 from core.schedule_validation import validate
 from core.schedules import SCHEDULES, TRANSFER, Action, Kind, Layout, ScheduleError, build_schedule, layout, \
     lower, parse_schedule
 from core.specs import StageSpec, WorkerResult, WorkerSpec
+from engine.datasets import worker_shards
 from engine.devices import torch_dtype
 from engine.pipeline_stage_worker import DEFAULT_COLLECTIVE, StageWorker
 
@@ -131,16 +133,18 @@ def pipeline_worker_specs(base: WorkerSpec, *, cuts, microbatches: int, replica_
             for r, subsets in enumerate(replica_subsets) for w in range(p)]
 
 
-def run_pipeline_worker(spec: WorkerSpec, store: Store) -> WorkerResult:
-    """Run one stage worker of one replica for one epoch (see the module docstring)."""
+def run_pipeline_worker(spec: WorkerSpec, store: Store, open_ref: Callable[[str], Store] = open_store) -> WorkerResult:
+    """Run one stage worker of one replica for one epoch (see the module docstring); `open_ref`
+    opens a prepared dataset's store (`spec.data`)."""
     started = time.time()
     _check_worker(spec)
     if not spec.init_key or not spec.out_key:
         raise ZooidValueError("init_key", "a pipeline worker needs init_key and out_key")
-    worker = StageWorker(spec, store, iteration_schedule(spec.stage))
-    try:
-        return worker.run(started)
-    except torch.OutOfMemoryError as exc:
-        raise OutOfMemory(f"stage {spec.stage.index} of {spec.model}, batch {spec.batch_size}: {exc}") from None
-    finally:
-        worker.close()
+    with worker_shards(spec, store, open_ref) as shards:
+        worker = StageWorker(spec, store, iteration_schedule(spec.stage), shards)
+        try:
+            return worker.run(started)
+        except torch.OutOfMemoryError as exc:
+            raise OutOfMemory(f"stage {spec.stage.index} of {spec.model}, batch {spec.batch_size}: {exc}") from None
+        finally:
+            worker.close()

@@ -31,7 +31,7 @@ from core.kinds import Strategy
 from core.schedules import Action, Kind, Layout, forward_only, lower
 from core.specs import WorkerResult, WorkerSpec
 from engine.checkpoint import FORMAT as CHECKPOINT_FORMAT
-from engine.datasets import read_manifest, read_subsets
+from engine.datasets import ShardSource
 from engine.devices import to_compute, torch_device, torch_dtype
 from engine.gradient_buckets import GradientBuckets
 from engine.iteration_clock import IterationClock
@@ -81,11 +81,12 @@ class StageWorker:
     """State of one stage worker: its model stages (one module), optimizer, data and
     transfer threads."""
 
-    def __init__(self, spec: WorkerSpec, store: Store, actions: list[Action]):
+    def __init__(self, spec: WorkerSpec, store: Store, actions: list[Action], shards: ShardSource):
         """`spec.stage` says which worker this is; `actions` is its validated row of the
         iteration's schedule (`engine.pipeline_executor.iteration_schedule`)."""
         settings = spec.stage
         self.spec, self.cfg, self.store, self.actions = spec, settings, store, actions
+        self.shards = shards
         self.layout = Layout(settings.workers, settings.stages)
         self.last = settings.stages - 1
         """The last model stage (the loss)."""
@@ -332,8 +333,7 @@ class StageWorker:
         first, last = 0 in self.own_stages, self.last in self.own_stages
         if not (first or last):
             return None, None
-        x, y = read_subsets(self.store, self.spec.run_id, subsets, split=split,
-                            timeout=self.spec.sync_timeout_s, seed=self.spec.seed, epoch=self.spec.epoch)
+        x, y = self.shards.read(subsets, split=split, seed=self.spec.seed, epoch=self.spec.epoch)
         if split == "train":
             self.tokens_per_row = self.objective.tokens(y[:1])
         x, y = to_compute(x, self.device, self.dtype), to_compute(y, self.device, self.dtype)
@@ -372,7 +372,7 @@ class StageWorker:
         """Forward-only pass of replica 0 over the validation set; the last model stage's
         worker scores it."""
         cfg = self.cfg
-        manifest = read_manifest(self.store, self.spec.run_id, timeout=self.spec.sync_timeout_s)
+        manifest = self.shards.manifest
         x, y = self._read_data("val", range(manifest.n_val_subsets))
         n = manifest.n_val
         chunks = torch.tensor_split(torch.arange(n), -(-n // cfg.val_chunk))

@@ -16,7 +16,7 @@ from engine.pipeline_executor import run_pipeline_worker
 
 def run_spec(spec: WorkerSpec, store: Store, open_ref: Callable[[str], Store] = open_store) -> WorkerResult:
     """Dispatch on `spec.stage` (None: Local-SGD); `open_ref` opens any other store the spec
-    names (a Local-SGD replica's `checkpoint_store`)."""
+    names (a Local-SGD replica's `checkpoint_store`, a prepared dataset's `data.store`)."""
     pin_malloc_thresholds()  # the allocator the profile measured with (engine.malloc)
     # Injected faults (ZOOID_CHAOS, off when unset) that fire at worker start, for every
     # strategy; the Local-SGD loop fires the step and sync ones.
@@ -25,4 +25,4 @@ def run_spec(spec: WorkerSpec, store: Store, open_ref: Callable[[str], Store] = 
         torch.set_num_threads(spec.compute.threads)  # the worker's own vCPU, set per epoch (warm workers stay)
     if spec.stage is None:
         return run_local_sgd_epoch(spec, store, open_ref)
-    return run_pipeline_worker(spec, store)
+    return run_pipeline_worker(spec, store, open_ref)

@@ -26,7 +26,7 @@ from core.schedules import Kind
 from core.specs import ComputeSpec, SyncSpec, WorkerSpec
 from engine.chaos import Chaos
 from engine.checkpoint import initial_checkpoint, load_checkpoint
-from engine.datasets import publish_dataset, read_subsets
+from engine.datasets import ShardSource, publish_dataset, read_subsets
 from engine.gradient_buckets import GradientBuckets, plan_buckets
 from engine.local_sgd import LocalSGD, batch_seed, batch_stream
 from engine.local_sgd_epoch import read_epoch_history, run_local_sgd_epoch
@@ -314,7 +314,8 @@ def test_a_hybrid_stage_arms_its_buckets_before_its_last_backward_only():
     for spec in pipeline_worker_specs(base, cuts=[1], microbatches=4, replica_subsets=[(0,), (1,)],
                                       schedule="1f1b")[:2]:
         actions = iteration_schedule(spec.stage)
-        worker = StageWorker(spec, MemoryStore(), actions)
+        store = MemoryStore()
+        worker = StageWorker(spec, store, actions, ShardSource(store, ""))  # reads no data here
         try:
             backwards = [i for i, a in enumerate(actions) if a.kind is Kind.B]
             assert len(backwards) == 4 and worker.arm_at == {backwards[-1]: spec.stage.index}
