@@ -31,14 +31,14 @@ def local_stack(home: Path, *, docker: bool = False) -> Iterator[dict]:
     never the stack's preferred 4200, so a developer's `make up` keeps it; its environment and
     API set in this process for the block (`scratch` restores the environment). Stopped (by pid)
     however the block ends. Yields the stack's state (`api_url`, `env`, ...)."""
-    from prefect.settings import PREFECT_API_URL, temporary_settings  # reads the settings: see the docstring
-
     from deployments.server import free_port
     from deployments.stack import down, up
 
     try:
         state = up(home=home, port=free_port(0), docker=docker)
         os.environ.update(state["env"])
+        from prefect.settings import PREFECT_API_URL, temporary_settings  # after the stack's environment is set
+
         with temporary_settings(updates={PREFECT_API_URL: state["api_url"]}):
             yield state
     finally:
