@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.harness.tables import median, table
+from benchmarks.harness.tables import median, rounds, table
 from benchmarks.output import command_for, provenance, write_result
 from planners.hybrid import HybridProblem, best_candidate, plan_hybrid
 from planners.partition import (PartitionProblem, PipelineLayer, best_of, cut_times,
@@ -41,12 +41,9 @@ def timed(fn, repeats: int):
     """(median CPU seconds, last result) over `repeats` calls. CPU time of this process,
     not wall time, so that other work on a shared machine does not inflate it (the
     planners are single-threaded numpy)."""
-    times, result = [], None
-    for _ in range(repeats):
-        start = time.process_time()
-        result = fn()
-        times.append(time.process_time() - start)
-    return median(times), result
+    results = []
+    seconds = rounds({"fn": lambda: results.append(fn())}, repeats, clock=time.process_time)["fn"]
+    return median(seconds), results[-1] if results else None
 
 
 # --- partition -----------------------------------------------------------------------------

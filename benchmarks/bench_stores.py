@@ -23,14 +23,13 @@ import io
 import os
 import shutil
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from benchmarks.harness.home import REPO, scratch
 from benchmarks.harness.servers import moto_server, redis_server, start_server, stop_server
-from benchmarks.harness.tables import median, table
+from benchmarks.harness.tables import median, rounds, table
 from benchmarks.output import command_for, provenance, write_result
 from comm.store import Store
 from comm.store_azure import AzureBlobStore
@@ -48,23 +47,6 @@ AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1
 
 
 # --- measurements ------------------------------------------------------------------------
-
-def interleaved_medians(ops: dict[str, callable], repeats: int) -> dict[str, float]:
-    """Median wall time of each op over `repeats` rounds after a warm-up round.
-
-    Ops run round-robin (one of each per round) rather than one block each, so a burst
-    of load from other processes on the machine hits raw and store alike.
-    """
-    for fn in ops.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in ops}
-    for _ in range(repeats):
-        for name, fn in ops.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: median(t) for name, t in times.items()}
-
 
 def raw_ops(medium: str, handle, data: bytes):
     """(put, get) closures that use the medium directly, with nothing of Zooid."""
@@ -109,14 +91,15 @@ def measure(medium: str, store: Store, raw_handle, size: int, repeats: int) -> d
     data = tensor.numpy().tobytes()
     raw_put, raw_get = raw_ops(medium, raw_handle, data)
     key = run_key("bench", str(size))
-    row = interleaved_medians({
+    # round-robin after a warm-up round (harness.tables.rounds), so a burst of load hits raw and store alike
+    row = {name: median(t) for name, t in rounds({
         "raw_put": raw_put,
         "raw_get": raw_get,
         "store_put": lambda: store.put(key, data),
         "store_get": lambda: store.get(key),
         "codec_put": lambda: store.put(key, encode_tensors({"t": tensor})),
         "codec_get": lambda: decode_tensors(store.get(key)),
-    }, repeats)
+    }, repeats, warm_up=True).items()}
     assert torch.equal(decode_tensors(store.get(key))[0]["t"], tensor)
     store.delete_prefix(run_prefix("bench") + "/")
     return row

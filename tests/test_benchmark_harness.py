@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 from benchmarks.harness.home import scratch
-from benchmarks.harness.tables import fmt, median, merged_body, pct, row, table
+from benchmarks.harness.tables import fmt, median, merged_body, pct, rounds, row, table
 from benchmarks.harness.train import digits_job, param_args, train_command
 from coordinator.run.job_fields import fields_from_args
 
@@ -110,6 +110,16 @@ def test_medians_formats_and_tables():
     assert pct(0.1234) == "12.3 %" and pct(None) == "-"
     assert table(["a", "b"], [[1, "x"]]) == ["| a | b |", "|---|---|", "| 1 | x |"]
     assert row(["only"]) == "| only |"
+
+
+def test_rounds_run_the_ops_round_robin_after_a_warm_up():
+    calls = []
+    ticks = iter(range(100))
+    times = rounds({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, 2, warm_up=True,
+                   clock=lambda: next(ticks))
+    assert calls == ["a", "b"] * 3
+    assert times == {"a": [1, 1], "b": [1, 1]}
+    assert rounds({"a": lambda: None}, 3, clock=lambda: 0.0) == {"a": [0.0, 0.0, 0.0]}
 
 
 def test_merged_body_keeps_the_parts_not_rerun(tmp_path):

@@ -1,14 +1,31 @@
-"""Medians, value formats and markdown tables, as every results file shows them, and results
-files kept in parts (one section per part, a run rewriting only the parts it ran)."""
+"""Repeats, medians, value formats and markdown tables, as every results file shows them, and
+results files kept in parts (one section per part, a run rewriting only the parts it ran)."""
 from __future__ import annotations
 
 import re
 import statistics
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from benchmarks.output import code_state
+
+
+def rounds(ops: dict[str, Callable[[], object]], repeats: int, *, warm_up: bool = False,
+           clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
+    """Each op's seconds by `clock` over `repeats` rounds, after one unclocked round when
+    `warm_up`. The ops run round-robin, one call of each a round, rather than one block each, so
+    a burst of load from other processes on the machine hits them alike."""
+    if warm_up:
+        for fn in ops.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in ops}
+    for _ in range(repeats):
+        for name, fn in ops.items():
+            start = clock()
+            fn()
+            times[name].append(clock() - start)
+    return times
 
 
 def median(values: Iterable, default=None):
