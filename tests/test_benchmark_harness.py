@@ -45,6 +45,20 @@ def test_no_module_imports_a_script():
     assert not bad, "move what two scripts share into benchmarks/harness/:\n" + "\n".join(bad)
 
 
+def test_a_script_part_belongs_to_one_script():
+    """A module under benchmarks/ that is neither a script, the harness nor the header is a part of
+    at most one script."""
+    scripts = {rel: tree for rel, tree in modules().items() if Path(rel).name.startswith("bench_")}
+    shared = ("benchmarks/harness/", "benchmarks/output.py", "benchmarks/run_all.py")
+    parts = [rel for rel in modules() if not Path(rel).name.startswith(("bench_", "__init__"))
+             and not rel.startswith(shared)]
+    for rel in parts:
+        name = rel.removesuffix(".py").replace("/", ".")
+        users = [script for script, tree in scripts.items()
+                 if any(i == name or i.startswith(name + ".") for i in imported(tree))]
+        assert len(users) <= 1, f"{rel} is imported by {users}: move it into benchmarks/harness/"
+
+
 def test_the_harness_imports_no_script_part():
     bad = [f"{rel}: {name}" for rel, tree in modules().items() if rel.startswith("benchmarks/harness/")
            for name in sorted(imported(tree)) if name.startswith("benchmarks.")

@@ -13,5 +13,8 @@ never another script:
 - `workers`: the instrumented worker processes that stamp the engine's loop points;
 - `tables`: `median`, value formats, markdown tables, and results files kept in parts.
 
-Store keys come from `core.keys`; no module under benchmarks/ spells `runs/`.
+Store keys come from `core.keys`; no module under benchmarks/ spells `runs/`. A script may keep
+parts of itself in modules that no other script imports (`bench_language_models`: parts a and b
+in `lm_sync.py` and `lm_plain.py`); models and datasets that workers import by path
+(`prediction_models.py`, `lm_shapes.py`) are imported by no script.
 """
