@@ -1,5 +1,5 @@
 """The `train` flow: profile -> plan -> provision -> [run_epoch -> checkpoint -> rescale or
-re-plan] x epochs -> teardown -> record_cost.
+re-plan -> save_progress] x epochs -> teardown -> record_cost -> summary, each a step in `tasks/`.
 
 After every epoch the planner is calibrated from what the workers measured
 (`planners.calibration`); the next epoch runs the plan a rescale asked for, or else the
