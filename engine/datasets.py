@@ -57,6 +57,9 @@ class DatasetSplit(NamedTuple):
     val_y: torch.Tensor
     text: TextInfo | None = None
     """A text dataset's vocabulary, objective and special ids; None for any other dataset."""
+    id_bound: int | None = None
+    """Set on a sample of a prepared dataset: its integer ids' bound over the whole dataset
+    (`DatasetManifest.id_bound`), where the sample's own ids would understate it."""
 
 
 @dataclass(frozen=True)
@@ -219,6 +222,15 @@ class Prepared(NamedTuple):
     already: bool
 
 
+def id_bound(data: DatasetSplit) -> int:
+    """One more than the largest id of a dataset of integer inputs (inputs and targets of both
+    splits: what a model's embedding must hold); 0 for float inputs."""
+    if data.train_x.is_floating_point():
+        return 0
+    return 1 + max(int(t.max()) for t in (data.train_x, data.val_x, data.train_y, data.val_y)
+                   if t.numel() and not t.is_floating_point())
+
+
 def prepare_settings(name: str, subset_size: int, text: TextSettings | None) -> dict[str, Any]:
     """What makes two preparations of a source equal: the source, the shard rows and, for text,
     the tokenizer, objective and sequence length."""
@@ -269,7 +281,7 @@ def prepare_dataset(store: Store, prefix: str, name: str, subset_size: int = 64,
         name=name, subset_size=subset_size, n_train=len(data.train_y), n_val=len(data.val_y),
         n_subsets=len(shards["train"]), n_val_subsets=len(shards["val"]),
         input_shape=tuple(data.train_x.shape[1:]), text=data.text,
-        classes=target_classes(data.train_y, data.val_y), dtypes=dtypes, shards=shards,
+        classes=target_classes(data.train_y, data.val_y), id_bound=id_bound(data), dtypes=dtypes, shards=shards,
         settings=settings, prepared_by=prepared_by)
     write_manifest(store, prefix, manifest)  # last: its presence means every shard is readable
     return Prepared(manifest, written, sum(map(len, shards.values())) - written, False)

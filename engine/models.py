@@ -360,6 +360,9 @@ def dataset_model_kwargs(data) -> dict[str, Any]:
         if info.mask_id is not None:
             out["mask_token_id"] = int(info.mask_id)
         return out
+    bound = getattr(data, "id_bound", None)  # a prepared dataset's sample: the whole dataset's bound
+    if bound is not None:
+        return {"vocab_size": int(bound)} if bound else {}
     if data.train_x.is_floating_point():
         return {}
     top = max(int(t.max()) for t in (data.train_x, data.val_x, data.train_y, data.val_y) if t.numel())

@@ -76,6 +76,9 @@ class DatasetManifest:
 
     text: TextInfo | None = None
     """A text dataset's `TextInfo`; None for any other dataset."""
+    id_bound: int = 0
+    """One more than the largest integer id of its inputs and targets (a language model's
+    smallest vocabulary); 0 for float inputs."""
     format: int = FORMAT
     dtypes: dict[str, str] = field(default_factory=dict)
     """The stored dtype of `x` and `y` (`torch.float32`, `torch.int32` ...)."""

@@ -25,10 +25,16 @@ BEFORE = {
 }
 
 
+ADDED = {"data_cache_mb": None}
+"""Fields added since, each after the field it follows in its section."""
+
+
 def _order_now() -> list[str]:
-    """BEFORE's order with the one move the sections made: `seed` joins the model and data."""
+    """BEFORE's order with the one move the sections made (`seed` joins the model and data), and
+    the fields added since."""
     order = [n for n in BEFORE if n != "seed"]
     order.insert(order.index("seq_len") + 1, "seed")
+    order.insert(order.index("seed") + 1, "data_cache_mb")
     return order
 
 
@@ -41,7 +47,7 @@ def test_every_field_belongs_to_exactly_one_section_in_the_sections_order():
     assert {n: len(o) for n, o in owners.items()} == {n: 1 for n in TrainJob.model_fields}
     assert list(TrainJob.model_fields) == [n for s in SECTIONS for n in s.model_fields] == _order_now()
     assert TrainJob.__bases__ == tuple(reversed(SECTIONS))
-    assert [len(s.model_fields) for s in SECTIONS] == [7, 4, 5, 6, 4, 6, 4, 6]
+    assert [len(s.model_fields) for s in SECTIONS] == [8, 4, 5, 6, 4, 6, 4, 6]
 
 
 def test_every_field_has_a_title_and_a_description_for_the_form():
@@ -50,7 +56,7 @@ def test_every_field_has_a_title_and_a_description_for_the_form():
 
 def test_the_json_schema_has_the_same_properties_and_defaults():
     schema = TrainJob.model_json_schema()
-    assert {n: p["default"] for n, p in schema["properties"].items()} == BEFORE
+    assert {n: p["default"] for n, p in schema["properties"].items()} == {**BEFORE, **ADDED}
     assert list(schema["properties"]) == _order_now()
     assert schema["title"] == "TrainJob" and schema["additionalProperties"] is False
     assert "required" not in schema
@@ -62,18 +68,18 @@ def test_the_flat_flow_takes_the_same_keyword_parameters():
     from flows.train import train_with_params
 
     params = inspect.signature(train_with_params.fn).parameters
-    assert {n: p.default for n, p in params.items()} == BEFORE
+    assert {n: p.default for n, p in params.items()} == {**BEFORE, **ADDED}
     assert list(params) == _order_now()
     assert {p.kind for p in params.values()} == {inspect.Parameter.KEYWORD_ONLY}
     form = parameter_schema(train_with_params.fn).model_dump()
-    assert {n: p["default"] for n, p in form["properties"].items()} == BEFORE
+    assert {n: p["default"] for n, p in form["properties"].items()} == {**BEFORE, **ADDED}
     assert [n for n, p in sorted(form["properties"].items(), key=lambda np: np[1]["position"])] == _order_now()
 
 
 def test_a_job_stays_frozen_flat_and_closed():
     job = TrainJob(seed=3, lr=0.1, sync_period=2, max_workers=16, target="local", warm=False)
     assert (job.seed, job.lr, job.sync_period, job.max_workers, job.target, job.warm) == (3, 0.1, 2, 16, "local", False)
-    assert job.model_dump() == {**BEFORE, "seed": 3, "lr": 0.1, "sync_period": 2, "max_workers": 16,
+    assert job.model_dump() == {**BEFORE, **ADDED, "seed": 3, "lr": 0.1, "sync_period": 2, "max_workers": 16,
                                 "target": "local", "warm": False}
     with pytest.raises(ValidationError):
         job.lr = 1.0

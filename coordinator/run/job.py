@@ -53,7 +53,9 @@ class ModelAndData(JobSection):
     dataset: str = Field("digits", title="Dataset",
                          description="`digits` (scikit-learn), `synthetic:CxHxW:classes:samples`, `package.module:factory`, or "
                                      "`text:SOURCE` for a language model: a path, file://, s3://, az://, a store block, "
-                                     "or `stdlib` (Python's standard-library source, shipped).")
+                                     "or `stdlib` (Python's standard-library source, shipped); or a dataset prepared "
+                                     "in a bucket (`python -m flows.prepare`): its file://, s3:// or az:// URL, or "
+                                     "`block:<type>/<name>`.")
     loss: Optional[str] = Field(
         None, title="Loss",
         description="`package.module:function(output, target) -> scalar` for any other objective; null: "
@@ -67,6 +69,10 @@ class ModelAndData(JobSection):
     seq_len: int = Field(128, gt=1, title="Sequence length", description="Tokens per sample for `text:` datasets.")
     seed: int = Field(0, ge=0, title="Seed",
                       description="Seed of the model's initial weights, the dealing of data subsets to workers and the batch order.")
+    data_cache_mb: Optional[float] = Field(
+        None, gt=0, allow_inf_nan=False, title="Data cache (MB)",
+        description="The most MB of data shards a worker keeps in memory between reads (least recently used "
+                    "out first); null: all it reads (a warm worker then reads each shard once per run).")
 
     @field_validator("model", "dataset")
     @classmethod

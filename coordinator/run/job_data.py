@@ -5,13 +5,20 @@ A `text:` dataset needs more than its name: the job's `tokenizer`, `objective` a
 corpus in a store block, the block's opener (`blocks.store_refs.open_store_ref`: the worker side
 never loads Prefect blocks, so the coordinator reads the corpus and publishes it tokenized).
 Validation (`coordinator.run.validate`) and staging (`coordinator.workers.staging`) both load it here.
+
+A dataset prepared into a bucket (`flows.prepare`), named by its store URL or block, is never
+loaded: the coordinator reads its manifest and, for the model checks, its first shards
+(`prepared_sample`); the workers read their shards from it themselves.
 """
 from __future__ import annotations
 
+from blocks.store_block import BLOCK_PREFIX
 from blocks.store_refs import open_store_ref
 from comm.store import Store
 from coordinator.run.job import TrainJob
-from engine.datasets import DatasetManifest, DatasetSplit, load_dataset, publish_dataset
+from core.errors import ZooidError, ZooidValueError
+from engine.datasets import DatasetManifest, DatasetSplit, ShardSource, load_dataset, publish_dataset
+from engine.shards import read_dataset_manifest
 from engine.text_data import TextSettings, bpe_vocab, is_text
 
 
@@ -46,3 +53,50 @@ def publish_job_dataset(store: Store, run_id: str, job: TrainJob, subset_size: i
     """Publish the job's dataset to the durable `store` (`engine.datasets.publish_dataset`)."""
     return publish_dataset(store, run_id, job.dataset, subset_size, text=text_settings(job),
                            open_source=open_store_ref)
+
+
+PREPARED = ("file://", "s3://", "az://", BLOCK_PREFIX)
+"""How a prepared dataset is named: its store's URL, or a store block."""
+
+
+def is_prepared(dataset: str) -> bool:
+    """Whether `dataset` names a prepared dataset (a store URL or block) rather than a source."""
+    return dataset.startswith(PREPARED)
+
+
+def read_prepared_manifest(dataset: str) -> DatasetManifest:
+    """The manifest of the prepared dataset `dataset`; one line naming `dataset` when its store
+    cannot be opened or holds no manifest of this format."""
+    store = _open_prepared(dataset)
+    try:
+        return read_dataset_manifest(store, "")
+    finally:
+        store.close()
+
+
+def prepared_sample(dataset: str) -> tuple[DatasetManifest, DatasetSplit]:
+    """The manifest of the prepared dataset `dataset` and a sample of it for the model checks:
+    its first training and validation shards (checked against their checksums), carrying the
+    manifest's text settings and id bound."""
+    store = _open_prepared(dataset)
+    try:
+        source = ShardSource(store, "")
+        manifest = source.manifest
+        x, y = source.read([0])
+        vx, vy = source.read([0], split="val") if manifest.n_val_subsets else (x[:0], y[:0])
+    except ZooidValueError:
+        raise
+    except ZooidError as exc:  # a shard that stayed missing or corrupt
+        raise ZooidValueError("dataset", str(exc)) from None
+    finally:
+        store.close()
+    return manifest, DatasetSplit(x, y, vx, vy, manifest.text, id_bound=manifest.id_bound)
+
+
+def _open_prepared(dataset: str) -> Store:
+    try:
+        return open_store_ref(dataset)
+    except ZooidValueError as exc:
+        raise ZooidValueError("dataset", str(exc).partition(": ")[2] or str(exc)) from None
+    except Exception as exc:  # a block that is not there, a client library's refusal
+        raise ZooidValueError("dataset", f"cannot open {dataset}: {type(exc).__name__}: {exc}") from None

@@ -54,11 +54,15 @@ class ResolvedJob:
     target_dtype: str = "int64"
     """`int64` labels or token ids, `float32` values (a custom loss's)."""
 
+    shard_rows: int = 0
+    """Rows per shard of a prepared dataset (its manifest's); 0: the run stages the dataset."""
+
     @property
     def subset_size(self) -> int:
-        """Rows per published data subset: KubeML's fixed size (`SUBSET_SIZE`), smaller when
-        needed so that every replica up to the job's `max_workers` gets at least one."""
-        return max(1, min(SUBSET_SIZE, self.n_train // self.job.max_workers))
+        """Rows per data subset (shard): a prepared dataset's own, else KubeML's fixed size
+        (`SUBSET_SIZE`), smaller when needed so that every replica up to the job's
+        `max_workers` gets at least one."""
+        return self.shard_rows or max(1, min(SUBSET_SIZE, self.n_train // self.job.max_workers))
 
     @property
     def n_subsets(self) -> int:
@@ -130,7 +134,7 @@ def _shape_text(shape) -> str:
     return "x".join(str(d) for d in shape) or "a scalar"
 
 
-def check_model_fits(job: TrainJob, data, classes: int) -> tuple[dict, tuple]:
+def check_model_fits(job: TrainJob, data, classes: int, objective: str | None = None) -> tuple[dict, tuple]:
     """The model takes the dataset's samples and its outputs can be scored against the targets
     (`[B, C]` against `[B]`, `[B, T, V]` against `[B, T]`; not checked with a custom `loss`):
     built without its weights (`engine.models.model_fit`: the `meta` device, one row on the CPU,
@@ -139,7 +143,8 @@ def check_model_fits(job: TrainJob, data, classes: int) -> tuple[dict, tuple]:
     Token inputs are checked first (`engine.models.check_token_inputs`: ids against the
     embedding, `seq_len` against the positions, `mlm` against the mask token). A mismatch is
     one line naming `model` and `dataset`, their shapes, and the registry models that fit the
-    dataset. Returns the model's arguments and its shared parameters (`ResolvedJob`)."""
+    dataset. `objective`: the data's own (a prepared text dataset's), else the job's.
+    Returns the model's arguments and its shared parameters (`ResolvedJob`)."""
     # torch: `make up` and bootstrap import this module (via coordinator.run.context) without it
     from engine.stages import shared_parameters
     from engine.models import (check_token_inputs, data_model_kwargs, dataset_model_kwargs, model_fit,
@@ -153,7 +158,7 @@ def check_model_fits(job: TrainJob, data, classes: int) -> tuple[dict, tuple]:
     except Exception:  # a model that cannot be built: model_fit below says why, naming the pair
         model = None
     if model is not None:
-        check_token_inputs(model, job.model, data, job.objective)
+        check_token_inputs(model, job.model, data, objective or job.objective)
     sample = data.train_x[:1]
     target = None if job.loss else data.train_y[:1]
     scored = None if job.loss else classes  # a custom loss scores outputs of any shape
@@ -204,14 +209,16 @@ def check_worker_sizes(target: ComputeTarget, offer: Offer) -> tuple[float, ...]
     return sizes
 
 
-def check_reachable_from_workers(target: ComputeTarget, target_name: str, store_ref: str, durable_ref: str) -> None:
+def check_reachable_from_workers(target: ComputeTarget, target_name: str, store_ref: str, durable_ref: str,
+                                 data_ref: str = "") -> None:
     """Workers in containers (docker and the clouds) reach their stores over the network: a
-    directory on this machine is refused, naming `store` or `durable_store` and the store the
-    target's workers should use (its provider's `store_suggestion`: ACI Azure Blob, the others S3 or Redis)."""
+    directory on this machine is refused, naming `store`, `durable_store` or `dataset` (a
+    prepared one, `data_ref`) and the store the target's workers should use (its provider's
+    `store_suggestion`: ACI Azure Blob, the others S3 or Redis)."""
     if not is_cloud(target):
         return
     suggestion = provider_for(target.kind).store_suggestion
-    for name, ref in (("store", store_ref), ("durable_store", durable_ref)):
+    for name, ref in (("store", store_ref), ("durable_store", durable_ref), ("dataset", data_ref)):
         if ref.startswith("file://"):
             raise ZooidValueError(name, f"{ref} is a directory on this machine, which workers in containers "
                                   f"(target {target_name!r}) cannot reach; use {suggestion}")
@@ -279,18 +286,25 @@ def check_model_and_data(job: TrainJob) -> tuple[int, int, tuple[int, ...], int,
     strategy and the pipeline's shape: (n_train, n_val, input shape, classes, and the model's
     `ResolvedJob` fields: `model_kwargs`, `shared_parameters`)."""
     # torch: `make up` and bootstrap import this module (via coordinator.run.context) without it
-    from coordinator.run.job_data import load_job_dataset, text_settings
+    from coordinator.run.job_data import is_prepared, load_job_dataset, prepared_sample, text_settings
     from engine.datasets import validate_dataset
     from engine.models import resolve_model
     from engine.objective import target_classes
 
     resolve_model(job.model)
-    validate_dataset(job.dataset, text_settings(job))
-    data = load_job_dataset(job, resolve_durable_ref(job.durable_store, resolve_store_ref(job.store)))
-    n_train, n_val = len(data.train_y), len(data.val_y)
-    classes = target_classes(data.train_y, data.val_y)  # token targets: the vocabulary they use
+    facts, objective = {}, None
+    if is_prepared(job.dataset):  # its manifest and first shards only: never loaded whole
+        manifest, data = prepared_sample(job.dataset)
+        check_prepared(job, manifest)
+        n_train, n_val, classes = manifest.n_train, manifest.n_val, manifest.classes
+        facts, objective = {"shard_rows": manifest.subset_size}, manifest.text.objective if manifest.text else None
+    else:
+        validate_dataset(job.dataset, text_settings(job))
+        data = load_job_dataset(job, resolve_durable_ref(job.durable_store, resolve_store_ref(job.store)))
+        n_train, n_val = len(data.train_y), len(data.val_y)
+        classes = target_classes(data.train_y, data.val_y)  # token targets: the vocabulary they use
     # a model that cannot take the data is refused before anything is rented
-    model_kwargs, shared = check_model_fits(job, data, classes)
+    model_kwargs, shared = check_model_fits(job, data, classes, objective)
     if job.loss:
         check_loss(job, data, model_kwargs)
     if job.batch_size > n_train:
@@ -305,7 +319,27 @@ def check_model_and_data(job: TrainJob) -> tuple[int, int, tuple[int, ...], int,
         check_pipeline_shape(job, model_kwargs)
     return n_train, n_val, tuple(data.train_x.shape[1:]), classes, {"model_kwargs": model_kwargs,
                                                                      "shared_parameters": shared,
-                                                                     **data_form(data)}
+                                                                     **data_form(data), **facts}
+
+
+TEXT_FIELDS = ("tokenizer", "objective", "seq_len")
+"""The job's text settings, which a prepared text dataset fixed when it was prepared."""
+
+
+def check_prepared(job: TrainJob, manifest) -> None:
+    """A prepared dataset against the job: enough training shards for `max_workers` replicas,
+    and no text setting that contradicts the one it was prepared with (a field left at its
+    default follows the dataset). One line naming the field."""
+    if manifest.n_subsets < job.max_workers:
+        raise ZooidValueError("dataset", f"{job.dataset} has {manifest.n_subsets} training shards, fewer than "
+                              f"max_workers={job.max_workers} replicas need; prepare it again with subset_size "
+                              f"<= {max(1, manifest.n_train // job.max_workers)}")
+    prepared = (manifest.settings or {}).get("text") or {}
+    for name in TEXT_FIELDS:
+        mine, default = getattr(job, name), TrainJob.model_fields[name].default
+        if name in prepared and mine != default and mine != prepared[name]:
+            raise ZooidValueError(name, f"{mine!r}, but {job.dataset} was prepared with {name}={prepared[name]!r}; "
+                                  "leave it out, or prepare the dataset again")
 
 
 def data_form(data) -> dict:
@@ -341,7 +375,7 @@ def check_stores(job: TrainJob, target: ComputeTarget, *, ping: bool = True, blo
     opened and pinged (`blocks=False`: a block-named store is not, it needs the Prefect API)."""
     store_ref = resolve_store_ref(job.store)
     durable_ref = resolve_durable_ref(job.durable_store, store_ref)
-    check_reachable_from_workers(target, job.target, store_ref, durable_ref)
+    check_reachable_from_workers(target, job.target, store_ref, durable_ref, job.dataset)
     if ping:
         for name, ref in (("store", store_ref), ("durable_store", durable_ref)):
             if (name == "durable_store" and ref == store_ref) or (not blocks and ref.startswith(BLOCK_PREFIX)):

@@ -10,7 +10,7 @@ import json
 import time
 
 from coordinator.run.context import RunContext
-from coordinator.run.job_data import publish_job_dataset
+from coordinator.run.job_data import is_prepared, publish_job_dataset, read_prepared_manifest
 from coordinator.workers.sweep import sweep_orphans
 from core.errors import ZooidValueError
 from core.keys import data_manifest_key, init_checkpoint_key, run_doc_key
@@ -33,18 +33,22 @@ def check_deployment(name: str) -> None:
 
 def stage_run(ctx: RunContext, plan: Plan, fresh: bool = True) -> dict:
     """Publish the dataset subsets and the initial checkpoint (a resumed run republishes the
-    data only if teardown removed it, and keeps its checkpoints); return the dataset manifest."""
+    data only if teardown removed it, and keeps its checkpoints; a prepared dataset is read where
+    it is, its manifest only); return the dataset's manifest, without its per-shard checksums
+    (the workers read those from the manifest itself)."""
     sweep_orphans()  # workers of coordinators that died earlier must not train on
     target = ctx.resolved.target
     if target.remote:
         check_deployment(target.worker_deployment)
     store = ctx.open_durable()
     try:
-        if not fresh and store.exists(data_manifest_key(ctx.run_id)):
+        if is_prepared(ctx.job.dataset):  # the workers read its shards where they are: nothing is copied
+            manifest = read_prepared_manifest(ctx.job.dataset)
+        elif not fresh and store.exists(data_manifest_key(ctx.run_id)):
             manifest = read_manifest(store, ctx.run_id)
         else:  # the split is deterministic, so a republished subset i is the same subset i
             manifest = publish_job_dataset(store, ctx.run_id, ctx.job, ctx.resolved.subset_size)
-        ctx.state.dataset = manifest.to_dict()
+        ctx.state.dataset = {k: v for k, v in manifest.to_dict().items() if k != "shards"}
         init = init_checkpoint_key(ctx.run_id)
         if fresh or not store.exists(init):
             initial_checkpoint(store, init, ctx.job.model, ctx.job.optimizer, ctx.job.lr,

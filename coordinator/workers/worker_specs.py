@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from clouds.registry import is_cloud
 from coordinator.run.context import RunContext
+from coordinator.run.job_data import is_prepared
 from coordinator.run.outer_step import job_outer_settings
 from core.keys import checkpoint_key
 from core.kinds import PIPELINED_STRATEGIES
 from core.plan import Plan
-from core.specs import ComputeSpec, SyncSpec, WorkerSpec
+from core.specs import ComputeSpec, DataSpec, SyncSpec, WorkerSpec
 from engine.datasets import assign_subsets
 from engine.pipeline_executor import pipeline_worker_specs
 
@@ -37,6 +38,7 @@ def worker_specs(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, 
     # survivors wait at a sync long enough for a failed peer to be detected and relaunched
     timeout = job.worker_timeout_s + (300.0 if ctx.resolved.target.remote else 120.0)
     compute = ComputeSpec(model_kwargs=dict(ctx.resolved.model_kwargs))  # the dataset's vocabulary, mask token
+    data = DataSpec(store=job.dataset if is_prepared(job.dataset) else "", cache_mb=job.data_cache_mb)
     if plan.strategy in PIPELINED_STRATEGIES:
         # a stage reads data and checkpoints from its one store: the durable one
         base = WorkerSpec(run_id=ctx.run_id, epoch=epoch, rank=0, world=plan.workers,
@@ -44,7 +46,7 @@ def worker_specs(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, 
                           subsets=(), steps=plan.steps_per_epoch, batch_size=plan.batch_size, lr=lr,
                           optimizer=job.optimizer, seed=job.seed, init_key=init,
                           out_key=checkpoint_key(ctx.run_id, epoch), sync_timeout_s=timeout, attempt=attempt,
-                          loss=job.loss or "", compute=compute,
+                          loss=job.loss or "", compute=compute, data=data,
                           sync=SyncSpec(collective="ring", ring_host=ring_host(ctx)) if job.collective == "ring"
                           else SyncSpec(collective="pipelined", sync_dtype=job.sync_dtype))
         # a planner cut i splits after layer i; the executor's cut is where a stage begins
@@ -62,5 +64,5 @@ def worker_specs(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, 
                        sync_period=job.sync_period, seed=job.seed, init_key=init,
                        out_key=checkpoint_key(ctx.run_id, epoch), sync_timeout_s=timeout, evaluate=True,
                        attempt=attempt, checkpoint_store=ctx.durable_ref, sync=sync, loss=job.loss or "",
-                       compute=compute)
+                       compute=compute, data=data)
             for rank in range(plan.data_parallel)]
