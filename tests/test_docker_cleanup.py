@@ -30,7 +30,7 @@ def test_cancelling_the_flow_run_leaves_no_container(stack):
         store.put(f"runs/{run_id}/release", b"1")
         store.close()
     # the runner sees Cancelling, stops the flow's process and marks the run Cancelled; the
-    # flow's cancellation hook has written the summary and the final bill by then
+    # flow wrote its summary and final bill as it stopped
     assert fr.state.is_cancelled(), fr.state
     assert _summary(stack, run_id)["status"] == "cancelled"
     assert _containers(run_id) == []
