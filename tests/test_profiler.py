@@ -2,7 +2,8 @@
 
 Byte figures are asserted exactly (they are arithmetic on shapes); measured times only for
 sign, since the machine is shared and one sample may land in a busy window (the layers'
-scaling to the chain is asserted exactly on a fake clock, in test_links).
+scaling to the chain is asserted exactly on a fake clock, in test_links; the store fit and the
+contention factor here, on a fake clock and on scripted timings).
 """
 from __future__ import annotations
 
