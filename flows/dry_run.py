@@ -28,13 +28,13 @@ from coordinator.plan.target_profile import cached_profile, profile_estimate, wi
 from coordinator.report.report import alternatives_table, co_optimizer_lines, plan_in_words, run_terms_text
 from coordinator.run.context import RunContext, run_id_for
 from coordinator.run.job import TrainJob
-from coordinator.run.job_fields import fields_from_args, job_from_fields
+from coordinator.run.job_fields import job_from_fields
 from coordinator.run.outer_step import log_outer_settings
 from coordinator.run.validate import check_target_ready, validate_job
 from core.errors import ZooidValueError
 from core.formats import duration, money
 from core.keys import artifact_key
-from flows.params import job_fields_flow
+from flows.params import job_fields_flow, param_main
 from tasks.plan_step import choose_plan
 from tasks.profile import profile, show_profile
 
@@ -149,20 +149,11 @@ plan_with_params = _with_rent(job_fields_flow(dry_run, name="plan", result_seria
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m flows.dry_run --param name=value ...`: print the dry run's table."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m flows.dry_run", description=__doc__.splitlines()[0])
-    parser.add_argument("--param", action="append", default=[], metavar="NAME=VALUE")
-    args = parser.parse_args(argv)
-    try:
-        fields = fields_from_args(args.param)
+    def run(fields: dict) -> None:
         rent = fields.pop("rent", True)
         plan(job_from_fields(fields), _rent_flag(rent))
-    except ValueError as exc:  # ZooidValueError and a malformed --param
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
 
+    return param_main(argv, "python -m flows.dry_run", __doc__.splitlines()[0], run)
 
 if __name__ == "__main__":
     sys.exit(main())

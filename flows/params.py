@@ -9,12 +9,13 @@ refuses fails the run with one line naming it.
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Any, Callable
 
 from prefect import flow
 
 from coordinator.run.job import TrainJob
-from coordinator.run.job_fields import job_from_fields
+from coordinator.run.job_fields import fields_from_args, job_from_fields
 from core.errors import ZooidValueError
 
 
@@ -47,3 +48,19 @@ def job_fields_flow(fn: Callable[[TrainJob], Any], *, name: str, description: st
     run.__doc__ = f"{description}\n\nArgs:\n" + "\n".join(
         f"    {n}: {f.description or f.title or n}" for n, f in TrainJob.model_fields.items())
     return flow(name=name, validate_parameters=False, **flow_options)(run)
+
+
+def param_main(argv: list[str] | None, prog: str, description: str, run: Callable[[dict[str, Any]], Any]) -> int:
+    """A `python -m <prog> --param NAME=VALUE ...` command: `run(params)`; bad input (a
+    ZooidValueError, a malformed --param) is one `error:` line on stderr and exit code 2."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--param", action="append", default=[], metavar="NAME=VALUE")
+    args = parser.parse_args(argv)
+    try:
+        run(fields_from_args(args.param))
+    except ValueError as exc:  # ZooidValueError and a malformed --param
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0

@@ -21,11 +21,11 @@ from pathlib import Path
 from prefect import flow
 
 from blocks.store_refs import open_store_ref
-from coordinator.run.job_fields import fields_from_args
 from core.errors import ZooidValueError
 from core.stage_memory import format_bytes
 from engine.datasets import Prepared, prepare_dataset, validate_dataset
 from engine.text_data import TextSettings
+from flows.params import param_main
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -91,30 +91,27 @@ def prepare(dataset: str, to: str, subset_size: int = 64, tokenizer: str = "byte
             "manifest": done.manifest.to_dict()}
 
 
+def check_params(params: dict) -> None:
+    """The command line's parameters: known, the required ones given, then `check_prepare`."""
+    unknown = sorted(set(params) - set(prepare.parameters.properties))
+    if unknown:
+        raise ZooidValueError(unknown[0], f"not a parameter of prepare (it takes "
+                              f"{', '.join(prepare.parameters.properties)})")
+    missing = [p for p in ("dataset", "to") if p not in params]
+    if missing:
+        raise ZooidValueError(missing[0], "is required")
+    text = TextSettings(**{k: params[k] for k in ("tokenizer", "objective", "seq_len") if k in params})
+    check_prepare(params["dataset"], params["to"], params.get("subset_size", 64), text)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`python -m flows.prepare --param dataset=... --param to=...`: prepare, print one line."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m flows.prepare", description=__doc__.splitlines()[0])
-    parser.add_argument("--param", action="append", default=[], metavar="NAME=VALUE")
-    args = parser.parse_args(argv)
-    try:
-        params = fields_from_args(args.param)
-        unknown = sorted(set(params) - set(prepare.parameters.properties))
-        if unknown:
-            raise ZooidValueError(unknown[0], f"not a parameter of prepare (it takes "
-                                  f"{', '.join(prepare.parameters.properties)})")
-        missing = [p for p in ("dataset", "to") if p not in params]
-        if missing:
-            raise ZooidValueError(missing[0], "is required")
-        text = TextSettings(**{k: params[k] for k in ("tokenizer", "objective", "seq_len") if k in params})
-        check_prepare(params["dataset"], params["to"], params.get("subset_size", 64), text)
+    """`python -m flows.prepare --param dataset=... --param to=...`: prepare, print one line
+    (bad input is refused before the flow, and a server, start)."""
+    def run(params: dict) -> None:
+        check_params(params)
         prepare(**params)
-    except ValueError as exc:  # ZooidValueError and a malformed --param
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
 
+    return param_main(argv, "python -m flows.prepare", __doc__.splitlines()[0], run)
 
 if __name__ == "__main__":
     sys.exit(main())
