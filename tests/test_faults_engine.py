@@ -35,6 +35,7 @@ from engine.datasets import assign_subsets, publish_dataset
 from engine.local_sgd_epoch import read_epoch_history, run_local_sgd_epoch
 from engine.models import build_model
 from tests.memory_store import Died, DyingStore, MemoryStore
+from tests.fake_clock import FakeClock
 
 REPO = Path(__file__).resolve().parents[1]
 WORLD, STEPS, PERIOD, BATCH = 2, 9, 3, 16
@@ -241,21 +242,6 @@ def test_a_rank_relaunched_inside_a_round_completes_it_with_the_survivors(dies):
         torch.testing.assert_close(out["w"], expected, rtol=1e-15, atol=1e-15)
         assert torch.equal(out["w"], outs[0]["w"])
     assert store.list("runs/") == []
-
-
-class FakeClock:
-    """`time` for the module under test: `sleep` moves the clock, nothing really waits."""
-
-    def __init__(self):
-        self.now = self.start = 1000.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-    perf_counter = monotonic
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
 
 
 class RecordingStore(MemoryStore):

@@ -9,6 +9,7 @@ from torch import nn
 from comm.store import open_store
 from profiling.timing import profile_layers
 from profiling.store_probe import fit_endpoints, profile_transfers, time_steps_between_checkpoints, transfer_sizes
+from tests.fake_clock import FakeClock
 
 
 def test_relative_fit_recovers_latency_and_bandwidth_exactly():
@@ -22,28 +23,6 @@ def test_probe_sizes_reach_the_largest_tensor_within_bounds():
     assert transfer_sizes(0)[-1] == 4 << 20 and transfer_sizes(0)[0] == 1 << 10
     assert transfer_sizes(37e6)[-1] == int(37e6)
     assert transfer_sizes(1e12)[-1] == 64 << 20
-
-
-class FakeClock:
-    """`time` for the modules under test: `sleep` and `advance` move it, `sleep_until` jumps to
-    the deadline; nothing really waits."""
-
-    def __init__(self):
-        self.now = 1000.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-    perf_counter = monotonic
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-    def sleep_until(self, deadline: float) -> None:
-        self.now = max(self.now, deadline)
 
 
 @pytest.fixture

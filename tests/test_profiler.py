@@ -25,6 +25,7 @@ from profiling.timing import fit_serial_fraction, profile_layers, vcpu_factor
 from profiling.store_probe import measure_contention, probe_sizes, profile_store
 from tests.lm_helpers import tiny_regressor
 from tests.memory_store import MemoryStore
+from tests.fake_clock import FakeClock
 
 F32 = 4
 
@@ -176,21 +177,6 @@ def test_vcpu_scaling_fit_is_amdahl():
     assert vcpu_factor(0.5, 0.25) == 2.0  # a half-CPU quota halves the speed
     with pytest.raises(ZooidValueError, match="vcpu"):
         vcpu_factor(0, 0.1)
-
-
-class FakeClock:
-    """`time` for `profiling.store_probe` and the store: only the link below moves it."""
-
-    def __init__(self):
-        self.now = 1000.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-    perf_counter = monotonic
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
 
 
 class EmulatedLink(MemoryStore):
