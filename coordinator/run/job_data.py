@@ -4,7 +4,8 @@ A `text:` dataset needs more than its name: the job's `tokenizer`, `objective` a
 (`engine.text_data.TextSettings`), the durable store that keeps trained tokenizers, and, for a
 corpus in a store block, the block's opener (`blocks.store_refs.open_store_ref`: the worker side
 never loads Prefect blocks, so the coordinator reads the corpus and publishes it tokenized).
-Validation (`coordinator.run.validate`) and staging (`coordinator.workers.staging`) both load it here.
+Validation (`coordinator.run.validate`, through `job_sample`) and staging (`coordinator.workers.staging`)
+both load it here.
 
 A dataset prepared into a bucket (`flows.prepare`), named by its store URL or block, is never
 loaded: the coordinator reads its manifest and, for the model checks, its first shards
@@ -12,12 +13,17 @@ loaded: the coordinator reads its manifest and, for the model checks, its first 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from blocks.store_block import BLOCK_PREFIX
 from blocks.store_refs import open_store_ref
 from comm.store import Store
 from coordinator.run.job import TrainJob
+from coordinator.run.stores import resolve_durable_ref, resolve_store_ref
 from core.errors import ZooidError, ZooidValueError
-from engine.datasets import DatasetManifest, DatasetSplit, ShardSource, load_dataset, publish_dataset
+from engine.datasets import (DatasetManifest, DatasetSplit, ShardSource, load_dataset, publish_dataset,
+                             validate_dataset)
+from engine.objective import target_classes
 from engine.shards import read_dataset_manifest
 from engine.text_data import TextSettings, bpe_vocab, is_text
 
@@ -47,6 +53,43 @@ def load_job_dataset(job: TrainJob, durable_ref: str | None = None) -> DatasetSp
     finally:
         if cache is not None:
             cache.close()
+
+
+@dataclass(frozen=True)
+class JobSample:
+    """The job's dataset as validation checks it (`job_sample`)."""
+
+    data: DatasetSplit
+    """All of it, or a prepared dataset's first training and validation shards."""
+    n_train: int
+    n_val: int
+    classes: int
+    """Labels, or for token targets the vocabulary they use (`engine.objective.target_classes`)."""
+    manifest: DatasetManifest | None = None
+    """A prepared dataset's; None for a dataset loaded here."""
+
+    @property
+    def objective(self) -> str | None:
+        """The objective a prepared text dataset was prepared with; None: the job's."""
+        return self.manifest.text.objective if self.manifest is not None and self.manifest.text else None
+
+    @property
+    def shard_rows(self) -> int:
+        """Rows per shard of a prepared dataset; 0: the run stages the dataset."""
+        return self.manifest.subset_size if self.manifest is not None else 0
+
+
+def job_sample(job: TrainJob) -> JobSample:
+    """The job's dataset for validation: a prepared dataset's manifest and first shards
+    (`prepared_sample`: never loaded whole), else the dataset checked by name
+    (`engine.datasets.validate_dataset`, with the job's text settings) and loaded whole, a BPE
+    tokenizer read from or kept in the job's durable store. One line naming the field."""
+    if is_prepared(job.dataset):
+        manifest, data = prepared_sample(job.dataset)
+        return JobSample(data, manifest.n_train, manifest.n_val, manifest.classes, manifest)
+    validate_dataset(job.dataset, text_settings(job))
+    data = load_job_dataset(job, resolve_durable_ref(job.durable_store, resolve_store_ref(job.store)))
+    return JobSample(data, len(data.train_y), len(data.val_y), target_classes(data.train_y, data.val_y))
 
 
 def publish_job_dataset(store: Store, run_id: str, job: TrainJob, subset_size: int) -> DatasetManifest:

@@ -3,7 +3,7 @@
 Pydantic already refused wrong types, non-positive sizes and NaN; this step checks what needs
 the registries, the dataset and the network: the model factory, the dataset and its size
 against the batch, whether the model takes the dataset's samples and scores its classes (built
-without weights, no training step), the strategy, the compute target, the billing offer and the store (pinged).
+without weights, no training step: `engine.fit`, in one call), the strategy, the compute target, the billing offer and the store (pinged).
 Every failure is a `ZooidValueError` naming the field. Nothing is written anywhere.
 """
 from __future__ import annotations
@@ -11,14 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from blocks.compute import ComputeTarget, memory_options_problem, resolve_target
-from blocks.store_block import BLOCK_PREFIX, block_ref
-from blocks.store_refs import is_store_url, load_store_block, open_store_ref
+from blocks.store_block import BLOCK_PREFIX
+from blocks.store_refs import load_store_block, open_store_ref
 from clouds.registry import adapter_for, is_cloud, provider_for
-from comm.store_dir import default_store_url, path_from_url
 from coordinator.run.job import TrainJob
+from coordinator.run.stores import resolve_durable_ref, resolve_store_ref
 from core.errors import StoreError, ZooidValueError
 from core.kinds import BUILTIN_TARGETS, PIPELINED_STRATEGIES, Strategy
-from core.shared_parameters import shared_across
 from planners.catalog import Offer, get_offer
 
 SUBSET_SIZE = 64
@@ -70,28 +69,6 @@ class ResolvedJob:
         return -(-self.n_train // self.subset_size)
 
 
-def resolve_store_ref(store: str) -> str:
-    """The store reference workers receive: an absolute URL, or `block:<type slug>/<name>` for
-    a block named `<name>` (a `zooid-store`), `<type slug>/<name>` or already a reference."""
-    if not store:
-        return default_store_url()
-    if is_store_url(store):
-        if store.startswith("file://") or "://" not in store:
-            return "file://" + str(path_from_url(store).resolve())
-        return store
-    return block_ref(store)
-
-
-def resolve_durable_ref(durable_store: str, store_ref: str) -> str:
-    """The durable store: as given; else the run's store, unless that is Redis (scratch that
-    a restart may empty), in which case the local directory store."""
-    if durable_store:
-        return resolve_store_ref(durable_store)
-    if store_ref.startswith(("redis://", "rediss://")):
-        return default_store_url()
-    return store_ref
-
-
 def open_checked_store(store_ref: str):
     """Open the store and ping it; unreachable or unknown -> ZooidValueError("store")."""
     try:
@@ -110,88 +87,23 @@ def open_checked_store(store_ref: str):
     return store
 
 
-def check_pipeline_shape(job: TrainJob, model_kwargs: dict | None = None) -> None:
-    """A pipeline needs a model of at least `stages` top-level layers, none of whose parameters
-    two children share (tied weights: refused naming the parameter), and a batch that splits
-    into whole micro-batches. The model is built on `meta` (`engine.models.shape_model`)."""
-    # torch: `make up` and bootstrap import this module (via coordinator.run.context) without it
-    from engine.models import shape_model
-    from engine.stages import sequential_children, shared_parameters
-
-    model = shape_model(job.model, job.seed, **(model_kwargs or {}))
-    children = sequential_children(model)  # names the model if unsplittable
-    problem = shared_across(shared_parameters(model), len(children))
-    if problem:
-        raise ZooidValueError("model", f"{job.model}: {problem}")
-    if job.stages is not None and not 2 <= job.stages <= len(children):
-        raise ZooidValueError("stages", f"must be 2..{len(children)} for {job.model} "
-                              f"({len(children)} top-level layers), got {job.stages}")
-    if job.microbatches is not None and job.batch_size % job.microbatches:
+def check_batch(job: TrainJob, n_train: int) -> None:
+    """The batch against the training set (`batch_size`, and `workers` replicas of it), and a
+    pipeline's batch split into whole micro-batches (`microbatches`)."""
+    if job.batch_size > n_train:
+        raise ZooidValueError("batch_size", f"{job.batch_size} is larger than the training set ({n_train} samples)")
+    if job.workers * job.batch_size > n_train:
+        raise ZooidValueError("workers", f"{job.workers} workers x batch {job.batch_size} exceed the "
+                              f"training set ({n_train} samples)")
+    if job.strategy in PIPELINED_STRATEGIES and job.microbatches is not None and job.batch_size % job.microbatches:
         raise ZooidValueError("microbatches", f"{job.microbatches} does not divide batch_size {job.batch_size}")
 
 
-def _shape_text(shape) -> str:
-    return "x".join(str(d) for d in shape) or "a scalar"
-
-
-def check_model_fits(job: TrainJob, data, classes: int, objective: str | None = None) -> tuple[dict, tuple]:
-    """The model takes the dataset's samples and its outputs can be scored against the targets
-    (`[B, C]` against `[B]`, `[B, T, V]` against `[B, T]`; not checked with a custom `loss`):
-    built without its weights (`engine.models.model_fit`: the `meta` device, one row on the CPU,
-    no gradients), on this machine, before anything is rented, with the arguments the dataset
-    decides (`engine.models.data_model_kwargs`: a language model's vocabulary and mask token).
-    Token inputs are checked first (`engine.models.check_token_inputs`: ids against the
-    embedding, `seq_len` against the positions, `mlm` against the mask token). A mismatch is
-    one line naming `model` and `dataset`, their shapes, and the registry models that fit the
-    dataset. `objective`: the data's own (a prepared text dataset's), else the job's.
-    Returns the model's arguments and its shared parameters (`ResolvedJob`)."""
-    # torch: `make up` and bootstrap import this module (via coordinator.run.context) without it
-    from engine.stages import shared_parameters
-    from engine.models import (check_token_inputs, data_model_kwargs, dataset_model_kwargs, model_fit,
-                               models_that_fit, shape_model)
-
-    kwargs = data_model_kwargs(job.model, data)
-    try:
-        model = shape_model(job.model, job.seed, **kwargs)
-    except ZooidValueError:
-        raise
-    except Exception:  # a model that cannot be built: model_fit below says why, naming the pair
-        model = None
-    if model is not None:
-        check_token_inputs(model, job.model, data, objective or job.objective)
-    sample = data.train_x[:1]
-    target = None if job.loss else data.train_y[:1]
-    scored = None if job.loss else classes  # a custom loss scores outputs of any shape
-    problem, expected = model_fit(job.model, sample, scored, job.seed, target=target, model_kwargs=kwargs)
-    if problem is None:
-        return kwargs, shared_parameters(model) if model is not None else ()
-    fit = [m for m in models_that_fit(sample, scored, target=target, data_kwargs=dataset_model_kwargs(data))
-           if m != job.model]
-    takes = f"; {job.model} takes {expected}" if expected else ""
-    scores = (f"targets {_shape_text(target.shape[1:])} of {classes} token ids" if target is not None
-              and target.dim() > 1 else f"{classes} classes")
-    raise ZooidValueError("model", f"{job.model} does not fit dataset {job.dataset} (a sample is "
-                          f"{_shape_text(sample.shape[1:])}, {scores}{takes}): {problem}; registry "
-                          f"models that fit {job.dataset}: {', '.join(fit) if fit else 'none'}")
-
-
-def check_loss(job: TrainJob, data, model_kwargs: dict) -> None:
-    """The job's custom `loss` imports, is a Python function outside the standard library, and
-    scores the model's output for the first two training samples against their targets,
-    returning one scalar (two rows: a loss per sample is caught too; `engine.objective.
-    check_custom_loss`): the model built with its weights on the CPU, one forward without
-    gradients. ZooidValueError naming `loss`."""
-    # torch: `make up` and bootstrap import this module (via coordinator.run.context) without it
-    import torch
-    from engine.models import build_model
-    from engine.objective import check_custom_loss, resolve_loss
-
-    resolve_loss(job.loss)
-    model = build_model(job.model, job.seed, **model_kwargs).eval()
-    rows = data.train_x[:2]
-    with torch.no_grad():
-        output = model(rows if rows.is_floating_point() else rows.long())
-    check_custom_loss(job.loss, output, data.train_y[:2])
+def check_strategy(job: TrainJob) -> None:
+    """The strategy is one Zooid runs (`core.kinds.Strategy`)."""
+    if job.strategy not in tuple(Strategy):
+        raise ZooidValueError("strategy", f"{job.strategy!r} is not available yet; use one of "
+                              f"{', '.join(Strategy)}")
 
 
 def check_worker_sizes(target: ComputeTarget, offer: Offer) -> tuple[float, ...]:
@@ -255,19 +167,18 @@ def check_target_ready(resolved: "ResolvedJob") -> None:
         except (ObjectNotFound, ValueError):
             raise ZooidValueError("target", f"{name!r} is not set up: no work pool {target.work_pool!r}; "
                                   f"{setup} creates it") from None
-    adapter = adapter_for(target)
+    image, adapter = worker_image(target, pool), adapter_for(target)
     if adapter is not None:
-        adapter.preflight(worker_image(target, pool))
+        adapter.preflight(image)
 
 
 def validate_job(job: TrainJob, *, check_store: bool = True) -> ResolvedJob:
     """Check everything about `job` that pydantic cannot; raise ZooidValueError naming the field."""
-    n_train, n_val, input_shape, classes, model_facts = check_model_and_data(job)
+    model_and_data = check_model_and_data(job)
     target, offer = check_target_and_offer(job)
     store_ref, durable_ref = check_stores(job, target, ping=check_store)
     return ResolvedJob(job=job, store_ref=store_ref, durable_ref=durable_ref, target_name=job.target, target=target,
-                       offer=offer, n_train=n_train, n_val=n_val, input_shape=input_shape, classes=classes,
-                       **model_facts)
+                       offer=offer, **model_and_data)
 
 
 def validate_without_api(job: TrainJob) -> None:
@@ -281,45 +192,47 @@ def validate_without_api(job: TrainJob) -> None:
     check_stores(job, target, ping=True, blocks=False)
 
 
-def check_model_and_data(job: TrainJob) -> tuple[int, int, tuple[int, ...], int, dict]:
+def check_model_and_data(job: TrainJob) -> dict:
     """The model, the dataset, whether one takes the other, the batch against the data, the
-    strategy and the pipeline's shape: (n_train, n_val, input shape, classes, and the model's
-    `ResolvedJob` fields: `model_kwargs`, `shared_parameters`)."""
+    strategy and the pipeline's shape: `ResolvedJob`'s fields about them (n_train, n_val, input
+    shape, classes, `model_kwargs`, `shared_parameters`, the data's form, `shard_rows`)."""
     # torch: `make up` and bootstrap import this module (via coordinator.run.context) without it
-    from coordinator.run.job_data import is_prepared, load_job_dataset, prepared_sample, text_settings
-    from engine.datasets import validate_dataset
+    from coordinator.run.job_data import job_sample
+    from engine.fit import fit_model
     from engine.models import resolve_model
-    from engine.objective import target_classes
 
-    resolve_model(job.model)
-    facts, objective = {}, None
-    if is_prepared(job.dataset):  # its manifest and first shards only: never loaded whole
-        manifest, data = prepared_sample(job.dataset)
-        check_prepared(job, manifest)
-        n_train, n_val, classes = manifest.n_train, manifest.n_val, manifest.classes
-        facts, objective = {"shard_rows": manifest.subset_size}, manifest.text.objective if manifest.text else None
-    else:
-        validate_dataset(job.dataset, text_settings(job))
-        data = load_job_dataset(job, resolve_durable_ref(job.durable_store, resolve_store_ref(job.store)))
-        n_train, n_val = len(data.train_y), len(data.val_y)
-        classes = target_classes(data.train_y, data.val_y)  # token targets: the vocabulary they use
+    resolve_model(job.model)  # before any data is read
+    sample = job_sample(job)  # a prepared dataset: its manifest and first shards only, never loaded whole
+    check_prepared(job, sample.manifest)
     # a model that cannot take the data is refused before anything is rented
-    model_kwargs, shared = check_model_fits(job, data, classes, objective)
-    if job.loss:
-        check_loss(job, data, model_kwargs)
-    if job.batch_size > n_train:
-        raise ZooidValueError("batch_size", f"{job.batch_size} is larger than the training set ({n_train} samples)")
-    if job.workers * job.batch_size > n_train:
-        raise ZooidValueError("workers", f"{job.workers} workers x batch {job.batch_size} exceed the "
-                              f"training set ({n_train} samples)")
-    if job.strategy not in tuple(Strategy):
-        raise ZooidValueError("strategy", f"{job.strategy!r} is not available yet; use one of "
-                              f"{', '.join(Strategy)}")
-    if job.strategy in PIPELINED_STRATEGIES:
-        check_pipeline_shape(job, model_kwargs)
-    return n_train, n_val, tuple(data.train_x.shape[1:]), classes, {"model_kwargs": model_kwargs,
-                                                                     "shared_parameters": shared,
-                                                                     **data_form(data), **facts}
+    fit = fit_model(job.model, job.dataset, sample.data, sample.classes, seed=job.seed, loss=job.loss,
+                    objective=sample.objective or job.objective, pipelined=job.strategy in PIPELINED_STRATEGIES,
+                    stages=job.stages)
+    check_batch(job, sample.n_train)
+    check_strategy(job)
+    return {"n_train": sample.n_train, "n_val": sample.n_val, "input_shape": tuple(sample.data.train_x.shape[1:]),
+            "classes": sample.classes, "model_kwargs": fit.model_kwargs, "shared_parameters": fit.shared_parameters,
+            "shard_rows": sample.shard_rows, **data_form(sample.data)}
+
+
+def check_model_fits(job: TrainJob, data, classes: int, objective: str | None = None) -> tuple[dict, tuple]:
+    """`engine.fit.fit_model` for `job` and a dataset already in memory (`data`, its `classes`;
+    `objective`: the data's own, else the job's): the model's arguments and its shared
+    parameters, or one line naming the field."""
+    # torch: `make up` and bootstrap import this module (via coordinator.run.context) without it
+    from engine.fit import fit_model
+
+    fit = fit_model(job.model, job.dataset, data, classes, seed=job.seed, loss=job.loss,
+                    objective=objective or job.objective)
+    return fit.model_kwargs, fit.shared_parameters
+
+
+def check_loss(job: TrainJob, data, model_kwargs: dict) -> None:
+    """`engine.fit.check_loss` for `job`'s custom `loss` on `data`: ZooidValueError naming `loss`."""
+    # torch: `make up` and bootstrap import this module (via coordinator.run.context) without it
+    from engine import fit
+
+    fit.check_loss(job.loss, job.model, data, seed=job.seed, model_kwargs=model_kwargs)
 
 
 TEXT_FIELDS = ("tokenizer", "objective", "seq_len")
@@ -327,9 +240,12 @@ TEXT_FIELDS = ("tokenizer", "objective", "seq_len")
 
 
 def check_prepared(job: TrainJob, manifest) -> None:
-    """A prepared dataset against the job: enough training shards for `max_workers` replicas,
-    and no text setting that contradicts the one it was prepared with (a field left at its
-    default follows the dataset). One line naming the field."""
+    """A prepared dataset (its `manifest`; None: a dataset loaded whole, nothing to check) against
+    the job: enough training shards for `max_workers` replicas, and no text setting that
+    contradicts the one it was prepared with (a field left at its default follows the dataset).
+    One line naming the field."""
+    if manifest is None:
+        return
     if manifest.n_subsets < job.max_workers:
         raise ZooidValueError("dataset", f"{job.dataset} has {manifest.n_subsets} training shards, fewer than "
                               f"max_workers={job.max_workers} replicas need; prepare it again with subset_size "

@@ -375,6 +375,7 @@ def make_launcher(ctx, plan) -> _Launcher:
                                           ctx.log_dir() / "fork-server.out")
         return InlineLauncher(ctx.run_id, ctx.log_dir(), env=env, forks=ctx.state.forks)
     if is_cloud(target):
+        adapter = adapter_for(target)  # the provider's clock and stop, looked up once
         # a worker's `env` replaces the pool's default one: keep the pool's under ours (read once a
         # run: a launcher is made every epoch)
         if ctx.state.pool_env is None:
@@ -394,12 +395,12 @@ def make_launcher(ctx, plan) -> _Launcher:
                        for gb in set(plan.stage_memory_gb)}
             return PoolLauncher(ctx.run_id, target.worker_deployment, job_variables=by_size[plan.worker_memory_gb],
                                 rank_job_variables=lambda rank: by_size[plan.memory_gb_of(rank)],
-                                adapter=adapter_for(target))
+                                adapter=adapter)
         if target.kind in SHARED_HOST_KINDS:  # a container on this machine is exactly the size it is billed as
             sized = variables(plan.worker_memory_gb, headroom=0.0, base_memory_gb=0.0)
         else:  # a cloud container is right-sized to the profiled peak
             sized = variables(peak / 2**30 if peak else None)
-        return PoolLauncher(ctx.run_id, target.worker_deployment, job_variables=sized, adapter=adapter_for(target))
+        return PoolLauncher(ctx.run_id, target.worker_deployment, job_variables=sized, adapter=adapter)
     job_variables = {**target.job_variables, "env": {**target.job_variables.get("env", {}), **env}}
     return PoolLauncher(ctx.run_id, target.worker_deployment, job_variables=job_variables)
 
