@@ -60,11 +60,14 @@ def seq_len(args: argparse.Namespace) -> int:
 
 
 def configs(args: argparse.Namespace) -> list[Config]:
-    """K-AVG first: its run fixes the target before the DiLoCo rows exist."""
-    return [Config(f"{KAVG} k={args.sync_k}", args.sync_k, "average", "float32"),
-            Config("every step (k=1)", 1, "average", "float32"),
-            Config(f"DiLoCo k={args.diloco_k}", args.diloco_k, "nesterov", "float32"),
-            Config(f"DiLoCo k={args.diloco_k} int8", args.diloco_k, "nesterov", "int8")]
+    """K-AVG first: its run fixes the target before the DiLoCo rows exist. DiLoCo at its own
+    longer period, and at K-AVG's (it sends the weights alone where K-AVG also averages the
+    momentum buffers)."""
+    rows = [Config(f"{KAVG} k={args.sync_k}", args.sync_k, "average", "float32"),
+            Config("every step (k=1)", 1, "average", "float32")]
+    for k in dict.fromkeys((args.diloco_k, args.sync_k)):
+        rows += [Config(f"DiLoCo k={k}", k, "nesterov", "float32"), Config(f"DiLoCo k={k} int8", k, "nesterov", "int8")]
+    return rows
 
 
 def sync_params(args: argparse.Namespace, config: Config) -> dict:
@@ -108,8 +111,11 @@ def part_a(args: argparse.Namespace) -> str:
 def _outer_words(args: argparse.Namespace, steps: int) -> str:
     from core.outer_defaults import outer_settings, round_steps
 
-    s = outer_settings(round_steps(args.diloco_k, steps))
-    return f"outer lr {s.lr:.3g}, momentum {s.momentum:.3g} on {s.steps}-step rounds (gain {s.gain:.2f}x)"
+    words = []
+    for k in dict.fromkeys((args.diloco_k, args.sync_k)):
+        s = outer_settings(round_steps(k, steps))
+        words.append(f"outer lr {s.lr:.3g}, momentum {s.momentum:.3g} on {s.steps}-step rounds (gain {s.gain:.2f}x)")
+    return "; ".join(words)
 
 
 def _steps(args: argparse.Namespace) -> tuple[int, int, int]:
