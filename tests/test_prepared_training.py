@@ -1,9 +1,9 @@
 """Training from a dataset prepared in a bucket (`dataset=<store URL>`): the coordinator reads the
 manifest and the first shards only, nothing is published into the run's store, the workers read
-their shards where they are, and the losses equal those of the same job from the factory. A
-prefix without a manifest, too few shards for `max_workers`, or a text setting the dataset was
-not prepared with is refused in one line before anything is rented; a corrupt shard fails the
-run naming it."""
+their shards where they are (a directory, the moto server, Azurite), and the losses equal those
+of the same job from the factory. A prefix without a manifest, too few shards for `max_workers`,
+or a text setting the dataset was not prepared with is refused in one line before anything is
+rented; a corrupt shard fails the run naming it."""
 from __future__ import annotations
 
 import uuid
@@ -36,11 +36,15 @@ def losses(summary) -> list[tuple]:
     return [(e.train_loss, e.val_loss) for e in summary.epochs]
 
 
-@pytest.mark.parametrize("where", ["dir", "s3"])
-def test_a_prepared_dataset_trains_in_place_to_the_factory_s_losses(where, tmp_path, request):
+@pytest.mark.parametrize("where", ["dir", "s3", "azure"])
+def test_a_prepared_dataset_trains_in_place_to_the_factory_s_losses(where, tmp_path, request, monkeypatch):
     if where == "s3":
         server = request.getfixturevalue("s3_server")
         bucket = f"s3://{server.create_bucket(f'data-{uuid.uuid4().hex[:10]}')}/syn?endpoint={server.endpoint}"
+    elif where == "azure":  # the account from the environment, as a worker on Azure has it
+        server = request.getfixturevalue("azurite")
+        monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", server.connection_string())
+        bucket = f"az://{server.create_container(f'data-{uuid.uuid4().hex[:10]}')}/syn"
     else:
         bucket = (tmp_path / "bucket").as_uri()
     # the factory's run stages subsets of this many rows (ResolvedJob.subset_size): the same shards
