@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
@@ -36,7 +37,7 @@ import torch
 from comm.store import Store
 from comm.tensor_codec import decode_tensors, encode_tensors
 from core.errors import ZooidValueError
-from core.keys import data_prefix, shard_key, shard_manifest_key
+from core.keys import data_prefix, shard_key
 from core.specs import WorkerSpec
 from engine.text_data import Opener, TextInfo, TextSettings, is_text, load_text, mlm_mask, validate_text
 from engine.objective import target_classes
@@ -223,12 +224,11 @@ class Prepared(NamedTuple):
 
 
 def id_bound(data: DatasetSplit) -> int:
-    """One more than the largest id of a dataset of integer inputs (inputs and targets of both
-    splits: what a model's embedding must hold); 0 for float inputs."""
+    """One more than the largest id of a dataset of integer inputs (over the inputs and targets
+    of both splits: what a model's embedding must hold); 0 for float inputs."""
     if data.train_x.is_floating_point():
         return 0
-    return 1 + max(int(t.max()) for t in (data.train_x, data.val_x, data.train_y, data.val_y)
-                   if t.numel() and not t.is_floating_point())
+    return 1 + max(int(t.max()) for t in (data.train_x, data.val_x, data.train_y, data.val_y) if t.numel())
 
 
 def prepare_settings(name: str, subset_size: int, text: TextSettings | None) -> dict[str, Any]:
@@ -261,22 +261,22 @@ def prepare_dataset(store: Store, prefix: str, name: str, subset_size: int = 64,
     if not isinstance(subset_size, int) or isinstance(subset_size, bool) or subset_size < 1:
         raise ZooidValueError("subset_size", f"must be a positive integer, got {subset_size!r}")
     settings = prepare_settings(name, subset_size, text)
-    if store.exists(shard_manifest_key(prefix)):
-        try:
-            there = read_dataset_manifest(store, prefix)
-        except ZooidValueError:
-            there = None  # another format: prepared again below
-        if there is not None and there.settings == settings:
-            return Prepared(there, 0, 0, True)
+    try:
+        there = read_dataset_manifest(store, prefix)
+    except ZooidValueError:
+        there = None  # none, or another format: prepared (again) below
+    if there is not None and there.settings == settings:
+        return Prepared(there, 0, 0, True)
     data = load_dataset(name, text, cache=store, open_source=open_source)
-    shards, dtypes, written = {}, {}, 0
+    shards, written = {}, 0
     for split, x, y in (("train", data.train_x, data.train_y), ("val", data.val_x, data.val_y)):
         shards[split] = []
         for i, (blob, rows) in enumerate(_shards_of(x, y, subset_size, data.text)):
             info, wrote = write_shard(store, prefix, split, i, blob, rows, resume=resume)
             shards[split].append(info)
             written += wrote
-        dtypes = {"x": str(torch.int32 if data.text else x.dtype), "y": str(torch.int32 if data.text else y.dtype)}
+    dtypes = {"x": str(torch.int32 if data.text else data.train_x.dtype),
+              "y": str(torch.int32 if data.text else data.train_y.dtype)}
     manifest = DatasetManifest(
         name=name, subset_size=subset_size, n_train=len(data.train_y), n_val=len(data.val_y),
         n_subsets=len(shards["train"]), n_val_subsets=len(shards["val"]),
@@ -307,8 +307,9 @@ def keep_subsets(max_mb: float | None = None) -> None:
     """Keep the shards this process reads in memory, at most `max_mb` MB of their stored bytes
     (None: all; a warm worker reads each of a run's staged subsets once per run)."""
     global _CACHE
-    if _CACHE is None or _CACHE.max_bytes != (None if max_mb is None else int(max_mb * 2**20)):
-        _CACHE = ShardCache(None if max_mb is None else int(max_mb * 2**20))
+    max_bytes = None if max_mb is None else int(max_mb * 2**20)
+    if _CACHE is None or _CACHE.max_bytes != max_bytes:
+        _CACHE = ShardCache(max_bytes)
 
 
 def read_shards(
@@ -349,13 +350,10 @@ class ShardSource:
 
     def __init__(self, store: Store, prefix: str, timeout: float | None = None):
         self.store, self.prefix, self.timeout = store, prefix, timeout
-        self._manifest: DatasetManifest | None = None
 
-    @property
+    @functools.cached_property
     def manifest(self) -> DatasetManifest:
-        if self._manifest is None:
-            self._manifest = read_dataset_manifest(self.store, self.prefix, timeout=self.timeout)
-        return self._manifest
+        return read_dataset_manifest(self.store, self.prefix, timeout=self.timeout)
 
     def read(self, indices, split: str = "train", *, seed: int = 0, epoch: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """`read_shards` of this dataset, each shard checked against the manifest."""

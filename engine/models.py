@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from core.errors import ZooidValueError
-from engine.datasets import dataset_input_shape
+from engine.datasets import dataset_input_shape, id_bound
 from engine.transformers import LANGUAGE_MODELS
 from engine.user_code import import_callable
 
@@ -361,12 +361,9 @@ def dataset_model_kwargs(data) -> dict[str, Any]:
             out["mask_token_id"] = int(info.mask_id)
         return out
     bound = getattr(data, "id_bound", None)  # a prepared dataset's sample: the whole dataset's bound
-    if bound is not None:
-        return {"vocab_size": int(bound)} if bound else {}
-    if data.train_x.is_floating_point():
-        return {}
-    top = max(int(t.max()) for t in (data.train_x, data.val_x, data.train_y, data.val_y) if t.numel())
-    return {"vocab_size": top + 1}
+    if bound is None:
+        bound = id_bound(data)
+    return {"vocab_size": int(bound)} if bound else {}
 
 
 def data_model_kwargs(name: str, data) -> dict[str, Any]:

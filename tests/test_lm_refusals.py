@@ -169,14 +169,14 @@ def test_a_token_id_at_or_above_the_embedding_is_refused_naming_dataset(tmp_path
 
 
 def test_a_tokenizers_id_above_the_embedding_is_refused_naming_tokenizer():
-    from coordinator.run.validate import check_model_fits
+    from engine.fit import fit_model
 
     (x, y), (vx, vy) = byte_windows()
     info = SimpleNamespace(vocab_size=127, mask_id=None, tokenizer="bpe:127", objective="causal")
     data = SimpleNamespace(train_x=x, train_y=y, val_x=vx, val_y=vy, text=info)
     with pytest.raises(ZooidValueError, match=r"^tokenizer: bpe:127 gives token ids up to 126 \(127 tokens\), "
                                               r"at or above .*embedding of 100") as err:
-        check_model_fits(TrainJob(model=f"{HERE}:small_vocab_lm"), data, 127)
+        fit_model(f"{HERE}:small_vocab_lm", "digits", data, 127)
     assert "\n" not in str(err.value)
 
 
@@ -195,19 +195,18 @@ def test_outputs_that_cannot_score_the_targets_are_refused_naming_model(tmp_path
 
 
 def test_mlm_with_a_model_without_a_mask_token_is_refused_naming_objective():
-    from coordinator.run.validate import check_model_fits
+    from engine.fit import fit_model
 
     (x, y), (vx, vy) = byte_windows()
     info = SimpleNamespace(vocab_size=258, mask_id=257, tokenizer="bytes", objective="mlm")
     data = SimpleNamespace(train_x=x, train_y=y, val_x=vx, val_y=vy, text=info)
-    job = TrainJob(model="gpt_mini", objective="mlm")
     with pytest.raises(ZooidValueError, match=r"^objective: mlm masks tokens, and gpt_mini has no mask token .*"
                                               r"bert_mini, bert_base, bert_large"):
-        check_model_fits(job, data, 258)
-    kwargs, shared = check_model_fits(job.model_copy(update={"model": "bert_mini"}), data, 258)
-    assert kwargs == {"vocab_size": 258, "mask_token_id": 257} and shared == ()
+        fit_model("gpt_mini", "digits", data, 258, objective="mlm")
+    fit = fit_model("bert_mini", "digits", data, 258, objective="mlm")
+    assert fit.model_kwargs == {"vocab_size": 258, "mask_token_id": 257} and fit.shared_parameters == ()
     with pytest.raises(ZooidValueError, match=r"^objective: mlm: .*other_mask_bert's mask token is 5, bytes's is 257"):
-        check_model_fits(job.model_copy(update={"model": f"{HERE}:other_mask_bert"}), data, 258)
+        fit_model(f"{HERE}:other_mask_bert", "digits", data, 258, objective="mlm")
 
 
 def test_mlm_on_the_shipped_corpus_through_validation(tmp_path):

@@ -183,15 +183,15 @@ def strict(output, target):
 ])
 def test_a_custom_loss_is_run_on_the_models_output_before_anything_is_rented(loss, error):
     from coordinator.run.job import TrainJob
-    from coordinator.run.validate import check_loss
+    from engine.fit import check_loss
 
     job = TrainJob(model="tests.lm_helpers:tiny_regressor", dataset="tests.lm_helpers:regression_data", loss=loss)
     data = load_dataset(job.dataset)
     if error is None:
-        check_loss(job, data, {})
+        check_loss(job.loss, job.model, data, seed=job.seed, model_kwargs={})
         return
     with pytest.raises(ZooidValueError, match=error) as info:
-        check_loss(job, data, {})
+        check_loss(job.loss, job.model, data, seed=job.seed, model_kwargs={})
     assert info.value.field == "loss" and str(info.value).count("\n") == 0
 
 

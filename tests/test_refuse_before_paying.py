@@ -137,8 +137,8 @@ def test_the_check_reads_one_row_and_trains_nothing_on_digits(monkeypatch):
     one row (on the CPU or on `meta`), and nothing computes a gradient or steps an optimiser."""
     import torch
 
-    from coordinator.run.validate import check_model_fits
     from engine.datasets import load_dataset
+    from engine.fit import fit_model
 
     def refuse(*args, **kwargs):
         raise AssertionError("the fit check trained")
@@ -158,7 +158,7 @@ def test_the_check_reads_one_row_and_trains_nothing_on_digits(monkeypatch):
     try:
         for model in ("digits_mlp", "resnet18"):  # a fit, and a mismatch (every registry model tried)
             try:
-                check_model_fits(TrainJob(model=model), data, 10)
+                fit_model(model, "digits", data, 10)
             except ZooidValueError:
                 pass
     finally:

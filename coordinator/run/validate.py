@@ -215,26 +215,6 @@ def check_model_and_data(job: TrainJob) -> dict:
             "shard_rows": sample.shard_rows, **data_form(sample.data)}
 
 
-def check_model_fits(job: TrainJob, data, classes: int, objective: str | None = None) -> tuple[dict, tuple]:
-    """`engine.fit.fit_model` for `job` and a dataset already in memory (`data`, its `classes`;
-    `objective`: the data's own, else the job's): the model's arguments and its shared
-    parameters, or one line naming the field."""
-    # torch: `make up` and bootstrap import this module (via coordinator.run.context) without it
-    from engine.fit import fit_model
-
-    fit = fit_model(job.model, job.dataset, data, classes, seed=job.seed, loss=job.loss,
-                    objective=objective or job.objective)
-    return fit.model_kwargs, fit.shared_parameters
-
-
-def check_loss(job: TrainJob, data, model_kwargs: dict) -> None:
-    """`engine.fit.check_loss` for `job`'s custom `loss` on `data`: ZooidValueError naming `loss`."""
-    # torch: `make up` and bootstrap import this module (via coordinator.run.context) without it
-    from engine import fit
-
-    fit.check_loss(job.loss, job.model, data, seed=job.seed, model_kwargs=model_kwargs)
-
-
 TEXT_FIELDS = ("tokenizer", "objective", "seq_len")
 """The job's text settings, which a prepared text dataset fixed when it was prepared."""
 
