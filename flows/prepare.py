@@ -14,6 +14,7 @@ and says so.
 """
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
 from pathlib import Path
@@ -62,8 +63,8 @@ def summary_line(to: str, done: Prepared) -> str:
 
 
 @flow(name="prepare", result_serializer="json", log_prints=True)
-def prepare(dataset: str, to: str, subset_size: int = 64, tokenizer: str = "bytes", objective: str = "causal",
-            seq_len: int = 128) -> dict:
+def prepare(dataset: str, to: str, subset_size: int = 64, tokenizer: str = TextSettings.tokenizer,
+            objective: str = TextSettings.objective, seq_len: int = TextSettings.seq_len) -> dict:
     """Prepare a dataset once as shards and a manifest in a bucket, to train from it with
     `dataset=<that URL>`.
 
@@ -100,8 +101,10 @@ def check_params(params: dict) -> None:
     missing = [p for p in ("dataset", "to") if p not in params]
     if missing:
         raise ZooidValueError(missing[0], "is required")
-    text = TextSettings(**{k: params[k] for k in ("tokenizer", "objective", "seq_len") if k in params})
-    check_prepare(params["dataset"], params["to"], params.get("subset_size", 64), text)
+    bound = inspect.signature(prepare.fn).bind(**params)
+    bound.apply_defaults()  # the flow's own defaults
+    a = bound.arguments
+    check_prepare(a["dataset"], a["to"], a["subset_size"], TextSettings(a["tokenizer"], a["objective"], a["seq_len"]))
 
 
 def main(argv: list[str] | None = None) -> int:
