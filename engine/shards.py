@@ -111,11 +111,6 @@ class DatasetManifest:
         return cls(**{**d, "input_shape": tuple(d["input_shape"]), "text": text, "shards": shards})
 
 
-def shard_count(rows: int, subset_size: int) -> int:
-    """Shards of `subset_size` rows that hold `rows` rows."""
-    return -(-rows // subset_size)
-
-
 def write_shard(store: Store, prefix: str, split: str, index: int, data: bytes, rows: int,
                 *, resume: bool = False) -> tuple[ShardInfo, bool]:
     """Put shard `index` of `split` unless `resume` finds it there already with the same bytes;
