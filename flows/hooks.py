@@ -19,7 +19,7 @@ from coordinator.bill.ledger import record_cost_now
 from coordinator.run.context import ACTIVE, run_id_for
 from coordinator.run.job import TrainJob
 from coordinator.run.job_fields import job_from_fields
-from coordinator.run.validate import open_checked_store, resolve_durable_ref, resolve_store_ref
+from coordinator.run.stores import open_checked_store, resolve_durable_ref, resolve_store_ref
 from coordinator.workers.cleanup import cancel_flow_runs, delete_scratch, finish_cancelled, teardown_run
 from coordinator.workers.sweep import sweep_run
 from core.cost_record import CostRecord

@@ -19,7 +19,7 @@ from blocks.store_block import BLOCK_PREFIX
 from blocks.store_refs import open_store_ref
 from comm.store import Store
 from coordinator.run.job import TrainJob
-from coordinator.run.stores import resolve_durable_ref, resolve_store_ref
+from coordinator.run.stores import open_checked_store, resolve_durable_ref, resolve_store_ref
 from core.errors import ZooidError, ZooidValueError
 from engine.datasets import (DatasetManifest, DatasetSplit, ShardSource, load_dataset, publish_dataset,
                              validate_dataset)
@@ -110,7 +110,7 @@ def is_prepared(dataset: str) -> bool:
 def read_prepared_manifest(dataset: str) -> DatasetManifest:
     """The manifest of the prepared dataset `dataset`; one line naming `dataset` when its store
     cannot be opened or holds no manifest of this format."""
-    store = _open_prepared(dataset)
+    store = open_checked_store(dataset, "dataset")
     try:
         return read_dataset_manifest(store, "")
     finally:
@@ -121,7 +121,7 @@ def prepared_sample(dataset: str) -> tuple[DatasetManifest, DatasetSplit]:
     """The manifest of the prepared dataset `dataset` and a sample of it for the model checks:
     its first training and validation shards (checked against their checksums), carrying the
     manifest's text settings and id bound."""
-    store = _open_prepared(dataset)
+    store = open_checked_store(dataset, "dataset")
     try:
         source = ShardSource(store, "")
         manifest = source.manifest
@@ -134,12 +134,3 @@ def prepared_sample(dataset: str) -> tuple[DatasetManifest, DatasetSplit]:
     finally:
         store.close()
     return manifest, DatasetSplit(x, y, vx, vy, manifest.text, id_bound=manifest.id_bound)
-
-
-def _open_prepared(dataset: str) -> Store:
-    try:
-        return open_store_ref(dataset)
-    except ZooidValueError as exc:
-        raise ZooidValueError("dataset", str(exc).partition(": ")[2] or str(exc)) from None
-    except Exception as exc:  # a block that is not there, a client library's refusal
-        raise ZooidValueError("dataset", f"cannot open {dataset}: {type(exc).__name__}: {exc}") from None

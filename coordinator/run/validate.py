@@ -12,11 +12,10 @@ from dataclasses import dataclass, field
 
 from blocks.compute import ComputeTarget, memory_options_problem, resolve_target
 from blocks.store_block import BLOCK_PREFIX
-from blocks.store_refs import load_store_block, open_store_ref
 from clouds.registry import adapter_for, is_cloud, provider_for
 from coordinator.run.job import TrainJob
-from coordinator.run.stores import resolve_durable_ref, resolve_store_ref
-from core.errors import StoreError, ZooidValueError
+from coordinator.run.stores import open_checked_store, resolve_durable_ref, resolve_store_ref
+from core.errors import ZooidValueError
 from core.kinds import BUILTIN_TARGETS, PIPELINED_STRATEGIES, Strategy
 from planners.catalog import Offer, get_offer
 
@@ -67,24 +66,6 @@ class ResolvedJob:
     def n_subsets(self) -> int:
         """How many training subsets `provision` publishes."""
         return -(-self.n_train // self.subset_size)
-
-
-def open_checked_store(store_ref: str):
-    """Open the store and ping it; unreachable or unknown -> ZooidValueError("store")."""
-    try:
-        if store_ref.startswith(BLOCK_PREFIX):
-            try:
-                load_store_block(store_ref)
-            except Exception as exc:
-                raise ZooidValueError("store", f"no store block named {store_ref[len(BLOCK_PREFIX):]!r} "
-                                      f"and not a URL (file://, redis://, s3://, az://): {type(exc).__name__}") from None
-        store = open_store_ref(store_ref)
-        store.ping()
-    except ZooidValueError:
-        raise
-    except (StoreError, OSError, ValueError) as exc:
-        raise ZooidValueError("store", f"cannot reach {store_ref.split('@')[-1]}: {exc}") from None
-    return store
 
 
 def check_batch(job: TrainJob, n_train: int) -> None:
