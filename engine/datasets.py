@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple
 
@@ -301,6 +302,8 @@ def read_manifest(store: Store, run_id: str, timeout: float | None = None) -> Da
 
 _CACHE: ShardCache | None = None
 """Decoded shards by (store URL, key), kept by a worker (`keep_subsets`); None: off."""
+_CACHE_LOCK = threading.Lock()
+"""Guards `_CACHE`: a worker's read-ahead thread reads through it too (`engine.shard_stream`)."""
 
 
 def keep_subsets(max_mb: float | None = None) -> None:
@@ -310,6 +313,34 @@ def keep_subsets(max_mb: float | None = None) -> None:
     max_bytes = None if max_mb is None else int(max_mb * 2**20)
     if _CACHE is None or _CACHE.max_bytes != max_bytes:
         _CACHE = ShardCache(max_bytes)
+
+
+def read_shard(store: Store, prefix: str, split: str, index: int, timeout: float | None = None, *,
+               manifest: DatasetManifest | None = None) -> tuple[tuple[torch.Tensor, torch.Tensor, dict[str, str]], int]:
+    """Shard `index` of `split` decoded, `(x, y, metadata)` as stored, from the process's cache
+    when it kept it (`keep_subsets`), else fetched and checked against `manifest`'s checksum
+    (`fetch_shard`) and kept there; and the stored bytes fetched (0 from the cache). Safe from
+    several threads."""
+    key = (store.url, shard_key(prefix, split, index))
+    with _CACHE_LOCK:
+        cached = _CACHE.get(key) if _CACHE is not None else None
+    if cached is not None:
+        return cached, 0
+    info = manifest.shard(split, index) if manifest is not None else None
+    blob = fetch_shard(store, prefix, split, index, info, timeout=timeout)
+    tensors, meta = decode_tensors(blob)
+    cached = (tensors["x"], tensors["y"], meta)
+    with _CACHE_LOCK:
+        if _CACHE is not None:
+            _CACHE.put(key, cached, len(blob))
+    return cached, len(blob)
+
+
+def shard_rows(x: torch.Tensor, y: torch.Tensor, meta: dict[str, str], split: str, seed: int,
+               epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoded shard's rows as a model reads them: a text shard's int64, masked for (`seed`,
+    `epoch`) if `mlm` (`_text_rows`); any other shard's as stored."""
+    return _text_rows(x, y, meta, split, seed, epoch) if "text" in meta else (x, y)
 
 
 def read_shards(
@@ -325,18 +356,8 @@ def read_shards(
         raise ZooidValueError("split", f"must be 'train' or 'val', got {split!r}")
     xs, ys = [], []
     for i in indices:
-        key = (store.url, shard_key(prefix, split, i))
-        cached = _CACHE.get(key) if _CACHE is not None else None
-        if cached is None:
-            info = manifest.shard(split, i) if manifest is not None else None
-            blob = fetch_shard(store, prefix, split, i, info, timeout=timeout)
-            tensors, meta = decode_tensors(blob)
-            cached = (tensors["x"], tensors["y"], meta)
-            if _CACHE is not None:
-                _CACHE.put(key, cached, len(blob))
-        x, y, meta = cached
-        if "text" in meta:
-            x, y = _text_rows(x, y, meta, split, seed, epoch)
+        (x, y, meta), _ = read_shard(store, prefix, split, i, timeout, manifest=manifest)
+        x, y = shard_rows(x, y, meta, split, seed, epoch)
         xs.append(x)
         ys.append(y)
     if not xs:
