@@ -8,7 +8,9 @@ batches span plus what is read ahead, never its share of the dataset.
 """
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -16,6 +18,9 @@ import torch
 from core.errors import ZooidValueError
 from engine.datasets import ShardSource, read_shard, shard_rows
 from engine.shards import SPLITS, DatasetManifest
+
+READAHEAD_SHARDS = 4
+"""Shards read ahead of the current batch when no `readahead_mb` is given."""
 
 
 def split_rows(manifest: DatasetManifest, split: str) -> list[int]:
@@ -30,48 +35,71 @@ def split_rows(manifest: DatasetManifest, split: str) -> list[int]:
 
 class ShardStream:
     """The rows of `batches` (arrays of global row ids of `split`) of the dataset `source`, batch
-    by batch, in order, each shard fetched once per stream and checked (`fetch_shard`).
+    by batch, in order, each shard fetched once per stream and checked (`fetch_shard`), read ahead.
+
+    A background thread fetches the shards in the order the batches first need them (`order`),
+    ahead of the batch the consumer is on by at most `readahead_mb` MB of decoded rows (None:
+    `READAHEAD_SHARDS` shards), and always at least one shard; a shard is dropped once no later
+    batch needs it. What it holds at once is therefore at most the shards a batch spans that are
+    still needed (the current window) plus the read-ahead and one shard (`peak_bytes` measures it).
+    A shard that cannot be read (`ShardError` after its retries) is raised here at the first batch
+    that needs it, after every batch before it was yielded; nothing is skipped.
 
     Text shards come back int64; `mlm` shards are masked for (`seed`, `epoch`) by each row's global
-    index. `wait_s` counts the seconds the consumer waited for data, `bytes_read` the stored bytes
-    fetched (a shard the process cache kept costs none), `peak_bytes` the most decoded bytes held
-    at once. `readahead_mb` bounds what is read ahead of the current batch (None: a few shards).
-    Use it as a context manager, or `close()` it."""
+    index (`engine.datasets.shard_rows`). Shards go through the process's cache when it is on
+    (`keep_subsets`), so a warm worker's next epoch rereads nothing it kept.
+
+    `wait_s`: seconds the consumer waited for a shard (read by `clock`); `bytes_read`: stored bytes
+    fetched (a shard from the process cache costs none); `peak_bytes`: the most decoded bytes held
+    at once. A stream is read once; use it as a context manager, or `close()` it, which stops the
+    reader (a generator that runs to its end, or fails, closes it too)."""
 
     def __init__(self, source: ShardSource, batches: Sequence[np.ndarray], split: str = "train", *,
-                 seed: int = 0, epoch: int = 0, readahead_mb: float | None = None):
+                 seed: int = 0, epoch: int = 0, readahead_mb: float | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         if split not in SPLITS:
             raise ZooidValueError("split", f"must be 'train' or 'val', got {split!r}")
         if readahead_mb is not None and not readahead_mb >= 0:
             raise ZooidValueError("readahead_mb", f"must be at least 0, got {readahead_mb!r}")
         self.source, self.split, self.seed, self.epoch = source, split, seed, epoch
         self.readahead_mb = readahead_mb
+        self._budget = None if readahead_mb is None else int(readahead_mb * 2**20)
+        self._clock = clock
         rows = np.asarray(split_rows(source.manifest, split), dtype=np.int64)
         self._ends = np.cumsum(rows)
         self._starts = self._ends - rows
         total = int(self._ends[-1]) if len(rows) else 0
         self._batches: list[np.ndarray] = []
-        self._shards: list[np.ndarray] = []  # per batch: each row's shard
+        self._shards: list[list[int]] = []  # per batch: its distinct shards, in first-touch order
+        self._shard_of: list[np.ndarray] = []  # per batch: each row's shard
         for k, batch in enumerate(batches):
             ids = np.asarray(batch, dtype=np.int64).reshape(-1)
             if len(ids) == 0 or ids.min() < 0 or ids.max() >= total:
                 raise ZooidValueError("batches", f"batch {k} must hold ids in 0..{total - 1} of {split!r}, "
                                       f"got {len(ids)} ids")
             self._batches.append(ids)
-            self._shards.append(np.searchsorted(self._ends, ids, side="right"))
+            self._shard_of.append(np.searchsorted(self._ends, ids, side="right"))
+            self._shards.append(_in_first_order(self._shard_of[-1]))
         self.order: list[int] = []
-        """Every shard the batches need, in the order they first need it (the order of fetches)."""
+        """Every shard the batches need, in the order they first need it: the order of fetches."""
+        self._first_need: dict[int, int] = {}
         self._last_need: dict[int, int] = {}
         for k, shards in enumerate(self._shards):
-            for s in _in_first_order(shards):
-                if s not in self._last_need:
+            for s in shards:
+                if s not in self._first_need:
                     self.order.append(s)
+                    self._first_need[s] = k
                 self._last_need[s] = k
         self.wait_s = 0.0
         self.bytes_read = 0
         self.peak_bytes = 0
-        self._held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._cond = threading.Condition()
+        self._held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # guarded by _cond, as below
+        self._failed: dict[int, BaseException] = {}
         self._held_bytes = 0
+        self._need = 0  # the batch the consumer is on
+        self._stop = False
+        self._thread: threading.Thread | None = None
         self._started = False
 
     def __len__(self) -> int:
@@ -81,55 +109,105 @@ class ShardStream:
         if self._started:
             raise RuntimeError("a ShardStream is read once")
         self._started = True
+        self._thread = threading.Thread(target=self._read_ahead, name="shard-stream", daemon=True)
+        self._thread.start()
         try:
             for k in range(len(self._batches)):
-                for s in _in_first_order(self._shards[k]):
-                    if s not in self._held:
-                        self._hold(s, self._fetch(s))
-                yield self._rows(k)
-                for s in _in_first_order(self._shards[k]):
-                    if self._last_need[s] == k:
-                        self._drop(s)
+                with self._cond:
+                    self._need = k
+                    self._cond.notify_all()
+                yield self._rows(k, self._wait_for(k))
+                with self._cond:
+                    for s in self._shards[k]:
+                        if self._last_need[s] == k:
+                            self._held_bytes -= _nbytes(self._held.pop(s))
         finally:
             self.close()
 
-    def _fetch(self, s: int) -> tuple[torch.Tensor, torch.Tensor]:
-        src = self.source
-        (x, y, meta), fetched = read_shard(src.store, src.prefix, self.split, s, src.timeout, manifest=src.manifest)
-        self.bytes_read += fetched
-        return shard_rows(x, y, meta, self.split, self.seed, self.epoch)
-
-    def _hold(self, s: int, xy: tuple[torch.Tensor, torch.Tensor]) -> None:
-        self._held[s] = xy
-        self._held_bytes += _nbytes(xy)
-        self.peak_bytes = max(self.peak_bytes, self._held_bytes)
-
-    def _drop(self, s: int) -> None:
-        self._held_bytes -= _nbytes(self._held.pop(s))
-
-    def _rows(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        ids, shards = self._batches[k], self._shards[k]
-        x0, y0 = self._held[int(shards[0])]
-        x = x0.new_empty((len(ids), *x0.shape[1:]))
-        y = y0.new_empty((len(ids), *y0.shape[1:]))
-        for s in _in_first_order(shards):
-            at = np.flatnonzero(shards == s)
-            local = torch.from_numpy(ids[at] - self._starts[s])
-            at = torch.from_numpy(at)
-            sx, sy = self._held[s]
-            x[at], y[at] = sx[local], sy[local]
-        return x, y
-
     def close(self) -> None:
-        """Drop what is held (and stop the reader)."""
-        self._held.clear()
-        self._held_bytes = 0
+        """Stop the reader and drop what is held. The reader ends at once, or, in the middle of a
+        fetch, when that fetch returns (bounded by the source's timeout and `fetch_shard`'s
+        retries), its result dropped; close() waits for it, so no reader outlives its stream."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+            self._held.clear()
+            self._held_bytes = 0
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
 
-    def __enter__(self) -> "ShardStream":
+    def __enter__(self) -> ShardStream:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    # --- the consumer -------------------------------------------------------------------
+
+    def _wait_for(self, k: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """The shards batch `k` needs, once the reader has them; a failed one's error raised."""
+        got = {}
+        with self._cond:
+            for s in self._shards[k]:
+                if s not in self._held and s not in self._failed:
+                    since = self._clock()
+                    self._cond.wait_for(lambda s=s: s in self._held or s in self._failed)
+                    self.wait_s += self._clock() - since
+                if s in self._failed:
+                    raise self._failed[s]
+                got[s] = self._held[s]
+        return got
+
+    def _rows(self, k: int, held: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, shard_of = self._batches[k], self._shard_of[k]
+        x0, y0 = held[self._shards[k][0]]
+        x = x0.new_empty((len(ids), *x0.shape[1:]))
+        y = y0.new_empty((len(ids), *y0.shape[1:]))
+        for s, (sx, sy) in held.items():
+            at = np.flatnonzero(shard_of == s)
+            local = torch.from_numpy(ids[at] - self._starts[s])
+            at = torch.from_numpy(at)
+            x[at], y[at] = sx[local], sy[local]
+        return x, y
+
+    # --- the reader thread ---------------------------------------------------------------
+
+    def _may_fetch(self, s: int) -> bool:
+        """Whether the reader may fetch `s` now: a shard the current batch needs always; one
+        ahead of it while what is ahead is under the read-ahead bound (or is nothing)."""
+        if self._first_need[s] <= self._need:
+            return True
+        ahead = [xy for t, xy in self._held.items() if self._first_need[t] > self._need]
+        if not ahead:
+            return True
+        if self._budget is None:
+            return len(ahead) < READAHEAD_SHARDS
+        return sum(map(_nbytes, ahead)) < self._budget
+
+    def _read_ahead(self) -> None:
+        src = self.source
+        for s in self.order:
+            with self._cond:
+                self._cond.wait_for(lambda s=s: self._stop or self._may_fetch(s))
+                if self._stop:
+                    return
+            try:
+                (x, y, meta), fetched = read_shard(src.store, src.prefix, self.split, s, src.timeout,
+                                                   manifest=src.manifest)
+                xy = shard_rows(x, y, meta, self.split, self.seed, self.epoch)
+            except BaseException as exc:  # noqa: BLE001 - raised in the consumer, at the batch that needs `s`
+                with self._cond:
+                    self._failed[s] = exc
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                if self._stop:
+                    return
+                self.bytes_read += fetched
+                self._held[s] = xy
+                self._held_bytes += _nbytes(xy)
+                self.peak_bytes = max(self.peak_bytes, self._held_bytes)
+                self._cond.notify_all()
 
 
 def _in_first_order(shards: np.ndarray) -> list[int]:
