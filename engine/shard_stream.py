@@ -201,9 +201,9 @@ class ShardStream:
                     self._cond.notify_all()
                 return
             with self._cond:
+                self.bytes_read += fetched
                 if self._stop:
                     return
-                self.bytes_read += fetched
                 self._held[s] = xy
                 self._held_bytes += _nbytes(xy)
                 self.peak_bytes = max(self.peak_bytes, self._held_bytes)
