@@ -30,6 +30,7 @@ BLOCK_BYTES = 8 * 1024 * 1024
 SINGLE_GET_BYTES = 32 * 1024 * 1024
 CONCURRENCY = 4
 DELETE_BATCH = 256  # a blob batch takes at most 256 sub-requests
+LIST_PAGE = 5000  # names per List Blobs page (the service's maximum and default)
 RETRY_SECONDS = 20.0  # how long an operation keeps retrying an unreachable account (a restart)
 CONNECTION_STRING_ENV = "AZURE_STORAGE_CONNECTION_STRING"
 _SAS = re.compile(r"(?i)\b(sig|se|st|sp|sv|spr|srt|ss|skoid|sktid|skt|ske|sks|skv)=[^&\s'\"<]*")
@@ -199,6 +200,26 @@ class AzureBlobStore(Store):
         try:
             self._ping_blobs.get_container_properties(timeout=1)
         except AzureError as e:
+    # --- requests per operation (`Store.ops`): the Azure SDK's own arithmetic -------
+
+    def _put_requests(self, nbytes: int) -> int:
+        """One Put Blob; above `single_put_bytes`, one Put Block per block and Put Block List."""
+        if nbytes <= self.single_put_bytes:
+            return 1
+        return 1 + -(-nbytes // BLOCK_BYTES)
+
+    def _get_requests(self, nbytes: int) -> int:
+        """One Get Blob for the first `SINGLE_GET_BYTES`, then one per `BLOCK_BYTES` range."""
+        return 1 + -(-max(0, nbytes - SINGLE_GET_BYTES) // BLOCK_BYTES)
+
+    def _list_requests(self, keys: int) -> int:
+        """One List Blobs per page of up to 5,000 names (an empty listing is one)."""
+        return max(1, -(-keys // LIST_PAGE))
+
+    def _delete_requests(self, keys: int) -> int:
+        """One Blob Batch per `DELETE_BATCH` blobs."""
+        return -(-keys // DELETE_BATCH)
+
             raise StoreError(f"Azure Blob container {self.container!r} at {self.client.url} "
                              f"unreachable{_reason(e)}") from e
 

@@ -4,19 +4,26 @@ A reader never sees half an object: every `put` is atomic. Values are raw bytes;
 are encoded by `comm.tensor_codec` (safetensors), never pickled.
 
 `Store` does what all implementations share: key validation, the wait-with-backoff of `get`,
-bandwidth emulation and transfer accounting (`store.stats`). An implementation supplies
-the raw operations (`_write`, `_read`, `_exists`, `_list`, `_delete_prefix`, `_delete`).
+bandwidth emulation and transfer accounting (`store.stats`), and the count of its requests
+(`store.ops`, a `core.store_ops.StoreOps`: puts, gets with every miss of a waiting get, heads,
+list pages, deletes, and the bytes each way; every client also adds to `process_ops()`, this
+process's total). An implementation supplies the raw operations (`_write`, `_read`, `_exists`,
+`_list`, `_delete_prefix`, `_delete`) and, where one operation takes more than one request,
+how many (`_put_requests`, `_get_requests`, `_list_requests`, `_delete_requests`): the
+arithmetic of its own protocol, which the bill's prediction uses too.
 The implementations (`store_dir`, `store_redis`, `store_s3`) import this module, and
 `comm.store.open_store` picks one of them from a URL.
 """
 from __future__ import annotations
 
 import abc
+import threading
 import time
 
 from comm import heartbeat
 from comm.bandwidth import Link, TransferStats
 from core.errors import StoreTimeout, ZooidValueError
+from core.store_ops import StoreOps
 
 
 class StoreKeyError(ZooidValueError):
@@ -49,6 +56,35 @@ def check_key(key: str, *, field: str = "key", prefix: bool = False) -> str:
     return key
 
 
+class OpCounter:
+    """A thread-safe running `StoreOps` (a store client's, or the process's)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(StoreOps().to_dict(), 0)
+
+    def add(self, kind: str, requests: int = 1, bytes_in: int = 0, bytes_out: int = 0) -> None:
+        """Count `requests` of `kind` and the bytes they moved."""
+        with self._lock:
+            self._counts[kind] += requests
+            self._counts["bytes_in"] += bytes_in
+            self._counts["bytes_out"] += bytes_out
+
+    def snapshot(self) -> StoreOps:
+        """The counts so far."""
+        with self._lock:
+            return StoreOps(**self._counts)
+
+
+_PROCESS_OPS = OpCounter()
+
+
+def process_ops() -> StoreOps:
+    """Every request any store client of this process made so far (the coordinator's share of
+    a run is the difference between two readings)."""
+    return _PROCESS_OPS.snapshot()
+
+
 # Polling schedule of `get` while a key is absent: start fast (a pipeline stage waits for
 # its neighbour's activations), back off so that a long wait costs few requests.
 POLL_GROWTH = 1.5
@@ -67,11 +103,23 @@ class Store(abc.ABC):
     def __init__(self, *, upload_bytes_per_s: float | None = None,
                  download_bytes_per_s: float | None = None):
         self.link = Link(upload_bytes_per_s, download_bytes_per_s)
+        self._ops = OpCounter()
 
     @property
     def stats(self) -> TransferStats:
         """Bytes and seconds moved so far in each direction by this client."""
         return self.link.stats
+
+    @property
+    def ops(self) -> StoreOps:
+        """The requests this client made so far, by kind, and the bytes they moved."""
+        return self._ops.snapshot()
+
+    def _count(self, kind: str, requests: int, bytes_in: int = 0, bytes_out: int = 0) -> None:
+        """Count requests in this client and in the process's total."""
+        if requests or bytes_in or bytes_out:
+            self._ops.add(kind, requests, bytes_in, bytes_out)
+            _PROCESS_OPS.add(kind, requests, bytes_in, bytes_out)
 
     # --- the interface -------------------------------------------------------------
 
@@ -86,7 +134,10 @@ class Store(abc.ABC):
             raise ZooidValueError("data", f"must be bytes, got {type(data).__name__}")
         data = bytes(data) if not isinstance(data, bytes) else data
         write = self._write_scratch if scratch else self._write
-        self.link.upload(len(data), lambda: write(key, data))
+        try:
+            self.link.upload(len(data), lambda: write(key, data))
+        finally:  # a failed request was sent all the same
+            self._count("put", self._put_requests(len(data)), bytes_in=len(data))
 
     def get(self, key: str, timeout: float | None = None) -> bytes:
         """Return the bytes under `key`; wait up to `timeout` seconds for it to appear
@@ -98,7 +149,13 @@ class Store(abc.ABC):
         pause = self.poll_first_s
         while True:
             start = time.monotonic()
-            data = self._read(key)
+            try:
+                data = self._read(key)
+            except Exception:
+                self._count("get", 1)
+                raise
+            self._count("get", 1 if data is None else self._get_requests(len(data)),
+                        bytes_out=0 if data is None else len(data))
             if data is not None:
                 self.link.waited(start - began)
                 self.link.download(start, len(data))
@@ -115,11 +172,17 @@ class Store(abc.ABC):
 
     def exists(self, key: str) -> bool:
         """Whether `key` is present."""
-        return self._exists(check_key(key))
+        check_key(key)
+        try:
+            return self._exists(key)
+        finally:
+            self._count("head", 1)
 
     def list(self, prefix: str) -> list[str]:
         """Every key that starts with `prefix`, sorted."""
-        return sorted(self._list(check_key(prefix, field="prefix", prefix=True)))
+        keys = self._list(check_key(prefix, field="prefix", prefix=True))
+        self._count("list", self._list_requests(len(keys)))
+        return sorted(keys)
 
     def delete_prefix(self, prefix: str) -> int:
         """Delete every key under `prefix`; return how many were deleted.
@@ -128,11 +191,18 @@ class Store(abc.ABC):
         """
         if not prefix:
             raise StoreKeyError("prefix", "must not be empty (refusing to delete every key)")
-        return self._delete_prefix(check_key(prefix, field="prefix", prefix=True))
+        count = self._delete_prefix(check_key(prefix, field="prefix", prefix=True))
+        self._count("list", self._list_requests(count))
+        self._count("delete", self._delete_requests(count))
+        return count
 
     def delete(self, key: str) -> None:
         """Delete one key (no error when absent)."""
-        self._delete(check_key(key))
+        check_key(key)
+        try:
+            self._delete(key)
+        finally:
+            self._count("delete", 1)
 
     def ping(self) -> None:
         """Raise `StoreError` when the store cannot be reached (checked before a run)."""
@@ -178,3 +248,22 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def _delete(self, key: str) -> None:
         """Delete a validated key if present."""
+
+    # --- how many requests an operation takes (one, unless a store says otherwise) ----
+
+    def _put_requests(self, nbytes: int) -> int:
+        """Requests one put of `nbytes` bytes takes (several for a multipart upload)."""
+        return 1
+
+    def _get_requests(self, nbytes: int) -> int:
+        """Requests one found read of `nbytes` bytes takes (a miss takes one)."""
+        return 1
+
+    def _list_requests(self, keys: int) -> int:
+        """Requests one listing of `keys` keys takes (one per page)."""
+        return 1
+
+    def _delete_requests(self, keys: int) -> int:
+        """Delete requests `delete_prefix` makes for `keys` keys after listing them (one per
+        key, unless the store deletes in batches)."""
+        return keys
