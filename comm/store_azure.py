@@ -182,24 +182,6 @@ class AzureBlobStore(Store):
             if _code(e) != "BlobNotFound":
                 raise self._fail("delete", key, e) from e
 
-    def create_container(self) -> bool:
-        """Create the container; True when it was created, False when it was there already."""
-        try:
-            self.blobs.create_container()
-            return True
-        except ResourceExistsError:
-            return False
-        except AzureError as e:
-            raise StoreError(f"Azure Blob container {self.container!r} could not be created{_reason(e)}") from e
-
-    def ping(self) -> None:
-        """Raise StoreError within about two seconds unless the container answers."""
-        if self._ping_blobs is None:  # one attempt with short timeouts
-            client = _client(*self._account, retries=0, connect_s=1.0, read_s=1.0)
-            self._ping_blobs = client.get_container_client(self.container)
-        try:
-            self._ping_blobs.get_container_properties(timeout=1)
-        except AzureError as e:
     # --- requests per operation (`Store.ops`): the Azure SDK's own arithmetic -------
 
     def _put_requests(self, nbytes: int) -> int:
@@ -220,6 +202,24 @@ class AzureBlobStore(Store):
         """One Blob Batch per `DELETE_BATCH` blobs."""
         return -(-keys // DELETE_BATCH)
 
+    def create_container(self) -> bool:
+        """Create the container; True when it was created, False when it was there already."""
+        try:
+            self.blobs.create_container()
+            return True
+        except ResourceExistsError:
+            return False
+        except AzureError as e:
+            raise StoreError(f"Azure Blob container {self.container!r} could not be created{_reason(e)}") from e
+
+    def ping(self) -> None:
+        """Raise StoreError within about two seconds unless the container answers."""
+        if self._ping_blobs is None:  # one attempt with short timeouts
+            client = _client(*self._account, retries=0, connect_s=1.0, read_s=1.0)
+            self._ping_blobs = client.get_container_client(self.container)
+        try:
+            self._ping_blobs.get_container_properties(timeout=1)
+        except AzureError as e:
             raise StoreError(f"Azure Blob container {self.container!r} at {self.client.url} "
                              f"unreachable{_reason(e)}") from e
 

@@ -161,6 +161,23 @@ class S3Store(Store):
         except _ERRORS as e:
             raise self._fail("delete", key, e) from e
 
+    # --- requests per operation (`Store.ops`): S3's own arithmetic ------------------
+
+    def _put_requests(self, nbytes: int) -> int:
+        """One PutObject; a multipart upload is CreateMultipartUpload, one UploadPart per
+        chunk and CompleteMultipartUpload."""
+        if nbytes < self.transfer.multipart_threshold:
+            return 1
+        return 2 + -(-nbytes // self.transfer.multipart_chunksize)
+
+    def _list_requests(self, keys: int) -> int:
+        """One ListObjectsV2 per page of up to 1,000 keys (an empty listing is one)."""
+        return max(1, -(-keys // LIST_PAGE))
+
+    def _delete_requests(self, keys: int) -> int:
+        """One DeleteObjects per listed page."""
+        return -(-keys // LIST_PAGE)
+
     def ping(self) -> None:
         """Raise StoreError within about two seconds unless the bucket is reachable."""
         if self._ping_client is None:
@@ -180,20 +197,3 @@ class S3Store(Store):
         self.client.close()
         if self._ping_client is not None:
             self._ping_client.close()
-    # --- requests per operation (`Store.ops`): S3's own arithmetic ------------------
-
-    def _put_requests(self, nbytes: int) -> int:
-        """One PutObject; a multipart upload is CreateMultipartUpload, one UploadPart per
-        chunk and CompleteMultipartUpload."""
-        if nbytes < self.transfer.multipart_threshold:
-            return 1
-        return 2 + -(-nbytes // self.transfer.multipart_chunksize)
-
-    def _list_requests(self, keys: int) -> int:
-        """One ListObjectsV2 per page of up to 1,000 keys (an empty listing is one)."""
-        return max(1, -(-keys // LIST_PAGE))
-
-    def _delete_requests(self, keys: int) -> int:
-        """One DeleteObjects per listed page."""
-        return -(-keys // LIST_PAGE)
-
