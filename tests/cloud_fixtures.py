@@ -1,5 +1,7 @@
-"""Helpers for the cloud tests: offline template rendering, in-memory flow runs, and recorded
-cloud responses (real-shaped: copied field for field from what each API returns, ids changed).
+"""Helpers for the cloud tests: offline template rendering, in-memory flow runs, and an ECS
+DescribeTasks answer. The answer is written for the tests, not recorded from AWS: it is held to
+botocore's own ECS model (`tests.provider_schemas.ecs`), so a member, type or enum value AWS
+could not send fails here.
 """
 from __future__ import annotations
 
@@ -7,6 +9,8 @@ import asyncio
 import json
 import uuid
 from pathlib import Path
+
+from tests.provider_schemas.ecs import check_output
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "deployments" / "templates"
 
@@ -41,7 +45,7 @@ def flow_run(name: str, infrastructure_pid: str | None = None):
 
 
 # One Fargate worker that ran to completion, one whose image pull failed (never started),
-# one still running: DescribeTasks as AWS returns it for `include=["TAGS"]` (us-east-1).
+# one still running: DescribeTasks in the shape AWS documents for `include=["TAGS"]` (us-east-1).
 ACCOUNT = "123456789012"
 CLUSTER_ARN = f"arn:aws:ecs:us-east-1:{ACCOUNT}:cluster/zooid"
 
@@ -92,7 +96,8 @@ def _container(task_id: str, status: str, exit_code: int | None = None, reason: 
 def describe_tasks_response(run_ids: tuple[str, str, str]) -> dict:
     """Recorded DescribeTasks: completed (run_ids[0]), failed placement (1), running (2).
 
-    Timestamps are epoch seconds; botocore parses them into datetimes as it does on the wire.
+    Timestamps are datetimes, as botocore returns them after parsing the wire's epoch seconds;
+    the answer is held to botocore's ECS output shape (`tests.provider_schemas.ecs`).
     """
     from datetime import datetime, timezone
 
@@ -115,4 +120,4 @@ def describe_tasks_response(run_ids: tuple[str, str, str]) -> dict:
                     containers=[_container("2d3e4f5a6b7c8d9e0f1a2b3c4d5e6f7a", "RUNNING")],
                     lastStatus="RUNNING", connectivity="CONNECTED", connectivityAt=t(2.0),
                     createdAt=t(2.0), pullStartedAt=t(8.0), pullStoppedAt=t(30.0), startedAt=t(33.0))
-    return {"tasks": [done, never, running], "failures": []}
+    return check_output("DescribeTasks", {"tasks": [done, never, running], "failures": []})

@@ -1,7 +1,9 @@
 """ACI workers: our template renders through the real worker configuration with the GPU request
 in the ARM template; create (the ACI worker's own provisioning code), cancel, sweep and cost run
-through the Azure SDK clients against a fake HTTP transport that answers with recorded
-Azure Resource Manager responses.
+through the Azure SDK clients against a fake HTTP transport that answers as Azure Resource
+Manager documents it. The answers are written for the tests, not recorded from Azure: every one
+is held to the Azure SDK's models (`tests.provider_schemas.aci`), and so is the container group
+in the ARM template the ACI worker deploys.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from clouds import aci as cloud_aci
 from clouds.provider import WorkerResources
 from clouds.registry import job_variables
 from tests.cloud_fixtures import flow_run, render, template
+from tests.provider_schemas import aci as schemas
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -31,7 +34,7 @@ BASE = f"/subscriptions/{SUB}/resourcegroups/{RG}"
 def _group(name: str, run_id: str, state: str, *, started: str | None, finished: str | None = None,
            exit_code: int | None = None, provisioning: str = "Succeeded", pulled: bool = True,
            gpu: bool = True) -> dict:
-    """A container group as ACI's GET returns it (api-version 2023-05-01), with instance view."""
+    """A container group as ACI's GET answers it (api-version 2023-05-01), with instance view."""
     events = []
     if pulled:
         events += [{"count": 1, "firstTimestamp": "2026-11-20T10:00:05Z", "lastTimestamp": "2026-11-20T10:00:05Z",
@@ -66,9 +69,19 @@ def _group(name: str, run_id: str, state: str, *, started: str | None, finished:
     }
 
 
+def _listed(group: dict) -> dict:
+    """A container group as ACI's list answers it: without instance views (only a GET of the
+    group carries them, which is why `clouds.aci.run_intervals` reads each group)."""
+    props = {k: v for k, v in group["properties"].items() if k != "instanceView"}
+    props["containers"] = [{**c, "properties": {k: v for k, v in c["properties"].items() if k != "instanceView"}}
+                           for c in props["containers"]]
+    return {**group, "properties": props}
+
+
 @dataclass
 class FakeArm(requests.adapters.BaseAdapter):
-    """Azure Resource Manager at the HTTP boundary: container groups in a dict, requests recorded."""
+    """Azure Resource Manager at the HTTP boundary: container groups in a dict, requests recorded,
+    every answer held to the Azure SDK's models before the client sees it."""
 
     groups: dict = field(default_factory=dict)
     calls: list = field(default_factory=list)
@@ -76,7 +89,10 @@ class FakeArm(requests.adapters.BaseAdapter):
     def __post_init__(self):
         super().__init__()
 
-    def _reply(self, request, status: int, body=None) -> requests.Response:
+    def _reply(self, request, status: int, body=None, model=None) -> requests.Response:
+        """The answer, held to the Azure SDK's `model` (an error to ARM's error envelope)."""
+        if body is not None:
+            schemas.check_error(body) if status >= 400 else schemas.check(model, body)
         resp = requests.Response()
         resp.status_code, resp.request, resp.url = status, request, request.url
         resp.headers["Content-Type"] = "application/json"
@@ -93,12 +109,17 @@ class FakeArm(requests.adapters.BaseAdapter):
         if request.method == "PUT" and "/microsoft.resources/deployments/" in low:
             body = json.loads(request.body)
             name = body["properties"]["parameters"]["container_group_name"]["value"]
-            run_id = body["properties"]["template"]["resources"][0]["tags"]["zooid-run"]
+            [resource] = body["properties"]["template"]["resources"]
+            schemas.check_template_group(resource)
+            run_id = resource["tags"]["zooid-run"]
             self.groups[name] = _group(name, run_id, "Running", started="2026-11-20T10:01:50Z")
-            return self._reply(request, 200, {"id": low, "name": low.rsplit("/", 1)[-1],
-                                              "properties": {"provisioningState": "Succeeded", "mode": "Incremental"}})
+            return self._reply(request, 200, {"id": path, "name": path.rsplit("/", 1)[-1],
+                                              "type": "Microsoft.Resources/deployments",
+                                              "properties": {"provisioningState": "Succeeded", "mode": "Incremental"}},
+                               schemas.DEPLOYMENT)
         if request.method == "GET" and low.endswith("/containergroups"):
-            return self._reply(request, 200, {"value": list(self.groups.values())})
+            return self._reply(request, 200, {"value": [_listed(g) for g in self.groups.values()]},
+                               schemas.CONTAINER_GROUP_LIST)
         if m and request.method == "POST" and m.group(2):
             name = path.rsplit("/", 2)[-2]
             if name not in self.groups:
@@ -113,7 +134,7 @@ class FakeArm(requests.adapters.BaseAdapter):
                                    {"error": {"code": "ResourceNotFound", "message": name}}
                                    if request.method == "GET" else None)
             group = self.groups[name] if request.method == "GET" else self.groups.pop(name)
-            return self._reply(request, 200, group)
+            return self._reply(request, 200, group, schemas.CONTAINER_GROUP)
         return self._reply(request, 400, {"error": {"code": "Unexpected", "message": f"{request.method} {path}"}})
 
     def close(self):

@@ -1,7 +1,8 @@
 """ECS workers against moto in server mode (127.0.0.1): the real prefect-aws ECS worker code path
 with our rendered template registers and runs tasks; cancel and sweep leave no RUNNING task.
-Cost from AWS's clock uses a recorded DescribeTasks through botocore's Stubber (moto runs no
-container and reports no startedAt/stoppedAt).
+Cost from AWS's clock uses a DescribeTasks answer written for the test through botocore's
+Stubber (moto runs no container and reports no startedAt/stoppedAt), held to botocore's ECS
+model (`tests.provider_schemas.ecs`), as is the request the code sends.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from clouds import ecs as cloud_ecs
 from clouds.provider import WorkerResources
 from clouds.registry import job_variables
 from tests.cloud_fixtures import describe_tasks_response, flow_run, render, template
+from tests.provider_schemas.ecs import check_input
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -151,7 +153,8 @@ def test_cost_from_describe_tasks_clock():
     response = describe_tasks_response(ids)
     arns = [t["taskArn"] for t in response["tasks"]]
     with Stubber(ecs) as stub:
-        stub.add_response("describe_tasks", response, {"cluster": "zooid", "tasks": arns, "include": ["TAGS"]})
+        expected = check_input("DescribeTasks", {"cluster": "zooid", "tasks": arns, "include": ["TAGS"]})
+        stub.add_response("describe_tasks", response, expected)
         intervals = [cloud_ecs.ecs_interval(t) for t in cloud_ecs.describe(ecs, "zooid", arns)]
         stub.assert_no_pending_responses()
 

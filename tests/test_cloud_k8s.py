@@ -1,12 +1,16 @@
 """Kubernetes workers: our template renders through the real worker configuration with an
 `nvidia.com/gpu` limit in the pod; create (the Kubernetes worker's own job creation, through its
 own client from a cluster-config block), cancel, sweep and cost run through kubernetes_asyncio
-against a fake API server on 127.0.0.1 that answers with recorded API objects.
+against a fake API server on 127.0.0.1 that answers as the Kubernetes API documents it. The
+answers are written for the tests, not recorded from a cluster: each is held to the kubernetes
+client's models (`tests.provider_schemas.k8s`), and so is each Job the worker posts.
 """
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
+import re
 import uuid
 
 import pytest
@@ -15,6 +19,8 @@ from clouds import kubernetes as cloud_k8s
 from clouds.provider import WorkerResources
 from clouds.registry import job_variables
 from tests.cloud_fixtures import flow_run, render, render_async, template
+from tests.provider_schemas import SchemaError
+from tests.provider_schemas import k8s as schemas
 
 pytestmark = pytest.mark.timeout(60)
 NS = "zooid"
@@ -22,7 +28,7 @@ NS = "zooid"
 
 def _pod(name: str, labels: dict, phase: str, *, start: str | None, started: str | None = None,
          finished: str | None = None, exit_code: int | None = None, unschedulable: bool = False) -> dict:
-    """A pod as the API returns it (v1), trimmed of fields nothing reads."""
+    """A pod as the API answers it (v1), trimmed of fields nothing reads."""
     if finished:
         state = {"terminated": {"exitCode": exit_code, "reason": "Completed" if exit_code == 0 else "Error",
                                 "startedAt": started, "finishedAt": finished,
@@ -48,14 +54,49 @@ def _pod(name: str, labels: dict, phase: str, *, start: str | None, started: str
             "status": status}
 
 
+_MILLI = re.compile(r"^(\d+)m$")
+
+
+def _canonical_quantity(value) -> str:
+    """A quantity as the API server writes it back: a number as its string, whole milli-units as
+    units ("4000m" -> "4"); the other forms Zooid's job variables write ("500m", "13824Mi") as sent."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(int(value)) if float(value).is_integer() else str(value)
+    milli = _MILLI.match(value)
+    return str(int(milli.group(1)) // 1000) if milli and int(milli.group(1)) % 1000 == 0 else value
+
+
+def _stored(posted: dict) -> dict:
+    """A posted Job as the API server stores and answers it: its containers' quantities canonical
+    (a request may give a quantity as a number; an answer never does)."""
+    job = copy.deepcopy(posted)
+    for container in job["spec"]["template"]["spec"].get("containers", []):
+        resources = container.get("resources", {})
+        for part in ("limits", "requests"):
+            if part in resources:
+                resources[part] = {k: _canonical_quantity(v) for k, v in resources[part].items()}
+    return job
+
+
 class FakeKubernetes:
-    """The Kubernetes API at the HTTP boundary: Jobs and pods in dicts, requests recorded."""
+    """The Kubernetes API at the HTTP boundary: Jobs and pods in dicts, requests recorded; each
+    answer held to the client's model for that call (a schema refusal answers 500, with the
+    finding in the message, and is kept in `violations`)."""
 
     def __init__(self):
         self.jobs: dict[str, dict] = {}
         self.pods: dict[str, dict] = {}
         self.calls: list[tuple[str, str]] = []
+        self.violations: list[str] = []
+        self.posted: list[dict] = []
         self._n = itertools.count()
+
+    @staticmethod
+    def _answer(model: str, body: dict, status: int = 200):
+        """A JSON answer, held to the kubernetes client's `model` first."""
+        from aiohttp import web
+
+        return web.json_response(schemas.check(model, body), status=status)
 
     @staticmethod
     def _match(labels: dict, selector: str | None) -> bool:
@@ -66,42 +107,53 @@ class FakeKubernetes:
         from aiohttp import web
 
         async def create_job(request):
-            job = await request.json()
+            self.posted.append(await request.json())
+            job = _stored(self.posted[-1])
             name = job["metadata"]["generateName"] + f"x{next(self._n)}"
             job["metadata"].update(name=name, uid=str(uuid.uuid4()), creationTimestamp="2026-11-20T10:00:00Z")
             self.jobs[name] = job
             pod_labels = {**job["spec"]["template"]["metadata"]["labels"], "job-name": name}
             self.pods[name + "-p"] = _pod(name + "-p", pod_labels, "Running", start="2026-11-20T10:00:02Z",
                                           started="2026-11-20T10:00:40Z")
-            return web.json_response(job, status=201)
+            return self._answer("V1Job", job, 201)
 
         async def list_kind(request):
             kind = request.match_info["kind"]
             store = self.jobs if kind == "jobs" else self.pods
             items = [o for o in store.values()
                      if self._match(o["metadata"].get("labels", {}), request.query.get("labelSelector"))]
-            return web.json_response({"apiVersion": "batch/v1" if kind == "jobs" else "v1",
-                                      "kind": "JobList" if kind == "jobs" else "PodList",
-                                      "metadata": {"resourceVersion": "1"}, "items": items})
+            return self._answer("V1JobList" if kind == "jobs" else "V1PodList",
+                                {"apiVersion": "batch/v1" if kind == "jobs" else "v1",
+                                 "kind": "JobList" if kind == "jobs" else "PodList",
+                                 "metadata": {"resourceVersion": "1"}, "items": items})
 
         async def delete(request):
             kind, name = request.match_info["kind"], request.match_info["name"]
             store = self.jobs if kind == "jobs" else self.pods
             if name not in store:
-                return web.json_response({"apiVersion": "v1", "kind": "Status", "status": "Failure",
-                                          "reason": "NotFound", "code": 404,
-                                          "message": f'{kind} "{name}" not found'}, status=404)
+                return self._answer("V1Status", {"apiVersion": "v1", "kind": "Status", "status": "Failure",
+                                                 "reason": "NotFound", "code": 404,
+                                                 "message": f'{kind} "{name}" not found'}, 404)
             obj = store.pop(name)
-            if kind == "jobs":  # background propagation removes the Job's pods
-                for pod in [p for p, v in self.pods.items() if v["metadata"]["labels"].get("job-name") == name]:
-                    del self.pods[pod]
-            return web.json_response({"apiVersion": "v1", "kind": "Status", "status": "Success",
-                                      "details": {"name": name, "kind": kind, "uid": obj["metadata"]["uid"]}})
+            if kind == "pods":  # a pod's DELETE answers the pod, marked for deletion (grace 0: gone at once)
+                obj["metadata"].update(deletionTimestamp="2026-11-20T10:20:00Z", deletionGracePeriodSeconds=0)
+                return self._answer("V1Pod", obj)
+            # a Job's DELETE with background propagation answers a Status; its pods go after it
+            for pod in [p for p, v in self.pods.items() if v["metadata"]["labels"].get("job-name") == name]:
+                del self.pods[pod]
+            return self._answer("V1Status", {"apiVersion": "v1", "kind": "Status", "status": "Success",
+                                             "details": {"name": name, "group": "batch", "kind": kind,
+                                                         "uid": obj["metadata"]["uid"]}})
 
         @web.middleware
         async def record(request, handler):
             self.calls.append((request.method, request.path_qs))
-            return await handler(request)
+            try:
+                return await handler(request)
+            except SchemaError as exc:  # the client raises ApiException(500) with the finding in its body
+                self.violations.append(str(exc))
+                return web.json_response({"apiVersion": "v1", "kind": "Status", "status": "Failure",
+                                          "reason": "InternalError", "code": 500, "message": str(exc)}, status=500)
 
         app = web.Application(middlewares=[record])
         app.router.add_post("/apis/batch/v1/namespaces/{ns}/jobs", create_job)
@@ -174,6 +226,20 @@ def test_gpu_pod_manifest_carries_nvidia_gpu_limit_and_run_label():
     assert pod["metadata"]["labels"]["prefect.io/flow-run-id"] == str(fr.id)
 
 
+def test_rendered_job_is_a_v1_job_with_completions_on_the_job():
+    """The template's Job as the API server would store it passes the client's V1Job strictly:
+    `completions` and `parallelism` belong to the Job's spec (prefect-kubernetes' default template
+    puts them in the pod's, where the API server drops them as unknown fields)."""
+    cfg = _configuration("zrunk8se", WorkerResources(vcpu=4, memory_gb=10, gpu=1, gpu_type="T4"))
+    cfg.prepare_for_flow_run(flow_run("zrunk8se-e0-r0-a0"))
+    manifest = _stored(cfg.job_manifest)
+    manifest["metadata"]["name"] = "zrunk8se-job"
+
+    schemas.check("V1Job", manifest)
+    assert (manifest["spec"]["completions"], manifest["spec"]["parallelism"]) == (1, 1)
+    assert not {"completions", "parallelism"} & set(manifest["spec"]["template"]["spec"])
+
+
 def test_cpu_pod_manifest_has_no_gpu_limit():
     cfg = _configuration("zrunk8sb", WorkerResources(vcpu=0.5, memory_gb=1))
     spec = cfg.job_manifest["spec"]["template"]["spec"]
@@ -190,9 +256,12 @@ def test_create_cancel_and_sweep_through_the_client():
     async def body(port):
         launched = [await c for c in _launch_all(fake, port, "zrunk8sc", 3, res)]
         [other] = [await c for c in _launch_all(fake, port, "zrunother", 1, res)]
-        created = next(j for j in fake.jobs.values() if j["metadata"]["labels"].get("zooid-run") == "zrunk8sc")
-        limits = created["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
-        assert limits["nvidia.com/gpu"] == 1
+        posted = next(j for j in fake.posted if j["metadata"]["labels"].get("zooid-run") == "zrunk8sc")
+        assert posted["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert (posted["spec"]["completions"], posted["spec"]["parallelism"]) == (1, 1)  # the Job's, not the pod's
+        stored = next(j for j in fake.jobs.values() if j["metadata"]["labels"].get("zooid-run") == "zrunk8sc")
+        assert stored["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"] == {
+            "cpu": "4", "memory": "13824Mi", "nvidia.com/gpu": "1"}  # as the API server answers it
 
         client = await config.new_client_from_config_dict(config_dict=_kubeconfig(port), context="fake")
         try:
@@ -255,3 +324,27 @@ def test_cost_from_pod_start_and_finish():
     assert (done.kind, done.seconds, done.usd) == ("worker", pytest.approx(600.0), pytest.approx(600 * 0.526 / 3600))
     assert (stuck.kind, stuck.usd) == ("failed_placement", 0.0)
     assert (crashed.kind, crashed.seconds) == ("failed_attempt", pytest.approx(60.0))
+
+
+def test_sweep_deletes_a_live_pod_whose_job_is_gone():
+    """A pod left running after its Job was deleted (orphan propagation, a Job removed by hand) is
+    deleted by the sweep; the API answers a pod's DELETE with the pod itself (V1Pod, not a Status)."""
+    from kubernetes_asyncio import config
+
+    fake = FakeKubernetes()
+    labels = {"zooid-run": "zrunk8sf", "job-name": "zrunk8sf-e0-r0-a0"}
+    fake.pods = {"orphan": _pod("orphan", labels, "Running", start="2026-11-20T10:00:02Z",
+                                started="2026-11-20T10:00:40Z"),
+                 "finished": _pod("finished", labels, "Succeeded", start="2026-11-20T10:00:02Z",
+                                  started="2026-11-20T10:00:40Z", finished="2026-11-20T10:05:00Z", exit_code=0)}
+
+    async def body(port):
+        client = await config.new_client_from_config_dict(config_dict=_kubeconfig(port), context="fake")
+        try:
+            return await cloud_k8s.sweep(client, NS, "zrunk8sf")
+        finally:
+            await client.close()
+
+    assert asyncio.run(_serve(fake, body)) == {"jobs": [], "pods": ["orphan"]}
+    assert list(fake.pods) == ["finished"] and fake.violations == []
+    assert ("DELETE", f"/api/v1/namespaces/{NS}/pods/orphan?gracePeriodSeconds=0") in fake.calls

@@ -44,6 +44,7 @@ from coordinator.workers import cleanup as teardown_mod
 from coordinator.workers import epoch_run as run_epoch_mod
 from planners.catalog import get_offer
 from tests.cloud_fixtures import _container, _task, describe_tasks_response, flow_run
+from tests.provider_schemas.ecs import check_error, check_input, check_output
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -145,7 +146,8 @@ def _wire(value):
 
 class FakeEcs:
     """The ECS API at botocore's HTTP boundary (`before-send`): tasks as AWS describes them,
-    ListTasks / DescribeTasks / StopTask answered from them, every call recorded."""
+    ListTasks / DescribeTasks / StopTask answered from them, every call recorded. Each request
+    and each answer is held to botocore's ECS model (`tests.provider_schemas.ecs`)."""
 
     def __init__(self, tasks: list[dict], stop_at: float):
         self.tasks = {t["taskArn"]: t for t in tasks}
@@ -157,9 +159,13 @@ class FakeEcs:
 
         target = request.headers["X-Amz-Target"]
         op = (target.decode() if isinstance(target, bytes) else target).rsplit(".", 1)[-1]
-        body = json.loads(request.body or b"{}")
+        body = check_input(op, json.loads(request.body or b"{}"))
         self.calls.append((op, body))
         status, reply = getattr(self, op)(body)
+        if status == 200:
+            check_output(op, reply, wire=True)
+        else:
+            check_error(op, reply)
         return AWSResponse(request.url, status, {"Content-Type": "application/x-amz-json-1.1",
                                                  "x-amzn-RequestId": str(uuid.uuid4())},
                            _Body(json.dumps(reply).encode()))
