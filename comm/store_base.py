@@ -5,7 +5,7 @@ are encoded by `comm.tensor_codec` (safetensors), never pickled.
 
 `Store` does what all implementations share: key validation, the wait-with-backoff of `get`,
 bandwidth emulation and transfer accounting (`store.stats`), and the count of its requests
-(`store.ops`, a `core.store_ops.StoreOps`: puts, gets with every miss of a waiting get, heads,
+(`store.ops`, a `core.store_ops.StoreOps`: puts, gets, misses (each poll of a waiting get), heads,
 list pages, deletes, and the bytes each way; every client also adds to `process_ops()`, this
 process's total). An implementation supplies the raw operations (`_write`, `_read`, `_exists`,
 `_list`, `_delete_prefix`, `_delete`) and, where one operation takes more than one request,
@@ -19,6 +19,7 @@ from __future__ import annotations
 import abc
 import threading
 import time
+from urllib.parse import urlsplit
 
 from comm import heartbeat
 from comm.bandwidth import Link, TransferStats
@@ -76,13 +77,35 @@ class OpCounter:
             return StoreOps(**self._counts)
 
 
-_PROCESS_OPS = OpCounter()
+_PROCESS_OPS: dict[str, OpCounter] = {}
+_PROCESS_LOCK = threading.Lock()
 
 
-def process_ops() -> StoreOps:
-    """Every request any store client of this process made so far (the coordinator's share of
-    a run is the difference between two readings)."""
-    return _PROCESS_OPS.snapshot()
+def _process_counter(where: str) -> OpCounter:
+    with _PROCESS_LOCK:
+        return _PROCESS_OPS.setdefault(where, OpCounter())
+
+
+def process_ops() -> dict[str, StoreOps]:
+    """Every request any store client of this process made so far, by store (`Store.where`);
+    the coordinator's share of a run is the difference between two readings."""
+    with _PROCESS_LOCK:
+        counters = dict(_PROCESS_OPS)
+    return {where: c.snapshot() for where, c in counters.items()}
+
+
+def store_where(url: str) -> str:
+    """Which store a URL names, as a bill tells stores apart, without path or credentials:
+    `s3://bucket`, `az://container`, `redis://host:port`, `file://` (any directory)."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme in ("", "file") or len(scheme) == 1:
+        return "file://"
+    try:
+        port = f":{parts.port}" if parts.port else ""
+    except ValueError:
+        port = ""
+    return f"{scheme}://{parts.hostname or ''}{port}"
 
 
 # Polling schedule of `get` while a key is absent: start fast (a pipeline stage waits for
@@ -104,6 +127,7 @@ class Store(abc.ABC):
                  download_bytes_per_s: float | None = None):
         self.link = Link(upload_bytes_per_s, download_bytes_per_s)
         self._ops = OpCounter()
+        self._process_ops: OpCounter | None = None
 
     @property
     def stats(self) -> TransferStats:
@@ -119,7 +143,14 @@ class Store(abc.ABC):
         """Count requests in this client and in the process's total."""
         if requests or bytes_in or bytes_out:
             self._ops.add(kind, requests, bytes_in, bytes_out)
-            _PROCESS_OPS.add(kind, requests, bytes_in, bytes_out)
+            if self._process_ops is None:  # `url` is set by the implementation's __init__
+                self._process_ops = _process_counter(self.where)
+            self._process_ops.add(kind, requests, bytes_in, bytes_out)
+
+    @property
+    def where(self) -> str:
+        """Which store this is, as a bill tells stores apart (`store_where` of its URL)."""
+        return store_where(self.url)
 
     # --- the interface -------------------------------------------------------------
 
@@ -152,10 +183,12 @@ class Store(abc.ABC):
             try:
                 data = self._read(key)
             except Exception:
-                self._count("get", 1)
+                self._count("miss", 1)
                 raise
-            self._count("get", 1 if data is None else self._get_requests(len(data)),
-                        bytes_out=0 if data is None else len(data))
+            if data is None:
+                self._count("miss", 1)
+            else:
+                self._count("get", self._get_requests(len(data)), bytes_out=len(data))
             if data is not None:
                 self.link.waited(start - began)
                 self.link.download(start, len(data))

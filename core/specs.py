@@ -410,4 +410,9 @@ class WorkerResult(JsonSpec):
     host: str = ""
     iteration_s: float = 0.0
     """Steady-state seconds per iteration (`engine.iteration_clock`; 0 when too few ran)."""
+    store_ops: dict = field(default_factory=dict)
+    """The store requests this worker made in the epoch, by kind, and their bytes, by store
+    (`{Store.where: StoreOps.to_dict()}`, `core.store_ops`): on the run's store and on every
+    other one it opened (`runtime.run_spec`); a warm worker's include its polling since its
+    previous epoch."""
 

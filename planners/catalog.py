@@ -79,6 +79,15 @@ def request_price(name: str) -> float:
     raise ValueError(f"request: unknown request price {name!r}")
 
 
+def store_node_price(provider: str) -> tuple[str, float]:
+    """The smallest managed Redis node of `provider` (`aws`: ElastiCache, `azure`: Azure Cache
+    for Redis) as (name, dollars per hour); ValueError naming the providers it knows otherwise."""
+    rows = {r["provider"]: r for r in _load()["store_nodes"]}
+    if provider not in rows:
+        raise ValueError(f"provider: no Redis node price for {provider!r}; the catalog has {', '.join(sorted(rows))}")
+    return rows[provider]["name"], float(rows[provider]["price_per_hour"])
+
+
 def device_figures(gpu_type: str | None, vcpu: float) -> dict:
     """What one worker's device is assumed to do per second (a plan with no profile to go on,
     `profiling.estimate`): the catalog's figures for `gpu_type`, else for a CPU of `vcpu`

@@ -8,9 +8,9 @@ import threading
 
 import pytest
 
-from comm.store_base import process_ops
+from comm.store_base import process_ops, store_where
 from comm.store_dir import DirectoryStore
-from core.store_ops import StoreOps, total
+from core.store_ops import StoreOps, grouped_json, grouped_total, total
 from tests.store_logs import LoggingAzurite, RecordingS3
 
 
@@ -48,8 +48,8 @@ def _workload(store, big: int, wait: bool = True) -> None:
 
 
 def _requests(ops: StoreOps) -> StoreOps:
-    """The request counts alone (the logs read back count requests, not bytes)."""
-    return dataclasses.replace(ops, bytes_in=0, bytes_out=0)
+    """The request counts alone, a miss as the GET it is (the logs count requests, not bytes)."""
+    return dataclasses.replace(ops, get=ops.get + ops.miss, miss=0, bytes_in=0, bytes_out=0)
 
 
 def test_store_ops_add_and_subtract_by_field():
@@ -57,7 +57,7 @@ def test_store_ops_add_and_subtract_by_field():
     b = StoreOps(get=1, list=1, delete=4, bytes_out=7)
     assert a + b == StoreOps(put=2, get=4, list=1, delete=4, bytes_in=10, bytes_out=7)
     assert (a + b) - b == a
-    assert (a + b).requests == 11
+    assert (a + b).requests == 11 and StoreOps(get=2, miss=3).requests == 5
     assert StoreOps.from_dict((a + b).to_dict()) == a + b
     assert total([a, b.to_dict()]) == a + b
     assert not StoreOps() and StoreOps.from_dict(None) == StoreOps()
@@ -68,12 +68,23 @@ def test_directory_store_counts_every_operation(tmp_path):
     store = DirectoryStore(tmp_path / "s")
     _workload(store, big=5000, wait=False)
     ops = store.ops
-    # 3 puts (a, big, the peer's late); gets: a, big, one miss, 3 misses, the late one found
-    # at once (the peer wrote first)
+    # 3 puts (a, big, the peer's late); gets: a, big, the late one at once (the peer wrote
+    # first); misses: the absent key, and three of the late one before the peer wrote
     assert (ops.put, ops.head, ops.list, ops.delete) == (3, 2, 2, 1 + 2)
-    assert ops.get == 2 + 1 + 3 + 1
+    assert ops.get == 2 + 1 and ops.miss == 1 + 3
     assert ops.bytes_in == 100 + 5000 + 10 and ops.bytes_out == 100 + 5000 + 10
-    assert process_ops() - before == ops  # the process's total counts every client
+    assert process_ops()["file://"] - before.get("file://", StoreOps()) == ops  # the process's total
+    assert store.where == "file://"
+
+
+def test_where_names_a_store_without_path_or_credentials():
+    assert store_where("s3://bucket/runs/x?endpoint=http://127.0.0.1:9000") == "s3://bucket"
+    assert store_where("redis://:secret@10.0.0.5:6380/0") == "redis://10.0.0.5:6380"
+    assert store_where("/tmp/store") == store_where("file:///var/store") == "file://"
+    assert store_where("az://container/prefix") == "az://container"
+    assert grouped_total([{"file://": StoreOps(put=1)}, {"file://": {"put": 2}, "s3://b": {"get": 1}}]) == {
+        "file://": StoreOps(put=3), "s3://b": StoreOps(get=1)}
+    assert grouped_json({"s3://b": StoreOps(), "file://": StoreOps(put=1)}) == {"file://": StoreOps(put=1).to_dict()}
 
 
 @pytest.fixture(scope="module")
