@@ -31,6 +31,7 @@ from core.errors import ZooidValueError
 from core.outer_sync import OUTER_OPTIMIZERS
 
 STATE_PREFIX = "outer/momentum/"
+PARAM_PREFIX = "param/"
 BUFFER_PREFIX = "buffer/"
 """Names of a model's buffers among the shared tensors (`engine.local_sgd.LocalSGD`)."""
 
@@ -56,9 +57,10 @@ class OuterStep:
         return self.optimizer == "average" and not self.deltas
 
     def start(self, live: dict[str, torch.Tensor]) -> None:
-        """θ_global (and the other shared tensors) as the round starts."""
+        """θ_global as the round starts: a snapshot of each tensor whose start `payload` or
+        `apply` reads (`_reads_ref`); none for K-AVG on raw values."""
         if not self.plain:
-            self.ref = {n: t.detach().clone() for n, t in live.items()}
+            self.ref = {n: t.detach().clone() for n, t in live.items() if self._reads_ref(n)}
 
     def _ref(self, name: str, like: torch.Tensor) -> torch.Tensor:
         ref = self.ref.get(name)
@@ -69,31 +71,64 @@ class OuterStep:
         """Whether tensor `name` travels as its change since `start` (buffers never do)."""
         return self.deltas and not name.startswith(BUFFER_PREFIX)
 
+    def _reads_ref(self, name: str) -> bool:
+        """Whether the round reads tensor `name`'s value at its start: it travels as its change,
+        or it is a parameter of a `nesterov` step. Every other tensor takes the mean as it is,
+        so `start` copies only these (a float32 DiLoCo round copies the parameters, not the
+        inner optimizer's state)."""
+        return self._sends_delta(name) or (self.optimizer == "nesterov" and name.startswith(PARAM_PREFIX))
+
     def payload(self, live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """What this replica sends: the live values, or their change since `start` (the
         buffers' live values)."""
         if not self.deltas:
             return live
-        return {n: t.detach() - self._ref(n, t) if self._sends_delta(n) else t.detach() for n, t in live.items()}
+        names = [n for n in live if self._sends_delta(n)]
+        changes = dict(zip(names, torch._foreach_sub([live[n].detach() for n in names],
+                                                     [self._ref(n, live[n]) for n in names])))
+        return {n: changes[n] if n in changes else t.detach() for n, t in live.items()}
 
     def apply(self, live: dict[str, torch.Tensor], reduced: dict[str, torch.Tensor]) -> None:
         """Write the round's result into `live` from the mean of the payloads, and start the
-        next round from it."""
+        next round from it (the results just computed are the next round's snapshot: no second
+        copy). Each step runs over all the tensors it concerns at once (`torch._foreach_*`:
+        the same arithmetic, tensor by tensor, as one call)."""
         with torch.no_grad():
-            for name, t in live.items():
-                mean = reduced[name].to(t.device)
-                if self._sends_delta(name):
-                    mean = self._ref(name, t) + mean
-                if self.optimizer == "nesterov" and name.startswith("param/"):
-                    ref = self._ref(name, t)
-                    delta = ref - mean
-                    m = self.momentum.get(name)
-                    m = delta.clone() if m is None else m.mul_(self.mu).add_(delta)
-                    self.momentum[name] = m
-                    mean = ref - self.lr * (delta + self.mu * m)
-                if mean is not t:
-                    t.copy_(mean)
-        self.start(live)
+            names = list(live)
+            means = {n: reduced[n].to(live[n].device) for n in names}
+            sent = [n for n in names if self._sends_delta(n)]
+            if sent:
+                means.update(zip(sent, torch._foreach_add([self._ref(n, live[n]) for n in sent],
+                                                          [means[n] for n in sent])))
+            if self.optimizer == "nesterov":
+                params = [n for n in names if n.startswith(PARAM_PREFIX)]
+                if params:
+                    means.update(zip(params, self._nesterov(params, [self._ref(n, live[n]) for n in params],
+                                                            [means[n] for n in params])))
+            changed = [n for n in names if means[n] is not live[n]]
+            if changed:
+                torch._foreach_copy_([live[n] for n in changed], [means[n] for n in changed])
+            if not self.plain:
+                self.ref = {n: means[n] if means[n] is not live[n] else live[n].detach().clone()
+                            for n in names if self._reads_ref(n)}
+
+    def _nesterov(self, names: list[str], refs: list[torch.Tensor], means: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The outer Nesterov step of parameters `names` from their round-start values `refs`
+        and the replicas' mean `means`: Δ = ref − mean, m ← μ m + Δ (m = Δ at the first round),
+        the new θ_global = ref − η (Δ + μ m)."""
+        deltas = torch._foreach_sub(refs, means)
+        held = [i for i, n in enumerate(names) if n in self.momentum]
+        if held:
+            momenta = [self.momentum[names[i]] for i in held]
+            torch._foreach_mul_(momenta, self.mu)
+            torch._foreach_add_(momenta, [deltas[i] for i in held])
+        for n, d in zip(names, deltas):
+            if n not in self.momentum:
+                self.momentum[n] = d.clone()
+        step = torch._foreach_mul([self.momentum[n] for n in names], self.mu)
+        torch._foreach_add_(step, deltas)
+        torch._foreach_mul_(step, self.lr)
+        return torch._foreach_sub(refs, step)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """The outer state for a checkpoint (empty for K-AVG and before the first round)."""
