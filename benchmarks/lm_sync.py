@@ -4,15 +4,17 @@
 the local pool, strategy `local_sgd`, SGD with momentum (int8 syncs refuse Adam, so every row
 trains with the same inner optimizer): every-step averaging (k = 1, gradients averaged in
 buckets), K-AVG at k = `--sync-k`, DiLoCo (outer Nesterov) at k = `--diloco-k` syncing float32
-and int8. Each configuration is one `train/local` flow run on one local stack
-(`benchmarks.harness.stack.local_stack`, `pool_trace`) for a fixed number of epochs; every
-figure comes from the run's summary.json: validation perplexity, seconds and bytes synced per
-epoch. DiLoCo's outer lr and momentum are the job's defaults (null: they follow the sync period,
+and int8. Each configuration is a `train/local` flow run on one local stack
+(`benchmarks.harness.stack.local_stack`, `pool_trace`) for a fixed number of epochs, run
+`--sync-rounds` times round-robin, every other round reversed (`benchmarks.harness.tables.rounds`);
+every figure comes from the runs' summary.json: validation perplexity, seconds (less the pool's
+start-up), the slowest worker's compute and sync seconds, and bytes synced per epoch. DiLoCo's outer lr and momentum are the job's defaults (null: they follow the sync period,
 `core.outer_defaults`), as a user who sets neither gets them.
 
 The perplexity target is fixed by a rule stated before any DiLoCo row is read: the validation
 perplexity K-AVG reaches at its second-to-last epoch. Bytes and wall time to the target are
-summed over the epochs up to the first one at or below it.
+summed over the epochs up to the first one at or below it; the goal is judged on the medians
+over the rounds.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 
 from benchmarks.harness.home import scratch
 from benchmarks.harness.stack import local_stack, pool_trace
-from benchmarks.harness.tables import run_line, table
+from benchmarks.harness.tables import median, rounds, run_line, table
 from benchmarks.output import command_for
 
 WORKERS = 2
@@ -42,6 +44,8 @@ def add_sync_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sync-lr", type=float, default=0.05, help="part a: the inner SGD's learning rate")
     parser.add_argument("--sync-k", type=int, default=8, help="part a: K-AVG's period")
     parser.add_argument("--diloco-k", type=int, default=32, help="part a: DiLoCo's period")
+    parser.add_argument("--sync-rounds", type=int, default=3,
+                        help="part a: runs of every configuration, round-robin (every other round reversed)")
 
 
 @dataclass(frozen=True)
@@ -84,28 +88,46 @@ def reached(perplexity: list[float], target: float) -> int | None:
     return next((i + 1 for i, p in enumerate(perplexity) if p <= target), None)
 
 
-def _to_target(run, target: float) -> tuple[int | None, float, int]:
+def run_order(args: argparse.Namespace) -> list[Config]:
+    """The order of a round: K-AVG and DiLoCo at its period next to each other (the comparison
+    the goal judges), then the other rows; `rounds` reverses it every other round."""
+    rows = configs(args)
+    near = [c for c in rows if c.period == args.sync_k]
+    return near + [c for c in rows if c not in near]
+
+
+def to_target(run, target: float) -> tuple[int | None, float, int]:
+    """(epoch reached or None, seconds, bytes) up to the target (every epoch when missed): the
+    epochs' own seconds less the worker start-up each waited for (the pool's, epoch 0's), and the
+    bytes synced."""
     n = reached(run.perplexity, target)
     upto = n or len(run.perplexity)
-    return n, sum(run.seconds[:upto]), sum(run.bytes_synced[:upto])
+    return n, sum(run.seconds[:upto]) - sum(run.startup_s[:upto]), sum(run.bytes_synced[:upto])
 
 
 def part_a(args: argparse.Namespace) -> str:
-    """Run every configuration on one local stack; part a's markdown."""
-    if args.sync_epochs < 2 or min(args.sync_k, args.diloco_k, args.sync_kb) < 1 or args.sync_lr <= 0 \
-            or args.sync_seq_len < 2:
+    """Run every configuration `--sync-rounds` times on one local stack, round-robin (every other
+    round in reverse order); part a's markdown."""
+    if args.sync_epochs < 2 or min(args.sync_k, args.diloco_k, args.sync_kb, args.sync_rounds) < 1 \
+            or args.sync_lr <= 0 or args.sync_seq_len < 2:
         raise SystemExit("error: --sync-epochs and --sync-seq-len must be at least 2; --sync-k, --diloco-k, "
-                         "--sync-kb and --sync-lr positive")
-    runs, ran = [], []  # (Config, PoolRun) pairs; every PoolRun, for keeping the stack's home
+                         "--sync-kb, --sync-rounds and --sync-lr positive")
+    runs: dict[str, list] = {c.name: [] for c in configs(args)}  # name -> its PoolRuns, by round
+    ran = []  # every PoolRun, for keeping the stack's home
+
+    def trace(config: Config) -> None:
+        run = pool_trace(home, sync_params(args, config), config.name, 0)
+        ran.append(run)
+        runs[config.name].append(run)
+        print(f"round {len(runs[config.name])} {config.name:22s} {run.run_id} {run.status[:80]}: perplexity "
+              f"{' '.join(f'{p:.3f}' for p in run.perplexity)} seconds {' '.join(f'{s:.1f}' for s in run.seconds)} "
+              f"start-up {' '.join(f'{s:.1f}' for s in run.startup_s)} sync {' '.join(f'{s:.2f}' for s in run.sync_s)} "
+              f"MB {sum(run.bytes_synced) / 1e6:.2f}", flush=True)
+
     with scratch("lm-sync", keep=lambda: not all(r.ok for r in ran)) as home, local_stack(home):
-        for config in configs(args):
-            run = pool_trace(home, sync_params(args, config), config.name, 0)
-            ran.append(run)
-            runs.append((config, run))
-            print(f"{config.name:22s} {run.run_id} {run.status[:80]}: perplexity "
-                  f"{' '.join(f'{p:.3f}' for p in run.perplexity)} seconds {' '.join(f'{s:.1f}' for s in run.seconds)} "
-                  f"MB {sum(run.bytes_synced) / 1e6:.2f}", flush=True)
-    return render_sync(runs, args, command_for("benchmarks.bench_language_models"))
+        rounds({c.name: (lambda c=c: trace(c)) for c in run_order(args)}, args.sync_rounds, alternate=True)
+    return render_sync([(c, runs[c.name]) for c in configs(args)], args,
+                       command_for("benchmarks.bench_language_models"))
 
 
 def _outer_words(args: argparse.Namespace, steps: int) -> str:
@@ -128,11 +150,39 @@ def _steps(args: argparse.Namespace) -> tuple[int, int, int]:
     return len(data.train_y), len(data.val_y), steps_per_epoch(len(data.train_y), WORKERS, BATCH)
 
 
+def _seconds(values) -> str:
+    return " ".join(f"{x:.1f}" for x in values)
+
+
+def _same(runs: list, attr: str) -> bool:
+    """Whether every run of a configuration gave the same `attr` list (perplexities, bytes)."""
+    return all(getattr(r, attr) == getattr(runs[0], attr) for r in runs)
+
+
+def breakdown(runs: list, period: int, steps: int) -> dict:
+    """Per-epoch figures of a configuration's runs, medians over epochs 2.. of every run (epoch 1
+    also waits for the pool's workers to start): wall seconds, the slowest worker's compute and
+    sync seconds, the rest (wall less compute and sync: dispatch, set-up, evaluation, epoch
+    checkpoint), sync ms per round; and epoch 1's start-up."""
+    later = [(r.seconds[i], r.compute_s[i], r.sync_s[i]) for r in runs for i in range(1, len(r.seconds))]
+    per_epoch = -(-steps // period)
+    return {"wall": median(w for w, _, _ in later), "compute": median(c for _, c, _ in later),
+            "sync": median(x for _, _, x in later), "rest": median(w - c - x for w, c, x in later),
+            "sync_ms_round": median(1e3 * x / per_epoch for _, _, x in later),
+            "startup": median(r.startup_s[0] for r in runs if r.startup_s)}
+
+
 def render_sync(runs: list, args: argparse.Namespace, command: str) -> str:
-    """Part a's section: the target by its rule, one row per configuration, the goal."""
+    """Part a's section from `runs` ((Config, [PoolRun, ...] by round), in table order): the
+    target by its rule, one row per configuration, each round's times and ratios, the per-epoch
+    breakdown, the goal."""
     n_train, n_val, steps = _steps(args)
-    kavg = next(r for c, r in runs if c.name.startswith(KAVG))
+    kavg_config, kavg_runs = next((c, rs) for c, rs in runs if c.name.startswith(KAVG))
+    kavg = kavg_runs[0]
     target = kavg.perplexity[-2] if len(kavg.perplexity) >= 2 else math.nan
+    n_rounds = max(len(rs) for _, rs in runs)
+    repeat = all(_same(rs, "perplexity") and _same(rs, "bytes_synced") for _, rs in runs)
+    order = [c.name for c in run_order(args)]
     lines = [
         "## a. Sync methods on the real corpus", "",
         run_line(command), "",
@@ -140,51 +190,79 @@ def render_sync(runs: list, args: argparse.Namespace, command: str) -> str:
         f"{n_train} training and {n_val} validation blocks), {WORKERS} workers on the local pool (`zooid-local`: "
         f"one warm worker process per rank), strategy `local_sgd`, static scaling, SGD with momentum 0.9 lr "
         f"{args.sync_lr:g} (int8 syncs refuse Adam, so every row uses the same inner optimizer), batch {BATCH} per "
-        f"replica, {steps} steps per replica an epoch, {args.sync_epochs} epochs a run, seed 0 (one seed: the "
-        "time allowed; a second seed could move the epochs to target by one; with the seed fixed, the "
-        "perplexities repeat to the last digit in a second run, the seconds move with the machine's load). Each configuration is one "
-        "`train/local` flow run on one local stack, one run at a time; every figure is read from the run's "
-        "`summary.json`: rank 0's validation perplexity at each epoch end, the epoch's `seconds` (the "
-        "coordinator's clock from dispatching the epoch to the last worker's stop: training, syncs, evaluation "
-        "and checkpoint, and in the first epoch the warm workers' start-up still under way) and `bytes_synced` "
-        "(uploaded plus downloaded by both replicas to average; MB = 10^6 bytes). Every step averages "
-        "gradients in buckets during backward; K-AVG averages weights and the momentum buffers; DiLoCo takes "
-        f"an outer Nesterov step with the job's defaults (outer lr and momentum null: {_outer_words(args, steps)}, "
-        "`core.outer_defaults`); int8: per-block scales, error feedback.", "",
-        f"Target, by the rule fixed before the DiLoCo rows were read: the validation perplexity K-AVG reaches at its "
-        f"second-to-last epoch, **{target:.4f}**. Time and MB to target = sums over the epochs up to the first "
-        "at or below it.", "",
-        *table(["configuration", "epochs to target", "s to target", "MB to target", "MB / epoch", "final perplexity",
-                "perplexity per epoch", "seconds per epoch", "run"]),
+        f"replica, {steps} steps per replica an epoch, {args.sync_epochs} epochs a run, seed 0. Each configuration "
+        f"ran {n_rounds} times as a `train/local` flow run on one local stack, one run at a time, round-robin: a "
+        f"round runs {', '.join(order)}, and every other round the reverse, so K-AVG and DiLoCo at its period run "
+        "next to each other (A B, B A, A B) and a load that drifts over a round favours neither. With the seed "
+        "fixed, " + ("every run of a configuration repeated its perplexities and bytes to the last digit; "
+                     if repeat else "**the runs of a configuration did not all repeat their perplexities and bytes** "
+                     "(each round's are in the log); ") +
+        "the seconds move with the machine's load (2 cores shared with other jobs). Every figure is read from the "
+        "run's `summary.json`: rank 0's validation perplexity at each epoch end, the epoch's `seconds` (the "
+        "coordinator's clock from dispatching the epoch to the last worker's stop: set-up, training, syncs, "
+        "evaluation and checkpoint), its `startup.exposed_s` (the warm workers' start-up the first epoch waits "
+        "for), the slowest worker's `compute_s` and `sync_s`, and `bytes_synced` (uploaded plus downloaded by "
+        "both replicas to average; MB = 10^6 bytes). Every step averages gradients in buckets during backward; "
+        "K-AVG averages weights and the momentum buffers; DiLoCo takes an outer Nesterov step with the job's "
+        f"defaults (outer lr and momentum null: {_outer_words(args, steps)}, `core.outer_defaults`); int8: "
+        "per-block scales, error feedback.", "",
+        (f"Target, by the rule fixed before the DiLoCo rows were read: the validation perplexity K-AVG reaches at its "
+        f"second-to-last epoch, **{target:.4f}**. Time to target = the epochs' own seconds up to the first at or "
+        "below it, less the start-up they waited for (the pool's workers starting, before the first step: "
+        "not the method's); MB to target = the bytes synced over those epochs (exact: the same in every run)."), "",
+        *table(["configuration", "epochs to target", "s to target, median", "s to target, each round",
+                "MB to target", "MB / epoch", "final perplexity", "perplexity per epoch",
+                "seconds per epoch, each round", "runs"]),
     ]
     totals = {}
-    for config, run in runs:
-        n, s, b = _to_target(run, target)
-        totals[config.name] = (n, s, b)
-        per_epoch = sum(run.bytes_synced) / 1e6 / max(1, len(run.bytes_synced))
-        status = "" if run.ok else f" ({run.status[:120]})"
-        lines.append(f"| {config.name} | {n or 'not reached'} | {s:.1f} | {b / 1e6:.2f} | {per_epoch:.2f} | "
-                     f"{run.perplexity[-1] if run.perplexity else math.nan:.4f} | "
-                     f"{' '.join(f'{p:.3f}' for p in run.perplexity)} | {' '.join(f'{x:.1f}' for x in run.seconds)} | "
-                     f"`{run.run_id}`{status} |")
-    kn, ks, kb = totals[next(c.name for c, _ in runs if c.name.startswith(KAVG))]
-    lines += ["", "Goal: DiLoCo reaches the target with at most half of K-AVG's bytes, in no more time. Every run "
-                  "trains the same steps an epoch, so a row that needs more epochs than K-AVG is not counted as "
-                  "faster even where its seconds came out lower: on these 2 shared cores an epoch's seconds moved "
-                  "up to 3x with other jobs' load between runs, while a K-AVG round of this model costs "
-                  "milliseconds.", ""]
-    for config, _ in runs:
-        if config.outer != "nesterov":
-            continue
-        n, s, b = totals[config.name]
+    for config, rs in runs:
+        each = [to_target(r, target) for r in rs]
+        totals[config.name] = each
+        first, n = rs[0], each[0][0]
+        per_epoch = sum(first.bytes_synced) / 1e6 / max(1, len(first.bytes_synced))
+        bad = "; ".join(f"round {i + 1}: {r.status[:120]}" for i, r in enumerate(rs) if not r.ok)
+        lines.append(f"| {config.name} | {n or 'not reached'} | {median(s for _, s, _ in each):.1f} | "
+                     f"{_seconds(s for _, s, _ in each)} | {each[0][2] / 1e6:.2f} | {per_epoch:.2f} | "
+                     f"{first.perplexity[-1] if first.perplexity else math.nan:.4f} | "
+                     f"{' '.join(f'{p:.3f}' for p in first.perplexity)} | "
+                     f"{' / '.join(_seconds(r.seconds) for r in rs)} | {', '.join(f'`{r.run_id}`' for r in rs)}{f' ({bad})' if bad else ''} |")
+    diloco = [c for c, _ in runs if c.outer == "nesterov"]
+    lines += ["", "Each round's seconds to target, and each DiLoCo row's over K-AVG's in the same round:", "",
+              *table(["round", "order", kavg_config.name, *(c.name for c in diloco)])]
+    for i in range(n_rounds):
+        ks = totals[kavg_config.name][i][1] if i < len(totals[kavg_config.name]) else math.nan
+        cells = [f"{totals[c.name][i][1]:.1f} ({totals[c.name][i][1] / ks:.2f}x)" if i < len(totals[c.name])
+                 else "-" for c in diloco]
+        lines.append(f"| {i + 1} | {'reverse' if i % 2 else 'forward'} | {ks:.1f} | {' | '.join(cells)} |")
+    lines += ["", ("Where an epoch's seconds go (medians over epochs 2 to the last of every run; epoch 1 also waits for "
+                  "the pool's workers): wall = the epoch's seconds; compute and sync = the slowest worker's "
+                  "(`sync_s` is the time inside the collectives: compressing, storing the error-feedback residual, "
+                  "the puts and gets, waiting for the peer; the outer step lands in compute); rest = wall less "
+                  "both (dispatch, the worker's set-up, evaluation, the epoch checkpoint)."), "",
+              *table(["configuration", "rounds an epoch", "wall s", "compute s", "sync s", "sync ms a round",
+                      "rest s", "epoch 1 start-up s"])]
+    for config, rs in runs:
+        b = breakdown(rs, config.period, steps)
+        lines.append(f"| {config.name} | {-(-steps // config.period)} | {b['wall']:.2f} | {b['compute']:.2f} | "
+                     f"{b['sync']:.2f} | {b['sync_ms_round']:.1f} | {b['rest']:.2f} | {b['startup']:.1f} |")
+    kn, _, kb = totals[kavg_config.name][0]
+    ks = median(s for _, s, _ in totals[kavg_config.name])
+    lines += ["", (f"Goal: DiLoCo reaches the target with at most half of K-AVG's bytes, in no more time, judged on "
+                  f"the medians over the {n_rounds} rounds. Every run trains the same steps an epoch, so a row that "
+                  "needs more epochs than K-AVG is not counted as faster even where its seconds came out lower."), ""]
+    for config in diloco:
+        each = totals[config.name]
+        n, _, b = each[0]
         if not n or not kn:
             lines.append(f"- {config.name}: **not met** (target not reached)." if kn else
                          f"- {config.name}: **not judged** (K-AVG itself did not reach the target).")
             continue
-        # at equal steps an epoch, more epochs are more time on an idle machine (a K-AVG round of gpt_mini
-        # costs milliseconds, an epoch seconds); the seconds alone moved up to 3x with other jobs' load
+        s = median(x for _, x, _ in each)
+        ratios = [x / totals[kavg_config.name][i][1] for i, (_, x, _) in enumerate(each)
+                  if i < len(totals[kavg_config.name])]
         met = b <= kb / 2 and s <= ks and n <= kn
         lines.append(f"- {config.name}: **{'met' if met else 'not met'}**: {b / 1e6:.2f} MB in {s:.1f} s over {n} "
                      f"epochs against K-AVG's {kb / 1e6:.2f} MB in {ks:.1f} s over {kn} (bytes {b / kb:.2f}x, time "
-                     f"{s / ks:.2f}x; epochs, which the load from other jobs does not move, {n / kn:.2f}x).")
+                     f"{s / ks:.2f}x of the medians; per round {' '.join(f'{r:.2f}x' for r in ratios)}, median "
+                     f"{median(ratios):.2f}x; epochs {n / kn:.2f}x).")
     return "\n".join(lines)

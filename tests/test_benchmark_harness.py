@@ -136,6 +136,12 @@ def test_rounds_run_the_ops_round_robin_after_a_warm_up():
     assert rounds({"a": lambda: None}, 3, clock=lambda: 0.0) == {"a": [0.0, 0.0, 0.0]}
 
 
+def test_alternate_rounds_reverse_every_other_round():
+    calls = []
+    rounds({name: (lambda n=name: calls.append(n)) for name in "abc"}, 3, alternate=True)
+    assert calls == list("abc" "cba" "abc")
+
+
 def test_merged_body_keeps_the_parts_not_rerun(tmp_path):
     path = tmp_path / "r.md"
     path.write_text("# T\n\n## a. A\n\nold a\n\n## b. B\n\nold b\n")

@@ -74,6 +74,9 @@ class PoolRun(Trace):
     """Each epoch's worker start-up inside its `seconds` (summary `startup.exposed_s`: the first
     epoch waits for the warm workers to start; later ones find them up)."""
     workers: list[int] = field(default_factory=list)
+    compute_s: list[float] = field(default_factory=list)
+    sync_s: list[float] = field(default_factory=list)
+    """Each epoch's slowest worker's compute and sync seconds (summary `compute_s`, `sync_s`)."""
     bill_usd: float | None = None
     run_s: float = 0.0
     """Submitted to final, as the benchmark saw it (profile, plan, start-up and teardown included)."""
@@ -132,6 +135,8 @@ def pool_trace(home: Path, params: dict, name: str, seed: int) -> PoolRun:
         startup = e.get("startup") or {}
         trace.startup_s.append(float(startup.get("exposed_s", startup.get("critical_exposed_s", 0.0))))
         trace.workers.append(int(e["workers"]))
+        trace.compute_s.append(float(e.get("compute_s", 0.0)))
+        trace.sync_s.append(float(e.get("sync_s", 0.0)))
     trace.bill_usd = ledger.get("total_usd")
     trace.offers = {r["offer"]: r["unit_price_per_s"] for r in ledger.get("rows", []) if r.get("kind") == "worker"}
     deadline = time.monotonic() + 60  # the next run starts on an idle pool

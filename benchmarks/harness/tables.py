@@ -12,16 +12,19 @@ from benchmarks.output import code_state
 
 
 def rounds(ops: dict[str, Callable[[], object]], repeats: int, *, warm_up: bool = False,
-           clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
+           clock: Callable[[], float] = time.perf_counter, alternate: bool = False) -> dict[str, list[float]]:
     """Each op's seconds by `clock` over `repeats` rounds, after one unclocked round when
     `warm_up`. The ops run round-robin, one call of each a round, rather than one block each, so
-    a burst of load from other processes on the machine hits them alike."""
+    a burst of load from other processes on the machine hits them alike. With `alternate`, every
+    other round runs them in reverse order (A B, B A, A B, ...), so a load that rises or falls
+    over a round favours none of them."""
     if warm_up:
         for fn in ops.values():
             fn()
     times: dict[str, list[float]] = {name: [] for name in ops}
-    for _ in range(repeats):
-        for name, fn in ops.items():
+    for i in range(repeats):
+        order = list(ops.items())
+        for name, fn in (order[::-1] if alternate and i % 2 else order):
             start = clock()
             fn()
             times[name].append(clock() - start)
