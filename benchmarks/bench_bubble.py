@@ -103,6 +103,9 @@ from benchmarks.output import Provenance, provenance, write_result
 from core.keys import checkpoint_key, init_checkpoint_key
 
 RESULTS = REPO / "benchmarks" / "results" / "bubble.md"
+SOURCES = ("core", "comm", "engine", "runtime", "requirements.lock", "benchmarks/harness/workers.py")
+"""The code it measures (the pipeline executor in instrumented worker processes): its results file is stale
+once one of these changed since the commit the file names (`benchmarks.staleness`)."""
 MODEL = "benchmarks.bench_bubble:uniform_mlp"
 WIDTH, BLOCKS, BATCH, LR, SEED = 4096, 8, 128, 0.01, 0
 """Defaults; `--width` and `--batch` change the block width and the batch."""

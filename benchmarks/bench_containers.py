@@ -36,10 +36,14 @@ from benchmarks.harness.overhead import DETAIL, epoch_rows, summarise_rows
 from benchmarks.harness.stack import local_stack
 from benchmarks.harness.tables import fmt, median, table
 from benchmarks.harness.train import digits_job
-from benchmarks.output import command_for, provenance, write_result
+from benchmarks.output import SOURCE, command_for, provenance, write_result
 from core.keys import summary_key, warm_prefix
 
 RESULTS = Path(__file__).resolve().parent / "results" / "containers.md"
+SOURCES = (*SOURCE, "benchmarks/harness/stack.py", "benchmarks/harness/train.py", "benchmarks/harness/overhead.py")
+"""The code it measures (the whole project: train runs on the docker target and the process pool): its
+results file is stale once one of these changed since the commit the file names
+(`benchmarks.staleness`)."""
 TITLE = "Workers in containers: docker target against the process pool"
 GOAL_DELTA_S = 0.2
 WORKERS = 2

@@ -48,6 +48,9 @@ from core.specs import SyncSpec
 from engine.local_sgd import steps_per_epoch
 
 RESULTS = Path(__file__).resolve().parent / "results" / "diloco_defaults.md"
+SOURCES = ("core", "comm", "engine", "requirements.lock", "benchmarks/harness/replicas.py")
+"""The code it measures (Local-SGD replicas as threads of this process): its results file is stale once one
+of these changed since the commit the file names (`benchmarks.staleness`)."""
 WORKERS, BATCH, EPOCHS, OPTIMIZER, LR, DATASET = 2, 16, 6, "momentum", 0.05, "digits"
 CONVNET = "benchmarks.bench_diloco_defaults:digits_convnet"
 SETUP_A = ("A (tuned on)", (CONVNET,), (0, 1, 2), (1, 2, 4, 8, 16, 32, None))

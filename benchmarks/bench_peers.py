@@ -51,10 +51,13 @@ from benchmarks.harness.home import REPO, scratch
 from benchmarks.harness.stack import local_stack
 from benchmarks.harness.tables import median
 from benchmarks.harness.train import run_train
-from benchmarks.output import command_for, provenance, write_result
+from benchmarks.output import SOURCE, command_for, provenance, write_result
 from core.keys import ledger_key
 
 RESULTS = Path(__file__).resolve().parent / "results" / "peers.md"
+SOURCES = (*SOURCE, "benchmarks/harness/stack.py", "benchmarks/harness/train.py")
+"""The code it measures (the whole project: the train flow on the local stack): its results file is stale
+once one of these changed since the commit the file names (`benchmarks.staleness`)."""
 TITLE = "Ahead of Ray Train? The same job, side by side"
 WHEELS = REPO / "worker_images" / "wheels"
 RAY_VERSION = "2.60.0"

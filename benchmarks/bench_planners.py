@@ -35,6 +35,9 @@ from planners.worker_count import (InstanceType, LossModel, ProvisionProblem, ev
                                 plan_provision)
 
 RESULTS = Path(__file__).resolve().parent / "results" / "planners_partition_provision.md"
+SOURCES = ("planners", "core", "requirements.lock")
+"""The code it measures (the planners alone): its results file is stale once one of these changed since the
+commit the file names (`benchmarks.staleness`)."""
 TITLE = "Planners: partition, hybrid, provision"
 
 def timed(fn, repeats: int):

@@ -59,10 +59,13 @@ from benchmarks.harness.home import REPO, scratch
 from benchmarks.harness.stack import local_stack, pool_summary
 from benchmarks.harness.tables import fmt, median, table
 from benchmarks.harness.train import digits_job
-from benchmarks.output import command_for, provenance, write_result
+from benchmarks.output import SOURCE, command_for, provenance, write_result
 
 RESULTS = REPO / "benchmarks" / "results" / "prediction.md"
 GPU_RESULTS = REPO / "benchmarks" / "results" / "prediction_gpu.md"
+SOURCES = (*SOURCE, "benchmarks/prediction_models.py", "benchmarks/harness/stack.py", "benchmarks/harness/train.py")
+"""The code it measures (the whole project: plans and the train flow's runs): its results file is stale
+once one of these changed since the commit the file names (`benchmarks.staleness`)."""
 GPU_COMMAND = f".venv/bin/python -m benchmarks.bench_prediction --models --gpu --out {GPU_RESULTS.relative_to(REPO)}"
 """The GPU figures alone, in a results file of their own (a CUDA machine runs no CPU model here)."""
 TITLE = "Profiling and prediction: epoch wall and run cost, predicted vs measured"

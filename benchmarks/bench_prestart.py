@@ -41,9 +41,12 @@ from benchmarks.harness.home import scratch
 from benchmarks.harness.stack import local_stack
 from benchmarks.harness.tables import median, table
 from benchmarks.harness.train import run_train
-from benchmarks.output import command_for, money, provenance, write_result
+from benchmarks.output import SOURCE, command_for, money, provenance, write_result
 
 RESULTS = Path(__file__).resolve().parent / "results" / "prestart.md"
+SOURCES = (*SOURCE, "benchmarks/harness/stack.py", "benchmarks/harness/train.py")
+"""The code it measures (the whole project: the train flow on the local stack): its results file is stale
+once one of these changed since the commit the file names (`benchmarks.staleness`)."""
 MODEL = "digits_mlp"
 FIRST_PRESTARTABLE = 2
 """The first epoch pre-start can launch early: it needs one measured epoch's start-up and length."""

@@ -35,6 +35,9 @@ from comm.store_dir import DirectoryStore
 from deployments.server import free_port
 
 RESULTS = Path(__file__).resolve().parent / "results" / "ring.md"
+SOURCES = ("comm", "core", "requirements.lock")
+"""The code it measures (the ring's transport beside gloo): its results file is stale once one of these
+changed since the commit the file names (`benchmarks.staleness`)."""
 TITLE = "The CPU ring's transport: TCP connections beside gloo"
 SIZES = {"4 KB": 1_000, "153 KB": 38_282, "4 MB": 1_000_000, "40 MB": 10_000_000}
 

@@ -42,6 +42,9 @@ from deployments.server import free_port
 
 MB = 1_000_000
 RESULTS = REPO / "benchmarks" / "results" / "stores.md"
+SOURCES = ("comm", "core", "requirements.lock", "benchmarks/harness/servers.py")
+"""The code it measures (the stores against their servers): its results file is stale once one of these
+changed since the commit the file names (`benchmarks.staleness`)."""
 AZURITE = REPO / ".azurite" / "node_modules" / ".bin" / "azurite-blob"
 AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
 

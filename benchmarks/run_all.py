@@ -6,6 +6,11 @@ the commit measured. `SECTIONS` names each results file's script and the exact a
 file was produced with; this script runs them one after another with those arguments (they are
 long: well over an hour in all on 2 cores) and stitches the results under one heading per issue.
 `python -m benchmarks.run_all --assemble-only` only rebuilds BENCHMARKS.md.
+
+Each script declares the sources it measures (`SOURCES`; `benchmarks.staleness`):
+`python -m benchmarks.run_all --stale` lists the results files whose sources changed since the
+commit their `Code:` line names, and runs nothing; `--only-stale` reruns only those, then rebuilds
+BENCHMARKS.md.
 """
 from __future__ import annotations
 
@@ -14,6 +19,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from benchmarks.staleness import Staleness, staleness
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -33,6 +40,10 @@ class Section:
     @property
     def path(self) -> Path:
         return RESULTS / f"{self.result}.md"
+
+    @property
+    def script(self) -> Path:
+        return ROOT / "benchmarks" / f"{self.module}.py"
 
     @property
     def command(self) -> str:
@@ -91,14 +102,44 @@ def assemble() -> str:
     return "\n\n".join(parts) + "\n"
 
 
+def stale_sections() -> list[tuple[Section, Staleness]]:
+    """Each section whose results file is stale (or missing), with why."""
+    out = []
+    for section in SECTIONS:
+        if not section.path.exists():
+            out.append((section, Staleness(section.path, section.script, None, reason="not measured yet")))
+            continue
+        found = staleness(section.path, section.script, ROOT)
+        if found.stale:
+            out.append((section, found))
+    return out
+
+
+def stale_report(stale: list[tuple[Section, Staleness]]) -> str:
+    """One line per stale results file: the file, why, and the changed sources (the first few)."""
+    lines = []
+    for section, found in stale:
+        shown = ", ".join(found.changed[:6]) + (f", +{len(found.changed) - 6} more" if len(found.changed) > 6 else "")
+        line = f"stale  {section.path.relative_to(RESULTS.parents[1])}: {found.reason}"
+        lines.append(line + (f" ({shown})" if shown else ""))
+    return "\n".join(lines + [f"{len(stale)} of {len(SECTIONS)} results files stale"])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run_all", description=__doc__.splitlines()[0])
     parser.add_argument("--assemble-only", action="store_true")
+    parser.add_argument("--stale", action="store_true",
+                        help="list the results files whose declared sources changed since their Code: commit; run nothing")
+    parser.add_argument("--only-stale", action="store_true", help="rerun only the stale results files")
     args = parser.parse_args(argv)
+    if args.stale:
+        print(stale_report(stale_sections()))
+        return 0
     if not args.assemble_only:
         import torch
 
-        for section in SECTIONS:
+        chosen = [s for s, _ in stale_sections()] if args.only_stale else SECTIONS
+        for section in chosen:
             if section.gpu and not torch.cuda.is_available():
                 print(f"== skipped (no CUDA device; {section.path.name} kept): {section.command}", flush=True)
                 continue

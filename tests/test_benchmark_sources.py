@@ -1,0 +1,150 @@
+"""Every benchmark declares the sources it measures, and `run_all --stale` names the results files
+whose sources changed since the commit they were measured at (`benchmarks.staleness`).
+
+The declarations are read with `ast` (no benchmark is imported or run); staleness is checked in a
+small git repository made here, and `run_all` is driven with its subprocess replaced.
+"""
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from benchmarks import run_all
+from benchmarks.output import SOURCE
+from benchmarks.staleness import code_commit, declared_sources, staleness
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in BENCH.glob("bench_*.py")))
+def test_every_benchmark_declares_the_sources_it_measures(script):
+    sources = declared_sources((BENCH / script).read_text())
+    assert sources, f"benchmarks/{script} declares no SOURCES (the paths whose code it measures)"
+    for spec in sources:
+        found = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "--", spec], cwd=ROOT,
+                               capture_output=True, text=True, check=True).stdout
+        assert found.strip(), f"benchmarks/{script}: SOURCES names {spec!r}, which matches no file"
+
+
+def test_a_declaration_may_unpack_the_whole_project():
+    text = 'from benchmarks.output import SOURCE\nSOURCES = (*SOURCE, "benchmarks/harness/train.py")\n'
+    assert declared_sources(text) == (*SOURCE, "benchmarks/harness/train.py")
+    assert declared_sources("RESULTS = 'x.md'\n") == ()
+    with pytest.raises(ValueError, match="strings and \\*SOURCE only"):
+        declared_sources("SOURCES = (ROOT / 'engine',)\n")
+
+
+@pytest.mark.parametrize("line, commit", [
+    ("Code: `95a13bcec7ce`; no change to the project's source under way.", "95a13bcec7ce"),
+    ("Code: `3d60ecd21f7b` at the start, `5039fa6cf997` at the end (committed during the run).", "3d60ecd21f7b"),
+    ("Code: 23734c123960  ", "23734c123960"),
+    ("Command: `x`", None),
+])
+def test_the_commit_a_results_file_names(line, commit):
+    assert code_commit(f"# T\n\nCommand: `c`\n{line}\n") == commit
+
+
+class Repo:
+    """A git repository with a benchmark, the code it measures, and its results file."""
+
+    SCRIPT = 'SOURCES = ("engine",)\n"""What it measures."""\n\nRESULTS = "x.md"\n\n\ndef main():\n    return 1\n'
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.git("init", "-q")
+        self.write("engine/a.py", "A = 1\n")
+        self.write("docs/x.md", "x\n")
+        self.write("benchmarks/bench_x.py", self.SCRIPT)
+        self.measured = self.commit("first")
+        self.result = root / "results.md"
+        self.result.write_text(f"# X\n\nCommand: `c`\nCode: `{self.measured[:12]}`; no change.\n")
+
+    def git(self, *args: str) -> str:
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=self.root,
+                              capture_output=True, text=True, check=True).stdout.strip()
+
+    def write(self, name: str, text: str) -> None:
+        (self.root / name).parent.mkdir(parents=True, exist_ok=True)
+        (self.root / name).write_text(text)
+
+    def commit(self, message: str) -> str:
+        self.git("add", "-A")
+        self.git("commit", "-q", "-m", message)
+        return self.git("rev-parse", "HEAD")
+
+    def staleness(self):
+        return staleness(self.result, self.root / "benchmarks" / "bench_x.py", self.root)
+
+
+def test_a_results_file_goes_stale_when_a_declared_source_changes(tmp_path):
+    repo = Repo(tmp_path)
+    assert not repo.staleness().stale
+
+    repo.write("docs/x.md", "y\n")  # not a declared source
+    repo.write("benchmarks/bench_x.py", Repo.SCRIPT.replace('("engine",)', '("engine", "comm")')
+               .replace("def main():", "# the entry point\ndef main():"))  # its declaration and a comment
+    repo.commit("docs, declaration")
+    assert not repo.staleness().stale
+
+    repo.write("engine/a.py", "A = 2\n")
+    repo.commit("engine")
+    found = repo.staleness()
+    assert found.stale and found.changed == ("engine/a.py",)
+    assert found.reason == f"1 source file(s) changed since {repo.measured[:12]}"
+
+
+def test_a_change_to_the_script_itself_makes_it_stale(tmp_path):
+    repo = Repo(tmp_path)
+    repo.write("benchmarks/bench_x.py", Repo.SCRIPT.replace("return 1", "return 2"))
+    repo.commit("measure otherwise")
+
+    assert repo.staleness().changed == ("benchmarks/bench_x.py",)
+
+
+def test_a_results_file_without_a_known_commit_is_stale(tmp_path):
+    repo = Repo(tmp_path)
+    repo.result.write_text("# X\n\nCommand: `c`\n")
+    assert repo.staleness().reason == "its header names no Code: commit"
+    repo.result.write_text("# X\n\nCode: `0123456789ab`\n")
+    assert repo.staleness().reason == "commit 0123456789ab is not in this repository"
+
+
+def _fake_sections(monkeypatch, tmp_path, stale: set[str]):
+    """run_all with two sections, `stale` of them stale, its subprocess recorded and its BENCHMARKS.md in tmp."""
+    sections = [run_all.Section("A", "bench_planners", "planners_partition_provision"),
+                run_all.Section("B", "bench_ring", "ring")]
+    monkeypatch.setattr(run_all, "SECTIONS", sections)
+    monkeypatch.setattr(run_all, "ROOT", tmp_path)
+
+    def fake_staleness(result, script, root):
+        reason = "1 source file(s) changed since abc" if result.stem in stale else ""
+        return run_all.Staleness(result, script, "abc", ("comm/x.py",) if reason else (), reason)
+
+    monkeypatch.setattr(run_all, "staleness", fake_staleness)
+    ran: list[list[str]] = []
+    monkeypatch.setattr(run_all, "subprocess", SimpleNamespace(run=lambda cmd, **kw: ran.append(cmd[2:])))
+    return ran
+
+
+def test_stale_lists_and_runs_nothing(monkeypatch, tmp_path, capsys):
+    ran = _fake_sections(monkeypatch, tmp_path, {"ring"})
+
+    assert run_all.main(["--stale"]) == 0
+
+    assert ran == [] and not (tmp_path / "BENCHMARKS.md").exists()
+    assert capsys.readouterr().out.splitlines() == [
+        "stale  benchmarks/results/ring.md: 1 source file(s) changed since abc (comm/x.py)",
+        "1 of 2 results files stale"]
+
+
+def test_only_stale_reruns_only_the_stale_results(monkeypatch, tmp_path):
+    ran = _fake_sections(monkeypatch, tmp_path, {"ring"})
+
+    assert run_all.main(["--only-stale"]) == 0
+
+    assert ran == [["benchmarks.bench_ring"]]
+    assert (tmp_path / "BENCHMARKS.md").read_text().startswith("# Zooid benchmarks")
