@@ -28,7 +28,8 @@ SIZES = [4, 8, 12, 16, 24, 32]
 DEGREES = [1, 2, 4, 8, 16, 32]
 WEIGHTS = [1.0, 5e-4]          # dollars per iteration + 5e-4 dollars per second of iteration
 RESULTS = Path(__file__).resolve().parent / "results" / "co_optimize.md"
-SOURCES = ("planners", "core", "requirements.lock")
+SOURCES = ("core/errors.py", "core/stage_memory.py", "planners/checks.py", "planners/co_optimize*.py",
+           "requirements.lock", "benchmarks/harness/tables.py")
 """The code it measures (the co-optimisers alone): its results file is stale once one of these changed
 since the commit the file names (`benchmarks.staleness`)."""
 GUROBI_QUADRATIC_LIMIT = 200

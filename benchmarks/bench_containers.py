@@ -40,7 +40,8 @@ from benchmarks.output import SOURCE, command_for, provenance, write_result
 from core.keys import summary_key, warm_prefix
 
 RESULTS = Path(__file__).resolve().parent / "results" / "containers.md"
-SOURCES = (*SOURCE, "benchmarks/harness/stack.py", "benchmarks/harness/train.py", "benchmarks/harness/overhead.py")
+SOURCES = (*SOURCE, "benchmarks/harness/stack.py", "benchmarks/harness/replicas.py",
+           "benchmarks/harness/train.py", "benchmarks/harness/overhead.py", "benchmarks/harness/tables.py")
 """The code it measures (the whole project: train runs on the docker target and the process pool): its
 results file is stale once one of these changed since the commit the file names
 (`benchmarks.staleness`)."""

@@ -48,7 +48,8 @@ from core.specs import SyncSpec
 from engine.local_sgd import steps_per_epoch
 
 RESULTS = Path(__file__).resolve().parent / "results" / "diloco_defaults.md"
-SOURCES = ("core", "comm", "engine", "requirements.lock", "benchmarks/harness/replicas.py")
+SOURCES = ("core", "comm", "engine", "requirements.lock", "benchmarks/harness/replicas.py",
+           "benchmarks/harness/tables.py")
 """The code it measures (Local-SGD replicas as threads of this process): its results file is stale once one
 of these changed since the commit the file names (`benchmarks.staleness`)."""
 WORKERS, BATCH, EPOCHS, OPTIMIZER, LR, DATASET = 2, 16, 6, "momentum", 0.05, "digits"

@@ -34,8 +34,8 @@ from benchmarks.lm_sync import add_sync_arguments, part_a
 from benchmarks.output import SOURCE, command_for, money, provenance, write_result
 
 RESULTS = Path(__file__).resolve().parent / "results" / "language_models.md"
-SOURCES = (*SOURCE, "benchmarks/lm_plain.py", "benchmarks/lm_sync.py", "benchmarks/lm_shapes.py",
-           "benchmarks/harness/replicas.py", "benchmarks/harness/stack.py", "benchmarks/harness/servers.py")
+SOURCES = (*SOURCE, "benchmarks/lm_plain.py", "benchmarks/lm_sync.py", "benchmarks/harness/stack.py",
+           "benchmarks/harness/replicas.py", "benchmarks/harness/servers.py", "benchmarks/harness/tables.py")
 """The code it measures (sync methods on the local stack, plain PyTorch, and the planner on the seeds'
 workloads): its results file is stale once one of these changed since the commit the file names
 (`benchmarks.staleness`)."""

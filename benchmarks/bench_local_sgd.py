@@ -63,7 +63,8 @@ from engine.models import build_model
 from engine.optimizers import build_optimizer
 
 RESULTS = Path(__file__).resolve().parent / "results" / "local_sgd.md"
-SOURCES = (*SOURCE, "benchmarks/harness/replicas.py", "benchmarks/harness/stack.py")
+SOURCES = (*SOURCE, "benchmarks/harness/stack.py", "benchmarks/harness/replicas.py",
+           "benchmarks/harness/tables.py")
 """The code it measures (replicas in this process and runs on the local stack's pool): its results file is
 stale once one of these changed since the commit the file names (`benchmarks.staleness`)."""
 MODEL, DATASET, OPTIMIZER, LR = "digits_mlp", "digits", "momentum", 0.05

@@ -61,7 +61,8 @@ from benchmarks.harness.train import DIGITS_BATCH, DIGITS_LR, digits_job, run_tr
 from benchmarks.output import SOURCE, provenance, write_result
 
 RESULTS = Path(__file__).resolve().parent / "results" / "orchestration.md"
-SOURCES = (*SOURCE, "benchmarks/harness/stack.py", "benchmarks/harness/train.py", "benchmarks/harness/overhead.py")
+SOURCES = (*SOURCE, "benchmarks/harness/stack.py", "benchmarks/harness/replicas.py",
+           "benchmarks/harness/train.py", "benchmarks/harness/overhead.py", "benchmarks/harness/tables.py")
 """The code it measures (the whole project: the train flow on the local stack): its results file is stale
 once one of these changed since the commit the file names (`benchmarks.staleness`)."""
 TITLE = "Orchestration overhead per epoch: warm vs cold workers, inline and process pool"

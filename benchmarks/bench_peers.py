@@ -55,7 +55,8 @@ from benchmarks.output import SOURCE, command_for, provenance, write_result
 from core.keys import ledger_key
 
 RESULTS = Path(__file__).resolve().parent / "results" / "peers.md"
-SOURCES = (*SOURCE, "benchmarks/harness/stack.py", "benchmarks/harness/train.py")
+SOURCES = (*SOURCE, "benchmarks/harness/stack.py", "benchmarks/harness/replicas.py",
+           "benchmarks/harness/train.py", "benchmarks/harness/tables.py")
 """The code it measures (the whole project: the train flow on the local stack): its results file is stale
 once one of these changed since the commit the file names (`benchmarks.staleness`)."""
 TITLE = "Ahead of Ray Train? The same job, side by side"

@@ -63,7 +63,8 @@ from benchmarks.output import SOURCE, command_for, provenance, write_result
 
 RESULTS = REPO / "benchmarks" / "results" / "prediction.md"
 GPU_RESULTS = REPO / "benchmarks" / "results" / "prediction_gpu.md"
-SOURCES = (*SOURCE, "benchmarks/prediction_models.py", "benchmarks/harness/stack.py", "benchmarks/harness/train.py")
+SOURCES = (*SOURCE, "benchmarks/prediction_models.py", "benchmarks/harness/stack.py",
+           "benchmarks/harness/replicas.py", "benchmarks/harness/train.py", "benchmarks/harness/tables.py")
 """The code it measures (the whole project: plans and the train flow's runs): its results file is stale
 once one of these changed since the commit the file names (`benchmarks.staleness`)."""
 GPU_COMMAND = f".venv/bin/python -m benchmarks.bench_prediction --models --gpu --out {GPU_RESULTS.relative_to(REPO)}"

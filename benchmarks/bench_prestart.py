@@ -44,7 +44,8 @@ from benchmarks.harness.train import run_train
 from benchmarks.output import SOURCE, command_for, money, provenance, write_result
 
 RESULTS = Path(__file__).resolve().parent / "results" / "prestart.md"
-SOURCES = (*SOURCE, "benchmarks/harness/stack.py", "benchmarks/harness/train.py")
+SOURCES = (*SOURCE, "benchmarks/harness/stack.py", "benchmarks/harness/replicas.py",
+           "benchmarks/harness/train.py", "benchmarks/harness/tables.py")
 """The code it measures (the whole project: the train flow on the local stack): its results file is stale
 once one of these changed since the commit the file names (`benchmarks.staleness`)."""
 MODEL = "digits_mlp"

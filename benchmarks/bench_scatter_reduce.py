@@ -44,7 +44,10 @@ from core.keys import run_key
 
 MB = 1_000_000
 RESULTS = Path(__file__).resolve().parent / "results" / "scatter_reduce.md"
-SOURCES = ("comm", "core", "planners", "requirements.lock", "benchmarks/harness/servers.py")
+SOURCES = ("comm", "core/errors.py", "core/keys.py", "core/outer_sync.py", "core/process_start.py",
+           "core/store_ops.py", "planners/checks.py", "planners/sync_time.py", "deployments/server.py",
+           "deployments/prefect_db.py", "requirements.lock", "benchmarks/harness/servers.py",
+           "benchmarks/harness/tables.py")
 """The code it measures (the collectives over the stores, and the planner's prediction of them): its
 results file is stale once one of these changed since the commit the file names
 (`benchmarks.staleness`)."""

@@ -125,6 +125,12 @@ def stale_report(stale: list[tuple[Section, Staleness]]) -> str:
     return "\n".join(lines + [f"{len(stale)} of {len(SECTIONS)} results files stale"])
 
 
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run_all", description=__doc__.splitlines()[0])
     parser.add_argument("--assemble-only", action="store_true")
@@ -136,11 +142,9 @@ def main(argv: list[str] | None = None) -> int:
         print(stale_report(stale_sections()))
         return 0
     if not args.assemble_only:
-        import torch
-
         chosen = [s for s, _ in stale_sections()] if args.only_stale else SECTIONS
         for section in chosen:
-            if section.gpu and not torch.cuda.is_available():
+            if section.gpu and not _cuda():
                 print(f"== skipped (no CUDA device; {section.path.name} kept): {section.command}", flush=True)
                 continue
             print(f"== {section.command}", flush=True)

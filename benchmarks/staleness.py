@@ -2,11 +2,12 @@
 their `Code:` line names.
 
 Each `benchmarks/bench_*.py` declares in a module constant `SOURCES` the paths whose code its
-measurement runs, as git pathspecs relative to the repository root (a folder, a file, a glob);
-`*SOURCE` unpacks `benchmarks.output.SOURCE`, the whole project a run imports, for a benchmark that
-runs the train flow. Declare what the measurement runs (the project's packages, the harness pieces
-that start and time it: `train`, `stack`, `replicas`, `workers`, `servers`, `overhead`, helper
-modules, `requirements.lock` for the libraries), not what only formats its tables.
+measurement runs, as git pathspecs relative to the repository root (a folder, a file, a glob):
+every file it imports, transitively, but its results file's header (`benchmarks/output.py`) and
+its temporary folder (`benchmarks/harness/home.py`) (`tests/test_benchmark_sources.py` checks the
+cover), what it runs without importing it (a model by import path; `*SOURCE` unpacks
+`benchmarks.output.SOURCE`, the whole project, for a benchmark that runs the train flow), and
+`requirements.lock` for the libraries.
 
 A results file is stale when:
 

@@ -6,7 +6,10 @@ small git repository made here, and `run_all` is driven with its subprocess repl
 """
 from __future__ import annotations
 
+import ast
 import subprocess
+from fnmatch import fnmatch
+from functools import cache
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -28,6 +31,64 @@ def test_every_benchmark_declares_the_sources_it_measures(script):
         found = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "--", spec], cwd=ROOT,
                                capture_output=True, text=True, check=True).stdout
         assert found.strip(), f"benchmarks/{script}: SOURCES names {spec!r}, which matches no file"
+
+
+NOT_MEASURED = ("benchmarks/output.py", "benchmarks/harness/home.py")
+"""Modules a script imports that change no figure: the results file's header, the temporary folder."""
+
+
+def _module_file(name: str) -> Path | None:
+    path = ROOT.joinpath(*name.split("."))
+    for candidate in (path.with_suffix(".py"), path / "__init__.py"):
+        if candidate.exists():
+            return candidate
+    return None
+
+
+@cache
+def _imports(path: Path) -> frozenset[str]:
+    """Every module `path` imports, at any depth of its code (a lazy import counts)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return frozenset(out)
+
+
+def imported_files(script: Path) -> set[str]:
+    """The repository's files a script imports, transitively (each package's `__init__` too)."""
+    seen: set[Path] = set()
+    todo = [script]
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        for name in _imports(path):
+            parts = name.split(".")
+            todo += [f for f in (_module_file(".".join(parts[:i])) for i in range(1, len(parts) + 1)) if f]
+    return {p.relative_to(ROOT).as_posix() for p in seen - {script}}
+
+
+def _covered(path: str, specs: tuple[str, ...]) -> bool:
+    return any(path == s or path.startswith(s.rstrip("/") + "/") or fnmatch(path, s) for s in specs)
+
+
+def _docstring_only(path: str) -> bool:
+    body = ast.parse((ROOT / path).read_text()).body
+    return all(isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) for n in body)
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in BENCH.glob("bench_*.py")))
+def test_the_declared_sources_cover_everything_the_script_imports(script):
+    """What a script imports, transitively, it measures: its SOURCES cover every such file but the
+    header and the temporary folder, and packages' `__init__` files that hold no code."""
+    sources = declared_sources((BENCH / script).read_text())
+    missing = sorted(f for f in imported_files(BENCH / script)
+                     if f not in NOT_MEASURED and not _covered(f, sources) and not _docstring_only(f))
+    assert not missing, f"benchmarks/{script} imports {missing}, which its SOURCES do not name"
 
 
 def test_a_declaration_may_unpack_the_whole_project():
