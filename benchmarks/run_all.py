@@ -84,7 +84,8 @@ Every number below was measured by the command printed with it, on the machine n
 it and, where a `Code:` line names one, at that commit, while other work shared the cores, so
 absolute wall times are noisy; comparisons were measured side by side in one run. `make bench` reruns everything with
 those commands and rebuilds this file (`python -m benchmarks.run_all`); each section is the
-result file `benchmarks/results/<name>.md` its script wrote.
+result file `benchmarks/results/<name>.md` its script wrote. `python -m benchmarks.run_all --stale`
+lists the sections whose measured sources changed since the commit their `Code:` line names.
 """
 
 
