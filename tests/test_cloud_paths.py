@@ -1,11 +1,13 @@
 """The cloud path end to end, per provider: `coordinator.workers.epoch_run.bill_from_cloud_clock` and
 `coordinator.workers.cleanup.teardown_run` through the real adapter (`clouds.registry.adapter_for` on a
-`ComputeTarget` of the provider's kind), with the cloud faked at its HTTP boundary by recorded
-answers: ECS through botocore (wire JSON, parsed by botocore), ACI through the Azure SDK's
-transport (`tests.test_cloud_aci.FakeArm`), Kubernetes through kubernetes_asyncio against a
-fake API server (`tests.test_cloud_k8s.FakeKubernetes`), docker through docker-py against a
-fake engine (`tests.fake_docker_engine.FakeEngine`). Only the session factory of each
-adapter is replaced, so the adapters' own listing, parsing, stopping and sweeping run.
+`ComputeTarget` of the provider's kind), with the cloud faked at its HTTP boundary: ECS through
+botocore (wire JSON, parsed by botocore), ACI through the Azure SDK's transport
+(`tests.test_cloud_aci.FakeArm`), Kubernetes through kubernetes_asyncio against a fake API server
+(`tests.test_cloud_k8s.FakeKubernetes`), docker through docker-py against a fake engine
+(`tests.fake_docker_engine.FakeEngine`, answering from podman's recorded `inspect` documents).
+The ECS, ACI and Kubernetes answers are written for the tests, not recorded, and each is held to
+the provider SDK's schema before the adapter sees it (`tests.provider_schemas`). Only the session
+factory of each adapter is replaced, so the adapters' own listing, parsing, stopping and sweeping run.
 
 One scenario for every provider, epoch 0 of a run with three ranks:
 
