@@ -150,6 +150,24 @@ class AzureBlobStore(Store):
                 return False
             raise self._fail("head", key, e) from e
 
+    def _size(self, key: str) -> int | None:
+        try:
+            return int(self.blobs.get_blob_client(self.prefix + key).get_blob_properties().size)
+        except AzureError as e:
+            if _code(e) == "BlobNotFound":
+                return None
+            raise self._fail("head", key, e) from e
+
+    def _read_range(self, key: str, start: int, length: int) -> bytes | None:
+        try:
+            return self.blobs.download_blob(self.prefix + key, offset=start, length=length).readall()
+        except AzureError as e:
+            if _code(e) == "BlobNotFound":
+                return None
+            if _code(e) == "InvalidRange":  # starts past the end
+                return b""
+            raise self._fail("get", key, e) from e
+
     def _names(self, prefix: str) -> list[str]:
         """Full blob names under `prefix`."""
         try:

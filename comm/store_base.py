@@ -211,6 +211,37 @@ class Store(abc.ABC):
         finally:
             self._count("head", 1)
 
+    def size(self, key: str) -> int:
+        """The bytes under `key`, without reading them (KeyError when absent)."""
+        check_key(key)
+        try:
+            n = self._size(key)
+        finally:
+            self._count("head", 1)
+        if n is None:
+            raise KeyError(key)
+        return n
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        """`length` bytes of the value under `key` from byte `start` (fewer where the value
+        ends first), without reading the rest: a reader of a large file takes only its part.
+        KeyError when absent; never waits."""
+        check_key(key)
+        if not (isinstance(start, int) and isinstance(length, int)) or start < 0 or length < 0:
+            raise ZooidValueError("range", f"start and length must be integers >= 0, got {start!r}, {length!r}")
+        began = time.monotonic()
+        try:
+            data = self._read_range(key, start, length) if length else (b"" if self._exists(key) else None)
+        except Exception:
+            self._count("miss" if length else "head", 1)
+            raise
+        self._count("head" if not length else "get" if data is not None else "miss", 1)
+        if data is None:
+            raise KeyError(key)
+        self.link.download(began, len(data))
+        self._count("get", 0, bytes_out=len(data))
+        return data
+
     def list(self, prefix: str) -> list[str]:
         """Every key that starts with `prefix`, sorted."""
         keys = self._list(check_key(prefix, field="prefix", prefix=True))
@@ -269,6 +300,18 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def _exists(self, key: str) -> bool:
         """Whether a validated key is present."""
+
+    def _size(self, key: str) -> int | None:
+        """The length of the value under a validated key, or None when absent (by reading it,
+        unless a store can ask)."""
+        data = self._read(key)
+        return None if data is None else len(data)
+
+    def _read_range(self, key: str, start: int, length: int) -> bytes | None:
+        """Bytes [start, start + length) of the value under a validated key (fewer at its end),
+        or None when absent (by reading all of it, unless a store can read a range)."""
+        data = self._read(key)
+        return None if data is None else data[start : start + length]
 
     @abc.abstractmethod
     def _list(self, prefix: str) -> list[str]:

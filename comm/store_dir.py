@@ -116,6 +116,20 @@ class DirectoryStore(Store):
     def _exists(self, key: str) -> bool:
         return self._path(key).is_file()
 
+    def _size(self, key: str) -> int | None:
+        path = self._path(key)
+        return path.stat().st_size if path.is_file() else None
+
+    def _read_range(self, key: str, start: int, length: int) -> bytes | None:
+        try:
+            with open(self._path(key), "rb") as f:
+                f.seek(start)
+                return f.read(length)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            return None
+        except OSError as e:
+            raise StoreError(f"cannot read {key!r} from {self.root}: {e}") from e
+
     def _list(self, prefix: str) -> list[str]:
         # Walk only the deepest directory the prefix fully names, then filter by string.
         head = prefix.rsplit("/", 1)[0] if "/" in prefix else ""

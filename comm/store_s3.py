@@ -124,6 +124,30 @@ class S3Store(Store):
         except botocore.exceptions.BotoCoreError as e:
             raise self._fail("head", key, e) from e
 
+    def _size(self, key: str) -> int | None:
+        try:
+            return int(self.client.head_object(Bucket=self.bucket, Key=self.prefix + key)["ContentLength"])
+        except botocore.exceptions.ClientError as e:
+            if _code(e) in ("NoSuchKey", "404", "NotFound"):
+                return None
+            raise self._fail("head", key, e) from e
+        except botocore.exceptions.BotoCoreError as e:
+            raise self._fail("head", key, e) from e
+
+    def _read_range(self, key: str, start: int, length: int) -> bytes | None:
+        try:
+            response = self.client.get_object(Bucket=self.bucket, Key=self.prefix + key,
+                                              Range=f"bytes={start}-{start + length - 1}")
+            return response["Body"].read()
+        except botocore.exceptions.ClientError as e:
+            if _code(e) in ("NoSuchKey", "404"):
+                return None
+            if _code(e) in ("InvalidRange", "416"):  # starts past the end
+                return b""
+            raise self._fail("get", key, e) from e
+        except botocore.exceptions.BotoCoreError as e:
+            raise self._fail("get", key, e) from e
+
     def _pages(self, prefix: str):
         """Yield lists of full object keys under `prefix`, one list per page of up to 1000."""
         paginator = self.client.get_paginator("list_objects_v2")

@@ -242,6 +242,12 @@ def shard_split_prefix(prefix: str, split: str) -> str:
     return _under(prefix, split)
 
 
+def array_split_prefix(prefix: str, split: str) -> str:
+    """Key prefix of one split's files (`train/`, `val/`) of a files-of-arrays source at `prefix`
+    (`engine.array_source`), ending in `/`."""
+    return _under(prefix, f"{split}/")
+
+
 def shard_key(prefix: str, split: str, index: int) -> str:
     """Shard `index` of `split` of the dataset at `prefix`."""
     return f"{shard_split_prefix(prefix, split)}/{int(index)}"

@@ -2,15 +2,23 @@
 
     python -m flows.prepare --param dataset=text:stdlib --param to=s3://my-bucket/corpora/stdlib
     python -m flows.prepare --param dataset=synthetic:3x32x32:10:20000 --param to=file:///data/syn
+    python -m flows.prepare --param dataset=arrays:s3://raw/imgs --param to=s3://my-bucket/imgs --param workers=8
     prefect deployment run prepare/local --param dataset=digits --param to=block:zooid-store/data
 
 `dataset` is any dataset a job takes (a factory by import path, `synthetic:...`, `text:SOURCE`
-with `tokenizer`, `objective` and `seq_len`); `to` is a store URL (`file://`, `s3://`, `az://`)
-or a store block (`block:<type slug>/<name>`), whose root receives `train/<i>`, `val/<i>` and
-`manifest.json` (`engine.shards`: rows, dtypes, shapes, a SHA-256 per shard, the settings and
-the commit that prepared it). A prepare that was killed goes on where it stopped (whole shards
-already there are kept); preparing the same source with the same settings again writes nothing
-and says so.
+with `tokenizer`, `objective` and `seq_len`), or files of arrays (`arrays:<directory, URL or
+block>`: `.npz` or `.npy` files under `train/` and `val/`, `engine.array_source`); `to` is a
+store URL (`file://`, `s3://`, `az://`) or a store block (`block:<type slug>/<name>`), whose
+root receives `train/<i>`, `val/<i>` and `manifest.json` (`engine.shards`: rows, dtypes,
+shapes, a SHA-256 per shard, the settings and the commit that prepared it). A prepare that was
+killed goes on where it stopped (whole shards already there are kept); preparing the same source
+with the same settings again writes nothing and says so.
+
+Files of arrays are cut in parallel (`flows.prepare_cuts`): the shards are fixed from the files'
+headers, and `workers` cuts at once each write their own shards in a process of their own, a task
+run each, on the `target` (`inline`: child processes; `local`: the process pool's worker
+deployment, as `prepare/local` runs). The in-memory sources (`digits`, `synthetic:`, factories,
+`text:`) are loaded whole and cut in the flow's own process.
 """
 from __future__ import annotations
 
@@ -24,9 +32,11 @@ from prefect import flow
 from blocks.store_refs import open_store_ref
 from core.errors import ZooidValueError
 from core.stage_memory import format_bytes
+from engine.array_source import arrays_ref, is_arrays
 from engine.datasets import Prepared, prepare_dataset, validate_dataset
 from engine.text_data import TextSettings
 from flows.params import param_main
+from flows.prepare_cuts import check_arrays, prepare_arrays
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -42,13 +52,23 @@ def zooid_commit() -> str:
     return done.stdout.strip() if done.returncode == 0 else "unknown"
 
 
-def check_prepare(dataset: str, to: str, subset_size: int, text: TextSettings) -> None:
+def check_prepare(dataset: str, to: str, subset_size: int, text: TextSettings, workers: int = 1,
+                  target: str = "inline") -> None:
     """Refuse bad input in one line naming the parameter, before anything is read or written."""
-    if not isinstance(subset_size, int) or isinstance(subset_size, bool) or subset_size < 1:
-        raise ZooidValueError("subset_size", f"must be a positive integer, got {subset_size!r}")
+    for name, value in (("subset_size", subset_size), ("workers", workers)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ZooidValueError(name, f"must be a positive integer, got {value!r}")
     if not isinstance(to, str) or not to.strip():
         raise ZooidValueError("to", "must name where to write: a store URL (file://, s3://, az://) or a store block")
-    validate_dataset(dataset, text)
+    if not isinstance(target, str) or not target.strip():
+        raise ZooidValueError("target", "must name where cuts run: inline, local or a compute target block")
+    if not is_arrays(dataset):
+        validate_dataset(dataset, text)
+        return
+    arrays_ref(dataset)
+    for field in ("tokenizer", "objective"):
+        if getattr(text, field) != getattr(TextSettings, field):
+            raise ZooidValueError(field, f"{getattr(text, field)!r} is for text: datasets; {dataset!r} is not one")
 
 
 def summary_line(to: str, done: Prepared) -> str:
@@ -64,7 +84,8 @@ def summary_line(to: str, done: Prepared) -> str:
 
 @flow(name="prepare", result_serializer="json", log_prints=True)
 def prepare(dataset: str, to: str, subset_size: int = 64, tokenizer: str = TextSettings.tokenizer,
-            objective: str = TextSettings.objective, seq_len: int = TextSettings.seq_len) -> dict:
+            objective: str = TextSettings.objective, seq_len: int = TextSettings.seq_len, workers: int = 2,
+            target: str = "inline") -> dict:
     """Prepare a dataset once as shards and a manifest in a bucket, to train from it with
     `dataset=<that URL>`.
 
@@ -76,20 +97,27 @@ def prepare(dataset: str, to: str, subset_size: int = 64, tokenizer: str = TextS
         tokenizer: For `text:` datasets: `bytes` or `bpe:N`.
         objective: For `text:` datasets: `causal` or `mlm`.
         seq_len: For `text:` datasets: tokens per sample.
+        workers: For `arrays:` sources: cuts written at once, each by a process of its own.
+        target: For `arrays:` sources: where the cuts run: `inline` (child processes of this flow),
+            `local` (the process pool's `worker/local` deployment) or a compute target block.
     """
     text = TextSettings(tokenizer=tokenizer, objective=objective, seq_len=seq_len)
-    check_prepare(dataset, to, subset_size, text)
+    check_prepare(dataset, to, subset_size, text, workers, target)
+    arrays = check_arrays(dataset, target) if is_arrays(dataset) else None  # headers read; nothing written yet
     store = open_store_ref(to)
     try:
-        done = prepare_dataset(store, "", dataset, subset_size, text, open_source=open_store_ref,
-                               prepared_by=zooid_commit())
+        if arrays is not None:
+            done, cuts = prepare_arrays(store, arrays, to, subset_size, workers, prepared_by=zooid_commit())
+        else:
+            done, cuts = prepare_dataset(store, "", dataset, subset_size, text, open_source=open_store_ref,
+                                         prepared_by=zooid_commit()), []
         where = store.url
     finally:
         store.close()
-    line = summary_line(where, done)
+    line = summary_line(where, done) + (f", in {len(cuts)} cuts on {target}, {workers} at once" if cuts else "")
     print(line)
     return {"message": line, "to": where, "written": done.written, "kept": done.kept, "already": done.already,
-            "manifest": done.manifest.to_dict()}
+            "manifest": done.manifest.to_dict(), "cuts": cuts}
 
 
 def check_params(params: dict) -> None:
@@ -104,7 +132,8 @@ def check_params(params: dict) -> None:
     bound = inspect.signature(prepare.fn).bind(**params)
     bound.apply_defaults()  # the flow's own defaults
     a = bound.arguments
-    check_prepare(a["dataset"], a["to"], a["subset_size"], TextSettings(a["tokenizer"], a["objective"], a["seq_len"]))
+    check_prepare(a["dataset"], a["to"], a["subset_size"], TextSettings(a["tokenizer"], a["objective"], a["seq_len"]),
+                  a["workers"], a["target"])
 
 
 def main(argv: list[str] | None = None) -> int:

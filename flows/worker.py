@@ -4,6 +4,10 @@ It receives a `WorkerSpec` as a JSON dict. A cold worker (the default spec) trai
 epoch and returns its `WorkerResult` dict: metrics, timings and store keys, never tensors,
 persisted as JSON (not pickle) in result storage that the coordinator can read.
 
+A spec `{"prepare_cut": ...}` writes one cut of a `prepare` flow's files-of-arrays source
+instead (`flows.prepare_cuts.run_cut`) and returns what it wrote, as JSON: a prepare's cuts run
+on the same pools and deployments as training's workers.
+
 A warm worker (`spec["warm"]` set, `runtime.warm`) lives across epochs: the flow run
 serves the coordinator's commands from the store until it is stopped or its lease expires,
 and every epoch it trains is a `train_epoch` task run of this flow run, with its own state
@@ -55,7 +59,13 @@ def serve_warm(spec_dict: dict) -> dict:
 
 @flow(name="worker", persist_result=True, result_serializer="json", log_prints=True)
 def worker(spec: dict) -> dict:
-    """Train one replica (or stage): one epoch, or every epoch the coordinator sends (warm)."""
+    """Train one replica (or stage): one epoch, or every epoch the coordinator sends (warm); or
+    write one cut of a prepare (`flows.prepare_cuts`)."""
+    # torch: Prefect loads this module to read the flow's parameters; a cut loads torch
+    from flows.prepare_cuts import CUT_SPEC, run_cut
+
+    if CUT_SPEC in spec:
+        return run_cut(spec[CUT_SPEC])
     if spec.get("warm"):
         return serve_warm(spec)
     return run_worker(spec)

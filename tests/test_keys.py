@@ -117,6 +117,8 @@ PINNED = [
     (keys.shard_key("", "train", 5), "train/5"),
     (keys.shard_key("corpora/wiki", "val", 0), "corpora/wiki/val/0"),
     (keys.shard_manifest_key(""), "manifest.json"),
+    (keys.array_split_prefix("", "train"), "train/"),
+    (keys.array_split_prefix("corpora/img", "val"), "corpora/img/val/"),
     (keys.shard_manifest_key("corpora/wiki"), "corpora/wiki/manifest.json"),
     (keys.probe_prefix(RUN), "runs/abc123/probe"),
     (keys.warm_prefix(RUN), "runs/abc123/warm"),

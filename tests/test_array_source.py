@@ -1,0 +1,211 @@
+"""A files-of-arrays source (`engine.array_source`) and its cuts (`engine.array_cuts`), without
+Prefect: headers planned without reading rows, a row range read by its bytes alone (`.npy`, a
+stored and a compressed `.npz`, on a directory and on S3), shards numbered the same whatever
+the number of cuts, a cut's shards equal to the source rows, and each malformed source refused
+in one line naming `dataset`."""
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from comm.store_dir import DirectoryStore
+from comm.tensor_codec import decode_tensors
+from core.errors import ZooidValueError
+from core.keys import shard_key
+from engine.array_cuts import Cut, arrays_manifest, plan_cuts, write_cut
+from engine.array_source import HEADER_READ, arrays_ref, read_rows, scan_arrays
+
+N_TRAIN, N_VAL = 230, 37
+ROW = (3, 32)
+
+
+def source_arrays(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((N_TRAIN + N_VAL, *ROW)).astype(np.float32)
+    y = rng.integers(0, 7, N_TRAIN + N_VAL)
+    return x, y
+
+
+def write_source(root: Path, x: np.ndarray, y: np.ndarray) -> Path:
+    """Train in three parts, one of each layout (a stored .npz, a compressed .npz, a .npy pair,
+    named so that their order is not the order they were written in); val in one pair."""
+    (root / "train").mkdir(parents=True)
+    (root / "val").mkdir()
+    np.save(root / "train" / "c.x.npy", x[180:N_TRAIN])
+    np.save(root / "train" / "c.y.npy", y[180:N_TRAIN])
+    np.savez(root / "train" / "a.npz", x=x[:100], y=y[:100])
+    np.savez_compressed(root / "train" / "b.npz", x=x[100:180], y=y[100:180])
+    np.save(root / "val" / "v.x.npy", x[N_TRAIN:])
+    np.save(root / "val" / "v.y.npy", y[N_TRAIN:])
+    return root
+
+
+@pytest.fixture(params=["dir", "s3"])
+def source(request, tmp_path):
+    """The same source on a directory and in a bucket of the moto server: (store, x, y)."""
+    x, y = source_arrays()
+    root = write_source(tmp_path / "src", x, y)
+    if request.param == "dir":
+        store = DirectoryStore(root)
+    else:
+        from comm.store_s3 import S3Store
+
+        server = request.getfixturevalue("s3_server")
+        store = S3Store(server.create_bucket(f"arr-{uuid.uuid4().hex[:10]}"), "raw", endpoint=server.endpoint)
+        for path in sorted(root.rglob("*.np?")):
+            store.put(path.relative_to(root).as_posix(), path.read_bytes())
+    yield store, x, y
+    store.close()
+
+
+def test_a_range_read_takes_only_its_bytes(dir_store, s3_server):
+    from comm.store_s3 import S3Store
+
+    s3 = S3Store(s3_server.create_bucket(f"rng-{uuid.uuid4().hex[:10]}"), "", endpoint=s3_server.endpoint)
+    for store in (dir_store, s3):
+        store.put("k", bytes(range(200)))
+        assert store.size("k") == 200
+        assert store.get_range("k", 10, 5) == bytes(range(10, 15))
+        assert store.get_range("k", 195, 50) == bytes(range(195, 200))  # fewer where it ends
+        assert store.get_range("k", 300, 5) == b""
+        down = store.stats.bytes_down
+        store.get_range("k", 0, 7)
+        assert store.stats.bytes_down - down == 7
+        with pytest.raises(KeyError):
+            store.get_range("absent", 0, 1)
+        with pytest.raises(KeyError):
+            store.size("absent")
+    s3.close()
+
+
+def test_headers_plan_the_source_and_any_row_range_reads_back_equal(source):
+    store, x, y = source
+    layout = scan_arrays(store)
+    assert [p.name for p in layout.splits["train"]] == ["a", "b", "c"]  # by name
+    assert (layout.rows("train"), layout.rows("val"), layout.input_shape) == (N_TRAIN, N_VAL, ROW)
+    assert [p.x.compressed for p in layout.splits["train"]] == [False, True, False]
+    assert store.stats.bytes_down <= 10 * HEADER_READ < x.nbytes / 2  # 8 headers and 2 zip directories, no rows
+    for start, stop in ((0, N_TRAIN), (95, 105), (170, 190), (5, 6), (179, 181), (229, 230)):
+        got_x, got_y = read_rows(store, layout.splits["train"], start, stop)
+        assert np.array_equal(got_x, x[start:stop]) and np.array_equal(got_y, y[start:stop])
+    got_x, got_y = read_rows(store, layout.splits["val"], 0, N_VAL)
+    assert np.array_equal(got_x, x[N_TRAIN:]) and np.array_equal(got_y, y[N_TRAIN:])
+    before = store.stats.bytes_down
+    read_rows(store, layout.splits["train"], 10, 20)  # in the stored .npz: its 10 rows' bytes alone
+    assert store.stats.bytes_down - before == 10 * (x[0].nbytes + y[0].nbytes)
+
+
+def test_shards_are_numbered_from_the_headers_whatever_the_number_of_cuts(tmp_path):
+    x, y = source_arrays()
+    layout = scan_arrays(DirectoryStore(write_source(tmp_path / "src", x, y)))
+    for workers in (1, 2, 3, 8, 100):
+        cuts = plan_cuts(layout, 16, workers)
+        for split, shards in (("train", 15), ("val", 3)):  # 230 = 14 * 16 + 6; 37 = 2 * 16 + 5
+            mine = [c for c in cuts if c.split == split]
+            assert [i for c in mine for i in range(c.first, c.last + 1)] == list(range(shards))
+            assert [r for c in mine for i in range(c.first, c.last + 1) for r in range(*c.rows_of(i))] == \
+                list(range(layout.rows(split)))
+        assert len([c for c in cuts if c.split == "train"]) == min(workers, 15)
+    cut = plan_cuts(layout, 16, 3)[1]  # shards 5-9: rows 80-159, in parts a and b
+    assert (cut.label, [p.name for p in cut.parts], cut.parts_start) == ("cut train shards 5-9", ["a", "b"], 0)
+    assert Cut.from_dict(cut.to_dict()) == cut  # travels to its process as JSON
+
+
+def test_cuts_write_shards_equal_to_the_source_rows_and_a_second_pass_keeps_them(source, dir_store):
+    store, x, y = source
+    layout = scan_arrays(store)
+    cuts = plan_cuts(layout, 16, 3)
+    done = [write_cut(dir_store, "", store, c) for c in cuts]
+    assert sum(r["written"] for r in done) == 18
+    manifest = arrays_manifest("arrays:src", layout, cuts, done, {"source": "arrays:src"}, "test")
+    assert (manifest.n_train, manifest.n_val, manifest.n_subsets, manifest.n_val_subsets) == (N_TRAIN, N_VAL, 15, 3)
+    assert (manifest.input_shape, manifest.classes, manifest.id_bound) == (ROW, int(y.max()) + 1, 0)
+    assert manifest.dtypes == {"x": "torch.float32", "y": "torch.int64"}
+    for split, rows in (("train", slice(0, N_TRAIN)), ("val", slice(N_TRAIN, None))):
+        parts = [decode_tensors(dir_store.get(shard_key("", split, i)))[0]
+                 for i in range(len(manifest.shards[split]))]
+        assert [len(p["y"]) for p in parts] == [s.rows for s in manifest.shards[split]]
+        assert torch.equal(torch.cat([p["x"] for p in parts]), torch.from_numpy(x[rows]))
+        assert torch.equal(torch.cat([p["y"] for p in parts]), torch.from_numpy(y[rows]))
+    again = [write_cut(dir_store, "", store, c) for c in plan_cuts(layout, 16, 5)]  # other cuts, same shards
+    assert sum(r["written"] for r in again) == 0
+    assert [s for r in again for s in r["shards"]] == [s for r in done for s in r["shards"]]
+
+
+def test_integer_inputs_give_the_id_bound_and_bytes_become_floats(tmp_path):
+    root = tmp_path / "tok"
+    for split, n in (("train", 40), ("val", 8)):
+        (root / split).mkdir(parents=True)
+        np.savez(root / split / "p.npz", x=np.arange(n * 5, dtype=np.int32).reshape(n, 5) % 50,
+                 y=np.full((n, 5), 3, dtype=np.int16))
+    store, out = DirectoryStore(root), DirectoryStore(tmp_path / "out")
+    layout = scan_arrays(store)
+    cuts = plan_cuts(layout, 16, 2)
+    manifest = arrays_manifest("arrays:tok", layout, cuts, [write_cut(out, "", store, c) for c in cuts], {})
+    assert (manifest.id_bound, manifest.classes, manifest.dtypes["x"]) == (50, 4, "torch.int64")
+    img = tmp_path / "img"
+    for split in ("train", "val"):
+        (img / split).mkdir(parents=True)
+        np.save(img / split / "p.x.npy", np.full((4, 2, 2), 255, dtype=np.uint8))
+        np.save(img / split / "p.y.npy", np.arange(4))
+    layout = scan_arrays(DirectoryStore(img))
+    cuts = plan_cuts(layout, 4, 1)
+    done = [write_cut(out, "img", DirectoryStore(img), c) for c in cuts]
+    manifest = arrays_manifest("arrays:img", layout, cuts, done, {})
+    assert (manifest.id_bound, manifest.dtypes["x"]) == (0, "torch.float32")
+    assert decode_tensors(out.get(shard_key("img", "train", 0)))[0]["x"].max().item() == 255.0
+
+
+def _refusal(root: Path) -> str:
+    with pytest.raises(ZooidValueError) as caught:
+        scan_arrays(DirectoryStore(root))
+    text = str(caught.value)
+    assert "\n" not in text and text.startswith("dataset: "), text
+    return text
+
+
+def test_malformed_sources_are_refused_in_one_line_naming_dataset(tmp_path):
+    x, y = source_arrays()
+    assert "no train arrays under" in _refusal(tmp_path / "empty")
+    only_train = tmp_path / "only_train"
+    (only_train / "train").mkdir(parents=True)
+    np.savez(only_train / "train" / "a.npz", x=x[:4], y=y[:4])
+    assert "no val arrays under" in _refusal(only_train)
+
+    def variant(name: str, **train) -> Path:
+        root = write_source(tmp_path / name, x, y)
+        for file, arrays in train.items():
+            path = root / "train" / file
+            if isinstance(arrays, dict):
+                np.savez(path, **arrays)
+            elif arrays is None:
+                path.unlink()
+            else:
+                np.save(path, arrays)
+        return root
+
+    assert "train/c.x.npy has no train/c.y.npy beside it" in _refusal(variant("lone", **{"c.y.npy": None}))
+    text = _refusal(variant("rows", **{"a.npz": {"x": x[:100], "y": y[:99]}}))
+    assert "train/a: x has 100 rows and y 99" in text
+    text = _refusal(variant("shape", **{"c.x.npy": x[180:N_TRAIN, :2]}))
+    assert "train/c.x.npy has rows of shape (2, 32)" in text and "train/a.npz (x) has (3, 32)" in text
+    text = _refusal(variant("dtype", **{"c.x.npy": x[180:N_TRAIN].astype(np.float64)}))
+    assert "dtype float64" in text
+    assert "has no array 'y'" in _refusal(variant("noy", **{"a.npz": {"x": x[:100], "z": y[:100]}}))
+    objects = variant("objects")
+    np.save(objects / "train" / "c.y.npy", np.array([{"a": 1}] * 50, dtype=object), allow_pickle=True)
+    assert "holds Python objects" in _refusal(objects)
+    short = variant("short")
+    path = short / "train" / "c.x.npy"
+    path.write_bytes(path.read_bytes()[:-x[0].nbytes * 3])  # three rows short
+    assert "train/c.x.npy holds 47 of the 50 rows its header says" in _refusal(short)
+    stray = variant("stray")
+    (stray / "val" / "notes.txt").write_text("hi")
+    assert "val/notes.txt is not <part>.npz" in _refusal(stray)
+    with pytest.raises(ZooidValueError, match=r"^dataset: 'arrays:': say where the arrays are"):
+        arrays_ref("arrays:")
+    assert arrays_ref(f"arrays:{tmp_path}") == tmp_path.as_uri()
