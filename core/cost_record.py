@@ -1,10 +1,11 @@
 """One billed interval of a run (`CostRecord`): made by the launchers, the warm pool and the
 cloud clocks, kept in the run's state, written to `runs/<run_id>/cost.json` by the bill
-(`coordinator.bill.cost`) and read back by resume and the report."""
+(`coordinator.bill.cost`) and read back by resume and the report. A store's row bills its
+requests as `fixed_usd` (with their counts in `store_ops`) and a store server by the second."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -15,7 +16,7 @@ class CostRecord:
     resource: str
     """e.g. `worker e1 r0 a0`, `coordinator`."""
     kind: str
-    """`worker`, `coordinator`, `failed_attempt` or `failed_placement`."""
+    """`worker`, `coordinator`, `failed_attempt`, `failed_placement` or `store`."""
     # A warm worker's rows split its life: status `startup`, `busy`, `idle` (and a failed
     # attempt's `failed_attempt` row); together they cover its launch to its stop.
     offer: str
@@ -28,6 +29,11 @@ class CostRecord:
     attempt: int | None = None
     worker: str = ""
     """The worker process or flow run the interval belongs to (warm workers, cloud clocks)."""
+    fixed_usd: float = 0.0
+    """Dollars billed by the unit, not by the second (a store's requests), on top of the
+    interval's."""
+    store_ops: dict = field(default_factory=dict)
+    """A store row's request counts (`core.store_ops.StoreOps.to_dict`) that `fixed_usd` prices."""
 
     @property
     def seconds(self) -> float:
@@ -35,7 +41,7 @@ class CostRecord:
 
     @property
     def usd(self) -> float:
-        return self.seconds * self.unit_price_per_s
+        return self.seconds * self.unit_price_per_s + self.fixed_usd
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)

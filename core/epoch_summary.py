@@ -75,6 +75,9 @@ class EpochSummary(JsonSpec):
     """Bytes the epoch's workers moved to average across replicas (each worker's uploads plus
     downloads, summed). 0 in an epoch of one replica, a pipeline of one replica's stages
     included: activations and gradients between stages are not counted here."""
+    store_ops: dict = field(default_factory=dict)
+    """The store requests the epoch's workers reported, by store and kind, with their bytes
+    (`core.specs.WorkerResult.store_ops` summed); a failed attempt reports none."""
     checkpoint_key: str = ""
     compute_s: float = 0.0
     """The slowest worker's compute seconds."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-KINDS = ("put", "get", "miss", "head", "list", "delete")
+REQUEST_KINDS = ("put", "get", "miss", "head", "list", "delete")
 """The request kinds, in the order a bill lists them."""
 
 
@@ -46,7 +46,7 @@ class StoreOps:
     @property
     def requests(self) -> int:
         """Every request, of any kind."""
-        return sum(getattr(self, k) for k in KINDS)
+        return sum(getattr(self, k) for k in REQUEST_KINDS)
 
     def __add__(self, other: "StoreOps") -> "StoreOps":
         return StoreOps(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from core.formats import money
-from core.store_ops import KINDS, StoreOps
+from core.store_ops import REQUEST_KINDS, StoreOps
 from planners.catalog import request_price, store_node_price
 
 LOCAL_HOSTS = ("", "localhost", "127.0.0.1", "::1")
@@ -57,7 +57,7 @@ class StoreOffer:
         """One line per priced class: its catalog name, the kinds it covers, how many requests,
         the price of one and the dollars (classes with no requests left out)."""
         lines: dict[str, dict] = {}
-        for kind in KINDS:
+        for kind in REQUEST_KINDS:
             name = self.classes.get(kind)
             if name is None or not getattr(ops, kind):
                 continue
@@ -97,7 +97,7 @@ def store_offer(url: str, provider: str | None = None) -> StoreOffer:
 def bill_line(offer: StoreOffer, ops: StoreOps, usd: float) -> str:
     """`S3: 48,120 PUT, 96,240 GET, 1.9 GB in, 2.1 GB out, $0.26`: the requests by kind (kinds
     with none left out), the bytes each way and the dollars."""
-    parts = [f"{getattr(ops, k):,} {VERBS[k]}" for k in KINDS if getattr(ops, k)]
+    parts = [f"{getattr(ops, k):,} {VERBS[k]}" for k in REQUEST_KINDS if getattr(ops, k)]
     parts += [f"{_gb(ops.bytes_in)} in", f"{_gb(ops.bytes_out)} out"]
     return f"{offer.label}: {', '.join(parts)}, {money(usd)}"
 

@@ -81,7 +81,7 @@ class RecordingS3:
 
 
 def s3_kind(method: str, path: str, query: dict) -> str:
-    """The kind of one S3 request (`core.store_ops.KINDS`)."""
+    """The kind of one S3 request (`core.store_ops.REQUEST_KINDS`)."""
     if method == "POST" and "delete" in query:
         return "delete"  # DeleteObjects
     if method in ("PUT", "POST"):
@@ -146,7 +146,7 @@ class LoggingAzurite(AzuriteServer):
 
 
 def azure_kind(method: str, query: dict) -> str:
-    """The kind of one Blob service request (`core.store_ops.KINDS`)."""
+    """The kind of one Blob service request (`core.store_ops.REQUEST_KINDS`)."""
     comp = query.get("comp", [""])[0]
     if method == "POST" and comp == "batch":
         return "delete"  # a Blob Batch of deletes

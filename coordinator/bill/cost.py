@@ -1,7 +1,9 @@
 """The cost ledger: one row per resource interval, priced from the catalog.
 
 Cost comes from measured intervals (a worker's launch to its exit, failed and cancelled
-attempts included, and the coordinator's whole run) times the offer's unit price.
+attempts included, and the coordinator's whole run) times the offer's unit price, and from
+the store's requests as the workers and the coordinator counted them, priced by the store's
+offer (`store_records`).
 The ledger lives at `runs/<run_id>/cost.json` and is rewritten after every epoch, so a run
 that dies still leaves a bill up to its last epoch. The run's last write (`final`) comes
 before its report is rendered, and nothing rewrites it: the report and cost.json agree.
@@ -13,7 +15,9 @@ from typing import Callable, Iterable
 
 from core.cost_record import CostRecord
 from core.keys import ledger_key
+from core.store_ops import total
 from planners.catalog import Offer
+from planners.store_prices import bill_line, store_offer
 
 
 def worker_records(run_id: str, epoch: int, outcomes: Iterable[dict], offer: Offer,
@@ -38,6 +42,39 @@ def coordinator_record(run_id: str, start: float, stop: float, offer: Offer,
     """The coordinator's own interval, billed like one worker."""
     return CostRecord(run_id=run_id, resource="coordinator", kind="coordinator", offer=offer.name,
                       start=start, stop=stop, unit_price_per_s=price_per_s)
+
+
+def store_records(run_id: str, parties: dict[str, dict], start: float, stop: float,
+                  provider: str | None) -> list[CostRecord]:
+    """Ledger rows of the run's stores: for each store and party (`workers`, `coordinator`:
+    `{party: {Store.where: StoreOps}}`) its requests priced by the store's offer
+    (`planners.store_prices`: S3, Azure Blob; free for a directory or a local Redis), and for
+    a store on a rented server (a cloud Redis) its node from `start` to `stop`."""
+    rows = []
+    for where in sorted(set().union(*(groups.keys() for groups in parties.values()))):
+        offer = store_offer(where, provider)
+        for party, groups in parties.items():
+            ops = groups.get(where)
+            if ops:
+                rows.append(CostRecord(run_id=run_id, resource=f"store {where} {party}", kind="store",
+                                       offer=offer.name, start=start, stop=stop, unit_price_per_s=0.0,
+                                       status=party, fixed_usd=offer.request_usd(ops), store_ops=ops.to_dict()))
+        if offer.node_per_hour:
+            rows.append(CostRecord(run_id=run_id, resource=f"store {where} node", kind="store", offer=offer.name,
+                                   start=start, stop=stop, unit_price_per_s=offer.node_per_hour / 3600.0,
+                                   status="node"))
+    return rows
+
+
+def store_lines(rows: Iterable[dict]) -> list[str]:
+    """One line per store of a ledger (row dicts): `S3: 48,120 PUT, 96,240 GET, 1.9 GB in,
+    0.4 GB out, $0.26`, its parties' requests and its node together."""
+    by_where: dict[str, list[dict]] = {}
+    for r in rows:
+        if r.get("kind") == "store":
+            by_where.setdefault(r["resource"].split(" ")[1], []).append(r)
+    return [bill_line(store_offer(where), total(r.get("store_ops") or {} for r in group),
+                      sum(r.get("usd", 0.0) for r in group)) for where, group in sorted(by_where.items())]
 
 
 def worker_seconds(rows: Iterable[dict]) -> dict[str, float]:

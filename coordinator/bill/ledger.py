@@ -7,18 +7,26 @@ import time
 
 from prefect.artifacts import create_table_artifact
 
-from coordinator.bill.cost import coordinator_record, total_usd, write_ledger
+from comm.store_base import process_ops
+from coordinator.bill.cost import coordinator_record, store_records, total_usd, write_ledger
 from coordinator.run.context import RunContext
 from core.formats import money
 from core.keys import artifact_key
+from core.store_ops import StoreOps
 
 
 def rows_now(ctx: RunContext) -> list:
-    """The bill up to now: the ledger, the live warm workers' open intervals and the
-    coordinator's interval so far."""
+    """The bill up to now: the ledger, the live warm workers' open intervals, the
+    coordinator's interval so far, and the store's requests (the workers' reports and the
+    requests this process made since the run began) and server."""
+    now = time.time()
     rows = list(ctx.state.ledger) + (ctx.state.warm.open_rows() if ctx.state.warm is not None else [])
-    rows.append(coordinator_record(ctx.run_id, ctx.started_at, time.time(), ctx.resolved.offer,
+    rows.append(coordinator_record(ctx.run_id, ctx.started_at, now, ctx.resolved.offer,
                                    ctx.price_per_worker_s))
+    began = ctx.state.process_ops_at_start
+    coordinator = {where: ops - began.get(where, StoreOps()) for where, ops in process_ops().items()}
+    rows += store_records(ctx.run_id, {"workers": ctx.state.store_ops, "coordinator": coordinator},
+                          ctx.started_at, now, ctx.resolved.offer.provider)
     return rows
 
 

@@ -14,6 +14,7 @@ import base64
 import io
 import textwrap
 
+from coordinator.bill.cost import store_lines
 from coordinator.report.sync_words import outer_sync_row, outer_sync_words
 from coordinator.run.job import RunSummary
 from core.epoch_summary import EpochSummary
@@ -110,8 +111,9 @@ def cost_curve(ledger_rows: list[dict]) -> list[tuple[float, float]]:
     t0 = min(r["start"] for r in rows)
     times = sorted({r["start"] for r in rows} | {max(r["start"], r["stop"]) for r in rows})
 
-    def billed(t: float) -> float:
-        return sum(max(0.0, min(t, r["stop"]) - r["start"]) * r["unit_price_per_s"] for r in rows)
+    def billed(t: float) -> float:  # a store's requests (`fixed_usd`) are billed at the row's stop
+        return sum(max(0.0, min(t, r["stop"]) - r["start"]) * r["unit_price_per_s"]
+                   + (r.get("fixed_usd") or 0.0) * (t >= r["stop"]) for r in rows)
 
     points = [(t - t0, billed(t)) for t in times]
     total = sum(r.get("usd", max(0.0, r["stop"] - r["start"]) * r["unit_price_per_s"]) for r in ledger_rows)
@@ -129,18 +131,19 @@ def bill_by_kind(ledger_rows: list[dict]) -> list[tuple[str, float, float]]:
     whole cold attempts, failed attempts, the coordinator; empty groups left out."""
     groups: dict[str, list[float]] = {}
     for r in ledger_rows:
-        if r.get("kind") == "coordinator":
-            name = "coordinator"
+        if r.get("kind") in ("coordinator", "store"):
+            name = r["kind"]
         elif r.get("kind") == "worker":
             name = PAID_FOR.get(r.get("status"), text(r.get("status")))
         else:
             name = "failed attempts"
         g = groups.setdefault(name, [0.0, 0.0])
-        g[0] += r.get("seconds", 0.0)
+        g[0] += r.get("seconds", 0.0) if name != "store" else 0.0  # a store row's interval is the run's
         g[1] += r.get("usd", 0.0)
+    last = ["idle", "failed attempts", "coordinator", "store"]
     order = ["profiling", "start-up", "training", "workers"]
-    order += [k for k in groups if k not in order + ["idle", "failed attempts", "coordinator"]]
-    return [(k, *groups[k]) for k in order + ["idle", "failed attempts", "coordinator"] if k in groups]
+    order += [k for k in groups if k not in order + last]
+    return [(k, *groups[k]) for k in order + last if k in groups]
 
 
 # --- plots -----------------------------------------------------------------------------------
@@ -531,9 +534,11 @@ def bill_lines(summary: RunSummary, ledger_rows: list[dict] | None, markdown: bo
     groups = bill_by_kind(ledger_rows or [])
     if not groups:
         return []
-    rows = [[name, duration(s), money(usd)] for name, s, usd in groups]
+    rows = [[name, duration(s) if name != "store" else "", money(usd)] for name, s, usd in groups]
     rows.append(["total", "", money(summary.total_cost_usd)])
-    return table_lines(["paid for", "seconds", "cost"], rows, markdown)
+    stores = store_lines(ledger_rows or [])
+    return table_lines(["paid for", "seconds", "cost"], rows, markdown) + (
+        ["", *(f"- {line}" if markdown else f"  {line}" for line in stores)] if stores else [])
 
 
 def epoch_table(epochs: list[EpochSummary]) -> list[dict]:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from blocks.store_refs import open_store_ref
+from comm.store_base import process_ops
 from comm.store_dir import zooid_home
 from coordinator.run.job import TrainJob
 from coordinator.run.validate import ResolvedJob
@@ -70,6 +71,12 @@ class RunState:
     """The target pool's default worker environment, read from the API once per run."""
     forks: Any = None
     """The run's fork server of inline workers (`coordinator.workers.worker_forks.WorkerForks`)."""
+    store_ops: dict = field(default_factory=dict)
+    """The store requests the run's workers reported so far, by store (`core.store_ops`
+    groups; `coordinator.workers.epoch_run.counted`)."""
+    process_ops_at_start: dict = field(default_factory=process_ops)
+    """This process's store requests when the run began: the coordinator's share of the
+    run's requests is what the process made since (`coordinator.bill.ledger`)."""
     provisioned: bool = False
     torn_down: bool = False
     cost_recorded: bool = False

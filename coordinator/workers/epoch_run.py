@@ -28,6 +28,7 @@ from core.keys import activation_prefix, sync_prefix
 from core.kinds import Strategy
 from core.plan import Plan
 from core.specs import WorkerSpec
+from core.store_ops import grouped_json, grouped_total
 from engine.chaos import read_fault_marker
 
 
@@ -123,12 +124,19 @@ def summarise(plan: Plan, epoch: int, lr: float, attempt: int, final: list[Worke
         samples_per_s=samples / max(wall_s, 1e-9), tokens_per_s=tokens / max(wall_s, 1e-9), cost_usd=cost_usd,
         predicted_iteration_s=plan.predicted_iteration_s, measured_iteration_s=per_step,
         predicted_epoch_s=plan.predicted_epoch_s, bytes_synced=sum(r.bytes_synced for r in results),
+        store_ops=grouped_json(grouped_total(r.store_ops for r in results)),
         checkpoint_key=rank0.checkpoint_key, compute_s=max(r.compute_s for r in results),
         sync_s=max(r.sync_s for r in results), critical_busy_s=max(r.compute_s + r.sync_s for r in results),
         prestarted=prestarted, startup=startup,
         relaunches=[{"rank": o.rank, "attempt": o.attempt, "status": o.status, "failure": o.extra.get("failure")}
                     for o in tried if o.status != "completed"],
         worker_pids={str(o.rank): o.result.pid for o in final if o.result})
+
+
+def counted(ctx: RunContext, summary: EpochSummary) -> EpochSummary:
+    """`summary`, its workers' store requests added to the run's (`RunState.store_ops`)."""
+    ctx.state.store_ops = grouped_total([ctx.state.store_ops, summary.store_ops])
+    return summary
 
 
 def epoch_cost(ctx: RunContext, epoch: int) -> float:
@@ -158,8 +166,8 @@ def warm_epoch(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, re
     startup = {"mode": "warm", "cold_started": started, "exposed_s": max(0.0, max(first_work, default=sent) - sent)}
     ctx.state.last_epoch_s, ctx.state.last_epoch_end = max(0.05, ended - sent), ended
     bill_from_cloud_clock(ctx, [], epoch, plan)
-    return summarise(plan, epoch, lr, attempt, final, attempts, ended - sent, startup=startup, prestarted=False,
-                     cost_usd=epoch_cost(ctx, epoch))
+    return counted(ctx, summarise(plan, epoch, lr, attempt, final, attempts, ended - sent, startup=startup,
+                                  prestarted=False, cost_usd=epoch_cost(ctx, epoch)))
 
 
 def run_epoch_on_target(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, resume: bool,
@@ -215,5 +223,5 @@ def run_epoch_on_target(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: 
     # the next epoch's length is this one's training, not the start-up it exposed
     ctx.state.last_epoch_s = max(0.05, wall - startup.get("critical_exposed_s", 0.0))
     ctx.state.last_epoch_end = ended
-    return summarise(plan, epoch, lr, attempt, final, outcomes, wall, startup=startup, prestarted=prestarted,
-                     cost_usd=epoch_cost(ctx, epoch))
+    return counted(ctx, summarise(plan, epoch, lr, attempt, final, outcomes, wall, startup=startup,
+                                  prestarted=prestarted, cost_usd=epoch_cost(ctx, epoch)))
