@@ -76,6 +76,8 @@ SECTIONS = [
     Section("Peers: the CPU ring's transport beside gloo", "bench_ring", "ring"),
     Section("Language models: sync methods, plain PyTorch, the seeds' workloads planned", "bench_language_models",
             "language_models", ("--seq-len", "128", "512")),
+    Section("Datasets in a bucket: prepare, read, data wait and memory beside MosaicML Streaming", "bench_data",
+            "data"),
 ]
 
 HEADER = """# Zooid benchmarks
