@@ -16,7 +16,7 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -139,6 +139,22 @@ def write_cut(store: Store, prefix: str, source: Store, cut: Cut, *, resume: boo
         y_top = _most(y_top, _top(y if y.is_floating_point() else y[y != IGNORE_INDEX]))
     return {"cut": cut.to_dict(), "shards": infos, "written": written, "x_top": x_top, "y_top": y_top,
             "pid": os.getpid()}
+
+
+def run_cut_job(job: dict[str, Any], open_ref: Callable[[str], Store]) -> dict[str, Any]:
+    """Write one cut, in the process that runs it: `job` holds the cut (`Cut.to_dict`), the
+    source's and the destination's store references (`source`, `to`, opened with `open_ref`) and
+    the destination prefix (`prefix`). Returns `write_cut`'s result."""
+    cut = Cut.from_dict(job["cut"])
+    source = open_ref(job["source"])
+    try:
+        store = open_ref(job["to"])
+        try:
+            return write_cut(store, job.get("prefix", ""), source, cut)
+        finally:
+            store.close()
+    finally:
+        source.close()
 
 
 def arrays_manifest(name: str, layout: ArrayLayout, cuts: list[Cut], done: list[dict[str, Any]],

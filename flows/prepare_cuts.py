@@ -5,7 +5,8 @@ own on the compute target, the manifest written last from the cuts' `ShardInfo` 
 Where a cut runs follows the `target` parameter, as a training run's workers do:
 
 - `inline` (the command line's default): a child process of the flow
-  (`python -m flows.prepare_cuts --cut-json ...`), as the `inline` target's workers are.
+  (`python -m runtime.array_cut_main --cut-json ...`, without Prefect; `python -m
+  flows.prepare_cuts` where a store is a block), as the `inline` target's workers are.
 - a target with a work pool (`local`: the `zooid-local` process pool, which the `prepare/local`
   deployment uses; or a saved Zooid Compute Target block): a flow run of the target's worker
   deployment (`worker/local`), started with `run_deployment` and polled until final, as the train
@@ -29,16 +30,20 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from blocks.compute import resolve_target
+from blocks.store_block import BLOCK_PREFIX
 from blocks.store_refs import open_store_ref
 from core.errors import ZooidError, ZooidValueError
-from engine.array_cuts import Cut, arrays_manifest, plan_cuts, write_cut
+from engine.array_cuts import Cut, arrays_manifest, plan_cuts, run_cut_job
 from engine.array_source import ArrayLayout, arrays_ref, scan_arrays
 from engine.datasets import Prepared
 from engine.shards import read_dataset_manifest, write_manifest
+from runtime.array_cut_main import main as array_cut_main
 
 ROOT = Path(__file__).resolve().parent.parent
 CUT_SPEC = "prepare_cut"
 """The key of a `worker` flow's spec that makes its run write one cut."""
+ARRAY_CUT_MAIN = "runtime.array_cut_main"
+"""An inline cut's entry point (no Prefect)."""
 POLL_S = 0.5
 """How often a cut's flow run on a pool is read until it ends."""
 
@@ -48,31 +53,28 @@ class CutFailed(ZooidError):
 
 
 def run_cut(job: dict[str, Any]) -> dict[str, Any]:
-    """Write one cut, in the process that runs it: `job` holds the cut (its shards and the source
-    parts that hold their rows), the source's and the destination's store references and the
-    destination prefix (`cut_job`). Returns `engine.array_cuts.write_cut`'s result."""
-    cut = Cut.from_dict(job["cut"])
-    source, store = open_store_ref(job["source"]), open_store_ref(job["to"])
-    try:
-        return write_cut(store, job.get("prefix", ""), source, cut)
-    finally:
-        source.close()
-        store.close()
+    """Write one cut in this process (a `worker` flow run's), store blocks loaded from the API
+    (`engine.array_cuts.run_cut_job`; `job` as `cut_job` makes it)."""
+    return run_cut_job(job, open_store_ref)
 
 
 def cut_job(cut: Cut, source: str, to: str, prefix: str = "") -> dict[str, Any]:
-    """What a cut's process is given (JSON-able): see `run_cut`."""
+    """What a cut's process is given (JSON-able): the cut, the source's and the destination's
+    store references and the destination prefix."""
     return {"cut": cut.to_dict(), "source": source, "to": to, "prefix": prefix}
 
 
 def _inline(job: dict[str, Any], label: str) -> dict[str, Any]:
-    """Run a cut as a child process of this one; its result is its last line of output."""
+    """Run a cut as a child process of this one (`runtime.array_cut_main`, without Prefect; this
+    module's own `main` where a store is a block, loaded from the API the flow uses); its
+    result is its last line of output."""
     from prefect.settings import PREFECT_API_URL
 
-    env = dict(os.environ)
-    if PREFECT_API_URL.value():  # a store block is loaded from the API the flow uses
-        env["PREFECT_API_URL"] = PREFECT_API_URL.value()
-    done = subprocess.run([sys.executable, "-m", "flows.prepare_cuts", "--cut-json", json.dumps(job)], cwd=ROOT,
+    env, entry = dict(os.environ), ARRAY_CUT_MAIN
+    if any(job[ref].startswith(BLOCK_PREFIX) for ref in ("source", "to")):
+        entry = "flows.prepare_cuts"
+        env["PREFECT_API_URL"] = PREFECT_API_URL.value() or ""
+    done = subprocess.run([sys.executable, "-m", entry, "--cut-json", json.dumps(job)], cwd=ROOT,
                           check=False, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL)
     if done.returncode != 0:
         lines = done.stderr.strip().splitlines() or [f"exit {done.returncode}"]
@@ -192,20 +194,10 @@ def run_cuts(cuts: list[Cut], source: str, to: str, pool: dict[str, Any] | None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m flows.prepare_cuts --cut-json '<job>'`: write one cut (`run_cut`), print its
-    result as one JSON line; a refusal or failure is one line on stderr, exit 1."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m flows.prepare_cuts")
-    parser.add_argument("--cut-json", required=True)
-    args = parser.parse_args(argv)
-    try:
-        result = run_cut(json.loads(args.cut_json))
-    except ZooidError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    print(json.dumps(result))
-    return 0
+    """`python -m flows.prepare_cuts --cut-json '<job>'`: `runtime.array_cut_main` for a cut whose
+    source or destination is a store block, loaded from the Prefect API in this process (its
+    secret never travels in the job, an argument or the environment)."""
+    return array_cut_main(argv, open_ref=open_store_ref)
 
 
 if __name__ == "__main__":

@@ -187,3 +187,17 @@ def test_a_malformed_source_is_refused_in_one_line_naming_dataset_before_any_cut
                          ("target=nowhere", "target")):
         assert refused(dataset, param).startswith(f"{field}: ")
     assert not to.exists()  # nothing written, not even the destination's folder
+
+
+def test_files_of_arrays_in_a_store_block_are_read_by_cuts_that_load_the_block(tmp_path, request):
+    from blocks.store_refs import ZooidStore
+
+    dataset, x, y = array_source("dir", request, tmp_path)
+    name = f"raw-{uuid.uuid4().hex[:8]}"
+    ZooidStore(url=Path(dataset.removeprefix("arrays:")).as_uri()).save(name)
+    done = prepare(dataset=f"arrays:block:zooid-store/{name}", to=(tmp_path / "out").as_uri(), subset_size=64,
+                   workers=1)
+    assert (done["written"], [c["cut"] for c in done["cuts"]]) == (5, ["cut train shards 0-3", "cut val shard 0"])
+    with open_store((tmp_path / "out").as_uri()) as store:
+        got = read_shards(store, "", range(4), "train", manifest=read_dataset_manifest(store, ""))
+    assert torch.equal(got[0], torch.from_numpy(x[:230])) and torch.equal(got[1], torch.from_numpy(y[:230]))
