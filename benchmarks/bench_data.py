@@ -92,9 +92,10 @@ import streaming
 cfg = json.loads(sys.argv[1])
 if cfg["mode"] == "write":
     from streaming import MDSWriter
-    began = time.perf_counter()
-    for split in ("train", "val"):
-        x, y = np.load(os.path.join(cfg["arrays"], f"{split}_x.npy")), np.load(os.path.join(cfg["arrays"], f"{split}_y.npy"))
+    arrays = {split: (np.load(os.path.join(cfg["arrays"], f"{split}_x.npy")),
+                      np.load(os.path.join(cfg["arrays"], f"{split}_y.npy"))) for split in ("train", "val")}
+    began = time.perf_counter()  # the arrays in memory, as Zooid's prepare gets them
+    for split, (x, y) in arrays.items():
         columns = {"x": "ndarray:float32:" + ",".join(map(str, x.shape[1:])), "y": "int64"}
         with MDSWriter(out=cfg["out"] + "/" + split, columns=columns, size_limit=cfg["size_limit"],
                        progress_bar=False) as writer:
