@@ -6,7 +6,7 @@ written by its own process, the manifest last from what the cuts wrote.
 and their rows are the same whatever the parallelism, and so are their bytes and checksums.
 `write_cut` writes one cut's shards (`engine.shards.write_shard`, resumable: a whole shard
 already there with the same bytes is kept), reading only the source rows of its own shards
-(`engine.array_source.read_rows`): a cut holds one shard's rows at a time. `arrays_manifest`
+(`engine.array_source.RowReader`): a cut holds one shard's rows at a time. `arrays_manifest`
 assembles the manifest from the cuts' `ShardInfo` rows and the layout, without reading data.
 The inputs and targets become tensors by the rules a dataset factory's do (`engine.datasets`).
 """
@@ -24,7 +24,7 @@ import torch
 from comm.store import Store
 from comm.tensor_codec import encode_tensors
 from core.errors import ZooidValueError
-from engine.array_source import SPLITS, ArrayLayout, ArrayPart, read_rows
+from engine.array_source import SPLITS, ArrayLayout, ArrayPart, RowReader
 from engine.datasets import _as_inputs, _as_targets
 from engine.objective import IGNORE_INDEX
 from engine.shards import DatasetManifest, ShardInfo, write_shard
@@ -66,10 +66,10 @@ class Cut:
     def from_dict(cls, d: dict[str, Any]) -> Cut:
         return cls(**{**d, "parts": tuple(ArrayPart.from_dict(p) for p in d.get("parts", ()))})
 
-    def read(self, source: Store, index: int) -> tuple[np.ndarray, np.ndarray]:
-        """The source rows of shard `index` (from `parts` in `source`)."""
+    def read(self, reader: RowReader, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """The source rows of shard `index` (from `parts`, through `reader`)."""
         start, stop = self.rows_of(index)
-        return read_rows(source, self.parts, start - self.parts_start, stop - self.parts_start)
+        return reader.rows(self.parts, start - self.parts_start, stop - self.parts_start)
 
 
 def plan_cuts(layout: ArrayLayout, subset_size: int, workers: int) -> list[Cut]:
@@ -128,15 +128,16 @@ def write_cut(store: Store, prefix: str, source: Store, cut: Cut, *, resume: boo
     how many were written (the rest kept), the largest id of the inputs and the largest scored
     target (integer data; None else), and the process that wrote them."""
     infos, written, x_top, y_top = [], 0, None, None
-    for index in range(cut.first, cut.first + cut.shards):
-        start, stop = cut.rows_of(index)
-        x, y = shard_tensors(*cut.read(source, index))
-        blob = encode_tensors({"x": x.contiguous(), "y": y.contiguous()})
-        info, wrote = write_shard(store, prefix, cut.split, index, blob, stop - start, resume=resume)
-        infos.append(dataclasses.asdict(info))
-        written += wrote
-        x_top = _most(x_top, _top(x), _top(y))  # a model's embedding holds every id (`engine.datasets.id_bound`)
-        y_top = _most(y_top, _top(y if y.is_floating_point() else y[y != IGNORE_INDEX]))
+    with RowReader(source) as reader:
+        for index in range(cut.first, cut.first + cut.shards):
+            start, stop = cut.rows_of(index)
+            x, y = shard_tensors(*cut.read(reader, index))
+            blob = encode_tensors({"x": x.contiguous(), "y": y.contiguous()})
+            info, wrote = write_shard(store, prefix, cut.split, index, blob, stop - start, resume=resume)
+            infos.append(dataclasses.asdict(info))
+            written += wrote
+            x_top = _most(x_top, _top(x), _top(y))  # a model's embedding holds every id (`engine.datasets.id_bound`)
+            y_top = _most(y_top, _top(y if y.is_floating_point() else y[y != IGNORE_INDEX]))
     return {"cut": cut.to_dict(), "shards": infos, "written": written, "x_top": x_top, "y_top": y_top,
             "pid": os.getpid()}
 

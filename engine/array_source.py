@@ -13,8 +13,9 @@ A split's rows are its parts' rows, the parts in the order of their names (`part
 every part's `y` too; a part's `x` and `y` have the same rows. Planning reads only headers
 (`scan_arrays`: each array's rows, dtype, row shape and where its data starts; an `.npz`'s zip
 directory), and checks every file holds the rows its header promises. A reader then fetches
-only the bytes of the rows it asks for (`read_rows`, through `Store.get_range`); a member of a
-compressed `.npz` is inflated from its start up to those rows, never held whole. Nothing is
+only the bytes of the rows it asks for (`RowReader`, through `Store.get_range`); a member of a
+compressed `.npz` is inflated from its start up to those rows, never held whole, and stays open
+for the next rows, so a cut reading its shards in order inflates it once. Nothing is
 unpickled (`allow_pickle=False` throughout): an object dtype is refused, as is a Fortran-ordered
 array. Each problem is one line naming `dataset`.
 """
@@ -293,34 +294,77 @@ def scan_arrays(store: Store, root: str = "") -> ArrayLayout:
     return ArrayLayout(splits, fingerprint)
 
 
-def _file_rows(store: Store, array: ArrayFile, start: int, stop: int) -> np.ndarray:
-    """Rows [start, stop) of one array, fetching only their bytes (or inflating up to them)."""
-    n, size = stop - start, array.row_bytes
-    want = n * size
-    if not array.compressed:
-        data = store.get_range(array.key, array.offset + start * size, want)
-    else:
-        with (_opened(store, array.key, store.size(array.key), buffer=INFLATE_READ) as raw,
-              zipfile.ZipFile(raw) as zf, zf.open(array.member) as fp):
-            fp.seek(array.offset + start * size)
-            data = fp.read(want)
-    if len(data) != want:
-        raise _refuse(f"{array.where} ended at {len(data)} of the {want} bytes of rows {start}-{stop - 1}")
-    return np.frombuffer(bytearray(data), dtype=np.dtype(array.dtype)).reshape(n, *array.row_shape)
+class RowReader:
+    """Reads rows of a source's arrays from `store`, fetching only their bytes. A member of a
+    compressed `.npz` stays open between reads, so reading its rows in order (a cut's shards)
+    inflates it once, not once per read; a read behind the open position opens it again.
+    A context manager: `close` releases the open members."""
+
+    def __init__(self, store: Store):
+        self.store = store
+        self._open: dict[tuple[str, str], tuple[io.BufferedReader, zipfile.ZipFile, io.IOBase]] = {}
+
+    def _member(self, array: ArrayFile, at: int):
+        """The open member stream of `array`, positioned at byte `at` of it."""
+        key = (array.key, array.member)
+        held = self._open.get(key)
+        if held is not None and held[2].tell() > at:
+            self._close(key)
+            held = None
+        if held is None:
+            raw = _opened(self.store, array.key, self.store.size(array.key), buffer=INFLATE_READ)
+            archive = zipfile.ZipFile(raw)
+            held = self._open[key] = (raw, archive, archive.open(array.member))
+        stream = held[2]
+        stream.seek(at)  # forward: inflates and drops the bytes before `at`, a chunk at a time
+        return stream
+
+    def _close(self, key) -> None:
+        for part in reversed(self._open.pop(key)):
+            part.close()
+
+    def close(self) -> None:
+        for key in list(self._open):
+            self._close(key)
+
+    def __enter__(self) -> "RowReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def array_rows(self, array: ArrayFile, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) of one array."""
+        n, size = stop - start, array.row_bytes
+        want = n * size
+        if not array.compressed:
+            data = self.store.get_range(array.key, array.offset + start * size, want)
+        else:
+            data = self._member(array, array.offset + start * size).read(want)
+        if len(data) != want:
+            raise _refuse(f"{array.where} ended at {len(data)} of the {want} bytes of rows {start}-{stop - 1}")
+        return np.frombuffer(bytearray(data), dtype=np.dtype(array.dtype)).reshape(n, *array.row_shape)
+
+    def rows(self, parts: tuple[ArrayPart, ...], start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """Rows [start, stop) of a split (its `parts` in order, or the run of them that holds
+        these rows, `start` and `stop` counted from the first) as (x, y), reading only the parts
+        and bytes that hold them."""
+        xs, ys, first = [], [], 0
+        for part in parts:
+            lo, hi = max(start, first), min(stop, first + part.rows)
+            if lo < hi:
+                xs.append(self.array_rows(part.x, lo - first, hi - first))
+                ys.append(self.array_rows(part.y, lo - first, hi - first))
+            first += part.rows
+            if first >= stop:
+                break
+        if sum(len(x) for x in xs) != stop - start or not xs:
+            raise ZooidValueError("rows", f"rows {start}-{stop - 1} are not all in these parts' {first} rows")
+        return np.concatenate(xs), np.concatenate(ys)
 
 
 def read_rows(store: Store, parts: tuple[ArrayPart, ...], start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
     """Rows [start, stop) of a split (its `parts` in order) as (x, y), reading only the parts
-    and bytes that hold them."""
-    xs, ys, first = [], [], 0
-    for part in parts:
-        lo, hi = max(start, first), min(stop, first + part.rows)
-        if lo < hi:
-            xs.append(_file_rows(store, part.x, lo - first, hi - first))
-            ys.append(_file_rows(store, part.y, lo - first, hi - first))
-        first += part.rows
-        if first >= stop:
-            break
-    if sum(len(x) for x in xs) != stop - start:
-        raise ZooidValueError("rows", f"rows {start}-{stop - 1} are not all in this split of {first} rows")
-    return np.concatenate(xs), np.concatenate(ys)
+    and bytes that hold them (`RowReader.rows`, once)."""
+    with RowReader(store) as reader:
+        return reader.rows(parts, start, stop)

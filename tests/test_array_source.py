@@ -17,7 +17,7 @@ from comm.tensor_codec import decode_tensors
 from core.errors import ZooidValueError
 from core.keys import shard_key
 from engine.array_cuts import Cut, arrays_manifest, plan_cuts, write_cut
-from engine.array_source import HEADER_READ, arrays_ref, read_rows, scan_arrays
+from engine.array_source import HEADER_READ, INFLATE_READ, arrays_ref, read_rows, scan_arrays
 
 N_TRAIN, N_VAL = 230, 37
 ROW = (3, 32)
@@ -209,3 +209,51 @@ def test_malformed_sources_are_refused_in_one_line_naming_dataset(tmp_path):
     with pytest.raises(ZooidValueError, match=r"^dataset: 'arrays:': say where the arrays are"):
         arrays_ref("arrays:")
     assert arrays_ref(f"arrays:{tmp_path}") == tmp_path.as_uri()
+
+
+def test_a_cut_inflates_a_compressed_part_once_and_holds_one_shard_at_a_time(tmp_path):
+    """A 48 MB source (a .npy pair, and a compressed .npz of the same rows for the val split):
+    writing every shard of 1 MB rows in one process grows its peak memory by a few shards, not
+    by the source, and a compressed member read shard by shard is fetched about once."""
+    script = f"""
+import json, resource, sys
+import numpy as np
+from comm.store_dir import DirectoryStore
+from engine.array_cuts import plan_cuts, write_cut
+from engine.array_source import scan_arrays
+root = {str(tmp_path / "big")!r}
+rows, width = 12288, 1024  # 4 KB a row, 48 MB in all
+for split in ("train", "val"):
+    __import__("os").makedirs(f"{{root}}/{{split}}")
+x = np.lib.format.open_memmap(f"{{root}}/train/p.x.npy", mode="w+", dtype=np.float32, shape=(rows, width))
+for i in range(0, rows, 1024):
+    x[i:i + 1024] = np.arange(i, i + 1024, dtype=np.float32)[:, None]
+x.flush(); del x
+np.save(f"{{root}}/train/p.y.npy", np.arange(rows) % 10)
+np.savez_compressed(f"{{root}}/val/p.npz", x=np.repeat(np.arange(2048, dtype=np.float32)[:, None], width, 1),
+                    y=np.arange(2048) % 10)
+source, out = DirectoryStore(root), DirectoryStore({str(tmp_path / "out")!r})
+layout = scan_arrays(source)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+cuts = plan_cuts(layout, 256, 1)
+fetched = {{}}
+for cut in cuts:
+    start = source.stats.bytes_down
+    write_cut(out, "", source, cut)
+    fetched[cut.split] = source.stats.bytes_down - start
+grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+print(json.dumps({{"grown": grown, "fetched": fetched, "npz": source.size("val/p.npz"),
+                  "shards": [len(c.parts) for c in cuts], "n": [c.shards for c in cuts]}}))
+"""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["n"] == [48, 8]  # 12288 / 256 training shards of 1 MB, 2048 / 256 validation ones
+    assert got["grown"] < 24 * 2**20, got  # a few 1 MB shards in flight, not the 48 MB source
+    assert got["fetched"]["train"] == 12288 * (4096 + 8)  # each row's bytes once, no more
+    assert got["fetched"]["val"] < got["npz"] + 4 * INFLATE_READ, got  # the compressed member once
