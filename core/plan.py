@@ -69,7 +69,12 @@ class Plan:
     predicted_run_s: float = 0.0
     """From the plan to the run's end, start-up, gaps and teardown included."""
     predicted_run_cost_usd: float = 0.0
-    """The whole run's bill (workers, start-up, idle and the coordinator), made at the plan."""
+    """The whole run's bill (workers, start-up, idle, the coordinator and the store), made at the plan."""
+    predicted_store_usd: float = 0.0
+    """The store's part of `predicted_run_cost_usd`: its requests (`predicted_store_ops` each
+    epoch, priced by the store's offer) and its server (a cloud Redis) for the run."""
+    predicted_store_ops: dict = field(default_factory=dict)
+    """One epoch's store requests by kind (`planners.store_requests.epoch_store_ops`)."""
     predicted_cost_by_epoch_usd: tuple[float, ...] = ()
     """The bill predicted at the end of each epoch from the plan on (the ledger before it
     included): what the coordinator's per-epoch line holds the bill so far against."""

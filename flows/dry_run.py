@@ -25,7 +25,8 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
 from coordinator.plan.target_profile import cached_profile, profile_estimate, will_rent
-from coordinator.report.report import alternatives_table, co_optimizer_lines, plan_in_words, run_terms_text
+from coordinator.report.report import (alternatives_table, co_optimizer_lines, plan_in_words, run_terms_text,
+                                      store_prediction_words)
 from coordinator.run.context import RunContext, run_id_for
 from coordinator.run.job import TrainJob
 from coordinator.run.job_fields import job_from_fields
@@ -49,7 +50,8 @@ def plan_report(job: TrainJob, chosen: dict) -> str:
         f"Predicted: {duration(chosen['predicted_epoch_s'])} and {money(chosen['predicted_cost_per_epoch_usd'])} per "
         f"epoch; the run of {job.epochs} epochs {duration(chosen['predicted_run_s'])} and "
         f"{money(chosen['predicted_run_cost_usd'])} (first epoch {duration(chosen['predicted_first_epoch_s'])}; "
-        "start-up, idle workers and the coordinator included).", "",
+        "start-up, idle workers, the coordinator and the store included).", "",
+        *([f"Store: {store_prediction_words(chosen)}.", ""] if chosen.get("predicted_store_ops") else []),
         "## Alternatives considered", "", *alternatives_table(chosen, markdown=True),
         *(["", f"Outside the workers' compute: {terms}."] if terms else []),
         *([""] + co_optimizer_lines(chosen["co_optimizer"]) if chosen.get("co_optimizer") else [])])

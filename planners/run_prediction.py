@@ -65,6 +65,8 @@ class RunPrediction:
     cost_by_epoch_usd: tuple[float, ...] = ()
     """The bill at the end of each of the epochs (before teardown): what is already billed plus
     workers and coordinator up to that epoch's end."""
+    store_usd: float = 0.0
+    """The store's part of `cost_usd`: each epoch's requests and its server for the run."""
 
 
 def started_together(terms: RunTerms, workers: int, host_cores: int | None) -> float:
@@ -82,7 +84,8 @@ def started_together(terms: RunTerms, workers: int, host_cores: int | None) -> f
 
 def predict_run(plan: Plan, terms: RunTerms, *, epochs: int, warm: bool, workers_launched_s: float | None,
                 billed_usd: float = 0.0, coordinator_price_per_s: float | None = None,
-                per_epoch: Sequence[Plan] | None = None, host_cores: int | None = None) -> RunPrediction:
+                per_epoch: Sequence[Plan] | None = None, host_cores: int | None = None,
+                store_usd_per_epoch: float = 0.0, store_usd_per_s: float = 0.0) -> RunPrediction:
     """The run's time and bill for `epochs` more epochs of `plan`, from now.
 
     Warm: the workers (launched `workers_launched_s` seconds ago; None: launched at the
@@ -99,7 +102,10 @@ def predict_run(plan: Plan, terms: RunTerms, *, epochs: int, warm: bool, workers
     added workers are started during the epoch before theirs (pre-start: billed from their
     launch, the start-up that epoch and its gap do not cover is waited for), pay the first
     epoch's warm-up, and workers no longer needed stop after `stop_s`; where they share the
-    coordinator's `host_cores`, the workers added together start slower (`started_together`)."""
+    coordinator's `host_cores`, the workers added together start slower (`started_together`).
+
+    The store: `store_usd_per_epoch` for each epoch's requests (`planners.store_requests`
+    priced by `planners.store_prices`), and `store_usd_per_s` for its server over the run."""
     if epochs < 0:
         raise ValueError(f"epochs: must be >= 0, got {epochs}")
     plans = list(per_epoch) if per_epoch is not None else [plan] * epochs
@@ -144,16 +150,19 @@ def predict_run(plan: Plan, terms: RunTerms, *, epochs: int, warm: bool, workers
             terms.warmup_s + (0.0 if warm else terms.startup_s))
     steady = plan.predicted_compute_epoch_s + terms.epoch_overhead_s + (
         0.0 if warm else terms.startup_s + terms.warmup_s)
-    cost = billed_usd + usd + run_s * coordinator_price
-    cost_by_epoch = tuple(billed_usd + w + e * coordinator_price for w, e in zip(workers_usd_by_epoch, ends))
+    store = epochs * store_usd_per_epoch + run_s * store_usd_per_s
+    cost = billed_usd + usd + run_s * coordinator_price + store
+    cost_by_epoch = tuple(billed_usd + w + e * (coordinator_price + store_usd_per_s) + (i + 1) * store_usd_per_epoch
+                          for i, (w, e) in enumerate(zip(workers_usd_by_epoch, ends)))
     return RunPrediction(epoch_s=steady, first_epoch_s=first, run_s=run_s, worker_s=worker_s, cost_usd=cost,
-                         cost_by_epoch_usd=cost_by_epoch)
+                         cost_by_epoch_usd=cost_by_epoch, store_usd=store)
 
 
-def with_run_prediction(plan: Plan, terms: RunTerms, **kwargs) -> Plan:
-    """`plan` with its epoch and run predictions start-up aware (`predict_run`)."""
+def with_run_prediction(plan: Plan, terms: RunTerms, store_ops: dict | None = None, **kwargs) -> Plan:
+    """`plan` with its epoch and run predictions start-up aware (`predict_run`); `store_ops`:
+    one epoch's store requests by kind, kept beside the store's dollars."""
     p = predict_run(plan, terms, **kwargs)
-    return dataclasses.replace(plan, predicted_epoch_s=p.epoch_s,
+    return dataclasses.replace(plan, predicted_store_usd=p.store_usd, predicted_store_ops=dict(store_ops or {}), predicted_epoch_s=p.epoch_s,
                                predicted_cost_per_epoch_usd=p.epoch_s * plan.workers * plan.price_per_worker_s,
                                predicted_run_s=p.run_s, predicted_run_cost_usd=p.cost_usd,
                                predicted_first_epoch_s=p.first_epoch_s,

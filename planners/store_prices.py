@@ -97,9 +97,13 @@ def store_offer(url: str, provider: str | None = None) -> StoreOffer:
 def bill_line(offer: StoreOffer, ops: StoreOps, usd: float) -> str:
     """`S3: 48,120 PUT, 96,240 GET, 1.9 GB in, 2.1 GB out, $0.26`: the requests by kind (kinds
     with none left out), the bytes each way and the dollars."""
-    parts = [f"{getattr(ops, k):,} {VERBS[k]}" for k in REQUEST_KINDS if getattr(ops, k)]
-    parts += [f"{_gb(ops.bytes_in)} in", f"{_gb(ops.bytes_out)} out"]
+    parts = [requests_words(ops) or "no requests", f"{_gb(ops.bytes_in)} in", f"{_gb(ops.bytes_out)} out"]
     return f"{offer.label}: {', '.join(parts)}, {money(usd)}"
+
+
+def requests_words(ops: StoreOps) -> str:
+    """`48,120 PUT, 96,240 GET`: the requests by kind, kinds with none left out."""
+    return ", ".join(f"{getattr(ops, k):,} {VERBS[k]}" for k in REQUEST_KINDS if getattr(ops, k))
 
 
 def _gb(nbytes: int) -> str:

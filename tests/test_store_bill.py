@@ -90,3 +90,34 @@ def test_a_workers_result_carries_its_epochs_store_requests(tmp_path, monkeypatc
     second = run_spec_module.run_spec(None, store, DirectoryStore)
     assert second.store_ops == {"file://": StoreOps(put=2, get=1, miss=1, bytes_in=5, bytes_out=3).to_dict()}
     assert WorkerResult.from_dict(second.to_dict()).store_ops == second.store_ops
+
+
+def test_the_run_prediction_adds_the_stores_requests_and_server():
+    """`predict_run`: each epoch's store requests and the store's server over the run, in the
+    run's bill and in the bill by each epoch's end."""
+    from core.kinds import Strategy
+    from core.plan import Plan
+    from planners.run_prediction import RunTerms, predict_run, with_run_prediction
+    from planners.store_requests import epoch_store_ops
+
+    terms = RunTerms(startup_s=2.0, epoch_overhead_s=1.0, gap_s=0.5, provision_s=1.0, teardown_s=1.0)
+    plan = Plan(strategy=Strategy.LOCAL_SGD, data_parallel=4, steps_per_epoch=100, sync_period=1,
+                price_per_worker_s=1e-5, predicted_compute_epoch_s=10.0)
+    ops = epoch_store_ops(plan)
+    per_epoch = store_offer("s3://b").request_usd(ops)
+    # every step syncs: 4 ranks x 4 puts and 6 gets a round, 100 rounds, then the release
+    assert (ops.put, ops.get) == (4 * 4 * 100 + 4 + 1 + 4 + 100, 4 * 6 * 100 + 3 + 4)
+    bare = predict_run(plan, terms, epochs=3, warm=True, workers_launched_s=None)
+    with_store = predict_run(plan, terms, epochs=3, warm=True, workers_launched_s=None,
+                             store_usd_per_epoch=per_epoch, store_usd_per_s=0.016 / 3600)
+    store = 3 * per_epoch + bare.run_s * 0.016 / 3600
+    assert with_store.store_usd == pytest.approx(store) and bare.store_usd == 0.0
+    assert with_store.cost_usd == pytest.approx(bare.cost_usd + store)
+    assert with_store.cost_by_epoch_usd[-1] - bare.cost_by_epoch_usd[-1] == pytest.approx(
+        3 * per_epoch + (with_store.run_s - terms.teardown_s) * 0.016 / 3600)
+    over_ring = epoch_store_ops(plan, ring=True)
+    assert (over_ring.put, over_ring.get) == (1 + 4, 4)  # checkpoints and history only
+    planned = with_run_prediction(plan, terms, store_ops=ops.to_dict(), epochs=3, warm=True,
+                                  workers_launched_s=None, store_usd_per_epoch=per_epoch)
+    assert planned.predicted_store_usd == pytest.approx(3 * per_epoch)
+    assert planned.predicted_store_ops == ops.to_dict()

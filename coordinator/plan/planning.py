@@ -25,9 +25,12 @@ from core.plan import Plan
 from core.schedule_costs import ideal_peak_in_flight
 from core.schedules import Kind, build_schedule
 from core.stage_memory import check_plan_memory, format_bytes, optimizer_copies, stage_memory
+from core.store_ops import StoreOps
 from planners.calibration import Calibration, calibrated
 from planners.pipeline_time import TransferCosts
 from planners.run_prediction import predict_run, with_run_prediction
+from planners.store_prices import store_offer
+from planners.store_requests import epoch_store_ops
 from planners.strategy import (
     NO_PLAN_FITS,
     StrategyInputs,
@@ -157,6 +160,21 @@ def uniform_plan(ctx: RunContext, profile: dict, x) -> Plan:
     return with_sync(x, chosen)
 
 
+def store_terms(ctx: RunContext, plan: Plan) -> tuple[StoreOps, dict]:
+    """One epoch's store requests for `plan` (`planners.store_requests`) and what the run's
+    store bills for them and for its server per second (`planners.store_prices`), as
+    `predict_run`'s keyword arguments. The chosen plan's only: the alternatives are compared
+    without it (the planner does not weigh the store yet)."""
+    store = ctx.open_store()
+    try:
+        where = store.where
+    finally:
+        store.close()
+    ops = epoch_store_ops(plan, ring=ctx.job.collective == "ring")
+    offer = store_offer(where, ctx.resolved.offer.provider)
+    return ops, {"store_usd_per_epoch": offer.request_usd(ops), "store_usd_per_s": offer.node_per_hour / 3600.0}
+
+
 def with_run(ctx: RunContext, chosen: Plan, calibration: Calibration | None, epochs_left: int | None,
              per_epoch: list[Plan] | None = None) -> Plan:
     """`chosen` and its alternatives with each epoch's overhead and the run's time and bill
@@ -182,8 +200,9 @@ def with_run(ctx: RunContext, chosen: Plan, calibration: Calibration | None, epo
         alternatives.append({**a, "predicted_compute_epoch_s": compute, "predicted_epoch_s": p.epoch_s,
                              "predicted_cost_per_epoch_usd": p.epoch_s * alt.workers * alt.price_per_worker_s,
                              "predicted_run_s": p.run_s, "predicted_run_cost_usd": p.cost_usd})
+    store_ops, store_prices = store_terms(ctx, chosen)
     out = with_run_prediction(dataclasses.replace(chosen, alternatives=tuple(alternatives)), terms, **kwargs,
-                              per_epoch=per_epoch)
+                              per_epoch=per_epoch, store_ops=store_ops.to_dict(), **store_prices)
     if per_epoch is None:
         return out
     # the chosen plan's row carries its run as the scaling policy will run it

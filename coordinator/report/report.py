@@ -20,6 +20,8 @@ from coordinator.run.job import RunSummary
 from core.epoch_summary import EpochSummary
 from core.formats import NONE, duration, gigabytes, money, number, percent, sig, text, yes_no
 from core.kinds import Strategy
+from core.store_ops import StoreOps
+from planners.store_prices import requests_words
 
 MAX_WIDTH = 120
 """Characters a line of the text report, or a table's row, may take (a 1,000-pixel pane)."""
@@ -300,10 +302,18 @@ def plan_details(summary: RunSummary) -> list[tuple[str, str]]:
             ("predicted epoch", f"{duration(p.get('predicted_epoch_s'))}, {money(p.get('predicted_cost_per_epoch_usd'))}"
                                 f" (first epoch {duration(p.get('predicted_first_epoch_s'))}; iteration "
                                 f"{duration(p.get('predicted_iteration_s'))})"),
-            ("predicted run", f"{duration(p.get('predicted_run_s'))}, {money(p.get('predicted_run_cost_usd'))}")]
+            ("predicted run", f"{duration(p.get('predicted_run_s'))}, {money(p.get('predicted_run_cost_usd'))}"),
+            *([("predicted store", store_prediction_words(p))] if p.get("predicted_store_ops") else [])]
     if term_text:
         rows.append(("run terms", term_text))
     return rows
+
+
+def store_prediction_words(p: dict) -> str:
+    """The plan's store prediction: its dollars in the run and one epoch's requests."""
+    ops = StoreOps.from_dict(p.get("predicted_store_ops"))
+    return (f"{money(p.get('predicted_store_usd'))} in the run's bill; each epoch "
+            f"{requests_words(ops) or 'no requests'} (syncs, hand-offs and checkpoints; data reads not predicted)")
 
 
 def _uniform_gb(plan: dict) -> float | None:

@@ -1,0 +1,90 @@
+"""The store requests a plan's epoch makes (issue #45), derived from the protocols, for the run
+prediction's store bill (`planners.store_prices` prices them).
+
+Counted, all workers together:
+
+- a store allreduce (`comm.collectives`, `comm.scatter_reduce`; none over the ring), per rank
+  of W: W puts, 2 (W - 1) gets, W - 1 deletes and, in a group that is not replayed, the
+  previous call's reduced slice; the group's release: W done keys, W - 1 reads by rank 0, two
+  listings and two prefix deletes of W keys each (`delete_requests`, the store's own);
+- Local-SGD's rounds: one per `sync_period` steps (the last one shorter), one per epoch
+  without a period, one per step (one bucket) when every step averages; with sync
+  checkpoints every `checkpoint_every` rounds (the last always), rank 0's checkpoint put and
+  a listing and delete of each round it no longer keeps;
+- a pipeline's hand-offs per replica and step: each of its p x v - 1 model-stage boundaries
+  moves M activations forward and M gradients back (a put, a get and a delete each); after
+  the epoch the last stage sends the loss to the others (p - 1), and replica 0's workers send
+  their model stages' state to the last one; a stage's replicas average its gradients once a
+  step (one bucket) over D;
+- every worker reads the initial checkpoint; the epoch checkpoint is written once; a
+  Local-SGD replica writes its history record.
+
+Not counted: data reads (the shards' layout), validation's activations, the warm workers'
+commands and status, a waiting get's misses (timing), the coordinator's own requests.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from core.kinds import Strategy
+from core.plan import Plan
+from core.store_ops import StoreOps
+
+
+def per_key(keys: int) -> int:
+    """Delete requests of a store that deletes one key per request (a directory, Redis)."""
+    return keys
+
+
+def allreduce_ops(world: int, calls: int, previous_deleted: bool = True) -> StoreOps:
+    """One rank's requests for `calls` calls of a store allreduce over `world` ranks."""
+    if world <= 1 or calls <= 0:
+        return StoreOps()
+    return StoreOps(put=world * calls, get=2 * (world - 1) * calls,
+                    delete=(world - 1) * calls + ((calls - 1) if previous_deleted else 0))
+
+
+def release_ops(world: int, delete_requests: Callable[[int], int] = per_key) -> StoreOps:
+    """Every rank's requests to release a group of calls (`comm.collectives.release_group`)."""
+    if world <= 1:
+        return StoreOps()
+    return StoreOps(put=world, get=world - 1, list=2, delete=2 * delete_requests(world))
+
+
+def sync_rounds(plan: Plan) -> int:
+    """Local-SGD rounds in one epoch of `plan`."""
+    steps = max(1, plan.steps_per_epoch)
+    if plan.sync_period is None:
+        return 1
+    return math.ceil(steps / max(1, plan.sync_period))
+
+
+def epoch_store_ops(plan: Plan, *, ring: bool = False, checkpoint_every: int = 1,
+                    delete_requests: Callable[[int], int] = per_key) -> StoreOps:
+    """The requests one epoch of `plan` makes on the run's store (see the module docstring);
+    `ring`: the replicas average over the ring, not the store."""
+    d, p, steps = max(1, plan.data_parallel), max(1, plan.stages), max(1, plan.steps_per_epoch)
+    ops = StoreOps(get=d * p, put=1)  # the initial checkpoint, read by every worker; the epoch's
+    if plan.strategy == Strategy.LOCAL_SGD and p == 1:
+        ops = ops + StoreOps(put=d)  # each replica's history record
+        if d == 1 or ring:
+            return ops
+        rounds = sync_rounds(plan)
+        replayed = checkpoint_every > 0
+        ops = ops + StoreOps(**{k: v * d for k, v in allreduce_ops(d, rounds, not replayed).to_dict().items()})
+        ops = ops + release_ops(d, delete_requests)
+        if replayed:  # rank 0's sync checkpoints, each dropping the rounds before it
+            checkpoints = math.ceil(rounds / checkpoint_every)
+            ops = ops + StoreOps(put=checkpoints, list=rounds - 1, delete=(rounds - 1) * delete_requests(d))
+        return ops
+    boundaries = p * max(1, plan.chunks) - 1 if p > 1 else 0
+    moves = d * steps * boundaries * max(1, plan.microbatches) * 2  # activations forward, gradients back
+    ops = ops + StoreOps(put=moves, get=moves, delete=moves)
+    handoffs = d * (p - 1) + (p - 1) * max(1, plan.chunks)  # the loss, replica 0's model stages' state
+    ops = ops + StoreOps(put=handoffs, get=handoffs, delete=handoffs)
+    if d > 1 and not ring:  # each stage worker's gradients, averaged over the D replicas every step
+        per_rank = allreduce_ops(d, steps)
+        ops = ops + StoreOps(**{k: v * d * p for k, v in per_rank.to_dict().items()})
+        ops = ops + StoreOps(**{k: v * p for k, v in release_ops(d, delete_requests).to_dict().items()})
+    return ops
