@@ -112,9 +112,10 @@ WIDTH, BLOCKS, BATCH, LR, SEED = 4096, 8, 128, 0.01, 0
 """Defaults; `--width` and `--batch` change the block width and the batch."""
 
 
-def dataset_name(width: int, batch: int) -> str:
-    """Synthetic rows of `width` features, 10 classes, enough training rows for two batches."""
-    return f"synthetic:{width}:10:{max(2048, 2 * batch)}:64"
+def dataset_name(width: int, batch: int, steps: int) -> str:
+    """Synthetic rows of `width` features, 10 classes: an epoch of `steps` batches of `batch`
+    rows (a pipeline's steps are its epoch's, `engine.epoch_order.epoch_steps`)."""
+    return f"synthetic:{width}:10:{steps * batch}:64"
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 TITLES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved 1F1B"}
 TOLERANCE = 0.10  # measured vs simulated idle share, relative to the simulated one
@@ -500,12 +501,12 @@ def run_one(name: str, stages: int, microbatches: int, chunks: int, url: str, ep
     from engine.pipeline_executor import pipeline_worker_specs
 
     base = WorkerSpec(run_id="bubble", epoch=epoch, rank=0, world=stages, store_url=url, model=MODEL,
-                      dataset=dataset_name(width, batch), subsets=(), steps=steps, batch_size=batch, lr=LR,
+                      dataset=dataset_name(width, batch, steps), steps=steps, batch_size=batch, lr=LR,
                       compute=ComputeSpec(model_kwargs={"width": width}),
                       optimizer="sgd", seed=SEED, init_key=init_checkpoint_key("bubble"),
                       out_key=checkpoint_key("bubble", epoch), sync_timeout_s=300.0, evaluate=False)
     specs = pipeline_worker_specs(base, cuts=equal_cuts(stages * chunks), microbatches=microbatches,
-                                  replica_subsets=[tuple(range(n_subsets))], schedule=name, chunks=chunks)
+                                  replicas=1, schedule=name, chunks=chunks)
     if len(specs) != stages:
         raise RuntimeError(f"pipeline_worker_specs gave {len(specs)} worker specs for {stages} stage workers")
     folder.mkdir()
@@ -794,7 +795,7 @@ def main(argv: list[str] | None = None) -> int:
     with scratch("bubble") as root:
         url = (root / "store").as_uri()
         store = open_store(url)
-        manifest = publish_dataset(store, "bubble", dataset_name(args.width, args.batch), subset_size=64)
+        manifest = publish_dataset(store, "bubble", dataset_name(args.width, args.batch, args.steps), subset_size=64)
         initial_checkpoint(store, init_checkpoint_key("bubble"), MODEL, "sgd", LR, SEED, model_kwargs={"width": args.width})
         store.close()
         epoch = 0

@@ -4,8 +4,8 @@ Every run is the engine itself, `engine.local_sgd_epoch.run_local_sgd_epoch`, wi
 as threads of this process against a directory store in a temporary folder, as `run_epoch`
 drives them minus the process launches (`benchmarks.harness.replicas.train_replicas`, as
 bench_local_sgd's first section does): digits
-published once as subsets of 64 rows, each epoch dealt to the replicas (`assign_subsets`),
-`steps_per_epoch(1437, 2, 16)` = 45 steps per replica per epoch from the previous epoch's
+published once as subsets of 64 rows, each epoch's order shared out among the replicas
+(`engine.replica_data`), `steps_per_epoch(1437, 2, 16)` = 45 steps per replica per epoch from the previous epoch's
 checkpoint (the outer momentum travels in it), rank 0's validation accuracy at each epoch end.
 Momentum SGD lr 0.05, batch 16 per replica, 6 epochs, no early stop.
 

@@ -5,10 +5,10 @@ Local-SGD runs the engine itself, `engine.local_sgd_epoch.run_local_sgd_epoch`, 
 replicas as threads of this process against a directory store in a temporary folder (the
 embedded default; it fsyncs checkpoints, not the sync rounds' scratch keys), as `run_epoch`
 would drive them minus the process launches (bench_orchestration measures those): the
-dataset is published once as subsets of 64 rows, each epoch deals the subsets to the
-replicas (`assign_subsets`), every replica takes `steps_per_epoch(n_train, 4, batch)` steps
-(batch 16: 23 steps) from the previous epoch's averaged checkpoint, and rank 0 evaluates
-the averaged model on the validation set.
+dataset is published once as subsets of 64 rows, each epoch trains every sample once, the
+epoch's order shared out among the replicas (`engine.replica_data`), every replica takes
+`epoch_steps(n_train, 4, batch)` steps (batch 16: 23 steps) from the previous epoch's averaged
+checkpoint, and rank 0 evaluates the averaged model on the validation set.
 
 Plain PyTorch is one process with no store: the same model and initial weights
 (`build_model(seed)`), the same optimizer and learning rate, the same validation set,
@@ -58,7 +58,8 @@ from benchmarks.harness.tables import fmt, median, table
 from benchmarks.output import SOURCE, command_for, provenance, write_result
 from comm.store_dir import DirectoryStore
 from engine.datasets import load_dataset
-from engine.local_sgd import batch_seed, batch_stream, evaluate, steps_per_epoch
+from engine.epoch_order import epoch_order, epoch_steps
+from engine.local_sgd import evaluate
 from engine.models import build_model
 from engine.optimizers import build_optimizer
 
@@ -80,17 +81,17 @@ def run_local_sgd(root: Path, seed: int, period: int | None, max_epochs: int, ta
 
 
 def run_plain(seed: int, batch: int, max_epochs: int, target: float) -> Trace:
-    """One process, no store: `batch` samples a step, one pass over the training set an epoch."""
+    """One process, no store: `batch` samples a step, one pass over the training set an epoch (a
+    permutation seeded by (seed, epoch))."""
     data = load_dataset(DATASET)
     model = build_model(MODEL, seed)
     optimizer = build_optimizer(OPTIMIZER, model, LR)
-    steps = math.ceil(len(data.train_y) / batch)
     trace = Trace(f"plain PyTorch, batch {batch}", seed)
     model.train()
     for epoch in range(max_epochs):
         t0 = time.perf_counter()
-        generator = torch.Generator().manual_seed(batch_seed(seed, epoch, 0))
-        for idx in batch_stream(len(data.train_y), batch, steps, generator):
+        order = torch.from_numpy(epoch_order([len(data.train_y)], seed, epoch))
+        for idx in torch.split(order, batch):
             loss = F.cross_entropy(model(data.train_x[idx]), data.train_y[idx])
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -123,7 +124,7 @@ def render(traces: list[Trace], target: float, max_epochs: int) -> str:
     names = list(dict.fromkeys(t.name for t in traces))
     lines = [
         f"Setup: `{MODEL}`, SGD with momentum 0.9, lr {LR}, seeds {sorted({t.seed for t in traces})}; "
-        f"Local-SGD: {WORKERS} replicas x batch {BATCH}, {steps_per_epoch(load_dataset(DATASET).train_y.numel(), WORKERS, BATCH)} "
+        f"Local-SGD: {WORKERS} replicas x batch {BATCH}, {epoch_steps(load_dataset(DATASET).train_y.numel(), WORKERS, BATCH)} "
         "steps per replica per epoch, optimizer state averaged with the weights, engine "
         "`run_local_sgd_epoch` in threads against a directory store. Accuracy checked at epoch ends; "
         f"at most {max_epochs} epochs. Epochs, seconds and MB are medians over the seeds of the "

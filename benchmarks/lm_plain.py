@@ -11,7 +11,8 @@ trains, writes the epoch checkpoint (fsynced) and its history record, and evalua
 validation set. Plain PyTorch is a loop over the same tensors
 (`engine.datasets.load_dataset`, the rows the subsets hold, in the same order) with the same
 model and initial weights (`build_model(name, seed)`), the same batches in the same order
-(`engine.local_sgd.batch_stream` seeded by `batch_seed(seed, epoch, 0)`), the same optimizer
+(the epoch's order for one replica, `engine.replica_data.replica_share`: an epoch is one pass
+over the training blocks, `--kb` sizes it), the same optimizer
 (`build_optimizer`), `F.cross_entropy` as its loss, the same validation set scored at each
 epoch end, and one `torch.save` of the model's and the optimizer's state per epoch. The two
 alternate epoch by epoch (Zooid first in even epochs, plain first in odd ones), so load from
@@ -22,9 +23,9 @@ The measuring path imports torch, numpy, safetensors and the project's `core`, `
 `engine` only: no Prefect, pydantic, boto3 or redis, so the same command runs, from the
 repository root, on a GPU machine that has only torch, numpy, safetensors and tokenizers:
 
-    .venv/bin/python -m benchmarks.bench_language_models --part b --kb 100 --steps 50 --plain-epochs 10
+    .venv/bin/python -m benchmarks.bench_language_models --part b --kb 30 --plain-epochs 10
     python3 -m benchmarks.bench_language_models --part b --device cuda --model gpt2_small \
-        --batch 16 --seq-len 256 --steps 150 --kb 1000 --plain-epochs 3
+        --batch 16 --seq-len 256 --kb 600 --plain-epochs 3
 
 The first writes `benchmarks/results/language_models.md` (its other parts' sections kept), the
 second `benchmarks/results/language_models_gpu.md`.
@@ -60,8 +61,6 @@ def add_plain_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="part b: the device both sides use")
     parser.add_argument("--model", choices=PLAIN_MODELS, default="gpt_mini", help="part b's model")
     parser.add_argument("--batch", type=int, default=16, help="part b: samples per step")
-    parser.add_argument("--steps", type=int, default=None,
-                        help="part b: steps per epoch (default: one pass over the training blocks)")
     parser.add_argument("--kb", type=int, default=None, help="part b: KB of text:stdlib (default: by model)")
     parser.add_argument("--plain-epochs", type=int, default=5, help="part b: epochs of each side")
     parser.add_argument("--lr", type=float, default=None, help="part b: Adam's learning rate (default: by model)")
@@ -101,20 +100,17 @@ def _model_kwargs(model: str, data, seq_len: int) -> dict:
     return kwargs
 
 
-def _plain_epoch(model, optimizer, x, y, vx, vy, batch: int, steps: int, seed: int, epoch: int, chunk: int,
-                 ckpt: Path) -> tuple[float, float]:
-    """One plain PyTorch epoch: train, score the validation set, save; (train loss, val loss)."""
+def _plain_epoch(model, optimizer, x, y, vx, vy, batches, chunk: int, ckpt: Path) -> tuple[float, float]:
+    """One plain PyTorch epoch over `batches` (index arrays of rows): train, score the validation
+    set, save; (train loss, val loss)."""
     import torch
     import torch.nn.functional as F
 
-    from engine.local_sgd import batch_seed, batch_stream
-
     device = x.device
-    generator = torch.Generator().manual_seed(batch_seed(seed, epoch, 0))
     model.train()
     total = torch.zeros((), device=device)
-    for idx in batch_stream(len(y), batch, steps, generator):
-        idx = idx.to(device)
+    for ids in batches:
+        idx = torch.from_numpy(ids).to(device)
         logits = model(x[idx])
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y[idx].reshape(-1))
         optimizer.zero_grad(set_to_none=True)
@@ -131,17 +127,17 @@ def _plain_epoch(model, optimizer, x, y, vx, vy, batch: int, steps: int, seed: i
             val_n += target.numel()
     model.train()
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, ckpt)
-    return total.item() / steps, val_sum.item() / val_n
+    return total.item() / len(batches), val_sum.item() / val_n
 
 
-def run_plain_vs_zooid(model_name: str, device_name: str, batch: int, seq_len: int, steps: int | None, kb: int,
+def run_plain_vs_zooid(model_name: str, device_name: str, batch: int, seq_len: int, kb: int,
                        epochs: int, lr: float, seed: int = 0) -> tuple[Side, Side, dict]:
     """Both sides, alternating epochs (module docstring): (zooid, plain, facts)."""
     with scratch("lm-plain") as root:
-        return _alternate(root, model_name, device_name, batch, seq_len, steps, kb, epochs, lr, seed)
+        return _alternate(root, model_name, device_name, batch, seq_len, kb, epochs, lr, seed)
 
 
-def _alternate(root: Path, model_name: str, device_name: str, batch: int, seq_len: int, steps: int | None, kb: int,
+def _alternate(root: Path, model_name: str, device_name: str, batch: int, seq_len: int, kb: int,
                epochs: int, lr: float, seed: int) -> tuple[Side, Side, dict]:
     """`run_plain_vs_zooid` in the folder `root`."""
     import math
@@ -152,10 +148,12 @@ def _alternate(root: Path, model_name: str, device_name: str, batch: int, seq_le
     from core.specs import ComputeSpec, WorkerSpec
     from engine.checkpoint import initial_checkpoint
     from engine.datasets import keep_subsets, load_dataset, publish_dataset
-    from engine.local_sgd import steps_per_epoch, validation_chunk
+    from engine.epoch_order import epoch_steps
+    from engine.local_sgd import validation_chunk
     from engine.local_sgd_epoch import run_local_sgd_epoch
     from engine.models import build_model, keep_models
     from engine.optimizers import build_optimizer
+    from engine.replica_data import replica_share
     from engine.text_data import TextSettings
 
     device = torch.device(device_name)
@@ -167,7 +165,7 @@ def _alternate(root: Path, model_name: str, device_name: str, batch: int, seq_le
     data = load_dataset(dataset, text)
     publish_s = time.perf_counter() - t0
     kwargs = _model_kwargs(model_name, data, seq_len)
-    steps = steps or steps_per_epoch(manifest.n_train, 1, batch)
+    steps = epoch_steps(manifest.n_train, 1, batch)
     init = init_checkpoint_key(run_id)
     initial_checkpoint(store, init, model_name, "adam", lr, seed=seed, model_kwargs=kwargs)
     keep_models()
@@ -184,7 +182,7 @@ def _alternate(root: Path, model_name: str, device_name: str, batch: int, seq_le
     def zooid_epoch(epoch: int) -> None:
         out = checkpoint_key(run_id, epoch)
         spec = WorkerSpec(run_id=run_id, epoch=epoch, rank=0, world=1, store_url=store.url, model=model_name,
-                          dataset=dataset, subsets=tuple(range(manifest.n_subsets)), steps=steps, batch_size=batch,
+                          dataset=dataset, steps=steps, batch_size=batch,
                           lr=lr, optimizer="adam", sync_period=None, seed=seed,
                           init_key=init if epoch == 0 else checkpoint_key(run_id, epoch - 1), out_key=out,
                           evaluate=True, compute=ComputeSpec(device=device_name, model_kwargs=kwargs))
@@ -201,8 +199,8 @@ def _alternate(root: Path, model_name: str, device_name: str, batch: int, seq_le
     def plain_epoch(epoch: int) -> None:
         _synchronize(device)
         began = time.perf_counter()
-        train_loss, val_loss = _plain_epoch(plain_model, plain_opt, x, y, vx, vy, batch, steps, seed, epoch, chunk,
-                                            root / "plain.pt")
+        batches = replica_share(manifest, seed, epoch, (), 1, batch, 0)  # the rows Zooid's replica trains
+        train_loss, val_loss = _plain_epoch(plain_model, plain_opt, x, y, vx, vy, batches, chunk, root / "plain.pt")
         _synchronize(device)
         plain.seconds.append(time.perf_counter() - began)
         plain.perplexity.append(math.exp(val_loss))
@@ -218,7 +216,7 @@ def _alternate(root: Path, model_name: str, device_name: str, batch: int, seq_le
                 + sum(v.numel() * v.element_size() for st in plain_opt.state.values() for v in st.values()
                       if torch.is_tensor(v))) / 1e6
     facts = {"params": params, "state_mb": state_mb, "steps": steps, "n_train": manifest.n_train, "n_val": manifest.n_val,
-             "tokens_per_epoch": steps * batch * seq_len, "val_tokens": manifest.n_val * seq_len,
+             "tokens_per_epoch": manifest.n_train * seq_len, "val_tokens": manifest.n_val * seq_len,
              "publish_s": publish_s, "kwargs": kwargs, "device": _device_words(device), "threads": torch.get_num_threads()}
     return zooid, plain, facts
 
@@ -284,8 +282,8 @@ def part_b(args: argparse.Namespace) -> str:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device: cuda asked for, but torch sees no GPU")
-    if args.batch < 1 or (args.steps is not None and args.steps < 1) or args.plain_epochs < 2:
-        raise SystemExit("error: --batch and --steps must be positive, --plain-epochs at least 2")
+    if args.batch < 1 or args.plain_epochs < 2:
+        raise SystemExit("error: --batch must be positive, --plain-epochs at least 2")
     lr, kb = DEFAULTS[args.model]
     if args.device == "cpu":
         if args.threads < 1:
@@ -294,6 +292,6 @@ def part_b(args: argparse.Namespace) -> str:
     args.lr = args.lr or lr
     args.kb = args.kb or kb
     args.seq_len_b = args.seq_len[0] if args.seq_len else 128
-    zooid, plain, facts = run_plain_vs_zooid(args.model, args.device, args.batch, args.seq_len_b, args.steps, args.kb,
+    zooid, plain, facts = run_plain_vs_zooid(args.model, args.device, args.batch, args.seq_len_b, args.kb,
                                              args.plain_epochs, args.lr)
     return render_plain(zooid, plain, facts, args, command_for("benchmarks.bench_language_models"))

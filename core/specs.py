@@ -327,10 +327,10 @@ class WorkerSpec(JsonSpec):
     """Registry name or `package.module:factory`."""
     dataset: str
     """Dataset name (`digits`, `synthetic`, or an import path)."""
-    subsets: tuple[int, ...]
-    """Indices of the published training subsets this worker reads, in order."""
     steps: int
-    """Optimizer steps this worker takes this epoch (the same on every replica)."""
+    """Optimizer steps each replica takes in a fresh epoch of `world` replicas
+    (`engine.epoch_order.epoch_steps`; the worker refuses another count). A worker continuing
+    another world's phase of the epoch takes what its share of the rest holds."""
     batch_size: int
     """Samples per step per worker."""
     lr: float
@@ -368,6 +368,9 @@ class WorkerSpec(JsonSpec):
     cross-entropy over the output's last dimension (`engine.objective`)."""
     data: DataSpec = field(default_factory=DataSpec)
     """Where the worker reads its shards: the run's staged data, or a prepared dataset."""
+    subsets: tuple[int, ...] = ()
+    """Unused: a replica's samples follow from the epoch's order (`engine.replica_data`), not
+    from shards dealt to it; kept so that a spec written before parses."""
 
     def __post_init__(self):
         _check_types(self, "", ("resume", "checkpoint_store", "stage", "sync", "compute", "warm", "loss", "data"))

@@ -16,9 +16,9 @@ Names:
 
 Staging: a dataset is prepared as shards and a manifest under a prefix of a store
 (`prepare_dataset`, `engine.shards`): a run's under `runs/<run_id>/data` (`publish_dataset`),
-a user's into a bucket by `flows.prepare`. A worker reads only the shards it is assigned
-(`assign_subsets`, `read_shards`), so it needs no local copy of the data, and keeps what it read
-within a bound (`keep_subsets`). A text dataset's shards hold int32 ids (widened to int64 when
+a user's into a bucket by `flows.prepare`. A worker reads only the shards its batches need
+(`engine.replica_data`, `engine.shard_stream`), so it needs no local copy of the data, and keeps
+what it read within a bound (`keep_subsets`). A text dataset's shards hold int32 ids (widened to int64 when
 read) and say so in their metadata (its `TextInfo` and the global index of their first row); an
 `mlm` shard is masked when it is read, for the epoch the reader names (`engine.text_data.mlm_mask`).
 """
@@ -416,15 +416,3 @@ def _text_rows(x: torch.Tensor, y: torch.Tensor, meta: dict[str, str], split: st
     if info.objective == "mlm":
         return mlm_mask(x, info, seed=seed, epoch=epoch, first_index=int(meta["first"]), split=split)
     return x.long(), y.long()
-
-
-def assign_subsets(n_subsets: int, world: int, epoch: int, seed: int = 0) -> list[tuple[int, ...]]:
-    """Deal `n_subsets` subsets to `world` workers for `epoch`: a permutation seeded by
-    (seed, epoch), cut into `world` runs whose lengths differ by at most one. Every subset
-    goes to exactly one worker; each worker's tuple is sorted."""
-    if world < 1:
-        raise ZooidValueError("workers", f"must be at least 1, got {world}")
-    if n_subsets < world:
-        raise ZooidValueError("workers", f"{world} workers but only {n_subsets} data subsets")
-    order = np.random.default_rng([seed, epoch]).permutation(n_subsets)
-    return [tuple(sorted(int(i) for i in part)) for part in np.array_split(order, world)]

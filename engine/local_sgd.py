@@ -39,17 +39,15 @@ call per bucket under `{group}/r{round}/b{bucket}`, so the relaunch protocol
 (`engine.local_sgd_epoch`) holds as it is: round r's checkpoint is the state after step r,
 a relaunch replays from there, and each bucket's call is idempotent and replayable.
 
-This module holds the algorithm and the data order it shares with the pipeline executor
-(`LocalSGD`, `batch_stream`, `batch_seed`, `validation_metrics`); one replica's epoch as a
-worker runs it, with the relaunch protocol and the collective's settings, is
-`engine.local_sgd_epoch`.
+This module holds the algorithm (`LocalSGD`, `validation_metrics`); the data order every
+strategy shares is `engine.replica_data` (the epoch's order, `engine.epoch_order`); one
+replica's epoch as a worker runs it, with the relaunch protocol and the collective's settings,
+is `engine.local_sgd_epoch`.
 """
 from __future__ import annotations
 
-import math
-from typing import Callable, Iterator
+from typing import Callable
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -64,6 +62,7 @@ from comm.store import Store
 from core.errors import ZooidValueError
 from core.keys import sync_call_prefix
 from core.outer_sync import DEFAULT_BUCKET_MB
+from engine.epoch_order import epoch_steps
 from engine.gradient_buckets import GradientBuckets
 from engine.objective import CROSS_ENTROPY, Metrics, Objective, Tally
 from engine.optimizers import optimizer_state_tensors
@@ -73,9 +72,9 @@ DEFAULT_REPOST_S = 5.0
 """Seconds a stalled wait lasts before a replica re-posts its pieces (`SyncSpec.repost_s`)."""
 
 
-def steps_per_epoch(n_train: int, world: int, batch_size: int) -> int:
-    """Steps each replica takes so that together they see about `n_train` samples."""
-    return max(1, math.ceil(n_train / (world * batch_size)))
+steps_per_epoch = epoch_steps
+"""Steps each replica takes in a fresh epoch of `n_train` samples (`engine.epoch_order.epoch_steps`:
+every sample once)."""
 
 
 class LocalSGD:
@@ -262,17 +261,6 @@ class LocalSGD:
         self.release()
 
 
-def batch_stream(n: int, batch_size: int, steps: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
-    """`steps` index batches of exactly `batch_size` over `n` rows: consecutive seeded
-    permutations, read as one stream, so a small shard wraps around instead of shrinking."""
-    pending = torch.empty(0, dtype=torch.long)
-    for _ in range(steps):
-        while len(pending) < batch_size:
-            pending = torch.cat([pending, torch.randperm(n, generator=generator)])
-        yield pending[:batch_size]
-        pending = pending[batch_size:]
-
-
 VALIDATION_ROWS, VALIDATION_TOKENS = 1024, 16384
 """Rows a validation forward pass scores at most; for token inputs, positions at most (GPT-2's
 [rows, T, 50257] logits of 1024 rows of 128 tokens would take 26 GB, 16384 positions 3.3 GB)."""
@@ -308,8 +296,3 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, chunk: int = VA
     """Mean cross-entropy and accuracy of a classifier `model` on (x, y), in eval mode."""
     m = validation_metrics(model, x, y, CROSS_ENTROPY, chunk)
     return m.loss, m.accuracy
-
-
-def batch_seed(seed: int, epoch: int, rank: int) -> int:
-    """Seed of replica `rank`'s batch order in `epoch` (distinct per replica and epoch)."""
-    return int(np.random.SeedSequence([seed, epoch, rank]).generate_state(1)[0])

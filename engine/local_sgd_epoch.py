@@ -1,7 +1,12 @@
 """One Local-SGD replica's epoch as a worker runs it (`engine.local_sgd` is the algorithm).
 
-The replica trains `spec.steps` steps on its subsets with `LocalSGD` and rank 0 writes the
-averaged reference checkpoint for the next epoch at `spec.out_key`.
+The replica trains its batches with `LocalSGD` and rank 0 writes the averaged reference
+checkpoint for the next epoch at `spec.out_key`. Its batches are global sample ids
+(`engine.replica_data`): the epoch's order, a function of the seed, the epoch and the dataset's
+shards alone, cut for `spec.world` replicas, so every sample is trained exactly once per epoch
+whatever the world; `spec.steps` must be a fresh epoch's count for that world
+(`engine.epoch_order.epoch_steps`), and the rows come shard by shard through
+`engine.shard_stream.ShardStream`.
 
 Resuming inside an epoch (the relaunch protocol)
 ------------------------------------------------
@@ -20,10 +25,10 @@ Sync round r of epoch e uses scratch keys under `runs/<id>/sync/e<e>/r<r>/`.
 2. A relaunched replica (`attempt > 0`, or `spec.resume`)
    loads the sync checkpoint when it belongs to this run, epoch, world, period, step
    count, batch size, seed and init key; otherwise it starts from `init_key`. From step s
-   of round c it draws and discards the first s batches of its deterministic stream
-   (`batch_stream` seeded by (seed, epoch, rank)), trains steps s.., and joins round c + 1
-   with the same state and data as its dead predecessor, so its contributions are the
-   same numbers (bit-identical when both run with the same threads and kernels).
+   of round c it skips its first s batches (their shards are not read), trains steps s..,
+   and joins round c + 1 with the same state and data as its dead predecessor, so its
+   contributions are the same numbers (bit-identical when both run with the same threads
+   and kernels).
 3. The replica rejoins without deadlock: its peers wait in round c + 3 at most (they need
    its contributions to get further, and its predecessor posted nothing for round c + 3,
    which needs checkpoint c + 1 stored, and the relaunch would have found that). Rounds
@@ -82,6 +87,20 @@ written next holds the same state (2 GB a write for GPT-2 small with Adam's mome
 the same point of the epoch (`position` in its metadata), so a relaunch that finds it complete
 resumes from it with no step left (`load_start_point`); no peer waits on the relaunch.
 
+Another world in the middle of an epoch (a resumed run with another worker count): a sync
+checkpoint's position names the epoch's phases (`engine.epoch_order.Phase`: world, batch,
+steps) before its own. A resuming replica (`spec.resume`) whose spec differs from the
+checkpoint in its world only (`PHASE_FREE`) continues it as a new phase: the checkpoint's
+phases plus (its world, batch, step) leave the samples not yet trained, which the new world
+shares out (`engine.replica_data.replica_share`), each replica taking however many steps its
+share holds; the state, the outer optimizer's and the round count continue, and with a
+compressed sync each rank continues its slice of what every old rank still owed at that
+round (`engine.residuals.continue_residual`; refused after a lone replica, whose residual is
+not written mid-epoch). The coordinator deletes the epoch's sync keys before every attempt, so
+no replica of the new world replays an old world's rounds. Each record in the history names
+its phases and tallies the ids trained (`record_history`), so the epoch's records add up to
+the dataset (`engine.replica_data.epoch_coverage`).
+
 Work lost to a kill is therefore at most the steps since the last sync point, redone from
 identical inputs; nothing is repeated or skipped beyond that interval. Every attempt
 records what it trained in `runs/<id>/history/e<e>/r<rank>-a<attempt>.json`
@@ -103,6 +122,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -119,13 +139,16 @@ from engine.chaos import chaos_for
 from engine.checkpoint import CheckpointWriter, load_checkpoint, save_checkpoint
 from engine.datasets import ShardSource, worker_shards
 from engine.devices import to_compute, torch_device, torch_dtype
+from engine.epoch_order import Phase, add_digests, sample_digest
 from engine.iteration_clock import IterationClock
-from engine.local_sgd import LocalSGD, batch_seed, batch_stream, validation_metrics
+from engine.local_sgd import LocalSGD, validation_metrics
 from engine.models import build_model
 from engine.objective import objective_for
 from engine.optimizers import build_optimizer
 from engine.outer import OuterStep
+from engine.replica_data import check_steps, earlier_tally, replica_share
 from engine.residuals import ResidualWriter, continue_residual, read_residual
+from engine.shard_stream import ShardStream
 
 DEFAULT_COLLECTIVE = "plain"
 """A replica's collective when `spec.sync.collective` is None."""
@@ -172,6 +195,42 @@ def _position_identity(spec: WorkerSpec) -> dict:
     return identity
 
 
+PHASE_FREE = ("world", "steps")
+"""What a spec may differ in from a sync checkpoint of its epoch and still continue it: the
+world (and with it a fresh epoch's step count); its replicas then start a new phase over the
+samples the checkpoint's world left (`engine.epoch_order`)."""
+
+
+def _continues(meta: dict | None, spec: WorkerSpec) -> str | None:
+    """How `spec` continues a sync checkpoint's `meta`: "step" (a point of this very phase),
+    "phase" (another world's point of the same epoch), or None (not at all)."""
+    if meta is None:
+        return None
+    identity = _position_identity(spec)
+    if all(meta.get(k) == v for k, v in identity.items()):
+        return "step"
+    if all(meta.get(k) == v for k, v in identity.items() if k not in PHASE_FREE) and "world" in meta:
+        return "phase"
+    return None
+
+
+def _phases(meta: dict) -> tuple[Phase, ...]:
+    """The earlier phases of the epoch a checkpoint's position names (none: its first)."""
+    return tuple(Phase.from_dict(p) for p in meta.get("phases") or ())
+
+
+def _shared_residual(spec: WorkerSpec, ckpt_store: Store, meta: dict) -> dict:
+    """This rank's residual when a world of another size continues a compressed sync's
+    checkpoint in the middle of the epoch: its slice of what every rank of the old world still
+    owed at the checkpoint's round (`continue_residual`)."""
+    old = int(meta["world"])
+    if old == 1:
+        raise ZooidValueError("workers", f"a compressed sync cannot continue a lone replica's epoch {spec.epoch} "
+                              f"with {spec.world} workers (its residual is not written mid-epoch)")
+    keys = [residual_key(spec.run_id, spec.epoch, r, int(meta["round"])) for r in range(old)]
+    return continue_residual(ckpt_store, keys, spec.rank, spec.world)
+
+
 @dataclass(frozen=True)
 class StartPoint:
     """Where in its epoch a replica starts."""
@@ -187,6 +246,9 @@ class StartPoint:
     """The outer optimizer's checkpointed tensors (`outer/...`)."""
     residual: dict = field(default_factory=dict)
     """This rank's error-feedback residual to continue (empty: zeros)."""
+    phases: tuple[Phase, ...] = ()
+    """The epoch's earlier phases (other worlds' parts, `engine.epoch_order`) that this
+    replica's phase continues; `step` counts steps of its own phase."""
 
 
 def load_start_point(spec: WorkerSpec, ckpt_store: Store, model: nn.Module,
@@ -207,11 +269,17 @@ def load_start_point(spec: WorkerSpec, ckpt_store: Store, model: nn.Module,
             meta = load_checkpoint(ckpt_store, key, model, optimizer, extra=outer)
         except KeyError:
             meta = None
-        if meta is not None and all(meta.get(k) == v for k, v in _position_identity(spec).items()):
+        how = _continues(meta, spec)
+        if how == "step":
             residual = (read_residual(ckpt_store, residual_key(spec.run_id, spec.epoch, spec.rank, int(meta["round"])))
                         if compressed and spec.world > 1 else {})
             return StartPoint(int(meta["step"]), int(meta["round"]) + 1,
-                              int(meta.get("global_step_before", 0)), True, outer, residual)
+                              int(meta.get("global_step_before", 0)), True, outer, residual, _phases(meta))
+        if how == "phase":  # another world stopped here: a new phase over what it left
+            residual = _shared_residual(spec, ckpt_store, meta) if compressed else {}
+            phases = _phases(meta) + (Phase(int(meta["world"]), spec.batch_size, int(meta["step"])),)
+            return StartPoint(0, int(meta["round"]) + 1, int(meta.get("global_step_before", 0)), True, outer,
+                              residual, phases)
     elif spec.rank == 0:
         ckpt_store.delete(key)  # an abandoned attempt's point must not be resumed by a relaunch
     init_meta = load_checkpoint(ckpt_store, spec.init_key, model, optimizer, timeout=spec.sync_timeout_s,
@@ -221,10 +289,10 @@ def load_start_point(spec: WorkerSpec, ckpt_store: Store, model: nn.Module,
     return StartPoint(0, 0, int(init_meta.get("global_step", 0)), False, outer, residual)
 
 
-def _lone_last_round(spec: WorkerSpec, step: int) -> bool:
-    """Whether a sync at `step` is a lone replica's last: its epoch checkpoint, written next,
-    stands in for the sync checkpoint (module docstring)."""
-    return spec.world == 1 and step >= spec.steps
+def _lone_last_round(spec: WorkerSpec, step: int, steps: int) -> bool:
+    """Whether a sync at `step` (of a phase of `steps`) is a lone replica's last: its epoch
+    checkpoint, written next, stands in for the sync checkpoint (module docstring)."""
+    return spec.world == 1 and step >= steps
 
 
 def _completed_epoch(spec: WorkerSpec, ckpt_store: Store, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -241,7 +309,8 @@ def _completed_epoch(spec: WorkerSpec, ckpt_store: Store, model: nn.Module, opti
     position = meta.get("position") or {}
     if not meta.get("epoch_complete") or any(position.get(k) != v for k, v in _position_identity(spec).items()):
         return None
-    return StartPoint(spec.steps, int(position["round"]) + 1, int(position["global_step_before"]), True, outer)
+    return StartPoint(int(position.get("step", spec.steps)), int(position["round"]) + 1,
+                      int(position["global_step_before"]), True, outer, phases=_phases(position))
 
 
 def run_local_sgd_epoch(spec: WorkerSpec, store: Store, open_ref: Callable[[str], Store] = open_store) -> WorkerResult:
@@ -307,19 +376,20 @@ class CheckpointCadence:
         self.last, self.last_round = self.clock(), round_
 
 
-def cadence_for(spec: WorkerSpec, model: nn.Module, ring: RingGroup | None) -> CheckpointCadence:
-    """The epoch's checkpoint cadence: in seconds (`sync.checkpoint_s`) over a ring, and over
+def cadence_for(spec: WorkerSpec, model: nn.Module, ring: RingGroup | None,
+                steps: int | None = None) -> CheckpointCadence:
+    """The checkpoint cadence of an epoch (of a phase of `steps` steps; None: `spec.steps`): in seconds (`sync.checkpoint_s`) over a ring, and over
     the store when every step averages gradients (no rank keeps residuals that would have
     to agree on the rounds), with the store's rounds kept for replay bounded by
     REPLAY_KEPT_BYTES; by `sync.checkpoint_every` rounds otherwise."""
-    sync = spec.sync
+    sync, steps = spec.sync, spec.steps if steps is None else steps
     if ring is not None:
-        return CheckpointCadence(sync.checkpoint_every, spec.steps, sync.checkpoint_s, checkpoint_clock)
+        return CheckpointCadence(sync.checkpoint_every, steps, sync.checkpoint_s, checkpoint_clock)
     if averages_gradients(spec.sync_period, sync.outer_optimizer, sync.sync_dtype, sync.every_step):
         round_bytes = sum(t.numel() * t.element_size() for t in model.parameters()) or 1
-        return CheckpointCadence(sync.checkpoint_every, spec.steps, sync.checkpoint_s, checkpoint_clock,
+        return CheckpointCadence(sync.checkpoint_every, steps, sync.checkpoint_s, checkpoint_clock,
                                  max_rounds=max(1, REPLAY_KEPT_BYTES // round_bytes))
-    return CheckpointCadence(sync.checkpoint_every, spec.steps)
+    return CheckpointCadence(sync.checkpoint_every, steps)
 
 
 def _outer_and_wire(spec: WorkerSpec, start: StartPoint, device: torch.device,
@@ -371,20 +441,28 @@ class _ReplicaEpoch:
 
     def __init__(self, spec: WorkerSpec, store: Store, ckpt_store: Store, ring: RingGroup | None,
                  shards: ShardSource):
-        """Set-up: the model and optimizer at the start point (`load_start_point`), this
-        replica's subsets on the device, then the syncs' machinery (`_set_up_syncs`)."""
+        """Set-up: `spec.steps` checked against the dataset (a fresh epoch's count), the
+        model and optimizer at the start point (`load_start_point`), this replica's batches of
+        global sample ids (`engine.replica_data`: the epoch's order over what the start
+        point's earlier phases left), then the syncs' machinery (`_set_up_syncs`)."""
         self.spec, self.ckpt_store, self.shards = spec, ckpt_store, shards
         self.device, self.dtype = device, dtype = torch_device(spec.compute), torch_dtype(spec.compute)
         self.chaos = chaos_for(spec, store)
         model = build_model(spec.model, spec.seed, **spec.compute.model_kwargs)
+        # data shards are durable: beside the checkpoints (or a prepared dataset's), not in the scratch store
+        check_steps(spec.steps, shards.manifest, spec.world, spec.batch_size)
         self.model = model = model.to(device=device, dtype=dtype)
         self.optimizer = build_optimizer(spec.optimizer, model, spec.lr)
         self.start = load_start_point(spec, ckpt_store, model, self.optimizer)
-        # data shards are durable: beside the checkpoints (or a prepared dataset's), not in the scratch store
-        x, y = shards.read(spec.subsets, seed=spec.seed, epoch=spec.epoch)
-        self.x, self.y = to_compute(x, device, dtype), to_compute(y, device, dtype)
+        self.batches = replica_share(shards.manifest, spec.seed, spec.epoch, self.start.phases, spec.world,
+                                     spec.batch_size, spec.rank)
+        self.steps = len(self.batches)
+        """This phase's steps: `spec.steps` unless it continues another world's phase."""
         self.objective = objective_for(spec.loss)
-        self.tokens_per_row = self.objective.tokens(self.y[:1])
+        self.rows = self.tokens = 0
+        """Samples and tokens this attempt trained."""
+        self.digest = sample_digest(np.concatenate(self.batches[:self.start.step] or [np.empty(0, np.int64)]))
+        """The digest of the phase's ids this replica's state has trained (`record_history`)."""
         self._set_up_syncs(store, ring)
 
     def _set_up_syncs(self, store: Store, ring: RingGroup | None) -> None:
@@ -395,10 +473,11 @@ class _ReplicaEpoch:
         self.sync_key = sync_checkpoint_key(spec.run_id, spec.epoch)
         self.position = {**_position_identity(spec), "kind": "sync",
                          "global_step_before": self.start.global_step_before,
+                         "phases": [p.to_dict() for p in self.start.phases],
                          "model": spec.model, "optimizer": spec.optimizer}
         self.outer, self.compressor, self.residuals = _outer_and_wire(spec, self.start, self.device,
                                                                       self.ckpt_store)
-        self.cadence = cadence_for(spec, self.model, ring)
+        self.cadence = cadence_for(spec, self.model, ring, self.steps)
         self.writer = CheckpointWriter(self.ckpt_store)
         if self.compressor is not None:
             self.compressor.before_result = self._write_residual
@@ -418,7 +497,7 @@ class _ReplicaEpoch:
         """After sync round `round_` (at a period boundary): rank 0 starts the round's sync
         checkpoint when the cadence says it is due (step 1 of the module docstring)."""
         spec, averaging = self.spec, self.averaging
-        if spec.rank == 0 and self.cadence.due(round_, step) and not _lone_last_round(spec, step):
+        if spec.rank == 0 and self.cadence.due(round_, step) and not _lone_last_round(spec, step, self.steps):
             # in the background; this waits for the one before
             meta = {**self.position, "step": step, "round": round_}
             self.writer.write(self.sync_key, self.model, self.optimizer, meta,
@@ -433,39 +512,43 @@ class _ReplicaEpoch:
         """Before this rank posts its reduced slice (`engine.residuals`): its error-feedback
         residual, at every round the sync checkpoint is written and at the epoch's last."""
         averaging = self.averaging
-        if self.cadence.due(averaging.rounds, averaging.steps) or averaging.steps >= self.spec.steps:
+        if self.cadence.due(averaging.rounds, averaging.steps) or averaging.steps >= self.steps:
             self.residuals.write(averaging.rounds, self.compressor.residual)
 
     def train(self) -> torch.Tensor:
-        """The inner loop: from the start point's step (its batches drawn and discarded),
-        each step's forward, backward and optimizer step, then `averaging.after_step`, which
-        syncs at a period boundary. Returns the summed loss; `loop_started` and `clock` time it."""
-        spec, model, optimizer, averaging, x, y = (self.spec, self.model, self.optimizer, self.averaging,
-                                                   self.x, self.y)
-        generator = torch.Generator().manual_seed(batch_seed(spec.seed, spec.epoch, spec.rank))
-        stream = batch_stream(len(y), spec.batch_size, spec.steps, generator)
-        for _ in range(self.start.step):
-            next(stream)  # batches the checkpointed state already covers
-        loss_sum = torch.zeros((), device=self.device)
+        """The inner loop: from the start point's step (the batches before it, which the
+        checkpointed state already covers, are not read), each batch's rows read through a
+        `ShardStream`, then the step's forward, backward and optimizer step, then
+        `averaging.after_step`, which syncs at a period boundary. Returns the summed loss;
+        `loop_started` and `clock` time it."""
+        spec, model, optimizer, averaging = self.spec, self.model, self.optimizer, self.averaging
+        device, dtype = self.device, self.dtype
+        todo = self.batches[self.start.step:]
+        loss_sum = torch.zeros((), device=device)
         model.train()
         self.clock = IterationClock()
         self.loop_started = time.perf_counter()
-        for step, idx in enumerate(stream, start=self.start.step):
-            self.chaos.before_step(step)
-            idx = idx.to(self.device)
-            loss = self.objective.loss(model(x[idx]), y[idx])
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            loss_sum += loss.detach()
-            averaging.after_step()
-            self.clock.tick()
+        with ShardStream(self.shards, todo, seed=spec.seed, epoch=spec.epoch) as stream:
+            self.stream = stream
+            for step, (ids, (x, y)) in enumerate(zip(todo, stream), start=self.start.step):
+                self.chaos.before_step(step)
+                x, y = to_compute(x, device, dtype), to_compute(y, device, dtype)
+                loss = self.objective.loss(model(x), y)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                loss_sum += loss.detach()
+                self.rows += len(y)
+                self.tokens += self.objective.tokens(y)
+                self.digest = add_digests(self.digest, sample_digest(ids))
+                averaging.after_step()
+                self.clock.tick()
         return loss_sum
 
     @property
     def trained(self) -> int:
         """Steps this attempt trained."""
-        return self.spec.steps - self.start.step
+        return self.steps - self.start.step
 
     def finish(self) -> str:
         """The epoch's end: the last sync and checkpoint put, the residuals' keys, rank 0's
@@ -498,12 +581,14 @@ class _ReplicaEpoch:
         """Rank 0's epoch checkpoint at `spec.out_key`: the averaged state, the outer state and
         a position that names the epoch's end (`_completed_epoch`). Returns its key."""
         spec, start = self.spec, self.start
+        epoch_steps = sum(p.steps for p in start.phases) + self.steps  # a replica's, over the epoch's phases
         meta = {
             "run_id": spec.run_id, "epoch": spec.epoch, "epoch_complete": True,
-            "steps": spec.steps, "global_step": start.global_step_before + spec.steps,
+            "steps": spec.steps, "global_step": start.global_step_before + epoch_steps,
             "world": spec.world, "model": spec.model, "optimizer": spec.optimizer,
             "outer_optimizer": spec.sync.outer_optimizer, "sync_dtype": spec.sync.sync_dtype, **residual_meta,
-            "position": {**_position_identity(spec), "round": self.averaging.rounds - 1,
+            "position": {**_position_identity(spec), "round": self.averaging.rounds - 1, "step": self.steps,
+                         "phases": [p.to_dict() for p in start.phases],
                          "global_step_before": start.global_step_before},
         }
         save_checkpoint(self.ckpt_store, spec.out_key, self.model, self.optimizer, meta,
@@ -520,11 +605,18 @@ class _ReplicaEpoch:
                                   self.objective)
 
     def record_history(self, loop_s: float) -> None:
-        """This attempt's record of what it trained (`read_epoch_history`)."""
+        """This attempt's record of what it trained (`read_epoch_history`): its steps and
+        samples, and the tallies (count and digest of sample ids, `engine.replica_data`) of its
+        phase's batches up to its end (`phase_tally`: what its state has trained, the steps a
+        predecessor trained before the start point included) and of the earlier phases it
+        continued (`earlier_tally`); `engine.replica_data.epoch_coverage` adds them up."""
         spec, start, stats = self.spec, self.start, self.averaging.stats
         record = {"run_id": spec.run_id, "epoch": spec.epoch, "rank": spec.rank, "attempt": spec.attempt,
-                  "subsets": list(spec.subsets), "start_step": start.step, "end_step": spec.steps,
-                  "steps_trained": self.trained, "samples": self.trained * spec.batch_size,
+                  "world": spec.world, "phases": [p.to_dict() for p in start.phases],
+                  "start_step": start.step, "end_step": self.steps,
+                  "steps_trained": self.trained, "samples": self.rows,
+                  "phase_tally": {"samples": int(sum(len(b) for b in self.batches)), "digest": self.digest},
+                  "earlier_tally": earlier_tally(self.shards.manifest, spec.seed, spec.epoch, start.phases),
                   "start_round": start.round, "end_round": self.averaging.rounds,
                   "from_sync_checkpoint": start.from_sync_checkpoint, "reposts": stats.reposts,
                   "compute_s": max(0.0, loop_s - stats.seconds), "sync_s": stats.seconds}
@@ -533,14 +625,14 @@ class _ReplicaEpoch:
 
     def result(self, started: float, train_loss: float, loop_s: float, val, checkpoint_key: str) -> WorkerResult:
         """The worker's answer: losses, samples, tokens, seconds and bytes of the epoch."""
-        spec, stats, trained = self.spec, self.averaging.stats, self.trained
+        spec, stats = self.spec, self.averaging.stats
         return WorkerResult(
             run_id=spec.run_id, epoch=spec.epoch, rank=spec.rank,
             started_at=started, stopped_at=time.time(),
-            train_loss=train_loss, samples=trained * spec.batch_size,
+            train_loss=train_loss, samples=self.rows,
             compute_s=max(0.0, loop_s - stats.seconds), sync_s=stats.seconds,
             upload_s=stats.upload_s, download_s=stats.download_s, bytes_synced=stats.bytes_total,
-            **(val.result_fields() if val else {}), tokens=trained * spec.batch_size * self.tokens_per_row,
+            **(val.result_fields() if val else {}), tokens=self.tokens,
             checkpoint_key=checkpoint_key,
             pid=os.getpid(), host=socket.gethostname(), iteration_s=self.clock.period_s(),
         )

@@ -27,10 +27,11 @@ in buckets (`engine.gradient_buckets`, `sync.bucket_mb`) that start during the s
 micro-batch's backward, each as soon as its gradients are complete (the ring's asynchronous
 work, or a store call per bucket on a background thread); SYNC waits for them and writes
 the means into `.grad`. A compressed sync (`sync.sync_dtype`) is one call after that backward. The
-data order is Local-SGD's (`batch_stream` seeded by `batch_seed(seed, epoch, replica)`),
-which the worker of model stage 0 (inputs) and the worker of the last model stage (labels)
-both follow, so hybrid D x M with plain SGD equals Local-SGD with D replicas averaging
-every step, whatever the schedule. A worker has one optimizer over all its chunks'
+data order is Local-SGD's: replica r of D takes rank r of D's batches of the epoch's order
+(`engine.replica_data`), read through `engine.shard_stream.ShardStream` by the worker of model
+stage 0 (inputs) and the worker of the last model stage (labels), so hybrid D x M with plain
+SGD equals Local-SGD with D replicas averaging every step, whatever the schedule; `spec.steps`
+must be a fresh epoch's count for D replicas (`engine.epoch_order.epoch_steps`). A worker has one optimizer over all its chunks'
 parameters: SGD, momentum and Adam update each parameter from its own gradient and state,
 so the weights do not depend on how the model stages are placed.
 
@@ -114,13 +115,12 @@ def _check_worker(spec: WorkerSpec) -> None:
     torch_dtype(spec.compute)
 
 
-def pipeline_worker_specs(base: WorkerSpec, *, cuts, microbatches: int, replica_subsets: list[tuple[int, ...]],
+def pipeline_worker_specs(base: WorkerSpec, *, cuts, microbatches: int, replicas: int = 1,
                           schedule: str = PipelineSchedule.GPIPE, chunks: int = 1, actions: tuple[str, ...] = (),
                           val_chunk: int = 256) -> list[WorkerSpec]:
-    """The D x p worker specs of one epoch: replica r's workers read `replica_subsets[r]`;
-    p = (len(cuts) + 1) / chunks. `base` gives everything else, its `sync.collective`
-    included (None: `pipelined`, written into the specs)."""
-    replicas = len(replica_subsets)
+    """The D x p worker specs of one epoch, D = `replicas`, p = (len(cuts) + 1) / chunks.
+    `base` gives everything else, its `sync.collective` included (None: `pipelined`, written
+    into the specs)."""
     shape = StageSpec(index=0, cuts=tuple(cuts), microbatches=microbatches, replicas=replicas, chunks=chunks,
                       schedule=schedule, actions=tuple(actions), val_chunk=val_chunk)
     base = dataclasses.replace(base, sync=dataclasses.replace(
@@ -128,9 +128,9 @@ def pipeline_worker_specs(base: WorkerSpec, *, cuts, microbatches: int, replica_
     _check_worker(base)  # fail here, not in a worker
     iteration_schedule(shape)  # the schedule is the same for every worker
     p = shape.workers
-    return [dataclasses.replace(base, rank=r * p + w, world=replicas * p, subsets=tuple(subsets),
+    return [dataclasses.replace(base, rank=r * p + w, world=replicas * p,
                                 stage=dataclasses.replace(shape, index=w, replica=r))
-            for r, subsets in enumerate(replica_subsets) for w in range(p)]
+            for r in range(replicas) for w in range(p)]
 
 
 def run_pipeline_worker(spec: WorkerSpec, store: Store, open_ref: Callable[[str], Store] = open_store) -> WorkerResult:

@@ -6,6 +6,7 @@ gradients with its replicas (bucketed and started during the stage's last backwa
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -35,10 +36,11 @@ from engine.datasets import ShardSource
 from engine.devices import to_compute, torch_device, torch_dtype
 from engine.gradient_buckets import GradientBuckets
 from engine.iteration_clock import IterationClock
-from engine.local_sgd import batch_seed, batch_stream
 from engine.models import build_model
 from engine.objective import Metrics, Tally, objective_for
 from engine.optimizers import build_optimizer, load_optimizer_state, optimizer_state_tensors
+from engine.replica_data import check_steps, replica_share
+from engine.shard_stream import ShardStream
 from engine.stages import slice_full_state, split_stages
 
 DEFAULT_COLLECTIVE = "pipelined"
@@ -96,8 +98,8 @@ class StageWorker:
         self.device = torch_device(spec.compute)
         self.dtype = torch_dtype(spec.compute)
         self.objective = objective_for(spec.loss)
-        self.tokens_per_row = 0
-        """Tokens per training row when the targets are tokens (`engine.objective`), else 0."""
+        self.tokens = 0
+        """Tokens trained when the targets are tokens (`engine.objective`), else 0."""
         self.collective = spec.sync.collective or DEFAULT_COLLECTIVE
         if spec.batch_size < settings.microbatches:
             raise ZooidValueError("stage.microbatches", f"{settings.microbatches} micro-batches "
@@ -141,16 +143,19 @@ class StageWorker:
 
     def run(self, started: float) -> WorkerResult:
         spec, cfg = self.spec, self.cfg
+        manifest = self.shards.manifest
+        check_steps(spec.steps, manifest, cfg.replicas, spec.batch_size)
+        # replica r of D takes Local-SGD rank r's batches of the epoch's order (`engine.replica_data`)
+        batches = replica_share(manifest, spec.seed, spec.epoch, (), cfg.replicas, spec.batch_size, cfg.replica)
         init_meta = self._load_initial_state()
-        x, y = self._read_data("train", spec.subsets)
-        generator = torch.Generator().manual_seed(batch_seed(spec.seed, spec.epoch, cfg.replica))
         loss_sum = 0.0
         self.module.train()
         clock = IterationClock()
-        for step, idx in enumerate(self._batches(x, y, generator)):
-            loss_sum += self._iteration(step, idx, x, y)
-            clock.tick()
-            heartbeat.step()
+        with self._train_stream(batches) as stream:
+            for step, rows in enumerate(stream):
+                loss_sum += self._iteration(step, rows)
+                clock.tick()
+                heartbeat.step()
         if cfg.replicas > 1:
             for stage in self.own_stages:
                 release_group(self.store, self._group(stage), cfg.replica, cfg.replicas, spec.sync_timeout_s,
@@ -167,29 +172,35 @@ class StageWorker:
         return WorkerResult(
             run_id=spec.run_id, epoch=spec.epoch, rank=spec.rank,
             started_at=started, stopped_at=time.time(),
-            train_loss=train_loss, samples=spec.steps * spec.batch_size,
+            train_loss=train_loss, samples=int(sum(len(b) for b in batches)),
             compute_s=self.compute_s, sync_s=stats.seconds,
             upload_s=self.upload_s, download_s=self.download_s, bytes_synced=stats.bytes_total,
-            **(val.result_fields() if val else {}), tokens=spec.steps * spec.batch_size * self.tokens_per_row,
+            **(val.result_fields() if val else {}), tokens=self.tokens,
             checkpoint_key=checkpoint_key,
             pid=os.getpid(), host=socket.gethostname(), iteration_s=clock.period_s(),
         )
 
-    def _batches(self, x, y, generator: torch.Generator):
-        """Local-SGD's index batches on the workers that hold data; None on the others,
-        which only need to know that an iteration happens."""
-        rows = x if x is not None else y
-        if rows is None:
-            return [None] * self.spec.steps
-        return batch_stream(len(rows), self.spec.batch_size, self.spec.steps, generator)
+    def _train_stream(self, batches):
+        """The rows of `batches` (`ShardStream`) on the workers that hold data (model stage 0's
+        inputs, the last model stage's targets); None per step on the others, which only need
+        to know that an iteration happens."""
+        if not (0 in self.own_stages or self.last in self.own_stages):
+            return contextlib.nullcontext([None] * len(batches))
+        return ShardStream(self.shards, batches, seed=self.spec.seed, epoch=self.spec.epoch)
 
-    def _iteration(self, step: int, idx: torch.Tensor, x, y) -> float:
-        """Run this worker's actions for one batch; return the batch's mean loss (on the
-        worker of the last model stage)."""
+    def _iteration(self, step: int, rows: tuple[torch.Tensor, torch.Tensor] | None) -> float:
+        """Run this worker's actions for one batch (`rows`: its (x, y) where this worker holds
+        data); return the batch's mean loss (on the worker of the last model stage)."""
         cfg = self.cfg
-        chunks = torch.tensor_split(idx, cfg.microbatches) if idx is not None else None
+        x = y = chunks = None
+        if rows is not None:
+            x, y = rows
+            self.tokens += self.objective.tokens(y)
+            chunks = torch.tensor_split(torch.arange(len(y)), cfg.microbatches)
+            x = to_compute(x, self.device, self.dtype) if 0 in self.own_stages else None
+            y = to_compute(y, self.device, self.dtype) if self.last in self.own_stages else None
         # what the batch's mean loss divides by, known where the targets are (the last stage)
-        batch_scored = self.objective.divisor(y[idx]) if y is not None else 0
+        batch_scored = self.objective.divisor(y) if y is not None else 0
         base = f"{self.prefix}/it{step}"
         received = self._prefetch(base, self.actions)
         # keyed by (model stage, micro-batch): an interleaved worker holds several stages
@@ -215,7 +226,7 @@ class StageWorker:
                     if s == self.last:
                         # The micro-batch's term of the batch's mean loss (`Objective.part_loss`):
                         # the terms sum to it, as Local-SGD computes it on the whole batch.
-                        out = self.objective.part_loss(out, y[chunks[m]], batch_scored, len(idx))
+                        out = self.objective.part_loss(out, y[chunks[m]], batch_scored, len(y))
                         loss_total += out.item()
                     inputs[(s, m)], outputs[(s, m)] = inp, out
                 else:
@@ -329,13 +340,11 @@ class StageWorker:
 
     def _read_data(self, split: str, subsets) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Inputs for the worker of model stage 0, labels for the worker of the last (a
-        one-worker pipeline needs both)."""
+        one-worker pipeline needs both), of whole shards (validation's)."""
         first, last = 0 in self.own_stages, self.last in self.own_stages
         if not (first or last):
             return None, None
         x, y = self.shards.read(subsets, split=split, seed=self.spec.seed, epoch=self.spec.epoch)
-        if split == "train":
-            self.tokens_per_row = self.objective.tokens(y[:1])
         x, y = to_compute(x, self.device, self.dtype), to_compute(y, self.device, self.dtype)
         return (x if first else None, y if last else None)
 

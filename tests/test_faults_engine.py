@@ -31,29 +31,31 @@ from core.keys import sync_checkpoint_key
 from core.specs import ComputeSpec, SyncSpec, WorkerSpec
 from engine.chaos import ChaosError, Fault, fault_marker_key, parse_chaos, read_fault_marker
 from engine.checkpoint import initial_checkpoint, load_checkpoint, read_checkpoint_meta
-from engine.datasets import assign_subsets, publish_dataset
+from engine.datasets import publish_dataset
 from engine.local_sgd_epoch import read_epoch_history, run_local_sgd_epoch
 from engine.models import build_model
+from engine.replica_data import dataset_tally, epoch_coverage
 from tests.memory_store import Died, DyingStore, MemoryStore
 from tests.fake_clock import FakeClock
 
 REPO = Path(__file__).resolve().parents[1]
 WORLD, STEPS, PERIOD, BATCH = 2, 9, 3, 16
+DATA, N = "synthetic:64:10:288:32", 288
+"""An epoch of STEPS steps: 288 rows = 9 x 2 replicas x 16."""
 # One thread per worker process: the relaunch then computes the very same float64 sums.
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
-def stage(store, run_id: str) -> list[tuple[int, ...]]:
-    """Publish digits and an initial checkpoint for `run_id`; return the subsets per rank."""
-    manifest = publish_dataset(store, run_id, "digits", subset_size=64)
+def stage(store, run_id: str) -> None:
+    """Publish the data and an initial checkpoint for `run_id`."""
+    publish_dataset(store, run_id, DATA, subset_size=32)
     initial_checkpoint(store, f"runs/{run_id}/ckpt/init", "digits_mlp", "sgd", lr=0.1, seed=3)
-    return assign_subsets(manifest.n_subsets, WORLD, 0, seed=3)
 
 
-def specs(store_url: str, run_id: str, subsets, **fields) -> list[WorkerSpec]:
+def specs(store_url: str, run_id: str, **fields) -> list[WorkerSpec]:
     """Float64 plain-SGD replicas of epoch 0, every rank with an out_key."""
     return [WorkerSpec(run_id=run_id, epoch=0, rank=r, world=WORLD, store_url=store_url,
-                       model="digits_mlp", dataset="digits", subsets=tuple(subsets[r]), steps=STEPS,
+                       model="digits_mlp", dataset=DATA, steps=STEPS,
                        batch_size=BATCH, lr=0.1, sync_period=PERIOD, seed=3,
                        init_key=f"runs/{run_id}/ckpt/init", out_key=f"runs/{run_id}/ckpt/e0",
                        sync_timeout_s=60, evaluate=False, compute=ComputeSpec(dtype="float64"), **fields)
@@ -76,7 +78,8 @@ def final_weights(store, key: str) -> dict[str, torch.Tensor]:
 def reference(tmp_path_factory):
     """The fault-free epoch's final weights (threads; the same seed and data as the kill tests)."""
     store = DirectoryStore(tmp_path_factory.mktemp("ref"))
-    run_threads(store, specs(store.url, "ref", stage(store, "ref")))
+    stage(store, "ref")
+    run_threads(store, specs(store.url, "ref"))
     return final_weights(store, "runs/ref/ckpt/e0")
 
 
@@ -118,7 +121,8 @@ def kill_and_relaunch(tmp_path, chaos: str, victim: int, resume_step: int):
     """Run an epoch whose `victim` dies by `chaos`; relaunch it once from the sync
     checkpoint at `resume_step`; return the store, the classified failure and the marker."""
     store = DirectoryStore(tmp_path / "store")
-    worker_specs = specs(store.url, "k", stage(store, "k"))
+    stage(store, "k")
+    worker_specs = specs(store.url, "k")
     coordinator = Coordinator(tmp_path, chaos)
     try:
         for spec in worker_specs:
@@ -171,8 +175,9 @@ def test_replica_killed_at_a_random_step_covers_every_batch_once(tmp_path, refer
         covered[h["rank"]].append((h["start_step"], h["end_step"]))
     assert covered == {0: [(0, last_sync), (last_sync, STEPS)], 1: [(0, STEPS)]}
     assert step - last_sync < PERIOD  # lost work stays inside one sync interval
-    by_rank = {(h["rank"]): h["subsets"] for h in history}
-    assert sorted(by_rank[0] + by_rank[1]) == list(range(len(by_rank[0]) + len(by_rank[1])))
+    # and their tallies add up to every sample once, the dead attempt's steps included
+    assert epoch_coverage(history) == dataset_tally(N)
+    assert sum(h["samples"] for h in history) == N - last_sync * BATCH  # the relaunch skipped those
     meta = read_checkpoint_meta(store, sync_checkpoint_key("k", 0))
     assert (meta["step"], meta["round"], meta["epoch"]) == (STEPS, STEPS // PERIOD - 1, 0)
 
@@ -182,7 +187,7 @@ def test_redis_restart_mid_round_loses_scratch_keys_and_the_round_completes(tmp_
                                                                           monkeypatch):
     durable = DirectoryStore(tmp_path / "durable")
     scratch = RedisStore(redis_server.url)
-    subsets = stage(durable, "rr")  # data and checkpoints are durable; Redis holds the syncs
+    stage(durable, "rr")  # data and checkpoints are durable; Redis holds the syncs
     stage(scratch, "rr")  # a copy the restart will wipe, to show the keys really were lost
     # Rank 1 straggles after round 0, so rank 0 waits inside round 1 with its piece posted.
     monkeypatch.setenv("ZOOID_CHAOS", f"slow_worker:epoch=0:rank=1:step={PERIOD}:seconds=2")
@@ -201,7 +206,7 @@ def test_redis_restart_mid_round_loses_scratch_keys_and_the_round_completes(tmp_
     restarter = threading.Thread(target=restart_when_rank0_waits)
     restarter.start()
     try:
-        run_threads(scratch, specs(scratch.url, "rr", subsets, checkpoint_store=durable.url, sync=SyncSpec(repost_s=0.3)))
+        run_threads(scratch, specs(scratch.url, "rr", checkpoint_store=durable.url, sync=SyncSpec(repost_s=0.3)))
     finally:
         finished.set()
         restarter.join()
@@ -318,7 +323,7 @@ def test_chaos_parsing():
     assert crash == Fault(kind="crash_worker", epoch=0, rank=1, attempt=None)  # the original: every attempt
     assert (oom.mode, oom.attempt, oom.epoch) == ("kill", None, None)
     spec = WorkerSpec(run_id="x", epoch=1, rank=0, world=2, store_url="", model="m", dataset="d",
-                      subsets=(0,), steps=1, batch_size=1, lr=0.1)
+                      steps=1, batch_size=1, lr=0.1)
     assert kill.matches(spec) and not kill.matches(WorkerSpec.from_dict({**spec.to_dict(), "attempt": 1}))
     for bad, words in [("explode_worker", "unknown fault"), ("kill_worker:step=x", "not an integer"),
                        ("kill_worker:rank", "not key=value"), ("hang_worker:mode=kill", "not a valid setting"),
@@ -342,7 +347,7 @@ def test_a_held_worker_goes_on_when_its_key_appears():
         with pytest.raises(ChaosError, match="until"):
             parse_chaos(bad)
     spec = WorkerSpec(run_id="held", epoch=0, rank=0, world=1, store_url="", model="m", dataset="d",
-                      subsets=(0,), steps=5, batch_size=1, lr=0.1)
+                      steps=5, batch_size=1, lr=0.1)
     store, waiting, released = MemoryStore(), threading.Event(), threading.Event()
     listed = store.list
 
@@ -402,7 +407,7 @@ def test_a_real_memory_error_is_oom_and_not_retried():
 
 def test_injected_oom_worker_exits_with_the_oom_status_and_a_marker(tmp_path):
     store = DirectoryStore(tmp_path / "store")
-    [spec, _] = specs(store.url, "o", [(0,), (1,)])
+    [spec, _] = specs(store.url, "o")
     env = {**os.environ, **WORKER_ENV, "ZOOID_CHAOS": "oom_worker:epoch=0:rank=0"}
     out = subprocess.run([sys.executable, "-m", "runtime.worker_main", "--spec-json", json.dumps(spec.to_dict())],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)

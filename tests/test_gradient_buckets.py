@@ -26,19 +26,21 @@ from core.schedules import Kind
 from core.specs import ComputeSpec, SyncSpec, WorkerSpec
 from engine.chaos import Chaos
 from engine.checkpoint import initial_checkpoint, load_checkpoint
-from engine.datasets import ShardSource, publish_dataset, read_subsets
+from engine.datasets import ShardSource, publish_dataset
 from engine.gradient_buckets import GradientBuckets, plan_buckets
-from engine.local_sgd import LocalSGD, batch_seed, batch_stream
+from engine.local_sgd import LocalSGD
 from engine.local_sgd_epoch import read_epoch_history, run_local_sgd_epoch
 from engine.models import build_model
 from engine.optimizers import build_optimizer, optimizer_state_tensors
 from engine.pipeline_executor import iteration_schedule, pipeline_worker_specs
 from engine.pipeline_stage_worker import StageWorker
+from tests.epoch_data import replica_rows
 from tests.memory_store import Died, DyingStore, MemoryStore
 
 STEPS, BATCH, LR = 6, 8, 0.2
 SMALL_BUCKETS = SyncSpec(bucket_mb=1000 / 2**20)  # 1000 bytes: digits_mlp in float64 is 4 buckets
-SUBSETS = [(0, 1), (2, 3)]
+DATA = "synthetic:64:10:96:32"
+"""An epoch of STEPS steps for 2 replicas of BATCH rows."""
 
 
 def test_buckets_are_cut_in_reverse_registration_order_under_the_cap():
@@ -52,13 +54,13 @@ def test_buckets_are_cut_in_reverse_registration_order_under_the_cap():
 
 
 def stage(store, run_id: str, optimizer: str) -> None:
-    publish_dataset(store, run_id, "digits", subset_size=64)
+    publish_dataset(store, run_id, DATA, subset_size=16)
     initial_checkpoint(store, f"runs/{run_id}/ckpt/init", "digits_mlp", optimizer, lr=LR, seed=1)
 
 
 def specs(store, run_id: str, optimizer: str, sync: SyncSpec, **fields) -> list[WorkerSpec]:
     return [WorkerSpec(run_id=run_id, epoch=0, rank=r, world=2, store_url=store.url, model="digits_mlp",
-                       dataset="digits", subsets=SUBSETS[r], steps=STEPS, batch_size=BATCH, lr=LR,
+                       dataset=DATA, steps=STEPS, batch_size=BATCH, lr=LR,
                        optimizer=optimizer, sync_period=1, seed=1, init_key=f"runs/{run_id}/ckpt/init",
                        out_key=f"runs/{run_id}/ckpt/e0", evaluate=False, sync_timeout_s=30.0,
                        compute=ComputeSpec(dtype="float64"), sync=sync, **fields) for r in range(2)]
@@ -113,19 +115,18 @@ def test_every_step_gradient_averaging_equals_parameter_averaging(tmp_path, coll
 def adam_on_averaged_gradients(store, run_id: str):
     """The reference: one process, one model from the run's initial checkpoint and one
     `torch.optim.Adam`, stepping each step on the mean of the two replicas' gradients (each
-    replica's batch drawn as the engine draws it); its weights and optimizer state."""
+    replica's batch from the same sampler as the engine's); its weights and optimizer state."""
     model = build_model("digits_mlp", 0).double()
     opt = build_optimizer("adam", model, LR)
     load_checkpoint(store, f"runs/{run_id}/ckpt/init", model, opt)
     assert isinstance(opt, torch.optim.Adam)
-    data = [read_subsets(store, run_id, s, seed=1, epoch=0) for s in SUBSETS]
-    streams = [batch_stream(len(y), BATCH, STEPS, torch.Generator().manual_seed(batch_seed(1, 0, r)))
-               for r, (_, y) in enumerate(data)]
-    for idx in zip(*streams):
+    batches = replica_rows(store, run_id, 2, BATCH, seed=1)
+    assert len(batches[0]) == STEPS
+    for parts in zip(*batches):
         grads = []
-        for r, (x, y) in enumerate(data):
+        for x, y in parts:
             model.zero_grad(set_to_none=True)
-            F.cross_entropy(model(x[idx[r]].double()), y[idx[r]]).backward()
+            F.cross_entropy(model(x.double()), y).backward()
             grads.append([p.grad.clone() for p in model.parameters()])
         for p, *gs in zip(model.parameters(), *grads):
             p.grad = torch.stack(gs).mean(0)
@@ -310,8 +311,8 @@ def test_a_hybrid_stage_arms_its_buckets_before_its_last_backward_only():
     """Earlier micro-batches' backwards only accumulate; the last one's gradients are the
     iteration's, so a hybrid stage starts its buckets during that backward."""
     base = WorkerSpec(run_id="p", epoch=0, rank=0, world=2, store_url="memory://", model="digits_mlp",
-                      dataset="digits", subsets=(), steps=1, batch_size=8, lr=LR, sync_period=1)
-    for spec in pipeline_worker_specs(base, cuts=[1], microbatches=4, replica_subsets=[(0,), (1,)],
+                      dataset="digits", steps=1, batch_size=8, lr=LR, sync_period=1)
+    for spec in pipeline_worker_specs(base, cuts=[1], microbatches=4, replicas=2,
                                       schedule="1f1b")[:2]:
         actions = iteration_schedule(spec.stage)
         store = MemoryStore()

@@ -57,8 +57,9 @@ def test_token_validation_in_chunks_scores_like_one_pass():
 def test_part_b_sides_train_the_same_numbers():
     from benchmarks.lm_plain import run_plain_vs_zooid
 
-    zooid, plain, facts = run_plain_vs_zooid("gpt_mini", "cpu", batch=4, seq_len=32, steps=3, kb=20, epochs=2, lr=1e-3)
-    assert facts["steps"] == 3 and facts["tokens_per_epoch"] == 3 * 4 * 32
+    zooid, plain, facts = run_plain_vs_zooid("gpt_mini", "cpu", batch=16, seq_len=32, kb=2, epochs=2, lr=1e-3)
+    # an epoch is one pass: every training block once, the last batch shorter
+    assert facts["steps"] == -(-facts["n_train"] // 16) and facts["tokens_per_epoch"] == facts["n_train"] * 32
     assert len(zooid.seconds) == len(plain.seconds) == 2
     assert zooid.perplexity == pytest.approx(plain.perplexity, rel=1e-5)
     assert zooid.perplexity[1] < zooid.perplexity[0]
@@ -76,10 +77,10 @@ def test_a_lone_replica_writes_one_checkpoint_and_its_relaunch_resumes_from_it(t
     from engine.models import build_model
 
     store = DirectoryStore(tmp_path)
-    publish_dataset(store, "lone", "digits", subset_size=256)
+    publish_dataset(store, "lone", "synthetic:64:10:64:16", subset_size=32)  # an epoch: 4 steps of 16
     initial_checkpoint(store, "runs/lone/ckpt/init", "digits_mlp", "adam", lr=0.01)
     spec = WorkerSpec(run_id="lone", epoch=0, rank=0, world=1, store_url=store.url, model="digits_mlp",
-                      dataset="digits", subsets=(0, 1), steps=4, batch_size=16, lr=0.01, optimizer="adam",
+                      dataset="synthetic:64:10:64:16", steps=4, batch_size=16, lr=0.01, optimizer="adam",
                       init_key="runs/lone/ckpt/init", out_key="runs/lone/ckpt/e0")
     first = run_local_sgd_epoch(spec, store)
     assert first.samples == 64

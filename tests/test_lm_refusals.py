@@ -20,7 +20,7 @@ from core.errors import ZooidValueError
 from core.shared_parameters import split_shared
 from core.specs import ComputeSpec, WorkerSpec
 from engine.checkpoint import initial_checkpoint
-from engine.datasets import assign_subsets, publish_dataset
+from engine.datasets import publish_dataset
 from engine.local_sgd_epoch import run_local_sgd_epoch
 from engine.models import build_model, dataset_model_kwargs
 from engine.stages import shared_parameters, split_stages
@@ -149,7 +149,7 @@ def test_workers_the_profile_and_the_initial_checkpoint_get_the_model_kwargs(tmp
     from coordinator.run.validate import validate_job
 
     ctx = RunContext(run_id="zlmkw", job=job, resolved=validate_job(job))
-    ctx.state.dataset = {"n_subsets": 4}
+    ctx.state.dataset = {"n_subsets": 4, "n_train": 32}
     specs = worker_specs(ctx, Plan(strategy="local_sgd", data_parallel=2, steps_per_epoch=2, batch_size=8),
                          0, "init", 0.1, 0)
     assert [s.compute.model_kwargs for s in specs] == [{"vocab_size": 127}] * 2
@@ -265,14 +265,13 @@ def test_a_tied_gpt_trains_as_local_sgd_and_stays_tied(tmp_path):
     tensor in every checkpoint (its two names hold equal values) and in the rebuilt model."""
     url = (tmp_path / "store").as_uri()
     store = open_store(url)
-    manifest = publish_dataset(store, "tied", "tests.lm_helpers:token_data", subset_size=32)
+    publish_dataset(store, "tied", "tests.lm_helpers:token_data", subset_size=32)
     kwargs = {"vocab_size": lm_helpers.VOCAB, "max_positions": lm_helpers.SEQ, "d_model": 16, "heads": 2}
     initial_checkpoint(store, "runs/tied/e-1", f"{HERE}:tied_gpt", "adam", 0.01, seed=0, model_kwargs=kwargs)
     losses = []
     for epoch in range(2):
-        shards = assign_subsets(manifest.n_subsets, 2, epoch=epoch, seed=0)
         specs = [WorkerSpec(run_id="tied", epoch=epoch, rank=r, world=2, store_url=url, model=f"{HERE}:tied_gpt",
-                            dataset="tests.lm_helpers:token_data", subsets=tuple(shards[r]), steps=8, batch_size=16,
+                            dataset="tests.lm_helpers:token_data", steps=12, batch_size=16,
                             lr=0.01, optimizer="adam", sync_period=2, seed=0, init_key=f"runs/tied/e{epoch - 1}",
                             out_key=f"runs/tied/e{epoch}", compute=ComputeSpec(model_kwargs=kwargs))
                  for r in range(2)]

@@ -24,9 +24,13 @@ import torch
 
 from comm.store import open_store
 from core.specs import ComputeSpec, SyncSpec, WorkerSpec
-from engine.checkpoint import initial_checkpoint
-from engine.datasets import assign_subsets, publish_dataset
+from engine.checkpoint import initial_checkpoint, load_checkpoint
+from engine.datasets import publish_dataset, read_subsets
+from engine.epoch_order import epoch_steps
+from engine.local_sgd import validation_metrics
 from engine.local_sgd_epoch import read_epoch_history, run_local_sgd_epoch
+from engine.models import build_model
+from engine.objective import objective_for
 from engine.pipeline_executor import pipeline_worker_specs, run_pipeline_worker
 from tests import lm_helpers
 from tests.test_pipeline_equivalence import assert_same_weights, run_threads, weights
@@ -38,6 +42,8 @@ GPT_KWARGS = {"vocab_size": lm_helpers.VOCAB, "max_positions": lm_helpers.SEQ, "
 MODELS = {"gpt_mini": GPT_KWARGS, LM: {}}
 MASKED = "tests.lm_helpers:masked_token_data"
 STEPS, BATCH, LR = 6, 32, 0.3
+N = 384
+"""Training windows of `lm_helpers.token_data`: STEPS steps for 2 replicas of BATCH, twice as many for one."""
 REPO = Path(__file__).resolve().parents[1]
 CHILDREN = 5
 """tiny_causal_lm's top-level children: embeddings, two blocks, final norm, head."""
@@ -56,24 +62,20 @@ def staged(tmp_path_factory):
     return url, manifest
 
 
-def spec(url: str, world: int, subsets, out: str, model: str = LM, optimizer: str = "sgd", **fields) -> WorkerSpec:
+def spec(url: str, world: int, out: str, model: str = LM, optimizer: str = "sgd", **fields) -> WorkerSpec:
+    """`world` replicas' spec (a pipeline's: its D), a fresh epoch's steps."""
     base = WorkerSpec(run_id=RUN, epoch=0, rank=0, world=world, store_url=url, model=model, dataset=MASKED,
-                      subsets=tuple(subsets), steps=STEPS, batch_size=BATCH, lr=LR, optimizer=optimizer,
+                      steps=epoch_steps(N, world, BATCH), batch_size=BATCH, lr=LR, optimizer=optimizer,
                       sync_period=1, seed=4, init_key=f"runs/{RUN}/init-{optimizer}-{model}", out_key=f"{out}-{model}",
                       sync_timeout_s=60.0, compute=ComputeSpec(dtype="float64", model_kwargs=MODELS.get(model, {})))
     return dataclasses.replace(base, **fields)
 
 
-def everything(manifest) -> tuple[int, ...]:
-    return tuple(range(manifest.n_subsets))
-
-
 @pytest.mark.parametrize("model", MODELS)
 def test_a_pipeline_of_a_causal_lm_equals_single_process_training(staged, model):
     url, manifest = staged
-    [ref] = run_threads([spec(url, 1, everything(manifest), f"runs/{RUN}/single", model)], run_local_sgd_epoch)
-    specs = pipeline_worker_specs(spec(url, 1, (), f"runs/{RUN}/pipe", model), cuts=[2, 4], microbatches=4,
-                                  replica_subsets=[everything(manifest)])
+    [ref] = run_threads([spec(url, 1, f"runs/{RUN}/single", model)], run_local_sgd_epoch)
+    specs = pipeline_worker_specs(spec(url, 1, f"runs/{RUN}/pipe", model), cuts=[2, 4], microbatches=4)
     results = run_threads(specs, run_pipeline_worker)
     assert_same_weights(weights(url, f"runs/{RUN}/pipe-{model}"), weights(url, f"runs/{RUN}/single-{model}"))
     last = results[-1]
@@ -84,17 +86,16 @@ def test_a_pipeline_of_a_causal_lm_equals_single_process_training(staged, model)
     assert last.val_token_accuracy == ref.val_token_accuracy and 0 <= ref.val_token_accuracy <= 1
     assert ref.val_accuracy is None and last.val_accuracy is None  # token targets: no class accuracy
     # tokens trained: every position of every row read, the ignored ones included
-    assert ref.tokens == results[0].tokens == STEPS * BATCH * lm_helpers.SEQ
+    assert ref.tokens == results[0].tokens == N * lm_helpers.SEQ
 
 
 @pytest.mark.parametrize("model", MODELS)
 def test_a_hybrid_of_a_causal_lm_equals_local_sgd_averaging_every_step(staged, model):
     url, manifest = staged
-    shards = assign_subsets(manifest.n_subsets, 2, epoch=0, seed=4)
-    local = [spec(url, 2, shards[r], f"runs/{RUN}/lsgd", model, rank=r) for r in range(2)]
+    local = [spec(url, 2, f"runs/{RUN}/lsgd", model, rank=r) for r in range(2)]
     refs = run_threads(local, run_local_sgd_epoch)
-    specs = pipeline_worker_specs(spec(url, 2, (), f"runs/{RUN}/hybrid", model, sync=SyncSpec(bucket_mb=4000 / 2**20)),
-                                  cuts=[3], microbatches=2, replica_subsets=shards)
+    specs = pipeline_worker_specs(spec(url, 2, f"runs/{RUN}/hybrid", model, sync=SyncSpec(bucket_mb=4000 / 2**20)),
+                                  cuts=[3], microbatches=2, replicas=2)
     results = run_threads(specs, run_pipeline_worker)
     assert_same_weights(weights(url, f"runs/{RUN}/hybrid-{model}"), weights(url, f"runs/{RUN}/lsgd-{model}"))
     for r in range(2):
@@ -109,8 +110,8 @@ def test_gpipe_1f1b_and_interleaved_agree_on_a_causal_lm(staged, model):
     trained = {}
     for schedule in ("gpipe", "1f1b", "interleaved"):
         out = f"runs/{RUN}/sched-{schedule}"
-        specs = pipeline_worker_specs(spec(url, 1, (), out, model, optimizer="momentum"),
-                                      cuts=cuts, microbatches=4, replica_subsets=[everything(manifest)],
+        specs = pipeline_worker_specs(spec(url, 1, out, model, optimizer="momentum"),
+                                      cuts=cuts, microbatches=4,
                                       schedule=schedule, chunks=2 if schedule == "interleaved" else 1)
         assert len(specs) == (2 if schedule == "interleaved" else 4)
         results = run_threads(specs, run_pipeline_worker)
@@ -125,13 +126,12 @@ def test_a_causal_lm_given_only_by_import_path_learns_its_sequence(tmp_path):
     vocabulary's size to near 1 and most next tokens are predicted."""
     url = (tmp_path / "store").as_uri()
     store = open_store(url)
-    manifest = publish_dataset(store, "learn", "tests.lm_helpers:token_data", subset_size=32)
+    publish_dataset(store, "learn", "tests.lm_helpers:token_data", subset_size=32)
     initial_checkpoint(store, "runs/learn/e-1", LM, "adam", 0.01, seed=0)
     perplexities, accuracies = [], []
     for epoch in range(4):
-        shards = assign_subsets(manifest.n_subsets, 2, epoch=epoch, seed=0)
         specs = [WorkerSpec(run_id="learn", epoch=epoch, rank=r, world=2, store_url=url, model=LM,
-                            dataset="tests.lm_helpers:token_data", subsets=tuple(shards[r]), steps=12,
+                            dataset="tests.lm_helpers:token_data", steps=12,
                             batch_size=16, lr=0.01, optimizer="adam", sync_period=4, seed=0,
                             init_key=f"runs/learn/e{epoch - 1}", out_key=f"runs/learn/e{epoch}")
                  for r in range(2)]
@@ -149,12 +149,11 @@ def test_a_causal_lm_replica_relaunched_from_the_sync_checkpoint_ends_equal(tmp_
     ends on the uninterrupted run's weights."""
     url = (tmp_path / "store").as_uri()
     store = open_store(url)
-    manifest = publish_dataset(store, RUN, MASKED, subset_size=32)
+    publish_dataset(store, RUN, MASKED, subset_size=32)
     initial_checkpoint(store, f"runs/{RUN}/init", LM, "momentum", LR, seed=4)
-    shards = assign_subsets(manifest.n_subsets, 2, epoch=0, seed=4)
 
     def specs(out: str) -> list[WorkerSpec]:
-        return [spec(url, 2, shards[r], out, rank=r, optimizer="momentum", init_key=f"runs/{RUN}/init",
+        return [spec(url, 2, out, rank=r, optimizer="momentum", init_key=f"runs/{RUN}/init",
                      sync_period=3, evaluate=False, out_key=out) for r in range(2)]
 
     run_threads(specs(f"runs/{RUN}/clean"), run_local_sgd_epoch)
@@ -193,16 +192,17 @@ def test_a_custom_loss_trains_a_regression_alone_and_as_a_pipeline(tmp_path):
     assert manifest.classes == 0
     initial_checkpoint(store, "runs/reg/init", model, "momentum", 0.05, seed=1)
     base = WorkerSpec(run_id="reg", epoch=0, rank=0, world=1, store_url=url, model=model, dataset=data,
-                      subsets=tuple(range(manifest.n_subsets)), steps=40, batch_size=32, lr=0.05,
+                      steps=48, batch_size=8, lr=0.05,
                       optimizer="momentum", sync_period=1, seed=1, init_key="runs/reg/init", out_key="runs/reg/single",
                       compute=ComputeSpec(dtype="float64"), loss=loss)
-    untrained = dataclasses.replace(base, steps=0, out_key="runs/reg/untrained")
-    [before] = run_threads([untrained], run_local_sgd_epoch)
+    untrained = build_model(model, 1).double()
+    load_checkpoint(store, "runs/reg/init", untrained)
+    vx, vy = read_subsets(store, "reg", range(manifest.n_val_subsets), split="val")
+    before = validation_metrics(untrained, vx.double(), vy.double(), objective_for(loss))
     [single] = run_threads([base], run_local_sgd_epoch)
-    assert single.val_loss < before.val_loss / 5
+    assert single.val_loss < before.loss / 5
     assert single.val_accuracy is single.val_perplexity is None and single.tokens == 0
-    specs = pipeline_worker_specs(dataclasses.replace(base, subsets=(), out_key="runs/reg/pipe"), cuts=[2],
-                                  microbatches=4, replica_subsets=[base.subsets])
+    specs = pipeline_worker_specs(dataclasses.replace(base, out_key="runs/reg/pipe"), cuts=[2], microbatches=4)
     results = run_threads(specs, run_pipeline_worker)
     assert_same_weights(weights(url, "runs/reg/pipe"), weights(url, "runs/reg/single"))
     assert results[-1].val_loss == pytest.approx(single.val_loss, rel=1e-9)

@@ -15,12 +15,14 @@ from comm.store_dir import DirectoryStore
 from core.errors import ZooidValueError
 from core.specs import ComputeSpec, WorkerResult, WorkerSpec
 from engine.checkpoint import initial_checkpoint, load_checkpoint, save_checkpoint
-from engine.datasets import assign_subsets, publish_dataset, read_subsets
-from engine.local_sgd import LocalSGD, batch_seed, batch_stream, steps_per_epoch
+from engine.datasets import publish_dataset
+from engine.local_sgd import LocalSGD
 from engine.local_sgd_epoch import run_local_sgd_epoch
 from engine.models import build_model
 from engine.optimizers import build_optimizer, optimizer_state_tensors
 from runtime import worker_main
+from tests.epoch_data import SMALL, replica_rows
+from tests.epoch_data import steps as epoch_steps
 from tests.memory_store import MemoryStore
 from tests.test_collectives import run_ranks
 
@@ -29,9 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def run_epoch(store, world, **fields):
     """Run `world` replicas of one epoch as threads against one store; results by rank."""
-    base = {k: v for k, v in fields.items() if k != "subsets"}
-    specs = [WorkerSpec(rank=r, world=world, store_url=store.url, subsets=fields["subsets"][r], **base)
-             for r in range(world)]
+    specs = [WorkerSpec(rank=r, world=world, store_url=store.url, subsets=(), **fields) for r in range(world)]
     with ThreadPoolExecutor(world) as pool:
         return list(pool.map(lambda s: run_local_sgd_epoch(s, store), specs))
 
@@ -42,11 +42,12 @@ def test_replicas_synced_every_step_equal_one_process_on_the_concatenated_batch(
     process's step on the two batches together, for Adam too (its moments are those of
     the averaged gradient)."""
     store = DirectoryStore(tmp_path)
-    publish_dataset(store, "eq", "digits", subset_size=64)
+    publish_dataset(store, "eq", SMALL, subset_size=16)
     initial_checkpoint(store, "runs/eq/ckpt/init", "digits_mlp", optimizer, lr=0.2, seed=1)
-    steps, batch, subsets = 6, 8, [(0, 1), (2, 3)]
+    steps, batch = epoch_steps(store, "eq", 2, 8), 8
+    assert steps == 6
     results = run_epoch(
-        store, 2, run_id="eq", epoch=0, model="digits_mlp", dataset="digits", subsets=subsets,
+        store, 2, run_id="eq", epoch=0, model="digits_mlp", dataset=SMALL,
         steps=steps, batch_size=batch, lr=0.2, optimizer=optimizer, sync_period=1, seed=1,
         init_key="runs/eq/ckpt/init", out_key="runs/eq/ckpt/e0", evaluate=False,
         compute=ComputeSpec(dtype="float64"),
@@ -55,12 +56,9 @@ def test_replicas_synced_every_step_equal_one_process_on_the_concatenated_batch(
     model = build_model("digits_mlp", 1).double()
     opt = build_optimizer(optimizer, model, 0.2)
     load_checkpoint(store, "runs/eq/ckpt/init", model, opt)
-    data = [read_subsets(store, "eq", s) for s in subsets]
-    streams = [batch_stream(len(y), batch, steps, torch.Generator().manual_seed(batch_seed(1, 0, r)))
-               for r, (_, y) in enumerate(data)]
-    for idx in zip(*streams):
-        x = torch.cat([data[r][0][i].double() for r, i in enumerate(idx)])
-        y = torch.cat([data[r][1][i] for r, i in enumerate(idx)])
+    for parts in zip(*replica_rows(store, "eq", 2, batch, seed=1)):
+        x = torch.cat([px.double() for px, _ in parts])
+        y = torch.cat([py for _, py in parts])
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
@@ -106,19 +104,20 @@ def test_four_workers_learn_digits(tmp_path):
     store, world, batch = DirectoryStore(tmp_path), 4, 16
     manifest = publish_dataset(store, "d4", "digits", subset_size=32)
     initial_checkpoint(store, "runs/d4/ckpt/init", "digits_mlp", "momentum", lr=0.05, seed=0)
-    steps = steps_per_epoch(manifest.n_train, world, batch)
+    steps = epoch_steps(store, "d4", world, batch)
     init, accuracies = "runs/d4/ckpt/init", []
     for epoch in range(4):
         results = run_epoch(
-            store, world, run_id="d4", epoch=epoch, model="digits_mlp", dataset="digits",
-            subsets=assign_subsets(manifest.n_subsets, world, epoch, seed=0), steps=steps,
+            store, world, run_id="d4", epoch=epoch, model="digits_mlp", dataset="digits", steps=steps,
             batch_size=batch, lr=0.05, optimizer="momentum", sync_period=None,
             init_key=init, out_key=f"runs/d4/ckpt/e{epoch}",
         )
         init = results[0].checkpoint_key
         accuracies.append(results[0].val_accuracy)
         assert all(r.val_accuracy is None for r in results[1:])
-        assert all(r.samples == steps * batch and r.compute_s > 0 for r in results)
+        # every sample once per epoch: 1437 = 4 replicas x 22 batches of 16, and a last step of 29 (8, 7, 7, 7)
+        assert steps == 23 and manifest.n_train == 1437
+        assert [r.samples for r in results] == [360, 359, 359, 359] and all(r.compute_s > 0 for r in results)
         assert all(0 < r.iteration_s * (steps - 2) < r.stopped_at - r.started_at for r in results)
     assert accuracies[-1] >= 0.9, accuracies
     assert store.list("runs/d4/sync/") == []
@@ -126,10 +125,10 @@ def test_four_workers_learn_digits(tmp_path):
 
 def test_worker_main_prints_the_result_json(tmp_path):
     store = DirectoryStore(tmp_path)
-    publish_dataset(store, "wm", "digits", subset_size=256)
+    publish_dataset(store, "wm", SMALL, subset_size=32)
     initial_checkpoint(store, "runs/wm/ckpt/init", "digits_mlp", "sgd", lr=0.1)
     spec = WorkerSpec(run_id="wm", epoch=0, rank=0, world=1, store_url=store.url, model="digits_mlp",
-                      dataset="digits", subsets=(0, 1), steps=3, batch_size=32, lr=0.1,
+                      dataset=SMALL, subsets=(), steps=3, batch_size=32, lr=0.1,
                       init_key="runs/wm/ckpt/init", out_key="runs/wm/ckpt/e0")
     out = subprocess.run([sys.executable, "-m", "runtime.worker_main", "--spec-json", json.dumps(spec.to_dict())],
                          cwd=REPO, capture_output=True, text=True, timeout=60)

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from core.errors import ZooidValueError
-from engine.datasets import (assign_subsets, load_dataset, parse_synthetic, publish_dataset, read_manifest,
+from engine.datasets import (load_dataset, parse_synthetic, publish_dataset, read_manifest,
                              read_subsets, validate_dataset)
 from engine.models import REGISTRY, build_model, input_shape, resolve_model
 from tests.memory_store import MemoryStore
@@ -131,17 +131,3 @@ def test_publish_and_read_subsets_round_trip():
     assert torch.equal(vx, data.val_x)
 
 
-@pytest.mark.parametrize("n,world", [(23, 4), (8, 8), (5, 1), (100, 7)])
-def test_assign_subsets_covers_each_subset_once(n, world):
-    parts = assign_subsets(n, world, epoch=2, seed=5)
-    flat = [i for p in parts for i in p]
-    assert sorted(flat) == list(range(n))
-    assert max(map(len, parts)) - min(map(len, parts)) <= 1
-    assert parts == assign_subsets(n, world, epoch=2, seed=5)
-    if world > 1:
-        assert parts != assign_subsets(n, world, epoch=3, seed=5)
-
-
-def test_assign_subsets_refuses_more_workers_than_subsets():
-    with pytest.raises(ZooidValueError, match="workers"):
-        assign_subsets(3, 4, epoch=0)

@@ -16,31 +16,34 @@ from comm.tensor_codec import encode_tensors
 from core.errors import ZooidValueError
 from core.specs import ComputeSpec, SyncSpec, WorkerSpec
 from engine.checkpoint import initial_checkpoint, load_checkpoint, read_checkpoint_meta
-from engine.datasets import assign_subsets, publish_dataset, read_subsets
-from engine.local_sgd import batch_seed, batch_stream
+from engine.datasets import publish_dataset
+from engine.epoch_order import epoch_steps
 from engine.local_sgd_epoch import run_local_sgd_epoch
 from engine.models import build_model
 from engine.optimizers import build_optimizer, optimizer_state_tensors
 from engine.residuals import read_residual
+from tests.epoch_data import replica_rows
 from tests.memory_store import Died, DyingStore, MemoryStore
 
 MODEL, OPT, LR, SEED, BATCH = "digits_mlp", "momentum", 0.05, 4, 16
+DATA, N = "synthetic:64:10:224:32", 224
+"""7 steps an epoch for 2 replicas of BATCH rows (STEPS)."""
 
 
 def stage(store, run_id, world, epochs):
-    manifest = publish_dataset(store, run_id, "digits", subset_size=64)
+    """Publish the data and an initial checkpoint; return each epoch's world."""
+    publish_dataset(store, run_id, DATA, subset_size=32)
     initial_checkpoint(store, f"runs/{run_id}/ckpt/init", MODEL, OPT, lr=LR, seed=SEED)
-    return [assign_subsets(manifest.n_subsets, world, e, SEED) for e in range(epochs)]
+    return [world] * epochs
 
 
-def run_engine(store, run_id, shards, steps, period, sync=None, worlds=None):
-    """Epochs of threads through the engine, each from the previous epoch's checkpoint;
-    returns the per-epoch results (by rank)."""
+def run_engine(store, run_id, worlds, period, sync=None):
+    """Epochs of threads through the engine (epoch e with `worlds[e]` replicas), each from the
+    previous epoch's checkpoint; returns the per-epoch results (by rank)."""
     init, out = f"runs/{run_id}/ckpt/init", []
-    for epoch, subsets in enumerate(shards):
-        world = len(subsets)
+    for epoch, world in enumerate(worlds):
         specs = [WorkerSpec(run_id=run_id, epoch=epoch, rank=r, world=world, store_url=store.url,
-                            model=MODEL, dataset="digits", subsets=tuple(subsets[r]), steps=steps,
+                            model=MODEL, dataset=DATA, steps=epoch_steps(N, world, BATCH),
                             batch_size=BATCH, lr=LR, optimizer=OPT, sync_period=period, seed=SEED,
                             init_key=init, out_key=f"runs/{run_id}/ckpt/e{epoch}", evaluate=False,
                             sync_timeout_s=60, compute=ComputeSpec(dtype="float64"), sync=sync or SyncSpec())
@@ -60,11 +63,12 @@ def load(store, key):
     return model.state_dict(), optimizer_state_tensors(model, opt), extra, meta
 
 
-def reference(store, run_id, shards, steps, period, outer="average", outer_lr=1.0, mu=0.0):
+def reference(store, run_id, worlds, period, outer="average", outer_lr=1.0, mu=0.0):
     """W replicas in one process: k inner steps each, then the outer step written from the
     papers: mean of the replicas (K-AVG), or Δ = θ_g − mean, m = μ m + Δ,
-    θ_g −= η (Δ + μ m) (DiLoCo); buffers and the inner optimizer's state averaged."""
-    world = len(shards[0])
+    θ_g −= η (Δ + μ m) (DiLoCo); buffers and the inner optimizer's state averaged. Each
+    replica's batches come from the same sampler as the engine's (`tests.epoch_data`)."""
+    world = worlds[0]
     models = [build_model(MODEL, 0).double() for _ in range(world)]
     opts = [build_optimizer(OPT, m, LR) for m in models]
     for m, o in zip(models, opts):
@@ -90,14 +94,12 @@ def reference(store, run_id, shards, steps, period, outer="average", outer_lr=1.
                 for s in states:
                     s[n].copy_(mean)
 
-    for epoch, subsets in enumerate(shards):
-        data = [read_subsets(store, run_id, s) for s in subsets]
-        streams = [batch_stream(len(y), BATCH, steps, torch.Generator().manual_seed(batch_seed(SEED, epoch, r)))
-                   for r, (_, y) in enumerate(data)]
-        for step, idx in enumerate(zip(*streams), start=1):
-            for r, (m, o) in enumerate(zip(models, opts)):
-                x, y = data[r][0][idx[r]].double(), data[r][1][idx[r]]
-                loss = F.cross_entropy(m(x), y)
+    for epoch in range(len(worlds)):
+        batches = replica_rows(store, run_id, world, BATCH, seed=SEED, epoch=epoch)
+        steps = len(batches[0])
+        for step, parts in enumerate(zip(*batches), start=1):
+            for (x, y), m, o in zip(parts, models, opts):
+                loss = F.cross_entropy(m(x.double()), y)
                 o.zero_grad(set_to_none=True)
                 loss.backward()
                 o.step()
@@ -117,10 +119,10 @@ STEPS, PERIOD, WORLD, EPOCHS = 7, 3, 2, 2
 
 def test_average_on_float32_is_k_avg_over_two_epochs(tmp_path):
     store = DirectoryStore(tmp_path)
-    shards = stage(store, "a", WORLD, EPOCHS)
-    run_engine(store, "a", shards, STEPS, PERIOD, SyncSpec(outer_optimizer="average", sync_dtype="float32"))
+    worlds = stage(store, "a", WORLD, EPOCHS)
+    run_engine(store, "a", worlds, PERIOD, SyncSpec(outer_optimizer="average", sync_dtype="float32"))
     weights, state, extra, meta = load(store, "runs/a/ckpt/e1")
-    ref_w, ref_s, _ = reference(store, "a", shards, STEPS, PERIOD)
+    ref_w, ref_s, _ = reference(store, "a", worlds, PERIOD)
     assert_states_close(weights, ref_w, 1e-6)
     assert_states_close(state, ref_s, 1e-6)
     assert extra == {} and "residual_keys" not in meta  # K-AVG has no outer state
@@ -128,10 +130,10 @@ def test_average_on_float32_is_k_avg_over_two_epochs(tmp_path):
 
 def test_nesterov_is_diloco_and_its_momentum_crosses_the_epoch_in_the_checkpoint(tmp_path):
     store = DirectoryStore(tmp_path)
-    shards = stage(store, "n", WORLD, EPOCHS)
-    run_engine(store, "n", shards, STEPS, PERIOD, SyncSpec(outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9))
+    worlds = stage(store, "n", WORLD, EPOCHS)
+    run_engine(store, "n", worlds, PERIOD, SyncSpec(outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9))
     weights, state, extra, meta = load(store, "runs/n/ckpt/e1")
-    ref_w, ref_s, ref_m = reference(store, "n", shards, STEPS, PERIOD, "nesterov", 0.7, 0.9)
+    ref_w, ref_s, ref_m = reference(store, "n", worlds, PERIOD, "nesterov", 0.7, 0.9)
     assert_states_close(weights, ref_w, 1e-9)
     assert_states_close(state, ref_s, 1e-9)
     assert meta["outer_optimizer"] == "nesterov"
@@ -143,10 +145,10 @@ def test_nesterov_is_diloco_and_its_momentum_crosses_the_epoch_in_the_checkpoint
 
 def test_nesterov_with_outer_lr_1_and_no_momentum_equals_average(tmp_path):
     store = DirectoryStore(tmp_path)
-    shards = stage(store, "x", WORLD, EPOCHS)
+    worlds = stage(store, "x", WORLD, EPOCHS)
     for run_id, sync in (("avg", SyncSpec()), ("nes", SyncSpec(outer_optimizer="nesterov", outer_lr=1.0, outer_momentum=0.0))):
         stage(store, run_id, WORLD, EPOCHS)
-        run_engine(store, run_id, shards, STEPS, PERIOD, sync)
+        run_engine(store, run_id, worlds, PERIOD, sync)
     assert_states_close(load(store, "runs/nes/ckpt/e1")[0], load(store, "runs/avg/ckpt/e1")[0], 1e-9)
     assert_states_close(load(store, "runs/nes/ckpt/e1")[1], load(store, "runs/avg/ckpt/e1")[1], 1e-9)
 
@@ -201,10 +203,10 @@ def wire_bytes_of_epoch(layout: dict[str, int], world: int, rank: int, rounds: i
 @pytest.mark.parametrize("sync_dtype", ["bfloat16", "int8"])
 def test_compressed_syncs_move_the_bytes_of_their_dtype_and_track_float32(tmp_path, sync_dtype):
     store = DirectoryStore(tmp_path)
-    shards = stage(store, "f", WORLD, 1)
-    full = run_engine(store, "f", shards, STEPS, PERIOD)[0]
+    worlds = stage(store, "f", WORLD, 1)
+    full = run_engine(store, "f", worlds, PERIOD)[0]
     stage(store, "c", WORLD, 1)
-    comp = run_engine(store, "c", shards, STEPS, PERIOD, SyncSpec(sync_dtype=sync_dtype))[0]
+    comp = run_engine(store, "c", worlds, PERIOD, SyncSpec(sync_dtype=sync_dtype))[0]
     model = build_model(MODEL, 0).double()
     layout = {n: p.numel() for n, p in model.named_parameters()}
     rounds = -(-STEPS // PERIOD)
@@ -230,9 +232,7 @@ def test_compressed_syncs_move_the_bytes_of_their_dtype_and_track_float32(tmp_pa
 
 def test_the_next_epoch_continues_the_residuals_and_a_rescale_owes_the_same(tmp_path, monkeypatch):
     store = DirectoryStore(tmp_path)
-    manifest = publish_dataset(store, "r", "digits", subset_size=64)
-    initial_checkpoint(store, "runs/r/ckpt/init", MODEL, OPT, lr=LR, seed=SEED)
-    shards = [assign_subsets(manifest.n_subsets, 2, 0, SEED), assign_subsets(manifest.n_subsets, 4, 1, SEED)]
+    worlds = stage(store, "r", 2, 1)
     started: dict = {}
     begin = Compressor.begin
 
@@ -241,13 +241,13 @@ def test_the_next_epoch_continues_the_residuals_and_a_rescale_owes_the_same(tmp_
         begin(self, flat, world)
 
     monkeypatch.setattr(Compressor, "begin", record)
-    run_engine(store, "r", shards[:1], STEPS, PERIOD, SyncSpec(sync_dtype="int8"))
+    run_engine(store, "r", worlds, PERIOD, SyncSpec(sync_dtype="int8"))
     before = [read_residual(store, k) for k in read_checkpoint_meta(store, "runs/r/ckpt/e0")["residual_keys"]]
     started.clear()
     init_world = 4
     # epoch 1 with 4 replicas, from epoch 0's checkpoint
     wspecs = [WorkerSpec(run_id="r", epoch=1, rank=r, world=init_world, store_url=store.url, model=MODEL,
-                         dataset="digits", subsets=tuple(shards[1][r]), steps=STEPS, batch_size=BATCH, lr=LR,
+                         dataset=DATA, steps=epoch_steps(N, init_world, BATCH), batch_size=BATCH, lr=LR,
                          optimizer=OPT, sync_period=PERIOD, seed=SEED, init_key="runs/r/ckpt/e0",
                          out_key="runs/r/ckpt/e1", evaluate=False, sync_timeout_s=60,
                          compute=ComputeSpec(dtype="float64"), sync=SyncSpec(sync_dtype="int8"))
@@ -336,7 +336,8 @@ def test_a_replaced_worker_leaves_weights_and_outer_state_as_without_the_fault(t
 
     def run(name, chaos_env):
         store = DirectoryStore(tmp_path / name)
-        worker_specs = specs(store.url, "k", stage(store, "k"), sync=sync)
+        stage(store, "k")
+        worker_specs = specs(store.url, "k", sync=sync)
         (tmp_path / f"logs-{name}").mkdir()
         coordinator = Coordinator(tmp_path / f"logs-{name}", chaos_env)
         try:
@@ -377,13 +378,15 @@ def test_hybrid_compressed_gradient_syncs_owe_nothing_when_the_epoch_ends(tmp_pa
 
     from comm.store import open_store
     from engine.pipeline_executor import pipeline_worker_specs, run_pipeline_worker
+    from tests.test_pipeline_equivalence import BATCH as PIPE_BATCH
     from tests.test_pipeline_equivalence import RUN, base_spec, run_threads, weights
+
+    data = "synthetic:64:10:768:64"  # 12 steps of 2 replicas x 32 rows
 
     url = (tmp_path / "store").as_uri()
     store = open_store(url)
-    manifest = publish_dataset(store, RUN, "digits", subset_size=64)
+    publish_dataset(store, RUN, data, subset_size=64)
     initial_checkpoint(store, f"runs/{RUN}/init", "digits_mlp", "sgd", 0.2, seed=3)
-    shards = assign_subsets(manifest.n_subsets, 2, epoch=0, seed=3)
     made: list[Compressor] = []
     init = Compressor.__init__
 
@@ -395,8 +398,9 @@ def test_hybrid_compressed_gradient_syncs_owe_nothing_when_the_epoch_ends(tmp_pa
     runs = {}
     for sync_dtype in ("float32", "int8", "int8"):
         out = f"runs/{RUN}/h-{sync_dtype}-{len(runs)}"
-        base = dataclasses.replace(base_spec(url, 2, (), out), sync=SyncSpec(collective="pipelined", sync_dtype=sync_dtype))
-        results = run_threads(pipeline_worker_specs(base, cuts=[1], microbatches=2, replica_subsets=shards),
+        base = dataclasses.replace(base_spec(url, 2, out), dataset=data, steps=epoch_steps(768, 2, PIPE_BATCH),
+                                   sync=SyncSpec(collective="pipelined", sync_dtype=sync_dtype))
+        results = run_threads(pipeline_worker_specs(base, cuts=[1], microbatches=2, replicas=2),
                               run_pipeline_worker)
         runs[out] = (sync_dtype, sum(r.bytes_synced for r in results), weights(url, out))
     (_, b32, w32), (_, b8, w8), (_, _, w8_again) = runs.values()
@@ -440,7 +444,7 @@ def test_a_job_s_outer_settings_reach_every_replica_s_spec():
     job = TrainJob(outer_optimizer="nesterov", outer_lr=0.5, outer_momentum=0.8, sync_dtype="bfloat16", workers=2)
     ctx = SimpleNamespace(job=job, run_id="s", store_ref="file:///tmp/x", durable_ref="file:///tmp/x",
                           resolved=SimpleNamespace(target=SimpleNamespace(remote=False), model_kwargs={}),
-                          state=SimpleNamespace(dataset={"n_subsets": 8}, attempts={}))
+                          state=SimpleNamespace(dataset={"n_subsets": 8, "n_train": 96}, attempts={}))
     plan = Plan(strategy="local_sgd", data_parallel=2, steps_per_epoch=3, batch_size=16)
     specs = worker_specs(ctx, plan, 0, "init", 0.05, 0)
     assert [(s.sync.outer_optimizer, s.sync.outer_lr, s.sync.outer_momentum, s.sync.sync_dtype) for s in specs] \
@@ -451,7 +455,7 @@ def test_a_job_s_outer_settings_reach_every_replica_s_spec():
 def test_a_worker_refuses_int8_syncs_of_adam_before_training(tmp_path):
     store = DirectoryStore(tmp_path)
     spec = WorkerSpec(run_id="a", epoch=0, rank=0, world=2, store_url=store.url, model=MODEL, dataset="digits",
-                      subsets=(0,), steps=3, batch_size=BATCH, lr=LR, optimizer="adam", sync_period=1, seed=0,
+                      steps=3, batch_size=BATCH, lr=LR, optimizer="adam", sync_period=1, seed=0,
                       init_key="runs/a/ckpt/init", out_key="runs/a/ckpt/e0", sync=SyncSpec(sync_dtype="int8"))
     with pytest.raises(ZooidValueError, match="sync.sync_dtype"):
         run_local_sgd_epoch(spec, store)

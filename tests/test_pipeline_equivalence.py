@@ -1,7 +1,7 @@
 """Pipeline and hybrid training equal single-process and Local-SGD training, in float64.
 
-Plain SGD, one seeded `digits_mlp`, Local-SGD's data order, equal-size batches, losses as
-means over the iteration's batch: a 2-stage x 4-micro-batch pipeline is single-process
+Plain SGD, one seeded `digits_mlp`, Local-SGD's data order (the epoch's, `engine.replica_data`;
+390 rows, so the last step's batches are short), losses as means over the iteration's batch: a 2-stage x 4-micro-batch pipeline is single-process
 training, and hybrid 2 x 2 is Local-SGD with 2 replicas averaging every step. Stage workers
 run as threads, each with its own client of one directory store.
 """
@@ -19,12 +19,13 @@ from core.errors import StoreTimeout, ZooidValueError
 from core.keys import activation_prefix
 from core.specs import ComputeSpec, StageSpec, SyncSpec, WorkerSpec
 from engine.checkpoint import initial_checkpoint
-from engine.datasets import assign_subsets, publish_dataset
+from engine.datasets import publish_dataset
+from engine.epoch_order import epoch_steps
 from engine.local_sgd_epoch import run_local_sgd_epoch
 from engine.pipeline_executor import iteration_schedule, pipeline_worker_specs, run_pipeline_worker
 
 RUN = "eq"
-STEPS, BATCH, LR = 12, 32, 0.2
+DATA, N, BATCH, LR = "synthetic:64:10:390:64", 390, 32, 0.2
 
 
 @pytest.fixture(scope="module")
@@ -32,15 +33,16 @@ def staged(tmp_path_factory):
     """A directory store with digits published and a seeded initial checkpoint."""
     url = (tmp_path_factory.mktemp("pipe") / "store").as_uri()
     store = open_store(url)
-    manifest = publish_dataset(store, RUN, "digits", subset_size=64)
+    manifest = publish_dataset(store, RUN, DATA, subset_size=64)
     initial_checkpoint(store, f"runs/{RUN}/init", "digits_mlp", "sgd", LR, seed=3)
     return url, manifest
 
 
-def base_spec(url: str, world: int, subsets, out: str) -> WorkerSpec:
+def base_spec(url: str, world: int, out: str) -> WorkerSpec:
+    """`world` replicas' spec (a pipeline's: its D), a fresh epoch's steps."""
     return WorkerSpec(run_id=RUN, epoch=0, rank=0, world=world, store_url=url,
-                      model="digits_mlp", dataset="digits", subsets=tuple(subsets),
-                      steps=STEPS, batch_size=BATCH, lr=LR, optimizer="sgd", sync_period=1,
+                      model="digits_mlp", dataset=DATA,
+                      steps=epoch_steps(N, world, BATCH), batch_size=BATCH, lr=LR, optimizer="sgd", sync_period=1,
                       seed=3, init_key=f"runs/{RUN}/init", out_key=out, sync_timeout_s=30.0,
                       compute=ComputeSpec(dtype="float64"))
 
@@ -82,12 +84,11 @@ def assert_same_weights(a: dict, b: dict) -> None:
 
 def test_two_stage_four_microbatch_pipeline_equals_single_process(staged):
     url, manifest = staged
-    everything = range(manifest.n_subsets)
-    single = base_spec(url, 1, everything, f"runs/{RUN}/single")
+    single = base_spec(url, 1, f"runs/{RUN}/single")
     [ref] = run_threads([single], run_local_sgd_epoch)
 
-    specs = pipeline_worker_specs(base_spec(url, 1, everything, f"runs/{RUN}/pipe"),
-                                  cuts=[2], microbatches=4, replica_subsets=[tuple(everything)])
+    specs = pipeline_worker_specs(base_spec(url, 1, f"runs/{RUN}/pipe"),
+                                  cuts=[2], microbatches=4, replicas=1)
     results = run_threads(specs, run_pipeline_worker)
 
     assert_same_weights(weights(url, f"runs/{RUN}/pipe"), weights(url, f"runs/{RUN}/single"))
@@ -109,16 +110,15 @@ def test_hybrid_two_by_two_equals_local_sgd_averaging_every_step(staged):
     hybrid's stages average gradients in buckets (1000 bytes: several per stage) started during
     their last backward, through either store collective and over the ring."""
     url, manifest = staged
-    shards = assign_subsets(manifest.n_subsets, 2, epoch=0, seed=3)
-    local = [dataclasses.replace(base_spec(url, 2, shards[r], f"runs/{RUN}/lsgd"), rank=r,
+    local = [dataclasses.replace(base_spec(url, 2, f"runs/{RUN}/lsgd"), rank=r,
                                  sync=SyncSpec(every_step="parameters"))
              for r in range(2)]
     refs = run_threads(local, run_local_sgd_epoch)
 
     for sync in ("pipelined", "plain", "ring"):
         out = f"runs/{RUN}/hybrid-{sync}"
-        base = dataclasses.replace(base_spec(url, 2, (), out), sync=SyncSpec(collective=sync, bucket_mb=1000 / 2**20))
-        specs = pipeline_worker_specs(base, cuts=[1], microbatches=2, replica_subsets=shards)
+        base = dataclasses.replace(base_spec(url, 2, out), sync=SyncSpec(collective=sync, bucket_mb=1000 / 2**20))
+        specs = pipeline_worker_specs(base, cuts=[1], microbatches=2, replicas=2)
         assert [(s.stage.replica, s.stage.index, s.rank, s.world) for s in specs] == [
             (0, 0, 0, 4), (0, 1, 1, 4), (1, 0, 2, 4), (1, 1, 3, 4)]
         results = run_threads(specs, run_pipeline_worker)
@@ -134,9 +134,9 @@ def test_hybrid_two_by_two_equals_local_sgd_averaging_every_step(staged):
 def test_a_missing_neighbour_times_out_naming_the_key(staged):
     url, manifest = staged
     [spec] = [s for s in pipeline_worker_specs(
-        dataclasses.replace(base_spec(url, 1, range(manifest.n_subsets), f"runs/{RUN}/lonely"),
+        dataclasses.replace(base_spec(url, 1, f"runs/{RUN}/lonely"),
                             run_id=RUN, sync_timeout_s=0.5),
-        cuts=[2], microbatches=2, replica_subsets=[tuple(range(manifest.n_subsets))])
+        cuts=[2], microbatches=2, replicas=1)
         if s.stage.index == 1]
     with pytest.raises(StoreTimeout, match=r"act/e0/r0/it0/f0m0"):
         run_threads([spec], run_pipeline_worker)
@@ -160,9 +160,9 @@ def test_bad_settings_name_the_field(stage, field):
 
 def test_an_unknown_collective_is_refused_before_any_worker_starts(staged):
     url, manifest = staged
-    base = dataclasses.replace(base_spec(url, 2, (), "o"), sync=SyncSpec(collective="telepathy"))
+    base = dataclasses.replace(base_spec(url, 2, "o"), sync=SyncSpec(collective="telepathy"))
     with pytest.raises(ZooidValueError, match="^sync.collective: must be one of"):
-        pipeline_worker_specs(base, cuts=[1], microbatches=2, replica_subsets=[(0,), (1,)])
+        pipeline_worker_specs(base, cuts=[1], microbatches=2, replicas=2)
 
 
 def test_activations_and_sync_rounds_are_scratch_puts_and_the_checkpoint_is_durable(staged, monkeypatch):
@@ -180,8 +180,8 @@ def test_activations_and_sync_rounds_are_scratch_puts_and_the_checkpoint_is_dura
 
     monkeypatch.setattr(DirectoryStore, "_write", recording_write)
     out = f"runs/{RUN}/hybrid-durability"
-    specs = pipeline_worker_specs(base_spec(url, 2, (), out), cuts=[1], microbatches=2,
-                                  replica_subsets=assign_subsets(manifest.n_subsets, 2, epoch=0, seed=3))
+    specs = pipeline_worker_specs(base_spec(url, 2, out), cuts=[1], microbatches=2,
+                                  replicas=2)
     run_threads(specs, run_pipeline_worker)
     peers = (activation_prefix(RUN, 0) + "/", f"runs/{RUN}/sync/")  # activations, gradient rounds
     assert any("/it0/f0m0" in k for k, _ in written) and any(k.startswith(peers[1]) for k, _ in written)
@@ -193,12 +193,11 @@ def test_activations_and_sync_rounds_are_scratch_puts_and_the_checkpoint_is_dura
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_three_stage_pipeline_equals_single_process_under_each_schedule(staged, schedule):
     url, manifest = staged
-    everything = range(manifest.n_subsets)
-    single = base_spec(url, 1, everything, f"runs/{RUN}/single3")
+    single = base_spec(url, 1, f"runs/{RUN}/single3")
     run_threads([single], run_local_sgd_epoch)
     out = f"runs/{RUN}/pipe3-{schedule}"
-    specs = pipeline_worker_specs(base_spec(url, 1, everything, out), cuts=[1, 2], microbatches=4,
-                                  replica_subsets=[tuple(everything)], schedule=schedule)
+    specs = pipeline_worker_specs(base_spec(url, 1, out), cuts=[1, 2], microbatches=4,
+                                  replicas=1, schedule=schedule)
     assert all(s.stage.schedule == schedule for s in specs)
     run_threads(specs, run_pipeline_worker)
     assert_same_weights(weights(url, out), weights(url, f"runs/{RUN}/single3"))
@@ -206,11 +205,10 @@ def test_three_stage_pipeline_equals_single_process_under_each_schedule(staged, 
 
 def test_hybrid_under_1f1b_equals_local_sgd_averaging_every_step(staged):
     url, manifest = staged
-    shards = assign_subsets(manifest.n_subsets, 2, epoch=0, seed=3)
-    local = [dataclasses.replace(base_spec(url, 2, shards[r], f"runs/{RUN}/lsgd1f1b"), rank=r) for r in range(2)]
+    local = [dataclasses.replace(base_spec(url, 2, f"runs/{RUN}/lsgd1f1b"), rank=r) for r in range(2)]
     run_threads(local, run_local_sgd_epoch)
     out = f"runs/{RUN}/hybrid-1f1b"
-    specs = pipeline_worker_specs(base_spec(url, 2, (), out), cuts=[1, 2], microbatches=4,
-                                  replica_subsets=shards, schedule="1f1b")
+    specs = pipeline_worker_specs(base_spec(url, 2, out), cuts=[1, 2], microbatches=4,
+                                  replicas=2, schedule="1f1b")
     run_threads(specs, run_pipeline_worker)
     assert_same_weights(weights(url, out), weights(url, f"runs/{RUN}/lsgd1f1b"))

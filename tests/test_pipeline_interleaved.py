@@ -20,12 +20,15 @@ from core.errors import ZooidValueError
 from core.keys import activation_prefix
 from core.specs import ComputeSpec, StageSpec, SyncSpec, WorkerSpec
 from engine.checkpoint import initial_checkpoint
-from engine.datasets import assign_subsets, publish_dataset
+from engine.datasets import publish_dataset
+from engine.epoch_order import epoch_steps
 from engine.pipeline_executor import iteration_schedule, pipeline_worker_specs, run_pipeline_worker
 from tests.test_pipeline_equivalence import run_threads, weights
 
 RUN = "il"
 STEPS, BATCH, LR = 6, 32, 0.1
+DATA, N = "synthetic:64:10:192:32", 192
+"""STEPS steps of BATCH rows for one replica, 3 for two."""
 CUTS = [2, 4, 8]
 """digits_cnn's 10 children as 4 model stages, each with parameters: [unflatten, conv],
 [relu, conv], [relu, pool, flatten, linear], [relu, linear]."""
@@ -36,24 +39,25 @@ def staged(tmp_path_factory):
     """A directory store with digits published and seeded initial checkpoints (SGD, momentum)."""
     url = (tmp_path_factory.mktemp("interleaved") / "store").as_uri()
     store = open_store(url)
-    manifest = publish_dataset(store, RUN, "digits", subset_size=64)
+    manifest = publish_dataset(store, RUN, DATA, subset_size=32)
     for optimizer in ("sgd", "momentum"):
         initial_checkpoint(store, f"runs/{RUN}/init-{optimizer}", "digits_cnn", optimizer, LR, seed=5)
     return url, manifest
 
 
-def base_spec(url: str, out: str, *, epoch: int = 0, optimizer: str = "sgd", init: str = "") -> WorkerSpec:
+def base_spec(url: str, out: str, *, epoch: int = 0, optimizer: str = "sgd", init: str = "",
+              replicas: int = 1) -> WorkerSpec:
     return WorkerSpec(run_id=RUN, epoch=epoch, rank=0, world=1, store_url=url, model="digits_cnn",
-                      dataset="digits", subsets=(), steps=STEPS, batch_size=BATCH, lr=LR, optimizer=optimizer,
+                      dataset=DATA, steps=epoch_steps(N, replicas, BATCH), batch_size=BATCH, lr=LR, optimizer=optimizer,
                       sync_period=1, seed=5, init_key=init or f"runs/{RUN}/init-{optimizer}", out_key=out,
                       sync_timeout_s=30.0, compute=ComputeSpec(dtype="float64"))
 
 
-def train(url: str, out: str, schedule: str, shards, *, microbatches: int = 4, cuts=CUTS, **kwargs):
-    """One epoch of a pipeline (one shard) or hybrid (several) under `schedule`; interleaved
+def train(url: str, out: str, schedule: str, replicas: int = 1, *, microbatches: int = 4, cuts=CUTS, **kwargs):
+    """One epoch of a pipeline (one replica) or hybrid (several) under `schedule`; interleaved
     with v = 2, the others with one model stage per worker."""
-    specs = pipeline_worker_specs(base_spec(url, out, **kwargs), cuts=cuts, microbatches=microbatches,
-                                  replica_subsets=shards, schedule=schedule,
+    specs = pipeline_worker_specs(base_spec(url, out, replicas=replicas, **kwargs), cuts=cuts,
+                                  microbatches=microbatches, replicas=replicas, schedule=schedule,
                                   chunks=2 if schedule == "interleaved" else 1)
     return specs, run_threads(specs, run_pipeline_worker)
 
@@ -64,14 +68,10 @@ def assert_close_weights(a: dict, b: dict) -> None:
         torch.testing.assert_close(a[k], b[k], rtol=0.0, atol=1e-5)
 
 
-def every_subset(manifest) -> list[tuple[int, ...]]:
-    return [tuple(range(manifest.n_subsets))]
-
-
 def test_two_workers_with_two_chunks_train_gpipes_weights(staged):
     url, manifest = staged
-    _, ref = train(url, f"runs/{RUN}/gpipe", "gpipe", every_subset(manifest))
-    specs, results = train(url, f"runs/{RUN}/interleaved", "interleaved", every_subset(manifest))
+    _, ref = train(url, f"runs/{RUN}/gpipe", "gpipe")
+    specs, results = train(url, f"runs/{RUN}/interleaved", "interleaved")
 
     assert [(s.stage.index, s.rank, s.world, s.stage.chunks) for s in specs] == [(0, 0, 2, 2), (1, 1, 2, 2)]
     assert_close_weights(weights(url, f"runs/{RUN}/interleaved"), weights(url, f"runs/{RUN}/gpipe"))
@@ -90,8 +90,8 @@ def test_two_workers_with_two_chunks_train_gpipes_weights(staged):
 def test_one_worker_with_two_chunks_hands_over_in_memory(staged):
     """p = 1: both model stages on one worker, no transfers between them."""
     url, manifest = staged
-    train(url, f"runs/{RUN}/gpipe-2", "gpipe", every_subset(manifest), cuts=[4])
-    specs, [result] = train(url, f"runs/{RUN}/interleaved-1", "interleaved", every_subset(manifest), cuts=[4])
+    train(url, f"runs/{RUN}/gpipe-2", "gpipe", cuts=[4])
+    specs, [result] = train(url, f"runs/{RUN}/interleaved-1", "interleaved", cuts=[4])
     assert len(specs) == 1 and result.checkpoint_key == f"runs/{RUN}/interleaved-1"
     assert result.upload_s == 0.0  # nothing crossed the store
     assert_close_weights(weights(url, f"runs/{RUN}/interleaved-1"), weights(url, f"runs/{RUN}/gpipe-2"))
@@ -99,12 +99,11 @@ def test_one_worker_with_two_chunks_hands_over_in_memory(staged):
 
 def test_hybrid_two_replicas_of_two_workers_with_two_chunks_train_gpipes_weights(staged):
     url, manifest = staged
-    shards = [tuple(s) for s in assign_subsets(manifest.n_subsets, 2, epoch=0, seed=5)]
-    _, ref = train(url, f"runs/{RUN}/hybrid-gpipe", "gpipe", shards)
+    _, ref = train(url, f"runs/{RUN}/hybrid-gpipe", "gpipe", 2)
     for sync in ("pipelined", "plain"):
         out = f"runs/{RUN}/hybrid-interleaved-{sync}"
-        base = replace(base_spec(url, out), sync=SyncSpec(collective=sync))
-        specs = pipeline_worker_specs(base, cuts=CUTS, microbatches=4, replica_subsets=shards,
+        base = replace(base_spec(url, out, replicas=2), sync=SyncSpec(collective=sync))
+        specs = pipeline_worker_specs(base, cuts=CUTS, microbatches=4, replicas=2,
                                       schedule="interleaved", chunks=2)
         assert [(s.stage.replica, s.stage.index, s.rank, s.world) for s in specs] == [
             (0, 0, 0, 4), (0, 1, 1, 4), (1, 0, 2, 4), (1, 1, 3, 4)]
@@ -124,12 +123,11 @@ def test_resume_from_a_mid_run_checkpoint_under_interleaved(staged, first):
     """Epoch 0 writes the canonical checkpoint (momentum state included); epoch 1 under
     interleaved resumes from it, whichever schedule wrote it, and lands on GPipe's two epochs."""
     url, manifest = staged
-    everything = every_subset(manifest)
     for e in range(2):
         init = f"runs/{RUN}/ref-e{e - 1}" if e else ""
-        train(url, f"runs/{RUN}/ref-e{e}", "gpipe", everything, epoch=e, optimizer="momentum", init=init)
-    train(url, f"runs/{RUN}/{first}-e0", first, everything, optimizer="momentum")
-    _, results = train(url, f"runs/{RUN}/{first}-e1", "interleaved", everything, epoch=1,
+        train(url, f"runs/{RUN}/ref-e{e}", "gpipe", epoch=e, optimizer="momentum", init=init)
+    train(url, f"runs/{RUN}/{first}-e0", first, optimizer="momentum")
+    _, results = train(url, f"runs/{RUN}/{first}-e1", "interleaved", epoch=1,
                        optimizer="momentum", init=f"runs/{RUN}/{first}-e0")
 
     ref_blob, mid_blob = (open_store(url).get(f"runs/{RUN}/{k}-e0") for k in ("ref", first))
@@ -166,10 +164,10 @@ def test_bad_interleaved_settings_name_the_field(stage, field):
 
 def test_worker_specs_refuse_a_schedule_before_any_worker_starts():
     base = WorkerSpec(run_id=RUN, epoch=0, rank=0, world=1, store_url="file:///nowhere", model="digits_cnn",
-                      dataset="digits", subsets=(), steps=1, batch_size=8, lr=LR, optimizer="sgd", seed=5,
+                      dataset="digits", steps=1, batch_size=8, lr=LR, optimizer="sgd", seed=5,
                       init_key="i", out_key="o")
     with pytest.raises(ZooidValueError, match="^microbatches: must be a multiple of the 2"):
-        pipeline_worker_specs(base, cuts=CUTS, microbatches=3, replica_subsets=[(0,)],
+        pipeline_worker_specs(base, cuts=CUTS, microbatches=3, replicas=1,
                               schedule="interleaved", chunks=2)
 
 

@@ -106,8 +106,12 @@ def test_ring_mean_equals_stacked_mean_for_worlds_1_to_4(tmp_path):
     assert ring_bytes(1000, 4) == 1500 and ring_bytes(1000, 1) == 0
 
 
+RING_DATA = "synthetic:64:10:80:16"
+"""An epoch of 5 steps for 2 replicas of 8 rows."""
+
+
 def local_sgd_fields(run_id: str, sync: SyncSpec) -> dict:
-    return dict(run_id=run_id, epoch=0, world=2, model="digits_mlp", dataset="digits", steps=5,
+    return dict(run_id=run_id, epoch=0, world=2, model="digits_mlp", dataset=RING_DATA, steps=5,
                 batch_size=8, lr=0.2, optimizer="sgd", sync_period=1, seed=1,
                 init_key=f"runs/{run_id}/ckpt/init", out_key=f"runs/{run_id}/ckpt/e0",
                 evaluate=False, sync_timeout_s=60.0, compute=ComputeSpec(dtype="float64"), sync=sync)
@@ -115,20 +119,19 @@ def local_sgd_fields(run_id: str, sync: SyncSpec) -> dict:
 
 def test_local_sgd_with_ring_equals_local_sgd_with_store_collective(tmp_path):
     store = DirectoryStore(tmp_path / "store")
-    subsets = [(0, 1), (2, 3)]
     for run_id in ("plain", "ring"):
-        publish_dataset(store, run_id, "digits", subset_size=64)
+        publish_dataset(store, run_id, RING_DATA, subset_size=16)
         initial_checkpoint(store, f"runs/{run_id}/ckpt/init", "digits_mlp", "sgd", lr=0.2, seed=1)
 
     # The store collective: replicas as threads in this process.
-    plain = [WorkerSpec(rank=r, store_url=store.url, subsets=subsets[r], **local_sgd_fields("plain", SyncSpec()))
+    plain = [WorkerSpec(rank=r, store_url=store.url, **local_sgd_fields("plain", SyncSpec()))
              for r in range(2)]
     threads = [threading.Thread(target=run_local_sgd_epoch, args=(s, store)) for s in plain]
     [t.start() for t in threads]
     [t.join(timeout=60) for t in threads]
 
     # The ring: replicas as worker processes, as the inline target starts them.
-    ring_specs = [WorkerSpec(rank=r, store_url=store.url, subsets=subsets[r],
+    ring_specs = [WorkerSpec(rank=r, store_url=store.url,
                              **local_sgd_fields("ring", SyncSpec(collective="ring"))) for r in range(2)]
     logs = [tmp_path / f"worker{r}.log" for r in range(2)]
     procs = []
@@ -254,7 +257,7 @@ def test_store_signature_and_bad_settings(tmp_path):
         open_ring(store, "runs/t/sync/e0", 2, 2, timeout=1)
     with pytest.raises(ZooidValueError, match="timeout: must be seconds > 0"):
         open_ring(store, "runs/t/sync/e0", 0, 2, timeout=0)
-    spec = WorkerSpec(rank=0, store_url=store.url, subsets=(0,),
+    spec = WorkerSpec(rank=0, store_url=store.url,
                       **local_sgd_fields("bad", SyncSpec(collective="mpi")))
     with pytest.raises(ZooidValueError, match="sync.collective"):
         run_local_sgd_epoch(spec, store)

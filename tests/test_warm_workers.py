@@ -54,7 +54,7 @@ def test_lease_ages_from_its_last_change_on_the_readers_clock():
                                         ({"worker": "r0-w0", "check_s": True}, "warm.check_s")])
 def test_warm_settings_refuse_bad_values(raw, field):
     spec = WorkerSpec(run_id="r", epoch=0, rank=0, world=1, store_url="file:///x", model="digits_mlp",
-                      dataset="digits", subsets=(), steps=0, batch_size=16, lr=0.05)
+                      dataset="digits", steps=0, batch_size=16, lr=0.05)
     with pytest.raises(ZooidValueError, match=f"^{field}:"):
         WorkerSpec.from_dict({**spec.to_dict(), "warm": raw})
 
@@ -66,7 +66,7 @@ def _publish_run(store, run_id: str) -> dict:
     from engine.checkpoint import initial_checkpoint
     from engine.datasets import publish_dataset
 
-    manifest = publish_dataset(store, run_id, "digits", 64)
+    manifest = publish_dataset(store, run_id, "synthetic:64:10:80:20", 16)  # an epoch: 5 steps of 16
     initial_checkpoint(store, f"runs/{run_id}/ckpt/init.safetensors", "digits_mlp", "sgd", 0.05, seed=0,
                        meta={"run_id": run_id})
     return manifest.to_dict()
@@ -74,7 +74,7 @@ def _publish_run(store, run_id: str) -> dict:
 
 def _launch(store_url: str, run_id: str, worker: str, log: Path, lease_s: float = 30.0):
     spec = WorkerSpec(run_id=run_id, epoch=0, rank=0, world=1, store_url=store_url, model="digits_mlp",
-                      dataset="digits", subsets=(), steps=0, batch_size=16, lr=0.05,
+                      dataset="digits", steps=0, batch_size=16, lr=0.05,
                       warm=WarmSpec(worker=worker, lease_s=lease_s, check_s=0.2))
     with open(log, "wb") as out:
         return subprocess.Popen([sys.executable, "-m", "runtime.worker_main", "--spec-json",
@@ -95,10 +95,9 @@ def _await_reply(store, run_id, worker, seq, proc) -> dict:
 @pytest.mark.timeout(300)
 def test_a_warm_worker_trains_epoch_after_epoch_in_one_process_then_stops(dir_store, tmp_path):
     from coordinator.workers.warm_pool import LeaseRenewer
-    from engine.datasets import assign_subsets
 
     run_id = "warmengine"
-    manifest = _publish_run(dir_store, run_id)
+    _publish_run(dir_store, run_id)
     renewer = LeaseRenewer(lambda: type(dir_store)(dir_store.root), run_id, 0.2)
     renewer.start()
     proc = _launch(dir_store.url, run_id, "r0-w0", tmp_path / "w.log")
@@ -107,7 +106,7 @@ def test_a_warm_worker_trains_epoch_after_epoch_in_one_process_then_stops(dir_st
         for epoch in range(3):
             spec = WorkerSpec(run_id=run_id, epoch=epoch, rank=0, world=1, store_url=dir_store.url,
                               model="digits_mlp", dataset="digits",
-                              subsets=assign_subsets(manifest["n_subsets"], 1, epoch)[0], steps=5,
+                              steps=5,
                               batch_size=16, lr=0.05, optimizer="sgd", init_key=init,
                               out_key=f"runs/{run_id}/ckpt/epoch-{epoch}.safetensors",
                               compute=ComputeSpec(threads=1))

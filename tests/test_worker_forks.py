@@ -47,16 +47,15 @@ def test_a_forked_worker_exits_and_writes_as_a_started_process_does(tmp_path):
 
 def test_a_forked_warm_worker_trains_tagged_in_its_own_session_and_the_server_leaves_with_it(dir_store, tmp_path):
     from coordinator.workers.warm_pool import LeaseRenewer
-    from engine.datasets import assign_subsets
 
     run_id = "zforks-b"
-    manifest = _publish_run(dir_store, run_id)
+    _publish_run(dir_store, run_id)
     renewer = LeaseRenewer(lambda: type(dir_store)(dir_store.root), run_id, 0.2)
     renewer.start()
     forks = _forks(run_id, tmp_path)
     beat = tmp_path / "w.heartbeat"
     warm = WorkerSpec(run_id=run_id, epoch=0, rank=0, world=1, store_url=dir_store.url, model="digits_mlp",
-                      dataset="digits", subsets=(), steps=0, batch_size=16, lr=0.05,
+                      dataset="digits", steps=0, batch_size=16, lr=0.05,
                       warm=WarmSpec(worker="r0-w0", lease_s=30.0, check_s=0.2))
     proc = forks.start(["--spec-json", json.dumps(warm.to_dict())],
                        {**os.environ, "ZOOID_HEARTBEAT": str(beat), "OMP_NUM_THREADS": "1"}, tmp_path / "w.log")
@@ -69,7 +68,7 @@ def test_a_forked_warm_worker_trains_tagged_in_its_own_session_and_the_server_le
         assert tagged_pids(run_id) == sorted([server, proc.pid]) and worker_pids(run_id) == [proc.pid]
 
         spec = WorkerSpec(run_id=run_id, epoch=0, rank=0, world=1, store_url=dir_store.url, model="digits_mlp",
-                          dataset="digits", subsets=assign_subsets(manifest["n_subsets"], 1, 0)[0], steps=5,
+                          dataset="digits", steps=5,
                           batch_size=16, lr=0.05, optimizer="sgd", init_key=f"runs/{run_id}/ckpt/init.safetensors",
                           out_key=f"runs/{run_id}/ckpt/epoch-0.safetensors", compute=ComputeSpec(threads=1))
         dir_store.put(command_key(run_id, "r0-w0", 0), json.dumps({"op": "epoch", "spec": spec.to_dict()}).encode())
@@ -89,7 +88,7 @@ def test_a_forked_warm_worker_trains_tagged_in_its_own_session_and_the_server_le
 def test_a_killed_forked_worker_reads_minus_the_signal_and_a_next_start_starts_a_fresh_server(tmp_path):
     forks = _forks("zforks-c", tmp_path)
     spec = WorkerSpec(run_id="zforks-c", epoch=0, rank=0, world=1, store_url=f"file://{tmp_path}/store",
-                      model="digits_mlp", dataset="digits", subsets=(), steps=0, batch_size=16, lr=0.05,
+                      model="digits_mlp", dataset="digits", steps=0, batch_size=16, lr=0.05,
                       warm=WarmSpec(worker="r0-w0", lease_s=30.0, check_s=0.2))
     argv = ["--spec-json", json.dumps(spec.to_dict())]
     first = forks.start(argv, dict(os.environ), tmp_path / "a.log")

@@ -11,8 +11,8 @@ from comm.store_dir import DirectoryStore
 from core.keys import checkpoint_key, init_checkpoint_key
 from core.specs import ComputeSpec, SyncSpec, WorkerSpec
 from engine.checkpoint import initial_checkpoint
-from engine.datasets import assign_subsets, publish_dataset
-from engine.local_sgd import steps_per_epoch
+from engine.datasets import publish_dataset
+from engine.epoch_order import epoch_steps
 from engine.local_sgd_epoch import run_local_sgd_epoch
 
 SUBSET_ROWS = 64
@@ -45,20 +45,20 @@ def train_replicas(store: DirectoryStore, model: str, dataset: str, batch: int, 
     """`workers` replicas of `model` as threads, through `store`, for `epochs` epochs (or until rank
     0's validation accuracy reaches `stop_at`), synced every `period` steps (None: once per
     epoch) as `sync` says (default: K-AVG in float32). The dataset is published once in subsets
-    of `SUBSET_ROWS`, dealt to the replicas each epoch (`assign_subsets`); each epoch starts from
-    the previous one's checkpoint and rank 0 evaluates the result."""
+    of `SUBSET_ROWS`; each epoch every sample is trained once, the epoch's order shared out among
+    the replicas (`engine.replica_data`); each epoch starts from the previous one's checkpoint and
+    rank 0 evaluates the result."""
     run_id = "bench"
     manifest = publish_dataset(store, run_id, dataset, subset_size=SUBSET_ROWS)
     init = init_checkpoint_key(run_id)
     initial_checkpoint(store, init, model, optimizer, lr, seed=seed)
-    steps = steps_per_epoch(manifest.n_train, workers, batch)
+    steps = epoch_steps(manifest.n_train, workers, batch)
     trace = Trace(name, seed)
     with ThreadPoolExecutor(workers) as pool:
         for epoch in range(epochs):
-            shards = assign_subsets(manifest.n_subsets, workers, epoch, seed)
             out = checkpoint_key(run_id, epoch)
             specs = [WorkerSpec(run_id=run_id, epoch=epoch, rank=r, world=workers, store_url=store.url,
-                                model=model, dataset=dataset, subsets=shards[r], steps=steps,
+                                model=model, dataset=dataset, steps=steps,
                                 batch_size=batch, lr=lr, optimizer=optimizer, sync_period=period,
                                 seed=seed, init_key=init, out_key=out, evaluate=True,
                                 compute=ComputeSpec(device="cpu"), sync=sync or SyncSpec())

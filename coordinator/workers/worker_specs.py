@@ -14,7 +14,7 @@ from core.keys import checkpoint_key
 from core.kinds import PIPELINED_STRATEGIES
 from core.plan import Plan
 from core.specs import ComputeSpec, DataSpec, SyncSpec, WorkerSpec
-from engine.datasets import assign_subsets
+from engine.epoch_order import epoch_steps
 from engine.pipeline_executor import pipeline_worker_specs
 
 
@@ -32,9 +32,12 @@ def next_attempt(ctx: RunContext, epoch: int, rank: int) -> int:
 
 
 def worker_specs(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, attempt: int) -> list[WorkerSpec]:
-    """One spec per replica: its data subsets, step count and the keys to read and write."""
+    """One spec per replica (or per stage of each): its step count and the keys to read and
+    write. Each replica's samples follow from the epoch's order (`engine.replica_data`); its
+    steps are a fresh epoch's for the plan's replicas and batch (`epoch_steps`, which a worker
+    checks)."""
     job = ctx.job
-    shards = assign_subsets(ctx.state.dataset["n_subsets"], plan.data_parallel, epoch, job.seed)
+    steps = epoch_steps(ctx.state.dataset["n_train"], plan.data_parallel, plan.batch_size)
     # survivors wait at a sync long enough for a failed peer to be detected and relaunched
     timeout = job.worker_timeout_s + (300.0 if ctx.resolved.target.remote else 120.0)
     compute = ComputeSpec(model_kwargs=dict(ctx.resolved.model_kwargs))  # the dataset's vocabulary, mask token
@@ -43,7 +46,7 @@ def worker_specs(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, 
         # a stage reads data and checkpoints from its one store: the durable one
         base = WorkerSpec(run_id=ctx.run_id, epoch=epoch, rank=0, world=plan.workers,
                           store_url=ctx.durable_ref, model=job.model, dataset=job.dataset,
-                          subsets=(), steps=plan.steps_per_epoch, batch_size=plan.batch_size, lr=lr,
+                          steps=steps, batch_size=plan.batch_size, lr=lr,
                           optimizer=job.optimizer, seed=job.seed, init_key=init,
                           out_key=checkpoint_key(ctx.run_id, epoch), sync_timeout_s=timeout, attempt=attempt,
                           loss=job.loss or "", compute=compute, data=data,
@@ -51,15 +54,15 @@ def worker_specs(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, 
                           else SyncSpec(collective="pipelined", sync_dtype=job.sync_dtype))
         # a planner cut i splits after layer i; the executor's cut is where a stage begins
         return pipeline_worker_specs(base, cuts=[c + 1 for c in plan.cuts], microbatches=plan.microbatches,
-                                     replica_subsets=shards, schedule=plan.pipeline_schedule, chunks=plan.chunks)
-    settings = job_outer_settings(job, plan.steps_per_epoch)  # null fields follow the sync period
+                                     replicas=plan.data_parallel, schedule=plan.pipeline_schedule, chunks=plan.chunks)
+    settings = job_outer_settings(job, steps)  # null fields follow the sync period
     outer = {"outer_optimizer": job.outer_optimizer, "outer_lr": settings.lr,
              "outer_momentum": settings.momentum, "sync_dtype": job.sync_dtype}
     sync = (SyncSpec(collective="ring", ring_host=ring_host(ctx), ring_timeout_s=120.0, **outer)
             if job.collective == "ring" else SyncSpec(**outer))
     return [WorkerSpec(run_id=ctx.run_id, epoch=epoch, rank=rank, world=plan.data_parallel,
                        store_url=ctx.store_ref, model=job.model, dataset=job.dataset,
-                       subsets=tuple(shards[rank]), steps=plan.steps_per_epoch,
+                       steps=steps,
                        batch_size=plan.batch_size, lr=lr, optimizer=job.optimizer,
                        sync_period=job.sync_period, seed=job.seed, init_key=init,
                        out_key=checkpoint_key(ctx.run_id, epoch), sync_timeout_s=timeout, evaluate=True,
