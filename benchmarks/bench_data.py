@@ -516,7 +516,7 @@ def part_d(folder: Path, args) -> str:
     e0 = epochs[0] if epochs else {}
     ranks = {int(pid): int(rank) for rank, pid in (e0.get("worker_pids") or {}).items()}
     label = lambda pid: (f"worker rank {ranks[pid]} (pid {pid}){', evaluates' if ranks[pid] == 0 else ''}"
-                         if pid in ranks else f"worker pid {pid}")
+                         if pid in ranks else f"another worker process of the run (pid {pid}, no epoch's rank)")
     rows += [[label(pid), mib(s["peak"]), f"under {mib(worker_goal)}", "met" if s["peak"] < worker_goal else "not met"]
              for pid, s in sorted(workers.items(), key=lambda item: (ranks.get(item[0], 99), item[0]))]
     rows += [[f"other: {s['comm']} (`{s['cmd'][:60]}`)", mib(s["peak"]), "-", "-"] for pid, s in sorted(others.items())]
