@@ -81,6 +81,9 @@ def epoch_coverage(records: Sequence[dict]) -> dict[str, int]:
     final: dict[int, dict] = {}
     for r in sorted((r for r in records if len(r["phases"]) == last), key=lambda r: r["attempt"]):
         final[r["rank"]] = r
+    worlds = {r["world"] for r in final.values()}
+    if len(worlds) != 1 or sorted(final) != list(range(worlds.pop())):
+        raise ZooidValueError("history", f"the last phase's records are of ranks {sorted(final)}, not one whole world")
     earlier = {r["earlier_tally"]["digest"] for r in final.values()}
     if len(earlier) != 1:
         raise ZooidValueError("history", "the last phase's replicas continued different earlier phases")
