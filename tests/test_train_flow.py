@@ -50,7 +50,12 @@ def test_train_flow_trains_bills_and_cleans_up(tmp_path, warm):
     trained = [r for r in ledger["rows"] if r["kind"] == "worker" and r["attempt"] is not None]
     assert len(trained) == 4 and kinds.count("coordinator") == 1  # 2 workers x 2 epochs
     assert ledger["total_usd"] == pytest.approx(summary.total_cost_usd)
-    assert all(r["seconds"] > 0 and r["usd"] > 0 for r in ledger["rows"])
+    assert all(r["seconds"] > 0 and (r["usd"] > 0 or r["kind"] == "store") for r in ledger["rows"])
+    # the directory store's requests, the workers' and the coordinator's, counted and free
+    stores = {r["resource"]: r for r in ledger["rows"] if r["kind"] == "store"}
+    assert set(stores) == {"store file:// workers", "store file:// coordinator"}
+    assert all(r["usd"] == 0 and r["store_ops"]["put"] > 0 for r in stores.values())
+    assert sum(e.store_ops["file://"]["put"] for e in summary.epochs) == stores["store file:// workers"]["store_ops"]["put"]
     assert store.exists(f"{run}/ckpt/epoch-0001.safetensors")
     assert store.get(f"{run}/report/curves.png")[:8] == b"\x89PNG\r\n\x1a\n"
     # scratch is gone and no worker outlives the run
