@@ -105,3 +105,47 @@ def test_killed_coordinator_is_swept_and_its_epoch_resumes_from_the_sync_point(t
     resumed = [json.loads(p.read_text()) for p in history]
     # the second coordinator's workers started at the sync point, not at step 0
     assert resumed and all(h["start_step"] == 4 for h in resumed)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_killed_coordinator_s_epoch_resumed_by_fewer_workers_trains_every_sample_once(tmp_path):
+    """3 workers stop inside epoch 0 (rank 0 hangs at step 6, the coordinator is killed); the run
+    resumed with 2 workers continues from the sync point at step 4 as a new phase of the epoch
+    (`engine.local_sgd_epoch`): the workers' history records add up to every sample once."""
+    from comm.store_dir import DirectoryStore
+    from core.keys import sync_checkpoint_key
+    from engine.chaos import fault_marker_key
+    from engine.local_sgd_epoch import read_epoch_history
+    from engine.replica_data import dataset_tally, epoch_coverage
+    from flows.train import train
+    from prefect.settings import PREFECT_API_URL
+
+    store_dir, job = tmp_path / "store", {**JOB, "workers": 3}
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(),
+           "ZOOID_CHAOS": "hang_worker:epoch=0:rank=0:step=6"}
+    argv = [sys.executable, "-m", "flows.train", "--param", f"store=file://{store_dir}",
+            "--param", "epochs=1"] + [a for k, v in job.items() for a in ("--param", f"{k}={v}")]
+    coordinator = subprocess.Popen(argv, cwd=ROOT, env=env, start_new_session=True,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        run_id = None
+        while run_id is None or not (store_dir / fault_marker_key(run_id, 0, 0, 0)).exists():
+            runs = list((store_dir / "runs").glob("*")) if (store_dir / "runs").exists() else []
+            if runs and (store_dir / sync_checkpoint_key(runs[0].name, 0)).exists():
+                run_id = runs[0].name
+            assert coordinator.poll() is None, "the coordinator ended early"
+            time.sleep(0.2)
+        os.kill(coordinator.pid, signal.SIGKILL)
+        coordinator.wait()
+    finally:
+        if coordinator.poll() is None:
+            coordinator.kill()
+
+    summary = train(TrainJob(store=f"file://{store_dir}", epochs=1, resume=run_id, **JOB))
+    assert summary.status == "completed" and summary.epochs[0].workers == 2
+    history = read_epoch_history(DirectoryStore(store_dir), run_id, 0)
+    assert {(h["world"], json.dumps(h["phases"])) for h in history} == {
+        (2, json.dumps([{"world": 3, "batch": 32, "steps": 4}]))}
+    assert epoch_coverage(history) == dataset_tally(1437)  # digits' training rows, each once
+    assert summary.epochs[0].samples == 1437 - 3 * 4 * 32
