@@ -22,6 +22,20 @@ def _tally(kinds: list[str]) -> StoreOps:
     return StoreOps(**{k: kinds.count(k) for k in set(kinds)})
 
 
+_LOCKED_RECORDER = """
+import sys, threading
+from moto.moto_api import recorder
+from moto.server import main
+lock, record = threading.Lock(), recorder._record_request
+def locked(*args, **kwargs):
+    with lock:  # the server's threads would interleave their lines in the recording
+        return record(*args, **kwargs)
+recorder._record_request = locked
+main(sys.argv[1:])
+"""
+"""moto's server (`moto.server.main`) with its recorder's writes one at a time."""
+
+
 @dataclass
 class RecordingS3:
     """moto's S3 API in its own process with the recorder on (`MOTO_ENABLE_RECORDING`)."""
@@ -43,7 +57,7 @@ class RecordingS3:
         self.saved = {k: os.environ.get(k) for k in S3_ENV}
         os.environ.update(S3_ENV)
         env = dict(os.environ, MOTO_ENABLE_RECORDING="True", MOTO_RECORDER_FILEPATH=str(self.recording))
-        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+        self.proc = subprocess.Popen([sys.executable, "-c", _LOCKED_RECORDER, "-H", "127.0.0.1", "-p", str(self.port)],
                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      start_new_session=True)
         wait_for_port(self.port, timeout=30)
