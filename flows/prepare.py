@@ -65,7 +65,8 @@ def check_prepare(dataset: str, to: str, subset_size: int, text: TextSettings, w
     if not is_arrays(dataset):
         validate_dataset(dataset, text)
         return
-    arrays_ref(dataset)
+    if arrays_ref(dataset).rstrip("/") == (to if "://" in to else Path(to).resolve().as_uri()).rstrip("/"):
+        raise ZooidValueError("to", f"is where the arrays of {dataset!r} are; prepare them into another place")
     for field in ("tokenizer", "objective"):
         if getattr(text, field) != getattr(TextSettings, field):
             raise ZooidValueError(field, f"{getattr(text, field)!r} is for text: datasets; {dataset!r} is not one")

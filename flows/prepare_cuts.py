@@ -24,6 +24,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, NamedTuple
 
 from prefect import task
@@ -32,6 +33,7 @@ from prefect.cache_policies import NO_CACHE
 from blocks.compute import resolve_target
 from blocks.store_block import BLOCK_PREFIX
 from blocks.store_refs import open_store_ref
+from coordinator.run.validate import check_target_ready
 from core.errors import ZooidError, ZooidValueError
 from engine.array_cuts import Cut, arrays_manifest, plan_cuts, run_cut_job
 from engine.array_source import ArrayLayout, arrays_ref, scan_arrays
@@ -120,6 +122,9 @@ def cut_pool(target: str) -> dict[str, Any] | None:
         raise ZooidValueError("target", str(exc).removeprefix("target: ")) from None
     if not compute.remote:
         return None
+    # training's readiness check (its deployment and pool exist, the provider's preflight), which
+    # reads a resolved job's target and its name alone
+    check_target_ready(SimpleNamespace(target=compute, target_name=target))
     return {"deployment": compute.worker_deployment, "job_variables": compute.job_variables}
 
 

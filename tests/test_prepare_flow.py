@@ -186,6 +186,10 @@ def test_a_malformed_source_is_refused_in_one_line_naming_dataset_before_any_cut
     for param, field in (("workers=0", "workers"), ("target=", "target"), ("tokenizer=bpe:64", "tokenizer"),
                          ("target=nowhere", "target")):
         assert refused(dataset, param).startswith(f"{field}: ")
+    # the process pool's worker deployment is not on this API (no stack): refused before any cut
+    assert refused(dataset, "target=local").startswith("target: 'local' is not set up: no worker deployment "
+                                                       "'worker/local'; ")
+    assert refused(dataset, f"to={raw}").startswith("to: is where the arrays of ")
     assert not to.exists()  # nothing written, not even the destination's folder
 
 
