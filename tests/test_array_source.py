@@ -1,6 +1,6 @@
 """A files-of-arrays source (`engine.array_source`) and its cuts (`engine.array_cuts`), without
 Prefect: headers planned without reading rows, a row range read by its bytes alone (`.npy`, a
-stored and a compressed `.npz`, on a directory and on S3), shards numbered the same whatever
+stored and a compressed `.npz`, on a directory, S3 and Azure Blob), shards numbered the same whatever
 the number of cuts, a cut's shards equal to the source rows, and each malformed source refused
 in one line naming `dataset`."""
 from __future__ import annotations
@@ -44,29 +44,48 @@ def write_source(root: Path, x: np.ndarray, y: np.ndarray) -> Path:
     return root
 
 
-@pytest.fixture(params=["dir", "s3"])
+@pytest.fixture(params=["dir", "s3", "azure"])
 def source(request, tmp_path):
-    """The same source on a directory and in a bucket of the moto server: (store, x, y)."""
+    """The same source on a directory, in a bucket of the moto server and in an Azurite
+    container: (store, x, y)."""
     x, y = source_arrays()
     root = write_source(tmp_path / "src", x, y)
     if request.param == "dir":
         store = DirectoryStore(root)
-    else:
+    elif request.param == "s3":
         from comm.store_s3 import S3Store
 
         server = request.getfixturevalue("s3_server")
         store = S3Store(server.create_bucket(f"arr-{uuid.uuid4().hex[:10]}"), "raw", endpoint=server.endpoint)
+    else:
+        from comm.store_azure import AzureBlobStore
+
+        server = request.getfixturevalue("azurite")
+        store = AzureBlobStore(server.create_container(f"arr-{uuid.uuid4().hex[:10]}"), "raw",
+                               connection_string=server.connection_string())
+    if request.param != "dir":
         for path in sorted(root.rglob("*.np?")):
             store.put(path.relative_to(root).as_posix(), path.read_bytes())
     yield store, x, y
     store.close()
 
 
-def test_a_range_read_takes_only_its_bytes(dir_store, s3_server):
-    from comm.store_s3 import S3Store
+@pytest.mark.parametrize("kind", ["dir", "s3", "azure"])
+def test_a_range_read_takes_only_its_bytes(kind, request, tmp_path):
+    if kind == "dir":
+        store = DirectoryStore(tmp_path / "rng")
+    elif kind == "s3":
+        from comm.store_s3 import S3Store
 
-    s3 = S3Store(s3_server.create_bucket(f"rng-{uuid.uuid4().hex[:10]}"), "", endpoint=s3_server.endpoint)
-    for store in (dir_store, s3):
+        server = request.getfixturevalue("s3_server")
+        store = S3Store(server.create_bucket(f"rng-{uuid.uuid4().hex[:10]}"), "", endpoint=server.endpoint)
+    else:
+        from comm.store_azure import AzureBlobStore
+
+        server = request.getfixturevalue("azurite")
+        store = AzureBlobStore(server.create_container(f"rng-{uuid.uuid4().hex[:10]}"), "",
+                               connection_string=server.connection_string())
+    with store:
         store.put("k", bytes(range(200)))
         assert store.size("k") == 200
         assert store.get_range("k", 10, 5) == bytes(range(10, 15))
@@ -79,7 +98,6 @@ def test_a_range_read_takes_only_its_bytes(dir_store, s3_server):
             store.get_range("absent", 0, 1)
         with pytest.raises(KeyError):
             store.size("absent")
-    s3.close()
 
 
 def test_headers_plan_the_source_and_any_row_range_reads_back_equal(source):
