@@ -170,6 +170,7 @@ def prepare_arrays(store, source: ArraySource, to: str, subset_size: int, worker
     if there is not None and there.settings == settings:
         return Prepared(there, 0, 0, True), []
     cuts = plan_cuts(source.layout, subset_size, workers)
+    to = to if to.startswith(BLOCK_PREFIX) else store.url  # a relative path as the cuts' processes find it
     done = run_cuts(cuts, source.ref, to, source.pool, workers)
     manifest = arrays_manifest(source.dataset, source.layout, cuts, done, settings, prepared_by)
     write_manifest(store, "", manifest)  # last: its presence means every shard is readable
