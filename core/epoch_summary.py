@@ -57,6 +57,10 @@ class EpochSummary(JsonSpec):
     val_token_accuracy: float | None = None
     """Token targets: the fraction of scored validation positions predicted."""
     samples: int = 0
+    """Samples the epoch's final attempts trained (a resumed epoch: what was left)."""
+    samples_once: bool | None = None
+    """Local-SGD: whether the workers' history records add up to every training sample once
+    (`coordinator.workers.epoch_samples`); None where it is not checked (pipelines)."""
     tokens: int = 0
     """Token targets: tokens trained this epoch (samples x positions per sample, the input
     tokens read; `core.specs.WorkerResult.tokens`); 0 otherwise."""

@@ -77,15 +77,12 @@ def epoch_coverage(records: Sequence[dict]) -> dict[str, int]:
     records = [r for r in records if "phase_tally" in r]
     if not records:
         raise ZooidValueError("history", "no record of this epoch holds a sample tally")
-    last = max(len(r["phases"]) for r in records)
-    final: dict[int, dict] = {}
-    for r in sorted((r for r in records if len(r["phases"]) == last), key=lambda r: r["attempt"]):
-        final[r["rank"]] = r
-    worlds = {r["world"] for r in final.values()}
-    if len(worlds) != 1 or sorted(final) != list(range(worlds.pop())):
-        raise ZooidValueError("history", f"the last phase's records are of ranks {sorted(final)}, not one whole world")
-    earlier = {r["earlier_tally"]["digest"] for r in final.values()}
-    if len(earlier) != 1:
-        raise ZooidValueError("history", "the last phase's replicas continued different earlier phases")
-    parts = [next(iter(final.values()))["earlier_tally"]] + [r["phase_tally"] for r in final.values()]
+    # the last phase: that of the latest attempt among the records with the most phases (attempt
+    # numbers only grow within an epoch, so an earlier try's records of another world drop out)
+    latest = max(records, key=lambda r: (len(r["phases"]), r["attempt"]))
+    final = {r["rank"]: r for r in records if (r["world"], r["phases"]) == (latest["world"], latest["phases"])}
+    if sorted(final) != list(range(latest["world"])):
+        raise ZooidValueError("history", f"the last phase's records are of ranks {sorted(final)} of "
+                              f"{latest['world']}, not one whole world")
+    parts = [latest["earlier_tally"]] + [r["phase_tally"] for r in final.values()]
     return {"samples": sum(p["samples"] for p in parts), "digest": add_digests(*(p["digest"] for p in parts))}

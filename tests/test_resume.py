@@ -149,3 +149,4 @@ def test_a_killed_coordinator_s_epoch_resumed_by_fewer_workers_trains_every_samp
         (2, json.dumps([{"world": 3, "batch": 32, "steps": 4}]))}
     assert epoch_coverage(history) == dataset_tally(1437)  # digits' training rows, each once
     assert summary.epochs[0].samples == 1437 - 3 * 4 * 32
+    assert summary.epochs[0].samples_once is True  # the coordinator's own check of the same records

@@ -18,6 +18,7 @@ from clouds.registry import adapter_for
 from coordinator.bill.cloud_bill import cloud_records, replace_measured
 from coordinator.bill.cost import worker_records
 from coordinator.run.context import RunContext
+from coordinator.workers.epoch_samples import check_samples
 from coordinator.workers.failures import FailureKind, classify_failure
 from coordinator.workers.launchers import PAID_WORKERS_LIMIT, WorkerOutcome, make_launcher, worker_threads
 from coordinator.workers.warm_prestart import PrestartWatch, should_prestart, startup_report
@@ -166,8 +167,9 @@ def warm_epoch(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, re
     startup = {"mode": "warm", "cold_started": started, "exposed_s": max(0.0, max(first_work, default=sent) - sent)}
     ctx.state.last_epoch_s, ctx.state.last_epoch_end = max(0.05, ended - sent), ended
     bill_from_cloud_clock(ctx, [], epoch, plan)
-    return counted(ctx, summarise(plan, epoch, lr, attempt, final, attempts, ended - sent, startup=startup,
-                                  prestarted=False, cost_usd=epoch_cost(ctx, epoch)))
+    summary = summarise(plan, epoch, lr, attempt, final, attempts, ended - sent, startup=startup,
+                        prestarted=False, cost_usd=epoch_cost(ctx, epoch))
+    return counted(ctx, check_samples(ctx, plan, summary))
 
 
 def run_epoch_on_target(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, resume: bool,
@@ -223,5 +225,6 @@ def run_epoch_on_target(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: 
     # the next epoch's length is this one's training, not the start-up it exposed
     ctx.state.last_epoch_s = max(0.05, wall - startup.get("critical_exposed_s", 0.0))
     ctx.state.last_epoch_end = ended
-    return counted(ctx, summarise(plan, epoch, lr, attempt, final, outcomes, wall, startup=startup,
-                                  prestarted=prestarted, cost_usd=epoch_cost(ctx, epoch)))
+    summary = summarise(plan, epoch, lr, attempt, final, outcomes, wall, startup=startup,
+                        prestarted=prestarted, cost_usd=epoch_cost(ctx, epoch))
+    return counted(ctx, check_samples(ctx, plan, summary))

@@ -1,0 +1,34 @@
+"""Whether a Local-SGD epoch trained every sample exactly once: its workers' history records
+(`engine.local_sgd_epoch.read_epoch_history`, in the durable store) add up, by count and
+order-independent digest of sample ids, to the dataset's (`engine.replica_data.epoch_coverage`);
+a resumed epoch's records count the earlier phases they continued too.
+"""
+from __future__ import annotations
+
+from coordinator.run.context import RunContext
+from core.epoch_summary import EpochSummary
+from core.errors import ZooidValueError
+from core.kinds import Strategy
+from core.plan import Plan
+from engine.local_sgd_epoch import read_epoch_history
+from engine.replica_data import dataset_tally, epoch_coverage
+
+
+def check_samples(ctx: RunContext, plan: Plan, summary: EpochSummary) -> EpochSummary:
+    """`summary` with `samples_once` set for a Local-SGD epoch (printing a line when it is
+    False); a pipeline's is left None (its workers keep no history records)."""
+    if plan.strategy != Strategy.LOCAL_SGD:
+        return summary
+    store = ctx.open_durable()
+    try:
+        records = read_epoch_history(store, ctx.run_id, summary.epoch)
+    finally:
+        store.close()
+    try:
+        summary.samples_once = epoch_coverage(records) == dataset_tally(int(ctx.state.dataset["n_train"]))
+    except ZooidValueError as exc:
+        print(f"zooid: epoch {summary.epoch}: {exc}")
+        summary.samples_once = False
+    if not summary.samples_once:
+        print(f"zooid: epoch {summary.epoch}: the workers' records do not add up to every sample once")
+    return summary
