@@ -480,6 +480,7 @@ def part_d(folder: Path, args) -> str:
         raise RuntimeError(f"the prepare flow's function failed: {proc.stderr[-2000:]}")
     manifest = json.loads((data / "manifest.json").read_text())
     total = sum(s["bytes"] for split in manifest["shards"].values() for s in split)
+    val_bytes = sum(s["bytes"] for s in manifest["shards"]["val"])
     print(f"d: prepared {total / MB:.0f} MB in {prepare_s:.0f} s", flush=True)
     params = {"model": LINEAR, "dataset": f"file://{data}", "workers": 2, "epochs": 1, "batch_size": args.memory_batch,
               "lr": 0.05, "optimizer": "momentum", "strategy": "local_sgd", "scaling": "static", "seed": SEED,
@@ -529,7 +530,8 @@ def part_d(folder: Path, args) -> str:
              f"{summary.get('status')}, {len(epochs)} epoch(s), epoch 0 {fmt(e0.get('seconds'), '{:.0f}')} s with "
              f"{e0.get('workers')} workers, the whole command {wall:.0f} s. Peak resident set (`VmHWM`, polled every "
              f"0.1 s; MiB = 2^20 bytes); a worker's goal is `data_cache_mb` {args.cache_mb:g} MiB + its model "
-             f"{model / 2**10:.0f} KiB (parameters, gradients, momentum) + {GOALS['worker_extra_mb']:g} MiB.", "",
+             f"{model / 2**10:.0f} KiB (parameters, gradients, momentum) + {GOALS['worker_extra_mb']:g} MiB. "
+             f"Rank 0 also evaluates the validation split: {val_bytes / 2**20:.0f} MiB of shards.", "",
              *table(["process", "peak RSS", "goal", ""], rows)]
     return "\n".join(lines)
 
