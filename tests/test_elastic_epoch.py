@@ -11,6 +11,7 @@ sync checkpoint at step 4 stored), the 2-worker phase resumes from that checkpoi
 """
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -172,3 +173,25 @@ def test_a_compressed_sync_refuses_to_continue_a_lone_replica_s_epoch_with_anoth
     assert isinstance(stopped, _Stop)
     results = run_threads(store, specs(store, data, run_id, 0, 2, init, "lone", sync=sync, resume=True))
     assert all(isinstance(r, ZooidValueError) and r.field == "workers" for r in results), results
+
+
+def test_a_worker_whose_steps_are_not_a_fresh_epoch_s_is_refused_naming_steps(tmp_path, monkeypatch):
+    """150 samples, batch 8: 10 steps for 2 replicas (a Local-SGD world or a hybrid's D); 9 is refused
+    in one line before training, by a replica and by a pipeline stage."""
+    from engine.pipeline_executor import pipeline_worker_specs, run_pipeline_worker
+
+    data = bucket("dir", tmp_path, None, monkeypatch)
+    store = DirectoryStore(tmp_path / "run")
+    initial_checkpoint(store, "runs/st/ckpt/init", MODEL, "sgd", 0.1, seed=SEED, model_kwargs={"tag": ""})
+    [spec, _] = specs(store, data, "st", 0, 2, "runs/st/ckpt/init", "st")
+    assert spec.steps == 10
+    message = "steps: an epoch of 150 samples takes 10 steps for 2 replicas of batch 8, got 9"
+    with pytest.raises(ZooidValueError) as info:
+        run_local_sgd_epoch(dataclasses.replace(spec, steps=9), store)
+    assert str(info.value) == message
+    stage = pipeline_worker_specs(dataclasses.replace(spec, steps=9, model="digits_mlp", compute=ComputeSpec()),
+                                  cuts=[2], microbatches=2, replicas=2)[0]  # the check comes before any row is read
+    with pytest.raises(ZooidValueError) as info:
+        run_pipeline_worker(stage, store)
+    assert str(info.value) == message
+    assert seen("st") == []

@@ -39,11 +39,12 @@ class ResumePoint:
     history: list[EpochSummary] = field(default_factory=list)
     ledger: list[CostRecord] = field(default_factory=list)
     mid_epoch: bool = False
-    """Whether `next_epoch` had started (its workers resume from its sync checkpoint)."""
+    """Whether `next_epoch` had started (its workers resume from its sync checkpoint; with another
+    worker count, as a new phase over the samples the old ones had not reached)."""
     max_attempt: int = -1
     """Highest worker attempt number already used in `next_epoch`."""
     plan: dict = field(default_factory=dict)
-    """The plan the run was using (a resumed epoch keeps it, so its sync checkpoint fits)."""
+    """The plan the run was using (a resumed epoch keeps it when the worker count is unchanged)."""
 
 
 def write_history(store, run_id: str, history: list[EpochSummary]) -> None:
