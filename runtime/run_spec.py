@@ -4,30 +4,24 @@ set, else a Local-SGD replica; its result carries the store requests the epoch m
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from typing import Callable
 
 import torch
 
 from comm.store import Store, open_store
 from core.specs import WorkerResult, WorkerSpec
-from core.store_ops import StoreOps, grouped_json, grouped_total
 from engine.chaos import chaos_for, chaos_requested  # noqa: F401 - chaos_requested kept for callers
 from engine.local_sgd_epoch import run_local_sgd_epoch
 from engine.malloc import pin_malloc_thresholds
 from engine.pipeline_executor import run_pipeline_worker
-
-
-_REPORTED: "weakref.WeakKeyDictionary[Store, StoreOps]" = weakref.WeakKeyDictionary()
-"""What each store client's requests stood at when the last result reported them: a warm
-worker's client serves epoch after epoch, and its polling between two is the next one's."""
+from runtime.store_report import unreported
 
 
 def run_spec(spec: WorkerSpec, store: Store, open_ref: Callable[[str], Store] = open_store) -> WorkerResult:
     """Dispatch on `spec.stage` (None: Local-SGD); `open_ref` opens any other store the spec
     names (a Local-SGD replica's `checkpoint_store`, a prepared dataset's `data.store`). The
-    result's `store_ops`: the requests on `store` since its last report, and every request
-    on the stores `open_ref` opened for the epoch."""
+    result's `store_ops`: the requests on `store` since its last report, every request on the
+    stores `open_ref` opened for the epoch, and those of `runtime.store_report.also_report`'s."""
     opened: list[Store] = []
 
     def open_counted(url: str) -> Store:
@@ -36,11 +30,7 @@ def run_spec(spec: WorkerSpec, store: Store, open_ref: Callable[[str], Store] = 
         return other
 
     result = _run(spec, store, open_counted)
-    now = store.ops
-    made = grouped_total([{store.where: now - _REPORTED.get(store, StoreOps())}]
-                         + [{s.where: s.ops} for s in opened if s is not store])
-    _REPORTED[store] = now
-    return dataclasses.replace(result, store_ops=grouped_json(made))
+    return dataclasses.replace(result, store_ops=unreported([store, *opened]))
 
 
 def _run(spec: WorkerSpec, store: Store, open_ref: Callable[[str], Store]) -> WorkerResult:

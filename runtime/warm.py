@@ -48,6 +48,7 @@ from core.errors import LeaseExpired, ZooidValueError
 from core.keys import command_key, lease_key, reply_key, status_key
 from core.process_start import process_started_at
 from core.specs import WarmSpec, WorkerResult, WorkerSpec
+from runtime.store_report import also_report
 
 LEASE_EXIT = 5
 """Exit status of a warm worker whose lease expired while its training thread was stuck."""
@@ -104,6 +105,7 @@ class _Watch(threading.Thread):
 
     def run(self) -> None:
         store = self.store_factory()
+        also_report(store)  # its lease reads and status posts: in the epochs' results
         try:
             while not self.stopped.is_set():
                 try:

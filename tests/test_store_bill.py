@@ -14,6 +14,7 @@ from core.store_ops import StoreOps
 from planners.catalog import request_price, store_node_price
 from planners.store_prices import bill_line, store_offer
 from runtime import run_spec as run_spec_module
+from runtime.store_report import also_report
 
 
 def test_each_store_has_its_offer():
@@ -90,6 +91,13 @@ def test_a_workers_result_carries_its_epochs_store_requests(tmp_path, monkeypatc
     second = run_spec_module.run_spec(None, store, DirectoryStore)
     assert second.store_ops == {"file://": StoreOps(put=2, get=1, miss=1, bytes_in=5, bytes_out=3).to_dict()}
     assert WorkerResult.from_dict(second.to_dict()).store_ops == second.store_ops
+    # a client no epoch sees (a warm worker's watch thread) reports with the next epochs, once
+    watch = DirectoryStore(tmp_path / "run")
+    watch.put("runs/x/status", b"1")
+    also_report(watch)
+    third = run_spec_module.run_spec(None, store, DirectoryStore)
+    assert third.store_ops == {"file://": StoreOps(put=3, get=1, bytes_in=6, bytes_out=3).to_dict()}
+    assert run_spec_module.run_spec(None, store, DirectoryStore).store_ops == first.store_ops
 
 
 def test_the_run_prediction_adds_the_stores_requests_and_server():
