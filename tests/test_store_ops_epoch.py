@@ -56,8 +56,8 @@ def protocol_only(ops: StoreOps) -> StoreOps:
     return dataclasses.replace(ops, miss=0, bytes_in=0, bytes_out=0)
 
 
-def _durable(tmp_path, run_id: str):
-    durable = DirectoryStore(tmp_path / "durable")
+def _durable(tmp_path, run_id: str, durable=None):
+    durable = durable if durable is not None else DirectoryStore(tmp_path / "durable")
     publish_dataset(durable, run_id, SMALL, subset_size=16)
     initial_checkpoint(durable, f"runs/{run_id}/ckpt/init", "digits_mlp", "sgd", lr=0.1, seed=1)
     return durable
@@ -106,7 +106,7 @@ def test_local_sgd_epoch_requests_equal_the_protocols(tmp_path, collective):
 
 
 def _logging_server(kind: str, tmp_path):
-    """(server, scratch store factory, where) for a store that logs its requests."""
+    """(server, bucket or container, store factory, where) for a store that logs its requests."""
     workdir = tmp_path / kind
     workdir.mkdir()
     if kind == "s3":
@@ -115,7 +115,7 @@ def _logging_server(kind: str, tmp_path):
         server = RecordingS3(workdir)
         server.start()
         name = server.create_bucket("zooid-epoch")
-        return server, name, lambda: S3Store(name, "scratch", endpoint=server.endpoint), f"s3://{name}"
+        return server, name, lambda prefix="scratch": S3Store(name, prefix, endpoint=server.endpoint), f"s3://{name}"
     from comm.store_azure import AzureBlobStore
 
     server = LoggingAzurite(workdir)
@@ -124,7 +124,7 @@ def _logging_server(kind: str, tmp_path):
     except FileNotFoundError:
         pytest.skip("Azurite is not installed (make azurite)")
     name = server.create_container("zooid-epoch")
-    return (server, name, lambda: AzureBlobStore(name, "scratch", connection_string=server.connection_string()),
+    return (server, name, lambda prefix="scratch": AzureBlobStore(name, prefix, connection_string=server.connection_string()),
             f"az://{name}")
 
 
@@ -152,6 +152,30 @@ def test_local_sgd_epoch_requests_equal_the_stores_own_log(tmp_path, kind):
     for r in results:
         assert r.store_ops[where] == scratch[r.rank].ops.to_dict()
         assert r.store_ops["file://"]["get"] > 0
+
+
+@pytest.mark.parametrize("kind", ["s3", "azure"])
+def test_local_sgd_epoch_results_equal_the_stores_log_data_and_checkpoints_included(tmp_path, kind, monkeypatch):
+    """Data, checkpoints and history in the logged store too (under another prefix, which each
+    worker opens from its URL): the workers' results, summed, are every request the store
+    logged in the epoch (and the manifest this test reads)."""
+    world, batch, period, run_id = 2, 8, 2, f"bill-all-{kind}"
+    server, name, open_store_here, where = _logging_server(kind, tmp_path)
+    if kind == "azure":  # how a worker reopens an az:// URL
+        monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", server.connection_string())
+    try:
+        durable = _durable(tmp_path, run_id, open_store_here("durable"))
+        server.reset()
+        before = durable.ops  # this test's own client reads the manifest (the epoch's steps)
+        scratch = [open_store_here() for _ in range(world)]
+        _, results = _local_sgd_epoch(scratch, durable, run_id, world, batch, period, "pipelined")
+        logged = server.ops(name)
+    finally:
+        server.stop()
+    reported = total(r.store_ops[where] for r in results) + (durable.ops - before)
+    assert dataclasses.replace(reported, get=reported.get + reported.miss, miss=0, bytes_in=0, bytes_out=0) == logged
+    syncs = total(protocol_only(s.ops) for s in scratch)
+    assert logged.put > syncs.put and logged.get > syncs.get  # checkpoints, history and data beside the syncs
 
 
 def test_pipeline_epoch_requests_equal_the_protocols(tmp_path):
