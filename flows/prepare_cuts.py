@@ -35,15 +35,14 @@ from blocks.store_block import BLOCK_PREFIX
 from blocks.store_refs import open_store_ref
 from coordinator.run.validate import check_target_ready
 from core.errors import ZooidError, ZooidValueError
-from engine.array_cuts import Cut, arrays_manifest, plan_cuts, run_cut_job
+from engine.array_cuts import Cut, arrays_manifest, plan_cuts
 from engine.array_source import ArrayLayout, arrays_ref, scan_arrays
 from engine.datasets import Prepared
 from engine.shards import read_dataset_manifest, write_manifest
+from flows.worker import CUT_SPEC
 from runtime.array_cut_main import main as array_cut_main
 
 ROOT = Path(__file__).resolve().parent.parent
-CUT_SPEC = "prepare_cut"
-"""The key of a `worker` flow's spec that makes its run write one cut."""
 ARRAY_CUT_MAIN = "runtime.array_cut_main"
 """An inline cut's entry point (no Prefect)."""
 POLL_S = 0.5
@@ -52,12 +51,6 @@ POLL_S = 0.5
 
 class CutFailed(ZooidError):
     """A cut whose process or flow run did not complete (one line: the cut and why)."""
-
-
-def run_cut(job: dict[str, Any]) -> dict[str, Any]:
-    """Write one cut in this process (a `worker` flow run's), store blocks loaded from the API
-    (`engine.array_cuts.run_cut_job`; `job` as `cut_job` makes it)."""
-    return run_cut_job(job, open_store_ref)
 
 
 def cut_job(cut: Cut, source: str, to: str, prefix: str = "") -> dict[str, Any]:

@@ -5,8 +5,8 @@ epoch and returns its `WorkerResult` dict: metrics, timings and store keys, neve
 persisted as JSON (not pickle) in result storage that the coordinator can read.
 
 A spec `{"prepare_cut": ...}` writes one cut of a `prepare` flow's files-of-arrays source
-instead (`flows.prepare_cuts.run_cut`) and returns what it wrote, as JSON: a prepare's cuts run
-on the same pools and deployments as training's workers.
+instead (`engine.array_cuts.run_cut_job`; `flows.prepare_cuts` starts it) and returns what it
+wrote, as JSON: a prepare's cuts run on the same pools and deployments as training's workers.
 
 A warm worker (`spec["warm"]` set, `runtime.warm`) lives across epochs: the flow run
 serves the coordinator's commands from the store until it is stopped or its lease expires,
@@ -20,6 +20,9 @@ from prefect.cache_policies import NO_CACHE
 
 from blocks.store_refs import open_store_ref
 from core.specs import WorkerResult, WorkerSpec
+
+CUT_SPEC = "prepare_cut"
+"""The key of a spec that makes this flow's run write one cut of a prepare (`flows.prepare_cuts`)."""
 
 
 def run_worker(spec_dict: dict) -> dict:
@@ -61,11 +64,11 @@ def serve_warm(spec_dict: dict) -> dict:
 def worker(spec: dict) -> dict:
     """Train one replica (or stage): one epoch, or every epoch the coordinator sends (warm); or
     write one cut of a prepare (`flows.prepare_cuts`)."""
-    # torch: Prefect loads this module to read the flow's parameters; a cut loads torch
-    from flows.prepare_cuts import CUT_SPEC, run_cut
-
     if CUT_SPEC in spec:
-        return run_cut(spec[CUT_SPEC])
+        # torch: loaded by a cut's run, as by an epoch's
+        from engine.array_cuts import run_cut_job
+
+        return run_cut_job(spec[CUT_SPEC], open_store_ref)
     if spec.get("warm"):
         return serve_warm(spec)
     return run_worker(spec)
