@@ -275,3 +275,25 @@ print(json.dumps({{"grown": grown, "fetched": fetched, "npz": source.size("val/p
     assert got["grown"] < 24 * 2**20, got  # a few 1 MB shards in flight, not the 48 MB source
     assert got["fetched"]["train"] == 12288 * (4096 + 8)  # each row's bytes once, no more
     assert got["fetched"]["val"] < got["npz"] + 4 * INFLATE_READ, got  # the compressed member once
+
+
+def test_arrays_of_a_factorys_dataset_prepare_into_the_factorys_very_shards(tmp_path):
+    """The same rows as files of arrays or from the factory give byte-identical shards (equal
+    SHA-256s, rows, dtypes): a run trains on either exactly alike."""
+    from engine.datasets import load_dataset, prepare_dataset
+
+    name = "synthetic:8:3:120:30"
+    data = load_dataset(name)
+    root = tmp_path / "arrays"
+    for split, x, y in (("train", data.train_x, data.train_y), ("val", data.val_x, data.val_y)):
+        (root / split).mkdir(parents=True)
+        np.savez(root / split / "a.npz", x=x[:50].numpy(), y=y[:50].numpy())  # two parts: a cut spans both
+        np.savez_compressed(root / split / "b.npz", x=x[50:].numpy(), y=y[50:].numpy())
+    factory = prepare_dataset(DirectoryStore(tmp_path / "factory"), "", name, 16).manifest
+    source, out = DirectoryStore(root), DirectoryStore(tmp_path / "out")
+    layout = scan_arrays(source)
+    cuts = plan_cuts(layout, 16, 3)
+    arrays = arrays_manifest(f"arrays:{root}", layout, cuts, [write_cut(out, "", source, c) for c in cuts], {})
+    assert arrays.shards == factory.shards
+    assert (arrays.n_train, arrays.n_val, arrays.input_shape, arrays.classes, arrays.id_bound, arrays.dtypes) == \
+        (factory.n_train, factory.n_val, factory.input_shape, factory.classes, factory.id_bound, factory.dtypes)
