@@ -84,20 +84,20 @@ def test_a_workers_result_carries_its_epochs_store_requests(tmp_path, monkeypatc
         return WorkerResult(run_id="x", epoch=0, rank=0, started_at=0.0, stopped_at=1.0, train_loss=0.0, samples=0)
 
     monkeypatch.setattr(run_spec_module, "_run", epoch)
-    first = run_spec_module.run_spec(None, store, DirectoryStore)
+    first = run_spec_module.run_spec(None, store, DirectoryStore.from_url)
     assert first.store_ops == {"file://": StoreOps(put=2, get=1, bytes_in=5, bytes_out=3).to_dict()}
     with pytest.raises(KeyError):
         store.get("runs/x/absent")  # between two epochs: reported with the next one
-    second = run_spec_module.run_spec(None, store, DirectoryStore)
+    second = run_spec_module.run_spec(None, store, DirectoryStore.from_url)
     assert second.store_ops == {"file://": StoreOps(put=2, get=1, miss=1, bytes_in=5, bytes_out=3).to_dict()}
     assert WorkerResult.from_dict(second.to_dict()).store_ops == second.store_ops
     # a client no epoch sees (a warm worker's watch thread) reports with the next epochs, once
     watch = DirectoryStore(tmp_path / "run")
     watch.put("runs/x/status", b"1")
     also_report(watch)
-    third = run_spec_module.run_spec(None, store, DirectoryStore)
+    third = run_spec_module.run_spec(None, store, DirectoryStore.from_url)
     assert third.store_ops == {"file://": StoreOps(put=3, get=1, bytes_in=6, bytes_out=3).to_dict()}
-    assert run_spec_module.run_spec(None, store, DirectoryStore).store_ops == first.store_ops
+    assert run_spec_module.run_spec(None, store, DirectoryStore.from_url).store_ops == first.store_ops
 
 
 def test_the_run_prediction_adds_the_stores_requests_and_server():
