@@ -255,21 +255,21 @@ class RecordingStore(MemoryStore):
 
     def __init__(self):
         super().__init__()
-        self.ops: list[tuple[str, str]] = []
+        self.calls: list[tuple[str, str]] = []  # `ops` is every Store's request count
 
     def put(self, key, data, **kwargs):
-        self.ops.append(("put", key))
+        self.calls.append(("put", key))
         super().put(key, data, **kwargs)
 
     def get(self, key, timeout=None):
         raise AssertionError(f"waited for {key}")
 
     def list(self, prefix):
-        self.ops.append(("list", prefix))
+        self.calls.append(("list", prefix))
         return super().list(prefix)
 
     def delete_prefix(self, prefix):
-        self.ops.append(("delete_prefix", prefix))
+        self.calls.append(("delete_prefix", prefix))
         return super().delete_prefix(prefix)
 
 
@@ -283,7 +283,7 @@ def test_a_relaunched_rank_0_after_the_release_returns_at_once(monkeypatch):
     monkeypatch.setattr(collectives, "time", clock)
     monkeypatch.setattr(store_base, "time", clock)
     release_group(store, "runs/t/sync/e0", 0, 2, 0.5, resumed=True)
-    assert store.ops == [("list", "runs/t/sync/e0/r"), ("delete_prefix", "runs/t/sync/e0/")]
+    assert store.calls == [("list", "runs/t/sync/e0/r"), ("delete_prefix", "runs/t/sync/e0/")]
     assert clock.now == clock.start
     assert store.list("runs/") == []
 
