@@ -69,8 +69,8 @@ def _inline(job: dict[str, Any], label: str) -> dict[str, Any]:
     if any(job[ref].startswith(BLOCK_PREFIX) for ref in ("source", "to")):
         entry = "flows.prepare_cuts"
         env["PREFECT_API_URL"] = PREFECT_API_URL.value() or ""
-    done = subprocess.run([sys.executable, "-m", entry, "--cut-json", json.dumps(job)], cwd=ROOT,
-                          check=False, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    done = subprocess.run([sys.executable, "-m", entry, "--cut-json", "-"], input=json.dumps(job), cwd=ROOT,
+                          check=False, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         lines = done.stderr.strip().splitlines() or [f"exit {done.returncode}"]
         raise CutFailed(f"{label} failed: {lines[-1]}")

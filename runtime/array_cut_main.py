@@ -1,5 +1,6 @@
 """`python -m runtime.array_cut_main --cut-json '<job>'`: write one cut of a prepare's
-files-of-arrays source as a process of its own (`flows.prepare_cuts` starts it for `target=inline`).
+files-of-arrays source as a process of its own (`flows.prepare_cuts` starts it for `target=inline`,
+with `--cut-json -` and the job on stdin: a cut over many files outgrows an argument's 128 KB).
 
 The job is `flows.prepare_cuts.cut_job`'s: the cut (its shards and the source parts that hold their
 rows) and the source's and destination's store references. It is written by
@@ -24,10 +25,10 @@ from engine.array_cuts import run_cut_job
 def main(argv: list[str] | None = None, open_ref: Callable[[str], Store] = open_store) -> int:
     """Write the cut `--cut-json` describes; print its result as one JSON line."""
     parser = argparse.ArgumentParser(prog="python -m runtime.array_cut_main", description=__doc__.splitlines()[0])
-    parser.add_argument("--cut-json", required=True)
+    parser.add_argument("--cut-json", required=True, help="the job as JSON, or - to read it from stdin")
     args = parser.parse_args(argv)
     try:
-        result = run_cut_job(json.loads(args.cut_json), open_ref)
+        result = run_cut_job(json.loads(sys.stdin.read() if args.cut_json == "-" else args.cut_json), open_ref)
     except ZooidError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

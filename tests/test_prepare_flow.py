@@ -5,6 +5,7 @@ of arrays (`arrays:`) cut in parallel, each cut a task run in a process of its o
 cut failed goes on where it stopped."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import uuid
@@ -205,3 +206,23 @@ def test_files_of_arrays_in_a_store_block_are_read_by_cuts_that_load_the_block(t
     with open_store((tmp_path / "out").as_uri()) as store:
         got = read_shards(store, "", range(4), "train", manifest=read_dataset_manifest(store, ""))
     assert torch.equal(got[0], torch.from_numpy(x[:230])) and torch.equal(got[1], torch.from_numpy(y[:230]))
+
+
+def test_a_cut_over_many_files_reaches_its_process_whole(tmp_path):
+    """A cut's job lists every part it reads: over 600 files it is far beyond an argument's
+    128 KB, and still reaches the inline cut's process (on its stdin)."""
+    from engine.array_cuts import plan_cuts
+    from engine.array_source import scan_arrays
+    from flows.prepare_cuts import _inline, cut_job
+
+    root = tmp_path / "many"
+    for split, parts in (("train", 640), ("val", 1)):
+        (root / split).mkdir(parents=True)
+        for i in range(parts):
+            np.savez(root / split / f"part-{i:04d}.npz", x=np.full((2, 3), i, np.float32), y=np.array([i % 4, 1]))
+    with open_store(root.as_uri()) as source:
+        cut = plan_cuts(scan_arrays(source), 64, 1)[0]
+    job = cut_job(cut, root.as_uri(), (tmp_path / "out").as_uri())
+    assert len(cut.parts) == 640 and len(json.dumps(job)) > 131072  # MAX_ARG_STRLEN
+    done = _inline(job, cut.label)
+    assert (done["written"], [s["rows"] for s in done["shards"]]) == (20, [64] * 20)
