@@ -54,8 +54,8 @@ def test_a_round_is_the_period_or_the_epoch():
 def _specs(job: TrainJob, steps: int):
     ctx = SimpleNamespace(job=job, run_id="d", store_ref="file:///tmp/x", durable_ref="file:///tmp/x",
                           resolved=SimpleNamespace(target=SimpleNamespace(remote=False), model_kwargs={}),
-                          state=SimpleNamespace(dataset={"n_subsets": 8}, attempts={}))
-    plan = Plan(strategy="local_sgd", data_parallel=2, steps_per_epoch=steps, batch_size=16)
+                          state=SimpleNamespace(dataset={"n_subsets": 8, "n_train": steps * 2 * 16}, attempts={}))
+    plan = Plan(strategy="local_sgd", data_parallel=2, steps_per_epoch=steps, batch_size=16)  # an epoch of `steps`
     return worker_specs(ctx, plan, 0, "init", 0.05, 0)
 
 
