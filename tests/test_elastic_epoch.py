@@ -195,3 +195,34 @@ def test_a_worker_whose_steps_are_not_a_fresh_epoch_s_is_refused_naming_steps(tm
         run_pipeline_worker(stage, store)
     assert str(info.value) == message
     assert seen("st") == []
+
+
+def test_a_sync_checkpoint_s_phases_place_a_relaunch_and_another_world(tmp_path):
+    """A sync checkpoint of 2 replicas at step 2 that continued 3 replicas' 4 steps: a relaunch of the
+    same world resumes at its step with the same earlier phase; 4 replicas start a third phase after
+    both; a spec differing in more than its world (the batch) starts the epoch from its init key."""
+    from engine.checkpoint import save_checkpoint
+    from engine.epoch_order import Phase
+    from engine.local_sgd_epoch import _position_identity, load_start_point
+    from engine.models import build_model
+    from engine.optimizers import build_optimizer
+
+    store = DirectoryStore(tmp_path)
+    model = build_model(MODEL, SEED, tag="")
+    optimizer = build_optimizer("sgd", model, 0.1)
+    save_checkpoint(store, "runs/ph/ckpt/init", model, optimizer, {"global_step": 40})
+    [spec, _] = specs(store, "file:///unused", "ph", 0, 2, "runs/ph/ckpt/init", "ph", resume=True)
+    meta = {**_position_identity(spec), "step": 2, "round": 0, "global_step_before": 40,
+            "phases": [Phase(3, BATCH, 4).to_dict()]}
+    save_checkpoint(store, sync_checkpoint_key("ph", 0), model, optimizer, meta)
+
+    def start(**fields):
+        return load_start_point(dataclasses.replace(spec, **fields), store, model, optimizer)
+
+    same = start(attempt=1, resume=False)
+    assert (same.step, same.round, same.phases, same.from_sync_checkpoint) == (2, 1, (Phase(3, BATCH, 4),), True)
+    wider = start(world=4, steps=epoch_steps(N_TRAIN, 4, BATCH))
+    assert (wider.step, wider.round, wider.phases) == (0, 1, (Phase(3, BATCH, 4), Phase(2, BATCH, 2)))
+    assert wider.global_step_before == 40
+    other = start(world=4, batch_size=16, steps=epoch_steps(N_TRAIN, 4, 16))
+    assert (other.step, other.phases, other.from_sync_checkpoint) == (0, (), False)
