@@ -103,7 +103,7 @@ from benchmarks.output import Provenance, provenance, write_result
 from core.keys import checkpoint_key, init_checkpoint_key
 
 RESULTS = REPO / "benchmarks" / "results" / "bubble.md"
-SOURCES = ("core", "comm", "engine", "runtime/run_spec.py", "requirements.lock",
+SOURCES = ("core", "comm", "engine", "runtime/run_spec.py", "runtime/store_report.py", "requirements.lock",
            "benchmarks/harness/workers.py", "benchmarks/harness/tables.py")
 """The code it measures (the pipeline executor in instrumented worker processes): its results file is stale
 once one of these changed since the commit the file names (`benchmarks.staleness`)."""

@@ -78,6 +78,7 @@ SECTIONS = [
             "language_models", ("--seq-len", "128", "512")),
     Section("Datasets in a bucket: prepare, read, data wait and memory beside MosaicML Streaming", "bench_data",
             "data"),
+    Section("The whole bill: the store's requests and servers, measured and predicted", "bench_bill", "bill"),
 ]
 
 HEADER = """# Zooid benchmarks

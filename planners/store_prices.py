@@ -41,6 +41,11 @@ class StoreOffer:
     node_per_hour: float = 0.0
     """Dollars per hour of the store's server (a cloud Redis), 0 when it has none."""
 
+    def prices(self) -> dict[str, float]:
+        """Dollars of one request by kind (kinds absent are free): what the planner weighs
+        (`planners.strategy.StrategyInputs.store_request_usd`)."""
+        return {kind: request_price(name) for kind, name in self.classes.items()}
+
     def request_usd(self, ops: StoreOps) -> float:
         """Dollars of the requests `ops` counts."""
         return sum(getattr(ops, kind) * request_price(name) for kind, name in self.classes.items())

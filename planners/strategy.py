@@ -17,12 +17,15 @@ and latency, the worker's price), so this is pure and testable without torch or 
 
 Every candidate gets a predicted iteration time, epoch time, cost per epoch and throughput
 per dollar; `auto` picks the cheapest epoch among the fastest (throughput within 5 % of the
-best), so it never pays much more for a marginal speed-up.
+best), so it never pays much more for a marginal speed-up. An epoch's cost is its workers' and
+its store's: each candidate's store requests (`planners.store_requests`, by its strategy, D,
+stages, micro-batches, sync period and collective) priced by the run's store's offer
+(`StrategyInputs.store_request_usd`), and a store server's seconds (issue #45).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from core.kinds import PIPELINED_STRATEGIES, PipelineSchedule, Strategy
@@ -31,6 +34,7 @@ from core.plan import Plan
 from planners.hybrid import hybrid
 from planners.partition import PartitionProblem, PipelineLayer, plan_partition
 from planners.pipeline_time import PipelineTime, TransferCosts, pipeline_iteration, stage_times
+from planners.store_requests import epoch_store_ops
 from planners.sync_time import pipelined_scatter_reduce, scatter_reduce
 
 
@@ -89,6 +93,14 @@ class StrategyInputs:
     a hybrid's gradient syncs."""
     outer_optimizer: str = "average"
     """`nesterov` adds its momentum buffer (one parameter copy) to the sync checkpoint."""
+    store_request_usd: dict = field(default_factory=dict)
+    """Dollars of one request on the run's store, by kind (`core.store_ops.REQUEST_KINDS`; a
+    kind absent is free): its offer's prices (`planners.store_prices.StoreOffer.prices`); empty:
+    a free store (a directory, a Redis on this machine)."""
+    store_usd_per_s: float = 0.0
+    """Dollars per second of the store's server (a cloud Redis node), 0 when it has none."""
+    ring: bool = False
+    """The replicas average over the ring (the job's `collective`), not through the store."""
 
     def compute_slowdown(self, processes: int) -> float:
         """How much slower each of a plan's `processes` worker processes computes than the
@@ -361,8 +373,26 @@ def optimizer_shares(optimizer_step_s: float, stage_param_bytes: list[float]) ->
             for p in stage_param_bytes]
 
 
-def describe(plan: Plan, chosen: bool = False) -> dict:
-    """A plan as one row of the alternatives table."""
+def store_request_usd(x: StrategyInputs, plan: Plan) -> float:
+    """Dollars of one epoch's store requests of `plan` (`epoch_store_ops`, over the ring when
+    the job's collective is) at the store's prices."""
+    ops = epoch_store_ops(plan, ring=x.ring)
+    return sum(getattr(ops, kind) * price for kind, price in x.store_request_usd.items())
+
+
+def store_usd_per_epoch(x: StrategyInputs, plan: Plan) -> float:
+    """Dollars one epoch of `plan` pays the store: its requests and its server for the epoch."""
+    return store_request_usd(x, plan) + x.store_usd_per_s * plan.predicted_epoch_s
+
+
+def epoch_usd(x: StrategyInputs, plan: Plan) -> float:
+    """The whole epoch's dollars the planner weighs: the workers' and the store's."""
+    return plan.predicted_cost_per_epoch_usd + store_usd_per_epoch(x, plan)
+
+
+def describe(plan: Plan, chosen: bool = False, store_usd: float = 0.0) -> dict:
+    """A plan as one row of the alternatives table; `store_usd`: what one epoch's store
+    requests of it cost (`store_request_usd`; a store server's seconds are the run's)."""
     per_epoch = plan.predicted_cost_per_epoch_usd
     samples = plan.steps_per_epoch * plan.batch_size * plan.data_parallel
     return {"strategy": plan.strategy, "data_parallel": plan.data_parallel, "stages": plan.stages,
@@ -375,6 +405,7 @@ def describe(plan: Plan, chosen: bool = False) -> dict:
             "planner_objective_s": plan.planner_objective_s if plan.stages > 1 else None,
             "throughput_per_dollar": (samples / plan.predicted_epoch_s) / (per_epoch / plan.predicted_epoch_s * 3600)
             if per_epoch > 0 and plan.predicted_epoch_s > 0 else None,
+            "predicted_store_usd_per_epoch": store_usd,
             "chosen": chosen}
 
 
@@ -416,7 +447,8 @@ NO_PLAN_FITS = "memory: no plan's workers fit their memory"
 
 def choose(x: StrategyInputs, strategy: str, fits: Callable[[Plan], bool] | None = None) -> Plan:
     """The plan for `strategy` (`auto` compares all), with the alternatives considered:
-    the highest throughput, and among plans within 5 % of it the cheapest epoch. With `fits`
+    the highest throughput, and among plans within 5 % of it the cheapest epoch, workers and
+    store (`fastest_cheapest`). With `fits`
     (whether a plan's workers hold what it keeps: a model too large for one worker is
     pipelined), only the candidates it accepts are chosen from; the others stay in the
     alternatives, marked `fits: False`; ValueError(`NO_PLAN_FITS`) when it accepts none."""
@@ -428,15 +460,21 @@ def choose(x: StrategyInputs, strategy: str, fits: Callable[[Plan], bool] | None
     if not fitting:
         raise ValueError(NO_PLAN_FITS)
 
+    best = fastest_cheapest(x, fitting)
+    fit_ids = {id(p) for p in fitting}
+    return replace(best, alternatives=tuple({**describe(p, p is best, store_request_usd(x, p)),
+                                             **({} if id(p) in fit_ids else {"fits": False})} for p in wanted))
+
+
+def fastest_cheapest(x: StrategyInputs, plans: list[Plan]) -> Plan:
+    """Among `plans`, those within 5 % of the highest throughput, and of them the cheapest
+    epoch (`epoch_usd`: the workers' dollars and the store's), the faster on a tie."""
     def throughput(p: Plan) -> float:
         return p.data_parallel * p.batch_size / max(p.predicted_iteration_s, 1e-12)
 
-    best_throughput = max(throughput(p) for p in fitting)
-    near = [p for p in fitting if throughput(p) >= best_throughput / 1.05]
-    best = min(near, key=lambda p: (p.predicted_cost_per_epoch_usd, p.predicted_iteration_s))
-    fit_ids = {id(p) for p in fitting}
-    return replace(best, alternatives=tuple({**describe(p, p is best), **({} if id(p) in fit_ids else {"fits": False})}
-                                            for p in wanted))
+    best_throughput = max(throughput(p) for p in plans)
+    near = [p for p in plans if throughput(p) >= best_throughput / 1.05]
+    return min(near, key=lambda p: (epoch_usd(x, p), p.predicted_iteration_s))
 
 
 def plan_local_sgd(*, workers: int, train_samples: int, batch_size: int, sync_period: int | None,

@@ -175,7 +175,7 @@ def test_the_plan_step_counts_this_machines_cores_only_where_workers_share_it():
     from profiling.timing import cpu_count
 
     job = SimpleNamespace(optimizer="sgd", batch_size=32, stages=None, microbatches=4, sync_period=1,
-                          sync_dtype="float32", outer_optimizer="average")
+                          sync_dtype="float32", outer_optimizer="average", collective="store")
     layer = dict(forward_s=0.01, backward_s=0.02, output_bytes=4096, param_bytes=1024)
     transfer = dict(put_latency_s=0.001, put_bandwidth=1e9, get_latency_s=0.0005, get_bandwidth=2e9,
                     handoff_s=0.0013)

@@ -29,7 +29,7 @@ from core.store_ops import StoreOps
 from planners.calibration import Calibration, calibrated
 from planners.pipeline_time import TransferCosts
 from planners.run_prediction import predict_run, with_run_prediction
-from planners.store_prices import store_offer
+from planners.store_prices import StoreOffer, store_offer
 from planners.store_requests import epoch_store_ops
 from planners.strategy import (
     NO_PLAN_FITS,
@@ -70,7 +70,26 @@ def strategy_inputs(ctx: RunContext, profile: dict, workers: int) -> StrategyInp
         checkpoint_s=profile.get("checkpoint_s"), synced_step_s=profile.get("synced_step_s"),
         contention=profile.get("contention") or 1.0,
         host_cores=cpu_count() if target.kind in SHARED_HOST_KINDS else None,
-        sync_dtype=job.sync_dtype, outer_optimizer=job.outer_optimizer)
+        sync_dtype=job.sync_dtype, outer_optimizer=job.outer_optimizer,
+        ring=job.collective == "ring", **store_inputs(run_store_offer(ctx)))
+
+
+def run_store_offer(ctx: RunContext) -> StoreOffer:
+    """The offer the run's store is billed by (`planners.store_prices.store_offer`); a free one
+    for a context that names no store (the planner's inputs alone, as its unit tests build them)."""
+    if getattr(ctx, "open_store", None) is None:
+        return store_offer("")
+    store = ctx.open_store()
+    try:
+        where = store.where
+    finally:
+        store.close()
+    return store_offer(where, ctx.resolved.offer.provider)
+
+
+def store_inputs(offer: StoreOffer) -> dict:
+    """The store's prices as `StrategyInputs` fields: what the planner weighs for each plan."""
+    return {"store_request_usd": offer.prices(), "store_usd_per_s": offer.node_per_hour / 3600.0}
 
 
 def make_plan(ctx: RunContext, profile: dict, workers: int, calibration: Calibration | None = None,
@@ -163,15 +182,10 @@ def uniform_plan(ctx: RunContext, profile: dict, x) -> Plan:
 def store_terms(ctx: RunContext, plan: Plan) -> tuple[StoreOps, dict]:
     """One epoch's store requests for `plan` (`planners.store_requests`) and what the run's
     store bills for them and for its server per second (`planners.store_prices`), as
-    `predict_run`'s keyword arguments. The chosen plan's only: the alternatives are compared
-    without it (the planner does not weigh the store yet)."""
-    store = ctx.open_store()
-    try:
-        where = store.where
-    finally:
-        store.close()
+    `predict_run`'s keyword arguments. The planner weighed the same dollars when it chose
+    (`planners.strategy.store_usd_per_epoch`); each alternative's run carries its own."""
     ops = epoch_store_ops(plan, ring=ctx.job.collective == "ring")
-    offer = store_offer(where, ctx.resolved.offer.provider)
+    offer = run_store_offer(ctx)
     return ops, {"store_usd_per_epoch": offer.request_usd(ops), "store_usd_per_s": offer.node_per_hour / 3600.0}
 
 
@@ -190,17 +204,18 @@ def with_run(ctx: RunContext, chosen: Plan, calibration: Calibration | None, epo
                   workers_launched_s=since, host_cores=cpu_count() if shared else None,
                   billed_usd=0.0 if ctx.dry_run else total_usd(rows_now(ctx)),
                   coordinator_price_per_s=ctx.price_per_worker_s)
+    store_ops, store_prices = store_terms(ctx, chosen)
     alternatives = []
     for a in chosen.alternatives:
         compute = a.get("predicted_compute_epoch_s", a["predicted_epoch_s"])
         alt = Plan(strategy=a["strategy"], data_parallel=a["data_parallel"], stages=a["stages"],
                    price_per_worker_s=a.get("price_per_worker_s", chosen.price_per_worker_s),
                    predicted_compute_epoch_s=compute)
-        p = predict_run(alt, terms, **kwargs)
+        p = predict_run(alt, terms, **kwargs, store_usd_per_epoch=a.get("predicted_store_usd_per_epoch") or 0.0,
+                        store_usd_per_s=store_prices["store_usd_per_s"])
         alternatives.append({**a, "predicted_compute_epoch_s": compute, "predicted_epoch_s": p.epoch_s,
                              "predicted_cost_per_epoch_usd": p.epoch_s * alt.workers * alt.price_per_worker_s,
                              "predicted_run_s": p.run_s, "predicted_run_cost_usd": p.cost_usd})
-    store_ops, store_prices = store_terms(ctx, chosen)
     out = with_run_prediction(dataclasses.replace(chosen, alternatives=tuple(alternatives)), terms, **kwargs,
                               per_epoch=per_epoch, store_ops=store_ops.to_dict(), **store_prices)
     if per_epoch is None:

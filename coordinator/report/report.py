@@ -362,8 +362,11 @@ def alternatives(plan: dict) -> list[dict]:
 
 
 def alternatives_table(plan: dict, markdown: bool) -> list[str]:
-    rows = []
-    for a in alternatives(plan):
+    """One row per alternative (`$ / epoch`: its workers'); where some plan pays the store, a
+    `store $ / epoch` column with its store requests' dollars, which its `run $` includes."""
+    rows, rows_in = [], alternatives(plan)
+    store = any(a.get("predicted_store_usd_per_epoch") for a in rows_in)
+    for a in rows_in:
         stages = a.get("stages") or 1
         schedule = NONE if stages <= 1 else text(a.get("pipeline_schedule")) + (
             f" x{a['chunks']}" if (a.get("chunks") or 1) > 1 else "")
@@ -373,12 +376,13 @@ def alternatives_table(plan: dict, markdown: bool) -> list[str]:
                      text(a.get("data_parallel")), text(stages),
                      gigabytes([g for g in _alt_size(a, plan) if g is not None] or None),
                      duration(a.get("predicted_iteration_s")), duration(a.get("predicted_epoch_s")),
-                     money(a.get("predicted_cost_per_epoch_usd")), duration(a.get("predicted_run_s")),
-                     money(a.get("predicted_run_cost_usd"))])
+                     money(a.get("predicted_cost_per_epoch_usd")),
+                     *([money(a.get("predicted_store_usd_per_epoch") or 0.0)] if store else []),
+                     duration(a.get("predicted_run_s")), money(a.get("predicted_run_cost_usd"))])
     if not rows:
         return []
     return table_lines(["", "strategy", "schedule", "D", "stages", "size", "iteration", "epoch", "$ / epoch",
-                        "run", "run $"], rows, markdown, keep=6)
+                        *(["store $ / epoch"] if store else []), "run", "run $"], rows, markdown, keep=6)
 
 
 # --- the co-optimiser ------------------------------------------------------------------------
