@@ -80,3 +80,18 @@ def test_far_slower_plans_stay_out_however_cheap():
     a, b = every_step(), hybrid()
     slow = Plan(**{**b.__dict__, "predicted_iteration_s": 0.2, "alternatives": ()})
     assert fastest_cheapest(inputs(store_request_usd=S3_STANDARD.prices()), [a, slow]) is a
+
+
+def test_the_alternatives_table_shows_each_plans_store_dollars_where_one_pays():
+    from coordinator.report.report import alternatives_table
+
+    s3 = inputs(store_request_usd=S3_STANDARD.prices())
+    a, b = every_step(), hybrid()
+    rows = [describe(a, False, store_request_usd(s3, a)), describe(b, True, store_request_usd(s3, b))]
+    plan = {**rows[1], "alternatives": rows}
+    lines = alternatives_table(plan, markdown=True)
+    text = "\n".join(lines)
+    assert "store $ / epoch" in lines[0]
+    assert "| $0.00284 |" in text and "| $0.00248 |" in text
+    free = [describe(a), describe(b, True)]
+    assert "store $" not in "\n".join(alternatives_table({**free[1], "alternatives": free}, markdown=True))
