@@ -46,6 +46,7 @@ is `engine.local_sgd_epoch`.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Callable
 
 import torch
@@ -279,15 +280,24 @@ def validation_metrics(model: nn.Module, x: torch.Tensor, y: torch.Tensor, objec
     """The objective's figures of `model` on (x, y), in eval mode (`engine.objective`: loss and
     accuracy for class targets, loss, perplexity and token accuracy for token targets), scored
     `chunk` rows at a time (None: `validation_chunk`)."""
+    chunk = chunk or validation_chunk(x)
+    return chunked_metrics(model, ((x[start : start + chunk], y[start : start + chunk])
+                                   for start in range(0, len(y), chunk)), objective)
+
+
+def chunked_metrics(model: nn.Module, chunks: Iterable[tuple[torch.Tensor, torch.Tensor]],
+                    objective: Objective = CROSS_ENTROPY) -> Metrics:
+    """The objective's figures of `model`, in eval mode, over `chunks` of (x, y) rows scored one
+    at a time as they come (each moved to the model's device): a pass whose memory does not grow
+    with the data (`engine.validation_stream`); equal to `validation_metrics` of the rows put
+    together when its chunks are the same."""
     was_training = model.training
     model.eval()
     tally = Tally()
     device = next(model.parameters()).device
-    chunk = chunk or validation_chunk(x)
     with torch.no_grad():
-        for start in range(0, len(y), chunk):
-            xb, yb = x[start : start + chunk].to(device), y[start : start + chunk].to(device)
-            objective.tally(model(xb), yb, tally)
+        for xb, yb in chunks:
+            objective.tally(model(xb.to(device)), yb.to(device), tally)
     model.train(was_training)
     return tally.metrics()
 

@@ -141,7 +141,7 @@ from engine.datasets import ShardSource, worker_shards
 from engine.devices import to_compute, torch_device, torch_dtype
 from engine.epoch_order import Phase, add_digests, sample_digest
 from engine.iteration_clock import IterationClock
-from engine.local_sgd import LocalSGD, validation_metrics
+from engine.local_sgd import LocalSGD
 from engine.models import build_model
 from engine.objective import objective_for
 from engine.optimizers import build_optimizer
@@ -149,6 +149,7 @@ from engine.outer import OuterStep
 from engine.replica_data import check_steps, earlier_tally, replica_share
 from engine.residuals import ResidualWriter, continue_residual, read_residual
 from engine.shard_stream import ShardStream
+from engine.validation_stream import streamed_validation
 
 DEFAULT_COLLECTIVE = "plain"
 """A replica's collective when `spec.sync.collective` is None."""
@@ -600,9 +601,9 @@ class _ReplicaEpoch:
         spec, dtype = self.spec, self.dtype
         if spec.rank != 0 or not spec.evaluate:
             return None
-        vx, vy = self.shards.read(range(self.shards.manifest.n_val_subsets), split="val", seed=spec.seed)
-        return validation_metrics(self.model, to_compute(vx, vx.device, dtype), to_compute(vy, vy.device, dtype),
-                                  self.objective)
+        # chunk by chunk through a ShardStream: memory does not grow with the validation split
+        return streamed_validation(self.model, self.shards, self.objective, seed=spec.seed,
+                                   convert=lambda t: to_compute(t, t.device, dtype))
 
     def record_history(self, loop_s: float) -> None:
         """This attempt's record of what it trained (`read_epoch_history`): its steps and

@@ -42,6 +42,7 @@ from engine.optimizers import build_optimizer, load_optimizer_state, optimizer_s
 from engine.replica_data import check_steps, replica_share
 from engine.shard_stream import ShardStream
 from engine.stages import slice_full_state, split_stages
+from engine.validation_stream import ChunkRows
 
 DEFAULT_COLLECTIVE = "pipelined"
 """A stage's gradient sync when `spec.sync.collective` is None."""
@@ -338,15 +339,15 @@ class StageWorker:
 
     # --- data, state, validation, checkpoint ------------------------------------------
 
-    def _read_data(self, split: str, subsets) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Inputs for the worker of model stage 0, labels for the worker of the last (a
-        one-worker pipeline needs both), of whole shards (validation's)."""
-        first, last = 0 in self.own_stages, self.last in self.own_stages
-        if not (first or last):
-            return None, None
-        x, y = self.shards.read(subsets, split=split, seed=self.spec.seed, epoch=self.spec.epoch)
-        x, y = to_compute(x, self.device, self.dtype), to_compute(y, self.device, self.dtype)
-        return (x if first else None, y if last else None)
+    def _val_rows(self, chunks) -> ChunkRows | None:
+        """The validation chunks' inputs for the worker of model stage 0, their labels for the
+        worker of the last (a one-worker pipeline needs both), read chunk by chunk as the
+        schedule takes them (`ChunkRows`): memory does not grow with the validation split."""
+        parts = tuple(p for p, stage in ((0, 0), (1, self.last)) if stage in self.own_stages)
+        if not parts:
+            return None
+        return ChunkRows(self.shards, [c.numpy() for c in chunks], parts, seed=self.spec.seed, epoch=self.spec.epoch,
+                         convert=lambda t: to_compute(t, self.device, self.dtype))
 
     def _load_initial_state(self) -> dict[str, Any]:
         """Load this worker's slice of the full-model checkpoint at `spec.init_key`."""
@@ -382,29 +383,33 @@ class StageWorker:
         worker scores it."""
         cfg = self.cfg
         manifest = self.shards.manifest
-        x, y = self._read_data("val", range(manifest.n_val_subsets))
         n = manifest.n_val
         chunks = torch.tensor_split(torch.arange(n), -(-n // cfg.val_chunk))
         actions = lower(forward_only(cfg.workers, len(chunks), cfg.chunks), sync=False)[cfg.index]
         base = f"{self.prefix}/val"
         received = self._prefetch(base, actions)
+        rows = self._val_rows(chunks)
         self.module.eval()
         tally = Tally()
         outputs: dict[tuple[int, int], torch.Tensor] = {}
-        for a in actions:
-            s, m = a.stage, a.microbatch
-            if a.kind is Kind.F:
-                if s == 0:
-                    inp = x[chunks[m]]
-                elif a in received:
-                    inp = received[a].result()
-                else:  # the previous model stage is on this worker
-                    inp = outputs.pop((s - 1, m))
-                outputs[(s, m)] = self.module(inp, s)
-                if s == self.last:
-                    self.objective.tally(outputs.pop((s, m)), y[chunks[m]], tally)
-            elif a.kind is Kind.SEND_F:
-                self._send(f"{base}/f{s}m{m}", outputs.pop((s, m)))
+        try:
+            for a in actions:
+                s, m = a.stage, a.microbatch
+                if a.kind is Kind.F:
+                    if s == 0:
+                        inp = rows.take(m, 0)
+                    elif a in received:
+                        inp = received[a].result()
+                    else:  # the previous model stage is on this worker
+                        inp = outputs.pop((s - 1, m))
+                    outputs[(s, m)] = self.module(inp, s)
+                    if s == self.last:
+                        self.objective.tally(outputs.pop((s, m)), rows.take(m, 1), tally)
+                elif a.kind is Kind.SEND_F:
+                    self._send(f"{base}/f{s}m{m}", outputs.pop((s, m)))
+        finally:
+            if rows is not None:
+                rows.close()
         self._drain_uploads()
         self.module.train()
         if self.last not in self.own_stages:

@@ -2,8 +2,8 @@
 
 A worker names its batches as arrays of global row ids of a split (`engine.epoch_order`); the
 stream fetches each shard those batches touch once, checked against the manifest
-(`engine.datasets.read_shard`), slices the batch's rows out of the shards it holds, and drops a
-shard as soon as no later batch needs it. A worker's memory is therefore the shards its current
+(`engine.datasets.read_shard`), slices each batch's rows out of the shards it holds before the
+consumer asks for it, and drops a shard as soon as no later batch needs it. A worker's memory is therefore the shards its current
 batches span plus what is read ahead, never its share of the dataset.
 """
 from __future__ import annotations
@@ -20,7 +20,17 @@ from engine.datasets import ShardSource, read_shard, shard_rows
 from engine.shards import SPLITS, DatasetManifest
 
 READAHEAD_SHARDS = 4
-"""Shards read ahead of the current batch when no `readahead_mb` is given."""
+"""The fewest shards read ahead of the current batch when no `readahead_mb` is given (a stream
+whose batches open shuffle windows reads a whole window ahead: `ShardStream.readahead_shards`)."""
+
+READY_BATCHES = 2
+"""Batches assembled ahead of the one the consumer holds."""
+
+FETCHES_IN_FLIGHT = 2
+"""Shards fetched at once (each fetch starts in first-need order). Measured with a directory store
+slowed to 50 ms a get, 64 shards of 64 rows, batches of 32 and 10 ms of compute a batch: the
+consumer waited 1.6-1.8 s with one, 0.2-0.3 s with two; at 20 ms a get and 20 ms a batch, 0.2 s
+and 0.1 s."""
 
 
 def split_rows(manifest: DatasetManifest, split: str) -> list[int]:
@@ -37,22 +47,31 @@ class ShardStream:
     """The rows of `batches` (arrays of global row ids of `split`) of the dataset `source`, batch
     by batch, in order, each shard fetched once per stream and checked (`fetch_shard`), read ahead.
 
-    A background thread fetches the shards in the order the batches first need them (`order`),
-    ahead of the batch the consumer is on by at most `readahead_mb` MB of decoded rows (None:
-    `READAHEAD_SHARDS` shards), and always at least one shard; a shard is dropped once no later
-    batch needs it. What it holds at once is therefore at most the shards a batch spans that are
-    still needed (the current window) plus the read-ahead and one shard (`peak_bytes` measures it).
-    A shard that cannot be read (`ShardError` after its retries) is raised here at the first batch
-    that needs it, after every batch before it was yielded; nothing is skipped.
+    Background threads do the reading. The fetchers (`FETCHES_IN_FLIGHT`) fetch the shards in the
+    order the batches first need them (`order`: each fetch starts in that order), ahead of the batch the consumer is on by at most
+    `readahead_mb` MB of decoded rows, or, when None, `readahead_shards` shards: the larger of
+    `READAHEAD_SHARDS` and the most shards one batch needs first (`window_shards`: a shuffle
+    window's, `engine.epoch_order`), so a new window's shards are all read while the consumer is
+    still in the one before; always at least one shard ahead. The assembler slices each batch's
+    rows out of the shards it needs, up to `READY_BATCHES` batches beyond the consumer's, and
+    drops a shard once no later batch needs it; the consumer's next() only hands a ready batch
+    over. A shard that cannot be read (`ShardError` after its retries) is raised here at the
+    first batch that needs it, after every batch before it was yielded; nothing is skipped.
+
+    Memory: the decoded shards held at once (`peak_bytes` measures them) are at most those the
+    consumer's batch spans that are still needed (the current window) plus the read-ahead plus
+    one shard; the ready batches add at most `READY_BATCHES` + 1 batches of rows (the one the
+    consumer holds included).
 
     Text shards come back int64; `mlm` shards are masked for (`seed`, `epoch`) by each row's global
     index (`engine.datasets.shard_rows`). Shards go through the process's cache when it is on
     (`keep_subsets`), so a warm worker's next epoch rereads nothing it kept.
 
-    `wait_s`: seconds the consumer waited for a shard (read by `clock`); `bytes_read`: stored bytes
-    fetched (a shard from the process cache costs none); `peak_bytes`: the most decoded bytes held
-    at once. A stream is read once; use it as a context manager, or `close()` it, which stops the
-    reader (a generator that runs to its end, or fails, closes it too)."""
+    `wait_s`: seconds the consumer waited in next() for its batch (read by `clock`); `bytes_read`:
+    stored bytes fetched (a shard from the process cache costs none); `peak_bytes`: the most
+    decoded shard bytes held at once. A stream is read once; use it as a context manager, or
+    `close()` it, which stops the readers (a generator that runs to its end, or fails, closes it
+    too)."""
 
     def __init__(self, source: ShardSource, batches: Sequence[np.ndarray], split: str = "train", *,
                  seed: int = 0, epoch: int = 0, readahead_mb: float | None = None,
@@ -84,22 +103,34 @@ class ShardStream:
         """Every shard the batches need, in the order they first need it: the order of fetches."""
         self._first_need: dict[int, int] = {}
         self._last_need: dict[int, int] = {}
+        firsts = [0] * len(self._batches)  # per batch: the shards it needs first
         for k, shards in enumerate(self._shards):
             for s in shards:
                 if s not in self._first_need:
                     self.order.append(s)
                     self._first_need[s] = k
+                    firsts[k] += 1
                 self._last_need[s] = k
+        self.window_shards = max(firsts, default=0)
+        """The most shards one batch needs first: a shuffle window's, when a batch opens one."""
+        self.readahead_shards = max(READAHEAD_SHARDS, self.window_shards)
+        """Shards read ahead when `readahead_mb` is None."""
+        # _current[k]: how many shards of `order` batches 0..k need (the rest are ahead of batch k)
+        self._current = np.cumsum(firsts).tolist()
         self.wait_s = 0.0
         self.bytes_read = 0
         self.peak_bytes = 0
         self._cond = threading.Condition()
-        self._held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # guarded by _cond, as below
+        # guarded by _cond:
+        self._fetched = 0  # shards of `order` claimed by the fetcher (fetched or in flight)
+        self._decoded: dict[int, int] = {}  # shard -> its decoded bytes, once fetched
+        self._held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._failed: dict[int, BaseException] = {}
         self._held_bytes = 0
+        self._ready: dict[int, tuple[torch.Tensor, torch.Tensor] | BaseException] = {}
         self._need = 0  # the batch the consumer is on
         self._stop = False
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self._started = False
 
     def __len__(self) -> int:
@@ -109,32 +140,32 @@ class ShardStream:
         if self._started:
             raise RuntimeError("a ShardStream is read once")
         self._started = True
-        self._thread = threading.Thread(target=self._read_ahead, name="shard-stream", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=work, name="shard-stream", daemon=True)
+                         for work in [self._fetch] * FETCHES_IN_FLIGHT + [self._assemble]]
+        for t in self._threads:
+            t.start()
         try:
             for k in range(len(self._batches)):
-                with self._cond:
-                    self._need = k
-                    self._cond.notify_all()
-                yield self._rows(k, self._wait_for(k))
-                with self._cond:
-                    for s in self._shards[k]:
-                        if self._last_need[s] == k:
-                            self._held_bytes -= _nbytes(self._held.pop(s))
+                got = self._wait_for(k)
+                if isinstance(got, BaseException):
+                    raise got
+                yield got
         finally:
             self.close()
 
     def close(self) -> None:
-        """Stop the reader and drop what is held. The reader ends at once, or, in the middle of a
+        """Stop the readers and drop what is held. They end at once, or, in the middle of a
         fetch, when that fetch returns (bounded by the source's timeout and `fetch_shard`'s
-        retries), its result dropped; close() waits for it, so no reader outlives its stream."""
+        retries), its result dropped; close() waits for them, so no reader outlives its stream."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
             self._held.clear()
+            self._ready.clear()
             self._held_bytes = 0
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join()
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join()
 
     def __enter__(self) -> ShardStream:
         return self
@@ -144,53 +175,46 @@ class ShardStream:
 
     # --- the consumer -------------------------------------------------------------------
 
-    def _wait_for(self, k: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """The shards batch `k` needs, once the reader has them; a failed one's error raised."""
-        got = {}
+    def _wait_for(self, k: int) -> tuple[torch.Tensor, torch.Tensor] | BaseException:
+        """Batch `k`'s rows once the assembler has them, or the error that stopped it there."""
         with self._cond:
-            for s in self._shards[k]:
-                if s not in self._held and s not in self._failed:
-                    since = self._clock()
-                    self._cond.wait_for(lambda s=s: s in self._held or s in self._failed)
-                    self.wait_s += self._clock() - since
-                if s in self._failed:
-                    raise self._failed[s]
-                got[s] = self._held[s]
-        return got
+            self._need = k
+            self._cond.notify_all()
+            if k not in self._ready:
+                since = self._clock()
+                self._cond.wait_for(lambda: k in self._ready)
+                self.wait_s += self._clock() - since
+            return self._ready.pop(k)
 
-    def _rows(self, k: int, held: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-        ids, shard_of = self._batches[k], self._shard_of[k]
-        x0, y0 = held[self._shards[k][0]]
-        x = x0.new_empty((len(ids), *x0.shape[1:]))
-        y = y0.new_empty((len(ids), *y0.shape[1:]))
-        for s, (sx, sy) in held.items():
-            at = np.flatnonzero(shard_of == s)
-            local = torch.from_numpy(ids[at] - self._starts[s])
-            at = torch.from_numpy(at)
-            x[at], y[at] = sx[local], sy[local]
-        return x, y
+    # --- the fetcher threads ---------------------------------------------------------------
 
-    # --- the reader thread ---------------------------------------------------------------
-
-    def _may_fetch(self, s: int) -> bool:
-        """Whether the reader may fetch `s` now: a shard the current batch needs always; one
-        ahead of it while what is ahead is under the read-ahead bound (or is nothing)."""
-        if self._first_need[s] <= self._need:
+    def _may_fetch(self) -> bool:
+        """Whether the fetcher may claim the next shard of `order` now: one the consumer's batch
+        needs always; one ahead of it while what is ahead is under the read-ahead bound (or is
+        nothing)."""
+        current = self._current[min(self._need, len(self._current) - 1)]
+        if self._fetched < current:
             return True
-        ahead = [xy for t, xy in self._held.items() if self._first_need[t] > self._need]
+        ahead = self.order[current:self._fetched]
         if not ahead:
             return True
         if self._budget is None:
-            return len(ahead) < READAHEAD_SHARDS
-        return sum(map(_nbytes, ahead)) < self._budget
+            return len(ahead) < self.readahead_shards
+        # a shard in flight counts as the largest fetched so far (none yet: wait for its size)
+        guess = max(self._decoded.values(), default=None)
+        if guess is None and any(s not in self._decoded for s in ahead):
+            return False
+        return sum(self._decoded.get(s, guess) for s in ahead) < self._budget
 
-    def _read_ahead(self) -> None:
+    def _fetch(self) -> None:
         src = self.source
-        for s in self.order:
+        while True:
             with self._cond:
-                self._cond.wait_for(lambda s=s: self._stop or self._may_fetch(s))
-                if self._stop:
+                self._cond.wait_for(lambda: self._stop or self._fetched >= len(self.order) or self._may_fetch())
+                if self._stop or self._fetched >= len(self.order) or self._failed:
                     return
+                s = self.order[self._fetched]
+                self._fetched += 1
             try:
                 (x, y, meta), fetched = read_shard(src.store, src.prefix, self.split, s, src.timeout,
                                                    manifest=src.manifest)
@@ -205,9 +229,55 @@ class ShardStream:
                 if self._stop:
                     return
                 self._held[s] = xy
-                self._held_bytes += _nbytes(xy)
+                self._decoded[s] = _nbytes(xy)
+                self._held_bytes += self._decoded[s]
                 self.peak_bytes = max(self.peak_bytes, self._held_bytes)
                 self._cond.notify_all()
+
+    # --- the assembler thread ---------------------------------------------------------------
+
+    def _assemble(self) -> None:
+        for k in range(len(self._batches)):
+            with self._cond:
+                self._cond.wait_for(lambda: self._stop or (k <= self._need + READY_BATCHES and all(
+                    s in self._held or s in self._failed for s in self._shards[k])))
+                if self._stop:
+                    return
+                failed = [self._failed[s] for s in self._shards[k] if s in self._failed]
+                held = {s: self._held[s] for s in self._shards[k]} if not failed else {}
+            try:
+                if failed:
+                    raise failed[0]
+                out: tuple[torch.Tensor, torch.Tensor] | BaseException = self._rows(k, held)
+            except BaseException as exc:  # noqa: BLE001 - raised in the consumer, at batch k
+                out = exc
+            with self._cond:
+                if self._stop:
+                    return
+                self._ready[k] = out
+                if isinstance(out, BaseException):
+                    self._cond.notify_all()
+                    return
+                for s in self._shards[k]:
+                    if self._last_need[s] == k:
+                        self._held_bytes -= self._decoded[s]
+                        del self._held[s]
+                self._cond.notify_all()
+
+    def _rows(self, k: int, held: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, shard_of = self._batches[k], self._shard_of[k]
+        x0, y0 = held[self._shards[k][0]]
+        if len(held) == 1:  # a batch of one shard: one gather each
+            local = torch.from_numpy(ids - self._starts[self._shards[k][0]])
+            return x0[local], y0[local]
+        x = x0.new_empty((len(ids), *x0.shape[1:]))
+        y = y0.new_empty((len(ids), *y0.shape[1:]))
+        for s, (sx, sy) in held.items():
+            at = np.flatnonzero(shard_of == s)
+            local = torch.from_numpy(ids[at] - self._starts[s])
+            at = torch.from_numpy(at)
+            x[at], y[at] = sx[local], sy[local]
+        return x, y
 
 
 def _in_first_order(shards: np.ndarray) -> list[int]:

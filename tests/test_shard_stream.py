@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import engine.datasets as datasets
+import engine.shard_stream as shard_stream
 import engine.shards as shards
 from comm.store import Store
 from comm.store_dir import DirectoryStore
@@ -26,7 +27,8 @@ from engine.datasets import (
     prepare_dataset,
     read_shards,
 )
-from engine.shard_stream import READAHEAD_SHARDS, ShardStream
+from engine.epoch_order import epoch_order
+from engine.shard_stream import READAHEAD_SHARDS, READY_BATCHES, ShardStream, split_rows
 from engine.shards import ShardError
 from engine.text_data import TextSettings
 
@@ -139,7 +141,8 @@ def test_rows_equal_indexing_the_whole_dataset_on_every_store(bucket):
     assert torch.equal(vx, data.val_x[val_ids]) and torch.equal(vy, data.val_y[val_ids])
 
 
-def test_each_shard_is_fetched_once_in_the_order_the_batches_first_need_it(prepared):
+def test_each_shard_is_fetched_once_in_the_order_the_batches_first_need_it(prepared, monkeypatch):
+    monkeypatch.setattr(shard_stream, "FETCHES_IN_FLIGHT", 1)  # two may reach the store in either order
     store = Recording(prepared)
     batches = random_batches(200, 5, seed=1)[:12] + [np.arange(200)]  # scattered, then every shard again
     with ShardStream(ShardSource(store, "data"), batches, readahead_mb=0) as stream:
@@ -157,9 +160,62 @@ def test_the_reader_runs_ahead_of_the_consumer_up_to_its_bound(prepared, readahe
         it = iter(stream)
         next(it)  # the consumer holds batch 0 (shard 0) and asks for nothing more
         assert store.event(keys([ahead])[0]).wait(WAIT)
-        assert store.gets == keys(range(ahead + 1))  # the bound stops it there until the consumer moves on
+        assert sorted(store.gets) == keys(range(ahead + 1))  # the bound stops it there until the consumer moves on
         assert sum(1 for _ in it) == 6
-    assert store.gets == keys(range(7))
+    assert sorted(store.gets) == keys(range(7))
+
+
+def test_batches_are_assembled_ahead_so_next_only_hands_one_over(prepared):
+    store = Recording(prepared)
+    stream = ShardStream(ShardSource(store, "data"), shard_batches())
+    with stream:
+        it = iter(stream)
+        next(it)  # the consumer holds batch 0
+        with stream._cond:  # both readers come to rest at their bounds: shards 0..4, batches 1..2
+            assert stream._cond.wait_for(lambda: stream._fetched == READAHEAD_SHARDS + 1
+                                         and sorted(stream._ready) == list(range(1, READY_BATCHES + 1)), WAIT)
+        assert sorted(store.gets) == keys(range(READAHEAD_SHARDS + 1))
+        waited = stream.wait_s
+        x, y = next(it)  # ready: a hand-over
+        assert stream.wait_s == waited and len(y) == ROWS
+        assert sum(1 for _ in it) == 5
+    assert sorted(store.gets) == keys(range(7))
+
+
+def test_the_default_read_ahead_holds_a_whole_shuffle_window_wider_than_its_floor(tmp_path):
+    store = DirectoryStore(tmp_path / "bucket")
+    prepare_dataset(store, "data", "synthetic:8:3:400:40", subset_size=16)  # 25 shards of 16 rows
+    source = ShardSource(store, "data")
+    order = epoch_order(split_rows(source.manifest, "train"), seed=0, epoch=0, window=6)
+    batches = [order[i:i + 32] for i in range(0, 400, 32)]
+    recording = Recording(store)
+    stream = ShardStream(ShardSource(recording, "data"), batches)
+    seen, bursts = set(), []  # per batch: the shards it needs first
+    for b in batches:
+        bursts.append(len(set((b // 16).tolist()) - seen))
+        seen |= set((b // 16).tolist())
+    assert stream.window_shards == max(bursts) == 6 > READAHEAD_SHARDS
+    assert stream.readahead_shards == 6
+    with stream:
+        for k, _ in enumerate(stream):
+            if k + 1 < len(batches):  # while the consumer holds batch k, every shard batch k + 1 opens is read
+                opened = [s for s in stream.order if stream._first_need[s] == k + 1]
+                assert all(recording.event(key).wait(WAIT) for key in keys(opened))
+    assert sorted(recording.gets) == sorted(keys(stream.order))
+
+
+def test_a_second_fetch_goes_on_while_the_first_is_stalled(prepared):
+    store = Recording(prepared)
+    gate = store.gates[keys([1])[0]] = threading.Event()
+    with ShardStream(ShardSource(store, "data"), shard_batches()) as stream:
+        it = iter(stream)
+        next(it)
+        assert store.event(keys([1])[0]).wait(WAIT) and store.event(keys([2])[0]).wait(WAIT)  # 2 asked, 1 stalled
+        gate.set()
+        data = load_dataset(SOURCE)
+        for ids, (x, y) in zip(shard_batches()[1:], it):
+            assert torch.equal(x, data.train_x[ids]) and torch.equal(y, data.train_y[ids])
+    assert sorted(store.gets) == keys(range(7))
 
 
 def windowed_batches(seed: int = 0, window: int = 2, batch: int = 16) -> list[np.ndarray]:
