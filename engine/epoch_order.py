@@ -40,10 +40,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from core.epoch_steps import epoch_steps
 from core.errors import ZooidValueError
 
 DEFAULT_WINDOW = 8
 """Shards per shuffle window."""
+
+__all__ = ["DEFAULT_WINDOW", "Phase", "add_digests", "epoch_order", "epoch_steps", "remaining",
+           "replica_batches", "sample_digest", "shard_offsets"]
 
 _ORDER_STREAM = 0x5A4D
 """Tags the order's generator apart from the other (seed, epoch) streams (MLM masks, init)."""
@@ -95,15 +99,6 @@ class Phase:
     @classmethod
     def from_dict(cls, d: dict) -> Phase:
         return cls(int(d["world"]), int(d["batch"]), int(d["steps"]))
-
-
-def epoch_steps(n: int, world: int, batch: int) -> int:
-    """Steps every replica takes when `world` replicas with batch `batch` share `n` ids
-    (module docstring): the full steps, plus one for a tail of at least `world` ids (or when
-    there is no full step)."""
-    Phase(world, batch, 0)  # checks world and batch
-    full, tail = divmod(n, world * batch)
-    return full + (1 if tail and (tail >= world or full == 0) else 0)
 
 
 def _cut(ids: np.ndarray, world: int, batch: int) -> list[list[np.ndarray]]:

@@ -34,9 +34,9 @@ are predicted the same way (`sized_inputs`); the co-optimiser's own figures are 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Callable
 
+from core.epoch_steps import epoch_steps
 from core.errors import ZooidValueError
 from core.kinds import SINGLE_CHUNK_SCHEDULES, PipelineSchedule, Strategy
 from core.plan import Plan
@@ -134,7 +134,7 @@ def co_optimized(ctx, profile: dict, x: StrategyInputs, uniform: Plan | None, wo
     if problem.num_layers > MAX_LAYERS:
         problem, groups = merge_layers(problem, MAX_LAYERS)
         last = [last[b] for _, b in groups]
-    steps = math.ceil(ctx.resolved.n_train / (total * micro))
+    steps = epoch_steps(ctx.resolved.n_train, 1, total * micro)  # iterations of the global batch (to_plan: D's own)
     iterations = steps * job.epochs
     points = frontier(problem, stages)
     point, rule = select(points, max_cost=job.budget_usd / iterations if job.budget_usd else None,
@@ -158,7 +158,7 @@ def co_optimized(ctx, profile: dict, x: StrategyInputs, uniform: Plan | None, wo
             raise ZooidValueError("memory", f"{why_uniform}; and no stage assignment fits any of "
                                             f"{', '.join(f'{g:g}' for g in sizes)} GB")
         return dataclasses.replace(uniform, co_optimizer={**record, "reason": "no co-optimised plan fits"})
-    chosen = to_plan(ctx, x, problem, point, options, [last[c] for c in point.solution.cuts], total, micro, steps)
+    chosen = to_plan(ctx, x, problem, point, options, [last[c] for c in point.solution.cuts], total, micro)
     check_memory(chosen)
     record["co_optimised"] = {**describe_point(problem, point, steps, chosen.cuts), **_summary(chosen)}
     if uniform is not None and uniform.stages == 1 and not _better(chosen, uniform, job):
@@ -174,7 +174,7 @@ def co_optimized(ctx, profile: dict, x: StrategyInputs, uniform: Plan | None, wo
 
 
 def to_plan(ctx, x: StrategyInputs, problem, point, options: list[SizeOption], cuts: list[int],
-            total: int, micro: int, steps: int) -> Plan:
+            total: int, micro: int) -> Plan:
     """The solution as the flow's plan: its cuts on the profile's layers, per-stage sizes, D,
     micro-batches per replica, predicted with each stage's worker at its own size."""
     s = point.solution
@@ -183,7 +183,8 @@ def to_plan(ctx, x: StrategyInputs, problem, point, options: list[SizeOption], c
     schedule = ctx.job.pipeline_schedule if ctx.job.pipeline_schedule in SINGLE_CHUNK_SCHEDULES else PipelineSchedule.GPIPE
     plan = Plan(strategy=Strategy.HYBRID if s.d > 1 else Strategy.PIPELINE, data_parallel=s.d, stages=len(s.options),
                 cuts=tuple(cuts), microbatches=total // s.d, pipeline_schedule=schedule, sync_period=1,
-                steps_per_epoch=steps, batch_size=total // s.d * micro, worker_vcpu=launch.worker_vcpu,
+                steps_per_epoch=epoch_steps(ctx.resolved.n_train, s.d, total // s.d * micro),
+                batch_size=total // s.d * micro, worker_vcpu=launch.worker_vcpu,
                 worker_memory_gb=launch.worker_memory_gb, worker_gpu=x.worker_gpu, offer=x.offer,
                 price_per_worker_s=launch.price_per_worker_s, planner_objective_s=point.t_iter_s,
                 stage_memory_gb=tuple(o.memory_gb for o in chosen))
