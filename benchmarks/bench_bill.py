@@ -12,7 +12,8 @@ an epoch) and DiLoCo (`outer_optimizer=nesterov`, k=8: 3 rounds an epoch), each 
 - Redis: a local `redis-server`, which costs nothing; priced here as the cloud Redis it stands
   for, one node of the provider's smallest managed Redis (`planners.store_prices.store_offer`
   of a Redis that is not on this machine): measured over the run's length in the ledger (its
-  coordinator's interval), predicted over the predicted run;
+  coordinator's interval), predicted over the seconds from the run's start to the plan (spent
+  when it predicts) and the predicted run from there;
 - the ring: `collective=ring`, the run's store a directory (free).
 
 The durable store (checkpoints, the data, the ledger) is a directory for every row, so the store
@@ -105,13 +106,15 @@ def measured(ledger: dict, where_prefix: str, cloud_redis: bool) -> dict:
     return {"workers": workers, "store": store, "ops": ops}
 
 
-def predicted(plan: dict, cloud_redis: bool) -> dict:
-    """The plan's workers' dollars and store dollars (a local Redis priced as a cloud node over
-    the predicted run)."""
+def predicted(plan: dict, ledger: dict, cloud_redis: bool) -> dict:
+    """The plan's workers' dollars and store dollars (a local Redis priced as a cloud node from
+    the run's start: the seconds up to the plan, which the planner knows and bills as spent, and
+    the predicted run from the plan on)."""
     store = plan.get("predicted_store_usd") or 0.0
     workers = plan["predicted_run_cost_usd"] - store
     if cloud_redis:
-        store += store_offer(CLOUD_REDIS, "aws").node_usd(plan["predicted_run_s"])
+        began = next(r["start"] for r in ledger["rows"] if r["kind"] == "coordinator")
+        store += store_offer(CLOUD_REDIS, "aws").node_usd(plan["planned_at"] - began + plan["predicted_run_s"])
     return {"workers": workers, "store": store, "ops": StoreOps.from_dict(plan.get("predicted_store_ops"))}
 
 
@@ -137,7 +140,7 @@ def one_run(folder: Path, row: str, store: str, servers: dict) -> dict:
         durable_store.close()
     cloud = store == "Redis"
     return {"row": row, "store": store, "measured": measured(ledger, prefix, cloud),
-            "predicted": predicted(run.summary["plan"], cloud), "wall_s": run.wall_s}
+            "predicted": predicted(run.summary["plan"], ledger, cloud), "wall_s": run.wall_s}
 
 
 def _off(p: float, m: float) -> str:
