@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
+from core.epoch_steps import epoch_steps
 from core.kinds import PIPELINED_STRATEGIES, PipelineSchedule, Strategy
 from core.outer_sync import averages_gradients, wire_bytes
 from core.plan import Plan
@@ -255,7 +256,7 @@ def pipeline_plans(x: StrategyInputs, *, cluster: int, global_batch: int, microb
         if c["stages"] < 2:
             continue  # plain data parallelism is Local-SGD's candidate
         replicas, batch = c["data_parallel"], global_batch // c["data_parallel"]
-        steps = math.ceil(x.n_train / global_batch)
+        steps = epoch_steps(x.n_train, replicas, batch)  # the workers' own count
         # the solver's cuts are on merged layers; the plan (and the executor) use the originals
         plan = Plan(strategy=Strategy.HYBRID if replicas > 1 else Strategy.PIPELINE, data_parallel=replicas,
                     stages=c["stages"], cuts=tuple(last[i] for i in c["cuts"]),
@@ -483,13 +484,13 @@ def plan_local_sgd(*, workers: int, train_samples: int, batch_size: int, sync_pe
                    offer: str, price_per_worker_s: float, checkpoint_s: float | None = None) -> Plan:
     """The Local-SGD plan for `workers` replicas and its predicted step time and epoch cost.
 
-    Each replica takes ceil(samples / (workers * batch)) steps, and averages
+    Each replica takes `core.epoch_steps.epoch_steps` steps, and averages
     `sync_bytes` every `sync_period` steps (once per epoch when None); each sync also writes
     the sync checkpoint (`sync_bytes` once): `checkpoint_s` seconds when measured, else
     one put at `bandwidth` and `latency`."""
     if workers < 1:
         raise ValueError(f"workers: must be >= 1, got {workers}")
-    steps = max(1, math.ceil(train_samples / (workers * batch_size)))
+    steps = max(1, epoch_steps(train_samples, workers, batch_size))
     syncs = 1 if sync_period is None else math.ceil(steps / sync_period)
     # the decentralised average is a scatter-reduce then all-gather (FuncPipe Eq. 1), and at
     # every sync rank 0 writes the averaged state as the sync checkpoint (one put) before the
