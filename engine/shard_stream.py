@@ -23,8 +23,9 @@ READAHEAD_SHARDS = 4
 """The fewest shards read ahead of the current batch when no `readahead_mb` is given (a stream
 whose batches open shuffle windows reads a whole window ahead: `ShardStream.readahead_shards`)."""
 
-READY_BATCHES = 2
-"""Batches assembled ahead of the one the consumer holds."""
+READY_BATCHES = 4
+"""Batches assembled ahead of the one the consumer holds; once there are that many, the assembler
+rests until half of them were taken, so it is woken once every READY_BATCHES // 2 batches."""
 
 FETCHES_IN_FLIGHT = 2
 """Shards fetched at once (each fetch starts in first-need order). Measured with a directory store
@@ -120,8 +121,15 @@ class ShardStream:
         self.wait_s = 0.0
         self.bytes_read = 0
         self.peak_bytes = 0
-        self._cond = threading.Condition()
-        # guarded by _cond:
+        # One lock, three conditions, so a thread is woken only when what it waits for may have
+        # changed (a waking thread competes with the consumer's compute for the CPU and the GIL):
+        # the consumer's (a batch ready), the fetchers' (room ahead), the assembler's (a shard
+        # fetched, room for batches).
+        lock = threading.Lock()
+        self._cond = threading.Condition(lock)
+        self._fetch_cond = threading.Condition(lock)
+        self._asm_cond = threading.Condition(lock)
+        # guarded by the lock:
         self._fetched = 0  # shards of `order` claimed by the fetcher (fetched or in flight)
         self._decoded: dict[int, int] = {}  # shard -> its decoded bytes, once fetched
         self._held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -129,6 +137,7 @@ class ShardStream:
         self._held_bytes = 0
         self._ready: dict[int, tuple[torch.Tensor, torch.Tensor] | BaseException] = {}
         self._need = 0  # the batch the consumer is on
+        self._assembling = 0  # the batch the assembler is on
         self._stop = False
         self._threads: list[threading.Thread] = []
         self._started = False
@@ -159,7 +168,8 @@ class ShardStream:
         retries), its result dropped; close() waits for them, so no reader outlives its stream."""
         with self._cond:
             self._stop = True
-            self._cond.notify_all()
+            for cond in (self._cond, self._fetch_cond, self._asm_cond):
+                cond.notify_all()
             self._held.clear()
             self._ready.clear()
             self._held_bytes = 0
@@ -179,7 +189,10 @@ class ShardStream:
         """Batch `k`'s rows once the assembler has them, or the error that stopped it there."""
         with self._cond:
             self._need = k
-            self._cond.notify_all()
+            if k and self._current[k] != self._current[k - 1]:  # batch k opens shards: room ahead
+                self._fetch_cond.notify_all()
+            if self._assembling == k + READY_BATCHES // 2:  # the assembler rests until now
+                self._asm_cond.notify_all()
             if k not in self._ready:
                 since = self._clock()
                 self._cond.wait_for(lambda: k in self._ready)
@@ -210,7 +223,7 @@ class ShardStream:
         src = self.source
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._stop or self._fetched >= len(self.order) or self._may_fetch())
+                self._fetch_cond.wait_for(lambda: self._stop or self._fetched >= len(self.order) or self._may_fetch())
                 if self._stop or self._fetched >= len(self.order) or self._failed:
                     return
                 s = self.order[self._fetched]
@@ -222,7 +235,8 @@ class ShardStream:
             except BaseException as exc:  # noqa: BLE001 - raised in the consumer, at the batch that needs `s`
                 with self._cond:
                     self._failed[s] = exc
-                    self._cond.notify_all()
+                    self._fetch_cond.notify_all()  # the other fetchers stop
+                    self._asm_cond.notify_all()
                 return
             with self._cond:
                 self.bytes_read += fetched
@@ -232,15 +246,20 @@ class ShardStream:
                 self._decoded[s] = _nbytes(xy)
                 self._held_bytes += self._decoded[s]
                 self.peak_bytes = max(self.peak_bytes, self._held_bytes)
-                self._cond.notify_all()
+                self._asm_cond.notify_all()
+                if self._budget is not None:  # its size is known now
+                    self._fetch_cond.notify_all()
 
     # --- the assembler thread ---------------------------------------------------------------
 
     def _assemble(self) -> None:
         for k in range(len(self._batches)):
             with self._cond:
-                self._cond.wait_for(lambda: self._stop or (k <= self._need + READY_BATCHES and all(
-                    s in self._held or s in self._failed for s in self._shards[k])))
+                self._assembling = k
+                if k > self._need + READY_BATCHES:  # full: rest until half were taken
+                    self._asm_cond.wait_for(lambda: self._stop or k <= self._need + READY_BATCHES // 2)
+                self._asm_cond.wait_for(lambda: self._stop or all(
+                    s in self._held or s in self._failed for s in self._shards[k]))
                 if self._stop:
                     return
                 failed = [self._failed[s] for s in self._shards[k] if s in self._failed]
@@ -257,6 +276,7 @@ class ShardStream:
                 self._ready[k] = out
                 if isinstance(out, BaseException):
                     self._cond.notify_all()
+                    self._fetch_cond.notify_all()
                     return
                 for s in self._shards[k]:
                     if self._last_need[s] == k:
