@@ -12,7 +12,6 @@ sync checkpoint at step 4 stored), the 2-worker phase resumes from that checkpoi
 from __future__ import annotations
 
 import dataclasses
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -32,6 +31,7 @@ from engine.epoch_order import epoch_steps
 from engine.local_sgd_epoch import read_epoch_history, run_local_sgd_epoch
 from engine.replica_data import dataset_tally, epoch_coverage
 from engine.residuals import read_residual
+from tests.bucket_stores import bucket_url
 from tests.sample_ids import N_TRAIN, seen
 
 DATA, MODEL, BATCH, PERIOD, SEED = "tests.sample_ids:id_data", "tests.sample_ids:id_recorder", 8, 2, 7
@@ -41,15 +41,7 @@ STOP = 4
 
 def bucket(where: str, tmp_path, request, monkeypatch) -> str:
     """A prefix holding the prepared id dataset: a directory, a moto S3 bucket or an Azurite container."""
-    if where == "s3":
-        server = request.getfixturevalue("s3_server")
-        url = f"s3://{server.create_bucket(f'ids-{uuid.uuid4().hex[:10]}')}/ids?endpoint={server.endpoint}"
-    elif where == "azure":  # the account from the environment, as a worker on Azure has it
-        server = request.getfixturevalue("azurite")
-        monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", server.connection_string())
-        url = f"az://{server.create_container(f'ids-{uuid.uuid4().hex[:10]}')}/ids"
-    else:
-        url = (tmp_path / "bucket").as_uri()
+    url = bucket_url(where, request, tmp_path, monkeypatch, "ids", "ids")
     store = open_store(url)
     try:
         prepare_dataset(store, "", DATA, subset_size=16)  # 10 shards, the last of 6 rows

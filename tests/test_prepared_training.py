@@ -6,7 +6,6 @@ or a text setting the dataset was not prepared with is refused in one line befor
 rented; a corrupt shard fails the run naming it."""
 from __future__ import annotations
 
-import uuid
 
 import pytest
 
@@ -18,6 +17,7 @@ from core.errors import ZooidValueError
 from core.keys import data_prefix, shard_key
 from engine.datasets import prepare_dataset
 from flows.train import train
+from tests.bucket_stores import bucket_url
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 SOURCE = "synthetic:64:10:256:64"
@@ -38,15 +38,7 @@ def losses(summary) -> list[tuple]:
 
 @pytest.mark.parametrize("where", ["dir", "s3", "azure"])
 def test_a_prepared_dataset_trains_in_place_to_the_factory_s_losses(where, tmp_path, request, monkeypatch):
-    if where == "s3":
-        server = request.getfixturevalue("s3_server")
-        bucket = f"s3://{server.create_bucket(f'data-{uuid.uuid4().hex[:10]}')}/syn?endpoint={server.endpoint}"
-    elif where == "azure":  # the account from the environment, as a worker on Azure has it
-        server = request.getfixturevalue("azurite")
-        monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", server.connection_string())
-        bucket = f"az://{server.create_container(f'data-{uuid.uuid4().hex[:10]}')}/syn"
-    else:
-        bucket = (tmp_path / "bucket").as_uri()
+    bucket = bucket_url(where, request, tmp_path, monkeypatch, "data", "syn")
     # the factory's run stages subsets of this many rows (ResolvedJob.subset_size): the same shards
     prepare_into(bucket, min(SUBSET_SIZE, 256 // JOB["max_workers"]))
     factory = train(TrainJob(dataset=SOURCE, store=f"file://{tmp_path}/a", **JOB))

@@ -7,7 +7,6 @@ it; a stalled store shows as the consumer's waiting (a fake clock), and close() 
 from __future__ import annotations
 
 import threading
-import uuid
 
 import numpy as np
 import pytest
@@ -31,6 +30,7 @@ from engine.epoch_order import epoch_order
 from engine.shard_stream import READAHEAD_SHARDS, READY_BATCHES, ShardStream, split_rows
 from engine.shards import ShardError
 from engine.text_data import TextSettings
+from tests.bucket_stores import KINDS, empty_store
 
 SOURCE = "synthetic:8:3:200:40"
 ROWS = 32  # 7 training shards (the last of 8 rows), 2 validation shards
@@ -45,22 +45,10 @@ def no_cache_no_pause(monkeypatch):
     monkeypatch.setattr(shards, "RETRY_PAUSE_S", 0.0)
 
 
-@pytest.fixture(params=["dir", "s3", "azure"])
+@pytest.fixture(params=KINDS)
 def bucket(request, tmp_path) -> Store:
     """The dataset prepared under `data` in a store of each kind."""
-    if request.param == "dir":
-        s = DirectoryStore(tmp_path / "bucket")
-    elif request.param == "s3":
-        from comm.store_s3 import S3Store
-
-        server = request.getfixturevalue("s3_server")
-        s = S3Store(server.create_bucket(f"data-{uuid.uuid4().hex[:12]}"), "", endpoint=server.endpoint)
-    else:
-        from comm.store_azure import AzureBlobStore
-
-        server = request.getfixturevalue("azurite")
-        s = AzureBlobStore(server.create_container(f"data-{uuid.uuid4().hex[:12]}"), "",
-                           connection_string=server.connection_string())
+    s = empty_store(request.param, request, tmp_path)
     prepare_dataset(s, "data", SOURCE, subset_size=ROWS)
     yield s
     s.close()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import uuid
 
 import pytest
 import torch
@@ -18,27 +17,16 @@ from core.errors import ZooidValueError
 from core.keys import shard_key, shard_manifest_key
 from engine.datasets import keep_subsets, load_dataset, prepare_dataset, read_shards
 from engine.shards import FORMAT, READ_TRIES, ShardCache, ShardError, read_dataset_manifest
+from tests.bucket_stores import KINDS, empty_store
 
 SOURCE = "synthetic:8:3:200:40"
 ROWS = 32  # 7 training shards (the last of 8 rows), 2 validation shards
 
 
-@pytest.fixture(params=["dir", "s3", "azure"])
+@pytest.fixture(params=KINDS)
 def bucket(request, tmp_path) -> Store:
     """An empty store of each kind a prepared dataset lives in."""
-    if request.param == "dir":
-        s = DirectoryStore(tmp_path / "bucket")
-    elif request.param == "s3":
-        from comm.store_s3 import S3Store
-
-        server = request.getfixturevalue("s3_server")
-        s = S3Store(server.create_bucket(f"data-{uuid.uuid4().hex[:12]}"), "", endpoint=server.endpoint)
-    else:
-        from comm.store_azure import AzureBlobStore
-
-        server = request.getfixturevalue("azurite")
-        s = AzureBlobStore(server.create_container(f"data-{uuid.uuid4().hex[:12]}"), "",
-                           connection_string=server.connection_string())
+    s = empty_store(request.param, request, tmp_path)
     yield s
     s.close()
 
