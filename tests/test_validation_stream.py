@@ -4,7 +4,6 @@ token targets, with chunks that cross shards; what a pass holds is a few shards,
 a pipeline's `ChunkRows` gives each chunk's inputs and targets in any interleaving."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from torch import nn
