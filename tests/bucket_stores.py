@@ -10,19 +10,20 @@ from comm.store_dir import DirectoryStore
 KINDS = ["dir", "s3", "azure"]
 
 
-def empty_store(kind: str, request, tmp_path, name: str = "data") -> Store:
-    """A fresh, empty store of `kind` (a new bucket or container on the session's server)."""
+def empty_store(kind: str, request, tmp_path, name: str = "data", prefix: str = "") -> Store:
+    """A fresh, empty store of `kind` (a new bucket or container on the session's server),
+    its keys under `prefix` there."""
     if kind == "dir":
         return DirectoryStore(tmp_path / "bucket")
     if kind == "s3":
         from comm.store_s3 import S3Store
 
         server = request.getfixturevalue("s3_server")
-        return S3Store(server.create_bucket(f"{name}-{uuid.uuid4().hex[:12]}"), "", endpoint=server.endpoint)
+        return S3Store(server.create_bucket(f"{name}-{uuid.uuid4().hex[:12]}"), prefix, endpoint=server.endpoint)
     from comm.store_azure import AzureBlobStore
 
     server = request.getfixturevalue("azurite")
-    return AzureBlobStore(server.create_container(f"{name}-{uuid.uuid4().hex[:12]}"), "",
+    return AzureBlobStore(server.create_container(f"{name}-{uuid.uuid4().hex[:12]}"), prefix,
                           connection_string=server.connection_string())
 
 

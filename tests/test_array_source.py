@@ -5,7 +5,6 @@ the number of cuts, a cut's shards equal to the source rows, and each malformed 
 in one line naming `dataset`."""
 from __future__ import annotations
 
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +17,7 @@ from core.errors import ZooidValueError
 from core.keys import shard_key
 from engine.array_cuts import Cut, arrays_manifest, plan_cuts, write_cut
 from engine.array_source import HEADER_READ, INFLATE_READ, arrays_ref, read_rows, scan_arrays
+from tests.bucket_stores import empty_store
 
 N_TRAIN, N_VAL = 230, 37
 ROW = (3, 32)
@@ -50,20 +50,9 @@ def source(request, tmp_path):
     container: (store, x, y)."""
     x, y = source_arrays()
     root = write_source(tmp_path / "src", x, y)
-    if request.param == "dir":
-        store = DirectoryStore(root)
-    elif request.param == "s3":
-        from comm.store_s3 import S3Store
-
-        server = request.getfixturevalue("s3_server")
-        store = S3Store(server.create_bucket(f"arr-{uuid.uuid4().hex[:10]}"), "raw", endpoint=server.endpoint)
-    else:
-        from comm.store_azure import AzureBlobStore
-
-        server = request.getfixturevalue("azurite")
-        store = AzureBlobStore(server.create_container(f"arr-{uuid.uuid4().hex[:10]}"), "raw",
-                               connection_string=server.connection_string())
-    if request.param != "dir":
+    kind = request.param
+    store = DirectoryStore(root) if kind == "dir" else empty_store(kind, request, tmp_path, "arr", "raw")
+    if kind != "dir":
         for path in sorted(root.rglob("*.np?")):
             store.put(path.relative_to(root).as_posix(), path.read_bytes())
     yield store, x, y
@@ -72,19 +61,7 @@ def source(request, tmp_path):
 
 @pytest.mark.parametrize("kind", ["dir", "s3", "azure"])
 def test_a_range_read_takes_only_its_bytes(kind, request, tmp_path):
-    if kind == "dir":
-        store = DirectoryStore(tmp_path / "rng")
-    elif kind == "s3":
-        from comm.store_s3 import S3Store
-
-        server = request.getfixturevalue("s3_server")
-        store = S3Store(server.create_bucket(f"rng-{uuid.uuid4().hex[:10]}"), "", endpoint=server.endpoint)
-    else:
-        from comm.store_azure import AzureBlobStore
-
-        server = request.getfixturevalue("azurite")
-        store = AzureBlobStore(server.create_container(f"rng-{uuid.uuid4().hex[:10]}"), "",
-                               connection_string=server.connection_string())
+    store = empty_store(kind, request, tmp_path, "rng")
     with store:
         store.put("k", bytes(range(200)))
         assert store.size("k") == 200

@@ -20,25 +20,15 @@ from engine.datasets import read_shards
 from engine.shards import read_dataset_manifest
 from flows.prepare import main, prepare
 from flows.prepare_cuts import CutFailed
+from tests.bucket_stores import bucket_url
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 SOURCE = "synthetic:8:3:120:30"
 
 
-def bucket_url(kind: str, request, tmp_path, monkeypatch) -> str:
-    if kind == "s3":
-        server = request.getfixturevalue("s3_server")
-        return f"s3://{server.create_bucket(f'prep-{uuid.uuid4().hex[:10]}')}/corpora/syn?endpoint={server.endpoint}"
-    if kind == "azure":
-        server = request.getfixturevalue("azurite")
-        monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", server.connection_string())
-        return f"az://{server.create_container(f'prep-{uuid.uuid4().hex[:10]}')}/corpora/syn"
-    return (tmp_path / "bucket").as_uri()
-
-
 @pytest.mark.parametrize("kind", ["dir", "s3", "azure"])
 def test_prepare_writes_a_manifest_once_and_again_is_a_no_op(kind, request, tmp_path, monkeypatch):
-    url = bucket_url(kind, request, tmp_path, monkeypatch)
+    url = bucket_url(kind, request, tmp_path, monkeypatch, "prep", "corpora/syn")
     first = prepare(dataset=SOURCE, to=url, subset_size=16)
     assert (first["written"], first["kept"], first["already"]) == (10, 0, False)  # 8 + 2 shards
     store = open_store(url)
@@ -116,7 +106,7 @@ def cut_task_runs(state) -> list:
 def test_files_of_arrays_are_cut_in_parallel_task_runs_into_shards_equal_to_their_rows(kind, request, tmp_path,
                                                                                        monkeypatch):
     dataset, x, y = array_source(kind, request, tmp_path)
-    url = bucket_url(kind, request, tmp_path, monkeypatch)
+    url = bucket_url(kind, request, tmp_path, monkeypatch, "prep", "corpora/syn")
     state = prepare(dataset=dataset, to=url, subset_size=16, workers=2, return_state=True)
     first = state.result()
     assert (first["written"], first["kept"], first["already"]) == (18, 0, False)
