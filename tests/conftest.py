@@ -12,6 +12,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,6 +99,15 @@ def wait_for_port(port: int, timeout: float = 10.0) -> None:
         except OSError:
             time.sleep(0.02)
     raise RuntimeError(f"nothing listening on 127.0.0.1:{port} after {timeout} s")
+
+
+ORPHAN_GUARD = Path(__file__).resolve().parent.parent / "deployments" / "orphan_guard.py"
+
+
+def guarded(command: list[str]) -> list[str]:
+    """`command` under the project's orphan guard (`deployments.orphan_guard`, standard library
+    only, so run by its path): stopped when this test process dies, even by SIGKILL."""
+    return [sys.executable, str(ORPHAN_GUARD), str(os.getpid()), "--", *command]
 
 
 def stop_process_group(proc: subprocess.Popen, timeout: float = 5.0) -> None:
@@ -258,10 +268,10 @@ class AzuriteServer:
     def start(self) -> None:
         """Start Azurite and wait until it accepts connections."""
         log = open(self.workdir / "azurite.log", "ab")
-        self.proc = subprocess.Popen(
+        self.proc = subprocess.Popen(guarded(
             [str(AZURITE_BIN), "--blobHost", "127.0.0.1", "--blobPort", str(self.port),
              "--location", str(self.workdir / "data"), "--skipApiVersionCheck", "--disableTelemetry",
-             "--silent"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+             "--silent"]), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
         wait_for_port(self.port, timeout=30)
 

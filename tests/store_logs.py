@@ -15,7 +15,8 @@ from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 from core.store_ops import StoreOps
-from tests.conftest import AZURITE_BIN, S3_ENV, AzuriteServer, free_port, stop_process_group, wait_for_port
+from tests.conftest import (AZURITE_BIN, S3_ENV, AzuriteServer, free_port, guarded, stop_process_group,
+                            wait_for_port)
 
 
 def _tally(kinds: list[str]) -> StoreOps:
@@ -57,7 +58,8 @@ class RecordingS3:
         self.saved = {k: os.environ.get(k) for k in S3_ENV}
         os.environ.update(S3_ENV)
         env = dict(os.environ, MOTO_ENABLE_RECORDING="True", MOTO_RECORDER_FILEPATH=str(self.recording))
-        self.proc = subprocess.Popen([sys.executable, "-c", _LOCKED_RECORDER, "-H", "127.0.0.1", "-p", str(self.port)],
+        self.proc = subprocess.Popen(guarded([sys.executable, "-c", _LOCKED_RECORDER, "-H", "127.0.0.1",
+                                              "-p", str(self.port)]),
                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      start_new_session=True)
         wait_for_port(self.port, timeout=30)
@@ -117,9 +119,9 @@ class LoggingAzurite(AzuriteServer):
             raise FileNotFoundError(AZURITE_BIN)
         self.log_path = self.workdir / "access.log"
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
+        self.proc = subprocess.Popen(guarded(
             [str(AZURITE_BIN), "--blobHost", "127.0.0.1", "--blobPort", str(self.port),
-             "--location", str(self.workdir / "data"), "--skipApiVersionCheck", "--disableTelemetry"],
+             "--location", str(self.workdir / "data"), "--skipApiVersionCheck", "--disableTelemetry"]),
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
         wait_for_port(self.port, timeout=30)
