@@ -10,6 +10,7 @@ lists none of these names again (`tests/test_one_of_each.py` reads the source to
 - `Strategy`: how the job is split (`auto` lets the planner choose among the others);
 - `PipelineSchedule`: the compute schedules `core.schedules.build_schedule` builds (the job's
   `pipeline_schedule` may also be `auto`: the planner picks among them);
+- `Capacity`: on-demand or spot workers (`auto`: the planner picks);
 - `TargetKind`: where workers run, one row per kind with its facts (the built-in target of
   that kind, its Prefect work-pool type, whether its workers share this machine's cores, run
   in containers on a provider's or engine's clock, or need a cloud account at bootstrap, and
@@ -60,6 +61,17 @@ class PipelineSchedule(StrEnum):
 
 SINGLE_CHUNK_SCHEDULES = frozenset(s for s in PipelineSchedule if s is not PipelineSchedule.INTERLEAVED)
 """Schedules that run one model stage per worker (chunks = 1)."""
+
+
+class Capacity(StrEnum):
+    """What kind of capacity a job's workers rent (job field `capacity`)."""
+
+    ON_DEMAND = "on_demand"
+    """Capacity that runs until it is stopped, at the list price."""
+    SPOT = "spot"
+    """Spare capacity at a discount that the provider may take back after a notice."""
+    AUTO = AUTO
+    """The planner prices the expected re-done work against the discount and picks one."""
 
 
 class TargetKind(StrEnum):

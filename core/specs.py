@@ -363,6 +363,9 @@ class WorkerSpec(JsonSpec):
     """Device, dtype, threads, model arguments."""
     warm: WarmSpec | None = None
     """Set on a warm worker's launch spec: serve the run's epochs (`runtime.warm`)."""
+    capacity: str = "on_demand"
+    """The capacity this attempt runs on (`core.kinds.Capacity`: `on_demand` or `spot`); a
+    spot worker leaves cleanly on the provider's notice (SIGTERM)."""
     loss: str = ""
     """The job's custom loss, `package.module:function(output, target) -> scalar`; empty:
     cross-entropy over the output's last dimension (`engine.objective`)."""
