@@ -37,6 +37,13 @@ class Plan:
     """A Local-SGD round's outer step (`core.outer_sync`): `average` (K-AVG) or `nesterov` (DiLoCo)."""
     sync_dtype: str = "float32"
     """What the data-parallel syncs move: `float32`, `bfloat16` or `int8`."""
+    collective: str = "store"
+    """How the replicas average (Local-SGD's rounds, a hybrid's gradient syncs): `store` (the
+    store collectives) or `ring` (a direct ring between the workers); the job's `collective`,
+    or the planner's choice under `auto` (`planners.strategy.candidates`)."""
+    collective_note: str = ""
+    """Under `collective=auto`, why the planner did not compare the ring (it may not run there,
+    `coordinator.run.collective.ring_refusal`); empty when it did, or the job named one."""
     sync_bytes: float = 0.0
     """Bytes of the state one data-parallel sync reduces, as they travel in `sync_dtype`
     (Local-SGD: parameters and optimizer state; hybrid: every stage's gradients); 0: unknown."""

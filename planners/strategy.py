@@ -36,7 +36,7 @@ from planners.hybrid import hybrid
 from planners.partition import PartitionProblem, PipelineLayer, plan_partition
 from planners.pipeline_time import PipelineTime, TransferCosts, pipeline_iteration, stage_times
 from planners.store_requests import epoch_store_ops
-from planners.sync_time import pipelined_scatter_reduce, scatter_reduce
+from planners.sync_time import pipelined_scatter_reduce, ring_allreduce, scatter_reduce
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,6 +102,13 @@ class StrategyInputs:
     """Dollars per second of the store's server (a cloud Redis node), 0 when it has none."""
     ring: bool = False
     """The replicas average over the ring (the job's `collective`), not through the store."""
+    collectives: tuple[str, ...] = ()
+    """The collectives the planner compares for each plan of several replicas (the job's
+    `collective=auto`: `store`, and `ring` where the ring may run); empty: the job's own
+    (`ring`). Each is priced by its requests (the ring makes none) and timed by its link."""
+    ring_link: tuple[float, float] | None = None
+    """(bandwidth, latency) of one hop between two workers, the ring's link (the catalog's
+    `tcp` row, `planners.catalog.store_figures`); None: the store collectives' link."""
 
     def compute_slowdown(self, processes: int) -> float:
         """How much slower each of a plan's `processes` worker processes computes than the
@@ -115,6 +122,12 @@ class StrategyInputs:
     def transfer_costs(self) -> TransferCosts:
         """`transfer`, or the contract's store when no probe measured it."""
         return self.transfer or TransferCosts.from_contract(self.bandwidth, self.latency)
+
+    @property
+    def plan_collectives(self) -> tuple[str, ...]:
+        """The collectives each plan of several replicas is planned over, the first for a plan
+        of one replica (which averages nothing)."""
+        return self.collectives or (("ring",) if self.ring else ("store",))
 
     @property
     def sync_link(self) -> tuple[float, float]:
@@ -155,20 +168,31 @@ def outer_state_s(x: StrategyInputs) -> float:
     return residual + momentum
 
 
-def local_sgd(x: StrategyInputs, workers: int | None = None) -> Plan:
-    """The Local-SGD plan for `workers` (default: the job's) replicas: the scatter-reduce of
-    the sync's wire bytes at the collectives' fitted link, plus the sync checkpoint write
-    (measured, or one put) and the outer state's writes."""
+def local_sgd(x: StrategyInputs, workers: int | None = None, collective: str | None = None) -> Plan:
+    """The Local-SGD plan for `workers` (default: the job's) replicas over `collective`
+    (default: the first the job allows): the scatter-reduce of the sync's wire bytes at the
+    collectives' fitted link, or the ring allreduce at the ring's (`ring_sync_s`), plus the
+    sync checkpoint write (measured, or one put) and the outer state's writes, alike for both."""
     sync_bytes = sync_wire_bytes(x)
     checkpoint_s = sync_checkpoint_s(x) + outer_state_s(x)
     bandwidth, latency = x.sync_link
     workers = workers or x.workers
+    collective = collective or x.plan_collectives[0]
     return plan_local_sgd(
         workers=workers, train_samples=x.n_train, batch_size=x.batch_size,
         sync_period=x.sync_period, step_s=local_sgd_step_s(x, workers), sync_bytes=sync_bytes, bandwidth=bandwidth,
         latency=latency, worker_vcpu=x.worker_vcpu, worker_memory_gb=x.worker_memory_gb,
         worker_gpu=x.worker_gpu, offer=x.offer, price_per_worker_s=x.price_per_worker_s,
-        checkpoint_s=checkpoint_s)
+        checkpoint_s=checkpoint_s,
+        ring_s=ring_sync_s(x, sync_bytes, workers) if collective == "ring" else None)
+
+
+def ring_sync_s(x: StrategyInputs, nbytes: float, workers: int) -> float:
+    """Seconds of one ring allreduce of `nbytes` among `workers` replicas at the ring's link
+    (`StrategyInputs.ring_link`; the store collectives' where none is known): 2 (W - 1) hops
+    of nbytes / W, each paying the link's latency (`planners.sync_time.ring_allreduce`)."""
+    bandwidth, latency = x.ring_link or x.sync_link
+    return ring_allreduce(nbytes, workers, bandwidth, 0.0, latency)
 
 
 def sync_checkpoint_s(x: StrategyInputs) -> float:
@@ -261,6 +285,7 @@ def pipeline_plans(x: StrategyInputs, *, cluster: int, global_batch: int, microb
         plan = Plan(strategy=Strategy.HYBRID if replicas > 1 else Strategy.PIPELINE, data_parallel=replicas,
                     stages=c["stages"], cuts=tuple(last[i] for i in c["cuts"]),
                     microbatches=c["microbatches"], sync_period=1, steps_per_epoch=steps,
+                    collective=x.plan_collectives[0],
                     batch_size=batch, worker_vcpu=x.worker_vcpu,
                     worker_memory_gb=x.worker_memory_gb, worker_gpu=x.worker_gpu, offer=x.offer,
                     price_per_worker_s=x.price_per_worker_s, planner_objective_s=c["time_s"])
@@ -300,9 +325,12 @@ def pipeline_prediction(x: StrategyInputs, plan: Plan) -> PipelineTime:
         st["forward_s"] *= beta * shared
         st["backward_s"] *= beta * shared
     bandwidth, latency = x.sync_link
-    sync_s = [pipelined_scatter_reduce(wire_bytes(st["param_bytes"], x.sync_dtype), plan.data_parallel,
-                                       bandwidth, latency)
-              for st in stages]
+    if plan.collective == "ring":
+        sync_s = [ring_sync_s(x, wire_bytes(st["param_bytes"], x.sync_dtype), plan.data_parallel) for st in stages]
+    else:
+        sync_s = [pipelined_scatter_reduce(wire_bytes(st["param_bytes"], x.sync_dtype), plan.data_parallel,
+                                           bandwidth, latency)
+                  for st in stages]
     optimizer_s = optimizer_shares(x.optimizer_step_s * shared, [st["param_bytes"] for st in stages])
     return pipeline_iteration(stages, plan.microbatches, costs, sync_s=sync_s, optimizer_s=optimizer_s,
                               schedule=plan.pipeline_schedule, chunks=plan.chunks)
@@ -376,8 +404,8 @@ def optimizer_shares(optimizer_step_s: float, stage_param_bytes: list[float]) ->
 
 def store_request_usd(x: StrategyInputs, plan: Plan) -> float:
     """Dollars of one epoch's store requests of `plan` (`epoch_store_ops`, over the ring when
-    the job's collective is) at the store's prices."""
-    ops = epoch_store_ops(plan, ring=x.ring)
+    the plan's or the job's collective is) at the store's prices."""
+    ops = epoch_store_ops(plan, ring=x.ring or plan.collective == "ring")
     return sum(getattr(ops, kind) * price for kind, price in x.store_request_usd.items())
 
 
@@ -399,7 +427,7 @@ def describe(plan: Plan, chosen: bool = False, store_usd: float = 0.0) -> dict:
     return {"strategy": plan.strategy, "data_parallel": plan.data_parallel, "stages": plan.stages,
             "workers": plan.workers, "cuts": list(plan.cuts), "microbatches": plan.microbatches,
             "pipeline_schedule": plan.pipeline_schedule if plan.stages > 1 else None,
-            "chunks": plan.chunks,
+            "chunks": plan.chunks, "collective": plan.collective,
             "predicted_iteration_s": plan.predicted_iteration_s,
             "predicted_epoch_s": plan.predicted_epoch_s,
             "predicted_cost_per_epoch_usd": per_epoch,
@@ -427,6 +455,31 @@ def candidates(x: StrategyInputs, strategy: str) -> list[Plan]:
     counts when None) at the job's batch. `hybrid`: D = workers replicas of it. `auto`: every
     plan of at most `workers` worker processes at the same global batch (workers x
     batch_size): Local-SGD, and each A x B pipeline with A * B <= workers."""
+    return over_collectives(x, _candidates(x, strategy))
+
+
+def over_collectives(x: StrategyInputs, plans: list[Plan]) -> list[Plan]:
+    """Each plan of several replicas once per collective the job allows
+    (`StrategyInputs.plan_collectives`: under `collective=auto` the store's and the ring's,
+    each timed and priced by its own), a plan of one replica once."""
+    out = []
+    for plan in plans:
+        for collective in x.plan_collectives[:1] if plan.data_parallel <= 1 else x.plan_collectives:
+            out.append(over_collective(x, plan, collective))
+    return out
+
+
+def over_collective(x: StrategyInputs, plan: Plan, collective: str) -> Plan:
+    """`plan` with its replicas averaging over `collective`, its time and cost predicted again."""
+    if plan.collective == collective:
+        return plan
+    if plan.strategy == Strategy.LOCAL_SGD:
+        return local_sgd(x, plan.data_parallel, collective)
+    return predicted(x, replace(plan, collective=collective))
+
+
+def _candidates(x: StrategyInputs, strategy: str) -> list[Plan]:
+    """`candidates` over the job's first collective."""
     mb = job_microbatches(x.batch_size, x.microbatches)
     if strategy == Strategy.LOCAL_SGD:
         return [local_sgd(x)]
@@ -481,13 +534,15 @@ def fastest_cheapest(x: StrategyInputs, plans: list[Plan]) -> Plan:
 def plan_local_sgd(*, workers: int, train_samples: int, batch_size: int, sync_period: int | None,
                    step_s: float, sync_bytes: float, bandwidth: float, latency: float,
                    worker_vcpu: float, worker_memory_gb: float, worker_gpu: int,
-                   offer: str, price_per_worker_s: float, checkpoint_s: float | None = None) -> Plan:
+                   offer: str, price_per_worker_s: float, checkpoint_s: float | None = None,
+                   ring_s: float | None = None) -> Plan:
     """The Local-SGD plan for `workers` replicas and its predicted step time and epoch cost.
 
     Each replica takes `core.epoch_steps.epoch_steps` steps, and averages
     `sync_bytes` every `sync_period` steps (once per epoch when None); each sync also writes
     the sync checkpoint (`sync_bytes` once): `checkpoint_s` seconds when measured, else
-    one put at `bandwidth` and `latency`."""
+    one put at `bandwidth` and `latency`. `ring_s`: the seconds of one sync's ring allreduce,
+    where the replicas average over the ring instead of the store's scatter-reduce."""
     if workers < 1:
         raise ValueError(f"workers: must be >= 1, got {workers}")
     steps = max(1, epoch_steps(train_samples, workers, batch_size))
@@ -497,9 +552,11 @@ def plan_local_sgd(*, workers: int, train_samples: int, batch_size: int, sync_pe
     # next round can complete
     if checkpoint_s is None:
         checkpoint_s = sync_bytes / bandwidth + latency
-    sync_s = (scatter_reduce(sync_bytes, workers, bandwidth, latency) + checkpoint_s) * syncs
+    reduce_s = scatter_reduce(sync_bytes, workers, bandwidth, latency) if ring_s is None else ring_s
+    sync_s = (reduce_s + checkpoint_s) * syncs
     epoch_s = steps * step_s + sync_s
     return Plan(strategy=Strategy.LOCAL_SGD, data_parallel=workers, sync_period=sync_period,
+                collective="store" if ring_s is None else "ring",
                 steps_per_epoch=steps, batch_size=batch_size, worker_vcpu=worker_vcpu,
                 worker_memory_gb=worker_memory_gb, worker_gpu=worker_gpu, offer=offer,
                 price_per_worker_s=price_per_worker_s,

@@ -17,6 +17,7 @@ from coordinator.bill.ledger import rows_now
 from coordinator.plan.co_plan import co_optimized, launched_inputs
 from coordinator.plan.run_terms import load_terms
 from coordinator.plan.scaling_policy import worker_schedule
+from coordinator.run.collective import RING, planned_collectives, uses_ring
 from coordinator.run.context import RunContext
 from core.epoch_summary import Replan
 from core.errors import ZooidValueError
@@ -27,6 +28,7 @@ from core.schedules import Kind, build_schedule
 from core.stage_memory import check_plan_memory, format_bytes, optimizer_copies, stage_memory
 from core.store_ops import StoreOps
 from planners.calibration import Calibration, calibrated
+from planners.catalog import store_figures
 from planners.pipeline_time import TransferCosts
 from planners.run_prediction import predict_run, with_run_prediction
 from planners.store_prices import StoreOffer, store_offer
@@ -71,7 +73,17 @@ def strategy_inputs(ctx: RunContext, profile: dict, workers: int) -> StrategyInp
         contention=profile.get("contention") or 1.0,
         host_cores=cpu_count() if target.kind in SHARED_HOST_KINDS else None,
         sync_dtype=job.sync_dtype, outer_optimizer=job.outer_optimizer,
-        ring=job.collective == "ring", **store_inputs(run_store_offer(ctx)))
+        ring=job.collective == RING, collectives=planned_collectives(job, target)[0],
+        ring_link=ring_link(ctx), **store_inputs(run_store_offer(ctx)))
+
+
+def ring_link(ctx: RunContext) -> tuple[float, float]:
+    """(bandwidth, latency) of one hop of a direct ring between two of the run's workers: the
+    catalog's `tcp` row, no faster than the offer's network where the workers do not share
+    this machine."""
+    shared = ctx.resolved.target.kind in SHARED_HOST_KINDS
+    row = store_figures("tcp", 0.0 if shared else getattr(ctx.resolved.offer, "network_bytes_per_s", 0.0) or 0.0)
+    return row["bandwidth_bytes_per_s"], row["latency_s"]
 
 
 def run_store_offer(ctx: RunContext) -> StoreOffer:
@@ -110,6 +122,9 @@ def make_plan(ctx: RunContext, profile: dict, workers: int, calibration: Calibra
     chosen = co_optimized(ctx, profile, x, uniform, workers, why_uniform=why,
                           check_memory=lambda p: check_memory(ctx, profile, p))
     chosen = with_sync(x, chosen)
+    note = planned_collectives(ctx.job, ctx.resolved.target)[1]
+    if note:
+        chosen = dataclasses.replace(chosen, collective_note=note)
     return with_run(ctx, chosen, calibration, epochs_left,
                     per_epoch=scaled_plans(ctx, profile, chosen, workers, calibration, epochs_left))
 
@@ -184,7 +199,7 @@ def store_terms(ctx: RunContext, plan: Plan) -> tuple[StoreOps, dict]:
     store bills for them and for its server per second (`planners.store_prices`), as
     `predict_run`'s keyword arguments. The planner weighed the same dollars when it chose
     (`planners.strategy.store_usd_per_epoch`); each alternative's run carries its own."""
-    ops = epoch_store_ops(plan, ring=ctx.job.collective == "ring")
+    ops = epoch_store_ops(plan, ring=uses_ring(ctx.job, plan))
     offer = run_store_offer(ctx)
     return ops, {"store_usd_per_epoch": offer.request_usd(ops), "store_usd_per_s": offer.node_per_hour / 3600.0}
 
@@ -270,7 +285,9 @@ def make_same(ctx: RunContext, profile: dict, current: Plan, calibration: Calibr
     """The plan in force (its shape unchanged) predicted again from calibrated inputs."""
     x = calibrated(strategy_inputs(ctx, profile, current.data_parallel), calibration)
     x = launched_inputs(ctx, x, current, profile)  # a co-optimised plan's stages run at their sizes
-    again = local_sgd(x, current.data_parallel) if current.stages == 1 else predicted(x, current)
+    collective = RING if uses_ring(ctx.job, current) else "store"
+    again = (local_sgd(x, current.data_parallel, collective) if current.stages == 1
+             else predicted(x, dataclasses.replace(current, collective=collective)))
     again = dataclasses.replace(again, alternatives=current.alternatives, co_optimizer=current.co_optimizer)
     return with_run(ctx, again, calibration, epochs_left)
 

@@ -229,7 +229,9 @@ def _sync(p: dict) -> str:
     if (p.get("data_parallel") or 1) <= 1:
         return "none (one replica)"
     k = p.get("sync_period")
-    return "once per epoch" if not k else f"every {k} steps"
+    ring = " over the ring" if p.get("collective") == "ring" else ""
+    note = f" (the ring not compared: {p['collective_note']})" if p.get("collective_note") else ""
+    return ("once per epoch" if not k else f"every {k} steps") + ring + note
 
 
 def plan_in_words(p: dict) -> str:
@@ -331,12 +333,12 @@ def _alt_size(a: dict, plan: dict) -> tuple:
 
 def _alt_key(a: dict, plan: dict) -> tuple:
     """What tells two rows of the alternatives table apart: strategy, schedule (and model
-    chunks), D, stages, size."""
+    chunks), D, stages, size, collective."""
     size = _alt_size(a, plan)
     stages = a.get("stages") or 1
     return (a.get("strategy"), a.get("pipeline_schedule") if stages > 1 else None,
             (a.get("chunks") or 1) if stages > 1 else 1, a.get("data_parallel"), stages,
-            tuple(float(g) for g in size if g is not None))
+            tuple(float(g) for g in size if g is not None), a.get("collective") or "store")
 
 
 def alternatives(plan: dict) -> list[dict]:
@@ -354,7 +356,8 @@ def alternatives(plan: dict) -> list[dict]:
         if not rows:
             return []
         rows[mine] = {k: plan.get(k) for k in ("strategy", "data_parallel", "stages", "workers", "cuts",
-                                               "microbatches", "pipeline_schedule", "chunks", "stage_memory_gb", "worker_memory_gb",
+                                               "microbatches", "pipeline_schedule", "chunks", "collective",
+                                               "stage_memory_gb", "worker_memory_gb",
                                                "predicted_iteration_s", "predicted_epoch_s",
                                                "predicted_cost_per_epoch_usd", "predicted_run_s",
                                                "predicted_run_cost_usd")}
@@ -363,9 +366,11 @@ def alternatives(plan: dict) -> list[dict]:
 
 def alternatives_table(plan: dict, markdown: bool) -> list[str]:
     """One row per alternative (`$ / epoch`: its workers'); where some plan pays the store, a
-    `store $ / epoch` column with its store requests' dollars, which its `run $` includes."""
+    `store $ / epoch` column with its store requests' dollars, which its `run $` includes; where
+    the plans average over different collectives (`collective=auto`), a `collective` column."""
     rows, rows_in = [], alternatives(plan)
     store = any(a.get("predicted_store_usd_per_epoch") for a in rows_in)
+    collectives = len({a.get("collective") or "store" for a in rows_in}) > 1
     for a in rows_in:
         stages = a.get("stages") or 1
         schedule = NONE if stages <= 1 else text(a.get("pipeline_schedule")) + (
@@ -373,6 +378,7 @@ def alternatives_table(plan: dict, markdown: bool) -> list[str]:
         if a.get("fits") is False:  # a schedule compared, or a candidate whose workers it would overfill
             schedule = "does not fit" if schedule == NONE else schedule + " (does not fit)"
         rows.append(["chosen" if a["chosen"] else "", strategy_name(a.get("strategy")), schedule,
+                     *([text(a.get("collective") or "store")] if collectives else []),
                      text(a.get("data_parallel")), text(stages),
                      gigabytes([g for g in _alt_size(a, plan) if g is not None] or None),
                      duration(a.get("predicted_iteration_s")), duration(a.get("predicted_epoch_s")),
@@ -381,8 +387,9 @@ def alternatives_table(plan: dict, markdown: bool) -> list[str]:
                      duration(a.get("predicted_run_s")), money(a.get("predicted_run_cost_usd"))])
     if not rows:
         return []
-    return table_lines(["", "strategy", "schedule", "D", "stages", "size", "iteration", "epoch", "$ / epoch",
-                        *(["store $ / epoch"] if store else []), "run", "run $"], rows, markdown, keep=6)
+    return table_lines(["", "strategy", "schedule", *(["collective"] if collectives else []), "D", "stages", "size",
+                        "iteration", "epoch", "$ / epoch", *(["store $ / epoch"] if store else []), "run", "run $"],
+                       rows, markdown, keep=7 if collectives else 6)
 
 
 # --- the co-optimiser ------------------------------------------------------------------------

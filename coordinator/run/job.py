@@ -114,11 +114,13 @@ class Sync(JobSection):
 
     sync_period: Optional[int] = Field(None, gt=0, title="Local-SGD period k",
                                        description="Steps between model averages; null averages once per epoch.")
-    collective: Literal["store", "ring"] = Field(
+    collective: Literal["store", "ring", "auto"] = Field(
         "store", title="Collective",
         description="How Local-SGD replicas average: `store` (scatter-reduce through the store; a dead "
-                    "worker is relaunched alone) or `ring` (direct ring allreduce between the workers, over TCP on "
-                    "CPU and NCCL on CUDA, when workers can reach each other; a failure reruns the epoch).")
+                    "worker is relaunched alone), `ring` (direct ring allreduce between the workers, over TCP on "
+                    "CPU and NCCL on CUDA, when workers can reach each other; a failure reruns the epoch) or `auto` "
+                    "(the planner compares both by epoch time and dollars, the store's requests included; the "
+                    "ring only where it may run: float32 syncs, workers on this machine, on-demand workers).")
     outer_optimizer: Literal["average", "nesterov"] = Field(
         "average", title="Outer optimizer",
         description="What a Local-SGD sync does with the replicas' weights: `average` (K-AVG) or `nesterov` "

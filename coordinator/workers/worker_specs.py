@@ -7,6 +7,7 @@ both import them from here, so neither depends on the other for them.
 from __future__ import annotations
 
 from clouds.registry import is_cloud
+from coordinator.run.collective import uses_ring
 from coordinator.run.context import RunContext
 from coordinator.run.job_data import is_prepared
 from coordinator.run.outer_step import job_outer_settings
@@ -50,7 +51,7 @@ def worker_specs(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, 
                           optimizer=job.optimizer, seed=job.seed, init_key=init,
                           out_key=checkpoint_key(ctx.run_id, epoch), sync_timeout_s=timeout, attempt=attempt,
                           loss=job.loss or "", compute=compute, data=data,
-                          sync=SyncSpec(collective="ring", ring_host=ring_host(ctx)) if job.collective == "ring"
+                          sync=SyncSpec(collective="ring", ring_host=ring_host(ctx)) if uses_ring(job, plan)
                           else SyncSpec(collective="pipelined", sync_dtype=job.sync_dtype))
         # a planner cut i splits after layer i; the executor's cut is where a stage begins
         return pipeline_worker_specs(base, cuts=[c + 1 for c in plan.cuts], microbatches=plan.microbatches,
@@ -59,7 +60,7 @@ def worker_specs(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, 
     outer = {"outer_optimizer": job.outer_optimizer, "outer_lr": settings.lr,
              "outer_momentum": settings.momentum, "sync_dtype": job.sync_dtype}
     sync = (SyncSpec(collective="ring", ring_host=ring_host(ctx), ring_timeout_s=120.0, **outer)
-            if job.collective == "ring" else SyncSpec(**outer))
+            if uses_ring(job, plan) else SyncSpec(**outer))
     return [WorkerSpec(run_id=ctx.run_id, epoch=epoch, rank=rank, world=plan.data_parallel,
                        store_url=ctx.store_ref, model=job.model, dataset=job.dataset,
                        steps=steps,
