@@ -28,7 +28,7 @@ from typing import Any, Iterable, Mapping
 from clouds.adapter import RUN_LABEL, CloudAdapter, CloudInterval, pool_job_configuration
 from clouds.provider import JobVariablesError, Provider, WorkerResources, run_labels
 from clouds.timestamps import epoch_seconds
-from core.kinds import TargetKind
+from core.kinds import Capacity, TargetKind
 
 ACI_GPU_SKUS = ("K80", "P100", "V100")
 """The GPU SKUs a container group may ask for."""
@@ -182,6 +182,16 @@ class Aci(Provider):
     @classmethod
     def size(cls, res: WorkerResources, run_id: str) -> dict:
         return aci_job_variables(res, run_id)
+
+    @classmethod
+    def on_capacity(cls, sized: dict, capacity: str) -> dict:
+        """Spot: the container group's `priority: Spot` (CPU only: ACI refuses a Spot group that
+        asks for GPUs, JobVariablesError naming `capacity`); on-demand: as sized."""
+        if capacity != Capacity.SPOT:
+            return super().on_capacity(sized, capacity)
+        if sized.get("gpu"):
+            raise JobVariablesError("capacity", "ACI Spot container groups take no GPU; use on_demand for GPU workers")
+        return {**sized, "priority": "Spot"}
 
     @classmethod
     def credentials_block(cls, environ: Mapping[str, str]) -> tuple[str, Any] | None:

@@ -13,6 +13,9 @@ there is no pull to bill, the image is local). `FinishedAt` can read a few milli
 container that never started (created only, or a start that failed: a bad command, no such
 user) is a failed placement: listed, not billed. Containers are kept after they exit (`auto_remove` off in the
 pool's template) so their clock can be read after the epoch; the sweep removes them.
+A container can vanish at any moment (a preemption, a sweep): the listing inspects each one
+itself and leaves out one gone in between (`run_containers`), and the adapter bills one gone
+since the last look from what it last saw (`SeenContainers`).
 
 The functions take a `docker.DockerClient`, so they run the same against a real engine or
 recorded API answers; `docker_client()` opens one at `DOCKER_HOST` (what the pool's worker
@@ -24,19 +27,24 @@ and the pool's worker it needs, and its adapter's `preflight` checks the engine 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterable
+from dataclasses import dataclass, field
+from typing import ClassVar, Iterable
 
 from clouds.adapter import RUN_LABEL, CloudAdapter, CloudInterval
 from clouds.provider import Provider, WorkerResources, run_labels
 from clouds.timestamps import epoch_seconds
 from core.errors import ZooidValueError
-from core.kinds import TargetKind
+from core.kinds import Capacity, TargetKind
 
 FLOW_RUN_LABEL = "io.prefect.flow-run-id"
 """Prefect's `prefect.io/flow-run-id` as prefect-docker labels a container."""
+CAPACITY_LABEL = "zooid.capacity"
+"""The label that says a container's capacity (`on_demand` or `spot`): a preemptor stops spot ones."""
 RUNNING = ("running", "paused", "restarting")
 """Engine states of a container that has started and not exited."""
 SETTLE_S = 15.0
@@ -72,26 +80,77 @@ def container_interval(attrs: dict) -> CloudInterval:
                          started=started, reason=reason)
 
 
+def gone(exc: Exception) -> bool:
+    """Whether an engine error says the container no longer exists: docker's `NotFound`, or
+    podman's `500 ... no such container` (an `APIError`) for one removed a moment before."""
+    from docker.errors import APIError, NotFound
+
+    return isinstance(exc, NotFound) or (isinstance(exc, APIError) and "no such container" in str(exc).lower())
+
+
 def run_containers(client, run_id: str) -> list:
-    """The run's containers, running or exited (label `zooid-run=<run_id>`)."""
-    return client.containers.list(all=True, filters={"label": f"{RUN_LABEL}={run_id}"})
+    """The run's containers, running or exited (label `zooid-run=<run_id>`), each inspected.
+
+    Listed sparse (the list's own answer, no inspect), then inspected one by one: a container
+    removed between the two (a preemption, a sweep) is left out instead of failing the whole
+    listing, as docker-py's full listing does (podman answers its inspect `500 no such container`)."""
+    from docker.errors import APIError
+
+    found = []
+    for listed in client.containers.list(all=True, filters={"label": f"{RUN_LABEL}={run_id}"}, sparse=True):
+        try:
+            found.append(client.containers.get(listed.id))
+        except APIError as exc:
+            if not gone(exc):
+                raise
+    return found
 
 
-def run_intervals(client, run_id: str) -> list[CloudInterval]:
-    """Every container of the run the engine still lists, on the engine's clock."""
-    return [container_interval(c.attrs) for c in run_containers(client, run_id)]
+@dataclass
+class SeenContainers:
+    """What the engine last said of a run's containers: each one's last `inspect` answer and,
+    once it is gone, when it was first seen gone (epoch seconds), so that one removed while
+    running is still billed (`run_intervals`)."""
+
+    attrs: dict = field(default_factory=dict)
+    gone_at: dict = field(default_factory=dict)
+
+
+def run_intervals(client, run_id: str, seen: SeenContainers | None = None,
+                  now: float | None = None) -> list[CloudInterval]:
+    """Every container of the run on the engine's clock: the ones the engine still lists and,
+    with `seen` (what earlier calls saw, updated here), the ones gone since, billed from their
+    last-seen answer; one gone while running stops when it was first seen gone (`now`)."""
+    containers = run_containers(client, run_id)
+    intervals = [container_interval(c.attrs) for c in containers]
+    if seen is None:
+        return intervals
+    present = {c.attrs.get("Id", c.id) for c in containers}
+    seen.attrs.update({c.attrs.get("Id", c.id): c.attrs for c in containers})
+    for cid, attrs in seen.attrs.items():
+        if cid in present:
+            continue
+        at = seen.gone_at.setdefault(cid, time.time() if now is None else now)
+        interval = container_interval(attrs)
+        if interval.status == "running":  # removed under us: billed to when it was first seen gone
+            interval = dataclasses.replace(interval, status="failed", stopped=max(at, interval.billed_from or at),
+                                           reason="removed while running (billed to when first seen gone)")
+        intervals.append(interval)
+    return intervals
 
 
 def stop_containers(client, ids: Iterable[str], grace_s: int = 5) -> list[str]:
     """Stop each container (SIGTERM, then SIGKILL after `grace_s`), all at once: a process that
     ignores SIGTERM (a container's PID 1 without a handler does) costs the grace once, not once
     per container. One already gone is skipped."""
-    from docker.errors import NotFound
+    from docker.errors import APIError
 
     def stop(cid: str) -> bool:
         try:
             return _stop(client.containers.get(cid), grace_s)
-        except NotFound:
+        except APIError as exc:
+            if not gone(exc):
+                raise
             return False
 
     ids = list(ids)
@@ -100,13 +159,13 @@ def stop_containers(client, ids: Iterable[str], grace_s: int = 5) -> list[str]:
 
 def _stop(container, grace_s: int) -> bool:
     """SIGTERM, then SIGKILL after `grace_s`; False when the container is gone."""
-    from docker.errors import APIError, NotFound
+    from docker.errors import APIError
 
     try:
         container.stop(timeout=grace_s)
-    except NotFound:
-        return False
-    except APIError as exc:  # already exited: nothing to stop
+    except APIError as exc:  # gone, or already exited: nothing to stop
+        if gone(exc):
+            return False
         if "not running" not in str(exc).lower():
             raise
     return True
@@ -137,7 +196,7 @@ def sweep(client, run_id: str, grace_s: int = 5) -> list[str]:
     """Stop every container of the run still running (all at once, `stop_containers`) and
     remove all of them (their clock has been read by then: `tasks.teardown` bills first).
     Returns the containers swept."""
-    from docker.errors import NotFound
+    from docker.errors import APIError
 
     containers = run_containers(client, run_id)
     _at_once(lambda c: _stop(c, grace_s), [c for c in containers if c.status in RUNNING + ("created",)])
@@ -145,7 +204,9 @@ def sweep(client, run_id: str, grace_s: int = 5) -> list[str]:
     for container in containers:
         try:
             container.remove(force=True)
-        except NotFound:
+        except APIError as exc:
+            if not gone(exc):
+                raise
             continue
         swept.append(container.id[:12])
     return swept
@@ -173,8 +234,13 @@ class DockerAdapter(CloudAdapter):
         finally:
             client.close()
 
+    seen: ClassVar[dict[str, SeenContainers]] = {}
+    """Run id -> what this process last saw of its containers (adapters are made per call), so a
+    container removed between two bills is still billed from its last-seen answer."""
+
     def intervals(self, run_id: str) -> list[CloudInterval]:
-        return self._with_client(lambda c: run_intervals(c, run_id))
+        seen = self.seen.setdefault(run_id, SeenContainers())
+        return self._with_client(lambda c: run_intervals(c, run_id, seen))
 
     def stop(self, flow_runs: Iterable) -> list[str]:
         ids = [cid for cid in map(container_of_flow_run, flow_runs) if cid]
@@ -185,7 +251,7 @@ class DockerAdapter(CloudAdapter):
 
     def ended(self, infrastructure_pid: str) -> dict | None:
         """The container's exit when it is no longer running (killed, out of memory, gone)."""
-        from docker.errors import NotFound
+        from docker.errors import APIError
 
         cid = container_id(infrastructure_pid)
         if cid is None:
@@ -194,7 +260,9 @@ class DockerAdapter(CloudAdapter):
         try:
             try:
                 attrs = client.containers.get(cid).attrs
-            except NotFound:
+            except APIError as exc:
+                if not gone(exc):
+                    raise
                 return {"exit_code": None, "reason": f"container {cid[:12]} is gone"}
         finally:
             client.close()
@@ -209,8 +277,6 @@ class DockerAdapter(CloudAdapter):
         after its flow run completes), then stop the ones still running: each then has a
         `FinishedAt` for the bill. Only a container the pool started (Prefect's flow-run
         label) has a flow run to finish: one without it is not waited for."""
-        import time
-
         def running(client):
             return [c for c in run_containers(client, run_id) if c.status in RUNNING]
 
@@ -274,3 +340,11 @@ class Docker(Provider):
     @classmethod
     def size(cls, res: WorkerResources, run_id: str) -> dict:
         return docker_job_variables(res, run_id)
+
+    @classmethod
+    def on_capacity(cls, sized: dict, capacity: str) -> dict:
+        """Either capacity: the container carries it as the label `zooid.capacity` (the engine has
+        no spot market: a spot container is one a preemptor may stop, priced as Fargate Spot)."""
+        if capacity not in (Capacity.ON_DEMAND, Capacity.SPOT):
+            return super().on_capacity(sized, capacity)
+        return {**sized, "labels": {**sized["labels"], CAPACITY_LABEL: str(capacity)}}

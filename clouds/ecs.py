@@ -23,7 +23,7 @@ from typing import Any, Iterable, Mapping
 from clouds.adapter import FLOW_RUN_ID_LABEL, CloudAdapter, CloudInterval, pool_job_configuration
 from clouds.provider import JobVariablesError, Provider, WorkerResources, run_labels
 from clouds.timestamps import epoch_seconds
-from core.kinds import TargetKind
+from core.kinds import Capacity, TargetKind
 
 # Fargate's valid (CPU units, allowed memory MiB) pairs, smallest first.
 FARGATE_SIZES: tuple[tuple[int, tuple[int, ...]], ...] = (
@@ -177,6 +177,23 @@ def ecs_job_variables(res: WorkerResources, run_id: str, gpu_capacity_provider: 
             "zooid_run_id": run_id, "labels": run_labels(run_id)}
 
 
+SPOT_STOP_TIMEOUT_S = 120
+"""The container's `stopTimeout` on Fargate Spot: the whole two minutes between the interruption's
+SIGTERM and the stop (Fargate's default is 30 s, its most 120 s)."""
+
+
+def fargate_spot(sized: dict) -> dict:
+    """A Fargate worker's job variables (`ecs_job_variables`) on Fargate Spot: the capacity
+    provider strategy `FARGATE_SPOT` (RunTask then takes no launch type: prefect-aws drops it
+    where a strategy is set, and `launch_type` FARGATE_SPOT keeps its Fargate task definition,
+    task-level cpu and memory) and a `stopTimeout` of the notice's 120 s. A GPU worker (EC2) has
+    no Fargate Spot: JobVariablesError naming `capacity`."""
+    if sized.get("launch_type") != "FARGATE":
+        raise JobVariablesError("capacity", "spot on ECS is Fargate Spot, for CPU workers; GPU workers run on EC2")
+    return {**sized, "launch_type": "FARGATE_SPOT", "stop_timeout": SPOT_STOP_TIMEOUT_S,
+            "capacity_provider_strategy": [{"capacityProvider": "FARGATE_SPOT", "weight": 1}]}
+
+
 class Ecs(Provider):
     """The `ecs` target: ECS tasks (Fargate, or EC2 for GPUs) started by prefect-aws's ECS worker."""
 
@@ -189,6 +206,11 @@ class Ecs(Provider):
     @classmethod
     def size(cls, res: WorkerResources, run_id: str, gpu_capacity_provider: str = "zooid-gpu") -> dict:
         return ecs_job_variables(res, run_id, gpu_capacity_provider)
+
+    @classmethod
+    def on_capacity(cls, sized: dict, capacity: str) -> dict:
+        """Spot: Fargate Spot (`fargate_spot`); on-demand: as sized."""
+        return fargate_spot(sized) if capacity == Capacity.SPOT else super().on_capacity(sized, capacity)
 
     @classmethod
     def credentials_block(cls, environ: Mapping[str, str]) -> tuple[str, Any] | None:

@@ -27,12 +27,20 @@ from typing import Iterable
 from clouds.adapter import FLOW_RUN_ID_LABEL, RUN_LABEL, CloudAdapter, CloudInterval, read_pool_job_configuration
 from clouds.provider import Provider, WorkerResources, run_labels
 from clouds.timestamps import epoch_seconds
-from core.kinds import TargetKind
+from core.kinds import Capacity, TargetKind
 
 # GPU type as the price catalog names it -> the Kubernetes node label value that selects it
 # (NVIDIA GPU feature discovery's `nvidia.com/gpu.product`).
 K8S_GPU_PRODUCTS = {"T4": "Tesla-T4", "V100": "Tesla-V100-SXM2-16GB", "A10G": "NVIDIA-A10G",
                     "K80": "Tesla-K80", "P100": "Tesla-P100-PCIE-16GB", "A100": "NVIDIA-A100-SXM4-40GB"}
+
+
+K8S_SPOT_LABEL = ("kubernetes.azure.com/scalesetpriority", "spot")
+"""The label and taint of a spot node pool's nodes, AKS's convention: AKS labels every node of a
+`--priority Spot` pool `kubernetes.azure.com/scalesetpriority=spot` and taints it with the same
+key and value (`NoSchedule`), so a spot worker selects those nodes and tolerates the taint. (EKS
+managed node groups label `eks.amazonaws.com/capacityType=SPOT`, GKE `cloud.google.com/gke-spot=true`:
+a cluster labelled so would change this pair.)"""
 
 
 def _unschedulable(pod) -> bool:
@@ -218,3 +226,14 @@ class Kubernetes(Provider):
     @classmethod
     def size(cls, res: WorkerResources, run_id: str) -> dict:
         return k8s_job_variables(res, run_id)
+
+    @classmethod
+    def on_capacity(cls, sized: dict, capacity: str) -> dict:
+        """Spot: a node selector and a toleration for the spot node pool (`K8S_SPOT_LABEL`, laid
+        beside a GPU worker's own); on-demand: as sized."""
+        if capacity != Capacity.SPOT:
+            return super().on_capacity(sized, capacity)
+        key, value = K8S_SPOT_LABEL
+        return {**sized, "node_selector": {**sized.get("node_selector", {}), key: value},
+                "tolerations": [*sized.get("tolerations", []),
+                                {"key": key, "operator": "Equal", "value": value, "effect": "NoSchedule"}]}

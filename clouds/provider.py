@@ -30,7 +30,7 @@ from typing import Any, ClassVar, Mapping
 
 from clouds.adapter import RUN_LABEL, CloudAdapter
 from core.errors import ZooidValueError
-from core.kinds import TargetKind
+from core.kinds import Capacity, TargetKind
 
 
 class JobVariablesError(ZooidValueError):
@@ -127,16 +127,25 @@ class Provider:
         raise JobVariablesError("kind", f"the {cls.kind} target's pool takes no worker size")
 
     @classmethod
+    def on_capacity(cls, sized: dict, capacity: str) -> dict:
+        """`sized` (the job variables of `size`) asking for `capacity` (`core.kinds.Capacity`:
+        `on_demand` or `spot`). Here: on-demand only; a provider with a spot offer overrides it."""
+        if capacity != Capacity.ON_DEMAND:
+            raise JobVariablesError("capacity", f"the {cls.kind} target's pool takes no {capacity} capacity")
+        return sized
+
+    @classmethod
     def job_variables(cls, res: WorkerResources, run_id: str, *, image: str | None = None,
-                      env: dict[str, str] | None = None, extra: dict | None = None, **options) -> dict:
-        """The `job_variables` for one worker of `res`.
+                      env: dict[str, str] | None = None, extra: dict | None = None,
+                      capacity: str = Capacity.ON_DEMAND, **options) -> dict:
+        """The `job_variables` for one worker of `res` on `capacity` (`on_capacity`).
 
         `extra` (e.g. the ComputeTarget block's own job variables: cluster, subnets, resource group)
         is laid under the sized values, so the plan's size always wins; `env` is merged.
         """
         if not run_id:
             raise JobVariablesError("run_id", "must not be empty")
-        sized = cls.size(res, run_id, **options)
+        sized = cls.on_capacity(cls.size(res, run_id, **options), str(capacity))
         out = {**(extra or {}), **sized}
         out["labels"] = {**(extra or {}).get("labels", {}), **sized["labels"]}
         if "container_create_kwargs" in sized:  # the target's own create options stay beside the size

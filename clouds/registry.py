@@ -47,9 +47,12 @@ def adapter_for(target) -> CloudAdapter | None:
 
 
 def job_variables(kind: str, res: WorkerResources, run_id: str, *, image: str | None = None,
-                  env: dict[str, str] | None = None, extra: dict | None = None, **options) -> dict:
-    """The `job_variables` for one worker on a cloud target of `kind` (`Provider.job_variables`:
-    the plan's size over `extra`, the target's own variables; `env` merged)."""
+                  env: dict[str, str] | None = None, extra: dict | None = None, capacity: str = "on_demand",
+                  **options) -> dict:
+    """The `job_variables` for one worker on a cloud target of `kind` on `capacity` (`on_demand`
+    or `spot`: `Provider.job_variables`, the plan's size over `extra`, the target's own
+    variables; `env` merged)."""
     if kind not in CLOUD_KINDS:
         raise JobVariablesError("kind", f"must be one of {', '.join(CLOUD_KINDS)}, got {kind!r}")
-    return PROVIDERS[kind].job_variables(res, run_id, image=image, env=env, extra=extra, **options)
+    return PROVIDERS[kind].job_variables(res, run_id, image=image, env=env, extra=extra, capacity=capacity,
+                                         **options)

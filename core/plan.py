@@ -61,6 +61,12 @@ class Plan:
     every stage is `worker_memory_gb`."""
     offer: str = ""
     price_per_worker_s: float = 0.0
+    capacity: str = "on_demand"
+    """The capacity the workers rent (`core.kinds.Capacity`: `on_demand` or `spot`, never
+    `auto`); `price_per_worker_s` is that capacity's price."""
+    capacity_choice: dict = field(default_factory=dict)
+    """Both capacities' predicted worker bills and the expected preemptions
+    (`planners.spot.CapacityChoice`); empty where the target has no spot offer."""
     predicted_iteration_s: float = 0.0
     """Predicted seconds per optimizer step, synchronisation amortised."""
     predicted_epoch_s: float = 0.0

@@ -13,7 +13,8 @@ assumed rates, `coordinator.plan.target_profile.catalog_profile`) and says how u
 For each candidate (Local-SGD, pipeline, hybrid D x M at the job's worker budget) it reports
 the predicted iteration time, epoch time, cost per epoch and throughput per dollar, and which
 one the planner would choose; where the target offers several worker sizes, what the
-co-optimiser compared (or, with one size, why it was not needed).
+co-optimiser compared (or, with one size, why it was not needed); where it has a spot offer, the
+run's bill on-demand and on spot with the expected preemptions' re-done work (`planners.spot`).
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from core.errors import ZooidValueError
 from core.formats import duration, money
 from core.keys import artifact_key
 from flows.params import job_fields_flow, param_main
+from planners.spot import choice_words
 from tasks.plan_step import choose_plan
 from tasks.profile import profile, show_profile
 
@@ -51,6 +53,7 @@ def plan_report(job: TrainJob, chosen: dict) -> str:
         f"epoch; the run of {job.epochs} epochs {duration(chosen['predicted_run_s'])} and "
         f"{money(chosen['predicted_run_cost_usd'])} (first epoch {duration(chosen['predicted_first_epoch_s'])}; "
         "start-up, idle workers, the coordinator and the store included).", "",
+        *([choice_words(chosen["capacity_choice"]), ""] if chosen.get("capacity_choice") else []),
         *([f"Store: {store_prediction_words(chosen)}.", ""] if chosen.get("predicted_store_ops") else []),
         "## Alternatives considered", "", *alternatives_table(chosen, markdown=True),
         *(["", f"Outside the workers' compute: {terms}."] if terms else []),

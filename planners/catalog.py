@@ -3,7 +3,9 @@
 Data lives in `prices.json` beside this module, each entry with its source and date.
 An offer is billed either per resource (vCPU-s, GB-s, GPU-s: containers), per GB-s
 (functions) or per instance-hour (VMs); `price_per_s` turns any of them into dollars per
-second for a worker of a given size.
+second for a worker of a given size. A spot offer (`SpotOffer`, `spot_offer`) shadows an
+on-demand one at a discount, with the notice it gives before it takes the worker back and an
+interruption rate, assumed until a run measures it.
 """
 from __future__ import annotations
 
@@ -69,6 +71,57 @@ def get_offer(name: str) -> Offer:
     if name not in all_offers:
         raise ValueError(f"offer: unknown offer {name!r}; valid: {', '.join(sorted(all_offers))}")
     return all_offers[name]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpotOffer:
+    """Spare capacity sold at a discount below the on-demand offer it shadows, taken back
+    after a notice (`prices.json` `spot`): its price, the notice, the interruption rate."""
+
+    name: str
+    shadows: str
+    """The on-demand offer it is a discount of (`fargate-cpu`, `aci-cpu`)."""
+    provider: str
+    kinds: tuple[str, ...]
+    """The target kinds (`core.kinds.TargetKind`) whose templates can ask for it."""
+    unit_prices: dict = field(default_factory=dict)
+    """Its own list prices where the catalog has them; empty: the shadowed offer's less `discount`."""
+    discount: float = 0.0
+    """The fraction below the shadowed offer's price (where `unit_prices` is empty)."""
+    notice_s: float = 0.0
+    """Seconds between the notice (SIGTERM) and the stop (SIGKILL)."""
+    interruptions_per_worker_hour: float = 0.0
+    """Interruptions of one worker per hour, until a run on the target measures it."""
+    assumed: bool = True
+    """The rate is assumed (no run measured it)."""
+    source: str = ""
+    rate_source: str = ""
+    date: str = ""
+
+    def offer(self) -> Offer:
+        """The spot capacity as an `Offer` of the shadowed one's size, billed at the spot price."""
+        base = get_offer(self.shadows)
+        prices = dict(self.unit_prices) or {k: v * (1.0 - self.discount) for k, v in base.unit_prices.items()}
+        return Offer(name=self.name, provider=base.provider, kind=base.kind, vcpu=base.vcpu,
+                     memory_gb=base.memory_gb, gpu=base.gpu, gpu_type=base.gpu_type, unit_prices=prices,
+                     network_bytes_per_s=base.network_bytes_per_s, source=self.source, date=self.date)
+
+    def price_per_s(self, vcpu: float | None = None, memory_gb: float | None = None, gpu: int | None = None) -> float:
+        """Dollars per second for one spot worker (`Offer.price_per_s`)."""
+        return self.offer().price_per_s(vcpu, memory_gb, gpu)
+
+
+def spot_offers() -> dict[str, SpotOffer]:
+    """Every spot offer in the catalog by name."""
+    fields = SpotOffer.__dataclass_fields__
+    return {o["name"]: SpotOffer(**{k: (tuple(v) if k == "kinds" else v) for k, v in o.items() if k in fields})
+            for o in _load()["spot"]}
+
+
+def spot_offer(offer_name: str, kind: str) -> SpotOffer | None:
+    """The spot offer that shadows on-demand offer `offer_name` on a target of `kind`; None
+    where the target has none (inline, the process pool, a GPU or VM offer)."""
+    return next((s for s in spot_offers().values() if s.shadows == offer_name and str(kind) in s.kinds), None)
 
 
 def request_price(name: str) -> float:

@@ -15,6 +15,7 @@ import time
 from coordinator.bill.cost import total_usd
 from coordinator.bill.ledger import rows_now
 from coordinator.plan.co_plan import co_optimized, launched_inputs
+from coordinator.plan.capacity import with_capacity
 from coordinator.plan.run_terms import load_terms
 from coordinator.plan.scaling_policy import worker_schedule
 from coordinator.run.collective import RING, planned_collectives, uses_ring
@@ -125,8 +126,8 @@ def make_plan(ctx: RunContext, profile: dict, workers: int, calibration: Calibra
     note = planned_collectives(ctx.job, ctx.resolved.target)[1]
     if note:
         chosen = dataclasses.replace(chosen, collective_note=note)
-    return with_run(ctx, chosen, calibration, epochs_left,
-                    per_epoch=scaled_plans(ctx, profile, chosen, workers, calibration, epochs_left))
+    return with_capacity(ctx, with_run(ctx, chosen, calibration, epochs_left,
+                                       per_epoch=scaled_plans(ctx, profile, chosen, workers, calibration, epochs_left)))
 
 
 def scaled_plans(ctx: RunContext, profile: dict, chosen: Plan, workers: int, calibration: Calibration | None,
@@ -289,7 +290,7 @@ def make_same(ctx: RunContext, profile: dict, current: Plan, calibration: Calibr
     again = (local_sgd(x, current.data_parallel, collective) if current.stages == 1
              else predicted(x, dataclasses.replace(current, collective=collective)))
     again = dataclasses.replace(again, alternatives=current.alternatives, co_optimizer=current.co_optimizer)
-    return with_run(ctx, again, calibration, epochs_left)
+    return with_capacity(ctx, with_run(ctx, again, calibration, epochs_left))
 
 
 def pick_schedule(ctx: RunContext, profile: dict, x, plan: Plan) -> Plan:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from coordinator.bill.cost import spot_tally
 from coordinator.plan.profile_cache import ProfileCache, target_key
 from core.epoch_summary import EpochSummary
 from core.kinds import SHARED_HOST_KINDS, TargetKind
@@ -38,6 +39,11 @@ teardown 0.95, warm-up 0.01, start-up 1.0 (3 s without the fork server). Warm wo
 before the profile, so a first epoch's warm-up is small wherever they are warm."""
 
 TERMS = ("startup_s", "epoch_overhead_s", "gap_s", "provision_s", "teardown_s", "stop_s", "warmup_s")
+
+INTERRUPTIONS_KEY = "interruptions_per_worker_hour"
+"""The timings document's samples of spot interruptions per spot worker-hour measured on this
+target and offer (one per run that rented spot workers; written with the other terms), which
+`coordinator.plan.capacity` prices `capacity=auto` with instead of the catalog's assumed rate."""
 
 
 def timings_key(ctx) -> str:
@@ -131,6 +137,9 @@ class RunClock:
                 and ctx.resolved.target.kind in SHARED_HOST_KINDS):
             # the start-up the first epoch waited for (read only by a plan made before any worker launched)
             out["exposed_s"] = [float(history[0].startup.get("exposed_s") or 0.0)]
+        rate = spot_tally([r.to_dict() for r in ctx.state.ledger])[INTERRUPTIONS_KEY]
+        if rate is not None:  # this run rented spot workers: its measured interruption rate
+            out[INTERRUPTIONS_KEY] = [rate]
         return out
 
 

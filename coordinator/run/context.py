@@ -18,6 +18,8 @@ from comm.store_dir import zooid_home
 from coordinator.run.job import TrainJob
 from coordinator.run.validate import ResolvedJob
 from core.cost_record import CostRecord
+from core.errors import ZooidValueError
+from core.kinds import Capacity
 
 RUN_PREFIX = "z"
 
@@ -105,12 +107,24 @@ class RunContext:
         t = self.resolved.target
         return self.resolved.offer.price_per_s(t.worker_vcpu, t.worker_memory_gb, t.worker_gpu)
 
-    def price_of(self, plan) -> Callable[[int], float]:
-        """Dollars per second of worker `rank` of `plan`: its stage's size where the plan has
-        per-stage sizes (`Plan.memory_gb_of`), else the target's."""
+    def offer_of(self, capacity: str = Capacity.ON_DEMAND):
+        """The offer a worker on `capacity` is billed as: the job's offer, or on `spot` the spot
+        offer that shadows it (`ResolvedJob.spot`; ZooidValueError naming `capacity` where the
+        target has none)."""
+        if capacity != Capacity.SPOT:
+            return self.resolved.offer
+        if self.resolved.spot is None:
+            raise ZooidValueError("capacity", f"target {self.resolved.target_name!r} has no spot offer")
+        return self.resolved.spot.offer()
+
+    def price_of(self, plan, capacity: str | None = None) -> Callable[[int], float]:
+        """Dollars per second of worker `rank` of `plan` on `capacity` (None: the plan's,
+        `Plan.capacity`; a replacement launched on-demand passes `on_demand`): its stage's size
+        where the plan has per-stage sizes (`Plan.memory_gb_of`), else the target's."""
+        t, offer = self.resolved.target, self.offer_of(capacity or getattr(plan, "capacity", Capacity.ON_DEMAND))
         if not getattr(plan, "stage_memory_gb", ()):
-            return lambda rank: self.price_per_worker_s
-        t, offer = self.resolved.target, self.resolved.offer
+            price = offer.price_per_s(t.worker_vcpu, t.worker_memory_gb, t.worker_gpu)
+            return lambda rank: price
         return lambda rank: offer.price_per_s(t.worker_vcpu, plan.memory_gb_of(rank), t.worker_gpu)
 
     @property

@@ -15,7 +15,7 @@ form shows. The form and `flows.train.train_with_params` list the fields in this
 | `Parallelism` | strategy, workers, stages, microbatches, pipeline_schedule | replicas, pipeline stages, their schedule |
 | `Sync` | sync_period, collective, outer_optimizer, outer_lr, outer_momentum, sync_dtype | how Local-SGD replicas meet |
 | `Scaling` | scaling, scale_every_epochs, min_workers, max_workers | the worker count between epochs |
-| `TargetAndStore` | store, durable_store, target, worker_vcpu, worker_memory_gb, offer | where workers run and tensors live |
+| `TargetAndStore` | store, durable_store, target, worker_vcpu, worker_memory_gb, offer, capacity | where workers run and tensors live |
 | `BudgetAndStopping` | budget_usd, deadline_s, target_accuracy, target_loss | when a run ends before its last epoch |
 | `WorkersLife` | prestart, resume, warm, worker_lease_s, keep_checkpoints, worker_timeout_s | workers' start, lease, stall; checkpoints |
 
@@ -30,10 +30,11 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from core.epoch_summary import EpochSummary
-from core.kinds import AUTO, BUILTIN_TARGETS, PIPELINED_STRATEGIES, PipelineSchedule, Strategy, choices
+from core.kinds import AUTO, BUILTIN_TARGETS, PIPELINED_STRATEGIES, Capacity, PipelineSchedule, Strategy, choices
 
 StrategyName = choices(*Strategy)
 ScheduleName = choices(AUTO, *PipelineSchedule)
+CapacityName = choices(*Capacity)
 Optimizer = Literal["sgd", "momentum", "adam"]
 ScalingPolicy = Literal["static", "adabatch", "reactive", "deadline"]
 
@@ -170,6 +171,12 @@ class TargetAndStore(JobSection):
                                               description="Overrides the compute target's worker size; a plan whose stage does not fit is refused.")
     offer: Optional[str] = Field(None, title="Billing offer",
                                  description="Price-catalog offer the workers are billed as; null: the target's default (local targets: an ACI CPU container).")
+    capacity: CapacityName = Field(
+        "on_demand", title="Capacity",
+        description="`on_demand`, `spot` (spare capacity at a discount, taken back after a notice: Fargate Spot on "
+                    "`ecs` and `docker`, ACI Spot on `aci`, a spot node pool on `k8s`; refused where the target has "
+                    "no spot offer) or `auto` (the planner prices the expected re-done work of preemptions against "
+                    "the discount and picks the cheaper).")
 
     @field_validator("target")
     @classmethod
@@ -271,6 +278,9 @@ class RunSummary(BaseModel):
     checkpoint_key: str = ""
     worker_seconds: dict[str, float] = Field(default_factory=dict)
     """Worker-seconds billed, by what they paid for (`coordinator.bill.cost.worker_seconds`)."""
+    spot: dict[str, Any] = Field(default_factory=dict)
+    """What spot capacity did (`coordinator.bill.cost.spot_tally`): preemptions, the seconds of work
+    redone, spot worker-seconds, the interruption rate and the dollars saved against on-demand."""
     error: Optional[str] = None
 
 

@@ -16,8 +16,8 @@ from clouds.registry import adapter_for, is_cloud, provider_for
 from coordinator.run.job import TrainJob
 from coordinator.run.stores import open_checked_store, resolve_durable_ref, resolve_store_ref
 from core.errors import ZooidValueError
-from core.kinds import BUILTIN_TARGETS, PIPELINED_STRATEGIES, Strategy
-from planners.catalog import Offer, get_offer
+from core.kinds import BUILTIN_TARGETS, PIPELINED_STRATEGIES, Capacity, Strategy
+from planners.catalog import Offer, SpotOffer, get_offer, spot_offer
 
 SUBSET_SIZE = 64
 """Samples per published data subset (KubeML's fixed-size subsets)."""
@@ -54,6 +54,9 @@ class ResolvedJob:
 
     shard_rows: int = 0
     """Rows per shard of a prepared dataset (its manifest's); 0: the run stages the dataset."""
+    spot: SpotOffer | None = None
+    """The spot offer that shadows `offer` on the target (`planners.catalog.spot_offer`); None:
+    the target has none (the job's capacity is then `on_demand`, or `auto` planning on-demand)."""
 
     @property
     def subset_size(self) -> int:
@@ -157,9 +160,10 @@ def validate_job(job: TrainJob, *, check_store: bool = True) -> ResolvedJob:
     """Check everything about `job` that pydantic cannot; raise ZooidValueError naming the field."""
     model_and_data = check_model_and_data(job)
     target, offer = check_target_and_offer(job)
+    spot = check_capacity(job, target, offer)
     store_ref, durable_ref = check_stores(job, target, ping=check_store)
     return ResolvedJob(job=job, store_ref=store_ref, durable_ref=durable_ref, target_name=job.target, target=target,
-                       offer=offer, **model_and_data)
+                       offer=offer, spot=spot, **model_and_data)
 
 
 def validate_without_api(job: TrainJob) -> None:
@@ -169,7 +173,8 @@ def validate_without_api(job: TrainJob) -> None:
     check_model_and_data(job)
     if job.target not in BUILTIN_TARGETS:
         return
-    target, _ = check_target_and_offer(job)
+    target, offer = check_target_and_offer(job)
+    check_capacity(job, target, offer)
     check_stores(job, target, ping=True, blocks=False)
 
 
@@ -245,6 +250,18 @@ def check_target_and_offer(job: TrainJob) -> tuple[ComputeTarget, Offer]:
         raise ZooidValueError("offer", str(exc).removeprefix("offer: ")) from None
     check_worker_sizes(target, offer)
     return target, offer
+
+
+def check_capacity(job: TrainJob, target: ComputeTarget, offer: Offer) -> SpotOffer | None:
+    """The spot offer the job's workers may rent on `target` (`planners.catalog.spot_offer`);
+    `capacity=spot` on a target with none (inline, the process pool, a GPU or VM offer) is
+    refused in one line naming `capacity`, before anything is started."""
+    spot = spot_offer(offer.name, target.kind)
+    if job.capacity == Capacity.SPOT and spot is None:
+        raise ZooidValueError("capacity", f"spot: target {job.target!r} ({target.kind}, offer {offer.name}) has no "
+                              "spot offer; spot runs on ecs and docker (Fargate Spot), aci (ACI Spot) and k8s "
+                              "(a spot node pool) with a CPU offer; use on_demand or auto")
+    return spot
 
 
 def check_stores(job: TrainJob, target: ComputeTarget, *, ping: bool = True, blocks: bool = True) -> tuple[str, str]:

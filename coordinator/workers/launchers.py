@@ -16,6 +16,7 @@ epoch would relaunch every worker), or None to stop the others at once and raise
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -33,7 +34,7 @@ from comm import heartbeat
 from coordinator.workers.sweep import COORDINATOR_VAR, TAG_VAR, stop_pids
 from coordinator.workers.worker_forks import WorkerForks
 from core.errors import ZooidError
-from core.kinds import CLOUD_KINDS, SHARED_HOST_KINDS
+from core.kinds import CLOUD_KINDS, SHARED_HOST_KINDS, Capacity
 from core.specs import WorkerResult, WorkerSpec
 
 WORKER_MAIN = "runtime.worker_main"
@@ -233,7 +234,8 @@ class PoolLauncher(_Launcher):
     """How often a running flow run's infrastructure is looked at (where an adapter can)."""
 
     def __init__(self, run_id: str, deployment: str, job_variables: dict | None = None,
-                 rank_job_variables: Callable[[int], dict] | None = None, adapter=None):
+                 rank_job_variables: Callable[[int, str], dict] | None = None, adapter=None,
+                 capacity: str = Capacity.ON_DEMAND):
         super().__init__()
         self.adapter = adapter
         """The target's `clouds.adapter.CloudAdapter`: tells a worker whose container died
@@ -244,16 +246,21 @@ class PoolLauncher(_Launcher):
         self.deployment = deployment
         self.job_variables = job_variables or {}
         self.rank_job_variables = rank_job_variables
-        """Job variables of worker `rank` where ranks differ (per-stage sizes), else None."""
+        """Job variables of worker `rank` on a capacity (`on_demand`, `spot`) where they differ by
+        rank or capacity (per-stage sizes, a cloud's spot settings), else None: `job_variables`."""
+        self.capacity = str(capacity)
+        """The plan's capacity (`Plan.capacity`): what `variables_of` asks for unless told."""
 
-    def variables_of(self, rank: int) -> dict:
-        """The job variables worker `rank` is launched with."""
-        return self.rank_job_variables(rank) if self.rank_job_variables else self.job_variables
+    def variables_of(self, rank: int, capacity: str | None = None) -> dict:
+        """The job variables worker `rank` is launched with on `capacity` (None: the plan's)."""
+        if self.rank_job_variables is None:
+            return self.job_variables
+        return self.rank_job_variables(rank, str(capacity or self.capacity))
 
     def _start(self, spec: WorkerSpec):
         from prefect.deployments import run_deployment
 
-        variables = self.variables_of(spec.rank)
+        variables = self.variables_of(spec.rank, spec.capacity)  # a replacement may run on another capacity
         env = {**variables.get("env", {}), TAG_VAR: self.run_id}
         flow_run = run_deployment(
             self.deployment, parameters={"spec": spec.to_dict()}, timeout=0,
@@ -384,23 +391,24 @@ def make_launcher(ctx, plan) -> _Launcher:
 
         peak = ctx.state.profile.get("peak_memory_bytes") if ctx.state.profile else None
 
-        def variables(memory_gb: float | None, **margins) -> dict:
+        def variables(memory_gb: float | None, capacity: str, **margins) -> dict:
             resources = resources_from_plan(plan, profiled_memory_gb=memory_gb, gpu_type=ctx.resolved.offer.gpu_type,
                                             **margins)
             return cloud_job_variables(target.kind, resources, ctx.run_id, image=target.image,
-                                       env=env, extra=target.job_variables)
+                                       env=env, extra=target.job_variables, capacity=capacity)
 
         if plan.stage_memory_gb:  # the co-optimiser sized each stage: its worker asks for that size
-            by_size = {gb: variables(gb, headroom=0.0, base_memory_gb=0.0)  # a tier, not a peak
-                       for gb in set(plan.stage_memory_gb)}
-            return PoolLauncher(ctx.run_id, target.worker_deployment, job_variables=by_size[plan.worker_memory_gb],
-                                rank_job_variables=lambda rank: by_size[plan.memory_gb_of(rank)],
-                                adapter=adapter)
-        if target.kind in SHARED_HOST_KINDS:  # a container on this machine is exactly the size it is billed as
-            sized = variables(plan.worker_memory_gb, headroom=0.0, base_memory_gb=0.0)
+        capacity = getattr(plan, "capacity", Capacity.ON_DEMAND)
+            def of_rank(rank: int, capacity: str) -> dict:
+                return variables(plan.memory_gb_of(rank), capacity, headroom=0.0, base_memory_gb=0.0)  # a tier
+        elif target.kind in SHARED_HOST_KINDS:  # a container on this machine is exactly the size it is billed as
+            def of_rank(rank: int, capacity: str) -> dict:
+                return variables(plan.worker_memory_gb, capacity, headroom=0.0, base_memory_gb=0.0)
         else:  # a cloud container is right-sized to the profiled peak
-            sized = variables(peak / 2**30 if peak else None)
-        return PoolLauncher(ctx.run_id, target.worker_deployment, job_variables=sized, adapter=adapter)
+            def of_rank(rank: int, capacity: str) -> dict:
+                return variables(peak / 2**30 if peak else None, capacity)
+        return PoolLauncher(ctx.run_id, target.worker_deployment, job_variables=of_rank(0, capacity),
+                            rank_job_variables=functools.cache(of_rank), adapter=adapter, capacity=capacity)
     job_variables = {**target.job_variables, "env": {**target.job_variables.get("env", {}), **env}}
     return PoolLauncher(ctx.run_id, target.worker_deployment, job_variables=job_variables)
 

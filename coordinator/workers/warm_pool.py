@@ -171,7 +171,7 @@ class WarmPool:
                           store_url=ctx.durable_ref, model=job.model, dataset=job.dataset, subsets=(),
                           steps=0, batch_size=plan.batch_size or job.batch_size, lr=job.lr,
                           optimizer=job.optimizer, seed=job.seed, attempt=self.serial,
-                          warm=warm)
+                          warm=warm, capacity=getattr(plan, "capacity", "on_demand"))
         self.serial += 1
         slot = contextlib.ExitStack()  # no-op when the limit does not exist (deployments.bootstrap makes it)
         slot.enter_context(concurrency(PAID_WORKERS_LIMIT, occupy=1, timeout_seconds=job.worker_timeout_s,

@@ -36,7 +36,7 @@ def worker_specs(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, 
     """One spec per replica (or per stage of each): its step count and the keys to read and
     write. Each replica's samples follow from the epoch's order (`engine.replica_data`); its
     steps are a fresh epoch's for the plan's replicas and batch (`epoch_steps`, which a worker
-    checks)."""
+    checks). Each runs on the plan's capacity (`Plan.capacity`; a replacement may set its own)."""
     job = ctx.job
     steps = epoch_steps(ctx.state.dataset["n_train"], plan.data_parallel, plan.batch_size)
     # survivors wait at a sync long enough for a failed peer to be detected and relaunched
@@ -50,7 +50,7 @@ def worker_specs(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, 
                           steps=steps, batch_size=plan.batch_size, lr=lr,
                           optimizer=job.optimizer, seed=job.seed, init_key=init,
                           out_key=checkpoint_key(ctx.run_id, epoch), sync_timeout_s=timeout, attempt=attempt,
-                          loss=job.loss or "", compute=compute, data=data,
+                          loss=job.loss or "", compute=compute, data=data, capacity=plan.capacity,
                           sync=SyncSpec(collective="ring", ring_host=ring_host(ctx)) if uses_ring(job, plan)
                           else SyncSpec(collective="pipelined", sync_dtype=job.sync_dtype))
         # a planner cut i splits after layer i; the executor's cut is where a stage begins
@@ -68,5 +68,5 @@ def worker_specs(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, 
                        sync_period=job.sync_period, seed=job.seed, init_key=init,
                        out_key=checkpoint_key(ctx.run_id, epoch), sync_timeout_s=timeout, evaluate=True,
                        attempt=attempt, checkpoint_store=ctx.durable_ref, sync=sync, loss=job.loss or "",
-                       compute=compute, data=data)
+                       compute=compute, data=data, capacity=plan.capacity)
             for rank in range(plan.data_parallel)]

@@ -1,0 +1,109 @@
+"""On-demand or spot: the expected re-done work of preemptions priced against the discount.
+
+A spot worker costs less per second but is taken back now and then; each preemption costs a
+replacement's start-up and some work done again. `choose_capacity` prices both for one plan:
+
+- on-demand: `price_on_demand_per_s x worker_s`, where `worker_s` is the plan's workers times
+  its predicted run;
+- spot: `price_spot_per_s x (worker_s + preemptions x redo_worker_s)`, where
+  `preemptions = rate_per_worker_hour x worker_s / 3600` and `redo_worker_s` is what one
+  preemption costs in worker-seconds (`redo_worker_s`):
+  - `handover` (Local-SGD over the store collective: the preempted replica hands its state over
+    at its next step boundary and a replacement continues from there): the replacement's
+    start-up, the other workers' wait for it at their next sync (`(workers - 1) x startup_s`)
+    and about one step done again (`step_s`): `workers x startup_s + step_s`;
+  - `rerun` (the ring collective, which takes no new rank, and a pipeline or hybrid, whose
+    stages depend on each other every step: the epoch attempt is run again): on average half
+    an epoch of every worker, plus every worker's wait for the replacement's start-up:
+    `workers x (startup_s + epoch_s / 2)`.
+
+Spot is chosen when its expected bill is below on-demand's. Pure: the caller passes the
+prices, the plan's figures, and the rate (measured on the target where a run measured it,
+else the catalog's assumed one).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from core.kinds import Capacity, Strategy
+
+HANDOVER = "handover"
+"""A preempted worker's replacement continues where it handed over (Local-SGD, store collective)."""
+RERUN = "rerun"
+"""A preemption reruns the epoch attempt (the ring collective, a pipeline, a hybrid)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CapacityChoice:
+    """Both capacities' predicted worker bills for one plan, and the one chosen."""
+
+    capacity: str
+    """`spot` or `on_demand` (`core.kinds.Capacity`)."""
+    on_demand_usd: float
+    """The workers' predicted bill on on-demand capacity."""
+    spot_usd: float
+    """The workers' predicted bill on spot capacity, the expected re-done work included."""
+    expected_preemptions: float
+    redo_worker_s: float
+    """Worker-seconds one preemption costs (start-up, waits, work done again)."""
+    recovery: str
+    """`handover` or `rerun` (see the module)."""
+    rate_per_worker_hour: float
+    rate_measured: bool
+    """The rate was measured on this target by earlier runs (False: the catalog's assumed one)."""
+    spot_offer: str = ""
+    reason: str = ""
+    """Why the capacity was chosen (the job asked for it, or the bills compared)."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def recovery_of(strategy: str, collective: str) -> str:
+    """How a preempted worker's work is recovered: `handover` for Local-SGD over the store
+    collective, `rerun` otherwise (the ring, a pipeline, a hybrid)."""
+    return HANDOVER if strategy == Strategy.LOCAL_SGD and collective == "store" else RERUN
+
+
+def redo_worker_s(recovery: str, workers: int, startup_s: float, step_s: float, epoch_s: float) -> float:
+    """Worker-seconds one preemption costs (see the module)."""
+    if recovery == HANDOVER:
+        return workers * startup_s + step_s
+    return workers * (startup_s + epoch_s / 2.0)
+
+
+def choose_capacity(*, asked: str, workers: int, run_s: float, epoch_s: float, steps_per_epoch: int,
+                    startup_s: float, price_on_demand_per_s: float, price_spot_per_s: float,
+                    rate_per_worker_hour: float, rate_measured: bool, strategy: str, collective: str,
+                    spot_offer: str = "") -> CapacityChoice:
+    """Both bills of a plan of `workers` workers running `run_s` seconds (epochs of `epoch_s`,
+    `steps_per_epoch` steps each), and the capacity: `asked` itself where the job named one
+    (`spot`, `on_demand`), else (`auto`) the cheaper expected bill (on-demand on a tie)."""
+    worker_s = workers * run_s
+    preemptions = rate_per_worker_hour * worker_s / 3600.0
+    recovery = recovery_of(strategy, collective)
+    step_s = epoch_s / steps_per_epoch if steps_per_epoch else epoch_s
+    redo = redo_worker_s(recovery, workers, startup_s, step_s, epoch_s)
+    on_demand = price_on_demand_per_s * worker_s
+    spot = price_spot_per_s * (worker_s + preemptions * redo)
+    if asked != Capacity.AUTO:
+        capacity, reason = Capacity(asked), "the job's capacity"
+    elif spot < on_demand:
+        capacity, reason = Capacity.SPOT, "spot's expected bill, re-done work included, is below on-demand's"
+    else:
+        capacity, reason = Capacity.ON_DEMAND, "the expected re-done work outweighs spot's discount"
+    return CapacityChoice(capacity=str(capacity), on_demand_usd=on_demand, spot_usd=spot, expected_preemptions=preemptions,
+                          redo_worker_s=redo, recovery=recovery, rate_per_worker_hour=rate_per_worker_hour,
+                          rate_measured=rate_measured, spot_offer=spot_offer, reason=reason)
+
+
+def choice_words(choice: dict) -> str:
+    """A plan's capacity choice (`CapacityChoice.to_dict`) in one line, both bills beside each other."""
+    if not choice:
+        return ""
+    rate = (f"{choice['rate_per_worker_hour']:g} interruptions per worker-hour "
+            f"({'measured on this target' if choice['rate_measured'] else 'assumed'})")
+    return (f"Capacity: {choice['capacity']} ({choice['reason']}): on-demand ${choice['on_demand_usd']:.4f}, "
+            f"spot ({choice['spot_offer']}) ${choice['spot_usd']:.4f} with {choice['expected_preemptions']:.2f} "
+            f"expected preemptions at {rate}, each {choice['redo_worker_s']:.1f} worker-s redone "
+            f"({choice['recovery']}).")
