@@ -397,8 +397,8 @@ def make_launcher(ctx, plan) -> _Launcher:
             return cloud_job_variables(target.kind, resources, ctx.run_id, image=target.image,
                                        env=env, extra=target.job_variables, capacity=capacity)
 
-        if plan.stage_memory_gb:  # the co-optimiser sized each stage: its worker asks for that size
         capacity = getattr(plan, "capacity", Capacity.ON_DEMAND)
+        if plan.stage_memory_gb:  # the co-optimiser sized each stage: its worker asks for that size
             def of_rank(rank: int, capacity: str) -> dict:
                 return variables(plan.memory_gb_of(rank), capacity, headroom=0.0, base_memory_gb=0.0)  # a tier
         elif target.kind in SHARED_HOST_KINDS:  # a container on this machine is exactly the size it is billed as
