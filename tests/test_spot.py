@@ -278,3 +278,33 @@ def test_docker_labels_the_containers_capacity_and_the_launcher_follows_each_spe
     assert launcher.variables_of(0)["labels"]["zooid.capacity"] == "spot"
     assert launcher.variables_of(0, "on_demand")["labels"]["zooid.capacity"] == "on_demand"
 
+
+
+def test_the_dry_run_shows_both_bills():
+    from coordinator.run.job import TrainJob
+    from flows.dry_run import plan_report
+
+    choice = choose_capacity(asked="auto", strategy="local_sgd", collective="store", spot_offer="fargate-spot-cpu",
+                             **COMMON)
+    plan = Plan(strategy="local_sgd", data_parallel=4, steps_per_epoch=100, price_per_worker_s=0.7e-5,
+                predicted_epoch_s=360.0, predicted_run_s=3600.0, capacity="spot", capacity_choice=choice.to_dict())
+    lines = plan_report(TrainJob(target="docker", capacity="auto"), plan.to_dict()).splitlines()
+    assert ("Capacity: spot (spot's expected bill, re-done work included, is below on-demand's): on-demand "
+            "$0.1440, spot (fargate-spot-cpu) $0.1144 with 8.00 expected preemptions at 2 interruptions per "
+            "worker-hour (assumed), each 243.6 worker-s redone (handover).") in lines
+
+
+@pytest.mark.parametrize("strategy, stages", [("local_sgd", 1), ("pipeline", 2)])
+def test_every_workers_spec_runs_on_the_plans_capacity(strategy, stages):
+    """What the workers' side reads (`WorkerSpec.capacity`) is the plan's resolved capacity."""
+    from coordinator.run.job import TrainJob
+    from coordinator.workers.worker_specs import worker_specs
+
+    job = TrainJob(strategy=strategy, workers=2)
+    ctx = SimpleNamespace(job=job, run_id="zspot", store_ref="file:///tmp/s", durable_ref="file:///tmp/d",
+                          resolved=SimpleNamespace(target=SimpleNamespace(remote=False, kind="inline"), model_kwargs={}),
+                          state=SimpleNamespace(dataset={"n_train": 256}))
+    plan = Plan(strategy=strategy, data_parallel=2 if stages == 1 else 1, stages=stages, batch_size=16,
+                cuts=(0,) if stages == 2 else (), microbatches=2, capacity="spot")
+    specs = worker_specs(ctx, plan, epoch=0, init="", lr=0.05, attempt=0)
+    assert len(specs) == 2 and {s.capacity for s in specs} == {"spot"}
