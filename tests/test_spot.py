@@ -308,3 +308,15 @@ def test_every_workers_spec_runs_on_the_plans_capacity(strategy, stages):
                 cuts=(0,) if stages == 2 else (), microbatches=2, capacity="spot")
     specs = worker_specs(ctx, plan, epoch=0, init="", lr=0.05, attempt=0)
     assert len(specs) == 2 and {s.capacity for s in specs} == {"spot"}
+
+
+def test_auto_chooses_once_per_plan_not_once_per_epoch(tmp_path, monkeypatch):
+    """The plan in force, predicted again after an epoch, keeps its capacity even where the bills
+    would now say otherwise (here: a measured rate that makes spot dearer)."""
+    from coordinator.plan.capacity import with_capacity
+
+    od = get_offer("fargate-cpu").price_per_s(1.0, 2.0)
+    ctx = _ctx(tmp_path, rate_samples=[50.0], monkeypatch=monkeypatch)
+    assert with_capacity(ctx, _plan(od)).capacity == "on_demand"
+    kept = with_capacity(ctx, _plan(od), keep="spot")
+    assert kept.capacity == "spot" and kept.capacity_choice["reason"] == "auto's choice when the plan was made, kept"

@@ -35,12 +35,13 @@ def measured_interruption_rate(ctx: RunContext) -> float | None:
     return statistics.fmean(samples) if samples else None
 
 
-def with_capacity(ctx: RunContext, plan: Plan) -> Plan:
+def with_capacity(ctx: RunContext, plan: Plan, keep: str | None = None) -> Plan:
     """`plan` on the job's capacity: on `spot` (asked, or chosen by `auto`) its worker price is
     the spot offer's and its run's bill is the spot bill with the expected re-done work (the
     coordinator and the store unchanged); on-demand it is unchanged. Where the target has no
     spot offer, `auto` is on-demand and the plan records no choice (`spot` was refused by
-    `coordinator.run.validate.check_capacity`)."""
+    `coordinator.run.validate.check_capacity`). `keep`: the capacity of the plan in force, which
+    its re-prediction after an epoch keeps (`auto` chooses once per plan, not once per epoch)."""
     spot, asked = getattr(ctx.resolved, "spot", None), getattr(ctx.job, "capacity", Capacity.ON_DEMAND)
     if spot is None or (asked == Capacity.ON_DEMAND and not getattr(ctx, "dry_run", False)):
         return dataclasses.replace(plan, capacity=str(Capacity.ON_DEMAND))
@@ -51,12 +52,14 @@ def with_capacity(ctx: RunContext, plan: Plan) -> Plan:
     spot_price = od_price * spot.price_per_s(t.worker_vcpu, t.worker_memory_gb, t.worker_gpu) / \
         ctx.resolved.offer.price_per_s(t.worker_vcpu, t.worker_memory_gb, t.worker_gpu)
     collective = "ring" if "ring" in (ctx.job.collective, getattr(plan, "collective", "")) else "store"
-    choice = choose_capacity(asked=asked, workers=plan.workers, run_s=plan.predicted_run_s,
+    choice = choose_capacity(asked=keep or asked, workers=plan.workers, run_s=plan.predicted_run_s,
                              epoch_s=plan.predicted_epoch_s, steps_per_epoch=plan.steps_per_epoch,
                              startup_s=float((plan.run_terms or {}).get("startup_s") or 0.0),
                              price_on_demand_per_s=od_price, price_spot_per_s=spot_price,
                              rate_per_worker_hour=rate, rate_measured=measured is not None,
                              strategy=plan.strategy, collective=collective, spot_offer=spot.name)
+    if keep and asked == Capacity.AUTO:
+        choice = dataclasses.replace(choice, reason="auto's choice when the plan was made, kept")
     if choice.capacity != Capacity.SPOT:
         return dataclasses.replace(plan, capacity=choice.capacity, capacity_choice=choice.to_dict())
     run_usd = plan.predicted_run_cost_usd - choice.on_demand_usd + choice.spot_usd

@@ -290,7 +290,7 @@ def make_same(ctx: RunContext, profile: dict, current: Plan, calibration: Calibr
     again = (local_sgd(x, current.data_parallel, collective) if current.stages == 1
              else predicted(x, dataclasses.replace(current, collective=collective)))
     again = dataclasses.replace(again, alternatives=current.alternatives, co_optimizer=current.co_optimizer)
-    return with_capacity(ctx, with_run(ctx, again, calibration, epochs_left))
+    return with_capacity(ctx, with_run(ctx, again, calibration, epochs_left), keep=current.capacity)
 
 
 def pick_schedule(ctx: RunContext, profile: dict, x, plan: Plan) -> Plan:
