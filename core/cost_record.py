@@ -16,7 +16,8 @@ class CostRecord:
     resource: str
     """e.g. `worker e1 r0 a0`, `coordinator`."""
     kind: str
-    """`worker`, `coordinator`, `failed_attempt`, `failed_placement` or `store`."""
+    """`worker`, `coordinator`, `failed_attempt`, `failed_placement` or `store`. A worker row's
+    `status` is `preempted` for an attempt the provider took back (it may have handed over)."""
     # A warm worker's rows split its life: status `startup`, `busy`, `idle` (and a failed
     # attempt's `failed_attempt` row); together they cover its launch to its stop.
     offer: str
@@ -34,6 +35,14 @@ class CostRecord:
     interval's."""
     store_ops: dict = field(default_factory=dict)
     """A store row's request counts (`core.store_ops.StoreOps.to_dict`) that `fixed_usd` prices."""
+    redone_s: float = 0.0
+    """A worker row: the seconds of training this attempt repeated because the one before it
+    was preempted (`coordinator.workers.preemptions`; 0 after a clean handover)."""
+    capacity: str = ""
+    """A worker row: the capacity it ran on (`core.kinds.Capacity`; "": not recorded, on-demand)."""
+    list_price_per_s: float = 0.0
+    """A worker row: what the same worker costs a second on-demand (0: `unit_price_per_s`), against
+    which a spot row's saving is counted (`coordinator.bill.cost.spot_tally`)."""
 
     @property
     def seconds(self) -> float:

@@ -47,3 +47,9 @@ class OutOfMemory(ZooidError):
 
 class LeaseExpired(ZooidError):
     """A warm worker's coordinator stopped renewing its lease: the worker stops itself."""
+
+
+class Preempted(ZooidError):
+    """A worker got the provider's notice (SIGTERM before the stop) and left at a step
+    boundary, after handing over what its protocol allows (`engine.preemption`); retried on
+    new capacity, never counted as a crash."""

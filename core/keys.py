@@ -24,6 +24,8 @@ below one with `prefix + "/"`, so that `r1` never covers `r10`.
 | `runs/<run>/history/e<E>/r<R>-a<A>.json` | keeps | what one worker attempt trained |
 | `runs/<run>/faults/e<E>-r<R>-a<A>.json` | keeps | an injected fault's marker (`engine.chaos`) |
 | `runs/<run>/faults/held-e<E>-r<R>-a<A>.json` | keeps | a held worker's event |
+| `runs/<run>/faults/preempted-e<E>-r<R>-a<A>.json` | keeps | a preempted worker's marker (`engine.preemption`) |
+| `runs/<run>/ckpt/handover/e<E>/r<R>.safetensors` | keeps | a preempted replica's handover checkpoint |
 | `runs/<run>/sync/e<E>[/s<S>]/...` | deletes | Local-SGD syncs (per model stage in a pipeline) |
 | `runs/<run>/act/e<E>/r<replica>/...` | deletes | a pipeline's activations and gradients |
 | `runs/<run>/data/{train,val}/<i>`, `data/manifest.json` | deletes | the staged data subsets |
@@ -168,6 +170,23 @@ def fault_marker_key(run_id: str, epoch: int, rank: int, attempt: int) -> str:
 def held_marker_key(run_id: str, epoch: int, rank: int, attempt: int) -> str:
     """The event a `hold_worker` fault writes before it waits."""
     return run_key(run_id, "faults", f"held-e{epoch}-r{rank}-a{attempt}.json")
+
+
+def preempted_marker_key(run_id: str, epoch: int, rank: int, attempt: int) -> str:
+    """Where a worker that got the provider's notice records how it left (`engine.preemption`)."""
+    return run_key(run_id, "faults", f"preempted-e{epoch}-r{rank}-a{attempt}.json")
+
+
+def handover_prefix(run_id: str, epoch: int) -> str:
+    """Every preempted replica's handover checkpoint of `epoch`. Delete it before starting or
+    rerunning the whole epoch, as its sync keys."""
+    return run_key(run_id, "ckpt", "handover", f"e{epoch}")
+
+
+def handover_key(run_id: str, epoch: int, rank: int) -> str:
+    """Replica `rank`'s handover checkpoint of `epoch`: its own state at the step boundary where
+    it left on notice, which its replacement continues (`engine.local_sgd_epoch`)."""
+    return f"{handover_prefix(run_id, epoch)}/r{rank}.safetensors"
 
 
 def attempt_of(key: str, epoch: int) -> int | None:

@@ -9,6 +9,7 @@
 | `hang_worker` | sleeps forever, so the coordinator's worker timeout has to fire |
 | `oom_worker` | `mode=alloc` (default): caps its address space and allocates until a real `MemoryError`, reported as `OutOfMemory` (exit 4); `mode=kill`: SIGKILLs itself as the kernel's OOM killer would |
 | `slow_worker` | sleeps `seconds=S` (default 2) and goes on: a straggler, not a failure |
+| `preempt_worker` | the provider's notice: sends itself SIGTERM and forks a watcher that SIGKILLs it `grace=G` seconds later (default 2; `grace=0`: SIGKILL only, no notice), as `podman stop -t G` does; the worker hands over and leaves (`engine.preemption`). `at=sync` fires at the start of the first sync at or after step S (the notice comes during the collective), `at=profile` when the worker starts a profile command (`runtime.warm`) |
 | `hold_worker` | waits until a key under `runs/<run_id>/` starting with `until=PREFIX` exists in its store (at most `seconds=S`, default 600), then goes on: an epoch held open until an event elsewhere, e.g. `until=warm/r1-` (a warm worker of rank 1 has started); it first writes `runs/<run_id>/faults/held-e<epoch>-r<rank>-a<attempt>.json`, an event a test can wait on |
 
 Keys select where it fires: `epoch=E`, `rank=R` (default: any), `attempt=A` or `attempt=any`
@@ -40,7 +41,7 @@ from core.keys import fault_marker_key, held_marker_key, run_key
 from core.specs import WorkerSpec
 
 ENV = "ZOOID_CHAOS"
-KINDS = ("kill_worker", "crash_worker", "hang_worker", "oom_worker", "slow_worker", "hold_worker")
+KINDS = ("kill_worker", "crash_worker", "hang_worker", "oom_worker", "slow_worker", "hold_worker", "preempt_worker")
 CRASH_EXIT = 17
 """Exit status of an injected `crash_worker`."""
 
@@ -73,6 +74,8 @@ class Fault:
     """`slow_worker`: how long to stall; `hold_worker`: the longest it waits."""
     until: str = ""
     """`hold_worker` only: the key prefix (below `runs/<run_id>/`) whose appearance releases it."""
+    grace: float = 2.0
+    """`preempt_worker` only: seconds from the SIGTERM to the SIGKILL (0: SIGKILL only)."""
 
     def matches(self, spec: WorkerSpec) -> bool:
         """Whether this fault targets `spec`'s epoch, rank and attempt."""
@@ -106,8 +109,15 @@ def parse_chaos(text: str) -> list[Fault]:
                 fields[key] = _int(key, value, item)
             elif key == "attempt":
                 fields[key] = None if value in ("any", "*") else _int(key, value, item)
-            elif key == "at" and value in ("step", "sync"):
+            elif key == "at" and (value in ("step", "sync") or (value == "profile" and kind == "preempt_worker")):
                 fields[key] = value
+            elif key == "grace" and kind == "preempt_worker":
+                try:
+                    fields[key] = float(value)
+                except ValueError:
+                    raise ChaosError(f"grace={value!r} in {item!r} is not a number") from None
+                if fields[key] < 0:
+                    raise ChaosError(f"grace={value!r} in {item!r} must be >= 0")
             elif key == "mode" and kind == "oom_worker" and value in ("alloc", "kill"):
                 fields[key] = value
             elif key == "until" and kind == "hold_worker" and value:
@@ -154,8 +164,20 @@ class Chaos:
 
     def after_sync(self, step: int) -> None:
         """Fire the `at=sync` faults due at a sync reached after `step` steps."""
-        for f in [f for f in self.pending if f.at == "sync" and (f.step or 0) <= step]:
+        for f in [f for f in self.pending if f.at == "sync" and (f.step or 0) <= step
+                  and f.kind != "preempt_worker"]:
             self._fire(f, step)
+
+    def during_sync(self, step: int) -> None:
+        """Fire the `at=sync` preemptions due at a sync that starts after `step` steps: the
+        notice comes while the collective runs."""
+        for f in [f for f in self.pending if f.at == "sync" and (f.step or 0) <= step and f.kind == "preempt_worker"]:
+            self._fire(f, step)
+
+    def at_profile(self) -> None:
+        """Fire the `at=profile` faults: a profile command starts."""
+        for f in [f for f in self.pending if f.at == "profile"]:
+            self._fire(f, 0)
 
     def _fire(self, fault: Fault, step: int) -> None:
         self.pending.remove(fault)
@@ -164,6 +186,11 @@ class Chaos:
             return
         if fault.kind == "hold_worker":
             self._hold(fault)
+            return
+        if fault.kind == "preempt_worker":  # the watcher first: its pid goes into the marker
+            watcher = watch_and_kill(os.getpid(), fault.grace) if fault.grace > 0 else None
+            self._mark(fault, step, watcher=watcher)
+            os.kill(os.getpid(), signal.SIGTERM if fault.grace > 0 else signal.SIGKILL)
             return
         self._mark(fault, step)
         if fault.kind == "kill_worker" or (fault.kind == "oom_worker" and fault.mode == "kill"):
@@ -189,14 +216,56 @@ class Chaos:
             heartbeat.beat()  # held on purpose, not hanging
             time.sleep(poll_s)
 
-    def _mark(self, fault: Fault, step: int) -> None:
+    def _mark(self, fault: Fault, step: int, **extra) -> None:
         if self.store is None:
             return
         s = self.spec
         marker = {"kind": fault.kind, "step": step, "time": time.time(), "run_id": s.run_id,
-                  "epoch": s.epoch, "rank": s.rank, "attempt": s.attempt, "pid": os.getpid()}
+                  "epoch": s.epoch, "rank": s.rank, "attempt": s.attempt, "pid": os.getpid(),
+                  **({"grace": fault.grace, "at": fault.at} if fault.kind == "preempt_worker" else {}), **extra}
         self.store.put(fault_marker_key(s.run_id, s.epoch, s.rank, s.attempt),
                        json.dumps(marker).encode())
+
+
+def preempt(pid: int, grace_s: float, poll_s: float = 0.02) -> None:
+    """What a provider does to take a worker back: SIGTERM to `pid`, then SIGKILL `grace_s`
+    seconds later if it still runs (`grace_s` 0: SIGKILL at once, no notice). The SIGKILL comes
+    from a forked watcher, so a main thread that hangs after the notice is still killed; the
+    watcher ends as soon as `pid` is gone (or its parent, when `pid` is its parent)."""
+    if grace_s <= 0:
+        os.kill(pid, signal.SIGKILL)
+        return
+    watch_and_kill(pid, grace_s, poll_s)
+    os.kill(pid, signal.SIGTERM)
+
+
+def watch_and_kill(pid: int, grace_s: float, poll_s: float = 0.02) -> int:
+    """Fork a watcher that SIGKILLs `pid` in `grace_s` seconds unless it ended first; return
+    the watcher's pid. It ends as soon as `pid` is gone (or its parent, when `pid` is its parent)."""
+    child = os.fork()
+    if child == 0:  # the watcher: no locks, no Python-level state touched, only sleeps and kills
+        try:
+            parent = os.getppid()
+            deadline = time.monotonic() + grace_s
+            while time.monotonic() < deadline:
+                if (pid == parent and os.getppid() != parent) or not _alive(pid):
+                    os._exit(0)
+                time.sleep(poll_s)
+            os.kill(pid, signal.SIGKILL)
+        except BaseException:  # noqa: BLE001 - the watcher never returns into the worker's code
+            pass
+        os._exit(0)
+    return child
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def exhaust_memory(headroom_bytes: int = 256 << 20) -> None:

@@ -88,7 +88,8 @@ class LocalSGD:
     `replayable`: keep each round's results until `drop_rounds_before` (called by whoever
     checkpoints), so a relaunched replica can replay rounds; otherwise each round deletes
     the previous one's. `on_sync(round, step)` runs after every sync. `start_round` and
-    `start_step` place a resumed replica in the epoch; `replay` marks a relaunch, which
+    `start_step` place a resumed replica in the epoch (`since_sync`: its steps since the last
+    sync, where it resumes between two, from a handover); `replay` marks a relaunch, which
     may find results of rounds its previous life took part in. `allreduce` is the
     collective (`scatter_reduce.allreduce_for`; the plain store one by default). `outer`
     is the round's outer step (`engine.outer`; None: K-AVG, the mean replaces the tensors)
@@ -115,6 +116,7 @@ class LocalSGD:
         on_sync: Callable[[int, int], None] | None = None,
         start_round: int = 0,
         start_step: int = 0,
+        since_sync: int = 0,
         replay: bool = False,
         allreduce: Allreduce = allreduce_mean,
         outer: OuterStep | None = None,
@@ -140,7 +142,9 @@ class LocalSGD:
         self.log = PostLog()
         self.rounds = self._dropped = start_round
         self.steps = start_step
-        self._since_sync = 0
+        self._since_sync = since_sync
+        self.before_sync: Callable[[int], None] | None = None
+        """Called with the step count as each sync starts (`engine.chaos`: a notice during a sync)."""
         self.outer, self.compressor = outer, compressor
         self._exact_layout: tuple | None = None
         self._exact: dict[str, torch.Tensor] | None = None
@@ -159,6 +163,11 @@ class LocalSGD:
             # Before the step reads `.grad`: whatever loop drives the optimizer.
             self._step_hook = optimizer.register_step_pre_hook(lambda *_: self._buckets.finish())
 
+    @property
+    def since_sync(self) -> int:
+        """Steps taken since the last sync (what a handover names, `engine.local_sgd_epoch`)."""
+        return self._since_sync
+
     def _float_buffers(self) -> dict[str, torch.Tensor]:
         return {n: b for n, b in self.model.named_buffers() if b.is_floating_point()}
 
@@ -175,6 +184,8 @@ class LocalSGD:
     def sync(self) -> None:
         """Average the shared tensors over the replicas now (in place), through the outer
         step when there is one."""
+        if self.before_sync is not None:
+            self.before_sync(self.steps)
         live = self._shared_tensors()
         previous = sync_call_prefix(self.group, self.rounds - 1) if self.rounds and not self.replayable else None
         payload = live if self.outer is None else self.outer.payload(live)

@@ -131,12 +131,13 @@ from comm.ring_allreduce import RingGroup, open_ring
 from comm.scatter_reduce import COLLECTIVES, allreduce_for
 from comm.store import Store, open_store
 from core.errors import OutOfMemory, ZooidValueError
-from core.keys import (residual_key, sync_checkpoint_key, sync_prefix, worker_history_key,
+from core.keys import (handover_key, residual_key, sync_checkpoint_key, sync_prefix, worker_history_key,
                        worker_history_prefix)
 from core.outer_sync import averages_gradients, is_default
 from core.specs import WorkerResult, WorkerSpec
 from engine.chaos import chaos_for
-from engine.checkpoint import CheckpointWriter, load_checkpoint, save_checkpoint
+from engine import preemption
+from engine.checkpoint import CheckpointWriter, load_checkpoint, read_checkpoint_meta, save_checkpoint
 from engine.datasets import ShardSource, worker_shards
 from engine.devices import to_compute, torch_device, torch_dtype
 from engine.epoch_order import Phase, add_digests, sample_digest
@@ -250,6 +251,10 @@ class StartPoint:
     phases: tuple[Phase, ...] = ()
     """The epoch's earlier phases (other worlds' parts, `engine.epoch_order`) that this
     replica's phase continues; `step` counts steps of its own phase."""
+    since_sync: int = 0
+    """Steps since the last sync round (a handover's, between two rounds; 0 at a sync point)."""
+    handover: bool = False
+    """Whether it is a preempted predecessor's handover (`_handover`)."""
 
 
 def load_start_point(spec: WorkerSpec, ckpt_store: Store, model: nn.Module,
@@ -264,6 +269,9 @@ def load_start_point(spec: WorkerSpec, ckpt_store: Store, model: nn.Module,
         done = _completed_epoch(spec, ckpt_store, model, optimizer, outer)  # a lone replica's furthest point
         if done is not None:
             return done
+        handed = _handover(spec, ckpt_store, model, optimizer, outer)  # a preempted predecessor's own state
+        if handed is not None:
+            return handed
         try:
             # One read: the checkpoint may be overwritten meanwhile, so the meta must come
             # from the same blob as the tensors.
@@ -281,13 +289,42 @@ def load_start_point(spec: WorkerSpec, ckpt_store: Store, model: nn.Module,
             phases = _phases(meta) + (Phase(int(meta["world"]), spec.batch_size, int(meta["step"])),)
             return StartPoint(0, int(meta["round"]) + 1, int(meta.get("global_step_before", 0)), True, outer,
                               residual, phases)
-    elif spec.rank == 0:
-        ckpt_store.delete(key)  # an abandoned attempt's point must not be resumed by a relaunch
+    else:
+        ckpt_store.delete(handover_key(spec.run_id, spec.epoch, spec.rank))  # nor an abandoned handover
+        if spec.rank == 0:
+            ckpt_store.delete(key)  # an abandoned attempt's point must not be resumed by a relaunch
     init_meta = load_checkpoint(ckpt_store, spec.init_key, model, optimizer, timeout=spec.sync_timeout_s,
                                 extra=outer)
     residual = (continue_residual(ckpt_store, list(init_meta.get("residual_keys") or ()), spec.rank, spec.world)
                 if compressed else {})
     return StartPoint(0, 0, int(init_meta.get("global_step", 0)), False, outer, residual)
+
+
+def _handover(spec: WorkerSpec, ckpt_store: Store, model: nn.Module, optimizer: torch.optim.Optimizer,
+              outer: dict) -> StartPoint | None:
+    """A preempted predecessor's handover (`_ReplicaEpoch.hand_over`), loaded into `model` and
+    `optimizer` (and `outer`), when it is a point of this very phase at or after the epoch's
+    sync checkpoint; None otherwise (and always over the ring, whose attempt reruns every rank
+    from the sync checkpoint). The handover is this rank's state after its round `round` and
+    `since_sync` more local steps: a sync checkpoint of one rank, so the relaunch protocol
+    (module docstring, steps 2-4) holds from it as from round `round`'s checkpoint."""
+    if spec.sync.collective == "ring":
+        return None
+    key = handover_key(spec.run_id, spec.epoch, spec.rank)
+    synced = read_checkpoint_meta(ckpt_store, sync_checkpoint_key(spec.run_id, spec.epoch))
+    try:
+        meta = load_checkpoint(ckpt_store, key, model, optimizer, extra=outer)
+    except KeyError:
+        return None
+    if meta.get("kind") != "handover" or _continues(meta, spec) != "step":
+        return None
+    if synced is not None and _continues(synced, spec) == "step" and int(synced["step"]) > int(meta["step"]):
+        return None  # the group went further since: an older attempt's handover
+    round_ = int(meta["round"])
+    residual = (read_residual(ckpt_store, residual_key(spec.run_id, spec.epoch, spec.rank, round_))
+                if spec.sync.sync_dtype != "float32" and spec.world > 1 else {})
+    return StartPoint(int(meta["step"]), round_ + 1, int(meta.get("global_step_before", 0)), True, outer,
+                      residual, _phases(meta), since_sync=int(meta.get("since_sync", 0)), handover=True)
 
 
 def _lone_last_round(spec: WorkerSpec, step: int, steps: int) -> bool:
@@ -449,6 +486,8 @@ class _ReplicaEpoch:
         self.spec, self.ckpt_store, self.shards = spec, ckpt_store, shards
         self.device, self.dtype = device, dtype = torch_device(spec.compute), torch_dtype(spec.compute)
         self.chaos = chaos_for(spec, store)
+        self.scratch = store
+        """The worker's store: the preempted marker goes there, beside the fault markers."""
         model = build_model(spec.model, spec.seed, **spec.compute.model_kwargs)
         # data shards are durable: beside the checkpoints (or a prepared dataset's), not in the scratch store
         check_steps(spec.steps, shards.manifest, spec.world, spec.batch_size)
@@ -487,12 +526,13 @@ class _ReplicaEpoch:
             spec.sync_timeout_s, replayable=bool(spec.sync.checkpoint_every),
             repost_s=float(spec.sync.repost_s) or None,
             on_sync=self._on_sync, start_round=self.start.round, start_step=self.start.step,
-            replay=wants_resume(spec),
+            since_sync=self.start.since_sync, replay=wants_resume(spec),
             allreduce=allreduce_for(spec.sync.collective or DEFAULT_COLLECTIVE, "mean", ring=ring),
             outer=self.outer, compressor=self.compressor, ring=ring,
             average_gradients=averages_gradients(spec.sync_period, spec.sync.outer_optimizer,
                                                  spec.sync.sync_dtype, spec.sync.every_step),
             bucket_bytes=int(spec.sync.bucket_mb * 2**20))
+        self.averaging.before_sync = self.chaos.during_sync
 
     def _on_sync(self, round_: int, step: int) -> None:
         """After sync round `round_` (at a period boundary): rank 0 starts the round's sync
@@ -532,7 +572,11 @@ class _ReplicaEpoch:
         with ShardStream(self.shards, todo, seed=spec.seed, epoch=spec.epoch) as stream:
             self.stream = stream
             for step, (ids, (x, y)) in enumerate(zip(todo, stream), start=self.start.step):
+                if preemption.requested():
+                    self.hand_over(step)
                 self.chaos.before_step(step)
+                if preemption.requested():  # a notice injected right here leaves here
+                    self.hand_over(step)
                 x, y = to_compute(x, device, dtype), to_compute(y, device, dtype)
                 loss = self.objective.loss(model(x), y)
                 optimizer.zero_grad(set_to_none=True)
@@ -544,7 +588,31 @@ class _ReplicaEpoch:
                 self.digest = add_digests(self.digest, sample_digest(ids))
                 averaging.after_step()
                 self.clock.tick()
+        if preemption.requested():  # the notice came in the last step: the replacement only ends the epoch
+            self.hand_over(self.steps)
         return loss_sum
+
+    def hand_over(self, step: int) -> None:
+        """The notice came (`engine.preemption`): at this step boundary, wait for a sync
+        checkpoint in flight, write this rank's handover checkpoint (its local model and
+        optimizer, the outer state, its position: phases, `step`, the last round and the steps
+        since it; with a compressed sync its residual at that round, as a round's), mark the
+        attempt preempted and raise `Preempted`. Over the ring nothing is handed over (the
+        attempt reruns from the sync checkpoint)."""
+        spec, averaging = self.spec, self.averaging
+        self.writer.wait()
+        key = ""
+        if spec.sync.collective != "ring":
+            round_ = averaging.rounds - 1
+            if self.compressor is not None and spec.world > 1:
+                self.residuals.write(round_, self.compressor.residual)
+            key = handover_key(spec.run_id, spec.epoch, spec.rank)
+            meta = {**self.position, "kind": "handover", "step": step, "round": round_,
+                    "since_sync": averaging.since_sync, "attempt": spec.attempt}
+            save_checkpoint(self.ckpt_store, key, self.model, self.optimizer, meta,
+                            extra=self.outer.state_tensors() if self.outer else None)
+        preemption.leave(self.scratch, spec, step, key, start_step=self.start.step,
+                         trained_s=time.perf_counter() - self.loop_started)
 
     @property
     def trained(self) -> int:

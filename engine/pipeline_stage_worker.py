@@ -18,6 +18,8 @@ import torch
 from torch import nn
 
 from comm import heartbeat
+from engine import preemption
+from engine.chaos import chaos_for
 from comm.bandwidth import TransferStats
 from comm.bucket_allreduce import BucketCollective, RingBuckets, StoreBuckets
 from comm.collectives import release_group
@@ -89,6 +91,7 @@ class StageWorker:
         iteration's schedule (`engine.pipeline_executor.iteration_schedule`)."""
         settings = spec.stage
         self.spec, self.cfg, self.store, self.actions = spec, settings, store, actions
+        self.chaos = chaos_for(spec, store)
         self.shards = shards
         self.layout = Layout(settings.workers, settings.stages)
         self.last = settings.stages - 1
@@ -154,6 +157,8 @@ class StageWorker:
         clock = IterationClock()
         with self._train_stream(batches) as stream:
             for step, rows in enumerate(stream):
+                self.chaos.before_step(step)  # ZOOID_CHAOS faults due before iteration `step`
+                self._leave_on_notice(step)
                 loss_sum += self._iteration(step, rows)
                 clock.tick()
                 heartbeat.step()
@@ -180,6 +185,13 @@ class StageWorker:
             checkpoint_key=checkpoint_key,
             pid=os.getpid(), host=socket.gethostname(), iteration_s=clock.period_s(),
         )
+
+    def _leave_on_notice(self, step: int) -> None:
+        """The notice came (`engine.preemption`): a stage has nothing a new stage could take
+        (its neighbours' tensors in flight belong to this attempt), so it leaves at once with
+        the preempted marker, and the coordinator reruns the attempt now."""
+        if preemption.requested():
+            preemption.leave(self.store, self.spec, step)
 
     def _train_stream(self, batches):
         """The rows of `batches` (`ShardStream`) on the workers that hold data (model stage 0's
@@ -210,6 +222,7 @@ class StageWorker:
         loss_total = 0.0
         for i, a in enumerate(self.actions):
             s, m = a.stage, a.microbatch
+            self._leave_on_notice(step)
             if i in self.arm_at:  # this stage's last backward: its buckets start as they fill
                 self._stage_buckets(s).arm(step)
             if a.kind in (Kind.F, Kind.B):

@@ -10,6 +10,7 @@ import torch
 
 from comm.store import Store, open_store
 from core.specs import WorkerResult, WorkerSpec
+from engine import preemption
 from engine.chaos import chaos_for, chaos_requested  # noqa: F401 - chaos_requested kept for callers
 from engine.local_sgd_epoch import run_local_sgd_epoch
 from engine.malloc import pin_malloc_thresholds
@@ -36,6 +37,14 @@ def run_spec(spec: WorkerSpec, store: Store, open_ref: Callable[[str], Store] = 
 def _run(spec: WorkerSpec, store: Store, open_ref: Callable[[str], Store]) -> WorkerResult:
     """The epoch itself, on the engine `spec` asks for."""
     pin_malloc_thresholds()  # the allocator the profile measured with (engine.malloc)
+    # The provider's notice (SIGTERM) only sets a flag during the epoch: the engine hands over
+    # and leaves at its next step boundary (`engine.preemption`); the handler in force before
+    # (Prefect's, in a flow run) is back once the epoch ends.
+    with preemption.listening():
+        return _epoch(spec, store, open_ref)
+
+
+def _epoch(spec: WorkerSpec, store: Store, open_ref: Callable[[str], Store]) -> WorkerResult:
     # Injected faults (ZOOID_CHAOS, off when unset) that fire at worker start, for every
     # strategy; the Local-SGD loop fires the step and sync ones.
     chaos_for(spec, store).at_start()

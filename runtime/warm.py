@@ -48,6 +48,7 @@ from core.errors import LeaseExpired, ZooidValueError
 from core.keys import command_key, lease_key, reply_key, status_key
 from core.process_start import process_started_at
 from core.specs import WarmSpec, WorkerResult, WorkerSpec
+from engine.chaos import chaos_for
 from runtime.store_report import also_report
 
 LEASE_EXIT = 5
@@ -186,6 +187,8 @@ class _Serving:
     watch: _Watch
     ready_at: float
     log: Callable[[str], None]
+    spec: WorkerSpec | None = None
+    """The launch spec (`engine.chaos` aims faults at it)."""
 
     def reply(self, seq: int, doc: dict) -> None:
         """Post the reply to command `seq`."""
@@ -224,7 +227,7 @@ def _start(spec: WorkerSpec, store: Store, store_factory: Callable[[], Store],
     log(f"zooid warm worker {settings.worker} ready {max(0.0, ready_at - began_at):.3f} s after its {since} "
         f"(interpreter, imports of torch and the store client, the store's connection, the lease watch; "
         f"pid {os.getpid()})")
-    return _Serving(store, spec.run_id, settings, watch, ready_at, log)
+    return _Serving(store, spec.run_id, settings, watch, ready_at, log, spec)
 
 
 def _obey(worker: _Serving, seq: int, command: dict, execute: Callable[[WorkerSpec], WorkerResult],
@@ -279,6 +282,8 @@ def _serve_profile(worker: _Serving, seq: int, command: dict, open_ref: Callable
     began = time.time()
     worker.watch.busy(seq, None, began)
     reply: dict = {"began_at": began, "ready_at": worker.ready_at}
+    if worker.spec is not None:  # ZOOID_CHAOS `at=profile` (a preemption while profiling)
+        chaos_for(worker.spec, worker.store).at_profile()
     try:
         request = ProfileRequest.from_dict(command.get("request") or {})
         reply.update(ok=True, profile=run_profile(request, open_ref or open_store,

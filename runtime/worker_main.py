@@ -5,7 +5,8 @@ else a Local-SGD replica). The `inline` target starts workers this way. The last
 line on stdout is JSON: the WorkerResult (`WorkerResult.from_dict` reads it back), or on
 failure `{"error": <class name>, "message": ...}` with a non-zero exit status: 2 for bad
 input (ZooidValueError), 3 for a store timeout, 4 for out-of-memory (OutOfMemory or a
-MemoryError), 5 for a warm worker whose lease expired, 1 for anything else.
+MemoryError), 5 for a warm worker whose lease expired, 6 for a worker that got the provider's
+notice and left (`Preempted`, `engine.preemption`), 1 for anything else.
 
 A spec with `warm` set starts a warm worker (`runtime.warm`): it serves the run's
 epochs from the store until the coordinator stops it or its lease expires, and prints its
@@ -19,14 +20,15 @@ import sys
 from typing import Callable
 
 from comm.store import Store, open_store
-from core.errors import LeaseExpired, OutOfMemory, StoreTimeout, ZooidValueError
+from core.errors import LeaseExpired, OutOfMemory, Preempted, StoreTimeout, ZooidValueError
 from core.fast_exit import exit_now
 from core.specs import WorkerSpec
 from engine.optimizers import load_lazy_modules
 from runtime.run_spec import run_spec
 from runtime.warm import serve
 
-EXIT_CODES = ((ZooidValueError, 2), (StoreTimeout, 3), (OutOfMemory, 4), (MemoryError, 4), (LeaseExpired, 5))
+EXIT_CODES = ((ZooidValueError, 2), (StoreTimeout, 3), (OutOfMemory, 4), (MemoryError, 4), (LeaseExpired, 5),
+              (Preempted, 6))
 
 
 def _run_job(spec: WorkerSpec, warm_store, open_ref=open_store):

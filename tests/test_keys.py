@@ -104,6 +104,9 @@ PINNED = [
     (keys.faults_prefix(RUN), "runs/abc123/faults"),
     (keys.fault_marker_key(RUN, 1, 2, 3), "runs/abc123/faults/e1-r2-a3.json"),
     (keys.held_marker_key(RUN, 1, 2, 3), "runs/abc123/faults/held-e1-r2-a3.json"),
+    (keys.preempted_marker_key(RUN, 1, 2, 3), "runs/abc123/faults/preempted-e1-r2-a3.json"),
+    (keys.handover_prefix(RUN, 2), "runs/abc123/ckpt/handover/e2"),
+    (keys.handover_key(RUN, 2, 1), "runs/abc123/ckpt/handover/e2/r1.safetensors"),
     (keys.sync_prefix(RUN, 4), "runs/abc123/sync/e4"),
     (keys.stage_sync_prefix(RUN, 4, 2), "runs/abc123/sync/e4/s2"),
     (keys.sync_call_prefix(keys.sync_prefix(RUN, 4), 7), "runs/abc123/sync/e4/r7"),
@@ -157,6 +160,9 @@ def test_the_key_parsers_read_what_the_builders_write():
     assert keys.attempt_of(keys.worker_history_key(RUN, 1, 0, 4), 1) == 4
     assert keys.attempt_of(keys.fault_marker_key(RUN, 1, 2, 3), 1) == 3
     assert keys.attempt_of(keys.held_marker_key(RUN, 1, 2, 5), 1) == 5
+    assert keys.attempt_of(keys.preempted_marker_key(RUN, 1, 2, 6), 1) == 6
+    assert not keys.EPOCH_CHECKPOINT.search(keys.handover_key(RUN, 3, 0))
+    assert not keys.SYNC_CHECKPOINT.search(keys.handover_key(RUN, 3, 0))
     assert keys.attempt_of(keys.worker_history_key(RUN, 11, 0, 4), 1) is None
     assert keys.attempt_of(keys.fault_marker_key(RUN, 2, 0, 1), 1) is None
     assert keys.attempt_of(keys.summary_key(RUN), 1) is None

@@ -90,6 +90,37 @@ def worker_seconds(rows: Iterable[dict]) -> dict[str, float]:
     return out
 
 
+def spot_tally(rows: Iterable[dict]) -> dict:
+    """What spot capacity did in a ledger (row dicts): `preemptions` (worker attempts the provider
+    took back), `redone_s` (seconds of training replacements repeated), `spot_worker_s` (worker
+    seconds billed on spot), `interruptions_per_worker_hour` (preemptions per spot worker-hour;
+    None without spot seconds) and `saved_usd`: the on-demand price of every billed worker
+    second (`list_price_per_s`) less what was billed, the redone work included."""
+    preempted, redone, spot_s, saved = set(), 0.0, 0.0, 0.0
+    for r in rows:
+        if r.get("kind") not in ("worker", "failed_attempt"):
+            continue
+        if r.get("status") == "preempted":
+            preempted.add((r.get("epoch"), r.get("rank"), r.get("attempt")))
+        redone += float(r.get("redone_s") or 0.0)
+        if r.get("capacity") == "spot":
+            spot_s += r["seconds"]
+        if r.get("list_price_per_s"):
+            saved += r["seconds"] * r["list_price_per_s"] - (r["usd"] - float(r.get("fixed_usd") or 0.0))
+    return {"preemptions": len(preempted), "redone_s": redone, "spot_worker_s": spot_s, "saved_usd": saved,
+            "interruptions_per_worker_hour": len(preempted) / (spot_s / 3600.0) if spot_s else None}
+
+
+def spot_line(tally: dict) -> str | None:
+    """`3 preemptions, 41 s of work redone, $0.0021 saved against on-demand` (None when the run
+    rented no spot capacity and nothing was preempted)."""
+    if not tally or not (tally.get("spot_worker_s") or tally.get("preemptions")):
+        return None
+    n = int(tally.get("preemptions") or 0)
+    return (f"{n} preemption{'' if n == 1 else 's'}, {tally.get('redone_s') or 0.0:.0f} s of work redone, "
+            f"${tally.get('saved_usd') or 0.0:.4f} saved against on-demand")
+
+
 def total_usd(rows: Iterable[CostRecord]) -> float:
     """Dollars of every row."""
     return sum(r.usd for r in rows)

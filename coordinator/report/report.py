@@ -14,7 +14,7 @@ import base64
 import io
 import textwrap
 
-from coordinator.bill.cost import store_lines
+from coordinator.bill.cost import spot_line, store_lines
 from coordinator.report.sync_words import outer_sync_row, outer_sync_words
 from coordinator.run.job import RunSummary
 from core.epoch_summary import EpochSummary
@@ -615,6 +615,9 @@ def text_report(summary: RunSummary, ledger: dict | None = None) -> str:
     ws = {k: v for k, v in summary.worker_seconds.items() if v}
     if ws:
         lines += ["", "worker time billed: " + ", ".join(f"{PAID_FOR.get(k, k)} {duration(v)}" for k, v in ws.items())]
+    spot = spot_line(summary.spot)
+    if spot:
+        lines += ["", f"spot capacity: {spot}"]
     bill = bill_lines(summary, rows, markdown=False)
     if bill:
         lines += ["", "Bill:", *bill]
@@ -656,6 +659,9 @@ def markdown_report(summary: RunSummary, ledger_rows: list[dict], png: bytes | N
     ws = {k: v for k, v in summary.worker_seconds.items() if v}
     if ws:
         md += ["", "Worker time billed: " + ", ".join(f"{PAID_FOR.get(k, k)} {duration(v)}" for k, v in ws.items()) + "."]
+    spot = spot_line(summary.spot)
+    if spot:
+        md += ["", f"Spot capacity: {spot}."]
     md += ["", "## Bill", ""]
     bill = bill_lines(summary, ledger_rows, markdown=True)
     if bill:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prefect.artifacts import create_markdown_artifact
 
-from coordinator.bill.cost import worker_seconds
+from coordinator.bill.cost import spot_tally, worker_seconds
 from coordinator.report.report import markdown_report, plot_curves
 from coordinator.run.context import RunContext
 from coordinator.run.job import RunSummary
@@ -22,7 +22,7 @@ def write_summary(ctx: RunContext, status: str, history: list[EpochSummary], pla
         run_id=ctx.run_id, status=status, final_loss=last.loss if last else None,
         final_accuracy=last.val_accuracy if last else None, total_cost_usd=ledger["total_usd"], plan=plan,
         epochs=history, store_url=ctx.durable_ref, checkpoint_key=last.checkpoint_key if last else "", error=error,
-        worker_seconds=worker_seconds(ledger["rows"]), final_perplexity=last.val_perplexity if last else None,
+        worker_seconds=worker_seconds(ledger["rows"]), spot=spot_tally(ledger["rows"]), final_perplexity=last.val_perplexity if last else None,
         final_token_accuracy=last.val_token_accuracy if last else None,
         **run_token_figures(history, ledger["total_usd"]))
     png = plot_curves(summary.epochs) if summary.epochs else None

@@ -15,7 +15,7 @@ form shows. The form and `flows.train.train_with_params` list the fields in this
 | `Parallelism` | strategy, workers, stages, microbatches, pipeline_schedule | replicas, pipeline stages, their schedule |
 | `Sync` | sync_period, collective, outer_optimizer, outer_lr, outer_momentum, sync_dtype | how Local-SGD replicas meet |
 | `Scaling` | scaling, scale_every_epochs, min_workers, max_workers | the worker count between epochs |
-| `TargetAndStore` | store, durable_store, target, worker_vcpu, worker_memory_gb, offer, capacity | where workers run and tensors live |
+| `TargetAndStore` | store, durable_store, target, worker_vcpu, worker_memory_gb, offer, capacity, spot_preemptions_before_on_demand | where workers run and tensors live |
 | `BudgetAndStopping` | budget_usd, deadline_s, target_accuracy, target_loss | when a run ends before its last epoch |
 | `WorkersLife` | prestart, resume, warm, worker_lease_s, keep_checkpoints, worker_timeout_s | workers' start, lease, stall; checkpoints |
 
@@ -177,6 +177,10 @@ class TargetAndStore(JobSection):
                     "`ecs` and `docker`, ACI Spot on `aci`, a spot node pool on `k8s`; refused where the target has "
                     "no spot offer) or `auto` (the planner prices the expected re-done work of preemptions against "
                     "the discount and picks the cheaper).")
+    spot_preemptions_before_on_demand: int = Field(
+        2, ge=0, title="Spot preemptions before on-demand",
+        description="A spot worker preempted this many times in one epoch is replaced on on-demand capacity "
+                    "(before that, on spot again; 0: every replacement on-demand).")
 
     @field_validator("target")
     @classmethod

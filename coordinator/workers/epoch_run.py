@@ -10,6 +10,7 @@ earlier attempt are deleted, so no replica reads a dead attempt's slices.
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 
 from prefect.concurrency.sync import concurrency
@@ -20,17 +21,20 @@ from coordinator.bill.cost import worker_records
 from coordinator.run.context import RunContext
 from coordinator.workers.epoch_samples import check_samples
 from coordinator.workers.failures import FailureKind, classify_failure
-from coordinator.workers.launchers import PAID_WORKERS_LIMIT, WorkerOutcome, make_launcher, worker_threads
+from coordinator.workers.launchers import (PAID_WORKERS_LIMIT, WorkerOutcome, WorkersFailed, make_launcher,
+                                           worker_threads)
+from coordinator.workers.preemptions import Preemptions, before_on_demand, mark_ledger, reached_step, redone_seconds
 from coordinator.workers.warm_prestart import PrestartWatch, should_prestart, startup_report
 from coordinator.workers.worker_specs import next_attempt, worker_specs
 from core.epoch_summary import EpochSummary
 from core.errors import OutOfMemory, ZooidValueError
-from core.keys import activation_prefix, sync_prefix
-from core.kinds import Strategy
+from core.keys import activation_prefix, handover_prefix, sync_prefix, worker_history_key
+from core.kinds import Capacity, Strategy
 from core.plan import Plan
 from core.specs import WorkerSpec
 from core.store_ops import grouped_json, grouped_total
 from engine.chaos import read_fault_marker
+from engine.preemption import read_preempted_marker
 
 
 def bill_from_cloud_clock(ctx: RunContext, outcomes, epoch: int, plan: Plan | None = None) -> None:
@@ -42,7 +46,8 @@ def bill_from_cloud_clock(ctx: RunContext, outcomes, epoch: int, plan: Plan | No
     if adapter is None:
         return
     for o in outcomes:
-        ctx.state.cloud_attempts[o.ref] = (epoch, o.rank, o.attempt, ctx.price_of(plan)(o.rank))
+        ctx.state.cloud_attempts[o.ref] = (epoch, o.rank, o.attempt,
+                                           ctx.price_of(plan, o.extra.get("capacity"))(o.rank))
     try:
         billed = {r.worker for r in ctx.state.ledger if r.worker}  # e.g. a profiling worker's own rows
         intervals = [i for i in adapter.intervals(ctx.run_id)
@@ -55,24 +60,38 @@ def bill_from_cloud_clock(ctx: RunContext, outcomes, epoch: int, plan: Plan | No
     ctx.state.ledger[:] = replace_measured(ctx.state.ledger, cloud_rows)
 
 
-def relaunch_policy(ctx: RunContext, plan: Plan, max_relaunches: int = 2):
+def relaunch_policy(ctx: RunContext, plan: Plan, max_relaunches: int = 2, preemptions: Preemptions | None = None):
     """`on_failure` for the launcher: classify the failed attempt; relaunch that one worker
     (Local-SGD resumes it from the epoch's last sync checkpoint while the others wait at the
     sync) unless the failure cannot be retried (out of memory, bad input) or the worker
     already failed `max_relaunches` times. A pipeline stage has no mid-epoch resume: its
-    failure fails the attempt, and the task's retry reruns the epoch."""
+    failure fails the attempt, and the task's retry reruns the epoch.
+
+    A preempted worker (`coordinator.workers.preemptions`) is counted in `preemptions`, never
+    in `max_relaunches`: a Local-SGD replica over the store is relaunched at once (from its
+    handover), on the capacity `preemptions` says; a pipeline stage or a ring's rank fails the
+    attempt, which `run_epoch_on_target` reruns at once."""
     relaunched: dict[int, int] = {}
+    preemptions = preemptions if preemptions is not None else Preemptions(before_on_demand(ctx.job))
 
     def on_failure(outcome, spec: WorkerSpec) -> WorkerSpec | None:
         store = ctx.open_store()
         try:
             marker = read_fault_marker(store, ctx.run_id, spec.epoch, spec.rank, spec.attempt)
+            notice = read_preempted_marker(store, ctx.run_id, spec.epoch, spec.rank, spec.attempt)
         finally:
             store.close()
         tail = _log_tail(outcome)
         failure = classify_failure(outcome.extra.get("exit_code"), tail,
-                                   timed_out=outcome.status == "timeout", injected=marker)
+                                   timed_out=outcome.status == "timeout", injected=marker, preempted=notice)
         outcome.extra["failure"] = failure.to_dict()
+        if failure.kind is FailureKind.PREEMPTED:
+            preemptions.record(spec.rank)
+            outcome.extra.update(preempted=notice or {}, reached_step=reached_step(notice or marker))
+            if plan.strategy != Strategy.LOCAL_SGD or spec.sync.collective == "ring":
+                outcome.extra["rerun"] = True  # the whole attempt, at once (run_epoch_on_target)
+                return None
+            return preemptions.respec(dataclasses.replace(spec, attempt=next_attempt(ctx, spec.epoch, spec.rank)))
         if failure.kind is FailureKind.OOM:
             raise OutOfMemory(f"worker {spec.rank} of epoch {spec.epoch} ran out of memory "
                               f"({failure.reason}); re-plan with more memory per worker or a smaller batch")
@@ -155,13 +174,21 @@ def epoch_specs(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, a
 
 
 def warm_epoch(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, resume: bool, attempt: int,
-               on_tick=None) -> EpochSummary:
+               on_tick=None, preemptions: Preemptions | None = None,
+               seen: list[WorkerOutcome] | None = None) -> EpochSummary:
     """One epoch on the run's warm workers (started or retired to fit `plan` first)."""
     pool = ctx.state.warm
     started = pool.ensure(plan, epoch)
     sent = time.time()
-    final, attempts = pool.run_epoch(plan, epoch_specs(ctx, plan, epoch, init, lr, attempt, resume),
-                                     ctx.job.worker_timeout_s, relaunch_policy(ctx, plan), on_tick=on_tick)
+    preemptions = preemptions if preemptions is not None else Preemptions(before_on_demand(ctx.job))
+    specs = [preemptions.respec(s) for s in epoch_specs(ctx, plan, epoch, init, lr, attempt, resume)]
+    try:
+        final, attempts = pool.run_epoch(plan, specs, ctx.job.worker_timeout_s,
+                                         relaunch_policy(ctx, plan, preemptions=preemptions), on_tick=on_tick)
+    except WorkersFailed as exc:
+        _seen(seen, exc.outcomes)
+        raise
+    _seen(seen, attempts)
     ended = max(o.stopped_at for o in final)
     first_work = [o.result.started_at for o in final if o.result]
     startup = {"mode": "warm", "cold_started": started, "exposed_s": max(0.0, max(first_work, default=sent) - sent)}
@@ -172,19 +199,110 @@ def warm_epoch(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, re
     return counted(ctx, check_samples(ctx, plan, summary))
 
 
+MAX_PREEMPTED_RERUNS = 8
+"""The most times one epoch's attempt is rerun at once because a worker of it was preempted
+(a pipeline stage, a ring's rank); past that, the task's own retries take over."""
+
+
 def run_epoch_on_target(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, resume: bool,
                         attempt: int, on_tick=None) -> EpochSummary:
     """One attempt at epoch `epoch` on the target (`attempt` > 0: the workers resume from the
-    epoch's sync checkpoint). `resume`: the epoch had started under an earlier coordinator.
-    `on_tick()` is called while the workers train (progress)."""
+    epoch's sync checkpoint), rerun at once while a preempted worker fails it (a pipeline
+    stage, a ring's rank: `relaunch_policy`), with each rank on the capacity its preemptions
+    leave it (`coordinator.workers.preemptions`). `resume`: the epoch had started under an
+    earlier coordinator. `on_tick()` is called while the workers train (progress). Once the
+    epoch is done its preempted attempts are marked in the ledger, with the work redone."""
+    preemptions = Preemptions(before_on_demand(ctx.job))
+    seen: list[WorkerOutcome] = []
+    reruns = 0
+    while True:
+        try:
+            summary = _run_attempt(ctx, plan, epoch, init, lr, resume, attempt, on_tick, preemptions, seen)
+            break
+        except WorkersFailed as exc:
+            _seen(seen, exc.outcomes)
+            if not any(o.extra.get("rerun") for o in exc.outcomes) or reruns >= MAX_PREEMPTED_RERUNS:
+                _settle_preemptions(ctx, plan, epoch, seen)
+                raise
+            reruns += 1
+            attempt += 1
+            print(f"zooid: epoch {epoch}: a worker was preempted; attempt {attempt} now")
+    _settle_preemptions(ctx, plan, epoch, seen)
+    return dataclasses.replace(summary, cost_usd=epoch_cost(ctx, epoch))
+
+
+def _seen(seen: list[WorkerOutcome] | None, outcomes) -> None:
+    """Add `outcomes` to the epoch's attempts `seen` (each once)."""
+    if seen is not None:
+        seen.extend(o for o in outcomes if not any(o is s for s in seen))
+
+
+def _settle_preemptions(ctx: RunContext, plan: Plan, epoch: int, seen: list[WorkerOutcome]) -> None:
+    """Mark the epoch's preempted attempts in the ledger, the seconds each replacement redid
+    (`coordinator.workers.preemptions`), and bill every attempt as the capacity it ran on."""
+    preempted = [o for o in seen if (o.extra.get("failure") or {}).get("kind") == FailureKind.PREEMPTED.value]
+    redone: dict[tuple[int, int], float] = {}
+    if preempted:
+        durable = ctx.open_durable()
+        try:
+            for o in preempted:
+                ranks = sorted({p.rank for p in seen}) if o.extra.get("rerun") else [o.rank]
+                for rank in ranks:
+                    after = [p for p in seen if p.rank == rank and p is not o
+                             and p.started_at >= (o.stopped_at or o.started_at)]
+                    if not after:
+                        continue
+                    nxt = min(after, key=lambda p: p.started_at)
+                    start, pace = _start_and_pace(durable, ctx.run_id, epoch, nxt)
+                    key = (rank, nxt.attempt)
+                    redone[key] = redone.get(key, 0.0) + redone_seconds(o.extra.get("reached_step"), start, pace)
+        finally:
+            durable.close()
+    priced = {}
+    for o in seen:
+        capacity = o.extra.get("capacity")
+        if capacity:
+            priced[(o.rank, o.attempt)] = (ctx.offer_of(capacity).name, ctx.price_of(plan, capacity)(o.rank),
+                                           capacity, ctx.price_of(plan, Capacity.ON_DEMAND)(o.rank))
+    ctx.state.ledger[:] = mark_ledger(ctx.state.ledger, epoch, {(o.rank, o.attempt) for o in preempted},
+                                      redone, priced)
+
+
+def _start_and_pace(store, run_id: str, epoch: int, outcome: WorkerOutcome) -> tuple[int, float]:
+    """The step an attempt started from and its seconds per step: from its history record and
+    result (a completed Local-SGD replica), its preempted marker (one preempted in turn), or
+    step 0 at its result's pace (a pipeline stage, which always starts the epoch over)."""
+    notice = outcome.extra.get("preempted") or {}
+    if outcome.result is None:
+        start, reached = int(notice.get("start_step", 0)), reached_step(notice)
+        steps = (reached or 0) - start
+        return start, (float(notice.get("trained_s", 0.0)) / steps if steps > 0 else 0.0)
+    try:
+        record = json.loads(store.get(worker_history_key(run_id, epoch, outcome.rank, outcome.attempt)))
+    except KeyError:
+        record = {}
+    r = outcome.result
+    trained = int(record.get("steps_trained") or 0)
+    pace = r.iteration_s or ((r.compute_s + r.sync_s) / trained if trained else 0.0)
+    return int(record.get("start_step", 0)), pace
+
+
+def _run_attempt(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, resume: bool, attempt: int,
+                 on_tick, preemptions: Preemptions, seen: list[WorkerOutcome]) -> EpochSummary:
+    """One attempt at the epoch (`run_epoch_on_target`)."""
     store = ctx.open_store()
     try:  # no worker of this attempt may read a failed attempt's slices or activations
         store.delete_prefix(sync_prefix(ctx.run_id, epoch) + "/")
         store.delete_prefix(activation_prefix(ctx.run_id, epoch) + "/")
     finally:
         store.close()
+    durable = ctx.open_durable()
+    try:  # nor continue a handover of a failed attempt (its peers start from the sync checkpoint)
+        durable.delete_prefix(handover_prefix(ctx.run_id, epoch) + "/")
+    finally:
+        durable.close()
     if ctx.job.warm:  # each warm worker holds its paid-worker slot from its start to its stop
-        return warm_epoch(ctx, plan, epoch, init, lr, resume, attempt, on_tick)
+        return warm_epoch(ctx, plan, epoch, init, lr, resume, attempt, on_tick, preemptions, seen)
     launcher = ctx.state.prestarted.pop(epoch, None)  # started during the previous epoch
     if launcher is not None and (attempt > 0 or resume or any(o.status != "running" for o in launcher.outcomes)):
         launcher.stop("pre-started workers replaced")  # a retried epoch starts afresh
@@ -204,17 +322,18 @@ def run_epoch_on_target(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: 
         try:
             if not prestarted:
                 for spec in epoch_specs(ctx, plan, epoch, init, lr, attempt, resume):
-                    launcher.launch(spec)
+                    launcher.launch(preemptions.respec(spec))
             else:  # the epoch really starts when the previous one ended
                 started = max(min(o.started_at for o in launcher.outcomes), ctx.state.last_epoch_end or 0.0)
             watch = PrestartWatch(ctx, plan, epoch, lr, started) if should_prestart(ctx, plan, epoch) else None
             ticks = [t for t in (watch.tick if watch else None, on_tick) if t is not None]
-            final = launcher.wait(ctx.job.worker_timeout_s, relaunch_policy(ctx, plan),
+            final = launcher.wait(ctx.job.worker_timeout_s, relaunch_policy(ctx, plan, preemptions=preemptions),
                                   on_tick=(lambda: [t() for t in ticks]) if ticks else None)
         finally:
             launcher.stop("epoch over")
             ctx.state.launchers.remove(launcher)
             outcomes = launcher.outcomes
+            _seen(seen, outcomes)
             ctx.state.ledger.extend(worker_records(ctx.run_id, epoch, [o.to_dict() for o in outcomes],
                                              ctx.resolved.offer, ctx.price_of(plan)))
             bill_from_cloud_clock(ctx, outcomes, epoch, plan)

@@ -4,7 +4,12 @@ Evidence, strongest first:
 
 1. an injected-fault marker (`engine.chaos.read_fault_marker`): `injected`, retried;
    except an injected `oom_worker`, which is classified as a real OOM (with
-   `injected=True`) so that the coordinator's no-retry path can be drilled;
+   `injected=True`) so that the coordinator's no-retry path can be drilled, and an injected
+   `preempt_worker`, which is `preempted` (with `injected=True`);
+1b. a preempted marker (`engine.preemption.read_preempted_marker`: the worker got the
+   provider's notice and left, after its handover), exit 6 (`Preempted`), or a SIGTERM's
+   status (-15 / 143: a notice with no handler, or nothing to hand over): `preempted`,
+   retried on new capacity and never counted as a crash;
 2. the coordinator's own timeout fired: `timeout`, retried;
 3. bad input: exit 2 or a `ZooidValueError` line: `bad_input`, never retried;
 4. out of memory: exit 4 (the worker's `OutOfMemory`), `MemoryError`, CUDA
@@ -33,6 +38,10 @@ OOM_TEXT = re.compile(r"MemoryError|OutOfMemory|out of memory|Cannot allocate me
 BAD_INPUT_TEXT = re.compile(r"\bZooidValueError\b|\bStoreKeyError\b|\bChaosError\b")
 STORE_TIMEOUT_TEXT = re.compile(r"\bStoreTimeout\b")
 SIGKILL_CODES = (-9, 137)
+SIGTERM_CODES = (-15, 143)
+EXIT_PREEMPTED = 6
+"""The exit status `runtime.worker_main` gives `Preempted`."""
+PREEMPTED_TEXT = re.compile(r"\bPreempted\b")
 EXIT_BAD_INPUT, EXIT_STORE_TIMEOUT, EXIT_OOM = 2, 3, 4
 """The exit statuses `runtime.worker_main` gives these errors."""
 NEAR_LIMIT = 0.95
@@ -47,6 +56,7 @@ class FailureKind(str, enum.Enum):
     INJECTED = "injected"
     BAD_INPUT = "bad_input"
     STORE_TIMEOUT = "store_timeout"
+    PREEMPTED = "preempted"
 
 
 NOT_RETRYABLE = frozenset({FailureKind.OOM, FailureKind.BAD_INPUT})
@@ -130,6 +140,7 @@ def classify_failure(
     *,
     timed_out: bool = False,
     injected: dict | None = None,
+    preempted: dict | None = None,
     events_before: MemoryEvents | None = None,
     events_after: MemoryEvents | None = None,
     peak_rss_bytes: int | None = None,
@@ -139,16 +150,25 @@ def classify_failure(
 
     `exit_code`: the process status (negative for a signal, as `subprocess` reports it; 128 +
     signal as a shell or container runtime does), None if it never exited. `output`: its
-    last output lines. `injected`: the attempt's fault marker, if any."""
+    last output lines. `injected`: the attempt's fault marker, if any; `preempted`: its
+    preempted marker (`engine.preemption`), if any."""
     if exit_code == 0 and not timed_out:
         raise ZooidValueError("exit_code", "0 is a success, not a failure to classify")
     tail = output[-4000:] if output else ""
     if injected:
         what = f"injected {injected.get('kind', 'fault')} at step {injected.get('step')}"
-        kind = FailureKind.OOM if injected.get("kind") == "oom_worker" else FailureKind.INJECTED
+        kind = {"oom_worker": FailureKind.OOM, "preempt_worker": FailureKind.PREEMPTED}.get(
+            injected.get("kind"), FailureKind.INJECTED)
         return Failure(kind, what, injected=True)
+    if preempted:
+        how = "handed over" if preempted.get("handover") else "left"
+        return Failure(FailureKind.PREEMPTED, f"the notice came; {how} at step {preempted.get('step')}")
     if timed_out:
         return Failure(FailureKind.TIMEOUT, "the worker timeout fired")
+    if exit_code == EXIT_PREEMPTED or PREEMPTED_TEXT.search(tail):
+        return Failure(FailureKind.PREEMPTED, f"exit {exit_code}: the notice came, no marker")
+    if exit_code in SIGTERM_CODES:
+        return Failure(FailureKind.PREEMPTED, f"exit {exit_code}: SIGTERM, nothing handed over")
     if exit_code == EXIT_BAD_INPUT or BAD_INPUT_TEXT.search(tail):
         return Failure(FailureKind.BAD_INPUT, f"exit {exit_code}: bad input")
     if exit_code == EXIT_OOM or OOM_TEXT.search(tail):

@@ -92,6 +92,7 @@ class _Launcher:
     def launch(self, spec: WorkerSpec) -> WorkerOutcome:
         """Start one worker attempt for `spec`."""
         handle, outcome = self._start(spec)
+        outcome.extra["capacity"] = spec.capacity  # what it is billed as (`coordinator.workers.preemptions`)
         self.attempts.append((handle, outcome, spec))
         return outcome
 

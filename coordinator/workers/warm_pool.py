@@ -105,7 +105,11 @@ class WarmWorker:
     slot: Any = None
     """Its paid-worker concurrency slot, released when it stops."""
     price_per_s: float = 0.0
-    """What it costs per second, at the size it was launched with."""
+    """What it costs per second, at the size and capacity it was launched with."""
+    capacity: str = ""
+    """The capacity it runs on (`core.kinds.Capacity`)."""
+    list_price_per_s: float = 0.0
+    """What the same worker costs per second on-demand (`CostRecord.list_price_per_s`)."""
 
     @property
     def process(self) -> WorkerOutcome:
@@ -163,27 +167,31 @@ class WarmPool:
             started.append(rank)
         return started
 
-    def _start(self, rank: int, plan, epoch: int, launcher, identity: str) -> WarmWorker:
+    def _start(self, rank: int, plan, epoch: int, launcher, identity: str, capacity: str | None = None) -> WarmWorker:
+        """Launch worker `rank` on `capacity` (None: the plan's; a preempted rank's replacement
+        may run on-demand, `coordinator.workers.preemptions`)."""
         ctx, job = self.ctx, self.ctx.job
+        capacity = str(capacity or getattr(plan, "capacity", "on_demand"))
         name = worker_name(rank, self.serial, self.token)
         warm = WarmSpec(worker=name, lease_s=job.worker_lease_s, check_s=min(1.0, job.worker_lease_s / 4))
         spec = WorkerSpec(run_id=ctx.run_id, epoch=epoch, rank=rank, world=plan.workers,
                           store_url=ctx.durable_ref, model=job.model, dataset=job.dataset, subsets=(),
                           steps=0, batch_size=plan.batch_size or job.batch_size, lr=job.lr,
                           optimizer=job.optimizer, seed=job.seed, attempt=self.serial,
-                          warm=warm, capacity=getattr(plan, "capacity", "on_demand"))
+                          warm=warm, capacity=capacity)
         self.serial += 1
         slot = contextlib.ExitStack()  # no-op when the limit does not exist (deployments.bootstrap makes it)
         slot.enter_context(concurrency(PAID_WORKERS_LIMIT, occupy=1, timeout_seconds=job.worker_timeout_s,
                                        strict=False))
         outcome = launcher.launch(spec)
         ctx.state.launchers.append(launcher)
-        price = ctx.price_of(plan)(rank)
+        price = ctx.price_of(plan, capacity)(rank)
         if is_cloud(ctx.resolved.target):
             ctx.state.cloud_attempts[outcome.ref] = (None, rank, None, price)  # billed by the cloud's clock
         worker = WarmWorker(rank=rank, name=name, launcher=launcher, identity=identity,
                             launched_at=outcome.started_at, billed_to=outcome.started_at, slot=slot,
-                            price_per_s=price)
+                            price_per_s=price, capacity=capacity,
+                            list_price_per_s=ctx.price_of(plan, "on_demand")(rank))
         self.workers[rank] = worker
         return worker
 
@@ -361,7 +369,8 @@ class WarmPool:
                     self._abort("another worker failed")
                     raise WorkersFailed(attempts, f"rank {failed.rank} {failed.status}")
                 launcher = make_launcher(self.ctx, plan)
-                self._start(spec.rank, plan, spec.epoch, launcher, launch_identity(launcher, spec.rank))
+                self._start(spec.rank, plan, spec.epoch, launcher, launch_identity(launcher, spec.rank),
+                            capacity=retry.capacity)
                 attempts.append(self._send(self.workers[spec.rank], retry))
                 last_relaunch = time.time()
             latest = {o.rank: o for o in attempts}
@@ -380,6 +389,7 @@ class WarmPool:
         log = w.process.extra.get("log")
         outcome = WorkerOutcome(rank=spec.rank, attempt=spec.attempt, started_at=time.time(), ref=w.name,
                                 extra={"worker": w.name, "warm": True, "process_ref": w.process.ref,
+                                       "capacity": w.capacity,
                                        **({"log": log, "log_offset": _size(log)} if log else {})})
         w.command = Command(seq=w.seq, spec=spec, outcome=outcome)
         w.steps, w.progress_at = 0, outcome.started_at
@@ -454,9 +464,11 @@ class WarmPool:
 
     def _record(self, w: WarmWorker, status: str, start: float, stop: float, epoch, attempt, kind) -> CostRecord:
         ctx = self.ctx
-        return CostRecord(run_id=ctx.run_id, resource=f"worker {w.name}", kind=kind, offer=ctx.resolved.offer.name,
+        return CostRecord(run_id=ctx.run_id, resource=f"worker {w.name}", kind=kind,
+                          offer=ctx.offer_of(w.capacity).name if w.capacity else ctx.resolved.offer.name,
                           start=start, stop=stop, unit_price_per_s=w.price_per_s, status=status,
-                          epoch=epoch, rank=w.rank, attempt=attempt,
+                          epoch=epoch, rank=w.rank, attempt=attempt, capacity=w.capacity,
+                          list_price_per_s=w.list_price_per_s,
                           worker=w.process.ref if is_cloud(ctx.resolved.target) else w.name)
 
     def _bill_reply(self, w: WarmWorker, reply: dict, now: float, status: str = "busy",

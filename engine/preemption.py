@@ -1,0 +1,101 @@
+"""The provider's notice: a worker on spot capacity gets SIGTERM some seconds (the grace)
+before the SIGKILL that takes it back, and leaves cleanly inside that grace.
+
+`listening()` is the epoch's SIGTERM handler (`runtime.run_spec` wraps every epoch in it): the
+handler only sets a flag, and the training loop looks at it at each step boundary
+(`requested()`). What the worker then hands over is its engine's business: a Local-SGD replica
+writes a handover checkpoint of its own state and position (`engine.local_sgd_epoch`), which
+its replacement continues from, so nothing else is lost; a pipeline stage has nothing a new
+stage could take and leaves at once, so that its attempt is rerun now rather than after a
+timeout. Either way it writes a marker (`mark_preempted`, `core.keys.preempted_marker_key`)
+and raises `core.errors.Preempted` (exit status 6 from `runtime.worker_main`; a flow run that
+ends Failed with it), which the coordinator classifies as `preempted`
+(`coordinator.workers.failures`): retried on new capacity, never counted as a crash.
+
+The handler is installed in the main thread only (Python delivers signals there); it replaces
+whatever handler was in force (in a `worker` flow run, Prefect's, which would raise
+`TerminationSignal` and crash the flow run) for the epoch and puts it back after. Where the
+epoch runs in another thread, nothing is installed and a SIGTERM does what it did before.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+from comm.store import Store
+from core.errors import Preempted
+from core.keys import preempted_marker_key
+from core.specs import WorkerSpec
+
+_noticed_at = 0.0
+"""Unix time of the notice this epoch got (0: none)."""
+
+
+def _on_sigterm(signum, frame) -> None:  # noqa: ARG001 - a signal handler's signature
+    """Only set the flag: the training loop acts at its next step boundary."""
+    global _noticed_at
+    if not _noticed_at:
+        _noticed_at = time.time()
+
+
+def requested() -> bool:
+    """Whether the notice came during this epoch."""
+    return bool(_noticed_at)
+
+
+def noticed_at() -> float:
+    """Unix time the notice came (0: none)."""
+    return _noticed_at
+
+
+def reset() -> None:
+    """Forget a notice (a new epoch, or a test)."""
+    global _noticed_at
+    _noticed_at = 0.0
+
+
+@contextmanager
+def listening() -> Iterator[bool]:
+    """SIGTERM sets the flag for the duration of the block (main thread only); the handler in
+    force before is restored after. Yields whether the handler is installed."""
+    reset()
+    if threading.current_thread() is not threading.main_thread():
+        yield False
+        return
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        yield True
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+def mark_preempted(store: Store | None, spec: WorkerSpec, step: int, handover: str = "", **extra) -> dict:
+    """Write the preempted marker of this attempt (`read_preempted_marker`): the step boundary
+    it left at, the handover checkpoint's key ("" when its protocol hands nothing over), when
+    the notice came and when it left. Returns the marker."""
+    marker = {"kind": "preempted", "run_id": spec.run_id, "epoch": spec.epoch, "rank": spec.rank,
+              "attempt": spec.attempt, "capacity": spec.capacity, "step": step, "handover": handover,
+              "noticed_at": _noticed_at or time.time(), "left_at": time.time(), "pid": os.getpid(), **extra}
+    if store is not None:
+        store.put(preempted_marker_key(spec.run_id, spec.epoch, spec.rank, spec.attempt), json.dumps(marker).encode())
+    return marker
+
+
+def read_preempted_marker(store: Store, run_id: str, epoch: int, rank: int, attempt: int) -> dict | None:
+    """The marker of a worker attempt that left on notice, or None."""
+    try:
+        return json.loads(store.get(preempted_marker_key(run_id, epoch, rank, attempt)))
+    except KeyError:
+        return None
+
+
+def leave(store: Store | None, spec: WorkerSpec, step: int, handover: str = "", **extra) -> None:
+    """Mark this attempt preempted and raise `Preempted`."""
+    mark_preempted(store, spec, step, handover, **extra)
+    what = f"handed over at step {step}" if handover else f"left at step {step} with nothing to hand over"
+    raise Preempted(f"rank {spec.rank} of epoch {spec.epoch} got the notice and {what}")
