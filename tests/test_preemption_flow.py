@@ -84,3 +84,24 @@ def test_a_preempted_pipeline_stage_reruns_its_attempt_at_once(tmp_path, monkeyp
     _billed_once(rows)
     marker = _marker(url, summary.run_id, 1, 0)
     assert wait_gone(marker["pid"]) and wait_gone(marker["watcher"])
+
+
+def test_a_worker_preempted_while_profiling_is_replaced_and_its_interval_marked(tmp_path, monkeypatch):
+    """The notice comes as rank 0's warm worker starts the profile (no handler outside an epoch:
+    the SIGTERM ends it at once); the profile is taken again on a new worker and the run trains."""
+    from flows.train import train
+
+    monkeypatch.setenv("ZOOID_CHAOS", "preempt_worker:at=profile:grace=60")
+    url = f"file://{tmp_path}/store"
+    summary = train(TrainJob(store=url, **JOB))
+    assert summary.status == "completed" and len(summary.epochs) == 1
+    rows = _ledger(url, summary.run_id)
+    preempted = [r for r in rows if r["status"] == "preempted"]
+    assert [(r["rank"], r["epoch"]) for r in preempted] == [(0, None)] and preempted[0]["seconds"] > 0
+    profiled = [r["resource"] for r in rows if r["status"] == "profile"]
+    assert preempted[0]["resource"] not in profiled and len(profiled) == 2  # rank 1's, and rank 0's replacement's
+    assert summary.spot["preemptions"] == 1
+    _billed_once(rows)
+    marker = _marker(url, summary.run_id, 0, 0)
+    assert (marker["kind"], marker["at"]) == ("preempt_worker", "profile")
+    assert wait_gone(marker["pid"]) and wait_gone(marker["watcher"])

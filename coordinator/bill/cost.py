@@ -101,13 +101,13 @@ def spot_tally(rows: Iterable[dict]) -> dict:
         if r.get("kind") not in ("worker", "failed_attempt"):
             continue
         if r.get("status") == "preempted":
-            preempted.add((r.get("epoch"), r.get("rank"), r.get("attempt")))
+            preempted.add((r.get("resource"), r.get("epoch"), r.get("rank"), r.get("attempt")))
         redone += float(r.get("redone_s") or 0.0)
         if r.get("capacity") == "spot":
             spot_s += r["seconds"]
         if r.get("list_price_per_s"):
             saved += r["seconds"] * r["list_price_per_s"] - (r["usd"] - float(r.get("fixed_usd") or 0.0))
-    return {"preemptions": len(preempted), "redone_s": redone, "spot_worker_s": spot_s, "saved_usd": saved,
+    return {"preemptions": len(preempted), "redone_s": redone, "spot_worker_s": spot_s, "saved_usd": round(saved, 9),
             "interruptions_per_worker_hour": len(preempted) / (spot_s / 3600.0) if spot_s else None}
 
 

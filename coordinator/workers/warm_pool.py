@@ -28,6 +28,7 @@ from typing import Any, Callable
 from prefect.concurrency.sync import concurrency
 
 from clouds.registry import is_cloud
+from coordinator.workers.failures import FailureKind, classify_failure
 from coordinator.workers.launchers import (
     FAILED,
     PAID_WORKERS_LIMIT,
@@ -110,6 +111,8 @@ class WarmWorker:
     """The capacity it runs on (`core.kinds.Capacity`)."""
     list_price_per_s: float = 0.0
     """What the same worker costs per second on-demand (`CostRecord.list_price_per_s`)."""
+    preempted: bool = False
+    """It died of the provider's notice outside an epoch (while profiling): its last row says so."""
 
     @property
     def process(self) -> WorkerOutcome:
@@ -259,6 +262,9 @@ class WarmPool:
                 w.launcher._poll()
                 if not w.alive:
                     del pending[i]
+                    code = w.process.extra.get("exit_code")
+                    w.preempted = code != 0 and classify_failure(
+                        code, w.process.error or "").kind is FailureKind.PREEMPTED  # a spot worker taken back
                     self.retire(w.rank, "it died while profiling")
                     failures.append(RuntimeError(f"worker {w.name} exited while profiling: "
                                                  f"{w.process.error or w.process.status}"))
@@ -505,7 +511,7 @@ class WarmPool:
             kind = "worker" if o.status == "completed" else "failed_attempt"
             self._row(w, status, stop, w.command.spec.epoch, w.command.spec.attempt, kind)
         else:
-            self._row(w, "startup" if w.ready_at is None else "idle", stop, None)
+            self._row(w, "preempted" if w.preempted else "startup" if w.ready_at is None else "idle", stop, None)
 
     def open_rows(self, now: float | None = None) -> list[CostRecord]:
         """Rows for what the live workers have used since their last closed row (provisional:
