@@ -578,7 +578,9 @@ def test_the_bill_of_an_epoch_is_on_the_clouds_clock(cloud, clock):
     # every attempt the cloud reported replaced the coordinator's launch-to-exit estimate
     _assert_billed(cloud, _worker_rows(ctx), cloud.at_epoch_end, cloud.epoch_end_now)
     assert [r for r in ctx.state.ledger if r.kind == "coordinator"] == coordinator
-    assert ctx.state.cloud_attempts == {cloud.ids[w]: (0, r, a, _price(cloud, r)) for w, (r, a) in WORKERS.items()}
+    # each attempt at the price of its size and capacity, beside the capacity and its on-demand price
+    assert ctx.state.cloud_attempts == {cloud.ids[w]: (0, r, a, _price(cloud, r), "on_demand", _price(cloud, r))
+                                        for w, (r, a) in WORKERS.items()}
     assert cloud.left_running()  # billing stops nothing
 
 

@@ -11,6 +11,7 @@ cloud's own numbers where the cloud reported them. `CloudInterval` lives in `clo
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 from typing import Iterable
@@ -32,9 +33,9 @@ def cloud_records(run_id: str, intervals: Iterable[CloudInterval], attempts: dic
                   asked_to_stop: Iterable[str] = ()) -> list[CostRecord]:
     """Ledger rows from the cloud's clock.
 
-    `attempts` maps a worker flow run id to its (epoch, rank, attempt[, price per second]), as
-    the launcher knows it (the price of the size it launched, where a plan sizes its stages
-    apart); intervals of unknown flow runs (a straggler found by the sweep) are billed too,
+    `attempts` maps a worker flow run id to its (epoch, rank, attempt[, price per second[,
+    capacity, on-demand price per second]]), as the launcher knows it (the price of the size and
+    capacity it launched, where a plan sizes its stages apart or runs it on spot); intervals of unknown flow runs (a straggler found by the sweep) are billed too,
     with no epoch, at `price_per_s`. A worker still running is billed up to `now`. A warm worker
     the coordinator told to stop with its work done (`asked_to_stop`: flow run ids) completed,
     whatever its exit: one that was still exiting when its container was stopped is no failed attempt.
@@ -46,6 +47,7 @@ def cloud_records(run_id: str, intervals: Iterable[CloudInterval], attempts: dic
         known = attempts.get(iv.flow_run_id or "", (None, None, None))
         epoch, rank, attempt = known[:3]
         price = known[3] if len(known) > 3 else price_per_s
+        capacity, list_price = (known[4], known[5]) if len(known) > 5 else ("", 0.0)
         infra = iv.resource.rsplit("/", 1)[-1]  # task, container group, pod or container id
         label = (f"e{epoch} r{rank} a{attempt}" if epoch is not None
                  else f"r{rank} on {infra}" if rank is not None else infra)
@@ -63,7 +65,8 @@ def cloud_records(run_id: str, intervals: Iterable[CloudInterval], attempts: dic
         rows.append(CostRecord(run_id=run_id, resource=f"worker {label}", kind=kind, offer=offer.name,
                                start=start, stop=iv.stopped if iv.stopped is not None else now,
                                unit_price_per_s=price, status=status, epoch=epoch, rank=rank,
-                               attempt=attempt, worker=iv.flow_run_id or ""))
+                               attempt=attempt, worker=iv.flow_run_id or "", capacity=capacity,
+                               list_price_per_s=list_price))
     return rows
 
 
@@ -82,4 +85,16 @@ def replace_measured(rows: list[CostRecord], cloud_rows: list[CostRecord]) -> li
     kept = [r for r in rows if r.resource not in resources and (
             r.kind not in ("worker", "failed_attempt")
             or ((r.epoch, r.rank, r.attempt) not in reported and not (r.worker and r.worker in workers)))]
-    return kept + list(cloud_rows)
+    # what the epoch's end marked on a row (`coordinator.workers.preemptions`) outlives a re-reading
+    marked = {r.resource: r for r in rows if r.status == "preempted" or r.redone_s}
+    return kept + [_marks_of(marked.get(r.resource), r) for r in cloud_rows]
+
+
+def _marks_of(before: CostRecord | None, row: CostRecord) -> CostRecord:
+    """`row` with the preemption marks an earlier reading of its resource carried."""
+    if before is None:
+        return row
+    marks = {"redone_s": before.redone_s}
+    if before.status == "preempted":
+        marks.update(status="preempted", kind="worker")
+    return dataclasses.replace(row, **marks)

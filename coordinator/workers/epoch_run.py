@@ -46,8 +46,9 @@ def bill_from_cloud_clock(ctx: RunContext, outcomes, epoch: int, plan: Plan | No
     if adapter is None:
         return
     for o in outcomes:
-        ctx.state.cloud_attempts[o.ref] = (epoch, o.rank, o.attempt,
-                                           ctx.price_of(plan, o.extra.get("capacity"))(o.rank))
+        capacity = getattr(o, "extra", {}).get("capacity") or getattr(plan, "capacity", Capacity.ON_DEMAND)
+        ctx.state.cloud_attempts[o.ref] = (epoch, o.rank, o.attempt, ctx.price_of(plan, capacity)(o.rank),
+                                           str(capacity), ctx.price_of(plan, Capacity.ON_DEMAND)(o.rank))
     try:
         billed = {r.worker for r in ctx.state.ledger if r.worker}  # e.g. a profiling worker's own rows
         intervals = [i for i in adapter.intervals(ctx.run_id)
@@ -265,7 +266,8 @@ def _settle_preemptions(ctx: RunContext, plan: Plan, epoch: int, seen: list[Work
             priced[(o.rank, o.attempt)] = (ctx.offer_of(capacity).name, ctx.price_of(plan, capacity)(o.rank),
                                            capacity, ctx.price_of(plan, Capacity.ON_DEMAND)(o.rank))
     ctx.state.ledger[:] = mark_ledger(ctx.state.ledger, epoch, {(o.rank, o.attempt) for o in preempted},
-                                      redone, priced)
+                                      redone, priced, workers={o.extra["process_ref"] for o in preempted
+                                                               if o.extra.get("process_ref")})
 
 
 def _start_and_pace(store, run_id: str, epoch: int, outcome: WorkerOutcome) -> tuple[int, float]:

@@ -82,15 +82,21 @@ def redone_seconds(reached: int | None, start_step: int, seconds_per_step: float
 
 def mark_ledger(rows: list[CostRecord], epoch: int, preempted: Iterable[tuple[int, int]],
                 redone: dict[tuple[int, int], float],
-                priced: dict[tuple[int, int], tuple[str, float, str, float]] | None = None) -> list[CostRecord]:
+                priced: dict[tuple[int, int], tuple[str, float, str, float]] | None = None,
+                workers: Iterable[str] = ()) -> list[CostRecord]:
     """The ledger with epoch `epoch`'s preempted attempts' rows (`(rank, attempt)`) at status
     `preempted`, the replacements' rows with their `redone_s`, and each attempt in `priced` billed
     as what it ran on (offer name, dollars per second, capacity, the on-demand dollars per second
-    of the same worker: a spot attempt, a replacement moved to on-demand); every other row as it was."""
-    preempted, priced = set(preempted), priced or {}
+    of the same worker: a spot attempt, a replacement moved to on-demand); a warm worker's row on
+    the cloud's clock (no epoch: its whole life) is marked through `workers`, the ids (`worker`) of
+    preempted warm workers; every other row as it was."""
+    preempted, priced, workers = set(preempted), priced or {}, set(workers)
     out, credited = [], set()
     for r in rows:
         key = (r.rank, r.attempt)
+        if r.worker and r.worker in workers and r.epoch is None and r.kind in ("worker", "failed_attempt"):
+            out.append(dataclasses.replace(r, status=PREEMPTED, kind="worker"))
+            continue
         if r.epoch != epoch or r.kind not in ("worker", "failed_attempt") or r.attempt is None:
             out.append(r)
             continue

@@ -39,7 +39,7 @@ from coordinator.workers.launchers import (
 )
 from core.cost_record import CostRecord
 from core.keys import command_key, lease_key, reply_key, status_key, warm_prefix
-from core.kinds import PIPELINED_STRATEGIES, SHARED_HOST_KINDS, Strategy
+from core.kinds import PIPELINED_STRATEGIES, SHARED_HOST_KINDS, Capacity, Strategy
 from core.plan import Plan
 from core.specs import WarmSpec, WorkerResult, WorkerSpec
 from runtime.warm import read_json, worker_name
@@ -188,13 +188,12 @@ class WarmPool:
                                        strict=False))
         outcome = launcher.launch(spec)
         ctx.state.launchers.append(launcher)
-        price = ctx.price_of(plan, capacity)(rank)
-        if is_cloud(ctx.resolved.target):
-            ctx.state.cloud_attempts[outcome.ref] = (None, rank, None, price)  # billed by the cloud's clock
+        price, list_price = ctx.price_of(plan, capacity)(rank), ctx.price_of(plan, "on_demand")(rank)
+        if is_cloud(ctx.resolved.target):  # billed by the cloud's clock
+            ctx.state.cloud_attempts[outcome.ref] = (None, rank, None, price, capacity, list_price)
         worker = WarmWorker(rank=rank, name=name, launcher=launcher, identity=identity,
                             launched_at=outcome.started_at, billed_to=outcome.started_at, slot=slot,
-                            price_per_s=price, capacity=capacity,
-                            list_price_per_s=ctx.price_of(plan, "on_demand")(rank))
+                            price_per_s=price, capacity=capacity, list_price_per_s=list_price)
         self.workers[rank] = worker
         return worker
 
@@ -542,4 +541,15 @@ def provisional_plan(ctx):
     stages = job.stages or 1 if job.strategy in PIPELINED_STRATEGIES else 1
     return Plan(strategy=job.strategy if job.strategy != Strategy.AUTO else Strategy.LOCAL_SGD, data_parallel=job.workers,
                 stages=stages, batch_size=job.batch_size, worker_vcpu=target.worker_vcpu,
-                worker_memory_gb=target.worker_memory_gb, worker_gpu=target.worker_gpu)
+                worker_memory_gb=target.worker_memory_gb, worker_gpu=target.worker_gpu,
+                capacity=provisional_capacity(ctx))
+
+
+def provisional_capacity(ctx) -> str:
+    """The capacity the first warm workers start on, before the plan resolves the job's: `spot`
+    where the job asks for it, or asks `auto` on a target with a spot offer (the discount
+    usually wins; a plan that says otherwise replaces them), else `on_demand`."""
+    capacity = getattr(ctx.job, "capacity", Capacity.ON_DEMAND)
+    if capacity == Capacity.AUTO:
+        return str(Capacity.SPOT if getattr(ctx.resolved, "spot", None) is not None else Capacity.ON_DEMAND)
+    return str(capacity)
