@@ -320,3 +320,20 @@ def test_auto_chooses_once_per_plan_not_once_per_epoch(tmp_path, monkeypatch):
     assert with_capacity(ctx, _plan(od)).capacity == "on_demand"
     kept = with_capacity(ctx, _plan(od), keep="spot")
     assert kept.capacity == "spot" and kept.capacity_choice["reason"] == "auto's choice when the plan was made, kept"
+
+
+def test_the_first_warm_workers_start_on_the_capacity_the_plan_will_most_likely_choose():
+    """They start before the plan (to take the profile); a plan on another capacity replaces them."""
+    from coordinator.workers.warm_pool import provisional_plan
+
+    def ctx(capacity, spot):
+        from coordinator.run.job import TrainJob
+
+        target = SimpleNamespace(worker_vcpu=1.0, worker_memory_gb=2.0, worker_gpu=0)
+        return SimpleNamespace(job=TrainJob(capacity=capacity), resolved=SimpleNamespace(target=target, spot=spot))
+
+    fargate = spot_offer("fargate-cpu", "docker")
+    assert provisional_plan(ctx("spot", fargate)).capacity == "spot"
+    assert provisional_plan(ctx("auto", fargate)).capacity == "spot"
+    assert provisional_plan(ctx("auto", None)).capacity == "on_demand"
+    assert provisional_plan(ctx("on_demand", fargate)).capacity == "on_demand"
