@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 from comm import heartbeat
 from comm.store import Store
+from engine import preemption
 from core.errors import OutOfMemory, ZooidValueError
 from core.keys import fault_marker_key, held_marker_key, run_key
 from core.specs import WorkerSpec
@@ -204,7 +205,8 @@ class Chaos:
 
     def _hold(self, fault: Fault, poll_s: float = 0.05) -> None:
         """Wait for a key starting with `runs/<run_id>/<until>` (polling the store), at most
-        `fault.seconds`."""
+        `fault.seconds`, or until the provider's notice comes (`engine.preemption`: a held
+        worker leaves as a training one would)."""
         if self.store is None:
             raise ChaosError("hold_worker needs the worker's store")
         s = self.spec
@@ -212,7 +214,7 @@ class Chaos:
                        json.dumps({"kind": fault.kind, "until": fault.until, "time": time.time(),
                                    "pid": os.getpid()}).encode())
         prefix, give_up = run_key(s.run_id, fault.until), time.monotonic() + fault.seconds
-        while not self.store.list(prefix) and time.monotonic() < give_up:
+        while not self.store.list(prefix) and not preemption.requested() and time.monotonic() < give_up:
             heartbeat.beat()  # held on purpose, not hanging
             time.sleep(poll_s)
 

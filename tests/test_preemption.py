@@ -109,6 +109,7 @@ def preempt_and_replace(tmp_path, chaos: str, victim: int, relaunches: int = 1, 
             failure = classify_failure(code, workers.output(victim, attempt), injected=marker, preempted=notice)
             failures.append((failure, notice, marker))
             assert failure.kind is FailureKind.PREEMPTED and failure.retryable
+            assert marker.get("watcher") is None or wait_gone(marker["watcher"])  # nothing left running
             assert workers.procs[1 - victim, 0].poll() is None  # its peer waits for the replacement
             if notice is None:  # no grace: the replacement starts from the sync checkpoint it finds
                 wait_for_sync_checkpoint(store, "p", resume_step)
@@ -217,6 +218,23 @@ def test_over_the_ring_the_attempt_reruns_within_the_documented_bound(tmp_path):
     reruns = [h for h in read_epoch_history(store, "p", 0) if h["attempt"] == 1]
     assert {h["start_step"] for h in reruns} == {3}  # the sync checkpoint at step 3
     assert all(notice["step"] - h["start_step"] <= PERIOD for h in reruns)
+
+
+def test_the_measured_interruption_rate_goes_to_the_run_terms():
+    from coordinator.plan.run_terms import INTERRUPTIONS_KEY, RunClock
+
+    def row(attempt, status, capacity="spot"):
+        return CostRecord(run_id="r", resource=f"worker e0 r0 a{attempt}", kind="worker", offer="o", start=0.0,
+                          stop=1800.0, unit_price_per_s=1.0, status=status, epoch=0, rank=0, attempt=attempt,
+                          capacity=capacity, list_price_per_s=3.0)
+
+    def samples(rows):
+        ctx = SimpleNamespace(state=SimpleNamespace(startup_samples=[], ledger=rows), job=SimpleNamespace(warm=False))
+        return RunClock().samples(ctx, [], 0.0)
+
+    # one preemption in an hour of spot workers
+    assert samples([row(0, "preempted"), row(1, "completed")])[INTERRUPTIONS_KEY] == [1.0]
+    assert INTERRUPTIONS_KEY not in samples([row(0, "completed", "on_demand")])  # no spot: nothing measured
 
 
 def test_the_notice_only_sets_a_flag_and_the_previous_handler_comes_back():
