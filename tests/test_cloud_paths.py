@@ -443,6 +443,8 @@ class DockerCase(CloudCase):
         self.engine = FakeEngine({d["Id"]: d for d in [*docs.values(), other]}, stop_at=DOCKER_T0 + 760.0)
         monkeypatch.setattr(cloud_docker, "docker_client", lambda *a, **k: self.engine.client())
         monkeypatch.setattr(cloud_docker, "SETTLE_S", 0.0)  # nothing exits by itself here: stop at once
+        # what the adapter saw of a run lives as long as the process: each case's engine starts afresh
+        monkeypatch.setattr(cloud_docker.DockerAdapter, "seen", {})
 
     def close(self):
         self.engine.close()
