@@ -7,6 +7,9 @@ Counted, all workers together:
   of W: W puts, 2 (W - 1) gets, W - 1 deletes and, in a group that is not replayed, the
   previous call's reduced slice; the group's release: W done keys, W - 1 reads by rank 0, two
   listings and two prefix deletes of W keys each (`delete_requests`, the store's own);
+- over the ring (`comm.ring_allreduce`), a Local-SGD epoch's rendezvous and release alone: rank 0
+  publishes its address, the W - 1 others read it, and the group is released as over the store,
+  its calls' leftovers the address key alone (`ring_ops`);
 - Local-SGD's rounds: one per `sync_period` steps (the last one shorter), one per epoch
   without a period, one per step (one bucket) when every step averages; with sync
   checkpoints every `checkpoint_every` rounds (the last always), rank 0's checkpoint put and
@@ -20,7 +23,9 @@ Counted, all workers together:
   Local-SGD replica writes its history record.
 
 Not counted: data reads (the shards' layout), validation's activations, the warm workers'
-commands and status, a waiting get's misses (timing), the coordinator's own requests.
+commands and status, a waiting get's misses (timing), the coordinator's own requests; over the
+ring, the sync checkpoints rank 0 writes by the clock (at most one a second) and a pipeline's
+stage rings' rendezvous (not yet derived from a measured epoch).
 """
 from __future__ import annotations
 
@@ -52,6 +57,17 @@ def release_ops(world: int, delete_requests: Callable[[int], int] = per_key) -> 
     return StoreOps(put=world, get=world - 1, list=2, delete=2 * delete_requests(world))
 
 
+def ring_ops(world: int, delete_requests: Callable[[int], int] = per_key) -> StoreOps:
+    """Every rank's requests of a Local-SGD epoch over the ring: the rendezvous (rank 0's address
+    put, read by the W - 1 others) and the release (`release_ops`), whose first prefix delete
+    finds the address key alone."""
+    if world <= 1:
+        return StoreOps()
+    release = release_ops(world, delete_requests)
+    return release + StoreOps(put=1, get=world - 1,
+                              delete=delete_requests(1) + delete_requests(world) - release.delete)
+
+
 def sync_rounds(plan: Plan) -> int:
     """Local-SGD rounds in one epoch of `plan`."""
     steps = max(1, plan.steps_per_epoch)
@@ -68,8 +84,10 @@ def epoch_store_ops(plan: Plan, *, ring: bool = False, checkpoint_every: int = 1
     ops = StoreOps(get=d * p, put=1)  # the initial checkpoint, read by every worker; the epoch's
     if plan.strategy == Strategy.LOCAL_SGD and p == 1:
         ops = ops + StoreOps(put=d)  # each replica's history record
-        if d == 1 or ring:
+        if d == 1:
             return ops
+        if ring:
+            return ops + ring_ops(d, delete_requests)
         rounds = sync_rounds(plan)
         replayed = checkpoint_every > 0
         ops = ops + StoreOps(**{k: v * d for k, v in allreduce_ops(d, rounds, not replayed).to_dict().items()})

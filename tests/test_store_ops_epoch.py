@@ -217,3 +217,31 @@ def test_pipeline_epoch_requests_equal_the_protocols(tmp_path):
     for w in range(2):  # a result counts the data store's reads too (both directories: `file://`)
         assert results[w].store_ops["file://"]["get"] > scratch[w].ops.get
     assert scratch[0].list(f"runs/{run_id}/act/") == []
+
+
+@pytest.mark.parametrize("period", [2, 1])
+def test_a_local_sgd_epoch_over_the_ring_makes_its_rendezvous_and_release_requests(tmp_path, period):
+    """Over the ring the scratch store sees the rendezvous (rank 0 publishes its address, the
+    others read it) and the group's release, whose first prefix delete finds the address key
+    alone: rank 0 2 puts, 2 gets, 2 listings, 1 + 3 deletes; the others a get and a put each."""
+    world, batch, run_id = 3, 8, "bill-ring"
+    durable = _durable(tmp_path, run_id)
+    scratch = [DirectoryStore(tmp_path / "scratch") for _ in range(world)]
+    from runtime.run_spec import run_spec
+
+    steps = epoch_steps(read_manifest(durable, run_id).n_train, world, batch)
+    sync = SyncSpec(collective="ring", ring_host="127.0.0.1", ring_timeout_s=30.0, checkpoint_every=0, repost_s=0.0)
+    specs = [WorkerSpec(rank=r, world=world, store_url=scratch[r].url, checkpoint_store=durable.url, run_id=run_id,
+                        epoch=0, model="digits_mlp", dataset=SMALL, steps=steps, batch_size=batch, lr=0.1,
+                        optimizer="sgd", sync_period=period, seed=1, init_key=f"runs/{run_id}/ckpt/init",
+                        out_key=f"runs/{run_id}/ckpt/e0", evaluate=False, sync=sync) for r in range(world)]
+    with ThreadPoolExecutor(world) as pool:
+        list(pool.map(lambda s: run_spec(s, scratch[s.rank]), specs))
+    got = [protocol_only(s.ops) for s in scratch]
+    assert dataclasses.replace(got[0], list=2) == StoreOps(put=2, get=2, list=2, delete=1 + 3)
+    assert got[0].list >= 2  # and once for each second it waited on a done key
+    assert got[1:] == [StoreOps(put=1, get=1)] * 2
+    assert scratch[0].list("runs/") == []
+    plan = Plan(strategy=Strategy.LOCAL_SGD, data_parallel=world, steps_per_epoch=steps, sync_period=period)
+    measured = dataclasses.replace(total(got), list=2)
+    assert epoch_store_ops(plan, ring=True) == measured + StoreOps(get=world, put=1 + world)
