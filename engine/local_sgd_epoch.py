@@ -533,6 +533,8 @@ class _ReplicaEpoch:
                                                  spec.sync.sync_dtype, spec.sync.every_step),
             bucket_bytes=int(spec.sync.bucket_mb * 2**20))
         self.averaging.before_sync = self.chaos.during_sync
+        if self.outer is not None and self.start.handover:  # the last sync's θ_global, not the local state
+            self.outer.load_ref_tensors(self.start.outer_state, self.device)
 
     def _on_sync(self, round_: int, step: int) -> None:
         """After sync round `round_` (at a period boundary): rank 0 starts the round's sync
@@ -595,7 +597,8 @@ class _ReplicaEpoch:
     def hand_over(self, step: int) -> None:
         """The notice came (`engine.preemption`): at this step boundary, wait for a sync
         checkpoint in flight, write this rank's handover checkpoint (its local model and
-        optimizer, the outer state, its position: phases, `step`, the last round and the steps
+        optimizer, the outer state: momentum and the last sync's snapshot that the next round's
+        deltas and step start from; its position: phases, `step`, the last round and the steps
         since it; with a compressed sync its residual at that round, as a round's), mark the
         attempt preempted and raise `Preempted`. Over the ring nothing is handed over (the
         attempt reruns from the sync checkpoint)."""
@@ -610,7 +613,7 @@ class _ReplicaEpoch:
             meta = {**self.position, "kind": "handover", "step": step, "round": round_,
                     "since_sync": averaging.since_sync, "attempt": spec.attempt}
             save_checkpoint(self.ckpt_store, key, self.model, self.optimizer, meta,
-                            extra=self.outer.state_tensors() if self.outer else None)
+                            extra={**self.outer.state_tensors(), **self.outer.ref_tensors()} if self.outer else None)
         preemption.leave(self.scratch, spec, step, key, start_step=self.start.step,
                          trained_s=time.perf_counter() - self.loop_started)
 

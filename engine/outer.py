@@ -31,6 +31,8 @@ from core.errors import ZooidValueError
 from core.outer_sync import OUTER_OPTIMIZERS
 
 STATE_PREFIX = "outer/momentum/"
+REF_PREFIX = "outer/ref/"
+"""A handover's names for the round-start snapshot (`OuterStep.ref_tensors`)."""
 PARAM_PREFIX = "param/"
 BUFFER_PREFIX = "buffer/"
 """Names of a model's buffers among the shared tensors (`engine.local_sgd.LocalSGD`)."""
@@ -133,6 +135,20 @@ class OuterStep:
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """The outer state for a checkpoint (empty for K-AVG and before the first round)."""
         return {f"{STATE_PREFIX}{n}": m for n, m in self.momentum.items()}
+
+    def ref_tensors(self) -> dict[str, torch.Tensor]:
+        """The round-start snapshot (θ_global of the last sync), for a handover between two
+        syncs (`engine.local_sgd_epoch`): at a sync point it equals the live values, so a sync
+        checkpoint needs none."""
+        return {f"{REF_PREFIX}{n}": t for n, t in self.ref.items()}
+
+    def load_ref_tensors(self, tensors: dict[str, torch.Tensor], device: torch.device | None = None) -> None:
+        """Install the round-start snapshot from `ref_tensors` (after `start`, which took the live
+        values); nothing where `tensors` holds none."""
+        ref = {n.removeprefix(REF_PREFIX): t.to(device) if device is not None else t.clone()
+               for n, t in tensors.items() if n.startswith(REF_PREFIX)}
+        if ref:
+            self.ref = ref
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor], device: torch.device | None = None) -> None:
         """Install state from `state_tensors` (other names are ignored)."""

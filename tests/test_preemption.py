@@ -144,6 +144,21 @@ def test_a_replica_preempted_mid_epoch_hands_over_and_ends_equal_to_the_uninterr
 
 
 @pytest.mark.timeout(300)
+def test_a_compressed_sync_with_an_outer_step_hands_over_its_residual_and_momentum(tmp_path):
+    """bfloat16 syncs with DiLoCo's outer step: the handover carries the outer momentum and this
+    rank's error-feedback residual (written as its round's), and the epoch still ends equal."""
+    sync = SyncSpec(sync_dtype="bfloat16", outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9)
+    ref_store = DirectoryStore(tmp_path / "ref")
+    stage(ref_store, "p")
+    run_threads(ref_store, specs(ref_store.url, "p", sync=sync))
+    expected = final_weights(ref_store, "runs/p/ckpt/e0")
+    store, failures, codes = preempt_and_replace(tmp_path, "preempt_worker:epoch=0:rank=1:step=5:grace=60", victim=1,
+                                                 sync=sync)
+    assert codes[0] == 6 and failures[0][1]["step"] == 5
+    assert_equal_weights(store, expected)
+
+
+@pytest.mark.timeout(300)
 def test_a_replica_preempted_twice_in_one_epoch_ends_equal(tmp_path, reference):
     chaos = "preempt_worker:epoch=0:rank=0:step=2:grace=60,preempt_worker:epoch=0:rank=0:step=7:attempt=1:grace=60"
     store, failures, codes = preempt_and_replace(tmp_path, chaos, victim=0, relaunches=2)
