@@ -336,15 +336,24 @@ class DockerAdapter(CloudAdapter):
             client.close()
 
 
+FLOW_RUN_COMMAND = "python3 -m prefect.engine"
+"""A worker container's command: the flow run's engine itself, as PID 1 with the flow in its main
+thread (it reads `PREFECT__FLOW_RUN_ID`), so that the engine's stop (`stop -t GRACE`, a spot
+provider's notice) reaches the worker's own SIGTERM handler (`engine.preemption`). Prefect's
+default, `prefect flow-run execute`, is a supervisor that runs the engine in a child process of
+its own: the stop's SIGTERM would reach the supervisor, not the flow."""
+
+
 def docker_job_variables(res: WorkerResources, run_id: str) -> dict:
     """A Docker-API container: `mem_limit` (MiB, no swap beyond it) and a CPU quota in
-    `nano_cpus`; GPUs through a device request (Docker's `--gpus`)."""
+    `nano_cpus`; GPUs through a device request (Docker's `--gpus`); the engine as its command
+    (`FLOW_RUN_COMMAND`)."""
     memory = f"{math.ceil(res.requested_memory_gb * 1024 - 1e-9)}m"
     create = {"nano_cpus": math.ceil(res.vcpu * 1e9 - 1e-9)}
     if res.gpu:
         create["device_requests"] = [{"driver": "nvidia", "count": res.gpu, "capabilities": [["gpu"]]}]
     return {"mem_limit": memory, "memswap_limit": memory, "container_create_kwargs": create,
-            "zooid_run_id": run_id, "labels": run_labels(run_id)}
+            "zooid_run_id": run_id, "labels": run_labels(run_id), "command": FLOW_RUN_COMMAND}
 
 
 class Docker(Provider):
