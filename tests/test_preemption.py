@@ -92,7 +92,9 @@ def preempt_and_replace(tmp_path, chaos: str, victim: int, relaunches: int = 1, 
     classified failures and the exit codes of the victim's attempts."""
     store = DirectoryStore(tmp_path / "store")
     stage(store, "p")
-    worker_specs = specs(store.url, "p", **fields)
+    period = fields.pop("sync_period", PERIOD)
+    worker_specs = [WorkerSpec.from_dict({**s.to_dict(), "sync_period": period})
+                    for s in specs(store.url, "p", **fields)]
     workers = Workers(tmp_path, chaos)
     failures, codes = [], []
     try:
@@ -156,6 +158,22 @@ def test_a_compressed_sync_with_an_outer_step_hands_over_its_residual_and_moment
                                                  sync=sync)
     assert codes[0] == 6 and failures[0][1]["step"] == 5
     assert_equal_weights(store, expected)
+
+
+@pytest.mark.timeout(300)
+def test_gradients_averaged_every_step_hand_over_too(tmp_path):
+    """sync_period 1: every step averages gradients in buckets; the handover is after a step's
+    round, and the replacement's buckets join the next one."""
+    ref_store = DirectoryStore(tmp_path / "ref")
+    stage(ref_store, "p")
+    run_threads(ref_store, [WorkerSpec.from_dict({**s.to_dict(), "sync_period": 1}) for s in specs(ref_store.url, "p")])
+    expected = final_weights(ref_store, "runs/p/ckpt/e0")
+    store, failures, codes = preempt_and_replace(tmp_path, "preempt_worker:epoch=0:rank=0:step=4:grace=60", victim=0,
+                                                 sync_period=1)
+    assert codes[0] == 6 and failures[0][1]["step"] == 4
+    assert_equal_weights(store, expected)
+    replacement = next(h for h in read_epoch_history(store, "p", 0) if (h["rank"], h["attempt"]) == (0, 1))
+    assert (replacement["start_step"], replacement["start_round"]) == (4, 4)
 
 
 @pytest.mark.timeout(300)
