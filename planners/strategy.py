@@ -100,6 +100,9 @@ class StrategyInputs:
     a free store (a directory, a Redis on this machine)."""
     store_usd_per_s: float = 0.0
     """Dollars per second of the store's server (a cloud Redis node), 0 when it has none."""
+    pipeline_store_request_usd: dict | None = None
+    """Dollars of one request by kind on the store a pipeline's stages move their tensors through
+    (the run's durable store); None: `store_request_usd` (one store for everything)."""
     ring: bool = False
     """The replicas average over the ring (the job's `collective`), not through the store."""
     collectives: tuple[str, ...] = ()
@@ -404,9 +407,13 @@ def optimizer_shares(optimizer_step_s: float, stage_param_bytes: list[float]) ->
 
 def store_request_usd(x: StrategyInputs, plan: Plan) -> float:
     """Dollars of one epoch's store requests of `plan` (`epoch_store_ops`, over the ring when
-    the plan's or the job's collective is) at the store's prices."""
+    the plan's or the job's collective is) at the prices of the store its workers use: the
+    run's store, or for a pipeline's stages the durable store (`pipeline_store_request_usd`)."""
     ops = epoch_store_ops(plan, ring=x.ring or plan.collective == "ring")
-    return sum(getattr(ops, kind) * price for kind, price in x.store_request_usd.items())
+    prices = x.store_request_usd
+    if plan.stages > 1 and x.pipeline_store_request_usd is not None:
+        prices = x.pipeline_store_request_usd  # a pipeline's stages use the durable store
+    return sum(getattr(ops, kind) * price for kind, price in prices.items())
 
 
 def store_usd_per_epoch(x: StrategyInputs, plan: Plan) -> float:

@@ -148,3 +148,17 @@ def test_a_hybrid_over_the_ring_syncs_each_stage_by_the_ring_model():
     # each stage's two 4 MB layers among the 4 replicas: 6 hops of 2 MB at 1.5 GB/s plus 0.1 ms
     assert syncs == pytest.approx([ring_allreduce(8e6, 4, 1.5e9, 0.0, 1e-4)] * 2)
     assert syncs[0] == pytest.approx(6 * (2e6 / 1.5e9 + 1e-4))
+
+
+def test_a_pipeline_s_requests_are_priced_by_the_durable_store_its_stages_use():
+    # the stages of a pipeline move activations through the durable store (worker_specs): with a
+    # directory as the durable store and S3 as the run's, a hybrid's requests cost nothing and
+    # Local-SGD's are S3's
+    x = inputs(store_request_usd=S3_STANDARD.prices(), pipeline_store_request_usd={})
+    hybrid = Plan(strategy=Strategy.HYBRID, data_parallel=2, stages=2, cuts=(1,), microbatches=2, sync_period=1,
+                  steps_per_epoch=28, batch_size=32)
+    assert store_request_usd(x, hybrid) == 0.0
+    assert store_request_usd(inputs(store_request_usd=S3_STANDARD.prices()), hybrid) > 0.0
+    every_step = choose(x, Strategy.LOCAL_SGD)
+    assert next(a for a in every_step.alternatives if a["collective"] == "store")[
+        "predicted_store_usd_per_epoch"] == pytest.approx(STORE_REQUESTS_USD, rel=1e-12)

@@ -10,6 +10,7 @@ another is clearly better.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 from coordinator.bill.cost import total_usd
@@ -75,7 +76,8 @@ def strategy_inputs(ctx: RunContext, profile: dict, workers: int) -> StrategyInp
         host_cores=cpu_count() if target.kind in SHARED_HOST_KINDS else None,
         sync_dtype=job.sync_dtype, outer_optimizer=job.outer_optimizer,
         ring=job.collective == RING, collectives=planned_collectives(job, target)[0],
-        ring_link=ring_link(ctx), **store_inputs(run_store_offer(ctx)))
+        ring_link=ring_link(ctx), **store_inputs(run_store_offer(ctx)),
+        pipeline_store_request_usd=store_inputs(run_store_offer(ctx, durable=True))["store_request_usd"])
 
 
 def ring_link(ctx: RunContext) -> tuple[float, float]:
@@ -87,12 +89,15 @@ def ring_link(ctx: RunContext) -> tuple[float, float]:
     return row["bandwidth_bytes_per_s"], row["latency_s"]
 
 
-def run_store_offer(ctx: RunContext) -> StoreOffer:
-    """The offer the run's store is billed by (`planners.store_prices.store_offer`); a free one
-    for a context that names no store (the planner's inputs alone, as its unit tests build them)."""
-    if getattr(ctx, "open_store", None) is None:
+def run_store_offer(ctx: RunContext, durable: bool = False) -> StoreOffer:
+    """The offer the run's store (`durable`: its durable store, through which a pipeline's stages
+    move their tensors, `coordinator.workers.worker_specs`) is billed by
+    (`planners.store_prices.store_offer`); a free one for a context that names no store (the
+    planner's inputs alone, as its unit tests build them)."""
+    opener = getattr(ctx, "open_durable" if durable else "open_store", None)
+    if opener is None:
         return store_offer("")
-    store = ctx.open_store()
+    store = opener()
     try:
         where = store.where
     finally:
@@ -100,9 +105,17 @@ def run_store_offer(ctx: RunContext) -> StoreOffer:
     return store_offer(where, ctx.resolved.offer.provider)
 
 
+IGNORE_REQUESTS_ENV = "ZOOID_PLAN_IGNORING_REQUESTS"
+"""Set to 1, the planner chooses as if the store's requests were free (the run's predicted bill
+and its ledger still price them): a seam for `benchmarks/bench_bill.py`, which runs the plan a
+job gets without request prices beside the one it gets with them. Never set by a run."""
+
+
 def store_inputs(offer: StoreOffer) -> dict:
-    """The store's prices as `StrategyInputs` fields: what the planner weighs for each plan."""
-    return {"store_request_usd": offer.prices(), "store_usd_per_s": offer.node_per_hour / 3600.0}
+    """The store's prices as `StrategyInputs` fields: what the planner weighs for each plan (its
+    requests weighed as free under `IGNORE_REQUESTS_ENV`)."""
+    ignored = os.environ.get(IGNORE_REQUESTS_ENV) == "1"
+    return {"store_request_usd": {} if ignored else offer.prices(), "store_usd_per_s": offer.node_per_hour / 3600.0}
 
 
 def make_plan(ctx: RunContext, profile: dict, workers: int, calibration: Calibration | None = None,
@@ -201,7 +214,7 @@ def store_terms(ctx: RunContext, plan: Plan) -> tuple[StoreOps, dict]:
     `predict_run`'s keyword arguments. The planner weighed the same dollars when it chose
     (`planners.strategy.store_usd_per_epoch`); each alternative's run carries its own."""
     ops = epoch_store_ops(plan, ring=uses_ring(ctx.job, plan))
-    offer = run_store_offer(ctx)
+    offer = run_store_offer(ctx, durable=plan.stages > 1)
     return ops, {"store_usd_per_epoch": offer.request_usd(ops), "store_usd_per_s": offer.node_per_hour / 3600.0}
 
 
