@@ -41,7 +41,9 @@ def test_adapter_and_job_variables_come_through_the_registry(kind):
         assert (adapter.work_pool, adapter.job_variables) == (target.work_pool, target.job_variables)
         out = job_variables(kind, RES, "r1", image="img", env={"A": "1"}, extra={"labels": {"team": "t"}})
         assert out == provider.job_variables(RES, "r1", image="img", env={"A": "1"}, extra={"labels": {"team": "t"}})
-        assert out["zooid_run_id"] == "r1" and out["labels"] == {"team": "t", RUN_LABEL: "r1"}
+        # the run's label, and whatever labels the provider's capacity adds (docker's zooid.capacity)
+        on_demand = provider.on_capacity(provider.size(RES, "r1"), "on_demand")["labels"]
+        assert RUN_LABEL in on_demand and out["zooid_run_id"] == "r1" and out["labels"] == {"team": "t", **on_demand}
         assert (out["image"], out["env"]) == ("img", {"A": "1"})
         sized = provider.size(RES, "r1")  # its own SKU table's answer, under what the merge adds
         assert {k: out[k] for k in sized if k not in ("labels", "container_create_kwargs")} == \
