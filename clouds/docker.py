@@ -347,9 +347,12 @@ its own: the stop's SIGTERM would reach the supervisor, not the flow."""
 def docker_job_variables(res: WorkerResources, run_id: str) -> dict:
     """A Docker-API container: `mem_limit` (MiB, no swap beyond it) and a CPU quota in
     `nano_cpus`; GPUs through a device request (Docker's `--gpus`); the engine as its command
-    (`FLOW_RUN_COMMAND`)."""
+    (`FLOW_RUN_COMMAND`) under the engine's init process (`init`: docker's tini, podman's
+    catatonit), which passes the stop's SIGTERM on: the kernel never delivers a signal left at its
+    default to a namespace's PID 1, so before the flow's own handler is in place (the engine's
+    start-up: imports, the API's flow run) the notice would be ignored until the SIGKILL."""
     memory = f"{math.ceil(res.requested_memory_gb * 1024 - 1e-9)}m"
-    create = {"nano_cpus": math.ceil(res.vcpu * 1e9 - 1e-9)}
+    create = {"nano_cpus": math.ceil(res.vcpu * 1e9 - 1e-9), "init": True}
     if res.gpu:
         create["device_requests"] = [{"driver": "nvidia", "count": res.gpu, "capabilities": [["gpu"]]}]
     return {"mem_limit": memory, "memswap_limit": memory, "container_create_kwargs": create,

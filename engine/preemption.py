@@ -15,17 +15,30 @@ ends Failed with it), which the coordinator classifies as `preempted`
 The handler is installed in the main thread only (Python delivers signals there); it replaces
 whatever handler was in force (in a `worker` flow run, Prefect's, which would raise
 `TerminationSignal` and crash the flow run) for the epoch and puts it back after. Where the
-epoch runs in another thread, nothing is installed and a SIGTERM does what it did before.
+epoch runs in another thread, nothing is installed there: the process-wide handler below, in
+the main thread, sets the same flag while any `listening()` block is open.
+
+Outside an epoch the notice can come at any moment too: while a worker starts (imports torch,
+builds the model), profiles, or waits warm for its next command. There is nothing to hand over
+then, so the worker leaves at once. `leaving(hook)` installs the process-wide handler for its
+block, as early as the worker's own code runs (`runtime.worker_main.main`, the `worker` flow,
+`runtime.warm.serve`): during an epoch it defers to `listening()`'s flag; otherwise it runs the
+innermost scopes' hooks (a warm worker marks itself preempted where its pool can read it, at
+most `HOOK_S` seconds) and exits at once with `EXIT_STATUS`. It matters in a container, where
+the worker's process is the namespace's init (PID 1): the kernel does not deliver a signal whose
+disposition is the default to PID 1, so without a handler the notice is ignored and the engine
+SIGKILLs the container at the end of the grace.
 """
 from __future__ import annotations
 
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 from comm.store import Store
 from core.errors import Preempted
@@ -34,6 +47,19 @@ from core.specs import WorkerSpec
 
 _noticed_at = 0.0
 """Unix time of the notice this epoch got (0: none)."""
+
+EXIT_STATUS = 6
+"""The exit status of a worker that got the notice and left (`runtime.worker_main` gives
+`Preempted` the same; `coordinator.workers.failures.EXIT_PREEMPTED`)."""
+
+HOOK_S = 5.0
+"""The longest the hooks of `leaving()` may take before the worker exits anyway."""
+
+_listening = 0
+"""How many `listening()` blocks are open (an epoch in progress, in any thread)."""
+
+_leave_hooks: list[Callable[[], None]] = []
+"""What to do before leaving at once (`leaving`), innermost last."""
 
 
 def _on_sigterm(signum, frame) -> None:  # noqa: ARG001 - a signal handler's signature
@@ -61,17 +87,81 @@ def reset() -> None:
 
 @contextmanager
 def listening() -> Iterator[bool]:
-    """SIGTERM sets the flag for the duration of the block (main thread only); the handler in
-    force before is restored after. Yields whether the handler is installed."""
+    """SIGTERM sets the flag for the duration of the block (installed in the main thread; from
+    another thread, the process-wide handler of `leaving()` sets it); the handler in force before
+    is restored after. Yields whether the handler is installed."""
+    global _listening
     reset()
-    if threading.current_thread() is not threading.main_thread():
-        yield False
-        return
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    _listening += 1
     try:
-        yield True
+        if threading.current_thread() is not threading.main_thread():
+            yield False
+            return
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+        try:
+            yield True
+        finally:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
     finally:
-        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        _listening -= 1
+
+
+def _on_notice(signum, frame) -> None:  # noqa: ARG001 - a signal handler's signature
+    """The process-wide handler: during an epoch, the epoch's flag; otherwise leave at once."""
+    if _listening:
+        _on_sigterm(signum, frame)
+        return
+    leave_now()
+
+
+def leave_now(status: int = EXIT_STATUS) -> None:
+    """Leave at once with nothing to hand over: run the hooks of the open `leaving()` blocks,
+    innermost first (in a thread, at most `HOOK_S` seconds in all: a store that hangs must not
+    outlast the grace), flush the output and exit the process with `status`."""
+    global _noticed_at
+    if not _noticed_at:
+        _noticed_at = time.time()
+    hooks = list(reversed(_leave_hooks))
+
+    def run_hooks() -> None:
+        for hook in hooks:
+            try:
+                hook()
+            except Exception as exc:  # leave anyway: the exit status still says why
+                print(f"zooid: on the notice, {getattr(hook, '__name__', 'a hook')} failed: "
+                      f"{type(exc).__name__}: {exc}", file=sys.stderr)
+
+    if hooks:
+        runner = threading.Thread(target=run_hooks, name="zooid-notice", daemon=True)
+        runner.start()
+        runner.join(HOOK_S)
+    print(f"zooid: the notice came outside an epoch (pid {os.getpid()}); leaving now", file=sys.stderr)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(status)
+
+
+@contextmanager
+def leaving(hook: Callable[[], None] | None = None) -> Iterator[bool]:
+    """The process-wide notice handler for the block (main thread only; the one in force before
+    is restored after): a SIGTERM during an epoch (`listening()`) sets its flag, any other
+    leaves at once (`leave_now`) after `hook()` and the hooks of the blocks around this one.
+    Yields whether the handler is installed."""
+    if hook is not None:
+        _leave_hooks.append(hook)
+    previous, installed = None, threading.current_thread() is threading.main_thread()
+    if installed:
+        previous = signal.signal(signal.SIGTERM, _on_notice)
+    try:
+        yield installed
+    finally:
+        if installed:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        if hook is not None:
+            _leave_hooks.remove(hook)
 
 
 def mark_preempted(store: Store | None, spec: WorkerSpec, step: int, handover: str = "", **extra) -> dict:

@@ -20,6 +20,7 @@ from prefect.cache_policies import NO_CACHE
 
 from blocks.store_refs import open_store_ref
 from core.specs import WorkerResult, WorkerSpec
+from engine import preemption
 
 CUT_SPEC = "prepare_cut"
 """The key of a spec that makes this flow's run write one cut of a prepare (`flows.prepare_cuts`)."""
@@ -63,15 +64,18 @@ def serve_warm(spec_dict: dict) -> dict:
 @flow(name="worker", persist_result=True, result_serializer="json", log_prints=True)
 def worker(spec: dict) -> dict:
     """Train one replica (or stage): one epoch, or every epoch the coordinator sends (warm); or
-    write one cut of a prepare (`flows.prepare_cuts`)."""
-    if CUT_SPEC in spec:
-        # torch: loaded by a cut's run, as by an epoch's
-        from engine.array_cuts import run_cut_job
+    write one cut of a prepare (`flows.prepare_cuts`). The provider's notice (SIGTERM) is the
+    worker's from the flow's start (`engine.preemption.leaving`, in place of Prefect's handler):
+    an epoch hands over, anywhere else (start-up, a profile, a warm worker's wait) it leaves at once."""
+    with preemption.leaving():
+        if CUT_SPEC in spec:
+            # torch: loaded by a cut's run, as by an epoch's
+            from engine.array_cuts import run_cut_job
 
-        return run_cut_job(spec[CUT_SPEC], open_store_ref)
-    if spec.get("warm"):
-        return serve_warm(spec)
-    return run_worker(spec)
+            return run_cut_job(spec[CUT_SPEC], open_store_ref)
+        if spec.get("warm"):
+            return serve_warm(spec)
+        return run_worker(spec)
 
 
 def main(argv: list[str] | None = None) -> int:

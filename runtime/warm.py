@@ -15,7 +15,7 @@ teardown deletes them):
 | `lease` | coordinator | `{"seq", "at"}`, renewed every `lease_s / 4` seconds |
 | `<worker>/cmd-<n>.json` | coordinator | the worker's n-th command: `{"op": "epoch", "spec": WorkerSpec}`, `{"op": "profile", "request": ProfileRequest}` or `{"op": "stop"}` |
 | `<worker>/reply-<n>.json` | worker | `{"ok", "result": WorkerResult` (or `"profile"`)`, "began_at", "ended_at", "ready_at"}` or the error |
-| `<worker>/status.json` | worker | once a second: state (`idle`, `busy`), pid, steps done this epoch, last beat |
+| `<worker>/status.json` | worker | once a second: state (`idle`, `busy`; `preempted` once it left on the provider's notice outside an epoch), pid, steps done this epoch, last beat |
 
 `<worker>` is `r<rank>-w<serial>-<coordinator>`: a replacement of a dead worker has a new
 serial, and a resumed run's coordinator a new mark, so no worker reads a command meant for
@@ -48,11 +48,15 @@ from core.errors import LeaseExpired, ZooidValueError
 from core.keys import command_key, lease_key, reply_key, status_key
 from core.process_start import process_started_at
 from core.specs import WarmSpec, WorkerResult, WorkerSpec
+from engine import preemption
 from engine.chaos import chaos_for
 from runtime.store_report import also_report
 
 LEASE_EXIT = 5
 """Exit status of a warm worker whose lease expired while its training thread was stuck."""
+
+PREEMPTED = "preempted"
+"""The state in a warm worker's status that left on the provider's notice outside an epoch."""
 
 def worker_name(rank: int, serial: int, coordinator: str = "") -> str:
     """The name of one warm worker process: its rank, a serial unique within its coordinator,
@@ -162,18 +166,54 @@ def serve(spec: WorkerSpec, store: Store, execute: Callable[[WorkerSpec], Worker
     `open_ref(url)` opens the store a `profile` command probes (default
     `comm.store.open_store`). Raises `LeaseExpired` when the lease runs out, and whatever
     `execute` raised after posting it as the reply."""
-    worker = _start(spec, store, store_factory, log or (lambda line: print(line)))
-    seq = 0
-    try:
-        while True:
-            command = _next_command(store, spec.run_id, worker.settings, seq, worker.watch)
-            if _obey(worker, seq, command, execute, open_ref):
-                return "stopped"
-            seq += 1
-    finally:
-        heartbeat.set_guard(None)
-        worker.watch.stopped.set()
-        worker.watch.join(timeout=5)
+    notice = _Notice(spec, store_factory)
+    with preemption.leaving(notice.mark):  # the provider's notice outside an epoch: mark, leave at once
+        worker = _start(spec, store, store_factory, log or (lambda line: print(line)))
+        notice.watch = worker.watch
+        seq = 0
+        try:
+            while True:
+                command = _next_command(store, spec.run_id, worker.settings, seq, worker.watch)
+                if _obey(worker, seq, command, execute, open_ref):
+                    return "stopped"
+                seq += 1
+                if preemption.requested():  # the notice came as the epoch ended: it is answered, leave
+                    preemption.leave_now()
+        finally:
+            heartbeat.set_guard(None)
+            worker.watch.stopped.set()
+            worker.watch.join(timeout=5)
+
+
+class _Notice:
+    """What a warm worker does when the provider's notice comes outside an epoch
+    (`engine.preemption.leaving`): its status says `preempted` (with when the notice came and
+    when it left), which its pool reads (`coordinator.workers.warm_pool`) to bill its last
+    interval as preempted and replace it at the next epoch, without waiting for a timeout."""
+
+    def __init__(self, spec: WorkerSpec, store_factory: Callable[[], Store]):
+        self.spec, self.store_factory = spec, store_factory
+        self.watch: _Watch | None = None
+        """The lease watch, once started: it stops publishing, and its status says preempted."""
+
+    def mark(self) -> None:
+        """Write the status `preempted` through a client of its own (the main thread's may be
+        in the middle of a request)."""
+        settings = self.spec.warm
+        marks = {"state": PREEMPTED, "noticed_at": preemption.noticed_at() or time.time(), "left_at": time.time(),
+                 "capacity": self.spec.capacity}
+        if self.watch is not None:
+            self.watch.stopped.set()
+            self.watch.join(timeout=1.0)  # a status it is writing must not land after this one
+            self.watch.doc.update(marks)
+            doc = {**self.watch.doc, "written_at": time.time()}
+        else:
+            doc = {"pid": os.getpid(), "host": socket.gethostname(), "seq": 0, "epoch": None, **marks}
+        store = self.store_factory()
+        try:
+            store.put(status_key(self.spec.run_id, settings.worker), json.dumps(doc).encode(), scratch=True)
+        finally:
+            store.close()
 
 
 @dataclass

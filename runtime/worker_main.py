@@ -6,7 +6,8 @@ line on stdout is JSON: the WorkerResult (`WorkerResult.from_dict` reads it back
 failure `{"error": <class name>, "message": ...}` with a non-zero exit status: 2 for bad
 input (ZooidValueError), 3 for a store timeout, 4 for out-of-memory (OutOfMemory or a
 MemoryError), 5 for a warm worker whose lease expired, 6 for a worker that got the provider's
-notice and left (`Preempted`, `engine.preemption`), 1 for anything else.
+notice and left (`Preempted`, `engine.preemption`; also a notice outside an epoch, where the
+worker leaves at once: `engine.preemption.leaving`), 1 for anything else.
 
 A spec with `warm` set starts a warm worker (`runtime.warm`): it serves the run's
 epochs from the store until the coordinator stops it or its lease expires, and prints its
@@ -23,6 +24,7 @@ from comm.store import Store, open_store
 from core.errors import LeaseExpired, OutOfMemory, Preempted, StoreTimeout, ZooidValueError
 from core.fast_exit import exit_now
 from core.specs import WorkerSpec
+from engine import preemption
 from engine.optimizers import load_lazy_modules
 from runtime.run_spec import run_spec
 from runtime.warm import serve
@@ -51,6 +53,13 @@ def main(argv: list[str] | None = None, open_ref: Callable[[str], Store] = open_
     source.add_argument("--spec-json", help="the WorkerSpec as a JSON object")
     source.add_argument("--spec-file", help="a file holding the WorkerSpec JSON")
     args = parser.parse_args(argv)
+    # the provider's notice from here on: an epoch hands over, anywhere else the worker leaves at once
+    with preemption.leaving():
+        return _main(args, open_ref)
+
+
+def _main(args: argparse.Namespace, open_ref: Callable[[str], Store]) -> int:
+    """`main` once its arguments are parsed, under the notice handler."""
     load_lazy_modules()  # part of the start-up, not of the first epoch
     try:
         text = args.spec_json if args.spec_json is not None else open(args.spec_file).read()

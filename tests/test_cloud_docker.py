@@ -228,7 +228,7 @@ def test_docker_job_variables_size_the_container_and_label_the_run():
                         extra={"env": {"PREFECT_HOME": "/tmp/prefect"}, "container_create_kwargs": {"shm_size": "1g"}})
     mib = 1.0 * 1.25 * 1024 + 1024
     assert out["mem_limit"] == f"{int(mib)}m" and out["memswap_limit"] == out["mem_limit"]
-    assert out["container_create_kwargs"] == {"shm_size": "1g", "nano_cpus": 1_500_000_000}
+    assert out["container_create_kwargs"] == {"shm_size": "1g", "nano_cpus": 1_500_000_000, "init": True}
     assert out["labels"] == {"zooid-run": "run-1", "zooid.capacity": "on_demand"} and out["zooid_run_id"] == "run-1"
     assert out["env"] == {"PREFECT_HOME": "/tmp/prefect", "A": "1"} and out["image"] == "localhost/zooid-worker:cpu"
     gpu = job_variables("docker", WorkerResources(vcpu=4, memory_gb=8, gpu=1, gpu_type="T4"), "r")

@@ -52,3 +52,70 @@ def test_a_spot_container_stopped_with_a_grace_hands_over_and_is_replaced(stack)
     assert {r["capacity"] for r in workers} == {"spot"}  # one preemption: replaced on spot again
     assert len({r["resource"] for r in workers}) == len(workers)  # each container billed once
     assert _containers(run_id) == []
+
+
+def _idle_status(store, run_id: str, rank: int, epoch: int, timeout_s: float = 600) -> str:
+    """The status key of rank `rank`'s warm worker once it answered epoch `epoch` and waits for
+    its next command (an event the worker writes, `runtime.warm`)."""
+    import json
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for key in store.list(f"runs/{run_id}/warm/r{rank}-"):
+            if key.endswith("/status.json"):
+                status = json.loads(store.get(key))
+                if status.get("state") == "idle" and status.get("epoch") == epoch:
+                    return key
+        time.sleep(0.2)
+    raise TimeoutError(f"rank {rank} not idle after epoch {epoch} within {timeout_s:.0f} s")
+
+
+def test_an_idle_warm_container_stopped_between_epochs_leaves_at_once_and_is_replaced(stack):
+    """Rank 0 holds after epoch 0's last sync (its sync checkpoint), so rank 1 has answered
+    epoch 0 and waits, warm and idle, for epoch 1: the engine's stop with a 30 s grace reaches
+    its handler (under the container's init), it marks itself preempted and exits with the
+    worker's own status 6 (not 137: the grace never runs out); the coordinator replaces it at
+    epoch 1 without a timeout, the run completes, and its container's interval is billed once,
+    as preempted."""
+    from clouds.docker import preempt
+
+    target = _save_target("docker-preempt-idle", job_variables={"env": {
+        "ZOOID_CHAOS": "hold_worker:epoch=0:rank=0:at=sync:until=release"}})
+    flow_run_id = _submit(stack, strategy="local_sgd", workers=2, epochs=2, target=target, capacity="spot")
+    run_id = _run_id(flow_run_id)
+    store = _store(stack)
+    try:
+        _wait_key(store, f"runs/{run_id}/faults/held-e0-r0-")
+        status_key = _idle_status(store, run_id, rank=1, epoch=0)
+        victim = next(c for c in _containers(run_id, running_only=True)
+                      if "-warm-r1-" in c.labels.get("io.prefect.flow-run-name", ""))
+        client = _client()
+        try:
+            stopped = preempt(client, victim.id, grace_s=30)  # returns once the container has exited
+        finally:
+            client.close()
+        left = _json(store, status_key)  # what it wrote on the notice (teardown deletes it)
+        store.put(f"runs/{run_id}/release", b"1")
+        fr = _wait_final(flow_run_id)
+    finally:
+        store.close()
+    assert stopped["exit_code"] == 6 and not stopped["killed"], stopped  # its own status, within the grace
+    assert left["state"] == "preempted" and left["left_at"] >= left["noticed_at"], left
+    assert fr.state.is_completed(), fr.state.message
+    summary = _summary(stack, run_id)
+    assert summary["status"] == "completed" and len(summary["epochs"]) == 2
+    assert all(r["failure"]["kind"] == "preempted" for e in summary["epochs"] for r in e["relaunches"])
+    assert summary["spot"]["preemptions"] == 1 and summary["spot"]["saved_usd"] > 0
+    rows = _ledger(stack, run_id)
+    preempted = [r for r in rows if r["status"] == "preempted"]
+    assert len(preempted) == 1 and preempted[0]["resource"].endswith(victim.id[:12]) and preempted[0]["usd"] > 0
+    workers = [r for r in rows if r["kind"] in ("worker", "failed_attempt")]
+    assert len({r["resource"] for r in workers}) == len(workers)  # each container billed once
+    assert _containers(run_id) == []
+
+
+def _json(store, key: str) -> dict:
+    import json
+
+    return json.loads(store.get(key))

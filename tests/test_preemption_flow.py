@@ -87,8 +87,9 @@ def test_a_preempted_pipeline_stage_reruns_its_attempt_at_once(tmp_path, monkeyp
 
 
 def test_a_worker_preempted_while_profiling_is_replaced_and_its_interval_marked(tmp_path, monkeypatch):
-    """The notice comes as rank 0's warm worker starts the profile (no handler outside an epoch:
-    the SIGTERM ends it at once); the profile is taken again on a new worker and the run trains."""
+    """The notice comes as rank 0's warm worker starts the profile (outside an epoch: the worker
+    marks its status preempted and exits at once, `engine.preemption.leaving`); the profile is
+    taken again on a new worker and the run trains."""
     from flows.train import train
 
     monkeypatch.setenv("ZOOID_CHAOS", "preempt_worker:at=profile:grace=60")

@@ -87,6 +87,13 @@ def replace_measured(rows: list[CostRecord], cloud_rows: list[CostRecord]) -> li
             or ((r.epoch, r.rank, r.attempt) not in reported and not (r.worker and r.worker in workers)))]
     # what the epoch's end marked on a row (`coordinator.workers.preemptions`) outlives a re-reading
     marked = {r.resource: r for r in rows if r.status == "preempted" or r.redone_s}
+    # a warm worker preempted outside an epoch (idle, profiling): the warm pool's last row of it says
+    # so, and its whole life on the cloud's clock (no epoch) is that preempted interval
+    for r in rows:
+        if r.status == "preempted" and r.worker and r.epoch is None:
+            for c in cloud_rows:
+                if c.worker == r.worker and c.epoch is None and c.resource not in marked:
+                    marked[c.resource] = r
     return kept + [_marks_of(marked.get(r.resource), r) for r in cloud_rows]
 
 

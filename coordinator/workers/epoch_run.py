@@ -82,6 +82,7 @@ def relaunch_policy(ctx: RunContext, plan: Plan, max_relaunches: int = 2, preemp
             notice = read_preempted_marker(store, ctx.run_id, spec.epoch, spec.rank, spec.attempt)
         finally:
             store.close()
+        notice = notice or outcome.extra.get("left_on_notice")  # a warm worker that left idle, before the epoch
         tail = _log_tail(outcome)
         failure = classify_failure(outcome.extra.get("exit_code"), tail,
                                    timed_out=outcome.status == "timeout", injected=marker, preempted=notice)

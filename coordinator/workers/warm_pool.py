@@ -42,7 +42,7 @@ from core.keys import command_key, lease_key, reply_key, status_key, warm_prefix
 from core.kinds import PIPELINED_STRATEGIES, SHARED_HOST_KINDS, Capacity, Strategy
 from core.plan import Plan
 from core.specs import WarmSpec, WorkerResult, WorkerSpec
-from runtime.warm import read_json, worker_name
+from runtime.warm import PREEMPTED, read_json, worker_name
 
 
 class LeaseRenewer(threading.Thread):
@@ -112,7 +112,10 @@ class WarmWorker:
     list_price_per_s: float = 0.0
     """What the same worker costs per second on-demand (`CostRecord.list_price_per_s`)."""
     preempted: bool = False
-    """It died of the provider's notice outside an epoch (while profiling): its last row says so."""
+    """It died of the provider's notice outside an epoch (while profiling, or idle between
+    epochs): its last row says so."""
+    left_at: float | None = None
+    """When it left on the notice, by its own status (`runtime.warm`): where its bill ends."""
 
     @property
     def process(self) -> WorkerOutcome:
@@ -162,6 +165,9 @@ class WarmPool:
         started = []
         for rank in range(plan.workers):
             w, identity = self.workers.get(rank), launch_identity(launcher, rank)
+            if w is not None and self._left_on_notice(w):  # preempted while idle: replaced now
+                self._bury(w, "it was preempted while idle")
+                w = None
             if w is not None and w.alive and w.identity == identity:
                 continue
             if w is not None:
@@ -259,12 +265,9 @@ class WarmPool:
                                                      f"{reply.get('message', '')}"))
                     continue
                 w.launcher._poll()
-                if not w.alive:
+                if not w.alive or self._left_on_notice(w):
                     del pending[i]
-                    code = w.process.extra.get("exit_code")
-                    w.preempted = code != 0 and classify_failure(
-                        code, w.process.error or "").kind is FailureKind.PREEMPTED  # a spot worker taken back
-                    self.retire(w.rank, "it died while profiling")
+                    self._bury(w, "it died while profiling")  # a spot worker taken back: billed preempted
                     failures.append(RuntimeError(f"worker {w.name} exited while profiling: "
                                                  f"{w.process.error or w.process.status}"))
                 elif now - sent > timeout_s:
@@ -420,16 +423,22 @@ class WarmPool:
         if reply is not None:  # the epoch raised; the worker exits with its status
             cmd.outcome.error = f"{reply.get('error')}: {reply.get('message', '')}"
         w.launcher._poll()
-        if not w.alive:
-            process = w.process
-            cmd.outcome.status = process.status if process.status in FAILED else "failed"
-            cmd.outcome.stopped_at = process.stopped_at or now
-            cmd.outcome.extra["exit_code"] = process.extra.get("exit_code")
-            cmd.outcome.error = cmd.outcome.error or process.error
-            return
-        if now - w.status_read_at >= self.status_every_s:
+        status = None
+        if not w.alive or now - w.status_read_at >= self.status_every_s:  # each read: a request
             w.status_read_at = now
             status = read_json(self.store, status_key(self.ctx.run_id, w.name)) or {}
+        if reply is None and status and status.get("state") == PREEMPTED:
+            # it left on the notice before it took this command (idle): a preemption, at once
+            w.preempted, w.left_at = True, float(status.get("left_at") or now)
+            cmd.outcome.extra["left_on_notice"] = status
+        if not w.alive or "left_on_notice" in cmd.outcome.extra:
+            process = w.process
+            cmd.outcome.status = process.status if process.status in FAILED else "failed"
+            cmd.outcome.stopped_at = w.left_at or process.stopped_at or now
+            cmd.outcome.extra["exit_code"] = process.extra.get("exit_code")
+            cmd.outcome.error = cmd.outcome.error or process.error or "left on the provider's notice"
+            return
+        if status is not None:
             if status.get("seq") == cmd.seq and status.get("state") == "busy":
                 steps, beat = int(status.get("steps") or 0), float(status.get("beat_at") or 0.0)
                 if steps != w.steps or beat != w.beat_at:
@@ -439,10 +448,35 @@ class WarmPool:
             cmd.outcome.status, cmd.outcome.stopped_at = "timeout", time.time()
             cmd.outcome.error = f"no progress for {timeout_s:.0f} s"
 
-    def _bury(self, w: WarmWorker) -> None:
-        """Stop a worker whose epoch failed and bill it; its rank gets a cold replacement."""
+    def _left_on_notice(self, w: WarmWorker) -> dict | None:
+        """The status of a worker that left on the provider's notice outside an epoch
+        (`runtime.warm`: state `preempted`), or None; the worker is then marked preempted and
+        billed to when it left. Read from the store: Prefect may show its flow run running a
+        while after its container exited."""
+        status = read_json(self.store, status_key(self.ctx.run_id, w.name)) if self.store is not None else None
+        if not status or status.get("state") != PREEMPTED:
+            return None
+        w.preempted, w.left_at = True, float(status.get("left_at") or time.time())
+        return status
+
+    def _died_preempted(self, w: WarmWorker) -> bool:
+        """Whether a worker that died outside an epoch was taken back by the provider: its status
+        says so, or its exit does (`classify_failure`: exit 6, SIGTERM's status)."""
+        if w.preempted or self._left_on_notice(w):
+            return True
+        code = w.process.extra.get("exit_code")
+        return code != 0 and classify_failure(code, w.process.error or "").kind is FailureKind.PREEMPTED
+
+    def _bury(self, w: WarmWorker, reason: str = "its epoch failed") -> None:
+        """Stop a worker whose epoch failed (or that died outside one) and bill it; its rank gets
+        a replacement."""
+        if w.command is None and not w.alive:
+            w.preempted = self._died_preempted(w)
+        if w.preempted:
+            print(f"zooid: warm worker {w.name} (rank {w.rank}, {w.capacity or 'on_demand'}) was preempted "
+                  f"({reason}); its rank gets a new worker")
         if w.alive:
-            w.launcher.stop("its epoch failed")
+            w.launcher.stop(reason)
         if self.workers.get(w.rank) is w:
             del self.workers[w.rank]
         if w.launcher in self.ctx.state.launchers:
@@ -502,7 +536,7 @@ class WarmPool:
             except Exception as exc:  # the API may be gone when the run crashed with it
                 print(f"zooid: releasing {w.name}'s concurrency slot failed: {exc}")
             w.slot = None
-        stop = w.process.stopped_at or time.time()
+        stop = w.left_at or w.process.stopped_at or time.time()
         if w.command is not None:
             o = w.command.outcome
             failure = o.extra.get("failure")
