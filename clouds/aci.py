@@ -26,7 +26,7 @@ import re
 from typing import Any, Iterable, Mapping
 
 from clouds.adapter import RUN_LABEL, CloudAdapter, CloudInterval, pool_job_configuration
-from clouds.provider import JobVariablesError, Provider, WorkerResources, run_labels
+from clouds.provider import FLOW_RUN_COMMAND, JobVariablesError, Provider, WorkerResources, run_labels
 from clouds.timestamps import epoch_seconds
 from core.kinds import Capacity, TargetKind
 
@@ -154,10 +154,14 @@ class AciAdapter(CloudAdapter):
 
 
 def aci_job_variables(res: WorkerResources, run_id: str) -> dict:
-    """ACI: cpu and memory (0.1 GB steps) and, for GPU workers, `{"count", "sku"}`."""
+    """ACI: cpu and memory (0.1 GB steps) and, for GPU workers, `{"count", "sku"}`; the flow run's
+    engine as the container's command (`FLOW_RUN_COMMAND`), with no entrypoint script before it
+    (the template's default, Prefect images' `/opt/prefect/entrypoint.sh`, is not in Zooid's worker
+    image; the engine is then the process the eviction's SIGTERM reaches)."""
     # Keep the group after the container exits: its events are the bill (the sweep deletes it).
     out = {"cpu": math.ceil(res.vcpu * 10 - 1e-9) / 10, "memory": math.ceil(res.requested_memory_gb * 10 - 1e-9) / 10,
-           "keep_container_group": True, "zooid_run_id": run_id, "labels": run_labels(run_id)}
+           "keep_container_group": True, "zooid_run_id": run_id, "labels": run_labels(run_id),
+           "command": FLOW_RUN_COMMAND, "entrypoint": None}  # no Prefect image's entrypoint.sh before it
     if res.gpu:
         sku = (res.gpu_type or "").upper()
         if sku not in ACI_GPU_SKUS:

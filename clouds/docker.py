@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Iterable
 
 from clouds.adapter import RUN_LABEL, CloudAdapter, CloudInterval
-from clouds.provider import Provider, WorkerResources, run_labels
+from clouds.provider import FLOW_RUN_COMMAND, Provider, WorkerResources, run_labels
 from clouds.timestamps import epoch_seconds
 from core.errors import ZooidValueError
 from core.kinds import Capacity, TargetKind
@@ -334,14 +334,6 @@ class DockerAdapter(CloudAdapter):
                                       "the worker image (the pool never pulls)") from None
         finally:
             client.close()
-
-
-FLOW_RUN_COMMAND = "python3 -m prefect.engine"
-"""A worker container's command: the flow run's engine itself, as PID 1 with the flow in its main
-thread (it reads `PREFECT__FLOW_RUN_ID`), so that the engine's stop (`stop -t GRACE`, a spot
-provider's notice) reaches the worker's own SIGTERM handler (`engine.preemption`). Prefect's
-default, `prefect flow-run execute`, is a supervisor that runs the engine in a child process of
-its own: the stop's SIGTERM would reach the supervisor, not the flow."""
 
 
 def docker_job_variables(res: WorkerResources, run_id: str) -> dict:

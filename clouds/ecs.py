@@ -21,7 +21,7 @@ import math
 from typing import Any, Iterable, Mapping
 
 from clouds.adapter import FLOW_RUN_ID_LABEL, CloudAdapter, CloudInterval, pool_job_configuration
-from clouds.provider import JobVariablesError, Provider, WorkerResources, run_labels
+from clouds.provider import FLOW_RUN_COMMAND, JobVariablesError, Provider, WorkerResources, run_labels
 from clouds.timestamps import epoch_seconds
 from core.kinds import Capacity, TargetKind
 
@@ -164,17 +164,18 @@ def fargate_size(vcpu: float, memory_gb: float) -> tuple[int, int]:
 
 
 def ecs_job_variables(res: WorkerResources, run_id: str, gpu_capacity_provider: str = "zooid-gpu") -> dict:
-    """ECS: Fargate for CPU workers, an EC2 capacity provider plus a GPU reservation otherwise."""
+    """ECS: Fargate for CPU workers, an EC2 capacity provider plus a GPU reservation otherwise; the
+    flow run's engine as the container's command (`FLOW_RUN_COMMAND`)."""
     if res.gpu == 0:
         cpu, memory = fargate_size(res.vcpu, res.requested_memory_gb)
         return {"launch_type": "FARGATE", "cpu": cpu, "memory": memory,
-                "zooid_run_id": run_id, "labels": run_labels(run_id)}
+                "zooid_run_id": run_id, "labels": run_labels(run_id), "command": FLOW_RUN_COMMAND}
     # On EC2 the container reserves CPU units and MiB on an instance: no Fargate grid to round to.
     return {"launch_type": "EC2",
             "capacity_provider_strategy": [{"capacityProvider": gpu_capacity_provider, "weight": 1, "base": 0}],
             "cpu": math.ceil(res.vcpu * 1024 - 1e-9), "memory": math.ceil(res.requested_memory_gb * 1024 - 1e-9),
             "resource_requirements": [{"type": "GPU", "value": str(res.gpu)}],
-            "zooid_run_id": run_id, "labels": run_labels(run_id)}
+            "zooid_run_id": run_id, "labels": run_labels(run_id), "command": FLOW_RUN_COMMAND}
 
 
 SPOT_STOP_TIMEOUT_S = 120

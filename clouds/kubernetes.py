@@ -25,7 +25,7 @@ from contextlib import asynccontextmanager
 from typing import Iterable
 
 from clouds.adapter import FLOW_RUN_ID_LABEL, RUN_LABEL, CloudAdapter, CloudInterval, read_pool_job_configuration
-from clouds.provider import Provider, WorkerResources, run_labels
+from clouds.provider import FLOW_RUN_COMMAND, Provider, WorkerResources, run_labels
 from clouds.timestamps import epoch_seconds
 from core.kinds import Capacity, TargetKind
 
@@ -201,11 +201,12 @@ class KubernetesAdapter(CloudAdapter):
 
 
 def k8s_job_variables(res: WorkerResources, run_id: str) -> dict:
-    """Kubernetes: requests equal limits (a Guaranteed pod), an `nvidia.com/gpu` limit for GPUs."""
+    """Kubernetes: requests equal limits (a Guaranteed pod), an `nvidia.com/gpu` limit for GPUs; the
+    flow run's engine as the container's args (`FLOW_RUN_COMMAND`)."""
     cpu = f"{math.ceil(res.vcpu * 1000 - 1e-9)}m"
     memory = f"{math.ceil(res.requested_memory_gb * 1024 - 1e-9)}Mi"
     out = {"cpu_request": cpu, "cpu_limit": cpu, "memory_request": memory, "memory_limit": memory,
-           "zooid_run_id": run_id, "labels": run_labels(run_id)}
+           "zooid_run_id": run_id, "labels": run_labels(run_id), "command": FLOW_RUN_COMMAND}
     if res.gpu:
         out["gpu_limit"] = res.gpu
         out["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]

@@ -84,6 +84,16 @@ def resources_from_plan(plan, profiled_memory_gb: float | None = None, gpu_type:
                            gpu=plan.worker_gpu, gpu_type=gpu_type, headroom=headroom, base_memory_gb=base_memory_gb)
 
 
+FLOW_RUN_COMMAND = "python3 -m prefect.engine"
+"""A worker container's command on every container target (docker, ECS, ACI, Kubernetes): the
+flow run's engine itself, as the container's main process with the flow in its main thread (it
+reads `PREFECT__FLOW_RUN_ID`), so that the provider's stop (a spot notice: `stop -t GRACE`, Fargate
+Spot's SIGTERM, ACI's eviction, a pod's termination) reaches the worker's own SIGTERM handler
+(`engine.preemption`). Prefect's default, `prefect flow-run execute`, is a supervisor that runs
+the engine in a child process of its own: the provider's SIGTERM would reach the supervisor, not
+the flow, and the worker would be killed at the end of the grace with nothing handed over."""
+
+
 def run_labels(run_id: str) -> dict[str, str]:
     """The label (tag) every worker of the run carries: the sweep and the bill find it by it."""
     return {RUN_LABEL: run_id}

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from clouds.provider import JobVariablesError, WorkerResources
+from clouds.provider import FLOW_RUN_COMMAND, JobVariablesError, WorkerResources
 from clouds.registry import job_variables
 from core.errors import ZooidValueError
 from core.plan import Plan
@@ -182,6 +182,8 @@ def test_a_rank_is_billed_at_the_plans_capacity_or_the_one_it_is_told(tmp_path, 
 # -- the job variables on each provider, held to its SDK's schema ------------------------------
 
 RES = WorkerResources(vcpu=1, memory_gb=1.2)
+ENGINE = FLOW_RUN_COMMAND.split()
+"""The container process of every worker: the flow run's engine (`clouds.provider.FLOW_RUN_COMMAND`)."""
 
 
 def test_ecs_spot_is_a_fargate_spot_strategy_without_a_launch_type():
@@ -210,6 +212,8 @@ def test_ecs_spot_is_a_fargate_spot_strategy_without_a_launch_type():
     schemas.check_input("RunTask", request)
     assert request["capacityProviderStrategy"] == [{"capacityProvider": "FARGATE_SPOT", "weight": 1}]
     assert "launchType" not in request
+    # the flow run's engine is the container's process (the notice's SIGTERM reaches the worker's handler)
+    assert request["overrides"]["containerOverrides"][0]["command"] == ENGINE
     on_demand = render(ECSJobConfiguration, template("ecs"),
                        job_variables("ecs", RES, "zrunod", image="zooid-worker:cpu", extra={"cluster": "zooid"}))
     assert on_demand.task_run_request["launchType"] == "FARGATE"
@@ -227,11 +231,13 @@ def test_aci_spot_is_the_container_groups_priority():
         values = job_variables("aci", RES, "zrunspot", image="zooid-worker:cpu", capacity=capacity,
                                extra={"resource_group_name": "rg", "subscription_id": "sub"})
         cfg = render(AzureContainerJobConfiguration, template("azure-container-instance"), values)
+        cfg.prepare_for_flow_run(flow_run("zrunspot-e0-r0-a0"))  # the command as a list, as the worker sends it
         schemas.check_template_group(cfg.arm_template["resources"][0])
         return cfg.arm_template["resources"][0]
 
     spot = group("spot")
     assert spot["properties"]["priority"] == "Spot" and spot["apiVersion"] == "2023-05-01"
+    assert spot["properties"]["containers"][0]["properties"]["command"] == ENGINE  # no entrypoint script first
     assert "priority" not in group("on_demand")["properties"]
     with pytest.raises(JobVariablesError, match="^capacity"):
         job_variables("aci", WorkerResources(vcpu=4, memory_gb=5, gpu=1, gpu_type="K80"), "r", capacity="spot")
@@ -260,6 +266,7 @@ def test_kubernetes_spot_selects_and_tolerates_the_spot_node_pool():
     key, value = K8S_SPOT_LABEL
     spec = pod_spec(RES, "spot")
     assert spec["nodeSelector"] == {key: value}
+    assert spec["containers"][0]["args"] == ENGINE and "command" not in spec["containers"][0]  # the image's none
     assert spec["tolerations"] == [{"key": key, "operator": "Equal", "value": value, "effect": "NoSchedule"}]
     assert "nodeSelector" not in pod_spec(RES, "on_demand")
     gpu = pod_spec(WorkerResources(vcpu=4, memory_gb=10, gpu=1, gpu_type="T4"), "spot")  # beside the GPU's own
