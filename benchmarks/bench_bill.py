@@ -21,10 +21,16 @@ priced holds the protocol's keys alone. Measured: the workers' dollars (worker r
 (the store's rows: the workers' requests, the coordinator's, a node), and their total; predicted:
 the plan's (`predicted_run_cost_usd` less its store part, `predicted_store_usd`).
 
-Then the job whose chosen plan changes because of request costs (`planners.strategy.fastest_cheapest`),
-with both bills: every-step Local-SGD against a 2 x 2 hybrid of near throughput.
+Then the plans that request costs change (`planners.strategy.fastest_cheapest`), with both bills:
+first the planner's rule on two plans given by hand (every-step Local-SGD against a 2 x 2 hybrid of
+near throughput); then a real job (`FLIP_JOB`: resnet18, every-step averaging over S3, strategy and
+collective `auto`) planned by its dry run from the catalog's estimate (`rent=false`, so the same
+choice every time) with S3's request prices weighed and ignored (the planner's seam,
+`coordinator.plan.planning.IGNORE_REQUESTS_ENV`), and each chosen plan run for real, forced to its
+shape, two epochs, with its measured bill (the ledger) beside the run's own prediction.
 
     .venv/bin/python -m benchmarks.bench_bill [--out PATH] [--rows every-step,k-avg] [--stores s3,ring]
+    .venv/bin/python -m benchmarks.bench_bill --only-flip     # the real job alone, printed, nothing written
 """
 from __future__ import annotations
 
@@ -205,13 +211,132 @@ def plan_change() -> str:
     return "\n".join(lines)
 
 
+FLIP_JOB = {"model": "resnet18", "dataset": "synthetic:3x32x32:10:128:32", "workers": 4, "epochs": 2, "batch_size": 32,
+            "microbatches": 8, "lr": 0.05, "optimizer": "momentum", "sync_period": 1, "strategy": "auto",
+            "collective": "auto", "scaling": "static", "seed": 0, "warm": True, "target": "inline"}
+"""The job whose plan the request prices change: every-step averaging of resnet18 over S3 (4 workers
+of batch 32, 8 micro-batches a replica where pipelined; 128 training rows: one step an epoch), the
+planner free to choose the strategy and the collective, S3 its one store (a pipeline's stages move
+their tensors through the durable store). Planned from the catalog's estimate (`rent=false`: the
+same numbers each time, nothing measured), so the choice is the same on every run of this benchmark."""
+
+
+def plan_name(plan: dict) -> str:
+    """A plan in a few words: strategy, D x stages, collective."""
+    shape = f"D={plan['data_parallel']}" + (f" x {plan['stages']} stages" if (plan.get("stages") or 1) > 1 else "")
+    return f"{plan['strategy']} {shape} over the {plan.get('collective') or 'store'}"
+
+
+def forced(plan: dict) -> dict:
+    """The job fields that run exactly `plan`'s shape (its strategy, replicas, stages, batch,
+    micro-batches and collective), so the real run does not choose again from its own profile."""
+    fields = {"strategy": plan["strategy"], "workers": plan["data_parallel"], "batch_size": plan["batch_size"],
+              "collective": plan.get("collective") or "store"}
+    if (plan.get("stages") or 1) > 1:
+        fields.update(stages=plan["stages"], microbatches=plan["microbatches"], pipeline_schedule=plan["pipeline_schedule"])
+    return fields
+
+
+def flip_plans(folder: Path) -> list[dict]:
+    """`FLIP_JOB`'s dry run (`flows.dry_run`, rent=false) over S3 with the store's request prices
+    weighed and ignored (`coordinator.plan.planning.IGNORE_REQUESTS_ENV`, the planner's seam; the
+    bill prices the requests either way): each chosen plan and the alternatives compared."""
+    import contextlib
+    import io
+
+    from flows.dry_run import dry_run  # first: `flows` sets the temporary server's start-up timeout
+    from coordinator.plan.planning import IGNORE_REQUESTS_ENV
+    from coordinator.run.job import TrainJob
+
+    out = []
+    for weighed in (True, False):
+        os.environ[IGNORE_REQUESTS_ENV] = "0" if weighed else "1"
+        job = TrainJob(**{**FLIP_JOB, "store": "s3://bench/flip-plan"})
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                out.append({"weighed": weighed, "plan": dry_run(job, rent=False)})
+        finally:
+            os.environ.pop(IGNORE_REQUESTS_ENV, None)
+    return out
+
+
+def by_party(ledger: dict, where_prefix: str) -> dict:
+    """The store's dollars and requests in the ledger by party (`workers`, `coordinator`), for the
+    stores whose URL starts with `where_prefix`."""
+    parties: dict = {}
+    for r in ledger["rows"]:
+        if r["kind"] == "store" and r["resource"].split(" ")[1].startswith(where_prefix):
+            usd, ops = parties.get(r["status"], (0.0, StoreOps()))
+            parties[r["status"]] = (usd + r["usd"], ops + StoreOps.from_dict(r.get("store_ops")))
+    return parties
+
+
+def flip_runs(folder: Path, plans: list[dict]) -> list[dict]:
+    """Each plan `flip_plans` chose, run for real as `FLIP_JOB` forced to its shape (`forced`)
+    over S3, its one store: its measured bill (the ledger; the store's rows hold every request on S3,
+    the data's and the profile's too) and the run's own prediction (from its profile)."""
+    out = []
+    for chosen in plans:
+        name = "flip-" + ("weighed" if chosen["weighed"] else "ignored")
+        params = {**FLIP_JOB, **forced(chosen["plan"]), "store": f"s3://bench/{name}"}
+        run = run_train(params, folder / f"{name}.json", timeout_s=900)
+        store = open_store(f"s3://bench/{name}")
+        try:
+            ledger = json.loads(store.get(ledger_key(run.summary["run_id"])))
+        finally:
+            store.close()
+        plan = run.summary["plan"]
+        out.append({"weighed": chosen["weighed"], "plan": plan, "measured": measured(ledger, "s3://", False),
+                    "predicted": predicted(plan, ledger, False), "wall_s": run.wall_s,
+                    "parties": by_party(ledger, "s3://")})
+        print(f"{plan_name(plan)} run: store {money(out[-1]['measured']['store'])} measured ({run.wall_s:.0f} s)",
+              flush=True)
+    return out
+
+
+def render_flip(plans: list[dict], runs: list[dict]) -> str:
+    """The dry runs' choices with both plans' bills per epoch (at S3's prices, from the planning
+    that weighed them), then both plans run for real: measured and predicted bills."""
+    weighed = next(p["plan"] for p in plans if p["weighed"])
+    priced = {plan_name(a): a for a in weighed.get("alternatives") or ()}
+    lines = []
+    for p in plans:
+        a = priced.get(plan_name(p["plan"]), {})
+        workers, store = a.get("predicted_cost_per_epoch_usd") or 0.0, a.get("predicted_store_usd_per_epoch") or 0.0
+        lines.append(f"- request prices {'weighed' if p['weighed'] else 'ignored (the seam)'}: chosen "
+                     f"**{plan_name(p['plan'])}**, {a.get('predicted_iteration_s', 0.0):.3f} s a step; an epoch at "
+                     f"S3's prices: workers {money(workers)} + store {money(store)} = {money(workers + store)}")
+    near = [f"{name} {a['predicted_iteration_s']:.3f} s" for name, a in priced.items()]
+    changed = plan_name(plans[0]["plan"]) != plan_name(plans[1]["plan"])
+    lines += ["", f"The chosen plan {'changes' if changed else 'does not change'} with the request prices. Compared "
+                  f"(a step of {FLIP_JOB['workers'] * FLIP_JOB['batch_size']} samples): " + "; ".join(near) + ".", ""]
+    rows = []
+    for r in runs:
+        m, p = r["measured"], r["predicted"]
+        rows.append([plan_name(r["plan"]), "weighed" if r["weighed"] else "ignored",
+                     f"{money(m['workers'])} / {money(p['workers'])}", f"{money(m['store'])} / {money(p['store'])}",
+                     f"{money(m['workers'] + m['store'])} / {money(p['workers'] + p['store'])}",
+                     f"{m['ops'].put:,} / {p['ops'].put * FLIP_JOB['epochs']:,}", f"{r['wall_s']:.0f} s"])
+    lines += table(["plan run", "request prices when chosen", "workers $ (measured / predicted)",
+                    "store $ (measured / predicted)", "total $ (measured / predicted)", "PUT (measured / predicted)",
+                    "command"], rows)
+    lines.append("")
+    for r in runs:
+        parts = [f"{party}: {money(usd)} ({ops.put:,} PUT, {ops.get:,} GET, {ops.miss:,} missed GET, {ops.list:,} LIST)"
+                 for party, (usd, ops) in sorted(r["parties"].items())]
+        lines.append(f"- {plan_name(r['plan'])}, the store's requests measured by party: " + "; ".join(parts))
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_bill", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--rows", default=",".join(ROWS), help="sync rows, comma-separated")
     parser.add_argument("--stores", default=",".join(STORES), help="stores, comma-separated")
+    parser.add_argument("--only-flip", action="store_true",
+                        help="run only the job whose plan request costs change; print it, write nothing")
     args = parser.parse_args(argv)
-    rows, stores = args.rows.split(","), args.stores.split(",")
+    rows, stores = ([], ["S3"]) if args.only_flip else (args.rows.split(","), args.stores.split(","))
     prov = provenance()
     results = []
     with scratch("bill", home=True) as folder:
@@ -234,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
                     r = results[-1]
                     print(f"{row} over {store}: store {money(r['measured']['store'])} measured, "
                           f"{money(r['predicted']['store'])} predicted ({r['wall_s']:.0f} s)", flush=True)
+            flip = flip_plans(folder) if "S3" in stores else []
+            flips = flip_runs(folder, flip) if flip else []
         finally:
             for proc in procs:
                 stop_server(proc)
@@ -241,7 +368,15 @@ def main(argv: list[str] | None = None) -> int:
             "`benchmarks/bench_bill.py`. Each cell: measured (the run's `cost.json`) / predicted (the plan). "
             "Workers' dollars include the coordinator's (billed like one worker). Counts: the store's requests, "
             "all 3 epochs, the workers' and the coordinator's measured; the protocol's predicted.\n\n"
-            + render(results) + "\n\n## A plan that request costs change\n\n" + plan_change())
+            + render(results) + "\n\n## A plan that request costs change\n\n"
+            + "The planner weighs the store's dollars in the choices it makes: the strategy (Local-SGD, pipeline, "
+            "hybrid) and, under `collective=auto`, store against ring. It chooses no sync period (the job's "
+            "`sync_period` is taken as given; a pipeline or hybrid syncs every step), so no row weighs one period "
+            "against another. Two plans given by hand, per epoch:\n\n" + plan_change()
+            + (f"\n\n### A real job: {json.dumps(FLIP_JOB)} over S3\n\n" + render_flip(flip, flips) if flips else ""))
+    if args.only_flip:
+        print(render_flip(flip, flips))
+        return 0
     write_result(args.out, TITLE, command_for("benchmarks.bench_bill", argv), prov, body)
     print(body)
     return 0
