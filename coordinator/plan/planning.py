@@ -15,8 +15,8 @@ import time
 
 from coordinator.bill.cost import total_usd
 from coordinator.bill.ledger import rows_now
-from coordinator.plan.co_plan import co_optimized, launched_inputs
 from coordinator.plan.capacity import with_capacity
+from coordinator.plan.co_plan import co_optimized, launched_inputs
 from coordinator.plan.run_terms import load_terms
 from coordinator.plan.scaling_policy import worker_schedule
 from coordinator.run.collective import RING, planned_collectives, uses_ring
