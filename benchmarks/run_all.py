@@ -79,6 +79,7 @@ SECTIONS = [
     Section("Datasets in a bucket: prepare, read, data wait and memory beside MosaicML Streaming", "bench_data",
             "data"),
     Section("The whole bill: the store's requests and servers, measured and predicted", "bench_bill", "bill"),
+    Section("Spot capacity: preemptions on the docker target against on-demand", "bench_spot", "spot"),
 ]
 
 HEADER = """# Zooid benchmarks

@@ -1,0 +1,200 @@
+"""Spot capacity on the docker target: the same 10-epoch run on-demand and on spot with a
+preemption about every 20 s, wall time, bill and redone work, each predicted beside measured.
+
+One local stack with its container half (`deployments.stack.up(docker=True)`, scratch home):
+the Prefect server, the `zooid-docker` pool (prefect-docker's worker on podman's Docker API), the
+stack's S3 store (moto) as the durable store, and as the scratch store a local `redis-server`
+(`--store redis`, free: the bill then holds workers and coordinator) or that S3 (`--store s3`). The job: digits, `--model` (default `digits_cnn`), `--workers`
+warm workers x batch `--batch`, K-AVG every `--sync-period` steps, `--epochs` epochs, seed 0, on
+the docker target (billed as Fargate; `capacity=spot` as Fargate Spot). Runs, in this order:
+
+1. on-demand;
+2. spot, with a seeded preemption schedule (`benchmarks.harness.preemptor`: exponential gaps of
+   mean `--mean-s`, one running spot container stopped with `stop -t --grace-s`, SIGTERM then
+   SIGKILL) - its plan prices preemptions at the catalog's assumed rate;
+3. spot again, another seed - its plan reads the rate run 2 measured (the run terms), so its
+   prediction is made before its own preemptions happen: out of sample.
+
+Measured: the flow run's wall (Prefect's start to end), the ledger's total, the workers' part,
+the preemptions and the redone seconds (the ledger's marks, `coordinator.bill.cost.spot_tally`),
+the final accuracy. Predicted: the plan's run seconds and bill, and for spot its
+`capacity_choice` (expected preemptions x the worker-seconds one costs). Goal: a spot run's bill,
+redone work included, at most 50 % of the on-demand run's, final accuracy within 0.5 points.
+
+    .venv/bin/python -m benchmarks.bench_spot [--epochs 10] [--mean-s 20] [--grace-s 10] [--out PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from benchmarks.harness.home import scratch
+from benchmarks.harness.preemptor import Preemptor
+from benchmarks.harness.servers import redis_server, stop_server
+from benchmarks.harness.stack import local_stack
+from benchmarks.harness.tables import fmt, table
+from benchmarks.output import SOURCE, command_for, money, provenance, write_result
+from core.keys import ledger_key, summary_key
+
+RESULTS = Path(__file__).resolve().parent / "results" / "spot.md"
+SOURCES = (*SOURCE, "benchmarks/harness/stack.py", "benchmarks/harness/replicas.py", "benchmarks/harness/servers.py",
+           "benchmarks/harness/preemptor.py", "benchmarks/harness/tables.py")
+"""The code it measures (the whole project on the docker target): its results file is stale once
+one of these changed since the commit the file names (`benchmarks.staleness`)."""
+TITLE = "Spot capacity: preemptions on the docker target against on-demand"
+GOAL_BILL_RATIO, GOAL_ACCURACY_POINTS = 0.5, 0.5
+
+
+def run_once(params: dict, store_block: str, preempt: dict | None, timeout_s: float = 1800) -> dict:
+    """One `train/local` run of `params` on the docker target, its durable store the stack's S3
+    block `store_block` (and its scratch store too unless `params` names one); with `preempt`
+    (Preemptor arguments) a preemption schedule runs against its spot containers while it
+    trains. The run's summary and ledger, the flow run's wall and the schedule's events."""
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+
+    from blocks.store_block import block_ref
+    from blocks.store_refs import open_store_ref
+    from coordinator.run.context import run_id_for
+    from deployments.stack import wait_final
+
+    fr = run_deployment("train/local", parameters={"store": store_block, **params, "target": "docker",
+                                                    "durable_store": store_block}, timeout=0)
+    run_id = run_id_for(fr.id)
+    chaos = Preemptor(run_id, **preempt) if preempt else None
+    if chaos:
+        chaos.start()
+    try:
+        with get_client(sync_client=True) as api:
+            final = wait_final(api, fr.id, timeout_s, poll_s=0.5)
+    finally:
+        if chaos:
+            chaos.stop()
+    if not final.state.is_completed():
+        raise RuntimeError(f"run {run_id} ended {final.state.type.value}: {final.state.message}")
+    store = open_store_ref(block_ref(store_block))
+    try:
+        summary = json.loads(store.get(summary_key(run_id), timeout=30))
+        ledger = json.loads(store.get(ledger_key(run_id), timeout=30))
+    finally:
+        store.close()
+    return {"run_id": run_id, "capacity": params.get("capacity", "on_demand"), "summary": summary,
+            "ledger": ledger, "wall_s": (final.end_time - final.start_time).total_seconds(),
+            "events": chaos.events if chaos else []}
+
+
+def figures(run: dict) -> dict:
+    """The run's measured and predicted figures for the table."""
+    from coordinator.bill.cost import spot_tally
+
+    rows = run["ledger"]["rows"]
+    tally = spot_tally(rows)
+    plan = run["summary"].get("plan") or {}
+    choice = plan.get("capacity_choice") or {}
+    workers_usd = sum(r["usd"] for r in rows if r.get("kind") in ("worker", "failed_attempt", "failed_placement"))
+    coordinator_usd = sum(r["usd"] for r in rows if r.get("kind") == "coordinator")
+    store_usd = sum(r["usd"] for r in rows if r.get("kind") == "store")
+    expected = choice.get("expected_preemptions")
+    return {"capacity": run["capacity"], "wall_s": run["wall_s"], "predicted_s": plan.get("predicted_run_s"),
+            "total_usd": run["ledger"]["total_usd"], "predicted_usd": plan.get("predicted_run_cost_usd"),
+            "workers_usd": workers_usd, "coordinator_usd": coordinator_usd, "store_usd": store_usd,
+            "predicted_workers_usd": choice.get("spot_usd" if run["capacity"] == "spot" else "on_demand_usd"),
+            "preemptions": tally["preemptions"], "scheduled": len(run["events"]),
+            "killed": sum(1 for e in run["events"] if e.get("killed")),
+            "predicted_preemptions": expected, "redone_s": tally["redone_s"],
+            "predicted_redo_s": (expected * choice["redo_worker_s"]) if expected is not None and
+            choice.get("redo_worker_s") is not None else None,
+            "rate": tally["interruptions_per_worker_hour"], "saved_usd": tally["saved_usd"],
+            "accuracy": run["summary"].get("final_accuracy"), "epochs": len(run["summary"].get("epochs") or [])}
+
+
+def render(runs: list[dict], args) -> str:
+    """The markdown below the header: the job, the goal, one row per run, the schedule."""
+    rows = [figures(r) for r in runs]
+    base = rows[0]
+    spot = [f for f in rows if f["capacity"] == "spot"]
+    ratios = [f["total_usd"] / base["total_usd"] for f in spot]
+    worker_ratios = [f["workers_usd"] / base["workers_usd"] for f in spot]
+    points = [abs((f["accuracy"] or 0) - (base["accuracy"] or 0)) * 100 for f in spot]
+    met = bool(spot) and all(r <= GOAL_BILL_RATIO for r in ratios) and all(p <= GOAL_ACCURACY_POINTS for p in points)
+    lines = [f"Job: digits, `{args.model}`, {args.workers} warm workers x batch {args.batch}, K-AVG every "
+             f"{args.sync_period} steps, momentum, {args.epochs} epochs, seed 0, on the docker target (a worker is a "
+             "container of the worker image on podman, 1 vCPU quota; billed as Fargate, spot as Fargate Spot), "
+             f"tensors through {'a local redis-server (free)' if args.store == 'redis' else 'the S3 store'}, "
+             "checkpoints and the ledger in the stack's S3 store (moto). Run 1 on-demand; runs 2 and 3 on spot with a seeded preemption schedule "
+             f"(gaps drawn from an exponential law of mean {args.mean_s:g} s, seeds 1 and 2; a preemption is the "
+             f"engine's `stop -t {args.grace_s}`: SIGTERM, SIGKILL {args.grace_s} s later). Run 2 plans at the catalog's "
+             "assumed interruption rate; run 3 at the rate run 2 measured (its prediction is made before its own "
+             "preemptions).", "",
+             f"**Goal: a spot run's bill, redone work included, at most {GOAL_BILL_RATIO:.0%} of the on-demand bill, "
+             f"final accuracy within {GOAL_ACCURACY_POINTS} points: {'met' if met else 'not met'}** (bill "
+             f"{', '.join(f'{r:.2f}x' for r in ratios)}; the workers' part alone "
+             f"{', '.join(f'{r:.2f}x' for r in worker_ratios)}; accuracy "
+             f"{', '.join(f'{p:.1f}' for p in points)} points).", "",
+             *table(["run", "capacity", "wall (s)", "predicted (s)", "bill", "predicted bill", "workers' $",
+                     "predicted workers' $", "coordinator $", "store $", "preemptions (scheduled, killed)", "predicted preemptions", "redone (s)",
+                     "predicted redo (worker-s)", "rate (per worker-hour)", "saved", "final accuracy"])]
+    for i, f in enumerate(rows, 1):
+        lines.append(f"| {i} | {f['capacity']} | {f['wall_s']:.1f} | {fmt(f['predicted_s'], '{:.1f}')} | "
+                     f"{money(f['total_usd'])} | {money(f['predicted_usd']) if f['predicted_usd'] is not None else '-'} | "
+                     f"{money(f['workers_usd'])} | "
+                     f"{money(f['predicted_workers_usd']) if f['predicted_workers_usd'] is not None else '-'} | "
+                     f"{money(f['coordinator_usd'])} | {money(f['store_usd'])} | "
+                     f"{f['preemptions']} ({f['scheduled']}, {f['killed']}) | {fmt(f['predicted_preemptions'])} | "
+                     f"{f['redone_s']:.1f} | {fmt(f['predicted_redo_s'], '{:.1f}')} | {fmt(f['rate'], '{:.1f}')} | "
+                     f"{money(f['saved_usd'])} | {fmt(f['accuracy'], '{:.3f}')} |")
+    lines += ["", "bill: the run's ledger (workers, coordinator, store requests); workers' $: the worker rows "
+              "(preempted and failed attempts included). Predicted: the plan's run seconds and bill "
+              "(`predicted_run_s`, `predicted_run_cost_usd`), and its `capacity_choice`: the workers' bill on each "
+              "capacity, expected preemptions (rate x workers x hours) and the worker-seconds one costs. preemptions: "
+              "the ledger's preempted attempts (scheduled: the stops the schedule issued, a stop that hit a container "
+              "already ending counts there only; killed: stops whose container outlived the grace and was SIGKILLed). redone: the seconds of training replacements repeated "
+              "(`redone_s`); saved: the on-demand price of every billed worker second less what was billed.", "",
+              "Schedule:", "", *table(["run", "at (s after the first)", "container", "stop took (s)", "exit", "note"])]
+    for i, run in enumerate(runs, 1):
+        t0 = min((e["at"] for e in run["events"]), default=0.0)
+        for e in run["events"]:
+            lines.append(f"| {i} | {e['at'] - t0:.1f} | {e['name']} | {fmt(e.get('stopped_s'), '{:.1f}')} | "
+                         f"{'gone' if e.get('gone') else e.get('exit_code', '-')} | {e.get('error', '')} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_spot", description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--model", default="digits_cnn")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--sync-period", type=int, default=8)
+    parser.add_argument("--mean-s", type=float, default=20.0)
+    parser.add_argument("--grace-s", type=int, default=10)
+    parser.add_argument("--store", choices=("redis", "s3"), default="redis",
+                        help="the scratch store: a local redis-server (free) or the stack's S3 (moto)")
+    parser.add_argument("--out", default=str(RESULTS))
+    args = parser.parse_args(argv)
+    prov = provenance()
+    params = {"model": args.model, "dataset": "digits", "workers": args.workers, "epochs": args.epochs,
+              "batch_size": args.batch, "lr": 0.05, "optimizer": "momentum", "strategy": "local_sgd",
+              "sync_period": args.sync_period, "scaling": "static", "seed": 0}
+    runs = []
+    with scratch("spot", home=True) as home, local_stack(home, docker=True) as state:
+        durable, redis = state["docker"]["store"], None
+        try:
+            if args.store == "redis":
+                redis, params["store"] = redis_server(home)
+            runs.append(run_once({**params, "capacity": "on_demand"}, durable, None))
+            for seed in (1, 2):
+                runs.append(run_once({**params, "capacity": "spot"}, durable,
+                                     {"mean_s": args.mean_s, "grace_s": args.grace_s, "seed": seed}))
+                print(json.dumps(figures(runs[-1])), flush=True)
+        finally:
+            if redis is not None:
+                stop_server(redis)
+    write_result(args.out, TITLE, command_for("benchmarks.bench_spot", argv), prov, render(runs, args), echo=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
