@@ -20,13 +20,17 @@ def _final_weights(store_url: str, key: str) -> dict[str, torch.Tensor]:
     return {k: v for k, v in tensors.items() if k.startswith("model/")}
 
 
-@pytest.fixture(scope="module")
-def fault_free(tmp_path_factory):
+def fault_free_run(tmp_path_factory):
+    """The job's run without faults: its summary and final weights (each module that compares
+    with it makes it its own module-scoped fixture, `fault_free`)."""
     from flows.train import train
 
     url = f"file://{tmp_path_factory.mktemp('clean')}/store"
     summary = train(TrainJob(store=url, **JOB))
     return summary, _final_weights(url, summary.checkpoint_key)
+
+
+fault_free = pytest.fixture(scope="module", name="fault_free")(fault_free_run)
 
 
 def test_worker_killed_at_a_sync_point_is_relaunched_and_ends_equal(tmp_path, monkeypatch, fault_free):

@@ -74,13 +74,16 @@ def final_weights(store, key: str) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The fault-free epoch's final weights (threads; the same seed and data as the kill tests)."""
+def reference_weights(tmp_path_factory):
+    """The fault-free epoch's final weights (threads; the same seed and data as the kill tests;
+    each module that compares with them makes it its own module-scoped fixture, `reference`)."""
     store = DirectoryStore(tmp_path_factory.mktemp("ref"))
     stage(store, "ref")
     run_threads(store, specs(store.url, "ref"))
     return final_weights(store, "runs/ref/ckpt/e0")
+
+
+reference = pytest.fixture(scope="module", name="reference")(reference_weights)
 
 
 class Coordinator:
@@ -98,7 +101,7 @@ class Coordinator:
                 cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait(self, rank: int, attempt: int) -> int:
-        return self.procs[rank, attempt].wait(timeout=90)
+        return self.procs[rank, attempt].wait(timeout=120)
 
     def output(self, rank: int, attempt: int) -> str:
         return (self.logs / f"r{rank}-a{attempt}.log").read_text()

@@ -10,11 +10,8 @@ processes' exits, never by sleeps.
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,45 +25,20 @@ from coordinator.workers.failures import FailureKind, classify_failure
 from coordinator.workers.preemptions import Preemptions, mark_ledger, redone_seconds
 from core.cost_record import CostRecord
 from core.errors import Preempted
-from core.keys import handover_key, sync_checkpoint_key
+from core.keys import handover_key
 from core.specs import SyncSpec, WorkerSpec
 from engine import preemption
 from engine.chaos import ChaosError, parse_chaos, read_fault_marker
-from engine.checkpoint import read_checkpoint_meta
 from engine.local_sgd_epoch import read_epoch_history
 from engine.preemption import read_preempted_marker
 from engine.replica_data import dataset_tally, epoch_coverage
-from tests.test_faults_engine import (N, PERIOD, STEPS, WORKER_ENV, final_weights, reference, run_threads,  # noqa: F401
-                                      specs, stage, wait_for_sync_checkpoint)
+from tests.test_faults_engine import Coordinator as Workers  # replicas as processes, as the inline launcher starts them
+from tests.test_faults_engine import (N, PERIOD, final_weights, run_threads, specs, stage,
+                                      wait_for_sync_checkpoint)
+from tests.test_faults_engine import reference_weights
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-class Workers:
-    """Replicas as processes (`python -m runtime.worker_main`), as the inline launcher starts them."""
-
-    def __init__(self, logs: Path, chaos: str):
-        self.logs, self.chaos = logs, chaos
-        self.procs: dict[tuple[int, int], subprocess.Popen] = {}
-
-    def launch(self, spec: WorkerSpec) -> None:
-        env = {**os.environ, **WORKER_ENV, "ZOOID_CHAOS": self.chaos}
-        with open(self.logs / f"r{spec.rank}-a{spec.attempt}.log", "wb") as out:
-            self.procs[spec.rank, spec.attempt] = subprocess.Popen(
-                [sys.executable, "-m", "runtime.worker_main", "--spec-json", json.dumps(spec.to_dict())],
-                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def wait(self, rank: int, attempt: int) -> int:
-        return self.procs[rank, attempt].wait(timeout=120)
-
-    def output(self, rank: int, attempt: int) -> str:
-        return (self.logs / f"r{rank}-a{attempt}.log").read_text()
-
-    def stop_all(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+reference = pytest.fixture(scope="module", name="reference")(reference_weights)
 
 
 def gone(pid: int) -> bool:

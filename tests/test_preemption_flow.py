@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from coordinator.run.job import TrainJob
-from tests.test_chaos import JOB, _final_weights, fault_free  # noqa: F401 - a fixture
+from tests.test_chaos import JOB, _final_weights, fault_free_run
 from tests.test_preemption import wait_gone
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
+fault_free = pytest.fixture(scope="module", name="fault_free")(fault_free_run)
 
 
 def _ledger(url: str, run_id: str) -> list[dict]:
