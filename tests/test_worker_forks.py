@@ -15,8 +15,10 @@ import pytest
 
 from coordinator.workers.sweep import COORDINATOR_VAR, TAG_VAR, stop_pids, tagged_pids, worker_pids
 from coordinator.workers.worker_forks import WorkerForks
-from core.keys import command_key, reply_key
+from comm.store_dir import DirectoryStore
+from core.keys import command_key, reply_key, status_key
 from core.specs import ComputeSpec, WarmSpec, WorkerSpec
+from engine import preemption
 from runtime.warm import read_json
 from tests.test_warm_workers import _await_reply, _publish_run
 
@@ -96,9 +98,13 @@ def test_a_killed_forked_worker_reads_minus_the_signal_and_a_next_start_starts_a
     try:
         os.killpg(first.pid, signal.SIGKILL)
         assert first.wait(timeout=60) == -signal.SIGKILL and first.poll() == -signal.SIGKILL
+        store = DirectoryStore(tmp_path / "store")
+        store.delete(status_key("zforks-c", "r0-w0"))  # whatever the killed one wrote
         second = forks.start(argv, dict(os.environ), tmp_path / "b.log")
         assert second is not None and forks.server.pid != server
+        store.get(status_key("zforks-c", "r0-w0"), timeout=60)  # it serves: its SIGTERM handler is in place
         stop_pids([second.pid], grace_s=5.0)
-        assert second.wait(timeout=60) == -signal.SIGTERM
+        # a SIGTERM outside an epoch is a notice to leave: at once, with the preempted status
+        assert second.wait(timeout=60) == preemption.EXIT_STATUS
     finally:
         stop_pids(tagged_pids("zforks-c"))
