@@ -30,6 +30,18 @@ class ComputeTarget(Block):
     worker_vcpu: float = Field(1.0, gt=0, title="vCPU per worker")
     worker_memory_gb: float = Field(2.0, gt=0, title="Memory per worker (GB)")
     worker_gpu: int = Field(0, ge=0, title="GPUs per worker")
+    coordinator_vcpu: float = Field(
+        0.5, gt=0, title="vCPU of the coordinator",
+        description="The size the train flow's own container runs at (set the train deployment's job "
+                    "variables to match): the coordinator is billed at it, on-demand.")
+    coordinator_memory_gb: Optional[float] = Field(
+        None, gt=0, title="Memory of the coordinator (GB)",
+        description="It holds the model a few times over (`core.coordinator_size`, checked before anything is "
+                    "rented); empty: the whole GB that holds it, at least 1.")
+    coordinator_offer: Optional[str] = Field(
+        None, title="Coordinator's billing offer",
+        description="Price-catalog offer the coordinator is billed as; empty: the workers' offer "
+                    "(set a CPU offer where the workers' is a GPU machine).")
     worker_memory_options_gb: list[float] = Field(
         default_factory=list, title="Memory sizes a worker may take (GB)",
         description="Memory tiers of the offer (e.g. [1, 2, 4, 8]); with two or more the plan chooses one "

@@ -277,14 +277,17 @@ class WarmSpec(JsonSpec):
     lease_s: float = 60.0
     """Stop when the lease has not changed for this long."""
     check_s: float = 1.0
-    """Seconds between two reads of the lease (and two status writes)."""
+    """Seconds between two reads of the lease."""
     grace_s: float = 30.0
     """After expiry, how long a busy training thread may go without a heartbeat before the
     process exits on its own."""
+    progress_s: float = 15.0
+    """Seconds between two status writes while only its progress changed (each is a billed
+    PUT on a cloud store); the first status, and the notice's, are written at once."""
 
     def __post_init__(self):
         _check_types(self, "warm.")
-        _positive(self, "warm.", ("lease_s", "check_s", "grace_s"))
+        _positive(self, "warm.", ("lease_s", "check_s", "grace_s", "progress_s"))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -37,6 +37,8 @@ class Fit:
     """The factory's arguments the dataset decides (`engine.models.data_model_kwargs`)."""
     shared_parameters: tuple = ()
     """Parameters two top-level children hold (`engine.stages.shared_parameters`)."""
+    parameter_bytes: int = 0
+    """The model's parameters, in bytes (each shared one once)."""
 
 
 def fit_model(model: str, dataset: str, data, classes: int, *, seed: int = 0, loss: str | None = None,
@@ -50,9 +52,11 @@ def fit_model(model: str, dataset: str, data, classes: int, *, seed: int = 0, lo
     shared = shared_parameters(built) if built is not None else ()
     if loss:
         check_loss(loss, model, data, seed=seed, model_kwargs=kwargs)
+    shaped = built if built is not None else shape_model(model, seed, **kwargs)
     if pipelined:
-        check_pipeline(model, built if built is not None else shape_model(model, seed, **kwargs), stages)
-    return Fit(model_kwargs=kwargs, shared_parameters=shared)
+        check_pipeline(model, shaped, stages)
+    return Fit(model_kwargs=kwargs, shared_parameters=shared,
+               parameter_bytes=sum(p.numel() * p.element_size() for p in shaped.parameters()))
 
 
 def _shape_text(shape) -> str:

@@ -22,6 +22,7 @@ from coordinator.run.job_fields import job_from_fields
 from coordinator.run.stores import open_checked_store, resolve_durable_ref, resolve_store_ref
 from coordinator.workers.cleanup import cancel_flow_runs, delete_scratch, finish_cancelled, teardown_run
 from coordinator.workers.sweep import sweep_run
+from core.coordinator_size import SMALLEST_GB
 from core.cost_record import CostRecord
 from core.errors import ZooidValueError
 from core.keys import ledger_key, run_prefix, summary_key
@@ -58,8 +59,8 @@ def _rebuild_and_clean(flow_run, state) -> None:
     adapter = adapter_for(target)
     if adapter is not None:
         adapter.sweep(run_id)
-    offer = get_offer(job.offer or target.offer)
-    price = offer.price_per_s(target.worker_vcpu, target.worker_memory_gb, target.worker_gpu)
+    offer = get_offer(target.coordinator_offer or job.offer or target.offer)  # the coordinator's: on-demand, no GPU
+    price = offer.price_per_s(target.coordinator_vcpu, target.coordinator_memory_gb or SMALLEST_GB, 0)
     scratch_ref = resolve_store_ref(job.store)
     durable_ref = resolve_durable_ref(job.durable_store, scratch_ref)
     if scratch_ref != durable_ref:
@@ -81,6 +82,9 @@ def _rebuild_and_clean(flow_run, state) -> None:
             fields = CostRecord.__dataclass_fields__
             rows = [CostRecord(**{k: v for k, v in r.items() if k in fields})
                     for r in doc["rows"] if r["kind"] != "coordinator"]
+            billed = [r for r in doc["rows"] if r["kind"] == "coordinator"]
+            if billed:  # the size the run resolved for its model (`core.coordinator_size`)
+                offer, price = get_offer(billed[-1]["offer"]), float(billed[-1]["unit_price_per_s"])
         start = flow_run.start_time.timestamp() if flow_run.start_time else time.time()
         rows.append(coordinator_record(run_id, start, time.time(), offer, price))
         write_ledger(store, run_id, rows, final=True)

@@ -272,7 +272,7 @@ def guardrail(job: TrainJob, ctx: RunContext, plan: Plan, history: list[EpochSum
     last = history[-1] if history else None
     next_s = max(plan.predicted_epoch_s, last.seconds if last else 0.0)
     next_usd = max(plan.predicted_cost_per_epoch_usd, last.cost_usd if last else 0.0)
-    spent = sum(r.usd for r in ctx.state.ledger) + (time.time() - ctx.started_at) * ctx.price_per_worker_s
+    spent = sum(r.usd for r in ctx.state.ledger) + (time.time() - ctx.started_at) * ctx.price_per_coordinator_s
     if job.budget_usd is not None and spent + next_usd > job.budget_usd:
         return "budget_exhausted"
     if job.deadline_s is not None and (time.time() - ctx.started_at) + next_s > job.deadline_s:

@@ -15,11 +15,17 @@ teardown deletes them):
 | `lease` | coordinator | `{"seq", "at"}`, renewed every `lease_s / 4` seconds |
 | `<worker>/cmd-<n>.json` | coordinator | the worker's n-th command: `{"op": "epoch", "spec": WorkerSpec}`, `{"op": "profile", "request": ProfileRequest}` or `{"op": "stop"}` |
 | `<worker>/reply-<n>.json` | worker | `{"ok", "result": WorkerResult` (or `"profile"`)`, "began_at", "ended_at", "ready_at"}` or the error |
-| `<worker>/status.json` | worker | once a second: state (`idle`, `busy`; `preempted` once it left on the provider's notice outside an epoch), pid, steps done this epoch, last beat |
+| `<worker>/status.json` | worker | at start, then at most every `progress_s` while it changed: state (`idle`, `busy`; `preempted`, written at once, when it left on the provider's notice outside an epoch), pid, steps done this epoch, last beat |
 
 `<worker>` is `r<rank>-w<serial>-<coordinator>`: a replacement of a dead worker has a new
 serial, and a resumed run's coordinator a new mark, so no worker reads a command meant for
 another.
+
+Every read and write here is a billed request on a cloud store, so the channel is paced by
+what it is for, not by the clock: a command is seen at most 2 % of the worker's idle time
+late (`comm.store_base.control_pause`), the status carries progress for the coordinator's
+stall timeout (`progress_s`, a fraction of it) and the coordinator reads replies, not
+statuses, to know an epoch ended.
 
 The lease keeps paid workers from outliving their run. A worker reads the lease every
 `check_s` seconds and counts its age on its own monotonic clock from the last time the
@@ -44,6 +50,7 @@ from typing import Callable
 
 from comm import heartbeat
 from comm.store import Store, open_store
+from comm.store_base import control_pause
 from core.errors import LeaseExpired, ZooidValueError
 from core.keys import command_key, lease_key, reply_key, status_key
 from core.process_start import process_started_at
@@ -107,6 +114,12 @@ class _Watch(threading.Thread):
         self.doc = {"pid": os.getpid(), "host": socket.gethostname(), "started_at": started_at,
                     "state": "starting", "seq": 0, "epoch": None}
         self.busy_since: float | None = None
+        self.written: dict | None = None
+        """The status last written (without its time), and when (monotonic): the first is the
+        start's (`_start`), so the watch writes none before it."""
+        self.written_at = time.monotonic()
+        self.writing = threading.Lock()
+        """Held while a status is written: the last one written is the newest."""
 
     def run(self) -> None:
         store = self.store_factory()
@@ -124,7 +137,7 @@ class _Watch(threading.Thread):
                              f"renewed for {self.lease.age_s:.0f} s (worker_lease_s={self.settings.lease_s:g}); "
                              "stopping: no paid worker outlives its run")
                     self.expired.set()
-                self.publish(store)
+                self.publish_due(store)
                 if self.expired.is_set() and self.busy_since is not None:
                     steps, beat_at = heartbeat.progress()
                     if time.time() - beat_at > self.settings.grace_s:
@@ -134,14 +147,26 @@ class _Watch(threading.Thread):
         finally:
             store.close()
 
+    def status(self) -> dict:
+        """The status as it stands: the document and the training thread's progress."""
+        steps, beat_at = heartbeat.progress()
+        return {**self.doc, "steps": steps, "beat_at": beat_at}
+
+    def publish_due(self, store: Store) -> None:
+        """Write the status if it changed and `progress_s` passed since the last write."""
+        if self.status() != self.written and time.monotonic() - self.written_at >= self.settings.progress_s:
+            self.publish(store)
+
     def publish(self, store: Store) -> None:
         """Write the status now (`store`: a client of the calling thread's own)."""
-        steps, beat_at = heartbeat.progress()
-        doc = {**self.doc, "steps": steps, "beat_at": beat_at, "written_at": time.time()}
-        try:
-            store.put(status_key(self.run_id, self.settings.worker), json.dumps(doc).encode(), scratch=True)
-        except Exception:
-            pass
+        with self.writing:
+            doc = self.status()
+            try:
+                store.put(status_key(self.run_id, self.settings.worker),
+                          json.dumps({**doc, "written_at": time.time()}).encode(), scratch=True)
+                self.written, self.written_at = doc, time.monotonic()
+            except Exception:
+                pass
 
     def busy(self, seq: int, epoch: int | None, since: float) -> None:
         """Command `seq` runs from `since` (an epoch's number; None for a profile)."""
@@ -350,13 +375,18 @@ def _profiled(model: str, profile: dict, took_s: float) -> str:
 
 
 def _next_command(store: Store, run_id: str, settings: WarmSpec, seq: int, watch: _Watch) -> dict:
-    """Wait for command `seq`, checking the lease between waits."""
+    """Wait for command `seq`, checking the lease between reads: read at the store's own pace
+    at first, then at most `CONTROL_POLL_SHARE` of the time waited apart (`control_pause`,
+    at most `check_s`): an idle worker costs few requests."""
     key = command_key(run_id, settings.worker, seq)
+    began, pause = time.monotonic(), store.poll_first_s
     while True:
         if watch.expired.is_set():
             raise LeaseExpired(f"{settings.worker}: lease not renewed for {watch.lease.age_s:.0f} s "
                                f"while waiting for a command")
         try:
-            return json.loads(store.get(key, timeout=settings.check_s))
-        except TimeoutError:
-            continue
+            return json.loads(store.get(key))
+        except KeyError:
+            pass
+        time.sleep(pause)
+        pause = control_pause(pause, time.monotonic() - began, store.poll_max_s, settings.check_s)

@@ -39,7 +39,7 @@ def worker_records(run_id: str, epoch: int, outcomes: Iterable[dict], offer: Off
 
 def coordinator_record(run_id: str, start: float, stop: float, offer: Offer,
                        price_per_s: float) -> CostRecord:
-    """The coordinator's own interval, billed like one worker."""
+    """The coordinator's own interval, billed at its own size (`core.coordinator_size`), on-demand."""
     return CostRecord(run_id=run_id, resource="coordinator", kind="coordinator", offer=offer.name,
                       start=start, stop=stop, unit_price_per_s=price_per_s)
 

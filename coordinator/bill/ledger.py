@@ -21,8 +21,8 @@ def rows_now(ctx: RunContext) -> list:
     requests this process made since the run began) and server."""
     now = time.time()
     rows = list(ctx.state.ledger) + (ctx.state.warm.open_rows() if ctx.state.warm is not None else [])
-    rows.append(coordinator_record(ctx.run_id, ctx.started_at, now, ctx.resolved.offer,
-                                   ctx.price_per_worker_s))
+    rows.append(coordinator_record(ctx.run_id, ctx.started_at, now, ctx.coordinator_offer,
+                                   ctx.price_per_coordinator_s))
     began = ctx.state.process_ops_at_start
     coordinator = {where: ops - began.get(where, StoreOps()) for where, ops in process_ops().items()}
     rows += store_records(ctx.run_id, {"workers": ctx.state.store_ops, "coordinator": coordinator},

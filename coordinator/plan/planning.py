@@ -232,7 +232,7 @@ def with_run(ctx: RunContext, chosen: Plan, calibration: Calibration | None, epo
     kwargs = dict(epochs=ctx.job.epochs if epochs_left is None else epochs_left, warm=ctx.job.warm,
                   workers_launched_s=since, host_cores=cpu_count() if shared else None,
                   billed_usd=0.0 if ctx.dry_run else total_usd(rows_now(ctx)),
-                  coordinator_price_per_s=ctx.price_per_worker_s)
+                  coordinator_price_per_s=ctx.price_per_coordinator_s)
     store_ops, store_prices = store_terms(ctx, chosen)
     alternatives = []
     for a in chosen.alternatives:

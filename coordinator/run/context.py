@@ -103,9 +103,19 @@ class RunContext:
 
     @property
     def price_per_worker_s(self) -> float:
-        """Dollars per second of one worker of the target's size (and of the coordinator)."""
+        """Dollars per second of one worker of the target's size."""
         t = self.resolved.target
         return self.resolved.offer.price_per_s(t.worker_vcpu, t.worker_memory_gb, t.worker_gpu)
+
+    @property
+    def price_per_coordinator_s(self) -> float:
+        """Dollars per second of the coordinator (`ResolvedJob.price_per_coordinator_s`)."""
+        return self.resolved.price_per_coordinator_s
+
+    @property
+    def coordinator_offer(self):
+        """The offer the coordinator is billed as."""
+        return self.resolved.coordinator_offer or self.resolved.offer
 
     def offer_of(self, capacity: str = Capacity.ON_DEMAND):
         """The offer a worker on `capacity` is billed as: the job's offer, or on `spot` the spot

@@ -15,6 +15,7 @@ from blocks.store_block import BLOCK_PREFIX
 from clouds.registry import adapter_for, is_cloud, provider_for
 from coordinator.run.job import TrainJob
 from coordinator.run.stores import open_checked_store, resolve_durable_ref, resolve_store_ref
+from core.coordinator_size import coordinator_memory_gb
 from core.errors import ZooidValueError
 from core.kinds import BUILTIN_TARGETS, PIPELINED_STRATEGIES, Capacity, Strategy
 from planners.catalog import Offer, SpotOffer, get_offer, spot_offer
@@ -57,6 +58,19 @@ class ResolvedJob:
     spot: SpotOffer | None = None
     """The spot offer that shadows `offer` on the target (`planners.catalog.spot_offer`); None:
     the target has none (the job's capacity is then `on_demand`, or `auto` planning on-demand)."""
+    parameter_bytes: int = 0
+    """The model's parameters in bytes (`engine.fit.Fit.parameter_bytes`)."""
+    coordinator_offer: Offer | None = None
+    """The offer the coordinator is billed as (the target's `coordinator_offer`); None: `offer`."""
+    coordinator_memory_gb: float = 1.0
+    """The coordinator's memory (`core.coordinator_size.coordinator_memory_gb`)."""
+
+    @property
+    def price_per_coordinator_s(self) -> float:
+        """Dollars per second of the coordinator: on-demand, at the target's `coordinator_vcpu`
+        and `coordinator_memory_gb`, no GPU."""
+        offer = self.coordinator_offer or self.offer
+        return offer.price_per_s(self.target.coordinator_vcpu, self.coordinator_memory_gb, 0)
 
     @property
     def subset_size(self) -> int:
@@ -161,20 +175,22 @@ def validate_job(job: TrainJob, *, check_store: bool = True) -> ResolvedJob:
     model_and_data = check_model_and_data(job)
     target, offer = check_target_and_offer(job)
     spot = check_capacity(job, target, offer)
+    coordinator = check_coordinator(target, model_and_data["parameter_bytes"])
     store_ref, durable_ref = check_stores(job, target, ping=check_store)
     return ResolvedJob(job=job, store_ref=store_ref, durable_ref=durable_ref, target_name=job.target, target=target,
-                       offer=offer, spot=spot, **model_and_data)
+                       offer=offer, spot=spot, **coordinator, **model_and_data)
 
 
 def validate_without_api(job: TrainJob) -> None:
     """`validate_job`'s checks that need no Prefect API, for a command that has not started its
     stack yet (`make run`): a target or store named by a block is left to the run, which looks it
     up; the rest is checked, store URLs pinged. ZooidValueError naming the field."""
-    check_model_and_data(job)
+    model_and_data = check_model_and_data(job)
     if job.target not in BUILTIN_TARGETS:
         return
     target, offer = check_target_and_offer(job)
     check_capacity(job, target, offer)
+    check_coordinator(target, model_and_data["parameter_bytes"])
     check_stores(job, target, ping=True, blocks=False)
 
 
@@ -198,7 +214,7 @@ def check_model_and_data(job: TrainJob) -> dict:
     check_strategy(job)
     return {"n_train": sample.n_train, "n_val": sample.n_val, "input_shape": tuple(sample.data.train_x.shape[1:]),
             "classes": sample.classes, "model_kwargs": fit.model_kwargs, "shared_parameters": fit.shared_parameters,
-            "shard_rows": sample.shard_rows, **data_form(sample.data)}
+            "shard_rows": sample.shard_rows, "parameter_bytes": fit.parameter_bytes, **data_form(sample.data)}
 
 
 TEXT_FIELDS = ("tokenizer", "objective", "seq_len")
@@ -250,6 +266,20 @@ def check_target_and_offer(job: TrainJob) -> tuple[ComputeTarget, Offer]:
         raise ZooidValueError("offer", str(exc).removeprefix("offer: ")) from None
     check_worker_sizes(target, offer)
     return target, offer
+
+
+def check_coordinator(target: ComputeTarget, parameter_bytes: int) -> dict:
+    """The coordinator's offer and memory (`ResolvedJob` fields): the target's
+    `coordinator_offer` (one line naming it when the catalog has none) and a memory that
+    holds the model (`core.coordinator_size`)."""
+    offer = None
+    if target.coordinator_offer:
+        try:
+            offer = get_offer(target.coordinator_offer)
+        except ValueError as exc:
+            raise ZooidValueError("coordinator_offer", str(exc).removeprefix("offer: ")) from None
+    return {"coordinator_offer": offer,
+            "coordinator_memory_gb": coordinator_memory_gb(target.coordinator_memory_gb, parameter_bytes)}
 
 
 def check_capacity(job: TrainJob, target: ComputeTarget, offer: Offer) -> SpotOffer | None:

@@ -28,6 +28,7 @@ from typing import Any, Callable
 from prefect.concurrency.sync import concurrency
 
 from clouds.registry import is_cloud
+from comm.store_base import control_pause
 from coordinator.workers.failures import FailureKind, classify_failure
 from coordinator.workers.launchers import (
     FAILED,
@@ -43,6 +44,9 @@ from core.kinds import PIPELINED_STRATEGIES, SHARED_HOST_KINDS, Capacity, Strate
 from core.plan import Plan
 from core.specs import WarmSpec, WorkerResult, WorkerSpec
 from runtime.warm import PREEMPTED, read_json, worker_name
+
+REPLY_POLL_CAP_S = 1.0
+"""The longest pause between two reads of the workers' replies (`control_pause`)."""
 
 
 class LeaseRenewer(threading.Thread):
@@ -138,7 +142,19 @@ class WarmPool:
     """This coordinator's mark in its workers' names (a resumed run's workers never share one)."""
     renewer: LeaseRenewer | None = None
     store: Any = None
-    status_every_s: float = 1.0
+
+    @property
+    def progress_s(self) -> float:
+        """How often a busy worker writes its progress (`WarmSpec.progress_s`): a sixtieth of the
+        stall timeout `worker_timeout_s`, at most 15 s (each write is a billed PUT on a cloud
+        store), at least a second or a quarter of that timeout."""
+        timeout_s = self.ctx.job.worker_timeout_s
+        return min(15.0, max(timeout_s / 60, min(1.0, timeout_s / 4)))
+
+    @property
+    def status_every_s(self) -> float:
+        """How often the coordinator reads a busy worker's status: twice per progress write."""
+        return self.progress_s / 2
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -168,6 +184,11 @@ class WarmPool:
             if w is not None and self._left_on_notice(w):  # preempted while idle: replaced now
                 self._bury(w, "it was preempted while idle")
                 w = None
+            if w is not None:
+                w.launcher._poll()
+            if w is not None and not w.alive:  # died between epochs or starting: billed as what it died of
+                self._bury(w, "it stopped before its epoch")
+                w = None
             if w is not None and w.alive and w.identity == identity:
                 continue
             if w is not None:
@@ -182,7 +203,8 @@ class WarmPool:
         ctx, job = self.ctx, self.ctx.job
         capacity = str(capacity or getattr(plan, "capacity", "on_demand"))
         name = worker_name(rank, self.serial, self.token)
-        warm = WarmSpec(worker=name, lease_s=job.worker_lease_s, check_s=min(1.0, job.worker_lease_s / 4))
+        warm = WarmSpec(worker=name, lease_s=job.worker_lease_s, check_s=min(10.0, job.worker_lease_s / 8),
+                        progress_s=self.progress_s)
         spec = WorkerSpec(run_id=ctx.run_id, epoch=epoch, rank=rank, world=plan.workers,
                           store_url=ctx.durable_ref, model=job.model, dataset=job.dataset, subsets=(),
                           steps=0, batch_size=plan.batch_size or job.batch_size, lr=job.lr,
@@ -247,7 +269,7 @@ class WarmPool:
             self.store.put(command_key(self.ctx.run_id, w.name, w.seq),
                            json.dumps({"op": "profile", "request": request}).encode())
             w.seq += 1
-        failures = []
+        failures, pause = [], max(poll_s, self.store.poll_max_s)
         while pending:
             for i, (w, seq, ready) in list(pending.items()):
                 reply = read_json(self.store, reply_key(self.ctx.run_id, w.name, seq))
@@ -274,8 +296,9 @@ class WarmPool:
                     del pending[i]
                     self.retire(w.rank, f"no profile within {timeout_s:.0f} s")
                     failures.append(RuntimeError(f"worker {w.name} gave no profile within {timeout_s:.0f} s"))
-            if pending:
-                time.sleep(max(poll_s, self.store.poll_max_s))  # each read is a billed request on a cloud store
+            if pending:  # each read is a billed request on a cloud store
+                time.sleep(pause)
+                pause = control_pause(pause, time.time() - sent, self.store.poll_max_s, REPLY_POLL_CAP_S)
         if failures:
             raise failures[0]
         return answers
@@ -283,7 +306,8 @@ class WarmPool:
     def wait_ready(self, timeout_s: float, poll_s: float = 0.02) -> None:
         """Wait until every live worker of the pool has started (its status says so; billed as
         start-up to then), or died, or `timeout_s` passed."""
-        deadline = time.time() + timeout_s
+        began = time.time()
+        deadline, pause = began + timeout_s, max(poll_s, self.store.poll_max_s)
         waiting = [w for w in self.workers.values() if w.ready_at is None]
         while waiting and time.time() < deadline:
             for w in list(waiting):
@@ -294,7 +318,8 @@ class WarmPool:
                 if w.ready_at is not None or not w.alive:
                     waiting.remove(w)
             if waiting:
-                time.sleep(max(poll_s, self.store.poll_max_s))
+                time.sleep(pause)
+                pause = control_pause(pause, time.time() - began, self.store.poll_max_s, REPLY_POLL_CAP_S)
 
     def retire(self, rank: int, reason: str, grace_s: float = 10.0) -> None:
         """Stop the worker of `rank` (asked through the store, then stopped by its launcher
@@ -353,14 +378,14 @@ class WarmPool:
             attempts.append(self._send(self.workers[spec.rank], spec))
         # replies are read every `poll_s` (a reply waits half of it on average: 2.5 ms here, where
         # a directory store's read of a missing key costs ~8 us) or the store's own poll where that
-        # is slower: each read is a billed request on a cloud store
-        poll_s = max(poll_s, self.store.poll_max_s)
-        last_relaunch = 0.0
+        # is slower, growing with the epoch's time (`control_pause`), one worker's a tick in turn
+        # (`_read_turn`): each read is a billed request on a cloud store
+        poll_s = pause = max(poll_s, self.store.poll_max_s)
+        last_relaunch, began, tick = 0.0, time.time(), 0
         while True:
             now = time.time()
-            for w in list(self.workers.values()):
-                if w.command is not None:
-                    self._check(w, now, max(timeout_s, 0.0), last_relaunch)
+            self._read_turn(tick, now, max(timeout_s, 0.0), last_relaunch)
+            tick += 1
             for w in [w for w in self.workers.values() if w.command is not None
                       and w.command.outcome.status in FAILED]:
                 failed, spec = w.command.outcome, w.command.spec
@@ -386,7 +411,23 @@ class WarmPool:
                 return [latest[r] for r in sorted(latest)], attempts
             if on_tick is not None:
                 on_tick()
-            time.sleep(poll_s)
+            time.sleep(pause)
+            pause = control_pause(pause, time.time() - began, poll_s, REPLY_POLL_CAP_S)
+
+    def _read_turn(self, tick: int, now: float, timeout_s: float, last_relaunch: float) -> None:
+        """Check every busy worker (`_check`), reading one reply a tick, in turn: the workers of
+        an epoch end together (its last sync, its last micro-batch), so once one has answered
+        the others' replies are read at once. A tick costs one request, not one per worker; a
+        worker that died is read at once (its error reply)."""
+        busy = [w for w in self.workers.values() if w.command is not None]
+        if not busy:
+            return
+        turn = busy[tick % len(busy)]
+        self._check(turn, now, timeout_s, last_relaunch)
+        answered = turn.command is None
+        for w in busy:
+            if w is not turn:
+                self._check(w, now, timeout_s, last_relaunch, read_reply=answered)
 
     def progress(self) -> tuple[int, int]:
         """(steps reported so far by the workers of the epoch in flight, their step target)."""
@@ -400,15 +441,20 @@ class WarmPool:
                                        "capacity": w.capacity,
                                        **({"log": log, "log_offset": _size(log)} if log else {})})
         w.command = Command(seq=w.seq, spec=spec, outcome=outcome)
-        w.steps, w.progress_at = 0, outcome.started_at
+        w.steps, w.progress_at, w.status_read_at = 0, outcome.started_at, outcome.started_at
         self.store.put(command_key(self.ctx.run_id, w.name, w.seq),
                        json.dumps({"op": "epoch", "spec": spec.to_dict()}).encode())
         return outcome
 
-    def _check(self, w: WarmWorker, now: float, timeout_s: float, last_relaunch: float) -> None:
-        """Read the reply of `w`'s command; else see whether the worker died or hangs."""
+    def _check(self, w: WarmWorker, now: float, timeout_s: float, last_relaunch: float,
+               read_reply: bool = True) -> None:
+        """Read the reply of `w`'s command (with `read_reply`, or when the worker died); else see
+        whether the worker died or hangs."""
         cmd = w.command
-        reply = read_json(self.store, reply_key(self.ctx.run_id, w.name, cmd.seq))
+        if not read_reply:
+            w.launcher._poll()
+        reply = read_json(self.store, reply_key(self.ctx.run_id, w.name, cmd.seq)) \
+            if read_reply or not w.alive else None
         if reply is not None and reply.get("ok"):
             now = time.time()  # after the read: the reply may be younger than the poll
             got = reply["result"]

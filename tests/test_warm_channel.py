@@ -1,0 +1,153 @@
+"""The warm channel's requests (`runtime.warm`, `coordinator.workers.warm_pool`): each is a billed
+request on a cloud store, so they are paced by what they are for. A control-plane wait reads at
+the store's pace, then at most 2 % of its wait apart (`control_pause`); a worker writes its status
+when it starts and then at most every `progress_s` while it changed; the coordinator reads one
+worker's reply a tick, and the others' once one has answered. Counted in requests, never timed."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from comm.store import open_store
+from comm.store_base import CONTROL_POLL_SHARE, POLL_GROWTH, control_pause
+from core.keys import reply_key, status_key
+from core.specs import WarmSpec, WorkerResult, WorkerSpec
+
+
+def test_a_control_wait_follows_the_store_then_grows_with_the_wait():
+    assert control_pause(0.002, 0.0, 0.1, 1.0) == pytest.approx(0.002 * POLL_GROWTH)
+    assert control_pause(0.09, 1.0, 0.1, 1.0) == pytest.approx(0.1)  # the store's own cap, 2 % of 1 s below it
+    assert control_pause(0.1, 20.0, 0.1, 1.0) == pytest.approx(20.0 * CONTROL_POLL_SHARE)
+    assert control_pause(0.4, 500.0, 0.1, 1.0) == 1.0  # the cap
+    assert control_pause(0.001, 500.0, 0.1, 0.01) == 0.1  # a cap below the store's poll: the store's
+
+
+def _reads(wait_s: float, first: float, poll_max_s: float, cap_s: float) -> int:
+    """Reads of a control wait of `wait_s` on the schedule (one before each pause)."""
+    waited, pause, reads = 0.0, first, 0
+    while waited < wait_s:
+        reads += 1
+        waited += pause
+        pause = control_pause(pause, waited, poll_max_s, cap_s)
+    return reads
+
+
+def test_a_long_wait_on_s3_costs_a_twentieth_of_the_reads_of_polling_at_its_pace():
+    # S3's pace: 0.1 s. A warm worker idle for 10 minutes read 6,000 times at it; now 301
+    # (50 in the first 5 s, then about ln(600 / 5) / 0.02)
+    reads = _reads(600.0, 0.002, 0.1, 10.0)
+    assert reads < (600.0 / 0.1) / 19
+    # and a short wait (an epoch's 4 s) is read at the store's pace: seen as soon as before
+    assert _reads(4.0, 0.002, 0.1, 1.0) == _reads(4.0, 0.002, 0.1, 0.1)
+
+
+class _Counting:
+    """A directory store that counts puts by key."""
+
+    def __init__(self, url: str):
+        self.inner = open_store(url)
+        self.puts: list[str] = []
+
+    def put(self, key, data, **kw):
+        self.puts.append(key)
+        return self.inner.put(key, data, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_worker_writes_its_status_at_start_then_only_when_progress_is_due(tmp_path, monkeypatch):
+    from comm import heartbeat
+    from runtime.warm import _Watch
+
+    store = _Counting(f"file://{tmp_path}/store")
+    key = status_key("zrun", "r0-w0")
+    slow = _Watch(lambda: store, "zrun", WarmSpec(worker="r0-w0", progress_s=3600.0), time.time(), print)
+    slow.doc.update(state="idle")
+    slow.publish(store)  # the start's, at once
+    assert store.puts == [key] and json.loads(store.get(key))["state"] == "idle"
+    slow.busy(0, 0, time.time())
+    monkeypatch.setattr(heartbeat, "progress", lambda: (7, 123.0))
+    for _ in range(50):  # the watch's wakes within an hour: nothing due
+        slow.publish_due(store)
+    assert store.puts == [key]
+
+    fast = _Watch(lambda: store, "zrun", WarmSpec(worker="r0-w0", progress_s=1e-9), time.time(), print)
+    fast.doc.update(state="busy", seq=0, epoch=0)
+    fast.publish_due(store)
+    assert len(store.puts) == 2 and json.loads(store.get(key))["steps"] == 7
+    fast.publish_due(store)  # nothing changed since: nothing written
+    assert len(store.puts) == 2
+    monkeypatch.setattr(heartbeat, "progress", lambda: (8, 124.0))
+    fast.publish_due(store)
+    assert len(store.puts) == 3 and json.loads(store.get(key))["steps"] == 8
+
+
+class _Launcher:
+    def __init__(self):
+        from coordinator.workers.launchers import WorkerOutcome
+
+        self.outcomes = [WorkerOutcome(rank=0, attempt=0, started_at=time.time())]
+        self.polls = 0
+
+    def _poll(self):
+        self.polls += 1
+
+
+def _pool(tmp_path, workers: int):
+    from coordinator.run.context import RunContext
+    from coordinator.run.job import TrainJob
+    from coordinator.run.validate import validate_job
+    from coordinator.workers.warm_pool import WarmPool, WarmWorker
+
+    job = TrainJob(model="digits_mlp", workers=workers, store=f"file://{tmp_path}/store", warm=True)
+    ctx = RunContext(run_id="zturn", job=job, resolved=validate_job(job))
+    pool = WarmPool(ctx)
+    pool.store = ctx.open_durable()
+    for rank in range(workers):
+        pool.workers[rank] = WarmWorker(rank=rank, name=f"r{rank}-w{rank}", launcher=_Launcher(), identity="x",
+                                        launched_at=time.time(), billed_to=time.time(), ready_at=time.time())
+        spec = WorkerSpec(run_id=ctx.run_id, epoch=0, rank=rank, world=workers, store_url=ctx.durable_ref,
+                          model=job.model, dataset=job.dataset, subsets=(), steps=5, batch_size=16, lr=0.05)
+        pool._send(pool.workers[rank], spec)
+    return pool
+
+
+def _reply(pool, rank: int) -> None:
+    w = pool.workers[rank]
+    now = time.time()
+    result = WorkerResult(run_id=pool.ctx.run_id, epoch=0, rank=rank, started_at=now, stopped_at=now,
+                          train_loss=1.0, samples=16)
+    pool.store.put(reply_key(pool.ctx.run_id, w.name, w.command.seq),
+                   json.dumps({"ok": True, "result": result.to_dict(), "began_at": now, "ended_at": now,
+                               "ready_at": now}).encode())
+
+
+def test_the_coordinator_reads_one_reply_a_tick_and_the_rest_once_one_answered(tmp_path):
+    pool = _pool(tmp_path, 4)
+    store = pool.store
+    before = store.ops.miss + store.ops.get
+    for tick in range(8):  # nobody has answered: one read a tick, each worker in turn
+        pool._read_turn(tick, time.time(), 900.0, 0.0)
+    assert store.ops.miss + store.ops.get - before == 8
+    assert all(w.launcher.polls >= 6 for w in pool.workers.values())  # every worker is still watched
+    for rank in range(4):
+        _reply(pool, rank)
+    before = store.ops.get
+    pool._read_turn(8, time.time(), 900.0, 0.0)  # rank 0's turn: it answered, so the others are read at once
+    assert store.ops.get - before == 4
+    assert all(w.command is None for w in pool.workers.values())
+
+
+def test_a_worker_that_died_is_read_at_once_whoever_s_turn_it_is(tmp_path):
+    pool = _pool(tmp_path, 3)
+    dead = pool.workers[2]
+    dead.launcher.outcomes[0].status = "failed"
+    w = dead
+    pool.store.put(reply_key(pool.ctx.run_id, w.name, w.command.seq),
+                   json.dumps({"ok": False, "error": "RuntimeError", "message": "boom"}).encode())
+    pool._read_turn(0, time.time(), 900.0, 0.0)  # rank 0's turn
+    assert dead.command.outcome.error == "RuntimeError: boom"
+    assert dead.command.outcome.status == "failed"
