@@ -4,9 +4,11 @@ preemption about every 20 s, wall time, bill and redone work, each predicted bes
 One local stack with its container half (`deployments.stack.up(docker=True)`, scratch home):
 the Prefect server, the `zooid-docker` pool (prefect-docker's worker on podman's Docker API), the
 stack's S3 store (moto) as the durable store, and as the scratch store a local `redis-server`
-(`--store redis`, free: the bill then holds workers and coordinator) or that S3 (`--store s3`). The job: digits, `--model` (default `digits_cnn`), `--workers`
-warm workers x batch `--batch`, K-AVG every `--sync-period` steps, `--epochs` epochs, seed 0, on
-the docker target (billed as Fargate; `capacity=spot` as Fargate Spot). Runs, in this order:
+(`--store redis`, free: the bill then holds workers and coordinator) or that S3 (`--store s3`).
+Each job of `--workloads` (`WORKLOADS`: `digits_cnn` on digits, a small job; `resnet18` on
+synthetic images, a job whose workers' compute makes the bill): `--workers` warm workers, K-AVG
+every `--sync-period` steps, `--epochs` epochs, seed 0, on the docker target (billed as Fargate;
+`capacity=spot` as Fargate Spot; the coordinator on-demand at its own size). Runs, in this order:
 
 1. on-demand;
 2. spot, with a seeded preemption schedule (`benchmarks.harness.preemptor`: exponential gaps of
@@ -21,7 +23,8 @@ the final accuracy. Predicted: the plan's run seconds and bill, and for spot its
 `capacity_choice` (expected preemptions x the worker-seconds one costs). Goal: a spot run's bill,
 redone work included, at most 50 % of the on-demand run's, final accuracy within 0.5 points.
 
-    .venv/bin/python -m benchmarks.bench_spot [--epochs 10] [--mean-s 20] [--grace-s 10] [--out PATH]
+    .venv/bin/python -m benchmarks.bench_spot [--workloads digits_cnn,resnet18] [--epochs 10] [--mean-s 20]
+        [--grace-s 10] [--out PATH]
 """
 from __future__ import annotations
 
@@ -110,18 +113,45 @@ def figures(run: dict) -> dict:
             "accuracy": run["summary"].get("final_accuracy"), "epochs": len(run["summary"].get("epochs") or [])}
 
 
-def render(runs: list[dict], args) -> str:
-    """The markdown below the header: the job, the goal, one row per run, the schedule."""
+WORKLOADS = {
+    "digits_cnn": {"model": "digits_cnn", "dataset": "digits", "batch_size": 8, "lr": 0.05, "optimizer": "momentum"},
+    "resnet18": {"model": "resnet18", "dataset": "synthetic:3x32x32:10:1024:256", "batch_size": 8, "lr": 0.05,
+                 "optimizer": "momentum"},
+}
+"""The jobs run, each on-demand and twice on spot: a small one (digits: an epoch of a few seconds,
+shorter than the gap between two preemptions) and one whose workers' compute makes the bill
+(resnet18 on 1,024 synthetic 3x32x32 images labelled by a random linear teacher)."""
+
+
+def workload_text(name: str, args) -> str:
+    w = WORKLOADS[name]
+    return (f"`{w['model']}` on `{w['dataset']}`, {args.workers} warm workers x batch {w['batch_size']}, K-AVG every "
+            f"{args.sync_period} steps, momentum, {args.epochs} epochs, seed 0")
+
+
+def ratios(runs: list[dict]) -> tuple[list[float], list[float], list[float]]:
+    """Each spot run's whole bill and workers' part over the on-demand run's (the first), and
+    its final accuracy's distance from it in points."""
     rows = [figures(r) for r in runs]
-    base = rows[0]
-    spot = [f for f in rows if f["capacity"] == "spot"]
-    ratios = [f["total_usd"] / base["total_usd"] for f in spot]
-    worker_ratios = [f["workers_usd"] / base["workers_usd"] for f in spot]
-    points = [abs((f["accuracy"] or 0) - (base["accuracy"] or 0)) * 100 for f in spot]
-    met = bool(spot) and all(r <= GOAL_BILL_RATIO for r in ratios) and all(p <= GOAL_ACCURACY_POINTS for p in points)
-    lines = [f"Job: digits, `{args.model}`, {args.workers} warm workers x batch {args.batch}, K-AVG every "
-             f"{args.sync_period} steps, momentum, {args.epochs} epochs, seed 0, on the docker target (a worker is a "
-             "container of the worker image on podman, 1 vCPU quota; billed as Fargate, spot as Fargate Spot), "
+    base, spot = rows[0], [f for f in rows if f["capacity"] == "spot"]
+    return ([f["total_usd"] / base["total_usd"] for f in spot], [f["workers_usd"] / base["workers_usd"] for f in spot],
+            [abs((f["accuracy"] or 0) - (base["accuracy"] or 0)) * 100 for f in spot])
+
+
+def goal_met(runs: list[dict]) -> bool:
+    """Every spot run's bill at most GOAL_BILL_RATIO of on-demand's, its accuracy within the points."""
+    bills, _, points = ratios(runs)
+    return bool(bills) and all(r <= GOAL_BILL_RATIO for r in bills) and all(p <= GOAL_ACCURACY_POINTS for p in points)
+
+
+def render(runs: list[dict], args, workload: str) -> str:
+    """The markdown of one workload: the job, the goal, one row per run, the schedule."""
+    rows = [figures(r) for r in runs]
+    ratios_, worker_ratios, points = ratios(runs)
+    met = goal_met(runs)
+    lines = [f"## {workload}", "", f"Job: {workload_text(workload, args)}, on the docker target (a worker is a "
+             "container of the worker image on podman, 1 vCPU quota; billed as Fargate, spot as Fargate Spot; the "
+             "coordinator on-demand at its own size, 0.5 vCPU and 1 GB), "
              f"tensors through {'a local redis-server (free)' if args.store == 'redis' else 'the S3 store'}, "
              "checkpoints and the ledger in the stack's S3 store (moto). Run 1 on-demand; runs 2 and 3 on spot with a seeded preemption schedule "
              f"(gaps drawn from an exponential law of mean {args.mean_s:g} s, seeds 1 and 2; a preemption is the "
@@ -130,7 +160,7 @@ def render(runs: list[dict], args) -> str:
              "preemptions).", "",
              f"**Goal: a spot run's bill, redone work included, at most {GOAL_BILL_RATIO:.0%} of the on-demand bill, "
              f"final accuracy within {GOAL_ACCURACY_POINTS} points: {'met' if met else 'not met'}** (bill "
-             f"{', '.join(f'{r:.2f}x' for r in ratios)}; the workers' part alone "
+             f"{', '.join(f'{r:.2f}x' for r in ratios_)}; the workers' part alone "
              f"{', '.join(f'{r:.2f}x' for r in worker_ratios)}; accuracy "
              f"{', '.join(f'{p:.1f}' for p in points)} points).", "",
              *table(["run", "capacity", "wall (s)", "predicted (s)", "bill", "predicted bill", "workers' $",
@@ -165,8 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_spot", description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--model", default="digits_cnn")
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS),
+                        help=f"comma-separated, of {', '.join(WORKLOADS)}")
     parser.add_argument("--sync-period", type=int, default=8)
     parser.add_argument("--mean-s", type=float, default=20.0)
     parser.add_argument("--grace-s", type=int, default=10)
@@ -174,25 +204,34 @@ def main(argv: list[str] | None = None) -> int:
                         help="the scratch store: a local redis-server (free) or the stack's S3 (moto)")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    unknown = [w for w in workloads if w not in WORKLOADS]
+    if unknown or not workloads:
+        parser.error(f"--workloads: {', '.join(unknown) or 'none given'}; choose among {', '.join(WORKLOADS)}")
     prov = provenance()
-    params = {"model": args.model, "dataset": "digits", "workers": args.workers, "epochs": args.epochs,
-              "batch_size": args.batch, "lr": 0.05, "optimizer": "momentum", "strategy": "local_sgd",
-              "sync_period": args.sync_period, "scaling": "static", "seed": 0}
-    runs = []
+    sections, verdicts = [], []
     with scratch("spot", home=True) as home, local_stack(home, docker=True) as state:
         durable, redis = state["docker"]["store"], None
         try:
+            scratch_store = {}
             if args.store == "redis":
-                redis, params["store"] = redis_server(home)
-            runs.append(run_once({**params, "capacity": "on_demand"}, durable, None))
-            for seed in (1, 2):
-                runs.append(run_once({**params, "capacity": "spot"}, durable,
-                                     {"mean_s": args.mean_s, "grace_s": args.grace_s, "seed": seed}))
-                print(json.dumps(figures(runs[-1])), flush=True)
+                redis, scratch_store["store"] = redis_server(home)
+            for workload in workloads:
+                params = {**WORKLOADS[workload], "workers": args.workers, "epochs": args.epochs, "strategy": "local_sgd",
+                          "sync_period": args.sync_period, "scaling": "static", "seed": 0, **scratch_store}
+                runs = [run_once({**params, "capacity": "on_demand"}, durable, None)]
+                for seed in (1, 2):
+                    runs.append(run_once({**params, "capacity": "spot"}, durable,
+                                         {"mean_s": args.mean_s, "grace_s": args.grace_s, "seed": seed}))
+                    print(json.dumps(figures(runs[-1])), flush=True)
+                sections.append(render(runs, args, workload))
+                verdicts.append((workload, goal_met(runs)))
         finally:
             if redis is not None:
                 stop_server(redis)
-    write_result(args.out, TITLE, command_for("benchmarks.bench_spot", argv), prov, render(runs, args), echo=True)
+    summary = "; ".join(f"`{w}`: {'met' if met else 'not met'}" for w, met in verdicts)
+    body = f"Goal per job (below): {summary}.\n\n" + "\n".join(sections)
+    write_result(args.out, TITLE, command_for("benchmarks.bench_spot", argv), prov, body, echo=True)
     return 0
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -96,17 +97,17 @@ class _Launcher:
         self.polls += 1
 
 
-def _pool(tmp_path, workers: int):
+def _pool(tmp_path, workers: int, busy: bool = True):
     from coordinator.run.context import RunContext
     from coordinator.run.job import TrainJob
     from coordinator.run.validate import validate_job
     from coordinator.workers.warm_pool import WarmPool, WarmWorker
 
-    job = TrainJob(model="digits_mlp", workers=workers, store=f"file://{tmp_path}/store", warm=True)
+    job = TrainJob(model="digits_mlp", workers=max(1, workers), store=f"file://{tmp_path}/store", warm=True)
     ctx = RunContext(run_id="zturn", job=job, resolved=validate_job(job))
     pool = WarmPool(ctx)
     pool.store = ctx.open_durable()
-    for rank in range(workers):
+    for rank in range(workers if busy else 0):
         pool.workers[rank] = WarmWorker(rank=rank, name=f"r{rank}-w{rank}", launcher=_Launcher(), identity="x",
                                         launched_at=time.time(), billed_to=time.time(), ready_at=time.time())
         spec = WorkerSpec(run_id=ctx.run_id, epoch=0, rank=rank, world=workers, store_url=ctx.durable_ref,
@@ -151,3 +152,27 @@ def test_a_worker_that_died_is_read_at_once_whoever_s_turn_it_is(tmp_path):
     pool._read_turn(0, time.time(), 900.0, 0.0)  # rank 0's turn
     assert dead.command.outcome.error == "RuntimeError: boom"
     assert dead.command.outcome.status == "failed"
+
+
+def test_a_worker_found_dead_before_its_epoch_is_billed_as_what_it_died_of(tmp_path, monkeypatch):
+    """A spot worker the provider took back while it started (SIGTERM before its handler: exit
+    143) is found dead by the next `ensure`: its last row says `preempted`, and its rank alone
+    gets a new worker; a live one is kept."""
+    from coordinator.workers import warm_pool
+    from coordinator.workers.warm_pool import WarmPool, WarmWorker
+
+    pool = _pool(tmp_path, 2, busy=False)
+    started = []
+    monkeypatch.setattr(warm_pool, "make_launcher", lambda ctx, plan: None)
+    monkeypatch.setattr(warm_pool, "launch_identity", lambda launcher, rank: "x")
+    monkeypatch.setattr(WarmPool, "_open", lambda self: None)
+    monkeypatch.setattr(WarmPool, "_start", lambda self, rank, *a, **k: started.append(rank))
+    for rank in range(2):
+        pool.workers[rank] = WarmWorker(rank=rank, name=f"r{rank}-w{rank}", launcher=_Launcher(), identity="x",
+                                        launched_at=time.time() - 5, billed_to=time.time() - 5)
+    dead = pool.workers[1].launcher.outcomes[0]
+    dead.status, dead.stopped_at, dead.extra["exit_code"] = "failed", time.time(), 143
+    pool.ensure(SimpleNamespace(workers=2), 3)
+    assert started == [1] and 0 in pool.workers
+    rows = [r for r in pool.ctx.state.ledger if r.rank == 1]
+    assert [r.status for r in rows] == ["preempted"]
