@@ -22,7 +22,8 @@ def run_spec(spec: WorkerSpec, store: Store, open_ref: Callable[[str], Store] = 
     """Dispatch on `spec.stage` (None: Local-SGD); `open_ref` opens any other store the spec
     names (a Local-SGD replica's `checkpoint_store`, a prepared dataset's `data.store`). The
     result's `store_ops`: the requests on `store` since its last report, every request on the
-    stores `open_ref` opened for the epoch, and those of `runtime.store_report.also_report`'s."""
+    stores `open_ref` opened for the epoch, and those of `runtime.store_report.also_report`'s;
+    an epoch that raises carries them on the exception (`store_ops`)."""
     opened: list[Store] = []
 
     def open_counted(url: str) -> Store:
@@ -30,7 +31,11 @@ def run_spec(spec: WorkerSpec, store: Store, open_ref: Callable[[str], Store] = 
         opened.append(other)
         return other
 
-    result = _run(spec, store, open_counted)
+    try:
+        result = _run(spec, store, open_counted)
+    except BaseException as exc:  # a failed epoch's requests are billed too (`runtime.warm` replies them)
+        exc.store_ops = unreported([store, *opened])  # type: ignore[attr-defined]
+        raise
     return dataclasses.replace(result, store_ops=unreported([store, *opened]))
 
 

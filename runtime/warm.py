@@ -57,7 +57,7 @@ from core.process_start import process_started_at
 from core.specs import WarmSpec, WorkerResult, WorkerSpec
 from engine import preemption
 from engine.chaos import chaos_for
-from runtime.store_report import also_report
+from runtime.store_report import also_report, unreported
 
 LEASE_EXIT = 5
 """Exit status of a warm worker whose lease expired while its training thread was stuck."""
@@ -279,6 +279,7 @@ def _start(spec: WorkerSpec, store: Store, store_factory: Callable[[], Store],
     keep_subsets()
     watch = _Watch(store_factory, spec.run_id, settings, started, log)
     watch.start()
+    also_report(store)  # its waits for commands and its replies: in the next epoch's result
 
     def guard() -> None:
         if watch.expired.is_set():
@@ -334,8 +335,11 @@ def _run_epoch(worker: _Serving, seq: int, command: dict, execute: Callable[[Wor
 
 
 def _failure(exc: BaseException) -> dict:
-    """The reply's part that tells of a command that raised `exc`."""
-    return {"ok": False, "error": type(exc).__name__, "message": str(exc)[-2000:]}
+    """The reply's part that tells of a command that raised `exc`, with the requests made for it
+    that no result reported (`runtime.run_spec`; the coordinator bills them)."""
+    ops = getattr(exc, "store_ops", None)
+    return {"ok": False, "error": type(exc).__name__, "message": str(exc)[-2000:],
+            "store_ops": ops if ops is not None else unreported([])}
 
 
 def _serve_profile(worker: _Serving, seq: int, command: dict, open_ref: Callable[[str], Store] | None) -> None:

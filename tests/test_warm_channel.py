@@ -147,11 +147,16 @@ def test_a_worker_that_died_is_read_at_once_whoever_s_turn_it_is(tmp_path):
     dead = pool.workers[2]
     dead.launcher.outcomes[0].status = "failed"
     w = dead
+    spent = {"s3://bucket": {"put": 3, "get": 5, "miss": 40}}  # what the failed epoch asked of the store
     pool.store.put(reply_key(pool.ctx.run_id, w.name, w.command.seq),
-                   json.dumps({"ok": False, "error": "RuntimeError", "message": "boom"}).encode())
+                   json.dumps({"ok": False, "error": "RuntimeError", "message": "boom", "store_ops": spent}).encode())
     pool._read_turn(0, time.time(), 900.0, 0.0)  # rank 0's turn
     assert dead.command.outcome.error == "RuntimeError: boom"
     assert dead.command.outcome.status == "failed"
+    billed = pool.ctx.state.store_ops["s3://bucket"]
+    assert (billed.put, billed.get, billed.miss) == (3, 5, 40)
+    pool._read_turn(1, time.time(), 900.0, 0.0)  # read again: billed once
+    assert pool.ctx.state.store_ops["s3://bucket"].put == 3
 
 
 def test_a_worker_found_dead_before_its_epoch_is_billed_as_what_it_died_of(tmp_path, monkeypatch):
@@ -176,3 +181,15 @@ def test_a_worker_found_dead_before_its_epoch_is_billed_as_what_it_died_of(tmp_p
     assert started == [1] and 0 in pool.workers
     rows = [r for r in pool.ctx.state.ledger if r.rank == 1]
     assert [r.status for r in rows] == ["preempted"]
+
+
+def test_an_epoch_that_raises_replies_the_requests_it_made(tmp_path):
+    """`runtime.run_spec` hangs the failed epoch's requests on its exception; a warm worker's
+    error reply carries them (`runtime.warm._failure`)."""
+    from runtime.warm import _failure
+
+    store = open_store(f"file://{tmp_path}/store")
+    exc = RuntimeError("boom")
+    exc.store_ops = {store.where: {"put": 2}}
+    assert _failure(exc)["store_ops"] == {store.where: {"put": 2}}
+    assert _failure(RuntimeError("no count"))["store_ops"] == {}  # nothing unreported in this process

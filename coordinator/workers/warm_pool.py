@@ -43,6 +43,7 @@ from core.keys import command_key, lease_key, reply_key, status_key, warm_prefix
 from core.kinds import PIPELINED_STRATEGIES, SHARED_HOST_KINDS, Capacity, Strategy
 from core.plan import Plan
 from core.specs import WarmSpec, WorkerResult, WorkerSpec
+from core.store_ops import grouped_total
 from runtime.warm import PREEMPTED, read_json, worker_name
 
 REPLY_POLL_CAP_S = 1.0
@@ -276,6 +277,8 @@ class WarmPool:
                 now = time.time()
                 if reply is not None:
                     del pending[i]
+                    # a failed profile's requests (`runtime.warm._failure`), billed with the workers'
+                    self.ctx.state.store_ops = grouped_total([self.ctx.state.store_ops, reply.get("store_ops") or {}])
                     if ready and reply.get("began_at") and reply.get("ended_at"):  # a ready worker: the round trip
                         busy = float(reply["ended_at"]) - float(reply["began_at"])  # (durations only: no clock skew)
                         self.ctx.state.dispatch_samples.append(max(0.0, now - sent - busy))
@@ -467,6 +470,8 @@ class WarmPool:
             w.command, w.seq = None, w.seq + 1
             return
         if reply is not None:  # the epoch raised; the worker exits with its status
+            if cmd.outcome.error is None:  # its requests, billed once (the reply is read until it exits)
+                self.ctx.state.store_ops = grouped_total([self.ctx.state.store_ops, reply.get("store_ops") or {}])
             cmd.outcome.error = f"{reply.get('error')}: {reply.get('message', '')}"
         w.launcher._poll()
         status = None
