@@ -158,7 +158,7 @@ class _Ctx:
         from coordinator.run.context import RunState
         from core.cost_record import CostRecord
 
-        self.started_at, self.price_per_worker_s = started_at, price
+        self.started_at, self.price_per_coordinator_s = started_at, price  # the coordinator bills on
         self.state = RunState(ledger=[CostRecord(run_id="r", resource="w", kind="worker", offer="o", start=0.0,
                                                  stop=1.0, unit_price_per_s=spent_usd)])
 
