@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 from comm import heartbeat
 from comm.bandwidth import Link, TransferStats
 from core.errors import StoreTimeout, ZooidValueError
+from core.polling import POLL_GROWTH
 from core.store_ops import StoreOps
 
 
@@ -106,25 +107,6 @@ def store_where(url: str) -> str:
     except ValueError:
         port = ""
     return f"{scheme}://{parts.hostname or ''}{port}"
-
-
-# Polling schedule of `get` while a key is absent: start fast (a pipeline stage waits for
-# its neighbour's activations), back off so that a long wait costs few requests.
-POLL_GROWTH = 1.5
-
-CONTROL_POLL_SHARE = 0.02
-"""A control-plane wait (a warm worker's next command, the coordinator's replies) sees its key
-at most this share of the time it has waited late, once past the store's own poll."""
-
-
-def control_pause(pause: float, waited_s: float, poll_max_s: float, cap_s: float) -> float:
-    """The sleep after `pause` in a control-plane wait that has lasted `waited_s`: the store's
-    own schedule up to its `poll_max_s`, then `CONTROL_POLL_SHARE` of the time waited, at most
-    `cap_s`. Each read is a billed request on a cloud store: a wait of T seconds past
-    `poll_max_s / CONTROL_POLL_SHARE` costs about ln(T) / CONTROL_POLL_SHARE reads instead of
-    T / poll_max_s, and is seen at most 2 % of T late."""
-    grown = max(min(pause * POLL_GROWTH, poll_max_s), waited_s * CONTROL_POLL_SHARE)
-    return min(grown, max(cap_s, poll_max_s))
 
 
 class Store(abc.ABC):

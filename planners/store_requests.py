@@ -34,7 +34,9 @@ from typing import Callable
 
 from core.kinds import Strategy
 from core.plan import Plan
+from core.polling import control_reads
 from core.store_ops import StoreOps
+from core.warm_cadence import REPLY_POLL_CAP_S, WarmCadence
 
 
 def per_key(keys: int) -> int:
@@ -106,3 +108,22 @@ def epoch_store_ops(plan: Plan, *, ring: bool = False, checkpoint_every: int = 1
         ops = ops + StoreOps(**{k: v * d * p for k, v in per_rank.to_dict().items()})
         ops = ops + StoreOps(**{k: v * p for k, v in release_ops(d, delete_requests).to_dict().items()})
     return ops
+
+
+def warm_channel_ops(workers: int, epoch_s: float, cadence: WarmCadence, *, poll_first_s: float,
+                     poll_max_s: float) -> StoreOps:
+    """The requests of one warm epoch of `epoch_s` seconds on the durable store that carries the
+    warm channel (`runtime.warm`, `coordinator.workers.warm_pool`), all `workers` together: each
+    worker's command (a put) and reply (a put, read once found); the coordinator's reads of the
+    replies while it waits, one worker's a tick on `control_pause`'s schedule (misses); a busy
+    worker's progress, written every `progress_s` and read twice as often; each worker's lease
+    reads every `check_s`, and the coordinator's renewals every `renew_s`. A worker's wait for its
+    next command (the coordinator's gap between epochs) is not counted here."""
+    if workers <= 0 or epoch_s < 0:
+        return StoreOps()
+    ticks = control_reads(epoch_s, max(poll_first_s, poll_max_s), poll_max_s, REPLY_POLL_CAP_S)
+    progress = math.floor(epoch_s / cadence.progress_s)
+    return StoreOps(put=2 * workers + workers * progress + math.floor(epoch_s / cadence.renew_s),
+                    get=workers + workers * math.floor(epoch_s / cadence.status_every_s)
+                    + workers * math.floor(epoch_s / cadence.check_s),
+                    miss=ticks)

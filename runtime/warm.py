@@ -50,9 +50,9 @@ from typing import Callable
 
 from comm import heartbeat
 from comm.store import Store, open_store
-from comm.store_base import control_pause
 from core.errors import LeaseExpired, ZooidValueError
 from core.keys import command_key, lease_key, reply_key, status_key
+from core.polling import control_pause
 from core.process_start import process_started_at
 from core.specs import WarmSpec, WorkerResult, WorkerSpec
 from engine import preemption

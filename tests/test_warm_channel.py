@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from comm.store import open_store
-from comm.store_base import CONTROL_POLL_SHARE, POLL_GROWTH, control_pause
+from core.polling import CONTROL_POLL_SHARE, POLL_GROWTH, control_pause, control_reads
 from core.keys import reply_key, status_key
 from core.specs import WarmSpec, WorkerResult, WorkerSpec
 
@@ -25,23 +25,13 @@ def test_a_control_wait_follows_the_store_then_grows_with_the_wait():
     assert control_pause(0.001, 500.0, 0.1, 0.01) == 0.1  # a cap below the store's poll: the store's
 
 
-def _reads(wait_s: float, first: float, poll_max_s: float, cap_s: float) -> int:
-    """Reads of a control wait of `wait_s` on the schedule (one before each pause)."""
-    waited, pause, reads = 0.0, first, 0
-    while waited < wait_s:
-        reads += 1
-        waited += pause
-        pause = control_pause(pause, waited, poll_max_s, cap_s)
-    return reads
-
-
 def test_a_long_wait_on_s3_costs_a_twentieth_of_the_reads_of_polling_at_its_pace():
     # S3's pace: 0.1 s. A warm worker idle for 10 minutes read 6,000 times at it; now 301
     # (50 in the first 5 s, then about ln(600 / 5) / 0.02)
-    reads = _reads(600.0, 0.002, 0.1, 10.0)
+    reads = control_reads(600.0, 0.002, 0.1, 10.0)
     assert reads < (600.0 / 0.1) / 19
     # and a short wait (an epoch's 4 s) is read at the store's pace: seen as soon as before
-    assert _reads(4.0, 0.002, 0.1, 1.0) == _reads(4.0, 0.002, 0.1, 0.1)
+    assert control_reads(4.0, 0.002, 0.1, 1.0) == control_reads(4.0, 0.002, 0.1, 0.1)
 
 
 class _Counting:
@@ -193,3 +183,20 @@ def test_an_epoch_that_raises_replies_the_requests_it_made(tmp_path):
     exc.store_ops = {store.where: {"put": 2}}
     assert _failure(exc)["store_ops"] == {store.where: {"put": 2}}
     assert _failure(RuntimeError("no count"))["store_ops"] == {}  # nothing unreported in this process
+
+
+def test_the_warm_channels_requests_of_an_epoch_follow_its_cadence():
+    from core.store_ops import StoreOps
+    from core.warm_cadence import WarmCadence
+    from planners.store_requests import warm_channel_ops
+
+    cadence = WarmCadence(lease_s=60.0, timeout_s=900.0)  # the defaults: lease read 7.5 s, progress 15 s
+    assert (cadence.check_s, cadence.progress_s, cadence.status_every_s, cadence.renew_s) == (7.5, 15.0, 7.5, 15.0)
+    # a 4 s epoch of 4 workers over S3 (0.1 s): 4 commands and 4 replies put, the 4 replies read,
+    # 40 reads of the next reply before them (2 % of 4 s is under S3's own 0.1 s); nothing else due
+    assert warm_channel_ops(4, 4.0, cadence, poll_first_s=0.1, poll_max_s=0.1) == StoreOps(put=8, get=4, miss=40)
+    # a minute: 4 progress writes a worker and 4 renewals; 8 status and 8 lease reads a worker
+    minute = warm_channel_ops(4, 60.0, cadence, poll_first_s=0.1, poll_max_s=0.1)
+    assert (minute.put, minute.get) == (8 + 16 + 4, 4 + 32 + 32)
+    assert minute.miss == control_reads(60.0, 0.1, 0.1, 1.0) < 60.0 / 0.1
+    assert warm_channel_ops(0, 60.0, cadence, poll_first_s=0.1, poll_max_s=0.1) == StoreOps()

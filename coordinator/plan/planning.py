@@ -29,12 +29,13 @@ from core.schedule_costs import ideal_peak_in_flight
 from core.schedules import Kind, build_schedule
 from core.stage_memory import check_plan_memory, format_bytes, optimizer_copies, stage_memory
 from core.store_ops import StoreOps
+from core.warm_cadence import REPLY_POLL_S, WarmCadence
 from planners.calibration import Calibration, calibrated
 from planners.catalog import store_figures
 from planners.pipeline_time import TransferCosts
 from planners.run_prediction import predict_run, with_run_prediction
 from planners.store_prices import StoreOffer, store_offer
-from planners.store_requests import epoch_store_ops
+from planners.store_requests import epoch_store_ops, warm_channel_ops
 from planners.strategy import (
     NO_PLAN_FITS,
     StrategyInputs,
@@ -215,7 +216,25 @@ def store_terms(ctx: RunContext, plan: Plan) -> tuple[StoreOps, dict]:
     (`planners.strategy.store_usd_per_epoch`); each alternative's run carries its own."""
     ops = epoch_store_ops(plan, ring=uses_ring(ctx.job, plan))
     offer = run_store_offer(ctx, durable=plan.stages > 1)
-    return ops, {"store_usd_per_epoch": offer.request_usd(ops), "store_usd_per_s": offer.node_per_hour / 3600.0}
+    return ops, {"store_usd_per_epoch": offer.request_usd(ops) + warm_channel_usd(ctx, plan),
+                 "store_usd_per_s": offer.node_per_hour / 3600.0}
+
+
+def warm_channel_usd(ctx: RunContext, plan: Plan) -> float:
+    """Dollars of one epoch of `plan`'s warm channel (commands, replies, status, lease) on the
+    durable store that carries it (`planners.store_requests.warm_channel_ops`, at the coordinator's
+    pace of reading that store); 0 for cold workers or a context that names no store."""
+    if not getattr(ctx.job, "warm", False) or getattr(ctx, "open_durable", None) is None:
+        return 0.0
+    store = ctx.open_durable()
+    try:
+        where, poll_s = store.where, max(REPLY_POLL_S, store.poll_max_s)
+    finally:
+        store.close()
+    ops = warm_channel_ops(plan.workers, plan.predicted_epoch_s,
+                           WarmCadence(ctx.job.worker_lease_s, ctx.job.worker_timeout_s),
+                           poll_first_s=poll_s, poll_max_s=poll_s)
+    return store_offer(where, ctx.resolved.offer.provider).request_usd(ops)
 
 
 def with_run(ctx: RunContext, chosen: Plan, calibration: Calibration | None, epochs_left: int | None,

@@ -28,7 +28,6 @@ from typing import Any, Callable
 from prefect.concurrency.sync import concurrency
 
 from clouds.registry import is_cloud
-from comm.store_base import control_pause
 from coordinator.workers.failures import FailureKind, classify_failure
 from coordinator.workers.launchers import (
     FAILED,
@@ -42,12 +41,11 @@ from core.cost_record import CostRecord
 from core.keys import command_key, lease_key, reply_key, status_key, warm_prefix
 from core.kinds import PIPELINED_STRATEGIES, SHARED_HOST_KINDS, Capacity, Strategy
 from core.plan import Plan
+from core.polling import control_pause
 from core.specs import WarmSpec, WorkerResult, WorkerSpec
 from core.store_ops import grouped_total
+from core.warm_cadence import REPLY_POLL_CAP_S, REPLY_POLL_S, WarmCadence
 from runtime.warm import PREEMPTED, read_json, worker_name
-
-REPLY_POLL_CAP_S = 1.0
-"""The longest pause between two reads of the workers' replies (`control_pause`)."""
 
 
 class LeaseRenewer(threading.Thread):
@@ -145,17 +143,13 @@ class WarmPool:
     store: Any = None
 
     @property
-    def progress_s(self) -> float:
-        """How often a busy worker writes its progress (`WarmSpec.progress_s`): a sixtieth of the
-        stall timeout `worker_timeout_s`, at most 15 s (each write is a billed PUT on a cloud
-        store), at least a second or a quarter of that timeout."""
-        timeout_s = self.ctx.job.worker_timeout_s
-        return min(15.0, max(timeout_s / 60, min(1.0, timeout_s / 4)))
+    def cadence(self) -> WarmCadence:
+        """The channel's periods for the job (`core.warm_cadence`)."""
+        return WarmCadence(self.ctx.job.worker_lease_s, self.ctx.job.worker_timeout_s)
 
     @property
     def status_every_s(self) -> float:
-        """How often the coordinator reads a busy worker's status: twice per progress write."""
-        return self.progress_s / 2
+        return self.cadence.status_every_s
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -166,8 +160,7 @@ class WarmPool:
             # a coordinator that died (resume) leaves its commands and replies behind
             self.store.delete_prefix(warm_prefix(self.ctx.run_id) + "/")
         if self.renewer is None:
-            lease_s = self.ctx.job.worker_lease_s
-            self.renewer = LeaseRenewer(self.ctx.open_durable, self.ctx.run_id, max(0.2, lease_s / 4))
+            self.renewer = LeaseRenewer(self.ctx.open_durable, self.ctx.run_id, self.cadence.renew_s)
             self.renewer.start()
             self.renewer.renewed.wait(10)
 
@@ -204,8 +197,8 @@ class WarmPool:
         ctx, job = self.ctx, self.ctx.job
         capacity = str(capacity or getattr(plan, "capacity", "on_demand"))
         name = worker_name(rank, self.serial, self.token)
-        warm = WarmSpec(worker=name, lease_s=job.worker_lease_s, check_s=min(10.0, job.worker_lease_s / 8),
-                        progress_s=self.progress_s)
+        warm = WarmSpec(worker=name, lease_s=job.worker_lease_s, check_s=self.cadence.check_s,
+                        progress_s=self.cadence.progress_s)
         spec = WorkerSpec(run_id=ctx.run_id, epoch=epoch, rank=rank, world=plan.workers,
                           store_url=ctx.durable_ref, model=job.model, dataset=job.dataset, subsets=(),
                           steps=0, batch_size=plan.batch_size or job.batch_size, lr=job.lr,
@@ -370,7 +363,7 @@ class WarmPool:
 
     def run_epoch(self, plan, specs: list[WorkerSpec], timeout_s: float,
                   on_failure: Callable[[WorkerOutcome, WorkerSpec], WorkerSpec | None] | None = None,
-                  on_tick: Callable[[], None] | None = None, poll_s: float = 0.005) -> tuple[list, list]:
+                  on_tick: Callable[[], None] | None = None, poll_s: float = REPLY_POLL_S) -> tuple[list, list]:
         """Send `specs` (one per rank) and wait for every rank's reply. Returns (the final
         attempt of every rank, every attempt). A worker that dies, fails its epoch or shows no
         progress for `timeout_s` is stopped and passed to `on_failure`: a returned spec is sent
@@ -379,8 +372,7 @@ class WarmPool:
         attempts: list[WorkerOutcome] = []
         for spec in specs:
             attempts.append(self._send(self.workers[spec.rank], spec))
-        # replies are read every `poll_s` (a reply waits half of it on average: 2.5 ms here, where
-        # a directory store's read of a missing key costs ~8 us) or the store's own poll where that
+        # replies are read every `poll_s` (`REPLY_POLL_S`) or the store's own poll where that
         # is slower, growing with the epoch's time (`control_pause`), one worker's a tick in turn
         # (`_read_turn`): each read is a billed request on a cloud store
         poll_s = pause = max(poll_s, self.store.poll_max_s)
