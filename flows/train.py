@@ -254,10 +254,12 @@ def finish_run(run: Training) -> RunSummary:
     run.clock.teardown_at = time.time()
     live = COMMAND_LINE.live_workers(ctx)  # before the teardown: its last lines say what it stopped
     teardown(ctx)
-    ledger = record_cost(ctx)  # final before the report renders it; nothing rewrites it
-    summary = summarize(ctx, run.status, run.history, run.first_plan, ledger, run.error)
-    # the next plan on this target predicts from them; in the flow, not a task: best effort, it never raises
+    # the next plan on this target predicts from them (before the final ledger, which bills their
+    # requests); in the flow, not a task: best effort, it never raises
     record_terms(ctx, run.clock, run.history)
+    # final before the report renders it; nothing rewrites it; it bills the summary's put and its curves'
+    ledger = record_cost(ctx, writes_after=1 + bool(run.history))
+    summary = summarize(ctx, run.status, run.history, run.first_plan, ledger, run.error)
     ACTIVE.pop(ctx.flow_run_id, None)
     COMMAND_LINE.ended(ctx, live, ledger["total_usd"])
     if run.status == "cancelled":

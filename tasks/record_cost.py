@@ -10,6 +10,7 @@ from coordinator.run.context import RunContext
 
 
 @task(name="record_cost", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2, timeout_seconds=120)
-def record_cost(ctx: RunContext) -> dict:
-    """Write the final ledger and a table artifact of it (before the report, which shows it)."""
-    return record_final_bill(ctx)
+def record_cost(ctx: RunContext, writes_after: int = 0) -> dict:
+    """Write the final ledger and a table artifact of it (before the report, which shows it);
+    `writes_after`: the puts the run makes after it, which it bills (`record_cost_now`)."""
+    return record_final_bill(ctx, writes_after)

@@ -3,6 +3,8 @@ a cloud Redis's node by the hour, the ledger's store rows and the report's store
 worker's epoch result carrying the requests its epoch made."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from comm.store_dir import DirectoryStore
@@ -130,3 +132,27 @@ def test_the_run_prediction_adds_the_stores_requests_and_server():
                                   workers_launched_s=None, store_usd_per_epoch=per_epoch)
     assert planned.predicted_store_usd == pytest.approx(3 * per_epoch)
     assert planned.predicted_store_ops == ops.to_dict()
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_the_final_ledger_bills_every_request_the_coordinator_made(tmp_path):
+    """The coordinator's store row in the final ledger counts every request its process made in
+    the run, the ledger's own put and the summary's and its curves' after it included (their
+    requests, not their bytes): the process's counter, read once the flow returned, equals it."""
+    from comm.store import open_store
+    from comm.store_base import process_ops
+    from coordinator.run.job import TrainJob
+    from core.keys import ledger_key
+    from core.store_ops import StoreOps
+    from flows.train import train
+
+    url = f"file://{tmp_path}/store"
+    before = process_ops().get("file://", StoreOps())
+    summary = train(TrainJob(model="digits_mlp", dataset="digits", workers=1, epochs=1, store=url, target="inline"))
+    made = process_ops()["file://"] - before
+    store = open_store(url)
+    ledger = json.loads(store.get(ledger_key(summary.run_id)))
+    billed = StoreOps.from_dict(next(r["store_ops"] for r in ledger["rows"] if r["resource"] == "store file:// coordinator"))
+    assert made.put > 0 and made.get > 0
+    assert {k: v for k, v in billed.to_dict().items() if not k.startswith("bytes")} == \
+        {k: v for k, v in made.to_dict().items() if not k.startswith("bytes")}
