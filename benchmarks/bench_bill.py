@@ -366,8 +366,11 @@ def main(argv: list[str] | None = None) -> int:
                 stop_server(proc)
     body = (f"Job: {json.dumps(JOB)}; rows: {json.dumps(ROWS)}. Method and prices: the module docstring of "
             "`benchmarks/bench_bill.py`. Each cell: measured (the run's `cost.json`) / predicted (the plan). "
-            "Workers' dollars include the coordinator's (billed like one worker). Counts: the store's requests, "
-            "all 3 epochs, the workers' and the coordinator's measured; the protocol's predicted.\n\n"
+            "Workers' dollars include the coordinator's (billed on-demand at its own size, `core/coordinator_size.py`). "
+            "Counts: the store's requests, all 3 epochs, the workers' and the coordinator's measured; the "
+            "protocol's predicted. Store dollars predicted: the protocol's requests and, where the durable store "
+            "is priced (the real job below), each epoch's warm channel (`planners.store_requests.warm_channel_ops`)."
+            "\n\n"
             + render(results) + "\n\n## A plan that request costs change\n\n"
             + "The planner weighs the store's dollars in the choices it makes: the strategy (Local-SGD, pipeline, "
             "hybrid) and, under `collective=auto`, store against ring. It chooses no sync period (the job's "
