@@ -125,13 +125,16 @@ class _Watch(threading.Thread):
         store = self.store_factory()
         also_report(store)  # its lease reads and status posts: in the epochs' results
         try:
+            lease_read_at = None
             while not self.stopped.is_set():
-                try:
-                    self.lease.observe(store.get(lease_key(self.run_id)))
-                except KeyError:
-                    pass
-                except Exception as exc:  # a store that blips is not a lost coordinator
-                    self.log(f"zooid warm worker: lease read failed ({type(exc).__name__}: {exc})")
+                if lease_read_at is None or time.monotonic() - lease_read_at >= self.settings.check_s:
+                    lease_read_at = time.monotonic()
+                    try:
+                        self.lease.observe(store.get(lease_key(self.run_id)))
+                    except KeyError:
+                        pass
+                    except Exception as exc:  # a store that blips is not a lost coordinator
+                        self.log(f"zooid warm worker: lease read failed ({type(exc).__name__}: {exc})")
                 if self.lease.expired and not self.expired.is_set():
                     self.log(f"zooid warm worker {self.settings.worker}: the coordinator's lease was not "
                              f"renewed for {self.lease.age_s:.0f} s (worker_lease_s={self.settings.lease_s:g}); "
@@ -143,7 +146,8 @@ class _Watch(threading.Thread):
                     if time.time() - beat_at > self.settings.grace_s:
                         self.log("zooid warm worker: the training thread did not stop; exiting")
                         os._exit(LEASE_EXIT)
-                self.stopped.wait(self.settings.check_s)
+                # awake for whichever is due first: the lease's read or the progress's write
+                self.stopped.wait(min(self.settings.check_s, self.settings.progress_s))
         finally:
             store.close()
 

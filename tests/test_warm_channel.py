@@ -200,3 +200,35 @@ def test_the_warm_channels_requests_of_an_epoch_follow_its_cadence():
     assert (minute.put, minute.get) == (8 + 16 + 4, 4 + 32 + 32)
     assert minute.miss == control_reads(60.0, 0.1, 0.1, 1.0) < 60.0 / 0.1
     assert warm_channel_ops(0, 60.0, cadence, poll_first_s=0.1, poll_max_s=0.1) == StoreOps()
+
+
+def test_the_watch_wakes_for_progress_when_it_is_due_before_the_lease(tmp_path, monkeypatch):
+    """A stall timeout shorter than the lease's read period (`worker_timeout_s` 8 s against a
+    7.5 s lease read) needs progress written more often than the lease is read: the watch wakes
+    for whichever is due first."""
+    import itertools
+    import threading
+
+    from comm import heartbeat
+    from runtime.warm import _Watch
+
+    store = _Counting(f"file://{tmp_path}/store")
+    written = threading.Event()
+    put = store.put
+
+    def counted(key, data, **kw):
+        put(key, data, **kw)
+        if sum(k.endswith("status.json") for k in store.puts) >= 2:
+            written.set()
+
+    store.put = counted
+    steps = itertools.count()
+    monkeypatch.setattr(heartbeat, "progress", lambda: (next(steps), 1.0))
+    watch = _Watch(lambda: store, "zrun", WarmSpec(worker="r0-w0", check_s=3600.0, progress_s=0.01), time.time(), print)
+    watch.busy(0, 0, time.time())
+    watch.start()
+    try:
+        assert written.wait(60), "the progress was not written twice while the lease is read once an hour"
+    finally:
+        watch.stopped.set()
+        watch.join(5)
