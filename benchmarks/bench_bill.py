@@ -46,7 +46,6 @@ from benchmarks.harness.tables import table
 from benchmarks.harness.train import run_train
 from benchmarks.output import SOURCE, command_for, money, provenance, write_result
 from comm.store import open_store
-from core.keys import ledger_key
 from core.store_ops import StoreOps
 from deployments.server import free_port
 from core.kinds import Strategy
@@ -123,6 +122,17 @@ def predicted(plan: dict, ledger: dict, cloud_redis: bool) -> dict:
     return {"workers": workers, "store": store, "ops": StoreOps.from_dict(plan.get("predicted_store_ops"))}
 
 
+def ledger_in(url: str, run_id: str) -> dict:
+    """The ledger run `run_id` wrote to the store at `url`."""
+    from coordinator.bill.cost import read_ledger
+
+    store = open_store(url)
+    try:
+        return read_ledger(store, run_id)
+    finally:
+        store.close()
+
+
 def one_run(folder: Path, row: str, store: str, servers: dict) -> dict:
     """The job with `row`'s sync over `store`: the measured and predicted bills."""
     name = f"{row}-{store}".replace(" ", "_").replace("=", "")
@@ -138,11 +148,7 @@ def one_run(folder: Path, row: str, store: str, servers: dict) -> dict:
         params.update(store=f"file://{folder / name}", collective="ring")
         prefix = "file://" + str(folder / name)
     run = run_train(params, folder / f"{name}.json", timeout_s=600)
-    durable_store = open_store(f"file://{durable}")
-    try:
-        ledger = json.loads(durable_store.get(ledger_key(run.summary["run_id"])))
-    finally:
-        durable_store.close()
+    ledger = ledger_in(f"file://{durable}", run.summary["run_id"])
     cloud = store == "Redis"
     return {"row": row, "store": store, "measured": measured(ledger, prefix, cloud),
             "predicted": predicted(run.summary["plan"], ledger, cloud), "wall_s": run.wall_s}
@@ -280,11 +286,7 @@ def flip_runs(folder: Path, plans: list[dict]) -> list[dict]:
         name = "flip-" + ("weighed" if chosen["weighed"] else "ignored")
         params = {**FLIP_JOB, **forced(chosen["plan"]), "store": f"s3://bench/{name}"}
         run = run_train(params, folder / f"{name}.json", timeout_s=900)
-        store = open_store(f"s3://bench/{name}")
-        try:
-            ledger = json.loads(store.get(ledger_key(run.summary["run_id"])))
-        finally:
-            store.close()
+        ledger = ledger_in(f"s3://bench/{name}", run.summary["run_id"])
         plan = run.summary["plan"]
         out.append({"weighed": chosen["weighed"], "plan": plan, "measured": measured(ledger, "s3://", False),
                     "predicted": predicted(plan, ledger, False), "wall_s": run.wall_s,
