@@ -14,8 +14,21 @@ pytestmark = [pytest.mark.slow, pytest.mark.docker]
 stack = pytest.fixture(scope="module", name="stack")(stack_for_the_module)
 
 
-def test_a_spot_container_stopped_with_a_grace_hands_over_and_is_replaced(stack):
+def _preempt_rank(run_id: str, rank: int, grace_s: int):
+    """Stop rank `rank`'s running warm container as the provider would (`clouds.docker.preempt`:
+    SIGTERM, SIGKILL after `grace_s`); returns (the container, what the stop saw) once it exited."""
     from clouds.docker import preempt
+
+    victim = next(c for c in _containers(run_id, running_only=True)
+                  if f"-warm-r{rank}-" in c.labels.get("io.prefect.flow-run-name", ""))
+    client = _client()
+    try:
+        return victim, preempt(client, victim.id, grace_s=grace_s)
+    finally:
+        client.close()
+
+
+def test_a_spot_container_stopped_with_a_grace_hands_over_and_is_replaced(stack):
     from engine.preemption import read_preempted_marker
 
     # rank 1 holds at the start of epoch 1 (an event: its held marker) until the notice comes
@@ -26,13 +39,7 @@ def test_a_spot_container_stopped_with_a_grace_hands_over_and_is_replaced(stack)
     store = _store(stack)
     try:
         _wait_key(store, f"runs/{run_id}/faults/held-e1-r1-")
-        victim = next(c for c in _containers(run_id, running_only=True)
-                      if "-warm-r1-" in c.labels.get("io.prefect.flow-run-name", ""))
-        client = _client()
-        try:
-            stopped = preempt(client, victim.id, grace_s=60)  # returns once the container has exited
-        finally:
-            client.close()
+        victim, stopped = _preempt_rank(run_id, 1, grace_s=60)
         fr = _wait_final(flow_run_id)
         notice = read_preempted_marker(store, run_id, 1, 1, 0)
         store.put(f"runs/{run_id}/release", b"1")  # nothing should be held by then; never hang
@@ -78,8 +85,6 @@ def test_an_idle_warm_container_stopped_between_epochs_leaves_at_once_and_is_rep
     worker's own status 6 (not 137: the grace never runs out); the coordinator replaces it at
     epoch 1 without a timeout, the run completes, and its container's interval is billed once,
     as preempted."""
-    from clouds.docker import preempt
-
     target = _save_target("docker-preempt-idle", job_variables={"env": {
         "ZOOID_CHAOS": "hold_worker:epoch=0:rank=0:at=sync:until=release"}})
     flow_run_id = _submit(stack, strategy="local_sgd", workers=2, epochs=2, target=target, capacity="spot")
@@ -88,13 +93,7 @@ def test_an_idle_warm_container_stopped_between_epochs_leaves_at_once_and_is_rep
     try:
         _wait_key(store, f"runs/{run_id}/faults/held-e0-r0-")
         status_key = _idle_status(store, run_id, rank=1, epoch=0)
-        victim = next(c for c in _containers(run_id, running_only=True)
-                      if "-warm-r1-" in c.labels.get("io.prefect.flow-run-name", ""))
-        client = _client()
-        try:
-            stopped = preempt(client, victim.id, grace_s=30)  # returns once the container has exited
-        finally:
-            client.close()
+        victim, stopped = _preempt_rank(run_id, 1, grace_s=30)
         left = _json(store, status_key)  # what it wrote on the notice (teardown deletes it)
         store.put(f"runs/{run_id}/release", b"1")
         fr = _wait_final(flow_run_id)
