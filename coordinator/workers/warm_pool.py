@@ -443,11 +443,11 @@ class WarmPool:
 
     def _check(self, w: WarmWorker, now: float, timeout_s: float, last_relaunch: float,
                read_reply: bool = True) -> None:
-        """Read the reply of `w`'s command (with `read_reply`, or when the worker died); else see
-        whether the worker died or hangs."""
+        """See whether the worker is alive, then read the reply of its command (with `read_reply`,
+        or when it died: a reply written before it exited is still its answer); else see whether
+        it hangs."""
         cmd = w.command
-        if not read_reply:
-            w.launcher._poll()
+        w.launcher._poll()
         reply = read_json(self.store, reply_key(self.ctx.run_id, w.name, cmd.seq)) \
             if read_reply or not w.alive else None
         if reply is not None and reply.get("ok"):
@@ -465,7 +465,6 @@ class WarmPool:
             if cmd.outcome.error is None:  # its requests, billed once (the reply is read until it exits)
                 self.ctx.state.store_ops = grouped_total([self.ctx.state.store_ops, reply.get("store_ops") or {}])
             cmd.outcome.error = f"{reply.get('error')}: {reply.get('message', '')}"
-        w.launcher._poll()
         status = None
         if not w.alive or now - w.status_read_at >= self.status_every_s:  # each read: a request
             w.status_read_at = now
