@@ -38,7 +38,8 @@ class Fit:
     shared_parameters: tuple = ()
     """Parameters two top-level children hold (`engine.stages.shared_parameters`)."""
     parameter_bytes: int = 0
-    """The model's parameters, in bytes (each shared one once)."""
+    """The model's parameters, in bytes (each shared one once); 0 where it could not be built for
+    its shapes (`check_takes`) and is not pipelined."""
 
 
 def fit_model(model: str, dataset: str, data, classes: int, *, seed: int = 0, loss: str | None = None,
@@ -52,11 +53,11 @@ def fit_model(model: str, dataset: str, data, classes: int, *, seed: int = 0, lo
     shared = shared_parameters(built) if built is not None else ()
     if loss:
         check_loss(loss, model, data, seed=seed, model_kwargs=kwargs)
-    shaped = built if built is not None else shape_model(model, seed, **kwargs)
     if pipelined:
-        check_pipeline(model, shaped, stages)
+        built = built if built is not None else shape_model(model, seed, **kwargs)
+        check_pipeline(model, built, stages)
     return Fit(model_kwargs=kwargs, shared_parameters=shared,
-               parameter_bytes=sum(p.numel() * p.element_size() for p in shaped.parameters()))
+               parameter_bytes=sum(p.numel() * p.element_size() for p in built.parameters()) if built is not None else 0)
 
 
 def _shape_text(shape) -> str:

@@ -23,7 +23,7 @@ another.
 
 Every read and write here is a billed request on a cloud store, so the channel is paced by
 what it is for, not by the clock: a command is seen at most 2 % of the worker's idle time
-late (`comm.store_base.control_pause`), the status carries progress for the coordinator's
+late (`core.polling.control_pause`), the status carries progress for the coordinator's
 stall timeout (`progress_s`, a fraction of it) and the coordinator reads replies, not
 statuses, to know an epoch ended.
 

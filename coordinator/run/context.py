@@ -114,8 +114,8 @@ class RunContext:
 
     @property
     def coordinator_offer(self):
-        """The offer the coordinator is billed as."""
-        return self.resolved.coordinator_offer or self.resolved.offer
+        """The offer the coordinator is billed as (`ResolvedJob.coordinator_billed_as`)."""
+        return self.resolved.coordinator_billed_as
 
     def offer_of(self, capacity: str = Capacity.ON_DEMAND):
         """The offer a worker on `capacity` is billed as: the job's offer, or on `spot` the spot

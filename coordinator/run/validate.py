@@ -66,11 +66,15 @@ class ResolvedJob:
     """The coordinator's memory (`core.coordinator_size.coordinator_memory_gb`)."""
 
     @property
+    def coordinator_billed_as(self) -> Offer:
+        """The offer the coordinator is billed as: the target's `coordinator_offer`, else `offer`."""
+        return self.coordinator_offer or self.offer
+
+    @property
     def price_per_coordinator_s(self) -> float:
         """Dollars per second of the coordinator: on-demand, at the target's `coordinator_vcpu`
         and `coordinator_memory_gb`, no GPU."""
-        offer = self.coordinator_offer or self.offer
-        return offer.price_per_s(self.target.coordinator_vcpu, self.coordinator_memory_gb, 0)
+        return self.coordinator_billed_as.price_per_s(self.target.coordinator_vcpu, self.coordinator_memory_gb, 0)
 
     @property
     def subset_size(self) -> int:
