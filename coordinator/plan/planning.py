@@ -95,15 +95,22 @@ def run_store_offer(ctx: RunContext, durable: bool = False) -> StoreOffer:
     move their tensors, `coordinator.workers.worker_specs`) is billed by
     (`planners.store_prices.store_offer`); a free one for a context that names no store (the
     planner's inputs alone, as its unit tests build them)."""
+    seen = store_seen(ctx, durable)
+    return store_offer(seen[0] if seen else "", ctx.resolved.offer.provider if seen else None)
+
+
+def store_seen(ctx: RunContext, durable: bool = False) -> tuple[str, float] | None:
+    """The run's store (`durable`: its durable store) as the plan prices it: where it is
+    (`Store.where`) and how fast a waiting read polls it (`Store.poll_max_s`); None for a
+    context that names no store."""
     opener = getattr(ctx, "open_durable" if durable else "open_store", None)
     if opener is None:
-        return store_offer("")
+        return None
     store = opener()
     try:
-        where = store.where
+        return store.where, store.poll_max_s
     finally:
         store.close()
-    return store_offer(where, ctx.resolved.offer.provider)
 
 
 IGNORE_REQUESTS_ENV = "ZOOID_PLAN_IGNORING_REQUESTS"
@@ -224,13 +231,10 @@ def warm_channel_usd(ctx: RunContext, plan: Plan) -> float:
     """Dollars of one epoch of `plan`'s warm channel (commands, replies, status, lease) on the
     durable store that carries it (`planners.store_requests.warm_channel_ops`, at the coordinator's
     pace of reading that store); 0 for cold workers or a context that names no store."""
-    if not getattr(ctx.job, "warm", False) or getattr(ctx, "open_durable", None) is None:
+    seen = store_seen(ctx, durable=True) if getattr(ctx.job, "warm", False) else None
+    if seen is None:
         return 0.0
-    store = ctx.open_durable()
-    try:
-        where, poll_s = store.where, max(REPLY_POLL_S, store.poll_max_s)
-    finally:
-        store.close()
+    where, poll_s = seen[0], max(REPLY_POLL_S, seen[1])
     ops = warm_channel_ops(plan.workers, plan.predicted_epoch_s,
                            WarmCadence(ctx.job.worker_lease_s, ctx.job.worker_timeout_s),
                            poll_first_s=poll_s, poll_max_s=poll_s)
