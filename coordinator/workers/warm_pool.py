@@ -147,10 +147,6 @@ class WarmPool:
         """The channel's periods for the job (`core.warm_cadence`)."""
         return WarmCadence(self.ctx.job.worker_lease_s, self.ctx.job.worker_timeout_s)
 
-    @property
-    def status_every_s(self) -> float:
-        return self.cadence.status_every_s
-
     # --- lifecycle ------------------------------------------------------------------
 
     def _open(self) -> None:
@@ -466,7 +462,7 @@ class WarmPool:
                 self.ctx.state.store_ops = grouped_total([self.ctx.state.store_ops, reply.get("store_ops") or {}])
             cmd.outcome.error = f"{reply.get('error')}: {reply.get('message', '')}"
         status = None
-        if not w.alive or now - w.status_read_at >= self.status_every_s:  # each read: a request
+        if not w.alive or now - w.status_read_at >= self.cadence.status_every_s:  # each read: a request
             w.status_read_at = now
             status = read_json(self.store, status_key(self.ctx.run_id, w.name)) or {}
         if reply is None and status and status.get("state") == PREEMPTED:
