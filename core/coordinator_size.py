@@ -17,8 +17,7 @@ from __future__ import annotations
 import math
 
 from core.errors import ZooidValueError
-
-GB = float(1 << 30)
+from core.stage_memory import GB
 BASE_GB = 0.5
 """The coordinator process before any model (measured: 284 MiB after its imports)."""
 MODEL_COPIES = 5
