@@ -5,6 +5,13 @@ Ctrl-C or SIGTERM stopping the run does not take the API its teardown still need
 run killed outright (SIGKILL, a lost machine), nothing would stop that server: this guard is
 its parent and stops it (SIGTERM, then SIGKILL after 10 s) once the run that asked for it is
 gone, or exits with the command's status when the command ends first.
+
+The guard is stopped as its callers start it: leader of a session of its own, signalled as a
+group (`killpg`). That signal has reached the command too, so the guard does not send it a
+second: a second SIGTERM ends many servers at once, mid-shutdown (Node's Azurite drops the
+database it was writing, uvicorn skips its graceful close). It waits out the grace instead.
+Only a guard signalled outside its own group (a caller that made it no leader) passes the
+signal on.
 """
 from __future__ import annotations
 
@@ -15,8 +22,9 @@ import sys
 import time
 
 
-def _stop(child: subprocess.Popen, grace_s: float = 10.0) -> int:
-    child.terminate()
+def _stop(child: subprocess.Popen, grace_s: float = 10.0, signal_it: bool = True) -> int:
+    if signal_it:
+        child.terminate()
     try:
         return child.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
@@ -31,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     parent, command = int(argv[0]), argv[2:]
     child = subprocess.Popen(command)
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(_stop(child)))
+    group_signalled = os.getpgid(0) == os.getpid()  # the leader: a stop reaches the command too
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(_stop(child, signal_it=not group_signalled)))
     while child.poll() is None:
         if os.getppid() != parent:  # the run is gone: this guard was handed to another parent
             return _stop(child)

@@ -86,6 +86,7 @@ class FakeClock:
     def __init__(self, now: float = 1000.0):
         self.now, self.sleeps, self.deadlines = now, [], []
         self.on_sleep = None  # called with the number of sleeps so far: an event inside a wait
+        self.together: threading.Barrier | None = None  # set: each deadline waits for all parties
         self._lock = threading.Lock()
 
     def monotonic(self) -> float:
@@ -101,6 +102,8 @@ class FakeClock:
             self.on_sleep(len(self.sleeps))
 
     def sleep_until(self, deadline: float) -> None:
+        if self.together is not None:  # transfers at once: none moves the clock before all have
+            self.together.wait(timeout=60)  # read it (a loaded machine may run them in turn)
         with self._lock:
             self.deadlines.append(deadline)
             self.now = max(self.now, deadline)
@@ -354,7 +357,7 @@ def test_emulated_bandwidth_paces_each_direction(tmp_path, clock):
     # Upload and download at once take as long as one: the directions are independent
     # (one shared link would take both transfers' time, 0.4 s).
     store.put("runs/r/b", data)
-    start = clock.now
+    start, clock.together = clock.now, threading.Barrier(2)
     threads = [threading.Thread(target=store.put, args=("runs/r/c", data)),
                threading.Thread(target=store.get, args=("runs/r/b",))]
     for t in threads:
