@@ -42,3 +42,44 @@ def test_bad_input_names_the_parameter():
         remaining_epoch_s(1.0, 10.0, progress=1.5)
     with pytest.raises(PrestartError, match="workers"):
         startup_split([(5.0, 4.0)], previous_end=None)
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_pre_started_workers_keys_are_not_cleared_under_them(tmp_path, monkeypatch):
+    """Pre-started cold workers begin their epoch as soon as the last one's checkpoint is written,
+    which may be before the coordinator has committed it and sent the next epoch: their epoch's
+    sync keys are cleared before they are launched, never after (a slice deleted under a worker is
+    posted again after a wait: `reposts`)."""
+    import json
+
+    from comm.store import open_store
+    from comm.store_base import Store
+    from coordinator.run.job import TrainJob
+    from coordinator.workers.warm_prestart import PrestartWatch
+    from core.keys import sync_prefix, worker_history_key
+    from flows.train import train
+
+    events, delete_prefix, launch_next = [], Store.delete_prefix, PrestartWatch.launch_next
+
+    def deleting(self, prefix):
+        events.append(("cleared", prefix))
+        return delete_prefix(self, prefix)
+
+    def launching(self):
+        launch_next(self)
+        events.append(("launched", sync_prefix(self.ctx.run_id, self.epoch + 1) + "/"))
+
+    monkeypatch.setattr(Store, "delete_prefix", deleting)
+    monkeypatch.setattr(PrestartWatch, "launch_next", launching)
+    url = f"file://{tmp_path}/store"
+    summary = train(TrainJob(model="digits_mlp", dataset="digits", workers=2, epochs=4, sync_period=4,
+                             strategy="local_sgd", store=url, target="inline", warm=False, prestart=True))
+    launched = [i for i, (what, _) in enumerate(events) if what == "launched"]
+    assert launched and sum(e.prestarted for e in summary.epochs) == len(launched)
+    for i in launched:
+        prefix = events[i][1]
+        assert ("cleared", prefix) in events[:i] and ("cleared", prefix) not in events[i:]
+    store = open_store(url)  # the workers' own account: nothing posted twice
+    history = worker_history_key(summary.run_id, 0, 0, 0).split("/history/")[0] + "/history/"
+    records = [json.loads(store.get(key)) for key in store.list(history) if key.endswith(".json")]
+    assert len(records) >= 8 and [rec["reposts"] for rec in records] == [0] * len(records)

@@ -21,6 +21,7 @@ from coordinator.bill.cost import worker_records
 from coordinator.run.context import RunContext
 from coordinator.workers.epoch_samples import check_samples
 from coordinator.workers.failures import FailureKind, classify_failure
+from coordinator.workers.epoch_keys import clear_epoch_keys
 from coordinator.workers.launchers import (PAID_WORKERS_LIMIT, WorkerOutcome, WorkersFailed, make_launcher,
                                            worker_threads)
 from coordinator.workers.preemptions import Preemptions, before_on_demand, mark_ledger, reached_step, redone_seconds
@@ -28,7 +29,7 @@ from coordinator.workers.warm_prestart import PrestartWatch, should_prestart, st
 from coordinator.workers.worker_specs import next_attempt, worker_specs
 from core.epoch_summary import EpochSummary
 from core.errors import OutOfMemory, ZooidValueError
-from core.keys import activation_prefix, handover_prefix, sync_prefix, worker_history_key
+from core.keys import worker_history_key
 from core.kinds import Capacity, Strategy
 from core.plan import Plan
 from core.specs import WorkerSpec
@@ -293,18 +294,8 @@ def _start_and_pace(store, run_id: str, epoch: int, outcome: WorkerOutcome) -> t
 def _run_attempt(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, resume: bool, attempt: int,
                  on_tick, preemptions: Preemptions, seen: list[WorkerOutcome]) -> EpochSummary:
     """One attempt at the epoch (`run_epoch_on_target`)."""
-    store = ctx.open_store()
-    try:  # no worker of this attempt may read a failed attempt's slices or activations
-        store.delete_prefix(sync_prefix(ctx.run_id, epoch) + "/")
-        store.delete_prefix(activation_prefix(ctx.run_id, epoch) + "/")
-    finally:
-        store.close()
-    durable = ctx.open_durable()
-    try:  # nor continue a handover of a failed attempt (its peers start from the sync checkpoint)
-        durable.delete_prefix(handover_prefix(ctx.run_id, epoch) + "/")
-    finally:
-        durable.close()
     if ctx.job.warm:  # each warm worker holds its paid-worker slot from its start to its stop
+        clear_epoch_keys(ctx, epoch)
         return warm_epoch(ctx, plan, epoch, init, lr, resume, attempt, on_tick, preemptions, seen)
     launcher = ctx.state.prestarted.pop(epoch, None)  # started during the previous epoch
     if launcher is not None and (attempt > 0 or resume or any(o.status != "running" for o in launcher.outcomes)):
@@ -314,7 +305,8 @@ def _run_attempt(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, 
                                          ctx.resolved.offer, ctx.price_of(plan)))
         launcher = None
     prestarted = launcher is not None
-    if launcher is None:
+    if launcher is None:  # (pre-started workers' keys were cleared before they started: they may be syncing)
+        clear_epoch_keys(ctx, epoch)
         launcher = make_launcher(ctx, plan)
         ctx.state.launchers.append(launcher)
     # one slot of the global paid-worker limit per worker, held for the epoch (no-op when the

@@ -1,0 +1,25 @@
+"""An epoch attempt's fresh start on the stores: no worker of it may read a failed attempt's
+sync slices or activations, nor continue a failed attempt's handover (its peers start from the
+sync checkpoint). Cleared before the attempt's workers start: at the epoch's send, or before
+pre-started workers are launched (`coordinator.workers.warm_prestart.PrestartWatch`), which may
+begin the epoch while the coordinator still commits the one before.
+"""
+from __future__ import annotations
+
+from coordinator.run.context import RunContext
+from core.keys import activation_prefix, handover_prefix, sync_prefix
+
+
+def clear_epoch_keys(ctx: RunContext, epoch: int) -> None:
+    """Delete epoch `epoch`'s sync slices and activations (run store) and handovers (durable store)."""
+    store = ctx.open_store()
+    try:
+        store.delete_prefix(sync_prefix(ctx.run_id, epoch) + "/")
+        store.delete_prefix(activation_prefix(ctx.run_id, epoch) + "/")
+    finally:
+        store.close()
+    durable = ctx.open_durable()
+    try:
+        durable.delete_prefix(handover_prefix(ctx.run_id, epoch) + "/")
+    finally:
+        durable.close()
