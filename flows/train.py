@@ -41,8 +41,8 @@ from prefect import flow
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 
 from coordinator.bill.cost import total_usd
-from coordinator.bill.ledger import rows_now
-from coordinator.plan.planning import strategy_inputs
+from coordinator.bill.ledger import rows_now, store_ops_now
+from coordinator.plan.planning import RunStores, expected_epoch_ops, run_stores, strategy_inputs
 from coordinator.plan.run_terms import RunClock, record_terms
 from coordinator.plan.scaling_policy import forecast_workers
 from coordinator.report.progress import epoch_line, money
@@ -58,6 +58,7 @@ from core.epoch_summary import EpochSummary, Replan
 from core.fast_exit import exit_now
 from core.keys import artifact_key, init_checkpoint_key
 from core.plan import Plan
+from core.store_ops import StoreOps
 from flows.hooks import on_abnormal_end
 from flows.params import job_fields_flow
 from flows.train_cli import COMMAND_LINE, run_command_line
@@ -146,6 +147,8 @@ class Training:
     workers: int = 1
     calibration: Calibration = field(default_factory=Calibration)
     history: list[EpochSummary] = field(default_factory=list)
+    stores: RunStores | None = None
+    """The run's stores as its plans price them (their requests are measured against that)."""
     status: str = "failed"
     error: str | None = None
 
@@ -197,6 +200,8 @@ def profile_plan_and_provision(run: Training) -> None:
     run.plan_since, run.first_plan = run.first_epoch, run.plan.to_dict()
     log_outer_settings(job, run.plan.steps_per_epoch)  # what the sync period chose, or a warning
     run.clock.planned_at = run.first_plan["planned_at"] = time.time()  # its run prediction counts from here
+    run.stores = run_stores(ctx)  # the run's own requests are measured from here (`own_requests`)
+    run.clock.store_roles, run.clock.ops_at_plan = run.stores.roles, store_ops_now(ctx)
     if ctx.state.warm is not None:  # start-up overlaps provisioning
         ctx.state.warm.ensure(run.plan, run.first_epoch)
     provision(ctx, run.plan, fresh=resume is None)
@@ -212,9 +217,11 @@ def train_one_epoch(run: Training, epoch: int) -> EpochSummary:
     if ctx.state.warm is not None and epoch + 1 < job.epochs and \
             (upcoming := forecast_workers(ctx, run.profile, run.history, run.plan.data_parallel, run.lr)):
         ticks.append(WarmPrestart(ctx, run.plan, epoch, upcoming).tick)  # hides the next start-up
-    sent = time.time()
+    sent, requested = time.time(), store_ops_now(ctx)
     summary = run_epoch(ctx, run.plan, epoch, run.init, run.lr, resuming, on_tick=lambda: [t() for t in ticks])
     run.clock.epoch(sent, time.time())
+    run.clock.epoch_ops.append((requested, expected_epoch_ops(ctx, run.plan, time.time() - sent, run.stores),
+                                run.stores.protocol_role(run.plan)))
     if epoch == run.first_epoch and run.plan.predicted_first_epoch_s:  # start-up and warm-up in force
         summary.predicted_epoch_s = run.plan.predicted_first_epoch_s
     summary.predicted_cost_so_far_usd = predicted_cost_at(run.plan, epoch - run.plan_since)
@@ -254,11 +261,14 @@ def finish_run(run: Training) -> RunSummary:
     run.clock.teardown_at = time.time()
     live = COMMAND_LINE.live_workers(ctx)  # before the teardown: its last lines say what it stopped
     teardown(ctx)
+    writes_after = 1 + bool(run.history)  # the summary's put and its curves', after the final ledger's
+    if run.stores is not None:  # the run's requests, those three puts included
+        run.clock.ops_at_end = store_ops_now(ctx, {run.stores.durable_where: StoreOps(put=1 + writes_after)})
     # the next plan on this target predicts from them (before the final ledger, which bills their
     # requests); in the flow, not a task: best effort, it never raises
     record_terms(ctx, run.clock, run.history)
-    # final before the report renders it; nothing rewrites it; it bills the summary's put and its curves'
-    ledger = record_cost(ctx, writes_after=1 + bool(run.history))
+    # final before the report renders it; nothing rewrites it
+    ledger = record_cost(ctx, writes_after=writes_after)
     summary = summarize(ctx, run.status, run.history, run.first_plan, ledger, run.error)
     ACTIVE.pop(ctx.flow_run_id, None)
     COMMAND_LINE.ended(ctx, live, ledger["total_usd"])

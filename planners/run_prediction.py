@@ -43,6 +43,10 @@ class RunTerms:
     startup_one_s: float | None = None
     """A typical single worker's start-up (the median of the samples; None: `startup_s`), the
     base that `started_together` stretches where workers share the coordinator's cores."""
+    own_store_ops: dict = field(default_factory=dict)
+    """The run's own store requests beyond its epochs' protocol and warm channel, by part
+    (`epoch`, `staging`, `teardown`) and store role, as earlier runs on this target measured
+    them (`coordinator.plan.own_requests`); empty until one did."""
     measured: dict = field(default_factory=dict)
     """Term name -> True where measured on this target and offer, False where assumed."""
 
@@ -85,7 +89,8 @@ def started_together(terms: RunTerms, workers: int, host_cores: int | None) -> f
 def predict_run(plan: Plan, terms: RunTerms, *, epochs: int, warm: bool, workers_launched_s: float | None,
                 billed_usd: float = 0.0, coordinator_price_per_s: float | None = None,
                 per_epoch: Sequence[Plan] | None = None, host_cores: int | None = None,
-                store_usd_per_epoch: float = 0.0, store_usd_per_s: float = 0.0) -> RunPrediction:
+                store_usd_per_epoch: float = 0.0, store_usd_per_s: float = 0.0, store_usd_before: float = 0.0,
+                store_usd_after: float = 0.0) -> RunPrediction:
     """The run's time and bill for `epochs` more epochs of `plan`, from now.
 
     Warm: the workers (launched `workers_launched_s` seconds ago; None: launched at the
@@ -105,7 +110,9 @@ def predict_run(plan: Plan, terms: RunTerms, *, epochs: int, warm: bool, workers
     coordinator's `host_cores`, the workers added together start slower (`started_together`).
 
     The store: `store_usd_per_epoch` for each epoch's requests (`planners.store_requests`
-    priced by `planners.store_prices`), and `store_usd_per_s` for its server over the run."""
+    priced by `planners.store_prices`), `store_usd_per_s` for its server over the run, and the
+    run's own requests before its first epoch and after its last (`store_usd_before`, `_after`:
+    staging and teardown, `coordinator.plan.own_requests`)."""
     if epochs < 0:
         raise ValueError(f"epochs: must be >= 0, got {epochs}")
     plans = list(per_epoch) if per_epoch is not None else [plan] * epochs
@@ -150,10 +157,10 @@ def predict_run(plan: Plan, terms: RunTerms, *, epochs: int, warm: bool, workers
             terms.warmup_s + (0.0 if warm else terms.startup_s))
     steady = plan.predicted_compute_epoch_s + terms.epoch_overhead_s + (
         0.0 if warm else terms.startup_s + terms.warmup_s)
-    store = epochs * store_usd_per_epoch + run_s * store_usd_per_s
+    store = store_usd_before + epochs * store_usd_per_epoch + run_s * store_usd_per_s + store_usd_after
     cost = billed_usd + usd + run_s * coordinator_price + store
-    cost_by_epoch = tuple(billed_usd + w + e * (coordinator_price + store_usd_per_s) + (i + 1) * store_usd_per_epoch
-                          for i, (w, e) in enumerate(zip(workers_usd_by_epoch, ends)))
+    cost_by_epoch = tuple(billed_usd + w + e * (coordinator_price + store_usd_per_s) + store_usd_before
+                          + (i + 1) * store_usd_per_epoch for i, (w, e) in enumerate(zip(workers_usd_by_epoch, ends)))
     return RunPrediction(epoch_s=steady, first_epoch_s=first, run_s=run_s, worker_s=worker_s, cost_usd=cost,
                          cost_by_epoch_usd=cost_by_epoch, store_usd=store)
 

@@ -17,19 +17,23 @@ from core.store_ops import StoreOps, grouped_total
 
 def rows_now(ctx: RunContext, to_come: dict | None = None) -> list:
     """The bill up to now: the ledger, the live warm workers' open intervals, the
-    coordinator's interval so far, and the store's requests (the workers' reports and the
-    requests this process made since the run began, plus `to_come`: `{where: StoreOps}` it
-    is about to make) and server."""
+    coordinator's interval so far, and the store's requests (`store_ops_now`) and server."""
     now = time.time()
     rows = list(ctx.state.ledger) + (ctx.state.warm.open_rows() if ctx.state.warm is not None else [])
     rows.append(coordinator_record(ctx.run_id, ctx.started_at, now, ctx.coordinator_offer,
                                    ctx.price_per_coordinator_s))
+    rows += store_records(ctx.run_id, store_ops_now(ctx, to_come), ctx.started_at, now, ctx.resolved.offer.provider)
+    return rows
+
+
+def store_ops_now(ctx: RunContext, to_come: dict | None = None) -> dict[str, dict[str, StoreOps]]:
+    """The run's store requests so far by party and store (`{party: {Store.where: StoreOps}}`):
+    the workers' reports, and the requests this process made since the run began plus
+    `to_come` (`{where: StoreOps}` it is about to make) as the coordinator's."""
     began = ctx.state.process_ops_at_start
     coordinator = grouped_total([{where: ops - began.get(where, StoreOps()) for where, ops in process_ops().items()},
                                  to_come or {}])
-    rows += store_records(ctx.run_id, {"workers": ctx.state.store_ops, "coordinator": coordinator},
-                          ctx.started_at, now, ctx.resolved.offer.provider)
-    return rows
+    return {"workers": dict(ctx.state.store_ops), "coordinator": coordinator}
 
 
 def record_cost_now(ctx: RunContext, final: bool = True, writes_after: int = 0) -> dict:

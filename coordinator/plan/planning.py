@@ -17,6 +17,7 @@ from coordinator.bill.cost import total_usd
 from coordinator.bill.ledger import rows_now
 from coordinator.plan.capacity import with_capacity
 from coordinator.plan.co_plan import co_optimized, launched_inputs
+from coordinator.plan.own_requests import priced
 from coordinator.plan.run_terms import load_terms
 from coordinator.plan.scaling_policy import worker_schedule
 from coordinator.run.collective import RING, planned_collectives, uses_ring
@@ -33,7 +34,7 @@ from core.warm_cadence import REPLY_POLL_S, WarmCadence
 from planners.calibration import Calibration, calibrated
 from planners.catalog import store_figures
 from planners.pipeline_time import TransferCosts
-from planners.run_prediction import predict_run, with_run_prediction
+from planners.run_prediction import RunTerms, predict_run, with_run_prediction
 from planners.store_prices import StoreOffer, store_offer
 from planners.store_requests import epoch_store_ops, warm_channel_ops
 from planners.strategy import (
@@ -216,29 +217,71 @@ def uniform_plan(ctx: RunContext, profile: dict, x) -> Plan:
     return with_sync(x, chosen)
 
 
-def store_terms(ctx: RunContext, plan: Plan) -> tuple[StoreOps, dict]:
-    """One epoch's store requests for `plan` (`planners.store_requests`) and what the run's
-    store bills for them and for its server per second (`planners.store_prices`), as
-    `predict_run`'s keyword arguments. The planner weighed the same dollars when it chose
-    (`planners.strategy.store_usd_per_epoch`); each alternative's run carries its own."""
-    ops = epoch_store_ops(plan, ring=uses_ring(ctx.job, plan))
-    offer = run_store_offer(ctx, durable=plan.stages > 1)
-    return ops, {"store_usd_per_epoch": offer.request_usd(ops) + warm_channel_usd(ctx, plan),
-                 "store_usd_per_s": offer.node_per_hour / 3600.0}
+@dataclasses.dataclass(frozen=True)
+class RunStores:
+    """The run's stores as its plan prices them: `roles` (`{Store.where: role}`: `store`, and
+    `durable` where the durable store is another), the offers by role, and how fast a waiting
+    read polls the durable store (which carries the warm channel)."""
+
+    roles: dict
+    offers: dict
+    durable_poll_s: float
+
+    @property
+    def durable_role(self) -> str:
+        return "durable" if "durable" in self.roles.values() else "store"
+
+    @property
+    def durable_where(self) -> str:
+        return next((where for where, role in self.roles.items() if role == self.durable_role), "")
+
+    def protocol_role(self, plan: Plan) -> str:
+        """The role of the store `plan`'s epochs move their tensors through (a pipeline's stages:
+        the durable store, `coordinator.workers.worker_specs`)."""
+        return self.durable_role if plan.stages > 1 else "store"
 
 
-def warm_channel_usd(ctx: RunContext, plan: Plan) -> float:
-    """Dollars of one epoch of `plan`'s warm channel (commands, replies, status, lease) on the
-    durable store that carries it (`planners.store_requests.warm_channel_ops`, at the coordinator's
-    pace of reading that store); 0 for cold workers or a context that names no store."""
-    seen = store_seen(ctx, durable=True) if getattr(ctx.job, "warm", False) else None
-    if seen is None:
-        return 0.0
-    where, poll_s = seen[0], max(REPLY_POLL_S, seen[1])
-    ops = warm_channel_ops(plan.workers, plan.predicted_epoch_s,
-                           WarmCadence(ctx.job.worker_lease_s, ctx.job.worker_timeout_s),
-                           poll_first_s=poll_s, poll_max_s=poll_s)
-    return store_offer(where, ctx.resolved.offer.provider).request_usd(ops)
+def run_stores(ctx: RunContext) -> RunStores:
+    """`RunStores` of `ctx` (each store opened once; none for a context that names no store)."""
+    store, durable = store_seen(ctx), store_seen(ctx, durable=True)
+    roles = {durable[0]: "durable"} if durable else {}
+    if store:
+        roles[store[0]] = "store"  # one store for both: the run's store
+    provider = ctx.resolved.offer.provider if roles else None
+    return RunStores(roles=roles, offers={role: store_offer(where, provider) for where, role in roles.items()},
+                     durable_poll_s=max(REPLY_POLL_S, durable[1]) if durable else REPLY_POLL_S)
+
+
+def expected_epoch_ops(ctx: RunContext, plan: Plan, epoch_s: float, stores: RunStores) -> dict[str, StoreOps]:
+    """One epoch's requests by role as `planners.store_requests` derives them: the protocol's
+    on the store its tensors move through, the warm channel's (commands, replies, status, lease;
+    warm workers only) for an epoch of `epoch_s` seconds on the durable store."""
+    out = {stores.protocol_role(plan): epoch_store_ops(plan, ring=uses_ring(ctx.job, plan))}
+    if getattr(ctx.job, "warm", False):
+        warm = warm_channel_ops(plan.workers, epoch_s, WarmCadence(ctx.job.worker_lease_s, ctx.job.worker_timeout_s),
+                                poll_first_s=stores.durable_poll_s, poll_max_s=stores.durable_poll_s)
+        out[stores.durable_role] = out.get(stores.durable_role, StoreOps()) + warm
+    return out
+
+
+def store_terms(ctx: RunContext, plan: Plan, terms: RunTerms) -> tuple[StoreOps, dict, float]:
+    """One epoch's protocol requests for `plan` (`planners.store_requests`), `predict_run`'s store
+    keywords and the dollars an epoch adds beyond its protocol. Priced by the run's stores'
+    offers (`planners.store_prices`): each epoch's protocol and warm channel plus the run's own
+    requests an epoch adds (`coordinator.plan.own_requests`, measured by earlier runs on this
+    target: `terms.own_store_ops`); before the first epoch, the staging those runs measured (none
+    once provisioned: it is billed by then); after the last, their teardown. The planner weighed
+    the protocol's dollars when it chose (`planners.strategy.store_usd_per_epoch`)."""
+    stores = run_stores(ctx)
+    expected = expected_epoch_ops(ctx, plan, plan.predicted_epoch_s, stores)
+    own = terms.own_store_ops or {}
+    per_epoch = priced(own.get("epoch") or {}, expected, stores.offers)
+    staging = 0.0 if ctx.state.provisioned else priced(own.get("staging") or {}, {}, stores.offers)
+    prices = {"store_usd_per_epoch": per_epoch, "store_usd_before": staging,
+              "store_usd_after": priced(own.get("teardown") or {}, {}, stores.offers),
+              "store_usd_per_s": sum(o.node_per_hour for o in stores.offers.values()) / 3600.0}
+    protocol = epoch_store_ops(plan, ring=uses_ring(ctx.job, plan))
+    return protocol, prices, per_epoch - priced({}, expected, stores.offers)
 
 
 def with_run(ctx: RunContext, chosen: Plan, calibration: Calibration | None, epochs_left: int | None,
@@ -256,15 +299,15 @@ def with_run(ctx: RunContext, chosen: Plan, calibration: Calibration | None, epo
                   workers_launched_s=since, host_cores=cpu_count() if shared else None,
                   billed_usd=0.0 if ctx.dry_run else total_usd(rows_now(ctx)),
                   coordinator_price_per_s=ctx.price_per_coordinator_s)
-    store_ops, store_prices = store_terms(ctx, chosen)
+    store_ops, store_prices, own_usd = store_terms(ctx, chosen, terms)
     alternatives = []
     for a in chosen.alternatives:
         compute = a.get("predicted_compute_epoch_s", a["predicted_epoch_s"])
         alt = Plan(strategy=a["strategy"], data_parallel=a["data_parallel"], stages=a["stages"],
                    price_per_worker_s=a.get("price_per_worker_s", chosen.price_per_worker_s),
                    predicted_compute_epoch_s=compute)
-        p = predict_run(alt, terms, **kwargs, store_usd_per_epoch=a.get("predicted_store_usd_per_epoch") or 0.0,
-                        store_usd_per_s=store_prices["store_usd_per_s"])
+        p = predict_run(alt, terms, **kwargs, **{**store_prices, "store_usd_per_epoch": own_usd + (
+            a.get("predicted_store_usd_per_epoch") or 0.0)})
         alternatives.append({**a, "predicted_compute_epoch_s": compute, "predicted_epoch_s": p.epoch_s,
                              "predicted_cost_per_epoch_usd": p.epoch_s * alt.workers * alt.price_per_worker_s,
                              "predicted_run_s": p.run_s, "predicted_run_cost_usd": p.cost_usd})

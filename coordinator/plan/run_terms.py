@@ -1,7 +1,8 @@
 """The run's time outside the workers' compute, measured per target and offer and cached.
 
 `planners.run_prediction.RunTerms` needs a worker's start-up, the per-epoch overhead and
-the coordinator's provision, gap and teardown seconds. Each run measures them
+the coordinator's provision, gap and teardown seconds, and the run's own store requests
+(`coordinator.plan.own_requests`: counts, the next plan prices them). Each run measures them
 (`RunClock`) and adds them to `cache/timings/<target key>.json` in the durable store (the
 last `KEEP` samples of each); the next run's plan predicts from their medians (start-up: the 90th percentile, since an
 epoch waits for the slowest of the workers starting together). A term never
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from coordinator.bill.cost import spot_tally
+from coordinator.plan import own_requests
 from coordinator.plan.profile_cache import ProfileCache, target_key
 from core.epoch_summary import EpochSummary
 from core.kinds import SHARED_HOST_KINDS, TargetKind
@@ -101,6 +103,9 @@ def load_terms(ctx, overhead_s: float | None = None) -> RunTerms:
         measured[name] = bool(samples) or ("profile" if name in estimates else False)
         if name == "startup_s" and samples:
             values["startup_one_s"], measured["startup_one_s"] = statistics.median(samples), True
+    own = {part: own_requests.median(list(cached.get(f"own_{part}_ops") or ())) for part in own_requests.PARTS}
+    values["own_store_ops"] = {part: counts for part, counts in own.items() if counts}
+    measured["own_store_ops"] = bool(values["own_store_ops"])
     return RunTerms(**values, measured=measured)
 
 
@@ -116,6 +121,14 @@ class RunClock:
     """The run's first epoch was its workers' first (not a resumed run's)."""
     profiled: bool = False
     """A worker was started before the plan to take the profile (its start-up was hidden)."""
+    store_roles: dict = field(default_factory=dict)
+    """`{Store.where: role}` of the run's stores (`coordinator.plan.planning.RunStores.roles`)."""
+    ops_at_plan: dict | None = None
+    """The run's store requests by party and store at the plan (`coordinator.bill.ledger.store_ops_now`)."""
+    epoch_ops: list = field(default_factory=list)
+    """(requests at the epoch's send, its predicted requests by role, its protocol's role) of each epoch."""
+    ops_at_end: dict | None = None
+    """The run's requests at its end, the final ledger's and the summary's writes included."""
 
     def epoch(self, sent: float, done: float) -> None:
         self.epochs.append((sent, done))
@@ -140,6 +153,8 @@ class RunClock:
         rate = spot_tally([r.to_dict() for r in ctx.state.ledger])[INTERRUPTIONS_KEY]
         if rate is not None:  # this run rented spot workers: its measured interruption rate
             out[INTERRUPTIONS_KEY] = [rate]
+        own = own_requests.samples(self.store_roles, self.ops_at_plan, self.epoch_ops, self.ops_at_end)
+        out.update({f"own_{part}_ops": values for part, values in own.items()})
         return out
 
 
@@ -151,7 +166,7 @@ def record_terms(ctx, clock: RunClock, history: list[EpochSummary]) -> None:
         key = timings_key(ctx)
         doc = cache.get("timings", key) or {}
         for name, values in clock.samples(ctx, history, time.time()).items():
-            doc[name] = (list(doc.get(name) or []) + [float(v) for v in values])[-KEEP:]
+            doc[name] = (list(doc.get(name) or []) + [v if isinstance(v, dict) else float(v) for v in values])[-KEEP:]
         cache.put("timings", key, doc)
     except Exception as exc:
         print(f"zooid: could not cache this run's timings: {type(exc).__name__}: {exc}")

@@ -271,8 +271,17 @@ def run_terms_text(terms: dict) -> str:
     """The run's terms outside the workers' compute, each marked when assumed, not measured."""
     measured = terms.get("measured") or {}
     how = {"profile": " (from the profile)", True: "", False: " (assumed)"}
-    return ", ".join(f"{TERM_NAMES.get(k, k)} {duration(v)}{how.get(measured.get(k) or False, '')}"
-                     for k, v in terms.items() if k != "measured" and v is not None)
+    words = [f"{TERM_NAMES.get(k, k)} {duration(v)}{how.get(measured.get(k) or False, '')}"
+             for k, v in terms.items() if k not in ("measured", "own_store_ops") and v is not None]
+    own = terms.get("own_store_ops") or {}
+    if own:  # counts by part and store role (`coordinator.plan.own_requests`), as requests in all
+        words.append("the run's own store requests " + ", ".join(
+            f"{OWN_PARTS[part]} {sum(max(0, n) for ops in own[part].values() for n in ops.values()):,}"
+            for part in OWN_PARTS if part in own))
+    return ", ".join(words)
+
+
+OWN_PARTS = {"epoch": "an epoch", "staging": "staging", "teardown": "teardown"}
 
 
 def plan_details(summary: RunSummary) -> list[tuple[str, str]]:
