@@ -18,9 +18,9 @@ past the store's own poll."""
 def control_pause(pause: float, waited_s: float, poll_max_s: float, cap_s: float) -> float:
     """The sleep after `pause` in a control-plane wait that has lasted `waited_s`: the store's
     own schedule up to its `poll_max_s`, then `CONTROL_POLL_SHARE` of the time waited, at most
-    `cap_s`. A wait of T seconds past `poll_max_s / CONTROL_POLL_SHARE` costs about
+    `cap_s`; never shorter than `pause` (a wait that starts slower than the store polls stays so). A wait of T seconds past `poll_max_s / CONTROL_POLL_SHARE` costs about
     ln(T) / CONTROL_POLL_SHARE reads instead of T / poll_max_s, and is seen at most 2 % of T late."""
-    grown = max(min(pause * POLL_GROWTH, poll_max_s), waited_s * CONTROL_POLL_SHARE)
+    grown = max(min(pause * POLL_GROWTH, max(poll_max_s, pause)), waited_s * CONTROL_POLL_SHARE)
     return min(grown, max(cap_s, poll_max_s))
 
 

@@ -23,6 +23,7 @@ def test_a_control_wait_follows_the_store_then_grows_with_the_wait():
     assert control_pause(0.1, 20.0, 0.1, 1.0) == pytest.approx(20.0 * CONTROL_POLL_SHARE)
     assert control_pause(0.4, 500.0, 0.1, 1.0) == 1.0  # the cap
     assert control_pause(0.001, 500.0, 0.1, 0.01) == 0.1  # a cap below the store's poll: the store's
+    assert control_pause(0.05, 0.0, 0.002, 1.0) == 0.05  # begun slower than the store polls: never faster
 
 
 def test_a_long_wait_on_s3_costs_a_twentieth_of_the_reads_of_polling_at_its_pace():
@@ -232,3 +233,45 @@ def test_the_watch_wakes_for_progress_when_it_is_due_before_the_lease(tmp_path, 
     finally:
         watch.stopped.set()
         watch.join(5)
+
+
+def test_a_profile_wait_reads_the_workers_status_at_its_cadence_not_at_each_reply_read(tmp_path):
+    """Waiting for the profile, the coordinator reads each worker's reply on the control schedule
+    (which never polls faster than it began: not the directory's 2 ms) and its status, to see
+    whether it left on a notice, only every `status_every_s`: here never, the profile answering
+    well before that (it read the status at every reply read)."""
+    import threading
+
+    from coordinator.workers.warm_pool import WarmWorker
+
+    pool = _pool(tmp_path, 0)
+    for rank in range(2):
+        pool.workers[rank] = WarmWorker(rank=rank, name=f"r{rank}-w{rank}", launcher=_Launcher(), identity="x",
+                                        launched_at=time.time(), billed_to=time.time(), ready_at=time.time())
+    real_get, reads, enough = pool.store.get, {"reply": 0, "status": 0}, threading.Event()
+
+    def get(key, *args, **kw):
+        for kind in reads:
+            reads[kind] += f"/{kind}" in key
+        if reads["reply"] >= 20:
+            enough.set()
+        return real_get(key, *args, **kw)
+
+    pool.store.get = get
+
+    def answer():
+        enough.wait(60)
+        now = time.time()
+        for w in pool.workers.values():
+            pool.store.put(reply_key(pool.ctx.run_id, w.name, 0), json.dumps(
+                {"ok": True, "profile": {"rank": w.rank}, "began_at": now, "ended_at": now}).encode())
+
+    replier = threading.Thread(target=answer)
+    replier.start()
+    try:
+        answers = pool.profile(SimpleNamespace(workers=2), [{}, {}], timeout_s=600.0)
+    finally:
+        enough.set()
+        replier.join()
+    assert answers == [{"rank": 0}, {"rank": 1}]
+    assert pool.cadence.status_every_s >= 1.0 and reads["reply"] >= 20 and reads["status"] == 0

@@ -279,7 +279,10 @@ class WarmPool:
                                                      f"{reply.get('message', '')}"))
                     continue
                 w.launcher._poll()
-                if not w.alive or self._left_on_notice(w):
+                notice_due = now - max(w.status_read_at, sent) >= self.cadence.status_every_s  # a read: a request
+                if notice_due:
+                    w.status_read_at = now
+                if not w.alive or (notice_due and self._left_on_notice(w)):
                     del pending[i]
                     self._bury(w, "it died while profiling")  # a spot worker taken back: billed preempted
                     failures.append(RuntimeError(f"worker {w.name} exited while profiling: "
