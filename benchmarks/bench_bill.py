@@ -27,7 +27,9 @@ near throughput); then a real job (`FLIP_JOB`: resnet18, every-step averaging ov
 collective `auto`) planned by its dry run from the catalog's estimate (`rent=false`, so the same
 choice every time) with S3's request prices weighed and ignored (the planner's seam,
 `coordinator.plan.planning.IGNORE_REQUESTS_ENV`), and each chosen plan run for real, forced to its
-shape, two epochs, with its measured bill (the ledger) beside the run's own prediction.
+shape, two epochs, with its measured bill (the ledger) beside the run's own prediction; before it, on
+the same store, another job (`LEARN_JOB`) whose run leaves the target's measured own requests
+(staging, each epoch's bookkeeping, teardown: `coordinator.plan.own_requests`) for that prediction.
 
     .venv/bin/python -m benchmarks.bench_bill [--out PATH] [--rows every-step,k-avg] [--stores s3,ring]
     .venv/bin/python -m benchmarks.bench_bill --only-flip     # the real job alone, printed, nothing written
@@ -277,22 +279,36 @@ def by_party(ledger: dict, where_prefix: str) -> dict:
     return parties
 
 
+LEARN_JOB = {**JOB, "sync_period": 32}
+"""Run first on each real job's store: another job on the same target (digits_cnn, K-AVG k=32), from
+which the target's run terms learn the run's own requests beyond its protocol
+(`coordinator.plan.own_requests`); the real job's plan then predicts them out of sample."""
+
+
 def flip_runs(folder: Path, plans: list[dict]) -> list[dict]:
     """Each plan `flip_plans` chose, run for real as `FLIP_JOB` forced to its shape (`forced`)
-    over S3, its one store: its measured bill (the ledger; the store's rows hold every request on S3,
-    the data's and the profile's too) and the run's own prediction (from its profile)."""
+    over S3, its one store, after `LEARN_JOB` on that store: its measured bill (the ledger; the
+    store's rows hold every request on S3, the data's and the profile's too) and the run's own
+    prediction (from its profile and the run terms the learning run left); the learning run's,
+    the first on its store, beside it."""
     out = []
     for chosen in plans:
         name = "flip-" + ("weighed" if chosen["weighed"] else "ignored")
-        params = {**FLIP_JOB, **forced(chosen["plan"]), "store": f"s3://bench/{name}"}
+        url = f"s3://bench/{name}"
+        learn = run_train({**LEARN_JOB, "store": url}, folder / f"{name}-learn.json", timeout_s=900)
+        learned = ledger_in(url, learn.summary["run_id"])
+        params = {**FLIP_JOB, **forced(chosen["plan"]), "store": url}
         run = run_train(params, folder / f"{name}.json", timeout_s=900)
-        ledger = ledger_in(f"s3://bench/{name}", run.summary["run_id"])
+        ledger = ledger_in(url, run.summary["run_id"])
         plan = run.summary["plan"]
         out.append({"weighed": chosen["weighed"], "plan": plan, "measured": measured(ledger, "s3://", False),
                     "predicted": predicted(plan, ledger, False), "wall_s": run.wall_s,
-                    "parties": by_party(ledger, "s3://")})
-        print(f"{plan_name(plan)} run: store {money(out[-1]['measured']['store'])} measured ({run.wall_s:.0f} s)",
-              flush=True)
+                    "parties": by_party(ledger, "s3://"),
+                    "own": (plan.get("run_terms") or {}).get("own_store_ops") or {},
+                    "learn": {"measured": measured(learned, "s3://", False),
+                              "predicted": predicted(learn.summary["plan"], learned, False), "wall_s": learn.wall_s}})
+        print(f"{plan_name(plan)} run: store {money(out[-1]['measured']['store'])} measured, "
+              f"{money(out[-1]['predicted']['store'])} predicted ({run.wall_s:.0f} s)", flush=True)
     return out
 
 
@@ -327,6 +343,23 @@ def render_flip(plans: list[dict], runs: list[dict]) -> str:
         parts = [f"{party}: {money(usd)} ({ops.put:,} PUT, {ops.get:,} GET, {ops.miss:,} missed GET, {ops.list:,} LIST)"
                  for party, (usd, ops) in sorted(r["parties"].items())]
         lines.append(f"- {plan_name(r['plan'])}, the store's requests measured by party: " + "; ".join(parts))
+    lines += ["", f"Before each, on the same store, the learning run `{json.dumps(LEARN_JOB)}` (the first run there: "
+                  "its plan predicts its protocol and warm channel alone), whose measured requests beyond them "
+                  "(`coordinator.plan.own_requests`) the real job's plan priced: out of sample (another model, "
+                  "dataset and strategy).", ""]
+    rows = []
+    for r in runs:
+        m, p = r["learn"]["measured"], r["learn"]["predicted"]
+        own = r["own"]
+        counts = "; ".join(f"{part} {sum(max(0, n) for ops in own[part].values() for n in ops.values()):,}"
+                           for part in ("staging", "epoch", "teardown") if part in own)
+        rows.append([f"before {plan_name(r['plan'])}", f"{money(m['store'])} / {money(p['store'])} "
+                     f"({_off(p['store'], m['store'])})", counts or "-",
+                     f"{money(r['measured']['store'])} / {money(r['predicted']['store'])} "
+                     f"({_off(r['predicted']['store'], r['measured']['store'])})"])
+    lines += table(["learning run", "its store $ (measured / predicted: the first run)",
+                    "own requests it measured (requests: staging; an epoch; teardown)",
+                    "the real job's store $ (measured / predicted with them)"], rows)
     return "\n".join(lines)
 
 
@@ -371,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
             "Workers' dollars include the coordinator's (billed on-demand at its own size, `core/coordinator_size.py`). "
             "Counts: the store's requests, all 3 epochs, the workers' and the coordinator's measured; the "
             "protocol's predicted. Store dollars predicted: the protocol's requests and, where the durable store "
-            "is priced (the real job below), each epoch's warm channel (`planners.store_requests.warm_channel_ops`)."
+            "is priced (the real job below), each epoch's warm channel (`planners.store_requests.warm_channel_ops`) "
+            "and the run's own requests an earlier run on that store measured (`coordinator.plan.own_requests`)."
             "\n\n"
             + render(results) + "\n\n## A plan that request costs change\n\n"
             + "The planner weighs the store's dollars in the choices it makes: the strategy (Local-SGD, pipeline, "
