@@ -202,6 +202,7 @@ def profile_plan_and_provision(run: Training) -> None:
     run.clock.planned_at = run.first_plan["planned_at"] = time.time()  # its run prediction counts from here
     run.stores = run_stores(ctx)  # the run's own requests are measured from here (`own_requests`)
     run.clock.store_roles, run.clock.ops_at_plan = run.stores.roles, store_ops_now(ctx)
+    run.clock.staged = run.stores.staged(ctx) if resume is None else {}  # a resumed run's data may be there
     if ctx.state.warm is not None:  # start-up overlaps provisioning
         ctx.state.warm.ensure(run.plan, run.first_epoch)
     provision(ctx, run.plan, fresh=resume is None)

@@ -51,6 +51,11 @@ def test_a_runs_samples_split_staging_steady_epochs_and_teardown():
     # term: durable puts 3 - 4 and misses 2 + 3 - 5; the store's 20 extra data reads
     assert got["staging"] == [{"durable": {"put": 34, "get": 0, "miss": 0, "head": 30, "list": 0, "delete": 0},
                                "store": {"put": 0, "get": 20, "miss": 0, "head": 0, "list": 0, "delete": 0}}]
+    # a dataset of 20 subset files staged: their existence checks and puts are the dataset's, not the run's
+    staged = own_requests.samples(ROLES, at_plan, [(s, expected, "store") for s in sends], at_end,
+                                  own_requests.staged_files(20, "durable"))
+    assert staged["staging"][0]["durable"] == {**got["staging"][0]["durable"], "put": 14, "head": 10}
+    assert staged["epoch"] == got["epoch"] and staged["teardown"] == got["teardown"]
     # teardown: the last epoch's requests after its send (durable puts 10, lists 6, misses 3) less the term
     assert got["teardown"] == [{"durable": {"put": 6, "get": 0, "miss": -2, "head": 0, "list": 6, "delete": 0},
                                 "store": {"put": 0, "get": 0, "miss": 0, "head": 0, "list": 0, "delete": 0}}]

@@ -8,8 +8,9 @@ that is another):
 - `epoch`: what an epoch adds: the coordinator's bookkeeping (the epoch's checkpoint read and
   its `latest` pointer, the history, the ledger, the leftovers of the epoch's prefixes listed
   and deleted), a worker's reads of its data and its wait for its next command;
-- `staging`: from the plan to the first epoch sent: the dataset's subsets and manifest, the
-  initial checkpoint, the run's document;
+- `staging`: from the plan to the first epoch sent: the dataset's manifest, the initial
+  checkpoint, the run's document (the subsets' own requests, an existence check and a put each,
+  are the run's dataset's: `staged_files`, taken out of a sample and added for the next run's);
 - `teardown`: after the last epoch: the run's prefixes listed and deleted, the run terms, the
   final ledger, summary and curves.
 
@@ -85,14 +86,22 @@ def median(samples: list[dict]) -> dict[str, dict]:
                    for k in REQUEST_KINDS} for role in roles}
 
 
-def samples(roles: dict[str, str], at_plan: Parties | None, epochs: list[tuple], at_end: Parties | None) -> dict:
+def staged_files(files: int, role: str) -> dict[str, StoreOps]:
+    """The requests of staging `files` data subsets on the store of `role`
+    (`coordinator.workers.staging`: whether each is there, then its put)."""
+    return {role: StoreOps(put=files, head=files)} if files > 0 else {}
+
+
+def samples(roles: dict[str, str], at_plan: Parties | None, epochs: list[tuple], at_end: Parties | None,
+            staged: dict[str, StoreOps] | None = None) -> dict:
     """One run's samples of the three parts (`{part: [counts by role]}`), from the snapshots:
     `epochs` holds `(parties at its send, its predicted requests by role, its protocol's role)`
     for each epoch the coordinator sent. An epoch's own requests are those between its send and
     the next less its prediction; the steady epochs (the second to the one before the last) are
     the `epoch` samples; what the first adds beyond their median (its workers' first reads of
     their data) goes to `staging` with the requests from the plan to its send, and what the last
-    adds, with everything after, to `teardown`. Parts it cannot tell (no epoch, no end) are left out."""
+    adds, with everything after, to `teardown`; `staged` (`staged_files`) is taken out of staging.
+    Parts it cannot tell (no epoch, no end) are left out."""
     if not roles or at_plan is None or not epochs:
         return {}
     own = [minus(by_role(delta(b[0], a[0]), roles, a[2]), a[1]) for a, b in zip(epochs, epochs[1:])]
@@ -101,7 +110,7 @@ def samples(roles: dict[str, str], at_plan: Parties | None, epochs: list[tuple],
         own.append(minus(by_role(delta(at_end, last[0]), roles, last[2]), last[1]))
     steady = [to_json(o) for o in own[1:-1]] if at_end is not None else [to_json(o) for o in own[1:]]
     term = {role: StoreOps.from_dict(ops) for role, ops in median(steady).items()}
-    staging = by_role(delta(epochs[0][0], at_plan), roles, epochs[0][2])
+    staging = minus(by_role(delta(epochs[0][0], at_plan), roles, epochs[0][2]), staged or {})
     if own:
         staging = plus(staging, minus(own[0], term))  # the first epoch's excess
     out = {"staging": [to_json(staging)]}

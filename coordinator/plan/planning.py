@@ -17,11 +17,12 @@ from coordinator.bill.cost import total_usd
 from coordinator.bill.ledger import rows_now
 from coordinator.plan.capacity import with_capacity
 from coordinator.plan.co_plan import co_optimized, launched_inputs
-from coordinator.plan.own_requests import priced
+from coordinator.plan.own_requests import priced, staged_files
 from coordinator.plan.run_terms import load_terms
 from coordinator.plan.scaling_policy import worker_schedule
 from coordinator.run.collective import RING, planned_collectives, uses_ring
 from coordinator.run.context import RunContext
+from coordinator.run.job_data import is_prepared
 from core.epoch_summary import Replan
 from core.errors import ZooidValueError
 from core.kinds import AUTO, SHARED_HOST_KINDS, PipelineSchedule, Strategy
@@ -235,6 +236,13 @@ class RunStores:
     def durable_where(self) -> str:
         return next((where for where, role in self.roles.items() if role == self.durable_role), "")
 
+    def staged(self, ctx: RunContext) -> dict[str, StoreOps]:
+        """The requests of staging the run's dataset on the durable store (none for a prepared
+        dataset, read where it is): a subset file for every `subset_size` rows of each split."""
+        r = ctx.resolved
+        files = 0 if is_prepared(ctx.job.dataset) else r.n_subsets + -(-r.n_val // r.subset_size)
+        return staged_files(files, self.durable_role)
+
     def protocol_role(self, plan: Plan) -> str:
         """The role of the store `plan`'s epochs move their tensors through (a pipeline's stages:
         the durable store, `coordinator.workers.worker_specs`)."""
@@ -269,14 +277,15 @@ def store_terms(ctx: RunContext, plan: Plan, terms: RunTerms) -> tuple[StoreOps,
     keywords and the dollars an epoch adds beyond its protocol. Priced by the run's stores'
     offers (`planners.store_prices`): each epoch's protocol and warm channel plus the run's own
     requests an epoch adds (`coordinator.plan.own_requests`, measured by earlier runs on this
-    target: `terms.own_store_ops`); before the first epoch, the staging those runs measured (none
-    once provisioned: it is billed by then); after the last, their teardown. The planner weighed
+    target: `terms.own_store_ops`); before the first epoch, the staging those runs measured and
+    this run's dataset's subsets (none once provisioned: it is billed by then); after the last,
+    their teardown. The planner weighed
     the protocol's dollars when it chose (`planners.strategy.store_usd_per_epoch`)."""
     stores = run_stores(ctx)
     expected = expected_epoch_ops(ctx, plan, plan.predicted_epoch_s, stores)
     own = terms.own_store_ops or {}
     per_epoch = priced(own.get("epoch") or {}, expected, stores.offers)
-    staging = 0.0 if ctx.state.provisioned else priced(own.get("staging") or {}, {}, stores.offers)
+    staging = 0.0 if ctx.state.provisioned else priced(own.get("staging") or {}, stores.staged(ctx), stores.offers)
     prices = {"store_usd_per_epoch": per_epoch, "store_usd_before": staging,
               "store_usd_after": priced(own.get("teardown") or {}, {}, stores.offers),
               "store_usd_per_s": sum(o.node_per_hour for o in stores.offers.values()) / 3600.0}

@@ -129,6 +129,8 @@ class RunClock:
     """(requests at the epoch's send, its predicted requests by role, its protocol's role) of each epoch."""
     ops_at_end: dict | None = None
     """The run's requests at its end, the final ledger's and the summary's writes included."""
+    staged: dict = field(default_factory=dict)
+    """The requests of staging the run's dataset by role (`own_requests.staged_files`)."""
 
     def epoch(self, sent: float, done: float) -> None:
         self.epochs.append((sent, done))
@@ -153,7 +155,7 @@ class RunClock:
         rate = spot_tally([r.to_dict() for r in ctx.state.ledger])[INTERRUPTIONS_KEY]
         if rate is not None:  # this run rented spot workers: its measured interruption rate
             out[INTERRUPTIONS_KEY] = [rate]
-        own = own_requests.samples(self.store_roles, self.ops_at_plan, self.epoch_ops, self.ops_at_end)
+        own = own_requests.samples(self.store_roles, self.ops_at_plan, self.epoch_ops, self.ops_at_end, self.staged)
         out.update({f"own_{part}_ops": values for part, values in own.items()})
         return out
 
