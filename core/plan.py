@@ -84,8 +84,10 @@ class Plan:
     predicted_run_cost_usd: float = 0.0
     """The whole run's bill (workers, start-up, idle, the coordinator and the store), made at the plan."""
     predicted_store_usd: float = 0.0
-    """The store's part of `predicted_run_cost_usd`: its requests (`predicted_store_ops` each
-    epoch, priced by the store's offer) and its server (a cloud Redis) for the run."""
+    """The store's part of `predicted_run_cost_usd`: its requests (those billed by the plan, the
+    profile's; `predicted_store_ops` each epoch with its warm channel; the run's own requests an
+    earlier run on the target measured: staging, each epoch's bookkeeping, teardown, all priced by
+    the stores' offers) and its server (a cloud Redis) for the run."""
     predicted_store_ops: dict = field(default_factory=dict)
     """One epoch's store requests by kind (`planners.store_requests.epoch_store_ops`)."""
     predicted_cost_by_epoch_usd: tuple[float, ...] = ()

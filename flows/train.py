@@ -219,9 +219,10 @@ def train_one_epoch(run: Training, epoch: int) -> EpochSummary:
             (upcoming := forecast_workers(ctx, run.profile, run.history, run.plan.data_parallel, run.lr)):
         ticks.append(WarmPrestart(ctx, run.plan, epoch, upcoming).tick)  # hides the next start-up
     sent, requested = time.time(), store_ops_now(ctx)
+    waited = sent - (run.clock.epochs[-1][1] if run.clock.epochs else run.clock.planned_at or sent)
     summary = run_epoch(ctx, run.plan, epoch, run.init, run.lr, resuming, on_tick=lambda: [t() for t in ticks])
     run.clock.epoch(sent, time.time())
-    run.clock.epoch_ops.append((requested, expected_epoch_ops(ctx, run.plan, time.time() - sent, run.stores),
+    run.clock.epoch_ops.append((requested, expected_epoch_ops(ctx, run.plan, time.time() - sent, run.stores, waited),
                                 run.stores.protocol_role(run.plan)))
     if epoch == run.first_epoch and run.plan.predicted_first_epoch_s:  # start-up and warm-up in force
         summary.predicted_epoch_s = run.plan.predicted_first_epoch_s

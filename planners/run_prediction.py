@@ -165,11 +165,15 @@ def predict_run(plan: Plan, terms: RunTerms, *, epochs: int, warm: bool, workers
                          cost_by_epoch_usd=cost_by_epoch, store_usd=store)
 
 
-def with_run_prediction(plan: Plan, terms: RunTerms, store_ops: dict | None = None, **kwargs) -> Plan:
+def with_run_prediction(plan: Plan, terms: RunTerms, store_ops: dict | None = None, store_billed_usd: float = 0.0,
+                        **kwargs) -> Plan:
     """`plan` with its epoch and run predictions start-up aware (`predict_run`); `store_ops`:
-    one epoch's store requests by kind, kept beside the store's dollars."""
+    one epoch's store requests by kind, kept beside the store's dollars; `store_billed_usd`: the
+    store's part of `billed_usd` (the profile's requests), so that `predicted_store_usd` is the
+    whole run's, as `predicted_run_cost_usd` is."""
     p = predict_run(plan, terms, **kwargs)
-    return dataclasses.replace(plan, predicted_store_usd=p.store_usd, predicted_store_ops=dict(store_ops or {}), predicted_epoch_s=p.epoch_s,
+    return dataclasses.replace(plan, predicted_store_usd=store_billed_usd + p.store_usd,
+                               predicted_store_ops=dict(store_ops or {}), predicted_epoch_s=p.epoch_s,
                                predicted_cost_per_epoch_usd=p.epoch_s * plan.workers * plan.price_per_worker_s,
                                predicted_run_s=p.run_s, predicted_run_cost_usd=p.cost_usd,
                                predicted_first_epoch_s=p.first_epoch_s,

@@ -110,6 +110,15 @@ def epoch_store_ops(plan: Plan, *, ring: bool = False, checkpoint_every: int = 1
     return ops
 
 
+def command_wait_ops(workers: int, wait_s: float, cadence: WarmCadence, poll_s: float) -> StoreOps:
+    """The reads of `workers` idle warm workers waiting `wait_s` seconds for their next command
+    (`runtime.warm`: the control schedule from the store's poll, at most `check_s` apart), each a
+    miss: the coordinator's time between their reply and the next epoch's send."""
+    if workers <= 0 or wait_s <= 0:
+        return StoreOps()
+    return StoreOps(miss=workers * control_reads(wait_s, poll_s, poll_s, cadence.check_s))
+
+
 def warm_channel_ops(workers: int, epoch_s: float, cadence: WarmCadence, *, poll_first_s: float,
                      poll_max_s: float) -> StoreOps:
     """The requests of one warm epoch of `epoch_s` seconds on the durable store that carries the
@@ -118,7 +127,7 @@ def warm_channel_ops(workers: int, epoch_s: float, cadence: WarmCadence, *, poll
     replies while it waits, one worker's a tick on `control_pause`'s schedule (misses); a busy
     worker's progress, written every `progress_s` and read twice as often; each worker's lease
     reads every `check_s`, and the coordinator's renewals every `renew_s`. A worker's wait for its
-    next command (the coordinator's gap between epochs) is not counted here."""
+    next command (the coordinator's gap between epochs) is `command_wait_ops`."""
     if workers <= 0 or epoch_s < 0:
         return StoreOps()
     ticks = control_reads(epoch_s, max(poll_first_s, poll_max_s), poll_max_s, REPLY_POLL_CAP_S)

@@ -26,7 +26,7 @@ def test_a_runs_samples_split_staging_steady_epochs_and_teardown():
     everything after it, is teardown. A worker's misses on the protocol's store are left out (its
     waits for peers), the coordinator's and those on another role kept; a store that is neither
     of the run's is left out."""
-    expected = {"store": StoreOps(put=10, get=10)}
+    expected = {"workers": {"store": StoreOps(put=10, get=10, miss=7)}}  # misses of a protocol's store: dropped
     at_plan = snap({DIR: {"put": 5, "miss": 2}}, {})
     sends = [
         snap({DIR: {"put": 40, "head": 30, "miss": 2}}, {}),  # staging: 35 puts, 30 heads
@@ -120,3 +120,17 @@ def test_the_next_run_on_a_target_predicts_the_requests_the_last_one_made_beyond
         measured = doc[f"own_{part}_ops"][-1]["store"]  # the second run's own sample
         for kind in ("put", "list", "delete", "head"):
             assert measured[kind] == predicted[part]["store"][kind], (part, kind)
+
+
+def test_warm_workers_waiting_for_their_command_read_at_the_control_pace():
+    """Idle warm workers read their next command's key at the store's pace (S3: 0.1 s) until 2 %
+    of their wait exceeds it (5 s), then 2 % of the wait apart: 4 workers waiting 5 s read about
+    50 times each; 20 s costs each far fewer than 200."""
+    from core.warm_cadence import WarmCadence
+    from planners.store_requests import command_wait_ops
+
+    cadence = WarmCadence(60.0, 600.0)
+    five = command_wait_ops(4, 5.0, cadence, 0.1)
+    assert five.requests == five.miss and 4 * 50 <= five.miss <= 4 * 51
+    assert 4 * 100 < command_wait_ops(4, 20.0, cadence, 0.1).miss < 4 * 130
+    assert not command_wait_ops(0, 5.0, cadence, 0.1) and not command_wait_ops(4, 0.0, cadence, 0.1)

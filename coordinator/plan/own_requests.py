@@ -61,6 +61,14 @@ def by_role(parties: Parties, roles: dict[str, str], protocol_role: str | None) 
     return out
 
 
+def flat(parties: Parties) -> dict[str, StoreOps]:
+    """Requests by party and role (a prediction's) summed by role."""
+    out: dict[str, StoreOps] = {}
+    for groups in parties.values():
+        out = plus(out, {role: _ops(ops) for role, ops in groups.items()})
+    return out
+
+
 def minus(a: dict[str, StoreOps], b: dict[str, StoreOps]) -> dict[str, StoreOps]:
     """`a - b`, role by role (signed: a protocol may count more than a run made)."""
     return {role: a.get(role, StoreOps()) - b.get(role, StoreOps()) for role in set(a) | set(b)}
@@ -95,7 +103,8 @@ def staged_files(files: int, role: str) -> dict[str, StoreOps]:
 def samples(roles: dict[str, str], at_plan: Parties | None, epochs: list[tuple], at_end: Parties | None,
             staged: dict[str, StoreOps] | None = None) -> dict:
     """One run's samples of the three parts (`{part: [counts by role]}`), from the snapshots:
-    `epochs` holds `(parties at its send, its predicted requests by role, its protocol's role)`
+    `epochs` holds `(parties at its send, its predicted requests by party and role, its protocol's
+    role)`, the prediction's workers' misses on the protocol's role dropped as the measured ones are,
     for each epoch the coordinator sent. An epoch's own requests are those between its send and
     the next less its prediction; the steady epochs (the second to the one before the last) are
     the `epoch` samples; what the first adds beyond their median (its workers' first reads of
@@ -104,10 +113,14 @@ def samples(roles: dict[str, str], at_plan: Parties | None, epochs: list[tuple],
     Parts it cannot tell (no epoch, no end) are left out."""
     if not roles or at_plan is None or not epochs:
         return {}
-    own = [minus(by_role(delta(b[0], a[0]), roles, a[2]), a[1]) for a, b in zip(epochs, epochs[1:])]
+    same = {role: role for role in roles.values()}
+
+    def excess(after: Parties, epoch: tuple) -> dict[str, StoreOps]:
+        return minus(by_role(delta(after, epoch[0]), roles, epoch[2]), by_role(epoch[1], same, epoch[2]))
+
+    own = [excess(b[0], a) for a, b in zip(epochs, epochs[1:])]
     if at_end is not None:
-        last = epochs[-1]
-        own.append(minus(by_role(delta(at_end, last[0]), roles, last[2]), last[1]))
+        own.append(excess(at_end, epochs[-1]))
     steady = [to_json(o) for o in own[1:-1]] if at_end is not None else [to_json(o) for o in own[1:]]
     term = {role: StoreOps.from_dict(ops) for role, ops in median(steady).items()}
     staging = minus(by_role(delta(epochs[0][0], at_plan), roles, epochs[0][2]), staged or {})

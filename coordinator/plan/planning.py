@@ -17,7 +17,7 @@ from coordinator.bill.cost import total_usd
 from coordinator.bill.ledger import rows_now
 from coordinator.plan.capacity import with_capacity
 from coordinator.plan.co_plan import co_optimized, launched_inputs
-from coordinator.plan.own_requests import priced, staged_files
+from coordinator.plan.own_requests import flat, plus, priced, staged_files
 from coordinator.plan.run_terms import load_terms
 from coordinator.plan.scaling_policy import worker_schedule
 from coordinator.run.collective import RING, planned_collectives, uses_ring
@@ -37,7 +37,7 @@ from planners.catalog import store_figures
 from planners.pipeline_time import TransferCosts
 from planners.run_prediction import RunTerms, predict_run, with_run_prediction
 from planners.store_prices import StoreOffer, store_offer
-from planners.store_requests import epoch_store_ops, warm_channel_ops
+from planners.store_requests import command_wait_ops, epoch_store_ops, warm_channel_ops
 from planners.strategy import (
     NO_PLAN_FITS,
     StrategyInputs,
@@ -260,16 +260,34 @@ def run_stores(ctx: RunContext) -> RunStores:
                      durable_poll_s=max(REPLY_POLL_S, durable[1]) if durable else REPLY_POLL_S)
 
 
-def expected_epoch_ops(ctx: RunContext, plan: Plan, epoch_s: float, stores: RunStores) -> dict[str, StoreOps]:
-    """One epoch's requests by role as `planners.store_requests` derives them: the protocol's
-    on the store its tensors move through, the warm channel's (commands, replies, status, lease;
-    warm workers only) for an epoch of `epoch_s` seconds on the durable store."""
-    out = {stores.protocol_role(plan): epoch_store_ops(plan, ring=uses_ring(ctx.job, plan))}
+def expected_epoch_ops(ctx: RunContext, plan: Plan, epoch_s: float, stores: RunStores,
+                       wait_s: float = 0.0) -> dict[str, dict[str, StoreOps]]:
+    """One epoch's requests as `planners.store_requests` derives them, by the party whose misses
+    they are and the store role (`own_requests.Parties`, roles for stores): the protocol's (the
+    workers') on the store its tensors move through; the warm channel's for an epoch of `epoch_s`
+    seconds on the durable store (commands, replies, status, lease: the coordinator's reads of the
+    replies are its misses) and the workers' reads while they waited `wait_s` for the epoch's
+    command (`command_waits`)."""
+    workers = plus({stores.protocol_role(plan): epoch_store_ops(plan, ring=uses_ring(ctx.job, plan))},
+                   command_waits(ctx, plan, stores, wait_s))
+    coordinator = {}
     if getattr(ctx.job, "warm", False):
-        warm = warm_channel_ops(plan.workers, epoch_s, WarmCadence(ctx.job.worker_lease_s, ctx.job.worker_timeout_s),
-                                poll_first_s=stores.durable_poll_s, poll_max_s=stores.durable_poll_s)
-        out[stores.durable_role] = out.get(stores.durable_role, StoreOps()) + warm
-    return out
+        poll = stores.durable_poll_s
+        coordinator[stores.durable_role] = warm_channel_ops(plan.workers, epoch_s, _cadence(ctx), poll_first_s=poll,
+                                                            poll_max_s=poll)
+    return {"coordinator": coordinator, "workers": workers}
+
+
+def command_waits(ctx: RunContext, plan: Plan, stores: RunStores, wait_s: float) -> dict[str, StoreOps]:
+    """The reads of `plan`'s warm workers waiting `wait_s` seconds for a command, on the durable
+    store (`planners.store_requests.command_wait_ops`; none for cold workers)."""
+    if not getattr(ctx.job, "warm", False):
+        return {}
+    return {stores.durable_role: command_wait_ops(plan.workers, wait_s, _cadence(ctx), stores.durable_poll_s)}
+
+
+def _cadence(ctx: RunContext) -> WarmCadence:
+    return WarmCadence(ctx.job.worker_lease_s, ctx.job.worker_timeout_s)
 
 
 def store_terms(ctx: RunContext, plan: Plan, terms: RunTerms) -> tuple[StoreOps, dict, float]:
@@ -279,13 +297,16 @@ def store_terms(ctx: RunContext, plan: Plan, terms: RunTerms) -> tuple[StoreOps,
     requests an epoch adds (`coordinator.plan.own_requests`, measured by earlier runs on this
     target: `terms.own_store_ops`); before the first epoch, the staging those runs measured and
     this run's dataset's subsets (none once provisioned: it is billed by then); after the last,
-    their teardown. The planner weighed
-    the protocol's dollars when it chose (`planners.strategy.store_usd_per_epoch`)."""
+    their teardown. The planner weighed the protocol's dollars when it chose
+    (`planners.strategy.store_usd_per_epoch`)."""
     stores = run_stores(ctx)
-    expected = expected_epoch_ops(ctx, plan, plan.predicted_epoch_s, stores)
+    expected = flat(expected_epoch_ops(ctx, plan, plan.predicted_epoch_s, stores, wait_s=terms.gap_s))
     own = terms.own_store_ops or {}
     per_epoch = priced(own.get("epoch") or {}, expected, stores.offers)
-    staging = 0.0 if ctx.state.provisioned else priced(own.get("staging") or {}, stores.staged(ctx), stores.offers)
+    # staging: the dataset's subsets, and the workers' wait for the first command beyond a gap's
+    waits = command_waits(ctx, plan, stores, max(0.0, terms.provision_s - terms.gap_s))
+    staging = 0.0 if ctx.state.provisioned else priced(own.get("staging") or {}, plus(stores.staged(ctx), waits),
+                                                       stores.offers)
     prices = {"store_usd_per_epoch": per_epoch, "store_usd_before": staging,
               "store_usd_after": priced(own.get("teardown") or {}, {}, stores.offers),
               "store_usd_per_s": sum(o.node_per_hour for o in stores.offers.values()) / 3600.0}
@@ -304,10 +325,10 @@ def with_run(ctx: RunContext, chosen: Plan, calibration: Calibration | None, epo
         since = time.time() - max(launched) if len(launched) >= chosen.workers else 0.0
         terms = dataclasses.replace(terms, exposed_s=None)
     shared = ctx.resolved.target.kind in SHARED_HOST_KINDS  # added workers start on the coordinator's cores
+    billed = [] if ctx.dry_run else rows_now(ctx)  # the profile's requests among them
     kwargs = dict(epochs=ctx.job.epochs if epochs_left is None else epochs_left, warm=ctx.job.warm,
                   workers_launched_s=since, host_cores=cpu_count() if shared else None,
-                  billed_usd=0.0 if ctx.dry_run else total_usd(rows_now(ctx)),
-                  coordinator_price_per_s=ctx.price_per_coordinator_s)
+                  billed_usd=total_usd(billed), coordinator_price_per_s=ctx.price_per_coordinator_s)
     store_ops, store_prices, own_usd = store_terms(ctx, chosen, terms)
     alternatives = []
     for a in chosen.alternatives:
@@ -321,7 +342,8 @@ def with_run(ctx: RunContext, chosen: Plan, calibration: Calibration | None, epo
                              "predicted_cost_per_epoch_usd": p.epoch_s * alt.workers * alt.price_per_worker_s,
                              "predicted_run_s": p.run_s, "predicted_run_cost_usd": p.cost_usd})
     out = with_run_prediction(dataclasses.replace(chosen, alternatives=tuple(alternatives)), terms, **kwargs,
-                              per_epoch=per_epoch, store_ops=store_ops.to_dict(), **store_prices)
+                              per_epoch=per_epoch, store_ops=store_ops.to_dict(), **store_prices,
+                              store_billed_usd=total_usd(r for r in billed if r.kind == "store"))
     if per_epoch is None:
         return out
     # the chosen plan's row carries its run as the scaling policy will run it

@@ -324,7 +324,8 @@ def store_prediction_words(p: dict) -> str:
     """The plan's store prediction: its dollars in the run and one epoch's requests."""
     ops = StoreOps.from_dict(p.get("predicted_store_ops"))
     return (f"{money(p.get('predicted_store_usd'))} in the run's bill; each epoch "
-            f"{requests_words(ops) or 'no requests'} (syncs, hand-offs and checkpoints; data reads not predicted)")
+            f"{requests_words(ops) or 'no requests'} (syncs, hand-offs and checkpoints), with its warm channel and "
+            f"the run's own requests where an earlier run on the target measured them")
 
 
 def _uniform_gb(plan: dict) -> float | None:
