@@ -42,7 +42,7 @@ from prefect.artifacts import create_progress_artifact, create_table_artifact, u
 
 from coordinator.bill.cost import total_usd
 from coordinator.bill.ledger import rows_now, store_ops_now
-from coordinator.plan.planning import RunStores, expected_epoch_ops, run_stores, strategy_inputs
+from coordinator.plan.planning import RunStores, expected_epoch_ops, idle_s, run_stores, strategy_inputs
 from coordinator.plan.run_terms import RunClock, record_terms
 from coordinator.plan.scaling_policy import forecast_workers
 from coordinator.report.progress import epoch_line, money
@@ -202,6 +202,7 @@ def profile_plan_and_provision(run: Training) -> None:
     run.clock.planned_at = run.first_plan["planned_at"] = time.time()  # its run prediction counts from here
     run.stores = run_stores(ctx)  # the run's own requests are measured from here (`own_requests`)
     run.clock.store_roles, run.clock.ops_at_plan = run.stores.roles, store_ops_now(ctx)
+    run.clock.idle_since = time.time() - idle_s(ctx)  # the warm workers wait for their first command from here
     run.clock.staged = run.stores.staged(ctx) if resume is None else {}  # a resumed run's data may be there
     if ctx.state.warm is not None:  # start-up overlaps provisioning
         ctx.state.warm.ensure(run.plan, run.first_epoch)
@@ -219,7 +220,7 @@ def train_one_epoch(run: Training, epoch: int) -> EpochSummary:
             (upcoming := forecast_workers(ctx, run.profile, run.history, run.plan.data_parallel, run.lr)):
         ticks.append(WarmPrestart(ctx, run.plan, epoch, upcoming).tick)  # hides the next start-up
     sent, requested = time.time(), store_ops_now(ctx)
-    waited = sent - (run.clock.epochs[-1][1] if run.clock.epochs else run.clock.planned_at or sent)
+    waited = sent - (run.clock.epochs[-1][1] if run.clock.epochs else run.clock.idle_since or sent)
     summary = run_epoch(ctx, run.plan, epoch, run.init, run.lr, resuming, on_tick=lambda: [t() for t in ticks])
     run.clock.epoch(sent, time.time())
     run.clock.epoch_ops.append((requested, expected_epoch_ops(ctx, run.plan, time.time() - sent, run.stores, waited),

@@ -286,6 +286,15 @@ def command_waits(ctx: RunContext, plan: Plan, stores: RunStores, wait_s: float)
     return {stores.durable_role: command_wait_ops(plan.workers, wait_s, _cadence(ctx), stores.durable_poll_s)}
 
 
+def idle_s(ctx: RunContext) -> float:
+    """How long the pool's idle warm workers have waited for a command (since the reply of the
+    longest idle, their profile's before the first epoch); 0 without one."""
+    pool = ctx.state.warm
+    idle = [w.billed_to for w in (pool.workers.values() if pool is not None else ())
+            if w.command is None and w.billed_to]
+    return max(0.0, time.time() - min(idle)) if idle else 0.0
+
+
 def _cadence(ctx: RunContext) -> WarmCadence:
     return WarmCadence(ctx.job.worker_lease_s, ctx.job.worker_timeout_s)
 
@@ -303,8 +312,9 @@ def store_terms(ctx: RunContext, plan: Plan, terms: RunTerms) -> tuple[StoreOps,
     expected = flat(expected_epoch_ops(ctx, plan, plan.predicted_epoch_s, stores, wait_s=terms.gap_s))
     own = terms.own_store_ops or {}
     per_epoch = priced(own.get("epoch") or {}, expected, stores.offers)
-    # staging: the dataset's subsets, and the workers' wait for the first command beyond a gap's
-    waits = command_waits(ctx, plan, stores, max(0.0, terms.provision_s - terms.gap_s))
+    # staging: the dataset's subsets, and the idle workers' wait for the first command beyond a gap's
+    # (through the plan and the provisioning: their reads are reported with the epoch's reply)
+    waits = command_waits(ctx, plan, stores, max(0.0, idle_s(ctx) + terms.provision_s - terms.gap_s))
     staging = 0.0 if ctx.state.provisioned else priced(own.get("staging") or {}, plus(stores.staged(ctx), waits),
                                                        stores.offers)
     prices = {"store_usd_per_epoch": per_epoch, "store_usd_before": staging,

@@ -129,6 +129,8 @@ class RunClock:
     """(requests at the epoch's send, its predicted requests by role, its protocol's role) of each epoch."""
     ops_at_end: dict | None = None
     """The run's requests at its end, the final ledger's and the summary's writes included."""
+    idle_since: float | None = None
+    """When the warm workers began waiting for their first command (their profile's reply)."""
     staged: dict = field(default_factory=dict)
     """The requests of staging the run's dataset by role (`own_requests.staged_files`)."""
 
