@@ -35,7 +35,7 @@ from comm.store_dir import DirectoryStore
 from deployments.server import free_port
 
 RESULTS = Path(__file__).resolve().parent / "results" / "ring.md"
-SOURCES = ("comm", "core/errors.py", "core/outer_sync.py", "core/polling.py", "core/process_start.py", "core/store_ops.py",
+SOURCES = ("comm", "core/errors.py", "core/outer_sync.py", "core/object_requests.py", "core/polling.py", "core/process_start.py", "core/store_ops.py",
            "deployments/server.py", "deployments/prefect_db.py", "requirements.lock",
            "benchmarks/harness/tables.py")
 """The code it measures (the ring's transport beside gloo): its results file is stale once one of these

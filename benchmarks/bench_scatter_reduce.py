@@ -44,7 +44,7 @@ from core.keys import run_key
 
 MB = 1_000_000
 RESULTS = Path(__file__).resolve().parent / "results" / "scatter_reduce.md"
-SOURCES = ("comm", "core/errors.py", "core/keys.py", "core/outer_sync.py", "core/polling.py", "core/process_start.py",
+SOURCES = ("comm", "core/errors.py", "core/keys.py", "core/outer_sync.py", "core/object_requests.py", "core/polling.py", "core/process_start.py",
            "core/store_ops.py", "planners/checks.py", "planners/sync_time.py", "deployments/server.py",
            "deployments/prefect_db.py", "requirements.lock", "benchmarks/harness/servers.py",
            "benchmarks/harness/tables.py")

@@ -42,7 +42,7 @@ from deployments.server import free_port
 
 MB = 1_000_000
 RESULTS = REPO / "benchmarks" / "results" / "stores.md"
-SOURCES = ("comm", "core/errors.py", "core/keys.py", "core/polling.py", "core/process_start.py", "core/store_ops.py",
+SOURCES = ("comm", "core/errors.py", "core/keys.py", "core/object_requests.py", "core/polling.py", "core/process_start.py", "core/store_ops.py",
            "deployments/server.py", "deployments/prefect_db.py", "requirements.lock",
            "benchmarks/harness/servers.py", "benchmarks/harness/tables.py")
 """The code it measures (the stores against their servers): its results file is stale once one of these

@@ -24,10 +24,9 @@ from azure.storage.blob import BlobServiceClient, LinearRetry
 
 from comm.store_base import Store
 from core.errors import StoreError, ZooidValueError
+from core.object_requests import (AZURE_BLOCK_BYTES, AZURE_SINGLE_GET_BYTES, AZURE_SINGLE_PUT_BYTES,
+                                  azure_get_requests, azure_put_requests)
 
-SINGLE_PUT_BYTES = 64 * 1024 * 1024
-BLOCK_BYTES = 8 * 1024 * 1024
-SINGLE_GET_BYTES = 32 * 1024 * 1024
 CONCURRENCY = 4
 DELETE_BATCH = 256  # a blob batch takes at most 256 sub-requests
 LIST_PAGE = 5000  # names per List Blobs page (the service's maximum and default)
@@ -55,13 +54,13 @@ def _reason(e: Exception) -> str:
 
 
 def _client(connection_string: str | None, account_url: str | None, credential, *, retries: int,
-            connect_s: float, read_s: float, single_put_bytes: int = SINGLE_PUT_BYTES) -> BlobServiceClient:
+            connect_s: float, read_s: float, single_put_bytes: int = AZURE_SINGLE_PUT_BYTES) -> BlobServiceClient:
     """A BlobServiceClient with short linear retries (`retries` x 0.5 s) and these timeouts."""
     options = dict(retry_policy=LinearRetry(backoff=0.5, random_jitter_range=0, retry_total=retries,
                                             retry_connect=retries, retry_read=retries, retry_status=retries),
                    connection_timeout=connect_s, read_timeout=read_s,
-                   max_single_put_size=single_put_bytes, max_block_size=BLOCK_BYTES,
-                   max_single_get_size=SINGLE_GET_BYTES, max_chunk_get_size=BLOCK_BYTES)
+                   max_single_put_size=single_put_bytes, max_block_size=AZURE_BLOCK_BYTES,
+                   max_single_get_size=AZURE_SINGLE_GET_BYTES, max_chunk_get_size=AZURE_BLOCK_BYTES)
     if connection_string:
         return BlobServiceClient.from_connection_string(connection_string, **options)
     return BlobServiceClient(account_url, credential=credential, **options)
@@ -74,7 +73,7 @@ class AzureBlobStore(Store):
 
     def __init__(self, container: str, prefix: str = "", *, connection_string: str | None = None,
                  account_url: str | None = None, credential=None, url: str | None = None,
-                 single_put_bytes: int = SINGLE_PUT_BYTES, **rates):
+                 single_put_bytes: int = AZURE_SINGLE_PUT_BYTES, **rates):
         super().__init__(**rates)
         if not container:
             raise ZooidValueError("store", "an Azure Blob store needs a container: az://container/prefix")
@@ -204,13 +203,11 @@ class AzureBlobStore(Store):
 
     def _put_requests(self, nbytes: int) -> int:
         """One Put Blob; above `single_put_bytes`, one Put Block per block and Put Block List."""
-        if nbytes <= self.single_put_bytes:
-            return 1
-        return 1 + -(-nbytes // BLOCK_BYTES)
+        return azure_put_requests(nbytes, self.single_put_bytes)
 
     def _get_requests(self, nbytes: int) -> int:
-        """One Get Blob for the first `SINGLE_GET_BYTES`, then one per `BLOCK_BYTES` range."""
-        return 1 + -(-max(0, nbytes - SINGLE_GET_BYTES) // BLOCK_BYTES)
+        """One Get Blob for the first `AZURE_SINGLE_GET_BYTES`, then one per `AZURE_BLOCK_BYTES` range."""
+        return azure_get_requests(nbytes)
 
     def _list_requests(self, keys: int) -> int:
         """One List Blobs per page of up to 5,000 names (an empty listing is one)."""

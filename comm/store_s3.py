@@ -21,9 +21,8 @@ from botocore.config import Config
 
 from comm.store_base import Store
 from core.errors import StoreError, ZooidValueError
+from core.object_requests import S3_MULTIPART_CHUNK, S3_MULTIPART_THRESHOLD, s3_put_requests
 
-MULTIPART_THRESHOLD = 64 * 1024 * 1024
-MULTIPART_CHUNK = 16 * 1024 * 1024
 LIST_PAGE = 1000  # keys per ListObjectsV2 page (S3's maximum and default)
 _ERRORS = (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError)
 
@@ -55,7 +54,7 @@ class S3Store(Store):
 
     def __init__(self, bucket: str, prefix: str = "", *, endpoint: str | None = None,
                  region: str | None = None, url: str | None = None,
-                 multipart_threshold: int = MULTIPART_THRESHOLD, session=None, **rates):
+                 multipart_threshold: int = S3_MULTIPART_THRESHOLD, session=None, **rates):
         super().__init__(**rates)
         if not bucket:
             raise ZooidValueError("store", "an S3 store needs a bucket: s3://bucket/prefix")
@@ -76,7 +75,7 @@ class S3Store(Store):
         self._session = session
         self._ping_client = None  # made on first ping
         self.transfer = TransferConfig(multipart_threshold=multipart_threshold,
-                                       multipart_chunksize=MULTIPART_CHUNK, max_concurrency=4)
+                                       multipart_chunksize=S3_MULTIPART_CHUNK, max_concurrency=4)
 
     @classmethod
     def from_url(cls, url: str, session=None, **rates) -> "S3Store":
@@ -190,9 +189,7 @@ class S3Store(Store):
     def _put_requests(self, nbytes: int) -> int:
         """One PutObject; a multipart upload is CreateMultipartUpload, one UploadPart per
         chunk and CompleteMultipartUpload."""
-        if nbytes < self.transfer.multipart_threshold:
-            return 1
-        return 2 + -(-nbytes // self.transfer.multipart_chunksize)
+        return s3_put_requests(nbytes, self.transfer.multipart_threshold, self.transfer.multipart_chunksize)
 
     def _list_requests(self, keys: int) -> int:
         """One ListObjectsV2 per page of up to 1,000 keys (an empty listing is one)."""

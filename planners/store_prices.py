@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from core.formats import money
+from core.object_requests import object_requests
 from core.store_ops import REQUEST_KINDS, StoreOps
 from planners.catalog import request_price, store_node_price
 
@@ -40,6 +41,12 @@ class StoreOffer:
     """Request kind -> the catalog's request price name (`s3-put`, `az-blob-hot-read`, ...)."""
     node_per_hour: float = 0.0
     """Dollars per hour of the store's server (a cloud Redis), 0 when it has none."""
+    objects: str = ""
+    """How it splits a large object into requests (`core.object_requests`: `s3`, `azure`; empty: one)."""
+
+    def object_requests(self, nbytes: float) -> tuple[int, int]:
+        """(put, get) requests of one object of `nbytes` bytes on this store."""
+        return object_requests(self.objects, int(nbytes))
 
     def prices(self) -> dict[str, float]:
         """Dollars of one request by kind (kinds absent are free): what the planner weighs
@@ -76,10 +83,10 @@ class StoreOffer:
 
 
 S3_STANDARD = StoreOffer("s3-standard", "S3", {
-    "put": "s3-put", "list": "s3-put", "get": "s3-get", "miss": "s3-get", "head": "s3-get"})
+    "put": "s3-put", "list": "s3-put", "get": "s3-get", "miss": "s3-get", "head": "s3-get"}, objects="s3")
 AZURE_BLOB_HOT = StoreOffer("azure-blob-hot", "Azure Blob", {
     "put": "az-blob-hot-write", "get": "az-blob-hot-read", "miss": "az-blob-hot-read", "list": "az-blob-hot-list",
-    "head": "az-blob-hot-other"})
+    "head": "az-blob-hot-other"}, objects="azure")
 
 
 def store_offer(url: str, provider: str | None = None) -> StoreOffer:

@@ -24,8 +24,9 @@ Counted, all workers together:
 
 Not counted: data reads (the shards' layout), validation's activations, the warm workers'
 commands and status, a waiting get's misses (timing), the coordinator's own requests; over the
-ring, the sync checkpoints rank 0 writes by the clock (at most one a second) and a pipeline's
-stage rings' rendezvous (not yet derived from a measured epoch).
+ring, the sync checkpoints rank 0 writes by the clock (at most one a second) before the last
+round's, and a pipeline's stage rings' rendezvous (not yet derived from a measured epoch); a
+large sync slice's or hand-off's multipart requests (a checkpoint's are, `checkpoint_requests`).
 """
 from __future__ import annotations
 
@@ -79,24 +80,28 @@ def sync_rounds(plan: Plan) -> int:
 
 
 def epoch_store_ops(plan: Plan, *, ring: bool = False, checkpoint_every: int = 1,
-                    delete_requests: Callable[[int], int] = per_key) -> StoreOps:
+                    delete_requests: Callable[[int], int] = per_key,
+                    checkpoint_requests: tuple[int, int] = (1, 1)) -> StoreOps:
     """The requests one epoch of `plan` makes on the run's store (see the module docstring);
-    `ring`: the replicas average over the ring, not the store."""
+    `ring`: the replicas average over the ring, not the store; `checkpoint_requests`: the (put,
+    get) requests of one checkpoint (several for a large one on a cloud store: its multipart
+    upload, `core.object_requests`)."""
     d, p, steps = max(1, plan.data_parallel), max(1, plan.stages), max(1, plan.steps_per_epoch)
-    ops = StoreOps(get=d * p, put=1)  # the initial checkpoint, read by every worker; the epoch's
+    put_ckpt, get_ckpt = checkpoint_requests
+    ops = StoreOps(get=d * p * get_ckpt, put=put_ckpt)  # the initial checkpoint, read by every worker; the epoch's
     if plan.strategy == Strategy.LOCAL_SGD and p == 1:
         ops = ops + StoreOps(put=d)  # each replica's history record
         if d == 1:
             return ops
-        if ring:
-            return ops + ring_ops(d, delete_requests)
+        if ring:  # and rank 0's sync checkpoint of the last round (those it writes by the clock: not counted)
+            return ops + ring_ops(d, delete_requests) + StoreOps(put=put_ckpt if checkpoint_every > 0 else 0)
         rounds = sync_rounds(plan)
         replayed = checkpoint_every > 0
         ops = ops + StoreOps(**{k: v * d for k, v in allreduce_ops(d, rounds, not replayed).to_dict().items()})
         ops = ops + release_ops(d, delete_requests)
         if replayed:  # rank 0's sync checkpoints, each dropping the rounds before it
             checkpoints = math.ceil(rounds / checkpoint_every)
-            ops = ops + StoreOps(put=checkpoints, list=rounds - 1, delete=(rounds - 1) * delete_requests(d))
+            ops = ops + StoreOps(put=checkpoints * put_ckpt, list=rounds - 1, delete=(rounds - 1) * delete_requests(d))
         return ops
     boundaries = p * max(1, plan.chunks) - 1 if p > 1 else 0
     moves = d * steps * boundaries * max(1, plan.microbatches) * 2  # activations forward, gradients back

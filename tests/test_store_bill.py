@@ -126,8 +126,12 @@ def test_the_run_prediction_adds_the_stores_requests_and_server():
     assert with_store.cost_by_epoch_usd[-1] - bare.cost_by_epoch_usd[-1] == pytest.approx(
         3 * per_epoch + (with_store.run_s - terms.teardown_s) * 0.016 / 3600)
     over_ring = epoch_store_ops(plan, ring=True)
-    # checkpoints and history, the ring's rendezvous (an address put, 3 reads) and its release
-    assert (over_ring.put, over_ring.get) == (1 + 4 + 1 + 4, 4 + 3 + 3)
+    # checkpoints and history, the ring's rendezvous (an address put, 3 reads), its release and the
+    # last round's sync checkpoint
+    assert (over_ring.put, over_ring.get) == (1 + 4 + 1 + 4 + 1, 4 + 3 + 3)
+    # a checkpoint of 100 MB on S3: a multipart upload of 2 + 7 requests for each of the two written
+    big = epoch_store_ops(plan, ring=True, checkpoint_requests=store_offer("s3://b").object_requests(100 * 2 ** 20))
+    assert (big.put, big.get) == (over_ring.put + 2 * 8, over_ring.get)
     planned = with_run_prediction(plan, terms, store_ops=ops.to_dict(), epochs=3, warm=True,
                                   workers_launched_s=None, store_usd_per_epoch=per_epoch)
     assert planned.predicted_store_usd == pytest.approx(3 * per_epoch)

@@ -268,14 +268,23 @@ def expected_epoch_ops(ctx: RunContext, plan: Plan, epoch_s: float, stores: RunS
     seconds on the durable store (commands, replies, status, lease: the coordinator's reads of the
     replies are its misses) and the workers' reads while they waited `wait_s` for the epoch's
     command (`command_waits`)."""
-    workers = plus({stores.protocol_role(plan): epoch_store_ops(plan, ring=uses_ring(ctx.job, plan))},
-                   command_waits(ctx, plan, stores, wait_s))
+    workers = plus({stores.protocol_role(plan): protocol_ops(ctx, plan, stores)}, command_waits(ctx, plan, stores, wait_s))
     coordinator = {}
     if getattr(ctx.job, "warm", False):
         poll = stores.durable_poll_s
         coordinator[stores.durable_role] = warm_channel_ops(plan.workers, epoch_s, _cadence(ctx), poll_first_s=poll,
                                                             poll_max_s=poll)
     return {"coordinator": coordinator, "workers": workers}
+
+
+def protocol_ops(ctx: RunContext, plan: Plan, stores: RunStores) -> StoreOps:
+    """One epoch's protocol requests (`planners.store_requests.epoch_store_ops`), its checkpoints'
+    as many as their size takes on the durable store (parameters and optimizer state, float32)."""
+    prof = ctx.state.profile or {}
+    ckpt = float(prof.get("param_bytes") or 0.0) * (1 + optimizer_copies(ctx.job.optimizer))
+    offer = stores.offers.get(stores.durable_role)
+    return epoch_store_ops(plan, ring=uses_ring(ctx.job, plan),
+                           checkpoint_requests=offer.object_requests(ckpt) if offer is not None else (1, 1))
 
 
 def command_waits(ctx: RunContext, plan: Plan, stores: RunStores, wait_s: float) -> dict[str, StoreOps]:
@@ -320,8 +329,7 @@ def store_terms(ctx: RunContext, plan: Plan, terms: RunTerms) -> tuple[StoreOps,
     prices = {"store_usd_per_epoch": per_epoch, "store_usd_before": staging,
               "store_usd_after": priced(own.get("teardown") or {}, {}, stores.offers),
               "store_usd_per_s": sum(o.node_per_hour for o in stores.offers.values()) / 3600.0}
-    protocol = epoch_store_ops(plan, ring=uses_ring(ctx.job, plan))
-    return protocol, prices, per_epoch - priced({}, expected, stores.offers)
+    return protocol_ops(ctx, plan, stores), prices, per_epoch - priced({}, expected, stores.offers)
 
 
 def with_run(ctx: RunContext, chosen: Plan, calibration: Calibration | None, epochs_left: int | None,
