@@ -344,7 +344,8 @@ def render_flip(plans: list[dict], runs: list[dict]) -> str:
                  for party, (usd, ops) in sorted(r["parties"].items())]
         lines.append(f"- {plan_name(r['plan'])}, the store's requests measured by party: " + "; ".join(parts))
     lines += ["", f"Before each, on the same store, the learning run `{json.dumps(LEARN_JOB)}` (the first run there: "
-                  "its plan predicts its protocol and warm channel alone), whose measured requests beyond them "
+                  "its plan predicts its protocol, warm channel, dataset's staging, the idle workers' command waits and the "
+                  "requests billed before the plan, not yet the coordinator's own), whose measured requests beyond them "
                   "(`coordinator.plan.own_requests`) the real job's plan priced: out of sample (another model, "
                   "dataset and strategy).", ""]
     rows = []

@@ -1,58 +1,65 @@
-"""Profiling and prediction as a user sees them: epoch wall and run cost, predicted vs measured.
+"""Profiling and prediction, judged out of sample: epoch wall and run bill, predicted vs measured,
+each beside a naive baseline and the noise floor of identical runs.
 
-One run brings up a local stack (`deployments.stack.up` on a free port in a scratch home, so
-the durable store and its caches start empty) and runs `train/local` on the `zooid-local`
-process pool (`benchmarks.harness.stack.pool_summary`) for every configuration:
+One run brings up a local stack (`deployments.stack.up` on a free port in a scratch Zooid home,
+with its container half unless `--no-docker`, so the durable stores and their caches start empty)
+and runs `train/local` on two targets: the `zooid-local` process pool and, with `--docker`, the
+`docker` target (a worker is a container of the worker image; the stack's S3 store). Every job:
+digits, batch 16 per replica, SGD momentum 0.9, lr 0.05, seed 0, warm workers, `--epochs` epochs
+(default 5) (`benchmarks.harness.train.digits_job`).
 
-- models: `digits_mlp` and `digits_cnn` (registry names) and
-  `benchmarks.prediction_models:wide_mlp` (known only by its import path), on `digits`;
-  batch 16 per replica, SGD momentum 0.9, lr 0.05, seed 0, warm workers, static scaling
-  (`benchmarks.harness.train.digits_job`), `--epochs` epochs (default 5);
-- plans: Local-SGD 2x1 (`strategy=local_sgd`, 2 workers, averaged once per epoch) and
-  pipeline 1x2 (`strategy=pipeline`, 1 replica, `stages=2`, the planner's micro-batches and
-  schedule): two worker processes on the machine's two cores;
-- and `digits_cnn` under `scaling=adabatch` (1 -> 2 -> 4 replicas, doubling every epoch):
-  the first plan predicts each epoch at the count the policy will run;
-- each configuration runs 1 + `--repeats` times back to back. Run 0 is a first run: a
-  durable store of its own, nothing cached, so it profiles the model on a worker and plans
-  with the start-up that worker measured and the other run terms assumed. The later runs use
-  the stack's store: the first of them profiles the model there, the others read the cache
-  (`cache/profiles`, `cache/stores`), and the run terms (start-up, per-epoch overhead, gaps,
-  provision, teardown; `cache/timings`) are kept per target and offer, shared by every model.
+Two sets of configurations, run in this order on one stack:
 
-Per run, from the run's own summary (`RunSummary`, what the report shows):
+- **in sample** (the fit set): what the run terms are learnt from, and what the assumed terms
+  (`coordinator.plan.run_terms.ASSUMED`) were tuned on: `digits_cnn` Local-SGD 2x1 and
+  `digits_mlp` pipeline 1x2 on the process pool; `digits_cnn` 2x1 on docker;
+- **out of sample** (held out): what none of that saw: models known only by import path
+  (`benchmarks.prediction_models:wide_mlp` on 3 workers, `:deep_cnn` as a pipeline 1x2), other
+  worker counts (`digits_cnn` under `scaling=adabatch`, 1 -> 2 -> 4 replicas), and on docker
+  `wide_mlp` 2x1. Run after the fit set, on the stores it filled, so their first plans use run
+  terms measured on **other** jobs.
 
-- epoch wall: the median over epochs 1.. of |predicted_epoch_s - seconds| / seconds, where
-  `predicted_epoch_s` is the prediction in force for that epoch (calibrated after every
-  epoch, `planners.calibration`). Goal <= 15 %;
-- run cost: |plan.predicted_run_cost_usd - total_cost_usd| / total_cost_usd, the first
-  plan's whole-run bill (made after the profile) against the ledger. Goal <= 20 %;
-- the first epoch, predicted (`predicted_first_epoch_s`: start-up it cannot hide, warm-up)
-  vs measured, and what the difference costs at the plan's price (its workers and the
-  coordinator, billed like one more worker), beside the bill's own miss;
-- epoch 0's iteration: the profile's predicted iteration (nothing calibrated yet) vs the
-  measured one, the quantity the benchmark before 858a312 measured;
-- the profile: the coordinator's `zooid profile of ...` log line, read back from the flow
-  run's logs: measured (seconds for the model, the store and in all) or from the cache.
+Each configuration runs as kinds, in this order:
 
-Noise floor: per configuration, the repeats' run-to-run difference |a - b| / mean(a, b) of
-the measured median epoch wall (epochs 1..) and of the bill, over consecutive repeats.
+- `fresh` (process pool only): a durable store of its own, nothing cached: it profiles the model
+  on a worker, and every run term but its own start-up is the assumed one;
+- `first`: the target's shared store, the job's first run there (its model profiled there; the
+  run terms: the medians of the runs before it on that target, all of other jobs);
+- `repeat` (x `--repeats`): the same job again on the same store (profile and terms cached).
 
-Before: the result file of the previous benchmark, from git (`git show
-cabc397:benchmarks/results/prediction.md`), its command and summary quoted verbatim.
+Per run, from its own summary (what the report shows) and ledger:
+
+- **epoch wall**: per epoch k >= 2, |predicted - measured| / measured, the prediction being the
+  one in force for that epoch (`predicted_epoch_s`, recalibrated after every epoch,
+  `planners.calibration`); the run's figure is the median over its epochs. **Baseline**: "the next
+  epoch takes as long as the last" (epoch k predicted by epoch k - 1's measured seconds). Goal:
+  the median over runs within 15 % **and** below the baseline's. Epoch 1 is judged apart, the
+  same way: the epoch before it (0) held the workers' start-up and first steps, which the
+  baseline carries over and the prediction must not;
+- **run bill**: |plan.predicted_run_cost_usd - the ledger's total| / total, the first plan's
+  prediction (made after the profile, before any epoch). **Baseline**: the median bill of the
+  runs of other jobs that ended on that target before this one began (none before the target's
+  first job: no baseline). Goal: within 20 % **and** below the baseline's, judged on the runs
+  whose job is new to the store (`fresh`, `first`) and on all runs;
+- **run wall**: the plan's `predicted_run_s` against the seconds from the plan (`planned_at`) to
+  the flow run's end, with the same kind of baseline (other jobs' median); no goal;
+- **noise floor**: for each job, |a - b| / mean(a, b) of consecutive runs on the shared store
+  (`first` and `repeat`: the same job, same store) of the median epoch wall and of the bill.
+  A prediction cannot be judged finer than this.
 
 GPU (`--gpu`, on a CUDA machine): adds resnet18 and vgg11 on `synthetic:3x32x32:10:4096`,
-batch 64, Local-SGD with 1 worker on the same pool (workers train on CUDA where they see it).
-The GPU figures have a results file of their own, taken with no CPU model (`GPU_COMMAND`).
+batch 64, Local-SGD with 1 worker on the process pool (workers train on CUDA where they see it),
+as held-out jobs. The GPU figures have a results file of their own, taken with no CPU model
+(`GPU_COMMAND`).
 
-    .venv/bin/python -m benchmarks.bench_prediction [--models M ...] [--epochs 5] [--repeats 2]
-        [--gpu] [--out PATH] [--keep]
+    .venv/bin/python -m benchmarks.bench_prediction [--models [M ...]] [--epochs 5] [--repeats 2]
+        [--no-docker] [--gpu] [--out PATH] [--keep]
 """
 from __future__ import annotations
 
 import json
 import re
-import subprocess
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.harness.home import REPO, scratch
@@ -69,16 +76,13 @@ SOURCES = (*SOURCE, "benchmarks/prediction_models.py", "benchmarks/harness/stack
 once one of these changed since the commit the file names (`benchmarks.staleness`)."""
 GPU_COMMAND = f".venv/bin/python -m benchmarks.bench_prediction --models --gpu --out {GPU_RESULTS.relative_to(REPO)}"
 """The GPU figures alone, in a results file of their own (a CUDA machine runs no CPU model here)."""
-TITLE = "Profiling and prediction: epoch wall and run cost, predicted vs measured"
+TITLE = "Profiling and prediction, out of sample: epoch wall and run bill against naive baselines"
 
-CPU_MODELS = ("digits_mlp", "digits_cnn", "benchmarks.prediction_models:wide_mlp")
 GPU_MODELS = ("resnet18", "vgg11")
 GPU_DATASET, GPU_BATCH = "synthetic:3x32x32:10:4096", 64
 DEFAULT_EPOCHS, DEFAULT_REPEATS = 5, 2
 GOAL_EPOCH, GOAL_COST = 0.15, 0.20
-ADABATCH_MODEL = "digits_cnn"
-BEFORE_COMMIT, BEFORE_PATH = "cabc397", "benchmarks/results/prediction.md"
-DELETING_COMMIT = "858a312"
+IN_SAMPLE, HELD_OUT = "in sample", "out of sample"
 
 PROFILE_LINE = re.compile(
     r"zooid profile of (?P<model>\S+) on (?P<where>.*?): model (?:measured in (?P<model_s>[\d.]+) s|from the cache), "
@@ -87,24 +91,52 @@ PROFILE_LINE = re.compile(
 
 # --- configurations ----------------------------------------------------------------------
 
-def configurations(models: list[str], gpu: bool, epochs: int) -> list[dict]:
-    """Each model as Local-SGD 2x1 and pipeline 1x2 (CPU), or Local-SGD 1x1 (GPU)."""
+@dataclass(frozen=True)
+class Config:
+    """One job: its model, plan in words, target, set and TrainJob fields."""
+
+    model: str
+    plan: str
+    target: str
+    group: str
+    params: dict = field(hash=False)
+
+    @property
+    def job(self) -> str:
+        return f"{self.model} {self.plan} on {self.target}"
+
+
+def configurations(epochs: int, docker: bool, models: list[str] | None = None, gpu: bool = False) -> list[Config]:
+    """The fit set, then the held-out set (the module docstring), in run order; only the CPU jobs
+    of `models` where given (none: the GPU jobs alone)."""
+    job = lambda workers, **kw: digits_job(workers, epochs, True, **kw)  # noqa: E731
     out = []
-    for model in models:
-        out.append({"model": model, "plan": "local_sgd 2x1", "device": "cpu",
-                    "params": digits_job(2, epochs, True, model=model)})
-        out.append({"model": model, "plan": "pipeline 1x2", "device": "cpu",
-                    "params": digits_job(1, epochs, True, model=model, strategy="pipeline", stages=2)})
-    if models:  # a policy that adds workers as it goes: 1 -> 2 -> 4 replicas
-        out.append({"model": ADABATCH_MODEL, "plan": "adabatch 1->4", "device": "cpu",
-                    "params": digits_job(1, epochs, True, model=ADABATCH_MODEL, scaling="adabatch", max_workers=4,
-                                         scale_every_epochs=1)})
+    if models is None or models:
+        out += [Config("digits_cnn", "local_sgd 2x1", "local", IN_SAMPLE, job(2, model="digits_cnn")),
+                Config("digits_mlp", "pipeline 1x2", "local", IN_SAMPLE,
+                       job(1, model="digits_mlp", strategy="pipeline", stages=2))]
+        if docker:
+            out.append(Config("digits_cnn", "local_sgd 2x1", "docker", IN_SAMPLE, job(2, model="digits_cnn")))
+        out += [Config("benchmarks.prediction_models:wide_mlp", "local_sgd 3x1", "local", HELD_OUT,
+                       job(3, model="benchmarks.prediction_models:wide_mlp")),
+                Config("benchmarks.prediction_models:deep_cnn", "pipeline 1x2", "local", HELD_OUT,
+                       job(1, model="benchmarks.prediction_models:deep_cnn", strategy="pipeline", stages=2)),
+                Config("digits_cnn", "adabatch 1->4", "local", HELD_OUT,
+                       job(1, model="digits_cnn", scaling="adabatch", max_workers=4, scale_every_epochs=1))]
+        if docker:
+            out.append(Config("benchmarks.prediction_models:wide_mlp", "local_sgd 2x1", "docker", HELD_OUT,
+                              job(2, model="benchmarks.prediction_models:wide_mlp")))
+    if models:
+        out = [c for c in out if c.model in models]
     if gpu:
-        for model in GPU_MODELS:
-            out.append({"model": model, "plan": "local_sgd 1x1", "device": "cuda",
-                        "params": digits_job(1, epochs, True, model=model, dataset=GPU_DATASET,
-                                             batch_size=GPU_BATCH)})
+        out += [Config(model, "local_sgd 1x1", "local", HELD_OUT,
+                       job(1, model=model, dataset=GPU_DATASET, batch_size=GPU_BATCH)) for model in GPU_MODELS]
     return out
+
+
+def kinds(cfg: Config, repeats: int) -> list[str]:
+    """The runs of `cfg` in order: a fresh store of its own (process pool only), then the shared store."""
+    return (["fresh"] if cfg.target == "local" else []) + ["first"] + ["repeat"] * repeats
 
 
 # --- per run -------------------------------------------------------------------------------
@@ -116,66 +148,60 @@ def _rel(predicted: float | None, measured: float | None) -> float | None:
     return predicted / measured - 1
 
 
-def run_record(cfg: dict, index: int, summary: dict) -> dict:
-    """The figures of one run (see the module docstring)."""
+def _abs(x: float | None) -> float | None:
+    return None if x is None else abs(x)
+
+
+def run_record(cfg: Config, kind: str, summary: dict) -> dict:
+    """The figures of one run (see the module docstring); the baselines are added later
+    (`add_baselines`), from the runs before it."""
     epochs = sorted(summary["epochs"], key=lambda e: e["epoch"])
     plan = summary["plan"]
-    later = [e for e in epochs if e["epoch"] >= 1 and e.get("predicted_epoch_s") is not None]
-    epoch_errors = [abs(_rel(e["predicted_epoch_s"], e["seconds"])) for e in later]
+    pairs = [(prev, e) for prev, e in zip(epochs, epochs[1:]) if e.get("predicted_epoch_s") is not None]
+    later, second = [p for p in pairs if p[1]["epoch"] >= 2], [p for p in pairs if p[1]["epoch"] == 1]
     e0 = epochs[0] if epochs else {}
     billed = float(summary["total_cost_usd"])
-    price = float(plan.get("price_per_worker_s") or 0.0)
-    first_pred, first_meas = plan.get("predicted_first_epoch_s"), e0.get("seconds")
     terms = plan.get("run_terms") or {}
-    flow_s = (summary["flow_end_at"] - summary["flow_start_at"]
-              if summary.get("flow_start_at") and summary.get("flow_end_at") else None)
+    # the run's prediction counts from the plan (`planned_at`) to the flow run's end
+    flow_s = summary["flow_end_at"] - plan["planned_at"] if summary.get("flow_end_at") and plan.get("planned_at") \
+        else None
     return {
-        "model": cfg["model"], "plan": cfg["plan"], "device": cfg["device"], "run": index,
-        "run_id": summary["run_id"], "status": summary["status"], "planned": f"{plan.get('strategy')} "
-        f"{plan.get('data_parallel')}x{plan.get('stages')}" + (f" {plan.get('pipeline_schedule')} M={plan.get('microbatches')}"
-                                                               if plan.get("stages", 1) > 1 else ""),
-        "epoch_error": median(epoch_errors),
-        "wall_s": median(e["seconds"] for e in later),
+        "job": cfg.job, "model": cfg.model, "plan": cfg.plan, "target": cfg.target, "group": cfg.group,
+        "kind": kind, "run_id": summary["run_id"],
+        "began": summary.get("submitted_at"), "ended": summary.get("seen_final_at"),
+        "planned": f"{plan.get('strategy')} {plan.get('data_parallel')}x{plan.get('stages')}"
+                   + (f" {plan.get('pipeline_schedule')} M={plan.get('microbatches')}" if plan.get("stages", 1) > 1 else ""),
+        "epoch_error": median(_abs(_rel(e["predicted_epoch_s"], e["seconds"])) for _, e in later),
+        "epoch_baseline": median(_abs(_rel(prev["seconds"], e["seconds"])) for prev, e in later),
+        "epoch1_error": median(_abs(_rel(e["predicted_epoch_s"], e["seconds"])) for _, e in second),
+        "epoch1_baseline": median(_abs(_rel(prev["seconds"], e["seconds"])) for prev, e in second),
+        "wall_s": median(e["seconds"] for e in epochs[1:]),
         "predicted_cost": plan.get("predicted_run_cost_usd"), "billed": billed,
-        "cost_error": _rel(plan.get("predicted_run_cost_usd"), billed),
-        "first_pred_s": first_pred, "first_meas_s": first_meas,
-        "first_exposed_s": (e0.get("startup") or {}).get("exposed_s"),
-        "predicted_exposed_s": max(0.0, first_pred - float(plan.get("predicted_epoch_s") or 0.0)
-                                   - float(terms.get("warmup_s") or 0.0)) if first_pred is not None else None,
-        "startups": [],  # each worker's start-up seconds, from the ledger
-        "first_miss_usd": (first_meas - first_pred) * (int(plan.get("workers") or 0) + 1) * price
-        if first_pred is not None and first_meas is not None else None,
-        "iteration0_error": _rel(e0.get("predicted_iteration_s"), e0.get("measured_iteration_s")),
-        "iteration_error": median(abs(x) for x in (_rel(e.get("predicted_iteration_s"), e.get("measured_iteration_s"))
-                                                    for e in later) if x is not None),
+        "cost_error": _rel(plan.get("predicted_run_cost_usd"), billed), "cost_baseline": None,
         "predicted_run_s": plan.get("predicted_run_s"), "flow_s": flow_s,
+        "run_s_error": _rel(plan.get("predicted_run_s"), flow_s), "run_s_baseline": None,
+        "first_pred_s": plan.get("predicted_first_epoch_s"), "first_meas_s": e0.get("seconds"),
         "terms": {k: terms.get(k) for k in ("startup_s", "provision_s", "warmup_s", "epoch_overhead_s",
                                              "gap_s", "teardown_s", "stop_s")},
         "assumed": sorted(k for k, v in (terms.get("measured") or {}).items() if not v),
-        "worker_seconds": summary.get("worker_seconds") or {},
-        "switched": sum(bool((e.get("replan") or {}).get("switched")) for e in epochs),
+        "workers": [e.get("workers") for e in epochs],
         "epochs": [{"epoch": e["epoch"], "seconds": e["seconds"], "predicted_epoch_s": e.get("predicted_epoch_s"),
-                    "overhead_s": e.get("overhead_s"), "critical_busy_s": e.get("critical_busy_s"),
-                    "predicted_iteration_s": e.get("predicted_iteration_s"),
-                    "measured_iteration_s": e.get("measured_iteration_s"),
-                    "exposed_s": (e.get("startup") or {}).get("exposed_s"),
-                    "replan": (e.get("replan") or {}).get("reason", "")} for e in epochs],
+                    "workers": e.get("workers"), "replan": (e.get("replan") or {}).get("reason", "")} for e in epochs],
         "profile": None,
     }
 
 
-def ledger_startups(summary: dict) -> list[float]:
-    """Each worker's billed start-up seconds (launch to ready) from the run's ledger, by rank:
-    the `ledger` (cost.json) that `pool_summary` read from the run's own durable store."""
-    rows = (summary.get("ledger") or {}).get("rows")
-    if rows is None:
-        raise KeyError(f"no ledger for {summary.get('run_id')}")
-    per: dict[str, list] = {}
-    for row in rows:
-        if row.get("kind") == "worker" and row.get("status") == "startup":
-            entry = per.setdefault(row.get("worker") or row.get("resource"), [row.get("rank") or 0, 0.0])
-            entry[1] += float(row["seconds"])
-    return [v for _, v in sorted(per.values())]
+def add_baselines(records: list[dict]) -> None:
+    """Each run's bill and wall baselines: the median over the runs of other jobs on its target
+    that ended before it began, as the error of predicting this run by it (None where no such run)."""
+    for r in records:
+        earlier = [o for o in records if o["target"] == r["target"] and o["job"] != r["job"]
+                   and o["ended"] is not None and r["began"] is not None and o["ended"] <= r["began"]]
+        if not earlier:
+            continue
+        r["cost_baseline"] = _rel(median(o["billed"] for o in earlier), r["billed"])
+        r["run_s_baseline"] = _rel(median(o["flow_s"] for o in earlier), r["flow_s"])
+        r["baseline_runs"] = len(earlier)
 
 
 def profile_lines(api_url: str, run_ids: list[str]) -> dict[str, dict]:
@@ -206,78 +232,74 @@ def profile_lines(api_url: str, run_ids: list[str]) -> dict[str, dict]:
     return found
 
 
-# --- summary -------------------------------------------------------------------------------
+# --- judgments -----------------------------------------------------------------------------
 
-def goal_stats(records: list[dict], key: str, goal: float) -> dict:
-    """Median and worst |error| over runs and how many are within `goal`."""
-    errors = [abs(r[key]) for r in records if r.get(key) is not None]
-    return {"n": len(errors), "median": median(errors), "max": max(errors) if errors else None,
-            "within": sum(e <= goal for e in errors)}
+@dataclass(frozen=True)
+class Judgment:
+    """One figure over a set of runs: the prediction's and the baseline's median |error|."""
+
+    what: str
+    runs: int
+    predicted: float | None
+    baseline: float | None
+    goal: float | None
+    within: int = 0
+
+    @property
+    def verdict(self) -> str:
+        if self.goal is None:
+            return "no goal"
+        if self.predicted is None:
+            return "not measured"
+        beats = self.baseline is None or self.predicted < self.baseline
+        met = self.predicted <= self.goal and beats
+        why = [] if met else ([f"above {100 * self.goal:.0f} %"] if self.predicted > self.goal else []) + (
+            [] if beats else ["no better than the baseline"])
+        return "**met**" if met else f"**not met** ({', '.join(why)})"
 
 
-def noise_floor(records: list[dict]) -> list[dict]:
-    """Per configuration: |a - b| / mean(a, b) of the median epoch wall and of the bill over
-    consecutive repeats (runs 1..; run 0 filled the caches)."""
+def judge(records: list[dict], what: str, key: str, goal: float | None) -> Judgment:
+    """Median |error| of `key` and of its baseline (`<key>` with `_error` -> `_baseline`) over
+    the runs that have both where a baseline exists (all runs with a figure where none does)."""
+    base_key = key.replace("_error", "_baseline")
+    with_base = [r for r in records if r.get(key) is not None and r.get(base_key) is not None]
+    runs = with_base or [r for r in records if r.get(key) is not None]
+    pred = median(abs(r[key]) for r in runs)
+    return Judgment(what, len(runs), pred, median(abs(r[base_key]) for r in with_base) if with_base else None, goal,
+                    sum(abs(r[key]) <= goal for r in runs) if goal is not None else 0)
+
+
+def judgments(records: list[dict]) -> list[tuple[str, str, Judgment]]:
+    """(set, target, judgment) for each set and target that ran, in sample beside out of sample."""
     out = []
-    for cfg in dict.fromkeys((r["model"], r["plan"]) for r in records):
-        reps = [r for r in records if (r["model"], r["plan"]) == cfg and r["run"] >= 1 and r["wall_s"] is not None]
-        pairs = list(zip(reps, reps[1:]))
-        if not pairs:
-            continue
-        d = lambda a, b: abs(a - b) / ((a + b) / 2) if a + b > 0 else None
-        out.append({"model": cfg[0], "plan": cfg[1], "pairs": len(pairs),
-                    "wall": median(d(a["wall_s"], b["wall_s"]) for a, b in pairs),
-                    "bill": median(d(a["billed"], b["billed"]) for a, b in pairs),
-                    "walls": [r["wall_s"] for r in reps], "bills": [r["billed"] for r in reps]})
+    for target in dict.fromkeys(r["target"] for r in records):
+        for group in (IN_SAMPLE, HELD_OUT):
+            rs = [r for r in records if r["target"] == target and r["group"] == group]
+            if not rs:
+                continue
+            new = [r for r in rs if r["kind"] in ("fresh", "first")]
+            out += [(group, target, judge(rs, "epoch wall, epochs 2..", "epoch_error", GOAL_EPOCH)),
+                    (group, target, judge(rs, "epoch 1 (the epoch after the start-up's)", "epoch1_error", GOAL_EPOCH)),
+                    (group, target, judge(new, "run bill, the job's first runs (fresh, first)", "cost_error", GOAL_COST)),
+                    (group, target, judge(rs, "run bill, every run", "cost_error", GOAL_COST)),
+                    (group, target, judge(rs, "run wall, every run", "run_s_error", None))]
     return out
 
 
-# --- before: the previous benchmark's figures, from git ----------------------------------
-
-def _git(*args: str) -> str:
-    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout
-
-
-def before_section() -> list[str]:
-    """The previous result file's command and summary lines, quoted verbatim with where
-    they come from, and what 858a312 deleted (from git)."""
-    source = f"git show {BEFORE_COMMIT}:{BEFORE_PATH}"
-    try:
-        text = _git("show", f"{BEFORE_COMMIT}:{BEFORE_PATH}")
-    except (subprocess.CalledProcessError, OSError) as exc:
-        return [f"Before: `{source}` could not be read ({type(exc).__name__})."]
-    lines = text.splitlines()
-    picked = []  # (line number, text)
-    for i, line in enumerate(lines, 1):
-        if i == 1 or line.strip().startswith(".venv/bin/python -m benchmarks.bench_prediction"):
-            picked.append((i, line.strip()))
-    in_summary = False
-    for i, line in enumerate(lines, 1):
-        if line.startswith("## "):
-            in_summary = line.strip() == "## Summary"
+def noise_floor(records: list[dict]) -> list[dict]:
+    """Per job: |a - b| / mean(a, b) of the median epoch wall and of the bill over consecutive
+    runs on the shared store (`first`, `repeat`: the same job on the same store)."""
+    out = []
+    for job in dict.fromkeys(r["job"] for r in records):
+        reps = [r for r in records if r["job"] == job and r["kind"] != "fresh" and r["wall_s"] is not None]
+        pairs = list(zip(reps, reps[1:]))
+        if not pairs:
             continue
-        if in_summary and line.lstrip().startswith("- "):
-            picked.append((i, line))
-    picked.sort()
-    out = [f"Quoted verbatim from `{source}` (each line after its line number), the results of "
-           "the benchmark as it was before the shared-host corrections were deleted: per-iteration "
-           "period predicted from the profile with the co-run slowdown, wake costs and the store "
-           "collective probe, vs the steady-state period measured in instrumented worker processes "
-           "(no Prefect, no epoch overhead):", ""]
-    out += ["```text"] + [f"{i}: {l}" for i, l in picked] + ["```"]  # `N:` keeps a quoted `# title` no heading
-    try:
-        numstat = _git("show", "--numstat", "--format=", DELETING_COMMIT)
-        deleted = _git("show", "--diff-filter=D", "--name-only", "--format=", DELETING_COMMIT).split()
-        rows = [l.split("\t") for l in numstat.splitlines() if l.count("\t") == 2]
-        removed = {p: int(d) for a, d, p in rows if d.isdigit()}
-        added_all = sum(int(a) for a, d, p in rows if a.isdigit())
-        removed_all = sum(removed.values())
-        out += ["", f"What `{DELETING_COMMIT}` deleted in their favour of per-epoch calibration (`git show --numstat "
-                f"{DELETING_COMMIT}`): the files {', '.join(f'`{p}` ({removed.get(p, 0)} lines)' for p in deleted)}; "
-                f"`profiling/store_probe.py` lost {removed.get('profiling/store_probe.py', 0)} lines (the store collective "
-                f"timed among spawned processes); the commit added {added_all} and removed {removed_all} lines in all."]
-    except (subprocess.CalledProcessError, OSError):
-        pass
+        d = lambda a, b: abs(a - b) / ((a + b) / 2) if a + b > 0 else None  # noqa: E731
+        out.append({"job": job, "group": reps[0]["group"], "pairs": len(pairs),
+                    "wall": median(d(a["wall_s"], b["wall_s"]) for a, b in pairs),
+                    "bill": median(d(a["billed"], b["billed"]) for a, b in pairs),
+                    "walls": [r["wall_s"] for r in reps], "bills": [r["billed"] for r in reps]})
     return out
 
 
@@ -291,194 +313,101 @@ def _usd(x) -> str:
     return "-" if x is None else f"${x:.3g}"
 
 
-def _profile_cell(p: dict | None, prefix: bool = True) -> str:
+def _profile_cell(p: dict | None) -> str:
     if p is None:
         return "no log line"
     if p["source"] == "cache":
-        return f"cached, {p['all_s']:.1f} s"
+        return "cached"
     parts = [f"{name} {p[name + '_s']:.1f} s" if p[name + "_s"] is not None else f"{name} cached"
              for name in ("model", "store")]
-    return ("measured: " if prefix else "") + f"{', '.join(parts)} ({p['all_s']:.1f} s in all)"
+    return f"measured: {', '.join(parts)}"
 
 
-def _goal_line(name: str, stats: dict, goal: float, after: dict) -> str:
-    if stats["median"] is None:
-        return f"- {name} (goal <= {100 * goal:.0f} %): not measured."
-    ok = stats["median"] <= goal
-    return (f"- {name} (goal <= {100 * goal:.0f} %, median over runs): **{'met' if ok else 'not met'}**, "
-            f"{_pct(stats['median'])} over {stats['n']} runs (worst {_pct(stats['max'])}; {stats['within']} of "
-            f"{stats['n']} runs within the goal); runs after the first of each configuration (caches filled): "
-            f"{_pct(after['median'])}, {after['within']} of {after['n']} within.")
-
-
-def render(records: list[dict], failures: list[dict], epochs: int, repeats: int, gpu: bool,
-           before: list[str]) -> str:
+def render(records: list[dict], failures: list[dict], epochs: int, repeats: int) -> str:
     """The results file's body (its header: `benchmarks.output.write_result`)."""
-    epoch_all, cost_all = goal_stats(records, "epoch_error", GOAL_EPOCH), goal_stats(records, "cost_error", GOAL_COST)
-    later = [r for r in records if r["run"] >= 1]
-    epoch_later, cost_later = goal_stats(later, "epoch_error", GOAL_EPOCH), goal_stats(later, "cost_error", GOAL_COST)
+    found = judgments(records)
     noise = noise_floor(records)
-    runs = []
-    if any(r["device"] == "cpu" for r in records):
-        runs.append("digits, batch 16 per replica, SGD momentum 0.9, lr 0.05, warm workers; Local-SGD 2x1 (averaged "
-                    "once per epoch) and pipeline 1x2 (stages=2, the planner's micro-batches and schedule), and "
-                    f"{ADABATCH_MODEL} under adabatch (1 -> 2 -> 4 replicas, doubling every epoch)")
-    if gpu:
-        runs.append(f"on CUDA, {' and '.join(GPU_MODELS)} on `{GPU_DATASET}`, batch {GPU_BATCH}, SGD momentum 0.9, "
-                    "lr 0.05, warm workers, Local-SGD with 1 worker")
-    lines = ["What a user sees, per run of `train/local` on the `zooid-local` process pool of a fresh local stack "
-             "(empty durable store, so the first run of each model profiles it on a worker and the later ones read "
-             f"the cache): {'; '.join(runs)}; {epochs} epochs; each "
-             f"configuration runs {1 + repeats} times back to back: run 0 is a first run, on a fresh store of its "
-             "own (no profile, no run terms cached), the later runs use the stack's store (the first of them "
-             "profiles the model there, later ones read the cache). Epoch wall error = per run, the median over epochs 1.. of |predicted_epoch_s - seconds| / "
-             "seconds (the prediction in force for that epoch, recalibrated after every epoch). Bill error = "
-             "plan.predicted_run_cost_usd (the first plan, made after the profile) / total_cost_usd (the ledger) - 1. "
-             "Method: the module docstring of `benchmarks/bench_prediction.py`.", "",
-             "## Summary", ""]
-    lines.append(_goal_line("Epoch wall, predicted vs measured", epoch_all, GOAL_EPOCH, epoch_later))
-    lines.append(_goal_line("Run cost, predicted vs billed", cost_all, GOAL_COST, cost_later))
-    for label, group in (("First runs (run 0: a fresh store, nothing cached; the run measures its own profile "
-                          "and start-up, the other terms are assumed)", [r for r in records if r["run"] == 0]),
-                         (f"adabatch 1 -> 4 replicas ({ADABATCH_MODEL}, every run; the plan predicts each epoch at "
-                          "the count the policy will run)", [r for r in records if r["plan"].startswith("adabatch")])):
-        stats = goal_stats(group, "cost_error", GOAL_COST)
-        if stats["median"] is not None:
-            lines.append(f"- {label}: run cost **{'met' if stats['median'] <= GOAL_COST else 'not met'}**, median "
-                         f"{_pct(stats['median'])} over {stats['n']} runs (worst {_pct(stats['max'])}; "
-                         f"{stats['within']} within {100 * GOAL_COST:.0f} %).")
+    lines = [f"Every job: digits, batch 16 per replica, SGD momentum 0.9, lr 0.05, seed 0, warm workers, {epochs} epochs; "
+             f"each configuration runs as `fresh` (process pool only: a store of its own, nothing cached, the run "
+             f"terms assumed), `first` (the target's shared store, the job's first run there: run terms learnt from "
+             f"the runs of other jobs before it) and {repeats} x `repeat`. In sample: the fit set, which the run terms "
+             "are learnt from and the assumed terms were tuned on. Out of sample: models known only by import path, "
+             "other worker counts, the docker target's second job, run after the fit set. Baselines: for an epoch, "
+             "the last epoch's measured seconds; for a run's bill and wall, the median of the runs of other jobs that "
+             "ended on that target before it began. A goal is met only where the prediction's median |error| is "
+             "within the goal and below the baseline's. Method: the module docstring of "
+             "`benchmarks/bench_prediction.py`.", "", "## Summary", "",
+             *table(["set", "target", "figure", "runs", "prediction, median abs error",
+                     "baseline, median abs error", "goal", "verdict"])]
+    for group, target, j in found:
+        lines.append(f"| {group} | {target} | {j.what} | {j.runs} | {_pct(j.predicted)} | {_pct(j.baseline)} | "
+                     f"{'-' if j.goal is None else f'<= {100 * j.goal:.0f} %'} | {j.verdict} |")
     if noise:
-        lines.append(f"- Noise floor, the same run repeated (consecutive runs after the first of each configuration): the measured median "
-                     f"epoch wall differs by a median {_pct(median(n['wall'] for n in noise))} (max "
-                     f"{_pct(max(n['wall'] for n in noise))}) and the bill by {_pct(median(n['bill'] for n in noise))} "
-                     f"(max {_pct(max(n['bill'] for n in noise))}) over {len(noise)} configurations.")
-    signed = [r["cost_error"] for r in records if r["cost_error"] is not None]
-    if signed:
-        low = median(signed) < 0
-        lines.append(f"- The bill is predicted {'low' if low else 'high'} in {sum((x < 0) == low for x in signed)} of "
-                     f"{len(signed)} runs (median {_pct(median(signed), True)}). The first epoch is predicted at a "
-                     f"median {fmt(median(r['first_pred_s'] for r in records))} s and measured at "
-                     f"{fmt(median(r['first_meas_s'] for r in records))} s; that miss, at the plan's price for its "
-                     f"workers and the coordinator, is a median {_usd(median(r['first_miss_usd'] for r in records))} "
-                     f"per run against a median bill miss of "
-                     f"{_usd(median(r['billed'] - r['predicted_cost'] for r in records if r['predicted_cost'] is not None))}. "
-                     "The first epoch's start-up exposed (the epoch waits for its last worker), predicted "
-                     "(predicted_first_epoch_s - predicted_epoch_s - warm-up term) vs measured:")
-        for label, group in (("runs that measured a profile (a worker was started for it before the plan)",
-                              [r for r in records if r["profile"] and r["profile"]["source"] == "measured"]),
-                             ("runs that read the profile from the cache (no worker before the plan)",
-                              [r for r in records if r["profile"] and r["profile"]["source"] == "cache"])):
-            if not group:
-                continue
-            slowest = [max(r["startups"]) for r in group if r["startups"]]
-            lines.append(f"  - {label}: {fmt(median(r['predicted_exposed_s'] for r in group))} s predicted, "
-                         f"{fmt(median(r['first_exposed_s'] for r in group))} s measured (medians over {len(group)} "
-                         f"runs); the slowest worker's start-up (ledger) a median {fmt(median(slowest))} s against "
-                         f"the plan's start-up term {fmt(median(r['terms'].get('startup_s') for r in group))} s.")
-    it0 = goal_stats(records, "iteration0_error", GOAL_EPOCH)
-    it = goal_stats(records, "iteration_error", GOAL_EPOCH)
-    if it0["n"]:
-        lines.append(f"- Per iteration, the quantity the benchmark before measured (see the last section): epoch 0's "
-                     f"iteration predicted from the profile alone (taken on the target, no shared-host corrections, "
-                     f"nothing calibrated yet) vs measured: median |error| {_pct(it0['median'])} over {it0['n']} runs "
-                     f"(max {_pct(it0['max'])}); epochs 1.., calibrated by the epochs before: median "
-                     f"{_pct(it['median'])} (per run, the median over its epochs; max {_pct(it['max'])}; each epoch's "
-                     "prediction is calibrated to the epoch before, so this is mostly how much the iteration moves "
-                     "from one epoch to the next). Epoch 0's iteration includes the workers' first steps.")
-    profiles = _profile_summary(records)
-    for p in profiles:
-        lines.append(f"- Profile of `{p['model']}`: measured ({p['fresh']}); from the cache {p['cached']}.")
+        for group in (IN_SAMPLE, HELD_OUT):
+            ns = [n for n in noise if n["group"] == group]
+            if ns:
+                lines.append("")
+                lines.append(f"Noise floor, {group} (the same job run again on the same store, {len(ns)} jobs): the "
+                             f"measured median epoch wall differs by a median {_pct(median(n['wall'] for n in ns))} "
+                             f"(max {_pct(max(n['wall'] for n in ns))}) and the bill by "
+                             f"{_pct(median(n['bill'] for n in ns))} (max {_pct(max(n['bill'] for n in ns))}).")
     if failures:
-        lines.append(f"- {len(failures)} run(s) failed: " + "; ".join(f"{f['model']} {f['plan']} run {f['run']}: "
-                                                                     f"{f['error']}" for f in failures))
-    if profiles:
-        lines.append("  (in all = the coordinator's profile step, from asking to answer: for a measured profile it "
-                     "includes starting the worker that measures it, as the local pool starts workers only after "
-                     "the profile where they share the coordinator's machine)")
-    if not gpu:
-        lines.append(f"- GPU figures ({', '.join(GPU_MODELS)}, 1 worker) are not in this run (no CUDA device): "
-                     f"`{GPU_COMMAND}` on a CUDA machine takes them (`benchmarks/results/{GPU_RESULTS.name}`).")
+        lines += ["", f"{len(failures)} run(s) failed: " + "; ".join(f"{f['job']} {f['kind']}: {f['error']}"
+                                                                    for f in failures)]
     lines += ["", "## Every run", "",
-              "profile = the coordinator's `zooid profile of ...` log line; planned = the first plan's shape; "
-              "epoch err = median over epochs 1..; wall = measured median epoch wall (epochs 1..); first epoch = "
-              "predicted_first_epoch_s / measured (start-up exposed: predicted / measured); start-ups = each worker's "
-              "billed start-up (ledger), by rank; first miss = (measured - predicted first "
-              "epoch) x (workers + coordinator) x price; it0 err = epoch 0's predicted iteration (profile, "
-              "uncalibrated) / measured - 1; run s = predicted_run_s (from the plan) / the flow run's start -> end "
-              "(from before the profile); worker-s = billed start-up / busy / idle / profile; assumed = run terms "
-              "not yet measured on this target at the plan.", "",
-              *table(["model", "plan", "run", "profile", "planned", "epoch err", "wall s", "bill predicted", "billed",
-                      "bill err", "first epoch s", "start-ups s", "first miss", "it0 err", "run s", "worker-s",
-                      "assumed", "re-plans"])]
+              "epoch err = median over epochs 2.. of |predicted - measured| / measured (baseline: the last epoch's "
+              "seconds); epoch 1 = the same for epoch 1 alone; wall = measured median epoch wall (epochs 1..); bill err = the first plan's bill / the ledger's "
+              "- 1 (baseline: the median bill of the other jobs' runs before it on the target, over `n` runs); run s = "
+              "predicted_run_s / the seconds from the plan to the flow run's end; assumed = run terms not yet measured on this target at "
+              "the plan; profile = the coordinator's `zooid profile of ...` log line.", "",
+              *table(["set", "job", "kind", "planned", "profile", "epoch err", "baseline", "epoch 1 err", "baseline", "wall s", "bill predicted",
+                      "billed", "bill err", "baseline (n)", "run s", "run s err", "baseline", "assumed"])]
     for r in records:
-        ws = r["worker_seconds"]
         lines.append(
-            f"| {r['model']} | {r['plan']} | {r['run']} | {_profile_cell(r['profile'])} | {r['planned']} | "
-            f"{_pct(r['epoch_error'])} | {fmt(r['wall_s'], '{:.3f}')} | {_usd(r['predicted_cost'])} | {_usd(r['billed'])} | "
-            f"{_pct(r['cost_error'], True)} | {fmt(r['first_pred_s'])} / {fmt(r['first_meas_s'])} "
-            f"({fmt(r['predicted_exposed_s'])} / {fmt(r['first_exposed_s'])}) | "
-            f"{', '.join(f'{x:.1f}' for x in r['startups']) or '-'} | {_usd(r['first_miss_usd'])} | {_pct(r['iteration0_error'], True)} | "
-            f"{fmt(r['predicted_run_s'], '{:.1f}')} / {fmt(r['flow_s'], '{:.1f}')} | "
-            f"{' / '.join(fmt(ws.get(k), '{:.1f}') for k in ('startup', 'busy', 'idle', 'profile'))} | "
-            f"{', '.join(r['assumed']) or '-'} | {r['switched']} |")
+            f"| {r['group']} | {r['job']} | {r['kind']} | {r['planned']} | {_profile_cell(r['profile'])} | "
+            f"{_pct(r['epoch_error'])} | {_pct(r['epoch_baseline'])} | {_pct(r['epoch1_error'])} | "
+            f"{_pct(r['epoch1_baseline'])} | {fmt(r['wall_s'], '{:.3f}')} | "
+            f"{_usd(r['predicted_cost'])} | {_usd(r['billed'])} | {_pct(r['cost_error'], True)} | "
+            f"{_pct(r['cost_baseline'], True)} ({r.get('baseline_runs', 0)}) | "
+            f"{fmt(r['predicted_run_s'], '{:.1f}')} / {fmt(r['flow_s'], '{:.1f}')} | {_pct(r['run_s_error'], True)} | "
+            f"{_pct(r['run_s_baseline'], True)} | {', '.join(r['assumed']) or '-'} |")
     if noise:
         lines += ["", "## Noise floor", "",
-                  *table(["model", "plan", "median epoch wall s (runs 1..)", "difference", "bill (runs 1..)",
-                          "difference"])]
+                  *table(["set", "job", "median epoch wall s (first, repeats)", "difference", "bill", "difference"])]
         for n in noise:
-            lines.append(f"| {n['model']} | {n['plan']} | {', '.join(fmt(w, '{:.3f}') for w in n['walls'])} | "
+            lines.append(f"| {n['group']} | {n['job']} | {', '.join(fmt(w, '{:.3f}') for w in n['walls'])} | "
                          f"{_pct(n['wall'])} | {', '.join(_usd(b) for b in n['bills'])} | {_pct(n['bill'])} |")
     lines += ["", "## Run terms of the first plan", "",
               "Seconds; the plan's `run_terms` (medians of the target's cached samples, or assumed where not yet "
               "measured).", "",
-              *table(["model", "plan", "run", "start-up", "provision", "warm-up", "epoch overhead", "gap", "teardown",
-                      "stop"])]
+              *table(["job", "kind", "start-up", "provision", "warm-up", "epoch overhead", "gap", "teardown", "stop"])]
     for r in records:
         t = r["terms"]
-        lines.append(f"| {r['model']} | {r['plan']} | {r['run']} | " + " | ".join(
+        lines.append(f"| {r['job']} | {r['kind']} | " + " | ".join(
             fmt(t.get(k)) for k in ("startup_s", "provision_s", "warmup_s", "epoch_overhead_s", "gap_s",
                                    "teardown_s", "stop_s")) + " |")
     lines += ["", "## Every epoch", "",
-              "predicted = `predicted_epoch_s` in force for the epoch; iteration = predicted / measured ms per step; "
-              "exposed = start-up the epoch waited for; re-plan = the decision taken after the epoch.", "",
-              *table(["model", "plan", "run", "epoch", "measured s", "predicted s", "error", "overhead s",
-                      "iteration ms", "exposed s", "re-plan"])]
+              "predicted = `predicted_epoch_s` in force for the epoch; baseline = the epoch before's measured seconds; "
+              "re-plan = the decision taken after the epoch.", "",
+              *table(["job", "kind", "epoch", "workers", "measured s", "predicted s", "error", "baseline error",
+                      "re-plan"])]
     for r in records:
+        prev = None
         for e in r["epochs"]:
             lines.append(
-                f"| {r['model']} | {r['plan']} | {r['run']} | {e['epoch']} | {e['seconds']:.3f} | "
+                f"| {r['job']} | {r['kind']} | {e['epoch']} | {e['workers']} | {e['seconds']:.3f} | "
                 f"{fmt(e['predicted_epoch_s'], '{:.3f}')} | {_pct(_rel(e['predicted_epoch_s'], e['seconds']), True)} | "
-                f"{fmt(e['overhead_s'], '{:.3f}')} | {fmt(_ms(e['predicted_iteration_s']), '{:.2f}')} / "
-                f"{fmt(_ms(e['measured_iteration_s']), '{:.2f}')} | {fmt(e['exposed_s'])} | "
-                f"{e['replan'].replace('|', '/') or '-'} |")
-    lines += ["", "## Before: the benchmark this one replaces", ""] + before
+                f"{_pct(_rel(prev, e['seconds']), True)} | {e['replan'].replace('|', '/') or '-'} |")
+            prev = e["seconds"]
+    lines += ["", "The benchmark before this one judged its predictions on the configurations its assumed terms were "
+              "tuned on (`git show 43126399bd69:benchmarks/results/prediction.md`)."]
     return "\n".join(lines) + "\n"
 
 
-def _ms(x):
-    return None if x is None else 1000 * x
-
-
-def _profile_summary(records: list[dict]) -> list[dict]:
-    """Per model: the runs that measured something (the model's first run; a pipeline's first
-    run probes the store again with its transfers) and the cached ones."""
-    out = []
-    for model in dict.fromkeys(r["model"] for r in records):
-        runs = [r for r in records if r["model"] == model and r["profile"]]
-        fresh = [r for r in runs if r["profile"]["source"] == "measured"]
-        cached = [r["profile"]["all_s"] for r in runs if r["profile"]["source"] == "cache"]
-        out.append({"model": model,
-                    "fresh": "; ".join(f"{r['plan']} run {r['run']}: {_profile_cell(r['profile'], False)}" for r in fresh)
-                             or "not seen",
-                    "cached": (f"{median(cached):.1f} s in all (median of {len(cached)} runs, max {max(cached):.1f} s; "
-                               "the log line gives 0.1 s)" if cached else "not seen")})
-    return out
-
-
 def _print_run(r: dict) -> None:
-    print(f"{r['model']:40s} {r['plan']:13s} run {r['run']}: epoch err {_pct(r['epoch_error'])}, bill "
-          f"{_usd(r['predicted_cost'])} predicted vs {_usd(r['billed'])} billed ({_pct(r['cost_error'], True)}), "
-          f"first epoch {fmt(r['first_pred_s'])} / {fmt(r['first_meas_s'])} s, epochs "
+    print(f"{r['group']:13s} {r['job']:60s} {r['kind']:6s}: epoch err {_pct(r['epoch_error'])} (baseline "
+          f"{_pct(r['epoch_baseline'])}), bill {_usd(r['predicted_cost'])} predicted vs {_usd(r['billed'])} billed "
+          f"({_pct(r['cost_error'], True)}), epochs "
           + ", ".join(f"{e['seconds']:.3f}/{fmt(e['predicted_epoch_s'], '{:.3f}')}" for e in r["epochs"]), flush=True)
 
 
@@ -486,18 +415,21 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_prediction", description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="*", default=list(CPU_MODELS),
-                        help="CPU models (registry names or package.module:factory); none: GPU only")
     parser.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS)
     parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
-                        help="runs of each configuration after its first (the noise floor needs 2)")
+                        help="runs of each configuration after its first on the shared store (the noise floor needs 1)")
+    parser.add_argument("--no-docker", dest="docker", action="store_false", help="the process pool only")
+    parser.add_argument("--models", nargs="*", default=None,
+                        help="run only the CPU jobs of these models (none: the GPU jobs alone)")
     parser.add_argument("--gpu", action="store_true", help="also resnet18 and vgg11, 1 worker, on CUDA")
     parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--keep", action="store_true", help="keep the scratch folder (stack, store, logs)")
+    parser.add_argument("--keep", action="store_true", help="keep the scratch folder (stack, stores, logs)")
     args = parser.parse_args(argv)
-    if args.epochs < 2:
-        parser.error("--epochs must be at least 2 (epoch 0 starts the workers)")
-    if args.gpu:
+    if args.epochs < 4:
+        parser.error("--epochs must be at least 4 (epoch 0 starts the workers, epoch 1 is judged apart, "
+                     "the baseline needs two more)")
+    gpu = args.gpu
+    if gpu:
         import torch
 
         if not torch.cuda.is_available():
@@ -505,41 +437,39 @@ def main(argv: list[str] | None = None) -> int:
 
     prov = provenance()
     records, failures = [], []
-    with scratch("pred", keep=args.keep) as base:
-        with local_stack(base / "stack") as state:
-            for cfg in configurations(args.models, args.gpu, args.epochs):
-                for i in range(1 + args.repeats):
-                    # run 0: a first run, its own fresh store (no profile, no run terms cached); then the stack's
-                    params = {**cfg["params"], "store": f"file://{base}/fresh-{len(records)}"} if i == 0 else cfg["params"]
-                    try:
-                        summary = pool_summary(params)
-                    except (RuntimeError, TimeoutError) as exc:
-                        failures.append({"model": cfg["model"], "plan": cfg["plan"], "run": i,
-                                         "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
-                        print(f"{cfg['model']} {cfg['plan']} run {i} failed: {exc}", flush=True)
-                        continue
-                    records.append(run_record(cfg, i, summary))
-                    try:
-                        records[-1]["startups"] = ledger_startups(summary)
-                    except (KeyError, ValueError, OSError) as exc:
-                        print(f"no ledger for {summary['run_id']}: {type(exc).__name__}: {exc}", flush=True)
-                    _print_run(records[-1])
-            try:
-                lines = profile_lines(state["api_url"], [r["run_id"] for r in records])
-            except Exception as exc:  # the figures stand without it; the table says "no log line"
-                print(f"could not read the profile log lines: {type(exc).__name__}: {exc}", flush=True)
-                lines = {}
-            for r in records:
-                r["profile"] = lines.get(r["run_id"])
+    cfgs = configurations(args.epochs, args.docker, args.models, gpu)
+    docker = any(c.target == "docker" for c in cfgs)
+    with scratch("pred", home=True, keep=args.keep) as home, local_stack(home, docker=docker) as state:
+        shared = {"local": {}, "docker": {"store": state["docker"]["store"]} if docker else {}}
+        for cfg in cfgs:
+            for kind in kinds(cfg, args.repeats):
+                store = {"store": f"file://{home}/fresh-{len(records) + len(failures)}"} if kind == "fresh" \
+                    else shared[cfg.target]
+                try:
+                    summary = pool_summary({**cfg.params, **store}, target=cfg.target)
+                except Exception as exc:  # the run is recorded as failed; the others still run
+                    failures.append({"job": cfg.job, "kind": kind, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+                    print(f"{cfg.job} {kind} failed: {exc}", flush=True)
+                    continue
+                records.append(run_record(cfg, kind, summary))
+                _print_run(records[-1])
+        add_baselines(records)
+        try:
+            lines = profile_lines(state["api_url"], [r["run_id"] for r in records])
+        except Exception as exc:  # the figures stand without it; the table says "no log line"
+            print(f"could not read the profile log lines: {type(exc).__name__}: {exc}", flush=True)
+            lines = {}
+        for r in records:
+            r["profile"] = lines.get(r["run_id"])
         command = command_for("benchmarks.bench_prediction", flags=(
-            ("--models", " ".join(args.models), " ".join(CPU_MODELS)), ("--epochs", args.epochs, DEFAULT_EPOCHS),
-            ("--repeats", args.repeats, DEFAULT_REPEATS), ("--gpu", args.gpu, False),
+            ("--epochs", args.epochs, DEFAULT_EPOCHS), ("--repeats", args.repeats, DEFAULT_REPEATS),
+            ("--models", " ".join(args.models) if args.models is not None else None, None),
+            ("--no-docker", not args.docker, False), ("--gpu", args.gpu, False),
             ("--out", _shown(args.out), _shown(RESULTS)), ("--keep", args.keep, False)))
-        write_result(args.out, TITLE, command, prov,
-                     render(records, failures, args.epochs, args.repeats, args.gpu, before_section()),
-                     detail="the Prefect server, the process worker, the coordinator and the training workers share "
-                            "these cores", echo=True)
-        (base / "records.json").write_text(json.dumps(records, indent=1))
+        write_result(args.out, TITLE, command, prov, render(records, failures, args.epochs, args.repeats),
+                     detail="the Prefect server, the pool's and the Docker worker, the coordinator and the training "
+                            "workers (processes or containers) share these cores", echo=True)
+        (home / "records.json").write_text(json.dumps(records, indent=1))
     return 0 if not failures else 1
 
 

@@ -61,7 +61,7 @@ SECTIONS = [
     Section("Planners: co-optimisation (exact vs SCIP vs gurobipy)", "bench_co_optimize", "co_optimize",
             ("--scip-time-limit", "60")),
     Section("Pipeline: pipelined vs plain scatter-reduce", "bench_scatter_reduce", "scatter_reduce"),
-    Section("Profiling and prediction: epoch wall and run cost, predicted vs measured", "bench_prediction",
+    Section("Profiling and prediction, out of sample: epoch wall and run bill against naive baselines", "bench_prediction",
             "prediction"),
     Section("Profiling and prediction on a GPU", "bench_prediction", "prediction_gpu",
             ("--models", "--gpu", "--out", "benchmarks/results/prediction_gpu.md"), gpu=True),

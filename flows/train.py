@@ -200,10 +200,8 @@ def profile_plan_and_provision(run: Training) -> None:
     run.plan_since, run.first_plan = run.first_epoch, run.plan.to_dict()
     log_outer_settings(job, run.plan.steps_per_epoch)  # what the sync period chose, or a warning
     run.clock.planned_at = run.first_plan["planned_at"] = time.time()  # its run prediction counts from here
-    run.stores = run_stores(ctx)  # the run's own requests are measured from here (`own_requests`)
-    run.clock.store_roles, run.clock.ops_at_plan = run.stores.roles, store_ops_now(ctx)
-    run.clock.idle_since = time.time() - idle_s(ctx)  # the warm workers wait for their first command from here
-    run.clock.staged = run.stores.staged(ctx) if resume is None else {}  # a resumed run's data may be there
+    run.stores = run_stores(ctx)
+    run.clock.plan_made(ctx, run.stores, idle_s(ctx), resumed=resume is not None)  # own requests counted from here
     if ctx.state.warm is not None:  # start-up overlaps provisioning
         ctx.state.warm.ensure(run.plan, run.first_epoch)
     provision(ctx, run.plan, fresh=resume is None)
@@ -222,8 +220,9 @@ def train_one_epoch(run: Training, epoch: int) -> EpochSummary:
     sent, requested = time.time(), store_ops_now(ctx)
     waited = sent - (run.clock.epochs[-1][1] if run.clock.epochs else run.clock.idle_since or sent)
     summary = run_epoch(ctx, run.plan, epoch, run.init, run.lr, resuming, on_tick=lambda: [t() for t in ticks])
-    run.clock.epoch(sent, time.time())
-    run.clock.epoch_ops.append((requested, expected_epoch_ops(ctx, run.plan, time.time() - sent, run.stores, waited),
+    done = time.time()
+    run.clock.epoch(sent, done)
+    run.clock.epoch_ops.append((requested, expected_epoch_ops(ctx, run.plan, done - sent, run.stores, waited),
                                 run.stores.protocol_role(run.plan)))
     if epoch == run.first_epoch and run.plan.predicted_first_epoch_s:  # start-up and warm-up in force
         summary.predicted_epoch_s = run.plan.predicted_first_epoch_s

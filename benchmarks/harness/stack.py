@@ -45,14 +45,16 @@ def local_stack(home: Path, *, docker: bool = False) -> Iterator[dict]:
         down(home)
 
 
-def pool_summary(params: dict, timeout_s: float = 900) -> dict:
+def pool_summary(params: dict, timeout_s: float = 900, target: str = "local") -> dict:
     """Run `params` (TrainJob fields) as `train/local` on the stack of the enclosing
-    `local_stack`; the run's summary from its store, with the flow run's state, `submitted_at`
-    (just before `run_deployment`), `seen_final_at` (the first poll, every 0.1 s, that found it
-    final) and Prefect's `flow_start_at` / `flow_end_at`. RuntimeError when it did not complete."""
+    `local_stack`, on `target` (`local`: the process pool; `docker`: the stack's container half,
+    with a store the containers reach in `params`); the run's summary from its store, with the
+    flow run's state, `submitted_at` (just before `run_deployment`), `seen_final_at` (the first
+    poll, every 0.1 s, that found it final) and Prefect's `flow_start_at` / `flow_end_at`.
+    RuntimeError when it did not complete."""
     from deployments.stack import run_and_wait  # imports Prefect: see the module docstring
 
-    summary = run_and_wait({**params, "target": "local"}, timeout_s, poll_s=0.1)
+    summary = run_and_wait({**params, "target": target}, timeout_s, poll_s=0.1)
     if summary.get("flow_run_state") != "COMPLETED" or summary.get("status") == "failed":
         raise RuntimeError(f"pool run ended {summary.get('flow_run_state')} / {summary.get('status')}: "
                            f"{summary.get('error')}")

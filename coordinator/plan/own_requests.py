@@ -121,7 +121,7 @@ def samples(roles: dict[str, str], at_plan: Parties | None, epochs: list[tuple],
     own = [excess(b[0], a) for a, b in zip(epochs, epochs[1:])]
     if at_end is not None:
         own.append(excess(at_end, epochs[-1]))
-    steady = [to_json(o) for o in own[1:-1]] if at_end is not None else [to_json(o) for o in own[1:]]
+    steady = [to_json(o) for o in own[1:len(own) - (at_end is not None)]]  # the last's holds the teardown
     term = {role: StoreOps.from_dict(ops) for role, ops in median(steady).items()}
     staging = minus(by_role(delta(epochs[0][0], at_plan), roles, epochs[0][2]), staged or {})
     if own:

@@ -240,7 +240,7 @@ class RunStores:
         """The requests of staging the run's dataset on the durable store (none for a prepared
         dataset, read where it is): a subset file for every `subset_size` rows of each split."""
         r = ctx.resolved
-        files = 0 if is_prepared(ctx.job.dataset) else r.n_subsets + -(-r.n_val // r.subset_size)
+        files = 0 if is_prepared(ctx.job.dataset) else r.n_subsets + r.n_val_subsets
         return staged_files(files, self.durable_role)
 
     def protocol_role(self, plan: Plan) -> str:
@@ -261,14 +261,15 @@ def run_stores(ctx: RunContext) -> RunStores:
 
 
 def expected_epoch_ops(ctx: RunContext, plan: Plan, epoch_s: float, stores: RunStores,
-                       wait_s: float = 0.0) -> dict[str, dict[str, StoreOps]]:
+                       wait_s: float = 0.0, protocol: StoreOps | None = None) -> dict[str, dict[str, StoreOps]]:
     """One epoch's requests as `planners.store_requests` derives them, by the party whose misses
     they are and the store role (`own_requests.Parties`, roles for stores): the protocol's (the
     workers') on the store its tensors move through; the warm channel's for an epoch of `epoch_s`
     seconds on the durable store (commands, replies, status, lease: the coordinator's reads of the
     replies are its misses) and the workers' reads while they waited `wait_s` for the epoch's
-    command (`command_waits`)."""
-    workers = plus({stores.protocol_role(plan): protocol_ops(ctx, plan, stores)}, command_waits(ctx, plan, stores, wait_s))
+    command (`command_waits`). `protocol`: the plan's `protocol_ops`, where the caller has them."""
+    protocol = protocol_ops(ctx, plan, stores) if protocol is None else protocol
+    workers = plus({stores.protocol_role(plan): protocol}, command_waits(ctx, plan, stores, wait_s))
     coordinator = {}
     if getattr(ctx.job, "warm", False):
         poll = stores.durable_poll_s
@@ -318,7 +319,8 @@ def store_terms(ctx: RunContext, plan: Plan, terms: RunTerms) -> tuple[StoreOps,
     their teardown. The planner weighed the protocol's dollars when it chose
     (`planners.strategy.store_usd_per_epoch`)."""
     stores = run_stores(ctx)
-    expected = flat(expected_epoch_ops(ctx, plan, plan.predicted_epoch_s, stores, wait_s=terms.gap_s))
+    protocol = protocol_ops(ctx, plan, stores)
+    expected = flat(expected_epoch_ops(ctx, plan, plan.predicted_epoch_s, stores, wait_s=terms.gap_s, protocol=protocol))
     own = terms.own_store_ops or {}
     per_epoch = priced(own.get("epoch") or {}, expected, stores.offers)
     # staging: the dataset's subsets, and the idle workers' wait for the first command beyond a gap's
@@ -329,7 +331,7 @@ def store_terms(ctx: RunContext, plan: Plan, terms: RunTerms) -> tuple[StoreOps,
     prices = {"store_usd_per_epoch": per_epoch, "store_usd_before": staging,
               "store_usd_after": priced(own.get("teardown") or {}, {}, stores.offers),
               "store_usd_per_s": sum(o.node_per_hour for o in stores.offers.values()) / 3600.0}
-    return protocol_ops(ctx, plan, stores), prices, per_epoch - priced({}, expected, stores.offers)
+    return protocol, prices, per_epoch - priced({}, expected, stores.offers)
 
 
 def with_run(ctx: RunContext, chosen: Plan, calibration: Calibration | None, epochs_left: int | None,

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from coordinator.bill.cost import spot_tally
+from coordinator.bill.ledger import store_ops_now
 from coordinator.plan import own_requests
 from coordinator.plan.profile_cache import ProfileCache, target_key
 from core.epoch_summary import EpochSummary
@@ -133,6 +134,14 @@ class RunClock:
     """When the warm workers began waiting for their first command (their profile's reply)."""
     staged: dict = field(default_factory=dict)
     """The requests of staging the run's dataset by role (`own_requests.staged_files`)."""
+
+    def plan_made(self, ctx, stores, idle_s: float, resumed: bool) -> None:
+        """Mark the plan: the run's own requests on `stores` (`coordinator.plan.planning.RunStores`)
+        are measured from here, the warm workers have waited `idle_s` for their first command, and
+        a run not resumed stages its dataset (a resumed run's data may be there)."""
+        self.store_roles, self.ops_at_plan = stores.roles, store_ops_now(ctx)
+        self.idle_since = time.time() - idle_s
+        self.staged = {} if resumed else stores.staged(ctx)
 
     def epoch(self, sent: float, done: float) -> None:
         self.epochs.append((sent, done))

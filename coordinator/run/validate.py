@@ -88,6 +88,11 @@ class ResolvedJob:
         """How many training subsets `provision` publishes."""
         return -(-self.n_train // self.subset_size)
 
+    @property
+    def n_val_subsets(self) -> int:
+        """How many validation subsets `provision` publishes (of `subset_size` rows, as the training ones)."""
+        return -(-self.n_val // self.subset_size)
+
 
 def check_batch(job: TrainJob, n_train: int) -> None:
     """The batch against the training set (`batch_size`, and `workers` replicas of it), and a
