@@ -69,6 +69,7 @@ SECTIONS = [
             ("--steps", "6", "--schedules", "gpipe", "1f1b", "interleaved", "--stages", "2", "4",
              "--microbatches", "1", "2", "4", "8", "--chunks", "2")),
     Section("Cloud targets: pre-start on the local process pool", "bench_prestart", "prestart", ("--inline",)),
+    Section("The worker image: a cold build (base, wheels, image) from nothing", "bench_image", "image"),
     Section("Containers: the docker target against the process pool", "bench_containers", "containers",
             ("--epochs", "5", "--repeats", "3")),
     Section("Elastic training: dynamic scaling in miniature", "bench_scaling", "scaling"),

@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from core.errors import ZooidError
@@ -65,6 +66,9 @@ WHEEL_PLATFORMS = tuple(f"manylinux_2_{minor}_x86_64" for minor in range(36, 4, 
 """pip does not widen a given --platform to older manylinux tags: every one is named."""
 
 STAMP = ".stamp"
+"""The wheelhouse's stamp: its key for the image's Python (`wheelhouse_key`), once complete."""
+DOWNLOAD_STAMP = ".stamp-download"
+"""The stamp of the requirements' download, which needs no base image (`fetch_requirements`)."""
 
 
 class ImageBuildError(ZooidError, RuntimeError):
@@ -104,11 +108,12 @@ def wheelhouse_command(dest: str | Path, root: Path = ROOT) -> list[str]:
             "-r", str(root / REQUIREMENTS[0]), "-c", str(root / REQUIREMENTS[1])]
 
 
-def wheelhouse_key(python: str, root: Path = ROOT) -> str:
+def wheelhouse_key(python: str | None, root: Path = ROOT) -> str:
     """What the wheelhouse depends on: the command (less its paths), the image's Python version
-    and the requirements."""
+    and the requirements; with `python` None, what the requirements' download alone depends on."""
     command = [a for a in wheelhouse_command("WHEELS", root)[1:] if not a.startswith(str(root))]
-    return _sha(json.dumps(command), python, *((root / r).read_bytes() for r in REQUIREMENTS))
+    return _sha(json.dumps(command), *([] if python is None else [python]),
+                *((root / r).read_bytes() for r in REQUIREMENTS))
 
 
 def wheel_files(root: Path = ROOT) -> list[Path]:
@@ -366,22 +371,41 @@ def target_python(base: str, home: Path | None = None) -> str:
                   "import platform; print(platform.python_version())", home=home).stdout.strip()
 
 
-def ensure_wheelhouse(python: str, root: Path = ROOT, home: Path | None = None, echo: bool = False) -> bool:
-    """Fill worker_images/wheels/ for the current requirements and the image's Python `python`
-    (a no-op while its stamp matches); whether it downloaded."""
+def _stamped(path: Path, key: str, root: Path) -> bool:
+    return path.exists() and path.read_text().strip() == key and bool(wheel_files(root))
+
+
+def fetch_requirements(root: Path = ROOT, home: Path | None = None, echo: bool = False) -> bool:
+    """Download the requirements' wheels into worker_images/wheels/ (a no-op while the download's
+    stamp matches them): what needs no base image, so `_build` runs it beside the base's
+    mmdebstrap. Whether it downloaded."""
     folder = root / WHEELS
-    stamp = folder / STAMP
-    key = wheelhouse_key(python, root)
-    if stamp.exists() and stamp.read_text().strip() == key and wheel_files(root):
+    key = wheelhouse_key(None, root)
+    if _stamped(folder / DOWNLOAD_STAMP, key, root):
         return False
     _say(f"downloading the wheelhouse into {WHEELS}/ (pip download --only-binary=:all:)", echo)
     folder.mkdir(parents=True, exist_ok=True)
-    stamp.unlink(missing_ok=True)
+    for stamp in (STAMP, DOWNLOAD_STAMP):
+        (folder / stamp).unlink(missing_ok=True)
     for old in wheel_files(root):
         old.unlink()
-    log = engine_dir(home) / "image-build.log"
+    _run_logged(wheelhouse_command(folder, root), engine_dir(home) / "wheelhouse.log", False)
+    (folder / DOWNLOAD_STAMP).write_text(key + "\n")
+    return True
+
+
+def ensure_wheelhouse(python: str, root: Path = ROOT, home: Path | None = None, echo: bool = False) -> bool:
+    """Fill worker_images/wheels/ for the current requirements (`fetch_requirements`) and the
+    image's Python `python` (a no-op while its stamp matches); whether it downloaded."""
+    folder = root / WHEELS
+    stamp = folder / STAMP
+    key = wheelhouse_key(python, root)
+    if _stamped(stamp, key, root):
+        return False
+    downloaded = fetch_requirements(root, home, echo)
+    stamp.unlink(missing_ok=True)
+    log = engine_dir(home) / "wheelhouse.log"
     command = wheelhouse_command(folder, root)
-    _run_logged(command, log, False)
     host, target = marker_environments(python)
     for _ in range(5):
         gaps = marker_gaps(wheel_files(root), requirement_lines(root), host, target)
@@ -389,6 +413,7 @@ def ensure_wheelhouse(python: str, root: Path = ROOT, home: Path | None = None, 
             break
         _say(f"adding what Python {python} needs beyond the host's: {' '.join(gaps)}", echo)
         _run_logged(command[:command.index("-r")] + ["-c", str(root / REQUIREMENTS[1]), *gaps], log, False)
+        downloaded = True
     else:
         raise ImageBuildError(f"image: the wheelhouse still lacks {gaps} for Python {python}")
     cuda = [w.name for w in wheel_files(root) if w.name.startswith("nvidia_")]
@@ -397,7 +422,7 @@ def ensure_wheelhouse(python: str, root: Path = ROOT, home: Path | None = None, 
               "from PyPI; for the CPU build set PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu",
               file=sys.stderr)
     stamp.write_text(key + "\n")
-    return True
+    return downloaded
 
 
 def build_command(tag: str, base: str) -> list[str]:
@@ -441,11 +466,14 @@ def _build(tag: str, start: float, root: Path, home: Path | None, echo: bool) ->
     record_file = record_path(home)
     times = {}
     t0 = time.monotonic()
-    base, base_built = ensure_base(home, echo)
-    times["base"] = round(time.monotonic() - t0, 1)
+    with ThreadPoolExecutor(1) as pool:  # the requirements' download needs no base: beside mmdebstrap
+        fetched = pool.submit(fetch_requirements, root, home, echo) if not image_exists(base_ref(), home) else None
+        base, base_built = ensure_base(home, echo)
+        fetched = fetched.result() if fetched is not None else False
+    times["base"] = round(time.monotonic() - t0, 1)  # and the download beside it, where both ran
     t0 = time.monotonic()
     python = target_python(base, home)
-    downloaded = ensure_wheelhouse(python, root, home, echo)
+    downloaded = ensure_wheelhouse(python, root, home, echo) or fetched
     times["wheels"] = round(time.monotonic() - t0, 1)
     wheels = wheel_files(root)
     t0 = time.monotonic()

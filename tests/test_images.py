@@ -111,7 +111,9 @@ def test_the_dockerfiles_run_as_a_user_who_is_not_root(name: str):
     assert "PREFECT_HOME=/tmp/prefect" in text and "WORKDIR /opt/zooid" in text
     assert "build-essential" not in text  # every requirement ships a wheel
     assert "--only-binary=:all:" in text
-    assert "ARG BASE_IMAGE=python:3.11" in text and "COPY worker_images/wheels /wheels" in text
+    # the wheelhouse reaches the install step alone (the CPU image: bind-mounted, never a layer)
+    assert "ARG BASE_IMAGE=python:3.11" in text and ("COPY worker_images/wheels /wheels" in text or
+                                                      "--mount=type=bind,source=worker_images/wheels" in text)
     # Debian's python3 package has no `python`
     assert not re.search(r"(RUN|&&)\s+python\s", text) and '"python"' not in text
 
@@ -183,3 +185,57 @@ def test_the_image_runs_as_10001_and_imports_the_worker():
         .startswith("2.")
     assert "Version:" in run("prefect", "version")
     assert run("sh", "-c", "cd / && python3 -c 'import flows.worker' && echo $HOME && pwd") == "/home/zooid\n/"
+
+
+def _fake_pip(root: Path, calls: list):
+    """`_run_logged` standing in for pip: a `pip download` writes one wheel per requirement it names."""
+    def run(args, log, echo, env=None, cwd=None):
+        calls.append(args)
+        dest = Path(args[args.index("--dest") + 1])
+        names = ["torch", "redis"] if "-r" in args else [a.split(">")[0] for a in args[args.index("-c") + 2:]]
+        for name in names:
+            _wheel(dest, name, ['async-timeout>=4.0.3; python_full_version < "3.11.3"'] if name == "redis" else [])
+    return run
+
+
+def test_the_wheelhouse_downloads_the_requirements_once_then_what_each_python_adds(tmp_path, monkeypatch):
+    (tmp_path / "worker_images" / "wheels").mkdir(parents=True)
+    for name, text in (("requirements.txt", "redis==8.1.0\n"), ("requirements.lock", "redis==8.1.0\n")):
+        (tmp_path / name).write_text(text)
+    calls = []
+    monkeypatch.setattr(images, "_run_logged", _fake_pip(tmp_path, calls))
+    assert images.fetch_requirements(tmp_path, tmp_path) is True
+    assert images.fetch_requirements(tmp_path, tmp_path) is False and len(calls) == 1  # stamped
+    assert images.ensure_wheelhouse("3.11.7", tmp_path, tmp_path) is False  # the host's Python: nothing to add
+    assert images.ensure_wheelhouse("3.11.2", tmp_path, tmp_path) is True  # the image's: its marker gap
+    assert len(calls) == 2 and "async-timeout>=4.0.3" in calls[1] and "-r" not in calls[1]
+    assert images.ensure_wheelhouse("3.11.2", tmp_path, tmp_path) is False and len(calls) == 2
+    (tmp_path / "requirements.txt").write_text("redis==8.1.0\ntorch==2.13.0\n")  # a new requirement: all again
+    assert images.ensure_wheelhouse("3.11.2", tmp_path, tmp_path) is True and "-r" in calls[2]
+
+
+def test_a_cold_build_downloads_the_wheelhouse_while_the_base_is_made(tmp_path, monkeypatch):
+    """Ordered by events: the base's mmdebstrap waits for the download to begin, which only a
+    download running beside it can do (one after the other, the wait times out)."""
+    import threading
+
+    began, order = threading.Event(), []
+
+    def fetch(root, home, echo):
+        began.set()
+        order.append("download")
+        return True
+
+    def base(home, echo):
+        order.append(("base waited", began.wait(timeout=60)))
+        return "localhost/zooid-base:x", True
+
+    monkeypatch.setattr(images, "fetch_requirements", fetch)
+    monkeypatch.setattr(images, "ensure_base", base)
+    monkeypatch.setattr(images, "image_exists", lambda ref, home=None: False)
+    monkeypatch.setattr(images, "target_python", lambda base, home=None: "3.11.2")
+    monkeypatch.setattr(images, "ensure_wheelhouse", lambda *a, **k: False)
+    monkeypatch.setattr(images, "_run_logged", lambda *a, **k: None)
+    monkeypatch.setattr(images, "image_size", lambda ref, home=None: 0)
+    record = images._build("localhost/zooid-worker:cpu-x", 0.0, tmp_path, tmp_path, False)
+    assert ("base waited", True) in order and record["wheels_downloaded"] is True
