@@ -20,6 +20,10 @@ Python's package registries.
    (the requirements and the source; the wheelhouse stands for the requirements), the base and
    the build arguments: `build` is a no-op while an image with that tag exists.
 
+Each build leaves the newest `KEEP_SUPERSEDED` earlier `cpu-<hash>` images (another checkout at
+another commit may run one) and removes the older ones (`prune`: 1.8-2.1 GB each, one per change
+to the source); an image a container still uses stays.
+
 Sizes and times go to `$ZOOID_HOME/engine/image.json`. `worker_image()` is the reference other
 code runs (building it when missing); `image_tag()` names it without building anything.
 """
@@ -64,6 +68,9 @@ PYTHON_VERSION = "3.11"  # bookworm's python3
 WHEEL_PLATFORMS = tuple(f"manylinux_2_{minor}_x86_64" for minor in range(36, 4, -1)) + (
     "manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64")  # glibc 2.36 and older
 """pip does not widen a given --platform to older manylinux tags: every one is named."""
+
+KEEP_SUPERSEDED = 2
+"""Earlier worker images a build keeps, the newest first (`prune`)."""
 
 STAMP = ".stamp"
 """The wheelhouse's stamp: its key for the image's Python (`wheelhouse_key`), once complete."""
@@ -490,9 +497,44 @@ def _build(tag: str, start: float, root: Path, home: Path | None, echo: bool) ->
         "wheels_bytes": sum(w.stat().st_size for w in wheels),
         "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+    record["pruned"] = prune(tag, home=home)
     record_file.parent.mkdir(parents=True, exist_ok=True)
     record_file.write_text(json.dumps(record, indent=2) + "\n")
     return {**record, "built": True}
+
+
+def superseded(images: list[dict], current: str, keep: int = KEEP_SUPERSEDED) -> list[str]:
+    """Of `images` (`{"tag", "id", "created"}`: tags of one repository, `created` sortable), the
+    tags to remove: all but `current`, the `keep` newest other images and any tag of the same
+    image as one of those."""
+    kept_ids = {i["id"] for i in images if i["tag"] == current}
+    others = sorted((i for i in images if i["id"] not in kept_ids), key=lambda i: i["created"], reverse=True)
+    for image in others:
+        if len(kept_ids) > keep:
+            break
+        kept_ids.add(image["id"])
+    return sorted(i["tag"] for i in images if i["id"] not in kept_ids)
+
+
+def repository_images(repo: str = REPO, flavour: str = FLAVOUR, home: Path | None = None) -> list[dict]:
+    """The `<repo>:<flavour>-<hash>` images the engine holds: tag, image id and creation time."""
+    out = podman("images", "--format", "json", "--filter", f"reference={repo}", home=home).stdout
+    rows = []
+    for image in json.loads(out or "[]"):
+        for name in image.get("Names") or []:
+            if name.startswith(f"{repo}:{flavour}-"):
+                rows.append({"tag": name, "id": image["Id"], "created": image.get("Created", 0)})
+    return rows
+
+
+def prune(current: str, repo: str = REPO, keep: int = KEEP_SUPERSEDED, home: Path | None = None) -> list[str]:
+    """Remove the images `superseded` leaves out (an untag where the image has other tags; an
+    image a container uses stays: podman refuses it). Returns the tags removed."""
+    removed = []
+    for tag in superseded(repository_images(repo, home=home), current, keep):
+        if podman("rmi", tag, home=home, check=False).returncode == 0:
+            removed.append(tag)
+    return removed
 
 
 def worker_image(root: Path = ROOT, home: Path | None = None) -> str:
@@ -518,6 +560,7 @@ def main(argv: list[str] | None = None) -> int:
           f"  time   base {t['base']} s{'' if record['base_built'] else ' (cached)'}, "
           f"wheels {t['wheels']} s{'' if record['wheels_downloaded'] else ' (cached)'}, "
           f"build {t['build']} s, total {t['total']} s\n"
+          f"  pruned {len(record['pruned'])} earlier image(s) (keeping the {KEEP_SUPERSEDED} newest)\n"
           f"  record {record_path()}")
     return 0
 

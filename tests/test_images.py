@@ -4,6 +4,7 @@ wheels only. The last test builds the image with podman (skipped without it)."""
 from __future__ import annotations
 
 import re
+import subprocess
 import shutil
 import zipfile
 from pathlib import Path
@@ -239,3 +240,39 @@ def test_a_cold_build_downloads_the_wheelhouse_while_the_base_is_made(tmp_path, 
     monkeypatch.setattr(images, "image_size", lambda ref, home=None: 0)
     record = images._build("localhost/zooid-worker:cpu-x", 0.0, tmp_path, tmp_path, False)
     assert ("base waited", True) in order and record["wheels_downloaded"] is True
+
+
+def test_superseded_images_keep_the_current_and_the_newest_others():
+    rows = [{"tag": "r:cpu-a", "id": "1", "created": 10}, {"tag": "r:cpu-b", "id": "2", "created": 30},
+            {"tag": "r:cpu-c", "id": "3", "created": 20}, {"tag": "r:cpu-d", "id": "4", "created": 40},
+            {"tag": "r:cpu-e", "id": "1", "created": 10},  # another tag of the current image
+            {"tag": "r:cpu-f", "id": "5", "created": 5}]
+    assert images.superseded(rows, "r:cpu-a", keep=2) == ["r:cpu-c", "r:cpu-f"]
+    assert images.superseded(rows, "r:cpu-a", keep=0) == ["r:cpu-b", "r:cpu-c", "r:cpu-d", "r:cpu-f"]
+    assert images.superseded(rows, "r:cpu-f", keep=9) == []
+
+
+def test_prune_removes_superseded_images_but_not_one_a_container_uses(tmp_path: Path):
+    """Three one-file images on the engine (`podman import`), under a repository of this test's own."""
+    from deployments.engine import ensure_installed, podman
+
+    ensure_installed()
+    repo = f"localhost/zooid-prune-test-{tmp_path.name.lower().replace('_', '-')}"
+    tags = [f"{repo}:cpu-{name}" for name in ("current", "used", "old")]
+    container = None
+    try:
+        for tag in tags:
+            root = tmp_path / tag.rsplit("-", 1)[1]
+            root.mkdir()
+            (root / "marker").write_text(tag)
+            tar = tmp_path / f"{root.name}.tar"
+            subprocess.run(["tar", "-C", str(root), "-cf", str(tar), "marker"], check=True)
+            podman("import", str(tar), tag)
+        container = podman("create", tags[1], "/marker").stdout.strip()
+        assert images.prune(tags[0], repo=repo, keep=0) == [tags[2]]
+        assert [images.image_exists(tag) for tag in tags] == [True, True, False]
+    finally:
+        if container:
+            podman("rm", "--force", container, check=False)
+        for tag in tags:
+            podman("rmi", "--force", tag, check=False)
