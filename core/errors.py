@@ -45,6 +45,11 @@ class OutOfMemory(ZooidError):
     """A worker or stage does not fit its memory; never retried, only re-planned."""
 
 
+class DataError(ZooidError):
+    """The job's data cannot be read as the store holds it (a dataset shard missing or corrupt
+    after its reads): another attempt would read the same bytes, so it is never retried."""
+
+
 class LeaseExpired(ZooidError):
     """A warm worker's coordinator stopped renewing its lease: the worker stops itself."""
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from comm.store import Store
-from core.errors import StoreError, ZooidError, ZooidValueError
+from core.errors import DataError, StoreError, ZooidValueError
 from core.keys import shard_key, shard_manifest_key
 from engine.text_data import TextInfo
 
@@ -40,7 +40,7 @@ RETRY_PAUSE_S = 0.2
 """Pause before the second read of a shard; doubled before each next one."""
 
 
-class ShardError(ZooidError):
+class ShardError(DataError):
     """A shard that stayed missing or corrupt after `READ_TRIES` reads (one line naming it)."""
 
 

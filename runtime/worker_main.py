@@ -7,7 +7,8 @@ failure `{"error": <class name>, "message": ...}` with a non-zero exit status: 2
 input (ZooidValueError), 3 for a store timeout, 4 for out-of-memory (OutOfMemory or a
 MemoryError), 5 for a warm worker whose lease expired, 6 for a worker that got the provider's
 notice and left (`Preempted`, `engine.preemption`; also a notice outside an epoch, where the
-worker leaves at once: `engine.preemption.leaving`), 1 for anything else.
+worker leaves at once: `engine.preemption.leaving`), 7 for data the store holds unreadable
+(`DataError`: a shard missing or corrupt after its reads), 1 for anything else.
 
 A spec with `warm` set starts a warm worker (`runtime.warm`): it serves the run's
 epochs from the store until the coordinator stops it or its lease expires, and prints its
@@ -21,7 +22,7 @@ import sys
 from typing import Callable
 
 from comm.store import Store, open_store
-from core.errors import LeaseExpired, OutOfMemory, Preempted, StoreTimeout, ZooidValueError
+from core.errors import DataError, LeaseExpired, OutOfMemory, Preempted, StoreTimeout, ZooidValueError
 from core.fast_exit import exit_now
 from core.specs import WorkerSpec
 from engine import preemption
@@ -30,7 +31,7 @@ from runtime.run_spec import run_spec
 from runtime.warm import serve
 
 EXIT_CODES = ((ZooidValueError, 2), (StoreTimeout, 3), (OutOfMemory, 4), (MemoryError, 4), (LeaseExpired, 5),
-              (Preempted, 6))
+              (Preempted, 6), (DataError, 7))
 
 
 def _run_job(spec: WorkerSpec, warm_store, open_ref=open_store):

@@ -378,6 +378,8 @@ def test_a_held_worker_goes_on_when_its_key_appears():
     (1, "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", {}, FailureKind.OOM),
     (2, '{"error": "ZooidValueError", "message": "model: ..."}', {}, FailureKind.BAD_INPUT),
     (3, "StoreTimeout: rank 1 waited 120s for runs/x/sync/e0/r3/mean-0", {}, FailureKind.STORE_TIMEOUT),
+    (7, "", {}, FailureKind.DATA),
+    (None, "ShardError: dataset shard train/1 of file:///b is corrupt (...) after 3 reads", {}, FailureKind.DATA),
     (1, "RuntimeError: boom", {}, FailureKind.CRASH),
     (None, "", {"timed_out": True}, FailureKind.TIMEOUT),
     (17, "", {"injected": {"kind": "crash_worker", "step": 0}}, FailureKind.INJECTED),
@@ -386,7 +388,7 @@ def test_a_held_worker_goes_on_when_its_key_appears():
 def test_classification(code, output, extra, kind):
     failure = classify_failure(code, output, **extra)
     assert failure.kind is kind
-    assert failure.retryable == (kind not in (FailureKind.OOM, FailureKind.BAD_INPUT))
+    assert failure.retryable == (kind not in (FailureKind.OOM, FailureKind.BAD_INPUT, FailureKind.DATA))
     assert failure.to_dict()["kind"] == kind.value
 
 

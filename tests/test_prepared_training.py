@@ -6,6 +6,7 @@ or a text setting the dataset was not prepared with is refused in one line befor
 rented; a corrupt shard fails the run naming it."""
 from __future__ import annotations
 
+import json
 
 import pytest
 
@@ -71,7 +72,15 @@ def test_a_corrupt_shard_fails_the_run_naming_it(tmp_path):
     store.close()
     state = train(TrainJob(dataset=bucket, store=f"file://{tmp_path}/s", **{**JOB, "epochs": 1}), return_state=True)
     assert state.is_failed()
-    assert "shard train/1" in state.message and "corrupt" in state.message
+    assert "shard train/1" in state.message and "corrupt" in state.message and "not retried" in state.message
+    run_store = open_store(f"file://{tmp_path}/s")
+    try:  # the bytes would be read again the same: one attempt per rank, no relaunch, no task retry
+        [ledger] = [json.loads(run_store.get(key)) for key in run_store.list("runs/") if key.endswith("/cost.json")]
+    finally:
+        run_store.close()
+    attempts = sorted((r["rank"], r["attempt"]) for r in ledger["rows"]
+                      if r["kind"] in ("worker", "failed_attempt") and r.get("epoch") == 0)
+    assert attempts == [(0, 0), (1, 0)]
 
 
 def test_bad_prepared_datasets_are_refused_naming_the_field_before_anything_runs(tmp_path):

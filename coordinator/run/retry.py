@@ -1,20 +1,20 @@
 """Retry policy shared by Zooid's tasks: back off on transient errors, never retry the rest.
 
-A validation error, an out-of-memory or a cancelled run is not transient: retrying would fail
+A validation error, an out-of-memory, unreadable data or a cancelled run is not transient: retrying would fail
 the same way (or spend money twice), so `retry_transient` refuses those.
 """
 from __future__ import annotations
 
-from core.errors import OutOfMemory, ZooidValueError
+from core.errors import DataError, OutOfMemory, ZooidValueError
 
 BACKOFF_S = [2.0, 8.0, 30.0]
 """Delays before the first, second and third retry (exponential-ish)."""
 
-NOT_TRANSIENT = (ZooidValueError, ValueError, TypeError, OutOfMemory, KeyboardInterrupt)
+NOT_TRANSIENT = (ZooidValueError, ValueError, TypeError, OutOfMemory, DataError, KeyboardInterrupt)
 
 
 def is_transient(exc: BaseException) -> bool:
-    """Whether retrying could help: anything but bad input, OOM and programming errors."""
+    """Whether retrying could help: anything but bad input, OOM, unreadable data and programming errors."""
     return not isinstance(exc, NOT_TRANSIENT)
 
 

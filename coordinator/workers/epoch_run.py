@@ -28,7 +28,7 @@ from coordinator.workers.preemptions import Preemptions, before_on_demand, mark_
 from coordinator.workers.warm_prestart import PrestartWatch, should_prestart, startup_report
 from coordinator.workers.worker_specs import next_attempt, worker_specs
 from core.epoch_summary import EpochSummary
-from core.errors import OutOfMemory, ZooidValueError
+from core.errors import DataError, OutOfMemory, ZooidValueError
 from core.keys import worker_history_key
 from core.kinds import Capacity, Strategy
 from core.plan import Plan
@@ -65,7 +65,7 @@ def bill_from_cloud_clock(ctx: RunContext, outcomes, epoch: int, plan: Plan | No
 def relaunch_policy(ctx: RunContext, plan: Plan, max_relaunches: int = 2, preemptions: Preemptions | None = None):
     """`on_failure` for the launcher: classify the failed attempt; relaunch that one worker
     (Local-SGD resumes it from the epoch's last sync checkpoint while the others wait at the
-    sync) unless the failure cannot be retried (out of memory, bad input) or the worker
+    sync) unless the failure cannot be retried (out of memory, bad input, unreadable data) or the worker
     already failed `max_relaunches` times. A pipeline stage has no mid-epoch resume: its
     failure fails the attempt, and the task's retry reruns the epoch.
 
@@ -100,6 +100,9 @@ def relaunch_policy(ctx: RunContext, plan: Plan, max_relaunches: int = 2, preemp
                               f"({failure.reason}); re-plan with more memory per worker or a smaller batch")
         if failure.kind is FailureKind.BAD_INPUT:
             raise ZooidValueError("job", f"worker {spec.rank} refused its input: {failure.reason}")
+        if failure.kind is FailureKind.DATA:
+            raise DataError(f"worker {spec.rank} of epoch {spec.epoch} could not read its data ({failure.reason}); "
+                            "not retried: prepare the dataset again")
         if (plan.strategy != Strategy.LOCAL_SGD or spec.sync.collective == "ring"  # a ring cannot take a new rank
                 or relaunched.get(spec.rank, 0) >= max_relaunches):
             return None

@@ -12,6 +12,9 @@ Evidence, strongest first:
    retried on new capacity and never counted as a crash;
 2. the coordinator's own timeout fired: `timeout`, retried;
 3. bad input: exit 2 or a `ZooidValueError` line: `bad_input`, never retried;
+3b. unreadable data: exit 7 or a `ShardError` / `DataError` line (a dataset shard missing or
+   corrupt after the worker's own reads, `engine.shards`): `data`, never retried (another
+   attempt reads the same bytes; the dataset must be prepared again);
 4. out of memory: exit 4 (the worker's `OutOfMemory`), `MemoryError`, CUDA
    `out of memory` / `OutOfMemoryError` text, or a SIGKILL (exit -9 / 137) together with
    an `oom_kill` increase in the cgroup's `memory.events` or a peak RSS (`VmHWM`) within
@@ -37,12 +40,13 @@ OOM_TEXT = re.compile(r"MemoryError|OutOfMemory|out of memory|Cannot allocate me
                       r"can't allocate memory", re.IGNORECASE)
 BAD_INPUT_TEXT = re.compile(r"\bZooidValueError\b|\bStoreKeyError\b|\bChaosError\b")
 STORE_TIMEOUT_TEXT = re.compile(r"\bStoreTimeout\b")
+DATA_TEXT = re.compile(r"\b(?:ShardError|DataError): (.+)")
 SIGKILL_CODES = (-9, 137)
 SIGTERM_CODES = (-15, 143)
 EXIT_PREEMPTED = 6
 """The exit status `runtime.worker_main` gives `Preempted`."""
 PREEMPTED_TEXT = re.compile(r"\bPreempted\b")
-EXIT_BAD_INPUT, EXIT_STORE_TIMEOUT, EXIT_OOM = 2, 3, 4
+EXIT_BAD_INPUT, EXIT_STORE_TIMEOUT, EXIT_OOM, EXIT_DATA = 2, 3, 4, 7
 """The exit statuses `runtime.worker_main` gives these errors."""
 NEAR_LIMIT = 0.95
 
@@ -57,9 +61,10 @@ class FailureKind(str, enum.Enum):
     BAD_INPUT = "bad_input"
     STORE_TIMEOUT = "store_timeout"
     PREEMPTED = "preempted"
+    DATA = "data"
 
 
-NOT_RETRYABLE = frozenset({FailureKind.OOM, FailureKind.BAD_INPUT})
+NOT_RETRYABLE = frozenset({FailureKind.OOM, FailureKind.BAD_INPUT, FailureKind.DATA})
 
 
 @dataclass(frozen=True)
@@ -73,7 +78,7 @@ class Failure:
 
     @property
     def retryable(self) -> bool:
-        """False for `oom` and `bad_input`: a retry would fail the same way."""
+        """False for `oom`, `bad_input` and `data`: a retry would fail the same way."""
         return self.kind not in NOT_RETRYABLE
 
     def to_dict(self) -> dict:
@@ -171,6 +176,10 @@ def classify_failure(
         return Failure(FailureKind.PREEMPTED, f"exit {exit_code}: SIGTERM, nothing handed over")
     if exit_code == EXIT_BAD_INPUT or BAD_INPUT_TEXT.search(tail):
         return Failure(FailureKind.BAD_INPUT, f"exit {exit_code}: bad input")
+    unreadable = DATA_TEXT.findall(tail)
+    if exit_code == EXIT_DATA or unreadable:
+        return Failure(FailureKind.DATA, f"exit {exit_code}: "
+                                         f"{unreadable[-1].strip() if unreadable else 'the data is unreadable'}")
     if exit_code == EXIT_OOM or OOM_TEXT.search(tail):
         return Failure(FailureKind.OOM, f"exit {exit_code}: out-of-memory error in the output")
     if exit_code in SIGKILL_CODES:
