@@ -465,13 +465,16 @@ def _run(spec: WorkerSpec, store: Store, ckpt_store: Store, started: float,
     """One replica's epoch in its steps (`_ReplicaEpoch`): set up, the inner loop with its
     syncs, the epoch's end (residuals, epoch checkpoint, release), evaluation and record."""
     epoch = _ReplicaEpoch(spec, store, ckpt_store, ring, shards)
-    loss_sum = epoch.train()
-    checkpoint_key = epoch.finish()
-    train_loss = loss_sum.item() / max(1, epoch.trained)
-    loop_s = time.perf_counter() - epoch.loop_started
-    val = epoch.validate()
-    epoch.record_history(loop_s)
-    return epoch.result(started, train_loss, loop_s, val, checkpoint_key)
+    try:
+        loss_sum = epoch.train()
+        checkpoint_key = epoch.finish()
+        train_loss = loss_sum.item() / max(1, epoch.trained)
+        loop_s = time.perf_counter() - epoch.loop_started
+        val = epoch.validate()
+        epoch.record_history(loop_s)
+        return epoch.result(started, train_loss, loop_s, val, checkpoint_key)
+    finally:
+        epoch.release()
 
 
 class _ReplicaEpoch:
@@ -535,6 +538,15 @@ class _ReplicaEpoch:
         self.averaging.before_sync = self.chaos.during_sync
         if self.outer is not None and self.start.handover:  # the last sync's θ_global, not the local state
             self.outer.load_ref_tensors(self.start.outer_state, self.device)
+
+    def release(self) -> None:
+        """Break the callbacks that point back here (`averaging.on_sync`, the compressor's
+        `before_result`), so the epoch's model, optimizer and batches are freed when it returns
+        rather than at Python's next full collection: the cycle held a warm worker's every
+        epoch (resnet18: RSS +130 MB an epoch, and an OOM-killed container by its third)."""
+        self.averaging.on_sync = None
+        if self.compressor is not None:
+            self.compressor.before_result = None
 
     def _on_sync(self, round_: int, step: int) -> None:
         """After sync round `round_` (at a period boundary): rank 0 starts the round's sync

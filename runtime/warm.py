@@ -40,6 +40,7 @@ exit status is the one a cold worker would have had.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import socket
@@ -334,6 +335,12 @@ def _run_epoch(worker: _Serving, seq: int, command: dict, execute: Callable[[Wor
     worker.reply(seq, {"ok": True, "result": result.to_dict(), "began_at": began, "ended_at": ended,
                        "ready_at": worker.ready_at})
     worker.watch.idle(seq)
+    # What the epoch left in reference cycles (a user's model may hold one) would stay until the
+    # collector's oldest generation runs, which an epoch's few Python allocations rarely trigger:
+    # epoch after epoch, a warm worker's memory would grow by models. Collected now, after the
+    # reply (off the coordinator's path): 0.1 s with torch and Prefect imported, measured here.
+    del result
+    gc.collect()
     worker.log(f"zooid warm worker {worker.settings.worker}: epoch {job.epoch} rank {job.rank} "
                f"attempt {job.attempt} done in {ended - began:.2f} s")
 
