@@ -50,7 +50,8 @@ Per run, from its own summary (what the report shows) and ledger:
 GPU (`--gpu`, on a CUDA machine): adds resnet18 and vgg11 on `synthetic:3x32x32:10:4096`,
 batch 64, Local-SGD with 1 worker on the process pool (workers train on CUDA where they see it),
 as held-out jobs. The GPU figures have a results file of their own, taken with no CPU model
-(`GPU_COMMAND`).
+(`benchmarks.run_all`'s `prediction_gpu` section: `--models --gpu --out
+benchmarks/results/prediction_gpu.md`).
 
     .venv/bin/python -m benchmarks.bench_prediction [--models [M ...]] [--epochs 5] [--repeats 2]
         [--no-docker] [--gpu] [--out PATH] [--keep]
@@ -64,18 +65,15 @@ from pathlib import Path
 
 from benchmarks.harness.home import REPO, scratch
 from benchmarks.harness.stack import local_stack, pool_summary
-from benchmarks.harness.tables import fmt, median, table
+from benchmarks.harness.tables import fmt, median, pct, table
 from benchmarks.harness.train import digits_job
 from benchmarks.output import SOURCE, command_for, provenance, write_result
 
 RESULTS = REPO / "benchmarks" / "results" / "prediction.md"
-GPU_RESULTS = REPO / "benchmarks" / "results" / "prediction_gpu.md"
 SOURCES = (*SOURCE, "benchmarks/prediction_models.py", "benchmarks/harness/stack.py",
            "benchmarks/harness/replicas.py", "benchmarks/harness/train.py", "benchmarks/harness/tables.py")
 """The code it measures (the whole project: plans and the train flow's runs): its results file is stale
 once one of these changed since the commit the file names (`benchmarks.staleness`)."""
-GPU_COMMAND = f".venv/bin/python -m benchmarks.bench_prediction --models --gpu --out {GPU_RESULTS.relative_to(REPO)}"
-"""The GPU figures alone, in a results file of their own (a CUDA machine runs no CPU model here)."""
 TITLE = "Profiling and prediction, out of sample: epoch wall and run bill against naive baselines"
 
 GPU_MODELS = ("resnet18", "vgg11")
@@ -305,10 +303,6 @@ def noise_floor(records: list[dict]) -> list[dict]:
 
 # --- report --------------------------------------------------------------------------------
 
-def _pct(x, signed: bool = False) -> str:
-    return "-" if x is None else (f"{100 * x:+.1f} %" if signed else f"{100 * x:.1f} %")
-
-
 def _usd(x) -> str:
     return "-" if x is None else f"${x:.3g}"
 
@@ -340,7 +334,7 @@ def render(records: list[dict], failures: list[dict], epochs: int, repeats: int)
              *table(["set", "target", "figure", "runs", "prediction, median abs error",
                      "baseline, median abs error", "goal", "verdict"])]
     for group, target, j in found:
-        lines.append(f"| {group} | {target} | {j.what} | {j.runs} | {_pct(j.predicted)} | {_pct(j.baseline)} | "
+        lines.append(f"| {group} | {target} | {j.what} | {j.runs} | {pct(j.predicted)} | {pct(j.baseline)} | "
                      f"{'-' if j.goal is None else f'<= {100 * j.goal:.0f} %'} | {j.verdict} |")
     if noise:
         for group in (IN_SAMPLE, HELD_OUT):
@@ -348,9 +342,9 @@ def render(records: list[dict], failures: list[dict], epochs: int, repeats: int)
             if ns:
                 lines.append("")
                 lines.append(f"Noise floor, {group} (the same job run again on the same store, {len(ns)} jobs): the "
-                             f"measured median epoch wall differs by a median {_pct(median(n['wall'] for n in ns))} "
-                             f"(max {_pct(max(n['wall'] for n in ns))}) and the bill by "
-                             f"{_pct(median(n['bill'] for n in ns))} (max {_pct(max(n['bill'] for n in ns))}).")
+                             f"measured median epoch wall differs by a median {pct(median(n['wall'] for n in ns))} "
+                             f"(max {pct(max(n['wall'] for n in ns))}) and the bill by "
+                             f"{pct(median(n['bill'] for n in ns))} (max {pct(max(n['bill'] for n in ns))}).")
     if failures:
         lines += ["", f"{len(failures)} run(s) failed: " + "; ".join(f"{f['job']} {f['kind']}: {f['error']}"
                                                                     for f in failures)]
@@ -365,18 +359,18 @@ def render(records: list[dict], failures: list[dict], epochs: int, repeats: int)
     for r in records:
         lines.append(
             f"| {r['group']} | {r['job']} | {r['kind']} | {r['planned']} | {_profile_cell(r['profile'])} | "
-            f"{_pct(r['epoch_error'])} | {_pct(r['epoch_baseline'])} | {_pct(r['epoch1_error'])} | "
-            f"{_pct(r['epoch1_baseline'])} | {fmt(r['wall_s'], '{:.3f}')} | "
-            f"{_usd(r['predicted_cost'])} | {_usd(r['billed'])} | {_pct(r['cost_error'], True)} | "
-            f"{_pct(r['cost_baseline'], True)} ({r.get('baseline_runs', 0)}) | "
-            f"{fmt(r['predicted_run_s'], '{:.1f}')} / {fmt(r['flow_s'], '{:.1f}')} | {_pct(r['run_s_error'], True)} | "
-            f"{_pct(r['run_s_baseline'], True)} | {', '.join(r['assumed']) or '-'} |")
+            f"{pct(r['epoch_error'])} | {pct(r['epoch_baseline'])} | {pct(r['epoch1_error'])} | "
+            f"{pct(r['epoch1_baseline'])} | {fmt(r['wall_s'], '{:.3f}')} | "
+            f"{_usd(r['predicted_cost'])} | {_usd(r['billed'])} | {pct(r['cost_error'], signed=True)} | "
+            f"{pct(r['cost_baseline'], signed=True)} ({r.get('baseline_runs', 0)}) | "
+            f"{fmt(r['predicted_run_s'], '{:.1f}')} / {fmt(r['flow_s'], '{:.1f}')} | {pct(r['run_s_error'], signed=True)} | "
+            f"{pct(r['run_s_baseline'], signed=True)} | {', '.join(r['assumed']) or '-'} |")
     if noise:
         lines += ["", "## Noise floor", "",
                   *table(["set", "job", "median epoch wall s (first, repeats)", "difference", "bill", "difference"])]
         for n in noise:
             lines.append(f"| {n['group']} | {n['job']} | {', '.join(fmt(w, '{:.3f}') for w in n['walls'])} | "
-                         f"{_pct(n['wall'])} | {', '.join(_usd(b) for b in n['bills'])} | {_pct(n['bill'])} |")
+                         f"{pct(n['wall'])} | {', '.join(_usd(b) for b in n['bills'])} | {pct(n['bill'])} |")
     lines += ["", "## Run terms of the first plan", "",
               "Seconds; the plan's `run_terms` (medians of the target's cached samples, or assumed where not yet "
               "measured).", "",
@@ -396,8 +390,8 @@ def render(records: list[dict], failures: list[dict], epochs: int, repeats: int)
         for e in r["epochs"]:
             lines.append(
                 f"| {r['job']} | {r['kind']} | {e['epoch']} | {e['workers']} | {e['seconds']:.3f} | "
-                f"{fmt(e['predicted_epoch_s'], '{:.3f}')} | {_pct(_rel(e['predicted_epoch_s'], e['seconds']), True)} | "
-                f"{_pct(_rel(prev, e['seconds']), True)} | {e['replan'].replace('|', '/') or '-'} |")
+                f"{fmt(e['predicted_epoch_s'], '{:.3f}')} | {pct(_rel(e['predicted_epoch_s'], e['seconds']), signed=True)} | "
+                f"{pct(_rel(prev, e['seconds']), signed=True)} | {e['replan'].replace('|', '/') or '-'} |")
             prev = e["seconds"]
     lines += ["", "The benchmark before this one judged its predictions on the configurations its assumed terms were "
               "tuned on (`git show 43126399bd69:benchmarks/results/prediction.md`)."]
@@ -405,9 +399,9 @@ def render(records: list[dict], failures: list[dict], epochs: int, repeats: int)
 
 
 def _print_run(r: dict) -> None:
-    print(f"{r['group']:13s} {r['job']:60s} {r['kind']:6s}: epoch err {_pct(r['epoch_error'])} (baseline "
-          f"{_pct(r['epoch_baseline'])}), bill {_usd(r['predicted_cost'])} predicted vs {_usd(r['billed'])} billed "
-          f"({_pct(r['cost_error'], True)}), epochs "
+    print(f"{r['group']:13s} {r['job']:60s} {r['kind']:6s}: epoch err {pct(r['epoch_error'])} (baseline "
+          f"{pct(r['epoch_baseline'])}), bill {_usd(r['predicted_cost'])} predicted vs {_usd(r['billed'])} billed "
+          f"({pct(r['cost_error'], signed=True)}), epochs "
           + ", ".join(f"{e['seconds']:.3f}/{fmt(e['predicted_epoch_s'], '{:.3f}')}" for e in r["epochs"]), flush=True)
 
 

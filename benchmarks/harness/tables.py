@@ -42,9 +42,10 @@ def fmt(value, spec: str = "{:.2f}", none: str = "-") -> str:
     return none if value is None else spec.format(value)
 
 
-def pct(value, none: str = "-") -> str:
-    """A fraction as a percentage with one decimal (`12.3 %`), or `none` when it is None."""
-    return fmt(None if value is None else 100 * value, "{:.1f} %", none)
+def pct(value, none: str = "-", signed: bool = False) -> str:
+    """A fraction as a percentage with one decimal (`12.3 %`; `signed`: `+12.3 %`), or `none`
+    when it is None."""
+    return fmt(None if value is None else 100 * value, "{:+.1f} %" if signed else "{:.1f} %", none)
 
 
 def row(cells: Iterable) -> str:
