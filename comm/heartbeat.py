@@ -11,7 +11,11 @@ Where the beat goes:
 - in every process: `progress()` returns the steps done and the time of the last beat,
   which a warm worker publishes in the store for the coordinator (`runtime.warm`);
 - a guard (`set_guard`) runs on every beat of the thread that installed it: a warm worker
-  uses it to stop its epoch where the training thread is, when its lease has expired.
+  uses it to stop its epoch where the training thread is, when its lease has expired;
+- a wait guard (`set_wait_guard`) runs on the beats of a store wait (`beat(waiting=True)`) in
+  the thread that installed it: a replica that got the provider's notice while it waits at a
+  sync for a peer leaves from there (`engine.preemption.stop_waiting`) instead of waiting
+  through its grace into the SIGKILL.
 """
 from __future__ import annotations
 
@@ -25,14 +29,18 @@ _last = 0.0
 _steps = 0
 _beat_at = 0.0
 _guard: tuple[int, Callable[[], None]] | None = None
+_wait_guard: tuple[int, Callable[[], None]] | None = None
 
 
-def beat() -> None:
-    """Record progress (the file is touched at most once a second)."""
+def beat(waiting: bool = False) -> None:
+    """Record progress (the file is touched at most once a second); `waiting`: a store wait's
+    beat, which also runs the wait guard."""
     global _last, _beat_at
     _beat_at = time.time()
     if _guard is not None and _guard[0] == threading.get_ident():
         _guard[1]()
+    if waiting and _wait_guard is not None and _wait_guard[0] == threading.get_ident():
+        _wait_guard[1]()
     path = os.environ.get(ENV)
     if not path:
         return
@@ -69,6 +77,13 @@ def set_guard(check: Callable[[], None] | None) -> None:
     raises to stop the work in progress."""
     global _guard
     _guard = None if check is None else (threading.get_ident(), check)
+
+
+def set_wait_guard(check: Callable[[], None] | None) -> None:
+    """Run `check` on every beat of a store wait in the calling thread (None removes it);
+    `check` raises to stop the wait."""
+    global _wait_guard
+    _wait_guard = None if check is None else (threading.get_ident(), check)
 
 
 def last_beat(path: str) -> float | None:

@@ -195,7 +195,7 @@ class Store(abc.ABC):
             if left <= 0:
                 self.link.waited(time.monotonic() - began)
                 raise StoreTimeout(f"key {key!r} did not appear in {self.url} within {timeout:g} s")
-            heartbeat.beat()  # waiting on a peer is not hanging
+            heartbeat.beat(waiting=True)  # waiting on a peer is not hanging
             time.sleep(min(pause, left))
             pause = min(pause * POLL_GROWTH, self.poll_max_s)
 

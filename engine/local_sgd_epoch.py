@@ -126,6 +126,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from comm import heartbeat
 from comm.compression import Compressor
 from comm.ring_allreduce import RingGroup, open_ring
 from comm.scatter_reduce import COLLECTIVES, allreduce_for
@@ -575,14 +576,26 @@ class _ReplicaEpoch:
         checkpointed state already covers, are not read), each batch's rows read through a
         `ShardStream`, then the step's forward, backward and optimizer step, then
         `averaging.after_step`, which syncs at a period boundary. Returns the summed loss;
-        `loop_started` and `clock` time it."""
-        spec, model, optimizer, averaging = self.spec, self.model, self.optimizer, self.averaging
-        device, dtype = self.device, self.dtype
+        `loop_started` and `clock` time it. While it runs, a notice that comes during a wait
+        for a peer ends the wait (`leave_from_a_wait`)."""
         todo = self.batches[self.start.step:]
-        loss_sum = torch.zeros((), device=device)
-        model.train()
+        loss_sum = torch.zeros((), device=self.device)
+        self.model.train()
         self.clock = IterationClock()
         self.loop_started = time.perf_counter()
+        heartbeat.set_wait_guard(preemption.stop_waiting)  # the notice ends a wait for a peer
+        try:
+            self._train_steps(todo, loss_sum)
+        finally:
+            heartbeat.set_wait_guard(None)
+        if preemption.requested():  # the notice came in the last step: the replacement only ends the epoch
+            self.hand_over(self.steps)
+        return loss_sum
+
+    def _train_steps(self, todo: list, loss_sum: torch.Tensor) -> None:
+        """The steps of `train`, their losses added into `loss_sum`."""
+        spec, model, optimizer, averaging = self.spec, self.model, self.optimizer, self.averaging
+        device, dtype = self.device, self.dtype
         with ShardStream(self.shards, todo, seed=spec.seed, epoch=spec.epoch) as stream:
             self.stream = stream
             for step, (ids, (x, y)) in enumerate(zip(todo, stream), start=self.start.step):
@@ -600,11 +613,22 @@ class _ReplicaEpoch:
                 self.rows += len(y)
                 self.tokens += self.objective.tokens(y)
                 self.digest = add_digests(self.digest, sample_digest(ids))
-                averaging.after_step()
+                try:
+                    averaging.after_step()
+                except preemption.NoticeWhileWaiting:
+                    self.leave_from_a_wait(step + 1)
                 self.clock.tick()
-        if preemption.requested():  # the notice came in the last step: the replacement only ends the epoch
-            self.hand_over(self.steps)
-        return loss_sum
+
+    def leave_from_a_wait(self, done: int) -> None:
+        """The notice came while this rank waited at the sync after `done` steps for a peer
+        that is not there (gone, its replacement still starting): waiting on would run into
+        the SIGKILL at the end of the grace. It leaves now with nothing handed over (its round
+        is not complete): the replacement starts from the epoch's sync checkpoint and replays
+        the rounds since (the collective's keys are idempotent), redoing at most the steps
+        since that checkpoint, as after a crash. Marked preempted at `done`, raises `Preempted`."""
+        self.writer.wait()  # a sync checkpoint in flight: the replacement starts from it
+        preemption.leave(self.scratch, self.spec, done, "", start_step=self.start.step,
+                         trained_s=time.perf_counter() - self.loop_started, left="waiting at a sync")
 
     def hand_over(self, step: int) -> None:
         """The notice came (`engine.preemption`): at this step boundary, wait for a sync

@@ -69,6 +69,36 @@ def _on_sigterm(signum, frame) -> None:  # noqa: ARG001 - a signal handler's sig
         _noticed_at = time.time()
 
 
+WAIT_AFTER_NOTICE_S = 2.0
+"""How long, after the notice, the worker waits for peers before it leaves from the wait
+(`stop_waiting`): a peer that answers within it is alive and the round completes, so the
+worker hands over after it and nothing is redone; one that does not is gone or its
+replacement still starting, and waiting on would run into the SIGKILL. Well inside every
+grace the catalog lists (30 s to 120 s) and the 10 s the spot benchmark gives."""
+
+
+class NoticeWhileWaiting(Exception):
+    """The notice came while the training thread waited in the store for a peer (a sync's
+    pieces from a rank that is gone) and the wait went on `WAIT_AFTER_NOTICE_S`: raised from
+    the wait by `stop_waiting`, for the epoch to leave from there."""
+
+
+_waiting_since = 0.0
+"""Unix time of the first wait guard's call after this epoch's notice (0: none yet)."""
+
+
+def stop_waiting() -> None:
+    """A wait guard (`comm.heartbeat.set_wait_guard`): once the notice came, raise
+    `NoticeWhileWaiting` when the worker has waited `WAIT_AFTER_NOTICE_S` for peers since."""
+    global _waiting_since
+    if not _noticed_at:
+        return
+    now = time.time()
+    _waiting_since = _waiting_since or now
+    if now - _waiting_since >= WAIT_AFTER_NOTICE_S:
+        raise NoticeWhileWaiting()
+
+
 def requested() -> bool:
     """Whether the notice came during this epoch."""
     return bool(_noticed_at)
@@ -81,8 +111,8 @@ def noticed_at() -> float:
 
 def reset() -> None:
     """Forget a notice (a new epoch, or a test)."""
-    global _noticed_at
-    _noticed_at = 0.0
+    global _noticed_at, _waiting_since
+    _noticed_at = _waiting_since = 0.0
 
 
 @contextmanager

@@ -174,6 +174,40 @@ def test_a_preemption_during_a_sync_hands_over_after_it(tmp_path, reference):
 
 
 @pytest.mark.timeout(300)
+def test_a_replica_noticed_while_its_peer_is_gone_leaves_from_the_wait_and_its_replacement_replays(tmp_path,
+                                                                                                  reference):
+    # rank 0 gets the notice as its first sync starts, rank 1 not started: it waits for rank 1's pieces
+    # WAIT_AFTER_NOTICE_S, then leaves (exit 6), long before the SIGKILL at the grace's end (60 s)
+    store = DirectoryStore(tmp_path / "store")
+    stage(store, "p")
+    worker_specs = specs(store.url, "p")
+    workers = Workers(tmp_path, "preempt_worker:epoch=0:rank=0:step=2:at=sync:grace=60")
+    try:
+        workers.launch(worker_specs[0])
+        code = workers.wait(0, 0)
+        notice = read_preempted_marker(store, "p", 0, 0, 0)
+        marker = read_fault_marker(store, "p", 0, 0, 0)
+        assert code == 6, workers.output(0, 0)
+        assert (notice["step"], notice["handover"], notice["left"]) == (PERIOD, "", "waiting at a sync")
+        failure = classify_failure(code, workers.output(0, 0), injected=marker, preempted=notice)
+        assert failure.kind is FailureKind.PREEMPTED
+        assert wait_gone(marker["watcher"])  # the SIGKILL watcher ended with the worker
+        workers.launch(worker_specs[1])
+        workers.launch(WorkerSpec.from_dict({**worker_specs[0].to_dict(), "attempt": 1}))
+        assert workers.wait(0, 1) == 0, workers.output(0, 1)
+        assert workers.wait(1, 0) == 0, workers.output(1, 0)
+    finally:
+        workers.stop_all()
+    weights = final_weights(store, "runs/p/ckpt/e0")
+    for name, expected in reference.items():
+        torch.testing.assert_close(weights[name], expected, rtol=1e-9, atol=1e-9)
+    history = read_epoch_history(store, "p", 0)
+    replacement = next(h for h in history if (h["rank"], h["attempt"]) == (0, 1))
+    assert replacement["start_step"] == 0  # no sync checkpoint yet: the round is replayed, its steps redone
+    assert epoch_coverage(history) == dataset_tally(N)
+
+
+@pytest.mark.timeout(300)
 def test_no_grace_is_a_sigkill_and_the_replacement_redoes_at_most_the_steps_since_the_sync(tmp_path, reference):
     store, failures, codes = preempt_and_replace(tmp_path, "preempt_worker:epoch=0:rank=1:step=5:grace=0",
                                                  victim=1, resume_step=3)
@@ -254,10 +288,13 @@ def test_the_notice_only_sets_a_flag_and_the_previous_handler_comes_back():
     assert signal.getsignal(signal.SIGTERM) is previous
     store = DirectoryStore(Path("/tmp") / f"zooid-preempt-{os.getpid()}")
     spec = specs(store.url, "n")[0]
-    with pytest.raises(Preempted, match="left at step 3"):
-        preemption.leave(store, spec, 3)
-    assert read_preempted_marker(store, "n", 0, 0, 0)["step"] == 3
-    store.delete_prefix("runs/n/")
+    try:
+        with pytest.raises(Preempted, match="left at step 3"):
+            preemption.leave(store, spec, 3)
+        assert read_preempted_marker(store, "n", 0, 0, 0)["step"] == 3
+    finally:
+        store.delete_prefix("runs/n/")
+        preemption.reset()  # the notice is this process's: no later test's epoch may see it
 
 
 def test_chaos_parses_preemptions():
