@@ -85,7 +85,7 @@ def run_once(params: dict, store_block: str, preempt: dict | None, timeout_s: fl
         store.close()
     return {"run_id": run_id, "capacity": params.get("capacity", "on_demand"), "summary": summary,
             "ledger": ledger, "wall_s": (final.end_time - final.start_time).total_seconds(),
-            "events": chaos.events if chaos else []}
+            "events": chaos.events if chaos else [], "chaos_errors": chaos.errors if chaos else []}
 
 
 def figures(run: dict) -> dict:
@@ -110,6 +110,7 @@ def figures(run: dict) -> dict:
             "predicted_redo_s": (expected * choice["redo_worker_s"]) if expected is not None and
             choice.get("redo_worker_s") is not None else None,
             "rate": tally["interruptions_per_worker_hour"], "saved_usd": tally["saved_usd"],
+            "listing_errors": len(run.get("chaos_errors") or []),
             "accuracy": run["summary"].get("final_accuracy"), "epochs": len(run["summary"].get("epochs") or [])}
 
 
@@ -194,6 +195,10 @@ def render(runs: list[dict], args, workload: str) -> str:
         for e in run["events"]:
             lines.append(f"| {i} | {e['at'] - t0:.1f} | {e['name']} | {fmt(e.get('stopped_s'), '{:.1f}')} | "
                          f"{'gone' if e.get('gone') else e.get('exit_code', '-')} | {e.get('error', '')} |")
+    for i, run in enumerate(runs, 1):
+        if run.get("chaos_errors"):
+            lines += ["", f"Run {i}: the engine failed {len(run['chaos_errors'])} listing(s) of the run's containers "
+                      f"(each tried again at the next poll; the last: `{run['chaos_errors'][-1]}`)."]
     return "\n".join(lines) + "\n"
 
 

@@ -5,7 +5,8 @@ The gaps between preemptions are drawn from an exponential law (a Poisson proces
 interruptions of independent capacity are) with `mean_s`, from `random.Random(seed)`; at
 each draw one of the run's running spot containers (label `zooid.capacity=spot`) is chosen by
 the same generator, sorted by name so the choice depends on the seed and the set, not on the
-engine's listing order. A draw that finds no running spot container waits for one. The stop
+engine's listing order. A draw that finds no running spot container waits for one; a listing
+the engine fails is tried again at the next poll (its error kept in `errors`). The stop
 (`clouds.docker.preempt`) runs in its own thread (it blocks for up to the grace), so the
 schedule goes on; each event records whether the container left within the grace or was killed.
 """
@@ -29,6 +30,8 @@ class Preemptor(threading.Thread):
         self.run_id, self.mean_s, self.grace_s, self.poll_s, self.capacity = run_id, mean_s, grace_s, poll_s, capacity
         self.rng = random.Random(seed)
         self.events: list[dict] = []
+        self.errors: list[str] = []
+        """The engine's errors while listing the run's containers (each listing is tried again)."""
         self._done = threading.Event()
         self._stops: list[threading.Thread] = []
 
@@ -48,8 +51,12 @@ class Preemptor(threading.Thread):
             while not self._done.wait(self.poll_s):
                 if time.time() < due:
                     continue
-                running = sorted((c for c in run_containers(engine, self.run_id)
-                                  if c.status == "running"
+                try:
+                    listed = run_containers(engine, self.run_id)
+                except Exception as exc:  # the engine blinked (a timeout under load): look again
+                    self.errors.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+                    continue
+                running = sorted((c for c in listed if c.status == "running"
                                   and (c.labels or {}).get(CAPACITY_LABEL) == self.capacity),
                                  key=lambda c: c.name)
                 if not running:
