@@ -50,8 +50,7 @@ Per run, from its own summary (what the report shows) and ledger:
 GPU (`--gpu`, on a CUDA machine): adds resnet18 and vgg11 on `synthetic:3x32x32:10:4096`,
 batch 64, Local-SGD with 1 worker on the process pool (workers train on CUDA where they see it),
 as held-out jobs. The GPU figures have a results file of their own, taken with no CPU model
-(`benchmarks.run_all`'s `prediction_gpu` section: `--models --gpu --out
-benchmarks/results/prediction_gpu.md`).
+(`GPU_RESULTS`).
 
     .venv/bin/python -m benchmarks.bench_prediction [--models [M ...]] [--epochs 5] [--repeats 2]
         [--no-docker] [--gpu] [--out PATH] [--keep]
@@ -70,6 +69,9 @@ from benchmarks.harness.train import digits_job
 from benchmarks.output import SOURCE, command_for, provenance, write_result
 
 RESULTS = REPO / "benchmarks" / "results" / "prediction.md"
+GPU_RESULTS = REPO / "benchmarks" / "results" / "prediction_gpu.md"
+"""The GPU figures' own results file (`--models --gpu --out` it: `benchmarks.run_all`'s
+`prediction_gpu` section; a CUDA machine runs no CPU model here)."""
 SOURCES = (*SOURCE, "benchmarks/prediction_models.py", "benchmarks/harness/stack.py",
            "benchmarks/harness/replicas.py", "benchmarks/harness/train.py", "benchmarks/harness/tables.py")
 """The code it measures (the whole project: plans and the train flow's runs): its results file is stale
