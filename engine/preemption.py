@@ -41,7 +41,7 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 from comm.store import Store
-from core.errors import Preempted
+from core.errors import Preempted, ZooidError
 from core.keys import preempted_marker_key
 from core.specs import WorkerSpec
 
@@ -77,7 +77,7 @@ replacement still starting, and waiting on would run into the SIGKILL. Well insi
 grace the catalog lists (30 s to 120 s) and the 10 s the spot benchmark gives."""
 
 
-class NoticeWhileWaiting(Exception):
+class NoticeWhileWaiting(ZooidError):
     """The notice came while the training thread waited in the store for a peer (a sync's
     pieces from a rank that is gone) and the wait went on `WAIT_AFTER_NOTICE_S`: raised from
     the wait by `stop_waiting`, for the epoch to leave from there."""
