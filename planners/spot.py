@@ -17,18 +17,31 @@ replacement's start-up and some work done again. `choose_capacity` prices both f
     an epoch of every worker, plus every worker's wait for the replacement's start-up:
     `workers x (startup_s + epoch_s / 2)`.
 
+With `spares` warm spares (`coordinator.workers.warm_pool`: each takes a preempted worker's rank
+at once and a new one starts in its place), every spare is billed for the whole run at the spot
+price, and a preemption waits for a start-up only when it finds no spare ready: when `spares` or
+more other preemptions came within the last `startup_s` (the spares taken are still starting).
+Preemptions arrive as a Poisson process of rate `rate x workers`, so that share is the Poisson
+tail `P(N >= spares)` with mean `rate x workers x startup_s` (`waits_for_startup`); the start-up
+terms above are multiplied by it. Where the job leaves the count open, the plan keeps the count
+from 0 to `MAX_SPARES` whose spot bill is lowest (the fewest on a tie): none where preemptions are
+rare against the run, more as they come faster than a worker starts.
+
 Spot is chosen when its expected bill is below on-demand's. Pure: the caller passes the
 prices, the plan's figures, and the rate (measured on the target where a run measured it,
 else the catalog's assumed one).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from core.kinds import Capacity, Strategy
 
 HANDOVER = "handover"
 """A preempted worker's replacement continues where it handed over (Local-SGD, store collective)."""
+MAX_SPARES = 3
+"""The most warm spares a plan chooses by itself (`choose_capacity` with `spares` None)."""
 RERUN = "rerun"
 """A preemption reruns the epoch attempt (the ring collective, a pipeline, a hybrid)."""
 
@@ -46,6 +59,8 @@ class CapacityChoice:
     expected_preemptions: float
     redo_worker_s: float
     """Worker-seconds one preemption costs (start-up, waits, work done again)."""
+    spares: int = 0
+    """Warm spares the spot bill includes (each for the whole run)."""
     recovery: str
     """`handover` or `rerun` (see the module)."""
     rate_per_worker_hour: float
@@ -65,8 +80,20 @@ def recovery_of(strategy: str, collective: str) -> str:
     return HANDOVER if strategy == Strategy.LOCAL_SGD and collective == "store" else RERUN
 
 
-def redo_worker_s(recovery: str, workers: int, startup_s: float, step_s: float, epoch_s: float) -> float:
-    """Worker-seconds one preemption costs (see the module)."""
+def waits_for_startup(spares: int, rate_per_worker_hour: float, workers: int, startup_s: float) -> float:
+    """The share of preemptions that find no warm spare ready (see the module): 1 without spares."""
+    if spares <= 0:
+        return 1.0
+    mean = max(0.0, rate_per_worker_hour) * workers * max(0.0, startup_s) / 3600.0
+    below = sum(math.exp(-mean) * mean ** i / math.factorial(i) for i in range(spares))
+    return max(0.0, 1.0 - below)
+
+
+def redo_worker_s(recovery: str, workers: int, startup_s: float, step_s: float, epoch_s: float,
+                  waits: float = 1.0) -> float:
+    """Worker-seconds one preemption costs (see the module); `waits`: the share of preemptions
+    that wait for a start-up (`waits_for_startup`)."""
+    startup_s *= waits
     if recovery == HANDOVER:
         return workers * startup_s + step_s
     return workers * (startup_s + epoch_s / 2.0)
@@ -75,17 +102,25 @@ def redo_worker_s(recovery: str, workers: int, startup_s: float, step_s: float, 
 def choose_capacity(*, asked: str, workers: int, run_s: float, epoch_s: float, steps_per_epoch: int,
                     startup_s: float, price_on_demand_per_s: float, price_spot_per_s: float,
                     rate_per_worker_hour: float, rate_measured: bool, strategy: str, collective: str,
-                    spot_offer: str = "") -> CapacityChoice:
+                    spot_offer: str = "", spares: int | None = 0) -> CapacityChoice:
     """Both bills of a plan of `workers` workers running `run_s` seconds (epochs of `epoch_s`,
     `steps_per_epoch` steps each), and the capacity: `asked` itself where the job named one
-    (`spot`, `on_demand`), else (`auto`) the cheaper expected bill (on-demand on a tie)."""
+    (`spot`, `on_demand`), else (`auto`) the cheaper expected bill (on-demand on a tie); with
+    `spares` None, the spare count of the cheapest spot bill (see the module)."""
     worker_s = workers * run_s
     preemptions = rate_per_worker_hour * worker_s / 3600.0
     recovery = recovery_of(strategy, collective)
     step_s = epoch_s / steps_per_epoch if steps_per_epoch else epoch_s
-    redo = redo_worker_s(recovery, workers, startup_s, step_s, epoch_s)
+
+    def spot_bill(k: int) -> tuple[float, float]:
+        redo = redo_worker_s(recovery, workers, startup_s, step_s, epoch_s,
+                             waits_for_startup(k, rate_per_worker_hour, workers, startup_s))
+        return price_spot_per_s * (worker_s + k * run_s + preemptions * redo), redo
+
+    if spares is None:
+        spares = min(range(MAX_SPARES + 1), key=lambda k: (spot_bill(k)[0], k))
+    spot, redo = spot_bill(spares)
     on_demand = price_on_demand_per_s * worker_s
-    spot = price_spot_per_s * (worker_s + preemptions * redo)
     if asked != Capacity.AUTO:
         capacity, reason = Capacity(asked), "the job's capacity"
     elif spot < on_demand:
@@ -93,7 +128,7 @@ def choose_capacity(*, asked: str, workers: int, run_s: float, epoch_s: float, s
     else:
         capacity, reason = Capacity.ON_DEMAND, "the expected re-done work outweighs spot's discount"
     return CapacityChoice(capacity=str(capacity), on_demand_usd=on_demand, spot_usd=spot, expected_preemptions=preemptions,
-                          redo_worker_s=redo, recovery=recovery, rate_per_worker_hour=rate_per_worker_hour,
+                          redo_worker_s=redo, spares=spares, recovery=recovery, rate_per_worker_hour=rate_per_worker_hour,
                           rate_measured=rate_measured, spot_offer=spot_offer, reason=reason)
 
 
@@ -106,4 +141,5 @@ def choice_words(choice: dict) -> str:
     return (f"Capacity: {choice['capacity']} ({choice['reason']}): on-demand ${choice['on_demand_usd']:.4f}, "
             f"spot ({choice['spot_offer']}) ${choice['spot_usd']:.4f} with {choice['expected_preemptions']:.2f} "
             f"expected preemptions at {rate}, each {choice['redo_worker_s']:.1f} worker-s redone "
-            f"({choice['recovery']}).")
+            f"({choice['recovery']})" + (f", {choice['spares']} warm spare(s) included" if choice.get("spares") else "")
+            + ".")

@@ -72,6 +72,12 @@ def worker_name(rank: int, serial: int, coordinator: str = "") -> str:
     return f"r{rank}-w{serial}" + (f"-{coordinator}" if coordinator else "")
 
 
+def spare_name(rank: int, serial: int, coordinator: str = "") -> str:
+    """The name of a spare warm worker (`coordinator.workers.warm_pool`): it serves whichever rank
+    it is given, so its name holds none (`rank` is unused, as `worker_name`'s signature)."""
+    return f"spare-w{serial}" + (f"-{coordinator}" if coordinator else "")
+
+
 def read_json(store: Store, key: str) -> dict | None:
     """The JSON document under `key`, or None when absent."""
     try:

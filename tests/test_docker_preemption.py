@@ -28,13 +28,24 @@ def _preempt_rank(run_id: str, rank: int, grace_s: int):
         client.close()
 
 
-def test_a_spot_container_stopped_with_a_grace_hands_over_and_is_replaced(stack):
+def _worker_flow_runs(run_id: str) -> list[str]:
+    """The names of the run's warm worker flow runs (`<run>-warm-<worker>`), as Prefect has them."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_=f"{run_id}-warm-")))
+    return sorted(r.name.split("-warm-", 1)[1].rsplit("-", 1)[0] for r in runs)
+
+
+def test_a_spot_container_stopped_with_a_grace_hands_over_and_is_replaced_by_its_warm_spare(stack):
     from engine.preemption import read_preempted_marker
 
     # rank 1 holds at the start of epoch 1 (an event: its held marker) until the notice comes
     target = _save_target("docker-preempt-e1r1", job_variables={"env": {
         "ZOOID_CHAOS": "hold_worker:epoch=1:rank=1:until=release"}})
-    flow_run_id = _submit(stack, strategy="local_sgd", workers=2, epochs=2, target=target, capacity="spot")
+    flow_run_id = _submit(stack, strategy="local_sgd", workers=2, epochs=2, target=target, capacity="spot",
+                          spot_spares=1)
     run_id = _run_id(flow_run_id)
     store = _store(stack)
     try:
@@ -58,6 +69,9 @@ def test_a_spot_container_stopped_with_a_grace_hands_over_and_is_replaced(stack)
     workers = [r for r in rows if r["kind"] in ("worker", "failed_attempt")]
     assert {r["capacity"] for r in workers} == {"spot"}  # one preemption: replaced on spot again
     assert len({r["resource"] for r in workers}) == len(workers)  # each container billed once
+    # rank 1's place went to the spare started with the ranks; no new rank worker, a new spare instead
+    assert _worker_flow_runs(run_id) == ["r0-w0", "r1-w1", "spare-w2", "spare-w3"]
+    assert len(workers) == 4  # and each of the four containers is billed
     assert _containers(run_id) == []
 
 

@@ -3,6 +3,7 @@ choice between on-demand and spot, billing at either capacity, and the job varia
 spot on each provider, held to the provider's own SDK schema (`tests.provider_schemas`)."""
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -12,7 +13,7 @@ from clouds.registry import job_variables
 from core.errors import ZooidValueError
 from core.plan import Plan
 from planners.catalog import get_offer, spot_offer, spot_offers
-from planners.spot import HANDOVER, RERUN, choice_words, choose_capacity, recovery_of, redo_worker_s
+from planners.spot import HANDOVER, RERUN, choice_words, choose_capacity, recovery_of, redo_worker_s, waits_for_startup
 from tests.cloud_fixtures import flow_run, render, template
 
 # -- the catalog ------------------------------------------------------------------------------
@@ -108,6 +109,33 @@ def test_auto_chooses_on_demand_where_each_preemption_reruns_half_an_epoch():
         assert choice.capacity == "on_demand", (strategy, collective)
 
 
+def test_a_spare_saves_the_start_up_wait_of_the_preemptions_that_find_it_ready():
+    """Preemptions come as a Poisson process (2 a worker-hour x 4 workers: 8 an hour); one spare
+    is missing only while the last preemption's new spare starts (60 s): P(N >= 1) with mean
+    8 x 60 / 3600; two spares only when two came within it."""
+    mean = 8 * 60 / 3600
+    assert waits_for_startup(0, 2.0, 4, 60.0) == 1.0
+    assert waits_for_startup(1, 2.0, 4, 60.0) == pytest.approx(1 - math.exp(-mean), rel=1e-12)
+    assert waits_for_startup(2, 2.0, 4, 60.0) == pytest.approx(1 - math.exp(-mean) * (1 + mean), rel=1e-12)
+    one = choose_capacity(asked="auto", strategy="local_sgd", collective="store", spares=1, **COMMON)
+    redo = 3.6 + (1 - math.exp(-mean)) * 240
+    assert one.redo_worker_s == pytest.approx(redo, rel=1e-12)
+    assert one.spot_usd == pytest.approx(0.7e-5 * (14400 + 3600 + 8 * redo), rel=1e-12)  # the spare's hour, billed
+    assert "1 warm spare(s) included" in choice_words(one.to_dict())
+    # preemptions faster than a spare starts: nearly every one waits, as without a spare
+    assert waits_for_startup(1, 3600.0, 4, 60.0) == pytest.approx(1.0, abs=1e-12)
+    # the count left open: the cheapest of 0..3 (none at 2 an hour; more as preemptions come
+    # about once a start-up)
+    def chosen(rate):
+        return choose_capacity(asked="spot", strategy="local_sgd", collective="store", spares=None,
+                               **{**COMMON, "rate_per_worker_hour": rate})
+    assert chosen(2.0).spares == 0
+    busy = chosen(15.0)  # 60 preemptions an hour, one a minute: each saves 240 worker-s against a spare's 3600 s
+    bills = {k: choose_capacity(asked="spot", strategy="local_sgd", collective="store", spares=k,
+                                **{**COMMON, "rate_per_worker_hour": 15.0}).spot_usd for k in range(4)}
+    assert busy.spares == min(bills, key=bills.get) and busy.spares >= 1 and busy.spot_usd == bills[busy.spares]
+
+
 def test_a_capacity_the_job_names_is_kept_with_both_bills():
     for asked in ("spot", "on_demand"):
         choice = choose_capacity(asked=asked, strategy="local_sgd", collective="ring", **COMMON)
@@ -118,7 +146,7 @@ def test_a_capacity_the_job_names_is_kept_with_both_bills():
     assert recovery_of("local_sgd", "store") == HANDOVER and redo_worker_s(HANDOVER, 2, 10.0, 1.0, 50.0) == 21.0
 
 
-def _ctx(tmp_path, target_kind="docker", capacity="auto", rate_samples=None, monkeypatch=None):
+def _ctx(tmp_path, target_kind="docker", capacity="auto", rate_samples=None, monkeypatch=None, spot_spares=None):
     from comm.store import open_store
     from coordinator.plan.profile_cache import ProfileCache
     from coordinator.run.context import RunContext
@@ -127,7 +155,7 @@ def _ctx(tmp_path, target_kind="docker", capacity="auto", rate_samples=None, mon
     target = SimpleNamespace(kind=target_kind, worker_vcpu=1.0, worker_memory_gb=2.0, worker_gpu=0)
     resolved = SimpleNamespace(target=target, offer=offer, spot=spot_offer("fargate-cpu", target_kind),
                                target_name=target_kind)
-    job = SimpleNamespace(capacity=capacity, collective="store")
+    job = SimpleNamespace(capacity=capacity, collective="store", spot_spares=spot_spares)
     url = f"file://{tmp_path}/durable"
     monkeypatch.setattr("coordinator.plan.capacity.timings_key", lambda ctx: "target-key")
     if rate_samples is not None:
@@ -155,8 +183,16 @@ def test_the_plan_carries_the_chosen_capacity_its_price_and_both_bills(tmp_path,
     assert choice["rate_per_worker_hour"] == 1.5 and choice["rate_measured"] is True
     assert choice["expected_preemptions"] == pytest.approx(6.0, rel=1e-12)
     assert plan.capacity == "spot" and plan.price_per_worker_s == pytest.approx(spot, rel=1e-12)
-    assert choice["spot_usd"] == pytest.approx(spot * (14400 + 6 * 243.6), rel=1e-12)
+    # no spare: at 6 preemptions in 4 worker-hours a spare's hour costs more than the waits it saves
+    assert choice["spares"] == 0 and choice["spot_usd"] == pytest.approx(spot * (14400 + 6 * 243.6), rel=1e-12)
     assert plan.predicted_run_cost_usd == pytest.approx(0.2 - od * 14400 + choice["spot_usd"], rel=1e-12)
+    # one asked for: billed the whole run; a preemption waits for a start-up only where another
+    # came within the last 60 s (P = 1 - exp(-1.5 x 4 x 60 / 3600) = 1 - e^-0.1)
+    one = with_capacity(_ctx(tmp_path / "a", rate_samples=[1.0, 2.0], monkeypatch=monkeypatch, spot_spares=1),
+                        _plan(od)).capacity_choice
+    waits = 1 - math.exp(-0.1)
+    assert one["spares"] == 1 and one["redo_worker_s"] == pytest.approx(3.6 + waits * 240, rel=1e-12)
+    assert one["spot_usd"] == pytest.approx(spot * (14400 + 3600 + 6 * (3.6 + waits * 240)), rel=1e-12)
     # none measured: the catalog's assumed rate
     plan = with_capacity(_ctx(tmp_path / "b", capacity="spot", monkeypatch=monkeypatch), _plan(od))
     assert plan.capacity_choice["rate_per_worker_hour"] == 0.05 and not plan.capacity_choice["rate_measured"]

@@ -4,7 +4,7 @@
 The interruption rate is the one measured on this target by earlier runs, where one did (the
 run terms' cache, `INTERRUPTIONS_KEY`: `coordinator.plan.run_terms`), else the spot offer's
 assumed one from the catalog. A plan on spot carries the spot price per worker-second and its
-run's bill with the expected re-done work; both bills stay in `Plan.capacity_choice`, which the
+run's bill with the expected re-done work and its warm spares; both bills stay in `Plan.capacity_choice`, which the
 dry run and the report show.
 """
 from __future__ import annotations
@@ -15,6 +15,7 @@ import statistics
 from coordinator.plan.profile_cache import ProfileCache
 from coordinator.plan.run_terms import INTERRUPTIONS_KEY, timings_key
 from coordinator.run.context import RunContext
+from coordinator.workers.preemptions import spot_spares
 from core.kinds import Capacity
 from core.plan import Plan
 from planners.spot import choose_capacity
@@ -57,7 +58,8 @@ def with_capacity(ctx: RunContext, plan: Plan, keep: str | None = None) -> Plan:
                              startup_s=float((plan.run_terms or {}).get("startup_s") or 0.0),
                              price_on_demand_per_s=od_price, price_spot_per_s=spot_price,
                              rate_per_worker_hour=rate, rate_measured=measured is not None,
-                             strategy=plan.strategy, collective=collective, spot_offer=spot.name)
+                             strategy=plan.strategy, collective=collective, spot_offer=spot.name,
+                             spares=spot_spares(ctx.job, dataclasses.replace(plan, capacity_choice={})))
     if keep and asked == Capacity.AUTO:
         choice = dataclasses.replace(choice, reason="auto's choice when the plan was made, kept")
     if choice.capacity != Capacity.SPOT:

@@ -15,7 +15,7 @@ form shows. The form and `flows.train.train_with_params` list the fields in this
 | `Parallelism` | strategy, workers, stages, microbatches, pipeline_schedule | replicas, pipeline stages, their schedule |
 | `Sync` | sync_period, collective, outer_optimizer, outer_lr, outer_momentum, sync_dtype | how Local-SGD replicas meet |
 | `Scaling` | scaling, scale_every_epochs, min_workers, max_workers | the worker count between epochs |
-| `TargetAndStore` | store, durable_store, target, worker_vcpu, worker_memory_gb, offer, capacity, spot_preemptions_before_on_demand | where workers run and tensors live |
+| `TargetAndStore` | store, durable_store, target, worker_vcpu, worker_memory_gb, offer, capacity, spot_preemptions_before_on_demand, spot_spares | where workers run and tensors live |
 | `BudgetAndStopping` | budget_usd, deadline_s, target_accuracy, target_loss | when a run ends before its last epoch |
 | `WorkersLife` | prestart, resume, warm, worker_lease_s, keep_checkpoints, worker_timeout_s | workers' start, lease, stall; checkpoints |
 
@@ -181,6 +181,13 @@ class TargetAndStore(JobSection):
         2, ge=0, title="Spot preemptions before on-demand",
         description="A spot worker preempted this many times in one epoch is replaced on on-demand capacity "
                     "(before that, on spot again; 0: every replacement on-demand).")
+    spot_spares: Optional[int] = Field(
+        None, ge=0, le=64, title="Spot spares",
+        description="Warm spot workers kept ready beside the plan's: a preempted worker's rank goes to one at once "
+                    "(its start-up already paid; a new spare starts in its place) instead of waiting for a new "
+                    "worker to start. Billed like any worker. null: the plan prices 0 to 3 spares against the "
+                    "start-up waits they save at the interruption rate and keeps the cheapest; refused with "
+                    "capacity on_demand.")
 
     @field_validator("target")
     @classmethod

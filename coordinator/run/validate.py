@@ -294,12 +294,16 @@ def check_coordinator(target: ComputeTarget, parameter_bytes: int) -> dict:
 def check_capacity(job: TrainJob, target: ComputeTarget, offer: Offer) -> SpotOffer | None:
     """The spot offer the job's workers may rent on `target` (`planners.catalog.spot_offer`);
     `capacity=spot` on a target with none (inline, the process pool, a GPU or VM offer) is
-    refused in one line naming `capacity`, before anything is started."""
+    refused in one line naming `capacity`, before anything is started; so are `spot_spares` on
+    on-demand capacity."""
     spot = spot_offer(offer.name, target.kind)
     if job.capacity == Capacity.SPOT and spot is None:
         raise ZooidValueError("capacity", f"spot: target {job.target!r} ({target.kind}, offer {offer.name}) has no "
                               "spot offer; spot runs on ecs and docker (Fargate Spot), aci (ACI Spot) and k8s "
                               "(a spot node pool) with a CPU offer; use on_demand or auto")
+    if job.spot_spares and job.capacity == Capacity.ON_DEMAND:
+        raise ZooidValueError("spot_spares", f"{job.spot_spares}: spares stand in for preempted spot workers; "
+                              "use capacity spot or auto, or leave spot_spares null")
     return spot
 
 

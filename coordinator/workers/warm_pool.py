@@ -11,7 +11,13 @@ The bill: each worker's life, launch to stop, is cut into ledger rows by what it
 store for the plan, `profiling.profile_job`), `idle` (ready and waiting: for the first
 command, or between epochs while the coordinator checkpoints and plans), and
 `failed_attempt` (the epoch it was in when it died). The rows of one worker add up to its
-whole interval. Rows close as the replies come; `open_rows` bills what is still open, so
+whole interval.
+
+On spot capacity the pool also keeps warm spares beside the plan's ranks (the job's `spot_spares`,
+or as many as the plan priced cheapest: `spare_count`): a preempted worker's rank goes to a spare at once (its start-up already paid) and a
+new spare starts in its place, so the other replicas wait at their next sync for a command's round
+trip, not for a new worker's start. A spare is billed like any worker (its rows carry a rank past
+the plan's until it takes one); one that is preempted while it waits is replaced like an idle worker. Rows close as the replies come; `open_rows` bills what is still open, so
 the ledger written after each epoch leaves no interval out.
 """
 from __future__ import annotations
@@ -45,7 +51,8 @@ from core.polling import control_pause
 from core.specs import WarmSpec, WorkerResult, WorkerSpec
 from core.store_ops import grouped_total
 from core.warm_cadence import REPLY_POLL_CAP_S, REPLY_POLL_S, WarmCadence
-from runtime.warm import PREEMPTED, read_json, worker_name
+from coordinator.workers.preemptions import spot_spares
+from runtime.warm import PREEMPTED, read_json, spare_name, worker_name
 
 
 class LeaseRenewer(threading.Thread):
@@ -141,6 +148,8 @@ class WarmPool:
     """This coordinator's mark in its workers' names (a resumed run's workers never share one)."""
     renewer: LeaseRenewer | None = None
     store: Any = None
+    spares: list[WarmWorker] = field(default_factory=list)
+    """Warm spot workers beside the plan's ranks, oldest first (`spare_count`)."""
 
     @property
     def cadence(self) -> WarmCadence:
@@ -171,6 +180,7 @@ class WarmPool:
         started = []
         for rank in range(plan.workers):
             w, identity = self.workers.get(rank), launch_identity(launcher, rank)
+            gone = w is not None  # a rank that had a worker gets a spare where one is ready
             if w is not None and self._left_on_notice(w):  # preempted while idle: replaced now
                 self._bury(w, "it was preempted while idle")
                 w = None
@@ -183,16 +193,81 @@ class WarmPool:
                 continue
             if w is not None:
                 self.retire(rank, "its launch no longer fits the plan" if w.alive else "it stopped")
-            self._start(rank, plan, epoch, make_launcher(self.ctx, plan), identity)
+            if gone:
+                self._replace(rank, plan, epoch)
+            else:
+                self._start(rank, plan, epoch, make_launcher(self.ctx, plan), identity)
             started.append(rank)
+        self.keep_spares(plan, epoch)
         return started
+
+    # --- spares ---------------------------------------------------------------------
+
+    def spare_count(self, plan) -> int:
+        """The spares `plan` keeps: on spot capacity, `preemptions.spot_spares` (none before a plan
+        chose a count); none on-demand."""
+        if str(getattr(plan, "capacity", Capacity.ON_DEMAND)) != Capacity.SPOT:
+            return 0
+        return spot_spares(self.ctx.job, plan) or 0
+
+    def keep_spares(self, plan, epoch: int) -> None:
+        """Bury the spares that died or left on the notice, retire those that no longer fit
+        `plan` (another size, image or capacity than its rank 0's), and start new ones up to
+        `spare_count(plan)`."""
+        want, identity = self.spare_count(plan), launch_identity(make_launcher(self.ctx, plan), 0)
+        capacity = str(getattr(plan, "capacity", Capacity.ON_DEMAND))
+        self._bury_gone_spares()
+        for w in list(self.spares):
+            if w.identity != identity or w.capacity != capacity or len(self.spares) > want:
+                self.spares.remove(w)
+                self._stop([w], "the plan needs no such spare", grace_s=10.0)
+        while len(self.spares) < want:
+            launcher = make_launcher(self.ctx, plan)
+            self.spares.append(self._launch(plan.workers + len(self.spares), plan, epoch, launcher, identity,
+                                            spare=True))
+
+    def _replace(self, rank: int, plan, epoch: int, capacity: str | None = None) -> WarmWorker:
+        """A worker for `rank` in place of one that is gone: a live spare of the same launch and
+        capacity where the pool keeps one (a new spare then starts), else a new worker."""
+        launcher = make_launcher(self.ctx, plan)
+        identity = launch_identity(launcher, rank)
+        capacity = str(capacity or getattr(plan, "capacity", Capacity.ON_DEMAND))
+        self._bury_gone_spares()
+        w = next((w for w in self.spares if w.identity == identity and w.capacity == capacity), None)
+        if w is None:
+            w = self._start(rank, plan, epoch, launcher, identity, capacity)
+        else:
+            self.spares.remove(w)
+            print(f"zooid: spare {w.name} takes rank {rank}'s place")
+            w.rank = rank
+            self.workers[rank] = w
+            attempt = self.ctx.state.cloud_attempts.get(w.process.ref)
+            if attempt is not None:  # billed by the cloud's clock: its rows name the rank it serves
+                self.ctx.state.cloud_attempts[w.process.ref] = (attempt[0], rank, *attempt[2:])
+        self.keep_spares(plan, epoch)  # a spare taken or buried: a new one in its place
+        return w
+
+    def _bury_gone_spares(self) -> None:
+        """Bury the spares that died or left on the provider's notice while they waited."""
+        for w in list(self.spares):
+            w.launcher._poll()
+            if self._left_on_notice(w) or not w.alive:
+                self.spares.remove(w)
+                self._bury(w, "a spare stopped while it waited")
 
     def _start(self, rank: int, plan, epoch: int, launcher, identity: str, capacity: str | None = None) -> WarmWorker:
         """Launch worker `rank` on `capacity` (None: the plan's; a preempted rank's replacement
         may run on-demand, `coordinator.workers.preemptions`)."""
+        worker = self._launch(rank, plan, epoch, launcher, identity, capacity)
+        self.workers[rank] = worker
+        return worker
+
+    def _launch(self, rank: int, plan, epoch: int, launcher, identity: str, capacity: str | None = None,
+                spare: bool = False) -> WarmWorker:
+        """Launch one warm worker as rank `rank` (a spare: named as one, its rank past the plan's)."""
         ctx, job = self.ctx, self.ctx.job
         capacity = str(capacity or getattr(plan, "capacity", "on_demand"))
-        name = worker_name(rank, self.serial, self.token)
+        name = (spare_name if spare else worker_name)(rank, self.serial, self.token)
         warm = WarmSpec(worker=name, lease_s=job.worker_lease_s, check_s=self.cadence.check_s,
                         progress_s=self.cadence.progress_s)
         spec = WorkerSpec(run_id=ctx.run_id, epoch=epoch, rank=rank, world=plan.workers,
@@ -212,7 +287,6 @@ class WarmPool:
         worker = WarmWorker(rank=rank, name=name, launcher=launcher, identity=identity,
                             launched_at=outcome.started_at, billed_to=outcome.started_at, slot=slot,
                             price_per_s=price, capacity=capacity, list_price_per_s=list_price)
-        self.workers[rank] = worker
         return worker
 
     def prestart(self, workers: int, plan, epoch: int) -> list[int]:
@@ -326,7 +400,8 @@ class WarmPool:
 
     def stop_all(self, reason: str, grace_s: float = 10.0) -> None:
         """Stop every worker and the lease (teardown)."""
-        workers, self.workers = list(self.workers.values()), {}
+        workers, self.workers = list(self.workers.values()) + self.spares, {}
+        self.spares = []
         self._stop(workers, reason, grace_s)
         if self.renewer is not None:
             self.renewer.stop()
@@ -395,9 +470,7 @@ class WarmPool:
                 if retry is None:
                     self._abort("another worker failed")
                     raise WorkersFailed(attempts, f"rank {failed.rank} {failed.status}")
-                launcher = make_launcher(self.ctx, plan)
-                self._start(spec.rank, plan, spec.epoch, launcher, launch_identity(launcher, spec.rank),
-                            capacity=retry.capacity)
+                self._replace(spec.rank, plan, spec.epoch, capacity=retry.capacity)
                 attempts.append(self._send(self.workers[spec.rank], retry))
                 last_relaunch = time.time()
             latest = {o.rank: o for o in attempts}
@@ -592,7 +665,7 @@ class WarmPool:
         the ledger written mid-run must leave nothing unbilled)."""
         now = time.time() if now is None else now
         return [self._record(w, "open", w.billed_to, now, None, None, "worker")
-                for w in self.workers.values() if now > w.billed_to]
+                for w in [*self.workers.values(), *self.spares] if now > w.billed_to]
 
 
 def _size(path: str) -> int:

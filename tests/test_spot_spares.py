@@ -1,0 +1,145 @@
+"""Warm spot spares (`coordinator.workers.warm_pool`): a spot plan keeps the job's `spot_spares`
+beside its ranks; a preempted rank's place goes to a live spare of the same launch and capacity at
+once, and a new spare starts; a spare preempted while it waits is billed as preempted and
+replaced; on-demand plans and replacements keep none; teardown stops them and the mid-run ledger
+bills them. The pool's launches are recorded, not started (the docker target's preemption tests
+run the real path)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from core.errors import ZooidValueError
+from planners.catalog import spot_offer
+from runtime.warm import status_key
+
+
+class _Launcher:
+    def __init__(self, rank: int):
+        from coordinator.workers.launchers import WorkerOutcome
+
+        self.outcomes = [WorkerOutcome(rank=rank, attempt=0, started_at=time.time(), ref=f"flow-{rank}-{time.time()}")]
+        self.stopped = []
+
+    def _poll(self):
+        pass
+
+    def stop(self, reason: str):
+        self.stopped.append(reason)
+        self.outcomes[0].status, self.outcomes[0].stopped_at = "cancelled", time.time()
+
+
+def _pool(tmp_path, monkeypatch, spot_spares=None, capacity="spot"):
+    from coordinator.run.context import RunContext
+    from coordinator.run.job import TrainJob
+    from coordinator.run.validate import validate_job
+    from coordinator.workers import warm_pool
+    from coordinator.workers.warm_pool import WarmPool, WarmWorker
+
+    job = TrainJob(model="digits_mlp", workers=2, store=f"file://{tmp_path}/store", warm=True,
+                   spot_spares=spot_spares, capacity="auto")  # the plan below says which capacity
+    resolved = dataclasses.replace(validate_job(job), spot=spot_offer("fargate-cpu", "docker"))  # billed as Fargate Spot
+    ctx = RunContext(run_id="zspare", job=job, resolved=resolved)
+    pool = WarmPool(ctx)
+    pool.store = ctx.open_durable()
+    launched = []
+
+    def launch(self, rank, plan, epoch, launcher, identity, capacity=None, spare=False):
+        name = ("spare" if spare else f"r{rank}") + f"-w{self.serial}"
+        self.serial += 1
+        w = WarmWorker(rank=rank, name=name, launcher=_Launcher(rank), identity=identity, launched_at=time.time(),
+                       billed_to=time.time(), capacity=str(capacity or plan.capacity), price_per_s=1e-5)
+        launched.append((name, rank, w.capacity))
+        return w
+
+    monkeypatch.setattr(warm_pool, "make_launcher", lambda ctx, plan: None)
+    monkeypatch.setattr(warm_pool, "launch_identity", lambda launcher, rank: "one-size")
+    monkeypatch.setattr(WarmPool, "_open", lambda self: None)
+    monkeypatch.setattr(WarmPool, "_launch", launch)
+    plan = SimpleNamespace(workers=2, capacity=capacity, stage_memory_gb=(), capacity_choice={"spares": 1})
+    return pool, plan, launched
+
+
+def test_a_spot_plan_keeps_the_spares_it_chose_and_the_job_may_ask_for_more_or_none(tmp_path, monkeypatch):
+    pool, plan, launched = _pool(tmp_path, monkeypatch)
+    assert pool.ensure(plan, 0) == [0, 1]
+    assert [n for n, _, _ in launched] == ["r0-w0", "r1-w1", "spare-w2"] and len(pool.spares) == 1
+    assert pool.spares[0].rank == 2 and pool.spares[0].capacity == "spot"  # a rank past the plan's
+    pool.ensure(plan, 1)  # all alive: nothing new
+    assert len(launched) == 3
+    for asked, want in ((3, 3), (0, 0)):
+        pool, plan, launched = _pool(tmp_path / str(asked), monkeypatch, spot_spares=asked)
+        pool.ensure(plan, 0)
+        assert len(pool.spares) == want and sum(n.startswith("spare") for n, _, _ in launched) == want
+    pool, plan, launched = _pool(tmp_path / "od", monkeypatch, capacity="on_demand")
+    pool.ensure(plan, 0)
+    assert pool.spares == [] and len(launched) == 2
+
+
+def test_a_preempted_rank_gets_the_spare_at_once_and_a_new_spare_starts(tmp_path, monkeypatch):
+    pool, plan, launched = _pool(tmp_path, monkeypatch)
+    pool.ensure(plan, 0)
+    spare = pool.spares[0]
+    taken = pool._replace(1, plan, 0, capacity="spot")
+    assert taken is spare and pool.workers[1] is spare and spare.rank == 1
+    assert [n for n, _, _ in launched[3:]] == ["spare-w3"]  # the rank's new worker is the spare; a new spare starts
+    assert [w.name for w in pool.spares] == ["spare-w3"]
+    # a replacement on on-demand (a rank preempted too often) takes no spot spare
+    on_demand = pool._replace(0, plan, 0, capacity="on_demand")
+    assert on_demand.name == "r0-w4" and on_demand.capacity == "on_demand" and [w.name for w in pool.spares] == ["spare-w3"]
+
+
+def test_a_spare_preempted_while_it_waits_is_billed_as_preempted_and_replaced(tmp_path, monkeypatch):
+    pool, plan, launched = _pool(tmp_path, monkeypatch)
+    pool.ensure(plan, 0)
+    spare = pool.spares[0]
+    left = time.time()
+    pool.store.put(status_key(pool.ctx.run_id, spare.name),
+                   json.dumps({"state": "preempted", "left_at": left, "noticed_at": left - 1}).encode())
+    spare.launcher.outcomes[0].status, spare.launcher.outcomes[0].extra["exit_code"] = "failed", 6
+    taken = pool._replace(1, plan, 0, capacity="spot")
+    assert taken.name == "r1-w3" and pool.workers[1] is taken  # no spare ready: a new worker, as without one
+    assert [w.name for w in pool.spares] == ["spare-w4"]  # and a new spare in the buried one's place
+    rows = [r for r in pool.ctx.state.ledger if r.resource == f"worker {spare.name}"]
+    assert [r.status for r in rows] == ["preempted"] and rows[0].stop == pytest.approx(left)
+
+
+def test_teardown_stops_the_spares_and_the_mid_run_ledger_bills_them(tmp_path, monkeypatch):
+    pool, plan, launched = _pool(tmp_path, monkeypatch)
+    pool.ensure(plan, 0)
+    spare = pool.spares[0]
+    rows = pool.open_rows(time.time() + 5)
+    assert f"worker {spare.name}" in {r.resource for r in rows} and len(rows) == 3
+    pool.stop_all("the run ended", grace_s=0.0)
+    assert pool.spares == [] and spare.launcher.stopped
+    assert any(r.resource == f"worker {spare.name}" for r in pool.ctx.state.ledger)
+
+
+def test_spares_are_refused_on_on_demand_capacity_naming_the_field():
+    from coordinator.run.job import TrainJob
+    from coordinator.run.validate import check_capacity, check_target_and_offer
+
+    job = TrainJob(target="docker", capacity="on_demand", spot_spares=1)
+    with pytest.raises(ZooidValueError) as refused:
+        check_capacity(job, *check_target_and_offer(job))
+    assert refused.value.field == "spot_spares" and "\n" not in str(refused.value)
+    for capacity in ("spot", "auto"):
+        job = TrainJob(target="docker", capacity=capacity, spot_spares=2)
+        assert check_capacity(job, *check_target_and_offer(job)) is not None
+    with pytest.raises(ValueError):
+        TrainJob(spot_spares=-1)
+
+
+def test_the_count_is_the_jobs_or_the_plans_choice_and_none_for_a_plan_sized_per_stage():
+    from coordinator.workers.preemptions import spot_spares
+
+    chose_two = SimpleNamespace(stage_memory_gb=(), capacity_choice={"spares": 2})
+    assert spot_spares(SimpleNamespace(spot_spares=None), chose_two) == 2
+    assert spot_spares(SimpleNamespace(spot_spares=0), chose_two) == 0
+    assert spot_spares(SimpleNamespace(spot_spares=None), SimpleNamespace(stage_memory_gb=(), capacity_choice={})) is None
+    per_stage = SimpleNamespace(stage_memory_gb=(2.0, 4.0), capacity_choice={"spares": 2})
+    assert spot_spares(SimpleNamespace(spot_spares=3), per_stage) == 0
