@@ -106,7 +106,7 @@ def figures(run: dict) -> dict:
             "predicted_workers_usd": choice.get("spot_usd" if run["capacity"] == "spot" else "on_demand_usd"),
             "preemptions": tally["preemptions"], "scheduled": len(run["events"]),
             "killed": sum(1 for e in run["events"] if e.get("killed")),
-            "predicted_preemptions": expected, "redone_s": tally["redone_s"],
+            "predicted_preemptions": expected, "redone_s": tally["redone_s"], "spares": choice.get("spares"),
             "predicted_redo_s": (expected * choice["redo_worker_s"]) if expected is not None and
             choice.get("redo_worker_s") is not None else None,
             "rate": tally["interruptions_per_worker_hour"], "saved_usd": tally["saved_usd"],
@@ -171,7 +171,7 @@ def render(runs: list[dict], args, workload: str) -> str:
              f"{', '.join(f'{r:.2f}x' for r in worker_ratios)}; accuracy "
              f"{', '.join(f'{p:.1f}' for p in points)} points).", "",
              *table(["run", "capacity", "wall (s)", "predicted (s)", "bill", "predicted bill", "workers' $",
-                     "predicted workers' $", "coordinator $", "store $", "preemptions (scheduled, killed)", "predicted preemptions", "redone (s)",
+                     "predicted workers' $", "coordinator $", "store $", "preemptions (scheduled, killed)", "predicted preemptions", "spares", "redone (s)",
                      "predicted redo (worker-s)", "rate (per worker-hour)", "saved", "final accuracy"])]
     for i, f in enumerate(rows, 1):
         lines.append(f"| {i} | {f['capacity']} | {f['wall_s']:.1f} | {fmt(f['predicted_s'], '{:.1f}')} | "
@@ -180,12 +180,14 @@ def render(runs: list[dict], args, workload: str) -> str:
                      f"{money(f['predicted_workers_usd']) if f['predicted_workers_usd'] is not None else '-'} | "
                      f"{money(f['coordinator_usd'])} | {money(f['store_usd'])} | "
                      f"{f['preemptions']} ({f['scheduled']}, {f['killed']}) | {fmt(f['predicted_preemptions'])} | "
+                     f"{'-' if f['spares'] is None else f['spares']} | "
                      f"{f['redone_s']:.1f} | {fmt(f['predicted_redo_s'], '{:.1f}')} | {fmt(f['rate'], '{:.1f}')} | "
                      f"{money(f['saved_usd'])} | {fmt(f['accuracy'], '{:.3f}')} |")
     lines += ["", "bill: the run's ledger (workers, coordinator, store requests); workers' $: the worker rows "
               "(preempted and failed attempts included). Predicted: the plan's run seconds and bill "
               "(`predicted_run_s`, `predicted_run_cost_usd`), and its `capacity_choice`: the workers' bill on each "
-              "capacity, expected preemptions (rate x workers x hours) and the worker-seconds one costs. preemptions: "
+              "capacity, expected preemptions (rate x workers x hours) and the worker-seconds one costs; spares: the warm "
+              "spot spares the plan kept (the count whose expected bill was lowest at its rate). preemptions: "
               "the ledger's preempted attempts (scheduled: the stops the schedule issued, a stop that hit a container "
               "already ending counts there only; killed: stops whose container outlived the grace and was SIGKILLed). redone: the seconds of training replacements repeated "
               "(`redone_s`); saved: the on-demand price of every billed worker second less what was billed.", "",

@@ -17,7 +17,8 @@ teardown deletes them):
 | `<worker>/reply-<n>.json` | worker | `{"ok", "result": WorkerResult` (or `"profile"`)`, "began_at", "ended_at", "ready_at"}` or the error |
 | `<worker>/status.json` | worker | at start, then at most every `progress_s` while it changed: state (`idle`, `busy`; `preempted`, written at once, when it left on the provider's notice outside an epoch), pid, steps done this epoch, last beat |
 
-`<worker>` is `r<rank>-w<serial>-<coordinator>`: a replacement of a dead worker has a new
+`<worker>` is `r<rank>-w<serial>-<coordinator>`, or `spare-w<serial>-<coordinator>` for a warm
+spot spare (it serves the rank its first command names): a replacement of a dead worker has a new
 serial, and a resumed run's coordinator a new mark, so no worker reads a command meant for
 another.
 
