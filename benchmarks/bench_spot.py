@@ -15,7 +15,10 @@ every `--sync-period` steps, `--epochs` epochs, seed 0, on the docker target (bi
    mean `--mean-s`, one running spot container stopped with `stop -t --grace-s`, SIGTERM then
    SIGKILL) - its plan prices preemptions at the catalog's assumed rate;
 3. spot again, another seed - its plan reads the rate run 2 measured (the run terms), so its
-   prediction is made before its own preemptions happen: out of sample.
+   prediction is made before its own preemptions happen: out of sample;
+4. with `--spares N` (default 1; 0: no such run): spot with N warm spares (`spot_spares`) on run
+   2's schedule, so that the spares' effect is read against run 2 (the schedule also stops spares:
+   they are spot capacity).
 
 Measured: the flow run's wall (Prefect's start to end), the ledger's total, the workers' part,
 the preemptions and the redone seconds (the ledger's marks, `coordinator.bill.cost.spot_tally`),
@@ -164,7 +167,9 @@ def render(runs: list[dict], args, workload: str) -> str:
              f"(gaps drawn from an exponential law of mean {args.mean_s:g} s, seeds 1 and 2; a preemption is the "
              f"engine's `stop -t {args.grace_s}`: SIGTERM, SIGKILL {args.grace_s} s later). Run 2 plans at the catalog's "
              "assumed interruption rate; run 3 at the rate run 2 measured (its prediction is made before its own "
-             "preemptions).", "",
+             "preemptions)" + (f"; run 4 on spot with {args.spares} warm spare(s) (`spot_spares`) on run 2's schedule "
+                              "(seed 1; the schedule stops spares too), to be read against run 2" if args.spares else "")
+             + ". Spot runs 2 and 3 keep no spare (`spot_spares` 0, the default).", "",
              f"**Goal: a spot run's bill, redone work included, at most {GOAL_BILL_RATIO:.0%} of the on-demand bill, "
              f"final accuracy within {GOAL_ACCURACY_POINTS} points: {'met' if met else 'not met'}** (bill "
              f"{', '.join(f'{r:.2f}x' for r in ratios_)}; the workers' part alone "
@@ -213,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sync-period", type=int, default=8)
     parser.add_argument("--mean-s", type=float, default=20.0)
     parser.add_argument("--grace-s", type=int, default=10)
+    parser.add_argument("--spares", type=int, default=1,
+                        help="a 4th run: spot with this many warm spares on run 2's schedule (0: none)")
     parser.add_argument("--store", choices=("redis", "s3"), default="redis",
                         help="the scratch store: a local redis-server (free) or the stack's S3 (moto)")
     parser.add_argument("--out", default=str(RESULTS))
@@ -233,8 +240,9 @@ def main(argv: list[str] | None = None) -> int:
                 params = {**WORKLOADS[workload], "workers": args.workers, "epochs": args.epochs, "strategy": "local_sgd",
                           "sync_period": args.sync_period, "scaling": "static", "seed": 0, **scratch_store}
                 runs = [run_once({**params, "capacity": "on_demand"}, durable, None)]
-                for seed in (1, 2):
-                    runs.append(run_once({**params, "capacity": "spot"}, durable,
+                spot_runs = [(1, 0), (2, 0)] + ([(1, args.spares)] if args.spares else [])
+                for seed, spares in spot_runs:
+                    runs.append(run_once({**params, "capacity": "spot", "spot_spares": spares}, durable,
                                          {"mean_s": args.mean_s, "grace_s": args.grace_s, "seed": seed}))
                     print(json.dumps(figures(runs[-1])), flush=True)
                 sections.append(render(runs, args, workload))

@@ -23,9 +23,9 @@ price, and a preemption waits for a start-up only when it finds no spare ready: 
 more other preemptions came within the last `startup_s` (the spares taken are still starting).
 Preemptions arrive as a Poisson process of rate `rate x workers`, so that share is the Poisson
 tail `P(N >= spares)` with mean `rate x workers x startup_s` (`waits_for_startup`); the start-up
-terms above are multiplied by it. Where the job leaves the count open, the plan keeps the count
-from 0 to `MAX_SPARES` whose spot bill is lowest (the fewest on a tie): none where preemptions are
-rare against the run, more as they come faster than a worker starts.
+terms above are multiplied by it. A spare is spot capacity too and is preempted like any worker
+(its replacement is another spare's start, which no rank waits for); that and the CPU its start
+takes from the ranks' are not modelled.
 
 Spot is chosen when its expected bill is below on-demand's. Pure: the caller passes the
 prices, the plan's figures, and the rate (measured on the target where a run measured it,
@@ -40,8 +40,6 @@ from core.kinds import Capacity, Strategy
 
 HANDOVER = "handover"
 """A preempted worker's replacement continues where it handed over (Local-SGD, store collective)."""
-MAX_SPARES = 3
-"""The most warm spares a plan chooses by itself (`choose_capacity` with `spares` None)."""
 RERUN = "rerun"
 """A preemption reruns the epoch attempt (the ring collective, a pipeline, a hybrid)."""
 
@@ -102,25 +100,19 @@ def redo_worker_s(recovery: str, workers: int, startup_s: float, step_s: float, 
 def choose_capacity(*, asked: str, workers: int, run_s: float, epoch_s: float, steps_per_epoch: int,
                     startup_s: float, price_on_demand_per_s: float, price_spot_per_s: float,
                     rate_per_worker_hour: float, rate_measured: bool, strategy: str, collective: str,
-                    spot_offer: str = "", spares: int | None = 0) -> CapacityChoice:
+                    spot_offer: str = "", spares: int = 0) -> CapacityChoice:
     """Both bills of a plan of `workers` workers running `run_s` seconds (epochs of `epoch_s`,
     `steps_per_epoch` steps each), and the capacity: `asked` itself where the job named one
-    (`spot`, `on_demand`), else (`auto`) the cheaper expected bill (on-demand on a tie); with
-    `spares` None, the spare count of the cheapest spot bill (see the module)."""
+    (`spot`, `on_demand`), else (`auto`) the cheaper expected bill (on-demand on a tie); the spot
+    bill with `spares` warm spares (see the module)."""
     worker_s = workers * run_s
     preemptions = rate_per_worker_hour * worker_s / 3600.0
     recovery = recovery_of(strategy, collective)
     step_s = epoch_s / steps_per_epoch if steps_per_epoch else epoch_s
-
-    def spot_bill(k: int) -> tuple[float, float]:
-        redo = redo_worker_s(recovery, workers, startup_s, step_s, epoch_s,
-                             waits_for_startup(k, rate_per_worker_hour, workers, startup_s))
-        return price_spot_per_s * (worker_s + k * run_s + preemptions * redo), redo
-
-    if spares is None:
-        spares = min(range(MAX_SPARES + 1), key=lambda k: (spot_bill(k)[0], k))
-    spot, redo = spot_bill(spares)
+    redo = redo_worker_s(recovery, workers, startup_s, step_s, epoch_s,
+                         waits_for_startup(spares, rate_per_worker_hour, workers, startup_s))
     on_demand = price_on_demand_per_s * worker_s
+    spot = price_spot_per_s * (worker_s + spares * run_s + preemptions * redo)
     if asked != Capacity.AUTO:
         capacity, reason = Capacity(asked), "the job's capacity"
     elif spot < on_demand:

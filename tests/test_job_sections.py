@@ -25,7 +25,7 @@ BEFORE = {
 }
 
 
-ADDED = {"data_cache_mb": None, "capacity": "on_demand", "spot_preemptions_before_on_demand": 2, "spot_spares": None}
+ADDED = {"data_cache_mb": None, "capacity": "on_demand", "spot_preemptions_before_on_demand": 2, "spot_spares": 0}
 """Fields added since, each after the field it follows in its section."""
 
 

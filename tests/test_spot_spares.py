@@ -33,7 +33,7 @@ class _Launcher:
         self.outcomes[0].status, self.outcomes[0].stopped_at = "cancelled", time.time()
 
 
-def _pool(tmp_path, monkeypatch, spot_spares=None, capacity="spot"):
+def _pool(tmp_path, monkeypatch, spot_spares=1, capacity="spot"):
     from coordinator.run.context import RunContext
     from coordinator.run.job import TrainJob
     from coordinator.run.validate import validate_job
@@ -60,18 +60,18 @@ def _pool(tmp_path, monkeypatch, spot_spares=None, capacity="spot"):
     monkeypatch.setattr(warm_pool, "launch_identity", lambda launcher, rank: "one-size")
     monkeypatch.setattr(WarmPool, "_open", lambda self: None)
     monkeypatch.setattr(WarmPool, "_launch", launch)
-    plan = SimpleNamespace(workers=2, capacity=capacity, stage_memory_gb=(), capacity_choice={"spares": 1})
+    plan = SimpleNamespace(workers=2, capacity=capacity, stage_memory_gb=())
     return pool, plan, launched
 
 
-def test_a_spot_plan_keeps_the_spares_it_chose_and_the_job_may_ask_for_more_or_none(tmp_path, monkeypatch):
+def test_a_spot_plan_keeps_the_spares_the_job_asks_for_and_none_by_default(tmp_path, monkeypatch):
     pool, plan, launched = _pool(tmp_path, monkeypatch)
     assert pool.ensure(plan, 0) == [0, 1]
     assert [n for n, _, _ in launched] == ["r0-w0", "r1-w1", "spare-w2"] and len(pool.spares) == 1
     assert pool.spares[0].rank == 2 and pool.spares[0].capacity == "spot"  # a rank past the plan's
     pool.ensure(plan, 1)  # all alive: nothing new
     assert len(launched) == 3
-    for asked, want in ((3, 3), (0, 0)):
+    for asked, want in ((3, 3), (0, 0)):  # 0: the default
         pool, plan, launched = _pool(tmp_path / str(asked), monkeypatch, spot_spares=asked)
         pool.ensure(plan, 0)
         assert len(pool.spares) == want and sum(n.startswith("spare") for n, _, _ in launched) == want
@@ -134,12 +134,11 @@ def test_spares_are_refused_on_on_demand_capacity_naming_the_field():
         TrainJob(spot_spares=-1)
 
 
-def test_the_count_is_the_jobs_or_the_plans_choice_and_none_for_a_plan_sized_per_stage():
+def test_the_count_is_the_jobs_and_none_for_a_plan_sized_per_stage():
+    from coordinator.run.job import TrainJob
     from coordinator.workers.preemptions import spot_spares
 
-    chose_two = SimpleNamespace(stage_memory_gb=(), capacity_choice={"spares": 2})
-    assert spot_spares(SimpleNamespace(spot_spares=None), chose_two) == 2
-    assert spot_spares(SimpleNamespace(spot_spares=0), chose_two) == 0
-    assert spot_spares(SimpleNamespace(spot_spares=None), SimpleNamespace(stage_memory_gb=(), capacity_choice={})) is None
-    per_stage = SimpleNamespace(stage_memory_gb=(2.0, 4.0), capacity_choice={"spares": 2})
-    assert spot_spares(SimpleNamespace(spot_spares=3), per_stage) == 0
+    one_size = SimpleNamespace(stage_memory_gb=())
+    assert TrainJob().spot_spares == 0 and spot_spares(TrainJob(), one_size) == 0
+    assert spot_spares(SimpleNamespace(spot_spares=2), one_size) == 2
+    assert spot_spares(SimpleNamespace(spot_spares=3), SimpleNamespace(stage_memory_gb=(2.0, 4.0))) == 0

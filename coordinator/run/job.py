@@ -181,12 +181,11 @@ class TargetAndStore(JobSection):
         2, ge=0, title="Spot preemptions before on-demand",
         description="A spot worker preempted this many times in one epoch is replaced on on-demand capacity "
                     "(before that, on spot again; 0: every replacement on-demand).")
-    spot_spares: Optional[int] = Field(
-        None, ge=0, le=64, title="Spot spares",
+    spot_spares: int = Field(
+        0, ge=0, le=64, title="Spot spares",
         description="Warm spot workers kept ready beside the plan's: a preempted worker's rank goes to one at once "
                     "(its start-up already paid; a new spare starts in its place) instead of waiting for a new "
-                    "worker to start. Billed like any worker. null: the plan prices 0 to 3 spares against the "
-                    "start-up waits they save at the interruption rate and keeps the cheapest; refused with "
+                    "worker to start. Billed like any worker, and priced in the plan's spot bill; refused with "
                     "capacity on_demand.")
 
     @field_validator("target")

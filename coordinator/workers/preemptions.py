@@ -31,18 +31,13 @@ PREEMPTED = "preempted"
 """The ledger status of a preempted attempt's interval."""
 
 
-def spot_spares(job, plan) -> int | None:
-    """The warm spares `plan` keeps on spot capacity (`coordinator.workers.warm_pool`): none where
-    the plan sizes each stage apart (no one launch that every rank shares), else the job's
-    `spot_spares`; where the job leaves it null, the count the plan's capacity choice priced
-    cheapest (`planners.spot.choose_capacity`), or None before the plan has one."""
+def spot_spares(job, plan) -> int:
+    """The warm spares `plan` keeps on spot capacity (`coordinator.workers.warm_pool`): the job's
+    `spot_spares`; none where the plan sizes each stage apart (no one launch that every rank
+    shares)."""
     if getattr(plan, "stage_memory_gb", ()):
         return 0
-    asked = getattr(job, "spot_spares", None)
-    if asked is not None:
-        return int(asked)
-    chosen = (getattr(plan, "capacity_choice", None) or {}).get("spares")
-    return None if chosen is None else int(chosen)
+    return int(getattr(job, "spot_spares", 0) or 0)
 
 
 def before_on_demand(job) -> int:

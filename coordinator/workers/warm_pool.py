@@ -13,8 +13,8 @@ command, or between epochs while the coordinator checkpoints and plans), and
 `failed_attempt` (the epoch it was in when it died). The rows of one worker add up to its
 whole interval.
 
-On spot capacity the pool also keeps warm spares beside the plan's ranks (the job's `spot_spares`,
-or as many as the plan priced cheapest: `spare_count`): a preempted worker's rank goes to a spare at once (its start-up already paid) and a
+On spot capacity the pool also keeps the job's `spot_spares` warm beside the plan's ranks
+(`spare_count`): a preempted worker's rank goes to a spare at once (its start-up already paid) and a
 new spare starts in its place, so the other replicas wait at their next sync for a command's round
 trip, not for a new worker's start. A spare is billed like any worker (its rows carry a rank past
 the plan's until it takes one); one that is preempted while it waits is replaced like an idle worker. Rows close as the replies come; `open_rows` bills what is still open, so
@@ -204,11 +204,10 @@ class WarmPool:
     # --- spares ---------------------------------------------------------------------
 
     def spare_count(self, plan) -> int:
-        """The spares `plan` keeps: on spot capacity, `preemptions.spot_spares` (none before a plan
-        chose a count); none on-demand."""
+        """The spares `plan` keeps: on spot capacity, `preemptions.spot_spares`; none on-demand."""
         if str(getattr(plan, "capacity", Capacity.ON_DEMAND)) != Capacity.SPOT:
             return 0
-        return spot_spares(self.ctx.job, plan) or 0
+        return spot_spares(self.ctx.job, plan)
 
     def keep_spares(self, plan, epoch: int) -> None:
         """Bury the spares that died or left on the notice, retire those that no longer fit
