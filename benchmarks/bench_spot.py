@@ -192,7 +192,7 @@ def render(runs: list[dict], args, workload: str) -> str:
               "(preempted and failed attempts included). Predicted: the plan's run seconds and bill "
               "(`predicted_run_s`, `predicted_run_cost_usd`), and its `capacity_choice`: the workers' bill on each "
               "capacity, expected preemptions (rate x workers x hours) and the worker-seconds one costs; spares: the warm "
-              "spot spares the plan kept (the count whose expected bill was lowest at its rate). preemptions: "
+              "spot spares the run kept (`spot_spares`). preemptions: "
               "the ledger's preempted attempts (scheduled: the stops the schedule issued, a stop that hit a container "
               "already ending counts there only; killed: stops whose container outlived the grace and was SIGKILLed). redone: the seconds of training replacements repeated "
               "(`redone_s`); saved: the on-demand price of every billed worker second less what was billed.", "",

@@ -126,7 +126,6 @@ def test_a_spare_saves_the_start_up_wait_of_the_preemptions_that_find_it_ready()
     assert waits_for_startup(1, 3600.0, 4, 60.0) == pytest.approx(1.0, abs=1e-12)
 
 
-
 def test_a_capacity_the_job_names_is_kept_with_both_bills():
     for asked in ("spot", "on_demand"):
         choice = choose_capacity(asked=asked, strategy="local_sgd", collective="ring", **COMMON)

@@ -303,7 +303,7 @@ def check_capacity(job: TrainJob, target: ComputeTarget, offer: Offer) -> SpotOf
                               "(a spot node pool) with a CPU offer; use on_demand or auto")
     if job.spot_spares and job.capacity == Capacity.ON_DEMAND:
         raise ZooidValueError("spot_spares", f"{job.spot_spares}: spares stand in for preempted spot workers; "
-                              "use capacity spot or auto, or leave spot_spares null")
+                              "use capacity spot or auto, or spot_spares 0")
     return spot
 
 

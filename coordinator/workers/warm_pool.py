@@ -11,14 +11,14 @@ The bill: each worker's life, launch to stop, is cut into ledger rows by what it
 store for the plan, `profiling.profile_job`), `idle` (ready and waiting: for the first
 command, or between epochs while the coordinator checkpoints and plans), and
 `failed_attempt` (the epoch it was in when it died). The rows of one worker add up to its
-whole interval.
+whole interval. Rows close as the replies come; `open_rows` bills what is still open, so
+the ledger written after each epoch leaves no interval out.
 
 On spot capacity the pool also keeps the job's `spot_spares` warm beside the plan's ranks
 (`spare_count`): a preempted worker's rank goes to a spare at once (its start-up already paid) and a
 new spare starts in its place, so the other replicas wait at their next sync for a command's round
 trip, not for a new worker's start. A spare is billed like any worker (its rows carry a rank past
-the plan's until it takes one); one that is preempted while it waits is replaced like an idle worker. Rows close as the replies come; `open_rows` bills what is still open, so
-the ledger written after each epoch leaves no interval out.
+the plan's until it takes one); one that is preempted while it waits is replaced like an idle worker.
 """
 from __future__ import annotations
 
