@@ -93,3 +93,37 @@ def test_a_lone_replica_writes_one_checkpoint_and_its_relaunch_resumes_from_it(t
     meta = load_checkpoint(store, "runs/lone/ckpt/e0", after)
     assert meta["global_step"] == 4
     assert all(torch.equal(a, b) for a, b in zip(before.state_dict().values(), after.state_dict().values()))
+
+
+def _fake_run(perplexity, mb_per_epoch, s_per_epoch=3.5):
+    from types import SimpleNamespace
+    n = len(perplexity)
+    return SimpleNamespace(perplexity=perplexity, seconds=[s_per_epoch + 1.0] + [s_per_epoch] * (n - 1),
+                           startup_s=[1.0] + [0.0] * (n - 1), bytes_synced=[mb_per_epoch * 1e6] * n,
+                           compute_s=[3.0] * n, sync_s=[0.3] * n, ok=True, status="COMPLETED / completed", run_id="z0")
+
+
+def test_part_a_judges_each_seed_against_its_own_target_on_the_medians():
+    from benchmarks.lm_sync import render_sync
+
+    args = argparse.Namespace(sync_k=8, diloco_k=32, sync_kb=200, sync_seq_len=64, sync_epochs=5, sync_lr=0.05,
+                              sync_seeds=[0, 1, 2])
+    kavg = [_fake_run([16, 14, 13, 11.5, 10.7], 86), _fake_run([17, 14, 12, 11.9, 10.5], 86),
+            _fake_run([16, 15, 12, 11.2, 10.3], 86)]
+    # DiLoCo k=32: its own seed's target (11.5, 11.9, 11.2) in 4, 5 and 4 epochs; cheaper epochs
+    k32 = [_fake_run([16, 14, 13, 11.4, 10.7], 20, 3.4), _fake_run([17, 14, 12, 12.0, 11.0], 20, 3.4),
+           _fake_run([16, 15, 12, 11.1, 10.3], 20, 3.4)]
+    runs = [(c, kavg if c.outer == "average" else k32) for c in configs(args)]
+    text = render_sync(runs, args, "cmd")
+    assert "**11.5000** (seed 0), **11.9000** (seed 1), **11.2000** (seed 2)" in text
+    line = next(x for x in text.splitlines() if x.startswith("- DiLoCo k=32:"))
+    # medians: 4 epochs (4, 5, 4), 13.6 s against 14.0, 80 MB against 344: met though one round took 5
+    assert line.startswith("- DiLoCo k=32: **met**: 80.00 MB in 13.6 s over 4 epochs against K-AVG's 344.00 MB in 14.0 s")
+    assert "reached in K-AVG's epochs or fewer in 2 of 3 rounds" in line
+    k32[2] = _fake_run([16, 15, 12, 11.3, 11.25], 20, 3.4)  # never reached: 4, 5, infinite
+    text = render_sync([(c, kavg if c.outer == "average" else k32) for c in configs(args)], args, "cmd")
+    line = next(x for x in text.splitlines() if x.startswith("- DiLoCo k=32:"))
+    assert line.startswith("- DiLoCo k=32: **not met**: 100.00 MB in 17.0 s over 5 epochs") and "not reached" in line
+    k32[1] = _fake_run([17, 14, 12, 12.0, 11.95], 20, 3.4)  # most rounds never reach it
+    text = render_sync([(c, kavg if c.outer == "average" else k32) for c in configs(args)], args, "cmd")
+    assert "- DiLoCo k=32: **not met** (the target not reached in most rounds)." in text
