@@ -34,9 +34,9 @@ OPTIMIZER = "momentum"
 MODEL = "gpt_mini"
 KAVG = "K-AVG"
 SEQ_LEN = 64
+"""Part a's default tokens per block: gpt_mini's attention costs more than its MLPs beyond that."""
 SEEDS = (0, 1, 2, 3, 4)
 """Part a's rounds: one seed each (the 6d9aaed file ran seed 0 three times)."""
-"""Part a's default tokens per block: gpt_mini's attention costs more than its MLPs beyond that."""
 
 
 def add_sync_arguments(parser: argparse.ArgumentParser) -> None:
