@@ -13,7 +13,9 @@ every `--sync-period` steps, `--epochs` epochs, seed 0, on the docker target (bi
 1. on-demand;
 2. spot, with a seeded preemption schedule (`benchmarks.harness.preemptor`: exponential gaps of
    mean `--mean-s`, one running spot container stopped with `stop -t --grace-s`, SIGTERM then
-   SIGKILL) - its plan prices preemptions at the catalog's assumed rate;
+   SIGKILL; by default the grace is Fargate Spot's notice in the catalog, 120 s, which the workers
+   work through while their successors start, `runtime.warm`) - its plan prices preemptions at the
+   catalog's assumed rate;
 3. spot again, another seed - its plan reads the rate run 2 measured (the run terms), so its
    prediction is made before its own preemptions happen: out of sample;
 4. with `--spares N` (default 1; 0: no such run): spot with N warm spares (`spot_spares`) on run
@@ -27,7 +29,7 @@ the final accuracy. Predicted: the plan's run seconds and bill, and for spot its
 redone work included, at most 50 % of the on-demand run's, final accuracy within 0.5 points.
 
     .venv/bin/python -m benchmarks.bench_spot [--workloads digits_cnn,deep_cnn] [--epochs 10] [--mean-s 20]
-        [--grace-s 10] [--out PATH]
+        [--grace-s 120] [--out PATH]
 """
 from __future__ import annotations
 
@@ -148,6 +150,13 @@ def ratios(runs: list[dict]) -> tuple[list[float], list[float], list[float]]:
             [abs((f["accuracy"] or 0) - (base["accuracy"] or 0)) * 100 for f in spot])
 
 
+def catalog_notice_s() -> int:
+    """The notice of the spot offer the docker target is billed as (Fargate Spot's)."""
+    from planners.catalog import spot_offer
+
+    return int(spot_offer("fargate-cpu", "docker").notice_s)
+
+
 def goal_met(runs: list[dict]) -> bool:
     """Every spot run's bill at most GOAL_BILL_RATIO of on-demand's, its accuracy within the points."""
     bills, _, points = ratios(runs)
@@ -165,7 +174,10 @@ def render(runs: list[dict], args, workload: str) -> str:
              f"tensors through {'a local redis-server (free)' if args.store == 'redis' else 'the S3 store'}, "
              "checkpoints and the ledger in the stack's S3 store (moto). Run 1 on-demand; runs 2 and 3 on spot with a seeded preemption schedule "
              f"(gaps drawn from an exponential law of mean {args.mean_s:g} s, seeds 1 and 2; a preemption is the "
-             f"engine's `stop -t {args.grace_s}`: SIGTERM, SIGKILL {args.grace_s} s later). Run 2 plans at the catalog's "
+             f"engine's `stop -t {args.grace_s}`: SIGTERM, SIGKILL {args.grace_s} s later"
+             + (", Fargate Spot's notice in the catalog; a stopped worker works through it while its successor "
+                "starts, then hands over" if args.grace_s == catalog_notice_s() else "")
+             + "). Run 2 plans at the catalog's "
              "assumed interruption rate; run 3 at the rate run 2 measured (its prediction is made before its own "
              "preemptions)" + (f"; run 4 on spot with {args.spares} warm spare(s) (`spot_spares`) on run 2's schedule "
                               "(seed 1; the schedule stops spares too), to be read against run 2" if args.spares else "")
@@ -217,13 +229,15 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"comma-separated, of {', '.join(WORKLOADS)}")
     parser.add_argument("--sync-period", type=int, default=8)
     parser.add_argument("--mean-s", type=float, default=20.0)
-    parser.add_argument("--grace-s", type=int, default=10)
+    parser.add_argument("--grace-s", type=int, default=None,
+                        help="seconds between SIGTERM and SIGKILL (default: Fargate Spot's notice in the catalog)")
     parser.add_argument("--spares", type=int, default=1,
                         help="a 4th run: spot with this many warm spares on run 2's schedule (0: none)")
     parser.add_argument("--store", choices=("redis", "s3"), default="redis",
                         help="the scratch store: a local redis-server (free) or the stack's S3 (moto)")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
+    args.grace_s = catalog_notice_s() if args.grace_s is None else args.grace_s
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     unknown = [w for w in workloads if w not in WORKLOADS]
     if unknown or not workloads:

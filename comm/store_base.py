@@ -118,6 +118,9 @@ class Store(abc.ABC):
     """First sleep of a waiting `get`; each next one is `POLL_GROWTH` times longer."""
     poll_max_s: float = 0.05
     """Longest sleep between two checks while `get` waits for a key."""
+    keeps_keys: bool = True
+    """Whether a key once put stays until deleted (False: a restart may empty the store, as
+    Redis without persistence does; who relies on a key there puts it again, `runtime.warm`)."""
 
     def __init__(self, *, upload_bytes_per_s: float | None = None,
                  download_bytes_per_s: float | None = None):

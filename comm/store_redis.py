@@ -49,6 +49,7 @@ class RedisStore(Store):
     """Bytes in Redis; values over `chunk_bytes` are chunked behind a manifest."""
 
     poll_max_s = 0.005  # a GET on loopback is ~50 us; a peer waiting on a key hears of it within 5 ms
+    keeps_keys = False  # a restart without persistence empties it
 
     def __init__(self, url: str, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  retry_seconds: float = 20.0, connect_timeout: float = 1.0,

@@ -31,7 +31,7 @@ below one with `prefix + "/"`, so that `r1` never covers `r10`.
 | `runs/<run>/data/{train,val}/<i>`, `data/manifest.json` | deletes | the staged data subsets |
 | `runs/<run>/probe/...` | deletes | the store probe's transfers |
 | `runs/<run>/grad/...` | deletes | gradients in flight |
-| `runs/<run>/warm/lease`, `warm/<worker>/{cmd,reply}-<n>.json`, `status.json` | deletes | `runtime.warm` |
+| `runs/<run>/warm/lease`, `warm/<worker>/{cmd,reply}-<n>.json`, `status.json`, `release` | deletes | `runtime.warm` |
 | `cache/<kind>/<key>.json` | keeps | the profile cache (`coordinator.plan.profile_cache`) |
 | `cache/tokenizers/<corpus sha256>-<settings>.json` | keeps | a trained BPE tokenizer's JSON (`engine.text_data`) |
 | `[<prefix>/]{train,val}/<i>`, `[<prefix>/]manifest.json` | the user's | a dataset prepared into a bucket (`engine.shards`, `flows.prepare`): at a store's root, or a run's staged data above |
@@ -306,6 +306,12 @@ def reply_key(run_id: str, worker: str, seq: int) -> str:
 def status_key(run_id: str, worker: str) -> str:
     """Warm worker `worker`'s status, rewritten once a second."""
     return f"{warm_prefix(run_id)}/{worker}/status.json"
+
+
+def release_key(run_id: str, worker: str) -> str:
+    """Written by the pool when the successor of warm worker `worker`, which got the provider's
+    notice and works through it, is ready: the worker hands over and leaves (`engine.preemption`)."""
+    return f"{warm_prefix(run_id)}/{worker}/release"
 
 
 def scratch_prefixes(run_id: str) -> tuple[str, ...]:

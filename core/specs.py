@@ -284,10 +284,16 @@ class WarmSpec(JsonSpec):
     progress_s: float = 15.0
     """Seconds between two status writes while only its progress changed (each is a billed
     PUT on a cloud store); the first status, and the notice's, are written at once."""
+    notice_s: float = 0.0
+    """The provider's notice on its capacity (a spot offer's `notice_s`; 0: none, or leave at
+    once): on the notice the worker works on while its pool starts its successor, and leaves
+    when released or `core.notice.work_through_s(notice_s)` after the notice."""
 
     def __post_init__(self):
         _check_types(self, "warm.")
         _positive(self, "warm.", ("lease_s", "check_s", "grace_s", "progress_s"))
+        if self.notice_s < 0:
+            raise ZooidValueError("warm.notice_s", f"must be >= 0 seconds, got {self.notice_s!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

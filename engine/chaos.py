@@ -214,7 +214,7 @@ class Chaos:
                        json.dumps({"kind": fault.kind, "until": fault.until, "time": time.time(),
                                    "pid": os.getpid()}).encode())
         prefix, give_up = run_key(s.run_id, fault.until), time.monotonic() + fault.seconds
-        while not self.store.list(prefix) and not preemption.requested() and time.monotonic() < give_up:
+        while not self.store.list(prefix) and not preemption.due() and time.monotonic() < give_up:
             heartbeat.beat()  # held on purpose, not hanging
             time.sleep(poll_s)
 

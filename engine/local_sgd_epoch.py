@@ -588,7 +588,7 @@ class _ReplicaEpoch:
             self._train_steps(todo, loss_sum)
         finally:
             heartbeat.set_wait_guard(None)
-        if preemption.requested():  # the notice came in the last step: the replacement only ends the epoch
+        if preemption.due():  # the notice came in the last step: the replacement only ends the epoch
             self.hand_over(self.steps)
         return loss_sum
 
@@ -599,10 +599,10 @@ class _ReplicaEpoch:
         with ShardStream(self.shards, todo, seed=spec.seed, epoch=spec.epoch) as stream:
             self.stream = stream
             for step, (ids, (x, y)) in enumerate(zip(todo, stream), start=self.start.step):
-                if preemption.requested():
+                if preemption.due():
                     self.hand_over(step)
                 self.chaos.before_step(step)
-                if preemption.requested():  # a notice injected right here leaves here
+                if preemption.due():  # a notice injected right here leaves here
                     self.hand_over(step)
                 x, y = to_compute(x, device, dtype), to_compute(y, device, dtype)
                 loss = self.objective.loss(model(x), y)

@@ -190,7 +190,7 @@ class StageWorker:
         """The notice came (`engine.preemption`): a stage has nothing a new stage could take
         (its neighbours' tensors in flight belong to this attempt), so it leaves at once with
         the preempted marker, and the coordinator reruns the attempt now."""
-        if preemption.requested():
+        if preemption.due():
             preemption.leave(self.store, self.spec, step)
 
     def _train_stream(self, batches):

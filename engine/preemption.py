@@ -18,6 +18,12 @@ whatever handler was in force (in a `worker` flow run, Prefect's, which would ra
 epoch runs in another thread, nothing is installed there: the process-wide handler below, in
 the main thread, sets the same flag while any `listening()` block is open.
 
+Working through the notice (`overlapping`): a warm worker whose pool starts a successor at the
+notice (`runtime.warm`, `coordinator.workers.warm_pool`) keeps working instead of leaving:
+`due()` says to hand over only once the pool releases it (its successor is ready) or the
+notice's working time (`core.notice.work_through_s`) is spent, and a wait for a peer ends on the
+notice only then. A second SIGTERM means leave now.
+
 Outside an epoch the notice can come at any moment too: while a worker starts (imports torch,
 builds the model), profiles, or waits warm for its next command. There is nothing to hand over
 then, so the worker leaves at once. `leaving(hook)` installs the process-wide handler for its
@@ -62,6 +68,10 @@ _leave_hooks: list[Callable[[], None]] = []
 """What to do before leaving at once (`leaving`), innermost last."""
 
 
+_overlap: tuple[float, Callable[[], bool]] | None = None
+"""While `overlapping()`: the notice's working seconds and whether the pool released the worker."""
+
+
 def _on_sigterm(signum, frame) -> None:  # noqa: ARG001 - a signal handler's signature
     """Only set the flag: the training loop acts at its next step boundary."""
     global _noticed_at
@@ -89,9 +99,14 @@ _waiting_since = 0.0
 
 def stop_waiting() -> None:
     """A wait guard (`comm.heartbeat.set_wait_guard`): once the notice came, raise
-    `NoticeWhileWaiting` when the worker has waited `WAIT_AFTER_NOTICE_S` for peers since."""
+    `NoticeWhileWaiting` when the worker has waited `WAIT_AFTER_NOTICE_S` for peers since
+    (working through the notice: once its working time is spent, `due`)."""
     global _waiting_since
     if not _noticed_at:
+        return
+    if _overlap is not None:
+        if time.time() >= _noticed_at + _overlap[0]:
+            raise NoticeWhileWaiting()
         return
     now = time.time()
     _waiting_since = _waiting_since or now
@@ -102,6 +117,34 @@ def stop_waiting() -> None:
 def requested() -> bool:
     """Whether the notice came during this epoch."""
     return bool(_noticed_at)
+
+
+def due() -> bool:
+    """Whether to hand over (or leave) now: the notice came and, working through it
+    (`overlapping`), the pool released this worker or the notice's working time is spent."""
+    if not _noticed_at:
+        return False
+    if _overlap is None:
+        return True
+    work_s, released = _overlap
+    return time.time() >= _noticed_at + work_s or bool(released())
+
+
+@contextmanager
+def overlapping(work_s: float, released: Callable[[], bool]) -> Iterator[None]:
+    """For the block, the notice does not make the worker leave at once (module docstring):
+    it works on for up to `work_s` seconds (`core.notice.work_through_s`) or until
+    `released()` (called at step boundaries and between commands; pace its reads) is true.
+    With `work_s` 0 the block changes nothing."""
+    global _overlap
+    if work_s <= 0:
+        yield
+        return
+    previous, _overlap = _overlap, (float(work_s), released)
+    try:
+        yield
+    finally:
+        _overlap = previous
 
 
 def noticed_at() -> float:
@@ -120,8 +163,11 @@ def listening() -> Iterator[bool]:
     """SIGTERM sets the flag for the duration of the block (installed in the main thread; from
     another thread, the process-wide handler of `leaving()` sets it); the handler in force before
     is restored after. Yields whether the handler is installed."""
-    global _listening
-    reset()
+    global _listening, _waiting_since
+    if _overlap is None:
+        reset()
+    else:  # a notice that came while the worker was idle: it still stands
+        _waiting_since = 0.0
     _listening += 1
     try:
         if threading.current_thread() is not threading.main_thread():
@@ -137,8 +183,9 @@ def listening() -> Iterator[bool]:
 
 
 def _on_notice(signum, frame) -> None:  # noqa: ARG001 - a signal handler's signature
-    """The process-wide handler: during an epoch, the epoch's flag; otherwise leave at once."""
-    if _listening:
+    """The process-wide handler: during an epoch, the epoch's flag; working through the notice
+    (`overlapping`), the flag too, and a second notice leaves at once; otherwise leave at once."""
+    if _listening or (_overlap is not None and not _noticed_at):
         _on_sigterm(signum, frame)
         return
     leave_now()

@@ -27,6 +27,14 @@ terms above are multiplied by it. A spare is spot capacity too and is preempted 
 (its replacement is another spare's start, which no rank waits for); that and the CPU its start
 takes from the ranks' are not modelled.
 
+Working through the notice (`notice_s` > 0: a warm run, whose workers keep working after the
+notice while their pool starts each one's successor, `coordinator.workers.warm_pool`): the
+successor's start-up overlaps the preempted worker's last `core.notice.work_through_s(notice_s)`
+seconds, so a preemption costs the successor's start-up (`startup_s`, billed beside the worker
+it succeeds) and the others wait only for what is left of it, `exposed = max(0, startup_s -
+work_through_s)`: `startup_s + workers x exposed + step_s` (`handover`), `startup_s + workers x
+(exposed + epoch_s / 2)` (`rerun`). A cold run's workers leave at once (`notice_s` 0).
+
 Spot is chosen when its expected bill is below on-demand's. Pure: the caller passes the
 prices, the plan's figures, and the rate (measured on the target where a run measured it,
 else the catalog's assumed one).
@@ -37,6 +45,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from core.kinds import Capacity, Strategy
+from core.notice import work_through_s
 
 HANDOVER = "handover"
 """A preempted worker's replacement continues where it handed over (Local-SGD, store collective)."""
@@ -88,10 +97,17 @@ def waits_for_startup(spares: int, rate_per_worker_hour: float, workers: int, st
 
 
 def redo_worker_s(recovery: str, workers: int, startup_s: float, step_s: float, epoch_s: float,
-                  waits: float = 1.0) -> float:
+                  waits: float = 1.0, notice_s: float = 0.0) -> float:
     """Worker-seconds one preemption costs (see the module); `waits`: the share of preemptions
-    that wait for a start-up (`waits_for_startup`)."""
+    that wait for a start-up (`waits_for_startup`); `notice_s`: the notice the workers work
+    through (0: they leave at once)."""
     startup_s *= waits
+    work_s = work_through_s(notice_s)
+    if work_s > 0:
+        exposed = max(0.0, startup_s - work_s)
+        if recovery == HANDOVER:
+            return startup_s + workers * exposed + step_s
+        return startup_s + workers * (exposed + epoch_s / 2.0)
     if recovery == HANDOVER:
         return workers * startup_s + step_s
     return workers * (startup_s + epoch_s / 2.0)
@@ -100,17 +116,17 @@ def redo_worker_s(recovery: str, workers: int, startup_s: float, step_s: float, 
 def choose_capacity(*, asked: str, workers: int, run_s: float, epoch_s: float, steps_per_epoch: int,
                     startup_s: float, price_on_demand_per_s: float, price_spot_per_s: float,
                     rate_per_worker_hour: float, rate_measured: bool, strategy: str, collective: str,
-                    spot_offer: str = "", spares: int = 0) -> CapacityChoice:
+                    spot_offer: str = "", spares: int = 0, notice_s: float = 0.0) -> CapacityChoice:
     """Both bills of a plan of `workers` workers running `run_s` seconds (epochs of `epoch_s`,
     `steps_per_epoch` steps each), and the capacity: `asked` itself where the job named one
     (`spot`, `on_demand`), else (`auto`) the cheaper expected bill (on-demand on a tie); the spot
-    bill with `spares` warm spares (see the module)."""
+    bill with `spares` warm spares and the workers working through `notice_s` (see the module)."""
     worker_s = workers * run_s
     preemptions = rate_per_worker_hour * worker_s / 3600.0
     recovery = recovery_of(strategy, collective)
     step_s = epoch_s / steps_per_epoch if steps_per_epoch else epoch_s
     redo = redo_worker_s(recovery, workers, startup_s, step_s, epoch_s,
-                         waits_for_startup(spares, rate_per_worker_hour, workers, startup_s))
+                         waits_for_startup(spares, rate_per_worker_hour, workers, startup_s), notice_s)
     on_demand = price_on_demand_per_s * worker_s
     spot = price_spot_per_s * (worker_s + spares * run_s + preemptions * redo)
     if asked != Capacity.AUTO:

@@ -6,16 +6,19 @@ waits for the coordinator's commands, so it imports once, builds the model once
 (`models.keep_models`), reads each data subset once (`datasets.keep_subsets`) and keeps its
 CUDA context. The coordinator side is `coordinator.workers.warm_pool`.
 
-Keys (`core.keys`), all under `runs/<run_id>/warm/` of the run's durable store (a scratch store that
-restarts, such as Redis without persistence, would lose a command or a reply in flight;
-teardown deletes them):
+Keys (`core.keys`), all under `runs/<run_id>/warm/` of the channel's store
+(`RunContext.channel_ref`: the run's Redis where it has one, whose requests are free and fast,
+else its durable store; teardown deletes them). A restart that empties Redis (no persistence)
+loses nothing in flight: the idle worker puts its last reply back and the coordinator a command
+it finds gone (`Store.keeps_keys`); the lease is renewed anyway:
 
 | key | written by | what |
 |---|---|---|
 | `lease` | coordinator | `{"seq", "at"}`, renewed every `lease_s / 4` seconds |
 | `<worker>/cmd-<n>.json` | coordinator | the worker's n-th command: `{"op": "epoch", "spec": WorkerSpec}`, `{"op": "profile", "request": ProfileRequest}` or `{"op": "stop"}` |
 | `<worker>/reply-<n>.json` | worker | `{"ok", "result": WorkerResult` (or `"profile"`)`, "began_at", "ended_at", "ready_at"}` or the error |
-| `<worker>/status.json` | worker | at start, then at most every `progress_s` while it changed: state (`idle`, `busy`; `preempted`, written at once, when it left on the provider's notice outside an epoch), pid, steps done this epoch, last beat |
+| `<worker>/status.json` | worker | at start, then at most every `progress_s` while it changed: state (`idle`, `busy`; `preempted`, written at once, when it left on the provider's notice outside an epoch), pid, steps done this epoch, last beat; `noticed_at`, written at once, when the notice came and it works through it |
+| `<worker>/release` | coordinator | the successor of a worker working through the notice is ready: hand over and leave |
 
 `<worker>` is `r<rank>-w<serial>-<coordinator>`, or `spare-w<serial>-<coordinator>` for a warm
 spot spare (it serves the rank its first command names): a replacement of a dead worker has a new
@@ -27,6 +30,14 @@ what it is for, not by the clock: a command is seen at most 2 % of the worker's 
 late (`core.polling.control_pause`), the status carries progress for the coordinator's
 stall timeout (`progress_s`, a fraction of it) and the coordinator reads replies, not
 statuses, to know an epoch ended.
+
+The provider's notice (spot capacity, `WarmSpec.notice_s` > 0): the worker does not leave at
+once. Its status says `noticed_at` at once; its pool starts a successor for its rank and, once
+that one is ready, writes `release`; until then (at most `core.notice.work_through_s` after the
+notice) the worker goes on serving: an epoch in progress trains on and hands over at the step
+boundary after the release (`engine.preemption.due`), an idle worker takes the next command.
+So its peers wait for no start-up. With no notice time (`notice_s` 0, a notice shorter than the
+margin) it leaves at once, as outside spot capacity.
 
 The lease keeps paid workers from outliving their run. A worker reads the lease every
 `check_s` seconds and counts its age on its own monotonic clock from the last time the
@@ -53,7 +64,8 @@ from typing import Callable
 from comm import heartbeat
 from comm.store import Store, open_store
 from core.errors import LeaseExpired, ZooidValueError
-from core.keys import command_key, lease_key, reply_key, status_key
+from core.keys import command_key, lease_key, release_key, reply_key, status_key
+from core.notice import work_through_s
 from core.polling import control_pause
 from core.process_start import process_started_at
 from core.specs import WarmSpec, WorkerResult, WorkerSpec
@@ -66,6 +78,11 @@ LEASE_EXIT = 5
 
 PREEMPTED = "preempted"
 """The state in a warm worker's status that left on the provider's notice outside an epoch."""
+
+RELEASE_CHECK_S = 0.5
+"""Once the notice came, the least time between two reads of the worker's `release` key."""
+NOTICE_CHECK_S = 0.25
+"""How often the watch thread looks for a notice to publish (no request unless one came)."""
 
 def worker_name(rank: int, serial: int, coordinator: str = "") -> str:
     """The name of one warm worker process: its rank, a serial unique within its coordinator,
@@ -148,14 +165,17 @@ class _Watch(threading.Thread):
                              f"renewed for {self.lease.age_s:.0f} s (worker_lease_s={self.settings.lease_s:g}); "
                              "stopping: no paid worker outlives its run")
                     self.expired.set()
+                if preemption.noticed_at() and "noticed_at" not in self.doc:  # at once: its pool starts a successor
+                    self.doc["noticed_at"] = preemption.noticed_at()
+                    self.publish(store)
                 self.publish_due(store)
                 if self.expired.is_set() and self.busy_since is not None:
                     steps, beat_at = heartbeat.progress()
                     if time.time() - beat_at > self.settings.grace_s:
                         self.log("zooid warm worker: the training thread did not stop; exiting")
                         os._exit(LEASE_EXIT)
-                # awake for whichever is due first: the lease's read or the progress's write
-                self.stopped.wait(min(self.settings.check_s, self.settings.progress_s))
+                # awake for whichever is due first: the lease's read, the progress's write, a notice
+                self.stopped.wait(min(self.settings.check_s, self.settings.progress_s, NOTICE_CHECK_S))
         finally:
             store.close()
 
@@ -208,18 +228,40 @@ def serve(spec: WorkerSpec, store: Store, execute: Callable[[WorkerSpec], Worker
         worker = _start(spec, store, store_factory, log or (lambda line: print(line)))
         notice.watch = worker.watch
         seq = 0
+        released = _Release(store, spec.run_id, worker.settings.worker)
         try:
-            while True:
-                command = _next_command(store, spec.run_id, worker.settings, seq, worker.watch)
-                if _obey(worker, seq, command, execute, open_ref):
-                    return "stopped"
-                seq += 1
-                if preemption.requested():  # the notice came as the epoch ended: it is answered, leave
-                    preemption.leave_now()
+            with preemption.overlapping(work_through_s(worker.settings.notice_s), released):
+                while True:
+                    command = _next_command(store, spec.run_id, worker.settings, seq, worker.watch, worker.last_reply)
+                    if _obey(worker, seq, command, execute, open_ref):
+                        return "stopped"
+                    seq += 1
+                    if preemption.due():  # the notice came (and is due) as the epoch ended: answered, leave
+                        preemption.leave_now()
         finally:
             heartbeat.set_guard(None)
             worker.watch.stopped.set()
             worker.watch.join(timeout=5)
+
+
+class _Release:
+    """Whether the pool released this worker (`release_key`: its successor is ready), read at
+    most every `RELEASE_CHECK_S` and only once the notice came (each read is a request)."""
+
+    def __init__(self, store: Store, run_id: str, worker: str):
+        self.store, self.key = store, release_key(run_id, worker)
+        self.read_at, self.seen = float("-inf"), False
+
+    def __call__(self) -> bool:
+        if self.seen or not preemption.noticed_at() or time.monotonic() - self.read_at < RELEASE_CHECK_S:
+            return self.seen
+        self.read_at = time.monotonic()
+        try:
+            self.store.get(self.key)
+            self.seen = True
+        except KeyError:
+            pass
+        return self.seen
 
 
 class _Notice:
@@ -266,10 +308,13 @@ class _Serving:
     log: Callable[[str], None]
     spec: WorkerSpec | None = None
     """The launch spec (`engine.chaos` aims faults at it)."""
+    last_reply: tuple[str, bytes] | None = None
+    """The key and bytes of the last reply posted (put again where the store lost it, `_next_command`)."""
 
     def reply(self, seq: int, doc: dict) -> None:
         """Post the reply to command `seq`."""
-        self.store.put(reply_key(self.run_id, self.settings.worker, seq), json.dumps(doc).encode())
+        self.last_reply = (reply_key(self.run_id, self.settings.worker, seq), json.dumps(doc).encode())
+        self.store.put(*self.last_reply)
 
 
 def _start(spec: WorkerSpec, store: Store, store_factory: Callable[[], Store],
@@ -396,19 +441,31 @@ def _profiled(model: str, profile: dict, took_s: float) -> str:
     return (" and ".join(parts) or "profile answered") + f" ({took_s:.2f} s in all)"
 
 
-def _next_command(store: Store, run_id: str, settings: WarmSpec, seq: int, watch: _Watch) -> dict:
+def _next_command(store: Store, run_id: str, settings: WarmSpec, seq: int, watch: _Watch,
+                  last_reply: tuple[str, bytes] | None = None) -> dict:
     """Wait for command `seq`, checking the lease between reads: read at the store's own pace
     at first, then at most `CONTROL_POLL_SHARE` of the time waited apart (`control_pause`,
-    at most `check_s`): an idle worker costs few requests."""
+    at most `check_s`): an idle worker costs few requests. On a store a restart may empty
+    (`Store.keeps_keys` False), `last_reply` (key, bytes) is put again every `check_s` where it
+    is gone: the coordinator may still be waiting for it (its command it puts again likewise)."""
     key = command_key(run_id, settings.worker, seq)
     began, pause = time.monotonic(), store.poll_first_s
+    checked = began
     while True:
+        if last_reply is not None and not store.keeps_keys and time.monotonic() - checked >= settings.check_s:
+            checked = time.monotonic()
+            if not store.exists(last_reply[0]):
+                store.put(*last_reply)
         if watch.expired.is_set():
             raise LeaseExpired(f"{settings.worker}: lease not renewed for {watch.lease.age_s:.0f} s "
                                f"while waiting for a command")
+        if preemption.due():  # working through the notice: released, or its time is spent
+            preemption.leave_now()
         try:
             return json.loads(store.get(key))
         except KeyError:
             pass
         time.sleep(pause)
         pause = control_pause(pause, time.monotonic() - began, store.poll_max_s, settings.check_s)
+        if preemption.noticed_at():  # working through the notice: see the release soon
+            pause = min(pause, RELEASE_CHECK_S)

@@ -1,8 +1,10 @@
 """A spot preemption on the docker target (`tests/docker_stack.py`'s stack): the engine's own
 `stop -t GRACE` (`clouds.docker.preempt`: SIGTERM to the container's PID 1, the flow run's
-engine, then SIGKILL after the grace) stops a worker container while its epoch holds it. The
-worker hands over and leaves within the grace, the coordinator replaces it on spot at once, the
-run completes, the preempted interval is billed once and marked, and no container is left."""
+engine, then SIGKILL after the grace) stops a worker container while its epoch holds it, or while
+it waits idle between epochs. The worker works through the notice until its successor (a warm
+spare, or one its pool starts at the notice) is ready, then hands over and leaves within the
+grace; the run completes, the preempted interval is billed once and marked, and no container is
+left."""
 from __future__ import annotations
 
 import pytest
@@ -50,7 +52,7 @@ def test_a_spot_container_stopped_with_a_grace_hands_over_and_is_replaced_by_its
     store = _store(stack)
     try:
         _wait_key(store, f"runs/{run_id}/faults/held-e1-r1-")
-        victim, stopped = _preempt_rank(run_id, 1, grace_s=60)
+        victim, stopped = _preempt_rank(run_id, 1, grace_s=120)  # Fargate Spot's notice
         fr = _wait_final(flow_run_id)
         notice = read_preempted_marker(store, run_id, 1, 1, 0)
         store.put(f"runs/{run_id}/release", b"1")  # nothing should be held by then; never hang
@@ -92,43 +94,68 @@ def _idle_status(store, run_id: str, rank: int, epoch: int, timeout_s: float = 6
     raise TimeoutError(f"rank {rank} not idle after epoch {epoch} within {timeout_s:.0f} s")
 
 
-def test_an_idle_warm_container_stopped_between_epochs_leaves_at_once_and_is_replaced(stack):
-    """Rank 0 holds after epoch 0's last sync (its sync checkpoint), so rank 1 has answered
-    epoch 0 and waits, warm and idle, for epoch 1: the engine's stop with a 30 s grace reaches
-    its handler (under the container's init), it marks itself preempted and exits with the
-    worker's own status 6 (not 137: the grace never runs out); the coordinator replaces it at
-    epoch 1 without a timeout, the run completes, and its container's interval is billed once,
-    as preempted."""
+def _status_with(store, run_id: str, prefix: str, timeout_s: float = 600, **want) -> dict:
+    """The status of the run's warm worker named `prefix...` once it has every field of `want`
+    (a value of `...` only needs the field), an event the worker writes (`runtime.warm`)."""
+    import json
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for key in store.list(f"runs/{run_id}/warm/{prefix}"):
+            if key.endswith("/status.json"):
+                status = json.loads(store.get(key))
+                if all(k in status and (v is ... or status[k] == v) for k, v in want.items()):
+                    return {**status, "key": key}
+        time.sleep(0.2)
+    raise TimeoutError(f"no status of {prefix} with {want} within {timeout_s:.0f} s")
+
+
+def test_an_idle_warm_container_given_the_notice_works_through_it_and_hands_its_rank_to_a_successor(stack):
+    """Rank 0 holds after epoch 0's last sync, so rank 1 has answered epoch 0 and waits, warm and
+    idle, when the engine's stop with Fargate Spot's 120 s grace reaches it. It does not leave:
+    its status says it got the notice, its pool starts a successor at epoch 1 and rank 1 trains
+    epoch 1 meanwhile (rank 0 holds again at its start until the successor says it is ready);
+    then the successor takes rank 1 (between epochs, or at a step boundary of epoch 1 after the
+    release), the victim leaves with the worker's own status 6 long before the SIGKILL, the run
+    completes, and every container is billed once, the victim's as preempted."""
+    import threading
+
     target = _save_target("docker-preempt-idle", job_variables={"env": {
-        "ZOOID_CHAOS": "hold_worker:epoch=0:rank=0:at=sync:until=release"}})
-    flow_run_id = _submit(stack, strategy="local_sgd", workers=2, epochs=2, target=target, capacity="spot")
+        "ZOOID_CHAOS": "hold_worker:epoch=0:rank=0:at=sync:until=release,hold_worker:epoch=1:rank=0:until=ready"}})
+    flow_run_id = _submit(stack, strategy="local_sgd", workers=2, epochs=3, target=target, capacity="spot")
     run_id = _run_id(flow_run_id)
     store = _store(stack)
+    stopped: dict = {}
     try:
         _wait_key(store, f"runs/{run_id}/faults/held-e0-r0-")
-        status_key = _idle_status(store, run_id, rank=1, epoch=0)
-        victim, stopped = _preempt_rank(run_id, 1, grace_s=30)
-        left = _json(store, status_key)  # what it wrote on the notice (teardown deletes it)
-        store.put(f"runs/{run_id}/release", b"1")
+        _idle_status(store, run_id, rank=1, epoch=0)
+        victim = next(c for c in _containers(run_id, running_only=True)
+                      if "-warm-r1-" in c.labels.get("io.prefect.flow-run-name", ""))
+        stop = threading.Thread(target=lambda: stopped.update(_preempt_rank(run_id, 1, grace_s=120)[1]))
+        stop.start()
+        noticed = _status_with(store, run_id, "r1-", noticed_at=...)
+        assert noticed["state"] == "idle" and noticed["epoch"] == 0, noticed  # still serving, not gone
+        store.put(f"runs/{run_id}/release", b"1")  # epoch 0 ends; rank 1 trains epoch 1 through its notice
+        _status_with(store, run_id, "spare-", state="idle", ready_at=...)  # its successor is ready
+        store.put(f"runs/{run_id}/ready", b"1")
         fr = _wait_final(flow_run_id)
+        stop.join(150)
     finally:
+        store.put(f"runs/{run_id}/release", b"1")  # never hang
+        store.put(f"runs/{run_id}/ready", b"1")
         store.close()
     assert stopped["exit_code"] == 6 and not stopped["killed"], stopped  # its own status, within the grace
-    assert left["state"] == "preempted" and left["left_at"] >= left["noticed_at"], left
     assert fr.state.is_completed(), fr.state.message
     summary = _summary(stack, run_id)
-    assert summary["status"] == "completed" and len(summary["epochs"]) == 2
+    assert summary["status"] == "completed" and len(summary["epochs"]) == 3
     assert all(r["failure"]["kind"] == "preempted" for e in summary["epochs"] for r in e["relaunches"])
     assert summary["spot"]["preemptions"] == 1 and summary["spot"]["saved_usd"] > 0
+    # rank 1's place went to the successor started at its notice: no other worker was started
+    assert _worker_flow_runs(run_id) == ["r0-w0", "r1-w1", "spare-w2"]
     rows = _ledger(stack, run_id)
     preempted = [r for r in rows if r["status"] == "preempted"]
     assert len(preempted) == 1 and preempted[0]["resource"].endswith(victim.id[:12]) and preempted[0]["usd"] > 0
     workers = [r for r in rows if r["kind"] in ("worker", "failed_attempt")]
-    assert len({r["resource"] for r in workers}) == len(workers)  # each container billed once
+    assert len({r["resource"] for r in workers}) == len(workers) == 3  # each container billed once
     assert _containers(run_id) == []
-
-
-def _json(store, key: str) -> dict:
-    import json
-
-    return json.loads(store.get(key))

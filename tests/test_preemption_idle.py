@@ -15,6 +15,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from core.cost_record import CostRecord
 from runtime.warm import read_json, status_key
 from tests.test_warm_workers import _await_reply, _launch, _publish_run
@@ -119,6 +121,94 @@ def test_a_warm_worker_idle_between_epochs_marks_itself_preempted_and_exits_6(di
     assert left["state"] == "preempted" and left["pid"] == proc.pid == idle["pid"]
     assert left["seq"] == 1 and left["epoch"] == 0 and left["left_at"] >= left["noticed_at"]
     assert read_json(dir_store, f"runs/{run_id}/warm/r0-w0/reply-1.json") is None
+
+
+def _epoch_command(dir_store, run_id: str, worker: str, seq: int, epoch: int) -> None:
+    """Send warm worker `worker` its `seq`-th command: epoch `epoch` of a lone replica, from the
+    epoch before's checkpoint (the run's init for epoch 0)."""
+    from core.specs import ComputeSpec, WorkerSpec
+    from runtime.warm import command_key
+
+    init = f"runs/{run_id}/ckpt/" + (f"epoch-{epoch - 1}.safetensors" if epoch else "init.safetensors")
+    spec = WorkerSpec(run_id=run_id, epoch=epoch, rank=0, world=1, store_url=dir_store.url, model="digits_mlp",
+                      dataset="digits", steps=5, batch_size=16, lr=0.05, optimizer="sgd", init_key=init,
+                      out_key=f"runs/{run_id}/ckpt/epoch-{epoch}.safetensors", compute=ComputeSpec(threads=1))
+    dir_store.put(command_key(run_id, worker, seq), json.dumps({"op": "epoch", "spec": spec.to_dict()}).encode())
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("leave", ["released", "second notice"])
+def test_a_warm_worker_with_notice_time_works_through_it_until_released(dir_store, tmp_path, leave):
+    """With notice time (`WarmSpec.notice_s`, a spot offer's 120 s), the notice while idle does
+    not end the worker: its status says `noticed_at` at once (still idle), it trains the next
+    epoch it is sent, and only when its pool writes `release` (or a second SIGTERM comes: leave
+    now) does it mark itself preempted and exit with the worker's own status 6."""
+    from coordinator.workers.warm_pool import LeaseRenewer
+    from core.keys import release_key
+
+    run_id = "warmthrough"
+    _publish_run(dir_store, run_id)
+    renewer = LeaseRenewer(lambda: type(dir_store)(dir_store.root), run_id, 0.2)
+    renewer.start()
+    proc = _launch(dir_store.url, run_id, "r0-w0", tmp_path / "w.log", lease_s=600, notice_s=120)
+    try:
+        _epoch_command(dir_store, run_id, "r0-w0", 0, 0)
+        assert _await_reply(dir_store, run_id, "r0-w0", 0, proc)["ok"]
+        _status_when(dir_store, run_id, "r0-w0", proc, state="idle", epoch=0)
+        os.kill(proc.pid, signal.SIGTERM)
+        noticed = _status_when(dir_store, run_id, "r0-w0", proc, state="idle", seq=1)
+        while "noticed_at" not in noticed:  # written at once by its watch thread (an event)
+            noticed = _status_when(dir_store, run_id, "r0-w0", proc, state="idle", seq=1)
+        _epoch_command(dir_store, run_id, "r0-w0", 1, 1)  # it works through the notice
+        reply = _await_reply(dir_store, run_id, "r0-w0", 1, proc)
+        assert reply["ok"] and reply["result"]["epoch"] == 1 and reply["began_at"] > noticed["noticed_at"]
+        assert proc.poll() is None  # answered, and still serving: nobody released it
+        if leave == "released":
+            dir_store.put(release_key(run_id, "r0-w0"), b"{}")
+        else:
+            os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=60) == 6
+    finally:
+        renewer.stop()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    left = read_json(dir_store, status_key(run_id, "r0-w0"))
+    assert left["state"] == "preempted" and left["noticed_at"] == noticed["noticed_at"]
+    assert left["left_at"] >= reply["ended_at"] and left["seq"] == 2
+
+
+def test_working_through_the_notice_hands_over_when_released_or_when_its_time_is_spent(monkeypatch):
+    """`engine.preemption.due`: without notice time a notice is due at once; while `overlapping`
+    it is due once the pool released the worker or the working time is spent, and a wait for a
+    peer ends on the notice only then."""
+    from engine import preemption
+
+    clock, released = [1000.0], [False]
+    monkeypatch.setattr(preemption.time, "time", lambda: clock[0])
+    preemption.reset()
+    try:
+        with preemption.overlapping(30.0, lambda: released[0]):
+            assert not preemption.due()  # no notice yet
+            preemption._on_sigterm(signal.SIGTERM, None)
+            clock[0] = 1029.9
+            assert preemption.requested() and not preemption.due()
+            preemption.stop_waiting()  # waiting on a peer is still fine
+            clock[0] = 1030.0
+            assert preemption.due()
+            with pytest.raises(preemption.NoticeWhileWaiting):
+                preemption.stop_waiting()
+        preemption.reset()
+        with preemption.overlapping(30.0, lambda: released[0]):
+            preemption._on_sigterm(signal.SIGTERM, None)
+            assert not preemption.due()
+            released[0] = True
+            assert preemption.due()
+        preemption.reset()
+        with preemption.overlapping(0.0, lambda: False):  # no working time: as without the block
+            preemption._on_sigterm(signal.SIGTERM, None)
+            assert preemption.due()
+    finally:
+        preemption.reset()
 
 
 def _row(**kw) -> CostRecord:

@@ -11,6 +11,7 @@ import pytest
 from clouds.provider import FLOW_RUN_COMMAND, JobVariablesError, WorkerResources
 from clouds.registry import job_variables
 from core.errors import ZooidValueError
+from core.notice import work_through_s
 from core.plan import Plan
 from planners.catalog import get_offer, spot_offer, spot_offers
 from planners.spot import HANDOVER, RERUN, choice_words, choose_capacity, recovery_of, redo_worker_s, waits_for_startup
@@ -124,6 +125,24 @@ def test_a_spare_saves_the_start_up_wait_of_the_preemptions_that_find_it_ready()
     assert "1 warm spare(s) included" in choice_words(one.to_dict())
     # preemptions faster than a spare starts: nearly every one waits, as without a spare
     assert waits_for_startup(1, 3600.0, 4, 60.0) == pytest.approx(1.0, abs=1e-12)
+
+
+def test_working_through_the_notice_hides_the_start_up_it_covers():
+    """A warm run's workers work through the notice while their successor starts: a preemption
+    costs the successor's start-up (60 s, billed beside the worker it succeeds), the others wait
+    only for what the notice's working time does not cover, and one step (3.6 s). Fargate Spot's
+    120 s give 90 s of work: 60 + 4 x 0 + 3.6; a 30 s notice gives 22.5 s: 60 + 4 x 37.5 + 3.6;
+    the ring reruns half an epoch of every worker besides."""
+    assert [work_through_s(n) for n in (120, 30, 10, 5, 0)] == [90.0, 22.5, 5.0, 0.0, 0.0]
+    fargate = choose_capacity(asked="auto", strategy="local_sgd", collective="store", notice_s=120, **COMMON)
+    assert fargate.redo_worker_s == pytest.approx(63.6, rel=1e-12)
+    assert fargate.spot_usd == pytest.approx(0.7e-5 * (14400 + 8 * 63.6), rel=1e-12)
+    short = choose_capacity(asked="auto", strategy="local_sgd", collective="store", notice_s=30, **COMMON)
+    assert short.redo_worker_s == pytest.approx(60 + 4 * 37.5 + 3.6, rel=1e-12)
+    ring = choose_capacity(asked="auto", strategy="local_sgd", collective="ring", notice_s=120, **COMMON)
+    assert ring.redo_worker_s == pytest.approx(60 + 4 * 180.0, rel=1e-12)
+    # a notice no longer than the margin: the workers leave at once, as in a cold run
+    assert redo_worker_s(HANDOVER, 4, 60.0, 3.6, 360.0, notice_s=5) == redo_worker_s(HANDOVER, 4, 60.0, 3.6, 360.0)
 
 
 def test_a_capacity_the_job_names_is_kept_with_both_bills():

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from core.errors import ZooidValueError
+from core.keys import release_key
 from planners.catalog import spot_offer
 from runtime.warm import status_key
 
@@ -106,6 +107,65 @@ def test_a_spare_preempted_while_it_waits_is_billed_as_preempted_and_replaced(tm
     assert [w.name for w in pool.spares] == ["spare-w4"]  # and a new spare in the buried one's place
     rows = [r for r in pool.ctx.state.ledger if r.resource == f"worker {spare.name}"]
     assert [r.status for r in rows] == ["preempted"] and rows[0].stop == pytest.approx(left)
+
+
+def _say(pool, worker, **status) -> None:
+    """Write `worker`'s status as the worker would (`runtime.warm`)."""
+    pool.store.put(status_key(pool.ctx.run_id, worker.name), json.dumps(status).encode())
+
+
+def test_a_worker_idle_through_the_notice_serves_on_until_its_successor_is_ready_then_hands_over(
+        tmp_path, monkeypatch):
+    """Working through the notice between epochs: the pool starts a successor reserved for the
+    rank (no job spares asked), keeps the noticed worker serving while it starts, and once the
+    successor says it is ready stops the worker (released, billed as preempted to then) and gives
+    the rank to the successor: no new worker, no spare left over."""
+    pool, plan, launched = _pool(tmp_path, monkeypatch, spot_spares=0)
+    pool.ensure(plan, 0)
+    r1 = pool.workers[1]
+    noticed = time.time()
+    _say(pool, r1, state="idle", seq=1, epoch=0, noticed_at=noticed)
+    pool.ensure(plan, 1)
+    assert pool.workers[1] is r1 and r1.noticed_at == noticed and not r1.launcher.stopped  # it serves epoch 1
+    [successor] = pool.spares
+    assert successor.reserved_for == 1 and [n for n, _, _ in launched] == ["r0-w0", "r1-w1", "spare-w2"]
+    pool.ensure(plan, 2)  # the successor has not said it is ready: the worker serves on, nothing new starts
+    assert pool.workers[1] is r1 and len(launched) == 3 and pool.spares == [successor]
+    _say(pool, successor, state="idle", seq=0, ready_at=time.time())
+    successor.checked_at = 0.0  # its status is read at most every SUCCESSOR_CHECK_S
+    pool.ensure(plan, 3)
+    assert pool.workers[1] is successor and successor.rank == 1 and successor.reserved_for is None
+    assert pool.spares == [] and len(launched) == 3 and r1.launcher.stopped
+    assert pool.store.get(release_key(pool.ctx.run_id, r1.name)) is not None
+    rows = [r for r in pool.ctx.state.ledger if r.resource == f"worker {r1.name}"]
+    assert rows[-1].status == "preempted" and rows[-1].stop >= noticed
+
+
+def test_a_worker_busy_through_the_notice_is_released_once_its_successor_is_ready(tmp_path, monkeypatch):
+    """During an epoch the pool takes a live job spare as the noticed rank's successor (the job's
+    spare count is made up at the pool's next start of workers), writes the worker's `release` once the successor is
+    ready, and never gives one rank's successor to another rank."""
+    from coordinator.workers.launchers import WorkerOutcome
+    from coordinator.workers.warm_pool import Command
+
+    pool, plan, launched = _pool(tmp_path, monkeypatch, spot_spares=1)
+    pool.ensure(plan, 0)
+    r0, spare = pool.workers[0], pool.spares[0]
+    r0.command = Command(seq=0, spec=None, outcome=WorkerOutcome(rank=0, attempt=0, started_at=time.time()))
+    r0.noticed_at = time.time()
+    pool._work_through_notices(plan, 0)
+    assert spare.reserved_for == 0 and len(launched) == 3  # the warm spare is its successor; none new yet
+    released = release_key(pool.ctx.run_id, r0.name)
+    with pytest.raises(KeyError):
+        pool.store.get(released)  # not ready yet: the worker trains on
+    _say(pool, spare, state="idle", seq=0, ready_at=time.time())
+    pool._work_through_notices(plan, 0)
+    assert r0.released and pool.store.get(released) is not None
+    other = pool._replace(1, plan, 0, capacity="spot")  # rank 1 fails meanwhile: not rank 0's successor
+    assert other is not spare and other.name == "r1-w3" and spare.reserved_for == 0
+    taken = pool._replace(0, plan, 0, capacity="spot")  # rank 0 handed over: its successor takes it
+    assert taken is spare and spare.rank == 0 and spare.reserved_for is None
+    assert [w.name for w in pool.spares] == ["spare-w4"]  # and the job's one spare is started again
 
 
 def test_teardown_stops_the_spares_and_the_mid_run_ledger_bills_them(tmp_path, monkeypatch):

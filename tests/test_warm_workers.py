@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -72,10 +73,10 @@ def _publish_run(store, run_id: str) -> dict:
     return manifest.to_dict()
 
 
-def _launch(store_url: str, run_id: str, worker: str, log: Path, lease_s: float = 30.0):
+def _launch(store_url: str, run_id: str, worker: str, log: Path, lease_s: float = 30.0, notice_s: float = 0.0):
     spec = WorkerSpec(run_id=run_id, epoch=0, rank=0, world=1, store_url=store_url, model="digits_mlp",
                       dataset="digits", steps=0, batch_size=16, lr=0.05,
-                      warm=WarmSpec(worker=worker, lease_s=lease_s, check_s=0.2))
+                      warm=WarmSpec(worker=worker, lease_s=lease_s, check_s=0.2, notice_s=notice_s))
     with open(log, "wb") as out:
         return subprocess.Popen([sys.executable, "-m", "runtime.worker_main", "--spec-json",
                                  json.dumps(spec.to_dict())], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
@@ -439,3 +440,44 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+@pytest.mark.timeout(300)
+def test_a_channel_on_redis_emptied_by_a_restart_gets_its_reply_and_command_again(dir_store, tmp_path, redis_server):
+    """The warm channel on the run's Redis (`RunContext.channel_ref`): a restart without
+    persistence empties it. The idle worker puts its last reply back (the coordinator may still
+    wait for it) and the pool puts a command in flight back, so neither side waits for a stall
+    timeout."""
+    from comm.store_redis import RedisStore
+    from coordinator.workers.launchers import WorkerOutcome
+    from coordinator.workers.warm_pool import Command, LeaseRenewer, WarmPool, WarmWorker
+
+    run_id = "warmredis"
+    _publish_run(dir_store, run_id)
+    channel = RedisStore(redis_server.url)
+    renewer = LeaseRenewer(lambda: RedisStore(redis_server.url), run_id, 0.2)
+    renewer.start()
+    proc = _launch(redis_server.url, run_id, "r0-w0", tmp_path / "w.log", lease_s=600)
+    try:
+        spec = WorkerSpec(run_id=run_id, epoch=0, rank=0, world=1, store_url=dir_store.url, model="digits_mlp",
+                          dataset="digits", steps=5, batch_size=16, lr=0.05, optimizer="sgd",
+                          init_key=f"runs/{run_id}/ckpt/init.safetensors",
+                          out_key=f"runs/{run_id}/ckpt/epoch-0.safetensors", compute=ComputeSpec(threads=1))
+        channel.put(command_key(run_id, "r0-w0", 0), json.dumps({"op": "epoch", "spec": spec.to_dict()}).encode())
+        reply = _await_reply(channel, run_id, "r0-w0", 0, proc)
+        assert reply["ok"] and dir_store.exists(f"runs/{run_id}/ckpt/epoch-0.safetensors")  # data stays durable
+        redis_server.restart()
+        assert read_json(channel, reply_key(run_id, "r0-w0", 0)) is None  # gone with the restart
+        assert _await_reply(channel, run_id, "r0-w0", 0, proc) == reply  # put back by the idle worker
+    finally:
+        renewer.stop()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    # the pool's side: a command in flight that the store lost is put back at the next status read
+    pool = WarmPool(SimpleNamespace(run_id=run_id))
+    pool.store = channel
+    w = WarmWorker(rank=0, name="r0-w1", launcher=None, identity="x", launched_at=time.time())
+    w.command = Command(seq=3, spec=spec, outcome=WorkerOutcome(rank=0, attempt=0, started_at=time.time()))
+    pool._repost(w)
+    assert json.loads(channel.get(command_key(run_id, "r0-w1", 3)))["spec"] == spec.to_dict()
+    channel.close()

@@ -5,7 +5,8 @@ The gaps between preemptions are drawn from an exponential law (a Poisson proces
 interruptions of independent capacity are) with `mean_s`, from `random.Random(seed)`; at
 each draw one of the run's running spot containers (label `zooid.capacity=spot`) is chosen by
 the same generator, sorted by name so the choice depends on the seed and the set, not on the
-engine's listing order. A draw that finds no running spot container waits for one; a listing
+engine's listing order; a container already stopped (working through its notice) is not drawn
+again. A draw that finds no running spot container waits for one; a listing
 the engine fails is tried again at the next poll (its error kept in `errors`). The stop
 (`clouds.docker.preempt`) runs in its own thread (it blocks for up to the grace), so the
 schedule goes on; each event records whether the container left within the grace or was killed.
@@ -57,7 +58,8 @@ class Preemptor(threading.Thread):
                     self.errors.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
                     continue
                 running = sorted((c for c in listed if c.status == "running"
-                                  and (c.labels or {}).get(CAPACITY_LABEL) == self.capacity),
+                                  and (c.labels or {}).get(CAPACITY_LABEL) == self.capacity
+                                  and c.id[:12] not in self._stopped()),
                                  key=lambda c: c.name)
                 if not running:
                     continue
@@ -71,6 +73,11 @@ class Preemptor(threading.Thread):
                 due = time.time() + self.rng.expovariate(1.0 / self.mean_s)
         finally:
             engine.close()
+
+    def _stopped(self) -> set[str]:
+        """The containers this schedule already stopped: one the provider is taking back (it
+        may work through its notice for a while) is not taken back again."""
+        return {e["container"] for e in self.events}
 
     def _preempt(self, engine, container, event: dict) -> None:
         from clouds.docker import preempt

@@ -59,7 +59,8 @@ def with_capacity(ctx: RunContext, plan: Plan, keep: str | None = None) -> Plan:
                              price_on_demand_per_s=od_price, price_spot_per_s=spot_price,
                              rate_per_worker_hour=rate, rate_measured=measured is not None,
                              strategy=plan.strategy, collective=collective, spot_offer=spot.name,
-                             spares=spot_spares(ctx.job, plan))
+                             spares=spot_spares(ctx.job, plan),
+                             notice_s=spot.notice_s if getattr(ctx.job, "warm", False) else 0.0)
     if keep and asked == Capacity.AUTO:
         choice = dataclasses.replace(choice, reason="auto's choice when the plan was made, kept")
     if choice.capacity != Capacity.SPOT:

@@ -221,12 +221,13 @@ def uniform_plan(ctx: RunContext, profile: dict, x) -> Plan:
 @dataclasses.dataclass(frozen=True)
 class RunStores:
     """The run's stores as its plan prices them: `roles` (`{Store.where: role}`: `store`, and
-    `durable` where the durable store is another), the offers by role, and how fast a waiting
-    read polls the durable store (which carries the warm channel)."""
+    `durable` where the durable store is another), the offers by role, the role of the store
+    that carries the warm channel (`RunContext.channel_ref`) and how fast a waiting read polls it."""
 
     roles: dict
     offers: dict
-    durable_poll_s: float
+    channel_poll_s: float
+    channel_role: str = "store"
 
     @property
     def durable_role(self) -> str:
@@ -256,8 +257,12 @@ def run_stores(ctx: RunContext) -> RunStores:
     if store:
         roles[store[0]] = "store"  # one store for both: the run's store
     provider = ctx.resolved.offer.provider if roles else None
+    on_store = store is not None and getattr(ctx, "channel_ref", None) == getattr(ctx, "store_ref", "")
+    channel = store if on_store else durable
+    durable_role = "durable" if "durable" in roles.values() else "store"
     return RunStores(roles=roles, offers={role: store_offer(where, provider) for where, role in roles.items()},
-                     durable_poll_s=max(REPLY_POLL_S, durable[1]) if durable else REPLY_POLL_S)
+                     channel_poll_s=max(REPLY_POLL_S, channel[1]) if channel else REPLY_POLL_S,
+                     channel_role="store" if on_store else durable_role)
 
 
 def expected_epoch_ops(ctx: RunContext, plan: Plan, epoch_s: float, stores: RunStores,
@@ -265,15 +270,16 @@ def expected_epoch_ops(ctx: RunContext, plan: Plan, epoch_s: float, stores: RunS
     """One epoch's requests as `planners.store_requests` derives them, by the party whose misses
     they are and the store role (`own_requests.Parties`, roles for stores): the protocol's (the
     workers') on the store its tensors move through; the warm channel's for an epoch of `epoch_s`
-    seconds on the durable store (commands, replies, status, lease: the coordinator's reads of the
+    seconds (commands, replies, status, lease: the coordinator's reads of the
     replies are its misses) and the workers' reads while they waited `wait_s` for the epoch's
-    command (`command_waits`). `protocol`: the plan's `protocol_ops`, where the caller has them."""
+    command (`command_waits`), both on the store that carries the channel. `protocol`: the
+    plan's `protocol_ops`, where the caller has them."""
     protocol = protocol_ops(ctx, plan, stores) if protocol is None else protocol
     workers = plus({stores.protocol_role(plan): protocol}, command_waits(ctx, plan, stores, wait_s))
     coordinator = {}
     if getattr(ctx.job, "warm", False):
-        poll = stores.durable_poll_s
-        coordinator[stores.durable_role] = warm_channel_ops(plan.workers, epoch_s, _cadence(ctx), poll_first_s=poll,
+        poll = stores.channel_poll_s
+        coordinator[stores.channel_role] = warm_channel_ops(plan.workers, epoch_s, _cadence(ctx), poll_first_s=poll,
                                                             poll_max_s=poll)
     return {"coordinator": coordinator, "workers": workers}
 
@@ -289,11 +295,11 @@ def protocol_ops(ctx: RunContext, plan: Plan, stores: RunStores) -> StoreOps:
 
 
 def command_waits(ctx: RunContext, plan: Plan, stores: RunStores, wait_s: float) -> dict[str, StoreOps]:
-    """The reads of `plan`'s warm workers waiting `wait_s` seconds for a command, on the durable
-    store (`planners.store_requests.command_wait_ops`; none for cold workers)."""
+    """The reads of `plan`'s warm workers waiting `wait_s` seconds for a command, on the
+    channel's store (`planners.store_requests.command_wait_ops`; none for cold workers)."""
     if not getattr(ctx.job, "warm", False):
         return {}
-    return {stores.durable_role: command_wait_ops(plan.workers, wait_s, _cadence(ctx), stores.durable_poll_s)}
+    return {stores.channel_role: command_wait_ops(plan.workers, wait_s, _cadence(ctx), stores.channel_poll_s)}
 
 
 def idle_s(ctx: RunContext) -> float:

@@ -150,5 +150,17 @@ class RunContext:
         summary (the same store unless the scratch store may lose keys, e.g. Redis)."""
         return open_store_ref(self.durable_ref)
 
+    @property
+    def channel_ref(self) -> str:
+        """The store the warm workers' channel goes through (commands, replies, status, lease,
+        release: `runtime.warm`): the run's store where it is another than the durable one (Redis:
+        in memory, its requests free and fast; the pool survives a restart that empties it,
+        `coordinator.workers.warm_pool`), else the durable store."""
+        return self.store_ref if self.store_ref != self.durable_ref else self.durable_ref
+
+    def open_channel(self):
+        """A fresh client of the warm channel's store (`channel_ref`)."""
+        return open_store_ref(self.channel_ref)
+
     def log_dir(self) -> Path:
         return zooid_home() / "logs" / self.run_id

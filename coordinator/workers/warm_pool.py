@@ -19,6 +19,15 @@ On spot capacity the pool also keeps the job's `spot_spares` warm beside the pla
 new spare starts in its place, so the other replicas wait at their next sync for a command's round
 trip, not for a new worker's start. A spare is billed like any worker (its rows carry a rank past
 the plan's until it takes one); one that is preempted while it waits is replaced like an idle worker.
+
+Working through the notice (a spot offer's `notice_s`, `WarmSpec.notice_s`; `runtime.warm`): a
+worker that gets the provider's notice says so in its status (`noticed_at`) and works on. The pool
+then starts its successor at once, as a spare reserved for its rank (`_work_through_notices`);
+once the successor is ready it writes the worker's `release`: an epoch in progress hands over at
+its next step boundary and the rank goes to the successor (`_replace`), a worker idle between
+epochs is stopped there and the rank goes to the successor before the next epoch (`ensure`). So
+a preemption costs the other replicas no start-up wait when the successor starts within the
+notice's working time (`core.notice.work_through_s`: 90 s of Fargate Spot's 120 s).
 """
 from __future__ import annotations
 
@@ -44,7 +53,7 @@ from coordinator.workers.launchers import (
     make_launcher,
 )
 from core.cost_record import CostRecord
-from core.keys import command_key, lease_key, reply_key, status_key, warm_prefix
+from core.keys import command_key, lease_key, release_key, reply_key, status_key, warm_prefix
 from core.kinds import PIPELINED_STRATEGIES, SHARED_HOST_KINDS, Capacity, Strategy
 from core.plan import Plan
 from core.polling import control_pause
@@ -53,6 +62,9 @@ from core.store_ops import grouped_total
 from core.warm_cadence import REPLY_POLL_CAP_S, REPLY_POLL_S, WarmCadence
 from coordinator.workers.preemptions import spot_spares
 from runtime.warm import PREEMPTED, read_json, spare_name, worker_name
+
+SUCCESSOR_CHECK_S = 1.0
+"""The least time between two reads of a starting successor's status (`_successor_ready`)."""
 
 
 class LeaseRenewer(threading.Thread):
@@ -126,6 +138,15 @@ class WarmWorker:
     epochs): its last row says so."""
     left_at: float | None = None
     """When it left on the notice, by its own status (`runtime.warm`): where its bill ends."""
+    noticed_at: float | None = None
+    """When the provider's notice came, by its status, while it works through it."""
+    released: bool = False
+    """The pool wrote its `release` (its successor is ready)."""
+    reserved_for: int | None = None
+    """A spare started as the successor of this rank's noticed worker (only that rank takes it)."""
+    ready_seen: bool = False
+    """A spare's status said it is ready (read at most every `SUCCESSOR_CHECK_S`)."""
+    checked_at: float = 0.0
 
     @property
     def process(self) -> WorkerOutcome:
@@ -160,12 +181,13 @@ class WarmPool:
 
     def _open(self) -> None:
         if self.store is None:
-            # the durable store: a scratch store that restarts (Redis) must not lose a command or a reply
-            self.store = self.ctx.open_durable()
+            # the channel's store (`RunContext.channel_ref`): the run's Redis where it has one (a
+            # restart that empties it is survived: `_repost`), else the durable store
+            self.store = self.ctx.open_channel()
             # a coordinator that died (resume) leaves its commands and replies behind
             self.store.delete_prefix(warm_prefix(self.ctx.run_id) + "/")
         if self.renewer is None:
-            self.renewer = LeaseRenewer(self.ctx.open_durable, self.ctx.run_id, self.cadence.renew_s)
+            self.renewer = LeaseRenewer(self.ctx.open_channel, self.ctx.run_id, self.cadence.renew_s)
             self.renewer.start()
             self.renewer.renewed.wait(10)
 
@@ -184,6 +206,9 @@ class WarmPool:
             if w is not None and self._left_on_notice(w):  # preempted while idle: replaced now
                 self._bury(w, "it was preempted while idle")
                 w = None
+            if w is not None and w.noticed_at is not None and self._successor_ready(w.rank):
+                self._hand_to_successor(w)  # idle, working through the notice: its successor takes over now
+                w = None
             if w is not None:
                 w.launcher._poll()
             if w is not None and not w.alive:  # died between epochs or starting: billed as what it died of
@@ -199,6 +224,7 @@ class WarmPool:
                 self._start(rank, plan, epoch, make_launcher(self.ctx, plan), identity)
             started.append(rank)
         self.keep_spares(plan, epoch)
+        self._work_through_notices(plan, epoch)
         return started
 
     # --- spares ---------------------------------------------------------------------
@@ -217,13 +243,80 @@ class WarmPool:
         capacity = str(getattr(plan, "capacity", Capacity.ON_DEMAND))
         self._bury_gone_spares()
         for w in list(self.spares):
-            if w.identity != identity or w.capacity != capacity or len(self.spares) > want:
+            if w.reserved_for is not None:  # a noticed worker's successor: kept while that worker works on
+                if self._noticed(w.reserved_for) is not None and w.reserved_for < plan.workers:
+                    continue
+                w.reserved_for = None
+            if w.identity != identity or w.capacity != capacity or len(self._free_spares()) > want:
                 self.spares.remove(w)
                 self._stop([w], "the plan needs no such spare", grace_s=10.0)
-        while len(self.spares) < want:
+        while len(self._free_spares()) < want:
             launcher = make_launcher(self.ctx, plan)
             self.spares.append(self._launch(plan.workers + len(self.spares), plan, epoch, launcher, identity,
                                             spare=True))
+
+    def _free_spares(self) -> list[WarmWorker]:
+        """The spares no noticed worker's successor (`reserved_for`): the job's `spot_spares`."""
+        return [w for w in self.spares if w.reserved_for is None]
+
+    # --- working through the notice -------------------------------------------------
+
+    def _noticed(self, rank: int) -> WarmWorker | None:
+        """Rank `rank`'s worker while it works through the provider's notice, else None."""
+        w = self.workers.get(rank)
+        return w if w is not None and w.noticed_at is not None and not w.preempted else None
+
+    def _successor(self, rank: int) -> WarmWorker | None:
+        return next((s for s in self.spares if s.reserved_for == rank), None)
+
+    def _work_through_notices(self, plan, epoch: int) -> None:
+        """For each worker working through the notice: start its successor (a spare reserved for
+        its rank, on the worker's own capacity) if none is alive, and write its `release` once
+        the successor is ready."""
+        for w in list(self.workers.values()):
+            if w.noticed_at is None or w.preempted or w.released:
+                continue
+            s = self._successor(w.rank)
+            if s is not None and not s.alive:
+                self.spares.remove(s)
+                self._bury(s, "a successor stopped while it started")
+                s = None
+            if s is None:
+                launcher = make_launcher(self.ctx, plan)
+                identity = launch_identity(launcher, w.rank)
+                s = next((f for f in self._free_spares() if f.alive and f.identity == identity
+                          and f.capacity == w.capacity), None)  # a warm spare of the job's: the successor now
+                if s is None:
+                    s = self._launch(plan.workers + len(self.spares), plan, epoch, launcher, identity, w.capacity,
+                                     spare=True)
+                    self.spares.append(s)
+                s.reserved_for = w.rank
+                print(f"zooid: warm worker {w.name} (rank {w.rank}) got the provider's notice; it works on "
+                      f"while its successor {s.name} starts")
+            elif w.command is not None and self._successor_ready(w.rank):
+                self.store.put(release_key(self.ctx.run_id, w.name), b"{}")
+                w.released = True
+                print(f"zooid: {s.name} is ready: {w.name} hands rank {w.rank} over at its next step")
+
+    def _successor_ready(self, rank: int) -> bool:
+        """Whether rank `rank`'s successor is ready: its status says so (read at most every
+        `SUCCESSOR_CHECK_S`: each read is a request)."""
+        s = self._successor(rank)
+        if s is None or not s.alive:
+            return False
+        now = time.time()
+        if not s.ready_seen and now - s.checked_at >= SUCCESSOR_CHECK_S:
+            s.checked_at = now
+            status = read_json(self.store, status_key(self.ctx.run_id, s.name)) or {}
+            s.ready_seen = status.get("state") == "idle" and bool(status.get("ready_at"))
+        return s.ready_seen
+
+    def _hand_to_successor(self, w: WarmWorker) -> None:
+        """Worker `w`, idle and working through the notice, leaves now (released, then stopped:
+        billed to now as preempted); its rank goes to its ready successor."""
+        self.store.put(release_key(self.ctx.run_id, w.name), b"{}")
+        w.released, w.preempted, w.left_at = True, True, time.time()
+        self._bury(w, "its successor is ready")
 
     def _replace(self, rank: int, plan, epoch: int, capacity: str | None = None) -> WarmWorker:
         """A worker for `rank` in place of one that is gone: a live spare of the same launch and
@@ -232,13 +325,15 @@ class WarmPool:
         identity = launch_identity(launcher, rank)
         capacity = str(capacity or getattr(plan, "capacity", Capacity.ON_DEMAND))
         self._bury_gone_spares()
-        w = next((w for w in self.spares if w.identity == identity and w.capacity == capacity), None)
+        fits = [w for w in self.spares if w.identity == identity and w.capacity == capacity
+                and w.reserved_for in (None, rank)]
+        w = min(fits, key=lambda w: w.reserved_for != rank, default=None)  # its own successor first
         if w is None:
             w = self._start(rank, plan, epoch, launcher, identity, capacity)
         else:
             self.spares.remove(w)
-            print(f"zooid: spare {w.name} takes rank {rank}'s place")
-            w.rank = rank
+            print(f"zooid: {'successor' if w.reserved_for == rank else 'spare'} {w.name} takes rank {rank}'s place")
+            w.rank, w.reserved_for = rank, None
             self.workers[rank] = w
             attempt = self.ctx.state.cloud_attempts.get(w.process.ref)
             if attempt is not None:  # billed by the cloud's clock: its rows name the rank it serves
@@ -268,9 +363,9 @@ class WarmPool:
         capacity = str(capacity or getattr(plan, "capacity", "on_demand"))
         name = (spare_name if spare else worker_name)(rank, self.serial, self.token)
         warm = WarmSpec(worker=name, lease_s=job.worker_lease_s, check_s=self.cadence.check_s,
-                        progress_s=self.cadence.progress_s)
+                        progress_s=self.cadence.progress_s, notice_s=self._notice_s(capacity))
         spec = WorkerSpec(run_id=ctx.run_id, epoch=epoch, rank=rank, world=plan.workers,
-                          store_url=ctx.durable_ref, model=job.model, dataset=job.dataset, subsets=(),
+                          store_url=ctx.channel_ref, model=job.model, dataset=job.dataset, subsets=(),
                           steps=0, batch_size=plan.batch_size or job.batch_size, lr=job.lr,
                           optimizer=job.optimizer, seed=job.seed, attempt=self.serial,
                           warm=warm, capacity=capacity)
@@ -287,6 +382,11 @@ class WarmPool:
                             launched_at=outcome.started_at, billed_to=outcome.started_at, slot=slot,
                             price_per_s=price, capacity=capacity, list_price_per_s=list_price)
         return worker
+
+    def _notice_s(self, capacity: str) -> float:
+        """The provider's notice on `capacity` (the spot offer's; 0 on-demand)."""
+        spot = getattr(self.ctx.resolved, "spot", None)
+        return float(getattr(spot, "notice_s", 0.0) or 0.0) if capacity == Capacity.SPOT else 0.0
 
     def prestart(self, workers: int, plan, epoch: int) -> list[int]:
         """Start ranks plan.workers..workers-1 now, sized as `plan`'s, for a next epoch known to
@@ -475,6 +575,7 @@ class WarmPool:
             latest = {o.rank: o for o in attempts}
             if all(o.status == "completed" for o in latest.values()):
                 return [latest[r] for r in sorted(latest)], attempts
+            self._work_through_notices(plan, specs[0].epoch)
             if on_tick is not None:
                 on_tick()
             time.sleep(pause)
@@ -501,6 +602,7 @@ class WarmPool:
         return sum(min(w.steps, w.command.spec.steps) for w in busy), sum(w.command.spec.steps for w in busy)
 
     def _send(self, w: WarmWorker, spec: WorkerSpec) -> WorkerOutcome:
+        """Send `spec` to worker `w` as its next command; returns the attempt's outcome."""
         log = w.process.extra.get("log")
         outcome = WorkerOutcome(rank=spec.rank, attempt=spec.attempt, started_at=time.time(), ref=w.name,
                                 extra={"worker": w.name, "warm": True, "process_ref": w.process.ref,
@@ -540,6 +642,8 @@ class WarmPool:
         if not w.alive or now - w.status_read_at >= self.cadence.status_every_s:  # each read: a request
             w.status_read_at = now
             status = read_json(self.store, status_key(self.ctx.run_id, w.name)) or {}
+        if status and status.get("noticed_at") and w.noticed_at is None:
+            w.noticed_at = float(status["noticed_at"])  # working through the notice: a successor starts
         if reply is None and status and status.get("state") == PREEMPTED:
             # it left on the notice before it took this command (idle): a preemption, at once
             w.preempted, w.left_at = True, float(status.get("left_at") or now)
@@ -551,6 +655,8 @@ class WarmPool:
             cmd.outcome.extra["exit_code"] = process.extra.get("exit_code")
             cmd.outcome.error = cmd.outcome.error or process.error or "left on the provider's notice"
             return
+        if status is not None and reply is None and not self.store.keeps_keys:
+            self._repost(w)
         if status is not None:
             if status.get("seq") == cmd.seq and status.get("state") == "busy":
                 steps, beat = int(status.get("steps") or 0), float(status.get("beat_at") or 0.0)
@@ -561,12 +667,25 @@ class WarmPool:
             cmd.outcome.status, cmd.outcome.stopped_at = "timeout", time.time()
             cmd.outcome.error = f"no progress for {timeout_s:.0f} s"
 
+    def _repost(self, w: WarmWorker) -> None:
+        """On a channel a restart may empty (Redis without persistence, `Store.keeps_keys`):
+        put `w`'s command in flight again where the store lost it, so that a worker still waiting
+        for it gets it (the worker puts its last reply again likewise, `runtime.warm`). Read at the
+        pace of the status reads; Redis's requests are free."""
+        cmd = w.command
+        key = command_key(self.ctx.run_id, w.name, cmd.seq)
+        if not self.store.exists(key):
+            print(f"zooid: {w.name}'s command {cmd.seq} is gone from the channel's store (a restart?): sent again")
+            self.store.put(key, json.dumps({"op": "epoch", "spec": cmd.spec.to_dict()}).encode())
+
     def _left_on_notice(self, w: WarmWorker) -> dict | None:
         """The status of a worker that left on the provider's notice outside an epoch
         (`runtime.warm`: state `preempted`), or None; the worker is then marked preempted and
         billed to when it left. Read from the store: Prefect may show its flow run running a
         while after its container exited."""
         status = read_json(self.store, status_key(self.ctx.run_id, w.name)) if self.store is not None else None
+        if status and status.get("noticed_at") and w.noticed_at is None:
+            w.noticed_at = float(status["noticed_at"])  # working through the notice: a successor starts
         if not status or status.get("state") != PREEMPTED:
             return None
         w.preempted, w.left_at = True, float(status.get("left_at") or time.time())
