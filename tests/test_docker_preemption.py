@@ -114,8 +114,8 @@ def _status_with(store, run_id: str, prefix: str, timeout_s: float = 600, **want
 def test_an_idle_warm_container_given_the_notice_works_through_it_and_hands_its_rank_to_a_successor(stack):
     """Rank 0 holds after epoch 0's last sync, so rank 1 has answered epoch 0 and waits, warm and
     idle, when the engine's stop with Fargate Spot's 120 s grace reaches it. It does not leave:
-    its status says it got the notice, its pool starts a successor at epoch 1 and rank 1 trains
-    epoch 1 meanwhile (rank 0 holds again at its start until the successor says it is ready);
+    its status says it got the notice, its pool starts a successor at epoch 1 (the run's 8 epochs
+    outlast the notice's 90 s of work, at the pace of its first) and rank 1 trains epoch 1 meanwhile (rank 0 holds again at its start until the successor says it is ready);
     then the successor takes rank 1 (between epochs, or at a step boundary of epoch 1 after the
     release), the victim leaves with the worker's own status 6 long before the SIGKILL, the run
     completes, and every container is billed once, the victim's as preempted."""
@@ -123,7 +123,7 @@ def test_an_idle_warm_container_given_the_notice_works_through_it_and_hands_its_
 
     target = _save_target("docker-preempt-idle", job_variables={"env": {
         "ZOOID_CHAOS": "hold_worker:epoch=0:rank=0:at=sync:until=release,hold_worker:epoch=1:rank=0:until=ready"}})
-    flow_run_id = _submit(stack, strategy="local_sgd", workers=2, epochs=3, target=target, capacity="spot")
+    flow_run_id = _submit(stack, strategy="local_sgd", workers=2, epochs=8, target=target, capacity="spot")
     run_id = _run_id(flow_run_id)
     store = _store(stack)
     stopped: dict = {}
@@ -148,7 +148,7 @@ def test_an_idle_warm_container_given_the_notice_works_through_it_and_hands_its_
     assert stopped["exit_code"] == 6 and not stopped["killed"], stopped  # its own status, within the grace
     assert fr.state.is_completed(), fr.state.message
     summary = _summary(stack, run_id)
-    assert summary["status"] == "completed" and len(summary["epochs"]) == 3
+    assert summary["status"] == "completed" and len(summary["epochs"]) == 8
     assert all(r["failure"]["kind"] == "preempted" for e in summary["epochs"] for r in e["relaunches"])
     assert summary["spot"]["preemptions"] == 1 and summary["spot"]["saved_usd"] > 0
     # rank 1's place went to the successor started at its notice: no other worker was started

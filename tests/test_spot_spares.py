@@ -124,6 +124,7 @@ def test_a_worker_idle_through_the_notice_serves_on_until_its_successor_is_ready
     pool.ensure(plan, 0)
     r1 = pool.workers[1]
     noticed = time.time()
+    pool.epoch_began = {-2: noticed - 200, -1: noticed - 100}  # epochs of 100 s: the run outlasts the notice
     _say(pool, r1, state="idle", seq=1, epoch=0, noticed_at=noticed)
     pool.ensure(plan, 1)
     assert pool.workers[1] is r1 and r1.noticed_at == noticed and not r1.launcher.stopped  # it serves epoch 1
@@ -151,6 +152,7 @@ def test_a_worker_busy_through_the_notice_is_released_once_its_successor_is_read
     pool, plan, launched = _pool(tmp_path, monkeypatch, spot_spares=1)
     pool.ensure(plan, 0)
     r0, spare = pool.workers[0], pool.spares[0]
+    pool.epoch_began = {0: time.time() - 100}  # one epoch started: the pace is not known yet
     r0.command = Command(seq=0, spec=None, outcome=WorkerOutcome(rank=0, attempt=0, started_at=time.time()))
     r0.noticed_at = time.time()
     pool._work_through_notices(plan, 0)
@@ -166,6 +168,36 @@ def test_a_worker_busy_through_the_notice_is_released_once_its_successor_is_read
     taken = pool._replace(0, plan, 0, capacity="spot")  # rank 0 handed over: its successor takes it
     assert taken is spare and spare.rank == 0 and spare.reserved_for is None
     assert [w.name for w in pool.spares] == ["spare-w4"]  # and the job's one spare is started again
+
+
+def test_no_successor_starts_where_the_run_ends_within_the_notices_working_time(tmp_path, monkeypatch):
+    """Epochs of 10 s, 5 to go: the run ends 50 s on, within Fargate Spot's 90 s of work after the
+    notice, so the worker works through it to the end and nothing is started; at 30 s an epoch
+    (150 s to go) its rank needs a successor."""
+    pool, plan, launched = _pool(tmp_path, monkeypatch, spot_spares=0)
+    pool.ensure(plan, 0)
+    r1, now = pool.workers[1], time.time()
+    pool.epoch_began = {-2: now - 20, -1: now - 10, 0: now}
+    r1.noticed_at = now
+    pool._work_through_notices(plan, 0)  # 5 epochs of the job's 5 left, this one whole: 50 s
+    assert pool.spares == [] and len(launched) == 2
+    pool.epoch_began = {-2: now - 60, -1: now - 30, 0: now}
+    pool._work_through_notices(plan, 0)
+    assert [w.reserved_for for w in pool.spares] == [1] and len(launched) == 3
+
+
+def test_a_worker_that_worked_through_its_notice_to_the_end_of_the_run_is_billed_as_preempted(
+        tmp_path, monkeypatch):
+    """The run ended before the successor took over (its notice came in the last epoch, not yet
+    read): teardown reads the status, and the worker's last interval is a preemption (the rate the
+    next plan prices counts it); its peer's is not."""
+    pool, plan, launched = _pool(tmp_path, monkeypatch, spot_spares=0)
+    pool.ensure(plan, 0)
+    r0, r1 = pool.workers[0], pool.workers[1]
+    _say(pool, r1, state="idle", seq=1, epoch=0, noticed_at=time.time())
+    pool.stop_all("the run ended", grace_s=0.0)
+    last = {w.name: [r for r in pool.ctx.state.ledger if r.resource == f"worker {w.name}"][-1] for w in (r0, r1)}
+    assert last[r1.name].status == "preempted" and last[r0.name].status != "preempted"
 
 
 def test_teardown_stops_the_spares_and_the_mid_run_ledger_bills_them(tmp_path, monkeypatch):

@@ -22,7 +22,8 @@ the plan's until it takes one); one that is preempted while it waits is replaced
 
 Working through the notice (a spot offer's `notice_s`, `WarmSpec.notice_s`; `runtime.warm`): a
 worker that gets the provider's notice says so in its status (`noticed_at`) and works on. The pool
-then starts its successor at once, as a spare reserved for its rank (`_work_through_notices`);
+then starts its successor at once, as a spare reserved for its rank (`_work_through_notices`;
+none where the run, at its pace so far, ends within the worker's working time: `_outlasts`);
 once the successor is ready it writes the worker's `release`: an epoch in progress hands over at
 its next step boundary and the rank goes to the successor (`_replace`), a worker idle between
 epochs is stopped there and the rank goes to the successor before the next epoch (`ensure`). So
@@ -34,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import statistics
 import threading
 import time
 import uuid
@@ -55,6 +57,7 @@ from coordinator.workers.launchers import (
 from core.cost_record import CostRecord
 from core.keys import command_key, lease_key, release_key, reply_key, status_key, warm_prefix
 from core.kinds import PIPELINED_STRATEGIES, SHARED_HOST_KINDS, Capacity, Strategy
+from core.notice import work_through_s
 from core.plan import Plan
 from core.polling import control_pause
 from core.specs import WarmSpec, WorkerResult, WorkerSpec
@@ -171,6 +174,8 @@ class WarmPool:
     store: Any = None
     spares: list[WarmWorker] = field(default_factory=list)
     """Warm spot workers beside the plan's ranks, oldest first (`spare_count`)."""
+    epoch_began: dict = field(default_factory=dict)
+    """When each epoch's workers were made ready (`ensure`), by epoch: the run's pace so far."""
 
     @property
     def cadence(self) -> WarmCadence:
@@ -196,6 +201,7 @@ class WarmPool:
         launch no longer fits the plan: another size or image), retire the rest. Returns the
         ranks started."""
         self._open()
+        self.epoch_began.setdefault(epoch, time.time())
         launcher = make_launcher(self.ctx, plan)
         for rank in [r for r in self.workers if r >= plan.workers]:
             self.retire(rank, "the plan needs fewer workers")
@@ -270,9 +276,10 @@ class WarmPool:
         return next((s for s in self.spares if s.reserved_for == rank), None)
 
     def _work_through_notices(self, plan, epoch: int) -> None:
-        """For each worker working through the notice: start its successor (a spare reserved for
-        its rank, on the worker's own capacity) if none is alive, and write its `release` once
-        the successor is ready."""
+        """For each worker working through the notice: give its rank a successor if none is alive
+        (a live spare of the job's, reserved for the rank, else a new one started on the worker's
+        own capacity where the run outlasts the worker's working time: `_outlasts`), and write the
+        worker's `release` once the successor is ready."""
         for w in list(self.workers.values()):
             if w.noticed_at is None or w.preempted or w.released:
                 continue
@@ -285,7 +292,9 @@ class WarmPool:
                 launcher = make_launcher(self.ctx, plan)
                 identity = launch_identity(launcher, w.rank)
                 s = next((f for f in self._free_spares() if f.alive and f.identity == identity
-                          and f.capacity == w.capacity), None)  # a warm spare of the job's: the successor now
+                          and f.capacity == w.capacity), None)  # a warm spare of the job's: already paid for
+                if s is None and not self._outlasts(w, epoch):
+                    continue  # it works through its notice to the run's end: no successor to pay for
                 if s is None:
                     s = self._launch(plan.workers + len(self.spares), plan, epoch, launcher, identity, w.capacity,
                                      spare=True)
@@ -297,6 +306,17 @@ class WarmPool:
                 self.store.put(release_key(self.ctx.run_id, w.name), b"{}")
                 w.released = True
                 print(f"zooid: {s.name} is ready: {w.name} hands rank {w.rank} over at its next step")
+
+    def _outlasts(self, w: WarmWorker, epoch: int) -> bool:
+        """Whether the run, at its pace so far (the median time between two epochs' starts, over
+        the epochs left from `epoch` on, this one whole), ends after worker `w`'s notice working
+        time: only then does its rank need a successor. True before two epochs have started."""
+        began = [self.epoch_began[e] for e in sorted(self.epoch_began)]
+        gaps = [b - a for a, b in zip(began, began[1:])]
+        if not gaps or w.noticed_at is None:
+            return True
+        left_s = statistics.median(gaps) * max(1, int(self.ctx.job.epochs) - epoch)
+        return time.time() + left_s > w.noticed_at + work_through_s(self._notice_s(w.capacity))
 
     def _successor_ready(self, rank: int) -> bool:
         """Whether rank `rank`'s successor is ready: its status says so (read at most every
@@ -512,6 +532,11 @@ class WarmPool:
     def _stop(self, workers: list[WarmWorker], reason: str, grace_s: float) -> None:
         for w in workers:
             w.launcher._poll()
+            if self.store is not None and w.noticed_at is None and not w.preempted and w.capacity == Capacity.SPOT:
+                try:  # a notice not yet read (it came in the last epoch): billed as what it was
+                    self._left_on_notice(w)
+                except Exception:
+                    pass
             if w.alive and w.command is None and self.store is not None:
                 try:
                     self.store.put(command_key(self.ctx.run_id, w.name, w.seq),
@@ -775,8 +800,9 @@ class WarmPool:
             status = o.status if not failure else f"{o.status}:{failure['kind']}"
             kind = "worker" if o.status == "completed" else "failed_attempt"
             self._row(w, status, stop, w.command.spec.epoch, w.command.spec.attempt, kind)
-        else:
-            self._row(w, "preempted" if w.preempted else "startup" if w.ready_at is None else "idle", stop, None)
+        else:  # a worker that got the notice was taken back, even where it worked through it to its stop
+            taken = w.preempted or w.noticed_at is not None
+            self._row(w, "preempted" if taken else "startup" if w.ready_at is None else "idle", stop, None)
 
     def open_rows(self, now: float | None = None) -> list[CostRecord]:
         """Rows for what the live workers have used since their last closed row (provisional:
