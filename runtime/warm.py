@@ -224,20 +224,24 @@ def serve(spec: WorkerSpec, store: Store, execute: Callable[[WorkerSpec], Worker
     `comm.store.open_store`). Raises `LeaseExpired` when the lease runs out, and whatever
     `execute` raised after posting it as the reply."""
     notice = _Notice(spec, store_factory)
-    with preemption.leaving(notice.mark):  # the provider's notice outside an epoch: mark, leave at once
+    settings = spec.warm
+    if settings is None:
+        raise ZooidValueError("warm", "a warm worker's launch spec needs its WarmSpec")
+    # the provider's notice outside an epoch: mark, leave at once; with notice time, work through
+    # it from here on (a notice while it starts: it starts, and serves until released)
+    with preemption.leaving(notice.mark), \
+            preemption.overlapping(work_through_s(settings.notice_s), _Release(store, spec.run_id, settings.worker)):
         worker = _start(spec, store, store_factory, log or (lambda line: print(line)))
         notice.watch = worker.watch
         seq = 0
-        released = _Release(store, spec.run_id, worker.settings.worker)
         try:
-            with preemption.overlapping(work_through_s(worker.settings.notice_s), released):
-                while True:
-                    command = _next_command(store, spec.run_id, worker.settings, seq, worker.watch, worker.last_reply)
-                    if _obey(worker, seq, command, execute, open_ref):
-                        return "stopped"
-                    seq += 1
-                    if preemption.due():  # the notice came (and is due) as the epoch ended: answered, leave
-                        preemption.leave_now()
+            while True:
+                command = _next_command(store, spec.run_id, worker.settings, seq, worker.watch, worker.last_reply)
+                if _obey(worker, seq, command, execute, open_ref):
+                    return "stopped"
+                seq += 1
+                if preemption.due():  # the notice came (and is due) as the epoch ended: answered, leave
+                    preemption.leave_now()
         finally:
             heartbeat.set_guard(None)
             worker.watch.stopped.set()
@@ -327,9 +331,7 @@ def _start(spec: WorkerSpec, store: Store, store_factory: Callable[[], Store],
     from engine.models import keep_models  # torch: see above
     from profiling.memory import rss_bytes  # torch: see above
 
-    settings = spec.warm
-    if settings is None:
-        raise ZooidValueError("warm", "a warm worker's launch spec needs its WarmSpec")
+    settings = spec.warm  # checked by `serve`
     started = time.time()
     base_memory = rss_bytes()  # before any model: s0 of the memory model (`profiling.profile_job`)
     keep_models()
