@@ -6,7 +6,6 @@ preempted in its status for its pool; during an epoch the same handler defers to
 for an event (a line on a pipe, a status written, a process exit)."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -19,7 +18,7 @@ import pytest
 
 from core.cost_record import CostRecord
 from runtime.warm import read_json, status_key
-from tests.test_warm_workers import _await_reply, _launch, _publish_run
+from tests.test_warm_workers import _await_reply, _epoch_command, _launch, _publish_run
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -95,8 +94,6 @@ def _status_when(store, run_id: str, worker: str, proc, **want) -> dict:
 
 def test_a_warm_worker_idle_between_epochs_marks_itself_preempted_and_exits_6(dir_store, tmp_path):
     from coordinator.workers.warm_pool import LeaseRenewer
-    from core.specs import ComputeSpec, WorkerSpec
-    from runtime.warm import command_key
 
     run_id = "warmidle"
     _publish_run(dir_store, run_id)
@@ -104,11 +101,7 @@ def test_a_warm_worker_idle_between_epochs_marks_itself_preempted_and_exits_6(di
     renewer.start()
     proc = _launch(dir_store.url, run_id, "r0-w0", tmp_path / "w.log", lease_s=600)
     try:
-        spec = WorkerSpec(run_id=run_id, epoch=0, rank=0, world=1, store_url=dir_store.url, model="digits_mlp",
-                          dataset="digits", steps=5, batch_size=16, lr=0.05, optimizer="sgd",
-                          init_key=f"runs/{run_id}/ckpt/init.safetensors",
-                          out_key=f"runs/{run_id}/ckpt/epoch-0.safetensors", compute=ComputeSpec(threads=1))
-        dir_store.put(command_key(run_id, "r0-w0", 0), json.dumps({"op": "epoch", "spec": spec.to_dict()}).encode())
+        _epoch_command(dir_store, dir_store, run_id, "r0-w0", 0, 0)
         assert _await_reply(dir_store, run_id, "r0-w0", 0, proc)["ok"]
         idle = _status_when(dir_store, run_id, "r0-w0", proc, state="idle", epoch=0)
         os.kill(proc.pid, signal.SIGTERM)
@@ -121,19 +114,6 @@ def test_a_warm_worker_idle_between_epochs_marks_itself_preempted_and_exits_6(di
     assert left["state"] == "preempted" and left["pid"] == proc.pid == idle["pid"]
     assert left["seq"] == 1 and left["epoch"] == 0 and left["left_at"] >= left["noticed_at"]
     assert read_json(dir_store, f"runs/{run_id}/warm/r0-w0/reply-1.json") is None
-
-
-def _epoch_command(dir_store, run_id: str, worker: str, seq: int, epoch: int) -> None:
-    """Send warm worker `worker` its `seq`-th command: epoch `epoch` of a lone replica, from the
-    epoch before's checkpoint (the run's init for epoch 0)."""
-    from core.specs import ComputeSpec, WorkerSpec
-    from runtime.warm import command_key
-
-    init = f"runs/{run_id}/ckpt/" + (f"epoch-{epoch - 1}.safetensors" if epoch else "init.safetensors")
-    spec = WorkerSpec(run_id=run_id, epoch=epoch, rank=0, world=1, store_url=dir_store.url, model="digits_mlp",
-                      dataset="digits", steps=5, batch_size=16, lr=0.05, optimizer="sgd", init_key=init,
-                      out_key=f"runs/{run_id}/ckpt/epoch-{epoch}.safetensors", compute=ComputeSpec(threads=1))
-    dir_store.put(command_key(run_id, worker, seq), json.dumps({"op": "epoch", "spec": spec.to_dict()}).encode())
 
 
 @pytest.mark.timeout(300)
@@ -152,14 +132,14 @@ def test_a_warm_worker_with_notice_time_works_through_it_until_released(dir_stor
     renewer.start()
     proc = _launch(dir_store.url, run_id, "r0-w0", tmp_path / "w.log", lease_s=600, notice_s=120)
     try:
-        _epoch_command(dir_store, run_id, "r0-w0", 0, 0)
+        _epoch_command(dir_store, dir_store, run_id, "r0-w0", 0, 0)
         assert _await_reply(dir_store, run_id, "r0-w0", 0, proc)["ok"]
         _status_when(dir_store, run_id, "r0-w0", proc, state="idle", epoch=0)
         os.kill(proc.pid, signal.SIGTERM)
         noticed = _status_when(dir_store, run_id, "r0-w0", proc, state="idle", seq=1)
         while "noticed_at" not in noticed:  # written at once by its watch thread (an event)
             noticed = _status_when(dir_store, run_id, "r0-w0", proc, state="idle", seq=1)
-        _epoch_command(dir_store, run_id, "r0-w0", 1, 1)  # it works through the notice
+        _epoch_command(dir_store, dir_store, run_id, "r0-w0", 1, 1)  # it works through the notice
         reply = _await_reply(dir_store, run_id, "r0-w0", 1, proc)
         assert reply["ok"] and reply["result"]["epoch"] == 1 and reply["began_at"] > noticed["noticed_at"]
         assert proc.poll() is None  # answered, and still serving: nobody released it

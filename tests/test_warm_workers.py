@@ -83,6 +83,18 @@ def _launch(store_url: str, run_id: str, worker: str, log: Path, lease_s: float 
                                 start_new_session=True)
 
 
+def _epoch_command(channel, data, run_id: str, worker: str, seq: int, epoch: int) -> WorkerSpec:
+    """Send warm worker `worker` its `seq`-th command through `channel`: epoch `epoch` of a lone
+    replica on the `data` store (`_publish_run`'s), from the epoch before's checkpoint (the
+    run's init for epoch 0). Returns the spec sent."""
+    init = f"runs/{run_id}/ckpt/" + (f"epoch-{epoch - 1}.safetensors" if epoch else "init.safetensors")
+    spec = WorkerSpec(run_id=run_id, epoch=epoch, rank=0, world=1, store_url=data.url, model="digits_mlp",
+                      dataset="digits", steps=5, batch_size=16, lr=0.05, optimizer="sgd", init_key=init,
+                      out_key=f"runs/{run_id}/ckpt/epoch-{epoch}.safetensors", compute=ComputeSpec(threads=1))
+    channel.put(command_key(run_id, worker, seq), json.dumps({"op": "epoch", "spec": spec.to_dict()}).encode())
+    return spec
+
+
 def _await_reply(store, run_id, worker, seq, proc) -> dict:
     """The worker's reply to command `seq`, once it appears (a hang is the test's timeout)."""
     while True:
@@ -459,11 +471,7 @@ def test_a_channel_on_redis_emptied_by_a_restart_gets_its_reply_and_command_agai
     renewer.start()
     proc = _launch(redis_server.url, run_id, "r0-w0", tmp_path / "w.log", lease_s=600)
     try:
-        spec = WorkerSpec(run_id=run_id, epoch=0, rank=0, world=1, store_url=dir_store.url, model="digits_mlp",
-                          dataset="digits", steps=5, batch_size=16, lr=0.05, optimizer="sgd",
-                          init_key=f"runs/{run_id}/ckpt/init.safetensors",
-                          out_key=f"runs/{run_id}/ckpt/epoch-0.safetensors", compute=ComputeSpec(threads=1))
-        channel.put(command_key(run_id, "r0-w0", 0), json.dumps({"op": "epoch", "spec": spec.to_dict()}).encode())
+        spec = _epoch_command(channel, dir_store, run_id, "r0-w0", 0, 0)
         reply = _await_reply(channel, run_id, "r0-w0", 0, proc)
         assert reply["ok"] and dir_store.exists(f"runs/{run_id}/ckpt/epoch-0.safetensors")  # data stays durable
         redis_server.restart()
