@@ -126,7 +126,7 @@ class TargetProfiler:
     def close(self) -> None:
         if self.one_off is not None:
             self.one_off.stop_all("the profile is taken")
-            store = self.ctx.open_durable()
+            store = self.ctx.open_channel()  # the warm channel's store (`RunContext.channel_ref`)
             try:
                 store.delete_prefix(warm_prefix(self.ctx.run_id) + "/")
             finally:
