@@ -74,9 +74,10 @@ def test_hung_worker_times_out_and_is_relaunched(tmp_path, monkeypatch, fault_fr
 
 
 def test_redis_restarted_mid_epoch_loses_only_scratch(tmp_path, monkeypatch, redis_server, fault_free):
-    """Tensors in flight live in Redis (scratch); data and checkpoints in the durable
-    directory store. Redis restarts without persistence in the middle of the epoch: the
-    workers re-post what was lost and the run ends where the fault-free run ends.
+    """Tensors in flight and the warm workers' channel (commands, replies, statuses, the lease)
+    live in Redis (scratch); data and checkpoints in the durable directory store. Redis restarts
+    without persistence in the middle of the epoch: the workers re-post what was lost, the
+    coordinator renews its lease and the run ends where the fault-free run ends.
 
     The event: rank 0 holds right after its first sync point (its sync checkpoint written) until
     a release key appears; the test restarts Redis while it is held, then releases it."""
@@ -124,10 +125,12 @@ def test_redis_restarted_mid_epoch_loses_only_scratch(tmp_path, monkeypatch, red
     assert restarted.is_set()
     # the restart lost the scratch store: a key written to it just before is gone after
     assert seen["sentinel_after"] is False
-    # only scratch lived there: every key in Redis at the restart was a sync round's (or the
-    # hold's own marker), while the data and the sync checkpoint the round resumes from were on
-    # the durable store
-    assert all("/sync/" in k or "/faults/held-" in k for k in seen["scratch"]), seen["scratch"]
+    # only scratch lived there: every key in Redis at the restart was a sync round's, the warm
+    # channel's (the epoch's commands, the lease, statuses) or the hold's own marker, while the
+    # data and the sync checkpoint the round resumes from were on the durable store
+    assert all(any(part in k for part in ("/sync/", "/warm/", "/faults/held-")) for k in seen["scratch"]), \
+        seen["scratch"]
+    assert any("/warm/" in k and "/cmd-" in k for k in seen["scratch"])  # the channel rode Redis
     run = summary.run_id
     assert seen["sync_checkpoint"] is True
     assert f"runs/{run}/data/manifest.json" in seen["durable"]
