@@ -214,6 +214,12 @@ class SyncSpec(JsonSpec):
     checkpoint at most once per this many seconds (the last round always) instead of every
     `checkpoint_every` rounds; 0: by rounds. Written every step it would cost rank 0 a put
     per step while its peers wait (`engine.local_sgd_epoch.CheckpointCadence`)."""
+    checkpoint_interval_s: float = 0.0
+    """Over the store, for a sync with no error-feedback residuals (float32): write the sync
+    checkpoint at the first round at least this many seconds after the last one (the last round
+    always; the rounds since kept for a relaunch's replay, at most `REPLAY_KEPT_BYTES` of them)
+    instead of every `checkpoint_every` rounds; 0: by rounds. The coordinator sets the plan's
+    (`planners.checkpoint_cadence`)."""
     group: str = ""
     """Store prefix of the Local-SGD syncs; empty: `runs/<run>/sync/e<epoch>`."""
     outer_optimizer: str = "average"
@@ -235,7 +241,7 @@ class SyncSpec(JsonSpec):
         _positive(self, "sync.", ("ring_timeout_s", "outer_lr", "bucket_mb"))
         if self.every_step not in EVERY_STEP:
             raise ZooidValueError("sync.every_step", f"must be one of {', '.join(EVERY_STEP)}, got {self.every_step!r}")
-        _positive(self, "sync.", ("repost_s", "checkpoint_every", "checkpoint_s"), zero_ok=True)
+        _positive(self, "sync.", ("repost_s", "checkpoint_every", "checkpoint_s", "checkpoint_interval_s"), zero_ok=True)
         if self.outer_optimizer not in OUTER_OPTIMIZERS:
             raise ZooidValueError("sync.outer_optimizer", f"must be one of {', '.join(OUTER_OPTIMIZERS)}, "
                                   f"got {self.outer_optimizer!r}")

@@ -14,8 +14,8 @@ Sync round r of epoch e uses scratch keys under `runs/<id>/sync/e<e>/r<r>/`.
 
 1. After round r, rank 0 writes the averaged state (weights, optimizer state) and the data
    position (epoch, step, round) in one atomic put to the durable sync checkpoint
-   `runs/<id>/ckpt/sync-e<e>.safetensors`; once it is in the store, rank 0 deletes round
-   r - 1's keys. The put runs behind the training thread (`engine.checkpoint.CheckpointWriter`:
+   `runs/<id>/ckpt/sync-e<e>.safetensors`; once it is in the store, rank 0 deletes the keys
+   of the rounds up to the previous checkpoint's (every round: round r - 1's). The put runs behind the training thread (`engine.checkpoint.CheckpointWriter`:
    the state is copied at once, and the store's round trip, a file's fsync or a request,
    overlaps step r + 1 and its sync): rank 0 may post round r + 1 while checkpoint r is in
    flight, but it starts checkpoint r + 1 only once checkpoint r is stored, so it posts
@@ -36,7 +36,13 @@ Sync round r of epoch e uses scratch keys under `runs/<id>/sync/e<e>/r<r>/`.
    stored. Within a round the collective is idempotent (`comm.collectives`): a reduced
    slice already posted is adopted, pieces stay until their reader posted its result,
    and pieces nobody needs are not sent again; so the relaunch replays rounds c + 1 and
-   c + 2 from what its predecessor posted, as a checkpoint every two rounds would.
+   c + 2 from what its predecessor posted, as a checkpoint every two rounds would. With a
+   cadence in seconds the same holds checkpoint by checkpoint: a relaunch that read
+   checkpoint k (or none: the epoch's start) while k + 1 was in flight finds every round
+   after k, which go only once k + 2 is stored; k + 2 starts only once k + 1 is stored, so
+   only a write that outlasts a whole interval while the predecessor is ahead of rank 0 could
+   drop a round the relaunch needs, and then its wait times out and the coordinator reruns
+   the attempt from the sync checkpoint (step 2 for every rank).
 4. The release at the end is idempotent too (`release_group(resumed=True)`), and rank 0
    rewrites the epoch checkpoint from the final sync checkpoint when it is the relaunch.
 
@@ -72,7 +78,10 @@ every-step sync does not pay a put per step. The ring keeps nothing of its round
 checkpoint only bounds what a failed attempt loses (the rerun resumes every rank from it).
 The store keeps every round since the last checkpoint, as with n rounds above, so steps
 2-4 hold for a relaunch from it; a checkpoint is also due once those rounds hold
-`REPLAY_KEPT_BYTES`, which bounds the scratch the replay needs.
+`REPLAY_KEPT_BYTES`, which bounds the scratch the replay needs. A float32 sync over the store
+(no residuals: rank 0 alone decides which rounds are checkpointed) takes the same cadence in
+seconds where `sync.checkpoint_interval_s` is set: the coordinator sets the interval that balances
+a checkpoint's cost against the work a crash loses (`planners.checkpoint_cadence`).
 
 The outer step and the wire (`spec.sync.outer_optimizer`, `outer_lr`, `outer_momentum`,
 `sync_dtype`; `engine.outer`, `comm.compression`): the outer momentum travels in both
@@ -420,14 +429,20 @@ def cadence_for(spec: WorkerSpec, model: nn.Module, ring: RingGroup | None,
     """The checkpoint cadence of an epoch (of a phase of `steps` steps; None: `spec.steps`): in seconds (`sync.checkpoint_s`) over a ring, and over
     the store when every step averages gradients (no rank keeps residuals that would have
     to agree on the rounds), with the store's rounds kept for replay bounded by
-    REPLAY_KEPT_BYTES; by `sync.checkpoint_every` rounds otherwise."""
+    REPLAY_KEPT_BYTES; over the store in `sync.checkpoint_interval_s` seconds where it is set and
+    the sync carries no residuals, bounded the same way; by `sync.checkpoint_every` rounds otherwise."""
     sync, steps = spec.sync, spec.steps if steps is None else steps
     if ring is not None:
         return CheckpointCadence(sync.checkpoint_every, steps, sync.checkpoint_s, checkpoint_clock)
+    param_bytes = sum(t.numel() * t.element_size() for t in model.parameters()) or 1
     if averages_gradients(spec.sync_period, sync.outer_optimizer, sync.sync_dtype, sync.every_step):
-        round_bytes = sum(t.numel() * t.element_size() for t in model.parameters()) or 1
         return CheckpointCadence(sync.checkpoint_every, steps, sync.checkpoint_s, checkpoint_clock,
-                                 max_rounds=max(1, REPLAY_KEPT_BYTES // round_bytes))
+                                 max_rounds=max(1, REPLAY_KEPT_BYTES // param_bytes))
+    if sync.checkpoint_interval_s and sync.sync_dtype == "float32" and sync.checkpoint_every:
+        # rank 0 alone decides (no rank writes residuals on the checkpoint's rounds); a round
+        # carries the weights and up to two optimizer moments
+        return CheckpointCadence(sync.checkpoint_every, steps, sync.checkpoint_interval_s, checkpoint_clock,
+                                 max_rounds=max(1, REPLAY_KEPT_BYTES // (3 * param_bytes)))
     return CheckpointCadence(sync.checkpoint_every, steps)
 
 
@@ -522,6 +537,10 @@ class _ReplicaEpoch:
         self.outer, self.compressor, self.residuals = _outer_and_wire(spec, self.start, self.device,
                                                                       self.ckpt_store)
         self.cadence = cadence_for(spec, self.model, ring, self.steps)
+        self.kept_from = self.start.round
+        """Rounds before this one may go once the next sync checkpoint is stored: those up to the
+        previous checkpoint's, which no relaunch can need (one that read an older checkpoint found
+        this one's rounds, see step 3); the rounds after it stay."""
         self.writer = CheckpointWriter(self.ckpt_store)
         if self.compressor is not None:
             self.compressor.before_result = self._write_residual
@@ -556,9 +575,10 @@ class _ReplicaEpoch:
         if spec.rank == 0 and self.cadence.due(round_, step) and not _lone_last_round(spec, step, self.steps):
             # in the background; this waits for the one before
             meta = {**self.position, "step": step, "round": round_}
+            kept_from, self.kept_from = self.kept_from, round_ + 1
             self.writer.write(self.sync_key, self.model, self.optimizer, meta,
                               extra=self.outer.state_tensors() if self.outer else None,
-                              then=lambda: averaging.drop_rounds_before(round_))
+                              then=lambda: averaging.drop_rounds_before(kept_from))
             self.cadence.written(round_)
             if self.chaos.pending:
                 self.writer.wait()  # a planned fault finds the checkpoint where it always did

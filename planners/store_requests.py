@@ -12,7 +12,8 @@ Counted, all workers together:
   its calls' leftovers the address key alone (`ring_ops`);
 - Local-SGD's rounds: one per `sync_period` steps (the last one shorter), one per epoch
   without a period, one per step (one bucket) when every step averages; with sync
-  checkpoints every `checkpoint_every` rounds (the last always), rank 0's checkpoint put and
+  checkpoints every `checkpoint_every` rounds (or one per `Plan.sync_checkpoint_s` of the
+  predicted epoch; the last always), rank 0's checkpoint put and
   a listing and delete of each round it no longer keeps;
 - a pipeline's hand-offs per replica and step: each of its p x v - 1 model-stage boundaries
   moves M activations forward and M gradients back (a put, a get and a delete each); after
@@ -34,6 +35,7 @@ import math
 from typing import Callable
 
 from core.kinds import Strategy
+from planners.checkpoint_cadence import checkpoints_per_epoch
 from core.plan import Plan
 from core.polling import control_reads
 from core.store_ops import StoreOps
@@ -100,7 +102,8 @@ def epoch_store_ops(plan: Plan, *, ring: bool = False, checkpoint_every: int = 1
         ops = ops + StoreOps(**{k: v * d for k, v in allreduce_ops(d, rounds, not replayed).to_dict().items()})
         ops = ops + release_ops(d, delete_requests)
         if replayed:  # rank 0's sync checkpoints, each dropping the rounds before it
-            checkpoints = math.ceil(rounds / checkpoint_every)
+            checkpoints = (checkpoints_per_epoch(rounds, plan.predicted_epoch_s, plan.sync_checkpoint_s)
+                           if plan.sync_checkpoint_s else math.ceil(rounds / checkpoint_every))
             ops = ops + StoreOps(put=checkpoints * put_ckpt, list=rounds - 1, delete=(rounds - 1) * delete_requests(d))
         return ops
     boundaries = p * max(1, plan.chunks) - 1 if p > 1 else 0

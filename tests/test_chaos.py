@@ -9,7 +9,8 @@ from coordinator.run.job import TrainJob
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
-JOB = dict(workers=2, epochs=1, optimizer="sgd", lr=0.1, sync_period=4, batch_size=32, strategy="local_sgd")
+JOB = dict(workers=2, epochs=1, optimizer="sgd", lr=0.1, sync_period=4, batch_size=32, strategy="local_sgd",
+           sync_checkpoint_s=0.0)  # a sync checkpoint every round: the faults below resume from one
 
 
 def _final_weights(store_url: str, key: str) -> dict[str, torch.Tensor]:

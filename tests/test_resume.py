@@ -18,7 +18,8 @@ from coordinator.run.job import TrainJob
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 ROOT = Path(__file__).resolve().parent.parent
-JOB = dict(workers=2, optimizer="momentum", lr=0.05, sync_period=4, batch_size=32, strategy="local_sgd")
+JOB = dict(workers=2, optimizer="momentum", lr=0.05, sync_period=4, batch_size=32, strategy="local_sgd",
+           sync_checkpoint_s=0.0)  # a sync checkpoint every round: the faults below resume from one
 
 
 def _weights(url: str, key: str) -> dict[str, torch.Tensor]:

@@ -22,7 +22,8 @@ import torch
 from coordinator.run.job import TrainJob
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
-JOB = dict(workers=2, epochs=2, optimizer="sgd", lr=0.1, sync_period=4, batch_size=32, strategy="local_sgd")
+JOB = dict(workers=2, epochs=2, optimizer="sgd", lr=0.1, sync_period=4, batch_size=32, strategy="local_sgd",
+           sync_checkpoint_s=0.0)  # a sync checkpoint every round: the faults below resume from one
 
 
 def _save_block(azurite, name: str) -> tuple[str, str]:

@@ -25,7 +25,8 @@ from coordinator.run.context import RunContext
 from coordinator.run.job_data import is_prepared
 from core.epoch_summary import Replan
 from core.errors import ZooidValueError
-from core.kinds import AUTO, SHARED_HOST_KINDS, PipelineSchedule, Strategy
+from core.kinds import AUTO, SHARED_HOST_KINDS, Capacity, PipelineSchedule, Strategy
+from core.notice import HANDOVER_MARGIN_S
 from core.plan import Plan
 from core.schedule_costs import ideal_peak_in_flight
 from core.schedules import Kind, build_schedule
@@ -34,6 +35,7 @@ from core.store_ops import StoreOps
 from core.warm_cadence import REPLY_POLL_S, WarmCadence
 from planners.calibration import Calibration, calibrated
 from planners.catalog import store_figures
+from planners.checkpoint_cadence import sync_checkpoint_interval_s
 from planners.pipeline_time import TransferCosts
 from planners.run_prediction import RunTerms, predict_run, with_run_prediction
 from planners.store_prices import StoreOffer, store_offer
@@ -145,7 +147,7 @@ def make_plan(ctx: RunContext, profile: dict, workers: int, calibration: Calibra
         why = str(exc)  # at the target's size it does not fit: a larger size for some stage may
     chosen = co_optimized(ctx, profile, x, uniform, workers, why_uniform=why,
                           check_memory=lambda p: check_memory(ctx, profile, p))
-    chosen = with_sync(x, chosen)
+    chosen = with_checkpoint_interval(ctx, with_sync(x, chosen))
     note = planned_collectives(ctx.job, ctx.resolved.target)[1]
     if note:
         chosen = dataclasses.replace(chosen, collective_note=note)
@@ -284,14 +286,45 @@ def expected_epoch_ops(ctx: RunContext, plan: Plan, epoch_s: float, stores: RunS
     return {"coordinator": coordinator, "workers": workers}
 
 
+def checkpoint_bytes(ctx: RunContext) -> float:
+    """A checkpoint's size: the profiled parameters and the optimizer's state, float32."""
+    prof = ctx.state.profile or {}
+    return float(prof.get("param_bytes") or 0.0) * (1 + optimizer_copies(ctx.job.optimizer))
+
+
+def with_checkpoint_interval(ctx: RunContext, plan: Plan, stores: RunStores | None = None) -> Plan:
+    """`plan` with the seconds between its sync checkpoints (`Plan.sync_checkpoint_s`): for a
+    Local-SGD sync over the store with float32 pieces, the job's `sync_checkpoint_s` where it
+    names one, else Young's interval from the profiled stall of
+    a checkpoint's write, its requests on the durable store at the plan's worker price, the assumed
+    crash rate and, where the job may run on spot and the notice leaves no time to hand over, the
+    spot offer's interruptions (`planners.checkpoint_cadence`); 0 (every round) otherwise."""
+    if (plan.strategy != Strategy.LOCAL_SGD or plan.stages > 1 or plan.data_parallel <= 1
+            or plan.sync_dtype != "float32" or uses_ring(ctx.job, plan)):
+        return dataclasses.replace(plan, sync_checkpoint_s=0.0)
+    asked = getattr(ctx.job, "sync_checkpoint_s", None)
+    if asked is not None:
+        return dataclasses.replace(plan, sync_checkpoint_s=float(asked))
+    stores = run_stores(ctx) if stores is None else stores
+    offer = stores.offers.get(stores.durable_role)
+    put_usd = offer.request_usd(StoreOps(put=offer.object_requests(checkpoint_bytes(ctx))[0])) if offer else 0.0
+    spot = getattr(ctx.resolved, "spot", None)
+    on_spot = spot is not None and getattr(ctx.job, "capacity", Capacity.ON_DEMAND) != Capacity.ON_DEMAND
+    interval = sync_checkpoint_interval_s(
+        workers=plan.data_parallel, checkpoint_s=(ctx.state.profile or {}).get("checkpoint_s"), put_usd=put_usd,
+        price_per_worker_s=plan.price_per_worker_s or getattr(ctx, "price_per_worker_s", 0.0),
+        spot_rate_per_worker_hour=spot.interruptions_per_worker_hour if on_spot else 0.0,
+        handover=not on_spot or spot.notice_s >= HANDOVER_MARGIN_S)
+    return dataclasses.replace(plan, sync_checkpoint_s=interval)
+
+
 def protocol_ops(ctx: RunContext, plan: Plan, stores: RunStores) -> StoreOps:
     """One epoch's protocol requests (`planners.store_requests.epoch_store_ops`), its checkpoints'
-    as many as their size takes on the durable store (parameters and optimizer state, float32)."""
-    prof = ctx.state.profile or {}
-    ckpt = float(prof.get("param_bytes") or 0.0) * (1 + optimizer_copies(ctx.job.optimizer))
+    as many as their size takes on the durable store (parameters and optimizer state, float32),
+    as many sync checkpoints as the plan's interval gives its epoch."""
     offer = stores.offers.get(stores.durable_role)
     return epoch_store_ops(plan, ring=uses_ring(ctx.job, plan),
-                           checkpoint_requests=offer.object_requests(ckpt) if offer is not None else (1, 1))
+                           checkpoint_requests=offer.object_requests(checkpoint_bytes(ctx)) if offer is not None else (1, 1))
 
 
 def command_waits(ctx: RunContext, plan: Plan, stores: RunStores, wait_s: float) -> dict[str, StoreOps]:
@@ -426,6 +459,7 @@ def make_same(ctx: RunContext, profile: dict, current: Plan, calibration: Calibr
     again = (local_sgd(x, current.data_parallel, collective) if current.stages == 1
              else predicted(x, dataclasses.replace(current, collective=collective)))
     again = dataclasses.replace(again, alternatives=current.alternatives, co_optimizer=current.co_optimizer)
+    again = with_checkpoint_interval(ctx, again)
     return with_capacity(ctx, with_run(ctx, again, calibration, epochs_left), keep=current.capacity)
 
 

@@ -63,6 +63,9 @@ class RunState:
     """Last attempt number per (epoch, rank)."""
     dataset: dict = field(default_factory=dict)
     """The published dataset's manifest."""
+    checkpoint_keys: set | None = None
+    """The run's checkpoint keys as the last pruning left them (`coordinator.workers.retention`);
+    None until this coordinator's first listing."""
     profile: dict = field(default_factory=dict)
     """The measured profile (peak memory sizes cloud workers)."""
     warm: Any = None

@@ -137,6 +137,12 @@ class Sync(JobSection):
                     "0.3 from 4 steps a round, K-AVG's gain 0.7 / (1 - 0.3) = 1; less below: 0.09 at 1; a round is "
                     "the epoch when sync_period is null). Explicit values are kept, with a warning when they "
                     "exceed what the period bears.")
+    sync_checkpoint_s: Optional[float] = Field(
+        None, ge=0, allow_inf_nan=False, title="Seconds between sync checkpoints",
+        description="Local-SGD over the store with float32 syncs: rank 0 writes a sync checkpoint (what a worker "
+                    "lost with nothing handed over resumes from) at the first round this many seconds after the "
+                    "last, and at each epoch's last round; 0: every round; null: the plan's interval, which weighs "
+                    "a checkpoint's cost against the work an expected crash loses (Young's interval).")
     sync_dtype: Literal["float32", "bfloat16", "int8"] = Field(
         "float32", title="Sync dtype",
         description="What syncs move through the store: `float32`, `bfloat16`, or `int8` (per-block scaled); "

@@ -7,11 +7,13 @@ begin the epoch while the coordinator still commits the one before.
 from __future__ import annotations
 
 from coordinator.run.context import RunContext
-from core.keys import activation_prefix, handover_prefix, sync_prefix
+from core.keys import activation_prefix, handover_key, sync_prefix
 
 
-def clear_epoch_keys(ctx: RunContext, epoch: int) -> None:
-    """Delete epoch `epoch`'s sync slices and activations (run store) and handovers (durable store)."""
+def clear_epoch_keys(ctx: RunContext, epoch: int, world: int) -> None:
+    """Delete epoch `epoch`'s sync slices and activations (run store) and the handovers of the
+    attempt's `world` ranks (durable store), each by its key: a rank reads its own handover only,
+    and a durable store bills a listing (S3, Azure) where it does not bill a delete."""
     store = ctx.open_store()
     try:
         store.delete_prefix(sync_prefix(ctx.run_id, epoch) + "/")
@@ -20,6 +22,7 @@ def clear_epoch_keys(ctx: RunContext, epoch: int) -> None:
         store.close()
     durable = ctx.open_durable()
     try:
-        durable.delete_prefix(handover_prefix(ctx.run_id, epoch) + "/")
+        for rank in range(world):
+            durable.delete(handover_key(ctx.run_id, epoch, rank))
     finally:
         durable.close()

@@ -7,17 +7,20 @@ resume always finds a complete checkpoint. Then it prunes: the last `keep_checkp
 checkpoints stay, and the best by validation loss (`ckpt/best.json`) when the job has a
 target; the mid-epoch sync checkpoints of finished epochs go (a resume starts after the
 latest epoch). Pruning runs after `latest.json` moved, so a kill between the two leaves
-more checkpoints, never fewer.
+more checkpoints, never fewer. The keys to prune are listed once per coordinator and then known
+(`known_checkpoints`), so an epoch on S3 or Azure pays no listing.
 """
 from __future__ import annotations
 
 import json
 import time
+from typing import Iterable
 
 from comm.tensor_codec import read_header
 from coordinator.run.context import RunContext
 from core.epoch_summary import EpochSummary
-from core.keys import EPOCH_CHECKPOINT, RESIDUAL, SYNC_CHECKPOINT, best_key, checkpoint_prefix, latest_key
+from core.keys import (EPOCH_CHECKPOINT, RESIDUAL, SYNC_CHECKPOINT, best_key, checkpoint_prefix, latest_key,
+                       sync_checkpoint_key)
 
 
 def update_best(store, run_id: str, epoch: int, key: str, val_loss: float | None) -> dict | None:
@@ -30,11 +33,13 @@ def update_best(store, run_id: str, epoch: int, key: str, val_loss: float | None
     return doc
 
 
-def prune_checkpoints(store, run_id: str, latest_epoch: int, keep: int, best: dict | None = None) -> list[str]:
+def prune_checkpoints(store, run_id: str, latest_epoch: int, keep: int, best: dict | None = None,
+                      keys: Iterable[str] | None = None) -> list[str]:
     """Delete epoch checkpoints older than the last `keep` (up to `latest_epoch`), except the
     best one (with the error-feedback residuals each names), and the sync checkpoints of epochs
-    up to `latest_epoch`; return the deleted keys."""
-    keys = store.list(checkpoint_prefix(run_id) + "/")
+    up to `latest_epoch`; return the deleted keys. `keys`: the run's checkpoint keys where the
+    caller knows them (None: listed)."""
+    keys = store.list(checkpoint_prefix(run_id) + "/") if keys is None else sorted(keys)
     epochs = sorted(int(m.group(1)) for k in keys
                     if (m := EPOCH_CHECKPOINT.search(k)) and int(m.group(1)) <= latest_epoch)
     keep_epochs = set(epochs[-keep:]) | ({best["epoch"]} if best else set())
@@ -48,6 +53,17 @@ def prune_checkpoints(store, run_id: str, latest_epoch: int, keep: int, best: di
             store.delete(k)
             deleted.append(k)
     return deleted
+
+
+def known_checkpoints(ctx: RunContext, epoch: int, key: str) -> set[str] | None:
+    """The run's checkpoint keys after epoch `epoch` wrote `key`, where this coordinator knows
+    them without a listing (a durable store bills one like a write): those its last pruning left,
+    this epoch's checkpoint and sync checkpoint (a delete of a key never written costs nothing on
+    S3 or Azure). None, to be listed: at the coordinator's first epoch (a resumed run's keys are
+    its predecessor's) and where workers write their own error-feedback residuals."""
+    if ctx.state.checkpoint_keys is None or getattr(ctx.job, "sync_dtype", "float32") != "float32":
+        return None
+    return ctx.state.checkpoint_keys | {key, sync_checkpoint_key(ctx.run_id, epoch)}
 
 
 def commit_checkpoint(ctx: RunContext, summary: EpochSummary) -> str:
@@ -64,7 +80,11 @@ def commit_checkpoint(ctx: RunContext, summary: EpochSummary) -> str:
              "val_accuracy": summary.val_accuracy, "val_loss": summary.val_loss}).encode())
         targeted = job.target_loss is not None or job.target_accuracy is not None
         best = update_best(store, ctx.run_id, epoch, key, summary.val_loss) if targeted else None
-        prune_checkpoints(store, ctx.run_id, epoch, job.keep_checkpoints, best)
+        keys = known_checkpoints(ctx, epoch, key)
+        if keys is None:
+            keys = set(store.list(checkpoint_prefix(ctx.run_id) + "/"))
+        ctx.state.checkpoint_keys = keys - set(prune_checkpoints(store, ctx.run_id, epoch, job.keep_checkpoints,
+                                                                 best, keys=keys))
     finally:
         store.close()
     return key

@@ -60,7 +60,7 @@ def worker_specs(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, 
     outer = {"outer_optimizer": job.outer_optimizer, "outer_lr": settings.lr,
              "outer_momentum": settings.momentum, "sync_dtype": job.sync_dtype}
     sync = (SyncSpec(collective="ring", ring_host=ring_host(ctx), ring_timeout_s=120.0, **outer)
-            if uses_ring(job, plan) else SyncSpec(**outer))
+            if uses_ring(job, plan) else SyncSpec(**outer, checkpoint_interval_s=plan.sync_checkpoint_s))
     return [WorkerSpec(run_id=ctx.run_id, epoch=epoch, rank=rank, world=plan.data_parallel,
                        store_url=ctx.store_ref, model=job.model, dataset=job.dataset,
                        steps=steps,
