@@ -31,13 +31,9 @@ block, as early as the worker's own code runs (`runtime.worker_main.main`, the `
 `runtime.warm.serve`): during an epoch it defers to `listening()`'s flag; otherwise it runs the
 innermost scopes' hooks (a warm worker marks itself preempted where its pool can read it, at
 most `HOOK_S` seconds) and exits at once with `EXIT_STATUS`. It matters in a container, where
-the engine's init (PID 1) passes the stop on to the worker's process.
-
-Before the worker's own code runs (the interpreter's start, Prefect's imports and API calls) a
-worker image records the notice instead (`core.early_notice`); the first of these to open takes
-it as if it came then: `overlapping()` with working time (the worker starts and serves until it is
-released), otherwise `overlapping()` without (it leaves at once) or `listening()` (its epoch hands
-over at the first step boundary).
+the worker's process is the namespace's init (PID 1): the kernel does not deliver a signal whose
+disposition is the default to PID 1, so without a handler the notice is ignored and the engine
+SIGKILLs the container at the end of the grace.
 """
 from __future__ import annotations
 
@@ -51,7 +47,6 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 from comm.store import Store
-from core import early_notice
 from core.errors import Preempted, ZooidError
 from core.keys import preempted_marker_key
 from core.specs import WorkerSpec
@@ -141,14 +136,11 @@ def overlapping(work_s: float, released: Callable[[], bool]) -> Iterator[None]:
     it works on for up to `work_s` seconds (`core.notice.work_through_s`) or until
     `released()` (called at step boundaries and between commands; pace its reads) is true.
     With `work_s` 0 the block changes nothing."""
-    global _overlap, _noticed_at
+    global _overlap
     if work_s <= 0:
-        if early_notice.take():  # noticed while it started, with no time to work through it
-            leave_now()
         yield
         return
     previous, _overlap = _overlap, (float(work_s), released)
-    _noticed_at = _noticed_at or early_notice.take()  # noticed while it started: it works through
     try:
         yield
     finally:
@@ -171,10 +163,9 @@ def listening() -> Iterator[bool]:
     """SIGTERM sets the flag for the duration of the block (installed in the main thread; from
     another thread, the process-wide handler of `leaving()` sets it); the handler in force before
     is restored after. Yields whether the handler is installed."""
-    global _listening, _waiting_since, _noticed_at
+    global _listening, _waiting_since
     if _overlap is None:
         reset()
-        _noticed_at = early_notice.take()  # noticed while it started: hand over at the first step
     else:  # a notice that came while the worker was idle: it still stands
         _waiting_since = 0.0
     _listening += 1
