@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -17,12 +15,13 @@ import engine.local_sgd_epoch as local_sgd_epoch
 from comm.store_dir import DirectoryStore
 from core.keys import sync_checkpoint_key
 from core.specs import SyncSpec
-from engine.local_sgd_epoch import read_epoch_history, run_local_sgd_epoch
+from engine.local_sgd_epoch import read_epoch_history
 from engine.models import build_model
 from planners.checkpoint_cadence import (MAX_INTERVAL_S, MIN_INTERVAL_S, checkpoints_per_epoch,
                                          sync_checkpoint_interval_s, young_interval_s)
-from tests.memory_store import Died, DyingStore, MemoryStore
-from tests.test_gradient_buckets import assert_same_state, final_state, run_threads, specs, stage
+from tests.memory_store import MemoryStore
+from tests.test_gradient_buckets import (assert_same_state, final_state, rank_1_dies_and_is_relaunched,
+                                         run_threads, specs, stage)
 
 PRICE = 0.0494 / 3600  # a Fargate worker of 1 vCPU and 2 GB, dollars a second
 
@@ -94,24 +93,7 @@ def test_a_kavg_replica_killed_mid_epoch_ends_equal_whatever_the_cadence(tmp_pat
 
     store = MemoryStore()
     stage(store, "k", "momentum")
-    dead = threading.Event()
-
-    def when(op, key):
-        if op == "put" and "/sync/e0/r2/" in key:
-            dead.set()
-        return dead.is_set()  # a killed process does nothing more
-
-    worker_specs = kavg(store, "k", "momentum", sync)
-
-    def rank(r):
-        if r == 0:
-            return run_local_sgd_epoch(worker_specs[0], store)
-        with pytest.raises(Died):
-            run_local_sgd_epoch(worker_specs[1], DyingStore(store, when))
-        return run_local_sgd_epoch(dataclasses.replace(worker_specs[1], attempt=1), store)
-
-    with ThreadPoolExecutor(2) as pool:
-        list(pool.map(rank, range(2)))
+    rank_1_dies_and_is_relaunched(store, kavg(store, "k", "momentum", sync), lambda key: "/sync/e0/r2/" in key)
     assert_same_state(final_state(store, "k", "momentum"), final_state(reference, "k", "momentum"), 1e-12)
     relaunch = next(h for h in read_epoch_history(store, "k", 0) if h["attempt"] == 1)
     assert relaunch["start_step"] in resumes_at

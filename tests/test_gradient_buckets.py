@@ -246,14 +246,23 @@ def test_a_replica_that_dies_inside_a_bucketed_round_is_relaunched_and_ends_equa
 
     store = MemoryStore()
     stage(store, "g", "momentum")
+    rank_1_dies_and_is_relaunched(store, specs(store, "g", "momentum", sync),
+                                  lambda key: key.endswith("/sync/e0/r3/b1/mean-1"))
+    assert_same_state(final_state(store, "g", "momentum"), final_state(reference, "g", "momentum"), 1e-12)
+    relaunch = next(h for h in read_epoch_history(store, "g", 0) if h["attempt"] == 1)
+    assert (relaunch["start_step"], relaunch["start_round"], relaunch["end_round"]) == (resumes_at, resumes_at, STEPS)
+    assert store.list("runs/g/sync/") == []
+
+
+def rank_1_dies_and_is_relaunched(store, worker_specs, dies_at) -> None:
+    """Run a 2-replica epoch whose rank 1 dies as it puts the first key `dies_at(key)` names
+    (a killed process does nothing more) and is relaunched at once (attempt 1)."""
     dead = threading.Event()
 
     def when(op, key):
-        if op == "put" and key.endswith("/sync/e0/r3/b1/mean-1"):
+        if op == "put" and dies_at(key):
             dead.set()
-        return dead.is_set()  # a killed process does nothing more
-
-    worker_specs = specs(store, "g", "momentum", sync)
+        return dead.is_set()
 
     def rank(r):
         if r == 0:
@@ -264,10 +273,6 @@ def test_a_replica_that_dies_inside_a_bucketed_round_is_relaunched_and_ends_equa
 
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(rank, range(2)))
-    assert_same_state(final_state(store, "g", "momentum"), final_state(reference, "g", "momentum"), 1e-12)
-    relaunch = next(h for h in read_epoch_history(store, "g", 0) if h["attempt"] == 1)
-    assert (relaunch["start_step"], relaunch["start_round"], relaunch["end_round"]) == (resumes_at, resumes_at, STEPS)
-    assert store.list("runs/g/sync/") == []
 
 
 class FailBeforeStep(Chaos):
