@@ -288,7 +288,7 @@ def expected_epoch_ops(ctx: RunContext, plan: Plan, epoch_s: float, stores: RunS
 
 def checkpoint_bytes(ctx: RunContext) -> float:
     """A checkpoint's size: the profiled parameters and the optimizer's state, float32."""
-    prof = ctx.state.profile or {}
+    prof = getattr(getattr(ctx, "state", None), "profile", None) or {}
     return float(prof.get("param_bytes") or 0.0) * (1 + optimizer_copies(ctx.job.optimizer))
 
 
@@ -307,11 +307,12 @@ def with_checkpoint_interval(ctx: RunContext, plan: Plan, stores: RunStores | No
         return dataclasses.replace(plan, sync_checkpoint_s=float(asked))
     stores = run_stores(ctx) if stores is None else stores
     offer = stores.offers.get(stores.durable_role)
+    profiled = getattr(getattr(ctx, "state", None), "profile", None) or {}
     put_usd = offer.request_usd(StoreOps(put=offer.object_requests(checkpoint_bytes(ctx))[0])) if offer else 0.0
     spot = getattr(ctx.resolved, "spot", None)
     on_spot = spot is not None and getattr(ctx.job, "capacity", Capacity.ON_DEMAND) != Capacity.ON_DEMAND
     interval = sync_checkpoint_interval_s(
-        workers=plan.data_parallel, checkpoint_s=(ctx.state.profile or {}).get("checkpoint_s"), put_usd=put_usd,
+        workers=plan.data_parallel, checkpoint_s=profiled.get("checkpoint_s"), put_usd=put_usd,
         price_per_worker_s=plan.price_per_worker_s or getattr(ctx, "price_per_worker_s", 0.0),
         spot_rate_per_worker_hour=spot.interruptions_per_worker_hour if on_spot else 0.0,
         handover=not on_spot or spot.notice_s >= HANDOVER_MARGIN_S)

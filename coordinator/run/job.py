@@ -13,7 +13,7 @@ form shows. The form and `flows.train.train_with_params` list the fields in this
 | `ModelAndData` | model, dataset, loss, tokenizer, objective, seq_len, seed | what to train, on what, from which seed |
 | `Optimization` | epochs, batch_size, lr, optimizer | each replica's training loop |
 | `Parallelism` | strategy, workers, stages, microbatches, pipeline_schedule | replicas, pipeline stages, their schedule |
-| `Sync` | sync_period, collective, outer_optimizer, outer_lr, outer_momentum, sync_dtype | how Local-SGD replicas meet |
+| `Sync` | sync_period, collective, outer_optimizer, outer_lr, outer_momentum, sync_checkpoint_s, sync_dtype | how Local-SGD replicas meet |
 | `Scaling` | scaling, scale_every_epochs, min_workers, max_workers | the worker count between epochs |
 | `TargetAndStore` | store, durable_store, target, worker_vcpu, worker_memory_gb, offer, capacity, spot_preemptions_before_on_demand, spot_spares | where workers run and tensors live |
 | `BudgetAndStopping` | budget_usd, deadline_s, target_accuracy, target_loss | when a run ends before its last epoch |
