@@ -15,8 +15,8 @@ Sync round r of epoch e uses scratch keys under `runs/<id>/sync/e<e>/r<r>/`.
 1. After round r, rank 0 writes the averaged state (weights, optimizer state) and the data
    position (epoch, step, round) in one atomic put to the durable sync checkpoint
    `runs/<id>/ckpt/sync-e<e>.safetensors`; once it is in the store, rank 0 deletes the keys
-   of the rounds up to the previous checkpoint's (every round: round r - 1's). The put runs behind the training thread (`engine.checkpoint.CheckpointWriter`:
-   the state is copied at once, and the store's round trip, a file's fsync or a request,
+   of the rounds up to the previous checkpoint's (every round: round r - 1's). The put runs
+   behind the training thread (`engine.checkpoint.CheckpointWriter`: the state is copied at once, and the store's round trip, a file's fsync or a request,
    overlaps step r + 1 and its sync): rank 0 may post round r + 1 while checkpoint r is in
    flight, but it starts checkpoint r + 1 only once checkpoint r is stored, so it posts
    nothing for round r + 2 before then. A rank 0 killed with a put in flight is one killed

@@ -147,7 +147,7 @@ def make_plan(ctx: RunContext, profile: dict, workers: int, calibration: Calibra
         why = str(exc)  # at the target's size it does not fit: a larger size for some stage may
     chosen = co_optimized(ctx, profile, x, uniform, workers, why_uniform=why,
                           check_memory=lambda p: check_memory(ctx, profile, p))
-    chosen = with_checkpoint_interval(ctx, with_sync(x, chosen))
+    chosen = with_sync(x, chosen)
     note = planned_collectives(ctx.job, ctx.resolved.target)[1]
     if note:
         chosen = dataclasses.replace(chosen, collective_note=note)
@@ -286,13 +286,17 @@ def expected_epoch_ops(ctx: RunContext, plan: Plan, epoch_s: float, stores: RunS
     return {"coordinator": coordinator, "workers": workers}
 
 
+def profiled(ctx: RunContext) -> dict:
+    """The run's measured profile (empty before the profile, or for a context without state)."""
+    return getattr(getattr(ctx, "state", None), "profile", None) or {}
+
+
 def checkpoint_bytes(ctx: RunContext) -> float:
     """A checkpoint's size: the profiled parameters and the optimizer's state, float32."""
-    prof = getattr(getattr(ctx, "state", None), "profile", None) or {}
-    return float(prof.get("param_bytes") or 0.0) * (1 + optimizer_copies(ctx.job.optimizer))
+    return float(profiled(ctx).get("param_bytes") or 0.0) * (1 + optimizer_copies(ctx.job.optimizer))
 
 
-def with_checkpoint_interval(ctx: RunContext, plan: Plan, stores: RunStores | None = None) -> Plan:
+def with_checkpoint_interval(ctx: RunContext, plan: Plan, stores: RunStores) -> Plan:
     """`plan` with the seconds between its sync checkpoints (`Plan.sync_checkpoint_s`): for a
     Local-SGD sync over the store with float32 pieces, the job's `sync_checkpoint_s` where it
     names one, else Young's interval from the profiled stall of
@@ -305,14 +309,12 @@ def with_checkpoint_interval(ctx: RunContext, plan: Plan, stores: RunStores | No
     asked = getattr(ctx.job, "sync_checkpoint_s", None)
     if asked is not None:
         return dataclasses.replace(plan, sync_checkpoint_s=float(asked))
-    stores = run_stores(ctx) if stores is None else stores
     offer = stores.offers.get(stores.durable_role)
-    profiled = getattr(getattr(ctx, "state", None), "profile", None) or {}
     put_usd = offer.request_usd(StoreOps(put=offer.object_requests(checkpoint_bytes(ctx))[0])) if offer else 0.0
     spot = getattr(ctx.resolved, "spot", None)
     on_spot = spot is not None and getattr(ctx.job, "capacity", Capacity.ON_DEMAND) != Capacity.ON_DEMAND
     interval = sync_checkpoint_interval_s(
-        workers=plan.data_parallel, checkpoint_s=profiled.get("checkpoint_s"), put_usd=put_usd,
+        workers=plan.data_parallel, checkpoint_s=profiled(ctx).get("checkpoint_s"), put_usd=put_usd,
         price_per_worker_s=plan.price_per_worker_s or getattr(ctx, "price_per_worker_s", 0.0),
         spot_rate_per_worker_hour=spot.interruptions_per_worker_hour if on_spot else 0.0,
         handover=not on_spot or spot.notice_s >= HANDOVER_MARGIN_S)
@@ -349,7 +351,7 @@ def _cadence(ctx: RunContext) -> WarmCadence:
     return WarmCadence(ctx.job.worker_lease_s, ctx.job.worker_timeout_s)
 
 
-def store_terms(ctx: RunContext, plan: Plan, terms: RunTerms) -> tuple[StoreOps, dict, float]:
+def store_terms(ctx: RunContext, plan: Plan, terms: RunTerms, stores: RunStores) -> tuple[StoreOps, dict, float]:
     """One epoch's protocol requests for `plan` (`planners.store_requests`), `predict_run`'s store
     keywords and the dollars an epoch adds beyond its protocol. Priced by the run's stores'
     offers (`planners.store_prices`): each epoch's protocol and warm channel plus the run's own
@@ -358,7 +360,6 @@ def store_terms(ctx: RunContext, plan: Plan, terms: RunTerms) -> tuple[StoreOps,
     this run's dataset's subsets (none once provisioned: it is billed by then); after the last,
     their teardown. The planner weighed the protocol's dollars when it chose
     (`planners.strategy.store_usd_per_epoch`)."""
-    stores = run_stores(ctx)
     protocol = protocol_ops(ctx, plan, stores)
     expected = flat(expected_epoch_ops(ctx, plan, plan.predicted_epoch_s, stores, wait_s=terms.gap_s, protocol=protocol))
     own = terms.own_store_ops or {}
@@ -376,8 +377,11 @@ def store_terms(ctx: RunContext, plan: Plan, terms: RunTerms) -> tuple[StoreOps,
 
 def with_run(ctx: RunContext, chosen: Plan, calibration: Calibration | None, epochs_left: int | None,
              per_epoch: list[Plan] | None = None) -> Plan:
-    """`chosen` and its alternatives with each epoch's overhead and the run's time and bill
+    """`chosen`, with its sync checkpoints' interval (`with_checkpoint_interval`), and its
+    alternatives with each epoch's overhead and the run's time and bill
     (`planners.run_prediction`), from the target's measured terms (`coordinator.plan.run_terms`)."""
+    stores = run_stores(ctx)
+    chosen = with_checkpoint_interval(ctx, chosen, stores)
     terms = load_terms(ctx, calibration.overhead_s if calibration else None)
     launched = [w.launched_at for w in ctx.state.warm.workers.values()] if ctx.state.warm is not None else []
     since = None  # no worker yet: all start at the plan, and wait as long as earlier such runs did
@@ -389,7 +393,7 @@ def with_run(ctx: RunContext, chosen: Plan, calibration: Calibration | None, epo
     kwargs = dict(epochs=ctx.job.epochs if epochs_left is None else epochs_left, warm=ctx.job.warm,
                   workers_launched_s=since, host_cores=cpu_count() if shared else None,
                   billed_usd=total_usd(billed), coordinator_price_per_s=ctx.price_per_coordinator_s)
-    store_ops, store_prices, own_usd = store_terms(ctx, chosen, terms)
+    store_ops, store_prices, own_usd = store_terms(ctx, chosen, terms, stores)
     alternatives = []
     for a in chosen.alternatives:
         compute = a.get("predicted_compute_epoch_s", a["predicted_epoch_s"])
@@ -460,7 +464,6 @@ def make_same(ctx: RunContext, profile: dict, current: Plan, calibration: Calibr
     again = (local_sgd(x, current.data_parallel, collective) if current.stages == 1
              else predicted(x, dataclasses.replace(current, collective=collective)))
     again = dataclasses.replace(again, alternatives=current.alternatives, co_optimizer=current.co_optimizer)
-    again = with_checkpoint_interval(ctx, again)
     return with_capacity(ctx, with_run(ctx, again, calibration, epochs_left), keep=current.capacity)
 
 

@@ -61,7 +61,7 @@ def known_checkpoints(ctx: RunContext, epoch: int, key: str) -> set[str] | None:
     this epoch's checkpoint and sync checkpoint (a delete of a key never written costs nothing on
     S3 or Azure). None, to be listed: at the coordinator's first epoch (a resumed run's keys are
     its predecessor's) and where workers write their own error-feedback residuals."""
-    if ctx.state.checkpoint_keys is None or getattr(ctx.job, "sync_dtype", "float32") != "float32":
+    if ctx.state.checkpoint_keys is None or ctx.job.sync_dtype != "float32":
         return None
     return ctx.state.checkpoint_keys | {key, sync_checkpoint_key(ctx.run_id, epoch)}
 
