@@ -21,10 +21,10 @@ below one with `prefix + "/"`, so that `r1` never covers `r10`.
 | `runs/<run>/ckpt/sync-e<E>.safetensors` | keeps | the latest Local-SGD sync point of epoch E |
 | `runs/<run>/ckpt/latest.json`, `best.json` | keeps | pointers to epoch checkpoints |
 | `runs/<run>/ckpt/residual/e<E>/r<R>/round<N>.safetensors` | keeps | error-feedback residuals |
-| `runs/<run>/history/e<E>/r<R>-a<A>.json` | keeps | what one worker attempt trained |
-| `runs/<run>/faults/e<E>-r<R>-a<A>.json` | keeps | an injected fault's marker (`engine.chaos`) |
-| `runs/<run>/faults/held-e<E>-r<R>-a<A>.json` | keeps | a held worker's event |
-| `runs/<run>/faults/preempted-e<E>-r<R>-a<A>.json` | keeps | a preempted worker's marker (`engine.preemption`) |
+| `runs/<run>/history/e<E>/r<R>-a<A>.json` | records | what one worker attempt trained |
+| `runs/<run>/faults/e<E>-r<R>-a<A>.json` | records | an injected fault's marker (`engine.chaos`) |
+| `runs/<run>/faults/held-e<E>-r<R>-a<A>.json` | records | a held worker's event |
+| `runs/<run>/faults/preempted-e<E>-r<R>-a<A>.json` | records | a preempted worker's marker (`engine.preemption`) |
 | `runs/<run>/ckpt/handover/e<E>/r<R>.safetensors` | keeps | a preempted replica's handover checkpoint |
 | `runs/<run>/sync/e<E>[/s<S>]/...` | deletes | Local-SGD syncs (per model stage in a pipeline) |
 | `runs/<run>/act/e<E>/r<replica>/...` | deletes | a pipeline's activations and gradients |
@@ -36,7 +36,10 @@ below one with `prefix + "/"`, so that `r1` never covers `r10`.
 | `cache/tokenizers/<corpus sha256>-<settings>.json` | keeps | a trained BPE tokenizer's JSON (`engine.text_data`) |
 | `[<prefix>/]{train,val}/<i>`, `[<prefix>/]manifest.json` | the user's | a dataset prepared into a bucket (`engine.shards`, `flows.prepare`): at a store's root, or a run's staged data above |
 
-Teardown deletes the `SCRATCH` kinds (`scratch_prefixes`) and keeps the rest. Keys below a
+Teardown deletes the `SCRATCH` kinds (`scratch_prefixes`) and keeps the rest. The workers'
+`RECORDS` live on the run's store, beside their tensors (the coordinator reads them as each
+epoch ends; on a durable store each would cost a billed put, listing and read): kept where that
+store is the durable one, deleted with the scratch where it is another (Redis). Keys below a
 prefix that one protocol owns alone (a collective's pieces under its group, a pipeline
 replica's tensors under its prefix, the store probe's samples) are spelt by that protocol,
 relative to the prefix it is given here.
@@ -54,6 +57,10 @@ CACHE_ROOT = "cache"
 SCRATCH = ("sync", "act", "data", "probe", "grad", "warm")
 """The scratch kinds directly under a run: teardown deletes them, and keeps checkpoints,
 history, faults, summary, ledger and report."""
+
+RECORDS = ("history", "faults")
+"""The workers' records directly under a run, written on the run's store: kept where that is
+the durable store, deleted at teardown where it is another (`scratch_prefixes`)."""
 
 # --- the run --------------------------------------------------------------------------
 
@@ -144,7 +151,7 @@ RESIDUAL = re.compile(r"/ckpt/residual/e(\d+)/")
 """Matches a residual's key (`residual_key`); group 1: the epoch."""
 
 
-# --- worker attempts (durable) ---------------------------------------------------------
+# --- worker attempts (the run's store: `RECORDS`) ---------------------------------------------------------
 
 
 def worker_history_prefix(run_id: str, epoch: int) -> str:
@@ -153,7 +160,7 @@ def worker_history_prefix(run_id: str, epoch: int) -> str:
 
 
 def worker_history_key(run_id: str, epoch: int, rank: int, attempt: int) -> str:
-    """Durable record of what one worker attempt trained."""
+    """The record of what one worker attempt trained (on the run's store)."""
     return f"{worker_history_prefix(run_id, epoch)}r{rank}-a{attempt}.json"
 
 
@@ -314,9 +321,10 @@ def release_key(run_id: str, worker: str) -> str:
     return f"{warm_prefix(run_id)}/{worker}/release"
 
 
-def scratch_prefixes(run_id: str) -> tuple[str, ...]:
-    """The prefixes teardown deletes, each ending with `/` (one per `SCRATCH` kind)."""
-    return tuple(run_key(run_id, kind) + "/" for kind in SCRATCH)
+def scratch_prefixes(run_id: str, records: bool = False) -> tuple[str, ...]:
+    """The prefixes teardown deletes, each ending with `/`: one per `SCRATCH` kind, and with
+    `records` (a run's store that is not its durable one) one per `RECORDS` kind."""
+    return tuple(run_key(run_id, kind) + "/" for kind in SCRATCH + (RECORDS if records else ()))
 
 
 # --- the profile cache (durable, outside every run) ------------------------------------

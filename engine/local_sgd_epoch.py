@@ -81,7 +81,11 @@ The store keeps every round since the last checkpoint, as with n rounds above, s
 `REPLAY_KEPT_BYTES`, which bounds the scratch the replay needs. A float32 sync over the store
 (no residuals: rank 0 alone decides which rounds are checkpointed) takes the same cadence in
 seconds where `sync.checkpoint_interval_s` is set: the coordinator sets the interval that balances
-a checkpoint's cost against the work a crash loses (`planners.checkpoint_cadence`).
+a checkpoint's cost against the work a crash loses (`planners.checkpoint_cadence`). Its clock
+starts at the epoch's start (the epoch checkpoint), and its last round is not checkpointed as
+such: the rounds since the last checkpoint are kept until the group's release, so a rank lost
+after the last round replays them as after any other (an epoch shorter than the interval
+writes no sync checkpoint).
 
 The outer step and the wire (`spec.sync.outer_optimizer`, `outer_lr`, `outer_momentum`,
 `sync_dtype`; `engine.outer`, `comm.compression`): the outer momentum travels in both
@@ -113,7 +117,8 @@ the dataset (`engine.replica_data.epoch_coverage`).
 Work lost to a kill is therefore at most the steps since the last sync point, redone from
 identical inputs; nothing is repeated or skipped beyond that interval. Every attempt
 records what it trained in `runs/<id>/history/e<e>/r<rank>-a<attempt>.json`
-(`read_epoch_history`).
+(`read_epoch_history`) on the run's store, where its tensors go: the coordinator reads the
+epoch's records once it ends, and a durable store bills a put and a read for each.
 
 Lost scratch keys (Redis restarted without persistence): each rank keeps what it posted in
 the current and previous round and posts it again when a wait stalls for
@@ -395,13 +400,14 @@ class CheckpointCadence:
     """Which sync rounds rank 0 checkpoints: every `every` rounds, or with `min_s` > 0 the
     first round at least `min_s` seconds on `clock` after the last checkpoint (or the
     `max_rounds`-th round after it, whichever comes first); the epoch's last round
-    (`step >= steps`) always; none when `every` is 0. A round's answer is given once and kept,
-    so everyone who asks about it agrees."""
+    (`step >= steps`) always unless `last_always` is False (then as any other round); none when
+    `every` is 0. A round's answer is given once and kept, so everyone who asks about it agrees."""
 
     def __init__(self, every: int, steps: int, min_s: float = 0.0, clock: Callable[[], float] = time.monotonic,
-                 max_rounds: int | None = None):
+                 max_rounds: int | None = None, last_always: bool = True):
         """`steps`: the epoch's; the round that reaches it is the last."""
         self.every, self.steps, self.min_s, self.clock, self.max_rounds = every, steps, min_s, clock, max_rounds
+        self.last_always = last_always
         self.last, self.last_round = clock(), -1
         self._answer: tuple[int, bool] | None = None
 
@@ -409,7 +415,7 @@ class CheckpointCadence:
         if self._answer is None or self._answer[0] != round_:
             if not self.every:
                 due = False
-            elif step >= self.steps:
+            elif step >= self.steps and self.last_always:
                 due = True
             elif self.min_s:
                 due = (self.clock() - self.last >= self.min_s
@@ -440,9 +446,11 @@ def cadence_for(spec: WorkerSpec, model: nn.Module, ring: RingGroup | None,
                                  max_rounds=max(1, REPLAY_KEPT_BYTES // param_bytes))
     if sync.checkpoint_interval_s and sync.sync_dtype == "float32" and sync.checkpoint_every:
         # rank 0 alone decides (no rank writes residuals on the checkpoint's rounds); a round
-        # carries the weights and up to two optimizer moments
+        # carries the weights and up to two optimizer moments. The last round is not due as
+        # such: a rank lost after it replays the rounds kept since the last checkpoint (or the
+        # epoch's start, whose checkpoint the interval's clock starts from), as after any round
         return CheckpointCadence(sync.checkpoint_every, steps, sync.checkpoint_interval_s, checkpoint_clock,
-                                 max_rounds=max(1, REPLAY_KEPT_BYTES // (3 * param_bytes)))
+                                 max_rounds=max(1, REPLAY_KEPT_BYTES // (3 * param_bytes)), last_always=False)
     return CheckpointCadence(sync.checkpoint_every, steps)
 
 
@@ -506,7 +514,8 @@ class _ReplicaEpoch:
         self.device, self.dtype = device, dtype = torch_device(spec.compute), torch_dtype(spec.compute)
         self.chaos = chaos_for(spec, store)
         self.scratch = store
-        """The worker's store: the preempted marker goes there, beside the fault markers."""
+        """The worker's store: its history record and preempted marker go there, beside the
+        fault markers (`core.keys`: the worker's records)."""
         model = build_model(spec.model, spec.seed, **spec.compute.model_kwargs)
         # data shards are durable: beside the checkpoints (or a prepared dataset's), not in the scratch store
         check_steps(spec.steps, shards.manifest, spec.world, spec.batch_size)
@@ -748,8 +757,8 @@ class _ReplicaEpoch:
                   "start_round": start.round, "end_round": self.averaging.rounds,
                   "from_sync_checkpoint": start.from_sync_checkpoint, "reposts": stats.reposts,
                   "compute_s": max(0.0, loop_s - stats.seconds), "sync_s": stats.seconds}
-        self.ckpt_store.put(worker_history_key(spec.run_id, spec.epoch, spec.rank, spec.attempt),
-                            json.dumps(record).encode())
+        self.scratch.put(worker_history_key(spec.run_id, spec.epoch, spec.rank, spec.attempt),
+                         json.dumps(record).encode())
 
     def result(self, started: float, train_loss: float, loop_s: float, val, checkpoint_key: str) -> WorkerResult:
         """The worker's answer: losses, samples, tokens, seconds and bytes of the epoch."""

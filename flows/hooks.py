@@ -66,7 +66,7 @@ def _rebuild_and_clean(flow_run, state) -> None:
     if scratch_ref != durable_ref:
         scratch = open_checked_store(scratch_ref)
         try:
-            delete_scratch(scratch, run_id)
+            delete_scratch(scratch, run_id, records=True)
         finally:
             scratch.close()
     store = open_checked_store(durable_ref)

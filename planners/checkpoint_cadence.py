@@ -17,8 +17,10 @@ assumed rate (`ASSUMED_CRASH_RATE_PER_WORKER_HOUR`) and, on spot capacity, inter
 notice leaves no time to hand over (`core.notice.work_through_s`: a worker with working time
 hands over its own state, which needs no sync checkpoint).
 
-The engine writes the epoch's last round's checkpoint whatever the interval, and one sooner
-when the rounds kept for a replay reach their bound (`engine.local_sgd_epoch.cadence_for`).
+The interval's clock starts at each epoch's start, whose checkpoint is one; the epoch's last
+round is not checkpointed as such (the epoch checkpoint follows it, and a rank lost in between
+replays the rounds kept since the last checkpoint), and one is written sooner when the rounds
+kept for a replay reach their bound (`engine.local_sgd_epoch.cadence_for`).
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ once in 1,000 worker-hours; no run of Zooid has measured it."""
 MIN_INTERVAL_S = 1.0
 """The shortest interval: at most one sync checkpoint a second, as over the ring."""
 MAX_INTERVAL_S = 86400.0
-"""The longest (a day): where nothing is expected to fail, the epochs' last rounds alone."""
+"""The longest (a day): where nothing is expected to fail, the epochs' own checkpoints alone."""
 
 
 def young_interval_s(checkpoint_cost_s: float, failures_per_s: float) -> float:
@@ -58,9 +60,11 @@ def sync_checkpoint_interval_s(*, workers: int, checkpoint_s: float | None, put_
 
 def checkpoints_per_epoch(rounds: int, epoch_s: float, interval_s: float) -> int:
     """Sync checkpoints one epoch of `rounds` rounds over `epoch_s` seconds writes at `interval_s`:
-    one every interval, the last round's always, never more than one a round."""
+    one at each interval since the epoch's start (whose checkpoint starts the clock; the last
+    round is not due as such, `engine.local_sgd_epoch.cadence_for`), never more than one a round;
+    every round when `interval_s` is 0."""
     if rounds <= 0:
         return 0
     if interval_s <= 0:  # by rounds, every one
         return rounds
-    return max(1, min(rounds, math.ceil(max(0.0, epoch_s) / interval_s)))
+    return min(rounds, math.floor(max(0.0, epoch_s) / interval_s))

@@ -12,8 +12,8 @@ Counted, all workers together:
   its calls' leftovers the address key alone (`ring_ops`);
 - Local-SGD's rounds: one per `sync_period` steps (the last one shorter), one per epoch
   without a period, one per step (one bucket) when every step averages; with sync
-  checkpoints every `checkpoint_every` rounds (or one per `Plan.sync_checkpoint_s` of the
-  predicted epoch; the last always), rank 0's checkpoint put and
+  checkpoints every `checkpoint_every` rounds (the last always) or one per whole
+  `Plan.sync_checkpoint_s` of the predicted epoch, rank 0's checkpoint put and
   a listing and delete of each round it no longer keeps;
 - a pipeline's hand-offs per replica and step: each of its p x v - 1 model-stage boundaries
   moves M activations forward and M gradients back (a put, a get and a delete each); after

@@ -143,4 +143,8 @@ def test_redis_restarted_mid_epoch_loses_only_scratch(tmp_path, monkeypatch, red
     assert summary.final_accuracy == pytest.approx(clean.final_accuracy, abs=0.01)
     ledger = read_ledger(open_store(url), summary.run_id)
     assert ledger["total_usd"] > 0 and ledger["rows"]
+    # the workers' records went with their tensors to Redis, where the coordinator read them as
+    # each epoch ended (every sample trained once) and teardown deleted them with the scratch
+    assert all(e.samples_once for e in summary.epochs)
+    assert not (durable / "runs" / run / "history").exists() and not (durable / "runs" / run / "faults").exists()
     assert open_store(redis_server.url).list(f"runs/{summary.run_id}/") == []  # scratch cleaned

@@ -1,7 +1,7 @@
 """Sync checkpoints by Young's interval (`planners.checkpoint_cadence`, `SyncSpec.checkpoint_interval_s`):
 the interval minimises a checkpoint's cost plus a crash's expected loss, spot interruptions count
-only where the notice leaves no time to hand over; a K-AVG epoch over the store then writes the
-last round's checkpoint alone (or one when the rounds kept reach their bound), and a replica
+only where the notice leaves no time to hand over; a K-AVG epoch over the store shorter than the
+interval then writes no sync checkpoint (one when the rounds kept reach their bound), and a replica
 killed mid-epoch with nothing handed over is relaunched, replays every round since the epoch's
 start and ends on the uninterrupted run's weights. Replicas run as threads, in float64."""
 from __future__ import annotations
@@ -53,9 +53,10 @@ def test_the_interval_counts_the_requests_price_and_only_the_failures_that_hand_
     assert sync_checkpoint_interval_s(**base, crash_rate_per_worker_hour=0.0) == MAX_INTERVAL_S
 
 
-def test_checkpoints_per_epoch_one_an_interval_the_last_round_always():
-    assert checkpoints_per_epoch(6, 5.0, 500.0) == 1
-    assert checkpoints_per_epoch(6, 50.0, 20.0) == 3
+def test_checkpoints_per_epoch_one_an_interval_since_the_epochs_start():
+    assert checkpoints_per_epoch(6, 5.0, 500.0) == 0  # the epoch checkpoint stands in for the last round's
+    assert checkpoints_per_epoch(6, 50.0, 20.0) == 2
+    assert checkpoints_per_epoch(6, 60.0, 20.0) == 3
     assert checkpoints_per_epoch(6, 500.0, 1.0) == 6
     assert checkpoints_per_epoch(6, 5.0, 0.0) == 6  # by rounds
     assert checkpoints_per_epoch(0, 5.0, 1.0) == 0
@@ -66,15 +67,15 @@ def kavg(store, run_id, optimizer, sync):
     return [dataclasses.replace(s, sync_period=2) for s in specs(store, run_id, optimizer, sync)]
 
 
-@pytest.mark.parametrize("cadence, checkpoints, resumes_at", [("by rounds", 3, {2, 4}), ("by the interval", 1, {0}),
-                                                              ("by the bytes kept", 2, {0, 4})])
+@pytest.mark.parametrize("cadence, checkpoints, resumes_at", [("by rounds", 3, {2, 4}), ("by the interval", 0, {0}),
+                                                              ("by the bytes kept", 1, {0, 4})])
 def test_a_kavg_replica_killed_mid_epoch_ends_equal_whatever_the_cadence(tmp_path, monkeypatch, cadence,
                                                                          checkpoints, resumes_at):
     """Rank 1 dies as it posts its piece of round 2 (of 0, 1, 2); its relaunch resumes from the last
     sync checkpoint stored (every round: after round 1, step 4, or round 0 while round 1's is
-    still in flight; by an interval no epoch reaches: the epoch's start, the last round's
-    checkpoint alone written; by the rounds kept reaching `REPLAY_KEPT_BYTES`, here two rounds'
-    worth: rounds 1 and 2 written, resumed after round 1 or from the start) and replays the
+    still in flight; by an interval no epoch reaches: the epoch's start, no sync checkpoint
+    written (the last round is not due as such); by the rounds kept reaching `REPLAY_KEPT_BYTES`,
+    here two rounds' worth: round 1's written, resumed after it or from the start) and replays the
     rounds since: the rounds up to the previous checkpoint's are deleted only once the next is stored."""
     interval = 0.0 if cadence == "by rounds" else 3600.0
     sync = SyncSpec(repost_s=0.5, checkpoint_interval_s=interval)
@@ -111,7 +112,7 @@ def test_a_compressed_sync_keeps_checkpointing_by_rounds():
 def test_the_plan_carries_the_interval_and_predicts_its_epochs_checkpoints(tmp_path, monkeypatch):
     """`with_checkpoint_interval`: Young's interval for a K-AVG plan over S3 (the profiled stall,
     one PUT of the checkpoint at the plan's price); none for the ring or a compressed sync, whose
-    ranks keep to rounds; the epoch's predicted requests count one sync checkpoint where the
+    ranks keep to rounds; the epoch's predicted requests count no sync checkpoint where the
     interval outlasts the epoch, against one a round without it."""
     from types import SimpleNamespace
 
@@ -139,7 +140,7 @@ def test_the_plan_carries_the_interval_and_predicts_its_epochs_checkpoints(tmp_p
     object.__setattr__(ctx, "job", SimpleNamespace(**{**vars(ctx.job), "collective": "ring"}))
     assert with_checkpoint_interval(ctx, plan, stores).sync_checkpoint_s == 0
     by_rounds, by_interval = epoch_store_ops(plan), epoch_store_ops(got)
-    assert by_rounds.put - by_interval.put == 6 - 1  # 6 rounds: 6 checkpoints, against the last round's
+    assert by_rounds.put - by_interval.put == 6  # 6 rounds: 6 checkpoints, against none (the epoch's is its last)
 
 
 @pytest.mark.parametrize("sync_dtype, listings", [("float32", 1), ("int8", 5)])

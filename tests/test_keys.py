@@ -149,6 +149,13 @@ def test_teardown_deletes_exactly_the_scratch_kinds():
                keys.fault_marker_key(RUN, 0, 0, 0), keys.summary_key(RUN), keys.ledger_key(RUN),
                keys.history_key(RUN), keys.run_doc_key(RUN), keys.report_key(RUN, "curves.png")]
     assert not [k for k in durable if k.startswith(keys.scratch_prefixes(RUN))]
+    # on a run's store that is not the durable one the workers' records go too
+    assert keys.scratch_prefixes(RUN, records=True) == keys.scratch_prefixes(RUN) + (
+        "runs/abc123/history/", "runs/abc123/faults/")
+    records = [keys.worker_history_key(RUN, 0, 0, 0), keys.fault_marker_key(RUN, 0, 0, 0),
+               keys.preempted_marker_key(RUN, 0, 0, 0), keys.held_marker_key(RUN, 0, 0, 0)]
+    assert all(k.startswith(keys.scratch_prefixes(RUN, records=True)) for k in records)
+    assert not [k for k in durable if k not in records and k.startswith(keys.scratch_prefixes(RUN, records=True))]
 
 
 def test_the_key_parsers_read_what_the_builders_write():

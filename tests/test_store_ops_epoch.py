@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from comm.store_dir import DirectoryStore
+from core.keys import worker_history_key
 from core.kinds import Strategy
 from core.plan import Plan
 from core.specs import DataSpec, SyncSpec, WorkerSpec
@@ -91,20 +92,21 @@ def test_local_sgd_epoch_requests_equal_the_protocols(tmp_path, collective, peri
     calls = math.ceil(steps / period)  # the last, shorter period is flushed at the end
     assert steps == 4 and calls == 4 // period
     for rank, store in enumerate(scratch):
-        expected = allreduce_ops(world, calls) + release_ops(world, rank, store)
+        # and its history record, which goes with its tensors (`core.keys.RECORDS`)
+        expected = allreduce_ops(world, calls) + release_ops(world, rank, store) + StoreOps(put=1)
         got = protocol_only(store.ops)
         if rank == 0:  # rank 0 also lists once for each second it waited on a done key
             assert got.list >= expected.list
             got = dataclasses.replace(got, list=expected.list)
         assert got == expected, rank
-    assert scratch[0].list("runs/") == []
+    assert scratch[0].list("runs/") == [worker_history_key(run_id, 0, r, 0) for r in range(world)]
     # the run prediction's count (`planners.store_requests`) is the same protocol: the scratch
-    # store's requests, plus the initial checkpoint's reads, the epoch checkpoint and the
-    # replicas' history records on the durable store
+    # store's requests, the replicas' history records included, plus the initial checkpoint's
+    # reads and the epoch checkpoint on the durable store
     plan = Plan(strategy=Strategy.LOCAL_SGD, data_parallel=world, steps_per_epoch=steps, sync_period=period)
     measured = total(protocol_only(s.ops) for s in scratch)
     measured = dataclasses.replace(measured, list=2)  # rank 0's two listings, waits aside
-    assert epoch_store_ops(plan, checkpoint_every=0) == measured + StoreOps(get=world, put=1 + world)
+    assert epoch_store_ops(plan, checkpoint_every=0) == measured + StoreOps(get=world, put=1)
 
 
 def _logging_server(kind: str, tmp_path):
@@ -145,9 +147,10 @@ def test_local_sgd_epoch_requests_equal_the_stores_own_log(tmp_path, kind):
     finally:
         server.stop()
     assert dataclasses.replace(counted, get=counted.get + counted.miss, miss=0, bytes_in=0, bytes_out=0) == logged
-    # the protocol's count, every rank together (misses and rank 0's waits aside)
+    # the protocol's count, every rank together (misses and rank 0's waits aside), and each
+    # replica's history record
     expected = total(allreduce_ops(world, math.ceil(steps / period)) + release_ops(world, r, scratch[r])
-                     for r in range(world))
+                     + StoreOps(put=1) for r in range(world))
     assert dataclasses.replace(protocol_only(counted), list=expected.list) == expected
     # each worker's result carries its epoch's requests by store: the scratch store's, and
     # the directory's (data and checkpoints)
@@ -223,7 +226,8 @@ def test_pipeline_epoch_requests_equal_the_protocols(tmp_path):
 def test_a_local_sgd_epoch_over_the_ring_makes_its_rendezvous_and_release_requests(tmp_path, period):
     """Over the ring the scratch store sees the rendezvous (rank 0 publishes its address, the
     others read it) and the group's release, whose first prefix delete finds the address key
-    alone: rank 0 2 puts, 2 gets, 2 listings, 1 + 3 deletes; the others a get and a put each."""
+    alone: rank 0 2 puts, 2 gets, 2 listings, 1 + 3 deletes; the others a get and a put each;
+    and every replica's history record."""
     world, batch, run_id = 3, 8, "bill-ring"
     durable = _durable(tmp_path, run_id)
     scratch = [DirectoryStore(tmp_path / "scratch") for _ in range(world)]
@@ -238,10 +242,10 @@ def test_a_local_sgd_epoch_over_the_ring_makes_its_rendezvous_and_release_reques
     with ThreadPoolExecutor(world) as pool:
         list(pool.map(lambda s: run_spec(s, scratch[s.rank]), specs))
     got = [protocol_only(s.ops) for s in scratch]
-    assert dataclasses.replace(got[0], list=2) == StoreOps(put=2, get=2, list=2, delete=1 + 3)
+    assert dataclasses.replace(got[0], list=2) == StoreOps(put=2 + 1, get=2, list=2, delete=1 + 3)
     assert got[0].list >= 2  # and once for each second it waited on a done key
-    assert got[1:] == [StoreOps(put=1, get=1)] * 2
-    assert scratch[0].list("runs/") == []
+    assert got[1:] == [StoreOps(put=1 + 1, get=1)] * 2
+    assert scratch[0].list("runs/") == [worker_history_key(run_id, 0, r, 0) for r in range(world)]
     plan = Plan(strategy=Strategy.LOCAL_SGD, data_parallel=world, steps_per_epoch=steps, sync_period=period)
     measured = dataclasses.replace(total(got), list=2)
-    assert epoch_store_ops(plan, ring=True, checkpoint_every=0) == measured + StoreOps(get=world, put=1 + world)
+    assert epoch_store_ops(plan, ring=True, checkpoint_every=0) == measured + StoreOps(get=world, put=1)

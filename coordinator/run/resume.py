@@ -61,6 +61,17 @@ def _json(store, key: str):
     return json.loads(store.get(key)) if store.exists(key) else None
 
 
+def _attempts(ctx: RunContext, epoch: int) -> list[int]:
+    """The attempt numbers `epoch`'s workers left records or markers of, on the run's store
+    (`core.keys`: the workers' records; none where that store lost its keys)."""
+    store = ctx.open_store()
+    try:
+        keys = store.list(worker_history_prefix(ctx.run_id, epoch)) + store.list(faults_prefix(ctx.run_id) + "/")
+    finally:
+        store.close()
+    return [a for k in keys if (a := attempt_of(k, epoch)) is not None]
+
+
 def find_resume_point(ctx: RunContext, *, required: bool) -> ResumePoint | None:
     """The resume point of `ctx.run_id`, or None when the run has not started (an error
     naming `resume` when `required`)."""
@@ -84,8 +95,7 @@ def find_resume_point(ctx: RunContext, *, required: bool) -> ResumePoint | None:
             fields = CostRecord.__dataclass_fields__
             ledger = [CostRecord(**{k: v for k, v in r.items() if k in fields}) for r in doc["rows"]]
         nxt = latest["epoch"] + 1
-        attempts = [a for k in store.list(worker_history_prefix(ctx.run_id, nxt)) +
-                    store.list(faults_prefix(ctx.run_id) + "/") if (a := attempt_of(k, nxt)) is not None]
+        attempts = _attempts(ctx, nxt)
         last = history[-1] if history else None
         decision = last.rescale if last is not None else None
         return ResumePoint(next_epoch=nxt, init_key=latest["key"], lr=decision.lr if decision else ctx.job.lr,

@@ -43,9 +43,11 @@ def finish_cancelled(flow_runs: list) -> None:
                 client.set_flow_run_state(fr.id, Cancelled(message="zooid teardown: worker stopped"), force=True)
 
 
-def delete_scratch(store, run_id: str) -> int:
-    """Delete the run's scratch keys (`core.keys.SCRATCH`); keep checkpoints, summary, ledger and report."""
-    return sum(store.delete_prefix(p) for p in scratch_prefixes(run_id))
+def delete_scratch(store, run_id: str, records: bool = False) -> int:
+    """Delete the run's scratch keys (`core.keys.SCRATCH`), and with `records` the workers'
+    records (`core.keys.RECORDS`: on a run's store that is not its durable one); keep
+    checkpoints, summary, ledger and report."""
+    return sum(store.delete_prefix(p) for p in scratch_prefixes(run_id, records))
 
 
 def _step(report: dict, name: str, fn):
@@ -95,7 +97,7 @@ def teardown_run(ctx: RunContext) -> dict:
         for ref in dict.fromkeys((ctx.store_ref, ctx.durable_ref)):  # data lives on the durable one
             store = open_store_ref(ref)
             try:
-                report["deleted_keys"] += delete_scratch(store, ctx.run_id)
+                report["deleted_keys"] += delete_scratch(store, ctx.run_id, records=ref != ctx.durable_ref)
             finally:
                 store.close()
     ctx.state.torn_down = True

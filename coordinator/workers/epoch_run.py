@@ -249,7 +249,7 @@ def _settle_preemptions(ctx: RunContext, plan: Plan, epoch: int, seen: list[Work
     preempted = [o for o in seen if (o.extra.get("failure") or {}).get("kind") == FailureKind.PREEMPTED.value]
     redone: dict[tuple[int, int], float] = {}
     if preempted:
-        durable = ctx.open_durable()
+        store = ctx.open_store()  # the workers' history records
         try:
             for o in preempted:
                 ranks = sorted({p.rank for p in seen}) if o.extra.get("rerun") else [o.rank]
@@ -259,11 +259,11 @@ def _settle_preemptions(ctx: RunContext, plan: Plan, epoch: int, seen: list[Work
                     if not after:
                         continue
                     nxt = min(after, key=lambda p: p.started_at)
-                    start, pace = _start_and_pace(durable, ctx.run_id, epoch, nxt)
+                    start, pace = _start_and_pace(store, ctx.run_id, epoch, nxt)
                     key = (rank, nxt.attempt)
                     redone[key] = redone.get(key, 0.0) + redone_seconds(o.extra.get("reached_step"), start, pace)
         finally:
-            durable.close()
+            store.close()
     priced = {}
     for o in seen:
         capacity = o.extra.get("capacity")

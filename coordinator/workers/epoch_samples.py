@@ -1,5 +1,5 @@
 """Whether a Local-SGD epoch trained every sample exactly once: its workers' history records
-(`engine.local_sgd_epoch.read_epoch_history`, in the durable store) add up, by count and
+(`engine.local_sgd_epoch.read_epoch_history`, on the run's store) add up, by count and
 order-independent digest of sample ids, to the dataset's (`engine.replica_data.epoch_coverage`);
 a resumed epoch's records count the earlier phases they continued too.
 """
@@ -19,7 +19,7 @@ def check_samples(ctx: RunContext, plan: Plan, summary: EpochSummary) -> EpochSu
     False); a pipeline's is left None (its workers keep no history records)."""
     if plan.strategy != Strategy.LOCAL_SGD:
         return summary
-    store = ctx.open_durable()
+    store = ctx.open_store()
     try:
         records = read_epoch_history(store, ctx.run_id, summary.epoch)
     finally:
