@@ -26,7 +26,8 @@ Measured: the flow run's wall (Prefect's start to end), the ledger's total, the 
 the preemptions and the redone seconds (the ledger's marks, `coordinator.bill.cost.spot_tally`),
 the final accuracy. Predicted: the plan's run seconds and bill, and for spot its
 `capacity_choice` (expected preemptions x the worker-seconds one costs). Goal: a spot run's bill,
-redone work included, at most 50 % of the on-demand run's, final accuracy within 0.5 points.
+redone work included, at most 50 % of the on-demand run's, final accuracy within 0.5 points, for
+runs 2 and 3 (the job as it is; run 4 measures the spares option, read against run 2).
 
     .venv/bin/python -m benchmarks.bench_spot [--workloads digits_cnn,deep_cnn] [--epochs 10] [--mean-s 20]
         [--grace-s 120] [--out PATH]
@@ -158,9 +159,12 @@ def catalog_notice_s() -> int:
 
 
 def goal_met(runs: list[dict]) -> bool:
-    """Every spot run's bill at most GOAL_BILL_RATIO of on-demand's, its accuracy within the points."""
+    """Every spot run of the job as it is (no `spot_spares`, the default) at most GOAL_BILL_RATIO
+    of on-demand's bill, its accuracy within the points; the spares' run is the option's own
+    measure, read against run 2, not the job's."""
     bills, _, points = ratios(runs)
-    return bool(bills) and all(r <= GOAL_BILL_RATIO for r in bills) and all(p <= GOAL_ACCURACY_POINTS for p in points)
+    judged = [i for i, r in enumerate(r for r in runs if r["capacity"] == "spot") if not r.get("spot_spares")]
+    return bool(judged) and all(bills[i] <= GOAL_BILL_RATIO and points[i] <= GOAL_ACCURACY_POINTS for i in judged)
 
 
 def render(runs: list[dict], args, workload: str) -> str:
@@ -183,7 +187,8 @@ def render(runs: list[dict], args, workload: str) -> str:
                               "(seed 1; the schedule stops spares too), to be read against run 2" if args.spares else "")
              + ". Spot runs 2 and 3 keep no spare (`spot_spares` 0, the default).", "",
              f"**Goal: a spot run's bill, redone work included, at most {GOAL_BILL_RATIO:.0%} of the on-demand bill, "
-             f"final accuracy within {GOAL_ACCURACY_POINTS} points: {'met' if met else 'not met'}** (bill "
+             f"final accuracy within {GOAL_ACCURACY_POINTS} points (runs 2 and 3, the job as it is; run 4 measures "
+             f"the spares option): {'met' if met else 'not met'}** (bill "
              f"{', '.join(f'{r:.2f}x' for r in ratios_)}; the workers' part alone "
              f"{', '.join(f'{r:.2f}x' for r in worker_ratios)}; accuracy "
              f"{', '.join(f'{p:.1f}' for p in points)} points).", "",
@@ -256,8 +261,9 @@ def main(argv: list[str] | None = None) -> int:
                 runs = [run_once({**params, "capacity": "on_demand"}, durable, None)]
                 spot_runs = [(1, 0), (2, 0)] + ([(1, args.spares)] if args.spares else [])
                 for seed, spares in spot_runs:
-                    runs.append(run_once({**params, "capacity": "spot", "spot_spares": spares}, durable,
-                                         {"mean_s": args.mean_s, "grace_s": args.grace_s, "seed": seed}))
+                    runs.append({**run_once({**params, "capacity": "spot", "spot_spares": spares}, durable,
+                                            {"mean_s": args.mean_s, "grace_s": args.grace_s, "seed": seed}),
+                                 "spot_spares": spares})
                     print(json.dumps(figures(runs[-1])), flush=True)
                 sections.append(render(runs, args, workload))
                 verdicts.append((workload, goal_met(runs)))
