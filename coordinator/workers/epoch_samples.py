@@ -16,17 +16,22 @@ from engine.replica_data import dataset_tally, epoch_coverage
 
 def check_samples(ctx: RunContext, plan: Plan, summary: EpochSummary) -> EpochSummary:
     """`summary` with `samples_once` set for a Local-SGD epoch (printing a line when it is
-    False); a pipeline's is left None (its workers keep no history records)."""
+    False); a pipeline's is left None (its workers keep no history records), and so is one whose
+    records do not make a whole world on a store that a restart may empty (`Store.keeps_keys`)."""
     if plan.strategy != Strategy.LOCAL_SGD:
         return summary
     store = ctx.open_store()
     try:
-        records = read_epoch_history(store, ctx.run_id, summary.epoch)
+        records, keeps_keys = read_epoch_history(store, ctx.run_id, summary.epoch), store.keeps_keys
     finally:
         store.close()
     try:
         summary.samples_once = epoch_coverage(records) == dataset_tally(int(ctx.state.dataset["n_train"]))
     except ZooidValueError as exc:
+        if not keeps_keys:  # a restart may have emptied it (Redis without persistence): unknown, not wrong
+            print(f"zooid: epoch {summary.epoch}: not checked, the run's store may have lost records ({exc})")
+            summary.samples_once = None
+            return summary
         print(f"zooid: epoch {summary.epoch}: {exc}")
         summary.samples_once = False
     if not summary.samples_once:
