@@ -14,12 +14,12 @@ below one with `prefix + "/"`, so that `r1` never covers `r10`.
 | `runs/<run>/run.json` | keeps | the job, plan and dataset the run started with |
 | `runs/<run>/summary.json` | keeps | the run's `RunSummary` |
 | `runs/<run>/cost.json` | keeps | the ledger (`coordinator.bill.cost`) |
-| `runs/<run>/history.json` | keeps | the per-epoch history (`coordinator.run.resume`) |
+| `runs/<run>/history.json` | keeps | the per-epoch history; its last epoch names the checkpoint a resume goes on from (`coordinator.run.resume`) |
 | `runs/<run>/report/<name>` | keeps | report files (the curves' PNG) |
 | `runs/<run>/ckpt/init.safetensors` | keeps | the reference checkpoint epoch 0 starts from |
 | `runs/<run>/ckpt/epoch-<EEEE>.safetensors` | keeps | an epoch's checkpoint |
 | `runs/<run>/ckpt/sync-e<E>.safetensors` | keeps | the latest Local-SGD sync point of epoch E |
-| `runs/<run>/ckpt/latest.json`, `best.json` | keeps | pointers to epoch checkpoints |
+| `runs/<run>/ckpt/best.json` | keeps | the pointer to the best epoch checkpoint (a job with a target) |
 | `runs/<run>/ckpt/residual/e<E>/r<R>/round<N>.safetensors` | keeps | error-feedback residuals |
 | `runs/<run>/history/e<E>/r<R>-a<A>.json` | records | what one worker attempt trained |
 | `runs/<run>/faults/e<E>-r<R>-a<A>.json` | records | an injected fault's marker (`engine.chaos`) |
@@ -57,6 +57,10 @@ CACHE_ROOT = "cache"
 SCRATCH = ("sync", "act", "data", "probe", "grad", "warm")
 """The scratch kinds directly under a run: teardown deletes them, and keeps checkpoints,
 history, faults, summary, ledger and report."""
+
+STAGED = ("data",)
+"""The scratch kinds written on the durable store (the staged dataset), the only ones there
+where the run's store is another."""
 
 RECORDS = ("history", "faults")
 """The workers' records directly under a run, written on the run's store: kept where that is
@@ -121,11 +125,6 @@ def checkpoint_key(run_id: str, epoch: int) -> str:
 def sync_checkpoint_key(run_id: str, epoch: int) -> str:
     """Durable key of epoch `epoch`'s sync checkpoint (the latest sync point's state)."""
     return run_key(run_id, "ckpt", f"sync-e{epoch}.safetensors")
-
-
-def latest_key(run_id: str) -> str:
-    """The pointer to the last complete epoch checkpoint (`{"epoch", "key", ...}`)."""
-    return run_key(run_id, "ckpt", "latest.json")
 
 
 def best_key(run_id: str) -> str:
@@ -321,10 +320,14 @@ def release_key(run_id: str, worker: str) -> str:
     return f"{warm_prefix(run_id)}/{worker}/release"
 
 
-def scratch_prefixes(run_id: str, records: bool = False) -> tuple[str, ...]:
-    """The prefixes teardown deletes, each ending with `/`: one per `SCRATCH` kind, and with
-    `records` (a run's store that is not its durable one) one per `RECORDS` kind."""
-    return tuple(run_key(run_id, kind) + "/" for kind in SCRATCH + (RECORDS if records else ()))
+def scratch_prefixes(run_id: str, role: str = "both") -> tuple[str, ...]:
+    """The prefixes teardown deletes on a store of `role`, each ending with `/`: `both` (the
+    run's store is its durable one) one per `SCRATCH` kind; `store` (a run's store that is not
+    its durable one) one per `SCRATCH` and `RECORDS` kind; `durable` (a durable store that is
+    not the run's store) one per `STAGED` kind, all the scratch written there (a durable store
+    bills each listing)."""
+    kinds = {"both": SCRATCH, "store": SCRATCH + RECORDS, "durable": STAGED}[role]
+    return tuple(run_key(run_id, kind) + "/" for kind in kinds)
 
 
 # --- the profile cache (durable, outside every run) ------------------------------------

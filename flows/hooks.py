@@ -20,7 +20,7 @@ from coordinator.run.context import ACTIVE, run_id_for
 from coordinator.run.job import TrainJob
 from coordinator.run.job_fields import job_from_fields
 from coordinator.run.stores import open_checked_store, resolve_durable_ref, resolve_store_ref
-from coordinator.workers.cleanup import cancel_flow_runs, delete_scratch, finish_cancelled, teardown_run
+from coordinator.workers.cleanup import cancel_flow_runs, delete_scratch, finish_cancelled, store_roles, teardown_run
 from coordinator.workers.sweep import sweep_run
 from core.coordinator_size import SMALLEST_GB
 from core.cost_record import CostRecord
@@ -66,14 +66,14 @@ def _rebuild_and_clean(flow_run, state) -> None:
     if scratch_ref != durable_ref:
         scratch = open_checked_store(scratch_ref)
         try:
-            delete_scratch(scratch, run_id, records=True)
+            delete_scratch(scratch, run_id, "store")
         finally:
             scratch.close()
     store = open_checked_store(durable_ref)
     try:
         if not cancelled and not store.list(run_prefix(run_id) + "/"):  # refused before anything was provisioned
             return
-        delete_scratch(store, run_id)
+        delete_scratch(store, run_id, store_roles(scratch_ref, durable_ref)[durable_ref])
         doc = json.loads(store.get(ledger_key(run_id))) if store.exists(ledger_key(run_id)) else None
         if is_final(doc):  # the coordinator billed itself and rendered its report: leave both as they are
             return

@@ -111,13 +111,14 @@ def _run_training(job: TrainJob) -> RunSummary:
                 run.status = stop
                 break
             done = train_one_epoch(run, epoch)
-            if target_reached(job, done):
-                run.status = "target_reached"
-                break
-            if epoch + 1 < job.epochs:
+            reached = target_reached(job, done)
+            if not reached and epoch + 1 < job.epochs:
                 rescale_or_replan(run, done)
             done.plan = run.plan.to_dict()
-            save_progress(run.ctx, run.history)
+            save_progress(run.ctx, run.history)  # where a resume goes on
+            if reached:
+                run.status = "target_reached"
+                break
     except BaseException as exc:
         run.status = end_state(exc, run.ctx)
         run.error = error_of(exc, run.status)

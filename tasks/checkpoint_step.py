@@ -1,5 +1,5 @@
-"""The `checkpoint` step (`coordinator.workers.retention`): confirm the epoch's reference checkpoint,
-point `latest` at it, and keep only the checkpoints the job asked for."""
+"""The `checkpoint` step (`coordinator.workers.retention`): confirm the epoch's reference checkpoint
+decodes (`save_progress` records it in the history, then prunes)."""
 from __future__ import annotations
 
 from prefect import task
@@ -13,5 +13,5 @@ from core.epoch_summary import EpochSummary
 
 @task(name="checkpoint", cache_policy=NO_CACHE, **task_options(retries=2, timeout_s=300))
 def checkpoint(ctx: RunContext, summary: EpochSummary) -> str:
-    """Verify the epoch's checkpoint decodes, record it as the latest, prune; return its key."""
+    """Verify the epoch's checkpoint decodes; return its key."""
     return commit_checkpoint(ctx, summary)

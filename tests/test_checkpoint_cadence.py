@@ -146,13 +146,13 @@ def test_the_plan_carries_the_interval_and_predicts_its_epochs_checkpoints(tmp_p
 @pytest.mark.parametrize("sync_dtype, listings", [("float32", 1), ("int8", 5)])
 def test_pruning_lists_the_checkpoints_once_per_coordinator_and_keeps_what_a_listing_would(tmp_path, sync_dtype,
                                                                                            listings):
-    """Five epochs committed (`commit_checkpoint`), keeping 2: the same checkpoints are left as
-    when every epoch lists them, with one listing in all; a compressed sync, whose workers write
-    residual keys of their own, lists each epoch."""
+    """Five epochs committed and retired (`commit_checkpoint`, `retire_checkpoints`), keeping
+    2: the same checkpoints are left as when every epoch lists them, with one listing in all; a
+    compressed sync, whose workers write residual keys of their own, lists each epoch."""
     from types import SimpleNamespace
 
     from coordinator.run.context import RunState
-    from coordinator.workers.retention import commit_checkpoint
+    from coordinator.workers.retention import commit_checkpoint, retire_checkpoints
     from core.epoch_summary import EpochSummary
     from core.keys import checkpoint_key
     from engine.checkpoint import initial_checkpoint
@@ -168,9 +168,11 @@ def test_pruning_lists_the_checkpoints_once_per_coordinator_and_keeps_what_a_lis
         store.put(checkpoint_key("p", epoch), blob)
         if epoch % 2:  # an epoch long enough for a mid-epoch sync checkpoint
             store.put(sync_checkpoint_key("p", epoch), blob)
-        commit_checkpoint(ctx, EpochSummary(epoch=epoch, workers=2, train_loss=1.0, seconds=1.0,
-                                            checkpoint_key=checkpoint_key("p", epoch)))
+        summary = EpochSummary(epoch=epoch, workers=2, train_loss=1.0, seconds=1.0,
+                               checkpoint_key=checkpoint_key("p", epoch))
+        commit_checkpoint(ctx, summary)
+        retire_checkpoints(ctx, summary)
     assert store.ops.list - before == listings
     left = sorted(k.rsplit("/", 1)[1] for k in store.list("runs/p/ckpt/"))
-    assert left == ["epoch-0003.safetensors", "epoch-0004.safetensors", "init.safetensors", "latest.json"]
+    assert left == ["epoch-0003.safetensors", "epoch-0004.safetensors", "init.safetensors"]
     assert ctx.state.checkpoint_keys >= {checkpoint_key("p", 3), checkpoint_key("p", 4)}

@@ -95,7 +95,6 @@ PINNED = [
     (keys.checkpoint_key(RUN, 3), "runs/abc123/ckpt/epoch-0003.safetensors"),
     (keys.checkpoint_key(RUN, 12345), "runs/abc123/ckpt/epoch-12345.safetensors"),
     (keys.sync_checkpoint_key(RUN, 3), "runs/abc123/ckpt/sync-e3.safetensors"),
-    (keys.latest_key(RUN), "runs/abc123/ckpt/latest.json"),
     (keys.best_key(RUN), "runs/abc123/ckpt/best.json"),
     (keys.residual_prefix(RUN, 2, 1), "runs/abc123/ckpt/residual/e2/r1/"),
     (keys.residual_key(RUN, 2, 1, 7), "runs/abc123/ckpt/residual/e2/r1/round7.safetensors"),
@@ -144,18 +143,20 @@ def test_teardown_deletes_exactly_the_scratch_kinds():
     assert keys.SCRATCH == ("sync", "act", "data", "probe", "grad", "warm")
     assert keys.scratch_prefixes(RUN) == ("runs/abc123/sync/", "runs/abc123/act/", "runs/abc123/data/",
                                           "runs/abc123/probe/", "runs/abc123/grad/", "runs/abc123/warm/")
-    durable = [keys.checkpoint_key(RUN, 0), keys.sync_checkpoint_key(RUN, 0), keys.latest_key(RUN),
+    durable = [keys.checkpoint_key(RUN, 0), keys.sync_checkpoint_key(RUN, 0), keys.best_key(RUN),
                keys.residual_key(RUN, 0, 0, 0), keys.worker_history_key(RUN, 0, 0, 0),
                keys.fault_marker_key(RUN, 0, 0, 0), keys.summary_key(RUN), keys.ledger_key(RUN),
                keys.history_key(RUN), keys.run_doc_key(RUN), keys.report_key(RUN, "curves.png")]
     assert not [k for k in durable if k.startswith(keys.scratch_prefixes(RUN))]
     # on a run's store that is not the durable one the workers' records go too
-    assert keys.scratch_prefixes(RUN, records=True) == keys.scratch_prefixes(RUN) + (
+    assert keys.scratch_prefixes(RUN, "store") == keys.scratch_prefixes(RUN) + (
         "runs/abc123/history/", "runs/abc123/faults/")
+    # on a durable store that is not the run's store, only the staged data is scratch
+    assert keys.scratch_prefixes(RUN, "durable") == ("runs/abc123/data/",)
     records = [keys.worker_history_key(RUN, 0, 0, 0), keys.fault_marker_key(RUN, 0, 0, 0),
                keys.preempted_marker_key(RUN, 0, 0, 0), keys.held_marker_key(RUN, 0, 0, 0)]
-    assert all(k.startswith(keys.scratch_prefixes(RUN, records=True)) for k in records)
-    assert not [k for k in durable if k not in records and k.startswith(keys.scratch_prefixes(RUN, records=True))]
+    assert all(k.startswith(keys.scratch_prefixes(RUN, "store")) for k in records)
+    assert not [k for k in durable if k not in records and k.startswith(keys.scratch_prefixes(RUN, "store"))]
 
 
 def test_the_key_parsers_read_what_the_builders_write():

@@ -196,7 +196,7 @@ def test_warm_run_keeps_one_process_per_rank_and_bills_its_whole_life(tmp_path):
     assert store.list(f"runs/{summary.run_id}/warm/") == []
     # the last two epoch checkpoints stay; the finished epochs' sync checkpoints are gone
     assert [k.rsplit("/", 1)[1] for k in store.list(f"runs/{summary.run_id}/ckpt/")] == [
-        "epoch-0001.safetensors", "epoch-0002.safetensors", "init.safetensors", "latest.json"]
+        "epoch-0001.safetensors", "epoch-0002.safetensors", "init.safetensors"]
     assert summary.worker_seconds["busy"] > 0 and summary.worker_seconds["startup"] > 0
 
 

@@ -1,8 +1,9 @@
 """Continue a run from its last complete checkpoint (`resume=<run_id>`, or a Prefect retry of
 the same flow run, which derives the same run id).
 
-What the run left in the store says where to go on: `ckpt/latest.json` names the last
-complete epoch checkpoint, `history.json` the epochs done, `cost.json` what was billed. If the
+What the run left in the store says where to go on: `history.json` holds the epochs done, the
+last of them naming the last complete epoch checkpoint (written after it was verified,
+`coordinator.workers.retention`), `cost.json` what was billed. If the
 epoch after it had started, its Local-SGD workers continue from that epoch's last sync
 checkpoint (`ckpt/sync-e<E>`), so at most one sync interval of work is repeated.
 """
@@ -20,7 +21,6 @@ from core.keys import (
     faults_prefix,
     history_key,
     init_checkpoint_key,
-    latest_key,
     ledger_key,
     run_doc_key,
     sync_checkpoint_key,
@@ -87,8 +87,9 @@ def find_resume_point(ctx: RunContext, *, required: bool) -> ResumePoint | None:
             if old.get(name) != getattr(ctx.job, name):
                 raise ZooidValueError("resume", f"run {ctx.run_id} trained {name}={old.get(name)!r}, "
                                       f"this job asks {getattr(ctx.job, name)!r}")
-        latest = _json(store, latest_key(ctx.run_id)) or {"epoch": -1, "key": init_checkpoint_key(ctx.run_id)}
-        history = [e for e in read_history(store, ctx.run_id) if e.epoch <= latest["epoch"]]
+        history = read_history(store, ctx.run_id)
+        latest = ({"epoch": history[-1].epoch, "key": history[-1].checkpoint_key} if history
+                  else {"epoch": -1, "key": init_checkpoint_key(ctx.run_id)})
         ledger = []
         doc = _json(store, ledger_key(ctx.run_id))
         if doc:

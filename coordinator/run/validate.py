@@ -8,6 +8,7 @@ Every failure is a `ZooidValueError` naming the field. Nothing is written anywhe
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from blocks.compute import ComputeTarget, memory_options_problem, resolve_target
@@ -21,7 +22,15 @@ from core.kinds import BUILTIN_TARGETS, PIPELINED_STRATEGIES, Capacity, Strategy
 from planners.catalog import Offer, SpotOffer, get_offer, spot_offer
 
 SUBSET_SIZE = 64
-"""Samples per published data subset (KubeML's fixed-size subsets)."""
+"""The fewest samples per staged data subset (KubeML's fixed-size subsets)."""
+
+SUBSET_BYTES = 2**20
+"""The stored size a staged subset aims at: a store that bills by request (S3, Azure Blob)
+charges a subset's put and each read the same whatever its size, and at about a mebibyte an
+object's transfer takes as long as the request's own latency, so smaller subsets mostly buy
+requests (64 rows of a small sample are a few kilobytes)."""
+
+_ITEM_BYTES = {"float32": 4, "int64": 8}
 
 
 @dataclass(frozen=True)
@@ -77,11 +86,18 @@ class ResolvedJob:
         return self.coordinator_billed_as.price_per_s(self.target.coordinator_vcpu, self.coordinator_memory_gb, 0)
 
     @property
+    def row_bytes(self) -> int:
+        """One sample's stored bytes: its input and its target."""
+        return (math.prod(self.input_shape) * _ITEM_BYTES[self.input_dtype]
+                + math.prod(self.target_shape) * _ITEM_BYTES[self.target_dtype])
+
+    @property
     def subset_size(self) -> int:
-        """Rows per data subset (shard): a prepared dataset's own, else KubeML's fixed size
-        (`SUBSET_SIZE`), smaller when needed so that every replica up to the job's
-        `max_workers` gets at least one."""
-        return self.shard_rows or max(1, min(SUBSET_SIZE, self.n_train // self.job.max_workers))
+        """Rows per data subset (shard): a prepared dataset's own, else as many as fill
+        `SUBSET_BYTES` and at least KubeML's fixed size (`SUBSET_SIZE`), fewer when needed so
+        that every replica up to the job's `max_workers` gets at least one."""
+        rows = max(SUBSET_SIZE, SUBSET_BYTES // max(1, self.row_bytes))
+        return self.shard_rows or max(1, min(rows, self.n_train // self.job.max_workers))
 
     @property
     def n_subsets(self) -> int:

@@ -43,11 +43,18 @@ def finish_cancelled(flow_runs: list) -> None:
                 client.set_flow_run_state(fr.id, Cancelled(message="zooid teardown: worker stopped"), force=True)
 
 
-def delete_scratch(store, run_id: str, records: bool = False) -> int:
-    """Delete the run's scratch keys (`core.keys.SCRATCH`), and with `records` the workers'
-    records (`core.keys.RECORDS`: on a run's store that is not its durable one); keep
-    checkpoints, summary, ledger and report."""
-    return sum(store.delete_prefix(p) for p in scratch_prefixes(run_id, records))
+def delete_scratch(store, run_id: str, role: str = "both") -> int:
+    """Delete the run's scratch keys on a store of `role` (`core.keys.scratch_prefixes`: the
+    workers' records too on a run's store that is not its durable one); keep checkpoints,
+    summary, ledger and report."""
+    return sum(store.delete_prefix(p) for p in scratch_prefixes(run_id, role))
+
+
+def store_roles(store_ref: str, durable_ref: str) -> dict[str, str]:
+    """The run's stores by reference, each with its `scratch_prefixes` role."""
+    if store_ref == durable_ref:
+        return {store_ref: "both"}
+    return {store_ref: "store", durable_ref: "durable"}
 
 
 def _step(report: dict, name: str, fn):
@@ -94,10 +101,10 @@ def teardown_run(ctx: RunContext) -> dict:
     if cancel_errors:
         report["cancel_error"] = cancel_errors[0]
     if ctx.state.provisioned:
-        for ref in dict.fromkeys((ctx.store_ref, ctx.durable_ref)):  # data lives on the durable one
+        for ref, role in store_roles(ctx.store_ref, ctx.durable_ref).items():  # data lives on the durable one
             store = open_store_ref(ref)
             try:
-                report["deleted_keys"] += delete_scratch(store, ctx.run_id, records=ref != ctx.durable_ref)
+                report["deleted_keys"] += delete_scratch(store, ctx.run_id, role)
             finally:
                 store.close()
     ctx.state.torn_down = True

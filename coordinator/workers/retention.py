@@ -1,26 +1,27 @@
-"""Committing an epoch's checkpoint: confirm the epoch's reference checkpoint, point `latest`
-at it, and keep only the checkpoints the job asked for.
+"""Committing an epoch's checkpoint: confirm the epoch's reference checkpoint, then, once the
+run's history records the epoch, keep only the checkpoints the job asked for.
 
-Rank 0 wrote the averaged model and optimizer state in one atomic put; this step reads it
-back (it must decode), then writes `runs/<run_id>/ckpt/latest.json`, also atomically, so a
-resume always finds a complete checkpoint. Then it prunes: the last `keep_checkpoints` epoch
-checkpoints stay, and the best by validation loss (`ckpt/best.json`) when the job has a
-target; the mid-epoch sync checkpoints of finished epochs go (a resume starts after the
-latest epoch). Pruning runs after `latest.json` moved, so a kill between the two leaves
-more checkpoints, never fewer. The keys to prune are listed once per coordinator and then known
-(`known_checkpoints`), so an epoch on S3 or Azure pays no listing.
+Rank 0 wrote the averaged model and optimizer state in one atomic put; `commit_checkpoint`
+reads it back (it must decode). The run's history (`coordinator.run.resume.write_history`,
+rewritten atomically after each epoch) is what a resume reads: its last epoch's
+`checkpoint_key` is the latest complete checkpoint, so no pointer of its own is written.
+`retire_checkpoints` runs after that write: the last `keep_checkpoints` epoch checkpoints stay,
+and the best by validation loss (`ckpt/best.json`) when the job has a target; the mid-epoch
+sync checkpoints of finished epochs go (a resume starts after the latest epoch). A kill between
+the history's write and the pruning leaves more checkpoints, never fewer, and a kill before the
+write resumes from the epoch before, whose checkpoint is still there. The keys to prune are
+listed once per coordinator and then known (`known_checkpoints`), so an epoch on S3 or Azure
+pays no listing.
 """
 from __future__ import annotations
 
 import json
-import time
 from typing import Iterable
 
 from comm.tensor_codec import read_header
 from coordinator.run.context import RunContext
 from core.epoch_summary import EpochSummary
-from core.keys import (EPOCH_CHECKPOINT, RESIDUAL, SYNC_CHECKPOINT, best_key, checkpoint_prefix, latest_key,
-                       sync_checkpoint_key)
+from core.keys import EPOCH_CHECKPOINT, RESIDUAL, SYNC_CHECKPOINT, best_key, checkpoint_prefix, sync_checkpoint_key
 
 
 def update_best(store, run_id: str, epoch: int, key: str, val_loss: float | None) -> dict | None:
@@ -67,17 +68,22 @@ def known_checkpoints(ctx: RunContext, epoch: int, key: str) -> set[str] | None:
 
 
 def commit_checkpoint(ctx: RunContext, summary: EpochSummary) -> str:
-    """Verify the epoch's checkpoint (`summary.checkpoint_key`) decodes, record it as the
-    latest, prune; return its key."""
+    """Verify the epoch's checkpoint (`summary.checkpoint_key`) decodes; return its key."""
+    store = ctx.open_durable()
+    try:
+        if not read_header(store.get(summary.checkpoint_key, timeout=30)):
+            raise RuntimeError(f"checkpoint {summary.checkpoint_key} has no header")
+    finally:
+        store.close()
+    return summary.checkpoint_key
+
+
+def retire_checkpoints(ctx: RunContext, summary: EpochSummary) -> None:
+    """After the history recorded epoch `summary.epoch`: record the best checkpoint (a job with a
+    target), prune what the job keeps no longer."""
     job, epoch, key = ctx.job, summary.epoch, summary.checkpoint_key
     store = ctx.open_durable()
     try:
-        header = read_header(store.get(key, timeout=30))
-        if not header:
-            raise RuntimeError(f"checkpoint {key} has no header")
-        store.put(latest_key(ctx.run_id), json.dumps(
-            {"epoch": epoch, "key": key, "written_at": time.time(),
-             "val_accuracy": summary.val_accuracy, "val_loss": summary.val_loss}).encode())
         targeted = job.target_loss is not None or job.target_accuracy is not None
         best = update_best(store, ctx.run_id, epoch, key, summary.val_loss) if targeted else None
         keys = known_checkpoints(ctx, epoch, key)
@@ -87,4 +93,3 @@ def commit_checkpoint(ctx: RunContext, summary: EpochSummary) -> str:
                                                                  best, keys=keys))
     finally:
         store.close()
-    return key
