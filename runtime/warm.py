@@ -59,7 +59,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 from comm import heartbeat
 from comm.store import Store, open_store
@@ -399,12 +399,13 @@ def _run_epoch(worker: _Serving, seq: int, command: dict, execute: Callable[[Wor
                f"attempt {job.attempt} done in {ended - began:.2f} s")
 
 
-def _failure(exc: BaseException) -> dict:
+def _failure(exc: BaseException, stores: Iterable[Store] = ()) -> dict:
     """The reply's part that tells of a command that raised `exc`, with the requests made for it
-    that no result reported (`runtime.run_spec`; the coordinator bills them)."""
+    that no result reported (`runtime.run_spec`, or those of `stores` the command opened; the
+    coordinator bills them)."""
     ops = getattr(exc, "store_ops", None)
     return {"ok": False, "error": type(exc).__name__, "message": str(exc)[-2000:],
-            "store_ops": ops if ops is not None else unreported([])}
+            "store_ops": ops if ops is not None else unreported(stores)}
 
 
 def _serve_profile(worker: _Serving, seq: int, command: dict, open_ref: Callable[[str], Store] | None) -> None:
@@ -418,14 +419,21 @@ def _serve_profile(worker: _Serving, seq: int, command: dict, open_ref: Callable
     reply: dict = {"began_at": began, "ready_at": worker.ready_at}
     if worker.spec is not None:  # ZOOID_CHAOS `at=profile` (a preemption while profiling)
         chaos_for(worker.spec, worker.store).at_profile()
+    opened: list[Store] = []
+
+    def opening(url: str) -> Store:  # the store probe's client: its requests are billed with the reply
+        opened.append((open_ref or open_store)(url))
+        return opened[-1]
+
     try:
         request = ProfileRequest.from_dict(command.get("request") or {})
-        reply.update(ok=True, profile=run_profile(request, open_ref or open_store,
-                                                  base_memory_bytes=int(worker.watch.doc.get("base_memory_bytes") or 0)))
+        reply.update(ok=True, profile=run_profile(request, opening,
+                                                  base_memory_bytes=int(worker.watch.doc.get("base_memory_bytes") or 0)),
+                     store_ops=unreported(opened))  # the probe's requests, and this worker's since its last reply
         worker.log(f"zooid warm worker {worker.settings.worker}: "
                    f"{_profiled(request.model, reply['profile'], time.time() - began)}")
     except Exception as exc:
-        reply.update(_failure(exc))
+        reply.update(_failure(exc, opened))
         worker.log(f"zooid warm worker {worker.settings.worker}: profile failed: {type(exc).__name__}: {exc}")
     reply["ended_at"] = time.time()
     worker.reply(seq, reply)

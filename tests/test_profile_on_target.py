@@ -138,6 +138,9 @@ def test_the_profile_is_taken_by_a_worker_and_says_where(tmp_path):
     statuses = [r.status for r in ctx.state.ledger]
     assert "profile" in statuses and "startup" in statuses
     assert all(r.usd > 0 for r in ctx.state.ledger if r.status == "profile")
+    # the store probe's requests reach the bill with the workers' (a successful reply carried none)
+    probe = ctx.state.store_ops["file://"]
+    assert probe.put > 0 and probe.get > 0 and probe.delete > 0 and probe.bytes_in > 0
     assert tagged_pids(ctx.run_id) == []
     store = ctx.open_durable()
     try:

@@ -459,7 +459,7 @@ class WarmPool:
                 now = time.time()
                 if reply is not None:
                     del pending[i]
-                    # a failed profile's requests (`runtime.warm._failure`), billed with the workers'
+                    # the profile's requests (the store probe's, or a failed one's: `runtime.warm`), billed with the workers'
                     self.ctx.state.store_ops = grouped_total([self.ctx.state.store_ops, reply.get("store_ops") or {}])
                     if ready and reply.get("began_at") and reply.get("ended_at"):  # a ready worker: the round trip
                         busy = float(reply["ended_at"]) - float(reply["began_at"])  # (durations only: no clock skew)
