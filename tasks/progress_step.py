@@ -4,16 +4,13 @@ checkpoint is where a resume goes on), then the checkpoints it no longer needs p
 the bill so far, so a killed coordinator leaves both behind."""
 from __future__ import annotations
 
-from contextlib import closing
-
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from coordinator.bill.ledger import record_cost_now
 from coordinator.run.context import RunContext
-from coordinator.run.resume import write_history
 from coordinator.run.retry import task_options
-from coordinator.workers.retention import retire_checkpoints
+from coordinator.workers.retention import record_history
 from core.epoch_summary import EpochSummary
 
 
@@ -22,8 +19,5 @@ def save_progress(ctx: RunContext, history: list[EpochSummary]) -> None:
     """Rewrite the run's history, prune behind its last epoch, rewrite the ledger so far (not
     final); the documents are whole and a pruning deletes what is gone already, so a retry does
     the same again."""
-    with closing(ctx.open_durable()) as store:
-        write_history(store, ctx.run_id, history)
-    if history:
-        retire_checkpoints(ctx, history[-1])
+    record_history(ctx, history)
     record_cost_now(ctx, final=False)

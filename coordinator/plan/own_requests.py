@@ -5,9 +5,9 @@ one run and predicted for the next on the same target (issue #45).
 Three parts, each counted by role (`store`: the run's store; `durable`: its durable store, where
 that is another):
 
-- `epoch`: what an epoch adds: the coordinator's bookkeeping (the epoch's checkpoint read and
-  its `latest` pointer, the history, the ledger, the leftovers of the epoch's prefixes listed
-  and deleted), a worker's reads of its data and its wait for its next command;
+- `epoch`: what an epoch adds: the coordinator's bookkeeping (the epoch's checkpoint read, the
+  history, the ledger, the leftovers of the epoch's prefixes listed and deleted), a worker's
+  reads of its data and its wait for its next command;
 - `staging`: from the plan to the first epoch sent: the dataset's manifest, the initial
   checkpoint, the run's document (the subsets' own requests, an existence check and a put each,
   are the run's dataset's: `staged_files`, taken out of a sample and added for the next run's);

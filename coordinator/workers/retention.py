@@ -20,6 +20,7 @@ from typing import Iterable
 
 from comm.tensor_codec import read_header
 from coordinator.run.context import RunContext
+from coordinator.run.resume import write_history
 from core.epoch_summary import EpochSummary
 from core.keys import EPOCH_CHECKPOINT, RESIDUAL, SYNC_CHECKPOINT, best_key, checkpoint_prefix, sync_checkpoint_key
 
@@ -76,6 +77,18 @@ def commit_checkpoint(ctx: RunContext, summary: EpochSummary) -> str:
     finally:
         store.close()
     return summary.checkpoint_key
+
+
+def record_history(ctx: RunContext, history: list[EpochSummary]) -> None:
+    """Rewrite the run's history (its last epoch's checkpoint is where a resume goes on), then
+    retire behind its last epoch (`retire_checkpoints`)."""
+    store = ctx.open_durable()
+    try:
+        write_history(store, ctx.run_id, history)
+    finally:
+        store.close()
+    if history:
+        retire_checkpoints(ctx, history[-1])
 
 
 def retire_checkpoints(ctx: RunContext, summary: EpochSummary) -> None:
