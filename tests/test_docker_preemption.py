@@ -41,7 +41,13 @@ def _worker_flow_runs(run_id: str) -> list[str]:
 
 
 def test_a_spot_container_stopped_with_a_grace_hands_over_and_is_replaced_by_its_warm_spare(stack):
+    """Also what `capacity=spot` asks of the docker target: the plan is on spot, every worker
+    container is labelled `zooid.capacity=spot` (read from the engine while the run holds its
+    workers) and billed at Fargate Spot's price for its size; the coordinator stays on-demand."""
+    from blocks.compute import resolve_target
+    from clouds.docker import CAPACITY_LABEL
     from engine.preemption import read_preempted_marker
+    from planners.catalog import get_offer, spot_offer
 
     # rank 1 holds at the start of epoch 1 (an event: its held marker) until the notice comes
     target = _save_target("docker-preempt-e1r1", job_variables={"env": {
@@ -52,6 +58,7 @@ def test_a_spot_container_stopped_with_a_grace_hands_over_and_is_replaced_by_its
     store = _store(stack)
     try:
         _wait_key(store, f"runs/{run_id}/faults/held-e1-r1-")
+        labels = {c.id: c.labels.get(CAPACITY_LABEL) for c in _containers(run_id)}  # the ranks' and the spare's
         victim, stopped = _preempt_rank(run_id, 1, grace_s=120)  # Fargate Spot's notice
         fr = _wait_final(flow_run_id)
         notice = read_preempted_marker(store, run_id, 1, 1, 0)
@@ -70,6 +77,14 @@ def test_a_spot_container_stopped_with_a_grace_hands_over_and_is_replaced_by_its
     assert len(preempted) == 1 and preempted[0]["resource"].endswith(victim.id[:12]) and preempted[0]["usd"] > 0
     workers = [r for r in rows if r["kind"] in ("worker", "failed_attempt")]
     assert {r["capacity"] for r in workers} == {"spot"}  # one preemption: replaced on spot again
+    assert len(labels) >= 2 and set(labels.values()) == {"spot"}, labels
+    assert summary["plan"]["capacity"] == "spot" and summary["plan"]["capacity_choice"]["spot_offer"] == "fargate-spot-cpu"
+    t = resolve_target(target)
+    spot = spot_offer("fargate-cpu", "docker").price_per_s(t.worker_vcpu, t.worker_memory_gb, t.worker_gpu)
+    assert all(r["unit_price_per_s"] == pytest.approx(spot, rel=1e-9) for r in workers)
+    coordinator = [r for r in rows if r["kind"] == "coordinator"]
+    assert coordinator and coordinator[0]["unit_price_per_s"] == pytest.approx(  # its own size (digits: 1 GB)
+        get_offer("fargate-cpu").price_per_s(t.coordinator_vcpu, 1.0, 0), rel=1e-9)
     assert len({r["resource"] for r in workers}) == len(workers)  # each container billed once
     # rank 1's place went to the spare started with the ranks; no new rank worker, a new spare instead
     assert _worker_flow_runs(run_id) == ["r0-w0", "r1-w1", "spare-w2", "spare-w3"]

@@ -89,36 +89,3 @@ def test_a_missing_image_or_engine_is_one_clear_error_before_anything_is_paid(st
     monkeypatch.setenv("DOCKER_HOST", f"unix://{stack['home']}/no-engine.sock")
     with pytest.raises(ZooidValueError, match=r"^target: no container engine answers at DOCKER_HOST="):
         check_target_ready(resolved)
-
-
-def test_a_spot_run_trains_on_containers_labelled_spot_billed_at_fargate_spots_price(stack):
-    """capacity=spot on the docker target: the plan is on spot, every worker container is labelled
-    `zooid.capacity=spot` (read from the engine while the run holds its workers) and billed at
-    Fargate Spot's price for its size; the coordinator stays on-demand."""
-    import time
-
-    from blocks.compute import resolve_target
-    from clouds.docker import CAPACITY_LABEL
-    from planners.catalog import get_offer, spot_offer
-
-    flow_run_id = _submit(stack, strategy="local_sgd", epochs=1, workers=2, capacity="spot")
-    run_id, seen = _run_id(flow_run_id), {}
-    deadline = time.monotonic() + 600
-    while len(seen) < 2 and time.monotonic() < deadline:  # both workers' containers (the profile's first)
-        seen.update({c.id: c.labels.get(CAPACITY_LABEL) for c in _containers(run_id)})
-        time.sleep(0.5)
-    labels = set(seen.values())
-    fr = _wait_final(flow_run_id)
-    assert fr.state.is_completed(), fr.state.message
-    assert labels == {"spot"}
-    summary = _summary(stack, run_id)
-    assert summary["plan"]["capacity"] == "spot" and summary["plan"]["capacity_choice"]["spot_offer"] == "fargate-spot-cpu"
-    t = resolve_target("docker")
-    spot = spot_offer("fargate-cpu", "docker").price_per_s(t.worker_vcpu, t.worker_memory_gb, t.worker_gpu)
-    rows = _ledger(stack, run_id)
-    workers_rows = [r for r in rows if r["kind"] == "worker"]
-    assert len(workers_rows) == 2 and all(r["unit_price_per_s"] == pytest.approx(spot, rel=1e-9) for r in workers_rows)
-    coordinator = [r for r in rows if r["kind"] == "coordinator"]
-    assert coordinator and coordinator[0]["unit_price_per_s"] == pytest.approx(  # its own size (digits: 1 GB)
-        get_offer("fargate-cpu").price_per_s(t.coordinator_vcpu, 1.0, 0), rel=1e-9)
-    assert _containers(run_id) == []
