@@ -45,8 +45,9 @@ class Plan:
     """Under `collective=auto`, why the planner did not compare the ring (it may not run there,
     `coordinator.run.collective.ring_refusal`); empty when it did, or the job named one."""
     sync_checkpoint_s: float = 0.0
-    """A Local-SGD sync over the store with float32 pieces: seconds between rank 0's sync
-    checkpoints (`planners.checkpoint_cadence`; the epoch's last round always); 0: every round."""
+    """A Local-SGD sync over the store: seconds between rank 0's sync checkpoints
+    (`planners.checkpoint_cadence`; the epoch's last round always; a compressed sync's workers
+    get the rounds it holds at the plan's pace, `rounds_between_checkpoints`); 0: every round."""
     sync_bytes: float = 0.0
     """Bytes of the state one data-parallel sync reduces, as they travel in `sync_dtype`
     (Local-SGD: parameters and optimizer state; hybrid: every stage's gradients); 0: unknown."""

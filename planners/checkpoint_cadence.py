@@ -21,6 +21,14 @@ The interval's clock starts at each epoch's start, whose checkpoint is one; the 
 round is not checkpointed as such (the epoch checkpoint follows it, and a rank lost in between
 replays the rounds kept since the last checkpoint), and one is written sooner when the rounds
 kept for a replay reach their bound (`engine.local_sgd_epoch.cadence_for`).
+
+A compressed sync (bfloat16, int8) keeps to rounds instead: every rank writes its error-feedback
+residual at the rounds rank 0 checkpoints, so the ranks must agree on them, which no rank's own
+clock gives. The interval becomes a count of rounds at the plan's pace
+(`rounds_between_checkpoints`), which every rank of an epoch is given; the epoch's last round is
+checkpointed with the residuals the next epoch continues from. Written every round, as before
+this count, an int8 sync of `gpt_mini` put three objects on the durable store a round (rank 0's
+checkpoint and each rank's residual, all float32) beside its quarter-size pieces.
 """
 from __future__ import annotations
 
@@ -68,3 +76,15 @@ def checkpoints_per_epoch(rounds: int, epoch_s: float, interval_s: float) -> int
     if interval_s <= 0:  # by rounds, every one
         return rounds
     return min(rounds, math.floor(max(0.0, epoch_s) / interval_s))
+
+
+def rounds_between_checkpoints(interval_s: float, epoch_s: float, rounds: int) -> int:
+    """A compressed sync's checkpoint cadence in rounds (module docstring): as many rounds as
+    `interval_s` holds at the pace of an epoch of `rounds` rounds in `epoch_s` seconds, at least
+    one; every round where the interval is 0 (the job's `sync_checkpoint_s` 0) or the pace is
+    not known."""
+    if interval_s <= 0 or epoch_s <= 0 or rounds <= 0:
+        return 1
+    if math.isinf(interval_s):
+        return rounds
+    return max(1, math.floor(interval_s * rounds / epoch_s))

@@ -14,7 +14,9 @@ Counted, all workers together:
   without a period, one per step (one bucket) when every step averages; with sync
   checkpoints every `checkpoint_every` rounds (the last always) or one per whole
   `Plan.sync_checkpoint_s` of the predicted epoch, rank 0's checkpoint put and
-  a listing and delete of each round it no longer keeps;
+  a listing and delete of each round it no longer keeps; a compressed sync (bfloat16, int8)
+  checkpoints every `rounds_between_checkpoints` rounds (the last always), each rank putting
+  its error-feedback residual beside rank 0's checkpoint;
 - a pipeline's hand-offs per replica and step: each of its p x v - 1 model-stage boundaries
   moves M activations forward and M gradients back (a put, a get and a delete each); after
   the epoch the last stage sends the loss to the others (p - 1), and replica 0's workers send
@@ -35,7 +37,7 @@ import math
 from typing import Callable
 
 from core.kinds import Strategy
-from planners.checkpoint_cadence import checkpoints_per_epoch
+from planners.checkpoint_cadence import checkpoints_per_epoch, rounds_between_checkpoints
 from core.plan import Plan
 from core.polling import control_reads
 from core.store_ops import StoreOps
@@ -102,9 +104,15 @@ def epoch_store_ops(plan: Plan, *, ring: bool = False, checkpoint_every: int = 1
         ops = ops + StoreOps(**{k: v * d for k, v in allreduce_ops(d, rounds, not replayed).to_dict().items()})
         ops = ops + release_ops(d, delete_requests)
         if replayed:  # rank 0's sync checkpoints, each dropping the rounds before it
-            checkpoints = (checkpoints_per_epoch(rounds, plan.predicted_epoch_s, plan.sync_checkpoint_s)
-                           if plan.sync_checkpoint_s else math.ceil(rounds / checkpoint_every))
-            ops = ops + StoreOps(put=checkpoints * put_ckpt, list=rounds - 1, delete=(rounds - 1) * delete_requests(d))
+            writes = put_ckpt
+            if plan.sync_dtype != "float32":  # by rounds, with each rank's residual
+                every = rounds_between_checkpoints(plan.sync_checkpoint_s, plan.predicted_epoch_s, rounds)
+                checkpoints, writes = math.ceil(rounds / max(every, checkpoint_every)), put_ckpt * (1 + d)
+            elif plan.sync_checkpoint_s:
+                checkpoints = checkpoints_per_epoch(rounds, plan.predicted_epoch_s, plan.sync_checkpoint_s)
+            else:
+                checkpoints = math.ceil(rounds / checkpoint_every)
+            ops = ops + StoreOps(put=checkpoints * writes, list=rounds - 1, delete=(rounds - 1) * delete_requests(d))
         return ops
     boundaries = p * max(1, plan.chunks) - 1 if p > 1 else 0
     moves = d * steps * boundaries * max(1, plan.microbatches) * 2  # activations forward, gradients back

@@ -18,7 +18,7 @@ from core.specs import SyncSpec
 from engine.local_sgd_epoch import read_epoch_history
 from engine.models import build_model
 from planners.checkpoint_cadence import (MAX_INTERVAL_S, MIN_INTERVAL_S, checkpoints_per_epoch,
-                                         sync_checkpoint_interval_s, young_interval_s)
+                                         rounds_between_checkpoints, sync_checkpoint_interval_s, young_interval_s)
 from tests.memory_store import MemoryStore
 from tests.test_gradient_buckets import (assert_same_state, final_state, rank_1_dies_and_is_relaunched,
                                          run_threads, specs, stage)
@@ -60,6 +60,15 @@ def test_checkpoints_per_epoch_one_an_interval_since_the_epochs_start():
     assert checkpoints_per_epoch(6, 500.0, 1.0) == 6
     assert checkpoints_per_epoch(6, 5.0, 0.0) == 6  # by rounds
     assert checkpoints_per_epoch(0, 5.0, 1.0) == 0
+
+
+def test_a_compressed_syncs_interval_is_the_rounds_it_holds_at_the_plans_pace():
+    assert rounds_between_checkpoints(20.0, 5.0, 19) == 76  # an epoch of 19 rounds in 5 s: 3.8 rounds a second
+    assert rounds_between_checkpoints(2.0, 5.0, 19) == 7
+    assert rounds_between_checkpoints(0.1, 5.0, 19) == 1  # never fewer than one round
+    assert rounds_between_checkpoints(0.0, 5.0, 19) == 1  # the job's 0: every round
+    assert rounds_between_checkpoints(20.0, 0.0, 19) == 1  # no pace predicted: every round
+    assert rounds_between_checkpoints(math.inf, 5.0, 19) == 19  # nothing expected to fail: the last round's alone
 
 
 def kavg(store, run_id, optimizer, sync):
@@ -111,9 +120,10 @@ def test_a_compressed_sync_keeps_checkpointing_by_rounds():
 
 def test_the_plan_carries_the_interval_and_predicts_its_epochs_checkpoints(tmp_path, monkeypatch):
     """`with_checkpoint_interval`: Young's interval for a K-AVG plan over S3 (the profiled stall,
-    one PUT of the checkpoint at the plan's price); none for the ring or a compressed sync, whose
-    ranks keep to rounds; the epoch's predicted requests count no sync checkpoint where the
-    interval outlasts the epoch, against one a round without it."""
+    one PUT of the checkpoint at the plan's price; a compressed sync's counts each rank's residual
+    too); none for the ring; the epoch's predicted requests count no sync checkpoint where the
+    interval outlasts the epoch, against one a round without it, and a compressed sync's the
+    last round's alone (its checkpoint and 4 residuals), where it wrote 5 a round before."""
     from types import SimpleNamespace
 
     from coordinator.plan.planning import RunStores, with_checkpoint_interval
@@ -136,7 +146,11 @@ def test_the_plan_carries_the_interval_and_predicts_its_epochs_checkpoints(tmp_p
     want = sync_checkpoint_interval_s(workers=4, checkpoint_s=0.05, put_usd=put_usd, price_per_worker_s=price)
     got = with_checkpoint_interval(ctx, plan, stores)
     assert got.sync_checkpoint_s == pytest.approx(want, rel=1e-12) and want > 100  # Fargate Spot gives 120 s notice
-    assert with_checkpoint_interval(ctx, dataclasses.replace(plan, sync_dtype="int8"), stores).sync_checkpoint_s == 0
+    int8 = with_checkpoint_interval(ctx, dataclasses.replace(plan, sync_dtype="int8"), stores)
+    want_int8 = sync_checkpoint_interval_s(workers=4, checkpoint_s=0.05, put_usd=5 * put_usd, price_per_worker_s=price)
+    assert int8.sync_checkpoint_s == pytest.approx(want_int8, rel=1e-12) and want_int8 > want
+    every_round = dataclasses.replace(int8, sync_checkpoint_s=0.0)
+    assert epoch_store_ops(every_round).put - epoch_store_ops(int8).put == 5 * 6 - 5
     object.__setattr__(ctx, "job", SimpleNamespace(**{**vars(ctx.job), "collective": "ring"}))
     assert with_checkpoint_interval(ctx, plan, stores).sync_checkpoint_s == 0
     by_rounds, by_interval = epoch_store_ops(plan), epoch_store_ops(got)
@@ -176,3 +190,24 @@ def test_pruning_lists_the_checkpoints_once_per_coordinator_and_keeps_what_a_lis
     left = sorted(k.rsplit("/", 1)[1] for k in store.list("runs/p/ckpt/"))
     assert left == ["epoch-0003.safetensors", "epoch-0004.safetensors", "init.safetensors"]
     assert ctx.state.checkpoint_keys >= {checkpoint_key("p", 3), checkpoint_key("p", 4)}
+
+
+@pytest.mark.parametrize("sync_dtype", ["float32", "int8", "bfloat16"])
+def test_the_workers_get_the_plans_cadence_in_seconds_or_for_a_compressed_sync_in_rounds(sync_dtype):
+    """A float32 sync is given the interval (rank 0 alone decides by its clock); a compressed one
+    the rounds the interval holds at the plan's pace, the same count for every rank."""
+    from types import SimpleNamespace
+
+    from coordinator.run.job import TrainJob
+    from coordinator.workers.worker_specs import worker_specs
+    from core.plan import Plan
+
+    job = TrainJob(workers=2, sync_period=8, sync_dtype=sync_dtype, optimizer="momentum")
+    ctx = SimpleNamespace(job=job, run_id="zcad", store_ref="file:///tmp/s", durable_ref="file:///tmp/d",
+                          resolved=SimpleNamespace(target=SimpleNamespace(remote=False, kind="inline"), model_kwargs={}),
+                          state=SimpleNamespace(dataset={"n_train": 4864}))
+    plan = Plan(strategy="local_sgd", data_parallel=2, batch_size=16, sync_period=8, sync_dtype=sync_dtype,
+                predicted_epoch_s=3.8, sync_checkpoint_s=2.0)  # 152 steps: 19 rounds in 3.8 s, 5 a second
+    specs = worker_specs(ctx, plan, epoch=0, init="", lr=0.05, attempt=0)
+    cadences = {(s.sync.checkpoint_every, s.sync.checkpoint_interval_s) for s in specs}
+    assert cadences == ({(1, 2.0)} if sync_dtype == "float32" else {(10, 0.0)})

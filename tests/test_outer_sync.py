@@ -321,18 +321,26 @@ def test_a_rank_relaunched_inside_a_compressed_round_leaves_results_and_residual
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("chaos,victim,resume_step", [
-    ("kill_worker:epoch=0:rank=1:step=4", 1, 3),          # mid-round
-    ("kill_worker:epoch=0:rank=0:step=6:at=sync", 0, 6),  # right after a sync
+@pytest.mark.parametrize("chaos,victim,resume_step,every", [
+    ("kill_worker:epoch=0:rank=1:step=4", 1, 3, 1),          # mid-round
+    ("kill_worker:epoch=0:rank=0:step=6:at=sync", 0, 6, 1),  # right after a sync
+    # checkpoints every 2 of the 3 rounds (steps 6 and 9): round 0's is not written, so the
+    # relaunch starts at the epoch's start and replays it, its residual as every rank's was
+    ("kill_worker:epoch=0:rank=1:step=4", 1, 0, 2),
+    ("kill_worker:epoch=0:rank=0:step=8", 0, 6, 2),          # after round 1's checkpoint
 ])
-def test_a_replaced_worker_leaves_weights_and_outer_state_as_without_the_fault(tmp_path, chaos, victim, resume_step):
+def test_a_replaced_worker_leaves_weights_and_outer_state_as_without_the_fault(tmp_path, chaos, victim, resume_step,
+                                                                              every):
     """DiLoCo with int8 syncs, replicas as processes: one is killed and relaunched from the
-    sync checkpoint; weights, outer momentum and every rank's residual end as in the
+    sync checkpoint (written every round, or every `every` rounds as the coordinator sets a
+    compressed sync's cadence); weights, outer momentum and every rank's residual end as in the
     fault-free run (processes too, one thread each, so the sums are the same bits)."""
     from engine.chaos import read_fault_marker
+    from engine.local_sgd_epoch import read_epoch_history
     from tests.test_faults_engine import Coordinator, specs, stage, wait_for_sync_checkpoint
 
-    sync = SyncSpec(outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9, sync_dtype="int8")
+    sync = SyncSpec(outer_optimizer="nesterov", outer_lr=0.7, outer_momentum=0.9, sync_dtype="int8",
+                    checkpoint_every=every)
 
     def run(name, chaos_env):
         store = DirectoryStore(tmp_path / name)
@@ -350,6 +358,8 @@ def test_a_replaced_worker_leaves_weights_and_outer_state_as_without_the_fault(t
                 coordinator.launch(WorkerSpec.from_dict({**worker_specs[victim].to_dict(), "attempt": 1}))
                 assert coordinator.wait(victim, 1) == 0, coordinator.output(victim, 1)
                 assert coordinator.wait(1 - victim, 0) == 0, coordinator.output(1 - victim, 0)
+                relaunch = next(h for h in read_epoch_history(store, "k", 0) if h["attempt"] == 1)
+                assert relaunch["start_step"] == resume_step
             else:
                 assert [coordinator.wait(r, 0) for r in range(2)] == [0, 0]
         finally:

@@ -298,19 +298,20 @@ def checkpoint_bytes(ctx: RunContext) -> float:
 
 def with_checkpoint_interval(ctx: RunContext, plan: Plan, stores: RunStores) -> Plan:
     """`plan` with the seconds between its sync checkpoints (`Plan.sync_checkpoint_s`): for a
-    Local-SGD sync over the store with float32 pieces, the job's `sync_checkpoint_s` where it
-    names one, else Young's interval from the profiled stall of
+    Local-SGD sync over the store (a compressed one's ranks keep to the rounds it holds at the
+    plan's pace, `planners.checkpoint_cadence.rounds_between_checkpoints`), the job's
+    `sync_checkpoint_s` where it names one, else Young's interval from the profiled stall of
     a checkpoint's write, its requests on the durable store at the plan's worker price, the assumed
     crash rate and, where the job may run on spot and the notice leaves no time to hand over, the
     spot offer's interruptions (`planners.checkpoint_cadence`); 0 (every round) otherwise."""
-    if (plan.strategy != Strategy.LOCAL_SGD or plan.stages > 1 or plan.data_parallel <= 1
-            or plan.sync_dtype != "float32" or uses_ring(ctx.job, plan)):
+    if plan.strategy != Strategy.LOCAL_SGD or plan.stages > 1 or plan.data_parallel <= 1 or uses_ring(ctx.job, plan):
         return dataclasses.replace(plan, sync_checkpoint_s=0.0)
     asked = getattr(ctx.job, "sync_checkpoint_s", None)
     if asked is not None:
         return dataclasses.replace(plan, sync_checkpoint_s=float(asked))
     offer = stores.offers.get(stores.durable_role)
-    put_usd = offer.request_usd(StoreOps(put=offer.object_requests(checkpoint_bytes(ctx))[0])) if offer else 0.0
+    writes = 1 + (plan.data_parallel if plan.sync_dtype != "float32" else 0)  # and each rank's residual
+    put_usd = offer.request_usd(StoreOps(put=writes * offer.object_requests(checkpoint_bytes(ctx))[0])) if offer else 0.0
     spot = getattr(ctx.resolved, "spot", None)
     on_spot = spot is not None and getattr(ctx.job, "capacity", Capacity.ON_DEMAND) != Capacity.ON_DEMAND
     interval = sync_checkpoint_interval_s(

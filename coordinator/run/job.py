@@ -139,9 +139,10 @@ class Sync(JobSection):
                     "exceed what the period bears.")
     sync_checkpoint_s: Optional[float] = Field(
         None, ge=0, allow_inf_nan=False, title="Seconds between sync checkpoints",
-        description="Local-SGD over the store with float32 syncs: rank 0 writes a sync checkpoint (what a worker "
-                    "lost with nothing handed over resumes from) at the first round this many seconds after the "
-                    "last, and at each epoch's last round; 0: every round; null: the plan's interval, which weighs "
+        description="Local-SGD over the store: rank 0 writes a sync checkpoint (what a worker lost with nothing "
+                    "handed over resumes from) at the first round this many seconds after the last, and at each "
+                    "epoch's last round (a bfloat16 or int8 sync: every as many rounds as this holds at the plan's "
+                    "pace, each rank writing its residual); 0: every round; null: the plan's interval, which weighs "
                     "a checkpoint's cost against the work an expected crash loses (Young's interval).")
     sync_dtype: Literal["float32", "bfloat16", "int8"] = Field(
         "float32", title="Sync dtype",

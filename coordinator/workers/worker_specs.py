@@ -6,6 +6,8 @@ both import them from here, so neither depends on the other for them.
 """
 from __future__ import annotations
 
+import math
+
 from clouds.registry import is_cloud
 from coordinator.run.collective import uses_ring
 from coordinator.run.context import RunContext
@@ -13,10 +15,12 @@ from coordinator.run.job_data import is_prepared
 from coordinator.run.outer_step import job_outer_settings
 from core.keys import checkpoint_key
 from core.kinds import PIPELINED_STRATEGIES
+from core.outer_defaults import round_steps
 from core.plan import Plan
 from core.specs import ComputeSpec, DataSpec, SyncSpec, WorkerSpec
 from engine.epoch_order import epoch_steps
 from engine.pipeline_executor import pipeline_worker_specs
+from planners.checkpoint_cadence import rounds_between_checkpoints
 
 
 def ring_host(ctx: RunContext) -> str:
@@ -59,8 +63,14 @@ def worker_specs(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, 
     settings = job_outer_settings(job, steps)  # null fields follow the sync period
     outer = {"outer_optimizer": job.outer_optimizer, "outer_lr": settings.lr,
              "outer_momentum": settings.momentum, "sync_dtype": job.sync_dtype}
-    sync = (SyncSpec(collective="ring", ring_host=ring_host(ctx), ring_timeout_s=120.0, **outer)
-            if uses_ring(job, plan) else SyncSpec(**outer, checkpoint_interval_s=plan.sync_checkpoint_s))
+    if uses_ring(job, plan):
+        sync = SyncSpec(collective="ring", ring_host=ring_host(ctx), ring_timeout_s=120.0, **outer)
+    elif job.sync_dtype != "float32":  # every rank writes its residual at a checkpoint: rounds all ranks count alike
+        rounds = math.ceil(steps / round_steps(job.sync_period, steps))
+        sync = SyncSpec(**outer, checkpoint_every=rounds_between_checkpoints(
+            plan.sync_checkpoint_s, plan.predicted_epoch_s, rounds))
+    else:
+        sync = SyncSpec(**outer, checkpoint_interval_s=plan.sync_checkpoint_s)
     return [WorkerSpec(run_id=ctx.run_id, epoch=epoch, rank=rank, world=plan.data_parallel,
                        store_url=ctx.store_ref, model=job.model, dataset=job.dataset,
                        steps=steps,
