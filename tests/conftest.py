@@ -45,6 +45,10 @@ def pytest_collection_modifyitems(config, items):
         else:
             weight[path] = weight.get(path, 0.0) + UNMEASURED_SLOW_S * ("slow" in item.keywords)
     items.sort(key=lambda item: -weight[_file_of(item.nodeid)])  # stable: a file's own order is kept
+    files = list(dict.fromkeys(_file_of(item.nodeid) for item in items))
+    containers = {_file_of(item.nodeid) for item in items if "docker" in item.keywords}
+    order = {f: i for i, f in enumerate(_spread(files, containers, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 1))))}
+    items.sort(key=lambda item: order[_file_of(item.nodeid)])
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items:
         return
@@ -55,6 +59,20 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs CUDA (torch.cuda.is_available() is False)")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+def _spread(files: list[str], heavy: set[str], processes: int) -> list[str]:
+    """`files` (longest first) with the `heavy` ones at most one in each `processes` files, in
+    their order: the processes take the first `processes` files at once and each the next as it
+    finishes one, so the container tests (each several containers on the same cores and engine)
+    do not all start together, as they did once the longest files were all theirs."""
+    light = [f for f in files if f not in heavy]
+    heavy_left = [f for f in files if f in heavy]
+    spread = []
+    while light or heavy_left:
+        take_heavy = heavy_left and (not light or len(spread) % max(1, processes) == 0)
+        spread.append(heavy_left.pop(0) if take_heavy else light.pop(0))
+    return spread
 
 
 def _file_of(nodeid: str) -> str:
