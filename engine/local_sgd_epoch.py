@@ -148,7 +148,7 @@ from comm.store import Store, open_store
 from core.errors import OutOfMemory, ZooidValueError
 from core.keys import (handover_key, residual_key, sync_checkpoint_key, sync_prefix, worker_history_key,
                        worker_history_prefix)
-from core.outer_sync import averages_gradients, is_default
+from core.outer_sync import averages_gradients, is_default, wire_bytes
 from core.specs import WorkerResult, WorkerSpec
 from engine.chaos import chaos_for
 from engine import preemption
@@ -436,7 +436,9 @@ def cadence_for(spec: WorkerSpec, model: nn.Module, ring: RingGroup | None,
     the store when every step averages gradients (no rank keeps residuals that would have
     to agree on the rounds), with the store's rounds kept for replay bounded by
     REPLAY_KEPT_BYTES; over the store in `sync.checkpoint_interval_s` seconds where it is set and
-    the sync carries no residuals, bounded the same way; by `sync.checkpoint_every` rounds otherwise."""
+    the sync carries no residuals, bounded the same way; by `sync.checkpoint_every` rounds otherwise,
+    a compressed sync's (whose ranks write residuals at its rounds: a count they all agree on) at
+    most as many as REPLAY_KEPT_BYTES holds of its wire."""
     sync, steps = spec.sync, spec.steps if steps is None else steps
     if ring is not None:
         return CheckpointCadence(sync.checkpoint_every, steps, sync.checkpoint_s, checkpoint_clock)
@@ -451,6 +453,9 @@ def cadence_for(spec: WorkerSpec, model: nn.Module, ring: RingGroup | None,
         # epoch's start, whose checkpoint the interval's clock starts from), as after any round
         return CheckpointCadence(sync.checkpoint_every, steps, sync.checkpoint_interval_s, checkpoint_clock,
                                  max_rounds=max(1, REPLAY_KEPT_BYTES // (3 * param_bytes)), last_always=False)
+    if sync.sync_dtype != "float32" and sync.checkpoint_every:  # every rank computes the same bound
+        kept = max(1, int(REPLAY_KEPT_BYTES // max(1.0, wire_bytes(3 * param_bytes, sync.sync_dtype))))
+        return CheckpointCadence(min(sync.checkpoint_every, kept), steps)
     return CheckpointCadence(sync.checkpoint_every, steps)
 
 

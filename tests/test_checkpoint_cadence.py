@@ -110,12 +110,21 @@ def test_a_kavg_replica_killed_mid_epoch_ends_equal_whatever_the_cadence(tmp_pat
     assert store.list("runs/k/sync/") == []
 
 
-def test_a_compressed_sync_keeps_checkpointing_by_rounds():
-    """Every rank writes its residual on the checkpoint's rounds, so they must agree: no clock."""
+def test_a_compressed_sync_keeps_checkpointing_by_rounds(monkeypatch):
+    """Every rank writes its residual on the checkpoint's rounds, so they must agree: no clock;
+    the coordinator's count of rounds (`SyncSpec.checkpoint_every`), at most as many as the
+    store keeps for a replay (`REPLAY_KEPT_BYTES` of the rounds' wire)."""
     model = build_model("digits_mlp", 0)
     spec = kavg(MemoryStore(), "c", "sgd", SyncSpec(checkpoint_interval_s=3600.0, sync_dtype="int8"))[0]
     cadence = local_sgd_epoch.cadence_for(spec, model, None)
     assert [cadence.due(r, 2 * (r + 1)) for r in range(3)] == [True, True, True]
+    spec = dataclasses.replace(spec, steps=40, sync=SyncSpec(checkpoint_every=1000, sync_dtype="int8"))
+    cadence = local_sgd_epoch.cadence_for(spec, model, None)
+    assert [r for r in range(20) if cadence.due(r, 2 * (r + 1))] == [19]  # the last round's alone
+    params = sum(p.numel() * 4 for p in model.parameters())
+    monkeypatch.setattr(local_sgd_epoch, "REPLAY_KEPT_BYTES", 5 * 3 * params // 4 + 1000)  # 5 int8 rounds' worth
+    cadence = local_sgd_epoch.cadence_for(spec, model, None)
+    assert [r for r in range(20) if cadence.due(r, 2 * (r + 1))] == [4, 9, 14, 19]
 
 
 def test_the_plan_carries_the_interval_and_predicts_its_epochs_checkpoints(tmp_path, monkeypatch):
