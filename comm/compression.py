@@ -41,12 +41,20 @@ def _dtype(name: str) -> torch.dtype:
 def quantize_int8(v: torch.Tensor, block: int = INT8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes, scales): `v` (1-D) in blocks of `block` values, each scaled by max|x| / 127
     and rounded to int8 in -127..127; scales in `v`'s dtype, 0 for an all-zero block."""
+    codes, scale, _ = _quantize(v, block)
+    return codes, scale
+
+
+def _quantize(v: torch.Tensor, block: int = INT8_BLOCK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`quantize_int8`'s (codes, scales) and the values they decode to (`dequantize_int8`'s,
+    bit for bit: the same integers times the same scales), from one pass over `v`."""
     n = v.numel()
     blocks = F.pad(v, (0, (-n) % block)).view(-1, block)
     scale = blocks.abs().amax(1) / 127
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    codes = torch.round(blocks / safe[:, None]).clamp_(-127, 127).to(torch.int8)
-    return codes.view(-1)[:n].contiguous(), scale
+    rounded = torch.round(blocks / safe[:, None]).clamp_(-127, 127)
+    codes = rounded.to(torch.int8).view(-1)[:n].contiguous()
+    return codes, scale, rounded.mul_(scale[:, None]).view(-1)[:n]
 
 
 def dequantize_int8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
@@ -65,21 +73,31 @@ def encode_flat(flat: Flat, sync_dtype: str, exact: Flat | None = None) -> Flat:
     they are (a model's buffers): their values as `<dtype>.x` in their own dtype and their
     positions as `<dtype>.i`; the rounded vector carries zeros there, so they neither come
     back rounded nor widen an int8 block's scale."""
+    return _encode_flat(flat, sync_dtype, exact)[0]
+
+
+def _encode_flat(flat: Flat, sync_dtype: str, exact: Flat | None = None) -> tuple[Flat, Flat]:
+    """(`encode_flat`'s wire, what `decode_flat` reads back from it), in one pass a vector."""
     if sync_dtype == "float32":
-        return flat
-    out = {}
+        return flat, flat
+    out, sent = {}, {}
     for d, v in flat.items():
         mask = _mask_of(exact, d, v)
         if mask is not None:
             out[f"{d}.x"] = v[mask].contiguous()
             where = torch.nonzero(mask).view(-1)
             out[f"{d}.i"] = where.to(torch.int32) if v.numel() < 2**31 else where
-            v = torch.where(mask, torch.zeros_like(v), v)
-        if sync_dtype == "bfloat16":
-            out[d] = v.to(torch.bfloat16)
+            rounded = torch.where(mask, torch.zeros_like(v), v)
         else:
-            out[f"{d}.q"], out[f"{d}.s"] = quantize_int8(v)
-    return out
+            rounded = v
+        if sync_dtype == "bfloat16":
+            out[d] = rounded.to(torch.bfloat16)
+            sent[d] = out[d].to(v.dtype)
+        else:
+            out[f"{d}.q"], out[f"{d}.s"], sent[d] = _quantize(rounded)
+        if mask is not None:
+            sent[d] = torch.where(mask, v, sent[d])
+    return out, sent
 
 
 def _mask_of(exact: Flat | None, d: str, v: torch.Tensor) -> torch.Tensor | None:
@@ -163,12 +181,15 @@ class Compressor:
         """The wire form of `piece` (slice `j` of the call's flat vector) with this rank's
         residual of slice j added; the residual keeps what the encoding dropped (nothing at
         exact positions, which travel as they are)."""
+        return self._encode(piece, j)[0]
+
+    def _encode(self, piece: Flat, j: int) -> tuple[Flat, Flat]:
+        """(`encode`'s wire, the values every rank decodes from it)."""
         corrected = {d: v + self._part(d, j) for d, v in piece.items()}
-        wire = encode_flat(corrected, "float32" if self.flushing else self.sync_dtype, self._exact_part(j))
-        sent = self.decode(wire)
+        wire, sent = _encode_flat(corrected, "float32" if self.flushing else self.sync_dtype, self._exact_part(j))
         for d, v in corrected.items():
-            self._part(d, j).copy_(v - sent[d])
-        return wire
+            torch.sub(v, sent[d], out=self._part(d, j))
+        return wire, sent
 
     def decode(self, wire: Flat) -> Flat:
         """The values a wire piece carries, in their own dtypes."""
@@ -177,10 +198,10 @@ class Compressor:
     def result(self, mean: Flat, rank: int) -> tuple[Flat, Flat]:
         """(wire, values) of this rank's reduced slice: encoded with its residual, and what
         every rank will read back from it (this rank uses the same values)."""
-        wire = self.encode(mean, rank)
+        wire, sent = self._encode(mean, rank)
         if self.before_result is not None:
             self.before_result()
-        return wire, self.decode(wire)
+        return wire, sent
 
 
 def pending(residuals: list[Flat]) -> Flat:

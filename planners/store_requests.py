@@ -107,7 +107,7 @@ def epoch_store_ops(plan: Plan, *, ring: bool = False, checkpoint_every: int = 1
             writes = put_ckpt
             if plan.sync_dtype != "float32":  # by rounds, with each rank's residual
                 every = rounds_between_checkpoints(plan.sync_checkpoint_s, plan.predicted_epoch_s, rounds)
-                checkpoints, writes = math.ceil(rounds / max(every, checkpoint_every)), put_ckpt * (1 + d)
+                checkpoints, writes = math.ceil(rounds / every), put_ckpt * (1 + d)
             elif plan.sync_checkpoint_s:
                 checkpoints = checkpoints_per_epoch(rounds, plan.predicted_epoch_s, plan.sync_checkpoint_s)
             else:

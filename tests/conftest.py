@@ -44,11 +44,10 @@ def pytest_collection_modifyitems(config, items):
             weight[path] = recorded[path]
         else:
             weight[path] = weight.get(path, 0.0) + UNMEASURED_SLOW_S * ("slow" in item.keywords)
-    items.sort(key=lambda item: -weight[_file_of(item.nodeid)])  # stable: a file's own order is kept
-    files = list(dict.fromkeys(_file_of(item.nodeid) for item in items))
+    files = sorted(dict.fromkeys(_file_of(item.nodeid) for item in items), key=lambda f: -weight[f])
     containers = {_file_of(item.nodeid) for item in items if "docker" in item.keywords}
     order = {f: i for i, f in enumerate(_spread(files, containers, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 1))))}
-    items.sort(key=lambda item: order[_file_of(item.nodeid)])
+    items.sort(key=lambda item: order[_file_of(item.nodeid)])  # stable: a file's own order is kept
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items:
         return

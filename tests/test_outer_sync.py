@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from comm.collectives import allreduce_mean
-from comm.compression import Compressor, encode_flat, pending, residual_for
+from comm.compression import Compressor, decode_flat, encode_flat, pending, residual_for
 from comm.scatter_reduce import pipelined_allreduce_mean
 from comm.store_dir import DirectoryStore
 from comm.tensor_codec import encode_tensors
@@ -178,6 +178,31 @@ def test_error_feedback_loses_nothing_over_rounds():
         flat_applied = torch.cat([applied["b"], applied["w"]])  # sorted-name order
         flat_exact = torch.cat([exact["b"], exact["w"]])
         torch.testing.assert_close(flat_applied + owed, flat_exact, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("sync_dtype", ["int8", "bfloat16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_a_rank_uses_exactly_the_values_its_peers_decode_and_keeps_what_the_wire_dropped(sync_dtype, dtype):
+    """The reduced slice a rank keeps is what every peer decodes from its wire, bit for bit
+    (an all-zero block and exact positions included), and its residual is what was dropped."""
+    gen = torch.Generator().manual_seed(3)
+    v = (torch.randn(1000, generator=gen, dtype=torch.float64) * 1e-2).to(dtype)
+    v[128:256] = 0  # a block of zeros: scale 0
+    mask = torch.zeros(1000, dtype=torch.bool)
+    mask[[3, 300, 999]] = True
+    for exact in (None, {str(dtype).removeprefix("torch."): mask}):
+        comp = Compressor(sync_dtype)
+        comp.exact = exact
+        flat = {str(dtype).removeprefix("torch."): v}
+        comp.begin(flat, 1)
+        for _ in range(3):  # the residual grows into the next call's piece
+            before = comp.residual[str(dtype).removeprefix("torch.")].clone()
+            wire, values = comp.result(flat, 0)
+            (name, got), = values.items()
+            assert got.dtype == dtype and torch.equal(got, decode_flat(wire)[name])
+            assert torch.equal(comp.residual[name], (v + before) - got)
+            if exact is not None:
+                assert torch.equal(got[mask], (v + before)[mask]) and not comp.residual[name][mask].any()
 
 
 def test_a_residual_continues_in_a_world_of_another_size_owing_the_same():

@@ -311,6 +311,12 @@ def test_chaos_parses_preemptions():
     (None, "Flow run failed: Preempted: rank 1 of epoch 0 got the notice", None, FailureKind.PREEMPTED),
     (-15, "", None, FailureKind.PREEMPTED),
     (143, "", None, FailureKind.PREEMPTED),
+    (None, "Execution was aborted by a termination signal.", None, FailureKind.PREEMPTED),  # Prefect's crash
+    (1, "Execution was aborted by a termination signal.", None, FailureKind.CRASH),  # the exit says otherwise
+    (None, "Execution was aborted by an interrupt signal.", None, FailureKind.CRASH),
+    (None, "Flow run infrastructure exited with non-zero status code 143. Terminated", None, FailureKind.PREEMPTED),
+    (None, "Flow run infrastructure exited with non-zero status code 1.", None, FailureKind.CRASH),
+    (None, "Flow run infrastructure exited with non-zero status code 2.", None, FailureKind.BAD_INPUT),
     (1, "", {"step": 4, "handover": "k"}, FailureKind.PREEMPTED),
     (-9, "", None, FailureKind.CRASH),
 ])

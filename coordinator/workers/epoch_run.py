@@ -298,7 +298,7 @@ def _run_attempt(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, 
                  on_tick, preemptions: Preemptions, seen: list[WorkerOutcome]) -> EpochSummary:
     """One attempt at the epoch (`run_epoch_on_target`)."""
     if ctx.job.warm:  # each warm worker holds its paid-worker slot from its start to its stop
-        clear_epoch_keys(ctx, epoch, plan.data_parallel)
+        clear_epoch_keys(ctx, epoch, plan)
         return warm_epoch(ctx, plan, epoch, init, lr, resume, attempt, on_tick, preemptions, seen)
     launcher = ctx.state.prestarted.pop(epoch, None)  # started during the previous epoch
     if launcher is not None and (attempt > 0 or resume or any(o.status != "running" for o in launcher.outcomes)):
@@ -309,7 +309,7 @@ def _run_attempt(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, 
         launcher = None
     prestarted = launcher is not None
     if launcher is None:  # (pre-started workers' keys were cleared before they started: they may be syncing)
-        clear_epoch_keys(ctx, epoch, plan.data_parallel)
+        clear_epoch_keys(ctx, epoch, plan)
         launcher = make_launcher(ctx, plan)
         ctx.state.launchers.append(launcher)
     # one slot of the global paid-worker limit per worker, held for the epoch (no-op when the

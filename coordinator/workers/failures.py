@@ -8,8 +8,9 @@ Evidence, strongest first:
    `preempt_worker`, which is `preempted` (with `injected=True`);
 1b. a preempted marker (`engine.preemption.read_preempted_marker`: the worker got the
    provider's notice and left, after its handover), exit 6 (`Preempted`), or a SIGTERM's
-   status (-15 / 143: a notice with no handler, or nothing to hand over): `preempted`,
-   retried on new capacity and never counted as a crash;
+   status (-15 / 143: a notice with no handler, or nothing to hand over), or Prefect's own
+   crash message for a termination signal (a flow run stopped before the worker's handler was
+   in place): `preempted`, retried on new capacity and never counted as a crash;
 2. the coordinator's own timeout fired: `timeout`, retried;
 3. bad input: exit 2 or a `ZooidValueError` line: `bad_input`, never retried;
 3b. unreadable data: exit 7 or a `ShardError` / `DataError` line (a dataset shard missing or
@@ -23,6 +24,9 @@ Evidence, strongest first:
 5. a store timeout: exit 3 or `StoreTimeout` text: `store_timeout`, retried (relaunch
    from the last sync checkpoint);
 6. anything else: `crash`, retried.
+
+Where the coordinator read no exit status (a flow run that Prefect already shows crashed), the
+one Prefect's worker reports in its crash message (`PREFECT_EXIT_TEXT`) stands for it.
 
 A SIGKILL without memory evidence is a crash: the kernel's OOM killer leaves its trace in
 `memory.events`, so read the counters before launch and after exit (`read_memory_events`).
@@ -46,6 +50,11 @@ SIGTERM_CODES = (-15, 143)
 EXIT_PREEMPTED = 6
 """The exit status `runtime.worker_main` gives `Preempted`."""
 PREEMPTED_TEXT = re.compile(r"\bPreempted\b")
+SIGTERM_TEXT = re.compile(r"aborted by a termination signal")
+"""Prefect's Crashed message for a flow run that a SIGTERM ended (`prefect.states`)."""
+PREFECT_EXIT_TEXT = re.compile(r"infrastructure exited with non-zero status code (-?\d+)")
+"""The Crashed message a Prefect worker gives a flow run whose container or process exited
+before the flow run reached a final state (`prefect.workers.base`)."""
 EXIT_BAD_INPUT, EXIT_STORE_TIMEOUT, EXIT_OOM, EXIT_DATA = 2, 3, 4, 7
 """The exit statuses `runtime.worker_main` gives these errors."""
 NEAR_LIMIT = 0.95
@@ -160,6 +169,8 @@ def classify_failure(
     if exit_code == 0 and not timed_out:
         raise ZooidValueError("exit_code", "0 is a success, not a failure to classify")
     tail = output[-4000:] if output else ""
+    reported = PREFECT_EXIT_TEXT.findall(tail) if exit_code is None else []
+    exit_code = int(reported[-1]) if reported else exit_code
     if injected:
         what = f"injected {injected.get('kind', 'fault')} at step {injected.get('step')}"
         kind = {"oom_worker": FailureKind.OOM, "preempt_worker": FailureKind.PREEMPTED}.get(
@@ -172,7 +183,7 @@ def classify_failure(
         return Failure(FailureKind.TIMEOUT, "the worker timeout fired")
     if exit_code == EXIT_PREEMPTED or PREEMPTED_TEXT.search(tail):
         return Failure(FailureKind.PREEMPTED, f"exit {exit_code}: the notice came, no marker")
-    if exit_code in SIGTERM_CODES:
+    if exit_code in SIGTERM_CODES or (exit_code is None and SIGTERM_TEXT.search(tail)):
         return Failure(FailureKind.PREEMPTED, f"exit {exit_code}: SIGTERM, nothing handed over")
     if exit_code == EXIT_BAD_INPUT or BAD_INPUT_TEXT.search(tail):
         return Failure(FailureKind.BAD_INPUT, f"exit {exit_code}: bad input")

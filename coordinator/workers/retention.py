@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from typing import Iterable
 
+from comm.store import Store
 from comm.tensor_codec import read_header
 from coordinator.run.context import RunContext
 from coordinator.run.resume import write_history
@@ -81,21 +82,23 @@ def commit_checkpoint(ctx: RunContext, summary: EpochSummary) -> str:
 
 def record_history(ctx: RunContext, history: list[EpochSummary]) -> None:
     """Rewrite the run's history (its last epoch's checkpoint is where a resume goes on), then
-    retire behind its last epoch (`retire_checkpoints`)."""
+    retire behind its last epoch (`retire_checkpoints`), through one client of the durable store."""
     store = ctx.open_durable()
     try:
         write_history(store, ctx.run_id, history)
+        if history:
+            retire_checkpoints(ctx, history[-1], store)
     finally:
         store.close()
-    if history:
-        retire_checkpoints(ctx, history[-1])
 
 
-def retire_checkpoints(ctx: RunContext, summary: EpochSummary) -> None:
+def retire_checkpoints(ctx: RunContext, summary: EpochSummary, store: Store | None = None) -> None:
     """After the history recorded epoch `summary.epoch`: record the best checkpoint (a job with a
-    target), prune what the job keeps no longer."""
+    target), prune what the job keeps no longer (through `store`, the run's durable store; None:
+    a client of its own)."""
     job, epoch, key = ctx.job, summary.epoch, summary.checkpoint_key
-    store = ctx.open_durable()
+    own = store is None
+    store = ctx.open_durable() if own else store
     try:
         targeted = job.target_loss is not None or job.target_accuracy is not None
         best = update_best(store, ctx.run_id, epoch, key, summary.val_loss) if targeted else None
@@ -105,4 +108,5 @@ def retire_checkpoints(ctx: RunContext, summary: EpochSummary) -> None:
         ctx.state.checkpoint_keys = keys - set(prune_checkpoints(store, ctx.run_id, epoch, job.keep_checkpoints,
                                                                  best, keys=keys))
     finally:
-        store.close()
+        if own:
+            store.close()

@@ -48,7 +48,7 @@ class PrestartWatch:
 
     def launch_next(self) -> None:
         nxt = self.epoch + 1
-        clear_epoch_keys(self.ctx, nxt, self.plan.data_parallel)  # now, not at its send: these workers may be syncing by then
+        clear_epoch_keys(self.ctx, nxt, self.plan)  # now, not at its send: these workers may be syncing by then
         launcher = make_launcher(self.ctx, self.plan)
         for spec in worker_specs(self.ctx, self.plan, nxt, checkpoint_key(self.ctx.run_id, self.epoch), self.lr, 0):
             launcher.launch(dataclasses.replace(spec, attempt=next_attempt(self.ctx, nxt, spec.rank)))
