@@ -14,6 +14,7 @@ from comm.scatter_reduce import pipelined_allreduce_mean
 from comm.store_dir import DirectoryStore
 from comm.tensor_codec import encode_tensors
 from core.errors import ZooidValueError
+from core.outer_sync import INT8_BLOCK
 from core.specs import ComputeSpec, SyncSpec, WorkerSpec
 from engine.checkpoint import initial_checkpoint, load_checkpoint, read_checkpoint_meta
 from engine.datasets import publish_dataset
@@ -186,10 +187,10 @@ def test_a_rank_uses_exactly_the_values_its_peers_decode_and_keeps_what_the_wire
     """The reduced slice a rank keeps is what every peer decodes from its wire, bit for bit
     (an all-zero block and exact positions included), and its residual is what was dropped."""
     gen = torch.Generator().manual_seed(3)
-    v = (torch.randn(1000, generator=gen, dtype=torch.float64) * 1e-2).to(dtype)
-    v[128:256] = 0  # a block of zeros: scale 0
-    mask = torch.zeros(1000, dtype=torch.bool)
-    mask[[3, 300, 999]] = True
+    v = (torch.randn(3 * INT8_BLOCK - 5, generator=gen, dtype=torch.float64) * 1e-2).to(dtype)
+    v[INT8_BLOCK:2 * INT8_BLOCK] = 0  # a whole int8 block of zeros: scale 0
+    mask = torch.zeros(v.numel(), dtype=torch.bool)
+    mask[[3, 300, v.numel() - 1]] = True
     name = str(dtype).removeprefix("torch.")
     for exact in (None, {name: mask}):
         comp = Compressor(sync_dtype)
