@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -33,6 +34,16 @@ def _wait_for(path_glob, root: Path, until: float, alive=lambda: True) -> Path:
         assert alive(), "the run ended before the event"
         time.sleep(0.05)
     raise AssertionError(f"no {path_glob} under {root}")
+
+
+def _wait_for_line(path: Path, pattern: str, until: float, alive=lambda: True) -> None:
+    """Until `path` holds a line matching `pattern` (a line the run prints)."""
+    while time.monotonic() < until:
+        if re.search(pattern, path.read_text(errors="replace")):
+            return
+        assert alive(), "the run ended before the line"
+        time.sleep(0.05)
+    raise AssertionError(f"no {pattern!r} in {path}")
 
 
 def _ledger_and_summary(store_root: Path, run_id: str) -> tuple[dict, dict]:
@@ -233,8 +244,12 @@ def test_a_command_line_run_stopped_by_a_signal_says_three_lines_and_exits_128_p
             cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     runs = home / "store" / "runs"
     try:
-        history = _wait_for("*/history.json", runs, time.monotonic() + 300, lambda: coordinator.poll() is None)
-        before = out_path.stat().st_size  # what it printed before the signal: Prefect's run log
+        alive = lambda: coordinator.poll() is None  # noqa: E731
+        history = _wait_for("*/history.json", runs, time.monotonic() + 300, alive)
+        # the step that wrote it logs its end after the file: wait for that line, then the run
+        # is inside its next epoch and what it printed so far is Prefect's run log
+        _wait_for_line(out_path, r"Task run 'save_progress-\w+' - Finished", time.monotonic() + 120, alive)
+        before = out_path.stat().st_size
         if sig == signal.SIGINT:  # Ctrl-C: the terminal signals the whole foreground group
             os.killpg(coordinator.pid, sig)
         else:
