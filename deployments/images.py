@@ -7,13 +7,14 @@ Python's package registries.
 1. The base: `mmdebstrap` makes a Debian bookworm root (python3, venv, CA certificates, useradd)
    that `podman import` turns into `localhost/zooid-base:bookworm-<hash of the recipe>`.
 2. The wheelhouse: `pip download --only-binary=:all:` on the host (pip's own configuration), for
-   CPython 3.11 on manylinux x86_64, of requirements.txt under requirements.lock, into
+   CPython 3.11 on manylinux x86_64, of requirements.txt under requirements.lock and of uv (the
+   image's installer: `INSTALLER`), into
    `worker_images/wheels/` (git-ignored, inside the build context; a stamp skips it while the
    requirements are unchanged), plus what the base's Python (3.11.2) needs beyond the host's:
    pip evaluates markers such as `python_full_version < "3.11.3"` for the host. torch comes from
    where pip finds it: here the CPU wheel in /opt/wheels; elsewhere set
    PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu, or PyPI's CUDA torch comes in.
-3. The image: `podman build` of worker_images/Dockerfile.cpu on that base, installing from the
+3. The image: `podman build` of worker_images/Dockerfile.cpu on that base, uv installing from the
    wheelhouse alone (`NO_INDEX=1`) with no network, tagged
    `localhost/zooid-worker:cpu-<12 hex of its inputs>` and `localhost/zooid-worker:cpu`. The
    inputs are the Dockerfile, the ignore file, every file its COPY lines take from the context
@@ -53,6 +54,9 @@ DOCKERFILE = Path("worker_images") / "Dockerfile.cpu"
 IGNORE_FILE = Path(".dockerignore")
 WHEELS = Path("worker_images") / "wheels"
 REQUIREMENTS = (Path("requirements.txt"), Path("requirements.lock"))
+INSTALLER = "uv"
+"""What installs the requirements in the image (pinned in the lock): downloaded beside them, run
+from the build's /tmp and not kept."""
 
 BASE_REPO = "localhost/zooid-base"
 SUITE = "bookworm"
@@ -107,12 +111,13 @@ def base_ref() -> str:
 # ----------------------------------------------------------------------------- the wheelhouse
 
 def wheelhouse_command(dest: str | Path, root: Path = ROOT) -> list[str]:
-    """`pip download` of every requirement as a wheel for the image's Python and platform."""
+    """`pip download` of every requirement, and of the `INSTALLER`, as a wheel for the image's
+    Python and platform."""
     platforms = [arg for p in WHEEL_PLATFORMS for arg in ("--platform", p)]
     return [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--no-input",
             "--dest", str(dest), "--only-binary=:all:", "--python-version", PYTHON_VERSION,
             "--implementation", "cp", "--abi", "cp" + PYTHON_VERSION.replace(".", ""), *platforms,
-            "-r", str(root / REQUIREMENTS[0]), "-c", str(root / REQUIREMENTS[1])]
+            "-r", str(root / REQUIREMENTS[0]), "-c", str(root / REQUIREMENTS[1]), INSTALLER]
 
 
 def wheelhouse_key(python: str | None, root: Path = ROOT) -> str:

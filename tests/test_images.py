@@ -142,6 +142,12 @@ def test_the_wheelhouse_is_wheels_only_for_the_images_python():
     assert command[command.index("-r") + 1].endswith("requirements.txt")
     assert command[command.index("-c") + 1].endswith("requirements.lock")
     assert images.wheelhouse_key("3.11.2") != images.wheelhouse_key("3.11.7")
+    # the installer comes beside the requirements, pinned by the lock, and the image does not keep it
+    assert command[-1] == images.INSTALLER
+    pins = (ROOT / "requirements.lock").read_text().splitlines()
+    assert any(line.startswith(f"{images.INSTALLER}==") for line in pins)
+    dockerfile = (ROOT / images.DOCKERFILE).read_text()
+    assert f"--target /tmp/{images.INSTALLER}" in dockerfile and f"rm -rf /tmp/{images.INSTALLER}" in dockerfile
     assert (ROOT / images.WHEELS / ".gitkeep").exists()
 
 
