@@ -25,25 +25,28 @@ from coordinator.run.job import TrainJob
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _until(found, until: float, alive, what: str):
+    """Poll `found()` until it returns something (an event the run writes or prints)."""
+    while time.monotonic() < until:
+        hit = found()
+        if hit:
+            return hit
+        assert alive(), f"the run ended before {what}"
+        time.sleep(0.05)
+    raise AssertionError(f"no {what}")
+
+
 def _wait_for(path_glob, root: Path, until: float, alive=lambda: True) -> Path:
     """The first file matching `path_glob` under `root` (an event the run writes)."""
-    while time.monotonic() < until:
-        found = sorted(root.glob(path_glob)) if root.exists() else []
-        if found:
-            return found[0]
-        assert alive(), "the run ended before the event"
-        time.sleep(0.05)
-    raise AssertionError(f"no {path_glob} under {root}")
+    def found():
+        return min(root.glob(path_glob), default=None) if root.exists() else None
+
+    return _until(found, until, alive, f"{path_glob} under {root}")
 
 
 def _wait_for_line(path: Path, pattern: str, until: float, alive=lambda: True) -> None:
     """Until `path` holds a line matching `pattern` (a line the run prints)."""
-    while time.monotonic() < until:
-        if re.search(pattern, path.read_text(errors="replace")):
-            return
-        assert alive(), "the run ended before the line"
-        time.sleep(0.05)
-    raise AssertionError(f"no {pattern!r} in {path}")
+    _until(lambda: re.search(pattern, path.read_text(errors="replace")), until, alive, f"{pattern!r} in {path}")
 
 
 def _ledger_and_summary(store_root: Path, run_id: str) -> tuple[dict, dict]:
