@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Optional
 from urllib.parse import quote, urlsplit, urlunsplit
 
-from prefect.blocks.core import Block
 from pydantic import Field, SecretStr
 
 from blocks.store_block import BLOCK_PREFIX, DEFAULT_BLOCK_TYPE, StoreBlock, parse_block_ref
@@ -63,22 +62,20 @@ class ZooidStore(StoreBlock):
         return {"AWS_DEFAULT_REGION": self.region_name} if self._is_s3() and self.region_name else {}
 
     def open(self):
-        """Open the store this block describes; an S3 store gets the block's keys through its
-        own boto3 Session (never the process environment)."""
+        """Open the store this block describes; an S3 store gets the block's keys through a boto3
+        Session of its own keys (`comm.store_s3.shared_session`; never the process environment)."""
         if self._is_s3():
-            import boto3
+            from comm.store_s3 import shared_session  # boto3: only when the block is an S3 store
 
-            session = boto3.session.Session(
-                aws_access_key_id=self.aws_access_key_id or None,
-                aws_secret_access_key=(self.aws_secret_access_key.get_secret_value()
-                                       if self.aws_secret_access_key is not None else None),
-                region_name=self.region_name or None)
+            session = shared_session(self.aws_access_key_id, (self.aws_secret_access_key.get_secret_value()
+                                                              if self.aws_secret_access_key is not None else None),
+                                     self.region_name)
             return open_store(self.url(), s3_session=session)
         return open_store(self._url_with_password())
 
 
 def store_block_types() -> tuple[type[StoreBlock], ...]:
-    """Every store block type. Importing them is what lets `Block.load` build any of them."""
+    """Every store block type (`load_store_block` loads a saved one by its own class)."""
     # Imported here, not at the top: prefect-aws, prefect-redis and prefect-azure (with boto3,
     # redis and the Azure SDK, about 0.4 s each) load only when a cloud store block is named.
     from blocks.cloud import ZooidRedisStore, ZooidS3Store  # prefect-aws, prefect-redis: only when named
@@ -94,14 +91,18 @@ def is_store_url(value: str) -> bool:
 
 def load_store_block(ref: str) -> StoreBlock:
     """The saved store block `block:<type slug>/<name>` (or the older `block:<name>`) names,
-    loaded from the Prefect API."""
+    loaded from the Prefect API by its own class. (Prefect's `Block.load` looks the class up by
+    the slug, and first imports every installed Prefect collection, prefect-aws, -azure, -docker,
+    -kubernetes and -redis with their SDKs: 4 to 5 CPU-seconds in each coordinator and worker
+    that opened a block, measured.)"""
     slug, name = parse_block_ref(ref)
-    if slug != DEFAULT_BLOCK_TYPE:
-        store_block_types()  # the cloud blocks' modules (prefect-aws, prefect-redis, prefect-azure) only when named
-    block = Block.load(f"{slug}/{name}")
-    if not isinstance(block, StoreBlock):
-        raise ZooidValueError("store", f"block {slug}/{name} is a {type(block).__name__}, not a Zooid store block")
-    return block
+    # the cloud blocks' modules (prefect-aws, prefect-redis, prefect-azure) only when named
+    types = (ZooidStore,) if slug == DEFAULT_BLOCK_TYPE else store_block_types()
+    block_type = next((t for t in types if t.get_block_type_slug() == slug), None)
+    if block_type is None:
+        raise ZooidValueError("store", f"block {slug}/{name} is not a Zooid store block (its type is none of "
+                              f"{', '.join(t.get_block_type_slug() for t in store_block_types())})")
+    return block_type.load(name)
 
 
 def open_store_ref(ref: str):

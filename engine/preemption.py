@@ -48,6 +48,7 @@ from typing import Callable, Iterator
 
 from comm.store import Store
 from core.errors import Preempted, ZooidError
+from core.notice import ready_for_notice, take_relayed_notice
 from core.keys import preempted_marker_key
 from core.specs import WorkerSpec
 
@@ -76,7 +77,7 @@ def _on_sigterm(signum, frame) -> None:  # noqa: ARG001 - a signal handler's sig
     """Only set the flag: the training loop acts at its next step boundary."""
     global _noticed_at
     if not _noticed_at:
-        _noticed_at = time.time()
+        _noticed_at = take_relayed_notice() or time.time()
 
 
 WAIT_AFTER_NOTICE_S = 2.0
@@ -138,9 +139,11 @@ def overlapping(work_s: float, released: Callable[[], bool]) -> Iterator[None]:
     With `work_s` 0 the block changes nothing."""
     global _overlap
     if work_s <= 0:
+        ready_for_notice()  # a notice the relay kept while the worker started comes now (it leaves)
         yield
         return
     previous, _overlap = _overlap, (float(work_s), released)
+    ready_for_notice()  # a notice the relay kept while the worker started comes now, to be worked through
     try:
         yield
     finally:
@@ -174,6 +177,7 @@ def listening() -> Iterator[bool]:
             yield False
             return
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
+        ready_for_notice()  # a notice the relay kept while the worker started comes now: the epoch hands over
         try:
             yield True
         finally:
@@ -197,7 +201,7 @@ def leave_now(status: int = EXIT_STATUS) -> None:
     outlast the grace), flush the output and exit the process with `status`."""
     global _noticed_at
     if not _noticed_at:
-        _noticed_at = time.time()
+        _noticed_at = take_relayed_notice() or time.time()
     hooks = list(reversed(_leave_hooks))
 
     def run_hooks() -> None:

@@ -33,7 +33,12 @@ successor's start-up overlaps the preempted worker's last `core.notice.work_thro
 seconds, so a preemption costs the successor's start-up (`startup_s`, billed beside the worker
 it succeeds) and the others wait only for what is left of it, `exposed = max(0, startup_s -
 work_through_s)`: `startup_s + workers x exposed + step_s` (`handover`), `startup_s + workers x
-(exposed + epoch_s / 2)` (`rerun`). A cold run's workers leave at once (`notice_s` 0).
+(exposed + epoch_s / 2)` (`rerun`). A notice in the run's last working time costs nothing: the
+worker works through it to the run's end and no successor starts (the pool decides as late as a
+successor's start-up allows, `_successor_due`, and a spot container's notice while it starts is
+kept for it, `runtime.notice_relay`), so for notices spread evenly over a run of `run_s`, the cost
+is multiplied by `1 - work_through_s / run_s` (`replaced_share`). A cold run's workers leave at
+once (`notice_s` 0).
 
 Spot is chosen when its expected bill is below on-demand's. Pure: the caller passes the
 prices, the plan's figures, and the rate (measured on the target where a run measured it,
@@ -96,18 +101,29 @@ def waits_for_startup(spares: int, rate_per_worker_hour: float, workers: int, st
     return max(0.0, 1.0 - below)
 
 
+def replaced_share(run_s: float, notice_s: float) -> float:
+    """The share of a run's preemptions whose worker needs a successor (see the module): with
+    notice time, 1 - work_through_s / run_s for notices spread evenly over the run (none for a
+    run no longer than the working time); 1 without notice time or a run time."""
+    work_s = work_through_s(notice_s)
+    if work_s <= 0 or run_s <= 0:
+        return 1.0
+    return max(0.0, 1.0 - work_s / run_s)
+
+
 def redo_worker_s(recovery: str, workers: int, startup_s: float, step_s: float, epoch_s: float,
-                  waits: float = 1.0, notice_s: float = 0.0) -> float:
-    """Worker-seconds one preemption costs (see the module); `waits`: the share of preemptions
-    that wait for a start-up (`waits_for_startup`); `notice_s`: the notice the workers work
-    through (0: they leave at once)."""
+                  waits: float = 1.0, notice_s: float = 0.0, run_s: float = 0.0) -> float:
+    """Worker-seconds one preemption costs on average (see the module); `waits`: the share of
+    preemptions that wait for a start-up (`waits_for_startup`); `notice_s`: the notice the
+    workers work through (0: they leave at once); `run_s`: the run's length, whose last working
+    time's notices cost nothing (`replaced_share`; 0: not counted)."""
     startup_s *= waits
     work_s = work_through_s(notice_s)
     if work_s > 0:
         exposed = max(0.0, startup_s - work_s)
         if recovery == HANDOVER:
-            return startup_s + workers * exposed + step_s
-        return startup_s + workers * (exposed + epoch_s / 2.0)
+            return (startup_s + workers * exposed + step_s) * replaced_share(run_s, notice_s)
+        return (startup_s + workers * (exposed + epoch_s / 2.0)) * replaced_share(run_s, notice_s)
     if recovery == HANDOVER:
         return workers * startup_s + step_s
     return workers * (startup_s + epoch_s / 2.0)
@@ -126,7 +142,7 @@ def choose_capacity(*, asked: str, workers: int, run_s: float, epoch_s: float, s
     recovery = recovery_of(strategy, collective)
     step_s = epoch_s / steps_per_epoch if steps_per_epoch else epoch_s
     redo = redo_worker_s(recovery, workers, startup_s, step_s, epoch_s,
-                         waits_for_startup(spares, rate_per_worker_hour, workers, startup_s), notice_s)
+                         waits_for_startup(spares, rate_per_worker_hour, workers, startup_s), notice_s, run_s)
     on_demand = price_on_demand_per_s * worker_s
     spot = price_spot_per_s * (worker_s + spares * run_s + preemptions * redo)
     if asked != Capacity.AUTO:

@@ -136,7 +136,8 @@ def test_an_idle_warm_container_given_the_notice_works_through_it_and_hands_its_
     completes, and every container is billed once, the victim's as preempted."""
     import threading
 
-    target = _save_target("docker-preempt-idle", job_variables={"env": {
+    # the target expects start-ups of 90 s: the successor is due at the notice (`_successor_due`)
+    target = _save_target("docker-preempt-idle", startup_s=90.0, job_variables={"env": {
         "ZOOID_CHAOS": "hold_worker:epoch=0:rank=0:at=sync:until=release,hold_worker:epoch=1:rank=0:until=ready"}})
     flow_run_id = _submit(stack, strategy="local_sgd", workers=2, epochs=8, target=target, capacity="spot")
     run_id = _run_id(flow_run_id)

@@ -8,13 +8,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from clouds.provider import FLOW_RUN_COMMAND, JobVariablesError, WorkerResources
+from clouds.provider import FLOW_RUN_COMMAND, SPOT_FLOW_RUN_COMMAND, JobVariablesError, WorkerResources
 from clouds.registry import job_variables
 from core.errors import ZooidValueError
 from core.notice import work_through_s
 from core.plan import Plan
 from planners.catalog import get_offer, spot_offer, spot_offers
-from planners.spot import HANDOVER, RERUN, choice_words, choose_capacity, recovery_of, redo_worker_s, waits_for_startup
+from planners.spot import (HANDOVER, RERUN, choice_words, choose_capacity, recovery_of, redo_worker_s, replaced_share,
+                           waits_for_startup)
 from tests.cloud_fixtures import flow_run, render, template
 
 # -- the catalog ------------------------------------------------------------------------------
@@ -132,15 +133,20 @@ def test_working_through_the_notice_hides_the_start_up_it_covers():
     costs the successor's start-up (60 s, billed beside the worker it succeeds), the others wait
     only for what the notice's working time does not cover, and one step (3.6 s). Fargate Spot's
     120 s give 90 s of work: 60 + 4 x 0 + 3.6; a 30 s notice gives 22.5 s: 60 + 4 x 37.5 + 3.6;
-    the ring reruns half an epoch of every worker besides."""
+    the ring reruns half an epoch of every worker besides. A notice in the run's last working time
+    (90 s of its 3600: 2.5 % of them) is worked through to the end and costs nothing."""
     assert [work_through_s(n) for n in (120, 30, 10, 5, 0)] == [90.0, 22.5, 5.0, 0.0, 0.0]
     fargate = choose_capacity(asked="auto", strategy="local_sgd", collective="store", notice_s=120, **COMMON)
-    assert fargate.redo_worker_s == pytest.approx(63.6, rel=1e-12)
-    assert fargate.spot_usd == pytest.approx(0.7e-5 * (14400 + 8 * 63.6), rel=1e-12)
+    assert fargate.redo_worker_s == pytest.approx(63.6 * (1 - 90 / 3600), rel=1e-12)
+    assert fargate.spot_usd == pytest.approx(0.7e-5 * (14400 + 8 * 63.6 * 0.975), rel=1e-12)
     short = choose_capacity(asked="auto", strategy="local_sgd", collective="store", notice_s=30, **COMMON)
-    assert short.redo_worker_s == pytest.approx(60 + 4 * 37.5 + 3.6, rel=1e-12)
+    assert short.redo_worker_s == pytest.approx((60 + 4 * 37.5 + 3.6) * (1 - 22.5 / 3600), rel=1e-12)
     ring = choose_capacity(asked="auto", strategy="local_sgd", collective="ring", notice_s=120, **COMMON)
-    assert ring.redo_worker_s == pytest.approx(60 + 4 * 180.0, rel=1e-12)
+    assert ring.redo_worker_s == pytest.approx((60 + 4 * 180.0) * 0.975, rel=1e-12)
+    # a run no longer than the working time: every notice is worked through to its end
+    brief = choose_capacity(asked="auto", strategy="local_sgd", collective="store", notice_s=120,
+                            **{**COMMON, "run_s": 80.0})
+    assert brief.redo_worker_s == 0.0 and replaced_share(80.0, 120) == 0.0 and replaced_share(3600.0, 0) == 1.0
     # a notice no longer than the margin: the workers leave at once, as in a cold run
     assert redo_worker_s(HANDOVER, 4, 60.0, 3.6, 360.0, notice_s=5) == redo_worker_s(HANDOVER, 4, 60.0, 3.6, 360.0)
 
@@ -228,7 +234,9 @@ def test_a_rank_is_billed_at_the_plans_capacity_or_the_one_it_is_told(tmp_path, 
 
 RES = WorkerResources(vcpu=1, memory_gb=1.2)
 ENGINE = FLOW_RUN_COMMAND.split()
-"""The container process of every worker: the flow run's engine (`clouds.provider.FLOW_RUN_COMMAND`)."""
+"""The container process of every on-demand worker: the flow run's engine (`clouds.provider.FLOW_RUN_COMMAND`)."""
+SPOT_ENGINE = SPOT_FLOW_RUN_COMMAND.split()
+"""A spot worker's: the engine under the relay that keeps a notice while it starts (`runtime.notice_relay`)."""
 
 
 def test_ecs_spot_is_a_fargate_spot_strategy_without_a_launch_type():
@@ -257,8 +265,8 @@ def test_ecs_spot_is_a_fargate_spot_strategy_without_a_launch_type():
     schemas.check_input("RunTask", request)
     assert request["capacityProviderStrategy"] == [{"capacityProvider": "FARGATE_SPOT", "weight": 1}]
     assert "launchType" not in request
-    # the flow run's engine is the container's process (the notice's SIGTERM reaches the worker's handler)
-    assert request["overrides"]["containerOverrides"][0]["command"] == ENGINE
+    # the flow run's engine under the notice's relay (the notice's SIGTERM reaches the worker's handler)
+    assert request["overrides"]["containerOverrides"][0]["command"] == SPOT_ENGINE
     on_demand = render(ECSJobConfiguration, template("ecs"),
                        job_variables("ecs", RES, "zrunod", image="zooid-worker:cpu", extra={"cluster": "zooid"}))
     assert on_demand.task_run_request["launchType"] == "FARGATE"
@@ -282,8 +290,9 @@ def test_aci_spot_is_the_container_groups_priority():
 
     spot = group("spot")
     assert spot["properties"]["priority"] == "Spot" and spot["apiVersion"] == "2023-05-01"
-    assert spot["properties"]["containers"][0]["properties"]["command"] == ENGINE  # no entrypoint script first
-    assert "priority" not in group("on_demand")["properties"]
+    assert spot["properties"]["containers"][0]["properties"]["command"] == SPOT_ENGINE  # no entrypoint script first
+    on_demand = group("on_demand")["properties"]
+    assert "priority" not in on_demand and on_demand["containers"][0]["properties"]["command"] == ENGINE
     with pytest.raises(JobVariablesError, match="^capacity"):
         job_variables("aci", WorkerResources(vcpu=4, memory_gb=5, gpu=1, gpu_type="K80"), "r", capacity="spot")
 
@@ -311,9 +320,10 @@ def test_kubernetes_spot_selects_and_tolerates_the_spot_node_pool():
     key, value = K8S_SPOT_LABEL
     spec = pod_spec(RES, "spot")
     assert spec["nodeSelector"] == {key: value}
-    assert spec["containers"][0]["args"] == ENGINE and "command" not in spec["containers"][0]  # the image's none
+    assert spec["containers"][0]["args"] == SPOT_ENGINE and "command" not in spec["containers"][0]  # the image's none
     assert spec["tolerations"] == [{"key": key, "operator": "Equal", "value": value, "effect": "NoSchedule"}]
-    assert "nodeSelector" not in pod_spec(RES, "on_demand")
+    on_demand = pod_spec(RES, "on_demand")
+    assert "nodeSelector" not in on_demand and on_demand["containers"][0]["args"] == ENGINE
     gpu = pod_spec(WorkerResources(vcpu=4, memory_gb=10, gpu=1, gpu_type="T4"), "spot")  # beside the GPU's own
     assert gpu["nodeSelector"] == {"nvidia.com/gpu.product": "Tesla-T4", key: value} and len(gpu["tolerations"]) == 2
 

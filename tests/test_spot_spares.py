@@ -34,7 +34,7 @@ class _Launcher:
         self.outcomes[0].status, self.outcomes[0].stopped_at = "cancelled", time.time()
 
 
-def _pool(tmp_path, monkeypatch, spot_spares=1, capacity="spot"):
+def _pool(tmp_path, monkeypatch, spot_spares=1, capacity="spot", startup_s=0.0):
     from coordinator.run.context import RunContext
     from coordinator.run.job import TrainJob
     from coordinator.run.validate import validate_job
@@ -43,7 +43,9 @@ def _pool(tmp_path, monkeypatch, spot_spares=1, capacity="spot"):
 
     job = TrainJob(model="digits_mlp", workers=2, store=f"file://{tmp_path}/store", warm=True,
                    spot_spares=spot_spares, capacity="auto")  # the plan below says which capacity
-    resolved = dataclasses.replace(validate_job(job), spot=spot_offer("fargate-cpu", "docker"))  # billed as Fargate Spot
+    resolved = validate_job(job)
+    resolved = dataclasses.replace(resolved, spot=spot_offer("fargate-cpu", "docker"),  # billed as Fargate Spot
+                                   target=resolved.target.model_copy(update={"startup_s": startup_s}))
     ctx = RunContext(run_id="zspare", job=job, resolved=resolved)
     pool = WarmPool(ctx)
     pool.store = ctx.open_durable()
@@ -184,6 +186,47 @@ def test_no_successor_starts_where_the_run_ends_within_the_notices_working_time(
     pool.epoch_began = {-2: now - 60, -1: now - 30, 0: now}
     pool._work_through_notices(plan, 0)
     assert [w.reserved_for for w in pool.spares] == [1] and len(launched) == 3
+
+
+def test_a_successor_is_launched_as_late_as_its_start_up_allows_and_not_at_all_if_the_run_ends_meanwhile(
+        tmp_path, monkeypatch):
+    """Start-ups of 20 and 25 s measured (the estimate: 25 s), Fargate Spot's 90 s of work after
+    the notice: the successor is due once 35 s (start-up and `SUCCESSOR_MARGIN_S`) or less are left,
+    judged again at each look, and the target's `startup_s` is a floor. A notice that came in the
+    first epoch, before the pace was known, costs no successor where the pace measured meanwhile
+    ends the run within the notice."""
+    from coordinator.workers.warm_pool import SUCCESSOR_MARGIN_S
+
+    pool, plan, launched = _pool(tmp_path, monkeypatch, spot_spares=0)
+    pool.ensure(plan, 0)
+    pool.ctx.state.startup_samples[:] = [20.0, 25.0]
+    r1, now = pool.workers[1], time.time()
+    pool.epoch_began = {-2: now - 200, -1: now - 100, 0: now}  # epochs of 100 s: the run outlasts the notice
+    for since, due in ((0.0, False), (90.0 - 25.0 - SUCCESSOR_MARGIN_S - 5.0, False),
+                       (90.0 - 25.0 - SUCCESSOR_MARGIN_S + 1.0, True)):
+        r1.noticed_at = now - since
+        pool._work_through_notices(plan, 0)
+        assert len(launched) == 2 + due and [w.reserved_for for w in pool.spares] == [1] * due, since
+    # the target's expected start-up, where longer than the run's, makes the successor due at once
+    pool, plan, launched = _pool(tmp_path / "floor", monkeypatch, spot_spares=0, startup_s=80.0)
+    pool.ensure(plan, 0)
+    pool.ctx.state.startup_samples[:] = [20.0, 25.0]
+    pool.epoch_began, pool.workers[1].noticed_at = {-2: now - 200, -1: now - 100, 0: now}, now
+    pool._work_through_notices(plan, 0)
+    assert len(launched) == 3
+    # noticed during the first epoch (pace unknown: the run might outlast it), deferred, then the
+    # pace seen by the time it would be due ends the run within the notice: no successor at all
+    pool, plan, launched = _pool(tmp_path / "first", monkeypatch, spot_spares=0)
+    pool.ensure(plan, 0)
+    pool.ctx.state.startup_samples[:] = [20.0, 25.0]
+    r1 = pool.workers[1]
+    pool.epoch_began, r1.noticed_at = {0: now}, now
+    pool._work_through_notices(plan, 0)
+    assert len(launched) == 2  # not due yet
+    r1.noticed_at = now - 60.0  # 30 s of its work left: due, but epochs of 5 s end the run 50 s on
+    pool.epoch_began = {0: now - 10, 1: now - 5, 2: now}
+    pool._work_through_notices(plan, 2)
+    assert len(launched) == 2 and pool.spares == []
 
 
 def test_a_worker_that_worked_through_its_notice_to_the_end_of_the_run_is_billed_as_preempted(

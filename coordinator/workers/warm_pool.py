@@ -22,8 +22,9 @@ the plan's until it takes one); one that is preempted while it waits is replaced
 
 Working through the notice (a spot offer's `notice_s`, `WarmSpec.notice_s`; `runtime.warm`): a
 worker that gets the provider's notice says so in its status (`noticed_at`) and works on. The pool
-then starts its successor at once, as a spare reserved for its rank (`_work_through_notices`;
-none where the run, at its pace so far, ends within the worker's working time: `_outlasts`);
+then starts its successor, as a spare reserved for its rank (`_work_through_notices`), as late as
+lets it be ready before the worker's working time ends (`_successor_due`: the run's measured
+start-ups), and none where the run, at its pace so far, ends within that time (`_outlasts`);
 once the successor is ready it writes the worker's `release`: an epoch in progress hands over at
 its next step boundary and the rank goes to the successor (`_replace`), a worker idle between
 epochs is stopped there and the rank goes to the successor before the next epoch (`ensure`). So
@@ -64,10 +65,14 @@ from core.specs import WarmSpec, WorkerResult, WorkerSpec
 from core.store_ops import grouped_total
 from core.warm_cadence import REPLY_POLL_CAP_S, REPLY_POLL_S, WarmCadence
 from coordinator.workers.preemptions import spot_spares
+from planners.prestart import startup_estimate
 from runtime.warm import PREEMPTED, read_json, spare_name, worker_name
 
 SUCCESSOR_CHECK_S = 1.0
 """The least time between two reads of a starting successor's status (`_successor_ready`)."""
+SUCCESSOR_MARGIN_S = 10.0
+"""Seconds a successor is launched ahead of the start-up it is expected to take (`_successor_due`):
+the pool looks at a noticed worker about once a second, and a start on a busy host runs late."""
 
 
 class LeaseRenewer(threading.Thread):
@@ -295,6 +300,8 @@ class WarmPool:
                           and f.capacity == w.capacity), None)  # a warm spare of the job's: already paid for
                 if s is None and not self._outlasts(w, epoch):
                     continue  # it works through its notice to the run's end: no successor to pay for
+                if s is None and not self._successor_due(w):
+                    continue  # its successor would be ready long before it must leave: judged again later
                 if s is None:
                     s = self._launch(plan.workers + len(self.spares), plan, epoch, launcher, identity, w.capacity,
                                      spare=True)
@@ -317,6 +324,21 @@ class WarmPool:
             return True
         left_s = statistics.median(gaps) * max(1, int(self.ctx.job.epochs) - epoch)
         return time.time() + left_s > w.noticed_at + work_through_s(self._notice_s(w.capacity))
+
+    def _successor_due(self, w: WarmWorker) -> bool:
+        """Whether noticed worker `w`'s successor must be launched now to be ready before `w`'s
+        working time (`core.notice.work_through_s`) ends: that time left is no more than the
+        start-up this run's workers took (`planners.prestart.startup_estimate` of its samples; the
+        target's `startup_s`, the start-up its owner expects, where that is longer) and
+        `SUCCESSOR_MARGIN_S`. Until then the run's pace is judged again at each look
+        (`_outlasts`): a notice that came before the pace was known (while the workers started or
+        trained their first epoch) costs no successor where the run turns out to end within the
+        worker's working time. Due at once before any start-up was measured."""
+        if w.noticed_at is None or not self.ctx.state.startup_samples:
+            return True
+        startup = max(startup_estimate(self.ctx.state.startup_samples), self.ctx.resolved.target.startup_s)
+        left = w.noticed_at + work_through_s(self._notice_s(w.capacity)) - time.time()
+        return left <= startup + SUCCESSOR_MARGIN_S
 
     def _successor_ready(self, rank: int) -> bool:
         """Whether rank `rank`'s successor is ready: its status says so (read at most every
