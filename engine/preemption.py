@@ -195,8 +195,8 @@ def _on_notice(signum, frame) -> None:  # noqa: ARG001 - a signal handler's sign
     leave_now()
 
 
-def leave_now(status: int = EXIT_STATUS) -> None:
-    """Leave at once with nothing to hand over: run the hooks of the open `leaving()` blocks,
+def leave_now(status: int = EXIT_STATUS, why: str = "the notice came outside an epoch") -> None:
+    """Leave at once with nothing (more) to hand over: run the hooks of the open `leaving()` blocks,
     innermost first (in a thread, at most `HOOK_S` seconds in all: a store that hangs must not
     outlast the grace), flush the output and exit the process with `status`."""
     global _noticed_at
@@ -216,7 +216,7 @@ def leave_now(status: int = EXIT_STATUS) -> None:
         runner = threading.Thread(target=run_hooks, name="zooid-notice", daemon=True)
         runner.start()
         runner.join(HOOK_S)
-    print(f"zooid: the notice came outside an epoch (pid {os.getpid()}); leaving now", file=sys.stderr)
+    print(f"zooid: {why} (pid {os.getpid()}); leaving now", file=sys.stderr)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
