@@ -34,6 +34,12 @@ most `HOOK_S` seconds) and exits at once with `EXIT_STATUS`. It matters in a con
 the worker's process is the namespace's init (PID 1): the kernel does not deliver a signal whose
 disposition is the default to PID 1, so without a handler the notice is ignored and the engine
 SIGKILLs the container at the end of the grace.
+
+A spot container runs its worker under `runtime.notice_relay`, which keeps a notice that comes
+before the worker can work through it (while Python, Prefect and torch start) and passes it on
+once the worker says it can take it (`core.notice.ready_for_notice`: `overlapping()`, where a
+warm worker serves with its notice time, and `listening()`, an epoch); the handlers here date
+it from when it came (`core.notice.take_relayed_notice`), so the working time is the notice's.
 """
 from __future__ import annotations
 
