@@ -175,7 +175,7 @@ def test_a_worker_busy_through_the_notice_is_released_once_its_successor_is_read
 def test_no_successor_starts_where_the_run_ends_within_the_notices_working_time(tmp_path, monkeypatch):
     """Epochs of 10 s, 5 to go: the run ends 50 s on, within Fargate Spot's 90 s of work after the
     notice, so the worker works through it to the end and nothing is started; at 30 s an epoch
-    (150 s to go) its rank needs a successor."""
+    (150 s to go) its rank needs a successor. Before the pace is measured, the plan's prediction."""
     pool, plan, launched = _pool(tmp_path, monkeypatch, spot_spares=0)
     pool.ensure(plan, 0)
     r1, now = pool.workers[1], time.time()
@@ -186,6 +186,15 @@ def test_no_successor_starts_where_the_run_ends_within_the_notices_working_time(
     pool.epoch_began = {-2: now - 60, -1: now - 30, 0: now}
     pool._work_through_notices(plan, 0)
     assert [w.reserved_for for w in pool.spares] == [1] and len(launched) == 3
+    # before two epochs have started, the plan's predicted epoch is the pace: 5 epochs of 10 s end
+    # within the notice, of 30 s they do not; with no prediction either, a successor starts
+    for predicted, starts in ((10.0, False), (30.0, True), (0.0, True)):
+        pool, plan, launched = _pool(tmp_path / f"p{predicted}", monkeypatch, spot_spares=0)
+        plan.predicted_epoch_s = predicted
+        pool.ensure(plan, 0)
+        pool.epoch_began, pool.workers[1].noticed_at = {0: time.time()}, time.time()
+        pool._work_through_notices(plan, 0)
+        assert len(launched) == 2 + starts, predicted
 
 
 def test_a_successor_is_launched_as_late_as_its_start_up_allows_and_not_at_all_if_the_run_ends_meanwhile(

@@ -298,7 +298,7 @@ class WarmPool:
                 identity = launch_identity(launcher, w.rank)
                 s = next((f for f in self._free_spares() if f.alive and f.identity == identity
                           and f.capacity == w.capacity), None)  # a warm spare of the job's: already paid for
-                if s is None and not self._outlasts(w, epoch):
+                if s is None and not self._outlasts(w, epoch, plan):
                     continue  # it works through its notice to the run's end: no successor to pay for
                 if s is None and not self._successor_due(w):
                     continue  # its successor would be ready long before it must leave: judged again later
@@ -314,15 +314,18 @@ class WarmPool:
                 w.released = True
                 print(f"zooid: {s.name} is ready: {w.name} hands rank {w.rank} over at its next step")
 
-    def _outlasts(self, w: WarmWorker, epoch: int) -> bool:
+    def _outlasts(self, w: WarmWorker, epoch: int, plan=None) -> bool:
         """Whether the run, at its pace so far (the median time between two epochs' starts, over
         the epochs left from `epoch` on, this one whole), ends after worker `w`'s notice working
-        time: only then does its rank need a successor. True before two epochs have started."""
+        time: only then does its rank need a successor. Before two epochs have started, at the
+        plan's predicted epoch (`predicted_epoch_s`; judged again at each look, `_successor_due`,
+        so the measured pace takes over as soon as there is one); True without either."""
         began = [self.epoch_began[e] for e in sorted(self.epoch_began)]
         gaps = [b - a for a, b in zip(began, began[1:])]
-        if not gaps or w.noticed_at is None:
+        pace = statistics.median(gaps) if gaps else float(getattr(plan, "predicted_epoch_s", 0.0) or 0.0)
+        if pace <= 0 or w.noticed_at is None:
             return True
-        left_s = statistics.median(gaps) * max(1, int(self.ctx.job.epochs) - epoch)
+        left_s = pace * max(1, int(self.ctx.job.epochs) - epoch)
         return time.time() + left_s > w.noticed_at + work_through_s(self._notice_s(w.capacity))
 
     def _successor_due(self, w: WarmWorker) -> bool:
