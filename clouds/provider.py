@@ -94,12 +94,6 @@ the engine in a child process of its own: the provider's SIGTERM would reach the
 the flow, and the worker would be killed at the end of the grace with nothing handed over."""
 
 
-SPOT_FLOW_RUN_COMMAND = f"python3 -m runtime.notice_relay {FLOW_RUN_COMMAND}"
-"""A spot worker container's command: the flow run's engine under `runtime.notice_relay`, which
-keeps a notice that comes while the worker starts until the worker can work through it, and
-passes every other signal on at once (the engine stays the process that takes the notice)."""
-
-
 def run_labels(run_id: str) -> dict[str, str]:
     """The label (tag) every worker of the run carries: the sweep and the bill find it by it."""
     return {RUN_LABEL: run_id}
@@ -162,8 +156,6 @@ class Provider:
         if not run_id:
             raise JobVariablesError("run_id", "must not be empty")
         sized = cls.on_capacity(cls.size(res, run_id, **options), str(capacity))
-        if str(capacity) == Capacity.SPOT and sized.get("command") == FLOW_RUN_COMMAND:
-            sized = {**sized, "command": SPOT_FLOW_RUN_COMMAND}  # a notice while it starts is kept for it
         out = {**(extra or {}), **sized}
         out["labels"] = {**(extra or {}).get("labels", {}), **sized["labels"]}
         if "container_create_kwargs" in sized:  # the target's own create options stay beside the size

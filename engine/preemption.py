@@ -34,12 +34,6 @@ most `HOOK_S` seconds) and exits at once with `EXIT_STATUS`. It matters in a con
 the worker's process is the namespace's init (PID 1): the kernel does not deliver a signal whose
 disposition is the default to PID 1, so without a handler the notice is ignored and the engine
 SIGKILLs the container at the end of the grace.
-
-A spot container runs its worker under `runtime.notice_relay`, which keeps a notice that comes
-before the worker can work through it (while Python, Prefect and torch start) and passes it on
-once the worker says it can take it (`core.notice.ready_for_notice`: `overlapping()`, where a
-warm worker serves with its notice time, and `listening()`, an epoch); the handlers here date
-it from when it came (`core.notice.take_relayed_notice`), so the working time is the notice's.
 """
 from __future__ import annotations
 
@@ -54,7 +48,6 @@ from typing import Callable, Iterator
 
 from comm.store import Store
 from core.errors import Preempted, ZooidError
-from core.notice import ready_for_notice, take_relayed_notice
 from core.keys import preempted_marker_key
 from core.specs import WorkerSpec
 
@@ -83,7 +76,7 @@ def _on_sigterm(signum, frame) -> None:  # noqa: ARG001 - a signal handler's sig
     """Only set the flag: the training loop acts at its next step boundary."""
     global _noticed_at
     if not _noticed_at:
-        _noticed_at = take_relayed_notice() or time.time()
+        _noticed_at = time.time()
 
 
 WAIT_AFTER_NOTICE_S = 2.0
@@ -145,11 +138,9 @@ def overlapping(work_s: float, released: Callable[[], bool]) -> Iterator[None]:
     With `work_s` 0 the block changes nothing."""
     global _overlap
     if work_s <= 0:
-        ready_for_notice()  # a notice the relay kept while the worker started comes now (it leaves)
         yield
         return
     previous, _overlap = _overlap, (float(work_s), released)
-    ready_for_notice()  # a notice the relay kept while the worker started comes now, to be worked through
     try:
         yield
     finally:
@@ -183,7 +174,6 @@ def listening() -> Iterator[bool]:
             yield False
             return
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
-        ready_for_notice()  # a notice the relay kept while the worker started comes now: the epoch hands over
         try:
             yield True
         finally:
@@ -207,7 +197,7 @@ def leave_now(status: int = EXIT_STATUS, why: str = "the notice came outside an 
     outlast the grace), flush the output and exit the process with `status`."""
     global _noticed_at
     if not _noticed_at:
-        _noticed_at = take_relayed_notice() or time.time()
+        _noticed_at = time.time()
     hooks = list(reversed(_leave_hooks))
 
     def run_hooks() -> None:

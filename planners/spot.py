@@ -35,10 +35,9 @@ it succeeds) and the others wait only for what is left of it, `exposed = max(0, 
 work_through_s)`: `startup_s + workers x exposed + step_s` (`handover`), `startup_s + workers x
 (exposed + epoch_s / 2)` (`rerun`). A notice in the run's last working time costs nothing: the
 worker works through it to the run's end and no successor starts (the pool decides as late as a
-successor's start-up allows, `_successor_due`, and a spot container's notice while it starts is
-kept for it, `runtime.notice_relay`), so for notices spread evenly over a run of `run_s`, the cost
-is multiplied by `1 - work_through_s / run_s` (`replaced_share`). A cold run's workers leave at
-once (`notice_s` 0).
+successor's start-up allows, `coordinator.workers.warm_pool`), so for notices spread evenly over
+a run of `run_s`, the cost is multiplied by `1 - work_through_s / run_s` (`replaced_share`). A
+cold run's workers leave at once (`notice_s` 0).
 
 Spot is chosen when its expected bill is below on-demand's. Pure: the caller passes the
 prices, the plan's figures, and the rate (measured on the target where a run measured it,

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from clouds.provider import FLOW_RUN_COMMAND, SPOT_FLOW_RUN_COMMAND, JobVariablesError, WorkerResources
+from clouds.provider import FLOW_RUN_COMMAND, JobVariablesError, WorkerResources
 from clouds.registry import job_variables
 from core.errors import ZooidValueError
 from core.notice import work_through_s
@@ -234,9 +234,7 @@ def test_a_rank_is_billed_at_the_plans_capacity_or_the_one_it_is_told(tmp_path, 
 
 RES = WorkerResources(vcpu=1, memory_gb=1.2)
 ENGINE = FLOW_RUN_COMMAND.split()
-"""The container process of every on-demand worker: the flow run's engine (`clouds.provider.FLOW_RUN_COMMAND`)."""
-SPOT_ENGINE = SPOT_FLOW_RUN_COMMAND.split()
-"""A spot worker's: the engine under the relay that keeps a notice while it starts (`runtime.notice_relay`)."""
+"""The container process of every worker: the flow run's engine (`clouds.provider.FLOW_RUN_COMMAND`)."""
 
 
 def test_ecs_spot_is_a_fargate_spot_strategy_without_a_launch_type():
@@ -265,8 +263,8 @@ def test_ecs_spot_is_a_fargate_spot_strategy_without_a_launch_type():
     schemas.check_input("RunTask", request)
     assert request["capacityProviderStrategy"] == [{"capacityProvider": "FARGATE_SPOT", "weight": 1}]
     assert "launchType" not in request
-    # the flow run's engine under the notice's relay (the notice's SIGTERM reaches the worker's handler)
-    assert request["overrides"]["containerOverrides"][0]["command"] == SPOT_ENGINE
+    # the flow run's engine is the container's process (the notice's SIGTERM reaches the worker's handler)
+    assert request["overrides"]["containerOverrides"][0]["command"] == ENGINE
     on_demand = render(ECSJobConfiguration, template("ecs"),
                        job_variables("ecs", RES, "zrunod", image="zooid-worker:cpu", extra={"cluster": "zooid"}))
     assert on_demand.task_run_request["launchType"] == "FARGATE"
@@ -290,7 +288,7 @@ def test_aci_spot_is_the_container_groups_priority():
 
     spot = group("spot")
     assert spot["properties"]["priority"] == "Spot" and spot["apiVersion"] == "2023-05-01"
-    assert spot["properties"]["containers"][0]["properties"]["command"] == SPOT_ENGINE  # no entrypoint script first
+    assert spot["properties"]["containers"][0]["properties"]["command"] == ENGINE  # no entrypoint script first
     on_demand = group("on_demand")["properties"]
     assert "priority" not in on_demand and on_demand["containers"][0]["properties"]["command"] == ENGINE
     with pytest.raises(JobVariablesError, match="^capacity"):
@@ -320,7 +318,7 @@ def test_kubernetes_spot_selects_and_tolerates_the_spot_node_pool():
     key, value = K8S_SPOT_LABEL
     spec = pod_spec(RES, "spot")
     assert spec["nodeSelector"] == {key: value}
-    assert spec["containers"][0]["args"] == SPOT_ENGINE and "command" not in spec["containers"][0]  # the image's none
+    assert spec["containers"][0]["args"] == ENGINE and "command" not in spec["containers"][0]  # the image's none
     assert spec["tolerations"] == [{"key": key, "operator": "Equal", "value": value, "effect": "NoSchedule"}]
     on_demand = pod_spec(RES, "on_demand")
     assert "nodeSelector" not in on_demand and on_demand["containers"][0]["args"] == ENGINE
