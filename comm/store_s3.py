@@ -46,7 +46,7 @@ def _with_shared_loader(session):
 
 _SHARED: dict[tuple, object] = {}
 """This process's boto3 Sessions by credentials and its S3 clients by session, endpoint and region
-(`shared_session`, `_shared_client`)."""
+(`shared_session`, `_s3_client`)."""
 _SHARED_LOCK = threading.Lock()
 os.register_at_fork(after_in_child=_SHARED.clear)  # a forked worker opens its own connections
 

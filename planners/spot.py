@@ -120,9 +120,8 @@ def redo_worker_s(recovery: str, workers: int, startup_s: float, step_s: float, 
     work_s = work_through_s(notice_s)
     if work_s > 0:
         exposed = max(0.0, startup_s - work_s)
-        if recovery == HANDOVER:
-            return (startup_s + workers * exposed + step_s) * replaced_share(run_s, notice_s)
-        return (startup_s + workers * (exposed + epoch_s / 2.0)) * replaced_share(run_s, notice_s)
+        waited = workers * exposed + step_s if recovery == HANDOVER else workers * (exposed + epoch_s / 2.0)
+        return (startup_s + waited) * replaced_share(run_s, notice_s)
     if recovery == HANDOVER:
         return workers * startup_s + step_s
     return workers * (startup_s + epoch_s / 2.0)

@@ -314,7 +314,11 @@ class WarmPool:
                 w.released = True
                 print(f"zooid: {s.name} is ready: {w.name} hands rank {w.rank} over at its next step")
 
-    def _outlasts(self, w: WarmWorker, epoch: int, plan=None) -> bool:
+    def _works_until(self, w: WarmWorker) -> float:
+        """When noticed worker `w`'s working time ends (`core.notice.work_through_s` after its notice)."""
+        return w.noticed_at + work_through_s(self._notice_s(w.capacity))
+
+    def _outlasts(self, w: WarmWorker, epoch: int, plan) -> bool:
         """Whether the run, at its pace so far (the median time between two epochs' starts, over
         the epochs left from `epoch` on, this one whole), ends after worker `w`'s notice working
         time: only then does its rank need a successor. Before two epochs have started, at the
@@ -326,7 +330,7 @@ class WarmPool:
         if pace <= 0 or w.noticed_at is None:
             return True
         left_s = pace * max(1, int(self.ctx.job.epochs) - epoch)
-        return time.time() + left_s > w.noticed_at + work_through_s(self._notice_s(w.capacity))
+        return time.time() + left_s > self._works_until(w)
 
     def _successor_due(self, w: WarmWorker) -> bool:
         """Whether noticed worker `w`'s successor must be launched now to be ready before `w`'s
@@ -340,8 +344,7 @@ class WarmPool:
         if w.noticed_at is None or not self.ctx.state.startup_samples:
             return True
         startup = max(startup_estimate(self.ctx.state.startup_samples), self.ctx.resolved.target.startup_s)
-        left = w.noticed_at + work_through_s(self._notice_s(w.capacity)) - time.time()
-        return left <= startup + SUCCESSOR_MARGIN_S
+        return self._works_until(w) - time.time() <= startup + SUCCESSOR_MARGIN_S
 
     def _successor_ready(self, rank: int) -> bool:
         """Whether rank `rank`'s successor is ready: its status says so (read at most every
