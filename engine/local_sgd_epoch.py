@@ -56,12 +56,6 @@ fails the epoch attempt: the survivors raise `RingError` (a peer died) or `RingT
 (a peer never came or stopped calling) instead of waiting, and the coordinator reruns the
 epoch, every rank resuming from the sync checkpoint (steps 1 and 2 above; 3 does not apply).
 
-Overlapped rounds (`sync.overlap_steps`, `engine.overlapped_round`): between a round's post
-and its join the replicas hold different tensors, so no point of the epoch is shared: no
-sync checkpoint is written, nothing is handed over on a notice, and a worker lost mid-epoch
-fails the attempt, which the coordinator reruns from the epoch's start, as over the ring
-(`SyncSpec.reruns_whole_attempt`).
-
 Every step (`sync_period` 1, K-AVG on float32, `sync.every_step` = `gradients`, the
 default): the replicas average gradients, not weights (`engine.local_sgd`,
 `engine.gradient_buckets`), still one round per step. Round r's buckets are started during
@@ -326,10 +320,9 @@ def _handover(spec: WorkerSpec, ckpt_store: Store, model: nn.Module, optimizer: 
     """A preempted predecessor's handover (`_ReplicaEpoch.hand_over`), loaded into `model` and
     `optimizer` (and `outer`), when it is a point of this very phase at or after the epoch's
     sync checkpoint; None otherwise (and always over the ring or with overlapped rounds, whose
-    attempt reruns every rank: `SyncSpec.reruns_whole_attempt`). The handover is this rank's
-    state after its round `round` and `since_sync` more local steps: a sync checkpoint of one
-    rank, so the relaunch protocol (module docstring, steps 2-4) holds from it as from round
-    `round`'s checkpoint."""
+    attempt reruns every rank: `SyncSpec.reruns_whole_attempt`). The handover is this rank's state after its round `round` and
+    `since_sync` more local steps: a sync checkpoint of one rank, so the relaunch protocol
+    (module docstring, steps 2-4) holds from it as from round `round`'s checkpoint."""
     if spec.sync.reruns_whole_attempt:
         return None
     key = handover_key(spec.run_id, spec.epoch, spec.rank)
