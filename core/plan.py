@@ -37,10 +37,6 @@ class Plan:
     """A Local-SGD round's outer step (`core.outer_sync`): `average` (K-AVG) or `nesterov` (DiLoCo)."""
     sync_dtype: str = "float32"
     """What the data-parallel syncs move: `float32`, `bfloat16` or `int8`."""
-    sync_overlap_steps: int = 0
-    """Local-SGD's rounds run behind the next round's first this many steps (the job's
-    `sync_overlap_steps`): the plan counts only what a round's collective takes beyond them, and
-    the last round's whole."""
     collective: str = "store"
     """How the replicas average (Local-SGD's rounds, a hybrid's gradient syncs): `store` (the
     store collectives) or `ring` (a direct ring between the workers); the job's `collective`,

@@ -235,26 +235,24 @@ class SyncSpec(JsonSpec):
     after the step). A pipeline stage always averages gradients."""
     bucket_mb: float = DEFAULT_BUCKET_MB
     """MiB of gradients per bucket when gradients are averaged."""
-    overlap_steps: int = 0
-    """Local-SGD over the store: each round's collective runs behind the next round's first
-    `overlap_steps` steps (0: none; the whole next round where it is longer) and is joined
-    there (`engine.overlapped_round`); no sync checkpoint mid-epoch then, and a worker lost
-    mid-epoch reruns the whole attempt, as over a ring."""
+    overlap: bool = False
+    """Local-SGD over the store: a round's collective runs behind the next round's steps, its
+    result applied one round late (`engine.local_sgd`); no sync checkpoint mid-epoch then, and a
+    worker lost mid-epoch reruns the whole attempt, as over a ring."""
 
     @property
     def reruns_whole_attempt(self) -> bool:
         """A worker lost mid-epoch costs every rank's attempt, rerun at once: over a ring, which
-        takes no new rank, and with `overlap_steps`, whose replicas share no point mid-epoch
-        (nothing is handed over, no sync checkpoint is written)."""
-        return self.collective == "ring" or self.overlap_steps > 0
+        takes no new rank, and with `overlap`, whose replicas share no point mid-epoch (nothing is
+        handed over, no sync checkpoint is written)."""
+        return self.collective == "ring" or self.overlap
 
     def __post_init__(self):
         _check_types(self, "sync.")
         _positive(self, "sync.", ("ring_timeout_s", "outer_lr", "bucket_mb"))
         if self.every_step not in EVERY_STEP:
             raise ZooidValueError("sync.every_step", f"must be one of {', '.join(EVERY_STEP)}, got {self.every_step!r}")
-        _positive(self, "sync.", ("repost_s", "checkpoint_every", "checkpoint_s", "checkpoint_interval_s", "overlap_steps"),
-                  zero_ok=True)
+        _positive(self, "sync.", ("repost_s", "checkpoint_every", "checkpoint_s", "checkpoint_interval_s"), zero_ok=True)
         if self.outer_optimizer not in OUTER_OPTIMIZERS:
             raise ZooidValueError("sync.outer_optimizer", f"must be one of {', '.join(OUTER_OPTIMIZERS)}, "
                                   f"got {self.outer_optimizer!r}")
@@ -262,8 +260,8 @@ class SyncSpec(JsonSpec):
             raise ZooidValueError("sync.outer_momentum", f"must be in [0, 1), got {self.outer_momentum!r}")
         if self.sync_dtype not in SYNC_DTYPES:
             raise ZooidValueError("sync.sync_dtype", f"must be one of {', '.join(SYNC_DTYPES)}, got {self.sync_dtype!r}")
-        if self.overlap_steps and self.collective == "ring":
-            raise ZooidValueError("sync.overlap_steps", "overlapped rounds go through the store; the ring's block")
+        if self.overlap and self.collective == "ring":
+            raise ZooidValueError("sync.overlap", "overlapped rounds go through the store; the ring's are blocking")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -94,9 +94,7 @@ class LocalSGD:
     may find results of rounds its previous life took part in. `allreduce` is the
     collective (`scatter_reduce.allreduce_for`; the plain store one by default). `outer`
     is the round's outer step (`engine.outer`; None: K-AVG, the mean replaces the tensors)
-    and `compressor` the wire format of a compressed sync (`comm.compression`). `overlap_steps`:
-    each round's collective runs on a thread behind the next round's first that many steps
-    (`engine.overlapped_round`; 0: the replica waits for it).
+    and `compressor` the wire format of a compressed sync (`comm.compression`).
 
     `average_gradients`: average each step's gradients in buckets during backward instead
     of the parameters after the step (see the module docstring); None: whenever the period
@@ -127,7 +125,7 @@ class LocalSGD:
         average_gradients: bool | None = None,
         ring: RingGroup | None = None,
         bucket_bytes: int = int(DEFAULT_BUCKET_MB * 2**20),
-        overlap_steps: int = 0,
+        overlap: bool = False,
     ):
         if period is not None and period < 1:
             raise ZooidValueError("sync_period", f"must be a positive step count or None, got {period}")
@@ -137,10 +135,8 @@ class LocalSGD:
         elif average_gradients and not (period == 1 and plain):
             raise ZooidValueError("sync.every_step", "gradients are averaged only every step (sync_period 1) "
                                   "with no outer optimizer and a float32 wire")
-        if overlap_steps < 0:
-            raise ZooidValueError("sync.overlap_steps", f"must be a step count >= 0, got {overlap_steps}")
-        if overlap_steps and average_gradients:
-            raise ZooidValueError("sync.overlap_steps", "every step averages gradients during backward already; "
+        if overlap and average_gradients:
+            raise ZooidValueError("sync.overlap", "every step averages gradients during backward already; "
                                   "overlap runs a round's collective behind the next round's steps")
         self.model, self.optimizer, self.store = model, optimizer, store
         self.group, self.rank, self.world = group, rank, world
@@ -154,8 +150,8 @@ class LocalSGD:
         self._since_sync = since_sync
         self.before_sync: Callable[[int], None] | None = None
         """Called with the step count as each sync starts (`engine.chaos`: a notice during a sync)."""
-        self.overlap_steps = overlap_steps if world > 1 else 0  # a lone replica has no collective to hide
-        if self.overlap_steps and outer is None:
+        self.overlap = overlap and world > 1  # a lone replica has no collective to hide
+        if self.overlap and outer is None:
             outer = OuterStep()  # K-AVG: the mean is the result; the join adds what was trained since
         self._pending: PendingRound | None = None
         self.outer, self.compressor = outer, compressor
@@ -196,8 +192,8 @@ class LocalSGD:
 
     def sync(self) -> None:
         """Average the shared tensors over the replicas now (in place), through the outer
-        step when there is one. With `overlap_steps`, join the round still in flight (one
-        shorter than that), then post this one on a thread and go on (`engine.overlapped_round`)."""
+        step when there is one. With `overlap`, join the round in flight, then post this one
+        on a thread and go on (`engine.overlapped_round`)."""
         if self.before_sync is not None:
             self.before_sync(self.steps)
         live = self._shared_tensors()
@@ -216,7 +212,7 @@ class LocalSGD:
                                   previous_prefix=previous, log=self.log, repost_s=self.repost_s,
                                   replay=self.replay, **wire)
 
-        if self.overlap_steps:
+        if self.overlap:
             self._pending = post_round(collective, payload, live, self.rounds, self.steps)
             self._since_sync = 0
             return
@@ -271,8 +267,6 @@ class LocalSGD:
             self._end_gradient_round()
             return
         self._since_sync += 1
-        if self._pending is not None and self.steps - self._pending.step >= self.overlap_steps:
-            self._join(self._shared_tensors())
         if self.period is not None and self._since_sync >= self.period:
             self.sync()
 
@@ -286,7 +280,7 @@ class LocalSGD:
             self.on_sync(self.rounds - 1, self.steps)
 
     def flush(self) -> None:
-        """Sync the steps taken since the last sync, if any; with `overlap_steps`, then join that
+        """Sync the steps taken since the last sync, if any; with `overlap`, then join that
         round with nothing trained since its post, so every replica ends on the same tensors."""
         if self._since_sync:
             self.sync()

@@ -440,7 +440,7 @@ def cadence_for(spec: WorkerSpec, model: nn.Module, ring: RingGroup | None,
     a compressed sync's (whose ranks write residuals at its rounds: a count they all agree on) at
     most as many as REPLAY_KEPT_BYTES holds of its wire."""
     sync, steps = spec.sync, spec.steps if steps is None else steps
-    if sync.overlap_steps:  # the replicas differ between two joins: no point of the epoch to checkpoint
+    if sync.overlap:  # the replicas differ between two joins: no point of the epoch to checkpoint
         return CheckpointCadence(0, steps)
     if ring is not None:
         return CheckpointCadence(sync.checkpoint_every, steps, sync.checkpoint_s, checkpoint_clock)
@@ -562,7 +562,7 @@ class _ReplicaEpoch:
             self.compressor.before_result = self._write_residual
         self.averaging = LocalSGD(
             self.model, self.optimizer, store, _group(spec), spec.rank, spec.world, spec.sync_period,
-            spec.sync_timeout_s, replayable=bool(spec.sync.checkpoint_every) and not spec.sync.overlap_steps,
+            spec.sync_timeout_s, replayable=bool(spec.sync.checkpoint_every) and not spec.sync.overlap,
             repost_s=float(spec.sync.repost_s) or None,
             on_sync=self._on_sync, start_round=self.start.round, start_step=self.start.step,
             since_sync=self.start.since_sync, replay=wants_resume(spec),
@@ -570,7 +570,7 @@ class _ReplicaEpoch:
             outer=self.outer, compressor=self.compressor, ring=ring,
             average_gradients=averages_gradients(spec.sync_period, spec.sync.outer_optimizer,
                                                  spec.sync.sync_dtype, spec.sync.every_step),
-            bucket_bytes=int(spec.sync.bucket_mb * 2**20), overlap_steps=spec.sync.overlap_steps)
+            bucket_bytes=int(spec.sync.bucket_mb * 2**20), overlap=spec.sync.overlap)
         self.averaging.before_sync = self.chaos.during_sync
         if self.outer is not None and self.start.handover:  # the last sync's θ_global, not the local state
             self.outer.load_ref_tensors(self.start.outer_state, self.device)

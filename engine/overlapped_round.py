@@ -1,45 +1,34 @@
-"""A Local-SGD round whose collective runs behind the next round's first steps (`sync.overlap_steps`).
+"""A Local-SGD round whose collective runs behind the next round's steps (`sync.overlap`).
 
 Without overlap a replica waits at every sync for the collective (the puts, the peers'
-pieces, the gets) and starts the next round from its result. With `overlap_steps` = n, round
-t's collective runs on a thread while the replica takes the next round's first n steps from
-its own weights; after them (at the next sync at the latest) it joins round t and re-bases:
-its tensors become round t's result plus what those steps changed since the post,
+pieces, the gets) and starts the next round from its result. With overlap, round t's
+collective runs on a thread while the replica trains round t + 1 from its own weights; at the
+end of round t + 1 it joins round t and re-bases: its tensors become round t's result plus what
+round t + 1 changed in them since they were posted,
 
     θ_i ← R(t) + (θ_i − θ_i(posted t)),
 
-and the next round's change is posted against R(t) (the outer step's snapshot). The outer
-step (`engine.outer`) is the same one, applied n steps late: each round's mean change drives
-it exactly once, and n steps of each round run on weights that miss the last round's average
-(the delayed outer step of Streaming DiLoCo's overlapped communication). Measured on
-`gpt_mini` (K-AVG every 8 steps, momentum SGD, 300 steps of two replicas): perplexity 10.86
-joined at once, 10.92 one step late, 11.40 two, 13.55 four and 20.18 a whole round late, so a
-step or two hides a store's round trip at little cost where a whole round does not. The
-epoch's last round is joined at once with nothing trained since its post, so every replica
-ends the epoch with the same tensors, as without overlap, and the epoch checkpoint, the next
-epoch and a rescale see equal weights.
+and round t + 1's change is posted against R(t) (the outer step's snapshot). The outer step
+(`engine.outer`) is the same one, applied one round late: each round's mean change drives it
+exactly once, and each replica's steps run on weights that miss only the last round's
+average (the delayed-update variant of DiLoCo, Streaming DiLoCo's overlapped
+communication). The epoch's last round is joined at once with nothing trained since its post,
+so every replica ends the epoch with the same tensors, as without overlap, and the epoch
+checkpoint, the next epoch and a rescale see equal weights.
 
 What the replica waits for is what the join waits for: the collective's time less the steps
 it hid. `join` counts that as the round's sync seconds and adds the thread's bytes and calls.
-While it waits, the training thread beats as a store wait does (`comm.heartbeat`), so its
-guards still run there: a warm worker's expired lease stops the epoch, and a spot notice that
-comes while a peer is missing leaves from the wait (`engine.preemption.stop_waiting`).
 """
 from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Future, TimeoutError as FutureTimeout
+from concurrent.futures import Future
 from typing import Callable
 
 import torch
 
-from comm import heartbeat
 from comm.bandwidth import TransferStats
-
-JOIN_BEAT_S = 0.1
-"""Seconds between the training thread's beats while it waits for a round (the join returns as
-soon as the round is done, whatever this is)."""
 
 
 def _own(payload: dict[str, torch.Tensor], live: dict[str, torch.Tensor],
@@ -63,12 +52,7 @@ class PendingRound:
         round's result), add back what `live` changed since the post, and count the wait and
         the thread's transfers into `stats`. The collective's error, if any, is raised here."""
         began = time.perf_counter()
-        while True:
-            try:
-                mean = self.future.result(timeout=JOIN_BEAT_S)
-                break
-            except FutureTimeout:
-                heartbeat.beat(waiting=True)  # this thread's guards: an expired lease, a notice
+        mean = self.future.result()
         waited = time.perf_counter() - began
         names = list(live)
         with torch.no_grad():

@@ -94,9 +94,6 @@ class StrategyInputs:
     a hybrid's gradient syncs."""
     outer_optimizer: str = "average"
     """`nesterov` adds its momentum buffer (one parameter copy) to the sync checkpoint."""
-    sync_overlap_steps: int = 0
-    """Local-SGD's rounds run behind the next round's first this many steps, with no sync
-    checkpoint (`engine.overlapped_round`; `plan_local_sgd`)."""
     store_request_usd: dict = field(default_factory=dict)
     """Dollars of one request on the run's store, by kind (`core.store_ops.REQUEST_KINDS`; a
     kind absent is free): its offer's prices (`planners.store_prices.StoreOffer.prices`); empty:
@@ -180,8 +177,7 @@ def local_sgd(x: StrategyInputs, workers: int | None = None, collective: str | N
     collectives' fitted link, or the ring allreduce at the ring's (`ring_sync_s`), plus the
     sync checkpoint write (measured, or one put) and the outer state's writes, alike for both."""
     sync_bytes = sync_wire_bytes(x)
-    # overlapped rounds write no sync checkpoint (a compressed one's residuals: at the epoch's end)
-    checkpoint_s = 0.0 if x.sync_overlap_steps else sync_checkpoint_s(x) + outer_state_s(x)
+    checkpoint_s = sync_checkpoint_s(x) + outer_state_s(x)
     bandwidth, latency = x.sync_link
     workers = workers or x.workers
     collective = collective or x.plan_collectives[0]
@@ -190,7 +186,7 @@ def local_sgd(x: StrategyInputs, workers: int | None = None, collective: str | N
         sync_period=x.sync_period, step_s=local_sgd_step_s(x, workers), sync_bytes=sync_bytes, bandwidth=bandwidth,
         latency=latency, worker_vcpu=x.worker_vcpu, worker_memory_gb=x.worker_memory_gb,
         worker_gpu=x.worker_gpu, offer=x.offer, price_per_worker_s=x.price_per_worker_s,
-        checkpoint_s=checkpoint_s, overlap_steps=x.sync_overlap_steps if collective != "ring" else 0,
+        checkpoint_s=checkpoint_s,
         ring_s=ring_sync_s(x, sync_bytes, workers) if collective == "ring" else None)
 
 
@@ -546,18 +542,14 @@ def plan_local_sgd(*, workers: int, train_samples: int, batch_size: int, sync_pe
                    step_s: float, sync_bytes: float, bandwidth: float, latency: float,
                    worker_vcpu: float, worker_memory_gb: float, worker_gpu: int,
                    offer: str, price_per_worker_s: float, checkpoint_s: float | None = None,
-                   ring_s: float | None = None, overlap_steps: int = 0) -> Plan:
+                   ring_s: float | None = None) -> Plan:
     """The Local-SGD plan for `workers` replicas and its predicted step time and epoch cost.
 
     Each replica takes `core.epoch_steps.epoch_steps` steps, and averages
     `sync_bytes` every `sync_period` steps (once per epoch when None); each sync also writes
     the sync checkpoint (`sync_bytes` once): `checkpoint_s` seconds when measured, else
     one put at `bandwidth` and `latency`. `ring_s`: the seconds of one sync's ring allreduce,
-    where the replicas average over the ring instead of the store's scatter-reduce.
-
-    `overlap_steps` (`sync_overlap_steps`): each round's collective runs behind the next
-    round's first that many steps (at most `sync_period`), so a round costs only what it takes
-    beyond them; the epoch's last round is waited for whole."""
+    where the replicas average over the ring instead of the store's scatter-reduce."""
     if workers < 1:
         raise ValueError(f"workers: must be >= 1, got {workers}")
     steps = max(1, epoch_steps(train_samples, workers, batch_size))
@@ -568,12 +560,10 @@ def plan_local_sgd(*, workers: int, train_samples: int, batch_size: int, sync_pe
     if checkpoint_s is None:
         checkpoint_s = sync_bytes / bandwidth + latency
     reduce_s = scatter_reduce(sync_bytes, workers, bandwidth, latency) if ring_s is None else ring_s
-    round_s = reduce_s + checkpoint_s
-    hidden = min(round_s, min(overlap_steps, sync_period) * step_s) if sync_period is not None else 0.0
-    sync_s = round_s * syncs - hidden * (syncs - 1)
+    sync_s = (reduce_s + checkpoint_s) * syncs
     epoch_s = steps * step_s + sync_s
     return Plan(strategy=Strategy.LOCAL_SGD, data_parallel=workers, sync_period=sync_period,
-                collective="store" if ring_s is None else "ring", sync_overlap_steps=overlap_steps if sync_period is not None else 0,
+                collective="store" if ring_s is None else "ring",
                 steps_per_epoch=steps, batch_size=batch_size, worker_vcpu=worker_vcpu,
                 worker_memory_gb=worker_memory_gb, worker_gpu=worker_gpu, offer=offer,
                 price_per_worker_s=price_per_worker_s,

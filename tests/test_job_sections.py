@@ -26,7 +26,7 @@ BEFORE = {
 
 
 ADDED = {"data_cache_mb": None, "capacity": "on_demand", "spot_preemptions_before_on_demand": 2, "spot_spares": 0,
-         "sync_checkpoint_s": None, "sync_overlap_steps": 0}
+         "sync_checkpoint_s": None, "sync_overlap": False}
 """Fields added since, each after the field it follows in its section."""
 
 
@@ -40,7 +40,7 @@ def _order_now() -> list[str]:
     order.insert(order.index("capacity") + 1, "spot_preemptions_before_on_demand")
     order.insert(order.index("spot_preemptions_before_on_demand") + 1, "spot_spares")
     order.insert(order.index("outer_momentum") + 1, "sync_checkpoint_s")
-    order.insert(order.index("sync_dtype") + 1, "sync_overlap_steps")
+    order.insert(order.index("sync_dtype") + 1, "sync_overlap")
     return order
 
 

@@ -80,7 +80,6 @@ def strategy_inputs(ctx: RunContext, profile: dict, workers: int) -> StrategyInp
         contention=profile.get("contention") or 1.0,
         host_cores=cpu_count() if target.kind in SHARED_HOST_KINDS else None,
         sync_dtype=job.sync_dtype, outer_optimizer=job.outer_optimizer,
-        sync_overlap_steps=getattr(job, "sync_overlap_steps", 0),
         ring=job.collective == RING, collectives=planned_collectives(job, target)[0],
         ring_link=ring_link(ctx), **store_inputs(run_store_offer(ctx)),
         pipeline_store_request_usd=store_inputs(run_store_offer(ctx, durable=True))["store_request_usd"])
@@ -326,10 +325,9 @@ def with_checkpoint_interval(ctx: RunContext, plan: Plan, stores: RunStores) -> 
 def protocol_ops(ctx: RunContext, plan: Plan, stores: RunStores) -> StoreOps:
     """One epoch's protocol requests (`planners.store_requests.epoch_store_ops`), its checkpoints'
     as many as their size takes on the durable store (parameters and optimizer state, float32),
-    as many sync checkpoints as the plan's interval gives its epoch (none with `sync_overlap_steps`)."""
+    as many sync checkpoints as the plan's interval gives its epoch (none with `sync_overlap`)."""
     offer = stores.offers.get(stores.durable_role)
-    return epoch_store_ops(plan, ring=uses_ring(ctx.job, plan),
-                           checkpoint_every=0 if getattr(ctx.job, "sync_overlap_steps", 0) else 1,
+    return epoch_store_ops(plan, ring=uses_ring(ctx.job, plan), checkpoint_every=0 if getattr(ctx.job, "sync_overlap", False) else 1,
                            checkpoint_requests=offer.object_requests(checkpoint_bytes(ctx)) if offer is not None else (1, 1))
 
 

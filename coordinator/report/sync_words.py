@@ -14,14 +14,12 @@ def _mb(nbytes: float) -> str:
 
 
 def outer_sync_words(p: dict) -> str:
-    """E.g. `outer optimizer nesterov, syncs in int8, each behind the next round's first step
-    (0.0837 MB of state per sync)`; empty for K-AVG in float32, not overlapped, or a single replica."""
+    """E.g. `outer optimizer nesterov, syncs in int8 (0.0837 MB of state per sync)`; empty for
+    K-AVG in float32 or a single replica."""
     outer, dtype = p.get("outer_optimizer") or "average", p.get("sync_dtype") or "float32"
-    overlap = p.get("sync_overlap_steps") or 0
-    if (is_default(outer, dtype) and not overlap) or (p.get("data_parallel") or 1) <= 1:
+    if is_default(outer, dtype) or (p.get("data_parallel") or 1) <= 1:
         return ""
-    words = f"outer optimizer {outer}, syncs in {dtype}" + (
-        ", each behind the next round's first " + ("step" if overlap == 1 else f"{overlap} steps") if overlap else "")
+    words = f"outer optimizer {outer}, syncs in {dtype}"
     return words + (f" ({_mb(p['sync_bytes'])} of state per sync)" if p.get("sync_bytes") else "")
 
 

@@ -13,7 +13,7 @@ form shows. The form and `flows.train.train_with_params` list the fields in this
 | `ModelAndData` | model, dataset, loss, tokenizer, objective, seq_len, seed | what to train, on what, from which seed |
 | `Optimization` | epochs, batch_size, lr, optimizer | each replica's training loop |
 | `Parallelism` | strategy, workers, stages, microbatches, pipeline_schedule | replicas, pipeline stages, their schedule |
-| `Sync` | sync_period, collective, outer_optimizer, outer_lr, outer_momentum, sync_checkpoint_s, sync_dtype, sync_overlap_steps | how Local-SGD replicas meet |
+| `Sync` | sync_period, collective, outer_optimizer, outer_lr, outer_momentum, sync_checkpoint_s, sync_dtype, sync_overlap | how Local-SGD replicas meet |
 | `Scaling` | scaling, scale_every_epochs, min_workers, max_workers | the worker count between epochs |
 | `TargetAndStore` | store, durable_store, target, worker_vcpu, worker_memory_gb, offer, capacity, spot_preemptions_before_on_demand, spot_spares | where workers run and tensors live |
 | `BudgetAndStopping` | budget_usd, deadline_s, target_accuracy, target_loss | when a run ends before its last epoch |
@@ -149,13 +149,12 @@ class Sync(JobSection):
         "float32", title="Sync dtype",
         description="What syncs move through the store: `float32`, `bfloat16`, or `int8` (per-block scaled); "
                     "compressed syncs carry the rounding error to the next sync (error feedback).")
-    sync_overlap_steps: int = Field(
-        0, ge=0, title="Steps a sync runs behind",
-        description="Local-SGD over the store: each round's sync runs behind the next round's first this many "
-                    "steps and is applied after them, each replica adding what it trained meanwhile (every "
-                    "replica ends the epoch on the same weights); 0: each replica waits for its sync. Hides the "
-                    "sync's wait (1 or 2 steps cost gpt_mini little; a whole round of 8 doubled its perplexity); "
-                    "gives up the sync checkpoints mid-epoch, so a worker lost mid-epoch reruns the epoch's attempt.")
+    sync_overlap: bool = Field(
+        False, title="Overlap syncs with training",
+        description="Local-SGD over the store: each round's sync runs behind the next round's steps and its "
+                    "result is applied one round late, each replica adding what it trained meanwhile (every "
+                    "replica ends the epoch on the same weights). Hides the sync's wait; gives up the sync "
+                    "checkpoints mid-epoch, so a worker lost mid-epoch reruns the epoch's attempt.")
 
 
 class Scaling(JobSection):
@@ -272,13 +271,13 @@ class TrainJob(WorkersLife, BudgetAndStopping, TargetAndStore, Scaling, Sync, Pa
                              "them negative; use bfloat16 with adam")
         if self.sync_dtype != "float32" and self.collective == "ring":
             raise ValueError("sync_dtype: compressed syncs go through the store; collective ring moves float32")
-        if self.sync_overlap_steps and self.collective == "ring":
-            raise ValueError("sync_overlap_steps: overlapped rounds go through the store; collective ring blocks at each")
-        if self.sync_overlap_steps and self.strategy in PIPELINED_STRATEGIES:
-            raise ValueError(f"sync_overlap_steps: overlaps Local-SGD rounds; strategy {self.strategy} averages "
+        if self.sync_overlap and self.collective == "ring":
+            raise ValueError("sync_overlap: overlapped rounds go through the store; collective ring blocks at each")
+        if self.sync_overlap and self.strategy in PIPELINED_STRATEGIES:
+            raise ValueError(f"sync_overlap: overlaps Local-SGD rounds; strategy {self.strategy} averages "
                              "gradients every step (use local_sgd or auto)")
-        if self.sync_overlap_steps and averages_gradients(self.sync_period, self.outer_optimizer, self.sync_dtype):
-            raise ValueError("sync_overlap_steps: sync_period 1 with average and float32 averages gradients during "
+        if self.sync_overlap and averages_gradients(self.sync_period, self.outer_optimizer, self.sync_dtype):
+            raise ValueError("sync_overlap: sync_period 1 with average and float32 averages gradients during "
                              "backward already; overlap needs rounds of parameters (a longer period, nesterov or "
                              "a compressed sync_dtype)")
         if self.min_workers > self.max_workers:
