@@ -3,8 +3,8 @@
 `gpt_mini` on `text:stdlib:<KB>` (the shipped corpus, bytes tokenizer, causal blocks), 2 workers on
 the local pool, strategy `local_sgd`, SGD with momentum (int8 syncs refuse Adam, so every row
 trains with the same inner optimizer): every-step averaging (k = 1, gradients averaged in
-buckets), K-AVG at k = `--sync-k`, DiLoCo (outer Nesterov) at k = `--diloco-k` and `--sync-k` syncing
-float32 and int8, and int8 overlapped (`sync_overlap`) at `--sync-k`. Each configuration is a `train/local` flow run on one local stack
+buckets), K-AVG at k = `--sync-k`, DiLoCo (outer Nesterov) at k = `--diloco-k` syncing float32
+and int8. Each configuration is a `train/local` flow run on one local stack
 (`benchmarks.harness.stack.local_stack`, `pool_trace`) for a fixed number of epochs, once per
 seed of `--sync-seeds`: round i runs every configuration with the i-th seed, round-robin, every
 other round reversed (`benchmarks.harness.tables.rounds`); every figure comes from the runs' summary.json: validation perplexity, seconds (less the pool's
@@ -60,8 +60,6 @@ class Config:
     period: int
     outer: str
     dtype: str
-    overlap: bool = False
-    """`sync_overlap`: each round's sync behind the next round's steps, applied a round late."""
 
 
 def seq_len(args: argparse.Namespace) -> int:
@@ -72,13 +70,11 @@ def seq_len(args: argparse.Namespace) -> int:
 def configs(args: argparse.Namespace) -> list[Config]:
     """K-AVG first: its run fixes the target before the DiLoCo rows exist. DiLoCo at its own
     longer period, and at K-AVG's (it sends the weights alone where K-AVG also averages the
-    momentum buffers); at K-AVG's period with int8, also overlapped (`sync_overlap`: the sync off
-    the critical path)."""
+    momentum buffers)."""
     rows = [Config(f"{KAVG} k={args.sync_k}", args.sync_k, "average", "float32"),
             Config("every step (k=1)", 1, "average", "float32")]
     for k in dict.fromkeys((args.diloco_k, args.sync_k)):
         rows += [Config(f"DiLoCo k={k}", k, "nesterov", "float32"), Config(f"DiLoCo k={k} int8", k, "nesterov", "int8")]
-    rows.append(Config(f"DiLoCo k={args.sync_k} int8 overlapped", args.sync_k, "nesterov", "int8", overlap=True))
     return rows
 
 
@@ -88,7 +84,7 @@ def sync_params(args: argparse.Namespace, config: Config, seed: int) -> dict:
             "model": MODEL, "dataset": f"text:stdlib:{args.sync_kb}", "tokenizer": "bytes", "objective": "causal",
             "seq_len": seq_len(args), "epochs": args.sync_epochs, "batch_size": BATCH, "optimizer": OPTIMIZER,
             "lr": args.sync_lr, "seed": seed, "sync_period": config.period, "outer_optimizer": config.outer,
-            "sync_dtype": config.dtype, "sync_overlap": config.overlap}
+            "sync_dtype": config.dtype}
 
 
 def reached(perplexity: list[float], target: float) -> int | None:
@@ -215,10 +211,7 @@ def render_sync(runs: list, args: argparse.Namespace, command: str) -> str:
         "both replicas to average; MB = 10^6 bytes). Every step averages gradients in buckets during backward; "
         "K-AVG averages weights and the momentum buffers; DiLoCo takes an outer Nesterov step with the job's "
         f"defaults (outer lr and momentum null: {_outer_words(args, steps)}, `core.outer_defaults`) and averages "
-        "the momentum buffers as K-AVG does; int8: per-block scales, error feedback; overlapped (`sync_overlap`): "
-        "each round's sync runs on a thread behind the next round's steps and is applied a round late, each "
-        "replica adding what it trained meanwhile (`engine.overlapped_round`), so `sync_s` is only the wait the "
-        "steps did not hide."), "",
+        "the momentum buffers as K-AVG does; int8: per-block scales, error feedback."), "",
         ("Target, by the rule fixed before the DiLoCo rows were read: the validation perplexity K-AVG reaches at its "
          "second-to-last epoch in the same round (same seed): "
          f"{', '.join(f'**{t:.4f}** (seed {sd})' for t, sd in zip(targets, seeds))}. Time to target = the "

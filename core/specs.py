@@ -235,17 +235,6 @@ class SyncSpec(JsonSpec):
     after the step). A pipeline stage always averages gradients."""
     bucket_mb: float = DEFAULT_BUCKET_MB
     """MiB of gradients per bucket when gradients are averaged."""
-    overlap: bool = False
-    """Local-SGD over the store: a round's collective runs behind the next round's steps, its
-    result applied one round late (`engine.local_sgd`); no sync checkpoint mid-epoch then, and a
-    worker lost mid-epoch reruns the whole attempt, as over a ring."""
-
-    @property
-    def reruns_whole_attempt(self) -> bool:
-        """A worker lost mid-epoch costs every rank's attempt, rerun at once: over a ring, which
-        takes no new rank, and with `overlap`, whose replicas share no point mid-epoch (nothing is
-        handed over, no sync checkpoint is written)."""
-        return self.collective == "ring" or self.overlap
 
     def __post_init__(self):
         _check_types(self, "sync.")
@@ -260,8 +249,6 @@ class SyncSpec(JsonSpec):
             raise ZooidValueError("sync.outer_momentum", f"must be in [0, 1), got {self.outer_momentum!r}")
         if self.sync_dtype not in SYNC_DTYPES:
             raise ZooidValueError("sync.sync_dtype", f"must be one of {', '.join(SYNC_DTYPES)}, got {self.sync_dtype!r}")
-        if self.overlap and self.collective == "ring":
-            raise ZooidValueError("sync.overlap", "overlapped rounds go through the store; the ring's are blocking")
 
 
 @dataclass(frozen=True, kw_only=True)

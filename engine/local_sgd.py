@@ -68,7 +68,6 @@ from engine.gradient_buckets import GradientBuckets
 from engine.objective import CROSS_ENTROPY, Metrics, Objective, Tally
 from engine.optimizers import optimizer_state_tensors
 from engine.outer import BUFFER_PREFIX, OuterStep
-from engine.overlapped_round import PendingRound, post as post_round
 
 DEFAULT_REPOST_S = 5.0
 """Seconds a stalled wait lasts before a replica re-posts its pieces (`SyncSpec.repost_s`)."""
@@ -125,7 +124,6 @@ class LocalSGD:
         average_gradients: bool | None = None,
         ring: RingGroup | None = None,
         bucket_bytes: int = int(DEFAULT_BUCKET_MB * 2**20),
-        overlap: bool = False,
     ):
         if period is not None and period < 1:
             raise ZooidValueError("sync_period", f"must be a positive step count or None, got {period}")
@@ -135,9 +133,6 @@ class LocalSGD:
         elif average_gradients and not (period == 1 and plain):
             raise ZooidValueError("sync.every_step", "gradients are averaged only every step (sync_period 1) "
                                   "with no outer optimizer and a float32 wire")
-        if overlap and average_gradients:
-            raise ZooidValueError("sync.overlap", "every step averages gradients during backward already; "
-                                  "overlap runs a round's collective behind the next round's steps")
         self.model, self.optimizer, self.store = model, optimizer, store
         self.group, self.rank, self.world = group, rank, world
         self.period, self.timeout = period, timeout
@@ -150,10 +145,6 @@ class LocalSGD:
         self._since_sync = since_sync
         self.before_sync: Callable[[int], None] | None = None
         """Called with the step count as each sync starts (`engine.chaos`: a notice during a sync)."""
-        self.overlap = overlap and world > 1  # a lone replica has no collective to hide
-        if self.overlap and outer is None:
-            outer = OuterStep()  # K-AVG: the mean is the result; the join adds what was trained since
-        self._pending: PendingRound | None = None
         self.outer, self.compressor = outer, compressor
         self._exact_layout: tuple | None = None
         self._exact: dict[str, torch.Tensor] | None = None
@@ -192,31 +183,21 @@ class LocalSGD:
 
     def sync(self) -> None:
         """Average the shared tensors over the replicas now (in place), through the outer
-        step when there is one. With `overlap`, join the round in flight, then post this one
-        on a thread and go on (`engine.overlapped_round`)."""
+        step when there is one."""
         if self.before_sync is not None:
             self.before_sync(self.steps)
         live = self._shared_tensors()
-        if self._pending is not None:
-            self._join(live)
         previous = sync_call_prefix(self.group, self.rounds - 1) if self.rounds and not self.replayable else None
         payload = live if self.outer is None else self.outer.payload(live)
         wire = {}
         if self.compressor is not None:
             self.compressor.exact = self._exact_positions(payload)
             wire = {"compressor": self.compressor}
-        prefix = sync_call_prefix(self.group, self.rounds)
-
-        def collective(tensors: dict[str, torch.Tensor], stats: TransferStats) -> dict[str, torch.Tensor]:
-            return self.allreduce(self.store, prefix, self.rank, self.world, tensors, self.timeout, stats=stats,
-                                  previous_prefix=previous, log=self.log, repost_s=self.repost_s,
-                                  replay=self.replay, **wire)
-
-        if self.overlap:
-            self._pending = post_round(collective, payload, live, self.rounds, self.steps)
-            self._since_sync = 0
-            return
-        mean = collective(payload, self.stats)
+        mean = self.allreduce(
+            self.store, sync_call_prefix(self.group, self.rounds), self.rank, self.world, payload,
+            self.timeout, stats=self.stats, previous_prefix=previous, log=self.log,
+            repost_s=self.repost_s, replay=self.replay, **wire,
+        )
         if self.outer is not None:
             self.outer.apply(live, mean)
         else:
@@ -228,14 +209,6 @@ class LocalSGD:
         self._since_sync = 0
         if self.on_sync is not None:
             self.on_sync(self.rounds - 1, self.steps)
-
-    def _join(self, live: dict[str, torch.Tensor]) -> None:
-        """Apply the round in flight: its result plus what was trained since it was posted."""
-        pending, self._pending = self._pending, None
-        pending.join(live, lambda mean: self.outer.apply(live, mean), self.stats)
-        self.rounds += 1
-        if self.on_sync is not None:
-            self.on_sync(pending.round, pending.step)
 
     def _exact_positions(self, payload: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
         """The buffers' positions in the collective's flat vectors (`Compressor.exact`): a
@@ -280,12 +253,9 @@ class LocalSGD:
             self.on_sync(self.rounds - 1, self.steps)
 
     def flush(self) -> None:
-        """Sync the steps taken since the last sync, if any; with `overlap`, then join that
-        round with nothing trained since its post, so every replica ends on the same tensors."""
+        """Sync the steps taken since the last sync, if any."""
         if self._since_sync:
             self.sync()
-        if self._pending is not None:
-            self._join(self._shared_tensors())
 
     def release(self, resumed: bool = False) -> None:
         """Take the gradient hooks off, then release the group's keys (see

@@ -319,11 +319,11 @@ def _handover(spec: WorkerSpec, ckpt_store: Store, model: nn.Module, optimizer: 
               outer: dict) -> StartPoint | None:
     """A preempted predecessor's handover (`_ReplicaEpoch.hand_over`), loaded into `model` and
     `optimizer` (and `outer`), when it is a point of this very phase at or after the epoch's
-    sync checkpoint; None otherwise (and always over the ring or with overlapped rounds, whose
-    attempt reruns every rank: `SyncSpec.reruns_whole_attempt`). The handover is this rank's state after its round `round` and
+    sync checkpoint; None otherwise (and always over the ring, whose attempt reruns every rank
+    from the sync checkpoint). The handover is this rank's state after its round `round` and
     `since_sync` more local steps: a sync checkpoint of one rank, so the relaunch protocol
     (module docstring, steps 2-4) holds from it as from round `round`'s checkpoint."""
-    if spec.sync.reruns_whole_attempt:
+    if spec.sync.collective == "ring":
         return None
     key = handover_key(spec.run_id, spec.epoch, spec.rank)
     synced = read_checkpoint_meta(ckpt_store, sync_checkpoint_key(spec.run_id, spec.epoch))
@@ -440,8 +440,6 @@ def cadence_for(spec: WorkerSpec, model: nn.Module, ring: RingGroup | None,
     a compressed sync's (whose ranks write residuals at its rounds: a count they all agree on) at
     most as many as REPLAY_KEPT_BYTES holds of its wire."""
     sync, steps = spec.sync, spec.steps if steps is None else steps
-    if sync.overlap:  # the replicas differ between two joins: no point of the epoch to checkpoint
-        return CheckpointCadence(0, steps)
     if ring is not None:
         return CheckpointCadence(sync.checkpoint_every, steps, sync.checkpoint_s, checkpoint_clock)
     param_bytes = sum(t.numel() * t.element_size() for t in model.parameters()) or 1
@@ -562,7 +560,7 @@ class _ReplicaEpoch:
             self.compressor.before_result = self._write_residual
         self.averaging = LocalSGD(
             self.model, self.optimizer, store, _group(spec), spec.rank, spec.world, spec.sync_period,
-            spec.sync_timeout_s, replayable=bool(spec.sync.checkpoint_every) and not spec.sync.overlap,
+            spec.sync_timeout_s, replayable=bool(spec.sync.checkpoint_every),
             repost_s=float(spec.sync.repost_s) or None,
             on_sync=self._on_sync, start_round=self.start.round, start_step=self.start.step,
             since_sync=self.start.since_sync, replay=wants_resume(spec),
@@ -570,7 +568,7 @@ class _ReplicaEpoch:
             outer=self.outer, compressor=self.compressor, ring=ring,
             average_gradients=averages_gradients(spec.sync_period, spec.sync.outer_optimizer,
                                                  spec.sync.sync_dtype, spec.sync.every_step),
-            bucket_bytes=int(spec.sync.bucket_mb * 2**20), overlap=spec.sync.overlap)
+            bucket_bytes=int(spec.sync.bucket_mb * 2**20))
         self.averaging.before_sync = self.chaos.during_sync
         if self.outer is not None and self.start.handover:  # the last sync's θ_global, not the local state
             self.outer.load_ref_tensors(self.start.outer_state, self.device)
@@ -672,12 +670,12 @@ class _ReplicaEpoch:
         optimizer, the outer state: momentum and the last sync's snapshot that the next round's
         deltas and step start from; its position: phases, `step`, the last round and the steps
         since it; with a compressed sync its residual at that round, as a round's), mark the
-        attempt preempted and raise `Preempted`. Over the ring or with overlapped rounds nothing
-        is handed over (the attempt reruns: `SyncSpec.reruns_whole_attempt`)."""
+        attempt preempted and raise `Preempted`. Over the ring nothing is handed over (the
+        attempt reruns from the sync checkpoint)."""
         spec, averaging = self.spec, self.averaging
         self.writer.wait()
         key = ""
-        if not spec.sync.reruns_whole_attempt:
+        if spec.sync.collective != "ring":
             round_ = averaging.rounds - 1
             if self.compressor is not None and spec.world > 1:
                 self.residuals.write(round_, self.compressor.residual)

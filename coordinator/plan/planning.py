@@ -325,9 +325,9 @@ def with_checkpoint_interval(ctx: RunContext, plan: Plan, stores: RunStores) -> 
 def protocol_ops(ctx: RunContext, plan: Plan, stores: RunStores) -> StoreOps:
     """One epoch's protocol requests (`planners.store_requests.epoch_store_ops`), its checkpoints'
     as many as their size takes on the durable store (parameters and optimizer state, float32),
-    as many sync checkpoints as the plan's interval gives its epoch (none with `sync_overlap`)."""
+    as many sync checkpoints as the plan's interval gives its epoch."""
     offer = stores.offers.get(stores.durable_role)
-    return epoch_store_ops(plan, ring=uses_ring(ctx.job, plan), checkpoint_every=0 if getattr(ctx.job, "sync_overlap", False) else 1,
+    return epoch_store_ops(plan, ring=uses_ring(ctx.job, plan),
                            checkpoint_requests=offer.object_requests(checkpoint_bytes(ctx)) if offer is not None else (1, 1))
 
 

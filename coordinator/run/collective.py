@@ -21,15 +21,12 @@ def ring_refusal(job, target) -> str:
     """Why `collective=auto` may not put `job`'s syncs on the ring on `target` (a
     `ComputeTarget`), in a few words; empty when it may:
 
-    - a compressed `sync_dtype` travels through the store (the ring moves float32), and so do
-      overlapped rounds (`sync_overlap`);
+    - a compressed `sync_dtype` travels through the store (the ring moves float32);
     - a cloud target's workers are not known to reach each other (`collective=ring` says they do);
     - spot capacity (where the job has it) relaunches a reclaimed worker alone mid-epoch, which
       only the store collective takes (a ring reruns the epoch)."""
     if job.sync_dtype != "float32":
         return f"sync_dtype {job.sync_dtype} travels through the store"
-    if getattr(job, "sync_overlap", False):
-        return "sync_overlap's rounds run through the store"
     if is_cloud(target):
         return (f"workers on target kind {target.kind} are not known to reach each other "
                 f"(collective=ring says they do)")

@@ -13,7 +13,7 @@ form shows. The form and `flows.train.train_with_params` list the fields in this
 | `ModelAndData` | model, dataset, loss, tokenizer, objective, seq_len, seed | what to train, on what, from which seed |
 | `Optimization` | epochs, batch_size, lr, optimizer | each replica's training loop |
 | `Parallelism` | strategy, workers, stages, microbatches, pipeline_schedule | replicas, pipeline stages, their schedule |
-| `Sync` | sync_period, collective, outer_optimizer, outer_lr, outer_momentum, sync_checkpoint_s, sync_dtype, sync_overlap | how Local-SGD replicas meet |
+| `Sync` | sync_period, collective, outer_optimizer, outer_lr, outer_momentum, sync_checkpoint_s, sync_dtype | how Local-SGD replicas meet |
 | `Scaling` | scaling, scale_every_epochs, min_workers, max_workers | the worker count between epochs |
 | `TargetAndStore` | store, durable_store, target, worker_vcpu, worker_memory_gb, offer, capacity, spot_preemptions_before_on_demand, spot_spares | where workers run and tensors live |
 | `BudgetAndStopping` | budget_usd, deadline_s, target_accuracy, target_loss | when a run ends before its last epoch |
@@ -31,7 +31,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from core.epoch_summary import EpochSummary
 from core.kinds import AUTO, BUILTIN_TARGETS, PIPELINED_STRATEGIES, Capacity, PipelineSchedule, Strategy, choices
-from core.outer_sync import averages_gradients
 
 StrategyName = choices(*Strategy)
 ScheduleName = choices(AUTO, *PipelineSchedule)
@@ -149,12 +148,6 @@ class Sync(JobSection):
         "float32", title="Sync dtype",
         description="What syncs move through the store: `float32`, `bfloat16`, or `int8` (per-block scaled); "
                     "compressed syncs carry the rounding error to the next sync (error feedback).")
-    sync_overlap: bool = Field(
-        False, title="Overlap syncs with training",
-        description="Local-SGD over the store: each round's sync runs behind the next round's steps and its "
-                    "result is applied one round late, each replica adding what it trained meanwhile (every "
-                    "replica ends the epoch on the same weights). Hides the sync's wait; gives up the sync "
-                    "checkpoints mid-epoch, so a worker lost mid-epoch reruns the epoch's attempt.")
 
 
 class Scaling(JobSection):
@@ -271,15 +264,6 @@ class TrainJob(WorkersLife, BudgetAndStopping, TargetAndStore, Scaling, Sync, Pa
                              "them negative; use bfloat16 with adam")
         if self.sync_dtype != "float32" and self.collective == "ring":
             raise ValueError("sync_dtype: compressed syncs go through the store; collective ring moves float32")
-        if self.sync_overlap and self.collective == "ring":
-            raise ValueError("sync_overlap: overlapped rounds go through the store; collective ring blocks at each")
-        if self.sync_overlap and self.strategy in PIPELINED_STRATEGIES:
-            raise ValueError(f"sync_overlap: overlaps Local-SGD rounds; strategy {self.strategy} averages "
-                             "gradients every step (use local_sgd or auto)")
-        if self.sync_overlap and averages_gradients(self.sync_period, self.outer_optimizer, self.sync_dtype):
-            raise ValueError("sync_overlap: sync_period 1 with average and float32 averages gradients during "
-                             "backward already; overlap needs rounds of parameters (a longer period, nesterov or "
-                             "a compressed sync_dtype)")
         if self.min_workers > self.max_workers:
             raise ValueError(f"min_workers: {self.min_workers} must be <= max_workers ({self.max_workers})")
         if not self.min_workers <= self.workers <= self.max_workers:

@@ -91,7 +91,7 @@ def relaunch_policy(ctx: RunContext, plan: Plan, max_relaunches: int = 2, preemp
         if failure.kind is FailureKind.PREEMPTED:
             preemptions.record(spec.rank)
             outcome.extra.update(preempted=notice or {}, reached_step=reached_step(notice or marker))
-            if plan.strategy != Strategy.LOCAL_SGD or spec.sync.reruns_whole_attempt:
+            if plan.strategy != Strategy.LOCAL_SGD or spec.sync.collective == "ring":
                 outcome.extra["rerun"] = True  # the whole attempt, at once (run_epoch_on_target)
                 return None
             return preemptions.respec(dataclasses.replace(spec, attempt=next_attempt(ctx, spec.epoch, spec.rank)))
@@ -103,7 +103,7 @@ def relaunch_policy(ctx: RunContext, plan: Plan, max_relaunches: int = 2, preemp
         if failure.kind is FailureKind.DATA:
             raise DataError(f"worker {spec.rank} of epoch {spec.epoch} could not read its data ({failure.reason}); "
                             "not retried: prepare the dataset again")
-        if (plan.strategy != Strategy.LOCAL_SGD or spec.sync.reruns_whole_attempt  # e.g. a ring takes no new rank
+        if (plan.strategy != Strategy.LOCAL_SGD or spec.sync.collective == "ring"  # a ring cannot take a new rank
                 or relaunched.get(spec.rank, 0) >= max_relaunches):
             return None
         relaunched[spec.rank] = relaunched.get(spec.rank, 0) + 1

@@ -65,8 +65,6 @@ def worker_specs(ctx: RunContext, plan: Plan, epoch: int, init: str, lr: float, 
              "outer_momentum": settings.momentum, "sync_dtype": job.sync_dtype}
     if uses_ring(job, plan):
         sync = SyncSpec(collective="ring", ring_host=ring_host(ctx), ring_timeout_s=120.0, **outer)
-    elif job.sync_overlap:  # the replicas share no point mid-epoch: no sync checkpoint to write
-        sync = SyncSpec(**outer, overlap=True, checkpoint_every=0)
     elif job.sync_dtype != "float32":  # every rank writes its residual at a checkpoint: rounds all ranks count alike
         rounds = math.ceil(steps / round_steps(job.sync_period, steps))
         sync = SyncSpec(**outer, checkpoint_every=rounds_between_checkpoints(
