@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -118,7 +119,12 @@ def test_four_workers_learn_digits(tmp_path):
         # every sample once per epoch: 1437 = 4 replicas x 22 batches of 16, and a last step of 29 (8, 7, 7, 7)
         assert steps == 23 and manifest.n_train == 1437
         assert [r.samples for r in results] == [360, 359, 359, 359] and all(r.compute_s > 0 for r in results)
-        assert all(0 < r.iteration_s * (steps - 2) < r.stopped_at - r.started_at for r in results)
+        # iteration_s is the median of the steps - 2 steady gaps (engine.iteration_clock): at least
+        # half of them are that long, and all of them lie inside the worker's wall time. (The median
+        # times every gap need not: four threads time-sliced on two cores make the gaps uneven.)
+        half = math.ceil((steps - 2) / 2)
+        assert all(0 < r.iteration_s * half < r.stopped_at - r.started_at for r in results), \
+            [(r.iteration_s, r.stopped_at - r.started_at) for r in results]
     assert accuracies[-1] >= 0.9, accuracies
     assert store.list("runs/d4/sync/") == []
 
