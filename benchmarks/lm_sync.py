@@ -4,7 +4,9 @@
 the local pool, strategy `local_sgd`, SGD with momentum (int8 syncs refuse Adam, so every row
 trains with the same inner optimizer): every-step averaging (k = 1, gradients averaged in
 buckets), K-AVG at k = `--sync-k`, DiLoCo (outer Nesterov) at k = `--diloco-k` syncing float32
-and int8. Each configuration is a `train/local` flow run on one local stack
+and int8; each through the stack's directory store and, with `--sync-stores` naming it, through S3
+(a moto server on 127.0.0.1, K-AVG and the DiLoCo rows that move at most half its bytes). Each
+configuration is a `train/local` flow run on one local stack
 (`benchmarks.harness.stack.local_stack`, `pool_trace`) for a fixed number of epochs, once per
 seed of `--sync-seeds`: round i runs every configuration with the i-th seed, round-robin, every
 other round reversed (`benchmarks.harness.tables.rounds`); every figure comes from the runs' summary.json: validation perplexity, seconds (less the pool's
@@ -20,10 +22,14 @@ at or below it; the goal is judged on the medians over the rounds.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from benchmarks.harness.home import scratch
+from benchmarks.harness.servers import moto_server, stop_server
 from benchmarks.harness.stack import local_stack, pool_trace
 from benchmarks.harness.tables import median, rounds, run_line, table
 from benchmarks.output import command_for
@@ -37,6 +43,12 @@ SEQ_LEN = 64
 """Part a's default tokens per block: gpt_mini's attention costs more than its MLPs beyond that."""
 SEEDS = (0, 1, 2, 3, 4)
 """Part a's rounds: one seed each (the 6d9aaed file ran seed 0 three times)."""
+DIRECTORY, S3 = "directory", "S3"
+STORES = (DIRECTORY, S3)
+"""Where the syncs go: the stack's directory store (local disk: a request costs a file's open and
+rename, so bytes cost little), or S3 (a moto server on 127.0.0.1, reached over HTTP as a cloud run
+reaches its bucket: every request pays a round trip and every byte crosses a socket)."""
+BUCKET = "lm-sync"
 
 
 def add_sync_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,6 +59,9 @@ def add_sync_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sync-lr", type=float, default=0.05, help="part a: the inner SGD's learning rate")
     parser.add_argument("--sync-k", type=int, default=8, help="part a: K-AVG's period")
     parser.add_argument("--diloco-k", type=int, default=32, help="part a: DiLoCo's period")
+    parser.add_argument("--sync-stores", nargs="+", choices=STORES, default=list(STORES),
+                        help="part a: where the syncs go; S3 runs K-AVG and the DiLoCo rows that move at most half "
+                             "its bytes")
     parser.add_argument("--sync-seeds", type=int, nargs="+", default=list(SEEDS),
                         help="part a: one round per seed, every configuration once a round, round-robin (every "
                              "other round reversed)")
@@ -54,12 +69,17 @@ def add_sync_arguments(parser: argparse.ArgumentParser) -> None:
 
 @dataclass(frozen=True)
 class Config:
-    """One row: its name, period, outer step and wire."""
+    """One row: its name, period, outer step, wire and the store its syncs go through."""
 
     name: str
     period: int
     outer: str
     dtype: str
+    store: str = DIRECTORY
+
+    @property
+    def is_kavg(self) -> bool:
+        return self.name.startswith(KAVG)
 
 
 def seq_len(args: argparse.Namespace) -> int:
@@ -70,17 +90,22 @@ def seq_len(args: argparse.Namespace) -> int:
 def configs(args: argparse.Namespace) -> list[Config]:
     """K-AVG first: its run fixes the target before the DiLoCo rows exist. DiLoCo at its own
     longer period, and at K-AVG's (it sends the weights alone where K-AVG also averages the
-    momentum buffers)."""
+    momentum buffers). Through S3 (when `--sync-stores` names it): K-AVG and the DiLoCo rows
+    that can meet the goal's bytes (at most half K-AVG's: int8, or twice its period or more)."""
     rows = [Config(f"{KAVG} k={args.sync_k}", args.sync_k, "average", "float32"),
             Config("every step (k=1)", 1, "average", "float32")]
     for k in dict.fromkeys((args.diloco_k, args.sync_k)):
         rows += [Config(f"DiLoCo k={k}", k, "nesterov", "float32"), Config(f"DiLoCo k={k} int8", k, "nesterov", "int8")]
+    if S3 in args.sync_stores:
+        rows += [Config(f"{c.name} over S3", c.period, c.outer, c.dtype, S3) for c in rows
+                 if c.is_kavg or (c.outer == "nesterov" and (c.dtype == "int8" or c.period >= 2 * args.sync_k))]
     return rows
 
 
-def sync_params(args: argparse.Namespace, config: Config, seed: int) -> dict:
-    """The `train/local` parameters (TrainJob fields) of one configuration's run."""
-    return {"target": "local", "strategy": "local_sgd", "workers": WORKERS, "scaling": "static",
+def sync_params(args: argparse.Namespace, config: Config, seed: int, stores: dict[str, dict] | None = None) -> dict:
+    """The `train/local` parameters (TrainJob fields) of one configuration's run; `stores`: the
+    `store` and `durable_store` fields by `Config.store` (none: the stack's directory store)."""
+    return {**(stores or {}).get(config.store, {}), "target": "local", "strategy": "local_sgd", "workers": WORKERS, "scaling": "static",
             "model": MODEL, "dataset": f"text:stdlib:{args.sync_kb}", "tokenizer": "bytes", "objective": "causal",
             "seq_len": seq_len(args), "epochs": args.sync_epochs, "batch_size": BATCH, "optimizer": OPTIMIZER,
             "lr": args.sync_lr, "seed": seed, "sync_period": config.period, "outer_optimizer": config.outer,
@@ -93,11 +118,27 @@ def reached(perplexity: list[float], target: float) -> int | None:
 
 
 def run_order(args: argparse.Namespace) -> list[Config]:
-    """The order of a round: K-AVG and DiLoCo at its period next to each other (the comparison
-    the goal judges), then the other rows; `rounds` reverses it every other round."""
+    """The order of a round: on each store, K-AVG and DiLoCo at its period next to each other
+    (the comparison the goal judges), then the other rows; `rounds` reverses it every other round."""
     rows = configs(args)
-    near = [c for c in rows if c.period == args.sync_k]
+    near = [c for store in STORES for c in rows if c.store == store and c.period == args.sync_k]
     return near + [c for c in rows if c not in near]
+
+
+@contextlib.contextmanager
+def sync_stores(args: argparse.Namespace, home: Path) -> Iterator[dict[str, dict]]:
+    """The `store` / `durable_store` fields of each store's runs, with an S3 server for the block
+    when `--sync-stores` names it (its credentials in this process's environment, for the stack
+    it starts: start the stack inside this block). The S3 runs keep their checkpoints, data,
+    summary and ledger in the stack's directory store: only the syncs cross HTTP."""
+    if S3 not in args.sync_stores:
+        yield {}
+        return
+    proc, endpoint = moto_server(home, BUCKET)
+    try:
+        yield {S3: {"store": f"s3://{BUCKET}/runs?endpoint={endpoint}", "durable_store": f"file://{home / 'store'}"}}
+    finally:
+        stop_server(proc)
 
 
 def to_target(run, target: float) -> tuple[int | None, float, int]:
@@ -121,7 +162,7 @@ def part_a(args: argparse.Namespace) -> str:
 
     def trace(config: Config) -> None:
         seed = args.sync_seeds[len(runs[config.name])]
-        run = pool_trace(home, sync_params(args, config, seed), config.name, seed)
+        run = pool_trace(home, sync_params(args, config, seed, stores), config.name, seed)
         ran.append(run)
         runs[config.name].append(run)
         print(f"round {len(runs[config.name])} seed {seed} {config.name:22s} {run.run_id} {run.status[:80]}: perplexity "
@@ -129,7 +170,8 @@ def part_a(args: argparse.Namespace) -> str:
               f"start-up {' '.join(f'{s:.1f}' for s in run.startup_s)} sync {' '.join(f'{s:.2f}' for s in run.sync_s)} "
               f"MB {sum(run.bytes_synced) / 1e6:.2f}", flush=True)
 
-    with scratch("lm-sync", keep=lambda: not all(r.ok for r in ran)) as home, local_stack(home):
+    with scratch("lm-sync", keep=lambda: not all(r.ok for r in ran)) as home, sync_stores(args, home) as stores, \
+            local_stack(home):
         rounds({c.name: (lambda c=c: trace(c)) for c in run_order(args)}, len(args.sync_seeds), alternate=True)
     return render_sync([(c, runs[c.name]) for c in configs(args)], args,
                        command_for("benchmarks.bench_language_models"))
@@ -180,16 +222,35 @@ def _cell(x: float, fmt: str = "{:.1f}") -> str:
     return "not reached" if math.isinf(x) else fmt.format(x)
 
 
+def _targets(kavg_runs: list) -> list[float]:
+    """Each round's target: its K-AVG run's second-to-last epoch's perplexity."""
+    return [r.perplexity[-2] if len(r.perplexity) >= 2 else math.nan for r in kavg_runs]
+
+
+def _target_words(references: dict, seeds: list) -> str:
+    """The targets by seed, each store's from its own K-AVG runs (one list where they agree)."""
+    lists = {store: ", ".join(f"**{t:.4f}** (seed {sd})" for t, sd in zip(_targets(rs), seeds))
+             for store, (_, rs) in references.items()}
+    if len(set(lists.values())) == 1:
+        same = " (the same from K-AVG's runs on every store)" if len(lists) > 1 else ""
+        return next(iter(lists.values())) + same
+    return "; ".join(f"{store}: {text}" for store, text in lists.items())
+
+
 def render_sync(runs: list, args: argparse.Namespace, command: str) -> str:
     """Part a's section from `runs` ((Config, [PoolRun, ...] by round), in table order): each
     round's target by its rule, one row per configuration, each round's times and ratios, the
-    per-epoch breakdown, the goal."""
+    per-epoch breakdown, the goal. A DiLoCo row is judged against K-AVG on its own store."""
     n_train, n_val, steps = _steps(args)
-    kavg_config, kavg_runs = next((c, rs) for c, rs in runs if c.name.startswith(KAVG))
-    targets = [r.perplexity[-2] if len(r.perplexity) >= 2 else math.nan for r in kavg_runs]
+    references = {c.store: (c, rs) for c, rs in runs if c.is_kavg}  # store -> K-AVG's config and runs
     n_rounds = max(len(rs) for _, rs in runs)
     seeds = list(args.sync_seeds)[:n_rounds]
     order = [c.name for c in run_order(args)]
+    s3 = (" The rows named over S3 send their syncs to an S3 server (moto on 127.0.0.1, over HTTP as a cloud run "
+          "reaches its bucket: each request pays a round trip and each byte crosses a socket), with the same "
+          "checkpoints, data and records in the stack's directory store; the others sync through that directory "
+          "store (local disk: a request is a file's write and rename, so bytes cost little). Each DiLoCo row is "
+          "judged against K-AVG on its own store." if S3 in references else "")
     lines = [
         "## a. Sync methods on the real corpus", "",
         run_line(command), "",
@@ -211,10 +272,9 @@ def render_sync(runs: list, args: argparse.Namespace, command: str) -> str:
         "both replicas to average; MB = 10^6 bytes). Every step averages gradients in buckets during backward; "
         "K-AVG averages weights and the momentum buffers; DiLoCo takes an outer Nesterov step with the job's "
         f"defaults (outer lr and momentum null: {_outer_words(args, steps)}, `core.outer_defaults`) and averages "
-        "the momentum buffers as K-AVG does; int8: per-block scales, error feedback."), "",
+        f"the momentum buffers as K-AVG does; int8: per-block scales, error feedback.{s3}"), "",
         ("Target, by the rule fixed before the DiLoCo rows were read: the validation perplexity K-AVG reaches at its "
-         "second-to-last epoch in the same round (same seed): "
-         f"{', '.join(f'**{t:.4f}** (seed {sd})' for t, sd in zip(targets, seeds))}. Time to target = the "
+         f"second-to-last epoch in the same round (same seed): {_target_words(references, seeds)}. Time to target = the "
          "epochs' own seconds up to the first at or below it, less the start-up they waited for (the pool's workers "
          "starting, before the first step: not the method's); MB to target = the bytes synced over those epochs. "
          "A round that never reached its target counts as not reached (infinite) in the medians."), "",
@@ -224,7 +284,7 @@ def render_sync(runs: list, args: argparse.Namespace, command: str) -> str:
     ]
     judged = {}
     for config, rs in runs:
-        each = [to_target(r, t) for r, t in zip(rs, targets)]
+        each = [to_target(r, t) for r, t in zip(rs, _targets(references[config.store][1]))]
         judged[config.name] = _judged(each)
         ns, ss, bs = judged[config.name]
         per_epoch = median(sum(r.bytes_synced) / 1e6 / max(1, len(r.bytes_synced)) for r in rs)
@@ -235,18 +295,11 @@ def render_sync(runs: list, args: argparse.Namespace, command: str) -> str:
                      f"{median(x for r in rs for x in r.seconds[1:]):.2f} | "
                      f"{', '.join(f'`{r.run_id}`' for r in rs)}{f' ({bad})' if bad else ''} |")
     diloco = [c for c, _ in runs if c.outer == "nesterov"]
-    lines += ["", ("Each round: its seed and target, K-AVG's epochs and seconds to it, and each DiLoCo row's over "
-                   "K-AVG's in the same round:"), "",
-              *table(["round", "seed", "order", "target", kavg_config.name, *(c.name for c in diloco)])]
-    kn_all, ks_all, kb_all = judged[kavg_config.name]
-    for i in range(n_rounds):
-        cells = []
-        for c in diloco:
-            ns, ss, _ = judged[c.name]
-            cells.append("-" if i >= len(ss) else "not reached" if math.isinf(ss[i]) else
-                         f"{ss[i]:.1f} s, {ns[i]:.0f} ep ({ss[i] / ks_all[i]:.2f}x)")
-        lines.append(f"| {i + 1} | {seeds[i]} | {'reverse' if i % 2 else 'forward'} | {targets[i]:.4f} | "
-                     f"{_cell(ks_all[i])} s, {_cell(kn_all[i], '{:.0f}')} ep | {' | '.join(cells)} |")
+    for store, (kavg_config, kavg_runs) in references.items():
+        lines += ["", ("Each round: its seed and target, K-AVG's epochs and seconds to it, and each DiLoCo row's over "
+                       f"K-AVG's in the same round{f' ({store})' if len(references) > 1 else ''}:"), ""]
+        lines += _round_table(kavg_config, [c for c in diloco if c.store == store], judged, seeds,
+                              _targets(kavg_runs))
     lines += ["", ("Where an epoch's seconds go (medians over epochs 2 to the last of every run; epoch 1 also waits for "
                   "the pool's workers): wall = the epoch's seconds; compute and sync = the slowest worker's "
                   "(`sync_s` is the time inside the collectives: compressing, storing the error-feedback residual, "
@@ -258,25 +311,43 @@ def render_sync(runs: list, args: argparse.Namespace, command: str) -> str:
         b = breakdown(rs, config.period, steps)
         lines.append(f"| {config.name} | {-(-steps // config.period)} | {b['wall']:.2f} | {b['compute']:.2f} | "
                      f"{b['sync']:.2f} | {b['sync_ms_round']:.1f} | {b['rest']:.2f} | {b['startup']:.1f} |")
-    kn, ks, kb = median(kn_all), median(ks_all), median(kb_all)
+    own = ", each row against K-AVG on its own store" if len(references) > 1 else ""
     lines += ["", (f"Goal: DiLoCo reaches the target with at most half of K-AVG's bytes, in no more time, judged on "
-                  f"the medians over the {n_rounds} rounds (seeds). Every run trains the same steps an epoch, so a "
-                  "row whose median epochs to target exceed K-AVG's is not counted as faster even where its seconds "
-                  "came out lower."), ""]
-    for config in diloco:
-        ns, ss, bs = judged[config.name]
-        n, sec, b = median(ns), median(ss), median(bs)
-        if math.isinf(kn):
-            lines.append(f"- {config.name}: **not judged** (K-AVG itself did not reach its targets).")
-            continue
-        if math.isinf(n):
-            lines.append(f"- {config.name}: **not met** (the target not reached in most rounds).")
-            continue
-        ratios = [x / k for x, k in zip(ss, ks_all)]
-        met = b <= kb / 2 and sec <= ks and n <= kn
-        lines.append(f"- {config.name}: **{'met' if met else 'not met'}**: {b / 1e6:.2f} MB in {sec:.1f} s over {n:g} "
-                     f"epochs against K-AVG's {kb / 1e6:.2f} MB in {ks:.1f} s over {kn:g} (medians; bytes "
-                     f"{b / kb:.2f}x, time {sec / ks:.2f}x; per round {' '.join(_cell(r, '{:.2f}x') for r in ratios)}; "
-                     f"reached in K-AVG's epochs or fewer in {sum(a <= k for a, k in zip(ns, kn_all))} of {len(ns)} "
-                     "rounds).")
+                  f"the medians over the {n_rounds} rounds (seeds){own}. Every run trains the same steps an epoch, so "
+                  "a row whose median epochs to target exceed K-AVG's is not counted as faster even where its "
+                  "seconds came out lower."), ""]
+    lines += [_verdict(c, judged[c.name], judged[references[c.store][0].name]) for c in diloco]
     return "\n".join(lines)
+
+
+def _round_table(kavg_config: Config, diloco: list[Config], judged: dict, seeds: list, targets: list) -> list[str]:
+    """Per round: seed, order, target, K-AVG's seconds and epochs, each DiLoCo row's over K-AVG's."""
+    lines = table(["round", "seed", "order", "target", kavg_config.name, *(c.name for c in diloco)])
+    kn_all, ks_all, _ = judged[kavg_config.name]
+    for i in range(len(seeds)):
+        cells = []
+        for c in diloco:
+            ns, ss, _ = judged[c.name]
+            cells.append("-" if i >= len(ss) else "not reached" if math.isinf(ss[i]) else
+                         f"{ss[i]:.1f} s, {ns[i]:.0f} ep ({ss[i] / ks_all[i]:.2f}x)")
+        lines.append(f"| {i + 1} | {seeds[i]} | {'reverse' if i % 2 else 'forward'} | {targets[i]:.4f} | "
+                     f"{_cell(ks_all[i])} s, {_cell(kn_all[i], '{:.0f}')} ep | {' | '.join(cells)} |")
+    return lines
+
+
+def _verdict(config: Config, row: tuple, kavg: tuple) -> str:
+    """The goal's line for one DiLoCo row against K-AVG's (each: epochs, seconds and bytes to the
+    target by round, `_judged`)."""
+    (ns, ss, bs), (kn_all, ks_all, kb_all) = row, kavg
+    kn, ks, kb = median(kn_all), median(ks_all), median(kb_all)
+    n, sec, b = median(ns), median(ss), median(bs)
+    if math.isinf(kn):
+        return f"- {config.name}: **not judged** (K-AVG itself did not reach its targets)."
+    if math.isinf(n):
+        return f"- {config.name}: **not met** (the target not reached in most rounds)."
+    ratios = [x / k for x, k in zip(ss, ks_all)]
+    met = b <= kb / 2 and sec <= ks and n <= kn
+    return (f"- {config.name}: **{'met' if met else 'not met'}**: {b / 1e6:.2f} MB in {sec:.1f} s over {n:g} "
+            f"epochs against K-AVG's {kb / 1e6:.2f} MB in {ks:.1f} s over {kn:g} (medians; bytes "
+            f"{b / kb:.2f}x, time {sec / ks:.2f}x; per round {' '.join(_cell(r, '{:.2f}x') for r in ratios)}; "
+            f"reached in K-AVG's epochs or fewer in {sum(a <= k for a, k in zip(ns, kn_all))} of {len(ns)} rounds).")

@@ -25,13 +25,13 @@ def test_a_run_keeps_the_other_parts_sections(tmp_path):
 
 
 def test_part_a_target_rule_and_order():
-    args = argparse.Namespace(sync_k=8, diloco_k=32)
+    args = argparse.Namespace(sync_k=8, diloco_k=32, sync_stores=["directory"])
     rows = configs(args)
     assert rows[0].name.startswith(KAVG)  # its run fixes the target before any DiLoCo row exists
     assert [(c.period, c.outer, c.dtype) for c in rows] == [
         (8, "average", "float32"), (1, "average", "float32"), (32, "nesterov", "float32"), (32, "nesterov", "int8"),
         (8, "nesterov", "float32"), (8, "nesterov", "int8")]  # DiLoCo at its own period, then at K-AVG's
-    assert len(configs(argparse.Namespace(sync_k=8, diloco_k=8))) == 4  # one period: its DiLoCo rows once
+    assert len(configs(argparse.Namespace(sync_k=8, diloco_k=8, sync_stores=["directory"]))) == 4  # one period: its DiLoCo rows once
     assert reached([9.0, 7.5, 7.0, 6.9], 7.0) == 3
     assert reached([9.0, 8.0], 7.0) is None
 
@@ -107,7 +107,7 @@ def test_part_a_judges_each_seed_against_its_own_target_on_the_medians():
     from benchmarks.lm_sync import render_sync
 
     args = argparse.Namespace(sync_k=8, diloco_k=32, sync_kb=200, sync_seq_len=64, sync_epochs=5, sync_lr=0.05,
-                              sync_seeds=[0, 1, 2])
+                              sync_seeds=[0, 1, 2], sync_stores=["directory"])
     kavg = [_fake_run([16, 14, 13, 11.5, 10.7], 86), _fake_run([17, 14, 12, 11.9, 10.5], 86),
             _fake_run([16, 15, 12, 11.2, 10.3], 86)]
     # DiLoCo k=32: its own seed's target (11.5, 11.9, 11.2) in 4, 5 and 4 epochs; cheaper epochs
@@ -127,3 +127,42 @@ def test_part_a_judges_each_seed_against_its_own_target_on_the_medians():
     k32[1] = _fake_run([17, 14, 12, 12.0, 11.95], 20, 3.4)  # most rounds never reach it
     text = render_sync([(c, kavg if c.outer == "average" else k32) for c in configs(args)], args, "cmd")
     assert "- DiLoCo k=32: **not met** (the target not reached in most rounds)." in text
+
+
+def test_part_a_over_s3_runs_the_rows_that_can_meet_the_bytes_and_judges_them_on_their_store():
+    from benchmarks.lm_sync import render_sync, run_order, sync_params
+
+    args = argparse.Namespace(sync_k=8, diloco_k=32, sync_kb=200, sync_seq_len=64, sync_epochs=5, sync_lr=0.05,
+                              sync_seeds=[0, 1, 2], sync_stores=["directory", "S3"])
+    rows = configs(args)
+    assert [c.name for c in rows if c.store == "S3"] == [
+        "K-AVG k=8 over S3", "DiLoCo k=32 over S3", "DiLoCo k=32 int8 over S3", "DiLoCo k=8 int8 over S3"]
+    # each store's K-AVG runs next to DiLoCo at its period
+    assert [c.name for c in run_order(args)][:5] == ["K-AVG k=8", "DiLoCo k=8", "DiLoCo k=8 int8",
+                                                     "K-AVG k=8 over S3", "DiLoCo k=8 int8 over S3"]
+    stores = {"S3": {"store": "s3://b/runs?endpoint=http://127.0.0.1:1", "durable_store": "file:///tmp/st"}}
+    on_s3 = sync_params(args, rows[-1], 3, stores)
+    assert on_s3["store"].startswith("s3://b/") and on_s3["durable_store"] == "file:///tmp/st"
+    assert on_s3["seed"] == 3 and on_s3["sync_dtype"] == "int8" and on_s3["sync_period"] == 8
+    assert "store" not in sync_params(args, rows[0], 3, stores)  # the directory rows: the stack's own store
+
+    kavg = [_fake_run([16, 14, 13, 11.5, 10.7], 86), _fake_run([17, 14, 12, 11.9, 10.5], 86),
+            _fake_run([16, 15, 12, 11.2, 10.3], 86)]
+    kavg_s3 = [_fake_run(r.perplexity, 86, 4.5) for r in kavg]  # same perplexities, slower epochs over HTTP
+    int8 = [_fake_run(r.perplexity, 21, 3.6) for r in kavg]  # a quarter of the bytes, each epoch 0.1 s slower
+    int8_s3 = [_fake_run(r.perplexity, 21, 4.2) for r in kavg]  # ... and 0.3 s faster over S3
+
+    def runs_of(c):
+        if c.is_kavg:
+            return kavg_s3 if c.store == "S3" else kavg
+        return (int8_s3 if c.store == "S3" else int8) if c.dtype == "int8" else kavg
+
+    text = render_sync([(c, runs_of(c)) for c in rows], args, "cmd")
+    assert "**11.5000** (seed 0), **11.9000** (seed 1), **11.2000** (seed 2) (the same from K-AVG's runs" in text
+    directory = next(x for x in text.splitlines() if x.startswith("- DiLoCo k=8 int8:"))
+    s3 = next(x for x in text.splitlines() if x.startswith("- DiLoCo k=8 int8 over S3:"))
+    assert directory.startswith("- DiLoCo k=8 int8: **not met**: 84.00 MB in 14.4 s over 4 epochs against K-AVG's "
+                                "344.00 MB in 14.0 s")  # against the directory K-AVG
+    assert s3.startswith("- DiLoCo k=8 int8 over S3: **met**: 84.00 MB in 16.8 s over 4 epochs against K-AVG's "
+                         "344.00 MB in 18.0 s")  # against K-AVG over S3, not the directory's 14.5 s
+    assert text.count("Each round: its seed and target") == 2  # one table a store
