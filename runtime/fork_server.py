@@ -12,23 +12,23 @@ The protocol is one JSON object a line. On stdin, a request to start a worker:
 worker's whole environment, the file its stdout and stderr go to). On stdout, each answer:
 `{"pid": N}` (or `{"error": "..."}`), then, when a worker exits, `{"exit": N, "code": C}` with
 C as `subprocess.Popen.returncode` reads it (negative: killed by that signal), and
-`"idle": true` once it was the last worker.
+nothing more: the server stays for the run's next worker.
 
 The loop is `runtime.fork_loop`'s, shared with the local stack's flow-run fork server.
 Each worker is a session of its own, like a `subprocess.Popen(start_new_session=True)`: stopped
 by its pid's process group, never by this process's. This process runs in the run's
 environment, so its workers carry the run's tag in `/proc/<pid>/environ` (`coordinator.workers.sweep`);
 it names itself `FORK_SERVER_NAME` (`/proc/<pid>/comm`) so a count of the run's workers can
-leave it out, and its workers take back the interpreter's name. It exits when its stdin closes
-(the coordinator ended or died: its workers go on until stopped or their lease ends) and when
-its last worker exited with no request waiting (the next request starts a fresh one).
+leave it out, and its workers take back the interpreter's name. It exits when its stdin closes:
+the run's teardown closed it, or the coordinator ended or died (its workers go on until stopped
+or their lease ends). It does not leave with its last worker: a run imports once, however many
+workers its profile, epochs, relaunches and cold epochs start.
 """
 from __future__ import annotations
 
 import ctypes
 import json
 import os
-import select
 import sys
 
 from core.process_start import mark_forked
@@ -117,19 +117,17 @@ class _WorkerStarts:
         self.send({"error": f"{type(exc).__name__}: {exc}"})
 
     def exited(self, pid: int, to: None, code: int, last: bool) -> bool:
-        """Tell of the exit; when it was the last worker with no request waiting, its message
-        says `idle` and the server ends at once."""
-        idle = last and not self.buffer and not select.select([self.requests], [], [], 0)[0]
-        self.send({"exit": pid, "code": code, **({"idle": True} if idle else {})})
-        return idle
+        """Tell of the exit; the server stays for the next request."""
+        self.send({"exit": pid, "code": code})
+        return False
 
     def finished(self, running: int) -> None:
         return None
 
 
 def serve(requests: int, answers: int, own_name: str) -> int:
-    """Answer start requests from the file descriptor `requests` on `answers` until stdin
-    closes, or the last worker exited with no request waiting. The workers take `own_name`,
+    """Answer start requests from the file descriptor `requests` on `answers` until it
+    closes. The workers take `own_name`,
     the interpreter's name before `main` named this process, back as theirs."""
     return serve_forks(requests, _WorkerStarts(requests, answers, own_name))
 

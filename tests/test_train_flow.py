@@ -18,12 +18,21 @@ def _store_root() -> str:
 
 
 @pytest.mark.parametrize("warm", [True, False])
-def test_train_flow_trains_bills_and_cleans_up(tmp_path, warm):
+def test_train_flow_trains_bills_and_cleans_up(tmp_path, warm, monkeypatch):
     from comm.store import open_store
     from coordinator.bill.cost import read_ledger
-    from coordinator.workers.sweep import tagged_pids
+    from coordinator.workers.sweep import alive, tagged_pids
+    from coordinator.workers.worker_forks import WorkerForks
     from flows.train import train
 
+    servers, started = set(), WorkerForks._server
+
+    def fork_server(self):  # the run's fork servers, by pid
+        server = started(self)
+        servers.add(server.pid)
+        return server
+
+    monkeypatch.setattr(WorkerForks, "_server", fork_server)
     store_url = f"file://{tmp_path}/store"
     summary = train(TrainJob(workers=2, epochs=2, store=store_url, batch_size=16, warm=warm))
     assert summary.status == "completed"
@@ -63,6 +72,9 @@ def test_train_flow_trains_bills_and_cleans_up(tmp_path, warm):
     # scratch is gone and no worker outlives the run
     assert store.list(f"{run}/data/") == [] and store.list(f"{run}/sync/") == []
     assert tagged_pids(summary.run_id) == []
+    # the profile's worker and the workers of both epochs (cold: a set each) forked from one fork
+    # server, which the teardown ended
+    assert len(servers) == 1 and not alive(servers.pop())
 
 
 def test_the_recipes_steps_are_the_flow_runs_task_runs_in_its_order(tmp_path):

@@ -1,7 +1,8 @@
 """Inline workers forked ready-imported (`coordinator.workers.worker_forks`, `runtime.fork_server`):
 a forked worker answers as a started process would (exit status, output, a signal's death),
-trains in the environment it was given, carries the run's tag in a session of its own, and
-the fork server leaves with its last worker."""
+trains in the environment it was given, carries the run's tag in a session of its own; the fork
+server outlives its workers, serves the run's next ones from the same imports, and leaves when
+it is closed (the run's teardown) or, having died, is started afresh."""
 from __future__ import annotations
 
 import json
@@ -42,12 +43,16 @@ def test_a_forked_worker_exits_and_writes_as_a_started_process_does(tmp_path):
                                  stderr=subprocess.STDOUT).returncode
     forks = _forks("zforks-a", tmp_path)
     forked = forks.start(argv, dict(os.environ), tmp_path / "forked.log")
-    assert forked is not None and forked.wait(timeout=120) == started == 2
+    try:
+        assert forked is not None and forked.wait(timeout=120) == started == 2
+    finally:
+        forks.close()
     assert (tmp_path / "forked.log").read_text() == (tmp_path / "started.log").read_text()
     assert "ZooidValueError" in (tmp_path / "forked.log").read_text()
 
 
-def test_a_forked_warm_worker_trains_tagged_in_its_own_session_and_the_server_leaves_with_it(dir_store, tmp_path):
+def test_a_forked_warm_worker_trains_tagged_in_its_own_session_and_the_server_stays_until_closed(dir_store,
+                                                                                                  tmp_path):
     from coordinator.workers.warm_pool import LeaseRenewer
 
     run_id = "zforks-b"
@@ -81,13 +86,16 @@ def test_a_forked_warm_worker_trains_tagged_in_its_own_session_and_the_server_le
         dir_store.put(command_key(run_id, "r0-w0", 1), json.dumps({"op": "stop", "reason": "test"}).encode())
         assert proc.wait(timeout=60) == 0
         assert read_json(dir_store, reply_key(run_id, "r0-w0", 1))["stopped"]
-        assert tagged_pids(run_id) == []  # its last worker gone, the fork server ended before the exit was told
+        assert tagged_pids(run_id) == [server]  # its last worker gone, the fork server waits for the next
+        forks.close()
+        assert tagged_pids(run_id) == [] and forks.server is None
+        forks.close()  # twice: nothing to do
     finally:
         renewer.stop()
         stop_pids(tagged_pids(run_id))
 
 
-def test_a_killed_forked_worker_reads_minus_the_signal_and_a_next_start_starts_a_fresh_server(tmp_path):
+def test_a_killed_forked_worker_reads_minus_the_signal_and_the_next_comes_from_the_same_server(tmp_path):
     forks = _forks("zforks-c", tmp_path)
     spec = WorkerSpec(run_id="zforks-c", epoch=0, rank=0, world=1, store_url=f"file://{tmp_path}/store",
                       model="digits_mlp", dataset="digits", steps=0, batch_size=16, lr=0.05,
@@ -101,10 +109,20 @@ def test_a_killed_forked_worker_reads_minus_the_signal_and_a_next_start_starts_a
         store = DirectoryStore(tmp_path / "store")
         store.delete(status_key("zforks-c", "r0-w0"))  # whatever the killed one wrote
         second = forks.start(argv, dict(os.environ), tmp_path / "b.log")
-        assert second is not None and forks.server.pid != server
+        assert second is not None and forks.server.pid == server  # no second import
         store.get(status_key("zforks-c", "r0-w0"), timeout=60)  # it serves: its SIGTERM handler is in place
         stop_pids([second.pid], grace_s=5.0)
         # a SIGTERM outside an epoch is a notice to leave: at once, with the preempted status
         assert second.wait(timeout=60) == preemption.EXIT_STATUS
+        # a fork server that died is started afresh by the next start
+        os.killpg(server, signal.SIGKILL)
+        forks.server.wait()
+        store.delete(status_key("zforks-c", "r0-w0"))
+        third = forks.start(argv, dict(os.environ), tmp_path / "c.log")
+        assert third is not None and forks.server.pid != server
+        store.get(status_key("zforks-c", "r0-w0"), timeout=60)
+        stop_pids([third.pid], grace_s=5.0)
+        assert third.wait(timeout=60) == preemption.EXIT_STATUS
     finally:
+        forks.close()
         stop_pids(tagged_pids("zforks-c"))

@@ -69,7 +69,8 @@ def _step(report: dict, name: str, fn):
 
 
 def teardown_run(ctx: RunContext) -> dict:
-    """Stop workers, cancel worker flow runs, delete scratch keys. Safe to call twice.
+    """Stop workers and the run's fork server, cancel worker flow runs, delete scratch keys. Safe to
+    call twice.
 
     On a cloud target the steps cancel, stop, bill and sweep each run even when an earlier
     one failed (a billing error must not leak the run's cloud resources); each failure is in
@@ -80,6 +81,8 @@ def teardown_run(ctx: RunContext) -> dict:
     for launcher in list(ctx.state.launchers):
         launcher.stop("run torn down")
     ctx.state.launchers.clear()
+    if ctx.state.forks is not None:  # the run's fork server (inline workers), once they are stopped
+        ctx.state.forks.close()
     target = ctx.resolved.target
     cancelled = []
     if target.remote:
