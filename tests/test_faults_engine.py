@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -25,6 +26,7 @@ import comm.store_base as store_base
 from comm.collectives import allreduce_mean, release_group
 from comm.store_dir import DirectoryStore
 from comm.store_redis import RedisStore
+from coordinator.workers.worker_forks import ForkedWorker
 from coordinator.workers.failures import FailureKind, MemoryEvents, classify_failure, read_memory_events
 from core.errors import StoreTimeout, ZooidValueError
 from core.keys import sync_checkpoint_key
@@ -37,6 +39,7 @@ from engine.models import build_model
 from engine.replica_data import dataset_tally, epoch_coverage
 from tests.memory_store import Died, DyingStore, MemoryStore
 from tests.fake_clock import FakeClock
+from tests.forked_workers import start_worker
 
 REPO = Path(__file__).resolve().parents[1]
 WORLD, STEPS, PERIOD, BATCH = 2, 9, 3, 16
@@ -87,18 +90,16 @@ reference = pytest.fixture(scope="module", name="reference")(reference_weights)
 
 
 class Coordinator:
-    """Launch workers as processes, as `coordinator.workers.launchers.InlineLauncher` does."""
+    """Launch workers as processes, as `coordinator.workers.launchers.InlineLauncher` does (forked
+    ready-imported)."""
 
     def __init__(self, logs: Path, chaos: str):
         self.logs, self.chaos = logs, chaos
-        self.procs: dict[tuple[int, int], subprocess.Popen] = {}
+        self.procs: dict[tuple[int, int], ForkedWorker] = {}
 
     def launch(self, spec: WorkerSpec) -> None:
         env = {**os.environ, **WORKER_ENV, "ZOOID_CHAOS": self.chaos}
-        with open(self.logs / f"r{spec.rank}-a{spec.attempt}.log", "wb") as out:
-            self.procs[spec.rank, spec.attempt] = subprocess.Popen(
-                [sys.executable, "-m", "runtime.worker_main", "--spec-json", json.dumps(spec.to_dict())],
-                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs[spec.rank, spec.attempt] = start_worker(spec, env, self.logs / f"r{spec.rank}-a{spec.attempt}.log")
 
     def wait(self, rank: int, attempt: int) -> int:
         return self.procs[rank, attempt].wait(timeout=120)
@@ -109,7 +110,7 @@ class Coordinator:
     def stop_all(self) -> None:
         for proc in self.procs.values():
             if proc.poll() is None:
-                proc.kill()
+                os.kill(proc.pid, signal.SIGKILL)
                 proc.wait()
 
 

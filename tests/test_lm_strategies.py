@@ -12,11 +12,9 @@ loss (`tests.lm_helpers:mse`) trains a regression, alone and as a pipeline.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
-import subprocess
-import sys
+import signal
 from pathlib import Path
 
 import pytest
@@ -33,6 +31,7 @@ from engine.models import build_model
 from engine.objective import objective_for
 from engine.pipeline_executor import pipeline_worker_specs, run_pipeline_worker
 from tests import lm_helpers
+from tests.forked_workers import start_worker
 from tests.test_pipeline_equivalence import assert_same_weights, run_threads, weights
 
 RUN = "lm"
@@ -160,21 +159,23 @@ def test_a_causal_lm_replica_relaunched_from_the_sync_checkpoint_ends_equal(tmp_
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
            "ZOOID_CHAOS": "kill_worker:epoch=0:rank=1:step=3:at=sync"}
 
-    def launch(s: WorkerSpec) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "runtime.worker_main", "--spec-json", json.dumps(s.to_dict())],
-                                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+    def launch(s: WorkerSpec):
+        return start_worker(s, env, tmp_path / f"r{s.rank}-a{s.attempt}.log")
 
-    first = [launch(s) for s in specs(f"runs/{RUN}/killed")]
+    def output(s: WorkerSpec) -> str:
+        return (tmp_path / f"r{s.rank}-a{s.attempt}.log").read_text()[-2000:]
+
+    killed = specs(f"runs/{RUN}/killed")
+    first = [launch(s) for s in killed]
     try:
         assert first[1].wait(timeout=120) != 0  # killed at its first sync
-        relaunch = launch(dataclasses.replace(specs(f"runs/{RUN}/killed")[1], attempt=1))
-        assert relaunch.wait(timeout=120) == 0, relaunch.stdout.read().decode()[-2000:]
-        assert first[0].wait(timeout=120) == 0, first[0].stdout.read().decode()[-2000:]
+        relaunch = launch(dataclasses.replace(killed[1], attempt=1))
+        assert relaunch.wait(timeout=120) == 0, output(dataclasses.replace(killed[1], attempt=1))
+        assert first[0].wait(timeout=120) == 0, output(killed[0])
     finally:
         for p in first:
             if p.poll() is None:
-                p.kill()
+                os.kill(p.pid, signal.SIGKILL)
                 p.wait()
     history = read_epoch_history(store, RUN, 0)
     again = next(h for h in history if (h["rank"], h["attempt"]) == (1, 1))

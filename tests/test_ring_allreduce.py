@@ -26,6 +26,7 @@ from engine.local_sgd_epoch import run_local_sgd_epoch
 from engine.models import build_model
 from engine.optimizers import build_optimizer
 from tests.conftest import free_port, stop_process_group
+from tests.forked_workers import start_worker
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -134,13 +135,7 @@ def test_local_sgd_with_ring_equals_local_sgd_with_store_collective(tmp_path):
     ring_specs = [WorkerSpec(rank=r, store_url=store.url,
                              **local_sgd_fields("ring", SyncSpec(collective="ring"))) for r in range(2)]
     logs = [tmp_path / f"worker{r}.log" for r in range(2)]
-    procs = []
-    for spec, log in zip(ring_specs, logs):
-        with open(log, "wb") as out:
-            procs.append(subprocess.Popen(
-                [PYTHON, "-m", "runtime.worker_main", "--spec-json", json.dumps(spec.to_dict())],
-                cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                env={**os.environ, "OMP_NUM_THREADS": "1"}))
+    procs = [start_worker(spec, {**os.environ, "OMP_NUM_THREADS": "1"}, log) for spec, log in zip(ring_specs, logs)]
     wait_all(procs, logs, timeout=60)
     results = [WorkerResult.from_dict(json.loads(log.read_text().strip().splitlines()[-1])) for log in logs]
 

@@ -22,6 +22,7 @@ from coordinator.run.job import TrainJob
 from core.errors import ZooidValueError
 from core.specs import ComputeSpec, WarmSpec, WorkerSpec
 from runtime.warm import LEASE_EXIT, LeaseClock, command_key, read_json, reply_key, status_key
+from tests.forked_workers import start_worker
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -77,10 +78,7 @@ def _launch(store_url: str, run_id: str, worker: str, log: Path, lease_s: float 
     spec = WorkerSpec(run_id=run_id, epoch=0, rank=0, world=1, store_url=store_url, model="digits_mlp",
                       dataset="digits", steps=0, batch_size=16, lr=0.05,
                       warm=WarmSpec(worker=worker, lease_s=lease_s, check_s=0.2, notice_s=notice_s))
-    with open(log, "wb") as out:
-        return subprocess.Popen([sys.executable, "-m", "runtime.worker_main", "--spec-json",
-                                 json.dumps(spec.to_dict())], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+    return start_worker(spec, dict(os.environ), log)
 
 
 def _epoch_command(channel, data, run_id: str, worker: str, seq: int, epoch: int) -> WorkerSpec:
