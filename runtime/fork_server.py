@@ -20,9 +20,10 @@ by its pid's process group, never by this process's. This process runs in the ru
 environment, so its workers carry the run's tag in `/proc/<pid>/environ` (`coordinator.workers.sweep`);
 it names itself `FORK_SERVER_NAME` (`/proc/<pid>/comm`) so a count of the run's workers can
 leave it out, and its workers take back the interpreter's name. It exits when its stdin closes:
-the run's teardown closed it, or the coordinator ended or died (its workers go on until stopped
-or their lease ends). It does not leave with its last worker: a run imports once, however many
-workers its profile, epochs, relaunches and cold epochs start.
+the run's teardown (or its profile step, after a one-off worker) closed it, or the coordinator
+ended or died (its workers go on until stopped or their lease ends). It does not leave with its
+last worker: a run's epochs import once, however many workers their relaunches and cold epochs
+start.
 """
 from __future__ import annotations
 

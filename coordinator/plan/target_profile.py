@@ -96,7 +96,8 @@ def check_device(identity: dict, worker_gpu: int) -> None:
 class TargetProfiler:
     """Sends profile requests to workers on the target: the run's warm workers, or one one-off
     worker on the same pool and offer, started at the first request and stopped (its keys
-    deleted, its time billed like any worker's) when the profile step ends."""
+    deleted, its time billed like any worker's, an inline worker's fork server ended with it)
+    when the profile step ends."""
 
     def __init__(self, ctx: RunContext):
         self.ctx, self.one_off = ctx, None
@@ -126,6 +127,8 @@ class TargetProfiler:
     def close(self) -> None:
         if self.one_off is not None:
             self.one_off.stop_all("the profile is taken")
+            if self.ctx.state.forks is not None:  # the one-off's fork server: the step leaves nothing running
+                self.ctx.state.forks.close()
             store = self.ctx.open_channel()  # the warm channel's store (`RunContext.channel_ref`)
             try:
                 store.delete_prefix(warm_prefix(self.ctx.run_id) + "/")

@@ -4,11 +4,12 @@ milliseconds rather than the 1.5 s of CPU its imports cost on this kind of machi
 
 `WorkerForks` is one run's fork server, started at the first worker the run starts, in the
 run's environment (so its workers carry the run's tag for the sweep). It lives as long as the
-run: the teardown ends it (`close`), and so does the coordinator's end (its stdin closes). So a
-run imports torch once, not again for each worker set it starts after its last one left (its
-profile's worker, each cold epoch, a relaunch into an empty run): 3.6 s of CPU a fork server's
-imports on this machine (the median of the 104 that a run of the test suite started when each
-ended with its last worker). `start()` returns a `ForkedWorker`, which answers `pid`, `poll()`,
+run: the teardown ends it (`close`), and so does the coordinator's end (its stdin closes), and
+the profile step's end where it started a one-off worker (a cold run, the dry run: the step
+leaves nothing running). So a run imports torch once for its epochs, not again for each worker
+set it starts after its last one left (each cold epoch, a relaunch into an empty run): 3.6 s of
+CPU a fork server's imports on this machine (the median of the 104 that a run of the test suite
+started when each ended with its last worker). `start()` returns a `ForkedWorker`, which answers `pid`, `poll()`,
 `wait()` and `returncode` as `subprocess.Popen` does; when the fork server cannot start a
 worker, `start()` returns None and the launcher starts the interpreter itself.
 """
