@@ -46,7 +46,7 @@ from benchmarks.harness.home import scratch
 from benchmarks.harness.servers import moto_server, redis_server, start_server, stop_server
 from benchmarks.harness.tables import table
 from benchmarks.harness.train import run_train
-from benchmarks.output import SOURCE, command_for, money, provenance, write_result
+from benchmarks.output import HOST_SOURCE, command_for, money, provenance, write_result
 from comm.store import open_store
 from core.store_ops import StoreOps
 from deployments.server import free_port
@@ -55,7 +55,7 @@ from core.plan import Plan
 from planners.store_prices import S3_STANDARD, store_offer
 from planners.strategy import StrategyInputs, epoch_usd, fastest_cheapest, store_request_usd
 
-SOURCES = (*SOURCE, "benchmarks/harness/servers.py", "benchmarks/harness/tables.py", "benchmarks/harness/train.py",
+SOURCES = (*HOST_SOURCE, "benchmarks/harness/servers.py", "benchmarks/harness/tables.py", "benchmarks/harness/train.py",
            "deployments/server.py", "requirements.lock")
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bill.md"

@@ -60,13 +60,14 @@ from benchmarks.harness.home import REPO, scratch
 from benchmarks.harness.servers import moto_server, stop_server
 from benchmarks.harness.tables import fmt, median, merged_body, pct, run_line, table
 from benchmarks.harness.train import param_args
-from benchmarks.output import SOURCE, command_for, provenance, write_result
+from benchmarks.output import HOST_SOURCE, command_for, provenance, write_result
 
 RESULTS = Path(__file__).resolve().parent / "results" / "data.md"
-SOURCES = (*SOURCE, "benchmarks/harness/servers.py", "benchmarks/harness/tables.py", "benchmarks/harness/train.py",
+SOURCES = (*HOST_SOURCE, "benchmarks/harness/servers.py", "benchmarks/harness/tables.py", "benchmarks/harness/train.py",
            "benchmarks/data_models.py")
-"""The code it measures (the whole project: part d runs the train flow): its results file is stale once
-one of these changed since the commit the file names (`benchmarks.staleness`)."""
+"""The code it measures (the whole project but the worker image's recipe, its workers being processes here: part d
+runs the train flow): its results file is stale once one of these changed since the commit the file names
+(`benchmarks.staleness`)."""
 TITLE = "Datasets in a bucket: prepare, read, data wait and memory, beside MosaicML Streaming"
 WHEELS = REPO / "worker_images" / "wheels"
 STREAMING_VERSION = "0.13.0"

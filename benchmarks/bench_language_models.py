@@ -31,10 +31,10 @@ from benchmarks.harness.home import scratch
 from benchmarks.harness.tables import merged_body, table
 from benchmarks.lm_plain import RESULTS_GPU, add_plain_arguments, part_b
 from benchmarks.lm_sync import add_sync_arguments, part_a
-from benchmarks.output import SOURCE, command_for, money, provenance, write_result
+from benchmarks.output import HOST_SOURCE, command_for, money, provenance, write_result
 
 RESULTS = Path(__file__).resolve().parent / "results" / "language_models.md"
-SOURCES = (*SOURCE, "benchmarks/lm_plain.py", "benchmarks/lm_sync.py", "benchmarks/harness/stack.py",
+SOURCES = (*HOST_SOURCE, "benchmarks/lm_plain.py", "benchmarks/lm_sync.py", "benchmarks/harness/stack.py",
            "benchmarks/harness/replicas.py", "benchmarks/harness/servers.py", "benchmarks/harness/tables.py")
 """The code it measures (sync methods on the local stack, plain PyTorch, and the planner on the seeds'
 workloads): its results file is stale once one of these changed since the commit the file names

@@ -55,7 +55,7 @@ from benchmarks.harness.home import scratch
 from benchmarks.harness.replicas import Trace, train_replicas
 from benchmarks.harness.stack import POOL, PoolRun, local_stack, pool_trace
 from benchmarks.harness.tables import fmt, median, table
-from benchmarks.output import SOURCE, command_for, provenance, write_result
+from benchmarks.output import HOST_SOURCE, command_for, provenance, write_result
 from comm.store_dir import DirectoryStore
 from engine.datasets import load_dataset
 from engine.epoch_order import epoch_order, epoch_steps
@@ -64,7 +64,7 @@ from engine.models import build_model
 from engine.optimizers import build_optimizer
 
 RESULTS = Path(__file__).resolve().parent / "results" / "local_sgd.md"
-SOURCES = (*SOURCE, "benchmarks/harness/stack.py", "benchmarks/harness/replicas.py",
+SOURCES = (*HOST_SOURCE, "benchmarks/harness/stack.py", "benchmarks/harness/replicas.py",
            "benchmarks/harness/tables.py")
 """The code it measures (replicas in this process and runs on the local stack's pool): its results file is
 stale once one of these changed since the commit the file names (`benchmarks.staleness`)."""

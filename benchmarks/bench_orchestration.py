@@ -58,13 +58,14 @@ from benchmarks.harness.overhead import DETAIL, epoch_rows, summarise_rows
 from benchmarks.harness.stack import local_stack, pool_summary
 from benchmarks.harness.tables import fmt, pct, table
 from benchmarks.harness.train import DIGITS_BATCH, DIGITS_LR, digits_job, run_train
-from benchmarks.output import SOURCE, provenance, write_result
+from benchmarks.output import HOST_SOURCE, provenance, write_result
 
 RESULTS = Path(__file__).resolve().parent / "results" / "orchestration.md"
-SOURCES = (*SOURCE, "benchmarks/harness/stack.py", "benchmarks/harness/replicas.py",
+SOURCES = (*HOST_SOURCE, "benchmarks/harness/stack.py", "benchmarks/harness/replicas.py",
            "benchmarks/harness/train.py", "benchmarks/harness/overhead.py", "benchmarks/harness/tables.py")
-"""The code it measures (the whole project: the train flow on the local stack): its results file is stale
-once one of these changed since the commit the file names (`benchmarks.staleness`)."""
+"""The code it measures (the whole project but the worker image's recipe, its workers being processes here: the
+train flow on the local stack): its results file is stale once one of these changed since the commit the file
+names (`benchmarks.staleness`)."""
 TITLE = "Orchestration overhead per epoch: warm vs cold workers, inline and process pool"
 
 DEFAULT_WORKERS = [1, 2, 4, 8]

@@ -51,14 +51,15 @@ from benchmarks.harness.home import REPO, scratch
 from benchmarks.harness.stack import local_stack
 from benchmarks.harness.tables import median
 from benchmarks.harness.train import run_train
-from benchmarks.output import SOURCE, command_for, provenance, write_result
+from benchmarks.output import HOST_SOURCE, command_for, provenance, write_result
 from core.keys import ledger_key
 
 RESULTS = Path(__file__).resolve().parent / "results" / "peers.md"
-SOURCES = (*SOURCE, "benchmarks/harness/stack.py", "benchmarks/harness/replicas.py",
+SOURCES = (*HOST_SOURCE, "benchmarks/harness/stack.py", "benchmarks/harness/replicas.py",
            "benchmarks/harness/train.py", "benchmarks/harness/tables.py")
-"""The code it measures (the whole project: the train flow on the local stack): its results file is stale
-once one of these changed since the commit the file names (`benchmarks.staleness`)."""
+"""The code it measures (the whole project but the worker image's recipe, its workers being processes here: the
+train flow on the local stack): its results file is stale once one of these changed since the commit the file
+names (`benchmarks.staleness`)."""
 TITLE = "Ahead of Ray Train? The same job, side by side"
 WHEELS = REPO / "worker_images" / "wheels"
 RAY_VERSION = "2.60.0"

@@ -41,13 +41,14 @@ from benchmarks.harness.home import scratch
 from benchmarks.harness.stack import local_stack
 from benchmarks.harness.tables import median, table
 from benchmarks.harness.train import run_train
-from benchmarks.output import SOURCE, command_for, money, provenance, write_result
+from benchmarks.output import HOST_SOURCE, command_for, money, provenance, write_result
 
 RESULTS = Path(__file__).resolve().parent / "results" / "prestart.md"
-SOURCES = (*SOURCE, "benchmarks/harness/stack.py", "benchmarks/harness/replicas.py",
+SOURCES = (*HOST_SOURCE, "benchmarks/harness/stack.py", "benchmarks/harness/replicas.py",
            "benchmarks/harness/train.py", "benchmarks/harness/tables.py")
-"""The code it measures (the whole project: the train flow on the local stack): its results file is stale
-once one of these changed since the commit the file names (`benchmarks.staleness`)."""
+"""The code it measures (the whole project but the worker image's recipe, its workers being processes here: the
+train flow on the local stack): its results file is stale once one of these changed since the commit the file
+names (`benchmarks.staleness`)."""
 MODEL = "digits_mlp"
 FIRST_PRESTARTABLE = 2
 """The first epoch pre-start can launch early: it needs one measured epoch's start-up and length."""

@@ -52,12 +52,13 @@ from pathlib import Path
 from benchmarks.harness.home import scratch
 from benchmarks.harness.tables import median, table
 from benchmarks.harness.train import param_args
-from benchmarks.output import SOURCE, command_for, money, provenance, write_result
+from benchmarks.output import HOST_SOURCE, command_for, money, provenance, write_result
 
 RESULTS = Path(__file__).resolve().parent / "results" / "scaling.md"
-SOURCES = (*SOURCE, "benchmarks/harness/train.py", "benchmarks/harness/tables.py")
-"""The code it measures (the whole project: the train flow): its results file is stale once one of these
-changed since the commit the file names (`benchmarks.staleness`)."""
+SOURCES = (*HOST_SOURCE, "benchmarks/harness/train.py", "benchmarks/harness/tables.py")
+"""The code it measures (the whole project but the worker image's recipe, its workers being processes here: the
+train flow): its results file is stale once one of these changed since the commit the file names
+(`benchmarks.staleness`)."""
 MODEL = "digits_cnn"
 
 

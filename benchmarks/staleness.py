@@ -6,8 +6,9 @@ measurement runs, as git pathspecs relative to the repository root (a folder, a 
 every file it imports, transitively, but its results file's header (`benchmarks/output.py`) and
 its temporary folder (`benchmarks/harness/home.py`) (`tests/test_benchmark_sources.py` checks the
 cover), what it runs without importing it (a model by import path; `*SOURCE` unpacks
-`benchmarks.output.SOURCE`, the whole project, for a benchmark that runs the train flow), and
-`requirements.lock` for the libraries.
+`benchmarks.output.SOURCE`, the whole project, for a benchmark that runs the train flow, and
+`*HOST_SOURCE` the whole project but the worker image's recipe, for one whose workers never run in
+a container), and `requirements.lock` for the libraries.
 
 A results file is stale when:
 
@@ -28,7 +29,10 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.output import SOURCE
+from benchmarks.output import HOST_SOURCE, SOURCE
+
+_UNPACKED = {"SOURCE": SOURCE, "HOST_SOURCE": HOST_SOURCE}
+"""What a declaration may unpack (`*NAME`), from `benchmarks.output`."""
 
 REPO = Path(__file__).resolve().parent.parent
 _CODE = re.compile(r"^Code: `?([0-9a-f]{7,40})\b", re.M)
@@ -61,7 +65,8 @@ def _sources_node(tree: ast.Module) -> ast.stmt | None:
 
 
 def declared_sources(script_text: str) -> tuple[str, ...]:
-    """A script's `SOURCES`: a tuple or list of strings, `*SOURCE` allowed; () when it declares none."""
+    """A script's `SOURCES`: a tuple or list of strings, `*SOURCE` and `*HOST_SOURCE` allowed; () when it
+    declares none."""
     node = _sources_node(ast.parse(script_text))
     if node is None or node.value is None:
         return ()
@@ -71,16 +76,17 @@ def declared_sources(script_text: str) -> tuple[str, ...]:
     for item in node.value.elts:
         if isinstance(item, ast.Constant) and isinstance(item.value, str):
             out.append(item.value)
-        elif isinstance(item, ast.Starred) and getattr(item.value, "id", None) == "SOURCE":
-            out.extend(SOURCE)
+        elif isinstance(item, ast.Starred) and getattr(item.value, "id", None) in _UNPACKED:
+            out.extend(_UNPACKED[item.value.id])
         else:
-            raise ValueError(f"line {item.lineno}: SOURCES holds strings and *SOURCE only")
+            raise ValueError(f"line {item.lineno}: SOURCES holds strings, *SOURCE and *HOST_SOURCE only")
     return tuple(out)
 
 
 def _measured(script_text: str) -> str:
     """The script as it runs, less its `SOURCES` declaration, that constant's docstring and the
-    import of `SOURCE` it may use: an AST dump, so comments and layout do not count either."""
+    import of `SOURCE` or `HOST_SOURCE` it may use: an AST dump, so comments and layout do not count
+    either."""
     tree = ast.parse(script_text)
     declared = _sources_node(tree)
     body: list[ast.stmt] = []
@@ -90,7 +96,7 @@ def _measured(script_text: str) -> str:
                 and isinstance(node.value.value, str):
             continue
         if isinstance(node, ast.ImportFrom) and node.module == "benchmarks.output":
-            node.names = [a for a in node.names if a.name != "SOURCE"]
+            node.names = [a for a in node.names if a.name not in _UNPACKED]
         body.append(node)
     tree.body = [node for node in body if node is not declared]
     return ast.dump(tree)

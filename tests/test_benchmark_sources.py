@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from benchmarks import run_all
-from benchmarks.output import SOURCE
+from benchmarks.output import HOST_SOURCE, IMAGE_RECIPE, SOURCE
 from benchmarks.staleness import code_commit, declared_sources, staleness
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -95,8 +95,36 @@ def test_a_declaration_may_unpack_the_whole_project():
     text = 'from benchmarks.output import SOURCE\nSOURCES = (*SOURCE, "benchmarks/harness/train.py")\n'
     assert declared_sources(text) == (*SOURCE, "benchmarks/harness/train.py")
     assert declared_sources("RESULTS = 'x.md'\n") == ()
-    with pytest.raises(ValueError, match="strings and \\*SOURCE only"):
+    with pytest.raises(ValueError, match="strings, \\*SOURCE and \\*HOST_SOURCE only"):
         declared_sources("SOURCES = (ROOT / 'engine',)\n")
+
+
+def test_the_host_s_project_is_the_whole_project_but_the_image_recipe():
+    assert declared_sources("SOURCES = (*HOST_SOURCE, 'x.py')\n") == (*HOST_SOURCE, "x.py")
+    assert set(SOURCE) - set(HOST_SOURCE) == set(IMAGE_RECIPE) == {"worker_images"}
+    assert "deployments" in HOST_SOURCE  # deployments.images, the build, is imported by the stack: still declared
+
+
+def _runs_containers(script: str) -> bool:
+    """Whether a script trains on the docker target: the stack's container half (`docker=True`, a
+    `--docker` flag) or the target named "docker"."""
+    tree = ast.parse((BENCH / script).read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.keyword) and node.arg == "docker" and not (
+                isinstance(node.value, ast.Constant) and node.value.value is False):
+            return True
+        if isinstance(node, ast.Constant) and node.value in ("docker", "--docker"):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in BENCH.glob("bench_*.py")))
+def test_a_benchmark_that_runs_containers_declares_the_image_recipe(script):
+    """A script whose workers may be containers of the worker image measures its recipe too: only a
+    script that never runs the docker target may declare `*HOST_SOURCE` and leave the recipe out."""
+    sources = declared_sources((BENCH / script).read_text())
+    if _runs_containers(script):
+        assert all(_covered(f"{recipe}/Dockerfile.cpu", sources) for recipe in IMAGE_RECIPE), script
 
 
 @pytest.mark.parametrize("line, commit", [
@@ -156,6 +184,25 @@ def test_a_results_file_goes_stale_when_a_declared_source_changes(tmp_path):
     found = repo.staleness()
     assert found.stale and found.changed == ("engine/a.py",)
     assert found.reason == f"1 source file(s) changed since {repo.measured[:12]}"
+
+
+def test_a_dockerfile_change_leaves_a_host_only_benchmark_current(tmp_path):
+    repo = Repo(tmp_path)
+    repo.write("worker_images/Dockerfile.cpu", "FROM x\n")
+    repo.write("runtime/w.py", "W = 1\n")
+    repo.write("benchmarks/bench_x.py", Repo.SCRIPT.replace('SOURCES = ("engine",)',
+                                                           'from benchmarks.output import HOST_SOURCE\n'
+                                                           'SOURCES = (*HOST_SOURCE,)'))
+    repo.measured = repo.commit("host-only declaration")
+    repo.result.write_text(f"# X\n\nCommand: `c`\nCode: `{repo.measured[:12]}`; no change.\n")
+
+    repo.write("worker_images/Dockerfile.cpu", "FROM y\n")
+    repo.commit("the image's recipe")
+    assert not repo.staleness().stale
+
+    repo.write("runtime/w.py", "W = 2\n")
+    repo.commit("a worker's code")
+    assert repo.staleness().changed == ("runtime/w.py",)
 
 
 def test_a_change_to_the_script_itself_makes_it_stale(tmp_path):
