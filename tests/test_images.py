@@ -3,6 +3,8 @@ its Dockerfiles run as a non-root user, its build context holds no secret, its w
 wheels only. The last test builds the image with podman (skipped without it)."""
 from __future__ import annotations
 
+import json
+
 import re
 import subprocess
 import shutil
@@ -192,6 +194,15 @@ def test_the_image_runs_as_10001_and_imports_the_worker():
         .startswith("2.")
     assert "Version:" in run("prefect", "version")
     assert run("sh", "-c", "cd / && python3 -c 'import flows.worker' && echo $HOME && pwd") == "/home/zooid\n/"
+    # the requirements but the suite's own tools (moto, pytest), and torch but its C++ test programs
+    wanted = [line.split("==")[0].split("[")[0] for line in (ROOT / "requirements.txt").read_text().splitlines()
+              if line and not line.startswith("#")]
+    found = json.loads(run("python3", "-c", "import importlib.metadata as m, json, sys; "
+                           "print(json.dumps({n: any(True for _ in m.distributions(name=n)) for n in sys.argv[1:]}))", *wanted))
+    assert {n for n, there in found.items() if not there} == {"moto", "pytest", "pytest-timeout"}, found
+    site = run("python3", "-c", "import sysconfig; print(sysconfig.get_path('purelib'))")
+    assert run("ls", f"{site}/torch/bin") == "torch_shm_manager"
+    assert run("sh", "-c", f"test -e {site}/torch/test || echo gone") == "gone"
 
 
 def _fake_pip(root: Path, calls: list):
