@@ -4,7 +4,6 @@ wheels only. The last test builds the image with podman (skipped without it)."""
 from __future__ import annotations
 
 import json
-
 import re
 import subprocess
 import shutil
@@ -197,8 +196,8 @@ def test_the_image_runs_as_10001_and_imports_the_worker():
     # the requirements but the suite's own tools (moto, pytest), and torch but its C++ test programs
     wanted = [line.split("==")[0].split("[")[0] for line in (ROOT / "requirements.txt").read_text().splitlines()
               if line and not line.startswith("#")]
-    found = json.loads(run("python3", "-c", "import importlib.metadata as m, json, sys; "
-                           "print(json.dumps({n: any(True for _ in m.distributions(name=n)) for n in sys.argv[1:]}))", *wanted))
+    found = json.loads(run("python3", "-c", "import importlib.metadata as m, json, sys; print(json.dumps("
+                           "{n: any(True for _ in m.distributions(name=n)) for n in sys.argv[1:]}))", *wanted))
     assert {n for n, there in found.items() if not there} == {"moto", "pytest", "pytest-timeout"}, found
     site = run("python3", "-c", "import sysconfig; print(sysconfig.get_path('purelib'))")
     assert run("ls", f"{site}/torch/bin") == "torch_shm_manager"
