@@ -45,9 +45,11 @@ def pytest_collection_modifyitems(config, items):
         else:
             weight[path] = weight.get(path, 0.0) + UNMEASURED_SLOW_S * ("slow" in item.keywords)
     files = sorted(dict.fromkeys(_file_of(item.nodeid) for item in items), key=lambda f: -weight[f])
+    from tests.docker_stack import uses_the_shared_stack  # it imports this module
+
     # the session's docker stack stops once its last user file is done: a file that uses it without
     # containers of its own goes among the container files, not last, where the stack idled meanwhile
-    containers = {_file_of(item.nodeid) for item in items if {"docker", "shared_stack"} & set(item.keywords)}
+    containers = {_file_of(item.nodeid) for item in items if "docker" in item.keywords or uses_the_shared_stack(item)}
     order = {f: i for i, f in enumerate(_spread(files, containers, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 1))))}
     items.sort(key=lambda item: order[_file_of(item.nodeid)])  # stable: a file's own order is kept
     gpu_items = [item for item in items if "gpu" in item.keywords]

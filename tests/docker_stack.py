@@ -81,8 +81,15 @@ def stack_for_the_module(request):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        users = {_file_of(item.nodeid) for item in request.session.items if "stack" in item.fixturenames}
+        users = {_file_of(item.nodeid) for item in request.session.items if uses_the_shared_stack(item)}
         release_shared_service(request.config, "stack", _file_of(request.node.nodeid), users)
+
+
+def uses_the_shared_stack(item) -> bool:
+    """Whether a collected test uses the session's stack: its `stack` fixture is `stack_for_the_module`
+    (a module's own fixture of that name, such as `test_refused_runs.py`'s local stack, is not; counted
+    among the users, that file never released the stack, which then idled to the session's end)."""
+    return any(d.func is stack_for_the_module for d in item._fixtureinfo.name2fixturedefs.get("stack", ()))
 
 
 def _client():

@@ -10,7 +10,6 @@ import pytest
 
 from tests.docker_stack import stack_for_the_module
 
-pytestmark = pytest.mark.shared_stack  # ordered among the docker files, so that the stack stops with them
 stack = pytest.fixture(scope="module", name="stack")(stack_for_the_module)
 
 

@@ -76,3 +76,31 @@ def test_a_shared_service_stops_once_its_last_user_is_done(tmp_path):
     stopped.unlink()
     stop_shared_services(config)  # nothing left to stop at the session's end
     assert not stopped.exists()
+
+
+COLLECT_USERS = """
+import json, sys
+import pytest
+from tests.docker_stack import uses_the_shared_stack
+
+class Users:
+    def pytest_collection_finish(self, session):
+        print("USERS " + json.dumps(sorted({i.nodeid.split("::")[0] for i in session.items if uses_the_shared_stack(i)})))
+
+sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", *sys.argv[1:]], plugins=[Users()]))
+"""
+
+
+def test_the_docker_stack_s_users_are_the_files_whose_stack_fixture_is_the_session_s():
+    """`test_refused_runs.py` has a `stack` fixture of its own (a local stack): counted among the
+    session stack's users, it never released the stack, which then idled to the session's end."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    files = ["tests/test_refused_runs.py", "tests/test_local_stack_cancel.py", "tests/test_docker_listing.py",
+             "tests/test_docker_target.py"]
+    out = subprocess.run([sys.executable, "-c", COLLECT_USERS, *files], cwd=root, capture_output=True, text=True,
+                         timeout=300).stdout
+    users = json.loads(next(line for line in out.splitlines() if line.startswith("USERS "))[6:])
+    assert users == ["tests/test_docker_target.py", "tests/test_local_stack_cancel.py"], out[-2000:]
