@@ -319,20 +319,41 @@ def _profile_cell(p: dict | None) -> str:
     return f"measured: {', '.join(parts)}"
 
 
-def render(records: list[dict], failures: list[dict], epochs: int, repeats: int) -> str:
+def jobs_line(cfgs: list[Config], epochs: int, repeats: int) -> str:
+    """The results file's first paragraph, from the configurations that ran: each model's data and
+    batch, the targets, the sets, how a configuration runs, the baselines and the goals' rule."""
+    data: dict[tuple, list[str]] = {}
+    for c in cfgs:
+        data.setdefault((c.params["dataset"], c.params["batch_size"]), []).append(f"`{c.model}`")
+    jobs = "; ".join(f"{', '.join(dict.fromkeys(models))} on {dataset}, batch {batch} per replica"
+                     for (dataset, batch), models in data.items())
+    local, docker = (any(c.target == t for c in cfgs) for t in ("local", "docker"))
+    fit, held = ([c for c in cfgs if c.group == g] for g in (IN_SAMPLE, HELD_OUT))
+    held_kinds = [what for what, ran in (
+        ("models known only by import path", any(":" in c.model for c in held)),
+        ("other worker counts", any(c.params.get("scaling") == "adabatch" for c in held)),
+        ("the docker target's second job", any(c.target == "docker" for c in held)),
+        ("models trained on CUDA", any(c.params["dataset"] == GPU_DATASET for c in held))) if ran]
+    fresh = "`fresh` (process pool only: a store of its own, nothing cached, the run terms assumed), "
+    text = [f"Every job: {jobs}; SGD momentum 0.9, lr 0.05, seed 0, warm workers, {epochs} epochs, on "
+            + " and ".join(t for t, ran in (("the process pool", local), ("docker", docker)) if ran) + ".",
+            f"Each configuration runs as {fresh if local else ''}`first` (the target's shared store, the job's first "
+            f"run there: run terms learnt from the runs of other jobs before it) and {repeats} x `repeat`.",
+            "In sample: the fit set, which the run terms are learnt from and the assumed terms were tuned on."
+            if fit else "No job of the fit set ran: every run term was learnt from the runs here or assumed.",
+            f"Out of sample: {', '.join(held_kinds)}{', run after the fit set' if fit else ''}." if held else "",
+            ("Baselines: for an epoch, the last epoch's measured seconds; for a run's bill and wall, the median of "
+             "the runs of other jobs that ended on that target before it began. A goal is met only where the "
+             "prediction's median |error| is within the goal and below the baseline's. Method: the module "
+             "docstring of `benchmarks/bench_prediction.py`.")]
+    return " ".join(t for t in text if t)
+
+
+def render(records: list[dict], failures: list[dict], cfgs: list[Config], epochs: int, repeats: int) -> str:
     """The results file's body (its header: `benchmarks.output.write_result`)."""
     found = judgments(records)
     noise = noise_floor(records)
-    lines = [f"Every job: digits, batch 16 per replica, SGD momentum 0.9, lr 0.05, seed 0, warm workers, {epochs} epochs; "
-             f"each configuration runs as `fresh` (process pool only: a store of its own, nothing cached, the run "
-             f"terms assumed), `first` (the target's shared store, the job's first run there: run terms learnt from "
-             f"the runs of other jobs before it) and {repeats} x `repeat`. In sample: the fit set, which the run terms "
-             "are learnt from and the assumed terms were tuned on. Out of sample: models known only by import path, "
-             "other worker counts, the docker target's second job, run after the fit set. Baselines: for an epoch, "
-             "the last epoch's measured seconds; for a run's bill and wall, the median of the runs of other jobs that "
-             "ended on that target before it began. A goal is met only where the prediction's median |error| is "
-             "within the goal and below the baseline's. Method: the module docstring of "
-             "`benchmarks/bench_prediction.py`.", "", "## Summary", "",
+    lines = [jobs_line(cfgs, epochs, repeats), "", "## Summary", "",
              *table(["set", "target", "figure", "runs", "prediction, median abs error",
                      "baseline, median abs error", "goal", "verdict"])]
     for group, target, j in found:
@@ -462,11 +483,18 @@ def main(argv: list[str] | None = None) -> int:
             ("--models", " ".join(args.models) if args.models is not None else None, None),
             ("--no-docker", not args.docker, False), ("--gpu", args.gpu, False),
             ("--out", _shown(args.out), _shown(RESULTS)), ("--keep", args.keep, False)))
-        write_result(args.out, TITLE, command, prov, render(records, failures, args.epochs, args.repeats),
-                     detail="the Prefect server, the pool's and the Docker worker, the coordinator and the training "
-                            "workers (processes or containers) share these cores", echo=True)
+        write_result(args.out, TITLE, command, prov, render(records, failures, cfgs, args.epochs, args.repeats),
+                     detail=machine_detail(docker), echo=True)
         (home / "records.json").write_text(json.dumps(records, indent=1))
     return 0 if not failures else 1
+
+
+def machine_detail(docker: bool) -> str:
+    """What shares the machine's cores during the benchmark."""
+    if docker:
+        return ("the Prefect server, the pool's and the Docker worker, the coordinator and the training workers "
+                "(processes or containers) share these cores")
+    return "the Prefect server, the pool's worker, the coordinator and the training workers (processes) share these cores"
 
 
 def _shown(path: Path) -> Path:

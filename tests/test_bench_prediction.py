@@ -12,6 +12,7 @@ from benchmarks.bench_prediction import (
     Judgment,
     add_baselines,
     configurations,
+    jobs_line,
     judge,
     kinds,
     noise_floor,
@@ -84,6 +85,18 @@ def test_the_held_out_set_follows_the_fit_set_and_shares_no_model_with_it_but_a_
     assert {c.target for c in cfgs if c.group == HELD_OUT} == {"local", "docker"}
     assert kinds(cfgs[0], 2) == ["fresh", "first", "repeat", "repeat"]
     assert kinds([c for c in cfgs if c.target == "docker"][0], 1) == ["first", "repeat"]
+
+
+def test_the_results_file_describes_the_jobs_that_ran():
+    gpu = jobs_line(configurations(5, docker=False, models=[], gpu=True), 5, 2)
+    assert "`resnet18`, `vgg11` on synthetic:3x32x32:10:4096, batch 64 per replica" in gpu
+    assert "digits" not in gpu and "docker" not in gpu and "In sample" not in gpu
+    assert "on the process pool." in gpu and "2 x `repeat`" in gpu
+    cpu = jobs_line(configurations(4, docker=True), 4, 1)
+    assert "on digits, batch 16 per replica;" in cpu and "4 epochs, on the process pool and docker." in cpu
+    assert "synthetic" not in cpu and "In sample: the fit set" in cpu
+    assert "the docker target's second job, run after the fit set." in cpu
+    assert "`fresh`" not in jobs_line([c for c in configurations(5, docker=True) if c.target == "docker"], 5, 1)
 
 
 def test_the_noise_floor_pairs_runs_of_one_job_on_the_shared_store():
