@@ -91,6 +91,12 @@ absolute wall times are noisy; comparisons were measured side by side in one run
 those commands and rebuilds this file (`python -m benchmarks.run_all`); each section is the
 result file `benchmarks/results/<name>.md` its script wrote. `python -m benchmarks.run_all --stale`
 lists the sections whose measured sources changed since the commit their `Code:` line names.
+
+A GPU section runs only where CUDA is available (`make bench` elsewhere keeps its file). On a CUDA
+machine whose Python already has a CUDA build of torch, the benchmark needs beside it only numpy,
+scikit-learn, matplotlib, safetensors, tokenizers, prefect and fastapi, at the versions
+`requirements.lock` names (`pip install -c requirements.lock prefect fastapi ...`); run its command
+with that Python from a checkout whose git history holds the commit it measures.
 """
 
 
