@@ -30,7 +30,8 @@ from benchmarks.harness.tables import fmt, median, table
 from benchmarks.output import command_for, provenance, write_result
 
 RESULTS = REPO / "benchmarks" / "results" / "image.md"
-SOURCES = ("deployments/images.py", "deployments/engine.py", "deployments/server.py", "worker_images", ".dockerignore",
+SOURCES = ("deployments/images.py", "deployments/engine.py", "deployments/server.py", "worker_images/Dockerfile.cpu",
+           ".dockerignore",
            "requirements*", "core/errors.py", "clouds/docker.py", "benchmarks/harness/tables.py")
 """What a cold build runs (`deployments.images` and what it imports, the Dockerfile, the requirements):
 its results file is stale once one of these changed since the commit the file names."""

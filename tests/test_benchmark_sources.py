@@ -101,7 +101,7 @@ def test_a_declaration_may_unpack_the_whole_project():
 
 def test_the_host_s_project_is_the_whole_project_but_the_image_recipe():
     assert declared_sources("SOURCES = (*HOST_SOURCE, 'x.py')\n") == (*HOST_SOURCE, "x.py")
-    assert set(SOURCE) - set(HOST_SOURCE) == set(IMAGE_RECIPE) == {"worker_images"}
+    assert set(SOURCE) - set(HOST_SOURCE) == set(IMAGE_RECIPE) == {"worker_images/Dockerfile.cpu"}
     assert "deployments" in HOST_SOURCE  # deployments.images, the build, is imported by the stack: still declared
 
 
@@ -124,7 +124,7 @@ def test_a_benchmark_that_runs_containers_declares_the_image_recipe(script):
     script that never runs the docker target may declare `*HOST_SOURCE` and leave the recipe out."""
     sources = declared_sources((BENCH / script).read_text())
     if _runs_containers(script):
-        assert all(_covered(f"{recipe}/Dockerfile.cpu", sources) for recipe in IMAGE_RECIPE), script
+        assert all(_covered(recipe, sources) for recipe in IMAGE_RECIPE), script
 
 
 @pytest.mark.parametrize("line, commit", [
@@ -203,6 +203,27 @@ def test_a_dockerfile_change_leaves_a_host_only_benchmark_current(tmp_path):
     repo.write("runtime/w.py", "W = 2\n")
     repo.commit("a worker's code")
     assert repo.staleness().changed == ("runtime/w.py",)
+
+
+def test_the_cuda_recipe_stales_no_benchmark_and_the_cpu_recipe_stales_those_of_the_whole_project(tmp_path):
+    """No benchmark here builds the CUDA image; every one that declares the whole project measures the
+    CPU image `deployments.images` builds."""
+    repo = Repo(tmp_path)
+    repo.write("worker_images/Dockerfile.cpu", "FROM x\n")
+    repo.write("worker_images/Dockerfile.cuda", "FROM x\n")
+    repo.write("benchmarks/bench_x.py", Repo.SCRIPT.replace('SOURCES = ("engine",)',
+                                                           'from benchmarks.output import SOURCE\n'
+                                                           'SOURCES = (*SOURCE,)'))
+    repo.measured = repo.commit("whole-project declaration")
+    repo.result.write_text(f"# X\n\nCommand: `c`\nCode: `{repo.measured[:12]}`; no change.\n")
+
+    repo.write("worker_images/Dockerfile.cuda", "FROM y\n")
+    repo.commit("the CUDA recipe")
+    assert not repo.staleness().stale
+
+    repo.write("worker_images/Dockerfile.cpu", "FROM y\n")
+    repo.commit("the CPU recipe")
+    assert repo.staleness().changed == ("worker_images/Dockerfile.cpu",)
 
 
 def test_a_change_to_the_script_itself_makes_it_stale(tmp_path):

@@ -120,6 +120,20 @@ def test_the_dockerfiles_run_as_a_user_who_is_not_root(name: str):
     assert not re.search(r"(RUN|&&)\s+python\s", text) and '"python"' not in text
 
 
+@pytest.mark.parametrize("name", ["Dockerfile.cpu", "Dockerfile.cuda"])
+def test_the_dockerfiles_leave_out_the_suites_tools_and_torchs_test_programs(name: str):
+    """Both recipes install requirements.txt less moto and pytest*, and drop torch/test and torch/bin
+    but its shm manager (the CPU image is held to it built: test_the_image_runs_as_10001_and_imports_the_worker;
+    the CUDA one is not built by the suite)."""
+    lines = images._logical_lines((ROOT / "worker_images" / name).read_text())
+    install = next(line for line in lines if "requirements.lock" in line and " install " in line)
+    assert "grep -v -E '^(moto|pytest)[^a-z]'" in install
+    assert "-r /tmp/image-requirements.txt" in install or "-r image-requirements.txt" in install
+    assert "-r requirements.txt" not in install and "/requirements.txt -c" not in install
+    assert 'rm -rf' in install and '/torch/test"' in install
+    assert '"$SITE/torch/bin" -mindepth 1 -maxdepth 1 ! -name torch_shm_manager -exec rm -rf {} +' in install
+
+
 def test_the_build_context_holds_no_secret():
     rules = images.ignore_rules((ROOT / images.IGNORE_FILE).read_text())
     for path in (".venv/bin/python", ".zooid/env", ".zooid/engine/image.json", ".git/config", ".env",
