@@ -186,44 +186,29 @@ def test_a_results_file_goes_stale_when_a_declared_source_changes(tmp_path):
     assert found.reason == f"1 source file(s) changed since {repo.measured[:12]}"
 
 
-def test_a_dockerfile_change_leaves_a_host_only_benchmark_current(tmp_path):
+@pytest.mark.parametrize("declared, not_measured, measured", [
+    # a benchmark whose workers are processes here: not the image's recipe, but a worker's code
+    ("HOST_SOURCE", "worker_images/Dockerfile.cpu", "runtime/w.py"),
+    # the whole project: the CPU recipe that deployments.images builds, not the CUDA one, which none builds
+    ("SOURCE", "worker_images/Dockerfile.cuda", "worker_images/Dockerfile.cpu"),
+])
+def test_the_image_recipes_stale_only_the_benchmarks_that_build_them(tmp_path, declared, not_measured, measured):
     repo = Repo(tmp_path)
-    repo.write("worker_images/Dockerfile.cpu", "FROM x\n")
-    repo.write("runtime/w.py", "W = 1\n")
+    repo.write(not_measured, "A = 1\n")
+    repo.write(measured, "A = 1\n")
     repo.write("benchmarks/bench_x.py", Repo.SCRIPT.replace('SOURCES = ("engine",)',
-                                                           'from benchmarks.output import HOST_SOURCE\n'
-                                                           'SOURCES = (*HOST_SOURCE,)'))
-    repo.measured = repo.commit("host-only declaration")
+                                                           f'from benchmarks.output import {declared}\n'
+                                                           f'SOURCES = (*{declared},)'))
+    repo.measured = repo.commit(f"{declared} declared")
     repo.result.write_text(f"# X\n\nCommand: `c`\nCode: `{repo.measured[:12]}`; no change.\n")
 
-    repo.write("worker_images/Dockerfile.cpu", "FROM y\n")
-    repo.commit("the image's recipe")
+    repo.write(not_measured, "A = 2\n")
+    repo.commit("what it does not measure")
     assert not repo.staleness().stale
 
-    repo.write("runtime/w.py", "W = 2\n")
-    repo.commit("a worker's code")
-    assert repo.staleness().changed == ("runtime/w.py",)
-
-
-def test_the_cuda_recipe_stales_no_benchmark_and_the_cpu_recipe_stales_those_of_the_whole_project(tmp_path):
-    """No benchmark here builds the CUDA image; every one that declares the whole project measures the
-    CPU image `deployments.images` builds."""
-    repo = Repo(tmp_path)
-    repo.write("worker_images/Dockerfile.cpu", "FROM x\n")
-    repo.write("worker_images/Dockerfile.cuda", "FROM x\n")
-    repo.write("benchmarks/bench_x.py", Repo.SCRIPT.replace('SOURCES = ("engine",)',
-                                                           'from benchmarks.output import SOURCE\n'
-                                                           'SOURCES = (*SOURCE,)'))
-    repo.measured = repo.commit("whole-project declaration")
-    repo.result.write_text(f"# X\n\nCommand: `c`\nCode: `{repo.measured[:12]}`; no change.\n")
-
-    repo.write("worker_images/Dockerfile.cuda", "FROM y\n")
-    repo.commit("the CUDA recipe")
-    assert not repo.staleness().stale
-
-    repo.write("worker_images/Dockerfile.cpu", "FROM y\n")
-    repo.commit("the CPU recipe")
-    assert repo.staleness().changed == ("worker_images/Dockerfile.cpu",)
+    repo.write(measured, "A = 2\n")
+    repo.commit("what it measures")
+    assert repo.staleness().changed == (measured,)
 
 
 def test_a_change_to_the_script_itself_makes_it_stale(tmp_path):
