@@ -31,8 +31,7 @@ from benchmarks.output import command_for, provenance, write_result
 
 RESULTS = REPO / "benchmarks" / "results" / "image.md"
 SOURCES = ("deployments/images.py", "deployments/engine.py", "deployments/server.py", "worker_images/Dockerfile.cpu",
-           ".dockerignore",
-           "requirements*", "core/errors.py", "clouds/docker.py", "benchmarks/harness/tables.py")
+           ".dockerignore", "requirements*", "core/errors.py", "clouds/docker.py", "benchmarks/harness/tables.py")
 """What a cold build runs (`deployments.images` and what it imports, the Dockerfile, the requirements):
 its results file is stale once one of these changed since the commit the file names."""
 TITLE = "The worker image: a cold build (base, wheels, image) from nothing"

@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-SOURCE = ("core", "comm", "engine", "runtime", "profiling", "planners", "coordinator", "tasks", "flows", "blocks", "clouds",
-          "deployments", "worker_images/Dockerfile.cpu", "prefect.yaml", "requirements*")
 IMAGE_RECIPE = ("worker_images/Dockerfile.cpu",)
 """The worker image's recipe, the one `deployments.images` builds: what a worker in a container runs
 here, and nothing else does. `worker_images/Dockerfile.cuda` is built by no benchmark here, so a
 change to it stales no results file."""
+SOURCE = ("core", "comm", "engine", "runtime", "profiling", "planners", "coordinator", "tasks", "flows", "blocks", "clouds",
+          "deployments", *IMAGE_RECIPE, "prefect.yaml", "requirements*")
 HOST_SOURCE = tuple(path for path in SOURCE if path not in IMAGE_RECIPE)
 """The whole project but the image's recipe: what a benchmark measures that runs the train flow with
 every worker a process on this host (never the docker target), so that its results file does not go

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import fcntl
 import json
+import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -94,9 +96,6 @@ sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", *sys.arg
 def test_the_docker_stack_s_users_are_the_files_whose_stack_fixture_is_the_session_s():
     """`test_refused_runs.py` has a `stack` fixture of its own (a local stack): counted among the
     session stack's users, it never released the stack, which then idled to the session's end."""
-    import subprocess
-    from pathlib import Path
-
     root = Path(__file__).resolve().parent.parent
     files = ["tests/test_refused_runs.py", "tests/test_local_stack_cancel.py", "tests/test_docker_listing.py",
              "tests/test_docker_target.py"]
